@@ -1,0 +1,1 @@
+"""Checkpoint -> engine directory builders (installed as ``triton_disagg.builders``)."""

@@ -1,0 +1,53 @@
+"""The `triton-disagg` console script.
+
+Each subcommand lives in its own module, which exposes ``register(subparsers)``:
+it adds its parser and sets ``func`` (called with the parsed namespace, returns an
+exit code). Modules keep heavy imports (numpy, torch, tritonclient) inside their
+functions so that `triton-disagg --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from triton_disagg.errors import UserError
+
+SUBCOMMAND_MODULES = (
+    "triton_disagg.builders.build_cli",      # build, demo-checkpoint
+    "triton_disagg.engine.run_cli",          # run
+    "triton_disagg.bench.cli",               # bench
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="triton-disagg",
+        description="Disaggregated LLM serving on NVIDIA Triton Inference Server.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # subcommand not part of this build yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"triton-disagg {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The numpy reference engine: model forward, paged KV cache, sampling, continuous batching."""

@@ -1,0 +1,158 @@
+"""The engine directory contract shared by `builders/` (writer) and the engine (reader).
+
+An engine directory holds:
+
+- ``engine.json``: one :class:`EngineSpec`, serialised with :meth:`EngineSpec.to_json`.
+- ``weights.safetensors``: every tensor named in :func:`weight_names`, already laid
+  out for inference: every linear weight is stored ``[in_features, out_features]``
+  so the forward pass computes ``x @ W`` with no transpose at run time; Q, K and V
+  are fused into one ``qkv`` matrix whose columns are ``[q heads | k heads | v heads]``;
+  Llama-style gate and up projections are fused into one ``gate_up`` matrix whose
+  columns are ``[gate | up]``. Tensors are in ``spec.dtype`` (float32 or float16
+  storage; the engine computes in float32).
+- ``tokenizer.json`` (and ``tokenizer_config.json`` when the checkpoint has one),
+  copied from the checkpoint.
+
+Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim * num_heads`` is the width
+of the attention output; the fingerprint changes whenever the source checkpoint's
+bytes or any build option changes, and nothing else changes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from triton_disagg.errors import UserError
+
+ENGINE_JSON = "engine.json"
+WEIGHTS_FILE = "weights.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+BUILDER_VERSION = "1"
+
+# Families the numpy engine knows. "llama" covers LlamaForCausalLM, Qwen2ForCausalLM
+# (qkv_bias=True) and MistralForCausalLM; "gpt2" covers GPT2LMHeadModel.
+FAMILIES = ("llama", "gpt2")
+STORAGE_DTYPES = ("float32", "float16")
+
+
+class EngineFormatError(UserError):
+    """An engine directory that is missing, corrupt or from another builder version."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture hyper-parameters, independent of the source checkpoint format."""
+
+    family: str                      # "llama" | "gpt2"
+    architecture: str                # the checkpoint's own name, e.g. "Qwen2ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    activation: str                  # "silu" (gated, llama) | "gelu_new" (gpt2)
+    qkv_bias: bool                   # Qwen2 and GPT-2: True
+    tie_word_embeddings: bool
+    rope_theta: float = 10000.0      # llama family only
+    rope_scaling: dict[str, Any] | None = None  # HF "rope_scaling" dict (llama3 type supported)
+    sliding_window: int | None = None  # Mistral; informational, the engine refuses longer contexts
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one KV block is laid out in memory.
+
+    A block pool is one array ``[num_blocks, num_layers, 2, tokens_per_block,
+    num_kv_heads, head_dim]`` (index 0 of axis 2 is K, 1 is V), so each block is one
+    contiguous byte range: the unit a KV transfer moves.
+    """
+
+    tokens_per_block: int = 16
+    dtype: str = "float32"           # "float32" | "float16"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    shape: ModelShape
+    kv: KVLayout
+    dtype: str                       # storage dtype of the weights
+    max_batch_size: int
+    max_seq_len: int                 # prompt + generated tokens, per sequence
+    bos_token_id: int | None
+    eos_token_id: int | None         # default end id
+    pad_token_id: int | None
+    fingerprint: str                 # sha256 hex of the source checkpoint bytes + build options
+    builder_version: str = BUILDER_VERSION
+    source: dict[str, Any] = field(default_factory=dict)  # checkpoint path, options (informational)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineSpec":
+        raw = json.loads(text)
+        return cls(
+            shape=ModelShape(**raw.pop("shape")),
+            kv=KVLayout(**raw.pop("kv")),
+            **raw,
+        )
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> "EngineSpec":
+        path = Path(engine_dir) / ENGINE_JSON
+        if not path.is_file():
+            raise EngineFormatError(f"{path}: not found; build an engine with `triton-disagg build`")
+        try:
+            spec = cls.from_json(path.read_text())
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise EngineFormatError(f"{path}: not a valid engine.json ({exc})") from exc
+        if spec.builder_version != BUILDER_VERSION:
+            raise EngineFormatError(
+                f"{path}: built by builder version {spec.builder_version}, this engine reads "
+                f"version {BUILDER_VERSION}; rebuild with `triton-disagg build --force`"
+            )
+        return spec
+
+
+def weight_names(shape: ModelShape) -> list[str]:
+    """Every tensor name in ``weights.safetensors``, with its layout in the comment.
+
+    H = hidden_size, I = intermediate_size, V = vocab_size,
+    Q = num_heads * head_dim, KV = num_kv_heads * head_dim.
+    """
+    names = ["embed"]                                  # [V, H]
+    if shape.family == "gpt2":
+        names.append("pos_embed")                      # [max_position_embeddings, H]
+    for i in range(shape.num_layers):
+        p = f"layers.{i}."
+        names += [p + "attn_norm.weight"]              # [H]
+        if shape.family == "gpt2":
+            names += [p + "attn_norm.bias"]            # [H]
+        names += [p + "qkv.weight"]                    # [H, Q + 2*KV]
+        if shape.qkv_bias:
+            names += [p + "qkv.bias"]                  # [Q + 2*KV]
+        names += [p + "o.weight"]                      # [Q, H]
+        if shape.family == "gpt2":
+            names += [p + "o.bias"]                    # [H]
+        names += [p + "mlp_norm.weight"]               # [H]
+        if shape.family == "gpt2":
+            names += [p + "mlp_norm.bias",             # [H]
+                      p + "fc.weight", p + "fc.bias",  # [H, I], [I]
+                      p + "proj.weight", p + "proj.bias"]  # [I, H], [H]
+        else:
+            names += [p + "gate_up.weight",            # [H, 2*I] columns [gate | up]
+                      p + "down.weight"]               # [I, H]
+    names.append("final_norm.weight")                  # [H]
+    if shape.family == "gpt2":
+        names.append("final_norm.bias")                # [H]
+    if not shape.tie_word_embeddings:
+        names.append("lm_head.weight")                 # [H, V]; tied models use embed.T
+    return names

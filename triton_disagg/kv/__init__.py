@@ -1,0 +1,1 @@
+"""KV cache: the paged block pool and the exchange between context and generation."""
