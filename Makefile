@@ -1,0 +1,37 @@
+# Everything runs inside .venv, created from the system python3 (3.10+).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DEMO_CKPT   := checkpoints/demo
+DEMO_ENGINE := engines/demo
+PYTEST_ARGS ?=
+
+.PHONY: venv install demo demo-run test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: venv
+
+$(DEMO_ENGINE)/engine.json: $(STAMP)
+	$(BIN)/triton-disagg demo-checkpoint --output $(DEMO_CKPT)
+	$(BIN)/triton-disagg build --checkpoint $(DEMO_CKPT) --output $(DEMO_ENGINE)
+
+# Build the demo engine and generate from a prompt with the offline engine.
+demo: $(DEMO_ENGINE)/engine.json
+	$(BIN)/triton-disagg run --engine $(DEMO_ENGINE) --text "The quick brown fox" --max-tokens 32
+
+test: venv
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(DEMO_ENGINE)/engine.json
+	$(BIN)/triton-disagg bench engine --engine $(DEMO_ENGINE) --output docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) engines checkpoints work

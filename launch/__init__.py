@@ -1,0 +1,1 @@
+"""Render a role's model repository and start tritonserver (installed as ``triton_disagg.launch``)."""

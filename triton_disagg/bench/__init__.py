@@ -1,0 +1,1 @@
+"""Benchmarks: engine throughput against transformers and the memory roofline; serving load."""

@@ -1,0 +1,1 @@
+"""Library logic behind the Triton models in model_repo/ (unit-testable without a server)."""
