@@ -1,0 +1,53 @@
+"""Session-wide fixtures: tiny checkpoints and engines, built once per test session.
+
+Keys of ``tiny_checkpoints`` / ``tiny_engines``: "llama", "llama3" (llama3 rope
+scaling), "qwen2", "mistral", "gpt2". Treat the directories as read-only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from checkpoints import MAKERS, make_llama_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """family -> tiny random Hugging Face checkpoint directory (see tests/checkpoints.py)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    out = {family: make(root / family) for family, make in MAKERS.items()}
+    out["llama3"] = make_llama_checkpoint(root / "llama3", llama3_rope=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """family -> float32 engine directory built from ``tiny_checkpoints[family]``."""
+    from triton_disagg.builders.build import build_engine
+
+    root = tmp_path_factory.mktemp("engines")
+    for family, checkpoint in tiny_checkpoints.items():
+        build_engine(checkpoint, root / family)
+    return {family: root / family for family in tiny_checkpoints}
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory) -> Path:
+    """The default demo checkpoint (seed 0), as `triton-disagg demo-checkpoint` writes it."""
+    from triton_disagg.builders.demo import write_demo_checkpoint
+
+    path = tmp_path_factory.mktemp("demo") / "checkpoint"
+    write_demo_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_checkpoint) -> Path:
+    """float32 engine directory built from ``demo_checkpoint``."""
+    from triton_disagg.builders.build import build_engine
+
+    path = demo_checkpoint.parent / "engine"
+    build_engine(demo_checkpoint, path)
+    return path
