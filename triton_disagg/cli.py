@@ -17,7 +17,7 @@ from triton_disagg.errors import UserError
 SUBCOMMAND_MODULES = (
     "triton_disagg.builders.build_cli",      # build, demo-checkpoint
     "triton_disagg.engine.run_cli",          # run
-    "triton_disagg.bench.cli",               # bench
+    "triton_disagg.bench.cli",               # bench engine
 )
 
 

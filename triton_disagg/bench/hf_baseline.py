@@ -26,12 +26,12 @@ def hf_throughput(checkpoint: Path, batch: int, prompt_len: int, new_tokens: int
         start = time.perf_counter()
         out = model(input_ids=prompt, use_cache=True)
         prefill_s = time.perf_counter() - start
-        cache = out.past_key_values
+        cache = out.cache
         token = out.logits[:, -1:].argmax(-1)  # [B, 1]
         start = time.perf_counter()
         for _ in range(new_tokens):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            cache = out.cache
             token = out.logits[:, -1:].argmax(-1)  # [B, 1]
         decode_s = time.perf_counter() - start
     return batch * prompt_len / prefill_s, batch * new_tokens / decode_s

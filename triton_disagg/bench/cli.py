@@ -1,0 +1,81 @@
+"""`triton-disagg bench engine`: engine throughput against transformers, kept in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from triton_disagg.errors import UserError
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks that print figures and keep them in docs/")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
+    engine = kinds.add_parser(
+        "engine", help="prefill/decode tokens/s of the numpy engine vs transformers, and the roofline")
+    engine.add_argument("--work-dir", type=Path, default=Path("work/bench"),
+                        help="where the benchmark checkpoints and engines are built (kept between runs)")
+    engine.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
+    engine.add_argument("--prompt-len", type=int, default=64)
+    engine.add_argument("--new-tokens", type=int, default=32)
+    engine.add_argument("--threads", type=int, default=None,
+                        help="BLAS / torch threads for both implementations (default: all usable cores)")
+    engine.add_argument("--models", default="demo,gpt2-small",
+                        help="which of demo, gpt2-small to bench (default both)")
+    engine.add_argument("--output", type=Path, default=None,
+                        help="markdown file whose engine section is replaced with the table")
+    engine.set_defaults(func=_run_engine)
+
+
+def _positive_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise UserError(f"{name}: expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Path, Path]]:
+    from triton_disagg.bench.engine_bench import write_gpt2_small_checkpoint
+    from triton_disagg.builders.build import build_engine
+    from triton_disagg.builders.demo import write_demo_checkpoint
+
+    models = {}
+    for name in names:
+        checkpoint = work_dir / "checkpoints" / name
+        if name == "demo":
+            write_demo_checkpoint(checkpoint)
+        elif name == "gpt2-small":
+            say("[bench] writing a random GPT-2-small-shaped checkpoint ...")
+            write_gpt2_small_checkpoint(checkpoint)
+        else:
+            raise UserError(f"--models: unknown model {name!r}; choose from demo, gpt2-small")
+        engine_dir = work_dir / "engines" / name
+        build_engine(checkpoint, engine_dir, progress=say)
+        models[name] = (checkpoint, engine_dir)
+    return models
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from triton_disagg.bench.engine_bench import default_threads, run_engine_bench
+    from triton_disagg.bench.report import replace_section
+
+    batches = _positive_list(args.batch_sizes, "--batch-sizes")
+    if args.prompt_len <= 0 or args.new_tokens < 2:
+        raise UserError("--prompt-len must be > 0 and --new-tokens >= 2")
+    threads = args.threads or default_threads()
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    models = _prepare_models([m.strip() for m in args.models.split(",") if m.strip()],
+                             args.work_dir, say)
+    report = run_engine_bench(models, batches, args.prompt_len, args.new_tokens, threads, say)
+    print(report)
+    if args.output:
+        replace_section(args.output, "engine", "Engine throughput (numpy engine vs transformers)", report)
+        say(f"[bench] table written to {args.output}")
+    return 0
