@@ -1,0 +1,230 @@
+"""``strategy: host_memory``: KV handed over through a bounded, named shared-memory area.
+
+The context side creates one area (:meth:`HostStaging.create`) of ``num_slots`` slots of
+``slot_bytes`` each, copies a sequence's blocks into a free slot (:meth:`HostStaging.put`)
+and frees its pool blocks at once. The generation side attaches by name from its own
+process (:class:`StagingReader`), copies the blocks into its pool, converting the layout
+(:meth:`HostStaging.take`), and marks the slot done.
+
+Segment layout (all little-endian, native to both processes on one host)::
+
+    uint64[4]      magic, format version, num_slots, slot_bytes
+    int64[N]       ticket     slot's current lease; 0 = never used or being rewritten
+    int64[N]       done       ticket of the last lease the receiver finished
+    float64[N]     deadline   wall clock (time.time()) after which the slot is reclaimed
+    int64[N]       nbytes     bytes of KV in the slot
+    (pad to 64)    N * slot_bytes of block data
+
+Invariants: each header field has one writer process: the creator writes
+ticket/deadline/nbytes and the data, the receiver writes only ``done``, so no
+cross-process lock is needed. A slot is busy while ``ticket != 0``, ``ticket != done``
+and its deadline has not passed; the creator reuses only slots that are not busy and
+unpublishes the ticket before rewriting the data. A receiver copies only while the
+slot's ticket is its own and the deadline is ahead, and checks both again after the
+copy, so it never returns data from a reclaimed slot. The creator unlinks the segment
+on :meth:`HostStaging.close` (and the resource tracker does if the creator dies).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import time
+import uuid
+from multiprocessing import shared_memory
+from typing import Optional, Sequence
+
+import numpy as np
+
+from triton_disagg.errors import UserError
+from triton_disagg.kv.handle import KVHandle, TransferStats
+from triton_disagg.kv.layout import BlockGeometry, write_blocks
+from triton_disagg.kv.leases import LeaseExpiredError
+
+_MAGIC = 0x3147_5453_564B_4454  # b"TDKVSTG1" little-endian
+_VERSION = 1
+
+
+class StagingError(RuntimeError):
+    """The staging area cannot be used (gone, not on this host, or not a staging area)."""
+
+
+class StagingFullError(StagingError):
+    """Every slot holds KV that a generation has not fetched yet and whose lease is live."""
+
+
+class HostStaging:
+    """A shared-memory staging area, as its creator (context) or an attacher (generation)."""
+
+    def __init__(self, name: str, buf: memoryview, owner: Optional[shared_memory.SharedMemory],
+                 mapping: Optional[mmap.mmap]):
+        self.name = name
+        self._owner, self._mapping = owner, mapping
+        self._lock = threading.Lock()
+        header = np.frombuffer(buf, np.uint64, 4)
+        if int(header[0]) != _MAGIC or int(header[1]) != _VERSION:
+            raise StagingError(f"/dev/shm/{name} is not a version {_VERSION} KV staging area")
+        self.num_slots, self.slot_bytes = int(header[2]), int(header[3])
+        n = self.num_slots
+        self._ticket = np.frombuffer(buf, np.int64, n, 32)
+        self._done = np.frombuffer(buf, np.int64, n, 32 + 8 * n)
+        self._deadline = np.frombuffer(buf, np.float64, n, 32 + 16 * n)
+        self._nbytes = np.frombuffer(buf, np.int64, n, 32 + 24 * n)
+        self._data = np.frombuffer(buf, np.uint8, n * self.slot_bytes, _data_offset(n))
+        self._reaped = np.zeros(n, np.int64)  # creator only: last ticket counted as expired
+        self.expired_total = 0                # creator only: disagg_kv_leases_expired_total
+
+    @classmethod
+    def create(cls, name_prefix: str, num_slots: int, slot_bytes: int) -> "HostStaging":
+        """Create a new area named ``tdkv_<prefix>_<pid>_<random>`` (this process owns it)."""
+        if num_slots <= 0 or slot_bytes <= 0:
+            raise UserError(f"host staging needs slots > 0 and slot bytes > 0, got "
+                            f"{num_slots} x {slot_bytes}")
+        name = f"tdkv_{name_prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        shm = shared_memory.SharedMemory(
+            name=name, create=True, size=_data_offset(num_slots) + num_slots * slot_bytes)
+        np.frombuffer(shm.buf, np.uint64, 4)[:] = (_MAGIC, _VERSION, num_slots, slot_bytes)
+        return cls(shm.name, shm.buf, shm, None)
+
+    @classmethod
+    def attach(cls, name: str) -> "HostStaging":
+        """Map an existing area by name, without taking ownership (no unlink on close)."""
+        try:
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise StagingError(
+                f"KV staging area {name} not found: the context server stopped, or runs on "
+                f"another host (host_memory needs one host; use direct_transfer)") from exc
+        try:
+            mapping = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        return cls(name, memoryview(mapping), None, mapping)
+
+    def _slot_blocks(self, slot: int, geometry: BlockGeometry, n: int) -> np.ndarray:
+        nbytes = n * geometry.block_nbytes
+        start = slot * self.slot_bytes
+        flat = self._data[start:start + nbytes].view(geometry.dtype)  # [n * L*2*bs*kvh*hd]
+        return flat.reshape((n,) + geometry.block_shape)              # [n, L, 2, bs, kvh, hd]
+
+    def _busy(self, now: float) -> np.ndarray:
+        live = (self._ticket != 0) & (self._ticket != self._done)
+        return live & (self._deadline >= now)
+
+    def put(self, pool: np.ndarray, block_ids: Sequence[int], num_tokens: int,
+            fingerprint: str, ttl_s: float) -> KVHandle:
+        """Copy ``block_ids`` (token order) of ``pool`` into a free slot (creator only).
+
+        The caller frees its pool blocks as soon as this returns. Raises
+        :class:`StagingFullError` when no slot is free, :class:`UserError` when the
+        blocks can never fit one slot.
+        """
+        if self._owner is None:
+            raise RuntimeError("only the process that created the staging area may put")
+        geometry = BlockGeometry.of_pool(pool)
+        n = len(block_ids)
+        if n != geometry.blocks_for(num_tokens):
+            raise ValueError(f"{num_tokens} tokens need {geometry.blocks_for(num_tokens)} "
+                             f"blocks, got {n}")
+        if n * geometry.block_nbytes > self.slot_bytes:
+            raise UserError(f"{num_tokens} tokens of KV need {n * geometry.block_nbytes} bytes, "
+                            f"a host staging slot holds {self.slot_bytes}; raise the slot size")
+        with self._lock:
+            now = time.time()
+            self._reap(now)
+            free = np.flatnonzero(~self._busy(now))
+            if not free.size:
+                raise StagingFullError(
+                    f"KV staging area {self.name} is full: all {self.num_slots} slots wait for a "
+                    f"generation fetch or lease expiry; retry later or raise kv_cache.max_size")
+            slot, ticket = int(free[0]), secrets.randbits(62) + 1
+            self._ticket[slot] = 0  # unpublish: a late reader of the old lease must not match
+            staged = self._slot_blocks(slot, geometry, n)  # [n, L, 2, bs, kvh, hd]
+            for k, block in enumerate(block_ids):
+                staged[k] = pool[block]
+            self._nbytes[slot] = n * geometry.block_nbytes
+            self._deadline[slot] = now + ttl_s
+            self._ticket[slot] = ticket  # publish last
+        return KVHandle(fingerprint=fingerprint, geometry=geometry, num_tokens=num_tokens,
+                        strategy="host_memory", lease_id=f"{ticket:016x}",
+                        lease_deadline=now + ttl_s, shm_name=self.name, slot=slot)
+
+    def take(self, handle: KVHandle, dst_pool: np.ndarray,
+             dst_block_ids: Sequence[int]) -> TransferStats:
+        """Copy the handle's slot into ``dst_block_ids`` of ``dst_pool``, then release the slot."""
+        start = time.monotonic()
+        src, slot, ticket = handle.geometry, handle.slot, int(handle.lease_id, 16)
+        n = src.blocks_for(handle.num_tokens)
+        if not 0 <= slot < self.num_slots or n * src.block_nbytes > self.slot_bytes:
+            raise StagingError(f"handle names slot {slot} of {n * src.block_nbytes} bytes; "
+                               f"{self.name} has {self.num_slots} slots of {self.slot_bytes}")
+
+        def check(when: str) -> None:
+            if self._ticket[slot] != ticket or self._done[slot] == ticket \
+                    or self._nbytes[slot] != n * src.block_nbytes \
+                    or time.time() > handle.lease_deadline:
+                raise LeaseExpiredError(f"KV staging slot {slot} of lease {handle.lease_id} was "
+                                        f"already fetched or reclaimed ({when})")
+
+        check("before the copy")
+        write_blocks(self._slot_blocks(slot, src, n), handle.num_tokens, dst_pool, dst_block_ids)
+        check("during the copy")
+        self._done[slot] = ticket
+        return TransferStats(nbytes=n * src.block_nbytes, seconds=time.monotonic() - start)
+
+    def reap(self, now: Optional[float] = None) -> int:
+        """Count slots whose lease expired un-fetched (creator only); they are free to reuse."""
+        with self._lock:
+            return self._reap(time.time() if now is None else now)
+
+    def _reap(self, now: float) -> int:
+        live = (self._ticket != 0) & (self._ticket != self._done)
+        expired = live & (self._deadline < now) & (self._reaped != self._ticket)
+        self._reaped[expired] = self._ticket[expired]
+        self.expired_total += int(expired.sum())
+        return int(expired.sum())
+
+    def slots_in_use(self, now: Optional[float] = None) -> int:
+        return int(self._busy(time.time() if now is None else now).sum())
+
+    def close(self) -> None:
+        """Unmap; the creator also unlinks the segment. Idempotent."""
+        self._ticket = self._done = self._deadline = self._nbytes = self._data = None
+        owner, mapping, self._owner, self._mapping = self._owner, self._mapping, None, None
+        if owner is not None:
+            owner.unlink()
+        try:
+            if owner is not None:
+                owner.close()
+            if mapping is not None:
+                mapping.close()
+        except BufferError:  # a caller still holds a view; the mapping goes when it does
+            pass
+
+
+class StagingReader:
+    """Generation side: attaches to each context's staging area once, by name."""
+
+    def __init__(self) -> None:
+        self._areas: dict[str, HostStaging] = {}
+        self._lock = threading.Lock()
+
+    def fetch(self, handle: KVHandle, dst_pool: np.ndarray,
+              dst_block_ids: Sequence[int]) -> TransferStats:
+        with self._lock:
+            area = self._areas.get(handle.shm_name)
+            if area is None:
+                area = self._areas[handle.shm_name] = HostStaging.attach(handle.shm_name)
+        return area.take(handle, dst_pool, dst_block_ids)
+
+    def close(self) -> None:
+        with self._lock:
+            for area in self._areas.values():
+                area.close()
+            self._areas.clear()
+
+
+def _data_offset(num_slots: int) -> int:
+    return -(-(32 + 32 * num_slots) // 64) * 64
