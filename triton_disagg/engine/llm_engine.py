@@ -1,0 +1,229 @@
+"""The numpy LLM engine: requests in, token events out, with continuous batching.
+
+Three ways in, so that aggregated and disaggregated serving share one engine:
+
+- :meth:`LLMEngine.add_request` + :meth:`LLMEngine.step`: aggregated serving. Each step
+  either prefills the newly admitted requests (one batched pass) or runs one batched
+  decode step over every running sequence; sequences join and leave between steps.
+- :meth:`LLMEngine.prefill_only` (the context side): prefill a batch, sample each first
+  token, and hand the filled KV blocks to the caller, who owns them from then on and
+  frees them with ``engine.pool.free(block_ids)`` once they are transferred.
+- :meth:`LLMEngine.add_prefilled` (the generation side): take a sequence whose prompt KV
+  already sits in this engine's pool, plus its first token; it then only decodes.
+
+Invariant: once every request has finished or been aborted, ``pool.num_used == 0``
+(except blocks handed out by :meth:`prefill_only`, which belong to the caller).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import numpy as np
+
+from triton_disagg.engine.model import ModelRunner
+from triton_disagg.engine.sampling import Sampler, SamplingParams
+from triton_disagg.engine.scheduler import Scheduler
+from triton_disagg.engine.sequence import FinishReason, RequestError, Sequence, TokenEvent
+from triton_disagg.engine.spec import KVLayout
+from triton_disagg.engine.weights import load_engine
+from triton_disagg.kv.block_pool import BlockPool, BlockTable, KVCacheFullError
+from triton_disagg.kv.layout import BlockGeometry
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefilled request: its first token and the caller-owned blocks holding its KV.
+
+    ``block_ids`` hold the KV of ``num_tokens`` (= prompt length) tokens in position
+    order; they are empty when the first token already finished the request.
+    """
+
+    request_id: str
+    token_id: int
+    logprob: float | None
+    block_ids: list[int]
+    num_tokens: int
+    finish_reason: FinishReason | None
+
+
+class LLMEngine:
+    """Loads an engine directory and serves requests from one block pool.
+
+    ``kv_max_bytes`` (``kv_cache.max_size``) or ``num_blocks`` sizes the pool; by default
+    it holds ``max_batch_size`` sequences of the longest allowed length. ``kv_layout``
+    overrides the engine's tokens per block and KV dtype (a serving side's own choice).
+    """
+
+    def __init__(self, engine_dir: str | Path, kv_max_bytes: int | None = None,
+                 num_blocks: int | None = None, kv_layout: KVLayout | None = None):
+        self.spec, weights = load_engine(engine_dir)
+        s, kv = self.spec.shape, kv_layout or self.spec.kv
+        geometry = BlockGeometry(s.num_layers, s.num_kv_heads, s.head_dim,
+                                 kv.tokens_per_block, kv.dtype)
+        if num_blocks is None and kv_max_bytes is not None:
+            num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
+        if num_blocks is None:
+            num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
+        self.pool = BlockPool(geometry, num_blocks)
+        self.runner = ModelRunner(self.spec, weights, self.pool)
+        self.sampler = Sampler()
+        self.scheduler = Scheduler(self.pool, self.spec.max_batch_size)
+
+    # ---- aggregated serving -----------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Queue a request; raises :class:`RequestError` if it is invalid or can never fit."""
+        self._enqueue(self._new_sequence(request_id, prompt_ids, params))
+
+    def step(self) -> list[TokenEvent]:
+        """Run one prefill or one decode pass; return the tokens it produced."""
+        new = self.scheduler.admit()
+        if new:
+            events = self._prefill(new)
+        elif self.scheduler.running:
+            events = self._decode(self.scheduler.running)
+        else:
+            events = []
+        self.scheduler.retire_finished()
+        return events
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a queued or running request and free its blocks; False if unknown."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate(self, prompts: Seq[Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams]) -> list[Sequence]:
+        """Run ``prompts`` to completion on an idle engine; finished sequences, in order."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drive step() instead")
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        seqs = [self._new_sequence(f"generate-{i}", p, sp)
+                for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True))]
+        for seq in seqs:
+            self._enqueue(seq)
+        while self.has_unfinished():
+            self.step()
+        return seqs
+
+    # ---- disaggregated serving --------------------------------------------------------
+
+    def prefill_only(self, requests: Seq[tuple[str, Seq[int], SamplingParams]]
+                     ) -> list[PrefillResult]:
+        """Prefill a batch now; the caller owns the returned blocks (context side).
+
+        Raises :class:`KVCacheFullError` (allocating nothing) when the prompts' blocks are
+        not free now, :class:`RequestError` when they could never be.
+        """
+        seqs = [self._new_sequence(rid, ids, sp) for rid, ids, sp in requests]
+        geometry = self.pool.geometry
+        need = sum(geometry.blocks_for(len(s.prompt_ids)) for s in seqs)
+        if need > self.pool.num_total:
+            raise RequestError(f"the prompts need {need} KV blocks, the pool has "
+                               f"{self.pool.num_total}; send fewer or shorter prompts per batch "
+                               f"or raise kv_cache.max_size")
+        if need > self.pool.num_free:
+            raise KVCacheFullError(f"the prompts need {need} KV blocks, "
+                                   f"{self.pool.num_free} are free")
+        for seq in seqs:
+            seq.block_table.reserve(self.pool, len(seq.prompt_ids))
+        events = self._prefill(seqs)
+        for seq in seqs:
+            if seq.finished:
+                seq.block_table.release(self.pool)
+        return [PrefillResult(s.request_id, e.token_id, e.logprob, list(s.block_table.block_ids),
+                              s.block_table.num_tokens, e.finish_reason)
+                for s, e in zip(seqs, events)]
+
+    def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
+                      block_ids: Seq[int], params: SamplingParams,
+                      first_logprob: float = 0.0) -> None:
+        """Queue a sequence whose prompt KV is already in ``block_ids`` of this pool.
+
+        The engine owns ``block_ids`` once this returns (it frees them when the request
+        ends); if it raises, they stay the caller's. The first token must not already
+        finish the request (see ``PrefillResult``).
+        """
+        seq = self._new_sequence(request_id, prompt_ids, params)
+        geometry = self.pool.geometry
+        if len(block_ids) != geometry.blocks_for(len(seq.prompt_ids)):
+            raise RequestError(f"request {request_id}: {len(seq.prompt_ids)} prompt tokens fill "
+                               f"{geometry.blocks_for(len(seq.prompt_ids))} KV blocks of "
+                               f"{geometry.tokens_per_block}, got {len(block_ids)} block ids")
+        seq.block_table = BlockTable(geometry.tokens_per_block, block_ids, len(seq.prompt_ids))
+        if not 0 <= int(first_token) < self.spec.shape.vocab_size:
+            raise RequestError(f"request {request_id}: first token {first_token} is outside "
+                               f"the vocabulary [0, {self.spec.shape.vocab_size})")
+        seq.append(int(first_token), first_logprob)
+        if seq.finished:
+            raise RequestError(f"request {request_id} already finished at its first token "
+                               f"({seq.finish_reason}); there is nothing to generate")
+        self._enqueue(seq)
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _new_sequence(self, request_id: str, prompt_ids: Seq[int],
+                      params: SamplingParams) -> Sequence:
+        vocab = self.spec.shape.vocab_size
+        max_context = self.runner.max_context
+        array = np.asarray(prompt_ids).reshape(-1)
+        if not array.size:
+            raise RequestError(f"request {request_id}: the prompt is empty")
+        if array.dtype.kind not in "iu":
+            raise RequestError(f"request {request_id}: prompt token ids must be integers, "
+                               f"got {array.dtype} values")
+        ids = array.astype(np.int64).tolist()
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"request {request_id}: token id {bad} is outside the "
+                               f"vocabulary [0, {vocab})")
+        if len(ids) >= max_context:
+            raise RequestError(f"request {request_id}: the prompt has {len(ids)} tokens; the "
+                               f"engine allows {max_context} tokens in all (prompt + output), "
+                               f"so at most {max_context - 1}; shorten it")
+        if params.max_token_id() >= vocab:
+            raise RequestError(f"request {request_id}: end_id / stop_words / bad_words name token "
+                               f"{params.max_token_id()}, outside the vocabulary [0, {vocab})")
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        return Sequence(request_id, ids, params, seed,
+                        BlockTable(self.pool.geometry.tokens_per_block),
+                        max_total=min(len(ids) + params.max_tokens, max_context))
+
+    def _enqueue(self, seq: Sequence) -> None:
+        if seq.request_id in self.scheduler:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        table = seq.block_table
+        need = len(table.block_ids) + table.blocks_needed(Scheduler.tokens_to_reserve(seq))
+        if need > self.pool.num_total:
+            raise RequestError(
+                f"request {seq.request_id}: prompt + max_tokens need {need} KV blocks, the pool "
+                f"has {self.pool.num_total}; lower max_tokens or raise kv_cache.max_size")
+        self.scheduler.add(seq)
+
+    def _prefill(self, seqs: list[Sequence]) -> list[TokenEvent]:
+        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids) for s in seqs])
+        for s in seqs:
+            s.block_table.advance(len(s.prompt_ids))
+        return self._sample(seqs, logits)
+
+    def _decode(self, seqs: list[Sequence]) -> list[TokenEvent]:
+        positions = [s.block_table.num_tokens for s in seqs]
+        for s in seqs:
+            s.block_table.advance(1)
+        logits = self.runner.decode([s.output_ids[-1] for s in seqs], positions,
+                                    [s.block_table.block_ids for s in seqs])
+        return self._sample(seqs, logits)
+
+    def _sample(self, seqs: list[Sequence], logits: np.ndarray) -> list[TokenEvent]:
+        events = []
+        for seq, row in zip(seqs, logits):
+            token, logprob = self.sampler.sample(row, seq.params, seq.prompt_ids,
+                                                 seq.output_ids, seq.seed)
+            events.append(seq.append(token, logprob))
+        return events

@@ -1,0 +1,223 @@
+"""The numpy float32 forward pass of both families, with a paged KV cache.
+
+``llama`` (Llama, Qwen2, Mistral): RMSNorm, rotary embeddings, GQA, gated SiLU MLP.
+``gpt2``: learned positions, LayerNorm with bias, biases everywhere, gelu_new MLP.
+
+Invariants: a forward pass writes the K/V of exactly the positions it computes into
+the pool (token ``t`` of a sequence at slot ``t % bs`` of its ``t // bs``-th block) and
+reads only the blocks the caller names; it never allocates or frees blocks. All math
+is float32 on the weights as loaded (no per-step weight copies).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable, Sequence
+
+import numpy as np
+
+from triton_disagg.engine.rope import apply_rope, inv_frequencies, rope_tables
+from triton_disagg.engine.spec import EngineSpec
+from triton_disagg.kv.block_pool import BlockPool
+
+Attention = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x [T, in] @ w [in, out]``; one row goes through BLAS gemv, faster than gemm there."""
+    if x.shape[0] == 1:
+        return (x[0] @ w)[None]                      # [1, out]
+    return x @ w
+
+
+def _softmax_(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in place (rows of all ``-inf`` are not allowed)."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+class ModelRunner:
+    """Runs prefill and decode batches of one engine against one :class:`BlockPool`."""
+
+    def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray], pool: BlockPool):
+        s = self.shape = spec.shape
+        g = pool.geometry
+        if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
+            raise ValueError(f"KV pool geometry {g} does not match the model shape")
+        self.pool = pool
+        self.gpt2 = s.family == "gpt2"
+        self.q_dim = s.num_heads * s.head_dim
+        self.group = s.num_heads // s.num_kv_heads
+        self.scale = np.float32(1.0 / math.sqrt(s.head_dim))
+        self.layers = [{key.split(".", 2)[2]: w for key, w in weights.items()
+                        if key.startswith(f"layers.{i}.")} for i in range(s.num_layers)]
+        self.embed = weights["embed"]
+        self.pos_embed = weights.get("pos_embed")
+        self.lm_head = weights.get("lm_head.weight", self.embed.T)   # [H, V]
+        self.final_norm = (weights["final_norm.weight"], weights.get("final_norm.bias"))
+        # Longest sequence (prompt + generated) the model can run.
+        self.max_context = min(spec.max_seq_len, s.max_position_embeddings,
+                               s.sliding_window or spec.max_seq_len)
+        if not self.gpt2:
+            inv_freq = inv_frequencies(s.head_dim, s.rope_theta, s.rope_scaling)
+            self.cos, self.sin = rope_tables(inv_freq, self.max_context)
+
+    # ---- public entry points -------------------------------------------------------
+
+    def prefill(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
+        """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
+
+        ``batch`` holds ``(token_ids, block_ids)`` per sequence; tokens start at position 0.
+        """
+        hidden, bounds = self._prefill_hidden(batch)
+        return _matmul(hidden[[stop - 1 for _, stop in bounds]], self.lm_head)
+
+    def prefill_all_logits(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]
+                           ) -> list[np.ndarray]:
+        """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every position of each prompt."""
+        hidden, bounds = self._prefill_hidden(batch)
+        logits = hidden @ self.lm_head                  # [T, V]
+        return [logits[start:stop] for start, stop in bounds]
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+        """One new token per sequence at ``positions`` (its KV slot); returns logits ``[B, V]``.
+
+        Sequence ``b`` attends to positions ``0..positions[b]`` of ``block_tables[b]``.
+        """
+        positions = np.asarray(positions, dtype=np.int64)
+        bs = self.pool.geometry.tokens_per_block
+        used = positions // bs + 1                      # blocks each sequence reads
+        nb = int(used.max())
+        table = np.zeros((len(positions), nb), dtype=np.int64)   # [B, nb]; pad with block 0
+        for b, (ids, n) in enumerate(zip(block_tables, used)):
+            table[b, :n] = ids[:n]
+        num_layers = self.shape.num_layers
+        # Row of block t, layer l, K/V c in the pool viewed as [N * L * 2, bs * kvh * hd].
+        rows = (table[None, :, None, :] * (num_layers * 2)            # [L, B, 2, nb]
+                + np.arange(num_layers)[:, None, None, None] * 2
+                + np.arange(2)[None, None, :, None])
+        visible = np.arange(nb * bs)[None, :] <= positions[:, None]     # [B, nb*bs]
+        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
+        bias = bias[:, None, None, :]                                     # [B, 1, 1, nb*bs]
+        attend = partial(self._paged_attention, rows, bias)
+        blocks = table[np.arange(len(positions)), positions // bs]
+        hidden = self._forward(np.asarray(tokens, dtype=np.int64), positions,
+                               (blocks, positions % bs), attend)
+        return _matmul(hidden, self.lm_head)
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _prefill_hidden(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]
+                        ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Final-norm hidden states ``[T, H]`` of all prompts concatenated, and each
+        prompt's ``(start, stop)`` rows."""
+        tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in batch])
+        lengths = [len(ids) for ids, _ in batch]
+        starts = np.cumsum([0] + lengths)
+        bounds = list(zip(starts[:-1].tolist(), starts[1:].tolist()))
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        bs = self.pool.geometry.tokens_per_block
+        blocks = np.concatenate([np.asarray(ids, dtype=np.int64)[np.arange(n) // bs]
+                                 for n, (_, ids) in zip(lengths, batch)])
+        attend = partial(self._causal_attention, bounds)
+        return self._forward(tokens, positions, (blocks, positions % bs), attend), bounds
+
+    def _forward(self, tokens: np.ndarray, positions: np.ndarray,
+                 slots: tuple[np.ndarray, np.ndarray], attend: Attention) -> np.ndarray:
+        """Final-norm hidden states ``[T, H]`` of ``tokens`` at ``positions``."""
+        s = self.shape
+        t = len(tokens)
+        x = self.embed[tokens]                          # [T, H]
+        if self.gpt2:
+            x += self.pos_embed[positions]
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]     # [T, hd/2]
+        blocks, offsets = slots
+        for li, w in enumerate(self.layers):
+            h = self._norm(x, w["attn_norm.weight"], w.get("attn_norm.bias"))
+            qkv = self._linear(h, w, "qkv")                    # [T, Q + 2*KV]
+            q = qkv[:, :self.q_dim].reshape(t, s.num_heads, s.head_dim)       # [T, nh, hd]
+            kv = qkv[:, self.q_dim:].reshape(t, 2, s.num_kv_heads, s.head_dim)  # [T, 2, kvh, hd]
+            if not self.gpt2:
+                apply_rope(q, cos, sin)
+                apply_rope(kv[:, 0], cos, sin)
+            self.pool.array[blocks, li, :, offsets] = kv   # slot of token i <- [2, kvh, hd]
+            x += self._linear(attend(li, q, kv), w, "o")
+            x += self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
+        return self._norm(x, *self.final_norm)
+
+    def _causal_attention(self, bounds, li: int, q: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """Each prompt ``[start, stop)`` attends causally to itself; returns ``[T, Q]``."""
+        s = self.shape
+        out = np.empty((len(q), self.q_dim), dtype=np.float32)
+        for start, stop in bounds:
+            n = stop - start
+            qs = q[start:stop].reshape(n, s.num_kv_heads, self.group, s.head_dim)  # [n, kvh, g, hd]
+            qs = qs.transpose(1, 2, 0, 3) * self.scale          # [kvh, g, n, hd]
+            ks = kv[start:stop, 0].transpose(1, 2, 0)[:, None]  # [kvh, 1, hd, n]
+            vs = kv[start:stop, 1].transpose(1, 0, 2)[:, None]  # [kvh, 1, n, hd]
+            scores = qs @ ks                                    # [kvh, g, n, n]
+            scores += np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
+            o = _softmax_(scores) @ vs                          # [kvh, g, n, hd]
+            out[start:stop] = o.transpose(2, 0, 1, 3).reshape(n, self.q_dim)  # [n, Q]
+        return out
+
+    def _paged_attention(self, rows: np.ndarray, bias: np.ndarray, li: int,
+                         q: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """Decode attention over the cached blocks ``rows[li]``; returns ``[B, Q]``."""
+        s = self.shape
+        b, _, nb = rows[li].shape
+        pool = self.pool.array.reshape(-1, self.pool.array[0, 0, 0].size)  # [N*L*2, bs*kvh*hd]
+        gathered = pool.take(rows[li], axis=0)                  # [B, 2, nb, bs*kvh*hd]
+        gathered = gathered.astype(np.float32, copy=False)
+        k = gathered[:, 0].reshape(b, -1, s.num_kv_heads, s.head_dim)     # [B, nb*bs, kvh, hd]
+        v = gathered[:, 1].reshape(b, -1, s.num_kv_heads, s.head_dim)     # [B, nb*bs, kvh, hd]
+        qg = q.reshape(b, s.num_kv_heads, self.group, s.head_dim) * self.scale  # [B, kvh, g, hd]
+        scores = qg @ k.transpose(0, 2, 3, 1)                   # [B, kvh, g, nb*bs]
+        scores += bias
+        o = _softmax_(scores) @ v.transpose(0, 2, 1, 3)         # [B, kvh, g, hd]
+        return o.reshape(b, self.q_dim)                         # [B, Q]
+
+    def _norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """LayerNorm when there is a bias (gpt2), else RMSNorm, over the last axis of ``x``."""
+        eps = self.shape.norm_eps
+        if bias is not None:
+            centered = x - x.mean(axis=-1, keepdims=True)
+            var = np.mean(centered * centered, axis=-1, keepdims=True)
+            return centered / np.sqrt(var + eps) * weight + bias
+        ms = np.mean(x * x, axis=-1, keepdims=True)
+        return x / np.sqrt(ms + eps) * weight
+
+    @staticmethod
+    def _linear(x: np.ndarray, w: dict, name: str) -> np.ndarray:
+        y = _matmul(x, w[name + ".weight"])
+        bias = w.get(name + ".bias")
+        if bias is not None:
+            y += bias
+        return y
+
+    def _mlp(self, h: np.ndarray, w: dict) -> np.ndarray:
+        if self.gpt2:
+            a = self._linear(h, w, "fc")                        # [T, I]
+            inner = a * a * a
+            inner *= 0.044715
+            inner += a
+            inner *= math.sqrt(2 / math.pi)
+            np.tanh(inner, out=inner)
+            inner += 1.0
+            inner *= 0.5
+            inner *= a                                          # gelu_new(a)
+            return self._linear(inner, w, "proj")
+        gate_up = _matmul(h, w["gate_up.weight"])               # [T, 2I]
+        half = gate_up.shape[1] // 2
+        gate, up = gate_up[:, :half], gate_up[:, half:]
+        act = np.tanh(gate * 0.5)
+        act += 1.0
+        act *= 0.5
+        act *= gate                                             # silu(gate) = gate * sigmoid(gate)
+        act *= up
+        return _matmul(act, w["down.weight"])

@@ -1,0 +1,174 @@
+"""Per-request sampling options and the logits processing that applies them.
+
+:class:`Sampler` processes one sequence's logits in this order: bad words, min_tokens,
+repetition penalty, presence/frequency penalties, temperature, top-k, top-p; then it
+takes the argmax (temperature 0) or draws from the softmax.
+
+- Bad words: a one-token word is always banned; a longer word bans its last token
+  when the sequence (prompt + generated) ends with the word's other tokens.
+- Repetition penalty (Hugging Face semantics): over every distinct token of prompt +
+  generated, positive logits are divided by it, negative ones multiplied.
+- Presence / frequency penalties (OpenAI / TensorRT-LLM semantics): over generated
+  tokens, ``logit -= presence * (count > 0) + frequency * count``.
+- Draws are reproducible regardless of batch composition or of which instance draws:
+  the draw for generated token ``i`` uses ``default_rng([seed, i])``.
+- The reported log-prob is ``log_softmax`` of the processed logits (after penalties,
+  temperature and top-k/top-p masking), i.e. of the distribution actually sampled from;
+  under greedy decoding (no temperature) it is that of the penalised logits.
+- Stop words (TensorRT-LLM semantics): a sequence finishes when its generated tokens end
+  with a stop word; the stop word's tokens stay in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from triton_disagg.errors import UserError
+
+
+class SamplingParamsError(UserError):
+    """A sampling option outside its valid range."""
+
+
+def _word_list(name: str, words) -> tuple[tuple[int, ...], ...]:
+    try:
+        out = tuple(tuple(int(t) for t in word) for word in words)
+    except (TypeError, ValueError):
+        raise SamplingParamsError(
+            f"{name} must be a list of token-id lists, got {words!r}") from None
+    for word in out:
+        if not word or min(word) < 0:
+            raise SamplingParamsError(
+                f"{name} entries must be non-empty lists of token ids >= 0, got {list(word)}")
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate for one request. ``temperature == 0`` is greedy; ``top_k == 0`` and
+    ``top_p == 1`` are off; penalties at 1.0 (repetition) and 0.0 (presence, frequency) are
+    off; ``seed=None`` draws from fresh entropy; ``end_id=None`` never stops early."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    end_id: int | None = None
+    stop_words: tuple[tuple[int, ...], ...] = field(default=())
+    bad_words: tuple[tuple[int, ...], ...] = field(default=())
+    return_log_probs: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(message)
+
+        def is_int(v) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        def is_real(v) -> bool:
+            return isinstance(v, (int, float, np.number)) and not isinstance(v, bool) \
+                and math.isfinite(v)
+
+        check(is_int(self.max_tokens) and self.max_tokens >= 1,
+              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check(is_real(self.temperature) and self.temperature >= 0,
+              f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        check(is_int(self.top_k) and self.top_k >= 0,
+              f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(is_real(self.top_p) and 0 < self.top_p <= 1,
+              f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
+              f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        check(is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(is_real(getattr(self, name)),
+                  f"{name} must be a finite number (0 = off), got {getattr(self, name)!r}")
+        check(is_int(self.min_tokens) and self.min_tokens >= 0,
+              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        check(self.end_id is None or (is_int(self.end_id) and self.end_id >= 0),
+              f"end_id must be a token id >= 0 or None, got {self.end_id!r}")
+        check(isinstance(self.return_log_probs, (bool, np.bool_)),
+              f"return_log_probs must be true or false, got {self.return_log_probs!r}")
+        object.__setattr__(self, "stop_words", _word_list("stop_words", self.stop_words))
+        object.__setattr__(self, "bad_words", _word_list("bad_words", self.bad_words))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def max_token_id(self) -> int:
+        """The largest token id the options name (-1 if none), to check against the vocab."""
+        ids = [t for word in self.stop_words + self.bad_words for t in word]
+        return max(ids + ([self.end_id] if self.end_id is not None else []), default=-1)
+
+
+def ends_with_stop_word(output_ids: Sequence[int], stop_words: Sequence[Sequence[int]]) -> bool:
+    """True when the generated tokens end with one of ``stop_words``."""
+    return any(len(output_ids) >= len(w) and tuple(output_ids[-len(w):]) == tuple(w)
+               for w in stop_words)
+
+
+class Sampler:
+    """Turns one sequence's next-token logits into ``(token, logprob)``. Stateless."""
+
+    def sample(self, logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+               output_ids: Sequence[int], seed: int) -> tuple[int, float]:
+        """``logits [V]`` for the token after ``prompt_ids + output_ids``; ``seed`` is the
+        request's effective seed (``params.seed`` or one chosen when it was None)."""
+        x = self.process(logits, params, prompt_ids, output_ids)
+        if params.greedy:
+            token = int(np.argmax(x))
+        else:
+            probs = np.exp(x - x.max())
+            cdf = np.cumsum(probs)
+            u = np.random.default_rng([seed, len(output_ids)]).random() * cdf[-1]
+            token = min(int(np.searchsorted(cdf, u, side="right")), len(x) - 1)
+        top = x.max()
+        return token, float(x[token] - top - np.log(np.sum(np.exp(x - top))))
+
+    def process(self, logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                output_ids: Sequence[int]) -> np.ndarray:
+        """The processed float64 logits ``[V]`` (banned tokens at ``-inf``); a new array."""
+        x = np.array(logits, dtype=np.float64)
+        history = list(prompt_ids) + list(output_ids)
+        for word in params.bad_words:
+            prefix = word[:-1]
+            if not prefix or tuple(history[-len(prefix):]) == prefix:
+                x[word[-1]] = -np.inf
+        if params.end_id is not None and len(output_ids) < params.min_tokens:
+            x[params.end_id] = -np.inf
+        if params.repetition_penalty != 1.0 and history:
+            seen = np.unique(np.asarray(history, dtype=np.int64))
+            vals = x[seen]
+            x[seen] = np.where(vals > 0, vals / params.repetition_penalty,
+                               vals * params.repetition_penalty)
+        if (params.presence_penalty or params.frequency_penalty) and output_ids:
+            counts = Counter(output_ids)
+            ids = np.fromiter(counts.keys(), dtype=np.int64)
+            n = np.fromiter(counts.values(), dtype=np.float64)
+            x[ids] -= params.presence_penalty + params.frequency_penalty * n
+        if params.greedy:
+            return x
+        x /= params.temperature
+        if 0 < params.top_k < len(x):
+            kth = np.partition(x, -params.top_k)[-params.top_k]
+            x[x < kth] = -np.inf
+        if params.top_p < 1.0:
+            order = np.argsort(-x, kind="stable")
+            probs = np.exp(x[order] - x[order[0]])
+            probs /= probs.sum()
+            before = np.cumsum(probs) - probs          # mass of strictly more likely tokens
+            x[order[before >= params.top_p]] = -np.inf
+        return x

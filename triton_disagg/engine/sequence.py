@@ -1,0 +1,72 @@
+"""The state of one request inside the engine, and the events a step emits.
+
+Invariants of a :class:`Sequence`: once it has a generated token, its block table holds
+the KV of ``num_tokens - 1`` tokens (all but the newest generated one, which the next
+decode step feeds); once admitted, its blocks are reserved for ``max_total - 1`` tokens,
+so decode never allocates. ``finish_reason`` is set once and never changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from triton_disagg.engine.sampling import SamplingParams, ends_with_stop_word
+from triton_disagg.errors import UserError
+from triton_disagg.kv.block_pool import BlockTable
+
+FinishReason = Literal["length", "stop", "stop_word", "aborted"]
+
+
+class RequestError(UserError):
+    """A request the engine cannot run (empty prompt, bad token id, too long, duplicate id)."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one request; the last event of a request has ``finished``."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None          # None unless the request asked for log-probs
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int                      # params.seed, or one chosen for the request
+    block_table: BlockTable
+    max_total: int                 # prompt + generated tokens allowed (max_tokens, max_seq_len)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def needs_prefill(self) -> bool:
+        return not self.output_ids
+
+    def append(self, token: int, logprob: float) -> TokenEvent:
+        """Record a generated token, decide whether the sequence finished, return its event."""
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if token == self.params.end_id:
+            self.finish_reason = "stop"
+        elif ends_with_stop_word(self.output_ids, self.params.stop_words):
+            self.finish_reason = "stop_word"
+        elif self.num_tokens >= self.max_total:
+            self.finish_reason = "length"
+        return TokenEvent(self.request_id, token,
+                          logprob if self.params.return_log_probs else None,
+                          self.finished, self.finish_reason)
