@@ -18,14 +18,12 @@ from typing import Any
 import numpy as np
 
 from triton_disagg.engine.spec import ModelShape, TOKENIZER_FILE
-from triton_disagg.errors import UserError
+from triton_disagg.builders.errors import CheckpointError, one_line
+from triton_disagg.builders.safetensors_io import TensorRef, read_safetensors_header, read_tensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 OPTIONAL_JSON = ("generation_config.json", "tokenizer_config.json")
-_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-             "I8": 1, "U8": 1, "BOOL": 1}
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
              "MistralForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -34,19 +32,11 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
 
 
-class CheckpointError(UserError):
-    """A checkpoint directory that is missing, unsupported or corrupt."""
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
-
-
 def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({_one_line(exc)})") from exc
+        raise CheckpointError(f"{path}: not valid JSON ({one_line(exc)})") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
@@ -137,61 +127,6 @@ def model_shape(cfg: dict[str, Any], path: Path) -> ModelShape:
 
 
 @dataclass(frozen=True)
-class TensorRef:
-    """Where one tensor's bytes lie: ``file`` bytes ``[start, end)``, absolute offsets."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
-def read_safetensors_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
-    """(tensors, metadata) of one safetensors file, with every offset checked."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n <= 0 or 8 + n > size:
-                raise CheckpointError(f"{path}: not a safetensors file (bad header length)")
-            header = json.loads(f.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({_one_line(exc)})") \
-            from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file (header is not an object)")
-    metadata = header.pop("__metadata__", None) or {}
-    tensors = {}
-    for name, info in header.items():
-        try:
-            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            count = int(np.prod(shape, dtype=np.int64))
-            ok = 0 <= lo <= hi <= size - 8 - n and hi - lo == count * _ITEMSIZE.get(dtype, hi - lo)
-        except (TypeError, KeyError, ValueError) as exc:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor '{name}'") from exc
-        if not ok:
-            raise CheckpointError(f"{path}: tensor '{name}' lies outside the file (truncated?)")
-        tensors[name] = TensorRef(path, dtype, shape, 8 + n + lo, 8 + n + hi)
-    return tensors, metadata
-
-
-def _read(ref: TensorRef, name: str) -> np.ndarray:
-    """The tensor as float32 (bfloat16 widened bit-exactly)."""
-    if ref.dtype not in _NUMPY_DTYPES:
-        raise CheckpointError(f"{ref.file}: tensor '{name}' has unsupported dtype {ref.dtype}")
-    with ref.file.open("rb") as f:
-        f.seek(ref.start)
-        raw = f.read(ref.end - ref.start)
-    if len(raw) != ref.end - ref.start:
-        raise CheckpointError(f"{ref.file}: tensor '{name}' is truncated")
-    array = np.frombuffer(raw, dtype=_NUMPY_DTYPES[ref.dtype]).reshape(ref.shape)
-    if ref.dtype == "BF16":
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array.astype(np.float32)
-
-
-@dataclass(frozen=True)
 class Checkpoint:
     path: Path
     shape: ModelShape
@@ -213,7 +148,7 @@ class Checkpoint:
         if ref.shape != tuple(shape):
             raise CheckpointError(f"{ref.file}: tensor '{name}' has shape {list(ref.shape)}, "
                                   f"expected {list(shape)}")
-        return _read(ref, name)
+        return read_tensor(ref, name)
 
 
 def _weight_files(path: Path) -> tuple[Path, list[Path]]:
@@ -244,7 +179,7 @@ def _load_tokenizer(path: Path):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad files
-        raise CheckpointError(f"{path}: not a valid tokenizer.json ({_one_line(exc)})") from exc
+        raise CheckpointError(f"{path}: not a valid tokenizer.json ({one_line(exc)})") from exc
 
 
 def _token_id(key: str, sources: list[tuple[Path, dict[str, Any]]], tok_cfg: dict, tokenizer,

@@ -14,7 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from triton_disagg.builders.checkpoint import Checkpoint, CheckpointError
+from triton_disagg.builders.checkpoint import Checkpoint
+from triton_disagg.builders.errors import CheckpointError
 from triton_disagg.engine.spec import ModelShape, STORAGE_DTYPES, weight_names
 
 Weights = dict[str, np.ndarray]

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from triton_disagg.builders.build import replace_dir, save_safetensors, staging_dir
-from triton_disagg.builders.checkpoint import CheckpointError, read_json
+from triton_disagg.builders.checkpoint import read_json
+from triton_disagg.builders.errors import CheckpointError
 from triton_disagg.errors import UserError
 
 CORPUS = Path(__file__).with_name("demo_corpus.txt")
