@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "triton_disagg.builders.build_cli",      # build, demo-checkpoint
     "triton_disagg.engine.run_cli",          # run
     "triton_disagg.bench.cli",               # bench engine
+    "triton_disagg.launch.serve_cli",        # serve all|context|generation|scheduler
 )
 
 

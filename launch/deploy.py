@@ -1,0 +1,90 @@
+"""A role's deployment: where it binds, what it renders, the server that runs it.
+
+Binding rule: loopback unless told otherwise. ``--host`` wins; a role served
+alone (context / generation / scheduler) binds the host of its ``url`` in the
+config; everything else binds 127.0.0.1. The model-control API stays off.
+
+Ports: ``serve all`` and ``serve scheduler`` default to HTTP 8000, gRPC 8001,
+metrics 8002 (the scheduler's ``url``/``http_port``/``metrics_port`` in the
+config replace those defaults). ``serve context|generation`` takes its gRPC
+port from its ``url`` (that is where the scheduler dials) and opens HTTP and
+metrics only when given a port (flag or config).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from triton_disagg.config import DisaggConfig
+from triton_disagg.errors import UserError
+
+from .render import render
+from .tritonserver import Endpoints, TritonServer, locate
+
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+
+
+@dataclass(frozen=True)
+class PortFlags:
+    host: str | None = None
+    http: int | None = None
+    grpc: int | None = None
+    metrics: int | None = None
+
+
+def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoints:
+    front = role in ("all", "scheduler")
+    server = config.scheduler if front else config.server(role)
+    host = flags.host or (_bind_host(server.host, role) if role != "all" and server.url else "127.0.0.1")
+    if front:
+        grpc = flags.grpc or server.port or DEFAULT_PORTS["grpc"]
+        http = flags.http or server.http_port or DEFAULT_PORTS["http"]
+        metrics = flags.metrics or server.metrics_port or DEFAULT_PORTS["metrics"]
+    else:
+        grpc = flags.grpc or server.port or DEFAULT_PORTS["grpc"]
+        http = flags.http or server.http_port
+        metrics = flags.metrics or server.metrics_port
+    used = [p for p in (http, grpc, metrics) if p is not None]
+    if len(set(used)) != len(used):
+        raise UserError(f"ports collide (http {http}, grpc {grpc}, metrics {metrics}); "
+                        f"pick distinct --http-port/--grpc-port/--metrics-port")
+    return Endpoints(host=host, http_port=http, grpc_port=grpc, metrics_port=metrics)
+
+
+def check_ports_free(endpoints: Endpoints) -> None:
+    """Refuse ports something else listens on (its health endpoint would answer for us)."""
+    for kind, port in (("http", endpoints.http_port), ("grpc", endpoints.grpc_port),
+                       ("metrics", endpoints.metrics_port)):
+        if port is None:
+            continue
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((endpoints.host, port))
+            except OSError as exc:
+                raise UserError(f"{kind} port {port} on {endpoints.host} is not free ({exc.strerror});"
+                                f" stop what uses it or pass --{kind}-port") from None
+
+
+def _bind_host(host: str, role: str) -> str:
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        raise UserError(f"{role}_server.url: host {host!r} does not resolve on this machine; "
+                        f"fix the url or pass --host 0.0.0.0") from None
+
+
+def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
+          tritonserver: str | None = None, log_verbose: int = 0) -> TritonServer:
+    """Render ``role``'s repository under ``work_dir`` and start its server (not yet ready)."""
+    check_ports_free(endpoints)
+    work_dir = work_dir.resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    repo = render(role, config, work_dir / "model_repository")
+    server = TritonServer(locate(tritonserver), repo, endpoints, work_dir, log_verbose=log_verbose)
+    server.start()
+    return server

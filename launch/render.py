@@ -1,0 +1,136 @@
+"""Render one role's Triton model repository from the templates in ``model_repo/``.
+
+A template folder holds ``config.pbtxt`` with ``${placeholders}`` and
+``1/model.py``. Rendering fills the ``input``/``output`` sections from
+:mod:`triton_disagg.protocol` (the single owner of tensor names), the ensemble's
+steps, the instance group, and one ``settings`` parameter: a JSON object that
+the model's ``initialize`` reads (engine path, CPU pinning per instance, KV
+settings, peer URLs).
+
+Roles: ``all`` (every model; the orchestrator calls context and generation
+through BLS), ``scheduler`` (ensemble, pre/postprocessing and an orchestrator
+that reaches the roles over gRPC), ``context``, ``generation``. In aggregated
+mode no context model is rendered and the orchestrator asks generation for
+``context_and_generation``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from string import Template
+
+from triton_disagg import protocol as P
+from triton_disagg.config import DisaggConfig, ServerConfig
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "model_repo"
+FRONT = ("ensemble", "preprocessing", "orchestrator", "postprocessing")
+
+_IO = {
+    "preprocessing": (P.PREPROCESS_INPUTS, P.PREPROCESS_OUTPUTS),
+    "orchestrator": (P.ORCHESTRATOR_INPUTS, P.ORCHESTRATOR_OUTPUTS),
+    "postprocessing": (P.POSTPROCESS_INPUTS, P.POSTPROCESS_OUTPUTS),
+    "context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
+    "generation": (P.GENERATION_INPUTS, P.GENERATION_OUTPUTS),
+    "ensemble": (P.ENSEMBLE_INPUTS, P.ENSEMBLE_OUTPUTS),
+}
+
+
+def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
+    engines = ("generation",) if config.mode == "aggregated" else ("context", "generation")
+    return {"all": FRONT + engines, "scheduler": FRONT,
+            "context": ("context",), "generation": ("generation",)}[role]
+
+
+def render(role: str, config: DisaggConfig, repo: Path) -> Path:
+    """Write the repository for ``role`` into ``repo`` (replacing it) and return it."""
+    if repo.exists():
+        shutil.rmtree(repo)
+    for model in models_for(role, config):
+        src, dst = TEMPLATES / model, repo / model
+        (dst / "1").mkdir(parents=True)
+        if (src / "1" / "model.py").is_file():
+            shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
+        text = Template((src / "config.pbtxt").read_text()).substitute(_values(model, role, config))
+        (dst / "config.pbtxt").write_text(text)
+    return repo
+
+
+def settings(model: str, role: str, config: DisaggConfig) -> dict:
+    """The JSON object handed to ``model``'s ``initialize`` as parameter ``settings``."""
+    out: dict = {"engine": str(config.engine), "mode": config.mode}
+    if model in ("context", "generation"):
+        server = config.server(model)
+        out.update(
+            instance_cpus=[list(server.instance_cpus(i)) for i in range(server.instances)],
+            tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
+            kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
+            kv_lease_seconds=config.kv_cache.lease_seconds)
+    if model == "orchestrator":
+        out.update(transport="bls" if role == "all" else "grpc",
+                   context_url=config.context.url, generation_url=config.generation.url)
+    return out
+
+
+def _values(model: str, role: str, config: DisaggConfig) -> dict[str, str]:
+    inputs, outputs = _IO[model]
+    ragged = model == "context"   # the dynamic batcher may group prompts of any length
+    values = {
+        "max_batch_size": str(P.MAX_BATCH_SIZE),
+        "inputs": _tensors("input", inputs, ragged),
+        "outputs": _tensors("output", outputs, False),
+        "settings": _quote(json.dumps(settings(model, role, config), sort_keys=True)),
+    }
+    if model in ("context", "generation"):
+        values["instance_group"] = _instance_group(config.server(model))
+    if model == "ensemble":
+        values["steps"] = _ensemble_steps()
+    return values
+
+
+def _instance_group(server: ServerConfig) -> str:
+    if server.gpus:
+        gpus = ", ".join(str(g) for g in server.gpus)
+        return f"instance_group [ {{ count: 1 kind: KIND_GPU gpus: [ {gpus} ] }} ]"
+    return f"instance_group [ {{ count: {server.instances} kind: KIND_CPU }} ]"
+
+
+def _tensors(kind: str, specs: tuple[P.TensorSpec, ...], ragged: bool) -> str:
+    blocks = []
+    for s in specs:
+        extra = " optional: true" if s.optional else ""
+        if ragged and -1 in s.dims:
+            extra += " allow_ragged_batch: true"
+        dims = ", ".join(str(d) for d in s.dims)
+        blocks.append(f'  {{ name: "{s.name}" data_type: {s.pbtxt_type} dims: [ {dims} ]{extra} }}')
+    return f"{kind} [\n" + ",\n".join(blocks) + "\n]"
+
+
+def _ensemble_steps() -> str:
+    """preprocessing -> orchestrator -> postprocessing, wired by name through protocol."""
+    pre_out = {s.name for s in P.PREPROCESS_OUTPUTS}
+    public_out = {s.name for s in P.ENSEMBLE_OUTPUTS}
+    post_in = {s.name for s in P.POSTPROCESS_INPUTS}
+    steps = [
+        ("preprocessing", {s.name: s.name for s in P.PREPROCESS_INPUTS},
+         {n: f"_{n}" for n in pre_out}),
+        ("orchestrator",
+         {s.name: (f"_{s.name}" if s.name in pre_out else s.name) for s in P.ORCHESTRATOR_INPUTS},
+         {s.name: (f"_o_{s.name}" if s.name in post_in else s.name)
+          for s in P.ORCHESTRATOR_OUTPUTS if s.name in post_in or s.name in public_out}),
+        ("postprocessing", {n: f"_o_{n}" for n in post_in},
+         {s.name: s.name for s in P.POSTPROCESS_OUTPUTS}),
+    ]
+    out = []
+    for model, inputs, outputs in steps:
+        maps = [f'      input_map {{ key: "{k}" value: "{v}" }}' for k, v in sorted(inputs.items())]
+        maps += [f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in sorted(outputs.items())]
+        out.append(f'    {{\n      model_name: "{model}"\n      model_version: -1\n'
+                   + "\n".join(maps) + "\n    }")
+    return "ensemble_scheduling {\n  step [\n" + ",\n".join(out) + "\n  ]\n}"
+
+
+def _quote(text: str) -> str:
+    """A protobuf text-format string literal."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

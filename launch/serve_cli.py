@@ -1,0 +1,110 @@
+"""``triton-disagg serve all|context|generation|scheduler``.
+
+Renders the role's model repository into ``--work-dir``, starts tritonserver,
+waits until it is ready, prints the endpoints (and, for a role with the
+ensemble, a curl line), then runs until Ctrl-C / SIGTERM or until the server
+dies, and stops the server's whole process group on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+from triton_disagg.errors import UserError
+
+ROLES = ("all", "context", "generation", "scheduler")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model repository with tritonserver",
+        description="Render a role's Triton model repository and run tritonserver on it. "
+                    "`all` runs every model in one server (context and generation reached "
+                    "in-process); the other roles run one part, the scheduler reaching context "
+                    "and generation over gRPC at the URLs of the config.")
+    p.add_argument("role", choices=ROLES)
+    p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
+    p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1, or the host of the role's url)")
+    p.add_argument("--http-port", type=int)
+    p.add_argument("--grpc-port", type=int)
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
+    p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for ready")
+    p.set_defaults(func=run)
+
+
+def load(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from triton_disagg.config import check_host, default_config, load_config
+
+    if args.config is None:
+        if args.engine is None:
+            raise UserError("give -c disagg_config.yaml or --engine DIR")
+        if args.role == "scheduler":
+            raise UserError("serve scheduler needs -c disagg_config.yaml naming the context and "
+                            "generation urls")
+        config = default_config(args.engine)
+    else:
+        config = load_config(args.config)
+        if args.engine is not None:
+            config = replace(config, engine=default_config(args.engine).engine)
+    if args.role == "scheduler":
+        for role in ("generation",) if config.mode == "aggregated" else ("context", "generation"):
+            if config.server(role).url is None:
+                raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler dials "
+                                f"it, e.g. `{role}_server: {{url: \"localhost:9001\"}}`")
+    if args.role != "scheduler":
+        check_host(config)
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    from .deploy import PortFlags, endpoints_for, start
+
+    config = load(args)
+    flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port)
+    endpoints = endpoints_for(args.role, config, flags)
+    work_dir = args.work_dir or Path("work") / args.role
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose)
+    try:
+        if not server.wait_ready(args.ready_timeout, cancel=stop):
+            return 130
+        _announce(args.role, config, endpoints, server)
+        while not stop.wait(0.5):
+            if server.process.poll() is not None:
+                print(f"tritonserver exited with code {server.process.returncode}:\n"
+                      f"{server.log_tail()}", flush=True)
+                return 1
+        print("stopping tritonserver ...", flush=True)
+        return 0
+    finally:
+        server.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _announce(role: str, config, endpoints, server) -> None:
+    shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
+    lines = [f"triton-disagg serve {role}: ready ({config.mode}, engine {config.engine})"]
+    if endpoints.http_port is not None:
+        lines.append(f"  HTTP     http://{shown}:{endpoints.http_port}")
+    lines.append(f"  gRPC     {shown}:{endpoints.grpc_port}")
+    if endpoints.metrics_port is not None:
+        lines.append(f"  metrics  http://{shown}:{endpoints.metrics_port}/metrics")
+    lines.append(f"  log      {server.log_path}")
+    if role in ("all", "scheduler") and endpoints.http_port is not None:
+        lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
+                     f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
+    elif role in ("context", "generation"):
+        lines.append(f"  the scheduler dials {config.server(role).url or f'{shown}:{endpoints.grpc_port}'}")
+    lines.append("Ctrl-C stops the server.")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,220 @@
+"""Locate, start, health-check and stop a real ``tritonserver``.
+
+Where the server comes from, first match wins: ``--tritonserver PATH``, the
+``TRITON_DISAGG_TRITONSERVER`` environment variable (the GPU image sets it to
+NGC's ``/opt/tritonserver/bin/tritonserver``), then the server embedded in the
+``nvidia-pytriton`` wheel (Triton 2.51, CPU capable).
+
+Embedded server facts this module relies on:
+
+- binary ``pytriton/tritonserver/bin/tritonserver``; its shared libraries are
+  in ``nvidia_pytriton.libs`` next to the ``pytriton`` package, which must be
+  on ``LD_LIBRARY_PATH``;
+- ``pytriton/tritonserver/backends/python`` has ``libtriton_python.so`` but no
+  stub: the stub for the running Python is
+  ``python_backend_stubs/<major.minor>/triton_python_backend_stub`` and is copied
+  into a private backends folder;
+- the stub embeds ``libpython<ver>.so``; it runs with this interpreter's
+  packages when this interpreter's ``bin`` folder leads ``PATH`` and its
+  ``LIBDIR`` leads ``LD_LIBRARY_PATH``.
+
+Invariant: the server runs in its own process group (its Python stubs
+included), so :meth:`TritonServer.stop` ends all of it and nothing else; it is
+also SIGTERMed if the process that started it dies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from triton_disagg.errors import UserError
+
+ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backends: Path              # folder holding python/libtriton_python.so
+    libs: Path | None           # extra LD_LIBRARY_PATH entry (the wheel's bundled libs)
+    stub: Path | None           # stub to copy into backends/python, when not there already
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    host: str                   # bind address
+    http_port: int | None       # None: HTTP off
+    grpc_port: int
+    metrics_port: int | None    # None: metrics off
+
+
+def locate(override: str | os.PathLike | None = None) -> TritonInstall:
+    """Find a tritonserver (see the module docstring for the order)."""
+    explicit = override or os.environ.get(ENV_OVERRIDE)
+    if explicit:
+        binary = Path(explicit)
+        if binary.is_dir():
+            binary = binary / "bin" / "tritonserver"
+        if not binary.is_file():
+            raise UserError(f"--tritonserver: {explicit} is not a tritonserver binary; pass the "
+                            f"path to bin/tritonserver (e.g. /opt/tritonserver/bin/tritonserver)")
+        return TritonInstall(binary, binary.parent.parent / "backends", None, None)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("no tritonserver found: install nvidia-pytriton (`pip install "
+                        "nvidia-pytriton`) or pass --tritonserver /opt/tritonserver/bin/tritonserver")
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise UserError(f"nvidia-pytriton has no Python backend stub for Python {version}; run with "
+                        f"a Python it ships ({', '.join(sorted(p.name for p in stub.parent.parent.iterdir()))})")
+    return TritonInstall(root / "bin" / "tritonserver", root / "backends",
+                         root.parent.parent / "nvidia_pytriton.libs", stub)
+
+
+def prepare_backends(install: TritonInstall, work_dir: Path) -> Path:
+    """The backends folder to pass to the server; the wheel's gets a private copy with the stub."""
+    if install.stub is None:
+        return install.backends
+    dest = work_dir / "backends"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(install.backends / "python", dest / "python",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(install.stub, dest / "python" / "triton_python_backend_stub")
+    return dest
+
+
+def server_env(install: TritonInstall, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the server and its stubs: this interpreter's packages and libpython."""
+    env = dict(os.environ)
+    lib_dirs = [sysconfig.get_config_var("LIBDIR") or ""]
+    if install.libs is not None:
+        lib_dirs.append(str(install.libs))
+    lib_dirs.append(env.get("LD_LIBRARY_PATH", ""))
+    env["LD_LIBRARY_PATH"] = ":".join(d for d in lib_dirs if d)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(extra or {})
+    return env
+
+
+class TritonServer:
+    """One tritonserver process group serving ``repo`` at ``endpoints``."""
+
+    def __init__(self, install: TritonInstall, repo: Path, endpoints: Endpoints, work_dir: Path,
+                 env: dict[str, str] | None = None, log_verbose: int = 0):
+        self.install, self.repo, self.endpoints, self.work_dir = install, repo, endpoints, work_dir
+        self.log_path = work_dir / "tritonserver.log"
+        self.env = server_env(install, env)
+        self.log_verbose = log_verbose
+        self.process: subprocess.Popen | None = None
+
+    def command(self, backends: Path) -> list[str]:
+        e = self.endpoints
+        cmd = [str(self.install.binary), f"--model-repository={self.repo}",
+               f"--backend-directory={backends}", "--model-control-mode=none",
+               "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
+               f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}"]
+        if e.http_port is None:
+            cmd.append("--allow-http=false")
+        else:
+            cmd += [f"--http-address={e.host}", f"--http-port={e.http_port}"]
+        if e.metrics_port is None:
+            cmd.append("--allow-metrics=false")
+        else:
+            cmd += [f"--metrics-address={e.host}", f"--metrics-port={e.metrics_port}"]
+        return cmd
+
+    def start(self) -> None:
+        backends = prepare_backends(self.install, self.work_dir)
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.command(backends), stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=self.env, cwd=self.work_dir,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()
+
+    def wait_ready(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> bool:
+        """Block until the server reports ready (True) or ``cancel`` is set (False).
+
+        A server that exits first, or is not ready within ``timeout``, raises UserError;
+        the caller stops it.
+        """
+        deadline = time.monotonic() + timeout
+        while cancel is None or not cancel.is_set():
+            if self.process is None or self.process.poll() is not None:
+                raise UserError(f"tritonserver exited before it was ready:\n{self.log_tail()}\n"
+                                f"(full log: {self.log_path})")
+            if self.is_ready():
+                return True
+            if time.monotonic() > deadline:
+                raise UserError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log_tail()}\n"
+                                f"(full log: {self.log_path})")
+            time.sleep(0.25)
+        return False
+
+    def is_ready(self) -> bool:
+        host = "127.0.0.1" if self.endpoints.host in ("0.0.0.0", "::") else self.endpoints.host
+        if self.endpoints.http_port is not None:
+            try:
+                url = f"http://{host}:{self.endpoints.http_port}/v2/health/ready"
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+        import tritonclient.grpc as grpcclient
+
+        try:
+            with grpcclient.InferenceServerClient(f"{host}:{self.endpoints.grpc_port}") as client:
+                return client.is_server_ready(client_timeout=2)
+        except Exception:  # noqa: BLE001 - any failure means "not yet"
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [t for t in text if t.startswith("E") or "error" in t.lower()]
+        return "\n".join((errors or text)[-lines:])
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds; returns the exit code."""
+        proc = self.process
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(proc.pid, signal.SIGKILL)  # stubs left behind by a crashed server
+        return proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the process that started it dies (even by
+    SIGKILL), so a killed `triton-disagg serve` never leaves a server behind."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

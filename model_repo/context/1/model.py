@@ -1,0 +1,51 @@
+"""context: prefill of a batch of prompts; first token + context_phase_params
+(logic: triton_disagg.serving.context)."""
+
+import json
+import uuid
+
+import triton_python_backend_utils as pb_utils
+
+from triton_disagg import protocol as P
+from triton_disagg.serving import engine_request
+from triton_disagg.serving.context import ContextSide
+from triton_disagg.serving.kv_side import make_engine
+from triton_disagg.serving.metrics import Metrics
+from triton_disagg.serving.placement import cores_for, pin, read_settings
+from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        settings = read_settings(args)
+        self.limits = pin(cores_for(settings, args))
+        instance = args["model_instance_name"]
+        self.metrics = Metrics(pb_utils, "context", instance)
+        self.side = ContextSide(make_engine(settings), settings, instance, self.metrics)
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        batch, slots = [], []
+        for i, request in enumerate(requests):
+            try:
+                request_type = json.loads(request.parameters() or "{}").get(
+                    P.REQUEST_TYPE, P.CONTEXT_ONLY)
+                if request_type != P.CONTEXT_ONLY:
+                    raise RequestError(f"request_type {request_type!r}: the context model serves "
+                                       f"{P.CONTEXT_ONLY!r} only")
+                inputs = read_inputs(pb_utils, request, P.CONTEXT_INPUTS)
+                batch.append((request.request_id() or uuid.uuid4().hex,
+                              engine_request.parse(inputs)))
+                slots.append(i)
+            except RequestError as exc:
+                responses[i] = error_response(pb_utils, str(exc))
+        for i, result in zip(slots, self.side.prefill(batch) if batch else []):
+            if isinstance(result, Exception):
+                responses[i] = error_response(pb_utils, str(result))
+            else:
+                tensors = make_tensors(pb_utils, P.CONTEXT_OUTPUTS, result)
+                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+        return responses
+
+    def finalize(self):
+        self.side.close()

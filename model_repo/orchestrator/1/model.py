@@ -1,0 +1,59 @@
+"""orchestrator: decoupled BLS model (logic: triton_disagg.serving.orchestrator).
+
+Each request runs as a coroutine on the stub's event loop: context call, first
+token out at once, KV handoff, generation stream. Context and generation are
+reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
+"""
+
+import asyncio
+
+import triton_python_backend_utils as pb_utils
+
+from triton_disagg import protocol as P
+from triton_disagg.serving.metrics import Metrics
+from triton_disagg.serving.orchestrator import EngineError, Orchestrator
+from triton_disagg.serving.placement import read_settings
+from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+from triton_disagg.serving.transports import BLSTransport, GrpcTransport
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        settings = read_settings(args)
+        if settings["transport"] == "bls":
+            self.transport = BLSTransport(pb_utils)
+        else:
+            self.transport = GrpcTransport(settings["context_url"], settings["generation_url"])
+        self.metrics = Metrics(pb_utils, "orchestrator", args["model_instance_name"])
+        self.orchestrator = Orchestrator(self.transport, settings["mode"], self.metrics)
+
+    async def execute(self, requests):
+        await asyncio.gather(*(self._serve(request) for request in requests))
+        return None
+
+    async def _serve(self, request):
+        sender = request.get_response_sender()
+
+        async def send(outputs, final):
+            if outputs is None:
+                sender.send(flags=FINAL)
+            else:
+                tensors = make_tensors(pb_utils, P.ORCHESTRATOR_OUTPUTS, outputs)
+                sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
+                            flags=FINAL if final else 0)
+
+        try:
+            inputs = read_inputs(pb_utils, request, P.ORCHESTRATOR_INPUTS)
+            await self.orchestrator.handle(inputs, send, sender.is_cancelled)
+        except (RequestError, EngineError) as exc:
+            sender.send(error_response(pb_utils, str(exc)), flags=FINAL)
+        except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
+            pb_utils.Logger.log_error(f"orchestrator: {type(exc).__name__}: {exc}")
+            sender.send(error_response(pb_utils, f"internal error: {type(exc).__name__}: {exc}"),
+                        flags=FINAL)
+
+    def finalize(self):
+        if isinstance(self.transport, BLSTransport):
+            self.transport.close()

@@ -1,0 +1,31 @@
+"""preprocessing: text -> input_ids, words -> id lists, default end/pad ids
+(logic: triton_disagg.serving.preprocess)."""
+
+import triton_python_backend_utils as pb_utils
+
+from triton_disagg import protocol as P
+from triton_disagg.engine.spec import EngineSpec
+from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg.serving.placement import read_settings
+from triton_disagg.serving.preprocess import Preprocessor
+from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        engine = read_settings(args)["engine"]
+        spec = EngineSpec.load(engine)
+        self.pre = Preprocessor(Tokenizer(engine), spec.max_seq_len, spec.eos_token_id,
+                                spec.pad_token_id)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                outputs = self.pre.process(read_inputs(pb_utils, request, P.PREPROCESS_INPUTS))
+            except RequestError as exc:
+                responses.append(error_response(pb_utils, str(exc)))
+                continue
+            tensors = make_tensors(pb_utils, P.PREPROCESS_OUTPUTS, outputs)
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        return responses

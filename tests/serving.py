@@ -1,0 +1,211 @@
+"""Helpers for tests that start a real tritonserver (import as ``import serving``).
+
+:func:`serve` runs ``triton-disagg serve ROLE ...`` exactly as a user would,
+in its own process group, waits for its "ready" line, yields a
+:class:`Served` with the URLs, and on exit sends SIGTERM (the CLI stops
+tritonserver and its stubs) and checks that the whole group is gone.
+
+Clients: :func:`generate` (HTTP ``/generate``), :func:`generate_stream` (HTTP
+SSE ``/generate_stream``), :func:`grpc_stream` (tritonclient gRPC streaming),
+:func:`metrics` (the metrics endpoint as text). Reference: :func:`offline_text`
+(the engine run in-process, as `triton-disagg run` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_TIMEOUT = 240.0
+PROMPTS = ["The quick brown fox", "日本語と中文的文字", "emoji 🎉🚀 party", "a"]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen
+    http: str | None            # http://127.0.0.1:PORT
+    grpc: str                   # 127.0.0.1:PORT
+    metrics: str | None
+    log: Path                   # the CLI's stdout/stderr
+    work_dir: Path
+
+    def server_log(self) -> str:
+        path = self.work_dir / "tritonserver.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+@contextlib.contextmanager
+def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics: bool = True,
+          grpc_port: int | None = None):
+    """Run ``triton-disagg serve role *args`` on free ports (gRPC: ``grpc_port`` when given)
+    until the block exits."""
+    http_port, free_grpc, metrics_port = free_ports(3)
+    grpc_port = grpc_port or free_grpc
+    cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", role, *args,
+           "--grpc-port", str(grpc_port), "--work-dir", str(work_dir)]
+    if http:
+        cmd += ["--http-port", str(http_port)]
+    if metrics:
+        cmd += ["--metrics-port", str(metrics_port)]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log = work_dir / "serve-cli.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    served = Served(proc, f"http://127.0.0.1:{http_port}" if http else None,
+                    f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}" if metrics else None,
+                    log, work_dir)
+    try:
+        _wait_for_line(served, "ready (")
+        yield served
+    finally:
+        stop(served)
+
+
+def stop(served: Served, timeout: float = 60.0) -> int:
+    """SIGTERM the CLI; assert that it, tritonserver and every stub are gone."""
+    proc = served.process
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"serve did not stop on SIGTERM:\n{served.log.read_text()}")
+    left = processes_under(served.work_dir)
+    assert not left, f"left running after serve stopped: {left}"
+    return proc.returncode
+
+
+def processes_under(work_dir: Path) -> list[str]:
+    """Command lines of live processes that mention ``work_dir`` (tritonserver, its stubs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(l for l in (entry / "status").read_text().splitlines() if l.startswith("State"))
+        except (OSError, StopIteration):
+            continue
+        if str(work_dir.resolve()) in cmd and "zombie" not in state:
+            found.append(f"{entry.name}: {cmd[:120]}")
+    return found
+
+
+def _wait_for_line(served: Served, marker: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        text = served.log.read_text(errors="replace")
+        if marker in text:
+            return
+        if served.process.poll() is not None:
+            raise AssertionError(f"serve exited with {served.process.returncode}:\n{text}\n"
+                                 f"--- tritonserver.log ---\n{served.server_log()[-6000:]}")
+        time.sleep(0.3)
+    raise AssertionError(f"serve not ready in {READY_TIMEOUT}s:\n{served.log.read_text()}")
+
+
+def post_json(url: str, payload: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def generate(http: str, payload: dict, model: str = "ensemble") -> tuple[int, dict]:
+    return post_json(f"{http}/v2/models/{model}/generate", payload)
+
+
+def generate_stream(http: str, payload: dict, model: str = "ensemble",
+                    timeout: float = 120.0) -> list[dict]:
+    """Every SSE event of ``/generate_stream`` as a dict (errors come as {"error": ...})."""
+    request = urllib.request.Request(f"{http}/v2/models/{model}/generate_stream",
+                                     data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:"):]))
+    return events
+
+
+def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
+                model: str = "ensemble", extra: dict | None = None, timeout: float = 120.0) -> list:
+    """Send one request over a gRPC stream; returns the text_output strings (or raises)."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    inputs = {"text_input": np.array([[text.encode()]], dtype=object),
+              "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+              "stream": np.array([[stream]], dtype=bool), **(extra or {})}
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(grpc) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        tensors = []
+        for name, arr in inputs.items():
+            dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
+            tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
+            tensors[-1].set_data_from_numpy(arr)
+        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        texts = []
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                client.stop_stream()
+                raise RuntimeError(error.message())
+            response = result.get_response()
+            out = result.as_numpy("text_output")
+            if out is not None:
+                texts.append(out.reshape(-1)[0].decode("utf-8"))
+            if response.parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+    return texts
+
+
+def offline_text(engine_dir: Path):
+    """``(prompt, max_tokens) -> text`` as `triton-disagg run` prints it (greedy, stops at eos)."""
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.sampling import SamplingParams
+    from triton_disagg.engine.spec import EngineSpec
+    from triton_disagg.engine.tokenizer import Tokenizer
+
+    spec = EngineSpec.load(engine_dir)
+    tokenizer, engine = Tokenizer(engine_dir), LLMEngine(engine_dir, num_blocks=512)
+
+    def run(prompt: str, max_tokens: int) -> str:
+        params = SamplingParams(max_tokens=max_tokens, end_id=spec.eos_token_id)
+        (seq,) = engine.generate([tokenizer.encode(prompt)], params)
+        return tokenizer.decode(seq.output_ids)
+    return run
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        return resp.read().decode()

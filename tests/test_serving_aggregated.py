@@ -1,0 +1,101 @@
+"""`serve all` in aggregated mode on the demo engine: a real tritonserver, real clients.
+
+Greedy text over HTTP generate, HTTP generate_stream and tritonclient gRPC
+streaming equals the engine's offline output; per-request errors leave the
+server serving.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import serving
+
+from serving import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def offline(demo_engine):
+    return serving.offline_text(demo_engine)
+
+
+@pytest.fixture(scope="module")
+def server(demo_engine, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-aggregated")
+    config = work / "disagg_config.yaml"
+    config.write_text(f"model: {{engine: {demo_engine}}}\nmode: aggregated\n"
+                      f"generation_server: {{instances: 1}}\nkv_cache: {{max_size: 64MB}}\n")
+    with serving.serve("all", ["-c", str(config)], work / "run") as served:
+        yield served
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_http_generate_equals_offline(server, offline, prompt):
+    status, body = serving.generate(server.http, {"text_input": prompt, "max_tokens": 24})
+    assert status == 200, body
+    assert body["text_output"] == offline(prompt, 24)
+    assert body["num_output_tokens"] <= 24
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_generate_stream_deltas_concatenate_to_generate(server, offline, prompt):
+    events = serving.generate_stream(server.http, {"text_input": prompt, "max_tokens": 24,
+                                                   "stream": True})
+    assert all("error" not in e for e in events), events
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == offline(prompt, 24)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_grpc_streaming_equals_offline(server, offline, prompt):
+    deltas = serving.grpc_stream(server.grpc, prompt, 24)
+    assert len(deltas) > 1 and "".join(deltas) == offline(prompt, 24)
+    (whole,) = serving.grpc_stream(server.grpc, prompt, 24, stream=False)
+    assert whole == offline(prompt, 24)
+
+
+def test_concurrent_requests_are_batched_and_each_correct(server, offline):
+    jobs = [(p, 16 + i) for i, p in enumerate(PROMPTS * 2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: serving.generate(
+            server.http, {"text_input": j[0], "max_tokens": j[1]}), jobs))
+    for (prompt, n), (status, body) in zip(jobs, results):
+        assert status == 200 and body["text_output"] == offline(prompt, n)
+
+
+def test_outputs_and_options(server, offline):
+    status, body = serving.generate(server.http, {
+        "text_input": "The quick brown fox", "max_tokens": 5, "return_log_probs": True,
+        "exclude_input_in_output": False})
+    assert status == 200, body
+    assert body["text_output"].startswith("The quick brown fox")
+    assert body["num_input_tokens"] == 4 and body["num_output_tokens"] == 5
+    assert len(body["output_log_probs"]) == 5 and all(lp <= 0 for lp in body["output_log_probs"])
+    assert body["cum_log_probs"] == pytest.approx(sum(body["output_log_probs"]), rel=1e-5)
+
+
+@pytest.mark.parametrize("payload, words", [
+    ({"max_tokens": 4}, ["text_input"]),
+    ({"text_input": "hi", "max_tokens": 0}, ["max_tokens", ">= 1"]),
+    ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, ["beam_width", "not supported"]),
+    ({"text_input": "x " * 3000, "max_tokens": 4}, ["prompt", "max_seq_len"]),
+    ({"text_input": "hi", "max_tokens": 4, "top_p": 5.0}, ["top_p"]),
+    ({"text_input": "hi", "max_tokens": 4, "lora_task_id": 3}, ["LoRA"]),
+])
+def test_per_request_errors_keep_the_server_serving(server, offline, payload, words):
+    status, body = serving.generate(server.http, payload)
+    assert status == 400, body
+    for word in words:
+        assert word in body["error"], body
+    status, body = serving.generate(server.http, {"text_input": "a", "max_tokens": 3})
+    assert status == 200 and body["text_output"] == offline("a", 3)
+
+
+def test_wrong_dtype_over_grpc_is_refused(server):
+    with pytest.raises(RuntimeError, match="max_tokens"):
+        serving.grpc_stream(server.grpc, "hi", 4, extra={
+            "max_tokens": np.array([[4.0]], dtype=np.float32)})
+    assert serving.generate(server.http, {"text_input": "a", "max_tokens": 2})[0] == 200

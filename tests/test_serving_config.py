@@ -1,0 +1,95 @@
+"""disagg_config.yaml: the deployment guide's format loads as written; mistakes are one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_disagg.config import check_host, default_config, load_config, parse_size
+from triton_disagg.errors import UserError
+
+GUIDE = """\
+model: {engine: engines/demo}
+context_server:    {url: "context-server-01:8000",    gpus: [0, 1]}
+generation_server: {url: "generation-server-01:8001", gpus: [2, 3]}
+kv_cache: {strategy: direct_transfer, max_size: 2GB}
+"""
+
+
+@pytest.fixture
+def write(tmp_path):
+    (tmp_path / "engines" / "demo").mkdir(parents=True)
+    (tmp_path / "engines" / "demo" / "engine.json").write_text("{}")
+
+    def _write(text: str):
+        path = tmp_path / "disagg_config.yaml"
+        path.write_text(text)
+        return path
+    return _write
+
+
+def test_guide_format_loads_as_written(write, tmp_path):
+    cfg = load_config(write(GUIDE))
+    assert cfg.engine == (tmp_path / "engines" / "demo").resolve()
+    assert cfg.context.url == "context-server-01:8000" and cfg.context.gpus == (0, 1)
+    assert cfg.context.instances == 2 and cfg.generation.port == 8001
+    assert cfg.kv_cache.strategy == "direct_transfer" and cfg.kv_cache.max_size == 2 * 10**9
+    assert cfg.mode == "disaggregated"
+
+
+def test_cpu_host_extensions(write):
+    cfg = load_config(write(
+        "model: {engine: engines/demo}\nmode: aggregated\n"
+        "context_server: {url: 'localhost:9001', cpus: [0, 1], instances: 2, tokens_per_block: 8}\n"
+        "generation_server: {url: 'localhost:9002', cpus: [1], kv_dtype: float16}\n"
+        "kv_cache: {strategy: host_memory, max_size: 64MiB, lease_seconds: 5}\n"))
+    assert cfg.mode == "aggregated"
+    assert cfg.context.instance_cpus(0) == (0,) and cfg.context.instance_cpus(1) == (1,)
+    assert cfg.generation.instance_cpus(0) == (1,) and cfg.generation.kv_dtype == "float16"
+    assert cfg.kv_cache.max_size == 64 * 2**20 and cfg.kv_cache.lease_seconds == 5.0
+
+
+@pytest.mark.parametrize("text, words", [
+    ("model: {engine: engines/demo}\nkv_cache: {max_size: 2XB}\n", ["kv_cache.max_size", "2GB"]),
+    ("model: {engine: engines/demo}\ncontext_server: {url: a:1, gpu: [0]}\n",
+     ["context_server", "'gpu'", "allowed keys"]),
+    ("model: {engine: engines/missing}\n", ["model.engine", "triton-disagg build"]),
+    ("context_server: {url: 'a:1'}\n", ["model", "mapping"]),
+    ("model: {engine: engines/demo}\nkv_cache: {strategy: rdma}\n", ["kv_cache.strategy"]),
+    ("model: {engine: engines/demo}\nmode: split\n", ["mode", "aggregated"]),
+    ("model: {engine: engines/demo}\ngeneration_server: {url: nohostport}\n",
+     ["generation_server.url", "host:port"]),
+    ("model: {engine: engines/demo}\ncontext_server: {cpus: [0], instances: 2}\n",
+     ["context_server.cpus", "one core per instance"]),
+    ("model: {engine: engines/demo}\ncontext_server: {tokens_per_block: 12}\n",
+     ["context_server.tokens_per_block", "power of two"]),
+    ("model: {engine: engines/demo}\ncontext_server: {gpus: [0], cpus: [1]}\n", ["either gpus"]),
+    ("model: {engine: [}\n", ["not valid YAML"]),
+])
+def test_mistakes_are_one_line_naming_the_key(write, text, words):
+    with pytest.raises(UserError) as err:
+        load_config(write(text))
+    message = str(err.value)
+    assert "\n" not in message and "disagg_config.yaml" in message
+    for word in words:
+        assert word in message, message
+
+
+def test_gpus_where_none_exist(write):
+    cfg = load_config(write(GUIDE))
+    with pytest.raises(UserError, match=r"context_server.gpus.*no GPUs.*cpus: \[0\]"):
+        check_host(cfg, gpu_count=0)
+    check_host(cfg, gpu_count=4)
+
+
+def test_defaults_from_engine_only(tmp_path):
+    (tmp_path / "engine.json").write_text("{}")
+    cfg = default_config(tmp_path)
+    assert cfg.context.instances == 1 and cfg.context.instance_cpus(0) == ()
+    with pytest.raises(UserError, match="--engine"):
+        default_config(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("value, size", [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20),
+                                         (1000, 1000), ("1.5 KB", 1500)])
+def test_sizes(value, size):
+    assert parse_size(value, "k") == size

@@ -1,0 +1,197 @@
+"""Disaggregated serving on the demo engine: context -> KV handoff -> generation.
+
+`serve all` with each KV strategy, and the three roles as separate servers
+(the scheduler dials context and generation over gRPC). Greedy output equals
+the offline engine; cancelled, expired and refused handoffs leave the pools at
+zero blocks used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import serving
+from serving import PROMPTS
+
+LEASE_SECONDS = 2
+
+
+@pytest.fixture(scope="module")
+def offline(demo_engine):
+    return serving.offline_text(demo_engine)
+
+
+def _config(path, engine, strategy, extra=""):
+    path.write_text(f"model: {{engine: {engine}}}\n"
+                    f"kv_cache: {{strategy: {strategy}, max_size: 64MB, "
+                    f"lease_seconds: {LEASE_SECONDS}}}\n{extra}")
+    return path
+
+
+@pytest.fixture(scope="module", params=["direct_transfer", "host_memory"])
+def server(request, demo_engine, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"serve-{request.param}")
+    config = _config(work / "disagg_config.yaml", demo_engine, request.param)
+    with serving.serve("all", ["-c", str(config)], work / "run") as served:
+        yield served
+
+
+def _gauges(served, name):
+    return {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+            for line in serving.metrics(served.metrics).splitlines() if line.startswith(name + "{")}
+
+
+def _wait_pools_empty(served, timeout=3 * LEASE_SECONDS + 5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        used = _gauges(served, "disagg_kv_blocks_used")
+        if len(used) == 2 and not any(used.values()):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"pools not empty: {used}")
+
+
+def test_greedy_equals_offline_over_every_client(server, offline):
+    for prompt in PROMPTS:
+        status, body = serving.generate(server.http, {"text_input": prompt, "max_tokens": 20})
+        assert status == 200 and body["text_output"] == offline(prompt, 20), body
+        events = serving.generate_stream(server.http, {"text_input": prompt, "max_tokens": 20,
+                                                       "stream": True})
+        assert "".join(e["text_output"] for e in events) == offline(prompt, 20)
+    assert "".join(serving.grpc_stream(server.grpc, PROMPTS[1], 20)) == offline(PROMPTS[1], 20)
+
+
+def test_concurrent_and_first_token_only(server, offline):
+    jobs = [(p, n) for p in PROMPTS for n in (1, 7, 19)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: serving.generate(
+            server.http, {"text_input": j[0], "max_tokens": j[1]}), jobs))
+    for (prompt, n), (status, body) in zip(jobs, results):
+        assert status == 200 and body["text_output"] == offline(prompt, n), (prompt, n, body)
+    _wait_pools_empty(server)
+    m = serving.metrics(server.metrics)
+    assert "disagg_kv_transfer_bytes_total{" in m and "disagg_time_to_first_token_seconds_count" in m
+
+
+def _orchestrator_inputs(ids, max_tokens):
+    import tritonclient.grpc as grpcclient
+
+    arrays = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[max_tokens]], np.int32),
+              "stop_words_list": np.array([[[0], [-1]]], np.int32),
+              "bad_words_list": np.array([[[0], [-1]]], np.int32),
+              "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[2]], np.int32),
+              "stream": np.array([[True]])}
+    tensors = []
+    for name, arr in arrays.items():
+        tensors.append(grpcclient.InferInput(name, list(arr.shape),
+                                             grpcclient.np_to_triton_dtype(arr.dtype)))
+        tensors[-1].set_data_from_numpy(arr)
+    return tensors
+
+
+def test_client_cancel_stops_generation_and_frees_blocks(server):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer("orchestrator", _orchestrator_inputs([5, 6, 7], 1500))
+        for _ in range(3):
+            result, error = got.get(timeout=60)
+            assert error is None, error
+        client.stop_stream(cancel_requests=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        outcomes = _gauges(server, "disagg_requests_total")
+        if any("cancelled" in k and "generation" in k for k in outcomes):
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError(f"generation did not see the stop: {outcomes}")
+    _wait_pools_empty(server)
+
+
+def test_unfetched_handoff_expires_and_foreign_handle_is_refused(server):
+    import tritonclient.grpc as grpcclient
+
+    from triton_disagg.kv import handle as kvhandle
+
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        inputs = _orchestrator_inputs(list(range(3, 40)), 8)[:3]
+        result = client.infer("context", inputs, parameters={"request_type": "context_only"})
+    handle = kvhandle.decode(result.as_numpy("context_phase_params")[0])
+    assert handle.num_tokens == 37
+    foreign = kvhandle.encode(dataclasses.replace(handle, fingerprint="0" * 64))
+    with pytest.raises(RuntimeError, match="engine"):
+        _generation_only(server, list(range(3, 40)) + [int(result.as_numpy("output_ids")[0, 0, 0])],
+                         foreign)
+    _wait_pools_empty(server)                   # the lease expired and its blocks came back
+    deadline = time.monotonic() + 10
+    while not sum(_gauges(server, "disagg_kv_leases_expired_total").values()):
+        assert time.monotonic() < deadline, "the expired lease was not counted"
+        time.sleep(0.25)
+
+
+def _generation_only(served, ids, handle_bytes):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    arrays = {"input_ids": np.array([ids], np.int32),
+              "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[4]], np.int32),
+              "context_phase_params": np.frombuffer(handle_bytes, np.uint8)[None, :]}
+    tensors = []
+    for name, arr in arrays.items():
+        tensors.append(grpcclient.InferInput(name, list(arr.shape),
+                                             grpcclient.np_to_triton_dtype(arr.dtype)))
+        tensors[-1].set_data_from_numpy(arr)
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(served.grpc) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer("generation", tensors, parameters={"request_type": "generation_only"})
+        result, error = got.get(timeout=60)
+        client.stop_stream()
+    if error is not None:
+        raise RuntimeError(error.message())
+    return result
+
+
+def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
+    ctx_port, gen_port = serving.free_ports(2)
+    config = _config(tmp_path / "disagg_config.yaml", demo_engine, "direct_transfer",
+                     f'context_server: {{url: "localhost:{ctx_port}", cpus: [0]}}\n'
+                     f'generation_server: {{url: "localhost:{gen_port}"}}\n')
+    args = ["-c", str(config)]
+    with serving.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port), \
+            serving.serve("generation", args, tmp_path / "g", http=False, grpc_port=gen_port), \
+            serving.serve("scheduler", args, tmp_path / "s") as scheduler:
+        for prompt in PROMPTS[:2]:
+            status, body = serving.generate(scheduler.http, {"text_input": prompt, "max_tokens": 16})
+            assert status == 200 and body["text_output"] == offline(prompt, 16), body
+        deltas = serving.grpc_stream(scheduler.grpc, PROMPTS[2], 16)
+        assert len(deltas) > 1 and "".join(deltas) == offline(PROMPTS[2], 16)
+
+
+def test_layout_conversion_between_sides(demo_engine, tmp_path, offline):
+    """Context keeps the engine's 16 tokens per block; generation uses 8 (and float16 KV on
+    the host_memory path): the receiver converts, greedy text still matches for tpb."""
+    for strategy, gen_kv in (("direct_transfer", "tokens_per_block: 8"),
+                             ("host_memory", "tokens_per_block: 32, kv_dtype: float16")):
+        config = _config(tmp_path / f"{strategy}.yaml", demo_engine, strategy,
+                         f"generation_server: {{{gen_kv}}}\n")
+        with serving.serve("all", ["-c", str(config)], tmp_path / strategy) as served:
+            prompt = "The quick brown fox jumps over the lazy dog, again and again"
+            status, body = serving.generate(served.http, {"text_input": prompt, "max_tokens": 12})
+            assert status == 200 and body["num_output_tokens"] == 12, body
+            if "float16" not in gen_kv:
+                assert body["text_output"] == offline(prompt, 12)
+            _wait_pools_empty(served)

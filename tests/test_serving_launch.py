@@ -1,0 +1,142 @@
+"""launch/: rendering repositories, binding rules, and a real tritonserver's start and stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import urllib.request
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+import serving
+from triton_disagg import protocol as P
+from triton_disagg.config import parse_config
+from triton_disagg.errors import UserError
+from triton_disagg.launch.deploy import PortFlags, endpoints_for
+from triton_disagg.launch.render import render
+from triton_disagg.launch.tritonserver import Endpoints, TritonServer, locate
+
+
+@pytest.fixture
+def config(tmp_path):
+    (tmp_path / "engine.json").write_text("{}")
+    return parse_config({
+        "model": {"engine": str(tmp_path)},
+        "context_server": {"url": "localhost:9001", "cpus": [0, 1], "instances": 2},
+        "generation_server": {"url": "localhost:9002", "instances": 1, "tokens_per_block": 8},
+        "kv_cache": {"strategy": "host_memory", "max_size": "64MiB"}})
+
+
+def _load(repo: Path, model: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse((repo / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+
+
+@pytest.mark.parametrize("role, models", [
+    ("all", {"ensemble", "preprocessing", "orchestrator", "postprocessing", "context", "generation"}),
+    ("scheduler", {"ensemble", "preprocessing", "orchestrator", "postprocessing"}),
+    ("context", {"context"}), ("generation", {"generation"})])
+def test_render_roles(config, tmp_path, role, models):
+    repo = render(role, config, tmp_path / "repo")
+    assert {p.name for p in repo.iterdir()} == models
+    for model in models:
+        cfg = _load(repo, model)          # valid protobuf text
+        assert cfg.max_batch_size == P.MAX_BATCH_SIZE
+        if model != "ensemble":
+            assert (repo / model / "1" / "model.py").is_file()
+
+
+def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
+    repo = render("all", config, tmp_path / "repo")
+    ens = _load(repo, "ensemble")
+    assert [(i.name, i.optional) for i in ens.input] == [(s.name, s.optional) for s in P.ENSEMBLE_INPUTS]
+    assert {o.name for o in ens.output} == {s.name for s in P.ENSEMBLE_OUTPUTS}
+    produced = {v for step in ens.ensemble_scheduling.step for v in step.output_map.values()}
+    assert {s.name for s in P.ENSEMBLE_OUTPUTS} <= produced
+    ctx = _load(repo, "context")
+    assert ctx.input[0].allow_ragged_batch and ctx.dynamic_batching is not None
+    assert ctx.instance_group[0].count == 2
+    settings = json.loads(ctx.parameters["settings"].string_value)
+    assert settings["instance_cpus"] == [[0], [1]] and settings["kv_strategy"] == "host_memory"
+    assert _load(repo, "generation").model_transaction_policy.decoupled
+    orch = json.loads(_load(repo, "orchestrator").parameters["settings"].string_value)
+    assert orch["transport"] == "bls"
+    orch = json.loads(_load(render("scheduler", config, tmp_path / "s"), "orchestrator")
+                      .parameters["settings"].string_value)
+    assert orch["transport"] == "grpc" and orch["generation_url"] == "localhost:9002"
+
+
+def test_aggregated_renders_no_context(config, tmp_path):
+    from dataclasses import replace
+
+    repo = render("all", replace(config, mode="aggregated"), tmp_path / "repo")
+    assert not (repo / "context").exists()
+
+
+def test_binding(config):
+    assert endpoints_for("all", config, PortFlags()) == Endpoints("127.0.0.1", 8000, 8001, 8002)
+    assert endpoints_for("context", config, PortFlags()) == Endpoints("127.0.0.1", None, 9001, None)
+    assert endpoints_for("context", config, PortFlags(host="0.0.0.0", metrics=9100)).metrics_port == 9100
+    with pytest.raises(UserError, match="ports collide"):
+        endpoints_for("all", config, PortFlags(http=8001))
+
+
+def test_override_must_be_a_binary(tmp_path):
+    with pytest.raises(UserError, match="--tritonserver"):
+        locate(tmp_path / "nope")
+
+
+ECHO = textwrap.dedent('''
+    import os
+    import triton_python_backend_utils as pb_utils
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 0 + os.getpid())]))
+            return out
+''')
+
+
+def test_embedded_tritonserver_starts_serves_and_stops_its_whole_group(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "echo" / "1").mkdir(parents=True)
+    (repo / "echo" / "1" / "model.py").write_text(ECHO)
+    (repo / "echo" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_INT64 dims: [ 1 ] } ]\n')
+    http, grpc, metrics = serving.free_ports(3)
+    server = TritonServer(locate(), repo, Endpoints("127.0.0.1", http, grpc, metrics), tmp_path)
+    server.start()
+    try:
+        assert server.wait_ready(timeout=120)
+        body = json.dumps({"inputs": [{"name": "X", "datatype": "INT64", "shape": [1], "data": [0]}]})
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{http}/v2/models/echo/infer", data=body.encode())) as resp:
+            stub_pid = json.loads(resp.read())["outputs"][0]["data"][0]
+        assert os.getpgid(stub_pid) == server.process.pid      # the stub is in the server's group
+        assert "triton_python_backend_stub" in Path(f"/proc/{stub_pid}/cmdline").read_text()
+    finally:
+        server.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)
+
+
+def test_serve_cli_stops_everything_on_sigterm_and_even_on_sigkill(demo_engine, tmp_path):
+    import time
+
+    with serving.serve("generation", ["--engine", str(demo_engine)], tmp_path / "a") as served:
+        assert "the scheduler dials" in served.log.read_text()
+    # stop() asserted that tritonserver and the stubs are gone; now kill -9 the CLI
+    with serving.serve("generation", ["--engine", str(demo_engine)], tmp_path / "b") as served:
+        served.process.kill()
+        served.process.wait()
+        deadline = time.monotonic() + 30
+        while serving.processes_under(served.work_dir):
+            assert time.monotonic() < deadline, serving.processes_under(served.work_dir)
+            time.sleep(0.2)

@@ -1,0 +1,193 @@
+"""The serving library without a server: detokenizing, preprocessing, the orchestrator's
+control flow (fake transport) and the generation decode loop (real engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from triton_disagg import protocol as P
+from triton_disagg.serving import engine_request
+from triton_disagg.serving.decode_loop import DecodeLoop
+from triton_disagg.serving.detokenize import DeltaWindows, text_delta
+from triton_disagg.serving.generation import GenerationSide
+from triton_disagg.serving.orchestrator import EngineError, Orchestrator
+from triton_disagg.serving.preprocess import Preprocessor, parse_word_list, word_list
+from triton_disagg.serving.tensors import RequestError, to_batched
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from triton_disagg.builders.demo import write_demo_tokenizer
+    from triton_disagg.engine.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    write_demo_tokenizer(path)
+    return Tokenizer(path)
+
+
+@pytest.mark.parametrize("text", ["🎉🚀 party", "日本語と中文", "héllo wörld", "plain ascii"])
+def test_deltas_concatenate_to_the_whole_text_for_any_chunking(tokenizer, text):
+    ids = tokenizer.encode(text) * 3
+    rng = random.Random(0)
+    for _ in range(20):
+        windows, deltas, i = DeltaWindows(), [], 0
+        while i < len(ids):
+            step = rng.randint(1, 3)
+            window, offset = windows.next(ids[i:i + step])
+            i += step
+            deltas.append(text_delta(tokenizer.decode, window, offset, is_final=i >= len(ids)))
+        assert "".join(deltas) == tokenizer.decode(ids)
+        assert all("\ufffd" not in d for d in deltas)   # no half characters ever go out
+
+
+def test_word_lists_round_trip():
+    arr = word_list(lambda w: [ord(c) for c in w], ["ab", "c"])
+    assert arr.tolist() == [[97, 98, 99], [2, 3, -1]]
+    assert parse_word_list(arr) == [[97, 98], [99]]
+    assert parse_word_list(word_list(lambda w: [], [])) == []
+
+
+def test_preprocessor_defaults_and_refusals(tokenizer):
+    pre = Preprocessor(tokenizer, max_seq_len=64, eos_id=1, pad_id=None)
+    out = pre.process({"text_input": np.array([b"hello"], object), "max_tokens": np.array([5])})
+    assert out["input_lengths"][0] == len(out["input_ids"]) and out["end_id"][0] == 1
+    assert out["pad_id"][0] == 1 and out["stop_words_list"].shape == (2, 1)
+    cases = [({"max_tokens": np.array([0])}, "max_tokens"),
+             ({"beam_width": np.array([2])}, "beam_width"),
+             ({"text_input": np.array([b"word " * 80], object)}, "max_seq_len"),
+             ({"guided_decoding_guide": np.array([b"{}"], object)}, "guided")]
+    for change, word in cases:
+        inputs = {"text_input": np.array([b"hello"], object), "max_tokens": np.array([5]), **change}
+        with pytest.raises(RequestError, match=word):
+            pre.process(inputs)
+
+
+def test_engine_request_parse_maps_trtllm_names():
+    inputs = {"input_ids": np.array([4, 5, 6]), "input_lengths": np.array([2]),
+              "request_output_len": np.array([3]), "runtime_top_k": np.array([5]),
+              "temperature": np.array([0.5]), "end_id": np.array([-1]),
+              "stop_words_list": np.array([[7, 8], [2, -1]])}
+    req = engine_request.parse(inputs)
+    assert req.prompt_ids == [4, 5] and req.params.top_k == 5 and req.params.end_id is None
+    assert req.params.stop_words == ((7, 8),)
+    with pytest.raises(RequestError, match="top_p"):
+        engine_request.parse({**inputs, "runtime_top_p": np.array([2.0])})
+
+
+def test_to_batched_adds_the_batch_axis_in_protocol_dtypes():
+    out = to_batched(P.ORCHESTRATOR_OUTPUTS, {"output_ids": [1, 2], "is_final": [True]})
+    assert out["output_ids"].shape == (1, 2) and out["output_ids"].dtype == np.int32
+    assert to_batched(P.POSTPROCESS_OUTPUTS, {"text_output": ["é"]})["text_output"][0, 0] == "é".encode()
+
+
+class FakeTransport:
+    def __init__(self, first, rest, finish_last=True):
+        self.first, self.rest, self.finish_last = first, rest, finish_last
+        self.stopped, self.generate_calls = [], []
+
+    @staticmethod
+    def chunk(token, reason=""):
+        return engine_request.outputs([token], [-0.5], -0.5, reason)
+
+    async def context(self, request_id, inputs):
+        out = self.chunk(self.first, "length" if not self.rest else "")
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
+        return out
+
+    async def generate(self, request_id, inputs, request_type):
+        self.generate_calls.append((request_type, inputs["input_ids"].tolist()))
+        for i, token in enumerate(self.rest):
+            last = i == len(self.rest) - 1 and self.finish_last
+            yield self.chunk(token, "stop" if last else "")
+
+    async def stop(self, request_id):
+        self.stopped.append(request_id)
+
+
+def _serve(transport, mode="disaggregated", stream=True, cancel_after=None):
+    sends = []
+
+    async def send(outputs, final):
+        sends.append((outputs, final))
+
+    inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
+              "stream": np.array([stream])}
+    cancelled = lambda: cancel_after is not None and len(sends) >= cancel_after  # noqa: E731
+    outcome = asyncio.run(Orchestrator(transport, mode).handle(inputs, send, cancelled))
+    return outcome, sends
+
+
+def test_orchestrator_streams_first_token_then_generation():
+    transport = FakeTransport(10, [11, 12, 1])
+    outcome, sends = _serve(transport)
+    assert outcome == "finished" and [f for _, f in sends] == [False, False, False, True]
+    assert transport.generate_calls == [(P.GENERATION_ONLY, [3, 4, 10])]
+    ids = [o["output_ids"][o["output_offset"][0]:].tolist() for o, _ in sends]
+    assert ids == [[10], [11], [12], []]                   # the end id is not output
+    assert sends[-1][0]["num_output_tokens"][0] == 3
+
+
+def test_orchestrator_non_streaming_sends_exactly_one_response():
+    outcome, sends = _serve(FakeTransport(10, [11, 12, 1]), stream=False)
+    assert len(sends) == 1 and sends[0][1] and sends[0][0]["output_ids"].tolist() == [10, 11, 12]
+
+
+def test_orchestrator_first_token_only_and_aggregated():
+    transport = FakeTransport(10, [])
+    assert _serve(transport)[0] == "finished" and transport.generate_calls == []
+    transport = FakeTransport(10, [11, 1])
+    _serve(transport, mode="aggregated")
+    assert transport.generate_calls == [(P.CONTEXT_AND_GENERATION, [3, 4])]
+
+
+def test_orchestrator_cancel_stops_generation():
+    transport = FakeTransport(10, [11, 12, 13, 14, 1])
+    outcome, sends = _serve(transport, cancel_after=2)
+    assert outcome == "cancelled" and len(transport.stopped) == 1 and sends[-1] == (None, True)
+
+
+def test_orchestrator_stream_without_finish_is_an_error():
+    with pytest.raises(EngineError):
+        _serve(FakeTransport(10, [11, 12], finish_last=False))
+
+
+@pytest.fixture(scope="module")
+def engine(demo_engine):
+    from triton_disagg.engine.llm_engine import LLMEngine
+
+    return LLMEngine(demo_engine, num_blocks=256)
+
+
+def test_decode_loop_batches_and_ends_every_request_once(engine):
+    from triton_disagg.engine.sampling import SamplingParams
+
+    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    done = threading.Event()
+    emits: dict[str, list] = {}
+
+    def emit(sender, outputs, final, error):
+        emits.setdefault(sender, []).append((outputs, final, error))
+        if sum(1 for v in emits.values() for e in v if e[1]) == 4:
+            done.set()
+
+    loop = DecodeLoop(engine, emit, side)
+    prompts = {f"r{i}": [5 + i, 6, 7] for i in range(3)}
+    for rid, prompt in prompts.items():
+        request = engine_request.EngineRequest(prompt, SamplingParams(max_tokens=8), streaming=True)
+        loop.submit(rid, side.prepare(P.CONTEXT_AND_GENERATION, request, {}), rid)
+    long = engine_request.EngineRequest([9, 9], SamplingParams(max_tokens=500), streaming=False)
+    loop.submit("long", side.prepare(P.CONTEXT_AND_GENERATION, long, {}), "long")
+    loop.stop("long")
+    assert done.wait(60)
+    loop.close()
+    offline = engine.generate(list(prompts.values()), SamplingParams(max_tokens=8))
+    for (rid, _), seq in zip(prompts.items(), offline):
+        tokens = [t for out, _, _ in emits[rid] for t in out["output_ids"][0].tolist()]
+        assert tokens == seq.output_ids and [f for _, f, _ in emits[rid]].count(True) == 1
+    assert emits["long"][-1][0]["finish_reason"][0] == b"cancelled"
+    assert engine.pool.num_used == 0

@@ -1,0 +1,257 @@
+"""Load and validate ``disagg_config.yaml``.
+
+The deployment guide's format loads as written, plus the engine path::
+
+    model: {engine: engines/demo}
+    context_server:    {url: "context-server-01:8000",    gpus: [0, 1]}
+    generation_server: {url: "generation-server-01:8001", gpus: [2, 3]}
+    kv_cache: {strategy: direct_transfer, max_size: 2GB}
+
+Extensions (all optional): ``mode: disaggregated | aggregated``; per server
+``cpus: [0, 1]`` and/or ``instances: N`` in place of ``gpus``,
+``tokens_per_block``, ``kv_dtype``, ``http_port``, ``metrics_port``; a
+``scheduler_server: {url, http_port, metrics_port}`` for ``serve scheduler``;
+``kv_cache.lease_seconds``.
+
+Invariants: every value is checked here, so a loaded :class:`DisaggConfig` is
+usable as is; every mistake is one :class:`UserError` line naming the key and
+the fix; paths are absolute (relative ones resolve against the config file).
+Whether GPUs exist is checked by :func:`check_host`, so a config written for a
+GPU cluster still loads (and renders) on a laptop.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from triton_disagg.errors import UserError
+
+MODES = ("disaggregated", "aggregated")
+STRATEGIES = ("direct_transfer", "host_memory")
+KV_DTYPES = ("float32", "float16")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SERVER_KEYS = {"url", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
+                "http_port", "metrics_port"}
+_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One role's placement. ``instances`` model instances split ``cpus`` evenly
+    (contiguous chunks); with ``gpus`` there is one instance per GPU."""
+
+    url: str | None = None              # "host:port" of the role's gRPC endpoint
+    gpus: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = ()
+    instances: int = 1
+    tokens_per_block: int | None = None  # None: the engine's KV layout
+    kv_dtype: str | None = None
+    http_port: int | None = None
+    metrics_port: int | None = None
+
+    @property
+    def host(self) -> str | None:
+        return self.url.rsplit(":", 1)[0] if self.url else None
+
+    @property
+    def port(self) -> int | None:
+        return int(self.url.rsplit(":", 1)[1]) if self.url else None
+
+    def instance_cpus(self, index: int) -> tuple[int, ...]:
+        """Cores of instance ``index``; empty means not pinned."""
+        if not self.cpus:
+            return ()
+        per = len(self.cpus) // self.instances
+        return self.cpus[index * per:(index + 1) * per]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    strategy: str = "direct_transfer"
+    max_size: int = 2 * 10**9           # bytes, per model instance's block pool
+    lease_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    engine: Path
+    mode: str = "disaggregated"
+    context: ServerConfig = field(default_factory=ServerConfig)
+    generation: ServerConfig = field(default_factory=ServerConfig)
+    scheduler: ServerConfig = field(default_factory=ServerConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    source: str = "<defaults>"          # where it was loaded from, for messages
+
+    def server(self, role: str) -> ServerConfig:
+        return {"context": self.context, "generation": self.generation,
+                "scheduler": self.scheduler}[role]
+
+
+def parse_size(value: Any, key: str) -> int:
+    """``2GB`` / ``512MiB`` / ``1000000`` -> bytes (> 0)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = m.group(2).upper() if m else None
+        if unit is None or unit not in _SIZE_UNITS:
+            raise UserError(f"{key}: {value!r} is not a size; write e.g. 2GB, 512MiB or a byte count")
+        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise UserError(f"{key}: {value!r} must be more than 0 bytes; write e.g. 2GB")
+    return size
+
+
+def load_config(path: str | Path) -> DisaggConfig:
+    """Read and validate a disagg_config.yaml (see the module docstring)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found; pass -c with an existing disagg_config.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    return parse_config(raw, base_dir=path.parent, source=str(path))
+
+
+def parse_config(raw: Any, base_dir: Path = Path("."), source: str = "<config>") -> DisaggConfig:
+    """Validate an already-parsed YAML mapping; messages start with ``source``."""
+    try:
+        return _parse(raw, base_dir, source)
+    except UserError as exc:
+        raise UserError(f"{source}: {exc}") from None
+
+
+def default_config(engine: str | Path) -> DisaggConfig:
+    """``serve all --engine DIR`` without a config file: one instance per role, no pinning."""
+    return parse_config({"model": {"engine": str(engine)}}, source="--engine")
+
+
+def check_host(config: DisaggConfig, gpu_count: int | None = None) -> None:
+    """Refuse placements this host cannot honour (GPUs that are not there, unknown cores)."""
+    import os
+
+    gpu_count = count_gpus() if gpu_count is None else gpu_count
+    usable = os.sched_getaffinity(0)
+    for role in ("context", "generation"):
+        server = config.server(role)
+        missing = [g for g in server.gpus if g >= gpu_count]
+        if missing:
+            have = f"only GPUs 0-{gpu_count - 1}" if gpu_count else "no GPUs"
+            raise UserError(f"{config.source}: {role}_server.gpus: {list(server.gpus)} asks for GPU "
+                            f"{missing[0]} but this host has {have}; use `cpus: [0]` or "
+                            f"`instances: 1` on a CPU host")
+        bad = [c for c in server.cpus if c not in usable]
+        if bad:
+            raise UserError(f"{config.source}: {role}_server.cpus: core {bad[0]} is not usable here "
+                            f"(usable: {sorted(usable)}); pick cores from that list")
+
+
+def count_gpus() -> int:
+    """NVIDIA GPUs visible to this process (0 on CPU hosts)."""
+    import os
+
+    gpus_dir = Path("/proc/driver/nvidia/gpus")
+    count = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and count:
+        count = min(count, len([v for v in visible.split(",") if v.strip()]))
+    return count
+
+
+def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
+    top = _mapping(raw, "top level", {"model", "mode", "context_server", "generation_server",
+                                      "scheduler_server", "kv_cache"})
+    model = _mapping(top.get("model"), "model", {"engine"}, required=True)
+    if "engine" not in model:
+        raise UserError("model.engine: missing; add `model: {engine: engines/demo}` "
+                        "(an engine directory from `triton-disagg build`)")
+    engine = (base_dir / str(model["engine"])).resolve()
+    if not (engine / "engine.json").is_file():
+        raise UserError(f"model.engine: {engine} has no engine.json; build it with "
+                        f"`triton-disagg build --output {model['engine']}` or fix the path")
+    mode = top.get("mode", "disaggregated")
+    if mode not in MODES:
+        raise UserError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    kv_raw = _mapping(top.get("kv_cache"), "kv_cache", {"strategy", "max_size", "lease_seconds"})
+    strategy = kv_raw.get("strategy", "direct_transfer")
+    if strategy not in STRATEGIES:
+        raise UserError(f"kv_cache.strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    kv = KVCacheConfig(strategy=strategy,
+                       max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
+                       lease_seconds=_number(kv_raw.get("lease_seconds", 30.0),
+                                             "kv_cache.lease_seconds"))
+    return DisaggConfig(
+        engine=engine, mode=mode, kv_cache=kv, source=source,
+        context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
+        generation=_server(top.get("generation_server"), "generation_server", _SERVER_KEYS),
+        scheduler=_server(top.get("scheduler_server"), "scheduler_server", _SCHEDULER_KEYS),
+    )
+
+
+def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
+    s = _mapping(raw, key, allowed)
+    url = s.get("url")
+    if url is not None:
+        url = str(url).removeprefix("grpc://").removeprefix("http://")
+        host, _, port = url.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"{key}.url: {s['url']!r} is not host:port; write e.g. \"localhost:8001\"")
+    gpus = _int_list(s.get("gpus", []), f"{key}.gpus")
+    cpus = _int_list(s.get("cpus", []), f"{key}.cpus")
+    if gpus and (cpus or "instances" in s):
+        raise UserError(f"{key}: give either gpus (one instance per GPU) or cpus/instances, not both")
+    instances = len(gpus) if gpus else s.get("instances", 1)
+    if not isinstance(instances, int) or isinstance(instances, bool) or instances < 1:
+        raise UserError(f"{key}.instances: {instances!r} must be a whole number >= 1")
+    if cpus and len(cpus) < instances:
+        raise UserError(f"{key}.cpus: {len(cpus)} cores for {instances} instances; give at least "
+                        f"one core per instance or lower instances")
+    tpb = s.get("tokens_per_block")
+    if tpb is not None and (not isinstance(tpb, int) or tpb < 1 or tpb & (tpb - 1)):
+        raise UserError(f"{key}.tokens_per_block: {tpb!r} must be a power of two, e.g. 16")
+    kv_dtype = s.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise UserError(f"{key}.kv_dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    ports = {k: s.get(k) for k in ("http_port", "metrics_port")}
+    for k, v in ports.items():
+        if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
+            raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")
+    return ServerConfig(url=url, gpus=gpus, cpus=cpus, instances=instances,
+                        tokens_per_block=tpb, kv_dtype=kv_dtype, **ports)
+
+
+def _mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:
+    if raw is None and not required:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{key}: expected a mapping like `{{{sorted(allowed)[0]}: ...}}`, got {raw!r}")
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise UserError(f"{key}: unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(allowed))}")
+    return raw
+
+
+def _int_list(raw: Any, key: str) -> tuple[int, ...]:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, list) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                            and v >= 0 for v in raw):
+        raise UserError(f"{key}: {raw!r} must be a list of indices, e.g. [0, 1]")
+    if len(set(raw)) != len(raw):
+        raise UserError(f"{key}: {raw!r} lists an index twice; list each once")
+    return tuple(raw)
+
+
+def _number(raw: Any, key: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw <= 0:
+        raise UserError(f"{key}: {raw!r} must be a number of seconds > 0, e.g. 30")
+    return float(raw)

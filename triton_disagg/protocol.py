@@ -1,0 +1,169 @@
+"""Every tensor name, dtype and shape that crosses a Triton model boundary.
+
+Models import their names from here and ``launch.render`` writes the
+``input``/``output`` sections of every ``config.pbtxt`` from these tables, so a
+name cannot drift between a config and the code reading it.
+
+Shapes exclude the batch dimension: every model is rendered with the same
+``max_batch_size`` (Triton refuses an ensemble whose value exceeds a step's),
+so each tensor a model sees has a leading batch axis; the orchestrator,
+context and generation models serve one sequence per request (batch 1) and
+batch across requests themselves.
+
+- Public: :data:`ENSEMBLE_INPUTS` / :data:`ENSEMBLE_OUTPUTS` carry
+  TensorRT-LLM's ``ensemble`` names, dtypes and shapes, so existing
+  tritonclient code works unchanged.
+- Orchestrator <-> context/generation (:data:`ENGINE_INPUTS` and friends)
+  follow TensorRT-LLM's ``tensorrt_llm`` model, so a GPU deployment can swap
+  the engine under the same orchestrator. The request parameter
+  ``request_type`` picks the phase. A ``generation_only`` request carries the
+  context response's ``context_phase_params`` unchanged and ``input_ids`` =
+  the prompt plus the first token the context model returned. Every
+  generation response stream ends with a response whose ``finish_reason`` is
+  set (``length``, ``stop``, ``stop_word``, ``cancelled``) or with an error.
+  A generation request with ``stop`` true (required inputs present, values
+  ignored) ends the live request whose Triton request id it carries and is
+  answered with one empty response.
+- Orchestrator -> postprocessing: ``output_ids`` holds a window of generated
+  ids whose first ``output_offset`` were already turned into text by earlier
+  responses of the same request; ``is_final`` marks the last response (only
+  then may text end in an incomplete character).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_BATCH_SIZE = 64
+
+# request parameter carrying the phase (TensorRT-LLM's names)
+REQUEST_TYPE = "request_type"
+CONTEXT_ONLY = "context_only"
+GENERATION_ONLY = "generation_only"
+CONTEXT_AND_GENERATION = "context_and_generation"
+REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION)
+
+_NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT8": np.uint8,
+          "UINT64": np.uint64, "FP16": np.float16, "FP32": np.float32}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str                  # Triton datatype: "BYTES", "INT32", ...
+    dims: tuple[int, ...]       # without the batch dimension; -1 = variable
+    optional: bool = False
+
+    @property
+    def numpy_dtype(self) -> type:
+        return _NUMPY[self.dtype]
+
+    @property
+    def pbtxt_type(self) -> str:
+        return "TYPE_STRING" if self.dtype == "BYTES" else f"TYPE_{self.dtype}"
+
+
+def _opt(name: str, dtype: str, dims: tuple[int, ...] = (1,)) -> TensorSpec:
+    return TensorSpec(name, dtype, dims, optional=True)
+
+
+# ---- public: the ensemble ---------------------------------------------------------------
+
+SAMPLING_INPUTS = (  # ensemble name -> same name on preprocessing and orchestrator
+    _opt("end_id", "INT32"), _opt("pad_id", "INT32"), _opt("top_k", "INT32"),
+    _opt("top_p", "FP32"), _opt("temperature", "FP32"), _opt("seed", "UINT64"),
+    _opt("min_tokens", "INT32"), _opt("repetition_penalty", "FP32"),
+    _opt("presence_penalty", "FP32"), _opt("frequency_penalty", "FP32"),
+    _opt("stream", "BOOL"), _opt("return_log_probs", "BOOL"),
+    _opt("exclude_input_in_output", "BOOL"), _opt("return_num_input_tokens", "BOOL"),
+    _opt("return_num_output_tokens", "BOOL"),
+)
+# Accepted so that a request using them gets a clear error instead of "unexpected input".
+UNSUPPORTED_INPUTS = (
+    _opt("beam_width", "INT32"), _opt("num_return_sequences", "INT32"),
+    _opt("length_penalty", "FP32"), _opt("lora_task_id", "UINT64"),
+    _opt("lora_weights", "FP16", (-1, -1)), _opt("lora_config", "INT32", (-1, 3)),
+    _opt("prompt_embedding_table", "FP16", (-1, -1)), _opt("prompt_vocab_size", "INT32"),
+    _opt("guided_decoding_guide_type", "BYTES"), _opt("guided_decoding_guide", "BYTES"),
+    _opt("return_context_logits", "BOOL"), _opt("return_generation_logits", "BOOL"),
+)
+ENSEMBLE_INPUTS = (
+    TensorSpec("text_input", "BYTES", (1,)),
+    TensorSpec("max_tokens", "INT32", (1,)),
+    _opt("stop_words", "BYTES", (-1,)), _opt("bad_words", "BYTES", (-1,)),
+) + SAMPLING_INPUTS + UNSUPPORTED_INPUTS
+ENSEMBLE_OUTPUTS = (
+    TensorSpec("text_output", "BYTES", (-1,)),
+    TensorSpec("cum_log_probs", "FP32", (-1,)),
+    TensorSpec("output_log_probs", "FP32", (-1, -1)),
+    TensorSpec("num_input_tokens", "INT32", (1,)),
+    TensorSpec("num_output_tokens", "INT32", (1,)),
+)
+
+# ---- orchestrator <-> context / generation (TensorRT-LLM's tensorrt_llm model) -----------
+
+ENGINE_INPUTS = (
+    TensorSpec("input_ids", "INT32", (-1,)),
+    TensorSpec("input_lengths", "INT32", (1,)),
+    TensorSpec("request_output_len", "INT32", (1,)),
+    _opt("end_id", "INT32"), _opt("pad_id", "INT32"), _opt("runtime_top_k", "INT32"),
+    _opt("runtime_top_p", "FP32"), _opt("temperature", "FP32"), _opt("random_seed", "UINT64"),
+    _opt("min_tokens", "INT32"), _opt("repetition_penalty", "FP32"),
+    _opt("presence_penalty", "FP32"), _opt("frequency_penalty", "FP32"),
+    _opt("stop_words_list", "INT32", (2, -1)), _opt("bad_words_list", "INT32", (2, -1)),
+    _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"),
+)
+CONTEXT_PHASE_PARAMS = "context_phase_params"
+STOP = "stop"
+CONTEXT_INPUTS = ENGINE_INPUTS
+GENERATION_INPUTS = ENGINE_INPUTS + (
+    _opt(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),
+    _opt(STOP, "BOOL"),
+)
+ENGINE_OUTPUTS = (
+    TensorSpec("output_ids", "INT32", (-1, -1)),        # [beam=1, new tokens]
+    TensorSpec("sequence_length", "INT32", (-1,)),      # [beam=1] tokens in output_ids
+    TensorSpec("cum_log_probs", "FP32", (-1,)),         # [beam=1]
+    TensorSpec("output_log_probs", "FP32", (-1, -1)),   # [beam=1, new tokens]
+    TensorSpec("finish_reason", "BYTES", (-1,)),        # [beam=1] "" while running
+)
+CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
+GENERATION_OUTPUTS = ENGINE_OUTPUTS
+
+# Ensemble sampling names -> engine names (TensorRT-LLM's ensemble mapping).
+SAMPLING_TO_ENGINE = {
+    "end_id": "end_id", "pad_id": "pad_id", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
+    "temperature": "temperature", "seed": "random_seed", "min_tokens": "min_tokens",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "stream": "streaming",
+    "return_log_probs": "return_log_probs",
+}
+
+# ---- preprocessing -> orchestrator -> postprocessing ---------------------------------------
+
+PREPROCESS_INPUTS = ENSEMBLE_INPUTS
+PREPROCESS_OUTPUTS = ENGINE_INPUTS[:3] + (
+    TensorSpec("stop_words_list", "INT32", (2, -1)),
+    TensorSpec("bad_words_list", "INT32", (2, -1)),
+    TensorSpec("end_id", "INT32", (1,)),
+    TensorSpec("pad_id", "INT32", (1,)),
+)
+ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS + tuple(
+    s for s in SAMPLING_INPUTS if s.name not in ("end_id", "pad_id"))
+ORCHESTRATOR_OUTPUTS = (
+    TensorSpec("output_ids", "INT32", (-1,)),
+    TensorSpec("output_offset", "INT32", (1,)),
+    TensorSpec("is_final", "BOOL", (1,)),
+    TensorSpec("cum_log_probs", "FP32", (-1,)),
+    TensorSpec("output_log_probs", "FP32", (-1, -1)),
+    TensorSpec("num_input_tokens", "INT32", (1,)),
+    TensorSpec("num_output_tokens", "INT32", (1,)),
+)
+POSTPROCESS_INPUTS = ORCHESTRATOR_OUTPUTS[:3]
+POSTPROCESS_OUTPUTS = (TensorSpec("text_output", "BYTES", (-1,)),)
+
+
+def by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:
+    return {s.name: s for s in specs}

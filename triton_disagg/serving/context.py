@@ -1,0 +1,98 @@
+"""The context model's logic: prefill a batch of waiting prompts, hand each one's KV off.
+
+Triton's dynamic batcher gives one ``execute`` every prompt that waited; they
+are prefilled in one engine pass (:meth:`LLMEngine.prefill_only`). Each result
+is the first token plus ``context_phase_params`` (empty when the first token
+already finished the request: its blocks are freed, nothing is handed off).
+
+Invariants: one request's mistake fails only that request (the batch is
+retried one by one); a batch whose KV does not fit now waits up to
+``FULL_WAIT_SECONDS`` for leases to be released or reaped before failing;
+every result either carries a handle that owns its blocks or has no blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from triton_disagg import protocol as P
+from triton_disagg.engine.sequence import RequestError as EngineRequestError
+from triton_disagg.kv.block_pool import KVCacheFullError
+from triton_disagg.serving import engine_request
+from triton_disagg.serving.engine_request import EngineRequest
+from triton_disagg.serving.kv_side import Sender
+from triton_disagg.serving.tensors import RequestError
+
+FULL_WAIT_SECONDS = 10.0
+REPORT_SECONDS = 0.5
+
+
+class ContextSide:
+    def __init__(self, engine: Any, settings: dict, instance: str, metrics: Any = None):
+        self.engine, self.metrics = engine, metrics
+        self.lock = threading.Lock()
+        self.sender = Sender(engine, settings, instance, self.lock)
+        self.closed = threading.Event()
+        self.reporter = threading.Thread(target=self._report_loop, name="context-metrics",
+                                         daemon=True)
+        self.reporter.start()
+
+    def prefill(self, batch: list[tuple[str, EngineRequest]]) -> list[dict | Exception]:
+        """Engine outputs plus ``context_phase_params`` per request, or that request's error."""
+        try:
+            results: list = self._prefill_waiting(batch)
+        except EngineRequestError:
+            results = [self._one(item) for item in batch]
+        except KVCacheFullError as exc:
+            results = [RequestError(f"context KV cache full: {exc}")] * len(batch)
+        return [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
+
+    def _one(self, item: tuple[str, EngineRequest]) -> Any:
+        try:
+            return self._prefill_waiting([item])[0]
+        except (EngineRequestError, KVCacheFullError) as exc:
+            return RequestError(str(exc))
+
+    def _prefill_waiting(self, batch: list[tuple[str, EngineRequest]]) -> list:
+        deadline = time.monotonic() + FULL_WAIT_SECONDS
+        while True:
+            try:
+                with self.lock:
+                    return self.engine.prefill_only(
+                        [(rid, req.prompt_ids, req.params) for rid, req in batch])
+            except KVCacheFullError:
+                self.sender.expired_total()          # reaps expired staging slots
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _hand_off(self, result: Any) -> dict | Exception:
+        out = engine_request.outputs([result.token_id], [result.logprob], result.logprob or 0.0,
+                                     result.finish_reason)
+        handle = b""
+        if result.block_ids:
+            try:
+                handle = self.sender.hand_off(result.block_ids, result.num_tokens)
+            except Exception as exc:  # noqa: BLE001 - e.g. staging full: this request fails
+                return RequestError(f"KV handoff failed: {exc}")
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
+        return out
+
+    def _report_loop(self) -> None:
+        """Pool gauges and expired leases, also while idle (leases end on other threads)."""
+        while not self.closed.wait(REPORT_SECONDS):
+            expired = self.sender.expired_total()
+            if self.metrics is not None:
+                with self.lock:
+                    used, total = self.engine.pool.num_used, self.engine.pool.num_total
+                self.metrics.kv_pool(used, total)
+                self.metrics.leases_expired(expired)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.reporter.join()
+        self.sender.close()

@@ -1,0 +1,185 @@
+"""The generation model's background loop: continuous batching over one engine instance.
+
+``execute`` only calls :meth:`DecodeLoop.submit` / :meth:`DecodeLoop.stop` and
+returns; one thread owns the engine: it admits new work between steps, runs
+``engine.step()`` (every live sequence of the instance in one decode batch,
+new prompts prefilled as they arrive) and routes each token to its request.
+
+Invariants:
+
+- only the loop thread touches the engine;
+- every submitted request gets exactly one final emit (``final=True``): its
+  last token (with ``finish_reason``), a cancellation (finish_reason
+  ``cancelled``), or an error; after that nothing more is sent for it;
+- streaming requests get one emit per token; non-streaming ones one emit with
+  every token when they finish.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from triton_disagg.kv.block_pool import KVCacheFullError
+from triton_disagg.serving import engine_request
+from triton_disagg.serving.engine_request import EngineRequest
+
+Emit = Callable[[Any, "dict | None", bool, "str | None"], None]  # (sender, outputs, final, error)
+CANCELLED = "cancelled"
+CANCEL_POLL_SECONDS = 0.1
+REPORT_SECONDS = 0.5
+
+
+@dataclass
+class Live:
+    sender: Any
+    streaming: bool
+    is_cancelled: Callable[[], bool]
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float | None] = field(default_factory=list)
+    cum_log_prob: float = 0.0
+    checked: float = 0.0
+
+
+class DecodeLoop:
+    """``side`` decides how work enters the engine and hears about it:
+    ``side.admit(engine, request_id, work)`` (may raise to refuse the request, or
+    :class:`KVCacheFullError` to be retried after the next step),
+    ``side.request_done(outcome)`` and ``side.report()`` (pool gauges, every
+    ``REPORT_SECONDS``)."""
+
+    def __init__(self, engine: Any, emit: Emit, side: Any):
+        self.engine, self.emit, self.side = engine, emit, side
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.live: dict[str, Live] = {}
+        self.deferred: list[tuple[str, Any, Live]] = []   # admitted once KV blocks free up
+        self.running = True
+        self.reported = 0.0
+        self.thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, request_id: str, request: EngineRequest | Any, sender: Any,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        streaming = getattr(request, "streaming", True)
+        self.inbox.put(("add", request_id, request, Live(sender, streaming, is_cancelled)))
+
+    def stop(self, request_id: str) -> None:
+        self.inbox.put(("stop", request_id, None, None))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish: cancel what is live, end the thread (``finalize``)."""
+        self.running = False
+        self.inbox.put(("wake", "", None, None))
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while self.running:
+            self._drain(wait=0.0 if self.live else 0.01 if self.deferred else REPORT_SECONDS)
+            for request_id, work, live in self._take_deferred():
+                self._add(request_id, work, live)
+            if self.live:
+                self._check_cancelled()
+                try:
+                    events = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 - an engine failure fails its requests
+                    for request_id in list(self.live):
+                        self.engine.abort(request_id)
+                        self._fail(request_id, f"engine step failed: {exc}")
+                    continue
+                for event in events:
+                    self._on_token(event)
+            if time.monotonic() - self.reported >= REPORT_SECONDS:
+                self.reported = time.monotonic()
+                self.side.report()
+        for request_id in list(self.live):
+            self.engine.abort(request_id)
+            self._finish(request_id, CANCELLED)
+        for _, _, live in self._take_deferred():
+            self.emit(live.sender, None, True, "the server is shutting down")
+
+    def _take_deferred(self) -> list:
+        deferred, self.deferred = self.deferred, []
+        return deferred
+
+    def _drain(self, wait: float) -> None:
+        """Handle every queued item, first waiting up to ``wait`` seconds for one."""
+        try:
+            item = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, request_id, request, live = item
+            if kind == "add":
+                self._add(request_id, request, live)
+            elif kind == "stop":
+                self._stop(request_id)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _stop(self, request_id: str) -> None:
+        if request_id in self.live:
+            self.engine.abort(request_id)
+            self._finish(request_id, CANCELLED)
+            return
+        for item in [d for d in self.deferred if d[0] == request_id]:
+            self.deferred.remove(item)
+            self.live[request_id] = item[2]
+            self._finish(request_id, CANCELLED)
+
+    def _add(self, request_id: str, request: Any, live: Live) -> None:
+        if request_id in self.live:
+            self.emit(live.sender, None, True, f"request id {request_id!r} is already generating")
+            return
+        try:
+            self.side.admit(self.engine, request_id, request)
+        except KVCacheFullError:
+            self.deferred.append((request_id, request, live))
+            return
+        except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
+            self.emit(live.sender, None, True, str(exc))
+            self.side.request_done("error")
+            return
+        live.checked = time.monotonic()
+        self.live[request_id] = live
+
+    def _check_cancelled(self) -> None:
+        now = time.monotonic()
+        for request_id, live in list(self.live.items()):
+            if now - live.checked >= CANCEL_POLL_SECONDS:
+                live.checked = now
+                if live.is_cancelled():
+                    self.engine.abort(request_id)
+                    self._finish(request_id, CANCELLED)
+
+    def _on_token(self, event: Any) -> None:
+        live = self.live.get(event.request_id)
+        if live is None:
+            return
+        live.tokens.append(event.token_id)
+        live.log_probs.append(event.logprob)
+        live.cum_log_prob += event.logprob or 0.0
+        if event.finished:
+            self._finish(event.request_id, event.finish_reason)
+        elif live.streaming:
+            self.emit(live.sender, self._outputs(live, None), False, None)
+            live.tokens, live.log_probs = [], []
+
+    def _finish(self, request_id: str, reason: str | None) -> None:
+        live = self.live.pop(request_id)
+        reason = CANCELLED if reason == "aborted" else reason
+        self.emit(live.sender, self._outputs(live, reason), True, None)
+        self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
+
+    def _fail(self, request_id: str, message: str) -> None:
+        live = self.live.pop(request_id)
+        self.emit(live.sender, None, True, message)
+        self.side.request_done("error")
+
+    @staticmethod
+    def _outputs(live: Live, reason: str | None) -> dict:
+        return engine_request.outputs(live.tokens, live.log_probs, live.cum_log_prob, reason)

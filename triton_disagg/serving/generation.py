@@ -1,0 +1,96 @@
+"""The generation model's per-request decisions: which phase, and how a sequence enters
+the engine.
+
+- ``context_and_generation`` (aggregated): the engine prefills and decodes.
+- ``generation_only`` (disaggregated): the request carries ``context_phase_params``
+  and ``input_ids`` = the prompt plus the first token the context model produced;
+  the prompt's KV is fetched into this instance's pool and the sequence only decodes.
+
+Invariant: :meth:`GenerationSide.prepare` runs in ``execute`` (cheap checks, a
+clear per-request error); :meth:`GenerationSide.admit` runs on the decode-loop
+thread, the only thread that touches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from triton_disagg import protocol as P
+from triton_disagg.errors import UserError
+from triton_disagg.kv.handle import KVHandle
+from triton_disagg.serving.engine_request import EngineRequest
+from triton_disagg.serving.kv_side import Receiver
+from triton_disagg.serving.tensors import RequestError
+
+
+@dataclass(frozen=True)
+class Work:
+    request_type: str
+    request: EngineRequest
+    handle: KVHandle | None = None       # decoded context_phase_params (generation_only)
+
+    @property
+    def streaming(self) -> bool:
+        return self.request.streaming
+
+
+class GenerationSide:
+    def __init__(self, engine: Any, settings: dict, instance: str, metrics: Any = None):
+        self.engine, self.metrics = engine, metrics
+        self.receiver = Receiver(engine, settings, instance) if settings["mode"] != "aggregated" \
+            else None
+
+    def prepare(self, request_type: str, request: EngineRequest,
+                inputs: dict[str, np.ndarray]) -> Work:
+        if request_type == P.CONTEXT_AND_GENERATION:
+            return Work(request_type, request)
+        if request_type != P.GENERATION_ONLY:
+            raise RequestError(f"request_type {request_type!r}: the generation model serves "
+                               f"{P.CONTEXT_AND_GENERATION!r} and {P.GENERATION_ONLY!r}; send "
+                               f"{P.CONTEXT_ONLY!r} to the context model")
+        if self.receiver is None:
+            raise RequestError("generation_only: this server runs in aggregated mode; send "
+                               "context_and_generation")
+        data = inputs.get(P.CONTEXT_PHASE_PARAMS)
+        if data is None or not np.size(data):
+            raise RequestError("generation_only needs context_phase_params from the context "
+                               "model's response")
+        try:
+            handle = self.receiver.decode(np.asarray(data, dtype=np.uint8).tobytes())
+        except UserError as exc:
+            raise RequestError(str(exc)) from None
+        if len(request.prompt_ids) != handle.num_tokens + 1:
+            raise RequestError(f"generation_only: input_ids must be the {handle.num_tokens} "
+                               f"prompt tokens of context_phase_params plus the first generated "
+                               f"token, got {len(request.prompt_ids)} ids")
+        return Work(request_type, request, handle)
+
+    def admit(self, engine: Any, request_id: str, work: Work) -> None:
+        """Put ``work`` into the engine (decode-loop thread). KVCacheFullError: retry later."""
+        prompt, params = work.request.prompt_ids, work.request.params
+        if work.request_type == P.CONTEXT_AND_GENERATION:
+            engine.add_request(request_id, prompt, params)
+            return
+        blocks, stats = self.receiver.fetch(work.handle)
+        try:
+            engine.add_prefilled(request_id, prompt[:-1], prompt[-1], blocks, params)
+        except BaseException:
+            engine.pool.free(blocks)
+            raise
+        if self.metrics is not None:
+            self.metrics.kv_transfer(work.handle.strategy, stats.nbytes, stats.seconds)
+
+    def request_done(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_done(outcome)
+
+    def report(self) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_pool(self.engine.pool.num_used, self.engine.pool.num_total)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

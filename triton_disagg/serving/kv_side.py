@@ -1,0 +1,130 @@
+"""Engine construction and the KV handoff ends shared by the context and generation models.
+
+- :func:`make_engine`: the instance's engine with its pool sized by
+  ``kv_cache.max_size`` and the side's ``tokens_per_block`` / ``kv_dtype``.
+- :class:`Sender` (context): turns prefilled blocks into a ``context_phase_params``
+  handle. ``direct_transfer`` leases the blocks to a NIXL reader (freed on its
+  notification or at lease expiry); ``host_memory`` copies them into a
+  shared-memory slot and frees them at once.
+- :class:`Receiver` (generation): fetches a handle's KV into freshly allocated
+  blocks of its own pool, converting the layout when the sides differ.
+
+Invariant: the pool is only touched under ``lock`` (the NIXL notification
+thread frees leased blocks concurrently with prefill), and every block a
+handoff allocates is freed exactly once: by the lease, by the engine when the
+sequence ends, or here when the handoff fails.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+from triton_disagg.kv import handle as kvhandle
+from triton_disagg.kv.handle import KVHandle, TransferStats
+from triton_disagg.kv.layout import BlockGeometry
+
+
+def make_engine(settings: dict) -> Any:
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.spec import EngineSpec, KVLayout
+
+    overrides = {k: v for k, v in (("tokens_per_block", settings.get("tokens_per_block")),
+                                   ("dtype", settings.get("kv_dtype"))) if v is not None}
+    if not overrides:
+        return LLMEngine(settings["engine"], kv_max_bytes=settings["kv_max_size"])
+    base = EngineSpec.load(settings["engine"]).kv
+    layout = KVLayout(**{"tokens_per_block": base.tokens_per_block, "dtype": base.dtype,
+                         **overrides})
+    return LLMEngine(settings["engine"], kv_max_bytes=settings["kv_max_size"], kv_layout=layout)
+
+
+class Sender:
+    def __init__(self, engine: Any, settings: dict, instance: str, lock: threading.Lock):
+        self.engine, self.lock = engine, lock
+        self.strategy, self.ttl = settings["kv_strategy"], settings["kv_lease_seconds"]
+        self.fingerprint = engine.spec.fingerprint
+        pool = engine.pool
+        if self.strategy == "direct_transfer":
+            from triton_disagg.kv.leases import LeaseTable
+            from triton_disagg.kv.nixl_transfer import NixlEndpoint
+
+            self.leases = LeaseTable(self.free)
+            self.endpoint = NixlEndpoint(f"context-{instance}", pool.array, self.leases)
+        else:
+            from triton_disagg.kv.host_staging import HostStaging
+
+            g = pool.geometry
+            slot_bytes = g.blocks_for(engine.spec.max_seq_len) * g.block_nbytes
+            slots = max(1, min(2 * engine.spec.max_batch_size,
+                               settings["kv_max_size"] // slot_bytes))
+            self.staging = HostStaging.create(instance, slots, slot_bytes)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        with self.lock:
+            self.engine.pool.free(block_ids)
+
+    def hand_off(self, block_ids: Sequence[int], num_tokens: int) -> bytes:
+        """Handle bytes for ``block_ids``; ownership of the blocks passes to the handoff."""
+        if self.strategy == "direct_transfer":
+            try:
+                handle = self.endpoint.export(block_ids, num_tokens, self.fingerprint, self.ttl)
+            except ValueError:        # refused before the lease took the blocks
+                self.free(block_ids)
+                raise
+        else:
+            try:
+                with self.lock:
+                    handle = self.staging.put(self.engine.pool.array, block_ids, num_tokens,
+                                              self.fingerprint, self.ttl)
+            finally:
+                self.free(block_ids)
+        return kvhandle.encode(handle)
+
+    def expired_total(self) -> int:
+        if self.strategy == "direct_transfer":
+            return self.leases.expired_total
+        self.staging.reap()
+        return self.staging.expired_total
+
+    def close(self) -> None:
+        (self.endpoint if self.strategy == "direct_transfer" else self.staging).close()
+
+
+class Receiver:
+    def __init__(self, engine: Any, settings: dict, instance: str):
+        self.engine, self.strategy = engine, settings["kv_strategy"]
+        self.geometry: BlockGeometry = engine.pool.geometry
+        if self.strategy == "direct_transfer":
+            from triton_disagg.kv.nixl_transfer import NixlEndpoint
+
+            self.endpoint = NixlEndpoint(f"generation-{instance}", engine.pool.array)
+        else:
+            from triton_disagg.kv.host_staging import StagingReader
+
+            self.reader = StagingReader()
+
+    def decode(self, data: bytes) -> KVHandle:
+        handle = kvhandle.decode(data)
+        kvhandle.check_handle(handle, self.engine.spec.fingerprint, self.geometry)
+        if handle.strategy != self.strategy:
+            raise kvhandle.HandleError(
+                f"context_phase_params uses {handle.strategy} but this generation model is set "
+                f"up for {self.strategy}; give both servers the same kv_cache.strategy")
+        return handle
+
+    def fetch(self, handle: KVHandle) -> tuple[list[int], TransferStats]:
+        """Allocate local blocks and fill them; KVCacheFullError (nothing allocated) when full."""
+        blocks = self.engine.pool.allocate(self.geometry.blocks_for(handle.num_tokens))
+        try:
+            if self.strategy == "direct_transfer":
+                stats = self.endpoint.fetch(handle, blocks)
+            else:
+                stats = self.reader.fetch(handle, self.engine.pool.array, blocks)
+        except BaseException:
+            self.engine.pool.free(blocks)
+            raise
+        return blocks, stats
+
+    def close(self) -> None:
+        (self.endpoint if self.strategy == "direct_transfer" else self.reader).close()

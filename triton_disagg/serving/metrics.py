@@ -1,0 +1,83 @@
+"""The project's Prometheus metrics, published through Triton's metrics endpoint.
+
+Python backend custom metrics (``pb_utils.MetricFamily``); every metric carries
+``role`` (orchestrator / context / generation) and ``instance`` (the Triton
+model instance name) labels, so instances of one model never share a series.
+
+- ``disagg_kv_blocks_used`` / ``disagg_kv_blocks_total`` (gauges): the instance's pool.
+- ``disagg_kv_transfer_bytes_total`` (counter), ``disagg_kv_transfer_seconds``
+  (histogram): KV fetched by generation, label ``strategy``.
+- ``disagg_kv_leases_expired_total`` (counter): handoffs never fetched, reclaimed.
+- ``disagg_requests_total`` (counter): finished requests by ``outcome``
+  (finished / cancelled / error).
+- ``disagg_time_to_first_token_seconds``, ``disagg_time_per_output_token_seconds``
+  (histograms), measured by the orchestrator.
+
+Invariant: the MetricFamily objects live as long as this object (Triton drops
+a family's series when its Python object is collected).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+_FAMILIES = {
+    "kv_blocks_used": ("disagg_kv_blocks_used", "KV blocks in use in this instance's pool", "GAUGE"),
+    "kv_blocks_total": ("disagg_kv_blocks_total", "KV blocks in this instance's pool", "GAUGE"),
+    "kv_bytes": ("disagg_kv_transfer_bytes_total", "KV bytes fetched from context", "COUNTER"),
+    "kv_seconds": ("disagg_kv_transfer_seconds", "Seconds per KV fetch", "HISTOGRAM"),
+    "leases_expired": ("disagg_kv_leases_expired_total",
+                       "KV handoffs reclaimed because their lease expired", "COUNTER"),
+    "requests": ("disagg_requests_total", "Requests by outcome", "COUNTER"),
+    "ttft": ("disagg_time_to_first_token_seconds", "Time to first token", "HISTOGRAM"),
+    "tpot": ("disagg_time_per_output_token_seconds", "Time per output token after the first",
+             "HISTOGRAM"),
+}
+
+
+class Metrics:
+    def __init__(self, pb_utils: Any, role: str, instance: str):
+        self.pb, self.labels = pb_utils, {"role": role, "instance": instance}
+        kinds = {"GAUGE": pb_utils.MetricFamily.GAUGE, "COUNTER": pb_utils.MetricFamily.COUNTER,
+                 "HISTOGRAM": pb_utils.MetricFamily.HISTOGRAM}
+        self.families = {key: pb_utils.MetricFamily(name=name, description=doc, kind=kinds[kind])
+                         for key, (name, doc, kind) in _FAMILIES.items()}
+        self._series: dict[tuple, Any] = {}
+        self._expired_seen = 0
+
+    def _metric(self, key: str, **extra: str) -> Any:
+        labels = dict(self.labels, **extra)
+        ident = (key, tuple(sorted(labels.items())))
+        if ident not in self._series:
+            kind = _FAMILIES[key][2]
+            kwargs = {"buckets": LATENCY_BUCKETS} if kind == "HISTOGRAM" else {}
+            self._series[ident] = self.families[key].Metric(labels=labels, **kwargs)
+        return self._series[ident]
+
+    def kv_pool(self, used: int, total: int) -> None:
+        self._metric("kv_blocks_used").set(used)
+        self._metric("kv_blocks_total").set(total)
+
+    def kv_transfer(self, strategy: str, nbytes: int, seconds: float) -> None:
+        self._metric("kv_bytes", strategy=strategy).increment(nbytes)
+        self._metric("kv_seconds", strategy=strategy).observe(seconds)
+
+    def leases_expired(self, total: int) -> None:
+        """``total``: the lease table's running count; only the increase is added."""
+        metric = self._metric("leases_expired")     # the series shows from the start, at 0
+        if total > self._expired_seen:
+            metric.increment(total - self._expired_seen)
+            self._expired_seen = total
+
+    def request_done(self, outcome: str) -> None:
+        self._metric("requests", outcome=outcome).increment(1)
+
+    # orchestrator observer interface
+    def first_token(self, seconds: float) -> None:
+        self._metric("ttft").observe(seconds)
+
+    def finished(self, outcome: str, seconds: float, tokens: int, ttft: float | None) -> None:
+        self.request_done(outcome)
+        if ttft is not None and tokens > 1:
+            self._metric("tpot").observe((seconds - ttft) / (tokens - 1))

@@ -1,0 +1,192 @@
+"""The orchestrator's control flow, independent of how context and generation are reached.
+
+One request's life (disaggregated): ``context_only`` call -> the first token
+goes out at once -> ``generation_only`` call carrying ``context_phase_params``
+-> every later token streams out. Aggregated mode makes one
+``context_and_generation`` call to generation instead.
+
+Invariants:
+
+- every request ends with exactly one final ``send`` (``final=True``): a
+  non-streaming request gets exactly one response (Triton's ``generate``
+  demands that), a streaming one gets one per engine response;
+- every engine response stream ends with a response carrying a non-empty
+  ``finish_reason``, or an error; a stream that stops short is an error;
+- a cancelled request stops its generation sequence through the generation
+  model's stop path (a BLS caller cannot cancel what it sent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+import numpy as np
+
+from triton_disagg import protocol as P
+from triton_disagg.serving.detokenize import DeltaWindows
+from triton_disagg.serving.tensors import scalar
+
+Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
+
+
+class EngineError(RuntimeError):
+    """Context or generation answered with an error (message passed to the client)."""
+
+
+class Transport(Protocol):
+    async def context(self, request_id: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+    def generate(self, request_id: str, inputs: dict[str, np.ndarray],
+                 request_type: str) -> AsyncIterator[dict[str, np.ndarray]]: ...
+    async def stop(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One engine response, batch axis removed."""
+
+    ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+
+    @classmethod
+    def from_outputs(cls, out: dict[str, np.ndarray]) -> "Chunk":
+        ids = np.asarray(out["output_ids"]).reshape(-1).tolist()        # [beam=1, n] -> [n]
+        lp = out.get("output_log_probs")
+        log_probs = np.asarray(lp).reshape(-1).tolist() if lp is not None else [0.0] * len(ids)
+        reason = out.get("finish_reason")
+        reason = np.asarray(reason).reshape(-1)[0] if reason is not None and np.size(reason) else b""
+        return cls(ids, log_probs, reason.decode() if isinstance(reason, bytes) else str(reason))
+
+
+def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Orchestrator inputs -> the ``ENGINE_INPUTS`` of context/generation (present ones only)."""
+    names = {s.name for s in P.ENGINE_INPUTS}
+    out = {n: v for n, v in inputs.items() if n in names}
+    out.update({P.SAMPLING_TO_ENGINE[n]: v for n, v in inputs.items() if n in P.SAMPLING_TO_ENGINE})
+    out["streaming"] = np.array([True])   # the orchestrator always streams from generation
+    return out
+
+
+class ResponseBuilder:
+    """Turns engine chunks into orchestrator outputs (see protocol's postprocessing contract)."""
+
+    def __init__(self, inputs: dict[str, np.ndarray]):
+        self.prompt = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+        self.end_id = scalar(inputs, "end_id", -1)
+        self.stream = bool(scalar(inputs, "stream", False))
+        exclude = bool(scalar(inputs, "exclude_input_in_output", True))
+        self.windows = DeltaWindows(() if exclude or self.stream else self.prompt)
+        self.return_log_probs = bool(scalar(inputs, "return_log_probs", False))
+        self.generated = 0
+        self.cum_log_prob = 0.0
+        self.pending_ids: list[int] = []
+        self.pending_lp: list[float] = []
+
+    def add(self, chunk: Chunk) -> dict | None:
+        """Outputs to send now (streaming) or None (accumulating until the final chunk)."""
+        ids, lps = chunk.ids, chunk.log_probs
+        if chunk.finish_reason and ids and ids[-1] == self.end_id:
+            ids, lps = ids[:-1], lps[:-1]      # the end token is not output text
+        self.generated += len(ids)
+        self.cum_log_prob += float(sum(lps))
+        self.pending_ids += ids
+        self.pending_lp += lps
+        if self.stream or chunk.finish_reason:
+            return self._flush(final=bool(chunk.finish_reason))
+        return None
+
+    def _flush(self, final: bool) -> dict:
+        window, offset = self.windows.next(self.pending_ids)
+        lps = self.pending_lp if self.return_log_probs else [0.0] * len(self.pending_lp)
+        self.pending_ids, self.pending_lp = [], []
+        return {
+            "output_ids": np.array(window, dtype=np.int32),
+            "output_offset": np.array([offset], dtype=np.int32),
+            "is_final": np.array([final]),
+            "cum_log_probs": np.array([self.cum_log_prob if self.return_log_probs else 0.0]),
+            "output_log_probs": np.array([lps], dtype=np.float32).reshape(1, -1),
+            "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
+            "num_output_tokens": np.array([self.generated], dtype=np.int32),
+        }
+
+
+class Orchestrator:
+    """``observer`` (optional): ``first_token(seconds)`` and
+    ``finished(outcome, seconds, tokens, ttft)`` (see :class:`serving.metrics.Metrics`)."""
+
+    def __init__(self, transport: Transport, mode: str, observer: Any = None):
+        self.transport, self.mode, self.observer = transport, mode, observer
+
+    async def handle(self, inputs: dict[str, np.ndarray], send: Send,
+                     is_cancelled: Callable[[], bool] = lambda: False) -> str:
+        """Serve one request; returns its outcome ("finished" or "cancelled"), or raises."""
+        run = _Run(self, inputs, send)
+        try:
+            outcome = await run.serve(is_cancelled)
+        except BaseException:
+            run.done("error")
+            raise
+        run.done(outcome)
+        return outcome
+
+
+class _Run:
+    """One request's state while the orchestrator serves it."""
+
+    def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray], send: Send):
+        self.owner, self.send = owner, send
+        self.transport = owner.transport
+        self.request_id = uuid.uuid4().hex
+        self.builder = ResponseBuilder(inputs)
+        self.engine_in = engine_inputs(inputs)
+        self.start = time.monotonic()
+        self.ttft: float | None = None
+
+    async def serve(self, is_cancelled: Callable[[], bool]) -> str:
+        if self.owner.mode == "aggregated":
+            stream = self.transport.generate(self.request_id, self.engine_in,
+                                             P.CONTEXT_AND_GENERATION)
+        else:
+            ctx = await self.transport.context(self.request_id, self.engine_in)
+            first = Chunk.from_outputs(ctx)
+            if await self.emit(first):
+                return "finished"
+            if is_cancelled():   # nothing fetched yet: the context lease reclaims the blocks
+                await self.send(None, True)
+                return "cancelled"
+            gen_in = dict(self.engine_in, **{
+                # the prompt, then the first token; the handle holds the prompt's KV
+                "input_ids": np.append(self.engine_in["input_ids"], first.ids).astype(np.int32),
+                "input_lengths": np.array([len(self.builder.prompt) + len(first.ids)], np.int32),
+                P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
+            stream = self.transport.generate(self.request_id, gen_in, P.GENERATION_ONLY)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                chunk = Chunk.from_outputs(out)
+                if is_cancelled() and not chunk.finish_reason:
+                    await self.transport.stop(self.request_id)
+                    await self.send(None, True)
+                    return "cancelled"
+                if await self.emit(chunk):
+                    return "cancelled" if chunk.finish_reason == "cancelled" else "finished"
+        raise EngineError("generation ended its stream without a finish reason")
+
+    async def emit(self, chunk: Chunk) -> bool:
+        """Pass a chunk on; True when it was the last."""
+        if self.ttft is None:   # the first token reached the orchestrator (and goes out now
+            self.ttft = time.monotonic() - self.start      # when streaming)
+            if self.owner.observer is not None:
+                self.owner.observer.first_token(self.ttft)
+        out = self.builder.add(chunk)
+        if out is not None:
+            await self.send(out, bool(chunk.finish_reason))
+        return bool(chunk.finish_reason)
+
+    def done(self, outcome: str) -> None:
+        if self.owner.observer is not None:
+            self.owner.observer.finished(outcome, time.monotonic() - self.start,
+                                         self.builder.generated, self.ttft)

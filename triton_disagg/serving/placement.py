@@ -1,0 +1,50 @@
+"""Per-instance setup: read the rendered ``settings``; pin the stub process to its
+cores and cap its BLAS threads.
+
+The stub has imported numpy (and started its BLAS thread pool) before the
+model's ``initialize`` runs, so environment variables are too late: the
+affinity is set on every existing thread of the process (new threads inherit
+it) and the BLAS pools are limited with threadpoolctl.
+
+Invariant: with cores given, every thread of the process may run only on them
+and BLAS uses at most one thread per core; with none, nothing changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+
+def read_settings(args: dict) -> dict:
+    """The ``settings`` JSON parameter that ``launch.render`` wrote into config.pbtxt."""
+    config = json.loads(args["model_config"])
+    return json.loads(config["parameters"]["settings"]["string_value"])
+
+
+def instance_index(model_instance_name: str) -> int:
+    """``generation_0_1`` -> 1 (Triton names instances ``<model>_<group>_<index>``)."""
+    tail = model_instance_name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def cores_for(settings: dict, args: dict) -> tuple[int, ...]:
+    per_instance: Sequence[Sequence[int]] = settings.get("instance_cpus") or []
+    index = instance_index(args.get("model_instance_name", ""))
+    return tuple(per_instance[index]) if index < len(per_instance) else ()
+
+
+def pin(cores: Sequence[int]) -> Any:
+    """Apply the invariant above; returns the threadpoolctl limiter (keep it alive) or None."""
+    if not cores:
+        return None
+    mask = set(cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), mask)
+        except OSError:
+            pass  # a thread that ended meanwhile
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=len(mask))
