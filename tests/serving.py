@@ -189,15 +189,17 @@ def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
     return texts
 
 
-def offline_text(engine_dir: Path):
-    """``(prompt, max_tokens) -> text`` as `triton-disagg run` prints it (greedy, stops at eos)."""
+def offline_text(engine_dir: Path, kv_layout=None):
+    """``(prompt, max_tokens) -> text`` as `triton-disagg run` prints it (greedy, stops at eos),
+    with the engine's KV layout or ``kv_layout`` (a :class:`KVLayout`)."""
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.engine.spec import EngineSpec
     from triton_disagg.engine.tokenizer import Tokenizer
 
     spec = EngineSpec.load(engine_dir)
-    tokenizer, engine = Tokenizer(engine_dir), LLMEngine(engine_dir, num_blocks=512)
+    tokenizer = Tokenizer(engine_dir)
+    engine = LLMEngine(engine_dir, num_blocks=512, kv_layout=kv_layout)
 
     def run(prompt: str, max_tokens: int) -> str:
         params = SamplingParams(max_tokens=max_tokens, end_id=spec.eos_token_id)

@@ -87,9 +87,9 @@ def nixl_sender(cmds, out) -> None:
 
 
 def staging_sender(cmds, out) -> None:
-    """Context side: fp16 pool, 8 tokens per block, host_memory with 2 slots."""
+    """Context side: fp16 pool, 8 tokens per block, host_memory with 4 one-block slots."""
     pool, blocks = make_pool(2, 8, 8, "float16"), CountingPool()
-    area = HostStaging.create("test", num_slots=2, slot_bytes=4 * pool[0].nbytes)
+    area = HostStaging.create("test", num_slots=4, slot_bytes=pool[0].nbytes)
     ids = [6, 1, 3]
     blocks.take(ids)
     handle = area.put(pool, ids, 19, FP, ttl_s=30)
@@ -252,16 +252,16 @@ def test_host_staging_round_trip_across_processes():
 
 def test_host_staging_full_expiry_and_too_large():
     pool = make_pool(3, 4, 4, "float32")
-    area = HostStaging.create("full", num_slots=1, slot_bytes=2 * pool[0].nbytes)
+    area = HostStaging.create("full", num_slots=2, slot_bytes=pool[0].nbytes)
     try:
         first = area.put(pool, [0, 1], 8, FP, ttl_s=0.3)
         with pytest.raises(StagingFullError, match="full"):
             area.put(pool, [2], 3, FP, ttl_s=10)
-        with pytest.raises(UserError, match="raise the slot size"):
+        with pytest.raises(UserError, match="raise kv_cache.max_size"):
             area.put(pool, [0, 1, 2], 9, FP, ttl_s=10)
         time.sleep(0.4)
-        second = area.put(pool, [3], 2, FP, ttl_s=10)         # expired slot reclaimed
-        assert area.expired_total == 1 and second.slot == first.slot
+        second = area.put(pool, [3], 2, FP, ttl_s=10)         # expired slots reclaimed
+        assert area.expired_total == 1 and second.slots[0] in first.slots
         dst = np.zeros_like(pool)
         with pytest.raises(LeaseExpiredError):
             area.take(first, dst, [0, 1])
@@ -276,13 +276,13 @@ def test_host_staging_full_expiry_and_too_large():
 def _handle(**overrides) -> KVHandle:
     fields = dict(fingerprint=FP, geometry=BlockGeometry(L, KVH, HD, 4, "float32"),
                   num_tokens=5, strategy="host_memory", lease_id="ab12",
-                  lease_deadline=time.time() + 5, shm_name="tdkv_x", slot=0)
+                  lease_deadline=time.time() + 5, shm_name="tdkv_x", slots=(0, 1))
     return KVHandle(**{**fields, **overrides})
 
 
 def test_handle_round_trip_and_clear_errors():
     nixl = _handle(strategy="direct_transfer", agent_name="ctx-1", agent_metadata=b"\x00md\xff",
-                   block_addrs=(4096, 8192), shm_name="", slot=-1)
+                   block_addrs=(4096, 8192), shm_name="", slots=())
     for h in (_handle(), nixl):
         assert decode(encode(h)) == h and decode(to_tensor(h)) == h
     good = encode(_handle())

@@ -18,7 +18,7 @@ import pytest
 import serving
 from serving import PROMPTS
 
-LEASE_SECONDS = 2
+LEASE_SECONDS = 5
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,16 @@ def test_concurrent_and_first_token_only(server, offline):
     _wait_pools_empty(server)
     m = serving.metrics(server.metrics)
     assert "disagg_kv_transfer_bytes_total{" in m and "disagg_time_to_first_token_seconds_count" in m
+
+
+def test_32_concurrent_streams_each_get_their_text(server, offline):
+    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i % 13) for i in range(32)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        streams = list(pool.map(lambda j: serving.generate_stream(
+            server.http, {"text_input": j[0], "max_tokens": j[1], "stream": True}), jobs))
+    for (prompt, n), events in zip(jobs, streams):
+        assert "".join(e["text_output"] for e in events) == offline(prompt, n), (prompt, n)
+    _wait_pools_empty(server)
 
 
 def _orchestrator_inputs(ids, max_tokens):
@@ -182,16 +192,22 @@ def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
 
 
 def test_layout_conversion_between_sides(demo_engine, tmp_path, offline):
-    """Context keeps the engine's 16 tokens per block; generation uses 8 (and float16 KV on
-    the host_memory path): the receiver converts, greedy text still matches for tpb."""
-    for strategy, gen_kv in (("direct_transfer", "tokens_per_block: 8"),
-                             ("host_memory", "tokens_per_block: 32, kv_dtype: float16")):
+    """Context keeps the engine's 16 tokens per block and float32 KV; generation uses 8
+    tokens per block, or 32 with float16 KV. The receiver converts; greedy text equals the
+    offline engine run with the generation side's KV dtype (prefill attends in float32 on
+    both, and the KV it reads afterwards is rounded to float16 the same way)."""
+    from triton_disagg.engine.spec import KVLayout
+
+    offline_fp16 = serving.offline_text(demo_engine, KVLayout(tokens_per_block=32, dtype="float16"))
+    for strategy, gen_kv, reference in (
+            ("direct_transfer", "tokens_per_block: 8", offline),
+            ("host_memory", "tokens_per_block: 32, kv_dtype: float16", offline_fp16),
+            ("direct_transfer", "tokens_per_block: 32, kv_dtype: float16", offline_fp16)):
         config = _config(tmp_path / f"{strategy}.yaml", demo_engine, strategy,
                          f"generation_server: {{{gen_kv}}}\n")
         with serving.serve("all", ["-c", str(config)], tmp_path / strategy) as served:
             prompt = "The quick brown fox jumps over the lazy dog, again and again"
             status, body = serving.generate(served.http, {"text_input": prompt, "max_tokens": 12})
             assert status == 200 and body["num_output_tokens"] == 12, body
-            if "float16" not in gen_kv:
-                assert body["text_output"] == offline(prompt, 12)
+            assert body["text_output"] == reference(prompt, 12), (strategy, gen_kv)
             _wait_pools_empty(served)

@@ -42,7 +42,8 @@ class KVHandle:
 
     ``direct_transfer`` fills ``agent_name``, ``agent_metadata`` and ``block_addrs`` (one
     address per block, in token order, each ``geometry.block_nbytes`` long);
-    ``host_memory`` fills ``shm_name`` and ``slot``.
+    ``host_memory`` fills ``shm_name`` and ``slots`` (one staging slot per block, in token
+    order).
     """
 
     fingerprint: str              # engine fingerprint of the context model
@@ -55,7 +56,7 @@ class KVHandle:
     agent_metadata: bytes = b""
     block_addrs: tuple[int, ...] = ()
     shm_name: str = ""
-    slot: int = -1
+    slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -71,10 +72,12 @@ class KVHandle:
                 raise ValueError(
                     f"{self.num_tokens} tokens need {self.geometry.blocks_for(self.num_tokens)} "
                     f"block addresses, got {len(self.block_addrs)}")
-        elif not self.shm_name or self.slot < 0:
-            raise ValueError("host_memory handle needs a shared-memory name and a slot")
+        elif not self.shm_name or len(self.slots) != self.geometry.blocks_for(self.num_tokens) \
+                or min(self.slots) < 0:
+            raise ValueError("host_memory handle needs a shared-memory name and one staging "
+                             "slot per block")
         else:
-            int(self.lease_id, 16)  # host_memory lease ids are the slot's hex ticket
+            int(self.lease_id, 16)  # host_memory lease ids are the slots' hex ticket
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ def encode(handle: KVHandle) -> bytes:
     fields = dataclasses.asdict(handle)
     metadata = fields.pop("agent_metadata")
     fields["block_addrs"] = list(fields["block_addrs"])
+    fields["slots"] = list(fields["slots"])
     header = json.dumps(fields, sort_keys=True).encode()
     return _PREFIX.pack(_MAGIC, FORMAT_VERSION, len(header)) + header + metadata
 
@@ -126,6 +130,7 @@ def decode(data: Union[bytes, bytearray, np.ndarray]) -> KVHandle:
         fields = json.loads(data[_PREFIX.size:header_end])
         fields["geometry"] = BlockGeometry(**fields["geometry"])
         fields["block_addrs"] = tuple(int(a) for a in fields["block_addrs"])
+        fields["slots"] = tuple(int(a) for a in fields["slots"])
         return KVHandle(agent_metadata=data[header_end:], **fields)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise HandleError(f"context_phase_params is corrupt: {exc}") from exc

@@ -1,10 +1,12 @@
 """``strategy: host_memory``: KV handed over through a bounded, named shared-memory area.
 
 The context side creates one area (:meth:`HostStaging.create`) of ``num_slots`` slots of
-``slot_bytes`` each, copies a sequence's blocks into a free slot (:meth:`HostStaging.put`)
-and frees its pool blocks at once. The generation side attaches by name from its own
-process (:class:`StagingReader`), copies the blocks into its pool, converting the layout
-(:meth:`HostStaging.take`), and marks the slot done.
+``slot_bytes`` each; a slot holds one KV block, so a handoff of ``n`` blocks claims any
+``n`` free slots (:meth:`HostStaging.put`), and the context frees its pool blocks at once.
+Sized like the context pool, the area can hold everything the pool can: a handoff never
+waits on space that only its own batch could free. The generation side attaches by name
+from its own process (:class:`StagingReader`), copies the blocks into its pool,
+converting the layout (:meth:`HostStaging.take`), and marks the slots done.
 
 Segment layout (all little-endian, native to both processes on one host)::
 
@@ -18,10 +20,11 @@ Segment layout (all little-endian, native to both processes on one host)::
 Invariants: each header field has one writer process: the creator writes
 ticket/deadline/nbytes and the data, the receiver writes only ``done``, so no
 cross-process lock is needed. A slot is busy while ``ticket != 0``, ``ticket != done``
-and its deadline has not passed; the creator reuses only slots that are not busy and
-unpublishes the ticket before rewriting the data. A receiver copies only while the
-slot's ticket is its own and the deadline is ahead, and checks both again after the
-copy, so it never returns data from a reclaimed slot. The creator unlinks the segment
+and its deadline has not passed; the slots of one handoff share its ticket. The creator
+reuses only slots that are not busy and unpublishes the ticket before rewriting the
+data. A receiver copies only while every slot's ticket is its own and the deadline is
+ahead, and checks both again after the copy, so it never returns data from a reclaimed
+slot. The creator unlinks the segment
 on :meth:`HostStaging.close` (and the resource tracker does if the creator dies).
 """
 
@@ -52,7 +55,8 @@ class StagingError(RuntimeError):
 
 
 class StagingFullError(StagingError):
-    """Every slot holds KV that a generation has not fetched yet and whose lease is live."""
+    """Too few slots are free: the rest hold KV that a generation has not fetched yet and
+    whose lease is live."""
 
 
 class HostStaging:
@@ -103,11 +107,11 @@ class HostStaging:
             os.close(fd)
         return cls(name, memoryview(mapping), None, mapping)
 
-    def _slot_blocks(self, slot: int, geometry: BlockGeometry, n: int) -> np.ndarray:
-        nbytes = n * geometry.block_nbytes
-        start = slot * self.slot_bytes
-        flat = self._data[start:start + nbytes].view(geometry.dtype)  # [n * L*2*bs*kvh*hd]
-        return flat.reshape((n,) + geometry.block_shape)              # [n, L, 2, bs, kvh, hd]
+    def _slots_view(self, slots: Sequence[int], geometry: BlockGeometry) -> np.ndarray:
+        """The slots' blocks as ``[n, L, 2, bs, kvh, hd]`` (a copy: slots need not be adjacent)."""
+        rows = self._data.reshape(self.num_slots, self.slot_bytes)          # [N, slot_bytes]
+        raw = rows[np.asarray(slots), :geometry.block_nbytes]               # [n, block_nbytes]
+        return raw.view(geometry.dtype).reshape((len(slots),) + geometry.block_shape)
 
     def _busy(self, now: float) -> np.ndarray:
         live = (self._ticket != 0) & (self._ticket != self._done)
@@ -115,11 +119,11 @@ class HostStaging:
 
     def put(self, pool: np.ndarray, block_ids: Sequence[int], num_tokens: int,
             fingerprint: str, ttl_s: float) -> KVHandle:
-        """Copy ``block_ids`` (token order) of ``pool`` into a free slot (creator only).
+        """Copy ``block_ids`` (token order) of ``pool`` into free slots (creator only).
 
         The caller frees its pool blocks as soon as this returns. Raises
-        :class:`StagingFullError` when no slot is free, :class:`UserError` when the
-        blocks can never fit one slot.
+        :class:`StagingFullError` when too few slots are free now, :class:`UserError`
+        when the blocks can never fit.
         """
         if self._owner is None:
             raise RuntimeError("only the process that created the staging area may put")
@@ -128,51 +132,55 @@ class HostStaging:
         if n != geometry.blocks_for(num_tokens):
             raise ValueError(f"{num_tokens} tokens need {geometry.blocks_for(num_tokens)} "
                              f"blocks, got {n}")
-        if n * geometry.block_nbytes > self.slot_bytes:
-            raise UserError(f"{num_tokens} tokens of KV need {n * geometry.block_nbytes} bytes, "
-                            f"a host staging slot holds {self.slot_bytes}; raise the slot size")
+        if geometry.block_nbytes > self.slot_bytes or n > self.num_slots:
+            raise UserError(f"{num_tokens} tokens of KV need {n} blocks of "
+                            f"{geometry.block_nbytes} bytes; the host staging area has "
+                            f"{self.num_slots} slots of {self.slot_bytes}; raise kv_cache.max_size")
         with self._lock:
             now = time.time()
             self._reap(now)
             free = np.flatnonzero(~self._busy(now))
-            if not free.size:
+            if free.size < n:
                 raise StagingFullError(
-                    f"KV staging area {self.name} is full: all {self.num_slots} slots wait for a "
-                    f"generation fetch or lease expiry; retry later or raise kv_cache.max_size")
-            slot, ticket = int(free[0]), secrets.randbits(62) + 1
-            self._ticket[slot] = 0  # unpublish: a late reader of the old lease must not match
-            staged = self._slot_blocks(slot, geometry, n)  # [n, L, 2, bs, kvh, hd]
-            for k, block in enumerate(block_ids):
-                staged[k] = pool[block]
-            self._nbytes[slot] = n * geometry.block_nbytes
-            self._deadline[slot] = now + ttl_s
-            self._ticket[slot] = ticket  # publish last
+                    f"KV staging area {self.name} is full: {free.size} of {self.num_slots} slots "
+                    f"are free, {n} needed; the rest wait for a generation fetch or lease expiry; "
+                    f"retry later or raise kv_cache.max_size")
+            slots, ticket = free[:n], secrets.randbits(62) + 1
+            self._ticket[slots] = 0  # unpublish: a late reader of an old lease must not match
+            rows = self._data.reshape(self.num_slots, self.slot_bytes)      # [N, slot_bytes]
+            blocks = pool[np.asarray(block_ids)].reshape(n, -1).view(np.uint8)  # [n, block_nbytes]
+            rows[slots, :geometry.block_nbytes] = blocks
+            self._nbytes[slots] = geometry.block_nbytes
+            self._deadline[slots] = now + ttl_s
+            self._ticket[slots] = ticket  # publish last
         return KVHandle(fingerprint=fingerprint, geometry=geometry, num_tokens=num_tokens,
                         strategy="host_memory", lease_id=f"{ticket:016x}",
-                        lease_deadline=now + ttl_s, shm_name=self.name, slot=slot)
+                        lease_deadline=now + ttl_s, shm_name=self.name,
+                        slots=tuple(int(x) for x in slots))
 
     def take(self, handle: KVHandle, dst_pool: np.ndarray,
              dst_block_ids: Sequence[int]) -> TransferStats:
-        """Copy the handle's slot into ``dst_block_ids`` of ``dst_pool``, then release the slot."""
+        """Copy the handle's slots into ``dst_block_ids`` of ``dst_pool``, then release them."""
         start = time.monotonic()
-        src, slot, ticket = handle.geometry, handle.slot, int(handle.lease_id, 16)
-        n = src.blocks_for(handle.num_tokens)
-        if not 0 <= slot < self.num_slots or n * src.block_nbytes > self.slot_bytes:
-            raise StagingError(f"handle names slot {slot} of {n * src.block_nbytes} bytes; "
-                               f"{self.name} has {self.num_slots} slots of {self.slot_bytes}")
+        src, slots, ticket = handle.geometry, np.asarray(handle.slots), int(handle.lease_id, 16)
+        if slots.max() >= self.num_slots or src.block_nbytes > self.slot_bytes:
+            raise StagingError(f"handle names slots up to {slots.max()} of {src.block_nbytes} "
+                               f"bytes; {self.name} has {self.num_slots} slots of {self.slot_bytes}")
 
         def check(when: str) -> None:
-            if self._ticket[slot] != ticket or self._done[slot] == ticket \
-                    or self._nbytes[slot] != n * src.block_nbytes \
+            if (self._ticket[slots] != ticket).any() or (self._done[slots] == ticket).any() \
+                    or (self._nbytes[slots] != src.block_nbytes).any() \
                     or time.time() > handle.lease_deadline:
-                raise LeaseExpiredError(f"KV staging slot {slot} of lease {handle.lease_id} was "
+                raise LeaseExpiredError(f"KV staging slots of lease {handle.lease_id} were "
                                         f"already fetched or reclaimed ({when})")
 
         check("before the copy")
-        write_blocks(self._slot_blocks(slot, src, n), handle.num_tokens, dst_pool, dst_block_ids)
+        staged = self._slots_view(slots, src)                   # [n, L, 2, bs, kvh, hd]
         check("during the copy")
-        self._done[slot] = ticket
-        return TransferStats(nbytes=n * src.block_nbytes, seconds=time.monotonic() - start)
+        write_blocks(staged, handle.num_tokens, dst_pool, dst_block_ids)
+        self._done[slots] = ticket
+        return TransferStats(nbytes=len(slots) * src.block_nbytes,
+                             seconds=time.monotonic() - start)
 
     def reap(self, now: Optional[float] = None) -> int:
         """Count slots whose lease expired un-fetched (creator only); they are free to reuse."""
@@ -180,11 +188,13 @@ class HostStaging:
             return self._reap(time.time() if now is None else now)
 
     def _reap(self, now: float) -> int:
+        """Count each expired lease once (its slots share one ticket)."""
         live = (self._ticket != 0) & (self._ticket != self._done)
         expired = live & (self._deadline < now) & (self._reaped != self._ticket)
         self._reaped[expired] = self._ticket[expired]
-        self.expired_total += int(expired.sum())
-        return int(expired.sum())
+        leases = len(np.unique(self._ticket[expired]))
+        self.expired_total += leases
+        return leases
 
     def slots_in_use(self, now: Optional[float] = None) -> int:
         return int(self._busy(time.time() if now is None else now).sum())

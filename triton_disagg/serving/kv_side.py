@@ -18,11 +18,14 @@ sequence ends, or here when the handoff fails.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Sequence
 
 from triton_disagg.kv import handle as kvhandle
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry
+
+STAGING_RETRY_SECONDS = 0.005
 
 
 def make_engine(settings: dict) -> Any:
@@ -54,11 +57,8 @@ class Sender:
         else:
             from triton_disagg.kv.host_staging import HostStaging
 
-            g = pool.geometry
-            slot_bytes = g.blocks_for(engine.spec.max_seq_len) * g.block_nbytes
-            slots = max(1, min(2 * engine.spec.max_batch_size,
-                               settings["kv_max_size"] // slot_bytes))
-            self.staging = HostStaging.create(instance, slots, slot_bytes)
+            # One slot per block of the context pool: staging holds whatever the pool can.
+            self.staging = HostStaging.create(instance, pool.num_total, pool.geometry.block_nbytes)
 
     def free(self, block_ids: Sequence[int]) -> None:
         with self.lock:
@@ -74,12 +74,28 @@ class Sender:
                 raise
         else:
             try:
-                with self.lock:
-                    handle = self.staging.put(self.engine.pool.array, block_ids, num_tokens,
-                                              self.fingerprint, self.ttl)
+                handle = self._stage_when_a_slot_frees(block_ids, num_tokens)
             finally:
                 self.free(block_ids)
         return kvhandle.encode(handle)
+
+    def _stage_when_a_slot_frees(self, block_ids: Sequence[int], num_tokens: int) -> KVHandle:
+        """Copy the blocks into a staging slot. A full staging area is back-pressure, not an
+        error: wait (at most one lease time) for a generation fetch or a lease expiry to
+        free a slot, and raise StagingFullError only after that."""
+        from triton_disagg.kv.host_staging import StagingFullError
+
+        deadline = time.monotonic() + self.ttl
+        while True:
+            try:
+                with self.lock:
+                    return self.staging.put(self.engine.pool.array, block_ids, num_tokens,
+                                            self.fingerprint, self.ttl)
+            except StagingFullError:
+                if time.monotonic() >= deadline:
+                    raise
+                self.staging.reap()
+                time.sleep(STAGING_RETRY_SECONDS)
 
     def expired_total(self) -> int:
         if self.strategy == "direct_transfer":
