@@ -7,7 +7,7 @@ DEMO_CKPT   := checkpoints/demo
 DEMO_ENGINE := engines/demo
 PYTEST_ARGS ?=
 
-.PHONY: venv install demo demo-run test bench clean
+.PHONY: venv install demo test bench clean
 
 venv: $(STAMP)
 
@@ -23,9 +23,11 @@ $(DEMO_ENGINE)/engine.json: $(STAMP)
 	$(BIN)/triton-disagg demo-checkpoint --output $(DEMO_CKPT)
 	$(BIN)/triton-disagg build --checkpoint $(DEMO_CKPT) --output $(DEMO_ENGINE)
 
-# Build the demo engine and generate from a prompt with the offline engine.
+# Build the demo engine, generate once offline, then serve it disaggregated on Triton
+# (context on core 0, generation on core 1) until Ctrl-C.
 demo: $(DEMO_ENGINE)/engine.json
-	$(BIN)/triton-disagg run --engine $(DEMO_ENGINE) --text "The quick brown fox" --max-tokens 32
+	$(BIN)/triton-disagg run --engine $(DEMO_ENGINE) --text "The quick brown fox" --max-tokens 16
+	$(BIN)/triton-disagg serve all -c disagg_config.yaml
 
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
