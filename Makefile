@@ -32,8 +32,10 @@ demo: $(DEMO_ENGINE)/engine.json
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: $(DEMO_ENGINE)/engine.json
-	$(BIN)/triton-disagg bench engine --engine $(DEMO_ENGINE) --output docs/benchmarks.md
+# Both benchmarks print their tables and keep them in docs/benchmarks.md (plots in docs/img/).
+bench: venv
+	$(BIN)/triton-disagg bench engine --output docs/benchmarks.md
+	$(BIN)/triton-disagg bench serve --output docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) engines checkpoints work

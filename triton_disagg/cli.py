@@ -17,8 +17,9 @@ from triton_disagg.errors import UserError
 SUBCOMMAND_MODULES = (
     "triton_disagg.builders.build_cli",      # build, demo-checkpoint
     "triton_disagg.engine.run_cli",          # run
-    "triton_disagg.bench.cli",               # bench engine
+    "triton_disagg.bench.cli",               # bench engine|serve
     "triton_disagg.launch.serve_cli",        # serve all|context|generation|scheduler
+    "triton_disagg.clients.cli",             # client
 )
 
 
@@ -29,13 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                continue  # subcommand not part of this build yet
-            raise
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 

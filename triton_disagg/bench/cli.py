@@ -1,4 +1,4 @@
-"""`triton-disagg bench engine`: engine throughput against transformers, kept in docs/benchmarks.md."""
+"""`triton-disagg bench engine|serve`: figures kept in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from triton_disagg.bench.serve_cli import add_serve_parser
 from triton_disagg.errors import UserError
 
 
@@ -26,6 +27,7 @@ def register(subparsers) -> None:
     engine.add_argument("--output", type=Path, default=None,
                         help="markdown file whose engine section is replaced with the table")
     engine.set_defaults(func=_run_engine)
+    add_serve_parser(kinds)
 
 
 def _positive_list(text: str, name: str) -> list[int]:

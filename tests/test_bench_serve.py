@@ -1,0 +1,120 @@
+"""`bench serve`: its statistics, and a tiny sweep of both modes end to end (report structure
+and plausible values)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+
+import pytest
+
+from triton_disagg.bench import serve_cli
+from triton_disagg.bench.serve_load import LoadRun, Outcome, arrival_times
+from triton_disagg.bench.serve_servers import placement
+from triton_disagg.bench.serve_stats import SLO, Percentiles, Summary, goodput, summarize
+from triton_disagg.clients.stream import GenerateRequest, Measurement
+
+
+def _measured(ttft: float, gaps: list[float]) -> Measurement:
+    m = Measurement(start=0.0)
+    at = ttft
+    m.on_response("a", 3, 1, at=at)
+    for i, gap in enumerate(gaps):
+        at += gap
+        m.on_response("b", 3, i + 2, at=at)
+    m.end = at
+    return m
+
+
+def test_summary_attainment_and_goodput():
+    slo = SLO(ttft=0.1, tpot=0.02)
+    ok, slow_first, slow_tokens = _measured(0.05, [0.01] * 4), _measured(0.2, [0.01]), \
+        _measured(0.05, [0.05, 0.05])
+    outcomes = [Outcome(GenerateRequest("p", 5), m) for m in (ok, slow_first, slow_tokens)]
+    outcomes.append(Outcome(GenerateRequest("p", 5), error="boom"))
+    s = summarize("aggregated", LoadRun(4.0, outcomes, duration=2.0), slo)
+    assert (s.sent, s.failed, s.errors) == (4, 1, ("boom",))
+    assert s.attainment == 0.25 and s.request_throughput == 1.5
+    assert s.token_throughput == pytest.approx((5 + 2 + 3) / 2.0)
+    assert s.ttft.p50 == pytest.approx(0.05) and s.ttft.p99 <= 0.2
+    assert Percentiles.of([]) is None
+
+    def row(rate, attainment):
+        return Summary("m", rate, 1, 0, 1, 1, 1, None, None, None, attainment)
+    assert goodput([row(2, 1.0), row(4, 0.95), row(8, 0.5), row(math.inf, 1.0), row(0, 1)]) == 4
+    assert goodput([row(2, 0.1)]) is None
+
+
+def test_metrics_parsing_and_model_times():
+    from triton_disagg.bench.serve_metrics import model_times, parse, total
+
+    def text(n):
+        return "\n".join([
+            "# TYPE nv_inference_exec_count counter",
+            f'nv_inference_exec_count{{model="postprocessing",version="1"}} {n}',
+            f'nv_inference_exec_count{{model="ensemble",version="1"}} {n}',
+            f'nv_inference_compute_infer_duration_us{{model="postprocessing",version="1"}} {n * 1000}',
+            f'nv_inference_queue_duration_us{{model="postprocessing",version="1"}} {n * 10}',
+            f'disagg_kv_blocks_used{{instance="generation_0_0",role="generation"}} {n}',
+            'disagg_kv_blocks_used{instance="context_0_0",role="context"} 1'])
+    before, after = parse(text(10)), parse(text(30))
+    assert total(after, "disagg_kv_blocks_used") == 31
+    assert total(after, "disagg_kv_blocks_used", role="context") == 1
+    (row,) = model_times(before, after)
+    assert (row.model, row.executions) == ("postprocessing", 20)
+    assert row.compute_seconds == pytest.approx(0.02) and row.queue_seconds == pytest.approx(2e-4)
+
+
+def test_poisson_arrivals_and_placement():
+    times = arrival_times(4000, 10.0, random.Random(0))
+    assert times[0] == 0 and all(b >= a for a, b in zip(times, times[1:], strict=False))
+    assert times[-1] / 3999 == pytest.approx(0.1, rel=0.05)
+    assert arrival_times(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
+    assert placement("disaggregated", [0, 1]) == {"context_server": {"cpus": [0]},
+                                                  "generation_server": {"cpus": [1]}}
+    assert placement("disaggregated", [3]) == {"context_server": {"cpus": [3]},
+                                               "generation_server": {"cpus": [3]}}
+    assert placement("aggregated", [0, 1]) == {"generation_server": {"cpus": [0, 1]}}
+
+
+def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
+    parser = argparse.ArgumentParser()
+    serve_cli.add_serve_parser(parser.add_subparsers(dest="kind"))
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text("# Benchmarks\n\nkept text\n")
+    args = parser.parse_args([
+        "serve", "--engine", str(demo_engine), "--rates", "2,4", "--duration", "2",
+        "--serial-requests", "3", "--burst-requests", "6", "--prompt-tokens", "uniform:8,24",
+        "--output-tokens", "uniform:4,12", "--work-dir", str(tmp_path / "work"),
+        "--output", str(doc), "--json", str(tmp_path / "serve.json")])
+    assert args.func(args) == 0
+
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nkept text") and "<!-- bench:serve:start -->" in text
+    for heading in ("Request-rate sweep", "Goodput", "Serving overhead", "acceptance",
+                    "Where the server's time went"):
+        assert heading in text
+    assert "| disaggregated | context |" in text and "| aggregated | generation |" in text
+    for mode in ("disaggregated", "aggregated"):
+        assert f"- **{mode}**: TTFT p50" in text
+        for rate in ("serial", "2", "4", "burst"):
+            assert f"| {mode} | {rate} |" in text
+    for png in ("serve_latency.png", "serve_throughput.png"):
+        data = (doc.parent / "img" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+        assert f"](img/{png})" in text
+
+    rows = json.loads((tmp_path / "serve.json").read_text())["summaries"]
+    assert [(r["mode"], r["rate"]) for r in rows] == [
+        ("in-process", 0), ("in-process", math.inf),
+        *[(m, r) for m in ("disaggregated", "aggregated") for r in (0, 2.0, 4.0, math.inf)]]
+    sent = {0: 3, 2.0: 4, 4.0: 8, math.inf: 6}
+    for r in rows:
+        assert r["failed"] == 0 and r["sent"] == sent[r["rate"]], r
+        ttft, tpot = r["ttft"], r["tpot"]
+        assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] < 30, r
+        assert 0 < tpot["p50"] <= tpot["p99"] < 5, r
+        assert r["token_throughput"] > 0 and 0 <= r["attainment"] <= 1

@@ -1,0 +1,177 @@
+"""`triton-disagg bench serve`: disaggregated vs aggregated serving of one engine, in one run.
+
+Order of a run (every server on the same cores, one at a time):
+
+1. the in-process baseline (:mod:`serve_inproc`): the serial and burst request
+   sets on :class:`LLMEngine` in this process;
+2. per mode: start the server, warm it up, then the serial set, one Poisson
+   run per ``--rates`` entry (``rate x --duration`` requests) and the burst
+   set (:mod:`serve_load`), reading Triton's per-model time around the burst
+   (:mod:`serve_metrics`), then stop it;
+3. the figures (:mod:`serve_stats`), markdown and plots (:mod:`serve_report`):
+   printed, and with ``--output`` kept as the ``serve`` section of that file
+   with the PNGs in ``--img-dir``.
+
+Invariant: every mode and the baseline get the same requests (same seed), so
+their rows compare one to one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from triton_disagg.errors import UserError
+
+WARMUP_REQUESTS = 4
+
+
+def add_serve_parser(kinds) -> None:
+    p = kinds.add_parser(
+        "serve", help="TTFT, per-token latency, throughput and goodput through Triton, "
+                      "disaggregated vs aggregated, and the serving overhead",
+        description="Open-loop Poisson load at a sweep of request rates against `serve all`, "
+                    "disaggregated and aggregated in turn on the same cores, plus the engine "
+                    "in-process on the same prompts.")
+    p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
+                                               "built under --work-dir)")
+    p.add_argument("--modes", default="disaggregated,aggregated")
+    p.add_argument("--rates", default="2,4,8,12", help="requests/s, comma-separated")
+    p.add_argument("--duration", type=float, default=12.0,
+                   help="seconds of arrivals per rate (default 12)")
+    p.add_argument("--prompt-tokens", default="uniform:32,128", help="length distribution")
+    p.add_argument("--output-tokens", default="uniform:32,96", help="length distribution")
+    p.add_argument("--serial-requests", type=int, default=16,
+                   help="requests sent one at a time (unloaded latency, overhead)")
+    p.add_argument("--burst-requests", type=int, default=64,
+                   help="requests sent at once (saturation throughput, overhead)")
+    p.add_argument("--slo-ttft-ms", type=float, default=200.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--cpus", help="cores for every configuration, e.g. 0,1 (default: all usable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", type=Path, default=Path("work/bench-serve"))
+    p.add_argument("--output", type=Path, help="markdown file whose serve section is replaced")
+    p.add_argument("--img-dir", type=Path, help="where the PNGs go (default: img/ beside --output)")
+    p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    p.set_defaults(func=run)
+
+
+def _numbers(text: str, name: str, kind=float) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise UserError(f"{name}: expected comma-separated positive numbers, got {text!r}")
+    return values
+
+
+def _engine(args: argparse.Namespace, say) -> Path:
+    if args.engine is not None:
+        if not (args.engine / "engine.json").is_file():
+            raise UserError(f"--engine: {args.engine} has no engine.json; build one with "
+                            f"`triton-disagg build`")
+        return args.engine.resolve()
+    from triton_disagg.builders.build import build_engine
+    from triton_disagg.builders.demo import write_demo_checkpoint
+
+    checkpoint, engine = args.work_dir / "checkpoints" / "demo", args.work_dir / "engines" / "demo"
+    write_demo_checkpoint(checkpoint)
+    build_engine(checkpoint, engine, progress=say)
+    return engine.resolve()
+
+
+def make_requests(n: int, args: argparse.Namespace, tokenizer, seed: int) -> list:
+    """``n`` streaming, greedy requests with end id off (exactly ``max_tokens`` tokens each)."""
+    from triton_disagg.clients.stream import GenerateRequest
+    from triton_disagg.clients.workload import Lengths, make_prompt
+
+    prompts = Lengths.parse(args.prompt_tokens, "--prompt-tokens")
+    outputs = Lengths.parse(args.output_tokens, "--output-tokens")
+    rng = random.Random(seed)
+    return [GenerateRequest(make_prompt(prompts.sample(rng), rng, tokenizer), outputs.sample(rng),
+                            True, {"end_id": -1}) for _ in range(n)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from triton_disagg.bench import serve_report
+    from triton_disagg.bench.serve_inproc import InProcessEngine
+    from triton_disagg.bench.serve_load import run_load
+    from triton_disagg.bench.serve_metrics import model_times, scrape
+    from triton_disagg.bench.serve_servers import MODES, serving
+    from triton_disagg.bench.serve_stats import SLO, summarize
+    from triton_disagg.engine.tokenizer import Tokenizer
+
+    began = time.monotonic()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        raise UserError(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
+    rates = _numbers(args.rates, "--rates")
+    cores = (_numbers(args.cpus, "--cpus", int) if args.cpus is not None
+             else sorted(os.sched_getaffinity(0)))
+    if args.serial_requests < 1 or args.burst_requests < 1 or args.duration <= 0:
+        raise UserError("--serial-requests, --burst-requests and --duration must be positive")
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+
+    def say(message: str) -> None:
+        print(f"[bench serve] {message}", file=sys.stderr, flush=True)
+
+    engine = _engine(args, say)
+    tokenizer = Tokenizer(engine)
+    serial = make_requests(args.serial_requests, args, tokenizer, args.seed)
+    burst = make_requests(args.burst_requests, args, tokenizer, args.seed + 1)
+    sweep = {r: make_requests(max(1, round(r * args.duration)), args, tokenizer,
+                              args.seed + 2 + i) for i, r in enumerate(rates)}
+    summaries, times = [], {}
+
+    def keep(mode: str, load_run) -> None:
+        s = summarize(mode, load_run, slo)
+        summaries.append(s)
+        ttft = "–" if s.ttft is None else f"{s.ttft.p50 * 1e3:.1f} ms"
+        say(f"{mode:>13} rate {s.rate:g}: {s.sent - s.failed}/{s.sent} done, "
+            f"{s.token_throughput:.0f} tok/s, TTFT p50 {ttft}, attainment {s.attainment:.0%}"
+            + (f", errors: {'; '.join(s.errors)}" if s.errors else ""))
+
+    say(f"in-process baseline on {len(cores)} thread(s)")
+    baseline = InProcessEngine(engine, threads=len(cores))
+    keep("in-process", baseline.run(serial, 0))
+    keep("in-process", baseline.run(burst, math.inf))
+    del baseline
+    for mode in modes:
+        say(f"starting {mode} serving on cores {cores}")
+        with serving(mode, engine, cores, args.work_dir.resolve()) as served:
+            run_load(served.grpc, make_requests(WARMUP_REQUESTS, args, tokenizer, -1), math.inf)
+            keep(mode, run_load(served.grpc, serial, 0))
+            for i, rate in enumerate(rates):
+                keep(mode, run_load(served.grpc, sweep[rate], rate, seed=args.seed + i,
+                                    deadline=args.duration * 4 + 60))
+            before = scrape(served.metrics)
+            burst_run = run_load(served.grpc, burst, math.inf)
+            times[mode] = (burst_run.duration, model_times(before, scrape(served.metrics)))
+            keep(mode, burst_run)
+
+    shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
+    setup = serve_report.Setup(shown, tuple(cores), args.prompt_tokens, args.output_tokens,
+                               slo, time.monotonic() - began)
+    doc_dir = (args.output.parent if args.output else Path("."))
+    img_dir = args.img_dir or doc_dir / "img"
+    images = serve_report.plot(summaries, modes, slo, img_dir)
+    body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times)
+    print(body)
+    if args.output:
+        from triton_disagg.bench.report import replace_section
+
+        replace_section(args.output, "serve", "Serving: disaggregated vs aggregated", body)
+        say(f"section written to {args.output}, plots to {img_dir}")
+    if args.json:
+        args.json.write_text(json.dumps({"setup": asdict(setup),
+                                         "summaries": [asdict(s) for s in summaries]},
+                                        indent=1, default=str))
+    return 0

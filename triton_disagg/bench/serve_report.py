@@ -1,0 +1,187 @@
+"""`bench serve` results as markdown (for docs/benchmarks.md) and PNG plots (matplotlib, Agg).
+
+Rows come from :class:`serve_stats.Summary`; rate 0 is shown as "serial" (one
+request at a time), ``inf`` as "burst" (all at once). Invariant: the verdict
+lines state the target, the measured value and whether it holds, so the
+section reads correctly on its own whatever the numbers are.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from triton_disagg.bench.serve_stats import SLO, Percentiles, Summary, goodput
+
+TTFT_ADDED_MAX = 0.010          # overhead target: at most 10 ms added TTFT at p50
+THROUGHPUT_LOSS_MAX = 0.15      # and at most 15 % output throughput lost at saturation
+ACCEPT_TTFT = 0.200             # deployment guide: TTFT under 200 ms (p90 here) ...
+ACCEPT_TOKENS = 1000.0          # ... and over 1000 output tokens/s aggregate
+
+
+@dataclass(frozen=True)
+class Setup:
+    engine: str
+    cores: tuple[int, ...]
+    prompt_tokens: str
+    output_tokens: str
+    slo: SLO
+    seconds: float               # wall time of the whole run
+
+
+def _rate(rate: float, unit: str = "") -> str:
+    return "serial" if rate == 0 else "burst" if math.isinf(rate) else f"{rate:g}{unit}"
+
+
+def _ms(p: Percentiles | None) -> str:
+    return "–" if p is None else f"{p.p50 * 1e3:.1f} / {p.p90 * 1e3:.1f} / {p.p99 * 1e3:.1f}"
+
+
+def sweep_table(summaries: Sequence[Summary]) -> str:
+    lines = ["| mode | rate (req/s) | done / sent | req/s | output tok/s | TTFT p50/p90/p99 (ms) "
+             "| TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) | SLO attainment | client cores |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        cores = "–" if s.client_cores is None else f"{s.client_cores:.2f}"
+        lines.append(f"| {s.mode} | {_rate(s.rate)} | {s.sent - s.failed} / {s.sent} "
+                     f"| {s.request_throughput:.2f} | {s.token_throughput:.0f} | {_ms(s.ttft)} "
+                     f"| {_ms(s.tpot)} | {_ms(s.itl)} | {s.attainment:.0%} | {cores} |")
+    return "\n".join(lines)
+
+
+def _find(summaries: Sequence[Summary], mode: str, rate: float) -> Summary | None:
+    return next((s for s in summaries if s.mode == mode and s.rate == rate), None)
+
+
+def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str]) -> list[str]:
+    base_serial = _find(summaries, "in-process", 0)
+    base_burst = _find(summaries, "in-process", math.inf)
+    if base_serial is None or base_burst is None or base_serial.ttft is None:
+        return ["No in-process baseline in this run."]
+    out = []
+    for mode in modes:
+        serial, burst = _find(summaries, mode, 0), _find(summaries, mode, math.inf)
+        if serial is None or burst is None or serial.ttft is None:
+            continue
+        added = serial.ttft.p50 - base_serial.ttft.p50
+        lost = 1 - burst.token_throughput / base_burst.token_throughput
+        out.append(
+            f"- **{mode}**: TTFT p50 {serial.ttft.p50 * 1e3:.1f} ms vs {base_serial.ttft.p50 * 1e3:.1f} "
+            f"ms in-process, {added * 1e3:+.1f} ms ({'holds' if added <= TTFT_ADDED_MAX else 'misses'}"
+            f" the <= {TTFT_ADDED_MAX * 1e3:.0f} ms target); saturation {burst.token_throughput:.0f} vs "
+            f"{base_burst.token_throughput:.0f} output tok/s, {lost:.0%} lost "
+            f"({'holds' if lost <= THROUGHPUT_LOSS_MAX else 'misses'} the <= "
+            f"{THROUGHPUT_LOSS_MAX:.0%} target).")
+    return out
+
+
+def acceptance_lines(summaries: Sequence[Summary], modes: Sequence[str]) -> list[str]:
+    out = []
+    for mode in modes:
+        rows = [s for s in summaries if s.mode == mode and s.ttft is not None]
+        ok = [s for s in rows if s.ttft.p90 < ACCEPT_TTFT and s.token_throughput > ACCEPT_TOKENS]
+        best = max(rows, key=lambda s: s.token_throughput, default=None)
+        if ok:
+            where = ", ".join(f"{_rate(s.rate, ' req/s')} ({s.token_throughput:.0f} tok/s, TTFT p90 "
+                              f"{s.ttft.p90 * 1e3:.0f} ms)" for s in ok)
+            out.append(f"- **{mode}**: holds at {where}.")
+        elif best is not None:
+            out.append(f"- **{mode}**: holds nowhere; the highest throughput was "
+                       f"{best.token_throughput:.0f} output tok/s at {_rate(best.rate, ' req/s')} "
+                       f"(TTFT p90 {best.ttft.p90 * 1e3:.0f} ms).")
+    return out
+
+
+def model_time_table(times: dict[str, tuple[float, list]], cores: int) -> str:
+    """``times``: mode -> (run seconds, :class:`serve_metrics.ModelTime` rows)."""
+    lines = ["| mode | model | executions | compute (s) | per execution (ms) | share of the cores |",
+             "|---|---|---|---|---|---|"]
+    for mode, (seconds, rows) in times.items():
+        for r in rows:
+            per = r.compute_seconds / r.executions * 1e3 if r.executions else 0.0
+            lines.append(f"| {mode} | {r.model} | {r.executions} | {r.compute_seconds:.2f} "
+                         f"| {per:.2f} | {r.compute_seconds / (seconds * cores):.0%} |")
+    return "\n".join(lines)
+
+
+def plot(summaries: Sequence[Summary], modes: Sequence[str], slo: SLO, img_dir: Path) -> list[Path]:
+    """Two PNGs: latency (TTFT, TPOT) and throughput/attainment against the request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    swept = {m: sorted((s for s in summaries if s.mode == m and 0 < s.rate < math.inf),
+                       key=lambda s: s.rate) for m in modes}
+    paths = []
+    # file -> panels of (y label, value of a summary, percentiles?, reference line)
+    panels = {
+        "serve_latency.png": [("TTFT (ms)", lambda s: s.ttft, True, slo.ttft * 1e3),
+                              ("time per output token (ms)", lambda s: s.tpot, True,
+                               slo.tpot * 1e3)],
+        "serve_throughput.png": [("output tokens/s", lambda s: s.token_throughput, False, None),
+                                 ("SLO attainment", lambda s: s.attainment, False, 0.9)],
+    }
+    for name, specs in panels.items():
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for ax, (label, get, percentiles, line) in zip(axes, specs, strict=True):
+            for color, (mode, rows) in enumerate(swept.items()):
+                rates = [s.rate for s in rows]
+                if percentiles:
+                    for pct, style in (("p50", "-o"), ("p90", "--x")):
+                        ax.plot(rates, [getattr(get(s), pct) * 1e3 if get(s) else math.nan
+                                        for s in rows], style, color=f"C{color}",
+                                label=f"{mode} {pct}")
+                else:
+                    ax.plot(rates, [get(s) for s in rows], "-o", color=f"C{color}", label=mode)
+            if line is not None:
+                ax.axhline(line, color="grey", linestyle=":", label="SLO")
+            if percentiles:
+                ax.set_yscale("log")      # queueing makes the overloaded rates 10-100x slower
+            ax.set_xlabel("request rate (req/s, Poisson)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(img_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(img_dir / name)
+    return paths
+
+
+def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
+             images: Sequence[Path], doc_dir: Path, times: dict[str, tuple[float, list]]) -> str:
+    good = {m: goodput([s for s in summaries if s.mode == m]) for m in modes}
+    cores = ",".join(str(c) for c in setup.cores)
+    parts = [
+        f"`triton-disagg bench serve`: engine `{setup.engine}`, cores {cores} (disaggregated: "
+        f"context on the first half, generation on the second; aggregated: generation on all), "
+        f"prompts `{setup.prompt_tokens}` tokens, outputs `{setup.output_tokens}` tokens (end id "
+        f"off), greedy, gRPC streaming client on the same cores (its CPU use is the last "
+        f"column). SLO: TTFT <= "
+        f"{setup.slo.ttft * 1e3:.0f} ms and time per output token <= {setup.slo.tpot * 1e3:.0f} "
+        f"ms. The whole run took {setup.seconds:.0f} s.",
+        "", "### Request-rate sweep (open loop, Poisson arrivals)", "",
+        "`serial`: one request at a time (unloaded latency); `burst`: every request at once "
+        "(saturation throughput). TPOT is per request, (last - first token) / (tokens - 1); ITL "
+        "pools every gap between streamed tokens.", "",
+        sweep_table(summaries), "",
+        "**Goodput** (highest swept rate with >= 90% SLO attainment): " + ", ".join(
+            f"{m} {'none' if g is None else f'{g:g} req/s'}" for m, g in good.items()) + ".", "",
+        *[f"![{p.stem}]({os.path.relpath(p, doc_dir)})" for p in images], "",
+        "### Serving overhead (Triton vs the engine in-process, same prompts and cores)", "",
+        "TTFT at p50 with one request at a time, output tokens/s with every request at once.", "",
+        *overhead_lines(summaries, modes), "",
+        "Where the server's time went during the burst (Triton's per-model compute counters; "
+        "the ensemble is left out, its time overlaps its steps'; the decoupled orchestrator "
+        "and generation return from `execute` at once and work on their own threads, which "
+        "these counters do not see):", "",
+        model_time_table(times, len(setup.cores)), "",
+        "### Deployment-guide acceptance (TTFT p90 under 200 ms and over 1000 output tokens/s)", "",
+        *acceptance_lines(summaries, modes),
+    ]
+    return "\n".join(parts)

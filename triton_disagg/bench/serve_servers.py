@@ -1,0 +1,71 @@
+"""Start one serving configuration of an engine on given cores, for a benchmark.
+
+``disaggregated``: the context model's instance is pinned to the first half of
+``cores`` and the generation model's to the second half (both get all of them
+when there is one core). ``aggregated``: one generation instance on all of
+``cores`` does prefill and decode. The front models (ensemble, pre/post-
+processing, orchestrator) are not pinned in either. So both configurations
+use the same cores, and only the split differs.
+
+Invariant: :func:`serving` yields a ready server on free loopback ports and
+stops its whole process group on exit, even when the body raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+MODES = ("disaggregated", "aggregated")
+
+
+@dataclass(frozen=True)
+class Served:
+    mode: str
+    grpc: str                    # host:port
+    http: str                    # http://host:port
+    metrics: str                 # http://host:port
+    log: Path
+
+
+def placement(mode: str, cores: Sequence[int]) -> dict:
+    """The ``context_server`` / ``generation_server`` part of disagg_config.yaml."""
+    cores = list(cores)
+    if mode == "aggregated":
+        return {"generation_server": {"cpus": cores}}
+    half = max(1, len(cores) // 2)
+    context, generation = cores[:half], cores[half:] or cores[:half]
+    return {"context_server": {"cpus": context}, "generation_server": {"cpus": generation}}
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@contextlib.contextmanager
+def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
+            ready_timeout: float = 300.0) -> Iterator[Served]:
+    from triton_disagg.config import check_host, parse_config
+    from triton_disagg.launch.deploy import start
+    from triton_disagg.launch.tritonserver import Endpoints
+
+    config = parse_config({"model": {"engine": str(Path(engine).resolve())}, "mode": mode,
+                           **placement(mode, cores)}, source=f"bench serve ({mode})")
+    check_host(config)
+    http, grpc, metrics = _free_ports(3)
+    server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / mode)
+    try:
+        server.wait_ready(ready_timeout)
+        yield Served(mode, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}",
+                     f"http://127.0.0.1:{metrics}", server.log_path)
+    finally:
+        server.stop()
