@@ -37,9 +37,14 @@ def test_readme_python_examples_print_the_offline_text(demo_engine, tmp_path):
             assert out.stdout.strip() == expected.strip(), code
 
 
-def test_example_config_loads_as_written():
+def test_example_config_loads_as_written(demo_engine, tmp_path):
+    """The root disagg_config.yaml, beside an engines/demo like the one `make demo` builds."""
     from triton_disagg.config import load_config
 
-    config = load_config(ROOT / "disagg_config.yaml")
-    assert config.engine == ROOT / "engines" / "demo"
+    config_path = tmp_path / "disagg_config.yaml"
+    config_path.write_text((ROOT / "disagg_config.yaml").read_text())
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "demo").symlink_to(demo_engine)
+    config = load_config(config_path)
+    assert config.engine == demo_engine.resolve()  # relative to the config file, resolved
     assert config.context.cpus != config.generation.cpus
