@@ -68,6 +68,19 @@ def check_ports_free(endpoints: Endpoints) -> None:
                                 f" stop what uses it or pass --{kind}-port") from None
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports the OS reports free on ``host`` right now (for tests and benches
+    that start servers; a port can still be taken before the server binds it)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _bind_host(host: str, role: str) -> str:
     if host in ("localhost", "127.0.0.1", "::1"):
         return "127.0.0.1"

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,18 +25,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_disagg.launch.deploy import free_ports
+
 READY_TIMEOUT = 240.0
 PROMPTS = ["The quick brown fox", "日本語と中文的文字", "emoji 🎉🚀 party", "a"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from triton_disagg.bench.args import number_list
 from triton_disagg.bench.serve_cli import add_serve_parser
 from triton_disagg.errors import UserError
 
@@ -28,16 +29,6 @@ def register(subparsers) -> None:
                         help="markdown file whose engine section is replaced with the table")
     engine.set_defaults(func=_run_engine)
     add_serve_parser(kinds)
-
-
-def _positive_list(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise UserError(f"{name}: expected comma-separated positive integers, got {text!r}")
-    return values
 
 
 def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Path, Path]]:
@@ -65,7 +56,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     from triton_disagg.bench.engine_bench import default_threads, run_engine_bench
     from triton_disagg.bench.report import replace_section
 
-    batches = _positive_list(args.batch_sizes, "--batch-sizes")
+    batches = number_list(args.batch_sizes, "--batch-sizes", int)
     if args.prompt_len <= 0 or args.new_tokens < 2:
         raise UserError("--prompt-len must be > 0 and --new-tokens >= 2")
     threads = args.threads or default_threads()

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from triton_disagg.bench.args import number_list
 from triton_disagg.errors import UserError
 
 WARMUP_REQUESTS = 4
@@ -61,16 +62,6 @@ def add_serve_parser(kinds) -> None:
     p.add_argument("--img-dir", type=Path, help="where the PNGs go (default: img/ beside --output)")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     p.set_defaults(func=run)
-
-
-def _numbers(text: str, name: str, kind=float) -> list:
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise UserError(f"{name}: expected comma-separated positive numbers, got {text!r}")
-    return values
 
 
 def _engine(args: argparse.Namespace, say) -> Path:
@@ -113,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
         raise UserError(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
-    rates = _numbers(args.rates, "--rates")
-    cores = (_numbers(args.cpus, "--cpus", int) if args.cpus is not None
+    rates = number_list(args.rates, "--rates")
+    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
              else sorted(os.sched_getaffinity(0)))
     if args.serial_requests < 1 or args.burst_requests < 1 or args.duration <= 0:
         raise UserError("--serial-requests, --burst-requests and --duration must be positive")

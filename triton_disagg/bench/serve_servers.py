@@ -14,10 +14,11 @@ stops its whole process group on exit, even when the body raises.
 from __future__ import annotations
 
 import contextlib
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from triton_disagg.launch.deploy import free_ports
 
 MODES = ("disaggregated", "aggregated")
 
@@ -41,16 +42,6 @@ def placement(mode: str, cores: Sequence[int]) -> dict:
     return {"context_server": {"cpus": context}, "generation_server": {"cpus": generation}}
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @contextlib.contextmanager
 def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
             ready_timeout: float = 300.0) -> Iterator[Served]:
@@ -61,7 +52,7 @@ def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
     config = parse_config({"model": {"engine": str(Path(engine).resolve())}, "mode": mode,
                            **placement(mode, cores)}, source=f"bench serve ({mode})")
     check_host(config)
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / mode)
     try:
         server.wait_ready(ready_timeout)
