@@ -1,9 +1,9 @@
 """Hugging Face tensors -> engine weights, laid out as `triton_disagg.engine.spec` says.
 
 Invariants: the result has exactly the names of ``weight_names(shape)``, each
-C-contiguous in the storage dtype; every linear weight is ``[in, out]`` (transposed
-once here from torch's ``[out, in]``; GPT-2's Conv1D weights already are ``[in, out]``);
-``qkv`` columns are ``[q | k | v]`` and ``gate_up`` columns ``[gate | up]``. Q and K keep
+C-contiguous in the storage dtype; every linear weight is ``[out, in]`` (torch's
+``nn.Linear`` layout; GPT-2's Conv1D weights are ``[in, out]`` and are transposed once
+here); ``qkv`` rows are ``[q | k | v]`` and ``gate_up`` rows ``[gate | up]``. Q and K keep
 Hugging Face's rotary layout (rotate-half: the pair of dimension ``d`` is ``d + head_dim/2``),
 with no permutation. Every source tensor is shape-checked before use.
 """
@@ -26,7 +26,7 @@ def _llama_global(ckpt: Checkpoint, s: ModelShape) -> Weights:
     out = {"embed": ckpt.tensor("model.embed_tokens.weight", (v, h)),        # [V, H]
            "final_norm.weight": ckpt.tensor("model.norm.weight", (h,))}
     if not s.tie_word_embeddings:
-        out["lm_head.weight"] = ckpt.tensor("lm_head.weight", (v, h)).T      # [H, V]
+        out["lm_head.weight"] = ckpt.tensor("lm_head.weight", (v, h))        # [V, H]
     return out
 
 
@@ -38,14 +38,13 @@ def _llama_layer(ckpt: Checkpoint, s: ModelShape, i: int) -> Weights:
     proj = {n: ckpt.tensor(f"{attn}{n}_proj.weight", (width, h))            # [out, in]
             for n, width in (("q", q), ("k", kv), ("v", kv))}
     out = {o + "attn_norm.weight": ckpt.tensor(p + "input_layernorm.weight", (h,)),
-           o + "qkv.weight": np.concatenate([proj["q"].T, proj["k"].T, proj["v"].T],
-                                            axis=1),                          # [H, Q+2KV]
-           o + "o.weight": ckpt.tensor(attn + "o_proj.weight", (h, q)).T,     # [Q, H]
+           o + "qkv.weight": np.concatenate([proj["q"], proj["k"], proj["v"]]),  # [Q+2KV, H]
+           o + "o.weight": ckpt.tensor(attn + "o_proj.weight", (h, q)),       # [H, Q]
            o + "mlp_norm.weight": ckpt.tensor(p + "post_attention_layernorm.weight", (h,)),
            o + "gate_up.weight": np.concatenate(
-               [ckpt.tensor(mlp + "gate_proj.weight", (inter, h)).T,
-                ckpt.tensor(mlp + "up_proj.weight", (inter, h)).T], axis=1),  # [H, 2I]
-           o + "down.weight": ckpt.tensor(mlp + "down_proj.weight", (h, inter)).T}  # [I, H]
+               [ckpt.tensor(mlp + "gate_proj.weight", (inter, h)),
+                ckpt.tensor(mlp + "up_proj.weight", (inter, h))]),          # [2I, H]
+           o + "down.weight": ckpt.tensor(mlp + "down_proj.weight", (h, inter))}  # [H, I]
     if s.qkv_bias:
         out[o + "qkv.bias"] = np.concatenate(
             [ckpt.tensor(f"{attn}{n}_proj.bias", (w,))
@@ -66,14 +65,17 @@ def _gpt2_global(ckpt: Checkpoint, s: ModelShape) -> Weights:
            "final_norm.weight": ckpt.tensor(t + "ln_f.weight", (h,)),
            "final_norm.bias": ckpt.tensor(t + "ln_f.bias", (h,))}
     if not s.tie_word_embeddings:
-        out["lm_head.weight"] = ckpt.tensor("lm_head.weight", (v, h)).T      # [H, V]
+        out["lm_head.weight"] = ckpt.tensor("lm_head.weight", (v, h))        # [V, H]
     return out
+
+
+_CONV1D = ("qkv.weight", "o.weight", "fc.weight", "proj.weight")
 
 
 def _gpt2_layer(ckpt: Checkpoint, s: ModelShape, i: int) -> Weights:
     h, inter = s.hidden_size, s.intermediate_size
     p, o = f"{_gpt2_prefix(ckpt)}h.{i}.", f"layers.{i}."
-    names = {  # engine name: (HF name, shape); Conv1D weights are already [in, out]
+    names = {  # engine name: (HF name, shape); Conv1D weights are [in, out]
         "attn_norm.weight": ("ln_1.weight", (h,)), "attn_norm.bias": ("ln_1.bias", (h,)),
         "qkv.weight": ("attn.c_attn.weight", (h, 3 * h)),
         "qkv.bias": ("attn.c_attn.bias", (3 * h,)),
@@ -82,7 +84,8 @@ def _gpt2_layer(ckpt: Checkpoint, s: ModelShape, i: int) -> Weights:
         "fc.weight": ("mlp.c_fc.weight", (h, inter)), "fc.bias": ("mlp.c_fc.bias", (inter,)),
         "proj.weight": ("mlp.c_proj.weight", (inter, h)), "proj.bias": ("mlp.c_proj.bias", (h,)),
     }
-    return {o + name: ckpt.tensor(p + hf, shape) for name, (hf, shape) in names.items()}
+    return {o + name: ckpt.tensor(p + hf, shape).T if name in _CONV1D else ckpt.tensor(p + hf, shape)
+            for name, (hf, shape) in names.items()}         # Conv1D [in, out] -> [out, in]
 
 
 def _cast(name: str, array: np.ndarray, dtype: str, ckpt: Checkpoint) -> np.ndarray:

@@ -53,36 +53,39 @@ def test_shapes_mapped(tiny_engines):
     assert EngineSpec.load(tiny_engines["qwen2"]).shape.qkv_bias
 
 
-def test_llama_weights_equal_hf_fused_transposed(tiny_checkpoints, tiny_engines):
+def test_llama_weights_equal_hf_fused(tiny_checkpoints, tiny_engines):
+    """Linear weights keep torch's [out, in]; q/k/v and gate/up are stacked by rows."""
     for family in ("llama", "qwen2"):
         hf = load_file(str(tiny_checkpoints[family] / "model.safetensors"))
         ours = engine_weights(tiny_engines[family])
         p = "model.layers.1."
-        qkv = np.concatenate([hf[p + f"self_attn.{n}_proj.weight"].T for n in "qkv"], axis=1)
+        qkv = np.concatenate([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
         np.testing.assert_array_equal(ours["layers.1.qkv.weight"], qkv)
-        gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"].T,
-                                  hf[p + "mlp.up_proj.weight"].T], axis=1)
+        gate_up = np.concatenate([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         np.testing.assert_array_equal(ours["layers.1.gate_up.weight"], gate_up)
         for name, hf_name in (("down", "mlp.down_proj"), ("o", "self_attn.o_proj")):
             np.testing.assert_array_equal(ours[f"layers.1.{name}.weight"],
-                                          hf[f"{p}{hf_name}.weight"].T)
+                                          hf[f"{p}{hf_name}.weight"])
         np.testing.assert_array_equal(ours["layers.1.mlp_norm.weight"],
                                       hf[p + "post_attention_layernorm.weight"])
-        np.testing.assert_array_equal(ours["lm_head.weight"], hf["lm_head.weight"].T)
+        np.testing.assert_array_equal(ours["lm_head.weight"], hf["lm_head.weight"])
         np.testing.assert_array_equal(ours["embed"], hf["model.embed_tokens.weight"])
     bias = np.concatenate([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
     np.testing.assert_array_equal(ours["layers.1.qkv.bias"], bias)  # qwen2
 
 
 def test_gpt2_weights_equal_hf(tiny_checkpoints, tiny_engines):
+    """Conv1D weights ([in, out]) are transposed once to [out, in]; the rest is copied."""
     hf = load_file(str(tiny_checkpoints["gpt2"] / "model.safetensors"))
     ours = engine_weights(tiny_engines["gpt2"])
     t = "transformer."
-    for engine_name, hf_name in [("embed", "wte.weight"), ("pos_embed", "wpe.weight"),
-                                 ("layers.0.qkv.weight", "h.0.attn.c_attn.weight"),
-                                 ("layers.0.qkv.bias", "h.0.attn.c_attn.bias"),
+    for engine_name, hf_name in [("layers.0.qkv.weight", "h.0.attn.c_attn.weight"),
+                                 ("layers.0.o.weight", "h.0.attn.c_proj.weight"),
                                  ("layers.1.fc.weight", "h.1.mlp.c_fc.weight"),
-                                 ("layers.1.proj.weight", "h.1.mlp.c_proj.weight"),
+                                 ("layers.1.proj.weight", "h.1.mlp.c_proj.weight")]:
+        np.testing.assert_array_equal(ours[engine_name], hf[t + hf_name].T)
+    for engine_name, hf_name in [("embed", "wte.weight"), ("pos_embed", "wpe.weight"),
+                                 ("layers.0.qkv.bias", "h.0.attn.c_attn.bias"),
                                  ("final_norm.bias", "ln_f.bias")]:
         np.testing.assert_array_equal(ours[engine_name], hf[t + hf_name])
     assert "lm_head.weight" not in ours
@@ -93,7 +96,7 @@ def test_explicit_head_dim_and_tied_llama(tmp_path):
     spec, _ = build_engine(ckpt, tmp_path / "e")
     weights = engine_weights(tmp_path / "e")
     assert spec.shape.head_dim == 32
-    assert weights["layers.0.qkv.weight"].shape == (64, 4 * 32 + 2 * 2 * 32)
+    assert weights["layers.0.qkv.weight"].shape == (4 * 32 + 2 * 2 * 32, 64)
     assert "lm_head.weight" not in weights
 
 
@@ -139,7 +142,7 @@ def test_bfloat16_checkpoint_reads_exactly(tiny_checkpoints, tmp_path):
     save_torch(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     build_engine(ckpt, tmp_path / "e")
     ours = engine_weights(tmp_path / "e")
-    expected = tensors["model.layers.0.mlp.down_proj.weight"].float().numpy().T
+    expected = tensors["model.layers.0.mlp.down_proj.weight"].float().numpy()
     np.testing.assert_array_equal(ours["layers.0.down.weight"], expected)
 
 

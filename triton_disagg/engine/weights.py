@@ -22,11 +22,11 @@ def expected_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     kv = shape.num_kv_heads * shape.head_dim
     # Keyed by name without its "layers.<i>." prefix.
     shapes = {
-        "embed": (v, h), "pos_embed": (shape.max_position_embeddings, h), "lm_head.weight": (h, v),
-        "qkv.weight": (h, q + 2 * kv), "qkv.bias": (q + 2 * kv,),
-        "o.weight": (q, h), "o.bias": (h,),
-        "fc.weight": (h, i), "fc.bias": (i,), "proj.weight": (i, h), "proj.bias": (h,),
-        "gate_up.weight": (h, 2 * i), "down.weight": (i, h),
+        "embed": (v, h), "pos_embed": (shape.max_position_embeddings, h), "lm_head.weight": (v, h),
+        "qkv.weight": (q + 2 * kv, h), "qkv.bias": (q + 2 * kv,),
+        "o.weight": (h, q), "o.bias": (h,),
+        "fc.weight": (i, h), "fc.bias": (i,), "proj.weight": (h, i), "proj.bias": (h,),
+        "gate_up.weight": (2 * i, h), "down.weight": (h, i),
     }
     for norm in ("attn_norm", "mlp_norm", "final_norm"):
         shapes[norm + ".weight"] = shapes[norm + ".bias"] = (h,)
