@@ -75,6 +75,7 @@ class Measurement:
 
     start: float = field(default_factory=time.perf_counter)
     arrivals: list[float] = field(default_factory=list)
+    counts: list[int | None] = field(default_factory=list)   # num_output_tokens per response
     end: float | None = None
     text: list[str] = field(default_factory=list)
     num_input_tokens: int | None = None
@@ -84,6 +85,7 @@ class Measurement:
                     at: float | None = None) -> None:
         """Record a response that arrived ``at`` (default: now)."""
         self.arrivals.append(time.perf_counter() if at is None else at)
+        self.counts.append(n_out)
         self.text.append(text)
         self.num_input_tokens = n_in if n_in is not None else self.num_input_tokens
         self.num_output_tokens = n_out if n_out is not None else self.num_output_tokens
@@ -114,8 +116,13 @@ class Measurement:
 
     @property
     def itl(self) -> list[float]:
-        """Gaps between consecutive responses (one token each when streaming)."""
-        return np.diff(self.arrivals).tolist()
+        """Gaps between consecutive tokens when streaming: a response carrying k tokens (the
+        server sends tokens that were ready together as one) adds its gap, then k - 1 zeros."""
+        gaps = np.diff(self.arrivals).tolist()
+        if None in self.counts:
+            return gaps
+        extra = [max(0, b - a - 1) for a, b in zip(self.counts, self.counts[1:])]
+        return [g for gap, k in zip(gaps, extra) for g in [gap] + [0.0] * k]
 
 
 def _first(array: Any) -> Any:

@@ -50,7 +50,8 @@ def test_measurement_ttft_tpot_itl():
         m.on_response("x", 5, n, at=at)
     m.end = 10.3
     assert m.ttft == pytest.approx(0.1) and m.output_tokens == 4
-    assert m.tpot == pytest.approx(0.2 / 3) and m.itl == pytest.approx([0.05, 0.15])
+    assert m.tpot == pytest.approx(0.2 / 3)
+    assert m.itl == pytest.approx([0.05, 0.15, 0.0])      # the last response carried 2 tokens
     one = Measurement(start=0.0)
     one.on_response("whole", 3, 9, at=0.5)
     assert one.ttft == 0.5 and one.tpot is None and one.itl == []
@@ -110,7 +111,8 @@ def test_client_grpc_and_http_agree(served, capsys):
         assert r["num_output_tokens"] == 12 and r["num_input_tokens"] > 0
         assert r["ttft_ms"] > 0 and r["e2e_ms"] >= r["ttft_ms"]
         assert (r["time_per_output_token_ms"] is not None) == stream
-        assert r["responses"] == (12 if stream else 1)
+        # streaming: tokens that were ready together may share a response
+        assert 2 <= r["responses"] <= 12 if stream else r["responses"] == 1
 
 
 def test_client_prints_text_then_timings(served, capsys):

@@ -145,7 +145,10 @@ def test_orchestrator_first_token_only_and_aggregated():
     assert transport.generate_calls == [(P.CONTEXT_AND_GENERATION, [3, 4])]
 
 
-def test_orchestrator_cancel_stops_generation():
+def test_orchestrator_cancel_stops_generation(monkeypatch):
+    from triton_disagg.serving import orchestrator
+
+    monkeypatch.setattr(orchestrator, "CANCEL_POLL_SECONDS", 0.0)   # ask at every chunk
     transport = FakeTransport(10, [11, 12, 13, 14, 1])
     outcome, sends = _serve(transport, cancel_after=2)
     assert outcome == "cancelled" and len(transport.stopped) == 1 and sends[-1] == (None, True)
@@ -191,3 +194,14 @@ def test_decode_loop_batches_and_ends_every_request_once(engine):
         assert tokens == seq.output_ids and [f for _, f, _ in emits[rid]].count(True) == 1
     assert emits["long"][-1][0]["finish_reason"][0] == b"cancelled"
     assert engine.pool.num_used == 0
+
+
+def test_merged_outputs_keep_every_token_in_order():
+    def out(ids, reason=""):
+        return engine_request.outputs(ids, [0.5] * len(ids), 0.5 * ids[-1], reason)
+
+    merged = engine_request.merge_outputs(out([1]), out([2, 3], "length"))
+    assert merged["output_ids"].tolist() == [[1, 2, 3]] and merged["sequence_length"][0] == 3
+    assert merged["output_log_probs"].shape == (1, 3) and merged["cum_log_probs"][0] == 1.5
+    assert merged["finish_reason"][0] == b"length"
+

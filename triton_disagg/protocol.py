@@ -24,6 +24,8 @@ batch across requests themselves.
   A generation request with ``stop`` true (required inputs present, values
   ignored) ends the live request whose Triton request id it carries and is
   answered with one empty response.
+- Preprocessing -> orchestrator: the engine inputs plus ``arrival_ns``, the
+  preprocessing clock reading that starts the time-to-first-token metric.
 - Orchestrator -> postprocessing: ``output_ids`` holds a window of generated
   ids whose first ``output_offset`` were already turned into text by earlier
   responses of the same request; ``is_final`` marks the last response (only
@@ -143,14 +145,19 @@ SAMPLING_TO_ENGINE = {
 
 # ---- preprocessing -> orchestrator -> postprocessing ---------------------------------------
 
+# When the request reached preprocessing (CLOCK_MONOTONIC, ns; one clock for every process of
+# the host): the orchestrator's time to first token starts there. Optional on the orchestrator,
+# which then starts the clock itself (a caller that skips the ensemble).
+ARRIVAL = "arrival_ns"
 PREPROCESS_INPUTS = ENSEMBLE_INPUTS
 PREPROCESS_OUTPUTS = ENGINE_INPUTS[:3] + (
     TensorSpec("stop_words_list", "INT32", (2, -1)),
     TensorSpec("bad_words_list", "INT32", (2, -1)),
     TensorSpec("end_id", "INT32", (1,)),
     TensorSpec("pad_id", "INT32", (1,)),
+    TensorSpec(ARRIVAL, "UINT64", (1,)),
 )
-ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS + tuple(
+ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-1] + (_opt(ARRIVAL, "UINT64"),) + tuple(
     s for s in SAMPLING_INPUTS if s.name not in ("end_id", "pad_id"))
 ORCHESTRATOR_OUTPUTS = (
     TensorSpec("output_ids", "INT32", (-1,)),

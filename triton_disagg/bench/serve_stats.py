@@ -4,7 +4,8 @@ Definitions (client-measured, seconds internally):
 
 - TTFT: send to first response; TPOT (time per output token): per request,
   (last - first response) / (output tokens - 1); ITL (inter-token latency):
-  every gap between consecutive responses, pooled over the run's requests;
+  every gap between consecutive tokens (a response carrying k tokens adds its gap
+  and k - 1 zeros), pooled over the run's requests;
 - throughput: completed requests, and their output tokens, per second of the
   run (first send to last completion);
 - SLO attainment: share of *all* sent requests that finished without error

@@ -64,7 +64,10 @@ class NixlEndpoint:
         self.pool = pool
         self.geometry = BlockGeometry.of_pool(pool)
         self.name = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # unique across restarts
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: it spins on its core even when idle (most of a core here).
+        # Transfers progress in the reader's check_xfer_state polls, notifications in poll().
+        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False,
+                                                              backends=["UCX"]))
         if "UCX" not in self._agent.backends:
             raise UserError("NIXL has no UCX backend here; reinstall nixl or use host_memory")
         self._pool_reg = self._agent.register_memory(

@@ -63,3 +63,17 @@ def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log
         "output_log_probs": np.array([lps], dtype=np.float32).reshape(1, -1),
         "finish_reason": np.array([(finish_reason or "").encode()], dtype=np.object_),
     }
+
+
+def merge_outputs(first: dict, later: dict) -> dict:
+    """Two consecutive responses of one request as one: ``output_ids`` and
+    ``output_log_probs`` concatenated (no token lost, repeated or reordered), the later
+    response's ``cum_log_probs`` and ``finish_reason`` kept."""
+    return {
+        "output_ids": np.concatenate([first["output_ids"], later["output_ids"]], axis=1),
+        "sequence_length": first["sequence_length"] + later["sequence_length"],
+        "cum_log_probs": later["cum_log_probs"],
+        "output_log_probs": np.concatenate([first["output_log_probs"],
+                                            later["output_log_probs"]], axis=1),
+        "finish_reason": later["finish_reason"],
+    }

@@ -11,7 +11,8 @@ model instance name) labels, so instances of one model never share a series.
 - ``disagg_requests_total`` (counter): finished requests by ``outcome``
   (finished / cancelled / error).
 - ``disagg_time_to_first_token_seconds``, ``disagg_time_per_output_token_seconds``
-  (histograms), measured by the orchestrator.
+  (histograms), measured by the orchestrator; TTFT starts when the request reached
+  preprocessing (``protocol.ARRIVAL``) and ends when the first token's response is sent.
 
 Invariant: the MetricFamily objects live as long as this object (Triton drops
 a family's series when its Python object is collected).

@@ -13,7 +13,8 @@ Invariants:
 - every engine response stream ends with a response carrying a non-empty
   ``finish_reason``, or an error; a stream that stops short is an error;
 - a cancelled request stops its generation sequence through the generation
-  model's stop path (a BLS caller cannot cancel what it sent).
+  model's stop path (a BLS caller cannot cancel what it sent); the client's cancel
+  is asked for at most every ``CANCEL_POLL_SECONDS`` while tokens stream.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from triton_disagg.serving.detokenize import DeltaWindows
 from triton_disagg.serving.tensors import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
+CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
 
 
 class EngineError(RuntimeError):
@@ -143,7 +145,8 @@ class _Run:
         self.request_id = uuid.uuid4().hex
         self.builder = ResponseBuilder(inputs)
         self.engine_in = engine_inputs(inputs)
-        self.start = time.monotonic()
+        arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
+        self.start = arrival / 1e9 if arrival is not None else time.monotonic()
         self.ttft: float | None = None
 
     async def serve(self, is_cancelled: Callable[[], bool]) -> str:
@@ -164,19 +167,23 @@ class _Run:
                 "input_lengths": np.array([len(self.builder.prompt) + len(first.ids)], np.int32),
                 P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
             stream = self.transport.generate(self.request_id, gen_in, P.GENERATION_ONLY)
+        asked = 0.0   # when is_cancelled() was last asked
         async with contextlib.aclosing(stream):
             async for out in stream:
                 chunk = Chunk.from_outputs(out)
-                if is_cancelled() and not chunk.finish_reason:
-                    await self.transport.stop(self.request_id)
-                    await self.send(None, True)
-                    return "cancelled"
+                if not chunk.finish_reason and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
+                    asked = time.monotonic()
+                    if is_cancelled():
+                        await self.transport.stop(self.request_id)
+                        await self.send(None, True)
+                        return "cancelled"
                 if await self.emit(chunk):
                     return "cancelled" if chunk.finish_reason == "cancelled" else "finished"
         raise EngineError("generation ended its stream without a finish reason")
 
     async def emit(self, chunk: Chunk) -> bool:
-        """Pass a chunk on; True when it was the last."""
+        """Pass a chunk on; True when it was the last. The first chunk ends the time to first
+        token (from the request's arrival at preprocessing, or here without that stamp)."""
         if self.ttft is None:   # the first token reached the orchestrator (and goes out now
             self.ttft = time.monotonic() - self.start      # when streaming)
             if self.owner.observer is not None:

@@ -15,12 +15,14 @@ cancel the request it sent, hence :meth:`stop`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 import numpy as np
 
 from triton_disagg import protocol as P
+from triton_disagg.serving.engine_request import merge_outputs
 from triton_disagg.serving.orchestrator import EngineError
 from triton_disagg.serving.tensors import to_batched
 
@@ -59,16 +61,43 @@ class BLSTransport:
 
     async def generate(self, request_id: str, inputs: dict,
                        request_type: str) -> AsyncIterator[dict[str, np.ndarray]]:
+        """Each response, or every response that arrived meanwhile merged into one
+        (:func:`engine_request.merge_outputs`: same tokens, in order, fewer sends downstream)."""
         request = self._request("generation", request_id, inputs, request_type)
         iterator = await request.async_exec(decoupled=True)
         loop = asyncio.get_running_loop()
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        def pump() -> None:    # one pool thread drains the blocking iterator; one hop per response
+            try:
+                for response in iterator:
+                    loop.call_soon_threadsafe(arrived.put_nowait, response)
+                item = None
+            except Exception as exc:  # noqa: BLE001 - handed to the coroutine, raised there
+                item = exc
+            with contextlib.suppress(RuntimeError):         # the loop is gone: nobody listens
+                loop.call_soon_threadsafe(arrived.put_nowait, item)
+
+        self.executor.submit(pump)
         while True:
-            response = await loop.run_in_executor(self.executor, next, iterator, None)
-            if response is None:
-                return
-            outputs = self._outputs(response)
-            if outputs:                     # a flags-only final response has no tensors
-                yield outputs
+            batch = [await arrived.get()]
+            while not arrived.empty():
+                batch.append(arrived.get_nowait())
+            merged = None
+            for item in batch:
+                if item is None or isinstance(item, Exception) or item.has_error():
+                    if merged is not None:
+                        yield merged
+                    if item is None:
+                        return
+                    if isinstance(item, Exception):
+                        raise EngineError(f"generation stream failed: {item}")
+                    self._outputs(item)                       # raises the response's error
+                outputs = self._outputs(item)
+                if outputs:                     # a flags-only final response has no tensors
+                    merged = outputs if merged is None else merge_outputs(merged, outputs)
+            if merged is not None:
+                yield merged
 
     async def stop(self, request_id: str) -> None:
         iterator = await self._request("generation", request_id, STOP_INPUTS, None).async_exec(

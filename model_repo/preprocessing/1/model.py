@@ -1,5 +1,8 @@
 """preprocessing: text -> input_ids, words -> id lists, default end/pad ids
-(logic: triton_disagg.serving.preprocess)."""
+(logic: triton_disagg.serving.preprocess). Stamps each request's arrival (``arrival_ns``),
+where the orchestrator's time to first token starts."""
+
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -19,6 +22,7 @@ class TritonPythonModel:
                                 spec.pad_token_id)
 
     def execute(self, requests):
+        arrival = time.monotonic_ns()
         responses = []
         for request in requests:
             try:
@@ -26,6 +30,7 @@ class TritonPythonModel:
             except RequestError as exc:
                 responses.append(error_response(pb_utils, str(exc)))
                 continue
+            outputs[P.ARRIVAL] = [arrival]
             tensors = make_tensors(pb_utils, P.PREPROCESS_OUTPUTS, outputs)
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
