@@ -130,7 +130,36 @@ def format_report(rows: list[BenchRow], rooflines: dict[str, tuple[int, float]],
             continue
         lines.append(f"| {model} | {weight_bytes / 1e6:,.0f} | {roofline:,.1f} | "
                      f"{batch1.engine_decode:,.1f} | {batch1.engine_decode / roofline:.0%} |")
+    lines += _target_lines(rows, rooflines)
     return "\n".join(lines) + "\n"
+
+
+def _target_lines(rows: list[BenchRow], rooflines: dict[str, tuple[int, float]]) -> list[str]:
+    """Markdown bullets: the issue's decode targets on GPT-2-small, held or missed.
+
+    Also states transformers' own share of the roofline: no implementation can beat it
+    by more than ``1 / share`` at batch 1, which bounds the reachable batch-1 ratio.
+    """
+    by_batch = {r.batch: r for r in rows if r.model == "gpt2-small"}
+    if "gpt2-small" not in rooflines or 1 not in by_batch:
+        return []
+    roofline = rooflines["gpt2-small"][1]
+    one = by_batch[1]
+
+    def verdict(ok: bool) -> str:
+        return "holds" if ok else "misses"
+
+    ratio1, share1 = one.engine_decode / one.hf_decode, one.engine_decode / roofline
+    hf_share = one.hf_decode / roofline
+    lines = ["", "Targets on GPT-2-small (decode):", "",
+             f"- batch 1 at least 3x transformers: {ratio1:.2f}x, {verdict(ratio1 >= 3)}. "
+             f"transformers itself runs at {hf_share:.0%} of the roofline here, so no "
+             f"implementation can exceed {1 / hf_share:.1f}x at batch 1 on this machine.",
+             f"- batch 1 at least 75% of the roofline: {share1:.0%}, {verdict(share1 >= 0.75)}."]
+    if 8 in by_batch:
+        ratio8 = by_batch[8].engine_decode / by_batch[8].hf_decode
+        lines.append(f"- batch 8 at least 2x transformers: {ratio8:.2f}x, {verdict(ratio8 >= 2)}.")
+    return lines
 
 
 def run_engine_bench(models: dict[str, tuple[Path, Path]], batches: list[int], prompt_len: int,
