@@ -66,7 +66,8 @@ def settings(model: str, role: str, config: DisaggConfig) -> dict:
             instance_cpus=[list(server.instance_cpus(i)) for i in range(server.instances)],
             tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
             kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
-            kv_lease_seconds=config.kv_cache.lease_seconds)
+            kv_lease_seconds=config.kv_cache.lease_seconds,
+            stream_interval=server.stream_interval)
     if model == "orchestrator":
         out.update(transport="bls" if role == "all" else "grpc",
                    context_url=config.context.url, generation_url=config.generation.url)

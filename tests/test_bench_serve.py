@@ -72,11 +72,12 @@ def test_poisson_arrivals_and_placement():
     assert times[0] == 0 and all(b >= a for a, b in zip(times, times[1:], strict=False))
     assert times[-1] / 3999 == pytest.approx(0.1, rel=0.05)
     assert arrival_times(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
-    assert placement("disaggregated", [0, 1]) == {"context_server": {"cpus": [0]},
-                                                  "generation_server": {"cpus": [1]}}
-    assert placement("disaggregated", [3]) == {"context_server": {"cpus": [3]},
-                                               "generation_server": {"cpus": [3]}}
-    assert placement("aggregated", [0, 1]) == {"generation_server": {"cpus": [0, 1]}}
+    assert placement("disaggregated", [0, 1]) == {
+        "context_server": {"cpus": [0]}, "generation_server": {"cpus": [1], "stream_interval": 1}}
+    assert placement("disaggregated", [3], 4) == {
+        "context_server": {"cpus": [3]}, "generation_server": {"cpus": [3], "stream_interval": 4}}
+    assert placement("aggregated", [0, 1]) == {
+        "generation_server": {"cpus": [0, 1], "stream_interval": 1}}
 
 
 def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):

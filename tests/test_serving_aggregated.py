@@ -2,7 +2,9 @@
 
 Greedy text over HTTP generate, HTTP generate_stream and tritonclient gRPC
 streaming equals the engine's offline output; per-request errors leave the
-server serving.
+server serving. This server streams with ``stream_interval: 2`` (two tokens per
+response after the first), so its streaming tests also prove grouped deltas stay
+exact; the disaggregated tests stream one token per response.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def server(demo_engine, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-aggregated")
     config = work / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\nmode: aggregated\n"
-                      f"generation_server: {{instances: 1}}\nkv_cache: {{max_size: 64MB}}\n")
+                      f"generation_server: {{instances: 1, stream_interval: 2}}\nkv_cache: {{max_size: 64MB}}\n")
     with serving.serve("all", ["-c", str(config)], work / "run") as served:
         yield served
 
@@ -47,6 +49,8 @@ def test_generate_stream_deltas_concatenate_to_generate(server, offline, prompt)
     assert all("error" not in e for e in events), events
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == offline(prompt, 24)
+    # The first token alone, then pairs: at most 1 + 23 / 2 responses carry text.
+    assert len([e for e in events if e["text_output"]]) <= 13
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])

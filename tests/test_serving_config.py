@@ -40,11 +40,13 @@ def test_cpu_host_extensions(write):
     cfg = load_config(write(
         "model: {engine: engines/demo}\nmode: aggregated\n"
         "context_server: {url: 'localhost:9001', cpus: [0, 1], instances: 2, tokens_per_block: 8}\n"
-        "generation_server: {url: 'localhost:9002', cpus: [1], kv_dtype: float16}\n"
+        "generation_server: {url: 'localhost:9002', cpus: [1], kv_dtype: float16, "
+        "stream_interval: 4}\n"
         "kv_cache: {strategy: host_memory, max_size: 64MiB, lease_seconds: 5}\n"))
     assert cfg.mode == "aggregated"
     assert cfg.context.instance_cpus(0) == (0,) and cfg.context.instance_cpus(1) == (1,)
     assert cfg.generation.instance_cpus(0) == (1,) and cfg.generation.kv_dtype == "float16"
+    assert cfg.generation.stream_interval == 4 and cfg.context.stream_interval == 1
     assert cfg.kv_cache.max_size == 64 * 2**20 and cfg.kv_cache.lease_seconds == 5.0
 
 
@@ -63,6 +65,10 @@ def test_cpu_host_extensions(write):
     ("model: {engine: engines/demo}\ncontext_server: {tokens_per_block: 12}\n",
      ["context_server.tokens_per_block", "power of two"]),
     ("model: {engine: engines/demo}\ncontext_server: {gpus: [0], cpus: [1]}\n", ["either gpus"]),
+    ("model: {engine: engines/demo}\ngeneration_server: {stream_interval: 0}\n",
+     ["generation_server.stream_interval", ">= 1"]),
+    ("model: {engine: engines/demo}\ncontext_server: {stream_interval: 2}\n",
+     ["context_server", "'stream_interval'", "allowed keys"]),
     ("model: {engine: [}\n", ["not valid YAML"]),
 ])
 def test_mistakes_are_one_line_naming_the_key(write, text, words):

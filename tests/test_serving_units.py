@@ -192,8 +192,37 @@ def test_decode_loop_batches_and_ends_every_request_once(engine):
     for (rid, _), seq in zip(prompts.items(), offline):
         tokens = [t for out, _, _ in emits[rid] for t in out["output_ids"][0].tolist()]
         assert tokens == seq.output_ids and [f for _, f, _ in emits[rid]].count(True) == 1
+        # No log-probs asked for, so none are sent; the finish reason only comes at the end.
+        assert not any("output_log_probs" in out or "cum_log_probs" in out
+                       for out, _, _ in emits[rid])
+        assert ["finish_reason" in out for out, _, _ in emits[rid]] == \
+            [final for _, final, _ in emits[rid]]
     assert emits["long"][-1][0]["finish_reason"][0] == b"cancelled"
     assert engine.pool.num_used == 0
+
+
+def test_stream_interval_groups_tokens_after_the_first(engine):
+    from triton_disagg.engine.sampling import SamplingParams
+
+    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    emits: list = []
+    done = threading.Event()
+
+    def emit(sender, outputs, final, error):
+        emits.append((outputs["output_ids"][0].tolist(), final))
+        if final:
+            done.set()
+
+    loop = DecodeLoop(engine, emit, side, stream_interval=3)
+    request = engine_request.EngineRequest([5, 6, 7], SamplingParams(max_tokens=9), streaming=True)
+    loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, request, {}), "r")
+    assert done.wait(60)
+    loop.close()
+    # 9 tokens: the first at once, then groups of 3, the last 2 with the final emit.
+    assert [len(ids) for ids, _ in emits] == [1, 3, 3, 2]
+    assert [final for _, final in emits] == [False, False, False, True]
+    offline = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=9))[0].output_ids
+    assert [t for ids, _ in emits for t in ids] == offline and engine.pool.num_used == 0
 
 
 def test_merged_outputs_keep_every_token_in_order():
@@ -204,4 +233,9 @@ def test_merged_outputs_keep_every_token_in_order():
     assert merged["output_ids"].tolist() == [[1, 2, 3]] and merged["sequence_length"][0] == 3
     assert merged["output_log_probs"].shape == (1, 3) and merged["cum_log_probs"][0] == 1.5
     assert merged["finish_reason"][0] == b"length"
+    lean = engine_request.merge_outputs(
+        engine_request.outputs([1], [None], 0.0, None, with_log_probs=False),
+        engine_request.outputs([2], [None], 0.0, None, with_log_probs=False))
+    assert lean.keys() == {"output_ids", "sequence_length"}
+    assert lean["output_ids"].tolist() == [[1, 2]] and lean["sequence_length"][0] == 2
 

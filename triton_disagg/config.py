@@ -9,7 +9,8 @@ The deployment guide's format loads as written, plus the engine path::
 
 Extensions (all optional): ``mode: disaggregated | aggregated``; per server
 ``cpus: [0, 1]`` and/or ``instances: N`` in place of ``gpus``,
-``tokens_per_block``, ``kv_dtype``, ``http_port``, ``metrics_port``; a
+``tokens_per_block``, ``kv_dtype``, ``http_port``, ``metrics_port``;
+``generation_server.stream_interval`` (decode steps per streamed response); a
 ``scheduler_server: {url, http_port, metrics_port}`` for ``serve scheduler``;
 ``kv_cache.lease_seconds``.
 
@@ -52,6 +53,9 @@ class ServerConfig:
     kv_dtype: str | None = None
     http_port: int | None = None
     metrics_port: int | None = None
+    # Streaming: a response every this many decode steps (the first token and the last
+    # always go at once). TensorRT-LLM's name; generation_server only.
+    stream_interval: int = 1
 
     @property
     def host(self) -> str | None:
@@ -192,7 +196,8 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
     return DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
-        generation=_server(top.get("generation_server"), "generation_server", _SERVER_KEYS),
+        generation=_server(top.get("generation_server"), "generation_server",
+                           _SERVER_KEYS | {"stream_interval"}),
         scheduler=_server(top.get("scheduler_server"), "scheduler_server", _SCHEDULER_KEYS),
     )
 
@@ -225,8 +230,13 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     for k, v in ports.items():
         if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")
+    interval = s.get("stream_interval", 1)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise UserError(f"{key}.stream_interval: {interval!r} must be a whole number >= 1 "
+                        f"(1: a response per token)")
     return ServerConfig(url=url, gpus=gpus, cpus=cpus, instances=instances,
-                        tokens_per_block=tpb, kv_dtype=kv_dtype, **ports)
+                        tokens_per_block=tpb, kv_dtype=kv_dtype, stream_interval=interval,
+                        **ports)
 
 
 def _mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:

@@ -56,6 +56,9 @@ def add_serve_parser(kinds) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=200.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--cpus", help="cores for every configuration, e.g. 0,1 (default: all usable)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="generation_server.stream_interval for both modes (default 1: a "
+                        "response per token); other values keep their own docs section")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, default=Path("work/bench-serve"))
     p.add_argument("--output", type=Path, help="markdown file whose serve section is replaced")
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
              else sorted(os.sched_getaffinity(0)))
     if args.serial_requests < 1 or args.burst_requests < 1 or args.duration <= 0:
         raise UserError("--serial-requests, --burst-requests and --duration must be positive")
+    if args.stream_interval < 1:
+        raise UserError(f"--stream-interval: {args.stream_interval} must be >= 1")
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
 
     def say(message: str) -> None:
@@ -137,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     del baseline
     for mode in modes:
         say(f"starting {mode} serving on cores {cores}")
-        with serving(mode, engine, cores, args.work_dir.resolve()) as served:
+        with serving(mode, engine, cores, args.work_dir.resolve(),
+                     args.stream_interval) as served:
             run_load(served.grpc, make_requests(WARMUP_REQUESTS, args, tokenizer, -1), math.inf)
             keep(mode, run_load(served.grpc, serial, 0))
             for i, rate in enumerate(rates):
@@ -150,16 +156,21 @@ def run(args: argparse.Namespace) -> int:
 
     shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
     setup = serve_report.Setup(shown, tuple(cores), args.prompt_tokens, args.output_tokens,
-                               slo, time.monotonic() - began)
+                               slo, time.monotonic() - began, args.stream_interval)
+    # The default run owns section "serve"; another interval keeps a section of its own.
+    section, title = "serve", "Serving: disaggregated vs aggregated"
+    if args.stream_interval != 1:
+        section += f"-stream-interval-{args.stream_interval}"
+        title += f", stream_interval {args.stream_interval}"
     doc_dir = (args.output.parent if args.output else Path("."))
-    img_dir = args.img_dir or doc_dir / "img"
+    img_dir = args.img_dir or doc_dir / "img" / ("" if section == "serve" else section)
     images = serve_report.plot(summaries, modes, slo, img_dir)
     body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times)
     print(body)
     if args.output:
         from triton_disagg.bench.report import replace_section
 
-        replace_section(args.output, "serve", "Serving: disaggregated vs aggregated", body)
+        replace_section(args.output, section, title, body)
         say(f"section written to {args.output}, plots to {img_dir}")
     if args.json:
         args.json.write_text(json.dumps({"setup": asdict(setup),

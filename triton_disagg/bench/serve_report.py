@@ -30,6 +30,7 @@ class Setup:
     output_tokens: str
     slo: SLO
     seconds: float               # wall time of the whole run
+    stream_interval: int = 1     # generation_server.stream_interval of both modes
 
 
 def _rate(rate: float, unit: str = "") -> str:
@@ -161,8 +162,9 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         f"`triton-disagg bench serve`: engine `{setup.engine}`, cores {cores} (disaggregated: "
         f"context on the first half, generation on the second; aggregated: generation on all), "
         f"prompts `{setup.prompt_tokens}` tokens, outputs `{setup.output_tokens}` tokens (end id "
-        f"off), greedy, gRPC streaming client on the same cores (its CPU use is the last "
-        f"column). SLO: TTFT <= "
+        f"off), greedy, generation `stream_interval` {setup.stream_interval} (a streamed "
+        f"response every {setup.stream_interval} decode step(s)), gRPC streaming client on the "
+        f"same cores (its CPU use is the last column). SLO: TTFT <= "
         f"{setup.slo.ttft * 1e3:.0f} ms and time per output token <= {setup.slo.tpot * 1e3:.0f} "
         f"ms. The whole run took {setup.seconds:.0f} s.",
         "", "### Request-rate sweep (open loop, Poisson arrivals)", "",

@@ -32,25 +32,26 @@ class Served:
     log: Path
 
 
-def placement(mode: str, cores: Sequence[int]) -> dict:
+def placement(mode: str, cores: Sequence[int], stream_interval: int = 1) -> dict:
     """The ``context_server`` / ``generation_server`` part of disagg_config.yaml."""
     cores = list(cores)
     if mode == "aggregated":
-        return {"generation_server": {"cpus": cores}}
+        return {"generation_server": {"cpus": cores, "stream_interval": stream_interval}}
     half = max(1, len(cores) // 2)
     context, generation = cores[:half], cores[half:] or cores[:half]
-    return {"context_server": {"cpus": context}, "generation_server": {"cpus": generation}}
+    return {"context_server": {"cpus": context},
+            "generation_server": {"cpus": generation, "stream_interval": stream_interval}}
 
 
 @contextlib.contextmanager
 def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
-            ready_timeout: float = 300.0) -> Iterator[Served]:
+            stream_interval: int = 1, ready_timeout: float = 300.0) -> Iterator[Served]:
     from triton_disagg.config import check_host, parse_config
     from triton_disagg.launch.deploy import start
     from triton_disagg.launch.tritonserver import Endpoints
 
     config = parse_config({"model": {"engine": str(Path(engine).resolve())}, "mode": mode,
-                           **placement(mode, cores)}, source=f"bench serve ({mode})")
+                           **placement(mode, cores, stream_interval)}, source=f"bench serve ({mode})")
     check_host(config)
     http, grpc, metrics = free_ports(3)
     server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / mode)

@@ -11,8 +11,9 @@ Invariants:
 - every submitted request gets exactly one final emit (``final=True``): its
   last token (with ``finish_reason``), a cancellation (finish_reason
   ``cancelled``), or an error; after that nothing more is sent for it;
-- streaming requests get one emit per token; non-streaming ones one emit with
-  every token when they finish.
+- streaming requests get an emit for their first token, then one for every
+  ``stream_interval`` tokens (each token exactly once, in order), then the final
+  one; non-streaming ones one emit with every token when they finish.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Live:
     sender: Any
     streaming: bool
     is_cancelled: Callable[[], bool]
+    with_log_probs: bool = True
+    emitted: bool = False           # has the first token gone out
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float | None] = field(default_factory=list)
     cum_log_prob: float = 0.0
@@ -49,10 +52,16 @@ class DecodeLoop:
     ``side.admit(engine, request_id, work)`` (may raise to refuse the request, or
     :class:`KVCacheFullError` to be retried after the next step),
     ``side.request_done(outcome)`` and ``side.report()`` (pool gauges, every
-    ``REPORT_SECONDS``)."""
+    ``REPORT_SECONDS``).
 
-    def __init__(self, engine: Any, emit: Emit, side: Any):
+    ``stream_interval`` > 1 trades smoothness for throughput: every emit is an IPC round
+    trip through Triton and down the ensemble, which costs more CPU than a decode step
+    of a small model, so grouping tokens serves more of them per core.
+    """
+
+    def __init__(self, engine: Any, emit: Emit, side: Any, stream_interval: int = 1):
         self.engine, self.emit, self.side = engine, emit, side
+        self.stream_interval = stream_interval
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Live] = {}
         self.deferred: list[tuple[str, Any, Live]] = []   # admitted once KV blocks free up
@@ -64,7 +73,9 @@ class DecodeLoop:
     def submit(self, request_id: str, request: EngineRequest | Any, sender: Any,
                is_cancelled: Callable[[], bool] = lambda: False) -> None:
         streaming = getattr(request, "streaming", True)
-        self.inbox.put(("add", request_id, request, Live(sender, streaming, is_cancelled)))
+        with_log_probs = getattr(request, "return_log_probs", True)
+        self.inbox.put(("add", request_id, request,
+                        Live(sender, streaming, is_cancelled, with_log_probs)))
 
     def stop(self, request_id: str) -> None:
         self.inbox.put(("stop", request_id, None, None))
@@ -165,9 +176,10 @@ class DecodeLoop:
         live.cum_log_prob += event.logprob or 0.0
         if event.finished:
             self._finish(event.request_id, event.finish_reason)
-        elif live.streaming:
+        elif live.streaming and (not live.emitted or len(live.tokens) >= self.stream_interval):
             self.emit(live.sender, self._outputs(live, None), False, None)
             live.tokens, live.log_probs = [], []
+            live.emitted = True
 
     def _finish(self, request_id: str, reason: str | None) -> None:
         live = self.live.pop(request_id)
@@ -182,4 +194,5 @@ class DecodeLoop:
 
     @staticmethod
     def _outputs(live: Live, reason: str | None) -> dict:
-        return engine_request.outputs(live.tokens, live.log_probs, live.cum_log_prob, reason)
+        return engine_request.outputs(live.tokens, live.log_probs, live.cum_log_prob, reason,
+                                      live.with_log_probs)

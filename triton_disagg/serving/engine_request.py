@@ -53,27 +53,33 @@ def parse(inputs: dict[str, np.ndarray]) -> EngineRequest:
 
 
 def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log_prob: float,
-            finish_reason: str | None) -> dict[str, np.ndarray]:
-    """One engine response (beam axis of 1 included; batch axis added by the caller)."""
-    lps = [0.0 if lp is None else lp for lp in log_probs]
-    return {
-        "output_ids": np.array([list(token_ids)], dtype=np.int32),
-        "sequence_length": np.array([len(token_ids)], dtype=np.int32),
-        "cum_log_probs": np.array([cum_log_prob], dtype=np.float32),
-        "output_log_probs": np.array([lps], dtype=np.float32).reshape(1, -1),
-        "finish_reason": np.array([(finish_reason or "").encode()], dtype=np.object_),
-    }
+            finish_reason: str | None, with_log_probs: bool = True) -> dict[str, np.ndarray]:
+    """One engine response (beam axis of 1 included; batch axis added by the caller).
+
+    ``output_ids`` and ``sequence_length`` are always there; ``cum_log_probs`` and
+    ``output_log_probs`` only ``with_log_probs`` (the request's ``return_log_probs``, as
+    TensorRT-LLM does); ``finish_reason`` only on a request's final response. Every tensor
+    costs a shared-memory copy per streamed token, so nothing is sent that nobody asked for.
+    """
+    out = {"output_ids": np.array([list(token_ids)], dtype=np.int32),
+           "sequence_length": np.array([len(token_ids)], dtype=np.int32)}
+    if with_log_probs:
+        lps = [0.0 if lp is None else lp for lp in log_probs]
+        out["cum_log_probs"] = np.array([cum_log_prob], dtype=np.float32)
+        out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)
+    if finish_reason is not None:
+        out["finish_reason"] = np.array([finish_reason.encode()], dtype=np.object_)
+    return out
 
 
 def merge_outputs(first: dict, later: dict) -> dict:
     """Two consecutive responses of one request as one: ``output_ids`` and
     ``output_log_probs`` concatenated (no token lost, repeated or reordered), the later
-    response's ``cum_log_probs`` and ``finish_reason`` kept."""
-    return {
-        "output_ids": np.concatenate([first["output_ids"], later["output_ids"]], axis=1),
-        "sequence_length": first["sequence_length"] + later["sequence_length"],
-        "cum_log_probs": later["cum_log_probs"],
-        "output_log_probs": np.concatenate([first["output_log_probs"],
-                                            later["output_log_probs"]], axis=1),
-        "finish_reason": later["finish_reason"],
-    }
+    response's ``cum_log_probs`` and ``finish_reason`` kept (when it has them)."""
+    merged = dict(later)
+    merged["output_ids"] = np.concatenate([first["output_ids"], later["output_ids"]], axis=1)
+    merged["sequence_length"] = first["sequence_length"] + later["sequence_length"]
+    if "output_log_probs" in later:
+        merged["output_log_probs"] = np.concatenate([first["output_log_probs"],
+                                                     later["output_log_probs"]], axis=1)
+    return merged

@@ -36,6 +36,10 @@ class Work:
     def streaming(self) -> bool:
         return self.request.streaming
 
+    @property
+    def return_log_probs(self) -> bool:
+        return self.request.params.return_log_probs
+
 
 class GenerationSide:
     def __init__(self, engine: Any, settings: dict, instance: str, metrics: Any = None):

@@ -30,7 +30,8 @@ class TritonPythonModel:
         engine = make_engine(settings)
         metrics = Metrics(pb_utils, "generation", instance)
         self.side = GenerationSide(engine, settings, instance, metrics)
-        self.loop = DecodeLoop(engine, self._emit, self.side)
+        self.loop = DecodeLoop(engine, self._emit, self.side,
+                               stream_interval=settings.get("stream_interval", 1))
 
     def execute(self, requests):
         for request in requests:
