@@ -36,6 +36,7 @@ test: venv
 bench: venv
 	$(BIN)/triton-disagg bench engine --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench serve --output docs/benchmarks.md
+	$(BIN)/triton-disagg bench serve --stream-interval 4 --rates 4,8,12,16,20 --output docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) engines checkpoints work
