@@ -29,9 +29,12 @@ def log_softmax(x):
 
 
 def test_greedy_is_argmax_with_its_log_softmax():
-    token, logprob = draw(SamplingParams())
+    token, logprob = draw(SamplingParams(return_log_probs=True))
     assert token == 0
     assert logprob == pytest.approx(np.log(0.5), abs=1e-6)
+    assert draw(SamplingParams()) == (0, None)       # no log-prob unless asked for
+    # With a penalty the greedy token comes from the processed logits.
+    assert draw(SamplingParams(repetition_penalty=100.0), output=[0])[0] == 1
 
 
 def test_temperature_sampling_follows_softmax_and_temperature_flattens():
@@ -43,7 +46,7 @@ def test_temperature_sampling_follows_softmax_and_temperature_flattens():
 
 
 def test_sampled_logprob_is_log_softmax_of_processed_logits():
-    params = SamplingParams(temperature=2.0, top_k=2, seed=3)
+    params = SamplingParams(temperature=2.0, top_k=2, seed=3, return_log_probs=True)
     token, logprob = draw(params)
     processed = LOGITS[:2] / 2.0
     assert token in (0, 1)

@@ -14,7 +14,8 @@ takes the argmax (temperature 0) or draws from the softmax.
   the draw for generated token ``i`` uses ``default_rng([seed, i])``.
 - The reported log-prob is ``log_softmax`` of the processed logits (after penalties,
   temperature and top-k/top-p masking), i.e. of the distribution actually sampled from;
-  under greedy decoding (no temperature) it is that of the penalised logits.
+  under greedy decoding (no temperature) it is that of the penalised logits. It is
+  computed only for requests with ``return_log_probs`` (a pass over the vocabulary).
 - Stop words (TensorRT-LLM semantics): a sequence finishes when its generated tokens end
   with a stop word; the stop word's tokens stay in the output.
 """
@@ -108,6 +109,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no logits processing at all: the token is the raw argmax."""
+        return (self.greedy and not self.bad_words and self.min_tokens == 0
+                and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty)
+
     def max_token_id(self) -> int:
         """The largest token id the options name (-1 if none), to check against the vocab."""
         ids = [t for word in self.stop_words + self.bad_words for t in word]
@@ -124,9 +132,12 @@ class Sampler:
     """Turns one sequence's next-token logits into ``(token, logprob)``. Stateless."""
 
     def sample(self, logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
-               output_ids: Sequence[int], seed: int) -> tuple[int, float]:
-        """``logits [V]`` for the token after ``prompt_ids + output_ids``; ``seed`` is the
+               output_ids: Sequence[int], seed: int) -> tuple[int, float | None]:
+        """``logits [V]`` for the token after ``prompt_ids + output_ids`` -> ``(token,
+        logprob)``, the logprob None unless ``params.return_log_probs``; ``seed`` is the
         request's effective seed (``params.seed`` or one chosen when it was None)."""
+        if params.plain_greedy and not params.return_log_probs:
+            return int(np.argmax(logits)), None      # nothing to process: skip the copy
         x = self.process(logits, params, prompt_ids, output_ids)
         if params.greedy:
             token = int(np.argmax(x))
@@ -135,6 +146,8 @@ class Sampler:
             cdf = np.cumsum(probs)
             u = np.random.default_rng([seed, len(output_ids)]).random() * cdf[-1]
             token = min(int(np.searchsorted(cdf, u, side="right")), len(x) - 1)
+        if not params.return_log_probs:
+            return token, None
         top = x.max()
         return token, float(x[token] - top - np.log(np.sum(np.exp(x - top))))
 

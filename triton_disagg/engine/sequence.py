@@ -42,7 +42,6 @@ class Sequence:
     block_table: BlockTable
     max_total: int                 # prompt + generated tokens allowed (max_tokens, max_seq_len)
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     @property
@@ -57,10 +56,9 @@ class Sequence:
     def needs_prefill(self) -> bool:
         return not self.output_ids
 
-    def append(self, token: int, logprob: float) -> TokenEvent:
+    def append(self, token: int, logprob: float | None) -> TokenEvent:
         """Record a generated token, decide whether the sequence finished, return its event."""
         self.output_ids.append(token)
-        self.logprobs.append(logprob)
         if token == self.params.end_id:
             self.finish_reason = "stop"
         elif ends_with_stop_word(self.output_ids, self.params.stop_words):
