@@ -140,3 +140,17 @@ def test_serve_cli_stops_everything_on_sigterm_and_even_on_sigkill(demo_engine, 
         while serving.processes_under(served.work_dir):
             assert time.monotonic() < deadline, serving.processes_under(served.work_dir)
             time.sleep(0.2)
+
+
+def test_serve_all_stops_without_a_stub_crash(demo_engine, tmp_path):
+    """Every model unloads on SIGTERM and no stub crashes while tearing down (the models
+    enable faulthandler, so a crash would print "Fatal Python error" into the server log;
+    custom metrics still alive at teardown crashed Triton 2.51's stubs)."""
+    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path) as served:
+        status, body = serving.generate(served.http, {"text_input": "hello", "max_tokens": 4})
+        assert status == 200, body
+        assert serving.stop(served) == 0
+        text = served.server_log()
+    assert "Fatal Python error" not in text, text[-3000:]
+    for model in ("preprocessing", "orchestrator", "context", "generation", "postprocessing"):
+        assert f"successfully unloaded '{model}'" in text, text[-3000:]

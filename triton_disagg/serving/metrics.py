@@ -14,8 +14,11 @@ model instance name) labels, so instances of one model never share a series.
   (histograms), measured by the orchestrator; TTFT starts when the request reached
   preprocessing (``protocol.ARRIVAL``) and ends when the first token's response is sent.
 
-Invariant: the MetricFamily objects live as long as this object (Triton drops
-a family's series when its Python object is collected).
+Invariant: the MetricFamily objects live until :meth:`Metrics.close` (Triton drops a
+family's series when its Python object is collected). Models call ``close`` in
+``finalize``: a family still alive when the stub process tears itself down crashes
+it (Triton 2.51's python backend; fixed upstream in python_backend#429), which made
+every server stop wait out Triton's exit timeout.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ _FAMILIES = {
 }
 
 
+class _Ignored:
+    """Stands in for a metric after :meth:`Metrics.close`: every update does nothing."""
+
+    def set(self, value: float) -> None:
+        pass
+
+    increment = observe = set
+
+
+_IGNORED = _Ignored()
+
+
 class Metrics:
     def __init__(self, pb_utils: Any, role: str, instance: str):
         self.pb, self.labels = pb_utils, {"role": role, "instance": instance}
@@ -46,8 +61,18 @@ class Metrics:
                          for key, (name, doc, kind) in _FAMILIES.items()}
         self._series: dict[tuple, Any] = {}
         self._expired_seen = 0
+        self._closed = False
+
+    def close(self) -> None:
+        """Release every series, then every family (in that order, as Triton requires);
+        later updates are ignored. Call it from ``finalize`` once no thread updates."""
+        self._closed = True
+        self._series.clear()
+        self.families.clear()
 
     def _metric(self, key: str, **extra: str) -> Any:
+        if self._closed:
+            return _IGNORED
         labels = dict(self.labels, **extra)
         ident = (key, tuple(sorted(labels.items())))
         if ident not in self._series:

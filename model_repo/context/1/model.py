@@ -1,6 +1,7 @@
 """context: prefill of a batch of prompts; first token + context_phase_params
 (logic: triton_disagg.serving.context)."""
 
+import faulthandler
 import json
 import uuid
 
@@ -13,6 +14,8 @@ from triton_disagg.serving.kv_side import make_engine
 from triton_disagg.serving.metrics import Metrics
 from triton_disagg.serving.placement import cores_for, pin, read_settings
 from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+
+faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
 
 class TritonPythonModel:
@@ -49,3 +52,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.side.close()
+        self.metrics.close()

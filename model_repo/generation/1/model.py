@@ -5,6 +5,7 @@ the loop's thread runs the engine and sends every response. A request with
 ``stop`` true ends the live request whose Triton request id it carries.
 """
 
+import faulthandler
 import json
 import uuid
 
@@ -19,6 +20,8 @@ from triton_disagg.serving.metrics import Metrics
 from triton_disagg.serving.placement import cores_for, pin, read_settings
 from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
 
+faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -28,8 +31,8 @@ class TritonPythonModel:
         self.limits = pin(cores_for(settings, args))
         instance = args["model_instance_name"]
         engine = make_engine(settings)
-        metrics = Metrics(pb_utils, "generation", instance)
-        self.side = GenerationSide(engine, settings, instance, metrics)
+        self.metrics = Metrics(pb_utils, "generation", instance)
+        self.side = GenerationSide(engine, settings, instance, self.metrics)
         self.loop = DecodeLoop(engine, self._emit, self.side,
                                stream_interval=settings.get("stream_interval", 1))
 
@@ -63,3 +66,4 @@ class TritonPythonModel:
     def finalize(self):
         self.loop.close()
         self.side.close()
+        self.metrics.close()

@@ -6,6 +6,7 @@ reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
 """
 
 import asyncio
+import faulthandler
 
 import triton_python_backend_utils as pb_utils
 
@@ -15,6 +16,8 @@ from triton_disagg.serving.orchestrator import EngineError, Orchestrator
 from triton_disagg.serving.placement import read_settings
 from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
 from triton_disagg.serving.transports import BLSTransport, GrpcTransport
+
+faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -57,3 +60,4 @@ class TritonPythonModel:
     def finalize(self):
         if isinstance(self.transport, BLSTransport):
             self.transport.close()
+        self.metrics.close()

@@ -1,6 +1,7 @@
 """postprocessing: token ids -> text delta, multi-byte characters held back until complete
 (logic: triton_disagg.serving.detokenize)."""
 
+import faulthandler
 import triton_python_backend_utils as pb_utils
 
 from triton_disagg import protocol as P
@@ -8,6 +9,8 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.serving.detokenize import text_delta
 from triton_disagg.serving.placement import read_settings
 from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+
+faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
 
 class TritonPythonModel:

@@ -2,6 +2,7 @@
 (logic: triton_disagg.serving.preprocess). Stamps each request's arrival (``arrival_ns``),
 where the orchestrator's time to first token starts."""
 
+import faulthandler
 import time
 
 import triton_python_backend_utils as pb_utils
@@ -12,6 +13,8 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.serving.placement import read_settings
 from triton_disagg.serving.preprocess import Preprocessor
 from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+
+faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
 
 class TritonPythonModel:
