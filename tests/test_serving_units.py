@@ -225,6 +225,46 @@ def test_stream_interval_groups_tokens_after_the_first(engine):
     assert [t for ids, _ in emits for t in ids] == offline and engine.pool.num_used == 0
 
 
+def test_a_stop_posted_by_another_instance_reaches_the_loop_holding_the_request(engine, tmp_path):
+    from triton_disagg.engine.sampling import SamplingParams
+    from triton_disagg.serving.stop_registry import StopRegistry
+
+    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    finals: list = []
+    done = threading.Event()
+
+    def emit(sender, outputs, final, error):
+        if final:
+            finals.append(outputs["finish_reason"][0])
+            done.set()
+
+    holder = DecodeLoop(engine, emit, side, stops=StopRegistry(tmp_path / "stops"))
+    # The other instance holds nothing (it never steps: no live request of its own).
+    other = DecodeLoop(engine, emit, side, stops=StopRegistry(tmp_path / "stops"))
+    request = engine_request.EngineRequest([5, 6, 7], SamplingParams(max_tokens=500),
+                                           streaming=False)
+    holder.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, request, {}), "r")
+    other.stop("r")                        # the other instance does not hold "r": it posts
+    assert done.wait(60)
+    holder.close()
+    other.close()
+    assert finals == [b"cancelled"] and engine.pool.num_used == 0
+    assert not list((tmp_path / "stops").iterdir())       # the holder took the mark
+
+
+def test_stop_marks_are_taken_once_and_stale_ones_pruned(tmp_path, monkeypatch):
+    from triton_disagg.serving import stop_registry
+    from triton_disagg.serving.stop_registry import StopRegistry
+
+    a, b = StopRegistry(tmp_path), StopRegistry(tmp_path)
+    a.post("req-1")
+    assert b.take("req-1") and not a.take("req-1") and not b.take("req-2")
+    a.post("old")
+    monkeypatch.setattr(stop_registry, "STALE_SECONDS", -1.0)   # everything is stale now
+    b.post("new")
+    assert not a.take("old") and a.take("new")
+
+
 def test_merged_outputs_keep_every_token_in_order():
     def out(ids, reason=""):
         return engine_request.outputs(ids, [0.5] * len(ids), 0.5 * ids[-1], reason)

@@ -57,11 +57,17 @@ class DecodeLoop:
     ``stream_interval`` > 1 trades smoothness for throughput: every emit is an IPC round
     trip through Triton and down the ensemble, which costs more CPU than a decode step
     of a small model, so grouping tokens serves more of them per core.
+
+    ``stops`` (a :class:`~triton_disagg.serving.stop_registry.StopRegistry` shared by the
+    model's instances): where a stop for a request this instance does not hold is
+    posted, and where this instance finds the stops meant for its live requests.
     """
 
-    def __init__(self, engine: Any, emit: Emit, side: Any, stream_interval: int = 1):
+    def __init__(self, engine: Any, emit: Emit, side: Any, stream_interval: int = 1,
+                 stops: Any = None):
         self.engine, self.emit, self.side = engine, emit, side
         self.stream_interval = stream_interval
+        self.stops = stops
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Live] = {}
         self.deferred: list[tuple[str, Any, Live]] = []   # admitted once KV blocks free up
@@ -137,10 +143,13 @@ class DecodeLoop:
             self.engine.abort(request_id)
             self._finish(request_id, CANCELLED)
             return
-        for item in [d for d in self.deferred if d[0] == request_id]:
+        waiting = [d for d in self.deferred if d[0] == request_id]
+        for item in waiting:
             self.deferred.remove(item)
             self.live[request_id] = item[2]
             self._finish(request_id, CANCELLED)
+        if not waiting and self.stops is not None:
+            self.stops.post(request_id)          # another instance may hold it
 
     def _add(self, request_id: str, request: Any, live: Live) -> None:
         if request_id in self.live:
@@ -163,7 +172,8 @@ class DecodeLoop:
         for request_id, live in list(self.live.items()):
             if now - live.checked >= CANCEL_POLL_SECONDS:
                 live.checked = now
-                if live.is_cancelled():
+                if live.is_cancelled() or (self.stops is not None
+                                           and self.stops.take(request_id)):
                     self.engine.abort(request_id)
                     self._finish(request_id, CANCELLED)
 

@@ -8,6 +8,7 @@ the loop's thread runs the engine and sends every response. A request with
 import faulthandler
 import json
 import uuid
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
@@ -18,6 +19,7 @@ from triton_disagg.serving.generation import GenerationSide
 from triton_disagg.serving.kv_side import make_engine
 from triton_disagg.serving.metrics import Metrics
 from triton_disagg.serving.placement import cores_for, pin, read_settings
+from triton_disagg.serving.stop_registry import StopRegistry
 from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
@@ -33,8 +35,10 @@ class TritonPythonModel:
         engine = make_engine(settings)
         self.metrics = Metrics(pb_utils, "generation", instance)
         self.side = GenerationSide(engine, settings, instance, self.metrics)
+        # Stops reach any instance; the instances share where they post them.
+        stops = StopRegistry(Path(args["model_repository"]) / "stops")
         self.loop = DecodeLoop(engine, self._emit, self.side,
-                               stream_interval=settings.get("stream_interval", 1))
+                               stream_interval=settings.get("stream_interval", 1), stops=stops)
 
     def execute(self, requests):
         for request in requests:
