@@ -202,3 +202,39 @@ def offline_text(engine_dir: Path, kv_layout=None):
 def metrics(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         return resp.read().decode()
+
+
+def orchestrator_inputs(ids, max_tokens):
+    """tritonclient inputs for the orchestrator model: a streaming greedy request, no end id."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    arrays = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+              "request_output_len": np.array([[max_tokens]], np.int32),
+              "stop_words_list": np.array([[[0], [-1]]], np.int32),
+              "bad_words_list": np.array([[[0], [-1]]], np.int32),
+              "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[2]], np.int32),
+              "stream": np.array([[True]])}
+    tensors = []
+    for name, arr in arrays.items():
+        tensors.append(grpcclient.InferInput(name, list(arr.shape),
+                                             grpcclient.np_to_triton_dtype(arr.dtype)))
+        tensors[-1].set_data_from_numpy(arr)
+    return tensors
+
+
+def stream_then_cancel(grpc: str, max_tokens: int = 1500) -> None:
+    """Stream a long request straight to the orchestrator (Triton 2.51 does not pass an
+    ensemble cancel on), take three responses, then cancel it from the client."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(grpc) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer("orchestrator", orchestrator_inputs([5, 6, 7], max_tokens))
+        for _ in range(3):
+            result, error = got.get(timeout=60)
+            assert error is None, error
+        client.stop_stream(cancel_requests=True)

@@ -109,11 +109,6 @@ def test_wrong_dtype_over_grpc_is_refused(server):
 def test_cancel_reaches_the_generation_instance_holding_the_request(demo_engine, tmp_path):
     """With two generation instances, Triton hands the orchestrator's stop to either one;
     every cancel must still end its request (the instances share posted stops)."""
-    import queue
-
-    import tritonclient.grpc as grpcclient
-    from test_serving_disaggregated import _orchestrator_inputs
-
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\nmode: aggregated\n"
                       f"generation_server: {{cpus: [0, 1], instances: 2}}\n"
@@ -121,14 +116,7 @@ def test_cancel_reaches_the_generation_instance_holding_the_request(demo_engine,
     cancels = 4
     with serving.serve("all", ["-c", str(config)], tmp_path / "run") as served:
         for _ in range(cancels):
-            got: queue.Queue = queue.Queue()
-            with grpcclient.InferenceServerClient(served.grpc) as client:
-                client.start_stream(callback=lambda result, error: got.put((result, error)))
-                client.async_stream_infer("orchestrator", _orchestrator_inputs([5, 6, 7], 1500))
-                for _ in range(3):
-                    result, error = got.get(timeout=60)
-                    assert error is None, error
-                client.stop_stream(cancel_requests=True)
+            serving.stream_then_cancel(served.grpc)
         deadline = time.monotonic() + 30
         while True:
             text = serving.metrics(served.metrics)

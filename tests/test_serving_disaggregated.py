@@ -88,36 +88,8 @@ def test_32_concurrent_streams_each_get_their_text(server, offline):
     _wait_pools_empty(server)
 
 
-def _orchestrator_inputs(ids, max_tokens):
-    import tritonclient.grpc as grpcclient
-
-    arrays = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
-              "request_output_len": np.array([[max_tokens]], np.int32),
-              "stop_words_list": np.array([[[0], [-1]]], np.int32),
-              "bad_words_list": np.array([[[0], [-1]]], np.int32),
-              "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[2]], np.int32),
-              "stream": np.array([[True]])}
-    tensors = []
-    for name, arr in arrays.items():
-        tensors.append(grpcclient.InferInput(name, list(arr.shape),
-                                             grpcclient.np_to_triton_dtype(arr.dtype)))
-        tensors[-1].set_data_from_numpy(arr)
-    return tensors
-
-
 def test_client_cancel_stops_generation_and_frees_blocks(server):
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    got: queue.Queue = queue.Queue()
-    with grpcclient.InferenceServerClient(server.grpc) as client:
-        client.start_stream(callback=lambda result, error: got.put((result, error)))
-        client.async_stream_infer("orchestrator", _orchestrator_inputs([5, 6, 7], 1500))
-        for _ in range(3):
-            result, error = got.get(timeout=60)
-            assert error is None, error
-        client.stop_stream(cancel_requests=True)
+    serving.stream_then_cancel(server.grpc)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         outcomes = _gauges(server, "disagg_requests_total")
@@ -135,7 +107,7 @@ def test_unfetched_handoff_expires_and_foreign_handle_is_refused(server):
     from triton_disagg.kv import handle as kvhandle
 
     with grpcclient.InferenceServerClient(server.grpc) as client:
-        inputs = _orchestrator_inputs(list(range(3, 40)), 8)[:3]
+        inputs = serving.orchestrator_inputs(list(range(3, 40)), 8)[:3]
         result = client.infer("context", inputs, parameters={"request_type": "context_only"})
     handle = kvhandle.decode(result.as_numpy("context_phase_params")[0])
     assert handle.num_tokens == 37
