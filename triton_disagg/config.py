@@ -214,9 +214,7 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     cpus = _int_list(s.get("cpus", []), f"{key}.cpus")
     if gpus and (cpus or "instances" in s):
         raise UserError(f"{key}: give either gpus (one instance per GPU) or cpus/instances, not both")
-    instances = len(gpus) if gpus else s.get("instances", 1)
-    if not isinstance(instances, int) or isinstance(instances, bool) or instances < 1:
-        raise UserError(f"{key}.instances: {instances!r} must be a whole number >= 1")
+    instances = len(gpus) if gpus else _count(s.get("instances", 1), f"{key}.instances")
     if cpus and len(cpus) < instances:
         raise UserError(f"{key}.cpus: {len(cpus)} cores for {instances} instances; give at least "
                         f"one core per instance or lower instances")
@@ -230,10 +228,8 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     for k, v in ports.items():
         if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")
-    interval = s.get("stream_interval", 1)
-    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-        raise UserError(f"{key}.stream_interval: {interval!r} must be a whole number >= 1 "
-                        f"(1: a response per token)")
+    interval = _count(s.get("stream_interval", 1), f"{key}.stream_interval",
+                      " (1: a response per token)")
     return ServerConfig(url=url, gpus=gpus, cpus=cpus, instances=instances,
                         tokens_per_block=tpb, kv_dtype=kv_dtype, stream_interval=interval,
                         **ports)
@@ -259,6 +255,12 @@ def _int_list(raw: Any, key: str) -> tuple[int, ...]:
     if len(set(raw)) != len(raw):
         raise UserError(f"{key}: {raw!r} lists an index twice; list each once")
     return tuple(raw)
+
+
+def _count(raw: Any, key: str, hint: str = "") -> int:
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
+        raise UserError(f"{key}: {raw!r} must be a whole number >= 1{hint}")
+    return raw
 
 
 def _number(raw: Any, key: str) -> float:

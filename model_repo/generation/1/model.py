@@ -35,8 +35,9 @@ class TritonPythonModel:
         engine = make_engine(settings)
         self.metrics = Metrics(pb_utils, "generation", instance)
         self.side = GenerationSide(engine, settings, instance, self.metrics)
-        # Stops reach any instance; the instances share where they post them.
-        stops = StopRegistry(Path(args["model_repository"]) / "stops")
+        # Triton hands a stop to any instance: several instances share where they post them.
+        several = len(settings["instance_cpus"]) > 1      # one entry per instance
+        stops = StopRegistry(Path(args["model_repository"]) / "stops") if several else None
         self.loop = DecodeLoop(engine, self._emit, self.side,
                                stream_interval=settings.get("stream_interval", 1), stops=stops)
 
