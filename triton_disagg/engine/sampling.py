@@ -111,7 +111,8 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no logits processing at all: the token is the raw argmax."""
+        """Greedy with no logits processing at all: the token is the raw argmax. Lists every
+        option :meth:`Sampler.process` acts on; a new logits option belongs in both."""
         return (self.greedy and not self.bad_words and self.min_tokens == 0
                 and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty)
