@@ -21,7 +21,8 @@ from triton_disagg.config import DisaggConfig
 from triton_disagg.errors import UserError
 
 from .render import render
-from .tritonserver import Endpoints, TritonServer, locate
+from .stub_check import check_stub
+from .tritonserver import Endpoints, TritonServer, locate, server_env
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 
@@ -95,9 +96,11 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           tritonserver: str | None = None, log_verbose: int = 0) -> TritonServer:
     """Render ``role``'s repository under ``work_dir`` and start its server (not yet ready)."""
     check_ports_free(endpoints)
+    install = locate(tritonserver)
+    check_stub(install.stub_binary, server_env(install))
     work_dir = work_dir.resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     repo = render(role, config, work_dir / "model_repository")
-    server = TritonServer(locate(tritonserver), repo, endpoints, work_dir, log_verbose=log_verbose)
+    server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose)
     server.start()
     return server

@@ -29,9 +29,15 @@ def register(subparsers) -> None:
     p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
     p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
     p.add_argument("--host", help="bind address (default 127.0.0.1, or the host of the role's url)")
-    p.add_argument("--http-port", type=int)
-    p.add_argument("--grpc-port", type=int)
-    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--http-port", type=int,
+                   help="default 8000 for all/scheduler (or scheduler_server.http_port); "
+                        "context/generation: the role's http_port, else HTTP off")
+    p.add_argument("--grpc-port", type=int,
+                   help="default 8001 for all/scheduler (or scheduler_server.url's port); "
+                        "context/generation: the port of the role's url, else 8001")
+    p.add_argument("--metrics-port", type=int,
+                   help="default 8002 for all/scheduler (or scheduler_server.metrics_port); "
+                        "context/generation: the role's metrics_port, else metrics off")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
     p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -75,8 +81,17 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose)
+    models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
+    print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
+          f"({', '.join(models)}); log {server.log_path}", flush=True)
+    loaded: list[str] = []
+
+    def on_loaded(model: str) -> None:
+        loaded.append(model)
+        print(f"  loaded {model} ({len(loaded)}/{len(models)})", flush=True)
+
     try:
-        if not server.wait_ready(args.ready_timeout, cancel=stop):
+        if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
         _announce(args.role, config, endpoints, server)
         while not stop.wait(0.5):

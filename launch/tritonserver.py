@@ -37,8 +37,11 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from triton_disagg.errors import UserError
+
+from . import server_log
 
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
 
@@ -49,6 +52,12 @@ class TritonInstall:
     backends: Path              # folder holding python/libtriton_python.so
     libs: Path | None           # extra LD_LIBRARY_PATH entry (the wheel's bundled libs)
     stub: Path | None           # stub to copy into backends/python, when not there already
+
+    @property
+    def stub_binary(self) -> Path:
+        """The Python-backend stub the server will run (the wheel's original, whose RPATH
+        still points at its bundled libraries, or the one in the server's backends)."""
+        return self.stub or self.backends / "python" / "triton_python_backend_stub"
 
 
 @dataclass(frozen=True)
@@ -145,24 +154,37 @@ class TritonServer:
                                         start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
 
-    def wait_ready(self, timeout: float = 300.0, cancel: threading.Event | None = None) -> bool:
+    def wait_ready(self, timeout: float = 300.0, cancel: threading.Event | None = None,
+                   on_loaded: Callable[[str], None] | None = None) -> bool:
         """Block until the server reports ready (True) or ``cancel`` is set (False).
 
-        A server that exits first, or is not ready within ``timeout``, raises UserError;
-        the caller stops it.
+        ``on_loaded(model)`` is called as each model finishes loading. A failure the log
+        reports (a model that cannot load, a stub that cannot start, a port taken), a
+        server that exits, or ``timeout`` raises :class:`UserError`: the cause on its
+        first line, then the log's tail. The caller stops the server.
         """
         deadline = time.monotonic() + timeout
+        log = server_log.LogFollower(self.log_path)
         while cancel is None or not cancel.is_set():
+            for line in log.new_lines():
+                cause = server_log.fatal_cause(line)
+                if cause:
+                    raise self._failure(cause)
+                model = server_log.loaded_model(line)
+                if model and on_loaded:
+                    on_loaded(model)
             if self.process is None or self.process.poll() is not None:
-                raise UserError(f"tritonserver exited before it was ready:\n{self.log_tail()}\n"
-                                f"(full log: {self.log_path})")
+                raise self._failure("tritonserver exited before it was ready")
             if self.is_ready():
                 return True
             if time.monotonic() > deadline:
-                raise UserError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log_tail()}\n"
-                                f"(full log: {self.log_path})")
+                raise self._failure(f"tritonserver not ready after {timeout:.0f}s")
             time.sleep(0.25)
         return False
+
+    def _failure(self, cause: str) -> UserError:
+        return UserError(f"{cause}\n--- tritonserver log (tail) ---\n{self.log_tail()}\n"
+                         f"(full log: {self.log_path})")
 
     def is_ready(self) -> bool:
         host = "127.0.0.1" if self.endpoints.host in ("0.0.0.0", "::") else self.endpoints.host
@@ -183,11 +205,9 @@ class TritonServer:
 
     def log_tail(self, lines: int = 20) -> str:
         try:
-            text = self.log_path.read_text(errors="replace").splitlines()
+            return server_log.tail(self.log_path.read_text(errors="replace"), lines)
         except OSError:
             return "(no log)"
-        errors = [t for t in text if t.startswith("E") or "error" in t.lower()]
-        return "\n".join((errors or text)[-lines:])
 
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace`` seconds; returns the exit code."""

@@ -13,6 +13,20 @@ import pytest
 from checkpoints import MAKERS, make_llama_checkpoint
 
 
+def pytest_sessionstart(session):
+    """Stop the run in seconds, with the one-line fix, when Triton's Python-backend stub
+    cannot start on this host (every server test would otherwise time out in turn)."""
+    from triton_disagg.errors import UserError
+    from triton_disagg.launch.stub_check import check_stub
+    from triton_disagg.launch.tritonserver import locate, server_env
+
+    install = locate()
+    try:
+        check_stub(install.stub_binary, server_env(install))
+    except UserError as exc:
+        pytest.exit(f"cannot run the server tests: {exc}", returncode=2)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """family -> tiny random Hugging Face checkpoint directory (see tests/checkpoints.py)."""

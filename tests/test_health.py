@@ -70,13 +70,20 @@ def test_serve_with_a_corrupt_engine_never_reports_ready(demo_engine, tmp_path):
     http, grpc = serving.free_ports(2)
     cmd = [*SERVE_ALL, "--engine", str(engine),
            "--http-port", str(http), "--grpc-port", str(grpc), "--work-dir", str(tmp_path / "w")]
+    started = time.monotonic()
     seen, proc = _watch(cmd, f"http://127.0.0.1:{http}", tmp_path / "cli.log", "ready (")
     try:
         assert proc.wait(timeout=60) != 0
+        assert time.monotonic() - started < 15.0
     finally:
         _stop(proc)
     assert not any(seen)
-    assert "exited before it was ready" in (tmp_path / "cli.log").read_text()
+    text = (tmp_path / "cli.log").read_text()
+    error = next(line for line in text.splitlines() if "error:" in line)
+    # the cause first, in one line: the model and the exception its initialize raised
+    assert "failed to load: EngineFormatError:" in error and "weights.safetensors" in error, text
+    assert "CUDA driver" not in text and "NVML" not in text     # CPU-host noise filtered
+    assert "Fatal Python error" not in (tmp_path / "w" / "tritonserver.log").read_text()
 
 
 def test_live_but_not_ready_when_a_model_fails_to_load(demo_engine, tmp_path):

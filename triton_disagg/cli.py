@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "triton_disagg.engine.run_cli",          # run
     "triton_disagg.bench.cli",               # bench engine|serve
     "triton_disagg.launch.serve_cli",        # serve all|context|generation|scheduler
+    "triton_disagg.launch.doctor_cli",       # doctor
     "triton_disagg.clients.cli",             # client
 )
 

@@ -23,7 +23,8 @@ every server stop wait out Triton's exit timeout.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 _FAMILIES = {
@@ -62,6 +63,16 @@ class Metrics:
         self._series: dict[tuple, Any] = {}
         self._expired_seen = 0
         self._closed = False
+
+    @contextlib.contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """Close when the block raises: a model whose ``initialize`` fails gets no
+        ``finalize``, and its stub would crash on the live families while it exits."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Release every series, then every family (in that order, as Triton requires);

@@ -24,7 +24,8 @@ class TritonPythonModel:
         self.limits = pin(cores_for(settings, args))
         instance = args["model_instance_name"]
         self.metrics = Metrics(pb_utils, "context", instance)
-        self.side = ContextSide(make_engine(settings), settings, instance, self.metrics)
+        with self.metrics.closed_on_error():
+            self.side = ContextSide(make_engine(settings), settings, instance, self.metrics)
 
     def execute(self, requests):
         responses = [None] * len(requests)

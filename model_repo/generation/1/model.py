@@ -34,12 +34,13 @@ class TritonPythonModel:
         instance = args["model_instance_name"]
         engine = make_engine(settings)
         self.metrics = Metrics(pb_utils, "generation", instance)
-        self.side = GenerationSide(engine, settings, instance, self.metrics)
-        # Triton hands a stop to any instance: several instances share where they post them.
-        several = len(settings["instance_cpus"]) > 1      # one entry per instance
-        stops = StopRegistry(Path(args["model_repository"]) / "stops") if several else None
-        self.loop = DecodeLoop(engine, self._emit, self.side,
-                               stream_interval=settings.get("stream_interval", 1), stops=stops)
+        with self.metrics.closed_on_error():
+            self.side = GenerationSide(engine, settings, instance, self.metrics)
+            # Triton hands a stop to any instance: several instances share where they post them.
+            several = len(settings["instance_cpus"]) > 1      # one entry per instance
+            stops = StopRegistry(Path(args["model_repository"]) / "stops") if several else None
+            self.loop = DecodeLoop(engine, self._emit, self.side,
+                                   stream_interval=settings.get("stream_interval", 1), stops=stops)
 
     def execute(self, requests):
         for request in requests:
