@@ -70,6 +70,10 @@ def test_cpu_host_extensions(write):
     ("model: {engine: engines/demo}\ncontext_server: {stream_interval: 2}\n",
      ["context_server", "'stream_interval'", "allowed keys"]),
     ("model: {engine: [}\n", ["not valid YAML"]),
+    ("model: {engine: engines/demo}\nkv_cache: {lease_seconds: .nan}\n",
+     ["kv_cache.lease_seconds", "nan", "finite"]),
+    ("model: {engine: engines/demo}\nkv_cache: {lease_seconds: .inf}\n",
+     ["kv_cache.lease_seconds", "inf", "finite"]),
 ])
 def test_mistakes_are_one_line_naming_the_key(write, text, words):
     with pytest.raises(UserError) as err:

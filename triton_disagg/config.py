@@ -264,6 +264,7 @@ def _count(raw: Any, key: str, hint: str = "") -> int:
 
 
 def _number(raw: Any, key: str) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw <= 0:
-        raise UserError(f"{key}: {raw!r} must be a number of seconds > 0, e.g. 30")
+    """A finite number of seconds > 0 (YAML's ``.nan`` and ``.inf`` are refused)."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < float("inf"):
+        raise UserError(f"{key}: {raw!r} must be a finite number of seconds > 0, e.g. 30")
     return float(raw)
