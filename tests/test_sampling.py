@@ -1,11 +1,13 @@
 """SamplingParams validation and the Sampler's processing steps, one option at a time."""
 
+import random
+
 import numpy as np
 import pytest
 
-from triton_disagg.engine.sampling import (
-    Sampler, SamplingParams, SamplingParamsError, ends_with_stop_word)
+from triton_disagg.engine.sampling import Sampler, SamplingParams, SamplingParamsError
 from triton_disagg.engine.sequence import Sequence
+from triton_disagg.engine.words import MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS, StopWords
 from triton_disagg.errors import UserError
 from triton_disagg.kv.block_pool import BlockTable
 
@@ -106,8 +108,8 @@ def test_bad_words_single_and_multi_token():
 
 
 def test_stop_words_finish_the_sequence_and_stay_in_the_output():
-    assert ends_with_stop_word([4, 5, 6], [[9], [5, 6]])
-    assert not ends_with_stop_word([6], [[5, 6]])
+    assert StopWords([(9,), (5, 6)]).ends([4, 5, 6])
+    assert not StopWords([(5, 6)]).ends([6])
     params = SamplingParams(max_tokens=10, stop_words=[[5, 6]], end_id=1)
     seq = Sequence("r", [3], params, 0, BlockTable(4), max_total=11)
     events = [seq.append(t, 0.0) for t in (5, 7, 5, 6)]
@@ -118,6 +120,33 @@ def test_stop_words_finish_the_sequence_and_stay_in_the_output():
     seq = Sequence("r", [3], params, 0, BlockTable(4), max_total=3)
     assert seq.append(7, 0.0).finish_reason is None
     assert seq.append(7, 0.0).finish_reason == "length"
+
+
+def reference_ends(output_ids, stop_words):
+    """The scan over every stop word that the indexed match replaced."""
+    return any(len(output_ids) >= len(w) and tuple(output_ids[-len(w):]) == tuple(w)
+               for w in stop_words)
+
+
+def reference_bans(prompt_ids, output_ids, bad_words):
+    """The scan over every bad word that the indexed match replaced: the banned ids."""
+    history = list(prompt_ids) + list(output_ids)
+    return {w[-1] for w in bad_words
+            if not w[:-1] or tuple(history[-len(w[:-1]):]) == tuple(w[:-1])}
+
+
+def test_indexed_word_matching_equals_the_full_scan():
+    rng = random.Random(0)
+    logits = np.zeros(6, dtype=np.float32)
+    for _ in range(2000):
+        words = [tuple(rng.randrange(6) for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(1, 5))]
+        prompt = [rng.randrange(6) for _ in range(rng.randint(0, 4))]
+        output = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
+        params = SamplingParams(stop_words=words, bad_words=words)
+        assert params.stop_index.ends(output) == reference_ends(output, words)
+        banned = set(np.flatnonzero(SAMPLER.process(logits, params, prompt, output) == -np.inf))
+        assert banned == reference_bans(prompt, output, words), (words, prompt, output)
 
 
 def test_logprobs_are_reported_only_when_asked():
@@ -153,6 +182,9 @@ def test_word_lists_are_normalised_to_tuples():
     ({"stop_words": [[1, -1]]}, "stop_words"),
     ({"bad_words": [["a"]]}, "bad_words"),
     ({"bad_words": 5}, "bad_words"),
+    ({"stop_words": [[1]] * (MAX_WORDS + 1)}, "stop_words: 65 words"),
+    ({"bad_words": [[1] * (MAX_WORD_TOKENS + 1)]}, r"bad_words\[0\]: 65 tokens"),
+    ({"stop_words": [[1] * 60] * 18}, f"stop_words: 1080 tokens in all, at most {MAX_LIST_TOKENS}"),
     ({"return_log_probs": "yes"}, "return_log_probs"),
 ])
 def test_invalid_options_raise_a_user_error_naming_the_option(kwargs, message):

@@ -5,7 +5,8 @@ repetition penalty, presence/frequency penalties, temperature, top-k, top-p; the
 takes the argmax (temperature 0) or draws from the softmax.
 
 - Bad words: a one-token word is always banned; a longer word bans its last token
-  when the sequence (prompt + generated) ends with the word's other tokens.
+  when the sequence (prompt + generated) ends with the word's other tokens. Stop and bad
+  word lists are capped and matched through per-token indexes (:mod:`.words`).
 - Repetition penalty (Hugging Face semantics): over every distinct token of prompt +
   generated, positive logits are divided by it, negative ones multiplied.
 - Presence / frequency penalties (OpenAI / TensorRT-LLM semantics): over generated
@@ -29,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from triton_disagg.engine.words import BadWords, StopWords, cap_error
 from triton_disagg.errors import UserError
 
 
@@ -46,6 +48,9 @@ def _word_list(name: str, words) -> tuple[tuple[int, ...], ...]:
         if not word or min(word) < 0:
             raise SamplingParamsError(
                 f"{name} entries must be non-empty lists of token ids >= 0, got {list(word)}")
+    too_big = cap_error(name, out)
+    if too_big:
+        raise SamplingParamsError(too_big)
     return out
 
 
@@ -68,6 +73,8 @@ class SamplingParams:
     stop_words: tuple[tuple[int, ...], ...] = field(default=())
     bad_words: tuple[tuple[int, ...], ...] = field(default=())
     return_log_probs: bool = False
+    stop_index: StopWords = field(init=False, repr=False, compare=False)
+    bad_index: BadWords = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -104,6 +111,8 @@ class SamplingParams:
               f"return_log_probs must be true or false, got {self.return_log_probs!r}")
         object.__setattr__(self, "stop_words", _word_list("stop_words", self.stop_words))
         object.__setattr__(self, "bad_words", _word_list("bad_words", self.bad_words))
+        object.__setattr__(self, "stop_index", StopWords(self.stop_words))
+        object.__setattr__(self, "bad_index", BadWords(self.bad_words))
 
     @property
     def greedy(self) -> bool:
@@ -121,12 +130,6 @@ class SamplingParams:
         """The largest token id the options name (-1 if none), to check against the vocab."""
         ids = [t for word in self.stop_words + self.bad_words for t in word]
         return max(ids + ([self.end_id] if self.end_id is not None else []), default=-1)
-
-
-def ends_with_stop_word(output_ids: Sequence[int], stop_words: Sequence[Sequence[int]]) -> bool:
-    """True when the generated tokens end with one of ``stop_words``."""
-    return any(len(output_ids) >= len(w) and tuple(output_ids[-len(w):]) == tuple(w)
-               for w in stop_words)
 
 
 class Sampler:
@@ -156,15 +159,13 @@ class Sampler:
                 output_ids: Sequence[int]) -> np.ndarray:
         """The processed float64 logits ``[V]`` (banned tokens at ``-inf``); a new array."""
         x = np.array(logits, dtype=np.float64)
-        history = list(prompt_ids) + list(output_ids)
-        for word in params.bad_words:
-            prefix = word[:-1]
-            if not prefix or tuple(history[-len(prefix):]) == prefix:
-                x[word[-1]] = -np.inf
+        if params.bad_words:
+            x[params.bad_index.always] = -np.inf
+            x[params.bad_index.banned_now(prompt_ids, output_ids)] = -np.inf
         if params.end_id is not None and len(output_ids) < params.min_tokens:
             x[params.end_id] = -np.inf
-        if params.repetition_penalty != 1.0 and history:
-            seen = np.unique(np.asarray(history, dtype=np.int64))
+        if params.repetition_penalty != 1.0 and len(prompt_ids) + len(output_ids):
+            seen = np.unique(np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int64))
             vals = x[seen]
             x[seen] = np.where(vals > 0, vals / params.repetition_penalty,
                                vals * params.repetition_penalty)

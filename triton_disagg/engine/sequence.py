@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from triton_disagg.engine.sampling import SamplingParams, ends_with_stop_word
+from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import UserError
 from triton_disagg.kv.block_pool import BlockTable
 
@@ -61,7 +61,7 @@ class Sequence:
         self.output_ids.append(token)
         if token == self.params.end_id:
             self.finish_reason = "stop"
-        elif ends_with_stop_word(self.output_ids, self.params.stop_words):
+        elif self.params.stop_index.ends(self.output_ids):
             self.finish_reason = "stop_word"
         elif self.num_tokens >= self.max_total:
             self.finish_reason = "length"
