@@ -49,9 +49,12 @@ def register(subparsers) -> None:
     for flag, (_, kind, text) in SAMPLING.items():
         p.add_argument(flag, type=kind, default=None, help=text)
     p.add_argument("--stop-words", nargs="+", default=None, metavar="W",
-                   help="stop after any of these words")
+                   help="stop after any of these words, matched as token sequences as in "
+                        "TensorRT-LLM: each word is tokenized alone, so to stop at ' happy' "
+                        "mid-sentence pass ' happy' with its leading space (at most 64 words)")
     p.add_argument("--bad-words", nargs="+", default=None, metavar="W",
-                   help="never generate these words")
+                   help="never generate these words (tokenized alone, like --stop-words: "
+                        "a mid-sentence word needs its leading space)")
     p.add_argument("--include-input", action="store_true",
                    help="non-streaming: return the prompt before the generated text")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")

@@ -46,10 +46,10 @@ def test_deltas_concatenate_to_the_whole_text_for_any_chunking(tokenizer, text):
 
 
 def test_word_lists_round_trip():
-    arr = word_list(lambda w: [ord(c) for c in w], ["ab", "c"])
+    arr = word_list([[97, 98], [99]])
     assert arr.tolist() == [[97, 98, 99], [2, 3, -1]]
     assert parse_word_list(arr) == [[97, 98], [99]]
-    assert parse_word_list(word_list(lambda w: [], [])) == []
+    assert parse_word_list(word_list([])) == []
 
 
 def test_preprocessor_defaults_and_refusals(tokenizer):

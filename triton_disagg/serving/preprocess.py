@@ -1,10 +1,16 @@
 """The ``preprocessing`` model's logic: text -> ``input_ids``, words -> id lists, defaults.
 
 Invariants: a request it accepts fits the engine (prompt + ``max_tokens`` <=
-``max_seq_len``, at least one prompt token, ``max_tokens`` >= 1); an input the
-serving stack cannot honour (beam search, several sequences, LoRA, prompt
-tables, guided decoding, logits outputs) raises :class:`RequestError` naming
-it, never silence.
+``max_seq_len``, at least one prompt token, ``max_tokens`` >= 1) and its stop/bad word
+lists fit the caps of :mod:`triton_disagg.engine.words`; a prompt or word that is surely
+too long is refused before it is tokenized, so a huge input costs one pass over its bytes,
+not a tokenization; an input the serving stack cannot honour (beam search, several
+sequences, LoRA, prompt tables, guided decoding, logits outputs) or cannot read (text
+that is not UTF-8) raises :class:`RequestError` naming it, never silence.
+
+Stop and bad words are tokenized one by one, alone, as TensorRT-LLM does, and matched as
+token sequences: "happy" and " happy" (with its leading space, as it appears mid-sentence)
+are different tokens in a byte-level BPE vocabulary.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from triton_disagg.engine.words import MAX_WORD_TOKENS, cap_error, count_error
 from triton_disagg.serving.tensors import RequestError, scalar
 
 # input -> (value that is fine, why another value is refused)
@@ -33,13 +40,14 @@ _REFUSED_IF_PRESENT = {
 }
 
 
-def word_list(encode, words: Sequence[str]) -> np.ndarray:
-    """TensorRT-LLM's ``[2, N]`` INT32 word list: row 0 the ids of all words back to back,
-    row 1 each word's end offset, padded with -1 (no words: ``[[0], [-1]]``)."""
+def word_list(words: Sequence[Sequence[int]]) -> np.ndarray:
+    """TensorRT-LLM's ``[2, N]`` INT32 word list from each word's token ids: row 0 the ids
+    of all words back to back, row 1 each word's end offset, padded with -1 (no words:
+    ``[[0], [-1]]``)."""
     ids: list[int] = []
     offsets: list[int] = []
     for word in words:
-        ids += encode(word)
+        ids += word
         offsets.append(len(ids))
     width = max(1, len(ids))
     out = np.full((2, width), -1, dtype=np.int32)
@@ -63,11 +71,11 @@ def parse_word_list(array: np.ndarray | None) -> list[list[int]]:
     return [w for w in words if w]
 
 
-def _words(inputs: dict[str, np.ndarray], name: str) -> list[str]:
-    if name not in inputs:
-        return []
-    return [w.decode("utf-8") if isinstance(w, bytes) else str(w)
-            for w in np.ravel(inputs[name]) if len(w)]
+def _text(value: Any, name: str) -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise RequestError(f"{name} is not valid UTF-8; send it as UTF-8 text") from None
 
 
 class Preprocessor:
@@ -84,30 +92,56 @@ class Preprocessor:
         text = scalar(inputs, "text_input")
         if text is None:
             raise RequestError("text_input is missing; send the prompt as text_input (BYTES [1])")
-        try:
-            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
-        except UnicodeDecodeError:
-            raise RequestError("text_input is not valid UTF-8") from None
+        text = _text(text, "text_input")
         max_tokens = scalar(inputs, "max_tokens")
         if max_tokens is None or int(max_tokens) < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
+        max_tokens = int(max_tokens)
+        room = self.max_seq_len - max_tokens          # prompt tokens that fit
+        if room < 1:
+            raise RequestError(f"max_tokens ({max_tokens}) leaves no room for a prompt in this "
+                               f"engine's max_seq_len {self.max_seq_len}; lower max_tokens")
+        if self.tokenizer.surely_more_tokens(text, room):
+            raise self._too_long(f"more than {room} tokens", max_tokens)
         ids = self.tokenizer.encode(text)
         if not ids:
             raise RequestError("text_input is empty after tokenization; send a non-empty prompt")
-        if len(ids) + int(max_tokens) > self.max_seq_len:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                               f"this engine's max_seq_len {self.max_seq_len}; shorten the prompt "
-                               f"or lower max_tokens")
-        encode = self.tokenizer.encode_word
+        if len(ids) > room:
+            raise self._too_long(f"{len(ids)} tokens", max_tokens)
         return {
             "input_ids": np.array(ids, dtype=np.int32),
             "input_lengths": np.array([len(ids)], dtype=np.int32),
-            "request_output_len": np.array([int(max_tokens)], dtype=np.int32),
-            "stop_words_list": word_list(encode, _words(inputs, "stop_words")),
-            "bad_words_list": word_list(encode, _words(inputs, "bad_words")),
+            "request_output_len": np.array([max_tokens], dtype=np.int32),
+            "stop_words_list": word_list(self.word_ids(inputs, "stop_words")),
+            "bad_words_list": word_list(self.word_ids(inputs, "bad_words")),
             "end_id": np.array([scalar(inputs, "end_id", self.eos_id)], dtype=np.int32),
             "pad_id": np.array([scalar(inputs, "pad_id", self.pad_id)], dtype=np.int32),
         }
+
+    def _too_long(self, prompt: str, max_tokens: int) -> RequestError:
+        return RequestError(f"prompt ({prompt}) + max_tokens ({max_tokens}) exceeds this "
+                            f"engine's max_seq_len {self.max_seq_len}; shorten the prompt or "
+                            f"lower max_tokens")
+
+    def word_ids(self, inputs: dict[str, np.ndarray], name: str) -> list[list[int]]:
+        """The BYTES input ``name``'s words as token-id lists (empty words left out), each
+        word tokenized alone; a list over the caps is refused, a word surely over the
+        per-word cap before it is tokenized."""
+        entries = np.ravel(inputs[name]) if name in inputs else ()
+        too_many = count_error(name, len(entries))
+        if too_many:
+            raise RequestError(too_many)
+        words = []
+        for i, entry in enumerate(entries):
+            text = _text(entry, f"{name}[{i}]")
+            if self.tokenizer.surely_more_tokens(text, MAX_WORD_TOKENS):
+                raise RequestError(f"{name}[{i}]: more than {MAX_WORD_TOKENS} tokens, the most "
+                                   f"allowed per word; send a shorter word")
+            words.append(self.tokenizer.encode_word(text) if text else [])
+        too_big = cap_error(name, words)
+        if too_big:
+            raise RequestError(too_big)
+        return [w for w in words if w]
 
     @staticmethod
     def refuse_unsupported(inputs: dict[str, np.ndarray]) -> None:
