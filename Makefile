@@ -1,39 +1,57 @@
-# Everything runs inside .venv, created from the system python3 (3.10+).
+# Everything runs inside .venv, created from the system python3 (3.10+; Debian/Ubuntu:
+# apt-get install python3 python3-venv make). `doctor --install` adds the one system
+# library Triton's Python backend needs (libpython3.X) when it is missing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# serving: triton-disagg and its dependencies; test: + torch (CPU), transformers, pytest
+STAMP      := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 DEMO_CKPT   := checkpoints/demo
 DEMO_ENGINE := engines/demo
+HTTP_PORT    ?= 8000
+GRPC_PORT    ?= 8001
+METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: venv install demo test bench clean
+.PHONY: venv install doctor demo test bench clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) with $(PYTHON) and installing triton-disagg (first time: a few minutes)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --progress-bar off --upgrade pip
+	$(BIN)/pip install --progress-bar off -e .
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	@echo "==> installing the test extra: pytest, torch (CPU build), transformers"
+	$(BIN)/pip install --progress-bar off -e ".[test]"
+	touch $(TEST_STAMP)
+
 install: venv
+
+# Can tritonserver's Python backend start with this Python? Installs libpython3.X where it can.
+doctor: $(STAMP)
+	$(BIN)/triton-disagg doctor --install
 
 $(DEMO_ENGINE)/engine.json: $(STAMP)
 	$(BIN)/triton-disagg demo-checkpoint --output $(DEMO_CKPT)
 	$(BIN)/triton-disagg build --checkpoint $(DEMO_CKPT) --output $(DEMO_ENGINE)
 
 # Build the demo engine, generate once offline, then serve it disaggregated on Triton
-# (context on core 0, generation on core 1) until Ctrl-C.
-demo: $(DEMO_ENGINE)/engine.json
+# (context on core 0, generation on core 1) until Ctrl-C. Ports: make demo HTTP_PORT=9000 ...
+demo: doctor $(DEMO_ENGINE)/engine.json
 	$(BIN)/triton-disagg run --engine $(DEMO_ENGINE) --text "The quick brown fox" --max-tokens 16
-	$(BIN)/triton-disagg serve all -c disagg_config.yaml
+	$(BIN)/triton-disagg serve all -c disagg_config.yaml \
+	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
-test: venv
+test: $(TEST_STAMP) doctor
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Both benchmarks print their tables and keep them in docs/benchmarks.md (plots in docs/img/).
-bench: venv
+bench: $(TEST_STAMP)
 	$(BIN)/triton-disagg bench engine --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench serve --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench serve --stream-interval 4 --rates 4,8,12,16,20 --output docs/benchmarks.md

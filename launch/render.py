@@ -69,7 +69,7 @@ def settings(model: str, role: str, config: DisaggConfig) -> dict:
             kv_lease_seconds=config.kv_cache.lease_seconds,
             stream_interval=server.stream_interval)
     if model == "orchestrator":
-        out.update(transport="bls" if role == "all" else "grpc",
+        out.update(transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
                    context_url=config.context.url, generation_url=config.generation.url)
     return out
 
@@ -87,6 +87,8 @@ def _values(model: str, role: str, config: DisaggConfig) -> dict[str, str]:
         values["instance_group"] = _instance_group(config.server(model))
     if model == "ensemble":
         values["steps"] = _ensemble_steps()
+    if model == "orchestrator":
+        values["decoupled"] = "true" if config.decoupled_mode else "false"
     return values
 
 

@@ -58,13 +58,23 @@ def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics
         cmd += ["--http-port", str(http_port)]
     if metrics:
         cmd += ["--metrics-port", str(metrics_port)]
+    with serve_command(cmd, work_dir, f"http://127.0.0.1:{http_port}" if http else None,
+                       f"127.0.0.1:{grpc_port}",
+                       f"http://127.0.0.1:{metrics_port}" if metrics else None) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serve_command(cmd: list[str], work_dir: Path, http: str | None, grpc: str,
+                  metrics: str | None = None, cwd: Path | None = None):
+    """Run a `serve` command line as given (it serves at the URLs given here and writes
+    under ``work_dir``) until the block exits."""
     work_dir.mkdir(parents=True, exist_ok=True)
     log = work_dir / "serve-cli.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    served = Served(proc, f"http://127.0.0.1:{http_port}" if http else None,
-                    f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}" if metrics else None,
-                    log, work_dir)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=cwd)
+    served = Served(proc, http, grpc, metrics, log, work_dir)
     try:
         _wait_for_line(served, "ready (")
         yield served

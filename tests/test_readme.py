@@ -1,10 +1,14 @@
 """The README's examples work as written: its Python snippets run against a real
-`serve all` of the demo engine and print the offline engine's text; the example
-disagg_config.yaml at the repository root loads."""
+`serve all` of the demo engine (the plain ``infer()`` one against a server with
+``decoupled_mode: false``) and print the offline engine's text; the three-role
+commands run as written with examples/three_roles.yaml and give `serve all`'s text;
+the example disagg_config.yaml at the repository root loads."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,17 +28,58 @@ def _on_ports(code: str, served: serving.Served) -> str:
         "127.0.0.1:8001", f"127.0.0.1:{grpc_port}")
 
 
+def _plain_infer(code: str) -> bool:
+    return ".infer(" in code
+
+
+def _run_snippets(snippets: list[str], served: serving.Served, expected: str) -> None:
+    for code in snippets:
+        assert PROMPT in code
+        out = subprocess.run([sys.executable, "-c", _on_ports(code, served)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == expected.strip(), code
+
+
 def test_readme_python_examples_print_the_offline_text(demo_engine, tmp_path):
     snippets = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert len(snippets) >= 2, "the README lost its client examples"
+    plain = [code for code in snippets if _plain_infer(code)]
+    assert len(snippets) - len(plain) >= 2 and plain, "the README lost its client examples"
     expected = serving.offline_text(demo_engine)(PROMPT, MAX_TOKENS)
     with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "run") as served:
-        for code in snippets:
-            assert PROMPT in code
-            out = subprocess.run([sys.executable, "-c", _on_ports(code, served)],
-                                 capture_output=True, text=True, timeout=120)
-            assert out.returncode == 0, out.stderr
-            assert out.stdout.strip() == expected.strip(), code
+        _run_snippets([code for code in snippets if not _plain_infer(code)], served, expected)
+    config = tmp_path / "nondecoupled.yaml"
+    config.write_text(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n")
+    with serving.serve("all", ["-c", str(config)], tmp_path / "plain") as served:
+        _run_snippets(plain, served, expected)
+
+
+def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_path):
+    """The README's three commands, run as written from a checkout with engines/demo built
+    (the scheduler on the README's ports 8000/8001), against `serve all`'s text."""
+    commands = re.findall(r"^\.venv/bin/triton-disagg (serve \w+ +-c examples/three_roles\.yaml)",
+                          README, re.M)
+    assert [c.split()[1] for c in commands] == ["context", "generation", "scheduler"]
+    (tmp_path / "examples").mkdir()
+    shutil.copy(ROOT / "examples" / "three_roles.yaml", tmp_path / "examples")
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "demo").symlink_to(demo_engine)
+    prompts = [PROMPT, serving.PROMPTS[1]]
+    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "all") as served:
+        reference = [serving.generate(served.http, {"text_input": p, "max_tokens": MAX_TOKENS})[1]
+                     ["text_output"] for p in prompts]
+    with contextlib.ExitStack() as stack:
+        for command in commands:
+            role = command.split()[1]
+            stack.enter_context(serving.serve_command(
+                [sys.executable, "-m", "triton_disagg.cli", *command.split()],
+                tmp_path / "work" / role, "http://127.0.0.1:8000", "127.0.0.1:8001", cwd=tmp_path))
+        for prompt, text in zip(prompts, reference):
+            status, body = serving.generate("http://127.0.0.1:8000",
+                                            {"text_input": prompt, "max_tokens": MAX_TOKENS})
+            assert status == 200 and body["text_output"] == text, body
+        deltas = serving.grpc_stream("127.0.0.1:8001", prompts[1], MAX_TOKENS)
+        assert "".join(deltas) == reference[1]
 
 
 def test_example_config_loads_as_written(demo_engine, tmp_path):

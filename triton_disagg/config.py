@@ -7,7 +7,9 @@ The deployment guide's format loads as written, plus the engine path::
     generation_server: {url: "generation-server-01:8001", gpus: [2, 3]}
     kv_cache: {strategy: direct_transfer, max_size: 2GB}
 
-Extensions (all optional): ``mode: disaggregated | aggregated``; per server
+Extensions (all optional): ``mode: disaggregated | aggregated``;
+``decoupled_mode: true | false`` (TensorRT-LLM's name: the public ``ensemble`` streams,
+or answers plain ``infer()`` with one response); per server
 ``cpus: [0, 1]`` and/or ``instances: N`` in place of ``gpus``,
 ``tokens_per_block``, ``kv_dtype``, ``http_port``, ``metrics_port``;
 ``generation_server.stream_interval`` (decode steps per streamed response); a
@@ -88,6 +90,7 @@ class DisaggConfig:
     generation: ServerConfig = field(default_factory=ServerConfig)
     scheduler: ServerConfig = field(default_factory=ServerConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    decoupled_mode: bool = True         # False: non-decoupled ensemble, plain infer() works
     source: str = "<defaults>"          # where it was loaded from, for messages
 
     def server(self, role: str) -> ServerConfig:
@@ -172,8 +175,8 @@ def count_gpus() -> int:
 
 
 def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
-    top = _mapping(raw, "top level", {"model", "mode", "context_server", "generation_server",
-                                      "scheduler_server", "kv_cache"})
+    top = _mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
+                                      "generation_server", "scheduler_server", "kv_cache"})
     model = _mapping(top.get("model"), "model", {"engine"}, required=True)
     if "engine" not in model:
         raise UserError("model.engine: missing; add `model: {engine: engines/demo}` "
@@ -185,6 +188,10 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
     mode = top.get("mode", "disaggregated")
     if mode not in MODES:
         raise UserError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    decoupled = top.get("decoupled_mode", True)
+    if not isinstance(decoupled, bool):
+        raise UserError(f"decoupled_mode: {decoupled!r} must be true (streaming) or false "
+                        f"(plain infer(), one response per request)")
     kv_raw = _mapping(top.get("kv_cache"), "kv_cache", {"strategy", "max_size", "lease_seconds"})
     strategy = kv_raw.get("strategy", "direct_transfer")
     if strategy not in STRATEGIES:
@@ -194,7 +201,7 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
                        lease_seconds=_number(kv_raw.get("lease_seconds", 30.0),
                                              "kv_cache.lease_seconds"))
     return DisaggConfig(
-        engine=engine, mode=mode, kv_cache=kv, source=source,
+        engine=engine, mode=mode, kv_cache=kv, decoupled_mode=decoupled, source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",
                            _SERVER_KEYS | {"stream_interval"}),

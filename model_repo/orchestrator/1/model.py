@@ -1,8 +1,13 @@
-"""orchestrator: decoupled BLS model (logic: triton_disagg.serving.orchestrator).
+"""orchestrator: BLS model (logic: triton_disagg.serving.orchestrator).
 
-Each request runs as a coroutine on the stub's event loop: context call, first
-token out at once, KV handoff, generation stream. Context and generation are
-reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
+Each request runs as a task on the stub's event loop: context call, first token
+out at once, KV handoff, generation stream. Context and generation are reached
+in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
+
+``execute`` only starts the tasks and returns; each task answers through its
+request's response sender. That holds in both transaction policies: decoupled
+(streaming, the default) and not (``decoupled_mode: false``: exactly one response
+per request, so the ensemble answers plain ``infer()``).
 """
 
 import asyncio
@@ -14,7 +19,8 @@ from triton_disagg import protocol as P
 from triton_disagg.serving.metrics import Metrics
 from triton_disagg.serving.orchestrator import EngineError, Orchestrator
 from triton_disagg.serving.placement import read_settings
-from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+from triton_disagg.serving.tensors import (RequestError, error_response, make_tensors, read_inputs,
+                                           scalar)
 from triton_disagg.serving.transports import BLSTransport, GrpcTransport
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
@@ -31,9 +37,15 @@ class TritonPythonModel:
             self.transport = GrpcTransport(settings["context_url"], settings["generation_url"])
         self.metrics = Metrics(pb_utils, "orchestrator", args["model_instance_name"])
         self.orchestrator = Orchestrator(self.transport, settings["mode"], self.metrics)
+        self.decoupled = settings["decoupled"]
+        self.tasks: set[asyncio.Task] = set()   # requests in flight (held: the loop keeps weak refs)
 
     async def execute(self, requests):
-        await asyncio.gather(*(self._serve(request) for request in requests))
+        loop = asyncio.get_running_loop()
+        for request in requests:
+            task = loop.create_task(self._serve(request))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
         return None
 
     async def _serve(self, request):
@@ -49,6 +61,10 @@ class TritonPythonModel:
 
         try:
             inputs = read_inputs(pb_utils, request, P.ORCHESTRATOR_INPUTS)
+            if scalar(inputs, "stream", False) and not self.decoupled:
+                raise RequestError("stream: true needs a decoupled ensemble; this server runs "
+                                   "decoupled_mode: false (send stream: false, or serve with "
+                                   "decoupled_mode: true)")
             await self.orchestrator.handle(inputs, send, sender.is_cancelled)
         except (RequestError, EngineError) as exc:
             sender.send(error_response(pb_utils, str(exc)), flags=FINAL)
