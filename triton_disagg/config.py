@@ -184,7 +184,8 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
     engine = (base_dir / str(model["engine"])).resolve()
     if not (engine / "engine.json").is_file():
         raise UserError(f"model.engine: {engine} has no engine.json; build it with "
-                        f"`triton-disagg build --output {model['engine']}` or fix the path")
+                        f"`triton-disagg build --checkpoint HF_CHECKPOINT_DIR --output {engine}` "
+                        f"(the demo: `make demo`), or fix the path")
     mode = top.get("mode", "disaggregated")
     if mode not in MODES:
         raise UserError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
