@@ -20,7 +20,10 @@ Embedded server facts this module relies on:
 
 Invariant: the server runs in its own process group (its Python stubs
 included), so :meth:`TritonServer.stop` ends all of it and nothing else; it is
-also SIGTERMed if the process that started it dies.
+also SIGTERMed if the process that started it dies. Its Python-backend regions
+in ``/dev/shm`` carry a name owned by the process that started it
+(:mod:`triton_disagg.shm`): ``stop`` unlinks them once the server is gone, and
+every start and stop sweeps what killed servers and stubs left behind.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from triton_disagg import shm
 from triton_disagg.errors import UserError
 
 from . import server_log
@@ -129,12 +133,14 @@ class TritonServer:
         self.env = server_env(install, env)
         self.log_verbose = log_verbose
         self.process: subprocess.Popen | None = None
+        self.shm_prefix = shm.new_name("tpb") + "_"  # Triton appends a uuid per stub
 
     def command(self, backends: Path) -> list[str]:
         e = self.endpoints
         cmd = [str(self.install.binary), f"--model-repository={self.repo}",
                f"--backend-directory={backends}", "--model-control-mode=none",
                "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}"]
         if e.http_port is None:
             cmd.append("--allow-http=false")
@@ -148,6 +154,7 @@ class TritonServer:
 
     def start(self) -> None:
         backends = prepare_backends(self.install, self.work_dir)
+        shm.sweep()
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.command(backends), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=self.env, cwd=self.work_dir,
@@ -221,7 +228,12 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 pass
         _signal_group(proc.pid, signal.SIGKILL)  # stubs left behind by a crashed server
-        return proc.wait()
+        code = proc.wait()
+        for name in os.listdir(shm.SHM_DIR):  # what a killed server could not unlink
+            if name.startswith(self.shm_prefix):
+                os.unlink(os.path.join(shm.SHM_DIR, name))
+        shm.sweep()
+        return code
 
 
 def _die_with_parent() -> None:

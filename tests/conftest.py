@@ -65,3 +65,30 @@ def demo_engine(demo_checkpoint) -> Path:
     path = demo_checkpoint.parent / "engine"
     build_engine(demo_checkpoint, path)
     return path
+
+
+_SHM_SINCE = pytest.StashKey[float]()
+
+
+def pytest_configure(config):
+    import time
+
+    config.stash[_SHM_SINCE] = time.time()
+
+
+def pytest_sessionfinish(session):
+    """Fail the run when it left anything of the project's in /dev/shm (a staging area or
+    a Triton region that outlived its server fills the tmpfs until stubs die of SIGBUS);
+    the orphans among them are swept after they are named."""
+    from shm_check import leftovers
+    from triton_disagg import shm
+
+    left = leftovers(session.config.stash[_SHM_SINCE])
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.write("\n")
+        reporter.write_sep("=", f"FAILED: the tests left {len(left)} entries in {shm.SHM_DIR}",
+                           red=True, bold=True)
+        reporter.write_line("\n".join(left))
+        shm.sweep()

@@ -134,7 +134,7 @@ class Peer:
 # ---- fixtures ------------------------------------------------------------------------
 
 def _our_shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("tdkv_")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith("triton_disagg_kv_")}
 
 
 @pytest.fixture(scope="module", autouse=True)

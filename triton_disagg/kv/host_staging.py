@@ -8,6 +8,12 @@ waits on space that only its own batch could free. The generation side attaches 
 from its own process (:class:`StagingReader`), copies the blocks into its pool,
 converting the layout (:meth:`HostStaging.take`), and marks the slots done.
 
+The area is a file in ``/dev/shm`` named and swept as :mod:`triton_disagg.shm` says: the
+creator checks free space first (a full tmpfs would SIGBUS the first large copy), sweeps
+dead creators' areas, and unlinks its own on :meth:`HostStaging.close` or, failing that,
+when the object is collected or the interpreter exits; a killed creator's area goes at the
+next sweep. A reader unmaps an area once its name is gone or its creator died.
+
 Segment layout (all little-endian, native to both processes on one host)::
 
     uint64[4]      magic, format version, num_slots, slot_bytes
@@ -24,8 +30,7 @@ and its deadline has not passed; the slots of one handoff share its ticket. The 
 reuses only slots that are not busy and unpublishes the ticket before rewriting the
 data. A receiver copies only while every slot's ticket is its own and the deadline is
 ahead, and checks both again after the copy, so it never returns data from a reclaimed
-slot. The creator unlinks the segment
-on :meth:`HostStaging.close` (and the resource tracker does if the creator dies).
+slot.
 """
 
 from __future__ import annotations
@@ -35,12 +40,12 @@ import os
 import secrets
 import threading
 import time
-import uuid
-from multiprocessing import shared_memory
+import weakref
 from typing import Optional, Sequence
 
 import numpy as np
 
+from triton_disagg import shm
 from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, write_blocks
@@ -62,14 +67,16 @@ class StagingFullError(StagingError):
 class HostStaging:
     """A shared-memory staging area, as its creator (context) or an attacher (generation)."""
 
-    def __init__(self, name: str, buf: memoryview, owner: Optional[shared_memory.SharedMemory],
-                 mapping: Optional[mmap.mmap]):
-        self.name = name
-        self._owner, self._mapping = owner, mapping
+    def __init__(self, name: str, mapping: mmap.mmap, inode: int, creator: bool):
+        self.name, self.path = name, os.path.join(shm.SHM_DIR, name)
+        self._mapping, self._inode = mapping, inode
+        # The creator's unlink, run once: by close(), on collection, or at interpreter exit.
+        self._unlink = weakref.finalize(self, _unlink_quietly, self.path) if creator else None
         self._lock = threading.Lock()
+        buf = memoryview(mapping)
         header = np.frombuffer(buf, np.uint64, 4)
         if int(header[0]) != _MAGIC or int(header[1]) != _VERSION:
-            raise StagingError(f"/dev/shm/{name} is not a version {_VERSION} KV staging area")
+            raise StagingError(f"{self.path} is not a version {_VERSION} KV staging area")
         self.num_slots, self.slot_bytes = int(header[2]), int(header[3])
         n = self.num_slots
         self._ticket = np.frombuffer(buf, np.int64, n, 32)
@@ -81,31 +88,60 @@ class HostStaging:
         self.expired_total = 0                # creator only: disagg_kv_leases_expired_total
 
     @classmethod
-    def create(cls, name_prefix: str, num_slots: int, slot_bytes: int) -> "HostStaging":
-        """Create a new area named ``tdkv_<prefix>_<pid>_<random>`` (this process owns it)."""
+    def create(cls, label: str, num_slots: int, slot_bytes: int) -> "HostStaging":
+        """Create a new area owned by this process, named after ``label`` (see
+        :func:`triton_disagg.shm.new_name`); UserError when ``/dev/shm`` cannot hold it."""
         if num_slots <= 0 or slot_bytes <= 0:
             raise UserError(f"host staging needs slots > 0 and slot bytes > 0, got "
                             f"{num_slots} x {slot_bytes}")
-        name = f"tdkv_{name_prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        shm = shared_memory.SharedMemory(
-            name=name, create=True, size=_data_offset(num_slots) + num_slots * slot_bytes)
-        np.frombuffer(shm.buf, np.uint64, 4)[:] = (_MAGIC, _VERSION, num_slots, slot_bytes)
-        return cls(shm.name, shm.buf, shm, None)
+        size = _data_offset(num_slots) + num_slots * slot_bytes
+        shm.sweep()
+        shm.check_free(size, f"the host_memory KV staging area of {label}")
+        name = shm.new_name("kv", label)
+        path = os.path.join(shm.SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+            inode = os.fstat(fd).st_ino
+        except BaseException:
+            _unlink_quietly(path)
+            raise
+        finally:
+            os.close(fd)
+        np.frombuffer(mapping, np.uint64, 4)[:] = (_MAGIC, _VERSION, num_slots, slot_bytes)
+        return cls(name, mapping, inode, creator=True)
 
     @classmethod
     def attach(cls, name: str) -> "HostStaging":
         """Map an existing area by name, without taking ownership (no unlink on close)."""
+        if shm.owner_of(name) is None:
+            raise StagingError(f"{name!r} does not name a KV staging area")
         try:
-            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            fd = os.open(os.path.join(shm.SHM_DIR, name), os.O_RDWR)
         except FileNotFoundError as exc:
             raise StagingError(
                 f"KV staging area {name} not found: the context server stopped, or runs on "
                 f"another host (host_memory needs one host; use direct_transfer)") from exc
         try:
             mapping = mmap.mmap(fd, 0)
+            inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
-        return cls(name, memoryview(mapping), None, mapping)
+        return cls(name, mapping, inode, creator=False)
+
+    def gone(self) -> bool:
+        """True once the area's name was unlinked or its creator died (reader side).
+
+        A dead creator's area is unlinked here, as any sweep may (:mod:`triton_disagg.shm`).
+        """
+        if shm.orphaned(self.name):
+            _unlink_quietly(self.path)
+            return True
+        try:
+            return os.stat(self.path).st_ino != self._inode
+        except FileNotFoundError:
+            return True
 
     def _slots_view(self, slots: Sequence[int], geometry: BlockGeometry) -> np.ndarray:
         """The slots' blocks as ``[n, L, 2, bs, kvh, hd]`` (a copy: slots need not be adjacent)."""
@@ -125,7 +161,7 @@ class HostStaging:
         :class:`StagingFullError` when too few slots are free now, :class:`UserError`
         when the blocks can never fit.
         """
-        if self._owner is None:
+        if self._unlink is None:
             raise RuntimeError("only the process that created the staging area may put")
         geometry = BlockGeometry.of_pool(pool)
         n = len(block_ids)
@@ -200,14 +236,12 @@ class HostStaging:
         return int(self._busy(time.time() if now is None else now).sum())
 
     def close(self) -> None:
-        """Unmap; the creator also unlinks the segment. Idempotent."""
+        """Unmap; the creator also unlinks the area. Idempotent."""
         self._ticket = self._done = self._deadline = self._nbytes = self._data = None
-        owner, mapping, self._owner, self._mapping = self._owner, self._mapping, None, None
-        if owner is not None:
-            owner.unlink()
+        if self._unlink is not None:
+            self._unlink()
+        mapping, self._mapping = self._mapping, None
         try:
-            if owner is not None:
-                owner.close()
             if mapping is not None:
                 mapping.close()
         except BufferError:  # a caller still holds a view; the mapping goes when it does
@@ -215,7 +249,12 @@ class HostStaging:
 
 
 class StagingReader:
-    """Generation side: attaches to each context's staging area once, by name."""
+    """Generation side: maps each context's staging area once, by name.
+
+    Invariant: before each fetch, every mapped area that is :meth:`~HostStaging.gone` is
+    unmapped, so a stopped or dead context's area is not kept alive by this reader.
+    Fetches run one at a time.
+    """
 
     def __init__(self) -> None:
         self._areas: dict[str, HostStaging] = {}
@@ -224,16 +263,30 @@ class StagingReader:
     def fetch(self, handle: KVHandle, dst_pool: np.ndarray,
               dst_block_ids: Sequence[int]) -> TransferStats:
         with self._lock:
+            self._drop_gone()
             area = self._areas.get(handle.shm_name)
             if area is None:
                 area = self._areas[handle.shm_name] = HostStaging.attach(handle.shm_name)
-        return area.take(handle, dst_pool, dst_block_ids)
+            return area.take(handle, dst_pool, dst_block_ids)
+
+    def _drop_gone(self) -> None:
+        for name, area in list(self._areas.items()):
+            if area.gone():
+                area.close()
+                del self._areas[name]
 
     def close(self) -> None:
         with self._lock:
             for area in self._areas.values():
                 area.close()
             self._areas.clear()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # swept already
+        pass
 
 
 def _data_offset(num_slots: int) -> int:
