@@ -11,6 +11,10 @@ Three ways in, so that aggregated and disaggregated serving share one engine:
 - :meth:`LLMEngine.add_prefilled` (the generation side): take a sequence whose prompt KV
   already sits in this engine's pool, plus its first token; it then only decodes.
 
+The generation side takes a sequence's :meth:`LLMEngine.blocks_needed` blocks before it
+enters (``add_request(reserve=True)``; ``add_prefilled`` given them all), so a queued
+sequence waits only for a batch slot, never for blocks other queued ones hold.
+
 Invariant: once every request has finished or been aborted, ``pool.num_used == 0``
 (except blocks handed out by :meth:`prefill_only`, which belong to the caller).
 """
@@ -31,7 +35,6 @@ from triton_disagg.engine.sequence import FinishReason, RequestError, Sequence, 
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.kv.block_pool import BlockPool, BlockTable, KVCacheFullError
-from triton_disagg.kv.layout import BlockGeometry
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,7 @@ class LLMEngine:
     def __init__(self, engine_dir: str | Path, kv_max_bytes: int | None = None,
                  num_blocks: int | None = None, kv_layout: KVLayout | None = None):
         self.spec, weights = load_engine(engine_dir)
-        s, kv = self.spec.shape, kv_layout or self.spec.kv
-        geometry = BlockGeometry(s.num_layers, s.num_kv_heads, s.head_dim,
-                                 kv.tokens_per_block, kv.dtype)
+        geometry = self.spec.block_geometry(kv_layout)
         if num_blocks is None and kv_max_bytes is not None:
             num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
         if num_blocks is None:
@@ -75,9 +76,26 @@ class LLMEngine:
 
     # ---- aggregated serving -----------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Queue a request; raises :class:`RequestError` if it is invalid or can never fit."""
-        self._enqueue(self._new_sequence(request_id, prompt_ids, params))
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                    reserve: bool = False) -> None:
+        """Queue a request; raises :class:`RequestError` if it is invalid or can never fit.
+        ``reserve``: take its blocks now, or raise :class:`KVCacheFullError` (queue nothing)."""
+        self._enqueue(self._new_sequence(request_id, prompt_ids, params), reserve)
+
+    def blocks_needed(self, request_id: str, num_prompt_tokens: int,
+                      params: SamplingParams) -> int:
+        """Blocks a sequence holds from admission to its end (the KV of all but the last of
+        prompt + max_tokens, capped at max_seq_len); RequestError if the pool is smaller."""
+        tokens = self._max_total(num_prompt_tokens, params) - 1
+        bs, total = self.pool.geometry.tokens_per_block, self.pool.num_total
+        need = self.pool.geometry.blocks_for(tokens)
+        if need > total:
+            raise RequestError(
+                f"request {request_id}: {num_prompt_tokens} prompt tokens + max_tokens "
+                f"{params.max_tokens} need {tokens} tokens of KV = {need} KV blocks of {bs}, "
+                f"but this pool has {total} blocks ({total * bs} tokens); lower max_tokens or "
+                f"raise kv_cache.max_size")
+        return need
 
     def step(self) -> list[TokenEvent]:
         """Run one prefill or one decode pass; return the tokens it produced."""
@@ -146,16 +164,19 @@ class LLMEngine:
                       first_logprob: float = 0.0) -> None:
         """Queue a sequence whose prompt KV is already in ``block_ids`` of this pool.
 
-        The engine owns ``block_ids`` once this returns (it frees them when the request
-        ends); if it raises, they stay the caller's. The first token must not already
-        finish the request (see ``PrefillResult``).
+        The prompt's KV fills the first blocks, in position order; any more (up to
+        :meth:`blocks_needed`) are reserved for the tokens to come. The engine owns
+        ``block_ids`` once this returns (it frees them when the request ends); if it
+        raises, they stay the caller's. The first token must not already finish the
+        request (see ``PrefillResult``).
         """
         seq = self._new_sequence(request_id, prompt_ids, params)
         geometry = self.pool.geometry
-        if len(block_ids) != geometry.blocks_for(len(seq.prompt_ids)):
-            raise RequestError(f"request {request_id}: {len(seq.prompt_ids)} prompt tokens fill "
-                               f"{geometry.blocks_for(len(seq.prompt_ids))} KV blocks of "
-                               f"{geometry.tokens_per_block}, got {len(block_ids)} block ids")
+        least = geometry.blocks_for(len(seq.prompt_ids))
+        most = self.blocks_needed(request_id, len(seq.prompt_ids), params)
+        if not least <= len(block_ids) <= most:
+            raise RequestError(f"request {request_id}: its prompt fills {least} KV blocks and it "
+                               f"holds at most {most}; got {len(block_ids)} block ids")
         seq.block_table = BlockTable(geometry.tokens_per_block, block_ids, len(seq.prompt_ids))
         if not 0 <= int(first_token) < self.spec.shape.vocab_size:
             raise RequestError(f"request {request_id}: first token {first_token} is outside "
@@ -193,17 +214,17 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         return Sequence(request_id, ids, params, seed,
                         BlockTable(self.pool.geometry.tokens_per_block),
-                        max_total=min(len(ids) + params.max_tokens, max_context))
+                        max_total=self._max_total(len(ids), params))
 
-    def _enqueue(self, seq: Sequence) -> None:
+    def _max_total(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        return min(num_prompt_tokens + params.max_tokens, self.runner.max_context)
+
+    def _enqueue(self, seq: Sequence, reserve: bool = False) -> None:
         if seq.request_id in self.scheduler:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
-        table = seq.block_table
-        need = len(table.block_ids) + table.blocks_needed(Scheduler.tokens_to_reserve(seq))
-        if need > self.pool.num_total:
-            raise RequestError(
-                f"request {seq.request_id}: prompt + max_tokens need {need} KV blocks, the pool "
-                f"has {self.pool.num_total}; lower max_tokens or raise kv_cache.max_size")
+        self.blocks_needed(seq.request_id, len(seq.prompt_ids), seq.params)
+        if reserve:
+            seq.block_table.reserve(self.pool, Scheduler.tokens_to_reserve(seq))
         self.scheduler.add(seq)
 
     def _prefill(self, seqs: list[Sequence]) -> list[TokenEvent]:

@@ -80,9 +80,7 @@ class ModelRunner:
         self.pos_embed = weights.get("pos_embed")
         self.lm_head = weights.get("lm_head.weight", self.embed)     # [V, H]
         self.final_norm = (weights["final_norm.weight"], weights.get("final_norm.bias"))
-        # Longest sequence (prompt + generated) the model can run.
-        self.max_context = min(spec.max_seq_len, s.max_position_embeddings,
-                               s.sliding_window or spec.max_seq_len)
+        self.max_context = spec.max_context   # longest prompt + generated sequence
         if not self.gpt2:
             inv_freq = inv_frequencies(s.head_dim, s.rope_theta, s.rope_scaling)
             self.cos, self.sin = rope_tables(inv_freq, self.max_context)

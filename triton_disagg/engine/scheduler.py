@@ -4,7 +4,9 @@ Policy: FIFO, "guaranteed no evict" (TensorRT-LLM's default capacity policy). A 
 sequence is admitted only when the batch has room (``max_batch_size``) and the pool
 can reserve every block the sequence can ever need (``max_total - 1`` tokens of KV), so
 a running sequence never waits for memory and is never preempted. The head of the
-queue blocks those behind it, so nobody starves.
+queue blocks those behind it, so nobody starves. A waiting sequence may hold its whole
+reservation already (the generation side reserves before it queues, so that queued
+sequences never hold blocks the head needs); it then waits only for a batch slot.
 
 Invariants: a sequence is in at most one of ``waiting`` / ``running``; every running
 sequence holds its full reservation; a finished or aborted sequence holds no blocks.

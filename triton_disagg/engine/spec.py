@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_disagg.errors import UserError
+from triton_disagg.kv.layout import BlockGeometry
 
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -94,6 +95,19 @@ class EngineSpec:
     fingerprint: str                 # sha256 hex of the source checkpoint bytes + build options
     builder_version: str = BUILDER_VERSION
     source: dict[str, Any] = field(default_factory=dict)  # checkpoint path, options (informational)
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence (prompt + generated tokens) the engine runs."""
+        s = self.shape
+        return min(self.max_seq_len, s.max_position_embeddings,
+                   s.sliding_window or self.max_seq_len)
+
+    def block_geometry(self, layout: KVLayout | None = None) -> BlockGeometry:
+        """One KV block of this model in ``layout`` (default: the engine's own)."""
+        s, kv = self.shape, layout or self.kv
+        return BlockGeometry(s.num_layers, s.num_kv_heads, s.head_dim, kv.tokens_per_block,
+                             kv.dtype)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -8,6 +8,11 @@ new prompts prefilled as they arrive) and routes each token to its request.
 Invariants:
 
 - only the loop thread touches the engine;
+- admission is FIFO and decided before any KV moves: the head of ``waiting``
+  enters the engine once the blocks it will ever hold are free (one comparison
+  per step), taking them all; those behind it wait. Admitted requests therefore
+  never wait on each other's blocks, and a request the pool could never hold is
+  refused when it arrives;
 - every submitted request gets exactly one final emit (``final=True``): its
   last token (with ``finish_reason``), a cancellation (finish_reason
   ``cancelled``), or an error; after that nothing more is sent for it;
@@ -21,10 +26,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from triton_disagg.kv.block_pool import KVCacheFullError
 from triton_disagg.serving import engine_request
 from triton_disagg.serving.engine_request import EngineRequest
 
@@ -47,12 +52,21 @@ class Live:
     checked: float = 0.0
 
 
+@dataclass
+class Waiting:
+    request_id: str
+    work: Any
+    live: Live
+    blocks: int                     # KV blocks it holds once admitted
+
+
 class DecodeLoop:
     """``side`` decides how work enters the engine and hears about it:
-    ``side.admit(engine, request_id, work)`` (may raise to refuse the request, or
-    :class:`KVCacheFullError` to be retried after the next step),
-    ``side.request_done(outcome)`` and ``side.report()`` (pool gauges, every
-    ``REPORT_SECONDS``).
+    ``side.blocks_needed(request_id, work)`` (the KV blocks the request will hold; may
+    raise to refuse it, e.g. when the pool could never hold them),
+    ``side.admit(engine, request_id, work)`` (called once those blocks are free: takes
+    them; may raise to refuse the request), ``side.request_done(outcome)`` and
+    ``side.report()`` (pool gauges, every ``REPORT_SECONDS``).
 
     ``stream_interval`` > 1 trades smoothness for throughput: every emit is an IPC round
     trip through Triton and down the ensemble, which costs more CPU than a decode step
@@ -70,7 +84,7 @@ class DecodeLoop:
         self.stops = stops
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Live] = {}
-        self.deferred: list[tuple[str, Any, Live]] = []   # admitted once KV blocks free up
+        self.waiting: deque[Waiting] = deque()    # FIFO: the head enters once its blocks free
         self.running = True
         self.reported = 0.0
         self.thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
@@ -94,11 +108,10 @@ class DecodeLoop:
 
     def _run(self) -> None:
         while self.running:
-            self._drain(wait=0.0 if self.live else 0.01 if self.deferred else REPORT_SECONDS)
-            for request_id, work, live in self._take_deferred():
-                self._add(request_id, work, live)
+            self._drain(wait=0.0 if self.live else REPORT_SECONDS)
+            self._check_cancelled()
+            self._admit_waiting()
             if self.live:
-                self._check_cancelled()
                 try:
                     events = self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - an engine failure fails its requests
@@ -114,12 +127,8 @@ class DecodeLoop:
         for request_id in list(self.live):
             self.engine.abort(request_id)
             self._finish(request_id, CANCELLED)
-        for _, _, live in self._take_deferred():
-            self.emit(live.sender, None, True, "the server is shutting down")
-
-    def _take_deferred(self) -> list:
-        deferred, self.deferred = self.deferred, []
-        return deferred
+        for waiting in self.waiting:
+            self.emit(waiting.live.sender, None, True, "the server is shutting down")
 
     def _drain(self, wait: float) -> None:
         """Handle every queued item, first waiting up to ``wait`` seconds for one."""
@@ -130,7 +139,7 @@ class DecodeLoop:
         while True:
             kind, request_id, request, live = item
             if kind == "add":
-                self._add(request_id, request, live)
+                self._queue(request_id, request, live)
             elif kind == "stop":
                 self._stop(request_id)
             try:
@@ -143,39 +152,51 @@ class DecodeLoop:
             self.engine.abort(request_id)
             self._finish(request_id, CANCELLED)
             return
-        waiting = [d for d in self.deferred if d[0] == request_id]
-        for item in waiting:
-            self.deferred.remove(item)
-            self.live[request_id] = item[2]
+        waiting = next((w for w in self.waiting if w.request_id == request_id), None)
+        if waiting is not None:
+            self.waiting.remove(waiting)
+            self.live[request_id] = waiting.live
             self._finish(request_id, CANCELLED)
-        if not waiting and self.stops is not None:
+        elif self.stops is not None:
             self.stops.post(request_id)          # another instance may hold it
 
-    def _add(self, request_id: str, request: Any, live: Live) -> None:
-        if request_id in self.live:
+    def _queue(self, request_id: str, request: Any, live: Live) -> None:
+        if request_id in self.live or any(w.request_id == request_id for w in self.waiting):
             self.emit(live.sender, None, True, f"request id {request_id!r} is already generating")
             return
         try:
-            self.side.admit(self.engine, request_id, request)
-        except KVCacheFullError:
-            self.deferred.append((request_id, request, live))
-            return
+            blocks = self.side.blocks_needed(request_id, request)
         except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
-            self.emit(live.sender, None, True, str(exc))
-            self.side.request_done("error")
+            self._refuse(live, str(exc))
             return
-        live.checked = time.monotonic()
-        self.live[request_id] = live
+        self.waiting.append(Waiting(request_id, request, live, blocks))
+
+    def _admit_waiting(self) -> None:
+        """Admit from the head of ``waiting`` while its blocks are free (FIFO)."""
+        while self.waiting and self.waiting[0].blocks <= self.engine.pool.num_free:
+            waiting = self.waiting.popleft()
+            try:
+                self.side.admit(self.engine, waiting.request_id, waiting.work)
+            except Exception as exc:  # noqa: BLE001 - refused request: its error only
+                self._refuse(waiting.live, str(exc))
+                continue
+            self.live[waiting.request_id] = waiting.live
+
+    def _refuse(self, live: Live, message: str) -> None:
+        self.emit(live.sender, None, True, message)
+        self.side.request_done("error")
 
     def _check_cancelled(self) -> None:
+        """Poll live and waiting requests (each at once, then every CANCEL_POLL_SECONDS),
+        so a request cancelled while it waits never takes blocks."""
         now = time.monotonic()
-        for request_id, live in list(self.live.items()):
+        for request_id, live in [*self.live.items(),
+                                 *((w.request_id, w.live) for w in self.waiting)]:
             if now - live.checked >= CANCEL_POLL_SECONDS:
                 live.checked = now
                 if live.is_cancelled() or (self.stops is not None
                                            and self.stops.take(request_id)):
-                    self.engine.abort(request_id)
-                    self._finish(request_id, CANCELLED)
+                    self._stop(request_id)
 
     def _on_token(self, event: Any) -> None:
         live = self.live.get(event.request_id)
@@ -198,9 +219,7 @@ class DecodeLoop:
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
 
     def _fail(self, request_id: str, message: str) -> None:
-        live = self.live.pop(request_id)
-        self.emit(live.sender, None, True, message)
-        self.side.request_done("error")
+        self._refuse(self.live.pop(request_id), message)
 
     @staticmethod
     def _outputs(live: Live, reason: str | None) -> dict:

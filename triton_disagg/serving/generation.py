@@ -6,9 +6,12 @@ the engine.
   and ``input_ids`` = the prompt plus the first token the context model produced;
   the prompt's KV is fetched into this instance's pool and the sequence only decodes.
 
-Invariant: :meth:`GenerationSide.prepare` runs in ``execute`` (cheap checks, a
+Invariants: :meth:`GenerationSide.prepare` runs in ``execute`` (cheap checks, a
 clear per-request error); :meth:`GenerationSide.admit` runs on the decode-loop
-thread, the only thread that touches the engine.
+thread, the only thread that touches the engine, once
+:meth:`GenerationSide.blocks_needed` blocks are free. It takes all of them (prompt +
+max_tokens) before any KV moves, fetches the prompt's KV into the first ones, and
+frees them all if the request is refused.
 """
 
 from __future__ import annotations
@@ -72,14 +75,22 @@ class GenerationSide:
                                f"token, got {len(request.prompt_ids)} ids")
         return Work(request_type, request, handle)
 
+    def blocks_needed(self, request_id: str, work: Work) -> int:
+        """KV blocks ``work`` holds in this pool from admission to its end; RequestError
+        (naming the sizes and the fix) when the pool could never hold them."""
+        prompt = work.request.prompt_ids
+        num_prompt = work.handle.num_tokens if work.handle is not None else len(prompt)
+        return self.engine.blocks_needed(request_id, num_prompt, work.request.params)
+
     def admit(self, engine: Any, request_id: str, work: Work) -> None:
-        """Put ``work`` into the engine (decode-loop thread). KVCacheFullError: retry later."""
+        """Put ``work`` into the engine with its whole reservation (decode-loop thread)."""
         prompt, params = work.request.prompt_ids, work.request.params
         if work.request_type == P.CONTEXT_AND_GENERATION:
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, reserve=True)
             return
-        blocks, stats = self.receiver.fetch(work.handle)
+        blocks = engine.pool.allocate(self.blocks_needed(request_id, work))
         try:
+            stats = self.receiver.fetch(work.handle, blocks)
             engine.add_prefilled(request_id, prompt[:-1], prompt[-1], blocks, params)
         except BaseException:
             engine.pool.free(blocks)

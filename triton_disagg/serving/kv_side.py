@@ -1,13 +1,14 @@
 """Engine construction and the KV handoff ends shared by the context and generation models.
 
 - :func:`make_engine`: the instance's engine with its pool sized by
-  ``kv_cache.max_size`` and the side's ``tokens_per_block`` / ``kv_dtype``.
+  ``kv_cache.max_size`` and the side's ``tokens_per_block`` / ``kv_dtype``; refused
+  (one line) when that pool cannot hold one ``max_seq_len`` sequence.
 - :class:`Sender` (context): turns prefilled blocks into a ``context_phase_params``
   handle. ``direct_transfer`` leases the blocks to a NIXL reader (freed on its
   notification or at lease expiry); ``host_memory`` copies them into a
   shared-memory slot and frees them at once.
-- :class:`Receiver` (generation): fetches a handle's KV into freshly allocated
-  blocks of its own pool, converting the layout when the sides differ.
+- :class:`Receiver` (generation): fetches a handle's KV into the first blocks of a
+  sequence's reservation in its own pool, converting the layout when the sides differ.
 
 Invariant: the pool is only touched under ``lock`` (the NIXL notification
 thread frees leased blocks concurrently with prefill), and every block a
@@ -28,17 +29,15 @@ from triton_disagg.kv.layout import BlockGeometry
 STAGING_RETRY_SECONDS = 0.005
 
 
-def make_engine(settings: dict) -> Any:
+def make_engine(settings: dict, role: str) -> Any:
+    """``role``: "context" or "generation", for the capacity error."""
     from triton_disagg.engine.llm_engine import LLMEngine
-    from triton_disagg.engine.spec import EngineSpec, KVLayout
+    from triton_disagg.engine.spec import EngineSpec
+    from triton_disagg.serving.capacity import check_pool, kv_layout
 
-    overrides = {k: v for k, v in (("tokens_per_block", settings.get("tokens_per_block")),
-                                   ("dtype", settings.get("kv_dtype"))) if v is not None}
-    if not overrides:
-        return LLMEngine(settings["engine"], kv_max_bytes=settings["kv_max_size"])
-    base = EngineSpec.load(settings["engine"]).kv
-    layout = KVLayout(**{"tokens_per_block": base.tokens_per_block, "dtype": base.dtype,
-                         **overrides})
+    spec = EngineSpec.load(settings["engine"])
+    layout = kv_layout(spec, settings.get("tokens_per_block"), settings.get("kv_dtype"))
+    check_pool(spec, layout, settings["kv_max_size"], role)
     return LLMEngine(settings["engine"], kv_max_bytes=settings["kv_max_size"], kv_layout=layout)
 
 
@@ -129,18 +128,13 @@ class Receiver:
                 f"up for {self.strategy}; give both servers the same kv_cache.strategy")
         return handle
 
-    def fetch(self, handle: KVHandle) -> tuple[list[int], TransferStats]:
-        """Allocate local blocks and fill them; KVCacheFullError (nothing allocated) when full."""
-        blocks = self.engine.pool.allocate(self.geometry.blocks_for(handle.num_tokens))
-        try:
-            if self.strategy == "direct_transfer":
-                stats = self.endpoint.fetch(handle, blocks)
-            else:
-                stats = self.reader.fetch(handle, self.engine.pool.array, blocks)
-        except BaseException:
-            self.engine.pool.free(blocks)
-            raise
-        return blocks, stats
+    def fetch(self, handle: KVHandle, reserved: Sequence[int]) -> TransferStats:
+        """Fill the first ``blocks_for(handle.num_tokens)`` of ``reserved`` (a sequence's
+        blocks in position order, owned by the caller) with the handle's KV."""
+        blocks = list(reserved[:self.geometry.blocks_for(handle.num_tokens)])
+        if self.strategy == "direct_transfer":
+            return self.endpoint.fetch(handle, blocks)
+        return self.reader.fetch(handle, self.engine.pool.array, blocks)
 
     def close(self) -> None:
         (self.endpoint if self.strategy == "direct_transfer" else self.reader).close()

@@ -25,7 +25,8 @@ class TritonPythonModel:
         instance = args["model_instance_name"]
         self.metrics = Metrics(pb_utils, "context", instance)
         with self.metrics.closed_on_error():
-            self.side = ContextSide(make_engine(settings), settings, instance, self.metrics)
+            engine = make_engine(settings, "context")
+            self.side = ContextSide(engine, settings, instance, self.metrics)
 
     def execute(self, requests):
         responses = [None] * len(requests)

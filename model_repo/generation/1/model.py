@@ -32,7 +32,7 @@ class TritonPythonModel:
         settings = read_settings(args)
         self.limits = pin(cores_for(settings, args))
         instance = args["model_instance_name"]
-        engine = make_engine(settings)
+        engine = make_engine(settings, "generation")
         self.metrics = Metrics(pb_utils, "generation", instance)
         with self.metrics.closed_on_error():
             self.side = GenerationSide(engine, settings, instance, self.metrics)

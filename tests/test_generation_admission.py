@@ -1,0 +1,195 @@
+"""Generation-side admission: a sequence enters the engine only with every KV block it
+will hold, FIFO; a request that can never fit is refused at once; a pool that cannot
+hold one max_seq_len sequence is refused at start-up.
+
+The generation pool here has 10 blocks of 4 tokens; a "4+4" request has a 16-token
+prompt (4 blocks of KV fetched) and 17 max_tokens (4 more blocks to decode into). The KV
+moves by a plain copy between the two pools (:class:`CopyReceiver`): the transports have
+their own tests (test_kv_exchange.py); these are about when and into what it moves.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from triton_disagg import protocol as P
+from triton_disagg.engine.llm_engine import LLMEngine
+from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.engine.spec import KVLayout
+from triton_disagg.errors import UserError
+from triton_disagg.serving.decode_loop import DecodeLoop
+from triton_disagg.serving.engine_request import EngineRequest
+from triton_disagg.serving.generation import GenerationSide, Work
+
+LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
+WAIT_SECONDS = 20.0
+
+
+@dataclass(frozen=True)
+class CopyHandle:
+    num_tokens: int
+    block_ids: list[int]          # in the context pool, which the handle owns
+
+
+class CopyReceiver:
+    """Receiver's ``fetch`` contract over a plain copy: fill the first blocks of the
+    reservation with the handle's KV, then free the context blocks (as a transport does)."""
+
+    def __init__(self, context: LLMEngine, generation: LLMEngine):
+        self.context, self.generation = context, generation
+
+    def fetch(self, handle: CopyHandle, reserved):
+        blocks = list(reserved[:len(handle.block_ids)])
+        self.generation.pool.write_blocks(blocks, self.context.pool.read_blocks(handle.block_ids))
+        self.context.pool.free(handle.block_ids)
+
+    def close(self):
+        pass
+
+
+class GatedSide:
+    """A GenerationSide whose ``admit`` waits for ``release`` and records each call: the
+    loop then meets every submitted request at once (as under load), deterministically."""
+
+    def __init__(self, side: GenerationSide):
+        self.side, self.release, self.admitted = side, threading.Event(), []
+
+    def __getattr__(self, name):
+        return getattr(self.side, name)
+
+    def admit(self, engine, request_id, work):
+        self.admitted.append(request_id)
+        self.release.wait(WAIT_SECONDS)
+        self.side.admit(engine, request_id, work)
+
+
+@pytest.fixture
+def sides(demo_engine):
+    context = LLMEngine(demo_engine, num_blocks=64, kv_layout=LAYOUT)
+    generation = LLMEngine(demo_engine, num_blocks=10, kv_layout=LAYOUT)
+    side = GenerationSide(generation, {"mode": "aggregated"}, "generation_0_0")
+    side.receiver = CopyReceiver(context, generation)
+    return context, side
+
+
+class Finals:
+    """Collects each request's emits; ``wait(n)`` until n requests have their final one."""
+
+    def __init__(self):
+        self.emits: dict[str, list] = {}
+        self.cond = threading.Condition()
+
+    def __call__(self, sender, outputs, final, error):
+        with self.cond:
+            self.emits.setdefault(sender, []).append((outputs, final, error))
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout: float = WAIT_SECONDS) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: sum(e[1] for v in self.emits.values()
+                                                  for e in v) >= n, timeout)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for out, _, _ in self.emits[rid] if out for t in out["output_ids"][0].tolist()]
+
+
+def handed_off(context, rid, prompt, params):
+    """Prefill ``prompt`` on the context engine: its first token and generation_only Work."""
+    (result,) = context.prefill_only([(rid, prompt, params)])
+    request = EngineRequest(prompt + [result.token_id], params, streaming=False)
+    handle = CopyHandle(result.num_tokens, result.block_ids)
+    return result.token_id, Work(P.GENERATION_ONLY, request, handle)
+
+
+def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
+    context, side = sides
+    requests = {"a": (list(range(5, 21)), SamplingParams(max_tokens=17)),    # 4+4 blocks
+                "b": (list(range(30, 46)), SamplingParams(max_tokens=17)),   # 4+4 blocks
+                "c": ([7, 8, 9, 10], SamplingParams(max_tokens=5))}          # 1+1 blocks
+    gated, finals = GatedSide(side), Finals()
+    loop = DecodeLoop(side.engine, finals, gated)
+    firsts = {}
+    for rid, (prompt, params) in requests.items():
+        firsts[rid], work = handed_off(context, rid, prompt, params)
+        loop.submit(rid, work, rid)
+    # d's client is gone before d reaches the head: it ends without taking any block.
+    _, cancelled = handed_off(context, "d", [7, 8, 9], SamplingParams(max_tokens=3))
+    loop.submit("d", cancelled, "d", is_cancelled=lambda: True)
+    gated.release.set()
+    try:
+        assert finals.wait(4), "admission deadlock: the requests never all finished"
+    finally:
+        loop.close()
+    # c would fit beside a, but waits behind b (FIFO); each is admitted once, no retries.
+    assert gated.admitted == ["a", "b", "c"]
+    ((outputs, final, error),) = finals.emits["d"]
+    assert final and error is None and outputs["finish_reason"][0] == b"cancelled"
+    assert outputs["output_ids"].size == 0
+    context.pool.free(cancelled.handle.block_ids)        # as its lease expiring would
+    for rid, (prompt, params) in requests.items():
+        (whole,) = context.generate([prompt], params)
+        assert [firsts[rid]] + finals.tokens(rid) == whole.output_ids
+        assert [e[1] for e in finals.emits[rid]] == [True] and finals.emits[rid][0][2] is None
+    assert side.engine.pool.num_used == 0 and context.pool.num_used == 0
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_at_once(sides):
+    context, side = sides
+    finals = Finals()
+    loop = DecodeLoop(side.engine, finals, side)
+    # 48 prompt tokens (12 blocks) + 4: the prompt alone outgrows the 10-block pool.
+    _, work = handed_off(context, "big", list(range(5, 53)),
+                         SamplingParams(max_tokens=4))
+    loop.submit("big", work, "big")
+    _, work = handed_off(context, "ok", [7, 8, 9], SamplingParams(max_tokens=3))
+    loop.submit("ok", work, "ok")
+    try:
+        assert finals.wait(2, timeout=5.0), "the never-fitting request waits for ever"
+    finally:
+        loop.close()
+    ((outputs, final, error),) = finals.emits["big"]
+    assert outputs is None and final
+    for part in ("51 tokens of KV", "13 KV blocks", "10 blocks", "40 tokens",
+                 "raise kv_cache.max_size", "lower max_tokens"):
+        assert part in error, (part, error)
+    assert finals.emits["ok"][-1][2] is None and side.engine.pool.num_used == 0
+
+
+def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_engine):
+    from triton_disagg.config import parse_config
+    from triton_disagg.engine.spec import EngineSpec
+    from triton_disagg.serving.capacity import check_kv_capacity
+    from triton_disagg.serving.kv_side import make_engine
+
+    spec = EngineSpec.load(demo_engine)
+    geometry = spec.block_geometry()
+    need = geometry.blocks_for(spec.max_context - 1)
+    enough = need * geometry.block_nbytes
+
+    def config(max_size, **generation):
+        return parse_config({"model": {"engine": str(demo_engine)},
+                             "kv_cache": {"max_size": max_size},
+                             "generation_server": generation}, source="disagg.yaml")
+
+    check_kv_capacity(config(enough))
+    with pytest.raises(UserError) as refused:
+        check_kv_capacity(config(enough - 1))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("disagg.yaml: kv_cache.max_size")
+    for part in (f"{need - 1} KV blocks", f"needs {need}", "context instance",
+                 "raise kv_cache.max_size to at least"):
+        assert part in message, (part, message)
+    # float16 KV halves the block: the same budget serves generation, not context.
+    with pytest.raises(UserError, match="context instance"):
+        check_kv_capacity(config(enough // 2, kv_dtype="float16"))
+    aggregated = parse_config({"model": {"engine": str(demo_engine)}, "mode": "aggregated",
+                               "kv_cache": {"max_size": enough // 2},
+                               "generation_server": {"kv_dtype": "float16"}})
+    check_kv_capacity(aggregated)                  # no context model in aggregated mode
+    settings = {"engine": str(demo_engine), "kv_max_size": enough - 1,
+                "tokens_per_block": None, "kv_dtype": None}
+    with pytest.raises(UserError, match="generation instance.*raise kv_cache.max_size"):
+        make_engine(settings, "generation")

@@ -1,0 +1,56 @@
+"""Does ``kv_cache.max_size`` hold one longest sequence in each engine model's pool?
+
+A pool smaller than one ``max_seq_len`` sequence refuses some valid requests for ever,
+so it is a config mistake, reported as one :class:`UserError` line naming
+``kv_cache.max_size``, the size needed and the fix. :func:`check_kv_capacity` checks a
+whole config before Triton starts (cheap: it reads ``engine.json`` only);
+:func:`check_pool` is the same check for one model instance, run from ``initialize``.
+
+Invariant: a pool passes exactly when it holds the KV of the longest sequence the engine
+runs, ``max_context - 1`` tokens (the last generated token's KV is never written).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from triton_disagg.engine.spec import EngineSpec, KVLayout
+from triton_disagg.errors import UserError
+from triton_disagg.kv.block_pool import BlockPool
+
+
+def kv_layout(spec: EngineSpec, tokens_per_block: int | None, kv_dtype: str | None) -> KVLayout:
+    """The engine's KV layout with a server's ``tokens_per_block`` / ``kv_dtype`` overrides."""
+    return KVLayout(tokens_per_block or spec.kv.tokens_per_block, kv_dtype or spec.kv.dtype)
+
+
+def check_pool(spec: EngineSpec, layout: KVLayout, max_size: int, role: str) -> None:
+    """Raise :class:`UserError` unless ``max_size`` bytes hold one longest sequence."""
+    geometry = spec.block_geometry(layout)
+    have = BlockPool.blocks_for_budget(geometry, max_size)
+    tokens = spec.max_context - 1
+    need = geometry.blocks_for(tokens)
+    if have < need:
+        mib = -(-need * geometry.block_nbytes // 2**20)           # rounded up
+        raise UserError(
+            f"kv_cache.max_size: {max_size} bytes hold {have} KV blocks of "
+            f"{layout.tokens_per_block} tokens ({have * layout.tokens_per_block} tokens, "
+            f"{layout.dtype}) per {role} instance, but one max_seq_len sequence of "
+            f"{spec.max_context} tokens needs {need} blocks ({tokens} tokens of KV); raise "
+            f"kv_cache.max_size to at least {mib}MiB or build the engine with a smaller "
+            f"--max-seq-len")
+
+
+def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
+    """Check every engine model's pool of a loaded ``DisaggConfig`` (``roles``: default
+    the engine models of its mode) before Triton starts."""
+    spec = EngineSpec.load(config.engine)
+    if roles is None:
+        roles = ("generation",) if config.mode == "aggregated" else ("context", "generation")
+    for role in roles:
+        server = config.server(role)
+        layout = kv_layout(spec, server.tokens_per_block, server.kv_dtype)
+        try:
+            check_pool(spec, layout, config.kv_cache.max_size, role)
+        except UserError as exc:
+            raise UserError(f"{config.source}: {exc}") from None
