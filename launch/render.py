@@ -68,6 +68,10 @@ def settings(model: str, role: str, config: DisaggConfig) -> dict:
             kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
             kv_lease_seconds=config.kv_cache.lease_seconds,
             stream_interval=server.stream_interval)
+        if config.mode != "aggregated":  # the key signing KV handles; never the secret itself
+            from triton_disagg.kv.secret import render_key_id
+
+            out.update(kv_key_id=render_key_id())
     if model == "orchestrator":
         out.update(transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
                    context_url=config.context.url, generation_url=config.generation.url)

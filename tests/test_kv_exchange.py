@@ -7,6 +7,8 @@ wait has a timeout, and an alarm bounds each test.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import multiprocessing as mp
 import os
 import signal
@@ -26,8 +28,10 @@ from triton_disagg.kv.nixl_transfer import NixlEndpoint, TransferError
 
 L, KVH, HD = 2, 2, 4          # tiny model: 2 layers, 2 KV heads, head size 4
 FP = "f" * 64                 # engine fingerprint of both sides
+KEY = b"k" * 32               # the deployment key that signs handles
 WAIT_S = 60                   # bound on any single wait for another process
 SPAWN = mp.get_context("spawn")
+REUSED = 42.0                 # what a later request's prefill writes into reused blocks
 
 
 def make_pool(seed: int, num_blocks: int, bs: int, dtype: str) -> np.ndarray:
@@ -69,15 +73,17 @@ class CountingPool:
 def nixl_sender(cmds, out) -> None:
     """Context side: fp32 pool, 4 tokens per block, direct_transfer."""
     pool, blocks = make_pool(1, 16, 4, "float32"), CountingPool()
-    leases = LeaseTable(blocks.free)
-    endpoint = NixlEndpoint("ctx", pool, leases, poll_interval_s=0.002)
+    endpoint = NixlEndpoint("ctx", pool, blocks.free, poll_interval_s=0.002)
+    leases = endpoint.leases
     out.put("ready")
     while True:
         cmd, *args = cmds.get(timeout=WAIT_S)
-        if cmd == "export":
+        if cmd in ("export", "reuse"):
             ids, n, ttl = args
             blocks.take(ids)
-            out.put(encode(endpoint.export(ids, n, FP, ttl)))
+            if cmd == "reuse":                     # a new prefill writes the freed blocks
+                pool[ids] = REUSED
+            out.put(encode(endpoint.export(ids, n, FP, ttl), KEY))
         elif cmd == "state":
             out.put(blocks.state(expired=leases.expired_total, leases=len(leases)))
         else:
@@ -94,7 +100,7 @@ def staging_sender(cmds, out) -> None:
     blocks.take(ids)
     handle = area.put(pool, ids, 19, FP, ttl_s=30)
     blocks.free(ids)  # the pool is free as soon as the blocks are staged
-    out.put((encode(handle), blocks.state()))
+    out.put((encode(handle, KEY), blocks.state()))
     while cmds.get(timeout=WAIT_S)[0] == "state":
         out.put({"slots_in_use": area.slots_in_use(), "expired": area.reap()})
     area.close()
@@ -181,7 +187,7 @@ def receivers():
 
 def test_nixl_read_moves_exact_bytes_and_notif_releases_lease(sender, receivers):
     endpoint = receivers[0]
-    handle = decode(sender.ask("export", [5, 2, 9], 10, 30.0))
+    handle = decode(sender.ask("export", [5, 2, 9], 10, 30.0), KEY)
     check_handle(handle, FP, endpoint.geometry)
     stats = endpoint.fetch(handle, [0, 7, 3])
     src = make_pool(1, 16, 4, "float32")
@@ -194,7 +200,7 @@ def test_nixl_read_moves_exact_bytes_and_notif_releases_lease(sender, receivers)
 
 def test_nixl_read_converts_tokens_per_block_and_dtype(sender, receivers):
     endpoint = receivers[1]                                  # 8 tokens per block, fp16
-    handle = decode(sender.ask("export", [1, 4, 6], 11, 30.0))
+    handle = decode(sender.ask("export", [1, 4, 6], 11, 30.0), KEY)
     endpoint.fetch(handle, [9, 2])                           # ceil(11 / 8) = 2 blocks
     src = tokens_of(make_pool(1, 16, 4, "float32"), [1, 4, 6], 11)  # [11, L, 2, kvh, hd]
     got = tokens_of(endpoint.pool, [9, 2], 16)                      # [16, L, 2, kvh, hd]
@@ -207,16 +213,39 @@ def test_nixl_read_converts_tokens_per_block_and_dtype(sender, receivers):
 
 
 def test_nixl_read_of_unregistered_addresses_is_a_clear_error(sender, receivers):
-    handle = decode(sender.ask("export", [3], 2, 30.0))
-    bogus = dataclasses.replace(handle, block_addrs=(handle.block_addrs[0] + (1 << 40),))
+    handle = decode(sender.ask("export", [3], 2, 30.0), KEY)
+    bogus = dataclasses.replace(handle, pool_addr=handle.pool_addr + (1 << 40))
     with pytest.raises(TransferError, match="refused"):
         receivers[0].fetch(bogus, [1])
-    receivers[0].fetch(handle, [1])                          # the real one still works
+    with pytest.raises(LeaseExpiredError, match="single-use"):  # tried once here, even if
+        receivers[0].fetch(handle, [1])                          # that try failed
+    receivers[1].fetch(handle, [1])                          # elsewhere it still works
     assert sender.wait_state(lambda s: s["leases"] == 0)["used"] == 0
 
 
+def test_replayed_handle_never_reads_another_requests_kv(sender, receivers):
+    """A handle is single-use: after its READ freed the blocks and a new prefill reused
+    them, replaying it (on the same receiver or another one) is refused, not answered with
+    the new request's KV."""
+    first = sender.ask("export", [5, 2, 9], 10, 30.0)
+    receivers[0].fetch(decode(first, KEY), [0, 7, 3])
+    sender.wait_state(lambda s: s["leases"] == 0)            # the notif freed the blocks
+    second = sender.ask("reuse", [5, 2, 9], 10, 30.0)        # another request got them
+    fresh = NixlEndpoint("gen-fresh", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
+    try:
+        for endpoint in (receivers[0], fresh):
+            with pytest.raises(LeaseExpiredError, match="already fetched"):
+                endpoint.fetch(decode(first, KEY), [1, 4, 6])
+        fresh.fetch(decode(second, KEY), [1, 4, 6])          # the new owner's handle works
+        assert (fresh.pool[[1, 4, 6]] == REUSED).all()
+    finally:
+        fresh.close()
+    state = sender.wait_state(lambda s: s["leases"] == 0)
+    assert state["used"] == 0 and not state["errors"]
+
+
 def test_lease_expiry_reclaims_unfetched_blocks(sender, receivers):
-    handle = decode(sender.ask("export", [0, 11], 5, 0.3))
+    handle = decode(sender.ask("export", [0, 11], 5, 0.3), KEY)
     state = sender.wait_state(lambda s: s["expired"] >= 1)
     assert state["expired"] == 1 and state["used"] == 0 and state["leases"] == 0
     assert not state["errors"]
@@ -231,7 +260,7 @@ def test_host_staging_round_trip_across_processes():
     try:
         raw, state = peer.out.get(timeout=WAIT_S)
         assert state["used"] == 0                            # freed right after staging
-        handle = decode(raw)
+        handle = decode(raw, KEY)
         assert os.path.exists(f"/dev/shm/{handle.shm_name}")
         pool = np.zeros((10, L, 2, 4, KVH, HD), np.float32)   # 4 tokens per block, fp32
         reader = StagingReader()
@@ -276,28 +305,35 @@ def test_host_staging_full_expiry_and_too_large():
 def _handle(**overrides) -> KVHandle:
     fields = dict(fingerprint=FP, geometry=BlockGeometry(L, KVH, HD, 4, "float32"),
                   num_tokens=5, strategy="host_memory", lease_id="ab12",
-                  lease_deadline=time.time() + 5, shm_name="tdkv_x", slots=(0, 1))
+                  lease_deadline=time.time() + 5, shm_name="triton_disagg_kv_x",
+                  slots=(0, 1))
     return KVHandle(**{**fields, **overrides})
+
+
+def sign(body: bytes) -> bytes:
+    """``body`` with the tag the context side appends: a handle this deployment made."""
+    return body + hmac.new(KEY, body, hashlib.sha256).digest()
 
 
 def test_handle_round_trip_and_clear_errors():
     nixl = _handle(strategy="direct_transfer", agent_name="ctx-1", agent_metadata=b"\x00md\xff",
-                   block_addrs=(4096, 8192), shm_name="", slots=())
+                   pool_addr=4096, ticket_addr=8192, ticket=7, block_ids=(3, 0), shm_name="",
+                   slots=())
     for h in (_handle(), nixl):
-        assert decode(encode(h)) == h and decode(to_tensor(h)) == h
-    good = encode(_handle())
+        assert decode(encode(h, KEY), KEY) == h and decode(to_tensor(h, KEY), KEY) == h
+    good = encode(_handle(), KEY)
     with pytest.raises(HandleError, match="not a KV handle"):
-        decode(b"garbage")
+        decode(b"garbage", KEY)
     with pytest.raises(HandleError, match="not a KV handle"):
-        decode(np.zeros(0, np.uint8))
+        decode(np.zeros(0, np.uint8), KEY)
     with pytest.raises(HandleError, match=f"version {FORMAT_VERSION + 1}.*reads version"):
-        decode(good[:4] + (FORMAT_VERSION + 1).to_bytes(2, "big") + good[6:])
+        decode(good[:4] + (FORMAT_VERSION + 1).to_bytes(2, "big") + good[6:], KEY)
     with pytest.raises(HandleError, match="truncated"):
-        decode(good[:20])
+        decode(sign(good[:20]), KEY)
     with pytest.raises(HandleError, match="corrupt"):
-        decode(good.replace(b'"num_tokens": 5', b'"num_tokens": 0'))
+        decode(sign(good[:-32].replace(b'"num_tokens":5', b'"num_tokens":0')), KEY)
     with pytest.raises(HandleError, match="UINT8"):
-        decode(np.zeros(4, np.int32))
+        decode(np.zeros(4, np.int32), KEY)
     with pytest.raises(HandleError, match="same engine"):
         check_handle(_handle(), "e" * 64, BlockGeometry(L, KVH, HD, 16, "float16"))
     with pytest.raises(HandleError, match="layers, KV heads"):

@@ -3,13 +3,15 @@
 `serve all` with each KV strategy, and the three roles as separate servers
 (the scheduler dials context and generation over gRPC). Greedy output equals
 the offline engine; cancelled, expired and refused handoffs leave the pools at
-zero blocks used.
+zero blocks used; a replayed, tampered or garbage handle is that request's error.
+Every server here gets one TRITON_DISAGG_KV_SECRET, so the tests can sign handles.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,6 +21,17 @@ import serving
 from serving import PROMPTS
 
 LEASE_SECONDS = 5
+SECRET = "test-deployment-secret-" + "5" * 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_secret():
+    """The deployment secret, in the environment every `serve` of this module inherits."""
+    from triton_disagg.kv.secret import SECRET_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SECRET_ENV, SECRET)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +125,9 @@ def test_unfetched_handoff_expires_and_foreign_handle_is_refused(server):
     with grpcclient.InferenceServerClient(server.grpc) as client:
         inputs = serving.orchestrator_inputs(list(range(3, 40)), 8)[:3]
         result = client.infer("context", inputs, parameters={"request_type": "context_only"})
-    handle = kvhandle.decode(result.as_numpy("context_phase_params")[0])
+    handle = kvhandle.decode(result.as_numpy("context_phase_params")[0], SECRET.encode())
     assert handle.num_tokens == 37
-    foreign = kvhandle.encode(dataclasses.replace(handle, fingerprint="0" * 64))
+    foreign = kvhandle.encode(dataclasses.replace(handle, fingerprint="0" * 64), SECRET.encode())
     with pytest.raises(RuntimeError, match="engine"):
         _generation_only(server, list(range(3, 40)) + [int(result.as_numpy("output_ids")[0, 0, 0])],
                          foreign)
@@ -123,6 +136,35 @@ def test_unfetched_handoff_expires_and_foreign_handle_is_refused(server):
     while not sum(_gauges(server, "disagg_kv_leases_expired_total").values()):
         assert time.monotonic() < deadline, "the expired lease was not counted"
         time.sleep(0.25)
+
+
+def test_handle_is_single_use_and_checked_before_use(server, offline):
+    """Replaying a fetched handle, tampering with one, or sending garbage fails that request
+    with a one-line reason; the server keeps serving and the secret stays private."""
+    import tritonclient.grpc as grpcclient
+
+    ids = list(range(3, 40))
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        result = client.infer("context", serving.orchestrator_inputs(ids, 8)[:3],
+                              parameters={"request_type": "context_only"})
+    raw = result.as_numpy("context_phase_params")[0].tobytes()
+    ids.append(int(result.as_numpy("output_ids")[0, 0, 0]))
+    assert _generation_only(server, ids, raw).as_numpy("output_ids").size
+    time.sleep(0.5)                                      # the context side saw the READ
+    with pytest.raises(RuntimeError, match="already fetched"):
+        _generation_only(server, ids, raw)
+    deep = b"TDKV" + (2).to_bytes(2, "big") + (60_000).to_bytes(4, "big") + b"[" * 60_000
+    for bad in (raw.replace(b'"num_tokens":37', b'"num_tokens":36'), raw[:-32], deep):
+        with pytest.raises(RuntimeError, match="not signed by this deployment"):
+            _generation_only(server, ids, bad)
+    status, body = serving.generate(server.http, {"text_input": PROMPTS[0], "max_tokens": 8})
+    assert status == 200 and body["text_output"] == offline(PROMPTS[0], 8), body
+    _wait_pools_empty(server)
+    for model in ("context", "generation"):
+        with urllib.request.urlopen(f"{server.http}/v2/models/{model}/config") as resp:
+            config = resp.read()
+        assert b"kv_key_id" in config and SECRET.encode() not in config
+    assert SECRET not in server.server_log()
 
 
 def _generation_only(served, ids, handle_bytes):

@@ -1,22 +1,32 @@
-"""``context_phase_params``: the opaque, versioned handle naming a KV handoff.
+"""``context_phase_params``: the opaque, versioned, signed handle naming a KV handoff.
 
 The context model returns it as ``UINT8 [-1]``; the generation model takes it back
-unchanged. Wire format (version 1)::
+unchanged. Wire format (version 2)::
 
     b"TDKV" | uint16 format version | uint32 header length | header JSON | agent metadata
+            | HMAC-SHA256 tag (32 bytes) over every byte before it
 
 The header JSON holds every :class:`KVHandle` field except ``agent_metadata`` (the
-NIXL agent's raw metadata bytes), which follows it verbatim.
+NIXL agent's raw metadata bytes), which follows it verbatim. The tag is keyed by the
+deployment secret (:mod:`triton_disagg.kv.secret`), so only a context server of this
+deployment can make a handle that a generation server of it accepts.
 
-Invariants: ``decode(encode(h)) == h``; :func:`decode` either returns a handle whose
-fields are all valid or raises :class:`HandleError`, never anything else; a handle is
-only honoured by a generation engine with the same fingerprint (:func:`check_handle`).
+Invariants: ``decode(encode(h, key), key) == h``; :func:`decode` either returns a handle
+whose fields are all valid or raises :class:`HandleError`, never anything else, and it
+reads nothing but the prefix before the tag checks out (no JSON parse, no agent metadata
+reaches NIXL, no ``shm_name`` reaches the file system unsigned); a handle is at most
+``MAX_HANDLE_BYTES``; ``shm_name`` is a plain name in ``/dev/shm`` (``SHM_NAME``); a
+handle is only honoured by a generation engine with the same fingerprint
+(:func:`check_handle`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
+import re
 import struct
 from dataclasses import dataclass
 from typing import Union
@@ -26,24 +36,33 @@ import numpy as np
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import BlockGeometry
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MAX_HANDLE_BYTES = 64 * 1024
 STRATEGIES = ("direct_transfer", "host_memory")
+SHM_NAME = re.compile(r"[A-Za-z0-9_-]{1,255}")  # the staging area's own names (triton_disagg.shm)
 _MAGIC = b"TDKV"
 _PREFIX = struct.Struct(">4sHI")  # magic, format version, header JSON length
+_TAG_BYTES = hashlib.sha256().digest_size
+_INTS = ("block_ids", "slots")    # header lists of non-negative ints
+_TYPES = {"fingerprint": str, "geometry": dict, "num_tokens": int, "strategy": str,
+          "lease_id": str, "lease_deadline": (int, float), "agent_name": str, "pool_addr": int,
+          "ticket_addr": int, "ticket": int, "block_ids": list, "shm_name": str, "slots": list}
 
 
 class HandleError(UserError):
-    """A ``context_phase_params`` that is garbage, from another version, or another engine."""
+    """A ``context_phase_params`` that is garbage, unsigned, from another version or engine."""
 
 
 @dataclass(frozen=True)
 class KVHandle:
     """Where the KV of one prefilled sequence lives and how to fetch it before the deadline.
 
-    ``direct_transfer`` fills ``agent_name``, ``agent_metadata`` and ``block_addrs`` (one
-    address per block, in token order, each ``geometry.block_nbytes`` long);
-    ``host_memory`` fills ``shm_name`` and ``slots`` (one staging slot per block, in token
-    order).
+    ``direct_transfer`` fills ``agent_name``, ``agent_metadata``, ``pool_addr`` (the
+    sender's pool, block ``i`` at ``pool_addr + i * geometry.block_nbytes``),
+    ``block_ids`` (token order), ``ticket_addr`` (the sender's int64 ticket words, block
+    ``i``'s at ``ticket_addr + 8 * i``) and ``ticket`` (the value every one of those words
+    holds until the blocks are freed). ``host_memory`` fills ``shm_name`` and ``slots``
+    (one staging slot per block, in token order).
     """
 
     fingerprint: str              # engine fingerprint of the context model
@@ -54,7 +73,10 @@ class KVHandle:
     lease_deadline: float         # wall clock (time.time()); blocks may be reclaimed after it
     agent_name: str = ""
     agent_metadata: bytes = b""
-    block_addrs: tuple[int, ...] = ()
+    pool_addr: int = 0
+    ticket_addr: int = 0
+    ticket: int = 0
+    block_ids: tuple[int, ...] = ()
     shm_name: str = ""
     slots: tuple[int, ...] = ()
 
@@ -65,17 +87,21 @@ class KVHandle:
             raise ValueError(f"num_tokens must be a positive integer, got {self.num_tokens!r}")
         if not self.lease_id or not isinstance(self.lease_deadline, (int, float)):
             raise ValueError("a handle needs a lease id and a numeric lease deadline")
+        blocks = self.geometry.blocks_for(self.num_tokens)
         if self.strategy == "direct_transfer":
             if not self.agent_name or not self.agent_metadata:
                 raise ValueError("direct_transfer handle needs the NIXL agent name and metadata")
-            if len(self.block_addrs) != self.geometry.blocks_for(self.num_tokens):
-                raise ValueError(
-                    f"{self.num_tokens} tokens need {self.geometry.blocks_for(self.num_tokens)} "
-                    f"block addresses, got {len(self.block_addrs)}")
-        elif not self.shm_name or len(self.slots) != self.geometry.blocks_for(self.num_tokens) \
-                or min(self.slots) < 0:
-            raise ValueError("host_memory handle needs a shared-memory name and one staging "
-                             "slot per block")
+            if not (self.pool_addr > 0 and self.ticket_addr > 0 and self.ticket > 0):
+                raise ValueError("direct_transfer handle needs pool and ticket addresses and a "
+                                 "ticket")
+            if len(self.block_ids) != blocks or min(self.block_ids) < 0:
+                raise ValueError(f"{self.num_tokens} tokens need {blocks} block ids, got "
+                                 f"{self.block_ids}")
+        elif not SHM_NAME.fullmatch(self.shm_name):
+            raise ValueError(f"shm_name {self.shm_name!r} is not a staging area name (letters, "
+                             f"digits, '_' and '-' only)")
+        elif len(self.slots) != blocks or min(self.slots) < 0:
+            raise ValueError("host_memory handle needs one staging slot per block")
         else:
             int(self.lease_id, 16)  # host_memory lease ids are the slots' hex ticket
 
@@ -88,29 +114,38 @@ class TransferStats:
     seconds: float
 
 
-def encode(handle: KVHandle) -> bytes:
-    """Serialise a handle to the wire format."""
+def encode(handle: KVHandle, key: bytes) -> bytes:
+    """Serialise and sign a handle; :class:`HandleError` if it exceeds ``MAX_HANDLE_BYTES``."""
     fields = dataclasses.asdict(handle)
     metadata = fields.pop("agent_metadata")
-    fields["block_addrs"] = list(fields["block_addrs"])
-    fields["slots"] = list(fields["slots"])
-    header = json.dumps(fields, sort_keys=True).encode()
-    return _PREFIX.pack(_MAGIC, FORMAT_VERSION, len(header)) + header + metadata
+    for name in _INTS:
+        fields[name] = list(fields[name])
+    header = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    body = _PREFIX.pack(_MAGIC, FORMAT_VERSION, len(header)) + header + metadata
+    if len(body) + _TAG_BYTES > MAX_HANDLE_BYTES:
+        raise HandleError(f"the KV handle for {handle.num_tokens} tokens would be "
+                          f"{len(body) + _TAG_BYTES} bytes, over the {MAX_HANDLE_BYTES}-byte "
+                          f"limit; raise tokens_per_block")
+    return body + _tag(key, body)
 
 
-def to_tensor(handle: KVHandle) -> np.ndarray:
-    """The handle as the ``context_phase_params`` output tensor: ``UINT8 [-1]``."""
-    return np.frombuffer(encode(handle), dtype=np.uint8).copy()
+def to_tensor(handle: KVHandle, key: bytes) -> np.ndarray:
+    """The signed handle as the ``context_phase_params`` output tensor: ``UINT8 [-1]``."""
+    return np.frombuffer(encode(handle, key), dtype=np.uint8).copy()
 
 
-def decode(data: Union[bytes, bytearray, np.ndarray]) -> KVHandle:
-    """Parse a handle from bytes or a ``UINT8`` tensor; :class:`HandleError` on anything wrong."""
+def decode(data: Union[bytes, bytearray, np.ndarray], key: bytes) -> KVHandle:
+    """Check and parse a handle from bytes or a ``UINT8`` tensor; :class:`HandleError` on
+    anything wrong, including a missing or bad tag, before any of it is parsed."""
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8:
             raise HandleError(f"context_phase_params must be UINT8, got {data.dtype.name}")
         data = data.tobytes()
     if not isinstance(data, (bytes, bytearray)):
         raise HandleError(f"context_phase_params must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_HANDLE_BYTES:
+        raise HandleError(f"context_phase_params is {len(data)} bytes, larger than the "
+                          f"{MAX_HANDLE_BYTES} a KV handle may be")
     data = bytes(data)
     if len(data) < _PREFIX.size or data[:4] != _MAGIC:
         raise HandleError(
@@ -122,18 +157,40 @@ def decode(data: Union[bytes, bytearray, np.ndarray]) -> KVHandle:
             f"context_phase_params has handle format version {version}, this server reads "
             f"version {FORMAT_VERSION}; run the same triton-disagg version on context and "
             f"generation servers")
+    body, tag = data[:-_TAG_BYTES], data[-_TAG_BYTES:]
+    if len(body) < _PREFIX.size or not hmac.compare_digest(tag, _tag(key, body)):
+        raise HandleError(
+            "context_phase_params: not signed by this deployment (missing or bad HMAC tag); "
+            "pass the context model's output unchanged, and give the context and generation "
+            "servers the same TRITON_DISAGG_KV_SECRET")
     header_end = _PREFIX.size + header_len
-    if header_end > len(data):
+    if header_end > len(body):
         raise HandleError(f"context_phase_params is truncated: header needs {header_end} bytes, "
-                          f"got {len(data)}")
+                          f"got {len(body)}")
     try:
-        fields = json.loads(data[_PREFIX.size:header_end])
-        fields["geometry"] = BlockGeometry(**fields["geometry"])
-        fields["block_addrs"] = tuple(int(a) for a in fields["block_addrs"])
-        fields["slots"] = tuple(int(a) for a in fields["slots"])
-        return KVHandle(agent_metadata=data[header_end:], **fields)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise HandleError(f"context_phase_params is corrupt: {exc}") from exc
+        fields = _fields(json.loads(body[_PREFIX.size:header_end]))
+        return KVHandle(agent_metadata=body[header_end:], **fields)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        raise HandleError(f"context_phase_params is corrupt: {exc}") from None
+
+
+def _tag(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()
+
+
+def _fields(raw: object) -> dict:
+    """The header's fields, type-checked, as :class:`KVHandle` keyword arguments."""
+    if not isinstance(raw, dict) or set(raw) != set(_TYPES):
+        raise ValueError(f"header fields must be {sorted(_TYPES)}")
+    for name, kind in _TYPES.items():
+        if not isinstance(raw[name], kind) or isinstance(raw[name], bool):
+            raise ValueError(f"header field {name} has the wrong type")
+    for name in _INTS:
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in raw[name]):
+            raise ValueError(f"header field {name} must list integers")
+        raw[name] = tuple(raw[name])
+    raw["geometry"] = BlockGeometry(**raw["geometry"])
+    return raw
 
 
 def check_handle(handle: KVHandle, fingerprint: str, geometry: BlockGeometry) -> None:

@@ -4,9 +4,10 @@
   ``kv_cache.max_size`` and the side's ``tokens_per_block`` / ``kv_dtype``; refused
   (one line) when that pool cannot hold one ``max_seq_len`` sequence.
 - :class:`Sender` (context): turns prefilled blocks into a ``context_phase_params``
-  handle. ``direct_transfer`` leases the blocks to a NIXL reader (freed on its
-  notification or at lease expiry); ``host_memory`` copies them into a
-  shared-memory slot and frees them at once.
+  handle signed with the deployment key (:mod:`triton_disagg.kv.secret`), which
+  the receiver checks before it reads anything else. ``direct_transfer`` leases
+  the blocks to a NIXL reader (freed on its notification or at lease expiry);
+  ``host_memory`` copies them into a shared-memory slot and frees them at once.
 - :class:`Receiver` (generation): fetches a handle's KV into the first blocks of a
   sequence's reservation in its own pool, converting the layout when the sides differ.
 
@@ -25,6 +26,7 @@ from typing import Any, Sequence
 from triton_disagg.kv import handle as kvhandle
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry
+from triton_disagg.kv.secret import load_key
 
 STAGING_RETRY_SECONDS = 0.005
 
@@ -45,14 +47,12 @@ class Sender:
     def __init__(self, engine: Any, settings: dict, instance: str, lock: threading.Lock):
         self.engine, self.lock = engine, lock
         self.strategy, self.ttl = settings["kv_strategy"], settings["kv_lease_seconds"]
-        self.fingerprint = engine.spec.fingerprint
+        self.fingerprint, self.key = engine.spec.fingerprint, load_key(settings)
         pool = engine.pool
         if self.strategy == "direct_transfer":
-            from triton_disagg.kv.leases import LeaseTable
             from triton_disagg.kv.nixl_transfer import NixlEndpoint
 
-            self.leases = LeaseTable(self.free)
-            self.endpoint = NixlEndpoint(f"context-{instance}", pool.array, self.leases)
+            self.endpoint = NixlEndpoint(f"context-{instance}", pool.array, self.free)
         else:
             from triton_disagg.kv.host_staging import HostStaging
 
@@ -71,12 +71,16 @@ class Sender:
             except ValueError:        # refused before the lease took the blocks
                 self.free(block_ids)
                 raise
-        else:
             try:
-                handle = self._stage_when_a_slot_frees(block_ids, num_tokens)
-            finally:
-                self.free(block_ids)
-        return kvhandle.encode(handle)
+                return kvhandle.encode(handle, self.key)
+            except kvhandle.HandleError:  # too large to hand out: give the blocks back now
+                self.endpoint.leases.release(handle.lease_id)
+                raise
+        try:
+            handle = self._stage_when_a_slot_frees(block_ids, num_tokens)
+        finally:
+            self.free(block_ids)
+        return kvhandle.encode(handle, self.key)  # too large: its slots expire with the lease
 
     def _stage_when_a_slot_frees(self, block_ids: Sequence[int], num_tokens: int) -> KVHandle:
         """Copy the blocks into a staging slot. A full staging area is back-pressure, not an
@@ -98,7 +102,7 @@ class Sender:
 
     def expired_total(self) -> int:
         if self.strategy == "direct_transfer":
-            return self.leases.expired_total
+            return self.endpoint.leases.expired_total
         self.staging.reap()
         return self.staging.expired_total
 
@@ -110,6 +114,7 @@ class Receiver:
     def __init__(self, engine: Any, settings: dict, instance: str):
         self.engine, self.strategy = engine, settings["kv_strategy"]
         self.geometry: BlockGeometry = engine.pool.geometry
+        self.key = load_key(settings)
         if self.strategy == "direct_transfer":
             from triton_disagg.kv.nixl_transfer import NixlEndpoint
 
@@ -120,7 +125,7 @@ class Receiver:
             self.reader = StagingReader()
 
     def decode(self, data: bytes) -> KVHandle:
-        handle = kvhandle.decode(data)
+        handle = kvhandle.decode(data, self.key)
         kvhandle.check_handle(handle, self.engine.spec.fingerprint, self.geometry)
         if handle.strategy != self.strategy:
             raise kvhandle.HandleError(

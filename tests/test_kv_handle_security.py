@@ -1,0 +1,117 @@
+"""``context_phase_params`` comes from the network: a handle that was not signed by this
+deployment, names a path outside the staging area, or is huge or deeply nested is a
+:class:`HandleError` (a per-request error), never anything else; the secret that signs
+handles is shared by one deployment's models and never written into its repository."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import struct
+import time
+
+import pytest
+
+from triton_disagg.config import parse_config
+from triton_disagg.errors import UserError
+from triton_disagg.kv import secret
+from triton_disagg.kv.handle import FORMAT_VERSION, HandleError, KVHandle, decode, encode
+from triton_disagg.kv.layout import BlockGeometry
+from triton_disagg.launch.render import render, settings
+
+FP = "f" * 64
+KEY = b"k" * 32
+
+
+def _staged(**overrides) -> KVHandle:
+    fields = dict(fingerprint=FP, geometry=BlockGeometry(2, 2, 4, 4, "float32"), num_tokens=5,
+                  strategy="host_memory", lease_id="ab12", lease_deadline=time.time() + 5,
+                  shm_name="triton_disagg_kv_1-23-45_context_0_0_0a1b2c3d", slots=(0, 1))
+    return KVHandle(**{**fields, **overrides})
+
+
+def _direct(**overrides) -> KVHandle:
+    fields = dict(strategy="direct_transfer", agent_name="ctx-1", agent_metadata=b"\x00md",
+                  pool_addr=4096, ticket_addr=8192, ticket=7, block_ids=(3, 1), shm_name="",
+                  slots=())
+    return _staged(**{**fields, **overrides})
+
+
+def _signed(header: bytes, tail: bytes = b"", key: bytes = KEY) -> bytes:
+    """A handle made of ``header`` as if a context server holding ``key`` had signed it."""
+    body = struct.pack(">4sHI", b"TDKV", FORMAT_VERSION, len(header)) + header + tail
+    return body + hmac.new(key, body, hashlib.sha256).digest()
+
+
+def test_tampered_or_unsigned_handle_is_not_signed_by_this_deployment():
+    good = encode(_direct(), KEY)
+    assert decode(good, KEY) == _direct(lease_deadline=decode(good, KEY).lease_deadline)
+    forged = encode(_direct(pool_addr=1 << 40), b"x" * 32)          # another deployment's key
+    for bad in (good.replace(b'"pool_addr":4096', b'"pool_addr":4097'), good[:-32],
+                good[:-1] + bytes([good[-1] ^ 1]), forged):
+        with pytest.raises(HandleError, match="not signed by this deployment"):
+            decode(bad, KEY)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "triton_disagg_kv_x/../../tmp/y", "..",
+                                  "a/b", "kv x", "", "kv\x00", "x" * 256])
+def test_shm_name_outside_the_staging_area_is_refused(name):
+    fields = dataclasses.asdict(_staged())
+    del fields["agent_metadata"]
+    fields["shm_name"] = name
+    with pytest.raises(HandleError, match="shm_name"):     # even when signed
+        decode(_signed(json.dumps(fields).encode()), KEY)
+    with pytest.raises(ValueError, match="shm_name"):
+        _staged(shm_name=name)
+
+
+def test_deeply_nested_header_is_a_handle_error_signed_or_not():
+    header = b"[" * 30_000 + b"]" * 30_000
+    with pytest.raises(HandleError, match="not signed"):
+        decode(_signed(header, key=b"x" * 32), KEY)
+    with pytest.raises(HandleError, match="corrupt"):
+        decode(_signed(header), KEY)
+
+
+def test_huge_handle_is_refused_before_parsing():
+    with pytest.raises(HandleError, match="larger than"):
+        decode(_signed(b"{}", b"m" * (1 << 20)), KEY)
+    with pytest.raises(HandleError, match="over the 65536-byte limit"):
+        encode(_direct(agent_metadata=b"m" * (64 << 10)), KEY)
+
+
+@pytest.mark.parametrize("change", [
+    {"geometry": [1, 2]}, {"num_tokens": True}, {"block_ids": ["1", 2]}, {"extra": 1},
+    {"lease_deadline": "soon"}, {"ticket": 0}])
+def test_wrong_fields_in_a_signed_header_are_handle_errors(change):
+    fields = dataclasses.asdict(_direct())
+    del fields["agent_metadata"]
+    with pytest.raises(HandleError, match="corrupt"):
+        decode(_signed(json.dumps({**fields, **change}).encode(), b"md"), KEY)
+
+
+def test_secret_comes_from_the_environment_and_stays_out_of_the_repository(
+        monkeypatch, tmp_path):
+    (tmp_path / "engine.json").write_text("{}")
+    config = parse_config({"model": {"engine": str(tmp_path)},
+                           "kv_cache": {"strategy": "direct_transfer"}})
+    monkeypatch.setenv(secret.SECRET_ENV, "x" * 32)    # so that teardown restores the original
+    monkeypatch.delenv(secret.SECRET_ENV)
+    repo = render("all", config, tmp_path / "repo")                  # generates one
+    generated = os.environ[secret.SECRET_ENV]
+    ids = {settings(m, "all", config)["kv_key_id"] for m in ("context", "generation")}
+    assert ids == {secret.key_id(generated.encode())} and len(generated) == 64
+    rendered = "".join(p.read_text() for p in repo.rglob("config.pbtxt"))
+    assert generated not in rendered and next(iter(ids)) in rendered
+    assert secret.load_key(settings("generation", "all", config)) == generated.encode()
+    monkeypatch.setenv(secret.SECRET_ENV, "s" * 40)                  # shared by separate roles
+    assert settings("generation", "generation", config)["kv_key_id"] == \
+        settings("context", "context", config)["kv_key_id"]
+    with pytest.raises(UserError, match="not the secret this model repository was rendered"):
+        secret.load_key({"kv_key_id": next(iter(ids))})
+    monkeypatch.setenv(secret.SECRET_ENV, "short")
+    with pytest.raises(UserError, match="at least 32"):
+        settings("context", "context", config)
