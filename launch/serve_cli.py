@@ -49,6 +49,7 @@ def load(args: argparse.Namespace):
     from dataclasses import replace
 
     from triton_disagg.config import check_host, default_config, load_config
+    from triton_disagg.serving.capacity import check_kv_capacity
 
     if args.config is None:
         if args.engine is None:
@@ -68,6 +69,7 @@ def load(args: argparse.Namespace):
                                 f"it, e.g. `{role}_server: {{url: \"localhost:9001\"}}`")
     if args.role != "scheduler":
         check_host(config)
+        check_kv_capacity(config, None if args.role == "all" else (args.role,))
     return config
 
 

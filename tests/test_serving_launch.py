@@ -154,3 +154,19 @@ def test_serve_all_stops_without_a_stub_crash(demo_engine, tmp_path):
     assert "Fatal Python error" not in text, text[-3000:]
     for model in ("preprocessing", "orchestrator", "context", "generation", "postprocessing"):
         assert f"successfully unloaded '{model}'" in text, text[-3000:]
+
+
+def test_serve_refuses_a_kv_pool_too_small_for_one_sequence_before_triton_starts(demo_engine,
+                                                                                 tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "small.yaml"
+    config.write_text(f"model: {{engine: {demo_engine}}}\nkv_cache: {{max_size: 100KB}}\n")
+    out = subprocess.run([sys.executable, "-m", "triton_disagg.cli", "serve", "all", "-c",
+                          str(config), "--work-dir", str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "kv_cache.max_size" in out.stderr and "raise kv_cache.max_size" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "w" / "tritonserver.log").exists()
