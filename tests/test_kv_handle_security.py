@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import os
 import struct
 import time
 
@@ -93,25 +92,32 @@ def test_wrong_fields_in_a_signed_header_are_handle_errors(change):
         decode(_signed(json.dumps({**fields, **change}).encode(), b"md"), KEY)
 
 
-def test_secret_comes_from_the_environment_and_stays_out_of_the_repository(
+def test_one_secret_per_user_and_host_or_from_the_environment_never_in_the_repository(
         monkeypatch, tmp_path):
     (tmp_path / "engine.json").write_text("{}")
     config = parse_config({"model": {"engine": str(tmp_path)},
                            "kv_cache": {"strategy": "direct_transfer"}})
     monkeypatch.setenv(secret.SECRET_ENV, "x" * 32)    # so that teardown restores the original
     monkeypatch.delenv(secret.SECRET_ENV)
-    repo = render("all", config, tmp_path / "repo")                  # generates one
-    generated = os.environ[secret.SECRET_ENV]
-    ids = {settings(m, "all", config)["kv_key_id"] for m in ("context", "generation")}
-    assert ids == {secret.key_id(generated.encode())} and len(generated) == 64
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    repo = render("all", config, tmp_path / "repo")                  # creates the file
+    path = tmp_path / "cfg" / "triton-disagg" / "kv_secret"
+    generated = path.read_text().strip()
+    assert len(generated) == 64 and path.stat().st_mode & 0o777 == 0o600
+    ids = {settings(m, role, config)["kv_key_id"]                    # roles rendered apart agree
+           for m in ("context", "generation") for role in ("all", m)}
+    assert ids == {secret.key_id(generated.encode())}
     rendered = "".join(p.read_text() for p in repo.rglob("config.pbtxt"))
     assert generated not in rendered and next(iter(ids)) in rendered
     assert secret.load_key(settings("generation", "all", config)) == generated.encode()
-    monkeypatch.setenv(secret.SECRET_ENV, "s" * 40)                  # shared by separate roles
-    assert settings("generation", "generation", config)["kv_key_id"] == \
-        settings("context", "context", config)["kv_key_id"]
-    with pytest.raises(UserError, match="not the secret this model repository was rendered"):
+    monkeypatch.setenv(secret.SECRET_ENV, "s" * 40)                  # the variable wins
+    assert settings("context", "context", config)["kv_key_id"] == secret.key_id(b"s" * 40)
+    with pytest.raises(UserError, match="not the one this model repository was rendered"):
         secret.load_key({"kv_key_id": next(iter(ids))})
     monkeypatch.setenv(secret.SECRET_ENV, "short")
     with pytest.raises(UserError, match="at least 32"):
+        settings("context", "context", config)
+    monkeypatch.delenv(secret.SECRET_ENV)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "engine.json"))  # not a directory
+    with pytest.raises(UserError, match=f"cannot keep the KV secret.*set {secret.SECRET_ENV}"):
         settings("context", "context", config)
