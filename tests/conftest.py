@@ -71,9 +71,14 @@ _SHM_SINCE = pytest.StashKey[float]()
 
 
 def pytest_configure(config):
+    import os
+    import tempfile
     import time
 
     config.stash[_SHM_SINCE] = time.time()
+    # The KV secret file the servers share (triton_disagg.kv.secret) goes in a folder of
+    # this run, inherited by every server it starts, not in the user's ~/.config.
+    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="triton-disagg-tests-config-")
 
 
 def pytest_sessionfinish(session):
