@@ -81,6 +81,13 @@ def pytest_configure(config):
     os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="triton-disagg-tests-config-")
 
 
+def pytest_unconfigure(config):
+    import os
+    import shutil
+
+    shutil.rmtree(os.environ.pop("XDG_CONFIG_HOME", ""), ignore_errors=True)
+
+
 def pytest_sessionfinish(session):
     """Fail the run when it left anything of the project's in /dev/shm (a staging area or
     a Triton region that outlived its server fills the tmpfs until stubs die of SIGBUS);
