@@ -65,6 +65,16 @@ def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics
 
 
 @contextlib.contextmanager
+def serve_config(config_text: str, work_dir: Path):
+    """`serve all -c` a disagg_config.yaml written from ``config_text`` into ``work_dir``."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    config = work_dir / "disagg_config.yaml"
+    config.write_text(config_text)
+    with serve("all", ["-c", str(config)], work_dir / "run") as served:
+        yield served
+
+
+@contextlib.contextmanager
 def serve_command(cmd: list[str], work_dir: Path, http: str | None, grpc: str,
                   metrics: str | None = None, cwd: Path | None = None):
     """Run a `serve` command line as given (it serves at the URLs given here and writes

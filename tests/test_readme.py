@@ -48,9 +48,8 @@ def test_readme_python_examples_print_the_offline_text(demo_engine, tmp_path):
     expected = serving.offline_text(demo_engine)(PROMPT, MAX_TOKENS)
     with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "run") as served:
         _run_snippets([code for code in snippets if not _plain_infer(code)], served, expected)
-    config = tmp_path / "nondecoupled.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n")
-    with serving.serve("all", ["-c", str(config)], tmp_path / "plain") as served:
+    with serving.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n",
+                              tmp_path / "plain") as served:
         _run_snippets(plain, served, expected)
 
 

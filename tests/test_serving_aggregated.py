@@ -27,11 +27,10 @@ def offline(demo_engine):
 
 @pytest.fixture(scope="module")
 def server(demo_engine, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-aggregated")
-    config = work / "disagg_config.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\nmode: aggregated\n"
-                      f"generation_server: {{instances: 1, stream_interval: 2}}\nkv_cache: {{max_size: 64MB}}\n")
-    with serving.serve("all", ["-c", str(config)], work / "run") as served:
+    with serving.serve_config(
+            f"model: {{engine: {demo_engine}}}\nmode: aggregated\n"
+            f"generation_server: {{instances: 1, stream_interval: 2}}\nkv_cache: {{max_size: 64MB}}\n",
+            tmp_path_factory.mktemp("serve-aggregated")) as served:
         yield served
 
 

@@ -32,11 +32,9 @@ def _inputs(module, text: str, stream: bool | None = None) -> list:
 
 @pytest.fixture(scope="module")
 def served(demo_engine, tmp_path_factory):
-    work = tmp_path_factory.mktemp("nondecoupled")
-    config = work / "disagg_config.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n"
-                      f"kv_cache: {{strategy: direct_transfer, max_size: 64MB}}\n")
-    with serving.serve("all", ["-c", str(config)], work / "run") as served:
+    with serving.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n"
+                              f"kv_cache: {{strategy: direct_transfer, max_size: 64MB}}\n",
+                              tmp_path_factory.mktemp("nondecoupled")) as served:
         yield served
 
 
