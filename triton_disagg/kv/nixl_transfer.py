@@ -51,6 +51,7 @@ from triton_disagg.kv.leases import LeaseExpiredError, LeaseTable
 from triton_disagg.kv.nixl_agent import Agent, TransferError
 
 NOTIF_PREFIX = b"tdkv-done:"
+LEASED_POLL_SECONDS = 0.0005   # watcher pace while a handoff is outstanding (see _watch)
 _TICKET = np.dtype(np.int64)
 _log = logging.getLogger(__name__)
 
@@ -124,12 +125,17 @@ class NixlEndpoint:
         self.leases.reap()
         return released
 
-    def _watch(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+    def _watch(self, idle_interval_s: float) -> None:
+        """Poll every ``LEASED_POLL_SECONDS`` while a lease is out, else every
+        ``idle_interval_s``: the agent runs without a progress thread, so a reader's READs
+        complete only as these polls progress it, and their pace is the handoff's latency."""
+        interval = idle_interval_s
+        while not self._stop.wait(interval):
             try:
                 self.poll()
             except Exception:  # noqa: BLE001 - keep watching; the next poll retries
                 _log.exception("KV lease watcher of %s", self.name)
+            interval = LEASED_POLL_SECONDS if len(self.leases) else idle_interval_s
 
     # ---- receiver -------------------------------------------------------------------
 
