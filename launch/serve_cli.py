@@ -3,7 +3,10 @@
 Renders the role's model repository into ``--work-dir``, starts tritonserver,
 waits until it is ready, prints the endpoints (and, for a role with the
 ensemble, a curl line), then runs until Ctrl-C / SIGTERM or until the server
-dies, and stops the server's whole process group on the way out.
+dies, and stops the server's whole process group on the way out. A model's stub
+process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops the
+server at once, so its clients get errors and probes fail, and starts it afresh
+(:mod:`.stub_watch`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from pathlib import Path
 
 from triton_disagg.errors import UserError
 
+from .stub_watch import Stub, first_dead, stubs_of
+
 ROLES = ("all", "context", "generation", "scheduler")
+MAX_RESTARTS = 5            # stub deaths survived by restarting the server, per serve run
+STUB_POLL_SECONDS = 0.5
 
 
 def register(subparsers) -> None:
@@ -42,6 +49,9 @@ def register(subparsers) -> None:
     p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for ready")
+    p.add_argument("--no-restart", action="store_true",
+                   help="exit 1 when a model's stub process dies, instead of restarting "
+                        "tritonserver (for a supervisor that restarts serve)")
     p.set_defaults(func=run)
 
 
@@ -74,14 +84,44 @@ def load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .deploy import PortFlags, endpoints_for, start
+    """Serve until Ctrl-C / SIGTERM. A stub process that dies restarts the whole server
+    (Triton 2.51 does not restart it and keeps reporting ready), up to ``MAX_RESTARTS``
+    times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
+    from .deploy import PortFlags, endpoints_for
 
     config = load(args)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port)
     endpoints = endpoints_for(args.role, config, flags)
-    work_dir = args.work_dir or Path("work") / args.role
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for restart in range(MAX_RESTARTS + 1):
+            dead = _serve_once(args, config, endpoints, stop, restart)
+            if not isinstance(dead, Stub):
+                return dead
+            print(f"triton-disagg serve {args.role}: the stub process of {dead.instance} (pid "
+                  f"{dead.pid}) died; Triton cannot restart it, so tritonserver was stopped "
+                  f"and its clients got errors", flush=True)
+            if args.no_restart:
+                return 1
+        print(f"triton-disagg serve {args.role}: {MAX_RESTARTS} restarts; giving up", flush=True)
+        return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) -> "int | Stub":
+    """Start tritonserver, announce it ready, watch it: returns serve's exit code, or the
+    stub that died (the server is stopped by then)."""
+    from .deploy import start
+
+    work_dir = args.work_dir or Path("work") / args.role
+    if restart:
+        kept = work_dir / f"tritonserver.{restart}.log"
+        (work_dir / "tritonserver.log").rename(kept)
+        print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
+              f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose)
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
@@ -95,18 +135,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
+        stubs = stubs_of(server.process.pid)
         _announce(args.role, config, endpoints, server)
-        while not stop.wait(0.5):
+        while not stop.wait(STUB_POLL_SECONDS):
             if server.process.poll() is not None:
                 print(f"tritonserver exited with code {server.process.returncode}:\n"
                       f"{server.log_tail()}", flush=True)
                 return 1
+            dead = first_dead(stubs)
+            if dead is not None:   # no graceful exit: it would hold streams for the exit timeout
+                server.stop(grace=0)
+                return dead
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
         server.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _announce(role: str, config, endpoints, server) -> None:
