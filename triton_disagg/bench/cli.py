@@ -8,6 +8,7 @@ from pathlib import Path
 
 from triton_disagg.bench.args import number_list
 from triton_disagg.bench.serve_cli import add_serve_parser
+from triton_disagg.bench.soak_cli import add_soak_parser
 from triton_disagg.errors import UserError
 
 
@@ -29,6 +30,7 @@ def register(subparsers) -> None:
                         help="markdown file whose engine section is replaced with the table")
     engine.set_defaults(func=_run_engine)
     add_serve_parser(kinds)
+    add_soak_parser(kinds)
 
 
 def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Path, Path]]:
