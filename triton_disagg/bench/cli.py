@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from triton_disagg.bench.args import number_list
+from triton_disagg.bench.handoff import add_handoff_parser
 from triton_disagg.bench.serve_cli import add_serve_parser
 from triton_disagg.bench.soak_cli import add_soak_parser
 from triton_disagg.errors import UserError
@@ -30,6 +31,7 @@ def register(subparsers) -> None:
                         help="markdown file whose engine section is replaced with the table")
     engine.set_defaults(func=_run_engine)
     add_serve_parser(kinds)
+    add_handoff_parser(kinds)
     add_soak_parser(kinds)
 
 

@@ -1,0 +1,70 @@
+"""`bench handoff`'s table math, without a server: the p50 bucket from cumulative counts,
+histogram deltas between two scrapes, bandwidth and its share of memcpy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from triton_disagg.bench.handoff import Row, exact_prompt, histogram_delta, markdown, p50_bucket
+from triton_disagg.bench.serve_metrics import parse
+
+INF = float("inf")
+
+
+def test_p50_bucket_is_the_first_bound_reaching_half():
+    assert p50_bucket([(0.001, 3), (0.0025, 10), (0.005, 20), (INF, 20)]) == 0.0025
+    assert p50_bucket([(0.001, 10), (0.0025, 10), (INF, 20)]) == 0.001     # exactly half
+    assert p50_bucket([(0.001, 0), (0.0025, 1), (INF, 3)]) == INF          # most above every bound
+    assert p50_bucket([(0.001, 1), (INF, 1)]) == 0.001
+    with pytest.raises(ValueError):
+        p50_bucket([(0.001, 0), (INF, 0)])
+
+
+def _scrape(buckets: dict[str, int], total: float, other_instance: int = 0) -> dict:
+    lines = []
+    for le, count in buckets.items():
+        lines.append(f'disagg_kv_transfer_seconds_bucket{{instance="g_0",le="{le}",'
+                     f'role="generation",strategy="direct_transfer"}} {count}')
+        lines.append(f'disagg_kv_transfer_seconds_bucket{{instance="g_1",le="{le}",'
+                     f'role="generation",strategy="direct_transfer"}} {other_instance}')
+        lines.append(f'disagg_kv_transfer_seconds_bucket{{instance="g_0",le="{le}",'
+                     f'role="generation",strategy="host_memory"}} 99')
+    count = list(buckets.values())[-1]
+    lines += [f'disagg_kv_transfer_seconds_sum{{instance="g_0",role="generation",'
+              f'strategy="direct_transfer"}} {total}',
+              f'disagg_kv_transfer_seconds_count{{instance="g_0",role="generation",'
+              f'strategy="direct_transfer"}} {count}']
+    return parse("\n".join(lines))
+
+
+def test_histogram_delta_sums_instances_of_one_strategy_between_scrapes():
+    before = _scrape({"0.001": 1, "0.0025": 2, "+Inf": 2}, 0.003)
+    after = _scrape({"0.001": 3, "0.0025": 8, "+Inf": 10}, 0.033, other_instance=2)
+    cumulative, seconds, count = histogram_delta(before, after, "disagg_kv_transfer_seconds",
+                                                 strategy="direct_transfer")
+    assert cumulative == [(0.001, 4.0), (0.0025, 8.0), (INF, 10.0)]   # g_1 added 2 to each
+    assert seconds == pytest.approx(0.03) and count == 8
+    assert p50_bucket(cumulative) == 0.0025
+
+
+def test_bandwidth_and_share_of_memcpy():
+    row = Row("direct_transfer", 2000, 40, 0.0025, mean_s=0.002, bytes_per=8_192_000,
+              memcpy_gbps=8.192)
+    assert row.gbps == pytest.approx(4.096)         # 8.192 MB in 2 ms
+    assert row.of_memcpy == pytest.approx(0.5)
+    table = markdown([row], "engines/demo", [0, 1], 40)
+    assert ("| direct_transfer | 2000 | 40 | ≤ 2.5 ms | 2.00 ms | 8000 | 4.10 | 8.2 | 50% |"
+            in table)
+
+
+def test_exact_prompt_reencodes_to_the_length(tmp_path):
+    from triton_disagg.builders.demo import write_demo_tokenizer
+    from triton_disagg.engine.tokenizer import Tokenizer
+
+    write_demo_tokenizer(tmp_path)
+    tok, rng = Tokenizer(tmp_path), random.Random(0)
+    for n in (1, 2, 64, 2000):
+        for _ in range(8):
+            assert len(tok.encode(exact_prompt(tok, n, rng))) == n

@@ -1,0 +1,253 @@
+"""`triton-disagg bench handoff`: the KV handoff's latency and bandwidth per strategy and
+prompt length, from the server's own ``disagg_kv_transfer_seconds`` histogram.
+
+Per strategy: ``serve all`` of the engine (context and generation on different cores, as
+``bench serve`` places them), warm-up, then per prompt length ``--requests`` sequential
+``/generate`` requests of exactly that many prompt tokens (checked against the server's
+``num_input_tokens``), ``max_tokens`` 2, and the deltas of the histogram and of
+``disagg_kv_transfer_bytes_total`` read from ``/metrics``; beside them a single-thread
+numpy copy of the same byte count (the memcpy baseline). :func:`markdown` says what the
+figures include.
+
+Invariant: a row's figures are one server's counters between two scrapes around that
+row's requests only; p50 is a bucket bound of the histogram, never an interpolation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from triton_disagg.bench.args import number_list
+from triton_disagg.errors import UserError
+
+STRATEGIES = ("direct_transfer", "host_memory")
+WARMUP_REQUESTS = 5
+KV_MAX_SIZE = "64MB"     # per pool: the demo engine's 2,048-token sequence needs 8 MiB
+
+
+def add_handoff_parser(kinds) -> None:
+    p = kinds.add_parser(
+        "handoff", help="KV handoff latency and bandwidth per strategy, from the server's "
+                        "own histogram, against memcpy",
+        description="Sequential /generate requests of fixed prompt lengths against `serve all`, "
+                    "once per kv_cache.strategy; figures from disagg_kv_transfer_seconds.")
+    p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
+                                               "built under --work-dir)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--prompt-tokens", default="64,2000", help="comma-separated lengths")
+    p.add_argument("--requests", type=int, default=40, help="per length (default 40)")
+    p.add_argument("--cpus", help="cores to serve on, e.g. 0,1 (default: all usable)")
+    p.add_argument("--work-dir", type=Path, default=Path("work/bench"))
+    p.add_argument("--output", type=Path, help="markdown file whose handoff section is replaced")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class Row:
+    strategy: str
+    tokens: int
+    handoffs: int
+    p50_le: float              # seconds: the bucket bound where the cumulative share reaches 50%
+    mean_s: float
+    bytes_per: float
+    memcpy_gbps: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_per / self.mean_s / 1e9
+
+    @property
+    def of_memcpy(self) -> float:
+        return self.gbps / self.memcpy_gbps
+
+
+def p50_bucket(cumulative: Sequence[tuple[float, float]]) -> float:
+    """The first bound ``le`` whose cumulative count reaches half the total (the last
+    pair, ``+Inf``). ``cumulative``: ``(le, count <= le)`` in rising ``le``."""
+    total = cumulative[-1][1]
+    if total <= 0:
+        raise ValueError("no observations")
+    return next(le for le, count in cumulative if 2 * count >= total)
+
+
+def histogram_delta(before, after, name: str, **labels: str) -> tuple[list, float, float]:
+    """``(cumulative [(le, count)], sum, count)`` of histogram ``name`` between two
+    :func:`~triton_disagg.bench.serve_metrics.scrape` results, summed over the series
+    whose labels include ``labels``."""
+    from triton_disagg.bench.serve_metrics import delta
+
+    want, buckets = set(labels.items()), {}
+    for sign, samples in ((-1, before), (1, after)):
+        for key, value in samples.get(f"{name}_bucket", {}).items():
+            if want <= key:
+                le = float(dict(key)["le"])
+                buckets[le] = buckets.get(le, 0.0) + sign * value
+    return (sorted(buckets.items()), delta(before, after, f"{name}_sum", **labels),
+            delta(before, after, f"{name}_count", **labels))
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 50) -> float:
+    """Single-thread numpy copy of ``nbytes`` between two preallocated arrays, best of
+    ``repeats`` after two warm-up copies, in GB/s."""
+    import numpy as np
+
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        if i >= 2:
+            best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def exact_prompt(tokenizer, n: int, rng: random.Random) -> str:
+    """Text that ``tokenizer`` encodes to exactly ``n`` tokens: corpus text's token ids
+    cut to a prefix and decoded; the cut moves (nearest first), then the text changes,
+    until the decoded prefix re-encodes to ``n`` ids."""
+    from triton_disagg.clients.workload import make_prompt
+
+    for _ in range(20):
+        ids = tokenizer.encode(make_prompt(n * 2 + 16, rng))
+        cuts = range(max(1, n - 16), min(len(ids), n + 16) + 1)
+        for k in sorted(cuts, key=lambda k: abs(k - n)):
+            text = tokenizer.decode(ids[:k])
+            if len(tokenizer.encode(text)) == n:
+                return text
+    raise UserError(f"cannot build a prompt of exactly {n} tokens with this tokenizer")
+
+
+def _generate(http: str, text: str) -> int:
+    """POST one /generate (max_tokens 2); returns the server's num_input_tokens."""
+    body = json.dumps({"text_input": text, "max_tokens": 2, "return_num_input_tokens": True})
+    req = urllib.request.Request(f"{http}/v2/models/ensemble/generate", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        got = json.loads(resp.read())["num_input_tokens"]
+    return int(got[0] if isinstance(got, list) else got)
+
+
+@contextlib.contextmanager
+def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
+            ) -> Iterator[tuple[str, str]]:
+    """``serve all`` with ``strategy``; yields ``(http url, metrics url)``, stops on exit."""
+    from triton_disagg.bench.serve_servers import placement
+    from triton_disagg.config import check_host, parse_config
+    from triton_disagg.launch.deploy import free_ports, start
+    from triton_disagg.launch.tritonserver import Endpoints
+
+    config = parse_config({"model": {"engine": str(engine)}, **placement("disaggregated", cores),
+                           "kv_cache": {"strategy": strategy, "max_size": KV_MAX_SIZE}},
+                          source=f"bench handoff ({strategy})")
+    check_host(config)
+    http, grpc, metrics = free_ports(3)
+    server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / strategy)
+    try:
+        server.wait_ready(300.0)
+        yield f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}"
+    finally:
+        server.stop()
+
+
+def measure(strategy: str, engine: Path, cores, work_dir: Path, prompts: dict[int, list[str]],
+            say) -> list[Row]:
+    from triton_disagg.bench.serve_metrics import delta, scrape
+
+    rows = []
+    with serving(strategy, engine, cores, work_dir) as (http, metrics):
+        for texts in prompts.values():
+            for text in texts[:WARMUP_REQUESTS]:
+                _generate(http, text)
+        for tokens, texts in prompts.items():
+            before = scrape(metrics)
+            for text in texts[WARMUP_REQUESTS:]:
+                got = _generate(http, text)
+                if got != tokens:
+                    raise UserError(f"the server counted {got} prompt tokens, not {tokens}")
+            after = scrape(metrics)
+            cumulative, total_s, count = histogram_delta(
+                before, after, "disagg_kv_transfer_seconds", strategy=strategy)
+            nbytes = delta(before, after, "disagg_kv_transfer_bytes_total", strategy=strategy)
+            if count != len(texts) - WARMUP_REQUESTS:
+                raise UserError(f"{strategy}: {count:g} handoffs counted for "
+                                f"{len(texts) - WARMUP_REQUESTS} requests")
+            per = nbytes / count
+            rows.append(Row(strategy, tokens, int(count), p50_bucket(cumulative), total_s / count,
+                            per, memcpy_gbps(int(per))))
+            say(_row(rows[-1]))
+    return rows
+
+
+def _row(r: Row) -> str:
+    return (f"| {r.strategy} | {r.tokens} | {r.handoffs} | ≤ {r.p50_le * 1e3:g} ms "
+            f"| {r.mean_s * 1e3:.2f} ms | {r.bytes_per / 1024:.0f} | {r.gbps:.2f} "
+            f"| {r.memcpy_gbps:.1f} | {r.of_memcpy:.0%} |")
+
+
+def markdown(rows: Sequence[Row], engine: str, cores: Sequence[int], requests: int) -> str:
+    from triton_disagg.bench.serve_servers import placement
+
+    where = {role: ",".join(map(str, server["cpus"]))
+             for role, server in placement("disaggregated", cores).items()}
+    lines = [
+        f"`triton-disagg bench handoff`: `serve all` of `{engine}` (context on core(s) "
+        f"{where['context_server']}, generation on {where['generation_server']}), one "
+        f"client posting {requests} "
+        f"sequential HTTP `/generate` requests per prompt length (max_tokens 2) after "
+        f"{WARMUP_REQUESTS} warm-up requests per length. Figures are the deltas of the "
+        "server's own `disagg_kv_transfer_seconds` histogram and "
+        "`disagg_kv_transfer_bytes_total` around each length's requests: generation's "
+        "fetch only (direct_transfer: the NIXL READ of the blocks, then of their ticket "
+        "words, and any layout conversion; host_memory: the copy out of the staging "
+        "area), not the client, HTTP or the context's export. p50 is the histogram's "
+        "bucket bound where the cumulative share reaches 50%; mean = sum / count; "
+        "bandwidth = bytes per handoff / mean. memcpy: a single-thread numpy copy of the "
+        "same byte count between two preallocated arrays, best of 50 after warm-up.", "",
+        "| strategy | prompt tokens | handoffs | p50 (bucket) | mean | KiB / handoff "
+        "| GB/s | memcpy GB/s | % of memcpy |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(lines + [_row(r) for r in rows]) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from triton_disagg.bench.serve_cli import _engine
+    from triton_disagg.engine.tokenizer import Tokenizer
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if not strategies or set(strategies) - set(STRATEGIES):
+        raise UserError(f"--strategies: {args.strategies!r}; choose from {', '.join(STRATEGIES)}")
+    lengths = number_list(args.prompt_tokens, "--prompt-tokens", int)
+    if args.requests < 1:
+        raise UserError(f"--requests: {args.requests} must be >= 1")
+    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
+             else sorted(os.sched_getaffinity(0)))
+
+    def say(message: str) -> None:
+        print(f"[bench handoff] {message}", file=sys.stderr, flush=True)
+
+    engine = _engine(args, say)
+    tokenizer, rng = Tokenizer(engine), random.Random(0)
+    prompts = {n: [exact_prompt(tokenizer, n, rng) for _ in range(WARMUP_REQUESTS + args.requests)]
+               for n in lengths}
+    rows = [row for strategy in strategies
+            for row in measure(strategy, engine, cores, (args.work_dir / "handoff").resolve(),
+                               prompts, say)]
+    shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
+    body = markdown(rows, shown, cores, args.requests)
+    print(body)
+    if args.output:
+        from triton_disagg.bench.report import replace_section
+
+        replace_section(args.output, "handoff", "KV handoff latency and bandwidth", body)
+        say(f"section written to {args.output}")
+    return 0
