@@ -8,10 +8,14 @@ the model's ``initialize`` reads (engine path, CPU pinning per instance, KV
 settings, peer URLs).
 
 Roles: ``all`` (every model; the orchestrator calls context and generation
-through BLS), ``scheduler`` (ensemble, pre/postprocessing and an orchestrator
-that reaches the roles over gRPC), ``context``, ``generation``. In aggregated
-mode no context model is rendered and the orchestrator asks generation for
+through BLS), ``scheduler`` (ensemble, preprocessing and an orchestrator that
+reaches the roles over gRPC), ``context``, ``generation``. In aggregated mode no
+context model is rendered and the orchestrator asks generation for
 ``context_and_generation``.
+
+Tokens travel from generation to the orchestrator over ZeroMQ (``token_host`` in
+both models' settings): ``ipc://`` sockets when one server runs both (``all``),
+``tcp://`` on the host of the role's ``url`` otherwise (127.0.0.1 without one).
 """
 
 from __future__ import annotations
@@ -25,12 +29,11 @@ from triton_disagg import protocol as P
 from triton_disagg.config import DisaggConfig, ServerConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repo"
-FRONT = ("ensemble", "preprocessing", "orchestrator", "postprocessing")
+FRONT = ("ensemble", "preprocessing", "orchestrator")
 
 _IO = {
     "preprocessing": (P.PREPROCESS_INPUTS, P.PREPROCESS_OUTPUTS),
     "orchestrator": (P.ORCHESTRATOR_INPUTS, P.ORCHESTRATOR_OUTPUTS),
-    "postprocessing": (P.POSTPROCESS_INPUTS, P.POSTPROCESS_OUTPUTS),
     "context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
     "generation": (P.GENERATION_INPUTS, P.GENERATION_OUTPUTS),
     "ensemble": (P.ENSEMBLE_INPUTS, P.ENSEMBLE_OUTPUTS),
@@ -72,6 +75,10 @@ def settings(model: str, role: str, config: DisaggConfig) -> dict:
             from triton_disagg.kv.secret import render_key_id
 
             out.update(kv_key_id=render_key_id())
+    if model in ("orchestrator", "generation"):
+        server = config.scheduler if model == "orchestrator" else config.generation
+        out.update(stall_seconds=config.generation.stall_seconds,
+                   token_host=None if role == "all" else server.host or "127.0.0.1")
     if model == "orchestrator":
         out.update(transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
                    context_url=config.context.url, generation_url=config.generation.url)
@@ -115,19 +122,14 @@ def _tensors(kind: str, specs: tuple[P.TensorSpec, ...], ragged: bool) -> str:
 
 
 def _ensemble_steps() -> str:
-    """preprocessing -> orchestrator -> postprocessing, wired by name through protocol."""
+    """preprocessing -> orchestrator (which detokenizes), wired by name through protocol."""
     pre_out = {s.name for s in P.PREPROCESS_OUTPUTS}
-    public_out = {s.name for s in P.ENSEMBLE_OUTPUTS}
-    post_in = {s.name for s in P.POSTPROCESS_INPUTS}
     steps = [
         ("preprocessing", {s.name: s.name for s in P.PREPROCESS_INPUTS},
          {n: f"_{n}" for n in pre_out}),
         ("orchestrator",
          {s.name: (f"_{s.name}" if s.name in pre_out else s.name) for s in P.ORCHESTRATOR_INPUTS},
-         {s.name: (f"_o_{s.name}" if s.name in post_in else s.name)
-          for s in P.ORCHESTRATOR_OUTPUTS if s.name in post_in or s.name in public_out}),
-        ("postprocessing", {n: f"_o_{n}" for n in post_in},
-         {s.name: s.name for s in P.POSTPROCESS_OUTPUTS}),
+         {s.name: s.name for s in P.ORCHESTRATOR_OUTPUTS}),
     ]
     out = []
     for model, inputs, outputs in steps:

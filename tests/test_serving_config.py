@@ -41,12 +41,13 @@ def test_cpu_host_extensions(write):
         "model: {engine: engines/demo}\nmode: aggregated\n"
         "context_server: {url: 'localhost:9001', cpus: [0, 1], instances: 2, tokens_per_block: 8}\n"
         "generation_server: {url: 'localhost:9002', cpus: [1], kv_dtype: float16, "
-        "stream_interval: 4}\n"
+        "stream_interval: 4, stall_seconds: 2.5}\n"
         "kv_cache: {strategy: host_memory, max_size: 64MiB, lease_seconds: 5}\n"))
     assert cfg.mode == "aggregated"
     assert cfg.context.instance_cpus(0) == (0,) and cfg.context.instance_cpus(1) == (1,)
     assert cfg.generation.instance_cpus(0) == (1,) and cfg.generation.kv_dtype == "float16"
     assert cfg.generation.stream_interval == 4 and cfg.context.stream_interval == 1
+    assert cfg.generation.stall_seconds == 2.5 and cfg.context.stall_seconds == 30.0
     assert cfg.kv_cache.max_size == 64 * 2**20 and cfg.kv_cache.lease_seconds == 5.0
 
 
@@ -69,6 +70,12 @@ def test_cpu_host_extensions(write):
      ["generation_server.stream_interval", ">= 1"]),
     ("model: {engine: engines/demo}\ncontext_server: {stream_interval: 2}\n",
      ["context_server", "'stream_interval'", "allowed keys"]),
+    ("model: {engine: engines/demo}\ngeneration_server: {stall_seconds: 0}\n",
+     ["generation_server.stall_seconds", "> 0"]),
+    ("model: {engine: engines/demo}\ngeneration_server: {stall_seconds: forever}\n",
+     ["generation_server.stall_seconds", "number of seconds"]),
+    ("model: {engine: engines/demo}\ncontext_server: {stall_seconds: 5}\n",
+     ["context_server", "'stall_seconds'", "allowed keys"]),
     ("model: {engine: [}\n", ["not valid YAML"]),
     ("model: {engine: engines/demo}\nkv_cache: {lease_seconds: .nan}\n",
      ["kv_cache.lease_seconds", "nan", "finite"]),

@@ -184,7 +184,8 @@ def _generation_only(served, ids, handle_bytes):
     got: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(served.grpc) as client:
         client.start_stream(callback=lambda result, error: got.put((result, error)))
-        client.async_stream_infer("generation", tensors, parameters={"request_type": "generation_only"})
+        client.async_stream_infer("generation", tensors, request_id="foreign", parameters={
+            "request_type": "generation_only", "token_address": "ipc:///nowhere/tokens"})
         result, error = got.get(timeout=60)
         client.stop_stream()
     if error is not None:

@@ -36,8 +36,8 @@ def _load(repo: Path, model: str) -> model_config_pb2.ModelConfig:
 
 
 @pytest.mark.parametrize("role, models", [
-    ("all", {"ensemble", "preprocessing", "orchestrator", "postprocessing", "context", "generation"}),
-    ("scheduler", {"ensemble", "preprocessing", "orchestrator", "postprocessing"}),
+    ("all", {"ensemble", "preprocessing", "orchestrator", "context", "generation"}),
+    ("scheduler", {"ensemble", "preprocessing", "orchestrator"}),
     ("context", {"context"}), ("generation", {"generation"})])
 def test_render_roles(config, tmp_path, role, models):
     repo = render(role, config, tmp_path / "repo")
@@ -61,12 +61,17 @@ def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
     assert ctx.instance_group[0].count == 2
     settings = json.loads(ctx.parameters["settings"].string_value)
     assert settings["instance_cpus"] == [[0], [1]] and settings["kv_strategy"] == "host_memory"
-    assert _load(repo, "generation").model_transaction_policy.decoupled
+    assert not _load(repo, "generation").model_transaction_policy.decoupled   # one ack each
     orch = json.loads(_load(repo, "orchestrator").parameters["settings"].string_value)
-    assert orch["transport"] == "bls"
+    assert orch["transport"] == "bls" and orch["token_host"] is None      # ipc on one host
+    assert orch["stall_seconds"] == 30.0
     orch = json.loads(_load(render("scheduler", config, tmp_path / "s"), "orchestrator")
                       .parameters["settings"].string_value)
     assert orch["transport"] == "grpc" and orch["generation_url"] == "localhost:9002"
+    assert orch["token_host"] == "127.0.0.1"         # tcp: generation may be on another host
+    gen = json.loads(_load(render("generation", config, tmp_path / "g"), "generation")
+                     .parameters["settings"].string_value)
+    assert gen["token_host"] == "localhost"          # its url's host
 
 
 def test_aggregated_renders_no_context(config, tmp_path):
@@ -152,7 +157,7 @@ def test_serve_all_stops_without_a_stub_crash(demo_engine, tmp_path):
         assert serving.stop(served) == 0
         text = served.server_log()
     assert "Fatal Python error" not in text, text[-3000:]
-    for model in ("preprocessing", "orchestrator", "context", "generation", "postprocessing"):
+    for model in ("preprocessing", "orchestrator", "context", "generation"):
         assert f"successfully unloaded '{model}'" in text, text[-3000:]
 
 

@@ -12,7 +12,9 @@ Extensions (all optional): ``mode: disaggregated | aggregated``;
 or answers plain ``infer()`` with one response); per server
 ``cpus: [0, 1]`` and/or ``instances: N`` in place of ``gpus``,
 ``tokens_per_block``, ``kv_dtype``, ``http_port``, ``metrics_port``;
-``generation_server.stream_interval`` (decode steps per streamed response); a
+``generation_server.stream_interval`` (decode steps per streamed response),
+``generation_server.stall_seconds`` (how long a request's token stream may stay silent
+before it ends in an error and generation is told to stop it; default 30); a
 ``scheduler_server: {url, http_port, metrics_port}`` for ``serve scheduler``;
 ``kv_cache.lease_seconds``.
 
@@ -58,6 +60,10 @@ class ServerConfig:
     # Streaming: a response every this many decode steps (the first token and the last
     # always go at once). TensorRT-LLM's name; generation_server only.
     stream_interval: int = 1
+    # A request whose token stream is silent this long ends in an error (generation is told
+    # to stop it); a decode loop stuck this long with work live fails its requests.
+    # generation_server only.
+    stall_seconds: float = 30.0
 
     @property
     def host(self) -> str | None:
@@ -205,7 +211,7 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
         engine=engine, mode=mode, kv_cache=kv, decoupled_mode=decoupled, source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",
-                           _SERVER_KEYS | {"stream_interval"}),
+                           _SERVER_KEYS | {"stream_interval", "stall_seconds"}),
         scheduler=_server(top.get("scheduler_server"), "scheduler_server", _SCHEDULER_KEYS),
     )
 
@@ -238,9 +244,10 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")
     interval = _count(s.get("stream_interval", 1), f"{key}.stream_interval",
                       " (1: a response per token)")
+    stall = _number(s.get("stall_seconds", 30.0), f"{key}.stall_seconds")
     return ServerConfig(url=url, gpus=gpus, cpus=cpus, instances=instances,
                         tokens_per_block=tpb, kv_dtype=kv_dtype, stream_interval=interval,
-                        **ports)
+                        stall_seconds=stall, **ports)
 
 
 def _mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:

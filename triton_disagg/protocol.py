@@ -18,18 +18,19 @@ batch across requests themselves.
   the engine under the same orchestrator. The request parameter
   ``request_type`` picks the phase. A ``generation_only`` request carries the
   context response's ``context_phase_params`` unchanged and ``input_ids`` =
-  the prompt plus the first token the context model returned. Every
-  generation response stream ends with a response whose ``finish_reason`` is
-  set (``length``, ``stop``, ``stop_word``, ``cancelled``) or with an error.
-  A generation request with ``stop`` true (required inputs present, values
-  ignored) ends the live request whose Triton request id it carries and is
-  answered with one empty response.
+  the prompt plus the first token the context model returned.
+- Generation's tokens do not travel as Triton responses: a generation request
+  names the orchestrator's ZeroMQ address in the request parameter
+  ``token_address`` and its request id as the Triton request id; generation
+  answers at once with one response, :data:`GENERATION_OUTPUTS` (the control
+  address where stops for that request go), or an error, and streams the
+  tokens to ``token_address`` (:mod:`triton_disagg.serving.token_wire`). Every
+  token stream ends with an event whose finish reason is set (``length``,
+  ``stop``, ``stop_word``, ``cancelled``) or with an error.
 - Preprocessing -> orchestrator: the engine inputs plus ``arrival_ns``, the
   preprocessing clock reading that starts the time-to-first-token metric.
-- Orchestrator -> postprocessing: ``output_ids`` holds a window of generated
-  ids whose first ``output_offset`` were already turned into text by earlier
-  responses of the same request; ``is_final`` marks the last response (only
-  then may text end in an incomplete character).
+- Orchestrator -> client: the orchestrator detokenizes; its outputs are the
+  ensemble's outputs.
 """
 
 from __future__ import annotations
@@ -118,12 +119,10 @@ ENGINE_INPUTS = (
     _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"),
 )
 CONTEXT_PHASE_PARAMS = "context_phase_params"
-STOP = "stop"
 CONTEXT_INPUTS = ENGINE_INPUTS
-GENERATION_INPUTS = ENGINE_INPUTS + (
-    _opt(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),
-    _opt(STOP, "BOOL"),
-)
+GENERATION_INPUTS = ENGINE_INPUTS + (_opt(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
+# request parameter: the orchestrator's ZeroMQ address where generation sends the tokens
+TOKEN_ADDRESS = "token_address"
 ENGINE_OUTPUTS = (
     TensorSpec("output_ids", "INT32", (-1, -1)),        # [beam=1, new tokens]
     TensorSpec("sequence_length", "INT32", (-1,)),      # [beam=1] tokens in output_ids
@@ -132,7 +131,9 @@ ENGINE_OUTPUTS = (
     TensorSpec("finish_reason", "BYTES", (-1,)),        # [beam=1] "" while running
 )
 CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
-GENERATION_OUTPUTS = ENGINE_OUTPUTS
+# Generation's one response per request: where the stops for that request go.
+CONTROL_ADDRESS = "control_address"
+GENERATION_OUTPUTS = (TensorSpec(CONTROL_ADDRESS, "BYTES", (1,)),)
 
 # Ensemble sampling names -> engine names (TensorRT-LLM's ensemble mapping).
 SAMPLING_TO_ENGINE = {
@@ -143,7 +144,7 @@ SAMPLING_TO_ENGINE = {
     "return_log_probs": "return_log_probs",
 }
 
-# ---- preprocessing -> orchestrator -> postprocessing ---------------------------------------
+# ---- preprocessing -> orchestrator -> client ---------------------------------------------
 
 # When the request reached preprocessing (CLOCK_MONOTONIC, ns; one clock for every process of
 # the host): the orchestrator's time to first token starts there. Optional on the orchestrator,
@@ -159,17 +160,7 @@ PREPROCESS_OUTPUTS = ENGINE_INPUTS[:3] + (
 )
 ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-1] + (_opt(ARRIVAL, "UINT64"),) + tuple(
     s for s in SAMPLING_INPUTS if s.name not in ("end_id", "pad_id"))
-ORCHESTRATOR_OUTPUTS = (
-    TensorSpec("output_ids", "INT32", (-1,)),
-    TensorSpec("output_offset", "INT32", (1,)),
-    TensorSpec("is_final", "BOOL", (1,)),
-    TensorSpec("cum_log_probs", "FP32", (-1,)),
-    TensorSpec("output_log_probs", "FP32", (-1, -1)),
-    TensorSpec("num_input_tokens", "INT32", (1,)),
-    TensorSpec("num_output_tokens", "INT32", (1,)),
-)
-POSTPROCESS_INPUTS = ORCHESTRATOR_OUTPUTS[:3]
-POSTPROCESS_OUTPUTS = (TensorSpec("text_output", "BYTES", (-1,)),)
+ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS     # the orchestrator detokenizes
 
 
 def by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:

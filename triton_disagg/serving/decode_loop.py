@@ -1,55 +1,64 @@
 """The generation model's background loop: continuous batching over one engine instance.
 
-``execute`` only calls :meth:`DecodeLoop.submit` / :meth:`DecodeLoop.stop` and
-returns; one thread owns the engine: it admits new work between steps, runs
-``engine.step()`` (every live sequence of the instance in one decode batch,
-new prompts prefilled as they arrive) and routes each token to its request.
+``execute`` only calls :meth:`DecodeLoop.submit` and returns; one thread owns the
+engine: it admits new work between steps, runs ``engine.step()`` (every live sequence
+of the instance in one decode batch, new prompts prefilled as they arrive), turns each
+token into a :class:`~token_wire.TokenEvent` for its request's orchestrator address and,
+once per step, sends every address one message with all of its events (``outbox``).
+Stops arrive on the instance's control socket (``stops``).
 
 Invariants:
 
-- only the loop thread touches the engine;
+- only the loop thread touches the engine and the loop's sockets;
 - admission is FIFO and decided before any KV moves: the head of ``waiting``
   enters the engine once the blocks it will ever hold are free (one comparison
   per step), taking them all; those behind it wait. Admitted requests therefore
   never wait on each other's blocks, and a request the pool could never hold is
   refused when it arrives;
-- every submitted request gets exactly one final emit (``final=True``): its
-  last token (with ``finish_reason``), a cancellation (finish_reason
-  ``cancelled``), or an error; after that nothing more is sent for it;
-- streaming requests get an emit for their first token, then one for every
+- every submitted request gets exactly one final event: its last token (with
+  ``finish_reason``), a cancellation (finish_reason ``cancelled``), or an error;
+  after that nothing more is sent for it. A request whose events cannot be sent
+  ends (aborted, counted as an error) without one: nobody would hear it;
+- streaming requests get an event for their first token, then one for every
   ``stream_interval`` tokens (each token exactly once, in order), then the final
-  one; non-streaming ones one emit with every token when they finish.
+  one; non-streaming ones one event with every token when they finish;
+- nothing in one iteration stops the loop: a failing token hand-off fails that
+  request, a failing engine step fails the live requests, anything else is logged;
+  a loop stuck for ``stuck_seconds`` with work live is reported by its watchdog,
+  which fails its requests (and the loop drops them if it ever comes round).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from triton_disagg.serving import engine_request
+import zmq
+
 from triton_disagg.serving.engine_request import EngineRequest
+from triton_disagg.serving.generation_sockets import TokenOutbox
+from triton_disagg.serving.loop_watchdog import Watchdog
+from triton_disagg.serving.token_wire import TokenEvent
 
-Emit = Callable[[Any, "dict | None", bool, "str | None"], None]  # (sender, outputs, final, error)
 CANCELLED = "cancelled"
-CANCEL_POLL_SECONDS = 0.1
 REPORT_SECONDS = 0.5
+_log = logging.getLogger(__name__)
 
 
 @dataclass
 class Live:
-    sender: Any
+    address: str                    # the orchestrator's token address
     streaming: bool
-    is_cancelled: Callable[[], bool]
     with_log_probs: bool = True
     emitted: bool = False           # has the first token gone out
     tokens: list[int] = field(default_factory=list)
-    log_probs: list[float | None] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
     cum_log_prob: float = 0.0
-    checked: float = 0.0
 
 
 @dataclass
@@ -68,34 +77,35 @@ class DecodeLoop:
     them; may raise to refuse the request), ``side.request_done(outcome)`` and
     ``side.report()`` (pool gauges, every ``REPORT_SECONDS``).
 
-    ``stream_interval`` > 1 trades smoothness for throughput: every emit is an IPC round
-    trip through Triton and down the ensemble, which costs more CPU than a decode step
-    of a small model, so grouping tokens serves more of them per core.
+    ``outbox``: ``put(address, event)`` and ``flush() -> request ids not sent``
+    (:class:`~generation_sockets.TokenOutbox`); ``stops``: ``take() -> request ids``
+    (:class:`~generation_sockets.StopInbox`) or None. The loop closes both when it ends.
 
-    ``stops`` (a :class:`~triton_disagg.serving.stop_registry.StopRegistry` shared by the
-    model's instances): where a stop for a request this instance does not hold is
-    posted, and where this instance finds the stops meant for its live requests.
+    ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages.
     """
 
-    def __init__(self, engine: Any, emit: Emit, side: Any, stream_interval: int = 1,
-                 stops: Any = None):
-        self.engine, self.emit, self.side = engine, emit, side
+    def __init__(self, engine: Any, outbox: Any, side: Any, stream_interval: int = 1,
+                 stops: Any = None, stuck_seconds: float = 30.0):
+        self.engine, self.outbox, self.side = engine, outbox, side
         self.stream_interval = stream_interval
         self.stops = stops
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Live] = {}
         self.waiting: deque[Waiting] = deque()    # FIFO: the head enters once its blocks free
+        self.abandoned: set[str] = set()          # failed by the watchdog (under ``lock``)
+        self.lock = threading.Lock()
         self.running = True
         self.reported = 0.0
+        self.watchdog = Watchdog("generation decode loop", stuck_seconds,
+                                 lambda: bool(self.live), self._fail_stuck)
         self.thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, request_id: str, request: EngineRequest | Any, sender: Any,
-               is_cancelled: Callable[[], bool] = lambda: False) -> None:
-        streaming = getattr(request, "streaming", True)
-        with_log_probs = getattr(request, "return_log_probs", True)
-        self.inbox.put(("add", request_id, request,
-                        Live(sender, streaming, is_cancelled, with_log_probs)))
+    def submit(self, request_id: str, request: EngineRequest | Any, address: str) -> None:
+        """Generate for ``request`` and send its events to the orchestrator at ``address``."""
+        live = Live(address, getattr(request, "streaming", True),
+                    getattr(request, "return_log_probs", True))
+        self.inbox.put(("add", request_id, request, live))
 
     def stop(self, request_id: str) -> None:
         self.inbox.put(("stop", request_id, None, None))
@@ -105,30 +115,48 @@ class DecodeLoop:
         self.running = False
         self.inbox.put(("wake", "", None, None))
         self.thread.join(timeout)
+        self.watchdog.close()
 
     def _run(self) -> None:
         while self.running:
-            self._drain(wait=0.0 if self.live else REPORT_SECONDS)
-            self._check_cancelled()
-            self._admit_waiting()
-            if self.live:
-                try:
-                    events = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - an engine failure fails its requests
-                    for request_id in list(self.live):
-                        self.engine.abort(request_id)
-                        self._fail(request_id, f"engine step failed: {exc}")
-                    continue
-                for event in events:
-                    self._on_token(event)
-            if time.monotonic() - self.reported >= REPORT_SECONDS:
-                self.reported = time.monotonic()
-                self.side.report()
+            self.watchdog.beat()
+            try:
+                self._iteration()
+            except Exception:  # noqa: BLE001 - logged; the loop and the other requests go on
+                _log.exception("generation decode loop: an iteration failed")
+                time.sleep(0.01)
+            self._flush()
         for request_id in list(self.live):
             self.engine.abort(request_id)
             self._finish(request_id, CANCELLED)
         for waiting in self.waiting:
-            self.emit(waiting.live.sender, None, True, "the server is shutting down")
+            self._refuse(waiting.request_id, waiting.live, "the server is shutting down")
+        self._flush()
+        self.outbox.close()
+        if self.stops is not None:
+            self.stops.close()
+
+    def _iteration(self) -> None:
+        self._drain(wait=0.0 if self.live else REPORT_SECONDS)
+        for request_id in self.stops.take() if self.stops is not None else ():
+            self._stop(request_id)
+        self._admit_waiting()
+        if self.live:
+            try:
+                events = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - an engine failure fails its requests
+                for request_id in list(self.live):
+                    self._fail(request_id, f"engine step failed: {exc}")
+                return
+            self._drop_abandoned()
+            for event in events:
+                try:
+                    self._on_token(event)
+                except Exception as exc:  # noqa: BLE001 - that request fails, the rest go on
+                    self._fail(event.request_id, f"generation failed: {exc}")
+        if time.monotonic() - self.reported >= REPORT_SECONDS:
+            self.reported = time.monotonic()
+            self.side.report()
 
     def _drain(self, wait: float) -> None:
         """Handle every queued item, first waiting up to ``wait`` seconds for one."""
@@ -157,17 +185,15 @@ class DecodeLoop:
             self.waiting.remove(waiting)
             self.live[request_id] = waiting.live
             self._finish(request_id, CANCELLED)
-        elif self.stops is not None:
-            self.stops.post(request_id)          # another instance may hold it
 
     def _queue(self, request_id: str, request: Any, live: Live) -> None:
         if request_id in self.live or any(w.request_id == request_id for w in self.waiting):
-            self.emit(live.sender, None, True, f"request id {request_id!r} is already generating")
+            self._refuse(request_id, live, f"request id {request_id!r} is already generating")
             return
         try:
             blocks = self.side.blocks_needed(request_id, request)
         except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
-            self._refuse(live, str(exc))
+            self._refuse(request_id, live, str(exc))
             return
         self.waiting.append(Waiting(request_id, request, live, blocks))
 
@@ -178,50 +204,69 @@ class DecodeLoop:
             try:
                 self.side.admit(self.engine, waiting.request_id, waiting.work)
             except Exception as exc:  # noqa: BLE001 - refused request: its error only
-                self._refuse(waiting.live, str(exc))
+                self._refuse(waiting.request_id, waiting.live, str(exc))
                 continue
             self.live[waiting.request_id] = waiting.live
-
-    def _refuse(self, live: Live, message: str) -> None:
-        self.emit(live.sender, None, True, message)
-        self.side.request_done("error")
-
-    def _check_cancelled(self) -> None:
-        """Poll live and waiting requests (each at once, then every CANCEL_POLL_SECONDS),
-        so a request cancelled while it waits never takes blocks."""
-        now = time.monotonic()
-        for request_id, live in [*self.live.items(),
-                                 *((w.request_id, w.live) for w in self.waiting)]:
-            if now - live.checked >= CANCEL_POLL_SECONDS:
-                live.checked = now
-                if live.is_cancelled() or (self.stops is not None
-                                           and self.stops.take(request_id)):
-                    self._stop(request_id)
 
     def _on_token(self, event: Any) -> None:
         live = self.live.get(event.request_id)
         if live is None:
             return
-        live.tokens.append(event.token_id)
-        live.log_probs.append(event.logprob)
-        live.cum_log_prob += event.logprob or 0.0
+        live.tokens.append(int(event.token_id))
+        live.log_probs.append(float(event.logprob or 0.0))
+        live.cum_log_prob += live.log_probs[-1]
         if event.finished:
             self._finish(event.request_id, event.finish_reason)
         elif live.streaming and (not live.emitted or len(live.tokens) >= self.stream_interval):
-            self.emit(live.sender, self._outputs(live, None), False, None)
+            self.outbox.put(live.address, self._event(event.request_id, live, None))
             live.tokens, live.log_probs = [], []
             live.emitted = True
 
     def _finish(self, request_id: str, reason: str | None) -> None:
         live = self.live.pop(request_id)
         reason = CANCELLED if reason == "aborted" else reason
-        self.emit(live.sender, self._outputs(live, reason), True, None)
+        self.outbox.put(live.address, self._event(request_id, live, reason))
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
 
+    def _refuse(self, request_id: str, live: Live, message: str) -> None:
+        self.outbox.put(live.address, TokenEvent(request_id, [], error=message))
+        self.side.request_done("error")
+
     def _fail(self, request_id: str, message: str) -> None:
-        self._refuse(self.live.pop(request_id), message)
+        live = self.live.pop(request_id, None)
+        if live is not None:
+            self.engine.abort(request_id)
+            self._refuse(request_id, live, message)
+
+    def _flush(self) -> None:
+        """Send this iteration's messages; end the requests nobody can hear."""
+        for request_id in self.outbox.flush():
+            if self.live.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+                self.side.request_done("error")
+
+    def _fail_stuck(self) -> None:
+        """Watchdog thread: tell every live request's orchestrator, over sockets of its own."""
+        with self.lock:
+            stuck = dict(self.live)
+            self.abandoned.update(stuck)
+        rescue = TokenOutbox(zmq.Context.instance())
+        for request_id, live in stuck.items():
+            rescue.put(live.address, TokenEvent(request_id, [], error=(
+                f"generation loop stuck for {self.watchdog.stuck_seconds:g} s; request failed")))
+        rescue.flush()
+        rescue.close(linger_ms=1000)      # let the errors out before the sockets go
+
+    def _drop_abandoned(self) -> None:
+        with self.lock:
+            abandoned, self.abandoned = self.abandoned, set()
+        for request_id in abandoned:
+            if self.live.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+                self.side.request_done("error")
 
     @staticmethod
-    def _outputs(live: Live, reason: str | None) -> dict:
-        return engine_request.outputs(live.tokens, live.log_probs, live.cum_log_prob, reason,
-                                      live.with_log_probs)
+    def _event(request_id: str, live: Live, reason: str | None) -> TokenEvent:
+        if not live.with_log_probs:
+            return TokenEvent(request_id, live.tokens, finish_reason=reason)
+        return TokenEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason)

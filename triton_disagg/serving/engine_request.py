@@ -70,16 +70,3 @@ def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log
     if finish_reason is not None:
         out["finish_reason"] = np.array([finish_reason.encode()], dtype=np.object_)
     return out
-
-
-def merge_outputs(first: dict, later: dict) -> dict:
-    """Two consecutive responses of one request as one: ``output_ids`` and
-    ``output_log_probs`` concatenated (no token lost, repeated or reordered), the later
-    response's ``cum_log_probs`` and ``finish_reason`` kept (when it has them)."""
-    merged = dict(later)
-    merged["output_ids"] = np.concatenate([first["output_ids"], later["output_ids"]], axis=1)
-    merged["sequence_length"] = first["sequence_length"] + later["sequence_length"]
-    if "output_log_probs" in later:
-        merged["output_log_probs"] = np.concatenate([first["output_log_probs"],
-                                                     later["output_log_probs"]], axis=1)
-    return merged

@@ -16,6 +16,7 @@ frees them all if the request is refused.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,17 @@ class Work:
     @property
     def return_log_probs(self) -> bool:
         return self.request.params.return_log_probs
+
+
+def read_request_parameters(parameters: str | None) -> tuple[str, str]:
+    """A generation request's JSON parameters -> (``request_type``, ``token_address``)."""
+    params = json.loads(parameters or "{}")
+    address = params.get(P.TOKEN_ADDRESS)
+    if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
+        raise RequestError(f"generation streams tokens over ZeroMQ: request parameter "
+                           f"{P.TOKEN_ADDRESS!r} must name the orchestrator's ipc:// or tcp:// "
+                           f"address, got {address!r}")
+    return params.get(P.REQUEST_TYPE, P.CONTEXT_AND_GENERATION), address
 
 
 class GenerationSide:

@@ -2,33 +2,36 @@
 
 One request's life (disaggregated): ``context_only`` call -> the first token
 goes out at once -> ``generation_only`` call carrying ``context_phase_params``
--> every later token streams out. Aggregated mode makes one
+and this instance's token address -> every later token arrives over ZeroMQ
+(:mod:`token_inbox`), is detokenized here and goes out. Aggregated mode makes one
 ``context_and_generation`` call to generation instead.
 
 Invariants:
 
 - every request ends with exactly one final ``send`` (``final=True``): a
   non-streaming request gets exactly one response (Triton's ``generate``
-  demands that), a streaming one gets one per engine response;
-- every engine response stream ends with a response carrying a non-empty
-  ``finish_reason``, or an error; a stream that stops short is an error;
-- a cancelled request stops its generation sequence through the generation
-  model's stop path (a BLS caller cannot cancel what it sent); the client's cancel
-  is asked for at most every ``CANCEL_POLL_SECONDS`` while tokens stream.
+  demands that), a streaming one gets one per token event;
+- streamed ``text_output`` deltas concatenate to the non-streamed text, multi-byte
+  characters included (:mod:`detokenize`);
+- nothing waits for ever: generation's answer and every token event are awaited at
+  most ``generation_server.stall_seconds``;
+- leaving a request before generation ended it (client cancel, a stall, a failing
+  send, an error, task cancellation) stops generation (:class:`token_inbox.TokenStream`);
+  the client's cancel is asked for at most every ``CANCEL_POLL_SECONDS`` while tokens
+  stream.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.serving.detokenize import DeltaWindows
+from triton_disagg.serving.detokenize import DeltaWindows, text_delta
 from triton_disagg.serving.tensors import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
@@ -41,9 +44,10 @@ class EngineError(RuntimeError):
 
 class Transport(Protocol):
     async def context(self, request_id: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-    def generate(self, request_id: str, inputs: dict[str, np.ndarray],
-                 request_type: str) -> AsyncIterator[dict[str, np.ndarray]]: ...
-    async def stop(self, request_id: str) -> None: ...
+
+    async def generate(self, request_id: str, inputs: dict[str, np.ndarray], request_type: str,
+                       token_address: str) -> str:
+        """Send the request; generation's answer: its control address (or EngineError)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,14 @@ class Chunk:
     finish_reason: str
 
     @classmethod
+    def from_event(cls, event: Any) -> "Chunk":
+        """A :class:`token_wire.TokenEvent` (generation's tokens)."""
+        log_probs = event.log_probs if event.log_probs is not None else [0.0] * len(event.tokens)
+        return cls(event.tokens, log_probs, event.finish_reason or "")
+
+    @classmethod
     def from_outputs(cls, out: dict[str, np.ndarray]) -> "Chunk":
+        """The context model's response tensors."""
         ids = np.asarray(out["output_ids"]).reshape(-1).tolist()        # [beam=1, n] -> [n]
         lp = out.get("output_log_probs")
         log_probs = np.asarray(lp).reshape(-1).tolist() if lp is not None else [0.0] * len(ids)
@@ -74,9 +85,11 @@ def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class ResponseBuilder:
-    """Turns engine chunks into orchestrator outputs (see protocol's postprocessing contract)."""
+    """Turns engine chunks into the ensemble's outputs (``text_output`` deltas, counts,
+    log probs)."""
 
-    def __init__(self, inputs: dict[str, np.ndarray]):
+    def __init__(self, inputs: dict[str, np.ndarray], decode: Callable[[Sequence[int]], str]):
+        self.decode = decode
         self.prompt = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
         self.end_id = scalar(inputs, "end_id", -1)
         self.stream = bool(scalar(inputs, "stream", False))
@@ -106,9 +119,7 @@ class ResponseBuilder:
         lps = self.pending_lp if self.return_log_probs else [0.0] * len(self.pending_lp)
         self.pending_ids, self.pending_lp = [], []
         return {
-            "output_ids": np.array(window, dtype=np.int32),
-            "output_offset": np.array([offset], dtype=np.int32),
-            "is_final": np.array([final]),
+            "text_output": [text_delta(self.decode, window, offset, final)],
             "cum_log_probs": np.array([self.cum_log_prob if self.return_log_probs else 0.0]),
             "output_log_probs": np.array([lps], dtype=np.float32).reshape(1, -1),
             "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
@@ -117,11 +128,14 @@ class ResponseBuilder:
 
 
 class Orchestrator:
-    """``observer`` (optional): ``first_token(seconds)`` and
+    """``tokens``: the instance's :class:`~token_inbox.TokenInbox`; ``decode``: token ids ->
+    text; ``observer`` (optional): ``first_token(seconds)`` and
     ``finished(outcome, seconds, tokens, ttft)`` (see :class:`serving.metrics.Metrics`)."""
 
-    def __init__(self, transport: Transport, mode: str, observer: Any = None):
-        self.transport, self.mode, self.observer = transport, mode, observer
+    def __init__(self, transport: Transport, tokens: Any, mode: str,
+                 decode: Callable[[Sequence[int]], str], observer: Any = None):
+        self.transport, self.tokens, self.mode = transport, tokens, mode
+        self.decode, self.observer = decode, observer
 
     async def handle(self, inputs: dict[str, np.ndarray], send: Send,
                      is_cancelled: Callable[[], bool] = lambda: False) -> str:
@@ -143,7 +157,7 @@ class _Run:
         self.owner, self.send = owner, send
         self.transport = owner.transport
         self.request_id = uuid.uuid4().hex
-        self.builder = ResponseBuilder(inputs)
+        self.builder = ResponseBuilder(inputs, owner.decode)
         self.engine_in = engine_inputs(inputs)
         arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
         self.start = arrival / 1e9 if arrival is not None else time.monotonic()
@@ -151,35 +165,39 @@ class _Run:
 
     async def serve(self, is_cancelled: Callable[[], bool]) -> str:
         if self.owner.mode == "aggregated":
-            stream = self.transport.generate(self.request_id, self.engine_in,
-                                             P.CONTEXT_AND_GENERATION)
-        else:
-            ctx = await self.transport.context(self.request_id, self.engine_in)
-            first = Chunk.from_outputs(ctx)
-            if await self.emit(first):
-                return "finished"
-            if is_cancelled():   # nothing fetched yet: the context lease reclaims the blocks
-                await self.send(None, True)
-                return "cancelled"
-            gen_in = dict(self.engine_in, **{
-                # the prompt, then the first token; the handle holds the prompt's KV
-                "input_ids": np.append(self.engine_in["input_ids"], first.ids).astype(np.int32),
-                "input_lengths": np.array([len(self.builder.prompt) + len(first.ids)], np.int32),
-                P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
-            stream = self.transport.generate(self.request_id, gen_in, P.GENERATION_ONLY)
-        asked = 0.0   # when is_cancelled() was last asked
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                chunk = Chunk.from_outputs(out)
+            return await self.generate(self.engine_in, P.CONTEXT_AND_GENERATION, is_cancelled)
+        ctx = await self.transport.context(self.request_id, self.engine_in)
+        first = Chunk.from_outputs(ctx)
+        if await self.emit(first):
+            return "finished"
+        if is_cancelled():   # nothing fetched yet: the context lease reclaims the blocks
+            await self.send(None, True)
+            return "cancelled"
+        gen_in = dict(self.engine_in, **{
+            # the prompt, then the first token; the handle holds the prompt's KV
+            "input_ids": np.append(self.engine_in["input_ids"], first.ids).astype(np.int32),
+            "input_lengths": np.array([len(self.builder.prompt) + len(first.ids)], np.int32),
+            P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
+        return await self.generate(gen_in, P.GENERATION_ONLY, is_cancelled)
+
+    async def generate(self, gen_in: dict[str, np.ndarray], request_type: str,
+                       is_cancelled: Callable[[], bool]) -> str:
+        """Send generation the request, then pass its tokens on until the final one; leaving
+        early in any way stops generation (the stream's exit)."""
+        tokens = self.owner.tokens
+        with tokens.open(self.request_id) as stream:
+            await stream.accept(self.transport.generate(self.request_id, gen_in, request_type,
+                                                        tokens.address))
+            asked = 0.0   # when is_cancelled() was last asked
+            while True:
+                chunk = Chunk.from_event(await stream.next())
                 if not chunk.finish_reason and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
                     asked = time.monotonic()
                     if is_cancelled():
-                        await self.transport.stop(self.request_id)
                         await self.send(None, True)
                         return "cancelled"
                 if await self.emit(chunk):
                     return "cancelled" if chunk.finish_reason == "cancelled" else "finished"
-        raise EngineError("generation ended its stream without a finish reason")
 
     async def emit(self, chunk: Chunk) -> bool:
         """Pass a chunk on; True when it was the last. The first chunk ends the time to first

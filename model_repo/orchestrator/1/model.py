@@ -1,8 +1,9 @@
 """orchestrator: BLS model (logic: triton_disagg.serving.orchestrator).
 
 Each request runs as a task on the stub's event loop: context call, first token
-out at once, KV handoff, generation stream. Context and generation are reached
-in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
+out at once, KV handoff, generation request, then its tokens in over ZeroMQ (this
+instance's token socket), detokenized here and sent to the client. Context and
+generation are reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
 
 ``execute`` only starts the tasks and returns; each task answers through its
 request's response sender. That holds in both transaction policies: decoupled
@@ -16,11 +17,13 @@ import faulthandler
 import triton_python_backend_utils as pb_utils
 
 from triton_disagg import protocol as P
+from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.serving.metrics import Metrics
 from triton_disagg.serving.orchestrator import EngineError, Orchestrator
 from triton_disagg.serving.placement import read_settings
 from triton_disagg.serving.tensors import (RequestError, error_response, make_tensors, read_inputs,
                                            scalar)
+from triton_disagg.serving.token_inbox import TokenInbox
 from triton_disagg.serving.transports import BLSTransport, GrpcTransport
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
@@ -35,8 +38,10 @@ class TritonPythonModel:
             self.transport = BLSTransport(pb_utils)
         else:
             self.transport = GrpcTransport(settings["context_url"], settings["generation_url"])
+        self.tokens = TokenInbox(settings.get("token_host"), settings["stall_seconds"])
         self.metrics = Metrics(pb_utils, "orchestrator", args["model_instance_name"])
-        self.orchestrator = Orchestrator(self.transport, settings["mode"], self.metrics)
+        self.orchestrator = Orchestrator(self.transport, self.tokens, settings["mode"],
+                                         Tokenizer(settings["engine"]).decode, self.metrics)
         self.decoupled = settings["decoupled"]
         self.tasks: set[asyncio.Task] = set()   # requests in flight (held: the loop keeps weak refs)
 
@@ -74,6 +79,5 @@ class TritonPythonModel:
                         flags=FINAL)
 
     def finalize(self):
-        if isinstance(self.transport, BLSTransport):
-            self.transport.close()
+        self.tokens.close()
         self.metrics.close()

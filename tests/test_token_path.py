@@ -1,0 +1,337 @@
+"""The token path without a server: the ZeroMQ message schema, the orchestrator's token
+inbox (stall, stop on early exit) over real ipc sockets, and the generation decode loop
+sending real messages (one per step per address) and surviving a send that fails."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from triton_disagg import protocol as P
+from triton_disagg.serving import engine_request, token_wire
+from triton_disagg.serving.decode_loop import DecodeLoop
+from triton_disagg.serving.generation import GenerationSide, read_request_parameters
+from triton_disagg.serving.generation_sockets import StopInbox, TokenOutbox
+from triton_disagg.serving.orchestrator import EngineError, Orchestrator
+from triton_disagg.serving.tensors import RequestError
+from triton_disagg.serving.token_inbox import TokenInbox
+from triton_disagg.serving.token_wire import TokenEvent, WireError
+from triton_disagg.serving.zmq_endpoints import bind, push_socket
+
+
+# ---- the schema ------------------------------------------------------------------------
+
+def test_messages_round_trip():
+    events = [TokenEvent("a", [1, 2]), TokenEvent("b", [3], [-0.5], -1.5, finish_reason="length"),
+              TokenEvent("c", [], error="KV handle refused")]
+    assert token_wire.decode_events(token_wire.encode_events(events)) == events
+    assert [e.final for e in events] == [False, True, True]
+    assert token_wire.decode_stop(token_wire.encode_stop("req-1")) == "req-1"
+
+
+@pytest.mark.parametrize("frame, words", [
+    (msgpack.packb({"v": 2, "events": []}), ["version 2", "speaks 1"]),
+    (msgpack.packb({"events": []}), ["version None"]),
+    (pickle.dumps({"v": 1, "events": []}), ["not a msgpack message"]),
+    (pickle.dumps(TokenEvent("a", [1])), ["not a msgpack message"]),
+    (b"\x00garbage\xff", ["not"]),
+    (msgpack.packb([1, 2]), ["msgpack map"]),
+    (msgpack.packb({"v": 1, "events": [{"id": "a", "tokens": ["x"]}]}), ["list of integers"]),
+    (msgpack.packb({"v": 1, "events": [{"id": "a", "tokens": [], "finish": 3}]}), ["'finish'"]),
+    (msgpack.packb({"v": 1, "stop": 5}), ["without 'events'"]),
+])
+def test_frames_that_are_not_this_schema_are_refused(frame, words):
+    with pytest.raises(WireError) as err:
+        token_wire.decode_events(frame)
+    for word in words:
+        assert word in str(err.value)
+    with pytest.raises(WireError):
+        token_wire.decode_stop(frame)
+
+
+def test_generation_refuses_a_request_without_a_token_address():
+    with pytest.raises(RequestError, match="token_address"):
+        read_request_parameters('{"request_type": "generation_only"}')
+    assert read_request_parameters('{"token_address": "ipc:///x"}') == (
+        P.CONTEXT_AND_GENERATION, "ipc:///x")
+
+
+# ---- the orchestrator's side -----------------------------------------------------------
+
+class FakeGeneration:
+    """Context and generation as a transport: generation answers with a real control
+    address (a PULL socket the test reads) and pushes its events to the token address."""
+
+    def __init__(self, first: int, rest: list[int], silent: bool = False):
+        self.first, self.rest, self.silent = first, rest, silent
+        self.zmq = zmq.Context.instance()
+        self.control = self.zmq.socket(zmq.PULL)
+        self.endpoint = bind(self.control, None, "control")
+        self.request_ids: list[str] = []
+        self.calls: list[tuple[str, list[int]]] = []       # (request_type, input_ids)
+
+    async def context(self, request_id, inputs):
+        out = engine_request.outputs([self.first], [-0.5], -0.5, "" if self.rest else "length")
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
+        return out
+
+    async def generate(self, request_id, inputs, request_type, token_address):
+        self.request_ids.append(request_id)
+        self.calls.append((request_type, inputs["input_ids"].tolist()))
+        if not self.silent:
+            push = push_socket(self.zmq, token_address, 100)
+            for i, token in enumerate(self.rest):
+                reason = "stop" if i == len(self.rest) - 1 else None
+                push.send(token_wire.encode_events([TokenEvent(request_id, [token],
+                                                               finish_reason=reason)]))
+            push.close(linger=1000)
+        return self.endpoint.address
+
+    def stops(self, timeout_ms: int = 2000) -> list[str]:
+        got = []
+        while self.control.poll(timeout_ms):
+            got.append(token_wire.decode_stop(self.control.recv()))
+            timeout_ms = 100
+        return got
+
+    def close(self):
+        self.control.close(linger=0)
+        self.endpoint.release()
+
+
+def _run(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=None,
+         mode="disaggregated", stream=True):
+    """Serve one request through a real TokenInbox; returns the outcome or the exception."""
+    decode = lambda ids: "".join(chr(0x4E00 + i) for i in ids)   # noqa: E731 - one char per id
+
+    async def main():
+        inbox = TokenInbox(None, stall)
+        orchestrator = Orchestrator(generation, inbox, mode, decode)
+        inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
+                  "stream": np.array([stream])}
+        task = asyncio.ensure_future(orchestrator.handle(inputs, send, cancel))
+        if cancel_task_after is not None:
+            await asyncio.sleep(cancel_task_after)
+            task.cancel()
+        try:
+            return await task
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            return exc
+        finally:
+            directory = inbox.endpoint.directory if inbox.endpoint else None
+            inbox.close()
+            assert directory is None or not directory.exists()   # the ipc file is gone
+    return asyncio.run(main())
+
+
+def test_tokens_arrive_over_zeromq_and_are_detokenized():
+    generation, texts = FakeGeneration(10, [11, 12, 1]), []
+
+    async def send(outputs, final):
+        texts.append((outputs["text_output"][0], final))
+
+    assert _run(generation, send) == "finished"
+    assert texts == [("\u4e0a", False), ("\u4e0b", False), ("\u4e0c", False), ("", True)]
+    assert generation.calls == [(P.GENERATION_ONLY, [3, 4, 10])]   # prompt + first token
+    assert generation.stops(timeout_ms=200) == []        # generation ended it: no stop
+    generation.close()
+
+
+def test_non_streaming_first_token_only_and_aggregated():
+    sends = []
+
+    async def send(outputs, final):
+        sends.append((outputs["text_output"][0], outputs["num_output_tokens"][0], final))
+
+    generation = FakeGeneration(10, [11, 12, 1])
+    assert _run(generation, send, stream=False) == "finished"
+    assert sends == [("\u4e0a\u4e0b\u4e0c", 3, True)]            # exactly one response
+    sends.clear()
+    first_only = FakeGeneration(10, [])
+    assert _run(first_only, send) == "finished" and first_only.calls == []
+    assert sends == [("\u4e0a", 1, True)]
+    aggregated = FakeGeneration(10, [11, 1])
+    assert _run(aggregated, send, mode="aggregated") == "finished"
+    assert aggregated.calls == [(P.CONTEXT_AND_GENERATION, [3, 4])]
+    for fake in (generation, first_only, aggregated):
+        fake.close()
+
+
+def test_a_silent_stream_ends_in_a_clear_error_and_stops_generation():
+    generation = FakeGeneration(10, [11, 1], silent=True)
+
+    async def send(outputs, final):
+        pass
+
+    started = time.monotonic()
+    result = _run(generation, send, stall=0.3)
+    assert isinstance(result, EngineError) and "stall_seconds" in str(result)
+    assert time.monotonic() - started < 5
+    assert generation.stops() == generation.request_ids
+    generation.close()
+
+
+@pytest.mark.parametrize("how", ["send fails", "client cancels", "task cancelled"])
+def test_leaving_a_request_early_stops_generation(how, monkeypatch):
+    from triton_disagg.serving import orchestrator
+
+    monkeypatch.setattr(orchestrator, "CANCEL_POLL_SECONDS", 0.0)   # ask at every event
+    generation = FakeGeneration(10, [11, 12, 13, 14, 1], silent=how == "task cancelled")
+    sent = []
+
+    async def send(outputs, final):
+        sent.append(final)
+        if how == "send fails" and len(sent) == 2:
+            raise RuntimeError("the client went away")
+
+    result = _run(generation, send, cancel=lambda: how == "client cancels" and len(sent) >= 2,
+                  cancel_task_after=0.3 if how == "task cancelled" else None)
+    expected = {"send fails": RuntimeError, "task cancelled": asyncio.CancelledError}
+    if how in expected:
+        assert isinstance(result, expected[how]), result
+    else:
+        assert result == "cancelled" and sent[-1] is True
+    assert generation.stops() == generation.request_ids
+    generation.close()
+
+
+# ---- the generation side ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(demo_engine):
+    from triton_disagg.engine.llm_engine import LLMEngine
+
+    return LLMEngine(demo_engine, num_blocks=256)
+
+
+class Orchestrators:
+    """Real PULL sockets standing in for orchestrators; collects each message's events."""
+
+    def __init__(self, count: int):
+        self.context = zmq.Context.instance()
+        self.socks = [self.context.socket(zmq.PULL) for _ in range(count)]
+        self.endpoints = [bind(s, None, "tokens") for s in self.socks]
+
+    def address(self, i: int) -> str:
+        return self.endpoints[i].address
+
+    def messages(self, i: int, finals: int, timeout: float = 60.0) -> list[list[TokenEvent]]:
+        got, deadline = [], time.monotonic() + timeout
+        while sum(e.final for m in got for e in m) < finals:
+            assert self.socks[i].poll(max(1, int(1000 * (deadline - time.monotonic())))), got
+            got.append(token_wire.decode_events(self.socks[i].recv()))
+        return got
+
+    def close(self):
+        for sock, endpoint in zip(self.socks, self.endpoints):
+            sock.close(linger=0)
+            endpoint.release()
+
+
+def _request(prompt, max_tokens, streaming=True):
+    from triton_disagg.engine.sampling import SamplingParams
+
+    return engine_request.EngineRequest(prompt, SamplingParams(max_tokens=max_tokens), streaming)
+
+
+def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine):
+    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    orchestrators = Orchestrators(1)
+    context = zmq.Context.instance()
+    stops = StopInbox(context, None)
+    loop = DecodeLoop(engine, TokenOutbox(context), side, stops=stops)
+    prompts = {f"r{i}": [5 + i, 6, 7] for i in range(3)}
+    for rid, prompt in prompts.items():
+        loop.submit(rid, side.prepare(P.CONTEXT_AND_GENERATION, _request(prompt, 8), {}),
+                    orchestrators.address(0))
+    loop.submit("long", side.prepare(P.CONTEXT_AND_GENERATION, _request([9, 9], 500, False), {}),
+                orchestrators.address(0))
+    messages = orchestrators.messages(0, finals=3)
+    push = push_socket(context, stops.address, 10)           # the orchestrator's stop
+    push.send(token_wire.encode_stop("long"))
+    messages += orchestrators.messages(0, finals=1)
+    push.close(linger=1000)
+    loop.close()
+    orchestrators.close()
+    assert not stops.endpoint.directory.exists()
+    # The three streams share decode steps: each message holds one event per request.
+    assert len(messages) <= 8 + 2 and max(len(m) for m in messages) >= 3
+    events = [e for m in messages for e in m]
+    offline = engine.generate(list(prompts.values()), _request([0], 8).params)
+    for (rid, _), seq in zip(prompts.items(), offline):
+        mine = [e for e in events if e.request_id == rid]
+        assert [t for e in mine for t in e.tokens] == seq.output_ids
+        assert [e.final for e in mine].count(True) == 1 and mine[-1].final
+        assert all(e.log_probs is None for e in mine)    # none asked for, none sent
+    assert [e.finish_reason for e in events if e.request_id == "long"] == ["cancelled"]
+    assert engine.pool.num_used == 0
+
+
+class BrokenSocket:
+    def send(self, frame, flags=0):
+        raise RuntimeError("send failed")
+
+    def close(self, linger=0):
+        pass
+
+
+def test_the_loop_survives_a_send_that_raises(engine):
+    """Requests for an address whose send raises fail; the loop goes on and the requests
+    of another address finish with every token."""
+    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    orchestrators = Orchestrators(1)
+    outbox = TokenOutbox(zmq.Context.instance())
+    outbox.sockets["ipc:///gone"] = BrokenSocket()
+    done: list[str] = []
+    side.request_done = done.append
+    loop = DecodeLoop(engine, outbox, side)
+    loop.submit("doomed", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6], 400), {}),
+                "ipc:///gone")
+    loop.submit("fine", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 7], 12), {}),
+                orchestrators.address(0))
+    events = [e for m in orchestrators.messages(0, finals=1) for e in m]
+    loop.submit("later", side.prepare(P.CONTEXT_AND_GENERATION, _request([8], 4), {}),
+                orchestrators.address(0))
+    events += [e for m in orchestrators.messages(0, finals=1) for e in m]
+    loop.close()
+    orchestrators.close()
+    assert loop.thread.is_alive() is False and "doomed" not in loop.live
+    assert [e.finish_reason for e in events if e.final] == ["length", "length"]
+    assert sum(len(e.tokens) for e in events) == 12 + 4
+    assert sorted(done) == ["error", "finished", "finished"] and engine.pool.num_used == 0
+
+
+def test_a_stuck_loop_reports_its_stacks_and_fails_its_requests(engine, capfd):
+    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    orchestrators = Orchestrators(1)
+    release = threading.Event()
+    step = engine.step
+
+    def stuck_step():
+        release.wait(30)
+        return step()
+
+    loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side, stuck_seconds=0.5)
+    engine.step = stuck_step
+    try:
+        loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6], 50), {}),
+                    orchestrators.address(0))
+        (message,) = orchestrators.messages(0, finals=1, timeout=10)
+    finally:
+        release.set()
+        del engine.step
+    assert "stuck" in message[0].error and message[0].request_id == "r"
+    deadline = time.monotonic() + 10
+    while loop.live and time.monotonic() < deadline:     # the loop came round: it drops "r"
+        time.sleep(0.05)
+    loop.close()
+    orchestrators.close()
+    assert not loop.live and engine.pool.num_used == 0
+    assert "stuck_step" in capfd.readouterr().err       # every thread's stack was logged

@@ -1,0 +1,90 @@
+"""The generation instance's ZeroMQ side: token events out, stops in.
+
+- :class:`TokenOutbox` groups the token events of one decode step by orchestrator
+  address and sends one message per address (PUSH, one socket per address, cached);
+- :class:`StopInbox` is the instance's control socket (PULL), bound once; its address
+  goes back to the orchestrator with each accepted request, and stops for this
+  instance's requests arrive there.
+
+Invariants: only the decode-loop thread sends or receives on these sockets; nothing
+here blocks: a send that would wait (the orchestrator is gone or not reading, and
+``HIGH_WATER_MARK`` messages already wait for it) or fails reports the request ids of
+that message to the loop, which fails those requests and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from triton_disagg.serving import token_wire
+from triton_disagg.serving.token_wire import TokenEvent, WireError
+from triton_disagg.serving.zmq_endpoints import Endpoint, bind, push_socket
+
+HIGH_WATER_MARK = 1000       # messages (decode steps) queued per orchestrator address
+_log = logging.getLogger(__name__)
+
+
+class TokenOutbox:
+    def __init__(self, context: zmq.Context):
+        self.context = context
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.pending: dict[str, list[TokenEvent]] = {}
+
+    def put(self, address: str, event: TokenEvent) -> None:
+        self.pending.setdefault(address, []).append(event)
+
+    def flush(self) -> list[str]:
+        """Send what was put since the last flush; the request ids that could not be sent."""
+        pending, self.pending = self.pending, {}
+        failed: list[str] = []
+        for address, events in pending.items():
+            try:
+                sock = self.sockets.get(address) or self._connect(address)
+                sock.send(token_wire.encode_events(events), zmq.NOBLOCK)
+            except Exception as exc:  # noqa: BLE001 - zmq.Again: HIGH_WATER_MARK messages wait
+                _log.warning("generation: cannot send tokens to %s (%s); failing %d request(s)",
+                             address, exc, len(events))
+                failed += [e.request_id for e in events]
+        return failed
+
+    def _connect(self, address: str) -> zmq.Socket:
+        self.sockets[address] = push_socket(self.context, address, HIGH_WATER_MARK)
+        return self.sockets[address]
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket; what is still unsent after ``linger_ms`` is dropped."""
+        for sock in self.sockets.values():
+            sock.close(linger=linger_ms)
+        self.sockets.clear()
+
+
+class StopInbox:
+    """``host`` None: ipc in a private directory (orchestrators on this host); else tcp."""
+
+    def __init__(self, context: zmq.Context, host: str | None):
+        self.sock = context.socket(zmq.PULL, socket_class=zmq.Socket)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint: Endpoint = bind(self.sock, host, "control")
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def take(self) -> list[str]:
+        """The request ids of every stop that arrived (malformed frames are logged, dropped)."""
+        stops = []
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return stops
+            try:
+                stops.append(token_wire.decode_stop(frame))
+            except WireError as exc:
+                _log.warning("generation: dropped a control frame: %s", exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.endpoint.release()

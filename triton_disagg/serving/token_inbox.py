@@ -1,0 +1,160 @@
+"""The orchestrator instance's ZeroMQ side: every generation instance sends its token
+events to one PULL socket here; stops go back to the instance holding a request.
+
+One reader task on the orchestrator's event loop decodes each message and hands every
+event to its request's :class:`TokenStream` (a queue); events for a request nobody
+waits for any more are dropped.
+
+Invariants: a :class:`TokenStream` is registered before its generation request is sent,
+so no event can arrive unclaimed; :meth:`TokenStream.next` never waits longer than
+``stall_seconds``; a stream left before generation sent its final event (client cancel,
+stall, a failing send, an error, task cancellation) sends generation a stop, addressed
+to the control socket that generation named when it accepted the request. The socket
+file and its private directory are gone once :meth:`TokenInbox.close` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable
+
+import zmq
+import zmq.asyncio
+
+from triton_disagg.serving import token_wire
+from triton_disagg.serving.orchestrator import EngineError
+from triton_disagg.serving.token_wire import TokenEvent, WireError
+from triton_disagg.serving.zmq_endpoints import Endpoint, bind, push_socket
+
+STOP_HIGH_WATER_MARK = 100
+STOP_LINGER_MS = 500
+_log = logging.getLogger(__name__)
+
+
+class TokenStream:
+    """One request's token events, in order."""
+
+    def __init__(self, inbox: "TokenInbox", request_id: str):
+        self.inbox, self.request_id = inbox, request_id
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.control: str | None = None     # the generation instance's control address
+        self.ended = False                  # generation sent the final event
+
+    async def accept(self, ack: Awaitable[str]) -> None:
+        """Await generation's answer to the request (its control address)."""
+        try:
+            self.control = await asyncio.wait_for(ack, self.inbox.stall_seconds)
+        except asyncio.TimeoutError:
+            raise EngineError(f"generation did not accept the request within "
+                              f"{self.inbox.stall_seconds:g} s (generation_server.stall_seconds)"
+                              ) from None
+
+    async def next(self) -> TokenEvent:
+        """The next event; EngineError for an error event or ``stall_seconds`` of silence."""
+        try:
+            event = await asyncio.wait_for(self.events.get(), self.inbox.stall_seconds)
+        except asyncio.TimeoutError:
+            raise EngineError(f"generation sent no token for {self.inbox.stall_seconds:g} s "
+                              f"(generation_server.stall_seconds); the request was stopped"
+                              ) from None
+        self.ended = event.final
+        if event.error is not None:
+            raise EngineError(event.error)
+        return event
+
+    def __enter__(self) -> "TokenStream":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.inbox.streams.pop(self.request_id, None)
+        if not self.ended and self.control is not None:
+            self.inbox.stop(self.control, self.request_id)
+
+
+class TokenInbox:
+    """``host`` None: ipc in a private directory (generation on this host); else tcp on
+    ``host``. Sockets are made on first use, on the event loop that serves requests."""
+
+    def __init__(self, host: str | None, stall_seconds: float):
+        self.host, self.stall_seconds = host, stall_seconds
+        self.streams: dict[str, TokenStream] = {}
+        self.context: zmq.asyncio.Context | None = None
+        self.sock: zmq.asyncio.Socket | None = None
+        self.endpoint: Endpoint | None = None
+        self.reader: asyncio.Task | None = None
+        self.stop_sockets: dict[str, zmq.Socket] = {}
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def open(self, request_id: str) -> TokenStream:
+        """Register ``request_id``'s stream (on the event loop); use it as a context manager."""
+        if self.reader is None:
+            self.context = zmq.asyncio.Context()
+            self.sock = self.context.socket(zmq.PULL)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.endpoint = bind(self.sock, self.host, "tokens")
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+        stream = self.streams[request_id] = TokenStream(self, request_id)
+        return stream
+
+    def stop(self, control: str, request_id: str) -> None:
+        """Ask the generation instance at ``control`` to stop ``request_id`` (never blocks)."""
+        sock = self.stop_sockets.get(control)
+        if sock is None:
+            sock = self.stop_sockets[control] = push_socket(self.context, control,
+                                                            STOP_HIGH_WATER_MARK)
+        try:
+            sock.send(token_wire.encode_stop(request_id), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            _log.warning("orchestrator: could not send a stop to %s (%s)", control, exc)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frame = await self.sock.recv()
+                events = token_wire.decode_events(frame)
+            except WireError as exc:
+                _log.warning("orchestrator: dropped a token frame: %s", exc)
+                continue
+            except zmq.ZMQError as exc:
+                _log.error("orchestrator: token socket failed (%s); reading on", exc)
+                await asyncio.sleep(0.1)
+                continue
+            for event in events:
+                stream = self.streams.get(event.request_id)
+                if stream is not None:
+                    stream.events.put_nowait(event)
+
+    def close(self) -> None:
+        """Stop reading, close the sockets, remove the ipc file (any thread)."""
+        if self.reader is None:
+            return
+        loop = self.reader.get_loop()
+        if loop.is_running() and not _on_loop(loop):
+            asyncio.run_coroutine_threadsafe(self._close(), loop).result(timeout=5)
+        else:
+            self.reader.cancel()
+            self._close_sockets()
+
+    async def _close(self) -> None:
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self.sock.close(linger=0)
+        for sock in self.stop_sockets.values():
+            sock.close(linger=STOP_LINGER_MS)     # stops sent just before still leave
+        self.endpoint.release()
+        self.context.term()
+        self.reader = None
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,109 @@
+"""The messages that travel over ZeroMQ between generation and the orchestrator (msgpack).
+
+Two kinds, each one msgpack map with the schema version under ``"v"``:
+
+- a token message (generation -> an orchestrator's token address): every token event
+  of one decode step for that address, ``{"v": 1, "events": [event, ...]}``, where an
+  event is ``{"id": request id, "tokens": [int, ...]}`` plus, only when they apply,
+  ``"log_probs": [float, ...]`` and ``"cum_log_prob": float`` (the request asked for
+  them), ``"finish": reason`` (its last event) or ``"error": message`` (its last event);
+- a stop (orchestrator -> the control address of the generation instance holding the
+  request): ``{"v": 1, "stop": request id}``.
+
+Invariants: decoding never runs code (msgpack only; a tcp socket can be reached from
+other hosts, so nothing here is pickle); every frame that is not a well-formed message
+of this version raises :class:`WireError` naming what is wrong; an event is final
+exactly when it carries ``finish`` or ``error``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+
+
+class WireError(ValueError):
+    """A frame that is not a message of this schema version."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    tokens: list[int]
+    log_probs: list[float] | None = None     # only when the request asked for them
+    cum_log_prob: float | None = None
+    finish_reason: str | None = None         # set on a request's last event
+    error: str | None = None                 # or this, instead
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+_OPTIONAL = (("log_probs", "log_probs", list), ("cum_log_prob", "cum_log_prob", float),
+             ("finish", "finish_reason", str), ("error", "error", str))   # wire, field, type
+
+
+def encode_events(events: list[TokenEvent]) -> bytes:
+    return msgpack.packb({"v": VERSION, "events": [_event_map(e) for e in events]})
+
+
+def decode_events(frame: bytes) -> list[TokenEvent]:
+    events = _message(frame, "events")
+    if not isinstance(events, list):
+        raise WireError("token message: 'events' must be a list")
+    return [_event(e) for e in events]
+
+
+def encode_stop(request_id: str) -> bytes:
+    return msgpack.packb({"v": VERSION, "stop": request_id})
+
+
+def decode_stop(frame: bytes) -> str:
+    request_id = _message(frame, "stop")
+    if not isinstance(request_id, str):
+        raise WireError("stop message: 'stop' must be a request id string")
+    return request_id
+
+
+def _event_map(event: TokenEvent) -> dict:
+    out: dict[str, Any] = {"id": event.request_id, "tokens": event.tokens}
+    for wire, name, _ in _OPTIONAL:
+        value = getattr(event, name)
+        if value is not None:
+            out[wire] = value
+    return out
+
+
+def _message(frame: bytes, key: str) -> Any:
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for garbage
+        raise WireError(f"not a msgpack message ({type(exc).__name__})") from None
+    if not isinstance(message, dict):
+        raise WireError("not a message: expected a msgpack map")
+    if message.get("v") != VERSION:
+        raise WireError(f"message version {message.get('v')!r}; this side speaks {VERSION}")
+    if key not in message:
+        raise WireError(f"message without {key!r}")
+    return message[key]
+
+
+def _event(raw: Any) -> TokenEvent:
+    if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+        raise WireError("token event: expected a map with a request id under 'id'")
+    tokens = raw.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise WireError("token event: 'tokens' must be a list of integers")
+    fields: dict[str, Any] = {}
+    for wire, name, kind in _OPTIONAL:
+        if wire in raw:
+            value = float(raw[wire]) if kind is float and type(raw[wire]) is int else raw[wire]
+            if not isinstance(value, kind):
+                raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
+            fields[name] = value
+    return TokenEvent(raw["id"], tokens, **fields)

@@ -1,0 +1,62 @@
+"""Where a ZeroMQ socket of this project binds: ``ipc://`` in a private runtime directory
+on one host, ``tcp://`` on a named host's address when peers may be remote.
+
+Invariants: an ipc endpoint lives in a directory of its own (mode 0700, under
+``$XDG_RUNTIME_DIR`` when usable, else the temp dir) that :meth:`Endpoint.release`
+removes with the socket file; a tcp endpoint binds a free port on the address ``host``
+resolves to and advertises exactly that address, so a peer can connect to it as given.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    address: str                       # what peers connect to
+    directory: Path | None = None      # the private directory of an ipc endpoint
+
+    def release(self) -> None:
+        """Remove the ipc socket file and its directory (after the socket is closed)."""
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def bind(sock: zmq.Socket, host: str | None, name: str) -> Endpoint:
+    """Bind ``sock``: ipc (``host`` None) as ``<private dir>/<name>``, else tcp on ``host``."""
+    if host is None:
+        directory = Path(tempfile.mkdtemp(prefix="triton-disagg-", dir=_runtime_dir()))
+        address = f"ipc://{directory / name}"
+        try:
+            sock.bind(address)
+        except zmq.ZMQError:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return Endpoint(address, directory)
+    ip = socket.gethostbyname(host)
+    port = sock.bind_to_random_port(f"tcp://{ip}")
+    return Endpoint(f"tcp://{ip}:{port}")
+
+
+def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq.Socket:
+    """A PUSH socket connected to ``address`` that never blocks its owner: at most
+    ``high_water_mark`` messages wait for a slow peer (then a NOBLOCK send raises
+    ``zmq.Again``) and closing drops what is unsent."""
+    sock = context.socket(zmq.PUSH, socket_class=zmq.Socket)
+    sock.setsockopt(zmq.SNDHWM, high_water_mark)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def _runtime_dir() -> str | None:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return runtime if runtime and os.access(runtime, os.W_OK | os.X_OK) else None
