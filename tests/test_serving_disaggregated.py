@@ -104,6 +104,29 @@ def test_32_concurrent_streams_each_get_their_text(server, offline):
     _wait_pools_empty(server)
 
 
+def test_tokens_reach_the_orchestrator_over_zeromq(server, offline):
+    """Triton carries each request into generation once and generation answers it with one
+    response (it is not decoupled), yet the client gets every token as its own delta: the
+    tokens came over ZeroMQ. No postprocessing model is left: the orchestrator detokenizes."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        models = {m.name for m in client.get_model_repository_index().models}
+        assert "postprocessing" not in models and "orchestrator" in models
+        assert not client.get_model_config("generation").config.model_transaction_policy.decoupled
+
+        def executions() -> int:
+            stats = client.get_inference_statistics("generation", as_json=True)["model_stats"][0]
+            return int(stats.get("execution_count", 0))
+
+        before = executions()
+        events = serving.generate_stream(server.http, {"text_input": PROMPTS[0],
+                                                       "max_tokens": 16, "stream": True})
+        assert executions() - before == 1
+    assert len([e for e in events if e["text_output"]]) > 8
+    assert "".join(e["text_output"] for e in events) == offline(PROMPTS[0], 16)
+
+
 def test_client_cancel_stops_generation_and_frees_blocks(server):
     serving.stream_then_cancel(server.grpc)
     deadline = time.monotonic() + 30

@@ -23,9 +23,9 @@ Invariants:
   ``stream_interval`` tokens (each token exactly once, in order), then the final
   one; non-streaming ones one event with every token when they finish;
 - nothing in one iteration stops the loop: a failing token hand-off fails that
-  request, a failing engine step fails the live requests, anything else is logged;
-  a loop stuck for ``stuck_seconds`` with work live is reported by its watchdog,
-  which fails its requests (and the loop drops them if it ever comes round).
+  request, a failing engine step the live ones, anything else is logged; a loop stuck
+  ``stuck_seconds`` with work live is reported by its watchdog, which fails its
+  requests (the loop drops them if it comes round).
 """
 
 from __future__ import annotations
@@ -35,38 +35,19 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from triton_disagg.serving.decode_requests import Live, Waiting, token_event
 from triton_disagg.serving.engine_request import EngineRequest
-from triton_disagg.serving.generation_sockets import TokenOutbox
+from triton_disagg.serving.generation_sockets import send_errors
 from triton_disagg.serving.loop_watchdog import Watchdog
 from triton_disagg.serving.token_wire import TokenEvent
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class Live:
-    address: str                    # the orchestrator's token address
-    streaming: bool
-    with_log_probs: bool = True
-    emitted: bool = False           # has the first token gone out
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    cum_log_prob: float = 0.0
-
-
-@dataclass
-class Waiting:
-    request_id: str
-    work: Any
-    live: Live
-    blocks: int                     # KV blocks it holds once admitted
 
 
 class DecodeLoop:
@@ -81,8 +62,7 @@ class DecodeLoop:
     (:class:`~generation_sockets.TokenOutbox`); ``stops``: ``take() -> request ids``
     (:class:`~generation_sockets.StopInbox`) or None. The loop closes both when it ends.
 
-    ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages.
-    """
+    ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""
 
     def __init__(self, engine: Any, outbox: Any, side: Any, stream_interval: int = 1,
                  stops: Any = None, stuck_seconds: float = 30.0):
@@ -106,9 +86,6 @@ class DecodeLoop:
         live = Live(address, getattr(request, "streaming", True),
                     getattr(request, "return_log_probs", True))
         self.inbox.put(("add", request_id, request, live))
-
-    def stop(self, request_id: str) -> None:
-        self.inbox.put(("stop", request_id, None, None))
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish: cancel what is live, end the thread (``finalize``)."""
@@ -168,8 +145,6 @@ class DecodeLoop:
             kind, request_id, request, live = item
             if kind == "add":
                 self._queue(request_id, request, live)
-            elif kind == "stop":
-                self._stop(request_id)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -218,14 +193,14 @@ class DecodeLoop:
         if event.finished:
             self._finish(event.request_id, event.finish_reason)
         elif live.streaming and (not live.emitted or len(live.tokens) >= self.stream_interval):
-            self.outbox.put(live.address, self._event(event.request_id, live, None))
+            self.outbox.put(live.address, token_event(event.request_id, live, None))
             live.tokens, live.log_probs = [], []
             live.emitted = True
 
     def _finish(self, request_id: str, reason: str | None) -> None:
         live = self.live.pop(request_id)
         reason = CANCELLED if reason == "aborted" else reason
-        self.outbox.put(live.address, self._event(request_id, live, reason))
+        self.outbox.put(live.address, token_event(request_id, live, reason))
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
 
     def _refuse(self, request_id: str, live: Live, message: str) -> None:
@@ -248,14 +223,10 @@ class DecodeLoop:
     def _fail_stuck(self) -> None:
         """Watchdog thread: tell every live request's orchestrator, over sockets of its own."""
         with self.lock:
-            stuck = dict(self.live)
+            stuck = {request_id: live.address for request_id, live in self.live.items()}
             self.abandoned.update(stuck)
-        rescue = TokenOutbox(zmq.Context.instance())
-        for request_id, live in stuck.items():
-            rescue.put(live.address, TokenEvent(request_id, [], error=(
-                f"generation loop stuck for {self.watchdog.stuck_seconds:g} s; request failed")))
-        rescue.flush()
-        rescue.close(linger_ms=1000)      # let the errors out before the sockets go
+        send_errors(zmq.Context.instance(), stuck, f"generation loop stuck for "
+                    f"{self.watchdog.stuck_seconds:g} s; request failed")
 
     def _drop_abandoned(self) -> None:
         with self.lock:
@@ -264,9 +235,3 @@ class DecodeLoop:
             if self.live.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
                 self.side.request_done("error")
-
-    @staticmethod
-    def _event(request_id: str, live: Live, reason: str | None) -> TokenEvent:
-        if not live.with_log_probs:
-            return TokenEvent(request_id, live.tokens, finish_reason=reason)
-        return TokenEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason)

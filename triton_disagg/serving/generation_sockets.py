@@ -60,6 +60,16 @@ class TokenOutbox:
         self.sockets.clear()
 
 
+def send_errors(context: zmq.Context, addresses: dict[str, str], message: str) -> None:
+    """One error event per request (request id -> address), over sockets of the caller's
+    own (for a thread other than the loop's), given a second to leave."""
+    outbox = TokenOutbox(context)
+    for request_id, address in addresses.items():
+        outbox.put(address, TokenEvent(request_id, [], error=message))
+    outbox.flush()
+    outbox.close(linger_ms=1000)
+
+
 class StopInbox:
     """``host`` None: ipc in a private directory (orchestrators on this host); else tcp."""
 

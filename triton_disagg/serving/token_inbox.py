@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Awaitable
 
 import zmq
@@ -128,29 +129,30 @@ class TokenInbox:
                 if stream is not None:
                     stream.events.put_nowait(event)
 
-    def close(self) -> None:
-        """Stop reading, close the sockets, remove the ipc file (any thread)."""
-        if self.reader is None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Remove the ipc file, stop reading and close the sockets (``finalize``, any thread).
+
+        The sockets belong to the event loop's thread, so they are closed there; when that
+        loop does not come round within ``timeout`` they are left to the process's exit."""
+        reader, self.reader = self.reader, None
+        if reader is None:
             return
-        loop = self.reader.get_loop()
-        if loop.is_running() and not _on_loop(loop):
-            asyncio.run_coroutine_threadsafe(self._close(), loop).result(timeout=5)
-        else:
-            self.reader.cancel()
-            self._close_sockets()
+        self.endpoint.release()
+        loop = reader.get_loop()
+        if not loop.is_running() or _on_loop(loop):
+            self._close_sockets(reader)
+            return
+        closed = threading.Event()
+        loop.call_soon_threadsafe(lambda: (self._close_sockets(reader), closed.set()))
+        if not closed.wait(timeout):
+            _log.warning("orchestrator: event loop busy at finalize; token sockets left open")
 
-    async def _close(self) -> None:
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
+    def _close_sockets(self, reader: asyncio.Task) -> None:
+        reader.cancel()
         self.sock.close(linger=0)
         for sock in self.stop_sockets.values():
             sock.close(linger=STOP_LINGER_MS)     # stops sent just before still leave
-        self.endpoint.release()
         self.context.term()
-        self.reader = None
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -79,5 +79,7 @@ class TritonPythonModel:
                         flags=FINAL)
 
     def finalize(self):
-        self.tokens.close()
-        self.metrics.close()
+        try:
+            self.tokens.close()
+        finally:
+            self.metrics.close()

@@ -1,0 +1,38 @@
+"""The decode loop's per-request state, and the token event it becomes.
+
+Invariant: ``Live.tokens`` / ``Live.log_probs`` hold exactly the tokens made since the
+request's last event (plain ints and floats, ready for msgpack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from triton_disagg.serving.token_wire import TokenEvent
+
+
+@dataclass
+class Live:
+    address: str                    # the orchestrator's token address
+    streaming: bool
+    with_log_probs: bool = True
+    emitted: bool = False           # has the first token gone out
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    cum_log_prob: float = 0.0
+
+
+@dataclass
+class Waiting:
+    request_id: str
+    work: Any
+    live: Live
+    blocks: int                     # KV blocks it holds once admitted
+
+
+def token_event(request_id: str, live: Live, reason: str | None) -> TokenEvent:
+    """The tokens ``live`` holds (log probs only when asked for), final with ``reason``."""
+    if not live.with_log_probs:
+        return TokenEvent(request_id, live.tokens, finish_reason=reason)
+    return TokenEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason)
