@@ -172,7 +172,7 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
                               parameters={"request_type": "context_only"})
     raw = result.as_numpy("context_phase_params")[0].tobytes()
     ids.append(int(result.as_numpy("output_ids")[0, 0, 0]))
-    assert _generation_only(server, ids, raw).as_numpy("output_ids").size
+    assert _generation_only(server, ids, raw)                 # its tokens came
     time.sleep(0.5)                                      # the context side saw the READ
     with pytest.raises(RuntimeError, match="already fetched"):
         _generation_only(server, ids, raw)
@@ -191,9 +191,16 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
 
 
 def _generation_only(served, ids, handle_bytes):
-    import queue
+    """Call generation as the orchestrator does: Triton carries the request, its tokens come
+    to a ZeroMQ socket of ours. The token ids, or RuntimeError with the request's error."""
+    import uuid
 
     import tritonclient.grpc as grpcclient
+    import zmq
+    from tritonclient.utils import InferenceServerException
+
+    from triton_disagg.serving import token_wire
+    from triton_disagg.serving.zmq_endpoints import bind
 
     arrays = {"input_ids": np.array([ids], np.int32),
               "input_lengths": np.array([[len(ids)]], np.int32),
@@ -204,16 +211,27 @@ def _generation_only(served, ids, handle_bytes):
         tensors.append(grpcclient.InferInput(name, list(arr.shape),
                                              grpcclient.np_to_triton_dtype(arr.dtype)))
         tensors[-1].set_data_from_numpy(arr)
-    got: queue.Queue = queue.Queue()
-    with grpcclient.InferenceServerClient(served.grpc) as client:
-        client.start_stream(callback=lambda result, error: got.put((result, error)))
-        client.async_stream_infer("generation", tensors, request_id="foreign", parameters={
-            "request_type": "generation_only", "token_address": "ipc:///nowhere/tokens"})
-        result, error = got.get(timeout=60)
-        client.stop_stream()
-    if error is not None:
-        raise RuntimeError(error.message())
-    return result
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    endpoint = bind(sock, None, "tokens")
+    try:
+        with grpcclient.InferenceServerClient(served.grpc) as client:
+            try:
+                client.infer("generation", tensors, request_id=uuid.uuid4().hex, parameters={
+                    "request_type": "generation_only", "token_address": endpoint.address})
+            except InferenceServerException as exc:
+                raise RuntimeError(exc.message()) from None
+        tokens = []
+        while True:
+            assert sock.poll(60_000), "no token event from generation in 60 s"
+            for event in token_wire.decode_events(sock.recv()):
+                if event.error is not None:
+                    raise RuntimeError(event.error)
+                tokens += event.tokens
+                if event.final:
+                    return tokens
+    finally:
+        sock.close(linger=0)
+        endpoint.release()
 
 
 def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
