@@ -52,7 +52,7 @@ class Transport(Protocol):
 
 @dataclass(frozen=True)
 class Chunk:
-    """One engine response, batch axis removed."""
+    """One request's new tokens: the context model's response or a generation token event."""
 
     ids: list[int]
     log_probs: list[float]
