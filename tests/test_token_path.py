@@ -274,6 +274,22 @@ def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine
     assert engine.pool.num_used == 0
 
 
+def test_stream_interval_groups_tokens_after_the_first(engine):
+    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    orchestrators = Orchestrators(1)
+    loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side, stream_interval=3)
+    loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6, 7], 9), {}),
+                orchestrators.address(0))
+    events = [e for m in orchestrators.messages(0, finals=1) for e in m]
+    loop.close()
+    orchestrators.close()
+    # 9 tokens: the first at once, then groups of 3, the last 2 with the final event.
+    assert [len(e.tokens) for e in events] == [1, 3, 3, 2]
+    assert [e.final for e in events] == [False, False, False, True]
+    offline = engine.generate([[5, 6, 7]], _request([0], 9).params)[0].output_ids
+    assert [t for e in events for t in e.tokens] == offline and engine.pool.num_used == 0
+
+
 class BrokenSocket:
     def send(self, frame, flags=0):
         raise RuntimeError("send failed")
