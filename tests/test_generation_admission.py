@@ -76,24 +76,45 @@ def sides(demo_engine):
 
 
 class Finals:
-    """Collects each request's emits; ``wait(n)`` until n requests have their final one."""
+    """The loop's outbox: collects each request's token events; ``wait(n)`` until n
+    requests have their final one."""
 
     def __init__(self):
         self.emits: dict[str, list] = {}
         self.cond = threading.Condition()
 
-    def __call__(self, sender, outputs, final, error):
+    def put(self, address, event):
         with self.cond:
-            self.emits.setdefault(sender, []).append((outputs, final, error))
+            self.emits.setdefault(event.request_id, []).append(event)
             self.cond.notify_all()
+
+    def flush(self):
+        return []                          # every event reached its orchestrator
+
+    def close(self):
+        pass
 
     def wait(self, n: int, timeout: float = WAIT_SECONDS) -> bool:
         with self.cond:
-            return self.cond.wait_for(lambda: sum(e[1] for v in self.emits.values()
+            return self.cond.wait_for(lambda: sum(e.final for v in self.emits.values()
                                                   for e in v) >= n, timeout)
 
     def tokens(self, rid: str) -> list[int]:
-        return [t for out, _, _ in self.emits[rid] if out for t in out["output_ids"][0].tolist()]
+        return [t for event in self.emits[rid] for t in event.tokens]
+
+
+class StopsFor:
+    """The control socket, as the loop sees it: a stop for ``request_id`` at every poll
+    (a stop for a request the loop no longer holds is ignored)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+
+    def take(self) -> list[str]:
+        return [self.request_id]
+
+    def close(self):
+        pass
 
 
 def handed_off(context, rid, prompt, params):
@@ -110,14 +131,14 @@ def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
                 "b": (list(range(30, 46)), SamplingParams(max_tokens=17)),   # 4+4 blocks
                 "c": ([7, 8, 9, 10], SamplingParams(max_tokens=5))}          # 1+1 blocks
     gated, finals = GatedSide(side), Finals()
-    loop = DecodeLoop(side.engine, finals, gated)
+    loop = DecodeLoop(side.engine, finals, gated, stops=StopsFor("d"))
     firsts = {}
     for rid, (prompt, params) in requests.items():
         firsts[rid], work = handed_off(context, rid, prompt, params)
-        loop.submit(rid, work, rid)
+        loop.submit(rid, work, "ipc:///orchestrator")
     # d's client is gone before d reaches the head: it ends without taking any block.
     _, cancelled = handed_off(context, "d", [7, 8, 9], SamplingParams(max_tokens=3))
-    loop.submit("d", cancelled, "d", is_cancelled=lambda: True)
+    loop.submit("d", cancelled, "ipc:///orchestrator")
     gated.release.set()
     try:
         assert finals.wait(4), "admission deadlock: the requests never all finished"
@@ -125,14 +146,13 @@ def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
         loop.close()
     # c would fit beside a, but waits behind b (FIFO); each is admitted once, no retries.
     assert gated.admitted == ["a", "b", "c"]
-    ((outputs, final, error),) = finals.emits["d"]
-    assert final and error is None and outputs["finish_reason"][0] == b"cancelled"
-    assert outputs["output_ids"].size == 0
+    (event,) = finals.emits["d"]
+    assert event.error is None and event.finish_reason == "cancelled" and event.tokens == []
     context.pool.free(cancelled.handle.block_ids)        # as its lease expiring would
     for rid, (prompt, params) in requests.items():
         (whole,) = context.generate([prompt], params)
         assert [firsts[rid]] + finals.tokens(rid) == whole.output_ids
-        assert [e[1] for e in finals.emits[rid]] == [True] and finals.emits[rid][0][2] is None
+        assert [e.final for e in finals.emits[rid]] == [True] and finals.emits[rid][0].error is None
     assert side.engine.pool.num_used == 0 and context.pool.num_used == 0
 
 
@@ -143,19 +163,20 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_once(sides):
     # 48 prompt tokens (12 blocks) + 4: the prompt alone outgrows the 10-block pool.
     _, work = handed_off(context, "big", list(range(5, 53)),
                          SamplingParams(max_tokens=4))
-    loop.submit("big", work, "big")
+    loop.submit("big", work, "ipc:///orchestrator")
     _, work = handed_off(context, "ok", [7, 8, 9], SamplingParams(max_tokens=3))
-    loop.submit("ok", work, "ok")
+    loop.submit("ok", work, "ipc:///orchestrator")
     try:
         assert finals.wait(2, timeout=5.0), "the never-fitting request waits for ever"
     finally:
         loop.close()
-    ((outputs, final, error),) = finals.emits["big"]
-    assert outputs is None and final
+    (event,) = finals.emits["big"]
+    error = event.error
+    assert event.tokens == [] and error is not None
     for part in ("51 tokens of KV", "13 KV blocks", "10 blocks", "40 tokens",
                  "raise kv_cache.max_size", "lower max_tokens"):
         assert part in error, (part, error)
-    assert finals.emits["ok"][-1][2] is None and side.engine.pool.num_used == 0
+    assert finals.emits["ok"][-1].error is None and side.engine.pool.num_used == 0
 
 
 def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_engine):
