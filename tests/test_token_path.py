@@ -63,6 +63,31 @@ def test_generation_refuses_a_request_without_a_token_address():
         P.CONTEXT_AND_GENERATION, "ipc:///x")
 
 
+def test_ipc_directories_are_private_and_a_dead_owners_are_swept(monkeypatch):
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from triton_disagg import shm
+
+    tmp_path = Path(tempfile.mkdtemp(dir="/tmp"))   # short: an ipc path has 107 bytes at most
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    me = shm.me()
+    dead = tmp_path / f"{shm.PREFIX}zmq_{me.pidns}-{me.pid}-{me.start + 1}_gone"   # pid reused
+    dead.mkdir()
+    other = tmp_path / "someone-elses"
+    other.mkdir()
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    endpoint = bind(sock, None, "tokens")
+    assert not dead.exists() and other.exists()
+    assert endpoint.directory.parent == tmp_path and endpoint.directory.stat().st_mode & 0o77 == 0
+    assert endpoint.address == f"ipc://{endpoint.directory / 'tokens'}"
+    sock.close(linger=0)
+    endpoint.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["someone-elses"]
+    shutil.rmtree(tmp_path)
+
+
 # ---- the orchestrator's side -----------------------------------------------------------
 
 class FakeGeneration:

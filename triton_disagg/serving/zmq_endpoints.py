@@ -2,8 +2,10 @@
 on one host, ``tcp://`` on a named host's address when peers may be remote.
 
 Invariants: an ipc endpoint lives in a directory of its own (mode 0700, under
-``$XDG_RUNTIME_DIR`` when usable, else the temp dir) that :meth:`Endpoint.release`
-removes with the socket file; a tcp endpoint binds a free port on the address ``host``
+``$XDG_RUNTIME_DIR`` when usable, else the temp dir), named for its owner process like
+the project's ``/dev/shm`` entries (:mod:`triton_disagg.shm`): :meth:`Endpoint.release`
+removes it with the socket file, and each ipc bind removes the directories whose owner
+is gone (a killed stub). A tcp endpoint binds a free port on the address ``host``
 resolves to and advertises exactly that address, so a peer can connect to it as given.
 """
 
@@ -17,6 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+
+from triton_disagg import shm
+
+KIND = "zmq"     # the owner-named kind of the ipc directories
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,10 @@ class Endpoint:
 def bind(sock: zmq.Socket, host: str | None, name: str) -> Endpoint:
     """Bind ``sock``: ipc (``host`` None) as ``<private dir>/<name>``, else tcp on ``host``."""
     if host is None:
-        directory = Path(tempfile.mkdtemp(prefix="triton-disagg-", dir=_runtime_dir()))
+        runtime = _runtime_dir()
+        _sweep(runtime)
+        directory = runtime / shm.new_name(KIND)
+        directory.mkdir(mode=0o700)
         address = f"ipc://{directory / name}"
         try:
             sock.bind(address)
@@ -57,6 +66,14 @@ def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq
     return sock
 
 
-def _runtime_dir() -> str | None:
+def _runtime_dir() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return runtime if runtime and os.access(runtime, os.W_OK | os.X_OK) else None
+    usable = runtime and os.access(runtime, os.W_OK | os.X_OK)
+    return Path(runtime if usable else tempfile.gettempdir())
+
+
+def _sweep(runtime: Path) -> None:
+    """Remove the ipc directories in ``runtime`` whose owner process is gone."""
+    for name in os.listdir(runtime):
+        if name.startswith(f"{shm.PREFIX}{KIND}_") and shm.orphaned(name):
+            shutil.rmtree(runtime / name, ignore_errors=True)
