@@ -384,3 +384,21 @@ def test_leases_free_every_block_exactly_once_under_races():
     assert not blocks.errors and not blocks.used and len(table) == 0
     assert sorted(b for ids in blocks.freed for b in ids) == list(range(300))
     assert table.release(leases[1].lease_id) is False and table.reap() == 0
+
+
+def test_read_descriptors_cover_runs_of_consecutive_blocks():
+    from triton_disagg.kv.nixl_transfer import _runs
+
+    assert _runs([3, 4, 5, 9, 10, 2], range(6)) == [(3, 0, 3), (9, 3, 2), (2, 5, 1)]
+    assert _runs([0, 1, 2], [5, 4, 3]) == [(0, 5, 1), (1, 4, 1), (2, 3, 1)]   # dst goes down
+    assert _runs([7], [0]) == [(7, 0, 1)] and _runs([], []) == []
+
+
+def test_nixl_read_of_consecutive_blocks_in_one_descriptor(sender, receivers):
+    endpoint = receivers[0]
+    handle = decode(sender.ask("export", [12, 13, 14, 1], 16, 30.0), KEY)
+    endpoint.fetch(handle, [4, 5, 6, 8])                      # runs (12, 4, 3), (1, 8, 1)
+    src = make_pool(1, 16, 4, "float32")
+    assert endpoint.pool[[4, 5, 6, 8]].tobytes() == src[[12, 13, 14, 1]].tobytes()
+    state = sender.wait_state(lambda s: s["leases"] == 0)
+    assert state["freed"][-1] == [1, 12, 13, 14] and not state["errors"]

@@ -92,10 +92,10 @@ class Agent:
                 raise TransferError(f"NIXL refused the READ of {what} from {peer}: "
                                     f"{exc}") from exc
             state = self._agent.transfer(xfer)
-        pause = 0.0
+        pause = 0.0     # then 50 us doubling to 250 us: the sender's watcher polls every 0.5 ms
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(pause)
-            pause = min(max(pause * 2, 5e-5), 1e-3)
+            pause = min(max(pause * 2, 5e-5), 2.5e-4)
             with self._lock:
                 state = self._agent.check_xfer_state(xfer)
         try:

@@ -15,7 +15,8 @@ across hosts) that registers the whole pool once, and on a sender also one int64
   peer, READs the blocks (straight into the pool's blocks when the layouts match,
   otherwise into scratch memory followed by :func:`layout.write_blocks`), *then* READs
   the blocks' ticket words, naming the lease in that second READ's notification, and
-  accepts the data only if every word still holds the handle's ticket.
+  accepts the data only if every word still holds the handle's ticket. Each READ has one
+  descriptor per run of consecutive block ids (usually one: pools hand out ascending ids).
 
 Why this is safe: a ticket word read after the data READ finished and still holding the
 ticket proves the block was not freed before that moment, so it was not reused while it
@@ -81,6 +82,7 @@ class NixlEndpoint:
         self._fetch_lock = threading.Lock()
         self._fetched: dict[str, float] = {}            # lease id -> deadline, until it passes
         self._stop = threading.Event()
+        self._wake = threading.Event()                  # set by export: poll at the leased pace
         self._watcher: Optional[threading.Thread] = None
         if self.leases is not None and poll_interval_s is not None:
             self._watcher = threading.Thread(target=self._watch, args=(poll_interval_s,),
@@ -103,6 +105,7 @@ class NixlEndpoint:
         ids, ticket = [int(b) for b in block_ids], secrets.randbits(62) + 1
         self._tickets[ids] = ticket
         lease = self.leases.grant(ids, ttl_s)
+        self._wake.set()
         return KVHandle(
             fingerprint=fingerprint, geometry=self.geometry, num_tokens=num_tokens,
             strategy="direct_transfer", lease_id=lease.lease_id, lease_deadline=lease.deadline,
@@ -127,10 +130,16 @@ class NixlEndpoint:
 
     def _watch(self, idle_interval_s: float) -> None:
         """Poll every ``LEASED_POLL_SECONDS`` while a lease is out, else every
-        ``idle_interval_s``: the agent runs without a progress thread, so a reader's READs
-        complete only as these polls progress it, and their pace is the handoff's latency."""
+        ``idle_interval_s``; an export wakes it at once. The agent runs without a progress
+        thread, so a reader's READ completes only as these polls progress it (UCX's flush
+        after the READ waits on this side once a notification went out), and their pace is
+        the handoff's latency."""
         interval = idle_interval_s
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.poll()
             except Exception:  # noqa: BLE001 - keep watching; the next poll retries
@@ -159,7 +168,6 @@ class NixlEndpoint:
         deadline = start + min(timeout_s, self._claim(handle))
         peer = self._agent.connect(handle.agent_name, handle.agent_metadata)
         n, size = len(handle.block_ids), src.block_nbytes
-        remote = [(handle.pool_addr + b * size, size, 0) for b in handle.block_ids]
         what = f"KV lease {handle.lease_id}"
         convert, words = src != self.geometry, n * _TICKET.itemsize
         with self._fetch_lock:
@@ -168,13 +176,16 @@ class NixlEndpoint:
             if convert:
                 staged = scratch[words:words + n * size].view(src.dtype)
                 staged = staged.reshape((n,) + src.block_shape)   # [n, L, 2, bs_src, kvh, hd]
-                local = [(staged.ctypes.data + i * size, size, 0) for i in range(n)]
+                base, dst = staged.ctypes.data, range(n)
             else:
-                base = self.pool.ctypes.data
-                local = [(base + int(b) * size, size, 0) for b in dst_block_ids]
-            self._agent.read(peer, local, remote, b"", deadline, what)
-            self._agent.read(peer, [(tickets.ctypes.data + 8 * i, 8, 0) for i in range(n)],
-                             [(handle.ticket_addr + 8 * b, 8, 0) for b in handle.block_ids],
+                base, dst = self.pool.ctypes.data, dst_block_ids
+            runs = _runs(handle.block_ids, dst)
+            self._agent.read(peer, [(base + d * size, k * size, 0) for _, d, k in runs],
+                             [(handle.pool_addr + s * size, k * size, 0) for s, _, k in runs],
+                             b"", deadline, what)
+            runs = _runs(handle.block_ids, range(n))
+            self._agent.read(peer, [(tickets.ctypes.data + 8 * d, 8 * k, 0) for _, d, k in runs],
+                             [(handle.ticket_addr + 8 * s, 8 * k, 0) for s, _, k in runs],
                              NOTIF_PREFIX + handle.lease_id.encode(), deadline, what + " tickets")
             if (tickets != handle.ticket).any():
                 raise LeaseExpiredError(f"KV blocks of lease {handle.lease_id} were already "
@@ -203,7 +214,19 @@ class NixlEndpoint:
     def close(self) -> None:
         """Stop the watcher and deregister memory (idempotent). Live leases stay in the table."""
         self._stop.set()
+        self._wake.set()
         if self._watcher is not None:
             self._watcher.join()
             self._watcher = None
         self._agent.close()
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src id, dst id, count)`` of each maximal run where both ids go up by one: one
+    READ descriptor per run instead of one per block (UCX costs about 8 us per descriptor)."""
+    s, d = np.asarray(src, np.int64), np.asarray(dst, np.int64)               # [n], [n]
+    if len(s) == 0:
+        return []
+    starts = np.flatnonzero(np.r_[True, (np.diff(s) != 1) | (np.diff(d) != 1)])
+    counts = np.diff(np.r_[starts, len(s)])
+    return list(zip(s[starts].tolist(), d[starts].tolist(), counts.tolist()))
