@@ -50,11 +50,12 @@ demo: doctor $(DEMO_ENGINE)/engine.json
 test: $(TEST_STAMP) doctor
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# Both benchmarks print their tables and keep them in docs/benchmarks.md (plots in docs/img/).
+# The benchmarks print their tables and keep them in docs/benchmarks.md (plots in docs/img/).
 bench: $(TEST_STAMP)
 	$(BIN)/triton-disagg bench engine --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench serve --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench serve --stream-interval 4 --rates 4,8,12,16,20 --output docs/benchmarks.md
+	$(BIN)/triton-disagg bench handoff --output docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) engines checkpoints work

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from triton_disagg.bench.handoff import Row, exact_prompt, histogram_delta, markdown, p50_bucket
+from triton_disagg.bench.handoff import (Row, exact_prompt, histogram_delta, markdown, p50_bucket,
+                                         verdict)
 from triton_disagg.bench.serve_metrics import parse
 
 INF = float("inf")
@@ -55,8 +56,21 @@ def test_bandwidth_and_share_of_memcpy():
     assert row.gbps == pytest.approx(4.096)         # 8.192 MB in 2 ms
     assert row.of_memcpy == pytest.approx(0.5)
     table = markdown([row], "engines/demo", [0, 1], 40)
-    assert ("| direct_transfer | 2000 | 40 | ≤ 2.5 ms | 2.00 ms | 8000 | 4.10 | 8.2 | 50% |"
+    assert ("| direct_transfer | 2000 | 40 | ≤ 2.5 ms | 2.00 ms | 8000 | 4.10 | 8.2 | 50.0% |"
             in table)
+    assert "≥ 50% of memcpy at 2,000 tokens holds (50.0%)" in table
+
+
+def test_verdict_on_issue_9_targets():
+    short = Row("direct_transfer", 64, 40, 0.0015, 0.0012, 262_144, 40.0)
+    slow = Row("direct_transfer", 64, 40, 0.0025, 0.0024, 262_144, 40.0)
+    long = Row("direct_transfer", 2000, 40, 0.005, 0.003, 8_192_000, 30.0)
+    other = Row("host_memory", 64, 40, 0.0005, 0.0003, 262_144, 40.0)
+    assert verdict([short, long, other]) == (
+        "Issue 9's direct_transfer targets: p50 ≤ 2 ms at 64 tokens holds (≤ 1.5 ms); "
+        "≥ 50% of memcpy at 2,000 tokens MISSES (9.1%).")
+    assert "64 tokens MISSES (≤ 2.5 ms)" in verdict([slow])
+    assert verdict([other]) == ""
 
 
 def test_exact_prompt_reencodes_to_the_length(tmp_path):

@@ -1,13 +1,6 @@
 """`triton-disagg bench handoff`: the KV handoff's latency and bandwidth per strategy and
-prompt length, from the server's own ``disagg_kv_transfer_seconds`` histogram.
-
-Per strategy: ``serve all`` of the engine (context and generation on different cores, as
-``bench serve`` places them), warm-up, then per prompt length ``--requests`` sequential
-``/generate`` requests of exactly that many prompt tokens (checked against the server's
-``num_input_tokens``), ``max_tokens`` 2, and the deltas of the histogram and of
-``disagg_kv_transfer_bytes_total`` read from ``/metrics``; beside them a single-thread
-numpy copy of the same byte count (the memcpy baseline). :func:`markdown` says what the
-figures include.
+prompt length, from the server's own ``disagg_kv_transfer_seconds`` histogram, beside a
+single-thread memcpy of the same bytes. :func:`markdown` says what the figures include.
 
 Invariant: a row's figures are one server's counters between two scrapes around that
 row's requests only; p50 is a bucket bound of the histogram, never an interpolation.
@@ -37,10 +30,8 @@ KV_MAX_SIZE = "64MB"     # per pool: the demo engine's 2,048-token sequence need
 
 def add_handoff_parser(kinds) -> None:
     p = kinds.add_parser(
-        "handoff", help="KV handoff latency and bandwidth per strategy, from the server's "
-                        "own histogram, against memcpy",
-        description="Sequential /generate requests of fixed prompt lengths against `serve all`, "
-                    "once per kv_cache.strategy; figures from disagg_kv_transfer_seconds.")
+        "handoff", help="KV handoff latency and bandwidth per strategy and prompt length, from "
+                        "the server's own histogram, against memcpy")
     p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
                                                "built under --work-dir)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -81,9 +72,8 @@ def p50_bucket(cumulative: Sequence[tuple[float, float]]) -> float:
 
 
 def histogram_delta(before, after, name: str, **labels: str) -> tuple[list, float, float]:
-    """``(cumulative [(le, count)], sum, count)`` of histogram ``name`` between two
-    :func:`~triton_disagg.bench.serve_metrics.scrape` results, summed over the series
-    whose labels include ``labels``."""
+    """``(cumulative [(le, count)], sum, count)`` of histogram ``name`` between two scrapes,
+    summed over the series whose labels include ``labels``."""
     from triton_disagg.bench.serve_metrics import delta
 
     want, buckets = set(labels.items()), {}
@@ -97,18 +87,15 @@ def histogram_delta(before, after, name: str, **labels: str) -> tuple[list, floa
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 50) -> float:
-    """Single-thread numpy copy of ``nbytes`` between two preallocated arrays, best of
-    ``repeats`` after two warm-up copies, in GB/s."""
+    """GB/s of a numpy copy of ``nbytes`` between two preallocated arrays (best of ``repeats``)."""
     import numpy as np
 
-    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    best = float("inf")
-    for i in range(repeats + 2):
+    src, dst, seconds = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8), []
+    for _ in range(repeats + 2):                      # the first two are the warm-up
         start = time.perf_counter()
         np.copyto(dst, src)
-        if i >= 2:
-            best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+        seconds.append(time.perf_counter() - start)
+    return nbytes / min(seconds[2:]) / 1e9
 
 
 def exact_prompt(tokenizer, n: int, rng: random.Random) -> str:
@@ -165,14 +152,12 @@ def measure(strategy: str, engine: Path, cores, work_dir: Path, prompts: dict[in
 
     rows = []
     with serving(strategy, engine, cores, work_dir) as (http, metrics):
-        for texts in prompts.values():
-            for text in texts[:WARMUP_REQUESTS]:
-                _generate(http, text)
+        for text in [t for texts in prompts.values() for t in texts[:WARMUP_REQUESTS]]:
+            _generate(http, text)
         for tokens, texts in prompts.items():
             before = scrape(metrics)
             for text in texts[WARMUP_REQUESTS:]:
-                got = _generate(http, text)
-                if got != tokens:
+                if (got := _generate(http, text)) != tokens:
                     raise UserError(f"the server counted {got} prompt tokens, not {tokens}")
             after = scrape(metrics)
             cumulative, total_s, count = histogram_delta(
@@ -191,7 +176,20 @@ def measure(strategy: str, engine: Path, cores, work_dir: Path, prompts: dict[in
 def _row(r: Row) -> str:
     return (f"| {r.strategy} | {r.tokens} | {r.handoffs} | ≤ {r.p50_le * 1e3:g} ms "
             f"| {r.mean_s * 1e3:.2f} ms | {r.bytes_per / 1024:.0f} | {r.gbps:.2f} "
-            f"| {r.memcpy_gbps:.1f} | {r.of_memcpy:.0%} |")
+            f"| {r.memcpy_gbps:.1f} | {r.of_memcpy:.1%} |")
+
+
+def verdict(rows: Sequence[Row]) -> str:
+    """Issue 9's direct_transfer targets, as far as ``rows`` measure them."""
+    direct = {r.tokens: r for r in rows if r.strategy == "direct_transfer"}
+    said, holds = [], ("MISSES", "holds")
+    if r := direct.get(64):
+        said.append(f"p50 ≤ 2 ms at 64 tokens {holds[r.p50_le <= 0.002]} "
+                    f"(≤ {r.p50_le * 1e3:g} ms)")
+    if r := direct.get(2000):
+        said.append(f"≥ 50% of memcpy at 2,000 tokens {holds[r.of_memcpy >= 0.5]} "
+                    f"({r.of_memcpy:.1%})")
+    return f"Issue 9's direct_transfer targets: {'; '.join(said)}." if said else ""
 
 
 def markdown(rows: Sequence[Row], engine: str, cores: Sequence[int], requests: int) -> str:
@@ -201,22 +199,20 @@ def markdown(rows: Sequence[Row], engine: str, cores: Sequence[int], requests: i
              for role, server in placement("disaggregated", cores).items()}
     lines = [
         f"`triton-disagg bench handoff`: `serve all` of `{engine}` (context on core(s) "
-        f"{where['context_server']}, generation on {where['generation_server']}), one "
-        f"client posting {requests} "
-        f"sequential HTTP `/generate` requests per prompt length (max_tokens 2) after "
-        f"{WARMUP_REQUESTS} warm-up requests per length. Figures are the deltas of the "
-        "server's own `disagg_kv_transfer_seconds` histogram and "
-        "`disagg_kv_transfer_bytes_total` around each length's requests: generation's "
-        "fetch only (direct_transfer: the NIXL READ of the blocks, then of their ticket "
-        "words, and any layout conversion; host_memory: the copy out of the staging "
-        "area), not the client, HTTP or the context's export. p50 is the histogram's "
-        "bucket bound where the cumulative share reaches 50%; mean = sum / count; "
-        "bandwidth = bytes per handoff / mean. memcpy: a single-thread numpy copy of the "
-        "same byte count between two preallocated arrays, best of 50 after warm-up.", "",
+        f"{where['context_server']}, generation on {where['generation_server']}), one client "
+        f"posting {requests} sequential HTTP `/generate` requests per prompt length (max_tokens "
+        f"2) after {WARMUP_REQUESTS} warm-up requests per length. Figures are the deltas of the "
+        "server's own `disagg_kv_transfer_seconds` histogram and `disagg_kv_transfer_bytes_total`"
+        " around each length's requests: generation's fetch only (direct_transfer: the NIXL READ"
+        " of the blocks, then of their ticket words, and any layout conversion; host_memory: "
+        "the copy out of the staging area), not the client, HTTP or the context's export. p50 "
+        "is the histogram's bucket bound where the cumulative share reaches 50%; mean = sum / "
+        "count; GB/s = bytes per handoff / mean. memcpy: a single-thread numpy copy of the same "
+        "byte count between two preallocated arrays, best of 50 after warm-up.", "",
         "| strategy | prompt tokens | handoffs | p50 (bucket) | mean | KiB / handoff "
         "| GB/s | memcpy GB/s | % of memcpy |",
         "|---|---|---|---|---|---|---|---|---|"]
-    return "\n".join(lines + [_row(r) for r in rows]) + "\n"
+    return "\n".join(lines + [_row(r) for r in rows] + ["", verdict(rows)]).rstrip() + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
