@@ -175,6 +175,7 @@ def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
     inputs = {"text_input": np.array([[text.encode()]], dtype=object),
               "max_tokens": np.array([[max_tokens]], dtype=np.int32),
               "stream": np.array([[stream]], dtype=bool), **(extra or {})}
+    inputs = {name: arr for name, arr in inputs.items() if arr is not None}   # None: left out
     results: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(grpc) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)))

@@ -82,7 +82,10 @@ def test_outputs_and_options(server, offline):
 
 
 @pytest.mark.parametrize("payload, words", [
-    ({"max_tokens": 4}, ["text_input"]),
+    ({"max_tokens": 4}, ["text_input is missing"]),
+    ({}, ["request has 0 inputs"]),                  # Triton refuses it itself
+    ({"text_input": "hi"}, ["max_tokens is required"]),
+    ({"text_input": "hi", "stream": False}, ["max_tokens is required"]),   # a second input
     ({"text_input": "hi", "max_tokens": 0}, ["max_tokens", ">= 1"]),
     ({"text_input": "hi", "max_tokens": 4, "beam_width": 2}, ["beam_width", "not supported"]),
     ({"text_input": "x " * 3000, "max_tokens": 4}, ["prompt", "max_seq_len"]),
@@ -96,6 +99,13 @@ def test_per_request_errors_keep_the_server_serving(server, offline, payload, wo
         assert word in body["error"], body
     status, body = serving.generate(server.http, {"text_input": "a", "max_tokens": 3})
     assert status == 200 and body["text_output"] == offline("a", 3)
+
+
+def test_missing_max_tokens_over_a_grpc_stream_is_refused(server):
+    """Beside another input (stream), Triton 2.51 itself lets the request through."""
+    with pytest.raises(RuntimeError, match="max_tokens is required"):
+        serving.grpc_stream(server.grpc, "hi", 4, extra={"max_tokens": None})
+    assert serving.generate(server.http, {"text_input": "a", "max_tokens": 2})[0] == 200
 
 
 def test_wrong_dtype_over_grpc_is_refused(server):

@@ -92,9 +92,13 @@ UNSUPPORTED_INPUTS = (
     _opt("guided_decoding_guide_type", "BYTES"), _opt("guided_decoding_guide", "BYTES"),
     _opt("return_context_logits", "BOOL"), _opt("return_generation_logits", "BOOL"),
 )
+# text_input and max_tokens are required, but declared optional: Triton 2.51 only counts
+# a request's inputs against the required ones, so a request that lacks one but carries
+# an optional input passes, the step needing it never runs, and the request ends with an
+# empty success. Preprocessing refuses a missing one instead, by name.
 ENSEMBLE_INPUTS = (
-    TensorSpec("text_input", "BYTES", (1,)),
-    TensorSpec("max_tokens", "INT32", (1,)),
+    _opt("text_input", "BYTES"),
+    _opt("max_tokens", "INT32"),
     _opt("stop_words", "BYTES", (-1,)), _opt("bad_words", "BYTES", (-1,)),
 ) + SAMPLING_INPUTS + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS = (

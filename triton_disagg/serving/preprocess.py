@@ -94,7 +94,10 @@ class Preprocessor:
             raise RequestError("text_input is missing; send the prompt as text_input (BYTES [1])")
         text = _text(text, "text_input")
         max_tokens = scalar(inputs, "max_tokens")
-        if max_tokens is None or int(max_tokens) < 1:
+        if max_tokens is None:
+            raise RequestError("max_tokens is required (INT32, shape [1, 1]): how many tokens "
+                               "to generate at most")
+        if int(max_tokens) < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}")
         max_tokens = int(max_tokens)
         room = self.max_seq_len - max_tokens          # prompt tokens that fit
