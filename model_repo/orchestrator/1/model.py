@@ -5,10 +5,10 @@ out at once, KV handoff, generation request, then its tokens in over ZeroMQ (thi
 instance's token socket), detokenized here and sent to the client. Context and
 generation are reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
 
-``execute`` only starts the tasks and returns; each task answers through its
-request's response sender. That holds in both transaction policies: decoupled
-(streaming, the default) and not (``decoupled_mode: false``: exactly one response
-per request, so the ensemble answers plain ``infer()``).
+Each task answers through its request's response sender, in both transaction
+policies: decoupled (streaming, the default) and not (``decoupled_mode: false``:
+exactly one response per request, so the ensemble answers plain ``infer()``);
+``execute`` waits for its tasks only in the first (see there why).
 """
 
 import asyncio
@@ -47,10 +47,16 @@ class TritonPythonModel:
 
     async def execute(self, requests):
         loop = asyncio.get_running_loop()
-        for request in requests:
-            task = loop.create_task(self._serve(request))
+        tasks = [loop.create_task(self._serve(request)) for request in requests]
+        for task in tasks:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+        if self.decoupled:
+            # The stub runs a decoupled execute in the background and logs "Cannot remove
+            # future from background" when it returns before being registered there, so it
+            # lasts as long as its requests. A non-decoupled execute is awaited by the stub
+            # (one batch at a time), so it must not wait.
+            await asyncio.gather(*tasks)
         return None
 
     async def _serve(self, request):
