@@ -29,6 +29,14 @@ class Stub:
 
 def stubs_of(server_pid: int) -> list[Stub]:
     """The stub processes that ``server_pid`` started, as they are now."""
+    return sorted((Stub(pid, argv[-2].decode(errors="replace"))
+                   for pid, argv in children_running(server_pid, STUB_BINARY)),
+                  key=lambda s: s.instance)
+
+
+def children_running(parent_pid: int, binary: str) -> list[tuple[int, list[bytes]]]:
+    """``(pid, argv)`` of the child processes of ``parent_pid`` whose ``argv[0]`` ends with
+    ``binary``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -38,9 +46,9 @@ def stubs_of(server_pid: int) -> list[Stub]:
             parent = _parent_pid(entry)
         except (OSError, ValueError, IndexError):
             continue
-        if parent == server_pid and argv and argv[0].endswith(STUB_BINARY.encode()):
-            found.append(Stub(int(entry.name), argv[-2].decode(errors="replace")))
-    return sorted(found, key=lambda s: s.instance)
+        if parent == parent_pid and argv and argv[0].endswith(binary.encode()):
+            found.append((int(entry.name), argv))
+    return found
 
 
 def first_dead(stubs: list[Stub]) -> Stub | None:

@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_disagg.launch.stub_watch import stubs_of
+from triton_disagg.launch.stub_watch import children_running, stubs_of
 
 SLACK_SECONDS = 30.0
 SECONDS_PER_TOKEN = 0.5
@@ -122,19 +122,7 @@ def rss_kib(pid: int) -> int | None:
 
 def server_pids(parent: int) -> list[int]:
     """Children of ``parent`` (the ``serve`` process) that run tritonserver."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and argv0.endswith(b"tritonserver"):
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, _ in children_running(parent, "tritonserver")]
 
 
 class RssSampler(threading.Thread):
