@@ -34,7 +34,7 @@ REQUESTS, RATE = 16, 4.0
 
 def _requests(tokenizer) -> list[GenerateRequest]:
     rng = random.Random(7)
-    return [GenerateRequest(make_prompt(rng.randint(16, 64), rng, tokenizer), rng.randint(24, 48),
+    return [GenerateRequest(make_prompt(rng.randint(16, 64), rng, tokenizer), rng.randint(48, 96),
                             True, {"end_id": -1}) for _ in range(REQUESTS)]
 
 

@@ -202,13 +202,13 @@ class _Run:
     async def emit(self, chunk: Chunk) -> bool:
         """Pass a chunk on; True when it was the last. The first chunk ends the time to first
         token (from the request's arrival at preprocessing, or here without that stamp)."""
-        if self.ttft is None:   # the first token reached the orchestrator (and goes out now
-            self.ttft = time.monotonic() - self.start      # when streaming)
-            if self.owner.observer is not None:
-                self.owner.observer.first_token(self.ttft)
         out = self.builder.add(chunk)
         if out is not None:
             await self.send(out, bool(chunk.finish_reason))
+        if self.ttft is None:   # the first token went out (streaming) or reached here, so the
+            self.ttft = time.monotonic() - self.start   # per-token interval starts as the client's
+            if self.owner.observer is not None:
+                self.owner.observer.first_token(self.ttft)
         return bool(chunk.finish_reason)
 
     def done(self, outcome: str) -> None:
