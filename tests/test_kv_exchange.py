@@ -1,186 +1,22 @@
-"""KV exchange between real processes: NIXL READs, host shared-memory staging, leases, handles.
-
-Senders run in ``spawn``-started processes that talk to the test over queues; every
-wait has a timeout, and an alarm bounds each test.
-"""
+"""KV exchange between real processes: NIXL READs and host shared-memory staging, and the
+release of a handoff nobody will fetch (helpers and sender processes: :mod:`kv_peers`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import multiprocessing as mp
 import os
-import signal
-import threading
 import time
 
 import numpy as np
 import pytest
 
+from kv_peers import (FP, HD, KEY, KVH, REUSED, WAIT_S, L, Peer, make_pool,  # noqa: F401
+                      staging_sender, tokens_of, bounded_time, no_leaked_shm, receivers, sender)
 from triton_disagg.errors import UserError
-from triton_disagg.kv.handle import (FORMAT_VERSION, HandleError, KVHandle, check_handle,
-                                     decode, encode, to_tensor)
+from triton_disagg.kv.handle import check_handle, decode
 from triton_disagg.kv.host_staging import HostStaging, StagingFullError, StagingReader
-from triton_disagg.kv.layout import BlockGeometry, convert_blocks, write_blocks
-from triton_disagg.kv.leases import LeaseExpiredError, LeaseTable
+from triton_disagg.kv.leases import LeaseExpiredError
 from triton_disagg.kv.nixl_transfer import NixlEndpoint, TransferError
-
-L, KVH, HD = 2, 2, 4          # tiny model: 2 layers, 2 KV heads, head size 4
-FP = "f" * 64                 # engine fingerprint of both sides
-KEY = b"k" * 32               # the deployment key that signs handles
-WAIT_S = 60                   # bound on any single wait for another process
-SPAWN = mp.get_context("spawn")
-REUSED = 42.0                 # what a later request's prefill writes into reused blocks
-
-
-def make_pool(seed: int, num_blocks: int, bs: int, dtype: str) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    shape = (num_blocks, L, 2, bs, KVH, HD)                  # [nb, L, 2, bs, kvh, hd]
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def tokens_of(pool: np.ndarray, block_ids, n: int) -> np.ndarray:
-    """Reference gather, token by token: ``[n, L, 2, kvh, hd]``."""
-    bs = pool.shape[3]
-    return np.stack([pool[block_ids[t // bs], :, :, t % bs] for t in range(n)])
-
-
-class CountingPool:
-    """Stands in for BlockPool's refcounts: records frees and any double free."""
-
-    def __init__(self) -> None:
-        self.used: set[int] = set()
-        self.freed: list[list[int]] = []
-        self.errors: list[str] = []
-
-    def take(self, ids) -> None:
-        self.used.update(ids)
-
-    def free(self, ids) -> None:
-        for b in ids:
-            if b not in self.used:
-                self.errors.append(f"double free of block {b}")
-        self.used.difference_update(ids)
-        self.freed.append(sorted(ids))
-
-    def state(self, **extra) -> dict:
-        return {"used": len(self.used), "freed": self.freed, "errors": self.errors, **extra}
-
-
-# ---- sender processes ----------------------------------------------------------------
-
-def nixl_sender(cmds, out) -> None:
-    """Context side: fp32 pool, 4 tokens per block, direct_transfer."""
-    pool, blocks = make_pool(1, 16, 4, "float32"), CountingPool()
-    endpoint = NixlEndpoint("ctx", pool, blocks.free, poll_interval_s=0.002)
-    leases = endpoint.leases
-    out.put("ready")
-    while True:
-        cmd, *args = cmds.get(timeout=WAIT_S)
-        if cmd in ("export", "reuse"):
-            ids, n, ttl = args
-            blocks.take(ids)
-            if cmd == "reuse":                     # a new prefill writes the freed blocks
-                pool[ids] = REUSED
-            out.put(encode(endpoint.export(ids, n, FP, ttl), KEY))
-        elif cmd == "state":
-            out.put(blocks.state(expired=leases.expired_total, leases=len(leases)))
-        else:
-            endpoint.close()
-            out.put("bye")
-            return
-
-
-def staging_sender(cmds, out) -> None:
-    """Context side: fp16 pool, 8 tokens per block, host_memory with 4 one-block slots."""
-    pool, blocks = make_pool(2, 8, 8, "float16"), CountingPool()
-    area = HostStaging.create("test", num_slots=4, slot_bytes=pool[0].nbytes)
-    ids = [6, 1, 3]
-    blocks.take(ids)
-    handle = area.put(pool, ids, 19, FP, ttl_s=30)
-    blocks.free(ids)  # the pool is free as soon as the blocks are staged
-    out.put((encode(handle, KEY), blocks.state()))
-    while cmds.get(timeout=WAIT_S)[0] == "state":
-        out.put({"slots_in_use": area.slots_in_use(), "expired": area.reap()})
-    area.close()
-    out.put("bye")
-
-
-class Peer:
-    """A spawned sender process and its two queues."""
-
-    def __init__(self, target) -> None:
-        self.cmds, self.out = SPAWN.Queue(), SPAWN.Queue()
-        self.proc = SPAWN.Process(target=target, args=(self.cmds, self.out), daemon=True)
-        self.proc.start()
-
-    def ask(self, *cmd):
-        self.cmds.put(cmd)
-        return self.out.get(timeout=WAIT_S)
-
-    def wait_state(self, done, timeout: float = 10.0) -> dict:
-        end = time.monotonic() + timeout
-        while True:
-            state = self.ask("state")
-            if done(state) or time.monotonic() > end:
-                return state
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        try:
-            self.cmds.put(("stop",))
-            self.proc.join(WAIT_S)
-        finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(5)
-
-
-# ---- fixtures ------------------------------------------------------------------------
-
-def _our_shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("triton_disagg_kv_")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_leaked_shm():
-    before = _our_shm()
-    yield
-    assert _our_shm() == before, "shared-memory staging segments leaked"
-
-
-@pytest.fixture(autouse=True)
-def bounded_time():
-    def expire(*_):
-        raise TimeoutError("test ran past 120 s")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(120)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-@pytest.fixture(scope="module")
-def sender():
-    pytest.importorskip("nixl")
-    peer = Peer(nixl_sender)
-    try:
-        assert peer.out.get(timeout=WAIT_S) == "ready"
-        yield peer
-    finally:
-        peer.stop()
-
-
-@pytest.fixture(scope="module")
-def receivers():
-    """Generation side: one pool like the sender's, one with 8 tokens per block in fp16."""
-    pytest.importorskip("nixl")
-    same = NixlEndpoint("gen-same", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
-    other = NixlEndpoint("gen-other", np.zeros((16, L, 2, 8, KVH, HD), np.float16))
-    yield same, other
-    same.close()
-    other.close()
 
 
 # ---- direct_transfer -----------------------------------------------------------------
@@ -253,6 +89,16 @@ def test_lease_expiry_reclaims_unfetched_blocks(sender, receivers):
         receivers[0].fetch(handle, [4, 5])
 
 
+def test_nixl_read_of_consecutive_blocks_in_one_descriptor(sender, receivers):
+    endpoint = receivers[0]
+    handle = decode(sender.ask("export", [12, 13, 14, 1], 16, 30.0), KEY)
+    endpoint.fetch(handle, [4, 5, 6, 8])                      # runs (12, 4, 3), (1, 8, 1)
+    src = make_pool(1, 16, 4, "float32")
+    assert endpoint.pool[[4, 5, 6, 8]].tobytes() == src[[12, 13, 14, 1]].tobytes()
+    state = sender.wait_state(lambda s: s["leases"] == 0)
+    assert state["freed"][-1] == [1, 12, 13, 14] and not state["errors"]
+
+
 # ---- host_memory ---------------------------------------------------------------------
 
 def test_host_staging_round_trip_across_processes():
@@ -300,105 +146,42 @@ def test_host_staging_full_expiry_and_too_large():
         area.close()
 
 
-# ---- handles -------------------------------------------------------------------------
+# ---- giving back a handoff nobody will fetch (release_kv) ----------------------------
 
-def _handle(**overrides) -> KVHandle:
-    fields = dict(fingerprint=FP, geometry=BlockGeometry(L, KVH, HD, 4, "float32"),
-                  num_tokens=5, strategy="host_memory", lease_id="ab12",
-                  lease_deadline=time.time() + 5, shm_name="triton_disagg_kv_x",
-                  slots=(0, 1))
-    return KVHandle(**{**fields, **overrides})
-
-
-def sign(body: bytes) -> bytes:
-    """``body`` with the tag the context side appends: a handle this deployment made."""
-    return body + hmac.new(KEY, body, hashlib.sha256).digest()
-
-
-def test_handle_round_trip_and_clear_errors():
-    nixl = _handle(strategy="direct_transfer", agent_name="ctx-1", agent_metadata=b"\x00md\xff",
-                   pool_addr=4096, ticket_addr=8192, ticket=7, block_ids=(3, 0), shm_name="",
-                   slots=())
-    for h in (_handle(), nixl):
-        assert decode(encode(h, KEY), KEY) == h and decode(to_tensor(h, KEY), KEY) == h
-    good = encode(_handle(), KEY)
-    with pytest.raises(HandleError, match="not a KV handle"):
-        decode(b"garbage", KEY)
-    with pytest.raises(HandleError, match="not a KV handle"):
-        decode(np.zeros(0, np.uint8), KEY)
-    with pytest.raises(HandleError, match=f"version {FORMAT_VERSION + 1}.*reads version"):
-        decode(good[:4] + (FORMAT_VERSION + 1).to_bytes(2, "big") + good[6:], KEY)
-    with pytest.raises(HandleError, match="truncated"):
-        decode(sign(good[:20]), KEY)
-    with pytest.raises(HandleError, match="corrupt"):
-        decode(sign(good[:-32].replace(b'"num_tokens":5', b'"num_tokens":0')), KEY)
-    with pytest.raises(HandleError, match="UINT8"):
-        decode(np.zeros(4, np.int32), KEY)
-    with pytest.raises(HandleError, match="same engine"):
-        check_handle(_handle(), "e" * 64, BlockGeometry(L, KVH, HD, 16, "float16"))
-    with pytest.raises(HandleError, match="layers, KV heads"):
-        check_handle(_handle(), FP, BlockGeometry(L + 1, KVH, HD, 4, "float32"))
-    check_handle(_handle(), FP, BlockGeometry(L, KVH, HD, 16, "float16"))  # receiver converts
+def test_a_released_nixl_lease_frees_its_blocks_at_once_and_cannot_be_fetched(sender, receivers):
+    """Released by the context instance that holds it, or by another one on the host (by
+    the notification a reader sends): the blocks are free long before the lease's 30 s."""
+    other_context = NixlEndpoint("ctx-other", make_pool(9, 4, 4, "float32"), lambda ids: None)
+    try:
+        for release in (lambda raw: sender.ask("release", raw),
+                        lambda raw: other_context.release(decode(raw, KEY))):
+            expired = sender.ask("state")["expired"]      # earlier tests' leases
+            raw = sender.ask("export", [3, 8], 7, 30.0)
+            release(raw)
+            state = sender.wait_state(lambda s: s["leases"] == 0, timeout=5.0)
+            assert state["leases"] == 0 and state["used"] == 0 and state["expired"] == expired
+            assert state["freed"][-1] == [3, 8] and not state["errors"]
+            with pytest.raises(LeaseExpiredError):
+                receivers[0].fetch(decode(raw, KEY), [0, 1])
+        sender.ask("release", raw)             # again: nothing left to give back, no error
+        assert not sender.ask("state")["errors"]
+    finally:
+        other_context.close()
 
 
-# ---- layout and leases, in process ---------------------------------------------------
-
-@pytest.mark.parametrize("src_bs,src_dtype,dst_bs,dst_dtype", [
-    (4, "float32", 4, "float32"), (4, "float32", 3, "float16"),
-    (8, "float16", 4, "float32"), (3, "float16", 8, "float16")])
-def test_layout_conversion(src_bs, src_dtype, dst_bs, dst_dtype):
-    src_pool, n = make_pool(4, 6, src_bs, src_dtype), 13
-    src_ids = list(range(5, 5 - -(-n // src_bs), -1))
-    dst_pool = np.full((8, L, 2, dst_bs, KVH, HD), 7, dst_dtype)
-    dst_ids = [7, 1, 3, 0, 5][: -(-n // dst_bs)]
-    write_blocks(src_pool[src_ids], n, dst_pool, dst_ids)
-    want = tokens_of(src_pool, src_ids, n).astype(dst_dtype)
-    assert np.array_equal(tokens_of(dst_pool, dst_ids, n), want)
-    if (src_bs, src_dtype) == (dst_bs, dst_dtype):             # exact, whole blocks
-        assert dst_pool[dst_ids].tobytes() == src_pool[src_ids].tobytes()
-    else:
-        blocks = convert_blocks(src_pool[src_ids], n, dst_bs, dst_dtype)
-        assert blocks.shape == (len(dst_ids), L, 2, dst_bs, KVH, HD)
-        assert not tokens_of(blocks, list(range(len(dst_ids))), len(dst_ids) * dst_bs)[n:].any()
-
-
-def test_leases_free_every_block_exactly_once_under_races():
-    blocks = CountingPool()
-    table = LeaseTable(blocks.free)
-    leases = []
-    for i in range(300):
-        blocks.take([i])
-        leases.append(table.grant([i], ttl_s=-1.0 if i % 3 == 0 else 60.0))
-    released = []
-
-    def release_all():
-        released.append(sum(table.release(lease.lease_id) for lease in leases))
-
-    threads = [threading.Thread(target=release_all) for _ in range(4)]
-    threads.append(threading.Thread(target=table.reap))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert sum(released) + table.expired_total == 300
-    assert not blocks.errors and not blocks.used and len(table) == 0
-    assert sorted(b for ids in blocks.freed for b in ids) == list(range(300))
-    assert table.release(leases[1].lease_id) is False and table.reap() == 0
-
-
-def test_read_descriptors_cover_runs_of_consecutive_blocks():
-    from triton_disagg.kv.nixl_transfer import _runs
-
-    assert _runs([3, 4, 5, 9, 10, 2], range(6)) == [(3, 0, 3), (9, 3, 2), (2, 5, 1)]
-    assert _runs([0, 1, 2], [5, 4, 3]) == [(0, 5, 1), (1, 4, 1), (2, 3, 1)]   # dst goes down
-    assert _runs([7], [0]) == [(7, 0, 1)] and _runs([], []) == []
-
-
-def test_nixl_read_of_consecutive_blocks_in_one_descriptor(sender, receivers):
-    endpoint = receivers[0]
-    handle = decode(sender.ask("export", [12, 13, 14, 1], 16, 30.0), KEY)
-    endpoint.fetch(handle, [4, 5, 6, 8])                      # runs (12, 4, 3), (1, 8, 1)
-    src = make_pool(1, 16, 4, "float32")
-    assert endpoint.pool[[4, 5, 6, 8]].tobytes() == src[[12, 13, 14, 1]].tobytes()
-    state = sender.wait_state(lambda s: s["leases"] == 0)
-    assert state["freed"][-1] == [1, 12, 13, 14] and not state["errors"]
+def test_discarded_staging_slots_are_free_at_once_and_cannot_be_fetched():
+    peer = Peer(staging_sender)
+    try:
+        raw, _ = peer.out.get(timeout=WAIT_S)
+        handle = decode(raw, KEY)
+        assert peer.ask("state")["slots_in_use"] == 3
+        reader = StagingReader()
+        try:
+            reader.discard(handle)
+            assert peer.ask("state") == {"slots_in_use": 0, "expired": 0}
+            with pytest.raises(LeaseExpiredError, match="already fetched or reclaimed"):
+                reader.fetch(handle, np.zeros((10, L, 2, 4, KVH, HD), np.float32), [0, 1, 2, 3, 4])
+        finally:
+            reader.close()
+    finally:
+        peer.stop()

@@ -19,7 +19,7 @@ from triton_disagg.serving import engine_request, token_wire
 from triton_disagg.serving.decode_loop import DecodeLoop
 from triton_disagg.serving.generation import GenerationSide, read_request_parameters
 from triton_disagg.serving.generation_sockets import StopInbox, TokenOutbox
-from triton_disagg.serving.orchestrator import EngineError, Orchestrator
+from triton_disagg.serving.orchestrator import ContextBusy, EngineError, Orchestrator
 from triton_disagg.serving.tensors import RequestError
 from triton_disagg.serving.token_inbox import TokenInbox
 from triton_disagg.serving.token_wire import TokenEvent, WireError
@@ -94,8 +94,11 @@ class FakeGeneration:
     """Context and generation as a transport: generation answers with a real control
     address (a PULL socket the test reads) and pushes its events to the token address."""
 
-    def __init__(self, first: int, rest: list[int], silent: bool = False):
+    def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
+                 refuse: bool = False):
         self.first, self.rest, self.silent = first, rest, silent
+        self.busy, self.refuse = busy, refuse       # context busy this many times; refuse all
+        self.released: list[bytes] = []
         self.zmq = zmq.Context.instance()
         self.control = self.zmq.socket(zmq.PULL)
         self.endpoint = bind(self.control, None, "control")
@@ -103,6 +106,9 @@ class FakeGeneration:
         self.calls: list[tuple[str, list[int]]] = []       # (request_type, input_ids)
 
     async def context(self, request_id, inputs):
+        if self.busy:
+            self.busy -= 1
+            raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
         out = engine_request.outputs([self.first], [-0.5], -0.5, "" if self.rest else "length")
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
         return out
@@ -110,14 +116,24 @@ class FakeGeneration:
     async def generate(self, request_id, inputs, request_type, token_address):
         self.request_ids.append(request_id)
         self.calls.append((request_type, inputs["input_ids"].tolist()))
+        if self.refuse:
+            raise EngineError("generation refused it")
         if not self.silent:
-            push = push_socket(self.zmq, token_address, 100)
-            for i, token in enumerate(self.rest):
-                reason = "stop" if i == len(self.rest) - 1 else None
-                push.send(token_wire.encode_events([TokenEvent(request_id, [token],
-                                                               finish_reason=reason)]))
-            push.close(linger=1000)
+            threading.Thread(target=self._push, args=(request_id, token_address)).start()
         return self.endpoint.address
+
+    def _push(self, request_id, token_address, gap=0.01):
+        """One event per decode step, ``gap`` seconds apart, as a decode loop sends them."""
+        push = push_socket(self.zmq, token_address, 100)
+        for i, token in enumerate(self.rest):
+            reason = "stop" if i == len(self.rest) - 1 else None
+            push.send(token_wire.encode_events([TokenEvent(request_id, [token],
+                                                           finish_reason=reason)]))
+            time.sleep(gap)
+        push.close(linger=1000)
+
+    async def release(self, request_id, inputs, handle):
+        self.released.append(handle.tobytes())
 
     def stops(self, timeout_ms: int = 2000) -> list[str]:
         got = []
@@ -163,10 +179,34 @@ def test_tokens_arrive_over_zeromq_and_are_detokenized():
         texts.append((outputs["text_output"][0], final))
 
     assert _run(generation, send) == "finished"
-    assert texts == [("\u4e0a", False), ("\u4e0b", False), ("\u4e0c", False), ("", True)]
+    # the first token at once; the rest as they came, or merged where they queued
+    assert texts[0] == ("\u4e0a", False) and texts[-1][1] and not any(f for _, f in texts[:-1])
+    assert "".join(t for t, _ in texts) == "\u4e0a\u4e0b\u4e0c"
     assert generation.calls == [(P.GENERATION_ONLY, [3, 4, 10])]   # prompt + first token
     assert generation.stops(timeout_ms=200) == []        # generation ended it: no stop
     generation.close()
+
+
+def test_events_that_queued_are_taken_as_one_but_an_error_comes_on_its_own():
+    from triton_disagg.serving.token_inbox import TokenStream
+
+    async def main():
+        stream = TokenStream(TokenInbox(None, 1.0), "r")
+        lp = [-0.1]
+        for event in (TokenEvent("r", [5], lp, -0.1), TokenEvent("r", [6], lp, -0.2),
+                      TokenEvent("r", [7, 8], lp * 2, -0.4, finish_reason="length")):
+            stream.events.put_nowait(event)
+        merged = await stream.next()
+        assert merged == TokenEvent("r", [5, 6, 7, 8], lp * 4, -0.4, "length") and stream.ended
+        stream = TokenStream(TokenInbox(None, 1.0), "s")
+        for event in (TokenEvent("s", [5]), TokenEvent("s", [6]), TokenEvent("s", [], error="boom"),
+                      TokenEvent("s", [9])):
+            stream.events.put_nowait(event)
+        assert await stream.next() == TokenEvent("s", [5, 6]) and not stream.ended
+        with pytest.raises(EngineError, match="boom"):
+            await stream.next()
+        assert stream.ended
+    asyncio.run(main())
 
 
 def test_non_streaming_first_token_only_and_aggregated():
@@ -201,6 +241,42 @@ def test_a_silent_stream_ends_in_a_clear_error_and_stops_generation():
     assert time.monotonic() - started < 5
     assert generation.stops() == generation.request_ids
     generation.close()
+
+
+@pytest.mark.parametrize("how", ["finishes", "cancelled after the first token",
+                                 "generation refuses"])
+def test_kv_that_generation_never_took_is_given_back(how):
+    generation = FakeGeneration(10, [11, 1], refuse=how == "generation refuses")
+    sent = []
+
+    async def send(outputs, final):
+        sent.append(final)
+
+    result = _run(generation, send, cancel=lambda: how.startswith("cancelled") and len(sent) >= 1)
+    expected = {"finishes": "finished", "cancelled after the first token": "cancelled"}
+    assert result == expected[how] if how in expected else isinstance(result, EngineError)
+    assert generation.released == ([] if how == "finishes" else [b"handle"])
+    generation.close()
+
+
+def test_a_busy_context_is_retried_until_it_has_room_within_stall_seconds():
+    sends = []
+
+    async def send(outputs, final):
+        sends.append(final)
+
+    generation = FakeGeneration(10, [11, 1], busy=3)
+    assert _run(generation, send) == "finished" and generation.busy == 0 and sends[-1]
+    swamped = FakeGeneration(10, [11, 1], busy=10**6)
+    started = time.monotonic()
+    result = _run(swamped, send, stall=0.3)
+    assert isinstance(result, ContextBusy) and "retried for 0.3 s" in str(result)
+    assert 0.2 < time.monotonic() - started < 3 and swamped.calls == []
+    sends.clear()
+    cancelled = FakeGeneration(10, [11, 1], busy=10**6)
+    assert _run(cancelled, send, cancel=lambda: True) == "cancelled" and sends == [True]
+    for fake in (generation, swamped, cancelled):
+        fake.close()
 
 
 @pytest.mark.parametrize("how", ["send fails", "client cancels", "task cancelled"])

@@ -47,6 +47,12 @@ CONTEXT_ONLY = "context_only"
 GENERATION_ONLY = "generation_only"
 CONTEXT_AND_GENERATION = "context_and_generation"
 REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION)
+# Context only: give back the KV of a ``context_phase_params`` handle that will not be
+# fetched (the client left before generation took it); any context instance takes it.
+RELEASE_KV = "release_kv"
+# An error message beginning with this is back-pressure, not a failure: the context
+# instance has no KV blocks or staging slots free now; the orchestrator retries it.
+CONTEXT_BUSY = "context busy"
 
 _NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT8": np.uint8,
           "UINT64": np.uint64, "FP16": np.float16, "FP32": np.float32}
@@ -123,8 +129,8 @@ ENGINE_INPUTS = (
     _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"),
 )
 CONTEXT_PHASE_PARAMS = "context_phase_params"
-CONTEXT_INPUTS = ENGINE_INPUTS
-GENERATION_INPUTS = ENGINE_INPUTS + (_opt(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
+# context_phase_params: the handle to hand back (RELEASE_KV) or to fetch (GENERATION_ONLY)
+CONTEXT_INPUTS = GENERATION_INPUTS = ENGINE_INPUTS + (_opt(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
 # request parameter: the orchestrator's ZeroMQ address where generation sends the tokens
 TOKEN_ADDRESS = "token_address"
 ENGINE_OUTPUTS = (

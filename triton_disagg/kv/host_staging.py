@@ -218,6 +218,14 @@ class HostStaging:
         return TransferStats(nbytes=len(slots) * src.block_nbytes,
                              seconds=time.monotonic() - start)
 
+    def discard(self, handle: KVHandle) -> None:
+        """Free the handle's slots without copying them (nobody will fetch it); slots that
+        already hold another lease, or were fetched, are left as they are."""
+        slots, ticket = np.asarray(handle.slots), int(handle.lease_id, 16)
+        slots = slots[slots < self.num_slots]
+        mine = slots[self._ticket[slots] == ticket]
+        self._done[mine] = ticket
+
     def reap(self, now: Optional[float] = None) -> int:
         """Count slots whose lease expired un-fetched (creator only); they are free to reuse."""
         with self._lock:
@@ -263,11 +271,18 @@ class StagingReader:
     def fetch(self, handle: KVHandle, dst_pool: np.ndarray,
               dst_block_ids: Sequence[int]) -> TransferStats:
         with self._lock:
-            self._drop_gone()
-            area = self._areas.get(handle.shm_name)
-            if area is None:
-                area = self._areas[handle.shm_name] = HostStaging.attach(handle.shm_name)
-            return area.take(handle, dst_pool, dst_block_ids)
+            return self._area(handle.shm_name).take(handle, dst_pool, dst_block_ids)
+
+    def discard(self, handle: KVHandle) -> None:
+        """:meth:`HostStaging.discard` in the handle's area."""
+        with self._lock:
+            self._area(handle.shm_name).discard(handle)
+
+    def _area(self, name: str) -> HostStaging:
+        self._drop_gone()
+        if name not in self._areas:
+            self._areas[name] = HostStaging.attach(name)
+        return self._areas[name]
 
     def _drop_gone(self) -> None:
         for name, area in list(self._areas.items()):

@@ -107,6 +107,14 @@ class Agent:
             result = "did not finish in time" if state == "PROC" else "failed"
             raise TransferError(f"NIXL READ of {what} from {peer} {result} (state {state})")
 
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``peer`` (connected) a notification on its own, not bound to a READ."""
+        with self._lock:
+            try:
+                self._agent.send_notif(peer, message)
+            except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+                raise TransferError(f"cannot notify NIXL agent {peer}: {exc}") from exc
+
     def notifs(self) -> list[bytes]:
         """Notification messages received since the last call, from every peer."""
         with self._lock:

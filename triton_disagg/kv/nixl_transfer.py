@@ -113,6 +113,16 @@ class NixlEndpoint:
             pool_addr=self.pool.ctypes.data, ticket_addr=self._tickets.ctypes.data,
             ticket=ticket, block_ids=tuple(ids))
 
+    def release(self, handle: KVHandle) -> None:
+        """Give back a lease nobody will fetch (the caller checked the handle's signature):
+        this endpoint's own at once, another sender's by the notification its reader would
+        have sent. A lease already released or reaped is left as it is."""
+        if handle.agent_name == self.name and self.leases is not None:
+            self.leases.release(handle.lease_id)
+            return
+        peer = self._agent.connect(handle.agent_name, handle.agent_metadata)
+        self._agent.notify(peer, NOTIF_PREFIX + handle.lease_id.encode())
+
     def _retire(self, block_ids: list[int]) -> None:
         """A lease ended: clear the tickets, then give the blocks back (LeaseTable callback)."""
         self._tickets[block_ids] = 0

@@ -6,15 +6,16 @@ is the first token plus ``context_phase_params`` (empty when the first token
 already finished the request: its blocks are freed, nothing is handed off).
 
 Invariants: one request's mistake fails only that request (the batch is
-retried one by one); a batch whose KV does not fit now waits up to
-``FULL_WAIT_SECONDS`` for leases to be released or reaped before failing;
-every result either carries a handle that owns its blocks or has no blocks.
+retried one by one); ``execute`` never waits for memory: a request whose KV
+blocks or staging slots are not free now gets an error starting with
+``protocol.CONTEXT_BUSY`` at once (back-pressure: the orchestrator retries it),
+so the instance goes on serving prompts that fit; every result either carries a
+handle that owns its blocks or has no blocks.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -22,12 +23,14 @@ import numpy as np
 from triton_disagg import protocol as P
 from triton_disagg.engine.sequence import RequestError as EngineRequestError
 from triton_disagg.kv.block_pool import KVCacheFullError
+from triton_disagg.kv.handle import HandleError
+from triton_disagg.kv.host_staging import StagingError, StagingFullError
+from triton_disagg.kv.nixl_agent import TransferError
 from triton_disagg.serving import engine_request
 from triton_disagg.serving.engine_request import EngineRequest
 from triton_disagg.serving.kv_side import Sender
 from triton_disagg.serving.tensors import RequestError
 
-FULL_WAIT_SECONDS = 10.0
 REPORT_SECONDS = 0.5
 
 
@@ -44,31 +47,28 @@ class ContextSide:
     def prefill(self, batch: list[tuple[str, EngineRequest]]) -> list[dict | Exception]:
         """Engine outputs plus ``context_phase_params`` per request, or that request's error."""
         try:
-            results: list = self._prefill_waiting(batch)
-        except EngineRequestError:
-            results = [self._one(item) for item in batch]
-        except KVCacheFullError as exc:
-            results = [RequestError(f"context KV cache full: {exc}")] * len(batch)
+            results: list = self._prefill(batch)
+        except (EngineRequestError, KVCacheFullError) as exc:
+            results = [self._one(item) for item in batch] if len(batch) > 1 else [_refusal(exc)]
         return [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
+
+    def release(self, handle: bytes) -> None:
+        """Give back the KV of a handle that will not be fetched (RequestError if invalid)."""
+        try:
+            self.sender.release(handle)
+        except (HandleError, TransferError, StagingError) as exc:
+            raise RequestError(f"{P.CONTEXT_PHASE_PARAMS}: cannot release: {exc}") from None
 
     def _one(self, item: tuple[str, EngineRequest]) -> Any:
         try:
-            return self._prefill_waiting([item])[0]
+            return self._prefill([item])[0]
         except (EngineRequestError, KVCacheFullError) as exc:
-            return RequestError(str(exc))
+            return _refusal(exc)
 
-    def _prefill_waiting(self, batch: list[tuple[str, EngineRequest]]) -> list:
-        deadline = time.monotonic() + FULL_WAIT_SECONDS
-        while True:
-            try:
-                with self.lock:
-                    return self.engine.prefill_only(
-                        [(rid, req.prompt_ids, req.params) for rid, req in batch])
-            except KVCacheFullError:
-                self.sender.expired_total()          # reaps expired staging slots
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
+    def _prefill(self, batch: list[tuple[str, EngineRequest]]) -> list:
+        with self.lock:
+            return self.engine.prefill_only(
+                [(rid, req.prompt_ids, req.params) for rid, req in batch])
 
     def _hand_off(self, result: Any) -> dict | Exception:
         out = engine_request.outputs([result.token_id], [result.logprob], result.logprob or 0.0,
@@ -77,7 +77,9 @@ class ContextSide:
         if result.block_ids:
             try:
                 handle = self.sender.hand_off(result.block_ids, result.num_tokens)
-            except Exception as exc:  # noqa: BLE001 - e.g. staging full: this request fails
+            except StagingFullError as exc:
+                return RequestError(f"{P.CONTEXT_BUSY}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
                 return RequestError(f"KV handoff failed: {exc}")
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         return out
@@ -96,3 +98,11 @@ class ContextSide:
         self.closed.set()
         self.reporter.join()
         self.sender.close()
+
+
+def _refusal(exc: Exception) -> RequestError:
+    """A request's error: KV full is back-pressure (:data:`protocol.CONTEXT_BUSY`)."""
+    if isinstance(exc, KVCacheFullError):
+        return RequestError(f"{P.CONTEXT_BUSY}: KV cache full ({exc}); retry later or raise "
+                            f"kv_cache.max_size")
+    return RequestError(str(exc))

@@ -7,7 +7,10 @@
   handle signed with the deployment key (:mod:`triton_disagg.kv.secret`), which
   the receiver checks before it reads anything else. ``direct_transfer`` leases
   the blocks to a NIXL reader (freed on its notification or at lease expiry);
-  ``host_memory`` copies them into a shared-memory slot and frees them at once.
+  ``host_memory`` copies them into a shared-memory slot and frees them at once (a
+  full staging area raises :class:`StagingFullError` at once: back-pressure the
+  caller retries, never a wait here). :meth:`Sender.release` gives back a signed
+  handle that will not be fetched, whichever context instance on the host made it.
 - :class:`Receiver` (generation): fetches a handle's KV into the first blocks of a
   sequence's reservation in its own pool, converting the layout when the sides differ.
 
@@ -20,16 +23,12 @@ sequence ends, or here when the handoff fails.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Sequence
 
 from triton_disagg.kv import handle as kvhandle
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry
 from triton_disagg.kv.secret import load_key
-
-STAGING_RETRY_SECONDS = 0.005
-
 
 def make_engine(settings: dict, role: str) -> Any:
     """``role``: "context" or "generation", for the capacity error."""
@@ -56,8 +55,11 @@ class Sender:
         else:
             from triton_disagg.kv.host_staging import HostStaging
 
+            from triton_disagg.kv.host_staging import StagingReader
+
             # One slot per block of the context pool: staging holds whatever the pool can.
             self.staging = HostStaging.create(instance, pool.num_total, pool.geometry.block_nbytes)
+            self.peers = StagingReader()
 
     def free(self, block_ids: Sequence[int]) -> None:
         with self.lock:
@@ -77,28 +79,25 @@ class Sender:
                 self.endpoint.leases.release(handle.lease_id)
                 raise
         try:
-            handle = self._stage_when_a_slot_frees(block_ids, num_tokens)
+            with self.lock:
+                handle = self.staging.put(self.engine.pool.array, block_ids, num_tokens,
+                                          self.fingerprint, self.ttl)
         finally:
             self.free(block_ids)
         return kvhandle.encode(handle, self.key)  # too large: its slots expire with the lease
 
-    def _stage_when_a_slot_frees(self, block_ids: Sequence[int], num_tokens: int) -> KVHandle:
-        """Copy the blocks into a staging slot. A full staging area is back-pressure, not an
-        error: wait (at most one lease time) for a generation fetch or a lease expiry to
-        free a slot, and raise StagingFullError only after that."""
-        from triton_disagg.kv.host_staging import StagingFullError
-
-        deadline = time.monotonic() + self.ttl
-        while True:
-            try:
-                with self.lock:
-                    return self.staging.put(self.engine.pool.array, block_ids, num_tokens,
-                                            self.fingerprint, self.ttl)
-            except StagingFullError:
-                if time.monotonic() >= deadline:
-                    raise
-                self.staging.reap()
-                time.sleep(STAGING_RETRY_SECONDS)
+    def release(self, data: bytes) -> None:
+        """Give back the KV of handle bytes ``data`` (checked against the deployment key)."""
+        handle = kvhandle.decode(data, self.key)
+        if handle.strategy != self.strategy:
+            raise kvhandle.HandleError(f"context_phase_params uses {handle.strategy}; this "
+                                       f"context model is set up for {self.strategy}")
+        if self.strategy == "direct_transfer":
+            self.endpoint.release(handle)
+        elif handle.shm_name == self.staging.name:
+            self.staging.discard(handle)
+        else:
+            self.peers.discard(handle)     # another instance's area on this host
 
     def expired_total(self) -> int:
         if self.strategy == "direct_transfer":
@@ -107,7 +106,11 @@ class Sender:
         return self.staging.expired_total
 
     def close(self) -> None:
-        (self.endpoint if self.strategy == "direct_transfer" else self.staging).close()
+        if self.strategy == "direct_transfer":
+            self.endpoint.close()
+        else:
+            self.peers.close()
+            self.staging.close()
 
 
 class Receiver:

@@ -10,11 +10,16 @@ Invariants:
 
 - every request ends with exactly one final ``send`` (``final=True``): a
   non-streaming request gets exactly one response (Triton's ``generate``
-  demands that), a streaming one gets one per token event;
+  demands that), a streaming one gets one per token event, or one for all the events
+  that queued while its previous response was being sent (:mod:`token_inbox`);
 - streamed ``text_output`` deltas concatenate to the non-streamed text, multi-byte
   characters included (:mod:`detokenize`);
 - nothing waits for ever: generation's answer and every token event are awaited at
-  most ``generation_server.stall_seconds``;
+  most ``generation_server.stall_seconds``, and a busy context (no KV blocks or staging
+  slots free now: :class:`ContextBusy`) is retried, backing off, for at most as long;
+- the context's KV of a request that generation never took (the client left after the
+  first token, generation refused or failed the request) is given back at once with a
+  ``release_kv`` call instead of waiting for its lease to expire;
 - leaving a request before generation ended it (client cancel, a stall, a failing
   send, an error, task cancellation) stops generation (:class:`token_inbox.TokenStream`);
   the client's cancel is asked for at most every ``CANCEL_POLL_SECONDS`` while tokens
@@ -23,6 +28,8 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,10 +43,16 @@ from triton_disagg.serving.tensors import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
+BUSY_FIRST_PAUSE, BUSY_MAX_PAUSE = 0.005, 0.1    # seconds between retries of a busy context
+_log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
     """Context or generation answered with an error (message passed to the client)."""
+
+
+class ContextBusy(EngineError):
+    """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
 
 
 class Transport(Protocol):
@@ -48,6 +61,10 @@ class Transport(Protocol):
     async def generate(self, request_id: str, inputs: dict[str, np.ndarray], request_type: str,
                        token_address: str) -> str:
         """Send the request; generation's answer: its control address (or EngineError)."""
+
+    async def release(self, request_id: str, inputs: dict[str, np.ndarray],
+                      handle: np.ndarray) -> None:
+        """Give the context the KV of ``handle`` (``context_phase_params``) back."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,7 @@ class Orchestrator:
                  decode: Callable[[Sequence[int]], str], observer: Any = None):
         self.transport, self.tokens, self.mode = transport, tokens, mode
         self.decode, self.observer = decode, observer
+        self.releases: set[asyncio.Task] = set()   # release_kv calls in flight (held)
 
     async def handle(self, inputs: dict[str, np.ndarray], send: Send,
                      is_cancelled: Callable[[], bool] = lambda: False) -> str:
@@ -146,8 +164,25 @@ class Orchestrator:
         except BaseException:
             run.done("error")
             raise
+        finally:
+            self._give_back(run)
         run.done(outcome)
         return outcome
+
+    def _give_back(self, run: "_Run") -> None:
+        """Release the context's KV that generation never took, without delaying the client."""
+        if run.unfetched is None or not run.unfetched.size:
+            return
+        task = asyncio.get_running_loop().create_task(self._release(run))
+        self.releases.add(task)
+        task.add_done_callback(self.releases.discard)
+
+    async def _release(self, run: "_Run") -> None:
+        try:
+            await self.transport.release(run.request_id, run.engine_in, run.unfetched)
+        except Exception as exc:  # noqa: BLE001 - the lease still expires; say why it had to
+            _log.warning("orchestrator: could not release the KV of request %s (%s); its "
+                         "lease expires instead", run.request_id, exc)
 
 
 class _Run:
@@ -162,15 +197,20 @@ class _Run:
         arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
         self.start = arrival / 1e9 if arrival is not None else time.monotonic()
         self.ttft: float | None = None
+        self.unfetched: np.ndarray | None = None   # the handle, until generation sends a token
 
     async def serve(self, is_cancelled: Callable[[], bool]) -> str:
         if self.owner.mode == "aggregated":
             return await self.generate(self.engine_in, P.CONTEXT_AND_GENERATION, is_cancelled)
-        ctx = await self.transport.context(self.request_id, self.engine_in)
+        ctx = await self.context(is_cancelled)
+        if ctx is None:
+            await self.send(None, True)
+            return "cancelled"
         first = Chunk.from_outputs(ctx)
         if await self.emit(first):
             return "finished"
-        if is_cancelled():   # nothing fetched yet: the context lease reclaims the blocks
+        self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
+        if is_cancelled():   # nothing fetched yet: the handle is given back
             await self.send(None, True)
             return "cancelled"
         gen_in = dict(self.engine_in, **{
@@ -179,6 +219,23 @@ class _Run:
             "input_lengths": np.array([len(self.builder.prompt) + len(first.ids)], np.int32),
             P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
         return await self.generate(gen_in, P.GENERATION_ONLY, is_cancelled)
+
+    async def context(self, is_cancelled: Callable[[], bool]) -> dict[str, np.ndarray] | None:
+        """The context call, retried while the context is busy (backing off, for at most
+        ``stall_seconds``); None when the client cancelled meanwhile."""
+        patience = self.owner.tokens.stall_seconds
+        deadline, pause = time.monotonic() + patience, BUSY_FIRST_PAUSE
+        while True:
+            try:
+                return await self.transport.context(self.request_id, self.engine_in)
+            except ContextBusy as exc:
+                if time.monotonic() + pause > deadline:
+                    raise ContextBusy(f"{exc} (retried for {patience:g} s: "
+                                      f"generation_server.stall_seconds)") from None
+            if is_cancelled():
+                return None
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, BUSY_MAX_PAUSE)
 
     async def generate(self, gen_in: dict[str, np.ndarray], request_type: str,
                        is_cancelled: Callable[[], bool]) -> str:
@@ -191,6 +248,7 @@ class _Run:
             asked = 0.0   # when is_cancelled() was last asked
             while True:
                 chunk = Chunk.from_event(await stream.next())
+                self.unfetched = None       # generation made a token: it took the KV
                 if not chunk.finish_reason and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
                     asked = time.monotonic()
                     if is_cancelled():

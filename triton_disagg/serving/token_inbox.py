@@ -3,7 +3,10 @@ events to one PULL socket here; stops go back to the instance holding a request.
 
 One reader task on the orchestrator's event loop decodes each message and hands every
 event to its request's :class:`TokenStream` (a queue); events for a request nobody
-waits for any more are dropped.
+waits for any more are dropped. A reader that falls behind catches up: the events of
+a request that queued while its last response was being sent are taken as one (one
+response for all their tokens, as vLLM's output collector merges deltas under load),
+so the client path's cost per response is paid per response, not per token.
 
 Invariants: a :class:`TokenStream` is registered before its generation request is sent,
 so no event can arrive unclaimed; :meth:`TokenStream.next` never waits longer than
@@ -41,6 +44,7 @@ class TokenStream:
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.control: str | None = None     # the generation instance's control address
         self.ended = False                  # generation sent the final event
+        self.held: TokenEvent | None = None  # an error event taken while merging, next up
 
     async def accept(self, ack: Awaitable[str]) -> None:
         """Await generation's answer to the request (its control address)."""
@@ -52,13 +56,23 @@ class TokenStream:
                               ) from None
 
     async def next(self) -> TokenEvent:
-        """The next event; EngineError for an error event or ``stall_seconds`` of silence."""
-        try:
-            event = await asyncio.wait_for(self.events.get(), self.inbox.stall_seconds)
-        except asyncio.TimeoutError:
-            raise EngineError(f"generation sent no token for {self.inbox.stall_seconds:g} s "
-                              f"(generation_server.stall_seconds); the request was stopped"
-                              ) from None
+        """The next event merged with every later one already waiting (tokens in order; an
+        error event is never merged, it comes next on its own); EngineError for an error
+        event or ``stall_seconds`` of silence."""
+        event, self.held = self.held, None
+        if event is None:
+            try:
+                event = await asyncio.wait_for(self.events.get(), self.inbox.stall_seconds)
+            except asyncio.TimeoutError:
+                raise EngineError(f"generation sent no token for {self.inbox.stall_seconds:g} s "
+                                  f"(generation_server.stall_seconds); the request was stopped"
+                                  ) from None
+        while not event.final and not self.events.empty():
+            later = self.events.get_nowait()
+            if later.error is not None:
+                self.held = later
+                break
+            event = event.then(later)
         self.ended = event.final
         if event.error is not None:
             raise EngineError(event.error)

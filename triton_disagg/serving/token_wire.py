@@ -43,6 +43,15 @@ class TokenEvent:
     def final(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def then(self, later: "TokenEvent") -> "TokenEvent":
+        """This event and the same request's ``later`` one as one event (this one is not
+        final, ``later`` carries no error): tokens in order, ``later``'s end."""
+        log_probs = (self.log_probs + later.log_probs
+                     if self.log_probs is not None and later.log_probs is not None else None)
+        cum = later.cum_log_prob if later.cum_log_prob is not None else self.cum_log_prob
+        return TokenEvent(self.request_id, self.tokens + later.tokens, log_probs, cum,
+                          later.finish_reason)
+
 
 _OPTIONAL = (("log_probs", "log_probs", list), ("cum_log_prob", "cum_log_prob", float),
              ("finish", "finish_reason", str), ("error", "error", str))   # wire, field, type

@@ -7,7 +7,8 @@ phase in the ``request_type`` request parameter and the orchestrator's request
 id as the Triton request id. A generation request also names the orchestrator's
 token address (``token_address``); Triton carries it to generation, whose one
 response is the control address for stops: the tokens themselves arrive over
-ZeroMQ (:mod:`token_inbox`), never as Triton responses.
+ZeroMQ (:mod:`token_inbox`), never as Triton responses. A context error that is
+back-pressure (``protocol.CONTEXT_BUSY``) is raised as :class:`ContextBusy`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.serving.orchestrator import EngineError
+from triton_disagg.serving.orchestrator import ContextBusy, EngineError
 from triton_disagg.serving.tensors import to_batched
 
 _SPECS = {"context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
@@ -33,6 +34,15 @@ def _parameters(request_type: str, token_address: str | None) -> dict[str, str]:
     if token_address is not None:
         params[P.TOKEN_ADDRESS] = token_address
     return params
+
+
+def _error(model: str, message: str) -> EngineError:
+    busy = model == "context" and message.startswith(P.CONTEXT_BUSY)
+    return (ContextBusy if busy else EngineError)(message)
+
+
+def _release_inputs(inputs: dict, handle: np.ndarray) -> dict:
+    return dict(inputs, **{P.CONTEXT_PHASE_PARAMS: handle})
 
 
 def _control_address(outputs: dict[str, np.ndarray]) -> str:
@@ -53,11 +63,15 @@ class BLSTransport:
             requested_output_names=[s.name for s in outputs], parameters=parameters)
         response = await request.async_exec()
         if response.has_error():
-            raise EngineError(response.error().message())
+            raise _error(model, response.error().message())
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, request_id: str, inputs: dict) -> dict[str, np.ndarray]:
         return await self._exec("context", request_id, inputs, _parameters(P.CONTEXT_ONLY, None))
+
+    async def release(self, request_id: str, inputs: dict, handle: np.ndarray) -> None:
+        await self._exec("context", request_id, _release_inputs(inputs, handle),
+                        _parameters(P.RELEASE_KV, None))
 
     async def generate(self, request_id: str, inputs: dict, request_type: str,
                        token_address: str) -> str:
@@ -94,12 +108,17 @@ class GrpcTransport:
             result = await self._client(model).infer(model, tensors, request_id=request_id,
                                                      parameters=parameters)
         except InferenceServerException as exc:
-            raise EngineError(f"{model} at {self.urls[model]}: {exc.message()}") from None
+            error = _error(model, exc.message())
+            raise type(error)(f"{model} at {self.urls[model]}: {error}") from None
         arrays = {s.name: result.as_numpy(s.name) for s in outputs}
         return _unbatch({n: a for n, a in arrays.items() if a is not None})
 
     async def context(self, request_id: str, inputs: dict) -> dict[str, np.ndarray]:
         return await self._infer("context", request_id, inputs, _parameters(P.CONTEXT_ONLY, None))
+
+    async def release(self, request_id: str, inputs: dict, handle: np.ndarray) -> None:
+        await self._infer("context", request_id, _release_inputs(inputs, handle),
+                        _parameters(P.RELEASE_KV, None))
 
     async def generate(self, request_id: str, inputs: dict, request_type: str,
                        token_address: str) -> str:

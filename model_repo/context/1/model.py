@@ -1,9 +1,13 @@
 """context: prefill of a batch of prompts; first token + context_phase_params
-(logic: triton_disagg.serving.context)."""
+(logic: triton_disagg.serving.context). A ``release_kv`` request gives back the KV of
+the ``context_phase_params`` it carries (a client left before generation took it) and
+answers with no tokens."""
 
 import faulthandler
 import json
 import uuid
+
+import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
@@ -35,10 +39,15 @@ class TritonPythonModel:
             try:
                 request_type = json.loads(request.parameters() or "{}").get(
                     P.REQUEST_TYPE, P.CONTEXT_ONLY)
-                if request_type != P.CONTEXT_ONLY:
+                if request_type not in (P.CONTEXT_ONLY, P.RELEASE_KV):
                     raise RequestError(f"request_type {request_type!r}: the context model serves "
-                                       f"{P.CONTEXT_ONLY!r} only")
+                                       f"{P.CONTEXT_ONLY!r} and {P.RELEASE_KV!r}")
                 inputs = read_inputs(pb_utils, request, P.CONTEXT_INPUTS)
+                if request_type == P.RELEASE_KV:
+                    handle = inputs.get(P.CONTEXT_PHASE_PARAMS, np.zeros(0, np.uint8))
+                    self.side.release(handle.tobytes())
+                    responses[i] = self._response(engine_request.outputs([], [], 0.0, ""))
+                    continue
                 batch.append((request.request_id() or uuid.uuid4().hex,
                               engine_request.parse(inputs)))
                 slots.append(i)
@@ -48,9 +57,14 @@ class TritonPythonModel:
             if isinstance(result, Exception):
                 responses[i] = error_response(pb_utils, str(result))
             else:
-                tensors = make_tensors(pb_utils, P.CONTEXT_OUTPUTS, result)
-                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+                responses[i] = self._response(result)
         return responses
+
+    @staticmethod
+    def _response(outputs):
+        outputs.setdefault(P.CONTEXT_PHASE_PARAMS, np.zeros(0, np.uint8))
+        tensors = make_tensors(pb_utils, P.CONTEXT_OUTPUTS, outputs)
+        return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self):
         self.side.close()

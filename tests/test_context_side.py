@@ -1,0 +1,65 @@
+"""The context model's logic with a real engine and real KV exchange, without a server:
+a context instance never waits for memory (it answers busy at once) and gives back a
+handoff that nobody will fetch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from triton_disagg import protocol as P
+from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.kv.secret import deployment_key, key_id
+from triton_disagg.serving.context import ContextSide
+from triton_disagg.serving.engine_request import EngineRequest
+from triton_disagg.serving.tensors import RequestError
+
+PROMPT = list(range(3, 63))      # 60 tokens: 4 blocks of 16
+
+
+@pytest.fixture(params=["direct_transfer", "host_memory"])
+def side(request, demo_engine):
+    if request.param == "direct_transfer":
+        pytest.importorskip("nixl")
+    from triton_disagg.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(demo_engine, num_blocks=8)       # two prompts' KV, then full
+    settings = {"kv_strategy": request.param, "kv_lease_seconds": 30.0,
+                "kv_key_id": key_id(deployment_key())}
+    side = ContextSide(engine, settings, f"ctxtest_{request.param}")
+    yield side
+    side.close()
+
+
+def _prefill(side: ContextSide, *names: str) -> list:
+    return side.prefill([(name, EngineRequest(PROMPT, SamplingParams(max_tokens=8), True))
+                         for name in names])
+
+
+def test_a_full_context_answers_busy_at_once_and_a_release_makes_room(side):
+    held = _prefill(side, "a") + _prefill(side, "b")       # every block (or slot) handed off
+    assert all(P.CONTEXT_PHASE_PARAMS in r and r[P.CONTEXT_PHASE_PARAMS].size for r in held)
+    started = time.monotonic()
+    busy, = _prefill(side, "c")
+    assert time.monotonic() - started < 1.0        # no wait for memory inside execute
+    assert isinstance(busy, RequestError) and str(busy).startswith(P.CONTEXT_BUSY)
+    side.release(held[0][P.CONTEXT_PHASE_PARAMS].tobytes())   # the client left after token 1
+    deadline = time.monotonic() + 5
+    while isinstance(_retry := _prefill(side, "c")[0], RequestError) and time.monotonic() < deadline:
+        time.sleep(0.01)                           # direct_transfer: freed on the watcher
+    assert P.CONTEXT_PHASE_PARAMS in _retry
+
+
+def test_a_batch_that_does_not_fit_serves_what_fits(side):
+    results = _prefill(side, "a", "b", "c")
+    assert [isinstance(r, RequestError) for r in results] == [False, False, True]
+    assert str(results[2]).startswith(P.CONTEXT_BUSY)
+
+
+def test_a_release_of_a_forged_handle_is_a_clear_error(side):
+    held, = _prefill(side, "a")
+    forged = bytearray(held[P.CONTEXT_PHASE_PARAMS].tobytes())
+    forged[-1] ^= 1
+    with pytest.raises(RequestError, match="context_phase_params: cannot release"):
+        side.release(bytes(forged))
