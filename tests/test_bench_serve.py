@@ -77,7 +77,7 @@ def test_poisson_arrivals_and_placement():
     assert placement("disaggregated", [3], 4) == {
         "context_server": {"cpus": [3]}, "generation_server": {"cpus": [3], "stream_interval": 4}}
     assert placement("aggregated", [0, 1]) == {
-        "generation_server": {"cpus": [0, 1], "stream_interval": 1}}
+        "generation_server": {"cpus": [0, 1], "instances": 1, "stream_interval": 1}}
 
 
 def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):

@@ -51,6 +51,15 @@ def test_cpu_host_extensions(write):
     assert cfg.kv_cache.max_size == 64 * 2**20 and cfg.kv_cache.lease_seconds == 5.0
 
 
+@pytest.mark.parametrize("generation, instances", [
+    ("{cpus: [2, 3]}", 2), ("{cpus: [1, 2, 3]}", 2), ("{cpus: [1]}", 1), ("{}", 1),
+    ("{cpus: [2, 3], instances: 1}", 1)])
+def test_generation_runs_two_instances_where_its_cores_allow(write, generation, instances):
+    cfg = load_config(write("model: {engine: engines/demo}\ncontext_server: {cpus: [0, 1]}\n"
+                            f"generation_server: {generation}\n"))
+    assert cfg.generation.instances == instances and cfg.context.instances == 1
+
+
 @pytest.mark.parametrize("text, words", [
     ("model: {engine: engines/demo}\nkv_cache: {max_size: 2XB}\n", ["kv_cache.max_size", "2GB"]),
     ("model: {engine: engines/demo}\ncontext_server: {url: a:1, gpu: [0]}\n",

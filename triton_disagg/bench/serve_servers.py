@@ -36,7 +36,8 @@ def placement(mode: str, cores: Sequence[int], stream_interval: int = 1) -> dict
     """The ``context_server`` / ``generation_server`` part of disagg_config.yaml."""
     cores = list(cores)
     if mode == "aggregated":
-        return {"generation_server": {"cpus": cores, "stream_interval": stream_interval}}
+        return {"generation_server": {"cpus": cores, "instances": 1,
+                                      "stream_interval": stream_interval}}
     half = max(1, len(cores) // 2)
     context, generation = cores[:half], cores[half:] or cores[:half]
     return {"context_server": {"cpus": context},
