@@ -79,6 +79,10 @@ def test_outputs_and_options(server, offline):
     assert body["num_input_tokens"] == 4 and body["num_output_tokens"] == 5
     assert len(body["output_log_probs"]) == 5 and all(lp <= 0 for lp in body["output_log_probs"])
     assert body["cum_log_probs"] == pytest.approx(sum(body["output_log_probs"]), rel=1e-5)
+    status, body = serving.generate(server.http, {"text_input": "The quick brown fox",
+                                                  "max_tokens": 5})
+    assert status == 200 and body["num_output_tokens"] == 5      # log probs only when asked
+    assert "output_log_probs" not in body and "cum_log_probs" not in body
 
 
 @pytest.mark.parametrize("payload, words", [

@@ -103,7 +103,8 @@ def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 class ResponseBuilder:
     """Turns engine chunks into the ensemble's outputs (``text_output`` deltas, counts,
-    log probs)."""
+    and log probs only when the request's ``return_log_probs`` asked for them, as
+    TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response)."""
 
     def __init__(self, inputs: dict[str, np.ndarray], decode: Callable[[Sequence[int]], str]):
         self.decode = decode
@@ -135,13 +136,15 @@ class ResponseBuilder:
         window, offset = self.windows.next(self.pending_ids)
         lps = self.pending_lp if self.return_log_probs else [0.0] * len(self.pending_lp)
         self.pending_ids, self.pending_lp = [], []
-        return {
+        out = {
             "text_output": [text_delta(self.decode, window, offset, final)],
-            "cum_log_probs": np.array([self.cum_log_prob if self.return_log_probs else 0.0]),
-            "output_log_probs": np.array([lps], dtype=np.float32).reshape(1, -1),
             "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
             "num_output_tokens": np.array([self.generated], dtype=np.int32),
         }
+        if self.return_log_probs:
+            out["cum_log_probs"] = np.array([self.cum_log_prob])
+            out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)
+        return out
 
 
 class Orchestrator:
