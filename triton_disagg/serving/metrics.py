@@ -14,6 +14,11 @@ model instance name) labels, so instances of one model never share a series.
   (histograms), measured by the orchestrator; TTFT starts when the request reached
   preprocessing (``protocol.ARRIVAL``) and ends when the first token's response is sent.
 
+Every update is applied on the instance's own writer thread, in order: each one is an
+IPC round trip to the Triton process, which the decode loop, the orchestrator's event
+loop and ``execute`` must not wait for. Updates made after :meth:`Metrics.close` are
+dropped.
+
 Invariant: the MetricFamily objects live until :meth:`Metrics.close` (Triton drops a
 family's series when its Python object is collected). Models call ``close`` in
 ``finalize``: a family still alive when the stub process tears itself down crashes
@@ -24,7 +29,10 @@ every server stop wait out Triton's exit timeout.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import logging
+import queue
+import threading
+from typing import Any, Callable, Iterator
 
 # Fine below 2.5 ms: a one-host KV handoff takes about a millisecond (bench handoff).
 LATENCY_BUCKETS = [0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -53,6 +61,8 @@ class _Ignored:
 
 
 _IGNORED = _Ignored()
+CLOSE_WAIT_SECONDS = 5.0      # for the writer to apply what was queued before close
+_log = logging.getLogger(__name__)
 
 
 class Metrics:
@@ -65,6 +75,9 @@ class Metrics:
         self._series: dict[tuple, Any] = {}
         self._expired_seen = 0
         self._closed = False
+        self._updates: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name=f"metrics-{role}", daemon=True)
+        self._writer.start()
 
     @contextlib.contextmanager
     def closed_on_error(self) -> Iterator[None]:
@@ -79,9 +92,23 @@ class Metrics:
     def close(self) -> None:
         """Release every series, then every family (in that order, as Triton requires);
         later updates are ignored. Call it from ``finalize`` once no thread updates."""
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self._updates.put(None)
+            self._writer.join(CLOSE_WAIT_SECONDS)
         self._series.clear()
         self.families.clear()
+
+    def _later(self, update: Callable[[], None]) -> None:
+        if not self._closed:
+            self._updates.put(update)
+
+    def _write(self) -> None:
+        while (update := self._updates.get()) is not None:
+            try:
+                update()
+            except Exception:  # noqa: BLE001 - a metric must never take the model down
+                _log.exception("metrics update failed")
 
     def _metric(self, key: str, **extra: str) -> Any:
         if self._closed:
@@ -95,28 +122,31 @@ class Metrics:
         return self._series[ident]
 
     def kv_pool(self, used: int, total: int) -> None:
-        self._metric("kv_blocks_used").set(used)
-        self._metric("kv_blocks_total").set(total)
+        self._later(lambda: (self._metric("kv_blocks_used").set(used),
+                             self._metric("kv_blocks_total").set(total)))
 
     def kv_transfer(self, strategy: str, nbytes: int, seconds: float) -> None:
-        self._metric("kv_bytes", strategy=strategy).increment(nbytes)
-        self._metric("kv_seconds", strategy=strategy).observe(seconds)
+        self._later(lambda: (self._metric("kv_bytes", strategy=strategy).increment(nbytes),
+                             self._metric("kv_seconds", strategy=strategy).observe(seconds)))
 
     def leases_expired(self, total: int) -> None:
         """``total``: the lease table's running count; only the increase is added."""
+        self._later(lambda: self._add_expired(total))
+
+    def _add_expired(self, total: int) -> None:
         metric = self._metric("leases_expired")     # the series shows from the start, at 0
         if total > self._expired_seen:
             metric.increment(total - self._expired_seen)
             self._expired_seen = total
 
     def request_done(self, outcome: str) -> None:
-        self._metric("requests", outcome=outcome).increment(1)
+        self._later(lambda: self._metric("requests", outcome=outcome).increment(1))
 
     # orchestrator observer interface
     def first_token(self, seconds: float) -> None:
-        self._metric("ttft").observe(seconds)
+        self._later(lambda: self._metric("ttft").observe(seconds))
 
     def finished(self, outcome: str, seconds: float, tokens: int, ttft: float | None) -> None:
         self.request_done(outcome)
         if ttft is not None and tokens > 1:
-            self._metric("tpot").observe((seconds - ttft) / (tokens - 1))
+            self._later(lambda: self._metric("tpot").observe((seconds - ttft) / (tokens - 1)))
