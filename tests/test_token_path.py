@@ -425,6 +425,22 @@ def test_the_loop_survives_a_send_that_raises(engine):
     assert sorted(done) == ["error", "finished", "finished"] and engine.pool.num_used == 0
 
 
+def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
+    from triton_disagg.serving import generation_sockets
+
+    orchestrators, outbox = Orchestrators(1), TokenOutbox(zmq.Context.instance())
+    outbox.sockets["ipc:///gone"] = BrokenSocket()
+    outbox.put("ipc:///gone", TokenEvent("a", [1]))
+    outbox.put(orchestrators.address(0), TokenEvent("b", [2]))
+    assert outbox.flush() == ["a"] and list(outbox.sockets) == [orchestrators.address(0)]
+    monkeypatch.setattr(generation_sockets, "IDLE_SECONDS", 0.0)
+    assert outbox.flush() == [] and outbox.sockets == {}        # nothing sent: idle, closed
+    assert orchestrators.socks[0].poll(2000)
+    assert token_wire.decode_events(orchestrators.socks[0].recv()) == [TokenEvent("b", [2])]
+    outbox.close()
+    orchestrators.close()
+
+
 def test_a_stuck_loop_reports_its_stacks_and_fails_its_requests(engine, capfd):
     side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
     orchestrators = Orchestrators(1)

@@ -9,12 +9,15 @@
 Invariants: only the decode-loop thread sends or receives on these sockets; nothing
 here blocks: a send that would wait (the orchestrator is gone or not reading, and
 ``HIGH_WATER_MARK`` messages already wait for it) or fails reports the request ids of
-that message to the loop, which fails those requests and goes on.
+that message to the loop, which fails those requests and goes on. A socket is closed
+after such a failure and once its address had nothing to send for ``IDLE_SECONDS``
+(an orchestrator restarts with a new address), so dead addresses do not pile up.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
@@ -23,6 +26,7 @@ from triton_disagg.serving.token_wire import TokenEvent, WireError
 from triton_disagg.serving.zmq_endpoints import Endpoint, bind, push_socket
 
 HIGH_WATER_MARK = 1000       # messages (decode steps) queued per orchestrator address
+IDLE_SECONDS = 60.0          # a socket with nothing to send this long is closed
 _log = logging.getLogger(__name__)
 
 
@@ -30,7 +34,9 @@ class TokenOutbox:
     def __init__(self, context: zmq.Context):
         self.context = context
         self.sockets: dict[str, zmq.Socket] = {}
+        self.last_sent: dict[str, float] = {}
         self.pending: dict[str, list[TokenEvent]] = {}
+        self.swept = time.monotonic()
 
     def put(self, address: str, event: TokenEvent) -> None:
         self.pending.setdefault(address, []).append(event)
@@ -39,25 +45,39 @@ class TokenOutbox:
         """Send what was put since the last flush; the request ids that could not be sent."""
         pending, self.pending = self.pending, {}
         failed: list[str] = []
+        now = time.monotonic()
         for address, events in pending.items():
             try:
                 sock = self.sockets.get(address) or self._connect(address)
                 sock.send(token_wire.encode_events(events), zmq.NOBLOCK)
+                self.last_sent[address] = now
             except Exception as exc:  # noqa: BLE001 - zmq.Again: HIGH_WATER_MARK messages wait
                 _log.warning("generation: cannot send tokens to %s (%s); failing %d request(s)",
                              address, exc, len(events))
                 failed += [e.request_id for e in events]
+                self._drop(address)
+        if now - self.swept >= IDLE_SECONDS:
+            self.swept = now
+            for address in [a for a, t in self.last_sent.items() if now - t >= IDLE_SECONDS]:
+                self._drop(address)
         return failed
 
     def _connect(self, address: str) -> zmq.Socket:
         self.sockets[address] = push_socket(self.context, address, HIGH_WATER_MARK)
         return self.sockets[address]
 
+    def _drop(self, address: str) -> None:
+        sock = self.sockets.pop(address, None)
+        self.last_sent.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket; what is still unsent after ``linger_ms`` is dropped."""
         for sock in self.sockets.values():
             sock.close(linger=linger_ms)
         self.sockets.clear()
+        self.last_sent.clear()
 
 
 def send_errors(context: zmq.Context, addresses: dict[str, str], message: str) -> None:
