@@ -146,6 +146,20 @@ def test_host_staging_full_expiry_and_too_large():
         area.close()
 
 
+def test_host_staging_same_layout_copies_each_run_of_slots_exactly():
+    pool = make_pool(5, 6, 4, "float32")
+    area = HostStaging.create("runs", num_slots=6, slot_bytes=pool[0].nbytes + 64)  # slack
+    try:
+        area.put(pool, [5], 4, FP, ttl_s=10)                  # slot 0 taken: the next start at 1
+        handle = area.put(pool, [4, 0, 2, 3], 15, FP, ttl_s=10)
+        dst = np.zeros_like(pool)
+        area.take(handle, dst, [1, 2, 5, 0])                  # runs: slots 1-2 -> 1-2, 3 -> 5, 4 -> 0
+        assert dst[[1, 2, 5, 0]].tobytes() == pool[[4, 0, 2, 3]].tobytes()
+        assert not dst[[3, 4]].any()
+    finally:
+        area.close()
+
+
 # ---- giving back a handoff nobody will fetch (release_kv) ----------------------------
 
 def test_a_released_nixl_lease_frees_its_blocks_at_once_and_cannot_be_fetched(sender, receivers):

@@ -105,7 +105,7 @@ def test_leases_free_every_block_exactly_once_under_races():
 
 
 def test_read_descriptors_cover_runs_of_consecutive_blocks():
-    from triton_disagg.kv.nixl_transfer import _runs
+    from triton_disagg.kv.layout import runs as _runs
 
     assert _runs([3, 4, 5, 9, 10, 2], range(6)) == [(3, 0, 3), (9, 3, 2), (2, 5, 1)]
     assert _runs([0, 1, 2], [5, 4, 3]) == [(0, 5, 1), (1, 4, 1), (2, 3, 1)]   # dst goes down

@@ -48,7 +48,7 @@ import numpy as np
 from triton_disagg import shm
 from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
-from triton_disagg.kv.layout import BlockGeometry, write_blocks
+from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
 from triton_disagg.kv.leases import LeaseExpiredError
 
 _MAGIC = 0x3147_5453_564B_4454  # b"TDKVSTG1" little-endian
@@ -211,9 +211,16 @@ class HostStaging:
                                         f"already fetched or reclaimed ({when})")
 
         check("before the copy")
-        staged = self._slots_view(slots, src)                   # [n, L, 2, bs, kvh, hd]
-        check("during the copy")
-        write_blocks(staged, handle.num_tokens, dst_pool, dst_block_ids)
+        if src == BlockGeometry.of_pool(dst_pool):     # one copy per run of slots, from the area
+            rows = self._data.reshape(self.num_slots, self.slot_bytes)      # [N, slot_bytes]
+            for s, d, k in runs(slots, dst_block_ids):
+                dst_pool[d:d + k] = rows[s:s + k, :src.block_nbytes].view(src.dtype).reshape(
+                    (k,) + src.block_shape)             # [k, slot_bytes] -> [k, L, 2, bs, kvh, hd]
+            check("during the copy")
+        else:
+            staged = self._slots_view(slots, src)               # [n, L, 2, bs, kvh, hd]
+            check("during the copy")
+            write_blocks(staged, handle.num_tokens, dst_pool, dst_block_ids)
         self._done[slots] = ticket
         return TransferStats(nbytes=len(slots) * src.block_nbytes,
                              seconds=time.monotonic() - start)

@@ -130,3 +130,14 @@ def _copy_tokens(src: np.ndarray, num_tokens: int, dst: np.ndarray,
         t += k
     if num_tokens % bs_dst:
         dst[dst_ids[-1], :, :, num_tokens % bs_dst:] = 0         # [L, 2, bs_dst - r, kvh, hd]
+
+
+def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src id, dst id, count)`` of each maximal run where both ids go up by one: one
+    copy (or READ descriptor: UCX costs about 8 us each) per run instead of one per block."""
+    s, d = np.asarray(src, np.int64), np.asarray(dst, np.int64)               # [n], [n]
+    if len(s) == 0:
+        return []
+    starts = np.flatnonzero(np.r_[True, (np.diff(s) != 1) | (np.diff(d) != 1)])
+    counts = np.diff(np.r_[starts, len(s)])
+    return list(zip(s[starts].tolist(), d[starts].tolist(), counts.tolist()))
