@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -96,9 +97,15 @@ def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept text") and "<!-- bench:serve:start -->" in text
     for heading in ("Request-rate sweep", "Goodput", "Serving overhead", "acceptance",
-                    "Where the server's time went"):
+                    "Where the CPU went"):
         assert heading in text
-    assert "| disaggregated | context |" in text and "| aggregated | generation |" in text
+    cpu = {tuple(c.strip() for c in line.split("|")[1:3]): float(line.split("|")[3])
+           for line in text.splitlines() if re.match(r"\| (dis)?aggregated \| [a-z]", line)
+           and line.count("|") == 5}
+    for process in ("context_0_0", "generation_0_0", "orchestrator_0_0", "tritonserver",
+                    "client (this benchmark)"):
+        assert cpu[("disaggregated", process)] > 0, process
+    assert ("aggregated", "context_0_0") not in cpu and cpu[("aggregated", "generation_0_0")] > 0
     for mode in ("disaggregated", "aggregated"):
         assert f"- **{mode}**: TTFT p50" in text
         for rate in ("serial", "2", "4", "burst"):

@@ -6,8 +6,8 @@ Order of a run (every server on the same cores, one at a time):
    sets on :class:`LLMEngine` in this process;
 2. per mode: start the server, warm it up, then the serial set, one Poisson
    run per ``--rates`` entry (``rate x --duration`` requests) and the burst
-   set (:mod:`serve_load`), reading Triton's per-model time around the burst
-   (:mod:`serve_metrics`), then stop it;
+   set (:mod:`serve_load`), reading each server process's CPU time around the burst
+   (:mod:`process_cpu`), then stop it;
 3. the figures (:mod:`serve_stats`), markdown and plots (:mod:`serve_report`):
    printed, and with ``--output`` kept as the ``serve`` section of that file
    with the PNGs in ``--img-dir``.
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench import serve_report
     from triton_disagg.bench.serve_inproc import InProcessEngine
     from triton_disagg.bench.serve_load import run_load
-    from triton_disagg.bench.serve_metrics import model_times, scrape
+    from triton_disagg.bench.process_cpu import cpu_delta, server_cpu
     from triton_disagg.bench.serve_servers import MODES, serving
     from triton_disagg.bench.serve_stats import SLO, summarize
     from triton_disagg.engine.tokenizer import Tokenizer
@@ -149,9 +149,11 @@ def run(args: argparse.Namespace) -> int:
             for i, rate in enumerate(rates):
                 keep(mode, run_load(served.grpc, sweep[rate], rate, seed=args.seed + i,
                                     deadline=args.duration * 4 + 60))
-            before = scrape(served.metrics)
+            before = server_cpu(served.pid)
             burst_run = run_load(served.grpc, burst, math.inf)
-            times[mode] = (burst_run.duration, model_times(before, scrape(served.metrics)))
+            rows = cpu_delta(before, server_cpu(served.pid))
+            times[mode] = (burst_run.duration, rows + [("client (this benchmark)",
+                                                        burst_run.client_cpu or 0.0)])
             keep(mode, burst_run)
 
     shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)

@@ -96,15 +96,12 @@ def acceptance_lines(summaries: Sequence[Summary], modes: Sequence[str]) -> list
     return out
 
 
-def model_time_table(times: dict[str, tuple[float, list]], cores: int) -> str:
-    """``times``: mode -> (run seconds, :class:`serve_metrics.ModelTime` rows)."""
-    lines = ["| mode | model | executions | compute (s) | per execution (ms) | share of the cores |",
-             "|---|---|---|---|---|---|"]
+def process_cpu_table(times: dict[str, tuple[float, list]], cores: int) -> str:
+    """``times``: mode -> (burst seconds, ``(process, CPU seconds)`` rows)."""
+    lines = ["| mode | process | CPU (s) | share of the cores |", "|---|---|---|---|"]
     for mode, (seconds, rows) in times.items():
-        for r in rows:
-            per = r.compute_seconds / r.executions * 1e3 if r.executions else 0.0
-            lines.append(f"| {mode} | {r.model} | {r.executions} | {r.compute_seconds:.2f} "
-                         f"| {per:.2f} | {r.compute_seconds / (seconds * cores):.0%} |")
+        lines += [f"| {mode} | {name} | {cpu:.2f} | {cpu / (seconds * cores):.0%} |"
+                  for name, cpu in rows]
     return "\n".join(lines)
 
 
@@ -178,11 +175,11 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         "### Serving overhead (Triton vs the engine in-process, same prompts and cores)", "",
         "TTFT at p50 with one request at a time, output tokens/s with every request at once.", "",
         *overhead_lines(summaries, modes), "",
-        "Where the server's time went during the burst (Triton's per-model compute counters; "
-        "the ensemble is left out, its time overlaps its steps'; the decoupled orchestrator "
-        "and generation return from `execute` at once and work on their own threads, which "
-        "these counters do not see):", "",
-        model_time_table(times, len(setup.cores)), "",
+        "Where the CPU went during the burst: each process's user + system time from `/proc` "
+        "(every thread: generation's decode loop, the orchestrator's event loop, Triton's "
+        "ensemble and gRPC), and the benchmark's own client; share of the cores = CPU / "
+        "(burst seconds x cores):", "",
+        process_cpu_table(times, len(setup.cores)), "",
         "### Deployment-guide acceptance (TTFT p90 under 200 ms and over 1000 output tokens/s)", "",
         *acceptance_lines(summaries, modes),
     ]

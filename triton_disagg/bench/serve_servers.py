@@ -30,6 +30,7 @@ class Served:
     http: str                    # http://host:port
     metrics: str                 # http://host:port
     log: Path
+    pid: int                     # the tritonserver process
 
 
 def placement(mode: str, cores: Sequence[int], stream_interval: int = 1) -> dict:
@@ -59,6 +60,6 @@ def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
     try:
         server.wait_ready(ready_timeout)
         yield Served(mode, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}",
-                     f"http://127.0.0.1:{metrics}", server.log_path)
+                     f"http://127.0.0.1:{metrics}", server.log_path, server.process.pid)
     finally:
         server.stop()
