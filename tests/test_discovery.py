@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import etcd_server
+from etcd_server import wait_until
 from triton_disagg.discovery import Load, MemberRecord, Membership, Registration
 
 TTL = 2                              # seconds: etcd's shortest whole-second lease
@@ -48,16 +49,6 @@ def prefix(request) -> str:
 def record(url: str, role: str = "generation", fingerprint: str = OURS) -> MemberRecord:
     return MemberRecord(role=role, grpc_url=url, fingerprint=fingerprint, kv_blocks_total=64,
                         tokens_per_block=16)
-
-
-def wait_until(predicate, timeout: float, what: str) -> float:
-    """Seconds until ``predicate()`` held (polled every 10 ms); fails after ``timeout``."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def urls(membership: Membership, role: str = "generation") -> list[str]:

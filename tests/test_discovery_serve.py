@@ -8,6 +8,7 @@ import time
 
 import etcd_server
 import serving
+from etcd_server import wait_until
 from triton_disagg.bench.serve_metrics import scrape, total
 from triton_disagg.discovery import Membership
 from triton_disagg.engine.spec import EngineSpec
@@ -22,16 +23,15 @@ def test_serve_registers_and_deregisters(demo_engine, tmp_path):
     membership = Membership(etcd.discovery("/it", 3), fingerprint).start()
     try:
         with serving.serve("generation", ["-c", str(config)], tmp_path / "gen", http=False) as gen:
-            assert membership.members("generation"), gen.log.read_text()  # registered when ready
+            # Registered before "ready" was printed; seen at the scheduler's next poll.
+            wait_until(lambda: membership.members("generation"), 2.0, "registered when ready")
             member = membership.members("generation")[0]
             assert member.grpc_url == gen.grpc and member.fingerprint == fingerprint
             assert f"etcd     /it/generation/{gen.grpc} on {etcd.endpoint}" in gen.log.read_text()
             assert member.tokens_per_block == EngineSpec.load(demo_engine).kv.tokens_per_block
             # The load: free blocks from the pool gauges, once the model reported them.
-            deadline = time.monotonic() + 5.0
-            while membership.members("generation")[0].load.free_kv_blocks is None:
-                assert time.monotonic() < deadline, "no load published"
-                time.sleep(0.05)
+            wait_until(lambda: membership.members("generation")[0].load.free_kv_blocks
+                       is not None, 5.0, "load published")
             blocks = total(scrape(gen.metrics), "disagg_kv_blocks_total", role="generation")
             assert member.kv_blocks_total == blocks > 0    # the pool the server really has
             assert membership.members("generation")[0].load.free_kv_blocks == blocks   # idle
