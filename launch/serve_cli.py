@@ -80,6 +80,10 @@ def load(args: argparse.Namespace):
             config = replace(config, engine=default_config(args.engine).engine)
     if args.role == "scheduler":
         for role in ("generation",) if config.mode == "aggregated" else ("context", "generation"):
+            if len(config.server(role).urls) > 1 or config.discovery is not None:
+                raise UserError(f"{config.source}: {role}_server: the scheduler dials one "
+                                f"{role} server for now (routing over urls or discovery comes "
+                                f"next); give `{role}_server: {{url: \"HOST:PORT\"}}`")
             if config.server(role).url is None:
                 raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler dials "
                                 f"it, e.g. `{role}_server: {{url: \"localhost:9001\"}}`")
