@@ -5,8 +5,8 @@ API through the JSON gateway that every etcd >= 3.4 serves on its client port, w
 plain ``requests``, synchronously. That fits how membership runs: one heartbeat thread
 per server and one poll thread per scheduler, no event loop to host (``aetcd`` is
 asyncio-only, so it would need a private loop in a thread), and no second gRPC/protobuf
-stack beside tritonclient's. The stale ``etcd3`` 0.12 (unmaintained, pinned to old
-protobuf) is ruled out.
+stack beside tritonclient's. The stale ``etcd3`` 0.12 (no release since 2020; its
+generated protobuf code predates protobuf 4) is ruled out.
 
 etcd3gw's watch is not used: it reads the stream in a background executor and, when
 etcd goes away, the stream just ends with nothing told to the caller, so a watcher
