@@ -1,6 +1,7 @@
 # Everything runs inside .venv, created from the system python3 (3.10+; Debian/Ubuntu:
 # apt-get install python3 python3-venv make). `doctor --install` adds the one system
-# library Triton's Python backend needs (libpython3.X) when it is missing.
+# library Triton's Python backend needs (libpython3.X) when it is missing; `make etcd` adds
+# etcd (Debian's etcd-server) for the discovery tests, as root.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -14,7 +15,7 @@ GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: venv install doctor demo test bench clean
+.PHONY: venv install doctor etcd demo test bench clean
 
 venv: $(STAMP)
 
@@ -36,6 +37,18 @@ install: venv
 doctor: $(STAMP)
 	$(BIN)/triton-disagg doctor --install
 
+# The discovery tests start a real etcd. As root with apt-get it is installed here; otherwise
+# those tests fail with the command to run (they are never skipped).
+etcd:
+	@command -v etcd >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "==> installing etcd-server with apt-get (the discovery tests start a real etcd)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; \
+	  else \
+	    echo "etcd not found: the discovery tests will fail; run: sudo apt-get install etcd-server"; \
+	  fi; }
+
 $(DEMO_ENGINE)/engine.json: $(STAMP)
 	$(BIN)/triton-disagg demo-checkpoint --output $(DEMO_CKPT)
 	$(BIN)/triton-disagg build --checkpoint $(DEMO_CKPT) --output $(DEMO_ENGINE)
@@ -47,7 +60,7 @@ demo: doctor $(DEMO_ENGINE)/engine.json
 	$(BIN)/triton-disagg serve all -c disagg_config.yaml \
 	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
-test: $(TEST_STAMP) doctor
+test: $(TEST_STAMP) doctor etcd
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The benchmarks print their tables and keep them in docs/benchmarks.md (plots in docs/img/).

@@ -3,7 +3,9 @@
 Renders the role's model repository into ``--work-dir``, starts tritonserver,
 waits until it is ready, prints the endpoints (and, for a role with the
 ensemble, a curl line), then runs until Ctrl-C / SIGTERM or until the server
-dies, and stops the server's whole process group on the way out. A model's stub
+dies, and stops the server's whole process group on the way out. With ``discovery`` in
+the config, a context or generation server registers in etcd once ready and deregisters
+before it stops (:mod:`.register`). A model's stub
 process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops the
 server at once, so its clients get errors and probes fail, and starts it afresh
 (:mod:`.stub_watch`).
@@ -45,6 +47,10 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-port", type=int,
                    help="default 8002 for all/scheduler (or scheduler_server.metrics_port); "
                         "context/generation: the role's metrics_port, else metrics off")
+    p.add_argument("--advertise", metavar="HOST:PORT",
+                   help="context/generation with discovery: the gRPC address registered in "
+                        "etcd, where other hosts dial this server (default: the address it "
+                        "binds)")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
     p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -74,6 +80,10 @@ def load(args: argparse.Namespace):
             config = replace(config, engine=default_config(args.engine).engine)
     if args.role == "scheduler":
         for role in ("generation",) if config.mode == "aggregated" else ("context", "generation"):
+            if len(config.server(role).urls) > 1 or config.discovery is not None:
+                raise UserError(f"{config.source}: {role}_server: the scheduler dials one "
+                                f"{role} server for now (routing over urls or discovery comes "
+                                f"next); give `{role}_server: {{url: \"HOST:PORT\"}}`")
             if config.server(role).url is None:
                 raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler dials "
                                 f"it, e.g. `{role}_server: {{url: \"localhost:9001\"}}`")
@@ -88,15 +98,17 @@ def run(args: argparse.Namespace) -> int:
     (Triton 2.51 does not restart it and keeps reporting ready), up to ``MAX_RESTARTS``
     times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
     from .deploy import PortFlags, endpoints_for
+    from .register import advertised_url
 
     config = load(args)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port)
     endpoints = endpoints_for(args.role, config, flags)
+    advertise = advertised_url(args.role, config, endpoints, args.advertise)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(MAX_RESTARTS + 1):
-            dead = _serve_once(args, config, endpoints, stop, restart)
+            dead = _serve_once(args, config, endpoints, advertise, stop, restart)
             if not isinstance(dead, Stub):
                 return dead
             print(f"triton-disagg serve {args.role}: the stub process of {dead.instance} (pid "
@@ -111,10 +123,13 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
-def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) -> "int | Stub":
-    """Start tritonserver, announce it ready, watch it: returns serve's exit code, or the
-    stub that died (the server is stopped by then)."""
+def _serve_once(args, config, endpoints, advertise: str | None, stop: threading.Event,
+                restart: int) -> "int | Stub":
+    """Start tritonserver, announce it ready (registering it in etcd when ``advertise``
+    is set), watch it: returns serve's exit code, or the stub that died (the server is
+    stopped and deregistered by then)."""
     from .deploy import start
+    from .register import start_registration
 
     work_dir = args.work_dir or Path("work") / args.role
     if restart:
@@ -127,6 +142,7 @@ def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) ->
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
     loaded: list[str] = []
+    registration = None
 
     def on_loaded(model: str) -> None:
         loaded.append(model)
@@ -136,7 +152,9 @@ def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) ->
         if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
         stubs = stubs_of(server.process.pid)
-        _announce(args.role, config, endpoints, server)
+        if advertise is not None:
+            registration = start_registration(args.role, config, endpoints, advertise)
+        _announce(args.role, config, endpoints, server, registration)
         while not stop.wait(STUB_POLL_SECONDS):
             if server.process.poll() is not None:
                 print(f"tritonserver exited with code {server.process.returncode}:\n"
@@ -149,10 +167,12 @@ def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) ->
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
+        if registration is not None:
+            registration.close()
         server.stop()
 
 
-def _announce(role: str, config, endpoints, server) -> None:
+def _announce(role: str, config, endpoints, server, registration) -> None:
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
     lines = [f"triton-disagg serve {role}: ready ({config.mode}, engine {config.engine})"]
     if endpoints.http_port is not None:
@@ -164,6 +184,9 @@ def _announce(role: str, config, endpoints, server) -> None:
     if role in ("all", "scheduler") and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
+    elif registration is not None:
+        lines.append(f"  etcd     {registration.key} on {config.discovery.etcd} (lease "
+                     f"{config.discovery.ttl_seconds} s; the scheduler finds it there)")
     elif role in ("context", "generation"):
         lines.append(f"  the scheduler dials {config.server(role).url or f'{shown}:{endpoints.grpc_port}'}")
     lines.append("Ctrl-C stops the server.")

@@ -19,6 +19,13 @@ before it ends in an error and generation is told to stop it; default 30); a
 ``scheduler_server: {url, http_port, metrics_port}`` for ``serve scheduler``;
 ``kv_cache.lease_seconds``.
 
+Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`` (a
+static pool; ``url`` stays the way to name one server, and ``url: X`` equals
+``urls: [X]``), or a top-level ``discovery: {etcd: "host:2379", prefix:
+"/triton-disagg/<name>", ttl_seconds: 10}``: servers register in etcd under that prefix
+and the scheduler watches it (:mod:`triton_disagg.discovery`). With discovery a role
+names at most one url: where that server binds, not a pool.
+
 Invariants: every value is checked here, so a loaded :class:`DisaggConfig` is
 usable as is; every mistake is one :class:`UserError` line naming the key and
 the fix; paths are absolute (relative ones resolve against the config file).
@@ -40,10 +47,11 @@ STRATEGIES = ("direct_transfer", "host_memory")
 KV_DTYPES = ("float32", "float16")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SERVER_KEYS = {"url", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
+_SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
                 "http_port", "metrics_port"}
 _SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances"}
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
+_DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,8 @@ class ServerConfig:
     (contiguous chunks); with ``gpus`` there is one instance per GPU."""
 
     url: str | None = None              # "host:port" of the role's gRPC endpoint
+    # The static pool, each "host:port"; (url,) when url is given. With one entry, url is it.
+    urls: tuple[str, ...] = ()
     gpus: tuple[int, ...] = ()
     cpus: tuple[int, ...] = ()
     instances: int = 1
@@ -91,6 +101,25 @@ class KVCacheConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """etcd membership: servers register under ``prefix`` with a lease of
+    ``ttl_seconds`` (whole seconds, >= 2: etcd counts leases in seconds and rounds
+    shorter ones up)."""
+
+    etcd: str                           # "host:port" of etcd's client endpoint
+    prefix: str = "/triton-disagg"      # starts with "/", no trailing "/"
+    ttl_seconds: int = 10
+
+    @property
+    def etcd_host(self) -> str:
+        return self.etcd.rsplit(":", 1)[0]
+
+    @property
+    def etcd_port(self) -> int:
+        return int(self.etcd.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True)
 class DisaggConfig:
     engine: Path
     mode: str = "disaggregated"
@@ -98,6 +127,7 @@ class DisaggConfig:
     generation: ServerConfig = field(default_factory=ServerConfig)
     scheduler: ServerConfig = field(default_factory=ServerConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    discovery: DiscoveryConfig | None = None   # None: membership is the urls of the config
     decoupled_mode: bool = True         # False: non-decoupled ensemble, plain infer() works
     source: str = "<defaults>"          # where it was loaded from, for messages
 
@@ -184,7 +214,8 @@ def count_gpus() -> int:
 
 def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
     top = _mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
-                                      "generation_server", "scheduler_server", "kv_cache"})
+                                      "generation_server", "scheduler_server", "kv_cache",
+                                      "discovery"})
     model = _mapping(top.get("model"), "model", {"engine"}, required=True)
     if "engine" not in model:
         raise UserError("model.engine: missing; add `model: {engine: engines/demo}` "
@@ -209,23 +240,45 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
                        lease_seconds=_number(kv_raw.get("lease_seconds", 30.0),
                                              "kv_cache.lease_seconds"))
-    return DisaggConfig(
-        engine=engine, mode=mode, kv_cache=kv, decoupled_mode=decoupled, source=source,
+    discovery = _discovery(top.get("discovery"))
+    config = DisaggConfig(
+        engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
+        source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",
                            _SERVER_KEYS | {"stream_interval", "stall_seconds"}),
         scheduler=_server(top.get("scheduler_server"), "scheduler_server", _SCHEDULER_KEYS),
     )
+    for role in ("context", "generation"):
+        if discovery is not None and len(config.server(role).urls) > 1:
+            raise UserError(f"{role}_server.urls: a static pool and discovery both name the "
+                            f"servers; drop urls (servers register in etcd) or drop discovery")
+    return config
+
+
+def _discovery(raw: Any) -> DiscoveryConfig | None:
+    if raw is None:
+        return None
+    d = _mapping(raw, "discovery", _DISCOVERY_KEYS)
+    if "etcd" not in d:
+        raise UserError("discovery.etcd: missing; name etcd's client endpoint, e.g. "
+                        "`discovery: {etcd: \"127.0.0.1:2379\"}`")
+    etcd = _host_port(d["etcd"], "discovery.etcd", "127.0.0.1:2379")
+    prefix = d.get("prefix", DiscoveryConfig.prefix)
+    if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.rstrip("/") == "":
+        raise UserError(f"discovery.prefix: {prefix!r} must be a key path starting with /, "
+                        f"e.g. \"/triton-disagg/demo\"")
+    ttl = d.get("ttl_seconds", DiscoveryConfig.ttl_seconds)
+    if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 2:
+        raise UserError(f"discovery.ttl_seconds: {ttl!r} must be a whole number of seconds "
+                        f">= 2 (etcd leases count whole seconds), e.g. 10")
+    return DiscoveryConfig(etcd=etcd, prefix=prefix.rstrip("/"), ttl_seconds=ttl)
 
 
 def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     s = _mapping(raw, key, allowed)
-    url = s.get("url")
-    if url is not None:
-        url = str(url).removeprefix("grpc://").removeprefix("http://")
-        host, _, port = url.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"{key}.url: {s['url']!r} is not host:port; write e.g. \"localhost:8001\"")
+    urls = _urls(s, key)
+    url = urls[0] if len(urls) == 1 else None
     gpus = _int_list(s.get("gpus", []), f"{key}.gpus")
     cpus = _int_list(s.get("cpus", []), f"{key}.cpus")
     if gpus and (cpus or "instances" in s):
@@ -248,7 +301,7 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     interval = _count(s.get("stream_interval", 1), f"{key}.stream_interval",
                       " (1: a response per token)")
     stall = _number(s.get("stall_seconds", 30.0), f"{key}.stall_seconds")
-    return ServerConfig(url=url, gpus=gpus, cpus=cpus, instances=instances,
+    return ServerConfig(url=url, urls=urls, gpus=gpus, cpus=cpus, instances=instances,
                         tokens_per_block=tpb, kv_dtype=kv_dtype, stream_interval=interval,
                         stall_seconds=stall, **ports)
 
@@ -257,6 +310,31 @@ def _default_instances(key: str, cpus: tuple[int, ...]) -> int:
     """Generation runs two instances when it is given two cores or more (their decode loops
     overlap one another's Python work: 1.4-1.5x the tokens at saturation); else one."""
     return GENERATION_DEFAULT_INSTANCES if key == "generation_server" and len(cpus) >= 2 else 1
+
+
+def _urls(s: dict, key: str) -> tuple[str, ...]:
+    """A role's ``url`` or ``urls``, each normalized to "host:port"."""
+    if "url" in s and "urls" in s:
+        raise UserError(f"{key}: give url (one server) or urls (a pool), not both")
+    if "url" in s:
+        return (_host_port(s["url"], f"{key}.url", "localhost:8001"),)
+    raw = s.get("urls", [])
+    if not isinstance(raw, list) or ("urls" in s and not raw):
+        raise UserError(f"{key}.urls: {raw!r} must be a non-empty list of host:port, "
+                        f"e.g. [\"ctx-01:8001\", \"ctx-02:8001\"]")
+    urls = tuple(_host_port(u, f"{key}.urls", "ctx-01:8001") for u in raw)
+    if len(set(urls)) != len(urls):
+        raise UserError(f"{key}.urls: {list(raw)!r} lists a server twice; list each once")
+    return urls
+
+
+def _host_port(raw: Any, key: str, example: str) -> str:
+    """``host:port`` with an optional ``grpc://`` / ``http://`` scheme dropped."""
+    value = str(raw).removeprefix("grpc://").removeprefix("http://")
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{key}: {raw!r} is not host:port; write e.g. \"{example}\"")
+    return value
 
 
 def _mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:

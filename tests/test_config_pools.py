@@ -1,0 +1,84 @@
+"""Pools in disagg_config.yaml: ``urls: [...]`` and ``discovery: {etcd, prefix,
+ttl_seconds}`` load; each mistake is one line naming the key and the fix; configs
+without them load as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_disagg.config import DiscoveryConfig, load_config
+from triton_disagg.errors import UserError
+
+ENGINE = "model: {engine: engines/demo}\n"
+
+
+@pytest.fixture
+def write(tmp_path):
+    (tmp_path / "engines" / "demo").mkdir(parents=True)
+    (tmp_path / "engines" / "demo" / "engine.json").write_text("{}")
+
+    def _write(text: str):
+        path = tmp_path / "disagg_config.yaml"
+        path.write_text(ENGINE + text)
+        return path
+    return _write
+
+
+def test_static_pool(write):
+    cfg = load_config(write("context_server: {urls: ['ctx-01:8001', 'grpc://ctx-02:8001']}\n"
+                            "generation_server: {url: 'gen-01:8001'}\n"))
+    assert cfg.context.urls == ("ctx-01:8001", "ctx-02:8001") and cfg.context.url is None
+    assert cfg.generation.urls == ("gen-01:8001",) and cfg.generation.url == "gen-01:8001"
+    assert cfg.discovery is None
+
+
+def test_one_entry_pool_is_url(write):
+    cfg = load_config(write("context_server: {urls: ['ctx-01:9001']}\n"))
+    assert cfg.context.url == "ctx-01:9001" and cfg.context.port == 9001
+
+
+def test_without_pools_nothing_changes(write):
+    cfg = load_config(write(""))
+    assert cfg.context.urls == () and cfg.context.url is None and cfg.discovery is None
+
+
+def test_discovery(write):
+    cfg = load_config(write("discovery: {etcd: 'http://etcd-01:2379', prefix: /triton-disagg/demo/, "
+                            "ttl_seconds: 3}\ngeneration_server: {url: 'gen-01:8001'}\n"))
+    assert cfg.discovery == DiscoveryConfig(etcd="etcd-01:2379", prefix="/triton-disagg/demo",
+                                            ttl_seconds=3)
+    assert cfg.discovery.etcd_host == "etcd-01" and cfg.discovery.etcd_port == 2379
+    assert cfg.generation.url == "gen-01:8001"      # where that one server binds
+
+
+def test_discovery_defaults(write):
+    assert load_config(write("discovery: {etcd: '127.0.0.1:2379'}\n")).discovery == \
+        DiscoveryConfig(etcd="127.0.0.1:2379", prefix="/triton-disagg", ttl_seconds=10)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("context_server: {url: 'a:1', urls: ['b:1']}\n", ["context_server", "url", "urls", "not both"]),
+    ("context_server: {urls: []}\n", ["context_server.urls", "non-empty list"]),
+    ("context_server: {urls: 'a:1'}\n", ["context_server.urls", "list of host:port"]),
+    ("generation_server: {urls: ['a:1', 'nohostport']}\n", ["generation_server.urls",
+                                                            "'nohostport'", "host:port"]),
+    ("generation_server: {urls: ['a:1', 'a:1']}\n", ["generation_server.urls", "twice"]),
+    ("scheduler_server: {urls: ['a:1']}\n", ["scheduler_server", "'urls'", "allowed keys"]),
+    ("discovery: {prefix: /x}\n", ["discovery.etcd", "missing", "127.0.0.1:2379"]),
+    ("discovery: {etcd: etcd-01}\n", ["discovery.etcd", "host:port"]),
+    ("discovery: {etcd: 'e:2379', prefix: x}\n", ["discovery.prefix", "starting with /"]),
+    ("discovery: {etcd: 'e:2379', prefix: /}\n", ["discovery.prefix", "starting with /"]),
+    ("discovery: {etcd: 'e:2379', ttl_seconds: 1}\n", ["discovery.ttl_seconds", ">= 2"]),
+    ("discovery: {etcd: 'e:2379', ttl_seconds: 2.5}\n", ["discovery.ttl_seconds", "whole number"]),
+    ("discovery: {etcd: 'e:2379', ttl: 5}\n", ["discovery", "'ttl'", "ttl_seconds"]),
+    ("discovery: etcd-01:2379\n", ["discovery", "mapping"]),
+    ("discovery: {etcd: 'e:2379'}\ncontext_server: {urls: ['a:1', 'b:1']}\n",
+     ["context_server.urls", "discovery", "drop"]),
+])
+def test_mistakes_are_one_line_naming_the_key(write, text, words):
+    with pytest.raises(UserError) as err:
+        load_config(write(text))
+    message = str(err.value)
+    assert "\n" not in message and "disagg_config.yaml" in message
+    for word in words:
+        assert word in message, message

@@ -1,0 +1,49 @@
+"""The etcd client and the key layout.
+
+Library: ``etcd3gw`` (OpenStack; released for Python 3.10-3.13). It speaks etcd's v3
+API through the JSON gateway that every etcd >= 3.4 serves on its client port, with
+plain ``requests``, synchronously. That fits how membership runs: one heartbeat thread
+per server and one poll thread per scheduler, no event loop to host (``aetcd`` is
+asyncio-only, so it would need a private loop in a thread), and no second gRPC/protobuf
+stack beside tritonclient's. The stale ``etcd3`` 0.12 (no release since 2020; its
+generated protobuf code predates protobuf 4) is ruled out.
+
+etcd3gw's watch is not used: it reads the stream in a background executor and, when
+etcd goes away, the stream just ends with nothing told to the caller, so a watcher
+could not tell "no change" from "etcd gone". :class:`.membership.Membership` polls a
+range request instead (see there).
+
+Key layout: ``{prefix}/{role}/{grpc_url}``, one key per server, its value a
+:class:`.record.MemberRecord` in JSON. The gRPC url is the server's identity: a server
+restarted at the same address overwrites its own key.
+"""
+
+from __future__ import annotations
+
+import requests
+from etcd3gw import Etcd3Client
+from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+
+from triton_disagg.config import DiscoveryConfig
+
+# etcd did not answer (down, restarting, unreachable). Any other Etcd3Exception is etcd
+# answering with an error (for example a lease it no longer knows).
+UNREACHABLE = (ConnectionFailedError, ConnectionTimeoutError, requests.RequestException)
+# Everything a call may raise because of etcd rather than because of a bug here.
+ETCD_ERRORS = (Etcd3Exception, requests.RequestException)
+
+
+def connect(discovery: DiscoveryConfig, timeout: float) -> Etcd3Client:
+    """A client for ``discovery.etcd``; every request gives up after ``timeout`` seconds.
+    Nothing is sent until the first call (which then asks etcd for its API version)."""
+    return Etcd3Client(discovery.etcd_host, discovery.etcd_port, timeout=timeout)
+
+
+def member_key(prefix: str, role: str, grpc_url: str) -> str:
+    return f"{prefix}/{role}/{grpc_url}"
+
+
+def members_prefix(prefix: str) -> str:
+    """The range every member key of ``prefix`` lies in (the trailing ``/`` keeps
+    ``/a`` from matching ``/ab/...``)."""
+    return f"{prefix}/"

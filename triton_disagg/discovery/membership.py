@@ -1,0 +1,112 @@
+"""The scheduler's view of the servers registered under a prefix, per role.
+
+It polls one range request over ``{prefix}/`` every ``poll_seconds`` (0.25 s) rather
+than watching (etcd3gw's watch cannot report that etcd went away; see :mod:`.etcd`).
+Each poll returns the whole current set, so nothing needs reconciling after a gap, and
+a failed poll means exactly "etcd does not answer". A server that registers is seen at
+the next poll; one whose lease lapses is gone at the first poll after etcd deletes its
+key (etcd sweeps expired leases every 0.5 s).
+
+Invariants:
+
+- :meth:`Membership.members` holds only well-formed records of that role whose engine
+  fingerprint is the scheduler's own, sorted by gRPC url (a stable order to route over).
+- A record with another fingerprint is refused: left out and logged at ERROR, once per
+  key and fingerprint. A record that does not parse, or does not match its key, is left
+  out and logged once per key and reason.
+- While etcd does not answer, :meth:`members` is the last set read and
+  :attr:`etcd_reachable` is False; one log line when etcd stops answering, one when it
+  answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from triton_disagg.config import DiscoveryConfig
+
+from .etcd import ETCD_ERRORS, connect, member_key, members_prefix
+from .record import ROLES, MemberRecord
+
+_log = logging.getLogger(__name__)
+POLL_SECONDS = 0.25
+REQUEST_TIMEOUT = 1.0
+
+
+class Membership:
+    def __init__(self, discovery: DiscoveryConfig, fingerprint: str,
+                 poll_seconds: float = POLL_SECONDS):
+        self.discovery, self.fingerprint, self.poll_seconds = discovery, fingerprint, poll_seconds
+        self._client = connect(discovery, timeout=REQUEST_TIMEOUT)
+        self._members: dict[str, tuple[MemberRecord, ...]] = {role: () for role in ROLES}
+        self.etcd_reachable = False     # whether the last poll got an answer (metrics gauge)
+        self._polled_once = False
+        self._logged: set[tuple[str, str]] = set()   # (key, problem) already logged
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="etcd-membership", daemon=True)
+
+    def members(self, role: str) -> tuple[MemberRecord, ...]:
+        return self._members[role]
+
+    def start(self) -> "Membership":
+        """Read the current set now (or log that etcd does not answer) and keep polling."""
+        self._poll()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            self._poll()
+
+    def _poll(self) -> None:
+        try:
+            kvs = self._client.get_prefix(members_prefix(self.discovery.prefix))
+        except ETCD_ERRORS as exc:
+            if self.etcd_reachable or not self._polled_once:
+                _log.warning("etcd at %s does not answer (%s); keeping the last known members "
+                             "(%s)", self.discovery.etcd, type(exc).__name__, self._sizes())
+            self.etcd_reachable, self._polled_once = False, True
+            return
+        found: dict[str, list[MemberRecord]] = {role: [] for role in ROLES}
+        for value, meta in kvs:
+            record = self._accept(meta["key"].decode(errors="replace"), value)
+            if record is not None:
+                found[record.role].append(record)
+        self._members = {role: tuple(sorted(records, key=lambda r: r.grpc_url))
+                         for role, records in found.items()}
+        if not self.etcd_reachable and self._polled_once:
+            _log.warning("etcd at %s answers again; members: %s", self.discovery.etcd,
+                         self._sizes())
+        self.etcd_reachable, self._polled_once = True, True
+
+    def _accept(self, key: str, value: bytes) -> MemberRecord | None:
+        """The record at ``key``, or None (logged once) when it is refused."""
+        try:
+            record = MemberRecord.from_json(value)
+            if key != member_key(self.discovery.prefix, record.role, record.grpc_url):
+                raise ValueError(f"it names {record.role} {record.grpc_url}, another key")
+        except ValueError as exc:
+            self._log_once(key, str(exc), logging.WARNING,
+                           "etcd: ignoring %s: %s", key, exc)
+            return None
+        if record.fingerprint != self.fingerprint:
+            self._log_once(key, record.fingerprint, logging.ERROR,
+                           "REFUSED %s server %s: its engine fingerprint %s is not this "
+                           "scheduler's %s; serve the same engine on both", record.role,
+                           record.grpc_url, record.fingerprint[:16], self.fingerprint[:16])
+            return None
+        return record
+
+    def _log_once(self, key: str, problem: str, level: int, message: str, *args) -> None:
+        if (key, problem) not in self._logged:
+            self._logged.add((key, problem))
+            _log.log(level, message, *args)
+
+    def _sizes(self) -> str:
+        return ", ".join(f"{len(self._members[role])} {role}" for role in ROLES)

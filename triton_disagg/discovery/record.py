@@ -1,0 +1,90 @@
+"""What a server publishes in etcd: who it is, what it holds, how busy it is.
+
+JSON, versioned (``"version": 1``), never pickle::
+
+    {"version": 1, "role": "generation", "grpc_url": "gen-01:8001",
+     "token_address": "", "nixl_address": "", "fingerprint": "<sha256 hex>",
+     "capacity": {"kv_blocks_total": 512, "tokens_per_block": 16},
+     "load": {"free_kv_blocks": 500, "live_sequences": null, "queued_prompt_tokens": null}}
+
+Invariants: :func:`MemberRecord.from_json` reads back what :meth:`to_json` writes and
+raises ValueError, with the reason, on a field missing or of the wrong type; a load figure the server cannot
+measure is ``None`` (JSON null), never a made-up 0; ``token_address`` /
+``nixl_address`` are "" until the server knows them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+ROLES = ("context", "generation")
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Load:
+    free_kv_blocks: int | None = None
+    live_sequences: int | None = None
+    queued_prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    role: str                   # one of ROLES
+    grpc_url: str               # "host:port" the scheduler dials
+    fingerprint: str            # the engine's fingerprint (engine.json)
+    kv_blocks_total: int        # capacity: KV blocks over the server's model instances
+    tokens_per_block: int
+    token_address: str = ""     # the token channel's ZeroMQ address, if the server has one
+    nixl_address: str = ""      # where NIXL reaches its KV pool, if known
+    load: Load = field(default_factory=Load)
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "version": VERSION, "role": self.role, "grpc_url": self.grpc_url,
+            "token_address": self.token_address, "nixl_address": self.nixl_address,
+            "fingerprint": self.fingerprint,
+            "capacity": {"kv_blocks_total": self.kv_blocks_total,
+                         "tokens_per_block": self.tokens_per_block},
+            "load": asdict(self.load)}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "MemberRecord":
+        try:
+            d = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+        if not isinstance(d, dict) or d.get("version") != VERSION:
+            raise ValueError(f"not a version {VERSION} member record")
+        capacity, load = _dict(d, "capacity"), _dict(d, "load")
+        record = cls(role=_str(d, "role"), grpc_url=_str(d, "grpc_url"),
+                     fingerprint=_str(d, "fingerprint"),
+                     kv_blocks_total=_int(capacity, "kv_blocks_total"),
+                     tokens_per_block=_int(capacity, "tokens_per_block"),
+                     token_address=_str(d, "token_address"), nixl_address=_str(d, "nixl_address"),
+                     load=Load(**{k: _int(load, k, optional=True) for k in Load.__dataclass_fields__}))
+        if record.role not in ROLES:
+            raise ValueError(f"role {record.role!r} is not one of {', '.join(ROLES)}")
+        return record
+
+
+def _dict(d: dict, key: str) -> dict:
+    if not isinstance(d.get(key), dict):
+        raise ValueError(f"{key} is not an object")
+    return d[key]
+
+
+def _str(d: dict, key: str) -> str:
+    if not isinstance(d.get(key), str):
+        raise ValueError(f"{key} is not a string")
+    return d[key]
+
+
+def _int(d: dict, key: str, optional: bool = False) -> int | None:
+    value = d.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{key} is not a whole number >= 0")
+    return value

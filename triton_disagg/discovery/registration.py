@@ -1,0 +1,127 @@
+"""A server's registration: its record under a lease, kept alive by a heartbeat thread.
+
+:meth:`Registration.start` grants a lease of ``ttl_seconds`` and puts the server's
+:class:`~.record.MemberRecord` at ``{prefix}/{role}/{grpc_url}`` under it. Every beat
+(``min(1 s, ttl / 3)``) the thread refreshes the lease, reads the load callable and puts
+the record again when it changed, so the load in etcd is at most about a second old.
+
+Invariants:
+
+- The key is only ever written under the lease currently held; at most one lease is held.
+- A lease etcd no longer knows (it lapsed, or etcd lost its data) is replaced by a new
+  one and the record is put again at the next beat: the registration comes back by itself.
+- While etcd does not answer, the lease is kept (etcd restarted on its data dir still
+  knows it) and every beat tries again; one log line when etcd stops answering, one when
+  it answers again.
+- After :meth:`close` returns, the thread has exited and the lease is revoked (which
+  deletes the key at once) if etcd answered; otherwise the key lapses within the TTL.
+  Revoking touches only keys under this lease, never a newer server's at the same url.
+- A load callable that raises keeps the last load (logged once per failing streak).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from typing import Callable
+
+from triton_disagg.config import DiscoveryConfig
+
+from .etcd import ETCD_ERRORS, UNREACHABLE, connect, member_key
+from .record import Load, MemberRecord
+
+_log = logging.getLogger(__name__)
+
+
+class Registration:
+    def __init__(self, discovery: DiscoveryConfig, record: MemberRecord,
+                 load: Callable[[], Load] | None = None):
+        self.discovery, self.record = discovery, record
+        self.key = member_key(discovery.prefix, record.role, record.grpc_url)
+        self.beat_seconds = min(1.0, discovery.ttl_seconds / 3)
+        # A request may take at most one beat, so a slow etcd cannot stall the lease.
+        self._client = connect(discovery, timeout=self.beat_seconds)
+        self._load = load
+        self._last_load = record.load
+        self._lease = None              # etcd3gw Lease currently held, or None
+        self._published: MemberRecord | None = None   # what etcd holds under self._lease
+        self._etcd_down = False
+        self._load_failing = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"etcd-registration {self.key}",
+                                        daemon=True)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the last beat left the record in etcd under a live lease."""
+        return self._published is not None and not self._etcd_down
+
+    def start(self) -> "Registration":
+        """Register now (or log that etcd does not answer yet) and start the heartbeat."""
+        self._beat()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the heartbeat, then revoke the lease (deleting the key)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self._lease is None:
+            return
+        try:
+            self._lease.revoke()
+            _log.info("etcd: deregistered %s", self.key)
+        except ETCD_ERRORS as exc:
+            _log.warning("etcd at %s: could not revoke the lease of %s (%s); the key lapses "
+                         "within %d s", self.discovery.etcd, self.key, exc,
+                         self.discovery.ttl_seconds)
+        self._lease = self._published = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.beat_seconds):
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            if self._lease is not None and self._lease.refresh() <= 0:
+                _log.warning("etcd at %s: the lease of %s is gone; registering again",
+                             self.discovery.etcd, self.key)
+                self._lease = None
+            if self._lease is None:
+                self._lease, self._published = self._client.lease(self.discovery.ttl_seconds), None
+            record = replace(self.record, load=self._read_load())
+            if record != self._published:
+                self._client.put(self.key, record.to_json(), lease=self._lease)
+                self._published = record
+        except UNREACHABLE as exc:
+            if not self._etcd_down:
+                _log.warning("etcd at %s does not answer (%s); retrying every %.2g s to keep "
+                             "%s registered", self.discovery.etcd, type(exc).__name__,
+                             self.beat_seconds, self.key)
+            self._etcd_down = True
+            return
+        except ETCD_ERRORS as exc:     # etcd answered with an error: start a fresh lease
+            _log.warning("etcd at %s refused a request for %s (%s); registering again",
+                         self.discovery.etcd, self.key, exc)
+            self._lease = self._published = None
+            return
+        if self._etcd_down:
+            _log.warning("etcd at %s answers again; %s is registered", self.discovery.etcd,
+                         self.key)
+        self._etcd_down = False
+
+    def _read_load(self) -> Load:
+        if self._load is None:
+            return self.record.load
+        try:
+            load = self._load()
+        except Exception as exc:       # the server's own endpoint, e.g. restarting
+            if not self._load_failing:
+                _log.warning("%s: reading the load failed (%s); publishing the last one",
+                             self.key, exc)
+            self._load_failing = True
+            return self._last_load
+        self._load_failing, self._last_load = False, load
+        return load
