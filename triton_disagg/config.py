@@ -17,7 +17,8 @@ two instances when its ``cpus`` name two cores or more, every other role to one)
 ``generation_server.stall_seconds`` (how long a request's token stream may stay silent
 before it ends in an error and generation is told to stop it; default 30); a
 ``scheduler_server: {url, http_port, metrics_port}`` for ``serve scheduler``;
-``kv_cache.lease_seconds``.
+``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
+context and generation urls name two hosts (see :func:`_check_kv_hosts`).
 
 Invariants: every value is checked here, so a loaded :class:`DisaggConfig` is
 usable as is; every mistake is one :class:`UserError` line naming the key and
@@ -209,23 +210,20 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
                        lease_seconds=_number(kv_raw.get("lease_seconds", 30.0),
                                              "kv_cache.lease_seconds"))
-    return DisaggConfig(
+    config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, decoupled_mode=decoupled, source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",
                            _SERVER_KEYS | {"stream_interval", "stall_seconds"}),
         scheduler=_server(top.get("scheduler_server"), "scheduler_server", _SCHEDULER_KEYS),
     )
+    _check_kv_hosts(config)
+    return config
 
 
 def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     s = _mapping(raw, key, allowed)
-    url = s.get("url")
-    if url is not None:
-        url = str(url).removeprefix("grpc://").removeprefix("http://")
-        host, _, port = url.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"{key}.url: {s['url']!r} is not host:port; write e.g. \"localhost:8001\"")
+    url = None if s.get("url") is None else parse_url(s["url"], f"{key}.url")
     gpus = _int_list(s.get("gpus", []), f"{key}.gpus")
     cpus = _int_list(s.get("cpus", []), f"{key}.cpus")
     if gpus and (cpus or "instances" in s):
@@ -257,6 +255,39 @@ def _default_instances(key: str, cpus: tuple[int, ...]) -> int:
     """Generation runs two instances when it is given two cores or more (their decode loops
     overlap one another's Python work: 1.4-1.5x the tokens at saturation); else one."""
     return GENERATION_DEFAULT_INSTANCES if key == "generation_server" and len(cpus) >= 2 else 1
+
+
+def parse_url(raw: Any, key: str) -> str:
+    """``host:port`` (a ``grpc://`` or ``http://`` in front is dropped), checked."""
+    url = str(raw).removeprefix("grpc://").removeprefix("http://")
+    host, _, port = url.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{key}: {raw!r} is not host:port; write e.g. \"localhost:8001\"")
+    return url
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1: this host, whichever host reads the name."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def _check_kv_hosts(config: DisaggConfig) -> None:
+    """host_memory stages the KV cache in one host's /dev/shm: refuse context and generation
+    urls that name two hosts (two names, neither loopback; names are not resolved, so two
+    names of one host are refused too)."""
+    hosts = (config.context.host, config.generation.host)
+    if (config.kv_cache.strategy == "host_memory" and config.mode == "disaggregated"
+            and None not in hosts and hosts[0].lower() != hosts[1].lower()
+            and not any(is_loopback(h) for h in hosts)):
+        raise UserError(f"kv_cache.strategy: host_memory needs context and generation on one "
+                        f"host (it stages the KV cache in /dev/shm), but context_server.url "
+                        f"names {hosts[0]} and generation_server.url {hosts[1]}; use "
+                        f"direct_transfer across hosts")
 
 
 def _mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:
