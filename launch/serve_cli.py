@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
     p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
     p.add_argument("--host", help="bind address (default 127.0.0.1, or the host of the role's url)")
+    p.add_argument("--advertise", metavar="HOST:PORT",
+                   help="context/generation: the gRPC address peers are told (default: the "
+                        "bind address and gRPC port); generation's token sockets bind its host")
     p.add_argument("--http-port", type=int,
                    help="default 8000 for all/scheduler (or scheduler_server.http_port); "
                         "context/generation: the role's http_port, else HTTP off")
@@ -58,7 +61,7 @@ def register(subparsers) -> None:
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config import check_host, default_config, load_config
+    from triton_disagg.config import check_host, default_config, load_config, parse_url
     from triton_disagg.serving.capacity import check_kv_capacity
 
     if args.config is None:
@@ -77,6 +80,11 @@ def load(args: argparse.Namespace):
             if config.server(role).url is None:
                 raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler dials "
                                 f"it, e.g. `{role}_server: {{url: \"localhost:9001\"}}`")
+    if args.advertise is not None:
+        if args.role not in ("context", "generation"):
+            raise UserError(f"--advertise: serve {args.role} advertises nothing; it is for "
+                            f"serve context|generation")
+        args.advertise = parse_url(args.advertise, "--advertise")
     if args.role != "scheduler":
         check_host(config)
         check_kv_capacity(config, None if args.role == "all" else (args.role,))
@@ -87,16 +95,19 @@ def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM. A stub process that dies restarts the whole server
     (Triton 2.51 does not restart it and keeps reporting ready), up to ``MAX_RESTARTS``
     times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
-    from .deploy import PortFlags, endpoints_for
+    from .deploy import PortFlags, advertised_url, endpoints_for, token_host
 
     config = load(args)
-    flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port)
+    flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,
+                      args.advertise)
     endpoints = endpoints_for(args.role, config, flags)
+    advertised = advertised_url(args.role, config, endpoints, flags)
+    token = token_host(args.role, config, advertised)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(MAX_RESTARTS + 1):
-            dead = _serve_once(args, config, endpoints, stop, restart)
+            dead = _serve_once(args, config, endpoints, advertised, token, stop, restart)
             if not isinstance(dead, Stub):
                 return dead
             print(f"triton-disagg serve {args.role}: the stub process of {dead.instance} (pid "
@@ -111,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
-def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) -> "int | Stub":
+def _serve_once(args, config, endpoints, advertised: str | None, token: str | None,
+                stop: threading.Event, restart: int) -> "int | Stub":
     """Start tritonserver, announce it ready, watch it: returns serve's exit code, or the
     stub that died (the server is stopped by then)."""
     from .deploy import start
@@ -122,7 +134,8 @@ def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) ->
         (work_dir / "tritonserver.log").rename(kept)
         print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
-    server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose)
+    server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
+                   token)
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
@@ -136,7 +149,7 @@ def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) ->
         if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
         stubs = stubs_of(server.process.pid)
-        _announce(args.role, config, endpoints, server)
+        _announce(args.role, config, endpoints, advertised, server)
         while not stop.wait(STUB_POLL_SECONDS):
             if server.process.poll() is not None:
                 print(f"tritonserver exited with code {server.process.returncode}:\n"
@@ -152,7 +165,7 @@ def _serve_once(args, config, endpoints, stop: threading.Event, restart: int) ->
         server.stop()
 
 
-def _announce(role: str, config, endpoints, server) -> None:
+def _announce(role: str, config, endpoints, advertised: str | None, server) -> None:
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
     lines = [f"triton-disagg serve {role}: ready ({config.mode}, engine {config.engine})"]
     if endpoints.http_port is not None:
@@ -165,6 +178,7 @@ def _announce(role: str, config, endpoints, server) -> None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
     elif role in ("context", "generation"):
-        lines.append(f"  the scheduler dials {config.server(role).url or f'{shown}:{endpoints.grpc_port}'}")
+        lines.append(f"  advertised {advertised}; the scheduler dials "
+                     f"{config.server(role).url or advertised}")
     lines.append("Ctrl-C stops the server.")
     print("\n".join(lines), flush=True)
