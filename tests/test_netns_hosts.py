@@ -1,7 +1,8 @@
 """Three hosts on one machine (network namespaces, :mod:`netns_hosts`): `serve context`,
 `serve generation` and `serve scheduler` each on its own host, bound to that host's
 address, with the commands a user runs on real hosts. Tokens travel over tcp on the
-scheduler's and generation's host addresses. Concurrent gRPC streams through the scheduler
+scheduler's and generation's host addresses (the config names no scheduler url: its
+token socket follows the route to generation, not a url). Concurrent gRPC streams through the scheduler
 (the client on the scheduler's host) give the offline engine's greedy text; the KV cache
 crosses hosts over UCX TCP (the hosts' UCX may use nothing else, and the context host's
 eth0 sent at least the KV bytes generation fetched); both pools return to 0 blocks.
@@ -69,7 +70,6 @@ def test_three_roles_on_three_hosts(demo_engine, tmp_path, hosts, monkeypatch):
     config.write_text(f"model: {{engine: {demo_engine}}}\n"
                       f"context_server: {{url: \"{url['context']}\", cpus: [0]}}\n"
                       f"generation_server: {{url: \"{url['generation']}\", cpus: [1]}}\n"
-                      f"scheduler_server: {{url: \"{url['scheduler']}\"}}\n"
                       "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
     prompts = serving.PROMPTS * 2
     offline = serving.offline_text(demo_engine)
