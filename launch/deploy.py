@@ -4,6 +4,17 @@ Binding rule: loopback unless told otherwise. ``--host`` wins; a role served
 alone (context / generation / scheduler) binds the host of its ``url`` in the
 config; everything else binds 127.0.0.1. The model-control API stays off.
 
+What peers are told (``serve context|generation``): ``--advertise HOST:PORT``, else the
+bind address and gRPC port; a wildcard bind (``0.0.0.0``) names no address, so then the
+host of the role's ``url``, else ``--advertise`` is required.
+
+Token channel (ZeroMQ, :mod:`triton_disagg.serving.zmq_endpoints`): ``serve all`` uses
+``ipc://``. Otherwise the sockets are ``tcp://``: generation's control socket binds
+where the server binds (``--host``) and advertises its advertised host (a name or an
+address its peers reach); the scheduler's token socket binds and advertises this host's
+address on the route to generation's host (127.0.0.1 when generation's url is loopback),
+whatever the scheduler's own front binds, since generation connects to it.
+
 Ports: ``serve all`` and ``serve scheduler`` default to HTTP 8000, gRPC 8001,
 metrics 8002 (the scheduler's ``url``/``http_port``/``metrics_port`` in the
 config replace those defaults). ``serve context|generation`` takes its gRPC
@@ -17,7 +28,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_disagg.config import DisaggConfig
+from triton_disagg.config import DisaggConfig, is_loopback
 from triton_disagg.errors import UserError
 
 from .render import render
@@ -25,6 +36,7 @@ from .stub_check import check_stub
 from .tritonserver import Endpoints, TritonServer, locate, server_env
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+WILDCARDS = ("0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,7 @@ class PortFlags:
     http: int | None = None
     grpc: int | None = None
     metrics: int | None = None
+    advertise: str | None = None        # host:port, checked
 
 
 def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoints:
@@ -52,6 +65,40 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
         raise UserError(f"ports collide (http {http}, grpc {grpc}, metrics {metrics}); "
                         f"pick distinct --http-port/--grpc-port/--metrics-port")
     return Endpoints(host=host, http_port=http, grpc_port=grpc, metrics_port=metrics)
+
+
+def advertised_url(role: str, config: DisaggConfig, endpoints: Endpoints,
+                   flags: PortFlags) -> str | None:
+    """``host:port`` a context or generation server tells its peers (module docstring);
+    None for the roles that advertise nothing (all, scheduler)."""
+    if role not in ("context", "generation"):
+        return None
+    if flags.advertise:
+        return flags.advertise
+    host = endpoints.host
+    if host in WILDCARDS:
+        host = config.server(role).host
+        if host is None:
+            raise UserError(f"--host {endpoints.host} binds every address; name the one peers "
+                            f"reach with --advertise HOST:PORT")
+    return f"{host}:{endpoints.grpc_port}"
+
+
+def token_host(role: str, config: DisaggConfig, advertised: str | None) -> str | None:
+    """Where ``role``'s ZeroMQ sockets bind and what they advertise (None: ipc; module
+    docstring). ``advertised``: the generation server's :func:`advertised_url`."""
+    if role == "generation":
+        return advertised.rsplit(":", 1)[0]
+    if role != "scheduler":
+        return None
+    ip = _resolve(config.generation.host, "generation")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((ip, config.generation.port))   # a UDP connect sends nothing
+        except OSError as exc:
+            raise UserError(f"generation_server.url: no route from this host to "
+                            f"{config.generation.host} ({exc.strerror})") from None
+        return sock.getsockname()[0]
 
 
 def check_ports_free(endpoints: Endpoints) -> None:
@@ -83,24 +130,31 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def _bind_host(host: str, role: str) -> str:
-    if host in ("localhost", "127.0.0.1", "::1"):
+    if is_loopback(host):
         return "127.0.0.1"
+    return _resolve(host, role, " or pass --host 0.0.0.0")
+
+
+def _resolve(host: str, role: str, hint: str = "") -> str:
     try:
         return socket.gethostbyname(host)
     except OSError:
         raise UserError(f"{role}_server.url: host {host!r} does not resolve on this machine; "
-                        f"fix the url or pass --host 0.0.0.0") from None
+                        f"fix the url{hint}") from None
 
 
 def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
-          tritonserver: str | None = None, log_verbose: int = 0) -> TritonServer:
-    """Render ``role``'s repository under ``work_dir`` and start its server (not yet ready)."""
+          tritonserver: str | None = None, log_verbose: int = 0,
+          token: str | None = None) -> TritonServer:
+    """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
+    :func:`token_host`) and start its server (not yet ready)."""
     check_ports_free(endpoints)
     install = locate(tritonserver)
     check_stub(install.stub_binary, server_env(install))
     work_dir = work_dir.resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    repo = render(role, config, work_dir / "model_repository")
+    repo = render(role, config, work_dir / "model_repository", token,
+                  endpoints.host if role == "generation" else None)
     server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose)
     server.start()
     return server

@@ -1,8 +1,8 @@
 """``serve context|generation`` with ``discovery`` in the config: the server is
 registered in etcd while it serves (:class:`~triton_disagg.discovery.Registration`).
 
-Its record names the gRPC url other hosts dial (``--advertise HOST:PORT``, else the
-address it binds), the engine's fingerprint, and its capacity from the config: KV
+Its record names the gRPC url other hosts dial (:func:`launch.deploy.advertised_url`:
+``--advertise HOST:PORT``, else the address it binds), the engine's fingerprint, and its capacity from the config: KV
 blocks over the role's model instances and tokens per block. Its load comes from its own
 metrics endpoint; with metrics off the load stays unknown (None).
 
@@ -12,29 +12,8 @@ Invariant: a server registers only once it is ready, and is deregistered before 
 from __future__ import annotations
 
 from triton_disagg.config import DisaggConfig
-from triton_disagg.errors import UserError
 
-ROLES = ("context", "generation")
 _ANY = ("0.0.0.0", "::")
-
-
-def advertised_url(role: str, config: DisaggConfig, endpoints, advertise: str | None) -> str | None:
-    """The gRPC url this server registers, or None when it does not register."""
-    if config.discovery is None or role not in ROLES:
-        if advertise is not None:
-            raise UserError("--advertise: only serve context|generation with `discovery` in "
-                            "the config registers an address; drop --advertise")
-        return None
-    if advertise is not None:
-        host, _, port = advertise.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"--advertise: {advertise!r} is not HOST:PORT; write e.g. "
-                            f"gen-01:{endpoints.grpc_port}")
-        return advertise
-    if endpoints.host in _ANY:
-        raise UserError(f"--advertise: serve binds {endpoints.host}, which other hosts cannot "
-                        f"dial; pass --advertise HOST:{endpoints.grpc_port} (this host's address)")
-    return f"{endpoints.host}:{endpoints.grpc_port}"
 
 
 def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str):

@@ -14,8 +14,9 @@ context model is rendered and the orchestrator asks generation for
 ``context_and_generation``.
 
 Tokens travel from generation to the orchestrator over ZeroMQ (``token_host`` in
-both models' settings): ``ipc://`` sockets when one server runs both (``all``),
-``tcp://`` on the host of the role's ``url`` otherwise (127.0.0.1 without one).
+both models' settings): ``ipc://`` sockets when it is None (``all``: one server runs
+both), else ``tcp://`` on that address (:func:`triton_disagg.launch.deploy.token_host`
+decides it per role).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
             "context": ("context",), "generation": ("generation",)}[role]
 
 
-def render(role: str, config: DisaggConfig, repo: Path) -> Path:
+def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None = None,
+           token_bind: str | None = None) -> Path:
     """Write the repository for ``role`` into ``repo`` (replacing it) and return it."""
     if repo.exists():
         shutil.rmtree(repo)
@@ -55,12 +57,14 @@ def render(role: str, config: DisaggConfig, repo: Path) -> Path:
         (dst / "1").mkdir(parents=True)
         if (src / "1" / "model.py").is_file():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
-        text = Template((src / "config.pbtxt").read_text()).substitute(_values(model, role, config))
+        values = _values(model, role, config, token_host, token_bind)
+        text = Template((src / "config.pbtxt").read_text()).substitute(values)
         (dst / "config.pbtxt").write_text(text)
     return repo
 
 
-def settings(model: str, role: str, config: DisaggConfig) -> dict:
+def settings(model: str, role: str, config: DisaggConfig, token_host: str | None = None,
+             token_bind: str | None = None) -> dict:
     """The JSON object handed to ``model``'s ``initialize`` as parameter ``settings``."""
     out: dict = {"engine": str(config.engine), "mode": config.mode}
     if model in ("context", "generation"):
@@ -76,23 +80,25 @@ def settings(model: str, role: str, config: DisaggConfig) -> dict:
 
             out.update(kv_key_id=render_key_id())
     if model in ("orchestrator", "generation"):
-        server = config.scheduler if model == "orchestrator" else config.generation
-        out.update(stall_seconds=config.generation.stall_seconds,
-                   token_host=None if role == "all" else server.host or "127.0.0.1")
+        out.update(stall_seconds=config.generation.stall_seconds, token_host=token_host)
+    if model == "generation" and token_bind is not None:
+        out.update(token_bind=token_bind)         # bound there, token_host advertised
     if model == "orchestrator":
         out.update(transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
                    context_url=config.context.url, generation_url=config.generation.url)
     return out
 
 
-def _values(model: str, role: str, config: DisaggConfig) -> dict[str, str]:
+def _values(model: str, role: str, config: DisaggConfig,
+            token_host: str | None, token_bind: str | None) -> dict[str, str]:
     inputs, outputs = _IO[model]
     ragged = model == "context"   # the dynamic batcher may group prompts of any length
     values = {
         "max_batch_size": str(P.MAX_BATCH_SIZE),
         "inputs": _tensors("input", inputs, ragged),
         "outputs": _tensors("output", outputs, False),
-        "settings": _quote(json.dumps(settings(model, role, config), sort_keys=True)),
+        "settings": _quote(json.dumps(settings(model, role, config, token_host, token_bind),
+                                      sort_keys=True)),
     }
     if model in ("context", "generation"):
         values["instance_group"] = _instance_group(config.server(model))

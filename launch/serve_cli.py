@@ -38,6 +38,10 @@ def register(subparsers) -> None:
     p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
     p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
     p.add_argument("--host", help="bind address (default 127.0.0.1, or the host of the role's url)")
+    p.add_argument("--advertise", metavar="HOST:PORT",
+                   help="context/generation: the gRPC address peers are told, and registered "
+                        "in etcd with discovery (default: the bind address and gRPC port); "
+                        "generation's token sockets bind its host")
     p.add_argument("--http-port", type=int,
                    help="default 8000 for all/scheduler (or scheduler_server.http_port); "
                         "context/generation: the role's http_port, else HTTP off")
@@ -47,10 +51,6 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-port", type=int,
                    help="default 8002 for all/scheduler (or scheduler_server.metrics_port); "
                         "context/generation: the role's metrics_port, else metrics off")
-    p.add_argument("--advertise", metavar="HOST:PORT",
-                   help="context/generation with discovery: the gRPC address registered in "
-                        "etcd, where other hosts dial this server (default: the address it "
-                        "binds)")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
     p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -64,7 +64,7 @@ def register(subparsers) -> None:
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config import check_host, default_config, load_config
+    from triton_disagg.config import check_host, default_config, load_config, parse_url
     from triton_disagg.serving.capacity import check_kv_capacity
 
     if args.config is None:
@@ -87,6 +87,11 @@ def load(args: argparse.Namespace):
             if config.server(role).url is None:
                 raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler dials "
                                 f"it, e.g. `{role}_server: {{url: \"localhost:9001\"}}`")
+    if args.advertise is not None:
+        if args.role not in ("context", "generation"):
+            raise UserError(f"--advertise: serve {args.role} advertises nothing; it is for "
+                            f"serve context|generation")
+        args.advertise = parse_url(args.advertise, "--advertise")
     if args.role != "scheduler":
         check_host(config)
         check_kv_capacity(config, None if args.role == "all" else (args.role,))
@@ -97,18 +102,19 @@ def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM. A stub process that dies restarts the whole server
     (Triton 2.51 does not restart it and keeps reporting ready), up to ``MAX_RESTARTS``
     times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
-    from .deploy import PortFlags, endpoints_for
-    from .register import advertised_url
+    from .deploy import PortFlags, advertised_url, endpoints_for, token_host
 
     config = load(args)
-    flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port)
+    flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,
+                      args.advertise)
     endpoints = endpoints_for(args.role, config, flags)
-    advertise = advertised_url(args.role, config, endpoints, args.advertise)
+    advertised = advertised_url(args.role, config, endpoints, flags)
+    token = token_host(args.role, config, advertised)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(MAX_RESTARTS + 1):
-            dead = _serve_once(args, config, endpoints, advertise, stop, restart)
+            dead = _serve_once(args, config, endpoints, advertised, token, stop, restart)
             if not isinstance(dead, Stub):
                 return dead
             print(f"triton-disagg serve {args.role}: the stub process of {dead.instance} (pid "
@@ -123,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
-def _serve_once(args, config, endpoints, advertise: str | None, stop: threading.Event,
-                restart: int) -> "int | Stub":
-    """Start tritonserver, announce it ready (registering it in etcd when ``advertise``
-    is set), watch it: returns serve's exit code, or the stub that died (the server is
-    stopped and deregistered by then)."""
+def _serve_once(args, config, endpoints, advertised: str | None, token: str | None,
+                stop: threading.Event, restart: int) -> "int | Stub":
+    """Start tritonserver, announce it ready (registering ``advertised`` in etcd when the
+    config has discovery), watch it: returns serve's exit code, or the stub that died (the
+    server is stopped and deregistered by then)."""
     from .deploy import start
     from .register import start_registration
 
@@ -137,7 +143,8 @@ def _serve_once(args, config, endpoints, advertise: str | None, stop: threading.
         (work_dir / "tritonserver.log").rename(kept)
         print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
-    server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose)
+    server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
+                   token)
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
@@ -152,9 +159,9 @@ def _serve_once(args, config, endpoints, advertise: str | None, stop: threading.
         if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
         stubs = stubs_of(server.process.pid)
-        if advertise is not None:
-            registration = start_registration(args.role, config, endpoints, advertise)
-        _announce(args.role, config, endpoints, server, registration)
+        if config.discovery is not None and advertised is not None:
+            registration = start_registration(args.role, config, endpoints, advertised)
+        _announce(args.role, config, endpoints, advertised, server, registration)
         while not stop.wait(STUB_POLL_SECONDS):
             if server.process.poll() is not None:
                 print(f"tritonserver exited with code {server.process.returncode}:\n"
@@ -172,7 +179,8 @@ def _serve_once(args, config, endpoints, advertise: str | None, stop: threading.
         server.stop()
 
 
-def _announce(role: str, config, endpoints, server, registration) -> None:
+def _announce(role: str, config, endpoints, advertised: str | None, server,
+              registration) -> None:
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
     lines = [f"triton-disagg serve {role}: ready ({config.mode}, engine {config.engine})"]
     if endpoints.http_port is not None:
@@ -185,9 +193,11 @@ def _announce(role: str, config, endpoints, server, registration) -> None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
     elif registration is not None:
+        lines.append(f"  advertised {advertised}")
         lines.append(f"  etcd     {registration.key} on {config.discovery.etcd} (lease "
                      f"{config.discovery.ttl_seconds} s; the scheduler finds it there)")
     elif role in ("context", "generation"):
-        lines.append(f"  the scheduler dials {config.server(role).url or f'{shown}:{endpoints.grpc_port}'}")
+        lines.append(f"  advertised {advertised}; the scheduler dials "
+                     f"{config.server(role).url or advertised}")
     lines.append("Ctrl-C stops the server.")
     print("\n".join(lines), flush=True)

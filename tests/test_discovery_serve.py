@@ -51,9 +51,9 @@ def test_serve_registers_and_deregisters(demo_engine, tmp_path):
 
 
 @pytest.mark.parametrize("role, discovery, flags, words", [
-    ("generation", True, ["--host", "0.0.0.0"], ["--advertise", "0.0.0.0", "HOST:9101"]),
-    ("context", True, ["--advertise", "nohostport"], ["--advertise", "'nohostport'", "HOST:PORT"]),
-    ("generation", False, ["--advertise", "gen-01:8001"], ["discovery", "drop --advertise"]),
+    ("generation", True, ["--host", "0.0.0.0"], ["--advertise", "0.0.0.0", "HOST:PORT"]),
+    ("context", True, ["--advertise", "nohostport"], ["--advertise", "'nohostport'", "host:port"]),
+    ("all", False, ["--advertise", "gen-01:8001"], ["--advertise", "serve all advertises nothing"]),
     ("scheduler", True, [], ["context_server", "dials one", "url"]),
 ])
 def test_advertise_mistakes_are_one_line(demo_engine, tmp_path, capsys, role, discovery, flags,
@@ -72,11 +72,11 @@ def test_advertise_mistakes_are_one_line(demo_engine, tmp_path, capsys, role, di
 
 def test_advertised_by_default_is_the_bound_address(demo_engine, tmp_path):
     from triton_disagg.config import load_config
-    from triton_disagg.launch.register import advertised_url
+    from triton_disagg.launch.deploy import PortFlags, advertised_url
     from triton_disagg.launch.tritonserver import Endpoints
 
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\ndiscovery: {{etcd: '127.0.0.1:1'}}\n")
     bound = Endpoints(host="10.0.0.7", http_port=None, grpc_port=9101, metrics_port=None)
-    assert advertised_url("generation", load_config(config), bound, None) == "10.0.0.7:9101"
-    assert advertised_url("all", load_config(config), bound, None) is None   # only the roles
+    assert advertised_url("generation", load_config(config), bound, PortFlags()) == "10.0.0.7:9101"
+    assert advertised_url("all", load_config(config), bound, PortFlags()) is None  # only the roles

@@ -119,3 +119,20 @@ def test_defaults_from_engine_only(tmp_path):
                                          (1000, 1000), ("1.5 KB", 1500)])
 def test_sizes(value, size):
     assert parse_size(value, "k") == size
+
+
+@pytest.mark.parametrize("context, generation, refused", [
+    ("10.0.0.1", "10.0.0.2", True), ("ctx-01", "gen-01", True),
+    ("ctx-01", "CTX-01", False), ("localhost", "10.0.0.2", False), ("127.0.0.1", "::1", False)])
+def test_host_memory_needs_one_host(write, context, generation, refused):
+    text = ("model: {engine: engines/demo}\nkv_cache: {strategy: host_memory}\n"
+            f"context_server: {{url: '{context}:9001'}}\n"
+            f"generation_server: {{url: '{generation}:9002'}}\n")
+    if refused:
+        with pytest.raises(UserError) as err:
+            load_config(write(text))
+        assert "\n" not in str(err.value)
+        assert "host_memory needs context and generation on one host" in str(err.value)
+        load_config(write(text.replace("host_memory", "direct_transfer")))
+        text += "mode: aggregated\n"                  # no handoff: nothing is staged
+    load_config(write(text))

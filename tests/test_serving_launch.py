@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import textwrap
@@ -16,7 +17,8 @@ import serving
 from triton_disagg import protocol as P
 from triton_disagg.config import parse_config
 from triton_disagg.errors import UserError
-from triton_disagg.launch.deploy import PortFlags, endpoints_for
+from triton_disagg.launch.deploy import PortFlags, advertised_url, endpoints_for, token_host
+from triton_disagg.launch import serve_cli
 from triton_disagg.launch.render import render
 from triton_disagg.launch.tritonserver import Endpoints, TritonServer, locate
 
@@ -65,13 +67,10 @@ def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
     orch = json.loads(_load(repo, "orchestrator").parameters["settings"].string_value)
     assert orch["transport"] == "bls" and orch["token_host"] is None      # ipc on one host
     assert orch["stall_seconds"] == 30.0
-    orch = json.loads(_load(render("scheduler", config, tmp_path / "s"), "orchestrator")
-                      .parameters["settings"].string_value)
+    orch = json.loads(_load(render("scheduler", config, tmp_path / "s", "10.1.2.3"),
+                            "orchestrator").parameters["settings"].string_value)
     assert orch["transport"] == "grpc" and orch["generation_url"] == "localhost:9002"
-    assert orch["token_host"] == "127.0.0.1"         # tcp: generation may be on another host
-    gen = json.loads(_load(render("generation", config, tmp_path / "g"), "generation")
-                     .parameters["settings"].string_value)
-    assert gen["token_host"] == "localhost"          # its url's host
+    assert orch["token_host"] == "10.1.2.3"          # tcp: generation may be on another host
 
 
 def test_aggregated_renders_no_context(config, tmp_path):
@@ -87,6 +86,27 @@ def test_binding(config):
     assert endpoints_for("context", config, PortFlags(host="0.0.0.0", metrics=9100)).metrics_port == 9100
     with pytest.raises(UserError, match="ports collide"):
         endpoints_for("all", config, PortFlags(http=8001))
+
+
+def test_advertised_address_and_token_hosts(config):
+    from dataclasses import replace
+
+    def advertised(cfg, **flags):
+        flags = PortFlags(**flags)
+        return advertised_url("generation", cfg, endpoints_for("generation", cfg, flags), flags)
+
+    assert advertised(config) == "127.0.0.1:9002"                     # what it binds
+    assert advertised(config, host="0.0.0.0", grpc=7000) == "localhost:7000"   # url's host
+    assert advertised(config, host="0.0.0.0", advertise="gen-01:9") == "gen-01:9"
+    with pytest.raises(UserError, match="--advertise HOST:PORT"):
+        advertised(replace(config, generation=replace(config.generation, url=None)),
+                   host="0.0.0.0")
+    assert token_host("generation", config, "10.0.0.5:9002") == "10.0.0.5"
+    assert token_host("scheduler", config, None) == "127.0.0.1"      # route to generation's host
+    assert token_host("all", config, None) is None                    # ipc
+    args = argparse.Namespace(role="all", config=None, engine=config.engine, advertise="a:1")
+    with pytest.raises(UserError, match="--advertise: serve all advertises nothing"):
+        serve_cli.load(args)
 
 
 def test_override_must_be_a_binary(tmp_path):

@@ -17,7 +17,8 @@ two instances when its ``cpus`` name two cores or more, every other role to one)
 ``generation_server.stall_seconds`` (how long a request's token stream may stay silent
 before it ends in an error and generation is told to stop it; default 30); a
 ``scheduler_server: {url, http_port, metrics_port}`` for ``serve scheduler``;
-``kv_cache.lease_seconds``.
+``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
+context and generation urls name two hosts (see :func:`_check_kv_hosts`).
 
 Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`` (a
 static pool; ``url`` stays the way to name one server, and ``url: X`` equals
@@ -253,6 +254,7 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
         if discovery is not None and len(config.server(role).urls) > 1:
             raise UserError(f"{role}_server.urls: a static pool and discovery both name the "
                             f"servers; drop urls (servers register in etcd) or drop discovery")
+    _check_kv_hosts(config)
     return config
 
 
@@ -263,7 +265,7 @@ def _discovery(raw: Any) -> DiscoveryConfig | None:
     if "etcd" not in d:
         raise UserError("discovery.etcd: missing; name etcd's client endpoint, e.g. "
                         "`discovery: {etcd: \"127.0.0.1:2379\"}`")
-    etcd = _host_port(d["etcd"], "discovery.etcd", "127.0.0.1:2379")
+    etcd = parse_url(d["etcd"], "discovery.etcd", "127.0.0.1:2379")
     prefix = d.get("prefix", DiscoveryConfig.prefix)
     if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.rstrip("/") == "":
         raise UserError(f"discovery.prefix: {prefix!r} must be a key path starting with /, "
@@ -317,24 +319,48 @@ def _urls(s: dict, key: str) -> tuple[str, ...]:
     if "url" in s and "urls" in s:
         raise UserError(f"{key}: give url (one server) or urls (a pool), not both")
     if "url" in s:
-        return (_host_port(s["url"], f"{key}.url", "localhost:8001"),)
+        return (parse_url(s["url"], f"{key}.url"),)
     raw = s.get("urls", [])
     if not isinstance(raw, list) or ("urls" in s and not raw):
         raise UserError(f"{key}.urls: {raw!r} must be a non-empty list of host:port, "
                         f"e.g. [\"ctx-01:8001\", \"ctx-02:8001\"]")
-    urls = tuple(_host_port(u, f"{key}.urls", "ctx-01:8001") for u in raw)
+    urls = tuple(parse_url(u, f"{key}.urls", "ctx-01:8001") for u in raw)
     if len(set(urls)) != len(urls):
         raise UserError(f"{key}.urls: {list(raw)!r} lists a server twice; list each once")
     return urls
 
 
-def _host_port(raw: Any, key: str, example: str) -> str:
-    """``host:port`` with an optional ``grpc://`` / ``http://`` scheme dropped."""
-    value = str(raw).removeprefix("grpc://").removeprefix("http://")
-    host, _, port = value.rpartition(":")
+def parse_url(raw: Any, key: str, example: str = "localhost:8001") -> str:
+    """``host:port`` (a ``grpc://`` or ``http://`` in front is dropped), checked."""
+    url = str(raw).removeprefix("grpc://").removeprefix("http://")
+    host, _, port = url.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"{key}: {raw!r} is not host:port; write e.g. \"{example}\"")
-    return value
+    return url
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1: this host, whichever host reads the name."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def _check_kv_hosts(config: DisaggConfig) -> None:
+    """host_memory stages the KV cache in one host's /dev/shm: refuse context and generation
+    urls that name two hosts (two names, neither loopback; names are not resolved, so two
+    names of one host are refused too)."""
+    hosts = {u.rsplit(":", 1)[0].lower() for role in ("context", "generation")
+             for u in config.server(role).urls}
+    remote = sorted(h for h in hosts if not is_loopback(h))
+    if (config.kv_cache.strategy == "host_memory" and config.mode == "disaggregated"
+            and config.context.urls and config.generation.urls and len(remote) > 1):
+        raise UserError(f"kv_cache.strategy: host_memory needs context and generation on one "
+                        f"host (it stages the KV cache in /dev/shm), but their urls name "
+                        f"{' and '.join(remote)}; use direct_transfer across hosts")
 
 
 def _mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:

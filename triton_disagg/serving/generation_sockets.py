@@ -91,12 +91,13 @@ def send_errors(context: zmq.Context, addresses: dict[str, str], message: str) -
 
 
 class StopInbox:
-    """``host`` None: ipc in a private directory (orchestrators on this host); else tcp."""
+    """``host`` None: ipc in a private directory (orchestrators on this host); else tcp,
+    advertised on ``host`` and bound on ``bind_host`` (default: ``host``'s address)."""
 
-    def __init__(self, context: zmq.Context, host: str | None):
+    def __init__(self, context: zmq.Context, host: str | None, bind_host: str | None = None):
         self.sock = context.socket(zmq.PULL, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint: Endpoint = bind(self.sock, host, "control")
+        self.endpoint: Endpoint = bind(self.sock, host, "control", bind_host)
 
     @property
     def address(self) -> str:

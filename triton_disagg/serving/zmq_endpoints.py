@@ -6,7 +6,9 @@ Invariants: an ipc endpoint lives in a directory of its own (mode 0700, under
 the project's ``/dev/shm`` entries (:mod:`triton_disagg.shm`): :meth:`Endpoint.release`
 removes it with the socket file, and each ipc bind removes the directories whose owner
 is gone (a killed stub). A tcp endpoint binds a free port on the address ``host``
-resolves to and advertises exactly that address, so a peer can connect to it as given.
+resolves to and advertises exactly that address, so a peer can connect to it as given;
+or, given ``bind_host`` (a server's ``--host``, possibly a wildcard), binds there and
+advertises ``host`` as written (``--advertise``: a name its peers resolve).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class Endpoint:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def bind(sock: zmq.Socket, host: str | None, name: str) -> Endpoint:
-    """Bind ``sock``: ipc (``host`` None) as ``<private dir>/<name>``, else tcp on ``host``."""
+def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = None
+         ) -> Endpoint:
+    """Bind ``sock``: ipc (``host`` None) as ``<private dir>/<name>``, else tcp on ``host``
+    (or on ``bind_host``, advertising ``host``)."""
     if host is None:
         runtime = _runtime_dir()
         _sweep(runtime)
@@ -50,6 +54,9 @@ def bind(sock: zmq.Socket, host: str | None, name: str) -> Endpoint:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         return Endpoint(address, directory)
+    if bind_host is not None:
+        port = sock.bind_to_random_port(f"tcp://{bind_host}")
+        return Endpoint(f"tcp://{host}:{port}")
     ip = socket.gethostbyname(host)
     port = sock.bind_to_random_port(f"tcp://{ip}")
     return Endpoint(f"tcp://{ip}:{port}")

@@ -35,7 +35,7 @@ class TritonPythonModel:
         with self.metrics.closed_on_error():
             self.side = GenerationSide(engine, settings, instance, self.metrics)
             context = zmq.Context.instance()
-            stops = StopInbox(context, settings.get("token_host"))
+            stops = StopInbox(context, settings.get("token_host"), settings.get("token_bind"))
             self.control_address = stops.address
             self.loop = DecodeLoop(engine, TokenOutbox(context), self.side,
                                    stream_interval=settings.get("stream_interval", 1),
