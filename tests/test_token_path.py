@@ -433,10 +433,10 @@ def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
     outbox.put("ipc:///gone", TokenEvent("a", [1]))
     outbox.put(orchestrators.address(0), TokenEvent("b", [2]))
     assert outbox.flush() == ["a"] and list(outbox.sockets) == [orchestrators.address(0)]
-    monkeypatch.setattr(generation_sockets, "IDLE_SECONDS", 0.0)
-    assert outbox.flush() == [] and outbox.sockets == {}        # nothing sent: idle, closed
     assert orchestrators.socks[0].poll(2000)
     assert token_wire.decode_events(orchestrators.socks[0].recv()) == [TokenEvent("b", [2])]
+    monkeypatch.setattr(generation_sockets, "IDLE_SECONDS", 0.0)
+    assert outbox.flush() == [] and outbox.sockets == {}        # nothing sent: idle, closed
     outbox.close()
     orchestrators.close()
 
