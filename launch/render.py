@@ -106,6 +106,7 @@ def _values(model: str, role: str, config: DisaggConfig,
         values["steps"] = _ensemble_steps()
     if model == "orchestrator":
         values["decoupled"] = "true" if config.decoupled_mode else "false"
+        values["instances"] = str(config.scheduler.instances)
     return values
 
 

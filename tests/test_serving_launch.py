@@ -67,6 +67,10 @@ def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
     orch = json.loads(_load(repo, "orchestrator").parameters["settings"].string_value)
     assert orch["transport"] == "bls" and orch["token_host"] is None      # ipc on one host
     assert orch["stall_seconds"] == 30.0
+    assert _load(repo, "orchestrator").instance_group[0].count == 1
+    two = parse_config({"model": {"engine": str(config.engine)},
+                        "scheduler_server": {"instances": 2}})
+    assert _load(render("all", two, tmp_path / "two"), "orchestrator").instance_group[0].count == 2
     orch = json.loads(_load(render("scheduler", config, tmp_path / "s", "10.1.2.3"),
                             "orchestrator").parameters["settings"].string_value)
     assert orch["transport"] == "grpc" and orch["generation_url"] == "localhost:9002"

@@ -88,6 +88,25 @@ def test_ipc_directories_are_private_and_a_dead_owners_are_swept(monkeypatch):
     shutil.rmtree(tmp_path)
 
 
+def test_tcp_sockets_admit_only_peers_that_hold_the_deployment_secret():
+    context = zmq.Context.instance()
+    pull = context.socket(zmq.PULL)
+    endpoint = bind(pull, "127.0.0.1", "tokens")
+    keyed = push_socket(context, endpoint.address, 10)
+    keyed.send(b"from a peer with the secret")
+    assert pull.poll(5000) and pull.recv() == b"from a peer with the secret"
+    plain = context.socket(zmq.PUSH)                 # no CURVE at all
+    guessing = context.socket(zmq.PUSH)              # CURVE, but not the deployment's key
+    guessing.curve_publickey, guessing.curve_secretkey = zmq.curve_keypair()
+    guessing.curve_serverkey = zmq.curve_keypair()[0]
+    for intruder in (plain, guessing):
+        intruder.connect(endpoint.address)
+        intruder.send(b"intruder", zmq.NOBLOCK)
+    assert not pull.poll(1000)
+    for sock in (keyed, plain, guessing, pull):
+        sock.close(linger=0)
+
+
 # ---- the orchestrator's side -----------------------------------------------------------
 
 class FakeGeneration:

@@ -16,7 +16,8 @@ two instances when its ``cpus`` name two cores or more, every other role to one)
 ``generation_server.stream_interval`` (decode steps per streamed response),
 ``generation_server.stall_seconds`` (how long a request's token stream may stay silent
 before it ends in an error and generation is told to stop it; default 30); a
-``scheduler_server: {url, http_port, metrics_port}`` for ``serve scheduler``;
+``scheduler_server: {url, http_port, metrics_port, instances}`` for ``serve scheduler``
+(``instances``: orchestrator instances, in ``serve all`` too; default 1);
 ``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`).
 

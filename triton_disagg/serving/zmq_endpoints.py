@@ -9,10 +9,20 @@ is gone (a killed stub). A tcp endpoint binds a free port on the address ``host`
 resolves to and advertises exactly that address, so a peer can connect to it as given;
 or, given ``bind_host`` (a server's ``--host``, possibly a wildcard), binds there and
 advertises ``host`` as written (``--advertise``: a name its peers resolve).
+
+A tcp socket can be reached from other hosts, so the tcp channel is CurveZMQ: every
+socket that binds is a CURVE server with one keypair derived from the deployment
+secret (:mod:`triton_disagg.kv.secret`, the key that signs KV handles), and every
+socket that connects names that server key with a fresh keypair of its own. A peer
+without the secret cannot compute the server key, so it can neither connect nor read
+the traffic; ipc needs none of it (its directory is the owner's alone).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
 import os
 import shutil
 import socket
@@ -21,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+import zmq.utils.z85
 
 from triton_disagg import shm
 
@@ -54,6 +65,8 @@ def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = 
             shutil.rmtree(directory, ignore_errors=True)
             raise
         return Endpoint(address, directory)
+    public, secret = server_keys()
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
     if bind_host is not None:
         port = sock.bind_to_random_port(f"tcp://{bind_host}")
         return Endpoint(f"tcp://{host}:{port}")
@@ -69,8 +82,21 @@ def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq
     sock = context.socket(zmq.PUSH, socket_class=zmq.Socket)
     sock.setsockopt(zmq.SNDHWM, high_water_mark)
     sock.setsockopt(zmq.LINGER, 0)
+    if address.startswith("tcp://"):
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = server_keys()[0]
     sock.connect(address)
     return sock
+
+
+@functools.lru_cache(maxsize=1)
+def server_keys() -> tuple[bytes, bytes]:
+    """``(public, secret)``: the Z85 CURVE keypair of every tcp socket that binds."""
+    from triton_disagg.kv.secret import deployment_key
+
+    seed = hmac.new(deployment_key(), b"triton-disagg token channel", hashlib.sha256).digest()
+    secret = zmq.utils.z85.encode(seed)                 # 32 bytes -> 40 Z85 characters
+    return zmq.curve_public(secret), secret
 
 
 def _runtime_dir() -> Path:
