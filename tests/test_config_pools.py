@@ -7,21 +7,14 @@ from __future__ import annotations
 import pytest
 
 from triton_disagg.config import DiscoveryConfig, load_config
-from triton_disagg.errors import UserError
+from config_files import assert_one_line_error, config_writer
 
 ENGINE = "model: {engine: engines/demo}\n"
 
 
 @pytest.fixture
 def write(tmp_path):
-    (tmp_path / "engines" / "demo").mkdir(parents=True)
-    (tmp_path / "engines" / "demo" / "engine.json").write_text("{}")
-
-    def _write(text: str):
-        path = tmp_path / "disagg_config.yaml"
-        path.write_text(ENGINE + text)
-        return path
-    return _write
+    return config_writer(tmp_path, ENGINE)
 
 
 def test_static_pool(write):
@@ -76,9 +69,4 @@ def test_discovery_defaults(write):
      ["context_server.urls", "discovery", "drop"]),
 ])
 def test_mistakes_are_one_line_naming_the_key(write, text, words):
-    with pytest.raises(UserError) as err:
-        load_config(write(text))
-    message = str(err.value)
-    assert "\n" not in message and "disagg_config.yaml" in message
-    for word in words:
-        assert word in message, message
+    assert_one_line_error(write(text), words)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from triton_disagg.config import check_host, default_config, load_config, parse_size
+from config_files import assert_one_line_error, config_writer
 from triton_disagg.errors import UserError
 
 GUIDE = """\
@@ -17,14 +18,7 @@ kv_cache: {strategy: direct_transfer, max_size: 2GB}
 
 @pytest.fixture
 def write(tmp_path):
-    (tmp_path / "engines" / "demo").mkdir(parents=True)
-    (tmp_path / "engines" / "demo" / "engine.json").write_text("{}")
-
-    def _write(text: str):
-        path = tmp_path / "disagg_config.yaml"
-        path.write_text(text)
-        return path
-    return _write
+    return config_writer(tmp_path)
 
 
 def test_guide_format_loads_as_written(write, tmp_path):
@@ -92,12 +86,7 @@ def test_generation_runs_two_instances_where_its_cores_allow(write, generation, 
      ["kv_cache.lease_seconds", "inf", "finite"]),
 ])
 def test_mistakes_are_one_line_naming_the_key(write, text, words):
-    with pytest.raises(UserError) as err:
-        load_config(write(text))
-    message = str(err.value)
-    assert "\n" not in message and "disagg_config.yaml" in message
-    for word in words:
-        assert word in message, message
+    assert_one_line_error(write(text), words)
 
 
 def test_gpus_where_none_exist(write):
