@@ -1,7 +1,7 @@
 # Everything runs inside .venv, created from the system python3 (3.10+; Debian/Ubuntu:
 # apt-get install python3 python3-venv make). `doctor --install` adds the one system
-# library Triton's Python backend needs (libpython3.X) when it is missing; `make etcd` adds
-# etcd (Debian's etcd-server) for the discovery tests, as root.
+# library Triton's Python backend needs (libpython3.X) when it is missing; `make test-tools`
+# adds etcd and iproute2 for the discovery and multi-host tests, as root.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -15,7 +15,7 @@ GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: venv install doctor etcd demo test bench clean
+.PHONY: venv install doctor test-tools demo test bench clean
 
 venv: $(STAMP)
 
@@ -37,17 +37,23 @@ install: venv
 doctor: $(STAMP)
 	$(BIN)/triton-disagg doctor --install
 
-# The discovery tests start a real etcd. As root with apt-get it is installed here; otherwise
-# those tests fail with the command to run (they are never skipped).
-etcd:
-	@command -v etcd >/dev/null || { \
+# Programs the tests run besides Python: etcd (the discovery tests start a real one) and
+# ip (iproute2: the multi-host tests make hosts out of network namespaces). As root with
+# apt-get the missing ones are installed here; otherwise the tests that need them fail
+# with the command to run (they are never skipped).
+test-tools:
+	@missing=""; \
+	command -v etcd >/dev/null || missing="$$missing etcd-server"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "==> installing etcd-server with apt-get (the discovery tests start a real etcd)"; \
+	    echo "==> installing$$missing with apt-get (for the discovery and multi-host tests)"; \
 	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else \
-	    echo "etcd not found: the discovery tests will fail; run: sudo apt-get install etcd-server"; \
-	  fi; }
+	    echo "missing:$$missing; the discovery and multi-host tests will fail; run: sudo apt-get install$$missing"; \
+	  fi; \
+	fi
 
 $(DEMO_ENGINE)/engine.json: $(STAMP)
 	$(BIN)/triton-disagg demo-checkpoint --output $(DEMO_CKPT)
@@ -60,7 +66,7 @@ demo: doctor $(DEMO_ENGINE)/engine.json
 	$(BIN)/triton-disagg serve all -c disagg_config.yaml \
 	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
-test: $(TEST_STAMP) doctor etcd
+test: $(TEST_STAMP) doctor test-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The benchmarks print their tables and keep them in docs/benchmarks.md (plots in docs/img/).
