@@ -134,8 +134,7 @@ class ResponseBuilder:
 
     def _flush(self, final: bool) -> dict:
         window, offset = self.windows.next(self.pending_ids)
-        lps = self.pending_lp if self.return_log_probs else [0.0] * len(self.pending_lp)
-        self.pending_ids, self.pending_lp = [], []
+        lps, self.pending_ids, self.pending_lp = self.pending_lp, [], []
         out = {
             "text_output": [text_delta(self.decode, window, offset, final)],
             "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
