@@ -141,6 +141,9 @@ def test_verdict_fails_on_each_hard_criterion():
         _result(tallies={"a": Tally(sent=1, unexpected_error=1)}).failures()
     growing = [RssRow("orchestrator_0_0", 10, 100, 130, 100, 130, False)]
     assert any("orchestrator_0_0" in f for f in _result(rss=growing).failures())
+    server = [RssRow("tritonserver", 10, 60, 70, 60, 70, False)]    # Triton's own: shown only
+    assert _result(rss=server).verdict == "PASS"
+    assert "(shown, not judged)" in markdown([_result(rss=server)], 10, "triton-disagg bench soak")
     short = _result(rss=growing, rss_window=RSS_MIN_WINDOW - 1)
     assert short.verdict == "PASS"                           # shown, not judged
     text = markdown([short, _result(strategy="direct_transfer")], 1, "triton-disagg bench soak")

@@ -6,7 +6,9 @@ that died, tritonserver or ``serve`` gone); KV blocks still used, or no pool gau
 after the settle; an unexpected error (a good request that failed, a bad input that was
 answered as if fine). Stub memory must stay within ``RSS_FLAT`` over the last half of
 the load; it is judged when that window is at least ``RSS_MIN_WINDOW`` seconds (a 1-minute
-CI run is mostly warm-up) and shown in any case.
+CI run is mostly warm-up) and shown in any case. tritonserver's own memory is shown with
+its growth but not judged: it is Triton's C++ process, not a model's stub, and it creeps
+up under this load with either allocator (glibc, or jemalloc: :mod:`launch.allocator`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class StrategyResult:
             out.append("no disagg_kv_blocks_used gauge on /metrics after the load")
         if total.unexpected_error:
             out.append(f"{total.unexpected_error} unexpected errors")
-        drifting = [r.process for r in self.rss if not r.flat]
+        drifting = [r.process for r in self.rss if r.judged and not r.flat]
         if self.judge_rss and drifting:
             out.append(f"RSS not flat within {RSS_FLAT:.0%}: {', '.join(drifting)}")
         if self.judge_rss and not self.rss:
@@ -100,6 +102,7 @@ def strategy_markdown(r: StrategyResult) -> str:
               "|---|--:|--:|--:|--:|--:|---|"]
     for row in r.rss:
         flat = ("yes" if row.flat else "**no**") + (" (restarted)" if row.restarted else "")
+        flat += "" if row.judged else " (shown, not judged)"
         lines.append(f"| {row.process} | {row.samples} | {row.first_mib:.0f} | {row.last_mib:.0f}"
                      f" | {row.max_mib:.0f} | {row.spread:.1%} | {flat} |")
     problems = [f"{name}: {e}" for name, t in r.tallies.items() for e in t.examples]
@@ -125,10 +128,10 @@ def markdown(results: list[StrategyResult], minutes: float, command: str) -> str
         f"it was sent. After the load: a settle until the KV pools are empty, one more "
         f"request, then the server's logs are searched for crashes.")
     summary = ["| strategy | sent | hung | unexpected errors | crashes | leaked blocks | "
-               "RSS flat | verdict |", "|---|--:|--:|--:|--:|--:|---|---|"]
+               "stub RSS flat | verdict |", "|---|--:|--:|--:|--:|--:|---|---|"]
     for r in results:
         t = r.total()
-        flat = "yes" if all(row.flat for row in r.rss) else "no"
+        flat = "yes" if all(row.flat for row in r.rss if row.judged) else "no"
         summary.append(f"| {r.strategy} | {t.sent} | {t.hung + t.open} | {t.unexpected_error} | "
                        f"{r.crashes.total} | {sum(r.pools.values()):.0f} | "
                        f"{flat if r.judge_rss else f'{flat} (not judged)'} | {r.verdict} |")

@@ -26,6 +26,7 @@ SLACK_SECONDS = 30.0
 SECONDS_PER_TOKEN = 0.5
 OUTCOMES = ("ok", "expected_error", "unexpected_error")
 RSS_FLAT = 0.10
+SERVER = "tritonserver"          # the RSS row of the server process itself
 
 
 def deadline_seconds(max_tokens: int) -> float:
@@ -137,7 +138,7 @@ class RssSampler(threading.Thread):
     def sample(self) -> None:
         now = time.monotonic()
         for server in server_pids(self.serve_pid):
-            procs = [("tritonserver", server)] + [(s.instance, s.pid) for s in stubs_of(server)]
+            procs = [(SERVER, server)] + [(s.instance, s.pid) for s in stubs_of(server)]
             for name, pid in procs:
                 kib = rss_kib(pid)
                 if kib is not None:
@@ -173,12 +174,17 @@ class RssRow:
     def flat(self) -> bool:
         return self.spread <= RSS_FLAT and not self.restarted
 
+    @property
+    def judged(self) -> bool:
+        """Stubs are judged (issue 9's criterion); tritonserver's own memory is shown only."""
+        return self.process != SERVER
+
 
 def rss_rows(samples: dict[str, list[tuple[float, int, int]]], since: float,
              until: float) -> list[RssRow]:
     """One row per process with samples inside ``[since, until]``."""
     rows = []
-    for name in sorted(samples, key=lambda n: (n != "tritonserver", n)):
+    for name in sorted(samples, key=lambda n: (n != SERVER, n)):
         window = [(t, pid, kib / 1024) for t, pid, kib in samples[name] if since <= t <= until]
         if not window:
             continue
