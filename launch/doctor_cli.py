@@ -3,9 +3,7 @@
 Checks that a tritonserver is found and that its Python-backend stub can start with
 this Python (see :mod:`.stub_check`). With ``--install``, as root on Debian or
 Ubuntu, a missing ``libpython`` package is installed with apt-get; anywhere else the
-one-line fix is printed and the exit code is 2. jemalloc (:mod:`.allocator`) is
-installed the same way when missing; without it serving still works, and doctor says
-what to install. ``make demo`` and ``make test`` run
+one-line fix is printed and the exit code is 2. ``make demo`` and ``make test`` run
 it first, so a fresh machine fails in a second with the fix, not after minutes.
 """
 
@@ -32,37 +30,23 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import allocator
-    from .stub_check import check_stub, is_debian_like, libpython_package
+    from .stub_check import check_stub, libpython_package
     from .tritonserver import locate, server_env
 
     install = locate(args.tritonserver)
-    can_install = args.install and os.geteuid() == 0
+    env = server_env(install)
     try:
-        check_stub(install.stub_binary, server_env(install))
+        check_stub(install.stub_binary, env)
     except UserError:
         package = libpython_package()
-        if not (can_install and package):
+        if not (args.install and package and os.geteuid() == 0):
             raise
-        _apt_install(package, "the Python backend stub needs it")
-        check_stub(install.stub_binary, server_env(install))
-    if allocator.jemalloc() is None:
-        if can_install and is_debian_like():
-            _apt_install(allocator.PACKAGE, "tritonserver runs with jemalloc (see "
-                                            "launch/allocator.py)")
-        else:
-            print(f"triton-disagg doctor: note: install {allocator.PACKAGE} (jemalloc): with "
-                  f"glibc's malloc tritonserver's memory keeps growing under streaming load",
-                  flush=True)
-    malloc = "jemalloc" if allocator.jemalloc() else "glibc malloc"
+        print(f"triton-disagg doctor: the Python backend stub needs {package}; installing it "
+              f"with apt-get ...", flush=True)
+        apt_env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=apt_env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=apt_env)
+        check_stub(install.stub_binary, env)
     print(f"triton-disagg doctor: ok (tritonserver {install.binary}; the Python "
-          f"{sys.version_info.major}.{sys.version_info.minor} backend stub loads; {malloc})",
-          flush=True)
+          f"{sys.version_info.major}.{sys.version_info.minor} backend stub loads)", flush=True)
     return 0
-
-
-def _apt_install(package: str, why: str) -> None:
-    print(f"triton-disagg doctor: installing {package} with apt-get ({why}) ...", flush=True)
-    apt_env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=apt_env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=apt_env)

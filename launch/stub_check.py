@@ -43,7 +43,7 @@ _VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 def libpython_package(prefix: str = sys.base_prefix) -> str | None:
     """The Debian/Ubuntu package holding this Python's libpython, when apt supplies this
     Python (None for pyenv, conda or a source build)."""
-    return f"libpython{_VERSION}" if prefix == _APT_PYTHON_PREFIX and is_debian_like() else None
+    return f"libpython{_VERSION}" if prefix == _APT_PYTHON_PREFIX and _is_debian_like() else None
 
 
 def libpython_fix(prefix: str = sys.base_prefix) -> str:
@@ -70,8 +70,7 @@ def check_stub(stub: Path, env: dict[str, str]) -> None:
                     f"(checked with ldd {stub}); install the package that provides it")
 
 
-def is_debian_like() -> bool:
-    """Debian, Ubuntu or a derivative (``/etc/os-release``): apt-get supplies packages."""
+def _is_debian_like() -> bool:
     try:
         text = Path("/etc/os-release").read_text()
     except OSError:

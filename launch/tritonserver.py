@@ -45,7 +45,7 @@ from typing import Callable
 from triton_disagg import shm
 from triton_disagg.errors import UserError
 
-from . import allocator, server_log
+from . import server_log
 
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
 
@@ -111,10 +111,8 @@ def prepare_backends(install: TritonInstall, work_dir: Path) -> Path:
 
 
 def server_env(install: TritonInstall, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for the server and its stubs: this interpreter's packages and libpython,
-    and jemalloc preloaded where the host has it (:mod:`.allocator`)."""
+    """Environment for the server and its stubs: this interpreter's packages and libpython."""
     env = dict(os.environ)
-    allocator.preload(env, allocator.jemalloc())
     lib_dirs = [sysconfig.get_config_var("LIBDIR") or ""]
     if install.libs is not None:
         lib_dirs.append(str(install.libs))
