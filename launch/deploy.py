@@ -12,8 +12,11 @@ Token channel (ZeroMQ, :mod:`triton_disagg.serving.zmq_endpoints`): ``serve all`
 ``ipc://``. Otherwise the sockets are ``tcp://``: generation's control socket binds
 where the server binds (``--host``) and advertises its advertised host (a name or an
 address its peers reach); the scheduler's token socket binds and advertises this host's
-address on the route to generation's host (127.0.0.1 when generation's url is loopback),
-whatever the scheduler's own front binds, since generation connects to it.
+address on the route toward the generation servers, whatever the scheduler's own front
+binds, since every generation server connects to it: the route to the config's
+generation urls (each of a pool must leave from the same local address: the socket has
+one), else, with discovery, the route to etcd's host, which every server of the
+deployment reaches too (127.0.0.1 when that peer is loopback).
 
 Ports: ``serve all`` and ``serve scheduler`` default to HTTP 8000, gRPC 8001,
 metrics 8002 (the scheduler's ``url``/``http_port``/``metrics_port`` in the
@@ -91,13 +94,28 @@ def token_host(role: str, config: DisaggConfig, advertised: str | None) -> str |
         return advertised.rsplit(":", 1)[0]
     if role != "scheduler":
         return None
-    ip = _resolve(config.generation.host, "generation")
+    if config.generation.urls:
+        key = "generation_server.url" + ("s" if len(config.generation.urls) > 1 else "")
+        peers = config.generation.urls
+    else:
+        key, peers = "discovery.etcd", (config.discovery.etcd,)
+    routes = {url: _route_from(url, key) for url in peers}
+    if len(set(routes.values())) > 1:
+        seen = ", ".join(f"{url} from {address}" for url, address in routes.items())
+        raise UserError(f"{key}: this host reaches {seen}, but the scheduler's token socket has "
+                        f"one address; put the generation servers on one network")
+    return next(iter(routes.values()))
+
+
+def _route_from(url: str, key: str) -> str:
+    """This host's address on the route to ``url`` (host:port)."""
+    host, port = url.rsplit(":", 1)
+    ip = _resolve(host, key)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            sock.connect((ip, config.generation.port))   # a UDP connect sends nothing
+            sock.connect((ip, int(port)))   # a UDP connect sends nothing
         except OSError as exc:
-            raise UserError(f"generation_server.url: no route from this host to "
-                            f"{config.generation.host} ({exc.strerror})") from None
+            raise UserError(f"{key}: no route from this host to {host} ({exc.strerror})") from None
         return sock.getsockname()[0]
 
 
@@ -132,14 +150,14 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def _bind_host(host: str, role: str) -> str:
     if is_loopback(host):
         return "127.0.0.1"
-    return _resolve(host, role, " or pass --host 0.0.0.0")
+    return _resolve(host, f"{role}_server.url", " or pass --host 0.0.0.0")
 
 
-def _resolve(host: str, role: str, hint: str = "") -> str:
+def _resolve(host: str, key: str, hint: str = "") -> str:
     try:
         return socket.gethostbyname(host)
     except OSError:
-        raise UserError(f"{role}_server.url: host {host!r} does not resolve on this machine; "
+        raise UserError(f"{key}: host {host!r} does not resolve on this machine; "
                         f"fix the url{hint}") from None
 
 

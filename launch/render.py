@@ -5,7 +5,8 @@ A template folder holds ``config.pbtxt`` with ``${placeholders}`` and
 :mod:`triton_disagg.protocol` (the single owner of tensor names), the ensemble's
 steps, the instance group, and one ``settings`` parameter: a JSON object that
 the model's ``initialize`` reads (engine path, CPU pinning per instance, KV
-settings, peer URLs).
+settings; for the orchestrator each role's pool, static ``urls`` or etcd ``discovery``,
+with its routing policy).
 
 Roles: ``all`` (every model; the orchestrator calls context and generation
 through BLS), ``scheduler`` (ensemble, preprocessing and an orchestrator that
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from string import Template
 
@@ -85,7 +87,10 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         out.update(token_bind=token_bind)         # bound there, token_host advertised
     if model == "orchestrator":
         out.update(transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
-                   context_url=config.context.url, generation_url=config.generation.url)
+                   max_local_prefill_length=config.generation.max_local_prefill_length,
+                   pools={r: {"urls": list(config.server(r).urls), "router": config.server(r).router}
+                          for r in ("context", "generation")},
+                   discovery=asdict(config.discovery) if config.discovery else None)
     return out
 
 

@@ -32,8 +32,9 @@ def register(subparsers) -> None:
         "serve", help="serve a model repository with tritonserver",
         description="Render a role's Triton model repository and run tritonserver on it. "
                     "`all` runs every model in one server (context and generation reached "
-                    "in-process); the other roles run one part, the scheduler reaching context "
-                    "and generation over gRPC at the URLs of the config.")
+                    "in-process); the other roles run one part, the scheduler routing each "
+                    "request over the context and generation servers of the config's urls "
+                    "or of etcd (discovery), over gRPC.")
     p.add_argument("role", choices=ROLES)
     p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
     p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
@@ -72,21 +73,19 @@ def load(args: argparse.Namespace):
             raise UserError("give -c disagg_config.yaml or --engine DIR")
         if args.role == "scheduler":
             raise UserError("serve scheduler needs -c disagg_config.yaml naming the context and "
-                            "generation urls")
+                            "generation servers (urls, or discovery through etcd)")
         config = default_config(args.engine)
     else:
         config = load_config(args.config)
         if args.engine is not None:
             config = replace(config, engine=default_config(args.engine).engine)
-    if args.role == "scheduler":
+    if args.role == "scheduler" and config.discovery is None:
         for role in ("generation",) if config.mode == "aggregated" else ("context", "generation"):
-            if len(config.server(role).urls) > 1 or config.discovery is not None:
-                raise UserError(f"{config.source}: {role}_server: the scheduler dials one "
-                                f"{role} server for now (routing over urls or discovery comes "
-                                f"next); give `{role}_server: {{url: \"HOST:PORT\"}}`")
-            if config.server(role).url is None:
-                raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler dials "
-                                f"it, e.g. `{role}_server: {{url: \"localhost:9001\"}}`")
+            if not config.server(role).urls:
+                raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler "
+                                f"routes over the role's servers: give `{role}_server: {{url: "
+                                f"\"HOST:PORT\"}}` or `urls: [...]`, or `discovery: {{etcd: "
+                                f"\"HOST:2379\"}}`")
     if args.advertise is not None:
         if args.role not in ("context", "generation"):
             raise UserError(f"--advertise: serve {args.role} advertises nothing; it is for "
@@ -189,6 +188,8 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     if endpoints.metrics_port is not None:
         lines.append(f"  metrics  http://{shown}:{endpoints.metrics_port}/metrics")
     lines.append(f"  log      {server.log_path}")
+    if role == "scheduler":
+        lines.append(f"  routes   {_pools(config)}")
     if role in ("all", "scheduler") and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
@@ -201,3 +202,12 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
                      f"{config.server(role).url or advertised}")
     lines.append("Ctrl-C stops the server.")
     print("\n".join(lines), flush=True)
+
+
+def _pools(config) -> str:
+    """What the scheduler routes over, per role: "context: 2 urls (least_loaded); ..."."""
+    roles = ("generation",) if config.mode == "aggregated" else ("context", "generation")
+    where = {role: (f"etcd {config.discovery.etcd} {config.discovery.prefix}/{role}/"
+                    if config.discovery else f"{len(config.server(role).urls)} url(s)")
+             for role in roles}
+    return "; ".join(f"{role}: {where[role]} ({config.server(role).router})" for role in roles)

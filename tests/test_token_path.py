@@ -111,7 +111,8 @@ def test_tcp_sockets_admit_only_peers_that_hold_the_deployment_secret():
 
 class FakeGeneration:
     """Context and generation as a transport: generation answers with a real control
-    address (a PULL socket the test reads) and pushes its events to the token address."""
+    address (a PULL socket the test reads) and pushes its events to the token address.
+    Each request's :class:`FakeRoute` passes its calls here with its request id."""
 
     def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
                  refuse: bool = False):
@@ -123,11 +124,17 @@ class FakeGeneration:
         self.endpoint = bind(self.control, None, "control")
         self.request_ids: list[str] = []
         self.calls: list[tuple[str, list[int]]] = []       # (request_type, input_ids)
+        self.contexts = 0                                  # context calls answered
+        self.closed: list[str] = []                        # request ids whose route closed
+
+    def route(self, request_id, inputs):
+        return FakeRoute(self, request_id)
 
     async def context(self, request_id, inputs):
         if self.busy:
             self.busy -= 1
             raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
+        self.contexts += 1
         out = engine_request.outputs([self.first], [-0.5], -0.5, "" if self.rest else "length")
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
         return out
@@ -166,14 +173,31 @@ class FakeGeneration:
         self.endpoint.release()
 
 
+class FakeRoute:
+    def __init__(self, fake: FakeGeneration, request_id: str):
+        self.fake, self.request_id = fake, request_id
+
+    async def context(self, inputs):
+        return await self.fake.context(self.request_id, inputs)
+
+    async def generate(self, inputs, request_type, token_address):
+        return await self.fake.generate(self.request_id, inputs, request_type, token_address)
+
+    async def release(self, inputs, handle):
+        await self.fake.release(self.request_id, inputs, handle)
+
+    def close(self):
+        self.fake.closed.append(self.request_id)
+
+
 def _run(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=None,
-         mode="disaggregated", stream=True):
+         mode="disaggregated", stream=True, local_prefill=0):
     """Serve one request through a real TokenInbox; returns the outcome or the exception."""
     decode = lambda ids: "".join(chr(0x4E00 + i) for i in ids)   # noqa: E731 - one char per id
 
     async def main():
         inbox = TokenInbox(None, stall)
-        orchestrator = Orchestrator(generation, inbox, mode, decode)
+        orchestrator = Orchestrator(generation, inbox, mode, decode, local_prefill=local_prefill)
         inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
                   "stream": np.array([stream])}
         task = asyncio.ensure_future(orchestrator.handle(inputs, send, cancel))
@@ -245,7 +269,26 @@ def test_non_streaming_first_token_only_and_aggregated():
     assert _run(aggregated, send, mode="aggregated") == "finished"
     assert aggregated.calls == [(P.CONTEXT_AND_GENERATION, [3, 4])]
     for fake in (generation, first_only, aggregated):
+        assert len(fake.closed) == 1          # every request's route closed, once
         fake.close()
+
+
+@pytest.mark.parametrize("local_prefill, whole", [(0, False), (1, False), (2, True), (9, True)])
+def test_a_prompt_at_or_under_max_local_prefill_length_is_served_whole_by_generation(
+        local_prefill, whole):
+    """The prompt has 2 tokens: at or under the limit it goes to generation as
+    context_and_generation (no context call, no handoff); over it, disaggregated."""
+    generation, texts = FakeGeneration(10, [11, 1]), []
+
+    async def send(outputs, final):
+        texts.append(outputs["text_output"][0])
+
+    assert _run(generation, send, local_prefill=local_prefill) == "finished"
+    if whole:
+        assert generation.contexts == 0 and generation.calls == [(P.CONTEXT_AND_GENERATION, [3, 4])]
+    else:
+        assert generation.contexts == 1 and generation.calls == [(P.GENERATION_ONLY, [3, 4, 10])]
+    generation.close()
 
 
 def test_a_silent_stream_ends_in_a_clear_error_and_stops_generation():

@@ -26,7 +26,11 @@ static pool; ``url`` stays the way to name one server, and ``url: X`` equals
 ``urls: [X]``), or a top-level ``discovery: {etcd: "host:2379", prefix:
 "/triton-disagg/<name>", ttl_seconds: 10}``: servers register in etcd under that prefix
 and the scheduler watches it (:mod:`triton_disagg.discovery`). With discovery a role
-names at most one url: where that server binds, not a pool.
+names at most one url: where that server binds, not a pool; the scheduler routes over
+what etcd holds. Routing (:mod:`triton_disagg.serving.router`): per role ``router:
+least_loaded`` (default) or ``round_robin``; ``generation_server.max_local_prefill_length:
+N`` (default 0, off) serves prompts of at most N tokens whole on a generation server
+(``context_and_generation``, no KV handoff), as trtllm-serve and Dynamo do.
 
 Invariants: every value is checked here, so a loaded :class:`DisaggConfig` is
 usable as is; every mistake is one :class:`UserError` line naming the key and
@@ -46,11 +50,12 @@ from triton_disagg.errors import UserError
 
 MODES = ("disaggregated", "aggregated")
 STRATEGIES = ("direct_transfer", "host_memory")
+ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
-                "http_port", "metrics_port"}
+                "http_port", "metrics_port", "router"}
 _SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances"}
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
 _DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds"}
@@ -78,6 +83,11 @@ class ServerConfig:
     # to stop it); a decode loop stuck this long with work live fails its requests.
     # generation_server only.
     stall_seconds: float = 30.0
+    # How the scheduler picks this role's server per request (ROUTERS; serving.router).
+    router: str = ROUTERS[0]
+    # Prompts of at most this many tokens are prefilled by generation itself, with no
+    # handoff (0: never). generation_server only.
+    max_local_prefill_length: int = 0
 
     @property
     def host(self) -> str | None:
@@ -248,7 +258,8 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
         source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",
-                           _SERVER_KEYS | {"stream_interval", "stall_seconds"}),
+                           _SERVER_KEYS | {"stream_interval", "stall_seconds",
+                                           "max_local_prefill_length"}),
         scheduler=_server(top.get("scheduler_server"), "scheduler_server", _SCHEDULER_KEYS),
     )
     for role in ("context", "generation"):
@@ -304,9 +315,17 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     interval = _count(s.get("stream_interval", 1), f"{key}.stream_interval",
                       " (1: a response per token)")
     stall = _number(s.get("stall_seconds", 30.0), f"{key}.stall_seconds")
+    router = s.get("router", ROUTERS[0])
+    if router not in ROUTERS:
+        raise UserError(f"{key}.router: {router!r} is not one of {', '.join(ROUTERS)}")
+    local = s.get("max_local_prefill_length", 0)
+    if not isinstance(local, int) or isinstance(local, bool) or local < 0:
+        raise UserError(f"{key}.max_local_prefill_length: {local!r} must be a whole number of "
+                        f"prompt tokens >= 0 (0: every prompt goes to a context server)")
     return ServerConfig(url=url, urls=urls, gpus=gpus, cpus=cpus, instances=instances,
                         tokens_per_block=tpb, kv_dtype=kv_dtype, stream_interval=interval,
-                        stall_seconds=stall, **ports)
+                        stall_seconds=stall, router=router, max_local_prefill_length=local,
+                        **ports)
 
 
 def _default_instances(key: str, cpus: tuple[int, ...]) -> int:

@@ -17,12 +17,15 @@ Invariants:
 - While etcd does not answer, :meth:`members` is the last set read and
   :attr:`etcd_reachable` is False; one log line when etcd stops answering, one when it
   answers again.
+- ``on_poll`` (optional) is called after every poll, answered or not, on the polling
+  thread (the first time inside :meth:`start`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 from triton_disagg.config import DiscoveryConfig
 
@@ -36,8 +39,10 @@ REQUEST_TIMEOUT = 1.0
 
 class Membership:
     def __init__(self, discovery: DiscoveryConfig, fingerprint: str,
-                 poll_seconds: float = POLL_SECONDS):
+                 poll_seconds: float = POLL_SECONDS,
+                 on_poll: Callable[["Membership"], None] | None = None):
         self.discovery, self.fingerprint, self.poll_seconds = discovery, fingerprint, poll_seconds
+        self.on_poll = on_poll
         self._client = connect(discovery, timeout=REQUEST_TIMEOUT)
         self._members: dict[str, tuple[MemberRecord, ...]] = {role: () for role in ROLES}
         self.etcd_reachable = False     # whether the last poll got an answer (metrics gauge)
@@ -65,6 +70,11 @@ class Membership:
             self._poll()
 
     def _poll(self) -> None:
+        self._read()
+        if self.on_poll is not None:
+            self.on_poll(self)
+
+    def _read(self) -> None:
         try:
             kvs = self._client.get_prefix(members_prefix(self.discovery.prefix))
         except ETCD_ERRORS as exc:

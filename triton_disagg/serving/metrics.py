@@ -14,6 +14,17 @@ model instance name) labels, so instances of one model never share a series.
   (histograms), measured by the orchestrator; TTFT starts when the request reached
   preprocessing (``protocol.ARRIVAL``) and ends when the first token's response is sent.
 
+The scheduler's routing (orchestrator over gRPC; :mod:`transports`, :mod:`pools`), with
+``server_role`` (context / generation) and ``server`` (the url) labels:
+
+- ``disagg_routed_requests_total`` (counter): calls routed to each server (a context
+  call tried again counts once per server it went to).
+- ``disagg_route_retries_total`` (counter): context calls tried again elsewhere because
+  ``server`` did not answer.
+- ``disagg_pool_members`` (gauge, ``server_role`` only): servers in the role's pool.
+- ``disagg_etcd_reachable`` (gauge): 1 while etcd answers the scheduler's polls, else 0
+  (only with discovery).
+
 Every update is applied on the instance's own writer thread, in order: each one is an
 IPC round trip to the Triton process, which the decode loop, the orchestrator's event
 loop and ``execute`` must not wait for. Updates made after :meth:`Metrics.close` are
@@ -48,6 +59,12 @@ _FAMILIES = {
     "ttft": ("disagg_time_to_first_token_seconds", "Time to first token", "HISTOGRAM"),
     "tpot": ("disagg_time_per_output_token_seconds", "Time per output token after the first",
              "HISTOGRAM"),
+    "routed": ("disagg_routed_requests_total", "Calls routed to each server", "COUNTER"),
+    "retries": ("disagg_route_retries_total",
+                "Context calls tried again elsewhere because this server did not answer",
+                "COUNTER"),
+    "members": ("disagg_pool_members", "Servers in the role's pool", "GAUGE"),
+    "etcd": ("disagg_etcd_reachable", "1 while etcd answers the scheduler, else 0", "GAUGE"),
 }
 
 
@@ -150,3 +167,16 @@ class Metrics:
         self.request_done(outcome)
         if ttft is not None and tokens > 1:
             self._later(lambda: self._metric("tpot").observe((seconds - ttft) / (tokens - 1)))
+
+    # router observer interface (transports.GrpcTransport, pools.Pools)
+    def routed(self, role: str, url: str) -> None:
+        self._later(lambda: self._metric("routed", server_role=role, server=url).increment(1))
+
+    def retried(self, role: str, url: str) -> None:
+        self._later(lambda: self._metric("retries", server_role=role, server=url).increment(1))
+
+    def members(self, role: str, count: int) -> None:
+        self._later(lambda: self._metric("members", server_role=role).set(count))
+
+    def etcd_reachable(self, reachable: bool) -> None:
+        self._later(lambda: self._metric("etcd").set(1 if reachable else 0))

@@ -4,7 +4,8 @@ One request's life (disaggregated): ``context_only`` call -> the first token
 goes out at once -> ``generation_only`` call carrying ``context_phase_params``
 and this instance's token address -> every later token arrives over ZeroMQ
 (:mod:`token_inbox`), is detokenized here and goes out. Aggregated mode makes one
-``context_and_generation`` call to generation instead.
+``context_and_generation`` call to generation instead, and so does a prompt of at most
+``local_prefill`` tokens (``generation_server.max_local_prefill_length``; 0: none).
 
 Invariants:
 
@@ -55,16 +56,25 @@ class ContextBusy(EngineError):
     """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
 
 
-class Transport(Protocol):
-    async def context(self, request_id: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+class Route(Protocol):
+    """One request's calls to context and generation (each transport decides where they go;
+    a release goes to the context server that answered)."""
 
-    async def generate(self, request_id: str, inputs: dict[str, np.ndarray], request_type: str,
+    async def context(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    async def generate(self, inputs: dict[str, np.ndarray], request_type: str,
                        token_address: str) -> str:
         """Send the request; generation's answer: its control address (or EngineError)."""
 
-    async def release(self, request_id: str, inputs: dict[str, np.ndarray],
-                      handle: np.ndarray) -> None:
+    async def release(self, inputs: dict[str, np.ndarray], handle: np.ndarray) -> None:
         """Give the context the KV of ``handle`` (``context_phase_params``) back."""
+
+    def close(self) -> None:
+        """The request ended (what the route counted in flight is taken off)."""
+
+
+class Transport(Protocol):
+    def route(self, request_id: str, inputs: dict[str, np.ndarray]) -> Route: ...
 
 
 @dataclass(frozen=True)
@@ -149,12 +159,15 @@ class ResponseBuilder:
 class Orchestrator:
     """``tokens``: the instance's :class:`~token_inbox.TokenInbox`; ``decode``: token ids ->
     text; ``observer`` (optional): ``first_token(seconds)`` and
-    ``finished(outcome, seconds, tokens, ttft)`` (see :class:`serving.metrics.Metrics`)."""
+    ``finished(outcome, seconds, tokens, ttft)`` (see :class:`serving.metrics.Metrics`);
+    ``local_prefill``: prompts of at most this many tokens skip the context (module
+    docstring)."""
 
     def __init__(self, transport: Transport, tokens: Any, mode: str,
-                 decode: Callable[[Sequence[int]], str], observer: Any = None):
+                 decode: Callable[[Sequence[int]], str], observer: Any = None,
+                 local_prefill: int = 0):
         self.transport, self.tokens, self.mode = transport, tokens, mode
-        self.decode, self.observer = decode, observer
+        self.decode, self.observer, self.local_prefill = decode, observer, local_prefill
         self.releases: set[asyncio.Task] = set()   # release_kv calls in flight (held)
 
     async def handle(self, inputs: dict[str, np.ndarray], send: Send,
@@ -168,6 +181,7 @@ class Orchestrator:
             raise
         finally:
             self._give_back(run)
+            run.route.close()
         run.done(outcome)
         return outcome
 
@@ -181,7 +195,7 @@ class Orchestrator:
 
     async def _release(self, run: "_Run") -> None:
         try:
-            await self.transport.release(run.request_id, run.engine_in, run.unfetched)
+            await run.route.release(run.engine_in, run.unfetched)
         except Exception as exc:  # noqa: BLE001 - the lease still expires; say why it had to
             _log.warning("orchestrator: could not release the KV of request %s (%s); its "
                          "lease expires instead", run.request_id, exc)
@@ -192,17 +206,17 @@ class _Run:
 
     def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray], send: Send):
         self.owner, self.send = owner, send
-        self.transport = owner.transport
         self.request_id = uuid.uuid4().hex
         self.builder = ResponseBuilder(inputs, owner.decode)
         self.engine_in = engine_inputs(inputs)
+        self.route = owner.transport.route(self.request_id, self.engine_in)
         arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
         self.start = arrival / 1e9 if arrival is not None else time.monotonic()
         self.ttft: float | None = None
         self.unfetched: np.ndarray | None = None   # the handle, until generation sends a token
 
     async def serve(self, is_cancelled: Callable[[], bool]) -> str:
-        if self.owner.mode == "aggregated":
+        if self.owner.mode == "aggregated" or len(self.builder.prompt) <= self.owner.local_prefill:
             return await self.generate(self.engine_in, P.CONTEXT_AND_GENERATION, is_cancelled)
         ctx = await self.context(is_cancelled)
         if ctx is None:
@@ -229,7 +243,7 @@ class _Run:
         deadline, pause = time.monotonic() + patience, BUSY_FIRST_PAUSE
         while True:
             try:
-                return await self.transport.context(self.request_id, self.engine_in)
+                return await self.route.context(self.engine_in)
             except ContextBusy as exc:
                 if time.monotonic() + pause > deadline:
                     raise ContextBusy(f"{exc} (retried for {patience:g} s: "
@@ -245,8 +259,7 @@ class _Run:
         early in any way stops generation (the stream's exit)."""
         tokens = self.owner.tokens
         with tokens.open(self.request_id) as stream:
-            await stream.accept(self.transport.generate(self.request_id, gen_in, request_type,
-                                                        tokens.address))
+            await stream.accept(self.route.generate(gen_in, request_type, tokens.address))
             asked = 0.0   # when is_cancelled() was last asked
             while True:
                 chunk = Chunk.from_event(await stream.next())

@@ -1,14 +1,23 @@
 """How the orchestrator reaches context and generation: in-process BLS or tritonclient gRPC.
 
-Both implement :class:`triton_disagg.serving.orchestrator.Transport` and move
-the tensors of :data:`protocol.ENGINE_INPUTS` / ``CONTEXT_OUTPUTS`` unchanged
-(batch axis of 1 added on the way out, removed on the way back), with the
-phase in the ``request_type`` request parameter and the orchestrator's request
-id as the Triton request id. A generation request also names the orchestrator's
+Both implement :class:`triton_disagg.serving.orchestrator.Transport`: ``route`` gives a
+request's :class:`~triton_disagg.serving.orchestrator.Route`, whose calls move the tensors
+of :data:`protocol.ENGINE_INPUTS` / ``CONTEXT_OUTPUTS`` unchanged (batch axis of 1 added
+on the way out, removed on the way back), with the phase in the ``request_type`` request
+parameter and the orchestrator's request id as the Triton request id. A generation request also names the orchestrator's
 token address (``token_address``); Triton carries it to generation, whose one
 response is the control address for stops: the tokens themselves arrive over
 ZeroMQ (:mod:`token_inbox`), never as Triton responses. A context error that is
 back-pressure (``protocol.CONTEXT_BUSY``) is raised as :class:`ContextBusy`.
+
+Over gRPC each call goes to the server its role's :class:`~triton_disagg.serving.router.Router`
+picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
+once its server has left the pool and no call uses it). A context server that fails
+before it answers (UNAVAILABLE: refused, reset, unreachable; DEADLINE_EXCEEDED) is tried
+once more on another context server: a context call has no effect but KV that its lease
+reclaims. A generation server is never retried: one that did accept a request whose
+answer was lost would stream it twice. Either failure reaches the client as one line
+naming the role and the url(s) tried.
 """
 
 from __future__ import annotations
@@ -19,8 +28,11 @@ import numpy as np
 
 from triton_disagg import protocol as P
 from triton_disagg.serving.orchestrator import ContextBusy, EngineError
-from triton_disagg.serving.tensors import to_batched
+from triton_disagg.serving.router import NoServer, Router
+from triton_disagg.serving.tensors import scalar, to_batched
 
+UNANSWERED = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+CONTEXT_ATTEMPTS = 2       # a context server that does not answer: once more on another
 _SPECS = {"context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
           "generation": (P.GENERATION_INPUTS, P.GENERATION_OUTPUTS)}
 
@@ -50,52 +62,83 @@ def _control_address(outputs: dict[str, np.ndarray]) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class Unanswered(EngineError):
+    """A server failed before it answered (module docstring). One line: gRPC's message
+    ("failed to connect to all addresses; last error: ...: Connection refused") is cut to
+    its last, most specific part."""
+
+    def __init__(self, role: str, url: str, status: str, message: str):
+        cause = " ".join(message.split()).rsplit(": ", 1)[-1]
+        self.role, self.url = role, url
+        self.reason = f"{status.removeprefix('StatusCode.')}: {cause}"[:200]
+        super().__init__(f"{role} server {url} did not answer ({self.reason})")
+
+
 class BLSTransport:
     def __init__(self, pb_utils: Any):
         self.pb = pb_utils
 
-    async def _exec(self, model: str, request_id: str, inputs: dict,
+    def route(self, request_id: str, inputs: dict) -> "BLSRoute":
+        return BLSRoute(self.pb, request_id)
+
+
+class BLSRoute:
+    """One request's calls to the context and generation models of this server."""
+
+    def __init__(self, pb_utils: Any, request_id: str):
+        self.pb, self.request_id = pb_utils, request_id
+
+    async def _exec(self, model: str, inputs: dict,
                     parameters: dict[str, str]) -> dict[str, np.ndarray]:
         specs, outputs = _SPECS[model]
         tensors = [self.pb.Tensor(n, a) for n, a in to_batched(specs, inputs).items()]
         request = self.pb.InferenceRequest(
-            model_name=model, inputs=tensors, request_id=request_id,
+            model_name=model, inputs=tensors, request_id=self.request_id,
             requested_output_names=[s.name for s in outputs], parameters=parameters)
         response = await request.async_exec()
         if response.has_error():
             raise _error(model, response.error().message())
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
-    async def context(self, request_id: str, inputs: dict) -> dict[str, np.ndarray]:
-        return await self._exec("context", request_id, inputs, _parameters(P.CONTEXT_ONLY, None))
+    async def context(self, inputs: dict) -> dict[str, np.ndarray]:
+        return await self._exec("context", inputs, _parameters(P.CONTEXT_ONLY, None))
 
-    async def release(self, request_id: str, inputs: dict, handle: np.ndarray) -> None:
-        await self._exec("context", request_id, _release_inputs(inputs, handle),
-                        _parameters(P.RELEASE_KV, None))
+    async def release(self, inputs: dict, handle: np.ndarray) -> None:
+        await self._exec("context", _release_inputs(inputs, handle),
+                         _parameters(P.RELEASE_KV, None))
 
-    async def generate(self, request_id: str, inputs: dict, request_type: str,
-                       token_address: str) -> str:
-        outputs = await self._exec("generation", request_id, inputs,
-                                   _parameters(request_type, token_address))
+    async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
+        outputs = await self._exec("generation", inputs, _parameters(request_type, token_address))
         return _control_address(outputs)
+
+    def close(self) -> None:
+        pass
 
 
 class GrpcTransport:
-    """tritonclient.grpc.aio clients, created lazily on the loop that uses them."""
+    """The scheduler's side: ``routers`` per role (:func:`serving.pools.start_pools`);
+    ``observer`` (optional): ``routed(role, url)`` per call routed, ``retried(role, url)``
+    per context call tried again after ``url`` did not answer (:class:`serving.metrics.Metrics`).
+    Clients are made on the event loop that uses them."""
 
-    def __init__(self, context_url: str | None, generation_url: str):
-        self.urls = {"context": context_url, "generation": generation_url}
+    def __init__(self, routers: dict[str, Router], observer: Any = None):
+        self.routers, self.observer = routers, observer
         self.clients: dict[str, Any] = {}
+        self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
 
-    def _client(self, model: str) -> Any:
-        if model not in self.clients:
-            import tritonclient.grpc.aio as grpcclient
+    def route(self, request_id: str, inputs: dict) -> "GrpcRoute":
+        return GrpcRoute(self, request_id)
 
-            self.clients[model] = grpcclient.InferenceServerClient(self.urls[model])
-        return self.clients[model]
+    def routed(self, role: str, url: str) -> None:
+        if self.observer is not None:
+            self.observer.routed(role, url)
 
-    async def _infer(self, model: str, request_id: str, inputs: dict,
-                     parameters: dict[str, str]) -> dict[str, np.ndarray]:
+    def retried(self, role: str, url: str) -> None:
+        if self.observer is not None:
+            self.observer.retried(role, url)
+
+    async def infer(self, url: str, model: str, request_id: str, inputs: dict,
+                    parameters: dict[str, str]) -> dict[str, np.ndarray]:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -104,28 +147,98 @@ class GrpcTransport:
         for name, arr in to_batched(specs, inputs).items():
             tensors.append(grpcclient.InferInput(name, list(arr.shape), P.by_name(specs)[name].dtype))
             tensors[-1].set_data_from_numpy(arr)
+        await self._close_departed()
+        self.calls[url] = self.calls.get(url, 0) + 1
         try:
-            result = await self._client(model).infer(model, tensors, request_id=request_id,
-                                                     parameters=parameters)
+            result = await self._client(url).infer(model, tensors, request_id=request_id,
+                                                   parameters=parameters)
         except InferenceServerException as exc:
+            if exc.status() in UNANSWERED:
+                raise Unanswered(model, url, exc.status(), exc.message() or "") from None
             error = _error(model, exc.message())
-            raise type(error)(f"{model} at {self.urls[model]}: {error}") from None
+            raise type(error)(f"{model} at {url}: {error}") from None
+        finally:
+            self.calls[url] -= 1
+            if not self.calls[url]:
+                del self.calls[url]
         arrays = {s.name: result.as_numpy(s.name) for s in outputs}
         return _unbatch({n: a for n, a in arrays.items() if a is not None})
 
-    async def context(self, request_id: str, inputs: dict) -> dict[str, np.ndarray]:
-        return await self._infer("context", request_id, inputs, _parameters(P.CONTEXT_ONLY, None))
+    def _client(self, url: str) -> Any:
+        if url not in self.clients:
+            import tritonclient.grpc.aio as grpcclient
 
-    async def release(self, request_id: str, inputs: dict, handle: np.ndarray) -> None:
-        await self._infer("context", request_id, _release_inputs(inputs, handle),
-                        _parameters(P.RELEASE_KV, None))
+            self.clients[url] = grpcclient.InferenceServerClient(url)
+        return self.clients[url]
 
-    async def generate(self, request_id: str, inputs: dict, request_type: str,
-                       token_address: str) -> str:
-        outputs = await self._infer("generation", request_id, inputs,
-                                    _parameters(request_type, token_address))
-        return _control_address(outputs)
+    async def _close_departed(self) -> None:
+        """Close the clients of servers that left every pool, once no call uses them."""
+        members = {m.url for router in self.routers.values() for m in router.members()}
+        for url in [u for u in self.clients if u not in members and u not in self.calls]:
+            await self.clients.pop(url).close()
 
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()
+
+
+class GrpcRoute:
+    """One request's calls over gRPC. Its context call's lease ends when context answers;
+    its generation lease lasts until :meth:`close` (the request ended)."""
+
+    def __init__(self, transport: GrpcTransport, request_id: str):
+        self.transport, self.request_id = transport, request_id
+        self.context_url: str | None = None     # the server that holds the request's KV
+        self.generation = None                  # its generation Lease, once accepted
+
+    async def context(self, inputs: dict) -> dict[str, np.ndarray]:
+        router, failed = self.transport.routers["context"], []
+        tokens = int(np.size(inputs["input_ids"]))
+        for _ in range(CONTEXT_ATTEMPTS):
+            try:
+                lease = router.take(tokens, [f.url for f in failed])
+            except NoServer as exc:
+                raise _unanswered(failed, f"; {exc}") if failed else exc from None
+            if failed:
+                self.transport.retried("context", failed[-1].url)
+            self.transport.routed("context", lease.url)
+            try:
+                outputs = await self.transport.infer(lease.url, "context", self.request_id,
+                                                     inputs, _parameters(P.CONTEXT_ONLY, None))
+            except Unanswered as exc:
+                failed.append(exc)
+                continue
+            finally:
+                lease.release()
+            self.context_url = lease.url
+            return outputs
+        raise _unanswered(failed, "")
+
+    async def release(self, inputs: dict, handle: np.ndarray) -> None:
+        await self.transport.infer(self.context_url, "context", self.request_id,
+                                   _release_inputs(inputs, handle),
+                                   _parameters(P.RELEASE_KV, None))
+
+    async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
+        tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
+        lease = self.transport.routers["generation"].take(tokens)
+        self.transport.routed("generation", lease.url)
+        try:
+            outputs = await self.transport.infer(lease.url, "generation", self.request_id, inputs,
+                                                 _parameters(request_type, token_address))
+        except BaseException:
+            lease.release()
+            raise
+        self.generation = lease
+        return _control_address(outputs)
+
+    def close(self) -> None:
+        if self.generation is not None:
+            self.generation.release()
+
+
+def _unanswered(failed: list[Unanswered], tail: str) -> EngineError:
+    """One line for the context servers that did not answer, each url with its reason."""
+    tried = ", ".join(f"{f.url} ({f.reason})" for f in failed)
+    return EngineError(f"context server{'s' if len(failed) > 1 else ''} did not answer: "
+                       f"{tried}{tail}")

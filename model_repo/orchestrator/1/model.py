@@ -3,7 +3,9 @@
 Each request runs as a task on the stub's event loop: context call, first token
 out at once, KV handoff, generation request, then its tokens in over ZeroMQ (this
 instance's token socket), detokenized here and sent to the client. Context and
-generation are reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`).
+generation are reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`:
+each call routed over the role's pool, the config's urls or the servers in etcd; see
+triton_disagg.serving.pools).
 
 Each task answers through its request's response sender, in both transaction
 policies: decoupled (streaming, the default) and not (``decoupled_mode: false``:
@@ -21,6 +23,7 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.serving.metrics import Metrics
 from triton_disagg.serving.orchestrator import EngineError, Orchestrator
 from triton_disagg.serving.placement import read_settings
+from triton_disagg.serving.pools import start_pools
 from triton_disagg.serving.tensors import (RequestError, error_response, make_tensors, read_inputs,
                                            scalar)
 from triton_disagg.serving.token_inbox import TokenInbox
@@ -34,14 +37,18 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         settings = read_settings(args)
-        if settings["transport"] == "bls":
-            self.transport = BLSTransport(pb_utils)
-        else:
-            self.transport = GrpcTransport(settings["context_url"], settings["generation_url"])
-        self.tokens = TokenInbox(settings.get("token_host"), settings["stall_seconds"])
         self.metrics = Metrics(pb_utils, "orchestrator", args["model_instance_name"])
-        self.orchestrator = Orchestrator(self.transport, self.tokens, settings["mode"],
-                                         Tokenizer(settings["engine"]).decode, self.metrics)
+        self.pools = None
+        with self.metrics.closed_on_error():
+            if settings["transport"] == "bls":
+                self.transport = BLSTransport(pb_utils)
+            else:
+                self.pools = start_pools(settings, self.metrics)
+                self.transport = GrpcTransport(self.pools.routers, self.metrics)
+            decode = Tokenizer(settings["engine"]).decode
+        self.tokens = TokenInbox(settings.get("token_host"), settings["stall_seconds"])
+        self.orchestrator = Orchestrator(self.transport, self.tokens, settings["mode"], decode,
+                                         self.metrics, settings["max_local_prefill_length"])
         self.decoupled = settings["decoupled"]
         self.tasks: set[asyncio.Task] = set()   # requests in flight (held: the loop keeps weak refs)
 
@@ -87,5 +94,7 @@ class TritonPythonModel:
     def finalize(self):
         try:
             self.tokens.close()
+            if self.pools is not None:
+                self.pools.close()
         finally:
             self.metrics.close()

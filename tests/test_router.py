@@ -1,0 +1,255 @@
+"""The scheduler's router without tritonserver: the policies (round robin order, least
+loaded by tokens, unequal tokens_per_block compared fairly, ties taking turns), the
+in-flight accounting returning to zero, a member that left never picked; and the gRPC
+transport over a pool: a context server that does not answer is tried once on another
+(a stand-in Triton gRPC server answers), and every failure is one line naming the role
+and the url(s) tried."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from triton_disagg import protocol as P
+from triton_disagg.discovery.record import Load
+from triton_disagg.launch.deploy import free_ports
+from triton_disagg.serving.orchestrator import EngineError
+from triton_disagg.serving.pools import StaticMembers
+from triton_disagg.serving.router import Member, NoServer, Router
+from triton_disagg.serving.transports import GrpcTransport
+
+
+class Source:
+    """A pool whose members the test changes."""
+
+    def __init__(self, *members: Member):
+        self.current = tuple(members)
+
+    def members(self) -> tuple[Member, ...]:
+        return self.current
+
+    def where(self) -> str:
+        return "in the test"
+
+
+def picks(router: Router, n: int, tokens: int = 10, release: bool = True) -> list[str]:
+    leases = [router.take(tokens) for _ in range(n)]
+    if release:
+        for lease in leases:
+            lease.release()
+    return [lease.url for lease in leases]
+
+
+def test_round_robin_goes_round_in_url_order_whatever_the_load():
+    router = Router("context", "round_robin", StaticMembers("context", ["c:1", "a:1", "b:1"]))
+    assert picks(router, 7, release=False) == ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1", "a:1"]
+
+
+def test_least_loaded_context_takes_the_fewest_queued_prompt_tokens():
+    router = Router("context", "least_loaded", Source(Member("a:1"), Member("b:1")))
+    held = router.take(100)                          # a: 100 prompt tokens in flight
+    assert picks(router, 3, release=False) == ["b:1", "b:1", "b:1"]   # b: 10, 20, 30 < 100
+    held.release()
+    assert router.in_flight == {"b:1": 30}
+    # a server's published queue counts too (max with this scheduler's own figure)
+    router.source.current = (Member("a:1", load=Load(queued_prompt_tokens=500)), Member("b:1"))
+    assert picks(router, 2) == ["b:1", "b:1"]
+
+
+def test_idle_least_loaded_servers_take_turns():
+    router = Router("generation", "least_loaded", Source(Member("a:1"), Member("b:1")))
+    assert picks(router, 4) == ["a:1", "b:1", "a:1", "b:1"]
+
+
+def test_least_loaded_generation_counts_free_kv_in_tokens_across_block_sizes():
+    """a has more free blocks (20 of 16 tokens: 320 tokens) than b (10 of 64: 640 tokens),
+    so a router counting blocks picks a; counting tokens, b takes requests until what this
+    scheduler sent there (whole 64-token blocks) brings it down to a's 320."""
+    a = Member("a:1", tokens_per_block=16, kv_blocks_total=100, load=Load(free_kv_blocks=20))
+    b = Member("b:1", tokens_per_block=64, kv_blocks_total=10, load=Load(free_kv_blocks=10))
+    router = Router("generation", "least_loaded", Source(a, b))
+    assert picks(router, 5, release=False) == ["b:1"] * 5         # 640, 576, ..., 384 > 320
+    assert router.in_flight == {"b:1": 5 * 64}                    # 10 tokens: a block of b
+    assert picks(router, 2, release=False) == ["b:1", "a:1"]      # a tie (its turn); 320 > 256
+    # capacity caps a stale published load: b's 10 blocks hold 640 tokens, minus ours
+    router.in_flight.clear()
+    router.in_flight["b:1"] = 600                                 # 640 - 600 = 40 < a's 320
+    assert picks(router, 1) == ["a:1"]
+
+
+def test_in_flight_accounting_returns_to_zero_and_release_is_idempotent():
+    members = [Member(f"g{i}:1", 2 ** i, 100, Load(free_kv_blocks=50)) for i in range(4)]
+    router = Router("generation", "least_loaded", Source(*members))
+    rng = random.Random(7)
+    leases = [router.take(rng.randint(1, 300)) for _ in range(200)]
+    rng.shuffle(leases)
+    assert sum(router.in_flight.values()) == sum(lease.cost for lease in leases) > 0
+    for lease in leases:
+        lease.release()
+        lease.release()
+    assert router.in_flight == {}
+
+
+def test_a_member_that_left_is_never_picked_and_its_leases_still_release():
+    source = Source(Member("a:1"), Member("b:1"), Member("c:1"))
+    for policy in ("round_robin", "least_loaded"):
+        router = Router("context", policy, source)
+        on_b = [lease for lease in (router.take(5) for _ in range(6)) if lease.url == "b:1"]
+        source.current = (Member("a:1"), Member("c:1"))          # b left
+        assert "b:1" not in picks(router, 50)
+        for lease in on_b:
+            lease.release()
+        assert set(router.in_flight) <= {"a:1", "c:1"}
+        source.current = (Member("a:1"), Member("b:1"), Member("c:1"))
+
+
+def test_no_server_left_is_one_line_naming_the_role_and_where():
+    router = Router("generation", "least_loaded", StaticMembers("generation", []))
+    with pytest.raises(NoServer, match=r"^no generation server in generation_server.urls$"):
+        router.take(1)
+    router = Router("context", "round_robin", StaticMembers("context", ["a:1"]))
+    with pytest.raises(NoServer, match=r"^no other context server to try \(in context_server"):
+        router.take(1, tried=["a:1"])
+
+
+# ---- the gRPC transport over a pool ------------------------------------------------------
+
+class Observed:
+    """The router observer of serving.metrics.Metrics, recorded."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str, str]] = []
+
+    def routed(self, role, url):
+        self.events.append(("routed", role, url))
+
+    def retried(self, role, url):
+        self.events.append(("retried", role, url))
+
+
+class ContextStandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Answers every ModelInfer with a first token, as a context server would."""
+
+    def __init__(self):
+        self.request_ids: list[str] = []
+
+    async def ModelInfer(self, request, context):
+        self.request_ids.append(request.id)
+        response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+        response.outputs.add(name="output_ids", datatype="INT32", shape=[1, 1])
+        response.raw_output_contents.append(np.array([[7]], np.int32).tobytes())  # [batch, 1]
+        return response
+
+
+INPUTS = {"input_ids": np.array([3, 4, 5], np.int32), "input_lengths": np.array([3], np.int32),
+          "request_output_len": np.array([8], np.int32)}
+
+
+def _transport(context_urls, generation_urls, observer):
+    routers = {"context": Router("context", "round_robin", StaticMembers("context", context_urls)),
+               "generation": Router("generation", "round_robin",
+                                    StaticMembers("generation", generation_urls))}
+    return GrpcTransport(routers, observer)
+
+
+def test_a_context_server_that_does_not_answer_is_tried_once_on_another():
+    # round robin starts at the first url in order: make that one dead (nothing listens)
+    dead, live = sorted(f"127.0.0.1:{port}" for port in free_ports(2))
+    observed = Observed()
+
+    async def main():
+        server, standin = grpc.aio.server(), ContextStandIn()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(standin, server)
+        server.add_insecure_port(live)
+        await server.start()
+        transport = _transport([dead, live], [], observed)
+        try:
+            route = transport.route("req-1", INPUTS)
+            outputs = await route.context(INPUTS)
+            return outputs, route, standin.request_ids, transport
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    outputs, route, seen, transport = asyncio.run(main())
+    assert outputs["output_ids"].tolist() == [7] and seen == ["req-1"]
+    assert route.context_url == live                  # the release would go there
+    assert observed.events == [("routed", "context", dead), ("retried", "context", dead),
+                               ("routed", "context", live)]
+    assert transport.routers["context"].in_flight == {}
+
+
+@pytest.mark.parametrize("role", ["context", "generation"])
+def test_servers_that_cannot_be_reached_fail_in_one_line_naming_role_and_urls(role):
+    urls = [f"127.0.0.1:{p}" for p in free_ports(2)]              # nothing listens there
+    observed = Observed()
+    transport = _transport(urls if role == "context" else ["127.0.0.1:1"],
+                           urls if role == "generation" else [], observed)
+
+    async def main():
+        route = transport.route("req-1", INPUTS)
+        try:
+            if role == "context":
+                await route.context(INPUTS)
+            else:
+                await route.generate(INPUTS, P.GENERATION_ONLY, "tcp://127.0.0.1:1")
+        finally:
+            route.close()
+            await transport.close()
+
+    with pytest.raises(EngineError) as err:
+        asyncio.run(main())
+    message = str(err.value)
+    assert "\n" not in message and "UNAVAILABLE" in message, message
+    if role == "context":         # both tried, each named once
+        assert message.startswith("context servers did not answer: ")
+        assert all(message.count(url) == 1 for url in urls), message
+        assert [e[0] for e in observed.events] == ["routed", "retried", "routed"]
+    else:                         # never retried: it may have accepted the request
+        assert message.startswith(f"generation server {sorted(urls)[0]} did not answer (")
+        assert [e[0] for e in observed.events] == ["routed"]
+    assert all(router.in_flight == {} for router in transport.routers.values())
+
+
+def test_one_context_server_that_does_not_answer_says_none_is_left():
+    url = f"127.0.0.1:{free_ports(1)[0]}"
+    transport = _transport([url], [], Observed())
+
+    async def main():
+        try:
+            await transport.route("req-1", INPUTS).context(INPUTS)
+        finally:
+            await transport.close()
+
+    with pytest.raises(EngineError) as err:
+        asyncio.run(main())
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"context server did not answer: {url} (")
+    assert message.endswith("; no other context server to try (in context_server.urls)")
+
+
+def test_the_client_of_a_server_that_left_is_closed():
+    source = Source(Member("127.0.0.1:1"), Member("127.0.0.1:2"))
+    routers = {"context": Router("context", "round_robin", source),
+               "generation": Router("generation", "round_robin", Source())}
+    transport = GrpcTransport(routers)
+
+    async def main():
+        for _ in range(2):
+            with pytest.raises(EngineError):
+                await transport.route("r", INPUTS).context(INPUTS)
+        opened = sorted(transport.clients)
+        source.current = (Member("127.0.0.1:2"),)        # 1 left
+        with pytest.raises(EngineError):
+            await transport.route("r", INPUTS).context(INPUTS)
+        left = sorted(transport.clients)
+        await transport.close()
+        return opened, left
+
+    opened, left = asyncio.run(main())
+    assert opened == ["127.0.0.1:1", "127.0.0.1:2"] and left == ["127.0.0.1:2"]

@@ -1,0 +1,99 @@
+"""The servers the scheduler routes over, per role: the config's urls, or etcd.
+
+:func:`start_pools` reads the orchestrator's rendered settings (:func:`launch.render.settings`:
+``pools: {role: {urls, router}}`` and ``discovery``) and returns :class:`Pools`: a
+:class:`~triton_disagg.serving.router.Router` per role over
+
+- :class:`StaticMembers`: the role's ``urls`` (no capacity or load is known), or
+- :class:`DiscoveredMembers`: with ``discovery``, the role's servers registered in etcd
+  (one :class:`~triton_disagg.discovery.Membership` polls for both roles; urls in the
+  config are then where those servers bind, not the scheduler's pool).
+
+Invariant: the observer (:class:`serving.metrics.Metrics`) hears a role's membership size
+and etcd's reachability once at the start and again whenever one changes, never more
+often (each report is an IPC round trip to Triton).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triton_disagg.config import DiscoveryConfig
+from triton_disagg.discovery import MemberRecord, Membership
+from triton_disagg.discovery.record import ROLES
+from triton_disagg.serving.router import Member, Router
+
+
+class StaticMembers:
+    def __init__(self, role: str, urls: list[str]):
+        self.role = role
+        self._members = tuple(Member(url) for url in sorted(urls))
+
+    def members(self) -> tuple[Member, ...]:
+        return self._members
+
+    def where(self) -> str:
+        return f"in {self.role}_server.urls"
+
+
+class DiscoveredMembers:
+    def __init__(self, membership: Membership, role: str):
+        self.membership, self.role = membership, role
+
+    def members(self) -> tuple[Member, ...]:
+        return tuple(_member(r) for r in self.membership.members(self.role))
+
+    def where(self) -> str:
+        discovery = self.membership.discovery
+        state = "" if self.membership.etcd_reachable else "; etcd does not answer"
+        return f"registered under {discovery.prefix}/{self.role}/ in etcd at {discovery.etcd}{state}"
+
+
+def _member(record: MemberRecord) -> Member:
+    return Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total, record.load)
+
+
+class Pools:
+    def __init__(self, routers: dict[str, Router], membership: Membership | None, observer: Any):
+        self.routers, self.membership, self.observer = routers, membership, observer
+        self._reported: dict[str, object] = {}
+
+    def report(self, *_: Any) -> None:
+        """Tell the observer what changed since the last report (the Membership's on_poll)."""
+        now: dict[str, object] = {role: len(r.members()) for role, r in self.routers.items()}
+        if self.membership is not None:
+            now["etcd"] = self.membership.etcd_reachable
+        for key, value in now.items():
+            if self._reported.get(key) != value:
+                self._reported[key] = value
+                if key == "etcd":
+                    self.observer.etcd_reachable(bool(value))
+                else:
+                    self.observer.members(key, int(value))
+
+    def close(self) -> None:
+        if self.membership is not None:
+            self.membership.close()
+
+
+def start_pools(settings: dict, observer: Any) -> Pools:
+    """The routers of ``settings`` (polling etcd from now on when it has discovery)."""
+    membership = None
+    if settings.get("discovery"):
+        from triton_disagg.engine.spec import EngineSpec
+
+        membership = Membership(DiscoveryConfig(**settings["discovery"]),
+                                EngineSpec.load(settings["engine"]).fingerprint)
+    routers = {}
+    for role in ROLES:
+        pool = settings["pools"][role]
+        source = (DiscoveredMembers(membership, role) if membership is not None
+                  else StaticMembers(role, pool["urls"]))
+        routers[role] = Router(role, pool["router"], source)
+    pools = Pools(routers, membership, observer)
+    if membership is None:
+        pools.report()
+    else:
+        membership.on_poll = pools.report
+        membership.start()
+    return pools
