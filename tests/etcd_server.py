@@ -34,7 +34,8 @@ def etcd_binary() -> str:
 
 class EtcdServer:
     def __init__(self, data_dir: Path):
-        self.binary, self.data_dir = etcd_binary(), data_dir
+        etcd_binary()                   # fail at once, in one line, when it is missing
+        self.data_dir = data_dir
         self.client_port, self.peer_port = free_ports(2)
         self.log = data_dir.parent / f"{data_dir.name}.log"
         self.process: subprocess.Popen | None = None
@@ -48,13 +49,9 @@ class EtcdServer:
 
     def start(self) -> "EtcdServer":
         """Start etcd on this data dir and these ports; return once it answers."""
-        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
-                [self.binary, "--name", "test", "--data-dir", str(self.data_dir),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", f"test={peer}"],
+                command(self.data_dir, "127.0.0.1", self.client_port, self.peer_port),
                 stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
         while not self.answers():
@@ -87,6 +84,15 @@ class EtcdServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def command(data_dir: Path, host: str, client_port: int, peer_port: int) -> list[str]:
+    """A one-member etcd serving clients at ``host:client_port`` (peers on loopback)."""
+    client, peer = f"http://{host}:{client_port}", f"http://127.0.0.1:{peer_port}"
+    return [etcd_binary(), "--name", "test", "--data-dir", str(data_dir),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"test={peer}"]
 
 
 def wait_until(predicate, timeout: float, what: str) -> float:

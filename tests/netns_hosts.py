@@ -5,7 +5,9 @@ with ``lo`` up and an ``eth0`` at ``hosts.address(name)`` (``SUBNET``.1, .2, ...
 order given, a /24), every ``eth0`` a veth whose peer is a port of bridge ``br0`` in a
 namespace of its own. :meth:`Hosts.popen` / :meth:`Hosts.run` start a command on a host
 (``ip netns exec``, which execs, so the Popen's pid is the command's); it runs in a new
-session, so its process group is stopped by that pid.
+session, so its process group is stopped by that pid. :meth:`Hosts.python` runs Python
+there with the tests' helpers importable; :func:`grpc_streams` and :func:`scrape` use it
+to reach servers from inside a host (the root namespace has no route to them).
 
 What a host's processes see: their own network stack, and UCX told to use TCP on
 ``eth0`` alone (``UCX_ENV``). The namespaces share this machine's filesystem, ``/dev/shm``
@@ -23,10 +25,12 @@ and each start first removes those whose owner process is gone.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 PREFIX = "tdn"                 # this harness's namespaces, and nothing else's
@@ -34,6 +38,16 @@ SUBNET = "10.213.7"            # a private /24 that lives only inside the namesp
 BRIDGE = "br"                  # the bridge namespace's host name
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 STOP_SECONDS = 20.0
+STREAMS = """
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+import serving
+url, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+with ThreadPoolExecutor(len(prompts)) as pool:
+    texts = pool.map(lambda p: "".join(serving.grpc_stream(url, p, max_tokens)), prompts)
+    print(json.dumps(list(texts)))
+"""
+SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
 
 
 class HostsUnavailable(RuntimeError):
@@ -118,6 +132,14 @@ class Hosts:
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
+    def python(self, host: str, code: str, *args: str, timeout: float = 120.0) -> str:
+        """Run Python ``code`` on ``host`` with the tests' helpers importable; its stdout
+        (an AssertionError with its stderr when it fails)."""
+        out = self.run(host, [sys.executable, "-c", code, *args], timeout=timeout,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
     def tx_bytes(self, host: str) -> int:
         """Bytes ``host`` has sent out of its ``eth0`` so far."""
         return int(self.run(host, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout)
@@ -132,6 +154,17 @@ class Hosts:
             _delete(ns)
         self._made.clear()
         atexit.unregister(self.close)
+
+
+def grpc_streams(hosts: Hosts, host: str, url: str, max_tokens: int,
+                 prompts: list[str]) -> list[str]:
+    """Stream every prompt at once from ``host`` to the ensemble at ``url`` (gRPC); the texts."""
+    return json.loads(hosts.python(host, STREAMS, url, str(max_tokens), *prompts))
+
+
+def scrape(hosts: Hosts, host: str, metrics_url: str) -> str:
+    """The metrics text at ``metrics_url`` (http://host:port/metrics), read from ``host``."""
+    return hosts.python(host, SCRAPE, metrics_url)
 
 
 def sweep() -> None:

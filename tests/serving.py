@@ -79,17 +79,36 @@ def serve_command(cmd: list[str], work_dir: Path, http: str | None, grpc: str,
                   metrics: str | None = None, cwd: Path | None = None):
     """Run a `serve` command line as given (it serves at the URLs given here and writes
     under ``work_dir``) until the block exits."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    log = work_dir / "serve-cli.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=cwd)
-    served = Served(proc, http, grpc, metrics, log, work_dir)
-    try:
-        _wait_for_line(served, "ready (")
+    with serve_commands([(cmd, work_dir, http, grpc, metrics)], cwd) as (served,):
         yield served
+
+
+@contextlib.contextmanager
+def serve_commands(commands: list[tuple], cwd: Path | None = None):
+    """Start several `serve` command lines at once, each ``(cmd, work_dir, http, grpc,
+    metrics)`` as :func:`serve_command` takes them, so their servers load side by side;
+    yields their :class:`Served` once every one is ready, and stops them all on exit."""
+    started: list[Served] = []
+    try:
+        for cmd, work_dir, http, grpc, metrics in commands:
+            work_dir.mkdir(parents=True, exist_ok=True)
+            log = work_dir / "serve-cli.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True, cwd=cwd)
+            started.append(Served(proc, http, grpc, metrics, log, work_dir))
+        for served in started:
+            _wait_for_line(served, "ready (")
+        yield started
     finally:
-        stop(served)
+        failures = []
+        for served in started:           # every one stopped, even after one fails to
+            try:
+                stop(served)
+            except AssertionError as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
 
 def stop(served: Served, timeout: float = 60.0) -> int:

@@ -1,6 +1,7 @@
 """Pools in disagg_config.yaml: ``urls: [...]`` and ``discovery: {etcd, prefix,
-ttl_seconds}`` load; each mistake is one line naming the key and the fix; configs
-without them load as before."""
+ttl_seconds}`` load, and so do the routing keys (``router`` per role,
+``generation_server.max_local_prefill_length``); each mistake is one line naming the key
+and the fix; configs without them load as before."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def test_without_pools_nothing_changes(write):
     assert cfg.context.urls == () and cfg.context.url is None and cfg.discovery is None
 
 
+def test_routing_keys_and_their_defaults(write):
+    cfg = load_config(write(""))
+    assert cfg.context.router == cfg.generation.router == "least_loaded"
+    assert cfg.generation.max_local_prefill_length == 0             # off
+    cfg = load_config(write("context_server: {urls: ['a:1', 'b:1'], router: round_robin}\n"
+                            "generation_server: {url: 'g:1', router: least_loaded, "
+                            "max_local_prefill_length: 64}\n"))
+    assert (cfg.context.router, cfg.generation.router) == ("round_robin", "least_loaded")
+    assert cfg.generation.max_local_prefill_length == 64
+
+
 def test_discovery(write):
     cfg = load_config(write("discovery: {etcd: 'http://etcd-01:2379', prefix: /triton-disagg/demo/, "
                             "ttl_seconds: 3}\ngeneration_server: {url: 'gen-01:8001'}\n"))
@@ -67,6 +79,16 @@ def test_discovery_defaults(write):
     ("discovery: etcd-01:2379\n", ["discovery", "mapping"]),
     ("discovery: {etcd: 'e:2379'}\ncontext_server: {urls: ['a:1', 'b:1']}\n",
      ["context_server.urls", "discovery", "drop"]),
+    ("context_server: {router: random}\n", ["context_server.router", "'random'",
+                                            "least_loaded, round_robin"]),
+    ("generation_server: {router: [round_robin]}\n", ["generation_server.router", "one of"]),
+    ("generation_server: {max_local_prefill_length: -1}\n",
+     ["generation_server.max_local_prefill_length", ">= 0", "0: every prompt"]),
+    ("generation_server: {max_local_prefill_length: 1.5}\n",
+     ["generation_server.max_local_prefill_length", "whole number"]),
+    ("context_server: {max_local_prefill_length: 8}\n",
+     ["context_server", "'max_local_prefill_length'", "allowed keys"]),
+    ("scheduler_server: {router: round_robin}\n", ["scheduler_server", "'router'"]),
 ])
 def test_mistakes_are_one_line_naming_the_key(write, text, words):
     assert_one_line_error(write(text), words)

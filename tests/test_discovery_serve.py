@@ -54,7 +54,7 @@ def test_serve_registers_and_deregisters(demo_engine, tmp_path):
     ("generation", True, ["--host", "0.0.0.0"], ["--advertise", "0.0.0.0", "HOST:PORT"]),
     ("context", True, ["--advertise", "nohostport"], ["--advertise", "'nohostport'", "host:port"]),
     ("all", False, ["--advertise", "gen-01:8001"], ["--advertise", "serve all advertises nothing"]),
-    ("scheduler", True, [], ["context_server", "dials one", "url"]),
+    ("scheduler", False, [], ["context_server.url", "missing", "urls", "discovery"]),
 ])
 def test_advertise_mistakes_are_one_line(demo_engine, tmp_path, capsys, role, discovery, flags,
                                          words):

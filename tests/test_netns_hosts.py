@@ -11,32 +11,19 @@ eth0 sent at least the KV bytes generation fetched); both pools return to 0 bloc
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import serving
-from netns_hosts import Hosts, unavailable
+from netns_hosts import Hosts, grpc_streams, scrape, unavailable
 from triton_disagg.bench.serve_metrics import parse, total
 
 ROLES = ("context", "generation", "scheduler")
 GRPC_PORTS = {"context": 9001, "generation": 9002, "scheduler": 8001}
 METRICS_PORT = 9100            # the same on every host: each host has its own ports
 MAX_TOKENS = 24
-STREAMS = """
-import json, sys
-from concurrent.futures import ThreadPoolExecutor
-import serving
-url, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-with ThreadPoolExecutor(len(prompts)) as pool:
-    texts = pool.map(lambda p: "".join(serving.grpc_stream(url, p, max_tokens)), prompts)
-    print(json.dumps(list(texts)))
-"""
-SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
 
 
 @pytest.fixture
@@ -47,17 +34,10 @@ def hosts():
         yield hosts
 
 
-def _python(hosts: Hosts, code: str, *args: str) -> str:
-    """Run ``code`` on the scheduler's host with the tests' helpers importable; its stdout."""
-    out = hosts.run("scheduler", [sys.executable, "-c", code, *args],
-                    env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
 def _used(hosts: Hosts, role: str) -> tuple[float, float]:
     """``role``'s (KV blocks used, KV bytes fetched so far) from its metrics."""
-    samples = parse(_python(hosts, SCRAPE, f"http://{hosts.address(role)}:{METRICS_PORT}/metrics"))
+    samples = parse(scrape(hosts, "scheduler",
+                           f"http://{hosts.address(role)}:{METRICS_PORT}/metrics"))
     return total(samples, "disagg_kv_blocks_used"), total(samples, "disagg_kv_transfer_bytes_total")
 
 
@@ -84,7 +64,7 @@ def test_three_roles_on_three_hosts(demo_engine, tmp_path, hosts, monkeypatch):
             rendered = tmp_path / role / "model_repository" / model / "config.pbtxt"
             assert f'\\"token_host\\": \\"{hosts.address(role)}\\"' in rendered.read_text()
         sent = hosts.tx_bytes("context")
-        texts = json.loads(_python(hosts, STREAMS, url["scheduler"], str(MAX_TOKENS), *prompts))
+        texts = grpc_streams(hosts, "scheduler", url["scheduler"], MAX_TOKENS, prompts)
         assert texts == [offline(p, MAX_TOKENS) for p in prompts]
         fetched = _used(hosts, "generation")[1]
         assert hosts.tx_bytes("context") - sent >= fetched > 0      # KV left over the network

@@ -73,7 +73,9 @@ def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
     assert _load(render("all", two, tmp_path / "two"), "orchestrator").instance_group[0].count == 2
     orch = json.loads(_load(render("scheduler", config, tmp_path / "s", "10.1.2.3"),
                             "orchestrator").parameters["settings"].string_value)
-    assert orch["transport"] == "grpc" and orch["generation_url"] == "localhost:9002"
+    assert orch["transport"] == "grpc" and orch["discovery"] is None
+    assert orch["pools"]["generation"] == {"urls": ["localhost:9002"], "router": "least_loaded"}
+    assert orch["max_local_prefill_length"] == 0
     assert orch["token_host"] == "10.1.2.3"          # tcp: generation may be on another host
 
 
@@ -108,9 +110,58 @@ def test_advertised_address_and_token_hosts(config):
     assert token_host("generation", config, "10.0.0.5:9002") == "10.0.0.5"
     assert token_host("scheduler", config, None) == "127.0.0.1"      # route to generation's host
     assert token_host("all", config, None) is None                    # ipc
+    pool = replace(config, generation=replace(config.generation, url=None,
+                                              urls=("127.0.0.1:9002", "localhost:9003")))
+    assert token_host("scheduler", pool, None) == "127.0.0.1"        # the same route to each
     args = argparse.Namespace(role="all", config=None, engine=config.engine, advertise="a:1")
     with pytest.raises(UserError, match="--advertise: serve all advertises nothing"):
         serve_cli.load(args)
+
+
+def test_the_schedulers_token_socket_faces_every_generation_server(config):
+    """Pools: the route to each generation url must leave from one address (the socket
+    has one); with discovery and no urls, the route to etcd's host, which every server
+    reaches too."""
+    from dataclasses import replace
+
+    from triton_disagg.config import DiscoveryConfig
+
+    ip = _an_address_of_this_host()
+    pool = replace(config, generation=replace(config.generation, url=None,
+                                              urls=("127.0.0.1:9002", f"{ip}:9003")))
+    with pytest.raises(UserError, match=r"^generation_server.urls: this host reaches "
+                                        r"127.0.0.1:9002 from 127.0.0.1, .* one address"):
+        token_host("scheduler", pool, None)
+    discovered = replace(config, generation=replace(config.generation, url=None, urls=()),
+                         discovery=DiscoveryConfig(etcd=f"{ip}:2379"))
+    assert token_host("scheduler", discovered, None) == ip
+    loopback_etcd = replace(discovered, discovery=DiscoveryConfig(etcd="localhost:2379"))
+    assert token_host("scheduler", loopback_etcd, None) == "127.0.0.1"
+
+
+def _an_address_of_this_host() -> str:
+    """A non-loopback address of this host (the route toward a public address)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("192.0.2.1", 9))     # TEST-NET-1: a UDP connect sends nothing
+        return sock.getsockname()[0]
+
+
+@pytest.mark.parametrize("yaml, words", [
+    ("", ["context_server.url", "missing", "urls: [...]", "discovery"]),
+    ("mode: aggregated\n", ["generation_server.url", "missing"]),
+])
+def test_a_scheduler_without_servers_to_route_to_is_one_line(tmp_path, yaml, words):
+    (tmp_path / "engine.json").write_text("{}")
+    path = tmp_path / "disagg_config.yaml"
+    path.write_text(f"model: {{engine: {tmp_path}}}\n{yaml}")
+    args = argparse.Namespace(role="scheduler", config=path, engine=None, advertise=None)
+    with pytest.raises(UserError) as err:
+        serve_cli.load(args)
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value
+    path.write_text(f"model: {{engine: {tmp_path}}}\n{yaml}discovery: {{etcd: 'e:2379'}}\n")
+    assert serve_cli.load(args).discovery is not None             # etcd names the servers
 
 
 def test_override_must_be_a_binary(tmp_path):
