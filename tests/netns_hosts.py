@@ -62,6 +62,16 @@ def unavailable() -> str | None:
     return None
 
 
+def hosts_for_test(names: list[str]) -> "Hosts":
+    """:class:`Hosts` for a test; a machine that cannot make them fails it in one line
+    (never a skip: CI runs as root)."""
+    import pytest
+
+    if unavailable():
+        pytest.fail(unavailable(), pytrace=False)
+    return Hosts(names)
+
+
 class Hosts:
     """The hosts ``names`` (see the module docstring); one instance at a time per process."""
 

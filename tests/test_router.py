@@ -169,7 +169,7 @@ def test_a_context_server_that_does_not_answer_is_tried_once_on_another():
         await server.start()
         transport = _transport([dead, live], [], observed)
         try:
-            route = transport.route("req-1", INPUTS)
+            route = transport.route("req-1")
             outputs = await route.context(INPUTS)
             return outputs, route, standin.request_ids, transport
         finally:
@@ -192,7 +192,7 @@ def test_servers_that_cannot_be_reached_fail_in_one_line_naming_role_and_urls(ro
                            urls if role == "generation" else [], observed)
 
     async def main():
-        route = transport.route("req-1", INPUTS)
+        route = transport.route("req-1")
         try:
             if role == "context":
                 await route.context(INPUTS)
@@ -222,7 +222,7 @@ def test_one_context_server_that_does_not_answer_says_none_is_left():
 
     async def main():
         try:
-            await transport.route("req-1", INPUTS).context(INPUTS)
+            await transport.route("req-1").context(INPUTS)
         finally:
             await transport.close()
 
@@ -242,11 +242,11 @@ def test_the_client_of_a_server_that_left_is_closed():
     async def main():
         for _ in range(2):
             with pytest.raises(EngineError):
-                await transport.route("r", INPUTS).context(INPUTS)
+                await transport.route("r").context(INPUTS)
         opened = sorted(transport.clients)
         source.current = (Member("127.0.0.1:2"),)        # 1 left
         with pytest.raises(EngineError):
-            await transport.route("r", INPUTS).context(INPUTS)
+            await transport.route("r").context(INPUTS)
         left = sorted(transport.clients)
         await transport.close()
         return opened, left

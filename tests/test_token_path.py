@@ -127,7 +127,7 @@ class FakeGeneration:
         self.contexts = 0                                  # context calls answered
         self.closed: list[str] = []                        # request ids whose route closed
 
-    def route(self, request_id, inputs):
+    def route(self, request_id):
         return FakeRoute(self, request_id)
 
     async def context(self, request_id, inputs):

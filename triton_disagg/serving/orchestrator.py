@@ -74,7 +74,7 @@ class Route(Protocol):
 
 
 class Transport(Protocol):
-    def route(self, request_id: str, inputs: dict[str, np.ndarray]) -> Route: ...
+    def route(self, request_id: str) -> Route: ...
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class _Run:
         self.request_id = uuid.uuid4().hex
         self.builder = ResponseBuilder(inputs, owner.decode)
         self.engine_in = engine_inputs(inputs)
-        self.route = owner.transport.route(self.request_id, self.engine_in)
+        self.route = owner.transport.route(self.request_id)
         arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
         self.start = arrival / 1e9 if arrival is not None else time.monotonic()
         self.ttft: float | None = None

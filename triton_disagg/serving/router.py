@@ -31,7 +31,8 @@ Policies (``router:`` per role in the config):
   static pool the same one) it is ``- own in flight``.
 
 Ties go round robin: equally loaded servers take turns, so an idle pool spreads
-requests the way ``round_robin`` does.
+requests the way ``round_robin`` does. "This scheduler" is one orchestrator model
+instance: with ``scheduler_server.instances: N`` each instance routes with its own counts.
 
 Invariants: a pick only ever returns a current member, never one in ``tried``; each
 lease adds its tokens once and takes exactly those off once (:meth:`Lease.release` is

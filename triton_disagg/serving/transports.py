@@ -78,7 +78,7 @@ class BLSTransport:
     def __init__(self, pb_utils: Any):
         self.pb = pb_utils
 
-    def route(self, request_id: str, inputs: dict) -> "BLSRoute":
+    def route(self, request_id: str) -> "BLSRoute":
         return BLSRoute(self.pb, request_id)
 
 
@@ -126,7 +126,7 @@ class GrpcTransport:
         self.clients: dict[str, Any] = {}
         self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
 
-    def route(self, request_id: str, inputs: dict) -> "GrpcRoute":
+    def route(self, request_id: str) -> "GrpcRoute":
         return GrpcRoute(self, request_id)
 
     def routed(self, role: str, url: str) -> None:
