@@ -108,6 +108,18 @@ def test_a_member_that_left_is_never_picked_and_its_leases_still_release():
         source.current = (Member("a:1"), Member("b:1"), Member("c:1"))
 
 
+def test_a_server_that_did_not_answer_is_passed_over_while_another_is_left(monkeypatch):
+    from triton_disagg.serving import router as router_module
+
+    router = Router("context", "least_loaded", Source(Member("a:1"), Member("b:1")))
+    router.unanswered("a:1")                 # idle, so least loaded, but it did not answer
+    assert picks(router, 4) == ["b:1"] * 4
+    assert picks(router, 1, release=False) == ["b:1"] and router.take(1, ["b:1"]).url == "a:1"
+    monkeypatch.setattr(router_module, "PASS_OVER_SECONDS", 0.0)
+    router.unanswered("b:1")                 # passed over no time at all: back at once
+    assert "b:1" in picks(router, 2)
+
+
 def test_no_server_left_is_one_line_naming_the_role_and_where():
     router = Router("generation", "least_loaded", StaticMembers("generation", []))
     with pytest.raises(NoServer, match=r"^no generation server in generation_server.urls$"):

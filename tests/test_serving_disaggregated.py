@@ -235,12 +235,15 @@ def _generation_only(served, ids, handle_bytes):
 
 
 def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
+    """Prompts over max_local_prefill_length go through the context server; the short one
+    ("a") is served whole by generation: the context server never sees it."""
     ctx_port, gen_port = serving.free_ports(2)
     config = _config(tmp_path / "disagg_config.yaml", demo_engine, "direct_transfer",
                      f'context_server: {{url: "localhost:{ctx_port}", cpus: [0]}}\n'
-                     f'generation_server: {{url: "localhost:{gen_port}"}}\n')
+                     f'generation_server: {{url: "localhost:{gen_port}", '
+                     f'max_local_prefill_length: 2}}\n')
     args = ["-c", str(config)]
-    with serving.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port), \
+    with serving.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port) as ctx, \
             serving.serve("generation", args, tmp_path / "g", http=False, grpc_port=gen_port), \
             serving.serve("scheduler", args, tmp_path / "s") as scheduler:
         for prompt in PROMPTS[:2]:
@@ -248,6 +251,17 @@ def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
             assert status == 200 and body["text_output"] == offline(prompt, 16), body
         deltas = serving.grpc_stream(scheduler.grpc, PROMPTS[2], 16)
         assert len(deltas) > 1 and "".join(deltas) == offline(PROMPTS[2], 16)
+        contexts = _context_requests(ctx)
+        assert contexts == 3
+        status, body = serving.generate(scheduler.http, {"text_input": PROMPTS[3], "max_tokens": 16})
+        assert status == 200 and body["text_output"] == offline(PROMPTS[3], 16), body
+        assert body["num_input_tokens"] <= 2 and _context_requests(ctx) == contexts
+
+
+def _context_requests(served) -> float:
+    from triton_disagg.bench.serve_metrics import scrape, total
+
+    return total(scrape(served.metrics), "nv_inference_request_success", model="context")
 
 
 def test_layout_conversion_between_sides(demo_engine, tmp_path, offline):

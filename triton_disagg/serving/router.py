@@ -34,6 +34,11 @@ Ties go round robin: equally loaded servers take turns, so an idle pool spreads
 requests the way ``round_robin`` does. "This scheduler" is one orchestrator model
 instance: with ``scheduler_server.instances: N`` each instance routes with its own counts.
 
+A server that did not answer (:meth:`Router.unanswered`: refused, unreachable) is passed
+over for ``PASS_OVER_SECONDS`` while another member is left: a dead server stays
+registered until its lease lapses, and least_loaded would otherwise send every request
+there first, its in-flight count being always 0.
+
 Invariants: a pick only ever returns a current member, never one in ``tried``; each
 lease adds its tokens once and takes exactly those off once (:meth:`Lease.release` is
 idempotent), so with nothing in flight :attr:`Router.in_flight` is empty; everything runs
@@ -43,6 +48,7 @@ on one thread (the orchestrator's event loop), so nothing here locks.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Collection, Protocol
 
@@ -50,6 +56,7 @@ from triton_disagg.discovery.record import Load
 from triton_disagg.serving.orchestrator import EngineError
 
 ROUND_ROBIN, LEAST_LOADED = "round_robin", "least_loaded"
+PASS_OVER_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class Router:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.role, self.policy, self.source = role, policy, source
         self.in_flight: dict[str, int] = {}     # url -> this scheduler's tokens there (> 0)
+        self._passed_over: dict[str, float] = {}   # url -> until when (time.monotonic())
         self._turn = 0
 
     def members(self) -> tuple[Member, ...]:
@@ -96,6 +104,9 @@ class Router:
         members = [m for m in self.source.members() if m.url not in tried]
         if not members:
             raise NoServer(self._none_left(tried))
+        now = time.monotonic()
+        self._passed_over = {url: t for url, t in self._passed_over.items() if t > now}
+        members = [m for m in members if m.url not in self._passed_over] or members
         start = self._turn % len(members)
         self._turn += 1
         turn = members[start:] + members[:start]       # ties: the first in turn wins
@@ -103,6 +114,10 @@ class Router:
         cost = chosen.kv_tokens(tokens) if self.role == "generation" else tokens
         self.in_flight[chosen.url] = self.in_flight.get(chosen.url, 0) + cost
         return Lease(self, chosen.url, cost)
+
+    def unanswered(self, url: str) -> None:
+        """``url`` failed before it answered: pass it over for a while (module docstring)."""
+        self._passed_over[url] = time.monotonic() + PASS_OVER_SECONDS
 
     def _score(self, member: Member) -> int:
         """Higher is less loaded (module docstring)."""

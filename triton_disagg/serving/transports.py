@@ -17,7 +17,8 @@ before it answers (UNAVAILABLE: refused, reset, unreachable; DEADLINE_EXCEEDED) 
 once more on another context server: a context call has no effect but KV that its lease
 reclaims. A generation server is never retried: one that did accept a request whose
 answer was lost would stream it twice. Either failure reaches the client as one line
-naming the role and the url(s) tried.
+naming the role and the url(s) tried, and the router passes that server over for a while
+(:meth:`~triton_disagg.serving.router.Router.unanswered`).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ class GrpcTransport:
                                                    parameters=parameters)
         except InferenceServerException as exc:
             if exc.status() in UNANSWERED:
+                self.routers[model].unanswered(url)
                 raise Unanswered(model, url, exc.status(), exc.message() or "") from None
             error = _error(model, exc.message())
             raise type(error)(f"{model} at {url}: {error}") from None
