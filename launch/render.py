@@ -88,8 +88,8 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
     if model == "orchestrator":
         out.update(transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
                    max_local_prefill_length=config.generation.max_local_prefill_length,
-                   pools={r: {"urls": list(config.server(r).urls), "router": config.server(r).router}
-                          for r in ("context", "generation")},
+                   pools={r: {"urls": list(config.server(r).urls),
+                              "router": config.server(r).router} for r in ("context", "generation")},
                    discovery=asdict(config.discovery) if config.discovery else None)
     return out
 

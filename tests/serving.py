@@ -28,6 +28,7 @@ from pathlib import Path
 from triton_disagg.launch.deploy import free_ports
 
 READY_TIMEOUT = 240.0
+READY_POLL = 0.3               # seconds between looks for a serve command's ready line
 PROMPTS = ["The quick brown fox", "日本語と中文的文字", "emoji 🎉🚀 party", "a"]
 
 
@@ -150,7 +151,7 @@ def _wait_for_line(served: Served, marker: str) -> None:
         if served.process.poll() is not None:
             raise AssertionError(f"serve exited with {served.process.returncode}:\n{text}\n"
                                  f"--- tritonserver.log ---\n{served.server_log()[-6000:]}")
-        time.sleep(0.3)
+        time.sleep(READY_POLL)
     raise AssertionError(f"serve not ready in {READY_TIMEOUT}s:\n{served.log.read_text()}")
 
 

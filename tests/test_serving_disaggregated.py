@@ -253,7 +253,8 @@ def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
         assert len(deltas) > 1 and "".join(deltas) == offline(PROMPTS[2], 16)
         contexts = _context_requests(ctx)
         assert contexts == 3
-        status, body = serving.generate(scheduler.http, {"text_input": PROMPTS[3], "max_tokens": 16})
+        status, body = serving.generate(scheduler.http, {"text_input": PROMPTS[3],
+                                                         "max_tokens": 16})
         assert status == 200 and body["text_output"] == offline(PROMPTS[3], 16), body
         assert body["num_input_tokens"] <= 2 and _context_requests(ctx) == contexts
 

@@ -46,7 +46,8 @@ class DiscoveredMembers:
     def where(self) -> str:
         discovery = self.membership.discovery
         state = "" if self.membership.etcd_reachable else "; etcd does not answer"
-        return f"registered under {discovery.prefix}/{self.role}/ in etcd at {discovery.etcd}{state}"
+        return (f"registered under {discovery.prefix}/{self.role}/ in etcd at "
+                f"{discovery.etcd}{state}")
 
 
 def _member(record: MemberRecord) -> Member:

@@ -4,14 +4,14 @@ Both implement :class:`triton_disagg.serving.orchestrator.Transport`: ``route`` 
 request's :class:`~triton_disagg.serving.orchestrator.Route`, whose calls move the tensors
 of :data:`protocol.ENGINE_INPUTS` / ``CONTEXT_OUTPUTS`` unchanged (batch axis of 1 added
 on the way out, removed on the way back), with the phase in the ``request_type`` request
-parameter and the orchestrator's request id as the Triton request id. A generation request also names the orchestrator's
-token address (``token_address``); Triton carries it to generation, whose one
-response is the control address for stops: the tokens themselves arrive over
-ZeroMQ (:mod:`token_inbox`), never as Triton responses. A context error that is
-back-pressure (``protocol.CONTEXT_BUSY``) is raised as :class:`ContextBusy`.
+parameter and the orchestrator's request id as the Triton request id. A generation
+request also names the orchestrator's token address (``token_address``); Triton carries
+it to generation, whose one response is the control address for stops: the tokens
+themselves arrive over ZeroMQ (:mod:`token_inbox`), never as Triton responses. A context
+error that is back-pressure (``protocol.CONTEXT_BUSY``) is raised as :class:`ContextBusy`.
 
-Over gRPC each call goes to the server its role's :class:`~triton_disagg.serving.router.Router`
-picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
+Over gRPC each call goes to the server its role's
+:class:`~triton_disagg.serving.router.Router` picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
 once its server has left the pool and no call uses it). A context server that fails
 before it answers (UNAVAILABLE: refused, reset, unreachable; DEADLINE_EXCEEDED) is tried
 once more on another context server: a context call has no effect but KV that its lease
