@@ -17,8 +17,8 @@ Invariants:
 - While etcd does not answer, :meth:`members` is the last set read and
   :attr:`etcd_reachable` is False; one log line when etcd stops answering, one when it
   answers again.
-- ``on_poll`` (optional) is called after every poll, answered or not, on the polling
-  thread (the first time inside :meth:`start`).
+- :attr:`on_poll`, when set before :meth:`start`, is called after every poll, answered
+  or not, on the polling thread (the first time inside :meth:`start`).
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ REQUEST_TIMEOUT = 1.0
 
 class Membership:
     def __init__(self, discovery: DiscoveryConfig, fingerprint: str,
-                 poll_seconds: float = POLL_SECONDS,
-                 on_poll: Callable[["Membership"], None] | None = None):
+                 poll_seconds: float = POLL_SECONDS):
         self.discovery, self.fingerprint, self.poll_seconds = discovery, fingerprint, poll_seconds
-        self.on_poll = on_poll
+        self.on_poll: Callable[[Membership], None] | None = None
         self._client = connect(discovery, timeout=REQUEST_TIMEOUT)
         self._members: dict[str, tuple[MemberRecord, ...]] = {role: () for role in ROLES}
         self.etcd_reachable = False     # whether the last poll got an answer (metrics gauge)
