@@ -107,7 +107,7 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
                       "context_server: {cpus: [0]}\ngeneration_server: {cpus: [1]}\n"
                       "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n"
                       f"discovery: {{etcd: \"{hosts.address('etcd')}:{ETCD_PORT}\", "
-                      "prefix: /netns-pools, ttl_seconds: 3}\n")
+                      "prefix: /netns-pools, ttl_seconds: 5}\n")
     offline = serving.offline_text(demo_engine)
     scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}"
     with open(tmp_path / "etcd.log", "wb") as log:
