@@ -39,10 +39,13 @@ BRIDGE = "br"                  # the bridge namespace's host name
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 STOP_SECONDS = 20.0
 STREAMS = """
-import json, sys
+import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import serving
-url, max_tokens, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+url, max_tokens, go, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+print("ready", flush=True)
+while go and not os.path.exists(go):
+    time.sleep(0.01)
 with ThreadPoolExecutor(len(prompts)) as pool:
     texts = pool.map(lambda p: "".join(serving.grpc_stream(url, p, max_tokens)), prompts)
     print(json.dumps(list(texts)))
@@ -145,8 +148,7 @@ class Hosts:
     def python(self, host: str, code: str, *args: str, timeout: float = 120.0) -> str:
         """Run Python ``code`` on ``host`` with the tests' helpers importable; its stdout
         (an AssertionError with its stderr when it fails)."""
-        out = self.run(host, [sys.executable, "-c", code, *args], timeout=timeout,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+        out = self.run(host, [sys.executable, "-c", code, *args], timeout=timeout, env=_tests_env())
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -166,10 +168,36 @@ class Hosts:
         atexit.unregister(self.close)
 
 
+def _tests_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+
+
 def grpc_streams(hosts: Hosts, host: str, url: str, max_tokens: int,
                  prompts: list[str]) -> list[str]:
     """Stream every prompt at once from ``host`` to the ensemble at ``url`` (gRPC); the texts."""
-    return json.loads(hosts.python(host, STREAMS, url, str(max_tokens), *prompts))
+    out = hosts.python(host, STREAMS, url, str(max_tokens), "", *prompts)
+    return json.loads(out.splitlines()[-1])
+
+
+class HeldStreams:
+    """:func:`grpc_streams` with the client started (its imports done) and its streams held
+    until :meth:`texts`, so they start at a moment the test picks, however loaded the machine."""
+
+    def __init__(self, hosts: Hosts, host: str, url: str, max_tokens: int, prompts: list[str],
+                 go: Path):
+        self.go = go
+        self.proc = hosts.popen(host, [sys.executable, "-c", STREAMS, url, str(max_tokens),
+                                       str(go), *prompts],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_tests_env())
+        assert self.proc.stdout.readline() == "ready\n", self.proc.communicate()[1]
+
+    def texts(self, timeout: float = 120.0) -> list[str]:
+        """Start the streams; their texts."""
+        self.go.touch()
+        out, err = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, err
+        return json.loads(out.splitlines()[-1])
 
 
 def scrape(hosts: Hosts, host: str, metrics_url: str) -> str:
