@@ -20,7 +20,7 @@ from pathlib import Path
 
 from triton_disagg.errors import UserError
 
-from .stub_watch import Stub, first_dead, stubs_of
+from .stub_watch import first_dead, stubs_of
 
 ROLES = ("all", "context", "generation", "scheduler")
 MAX_RESTARTS = 5            # stub deaths survived by restarting the server, per serve run
@@ -99,7 +99,8 @@ def load(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM. A stub process that dies restarts the whole server
-    (Triton 2.51 does not restart it and keeps reporting ready), up to ``MAX_RESTARTS``
+    (Triton 2.51 does not restart it and keeps reporting ready), and so does a tritonserver
+    killed by a signal (a stub dying mid-exchange can abort it), up to ``MAX_RESTARTS``
     times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
     from .deploy import PortFlags, advertised_url, endpoints_for, token_host
 
@@ -113,12 +114,10 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(MAX_RESTARTS + 1):
-            dead = _serve_once(args, config, endpoints, advertised, token, stop, restart)
-            if not isinstance(dead, Stub):
-                return dead
-            print(f"triton-disagg serve {args.role}: the stub process of {dead.instance} (pid "
-                  f"{dead.pid}) died; Triton cannot restart it, so tritonserver was stopped "
-                  f"and its clients got errors", flush=True)
+            outcome = _serve_once(args, config, endpoints, advertised, token, stop, restart)
+            if isinstance(outcome, int):
+                return outcome
+            print(f"triton-disagg serve {args.role}: {outcome}", flush=True)
             if args.no_restart:
                 return 1
         print(f"triton-disagg serve {args.role}: {MAX_RESTARTS} restarts; giving up", flush=True)
@@ -129,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_once(args, config, endpoints, advertised: str | None, token: str | None,
-                stop: threading.Event, restart: int) -> "int | Stub":
+                stop: threading.Event, restart: int) -> int | str:
     """Start tritonserver, announce it ready (registering ``advertised`` in etcd when the
-    config has discovery), watch it: returns serve's exit code, or the stub that died (the
-    server is stopped and deregistered by then)."""
+    config has discovery), watch it: returns serve's exit code, or why it must restart (a
+    stub died, or tritonserver was killed by a signal; it is stopped and deregistered by
+    then)."""
     from .deploy import start
     from .register import start_registration
 
@@ -162,14 +162,16 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
             registration = start_registration(args.role, config, endpoints, advertised)
         _announce(args.role, config, endpoints, advertised, server, registration)
         while not stop.wait(STUB_POLL_SECONDS):
-            if server.process.poll() is not None:
-                print(f"tritonserver exited with code {server.process.returncode}:\n"
-                      f"{server.log_tail()}", flush=True)
-                return 1
             dead = first_dead(stubs)
             if dead is not None:   # no graceful exit: it would hold streams for the exit timeout
                 server.stop(grace=0)
-                return dead
+                return (f"the stub process of {dead.instance} (pid {dead.pid}) died; Triton "
+                        f"cannot restart it, so tritonserver was stopped and its clients got "
+                        f"errors")
+            code = server.process.poll()
+            if code is not None:
+                print(f"tritonserver exited with code {code}:\n{server.log_tail()}", flush=True)
+                return f"tritonserver was killed by signal {-code}" if code < 0 else 1
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
