@@ -31,7 +31,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_disagg.config import DisaggConfig, is_loopback
+from triton_disagg.config import DisaggConfig
+from triton_disagg.config_values import is_loopback
 from triton_disagg.errors import UserError
 
 from .render import render

@@ -65,7 +65,8 @@ def register(subparsers) -> None:
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config import check_host, default_config, load_config, parse_url
+    from triton_disagg.config import check_host, default_config, load_config
+    from triton_disagg.config_values import parse_url
     from triton_disagg.serving.capacity import check_kv_capacity
 
     if args.config is None:

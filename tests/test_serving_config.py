@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from triton_disagg.config import check_host, default_config, load_config, parse_size
+from triton_disagg.config import check_host, default_config, load_config
+from triton_disagg.config_values import parse_size
 from config_files import assert_one_line_error, config_writer
 from triton_disagg.errors import UserError
 

@@ -41,19 +41,18 @@ GPU cluster still loads (and renders) on a laptop.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from triton_disagg.config_values import (count, int_list, is_loopback, mapping, number,
+                                         parse_size, parse_url)
 from triton_disagg.errors import UserError
 
 MODES = ("disaggregated", "aggregated")
 STRATEGIES = ("direct_transfer", "host_memory")
 ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
                 "http_port", "metrics_port", "router"}
 _SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances"}
@@ -148,21 +147,6 @@ class DisaggConfig:
                 "scheduler": self.scheduler}[role]
 
 
-def parse_size(value: Any, key: str) -> int:
-    """``2GB`` / ``512MiB`` / ``1000000`` -> bytes (> 0)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-        unit = m.group(2).upper() if m else None
-        if unit is None or unit not in _SIZE_UNITS:
-            raise UserError(f"{key}: {value!r} is not a size; write e.g. 2GB, 512MiB or a byte count")
-        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise UserError(f"{key}: {value!r} must be more than 0 bytes; write e.g. 2GB")
-    return size
-
-
 def load_config(path: str | Path) -> DisaggConfig:
     """Read and validate a disagg_config.yaml (see the module docstring)."""
     import yaml
@@ -217,18 +201,18 @@ def count_gpus() -> int:
     import os
 
     gpus_dir = Path("/proc/driver/nvidia/gpus")
-    count = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
+    found = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and count:
-        count = min(count, len([v for v in visible.split(",") if v.strip()]))
-    return count
+    if visible is not None and found:
+        found = min(found, len([v for v in visible.split(",") if v.strip()]))
+    return found
 
 
 def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
-    top = _mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
+    top = mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
                                       "generation_server", "scheduler_server", "kv_cache",
                                       "discovery"})
-    model = _mapping(top.get("model"), "model", {"engine"}, required=True)
+    model = mapping(top.get("model"), "model", {"engine"}, required=True)
     if "engine" not in model:
         raise UserError("model.engine: missing; add `model: {engine: engines/demo}` "
                         "(an engine directory from `triton-disagg build`)")
@@ -244,13 +228,13 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
     if not isinstance(decoupled, bool):
         raise UserError(f"decoupled_mode: {decoupled!r} must be true (streaming) or false "
                         f"(plain infer(), one response per request)")
-    kv_raw = _mapping(top.get("kv_cache"), "kv_cache", {"strategy", "max_size", "lease_seconds"})
+    kv_raw = mapping(top.get("kv_cache"), "kv_cache", {"strategy", "max_size", "lease_seconds"})
     strategy = kv_raw.get("strategy", "direct_transfer")
     if strategy not in STRATEGIES:
         raise UserError(f"kv_cache.strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
     kv = KVCacheConfig(strategy=strategy,
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
-                       lease_seconds=_number(kv_raw.get("lease_seconds", 30.0),
+                       lease_seconds=number(kv_raw.get("lease_seconds", 30.0),
                                              "kv_cache.lease_seconds"))
     discovery = _discovery(top.get("discovery"))
     config = DisaggConfig(
@@ -273,7 +257,7 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
 def _discovery(raw: Any) -> DiscoveryConfig | None:
     if raw is None:
         return None
-    d = _mapping(raw, "discovery", _DISCOVERY_KEYS)
+    d = mapping(raw, "discovery", _DISCOVERY_KEYS)
     if "etcd" not in d:
         raise UserError("discovery.etcd: missing; name etcd's client endpoint, e.g. "
                         "`discovery: {etcd: \"127.0.0.1:2379\"}`")
@@ -290,14 +274,14 @@ def _discovery(raw: Any) -> DiscoveryConfig | None:
 
 
 def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
-    s = _mapping(raw, key, allowed)
+    s = mapping(raw, key, allowed)
     urls = _urls(s, key)
     url = urls[0] if len(urls) == 1 else None
-    gpus = _int_list(s.get("gpus", []), f"{key}.gpus")
-    cpus = _int_list(s.get("cpus", []), f"{key}.cpus")
+    gpus = int_list(s.get("gpus", []), f"{key}.gpus")
+    cpus = int_list(s.get("cpus", []), f"{key}.cpus")
     if gpus and (cpus or "instances" in s):
         raise UserError(f"{key}: give either gpus (one instance per GPU) or cpus/instances, not both")
-    instances = len(gpus) if gpus else _count(s.get("instances", _default_instances(key, cpus)),
+    instances = len(gpus) if gpus else count(s.get("instances", _default_instances(key, cpus)),
                                               f"{key}.instances")
     if cpus and len(cpus) < instances:
         raise UserError(f"{key}.cpus: {len(cpus)} cores for {instances} instances; give at least "
@@ -312,9 +296,9 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     for k, v in ports.items():
         if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")
-    interval = _count(s.get("stream_interval", 1), f"{key}.stream_interval",
+    interval = count(s.get("stream_interval", 1), f"{key}.stream_interval",
                       " (1: a response per token)")
-    stall = _number(s.get("stall_seconds", 30.0), f"{key}.stall_seconds")
+    stall = number(s.get("stall_seconds", 30.0), f"{key}.stall_seconds")
     router = s.get("router", ROUTERS[0])
     if router not in ROUTERS:
         raise UserError(f"{key}.router: {router!r} is not one of {', '.join(ROUTERS)}")
@@ -350,25 +334,6 @@ def _urls(s: dict, key: str) -> tuple[str, ...]:
     return urls
 
 
-def parse_url(raw: Any, key: str, example: str = "localhost:8001") -> str:
-    """``host:port`` (a ``grpc://`` or ``http://`` in front is dropped), checked."""
-    url = str(raw).removeprefix("grpc://").removeprefix("http://")
-    host, _, port = url.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"{key}: {raw!r} is not host:port; write e.g. \"{example}\"")
-    return url
-
-
-def is_loopback(host: str) -> bool:
-    """``localhost``, 127.0.0.0/8 or ::1: this host, whichever host reads the name."""
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host.lower() == "localhost"
-
-
 def _check_kv_hosts(config: DisaggConfig) -> None:
     """host_memory stages the KV cache in one host's /dev/shm: refuse context and generation
     urls that name two hosts (two names, neither loopback; names are not resolved, so two
@@ -383,36 +348,3 @@ def _check_kv_hosts(config: DisaggConfig) -> None:
                         f"{' and '.join(remote)}; use direct_transfer across hosts")
 
 
-def _mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:
-    if raw is None and not required:
-        return {}
-    if not isinstance(raw, dict):
-        raise UserError(f"{key}: expected a mapping like `{{{sorted(allowed)[0]}: ...}}`, got {raw!r}")
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise UserError(f"{key}: unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(allowed))}")
-    return raw
-
-
-def _int_list(raw: Any, key: str) -> tuple[int, ...]:
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = [raw]
-    if not isinstance(raw, list) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                            and v >= 0 for v in raw):
-        raise UserError(f"{key}: {raw!r} must be a list of indices, e.g. [0, 1]")
-    if len(set(raw)) != len(raw):
-        raise UserError(f"{key}: {raw!r} lists an index twice; list each once")
-    return tuple(raw)
-
-
-def _count(raw: Any, key: str, hint: str = "") -> int:
-    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
-        raise UserError(f"{key}: {raw!r} must be a whole number >= 1{hint}")
-    return raw
-
-
-def _number(raw: Any, key: str) -> float:
-    """A finite number of seconds > 0 (YAML's ``.nan`` and ``.inf`` are refused)."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < float("inf"):
-        raise UserError(f"{key}: {raw!r} must be a finite number of seconds > 0, e.g. 30")
-    return float(raw)
