@@ -24,12 +24,12 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable
 
 from triton_disagg.config import DiscoveryConfig
 
 from .etcd import ETCD_ERRORS, connect, member_key, members_prefix
+from .periodic import Periodic
 from .record import ROLES, MemberRecord
 
 _log = logging.getLogger(__name__)
@@ -47,26 +47,18 @@ class Membership:
         self.etcd_reachable = False     # whether the last poll got an answer (metrics gauge)
         self._polled_once = False
         self._logged: set[tuple[str, str]] = set()   # (key, problem) already logged
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="etcd-membership", daemon=True)
+        self._poller = Periodic(self._poll, poll_seconds, "etcd-membership")
 
     def members(self, role: str) -> tuple[MemberRecord, ...]:
         return self._members[role]
 
     def start(self) -> "Membership":
         """Read the current set now (or log that etcd does not answer) and keep polling."""
-        self._poll()
-        self._thread.start()
+        self._poller.start()
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_seconds):
-            self._poll()
+        self._poller.stop()
 
     def _poll(self) -> None:
         self._read()

@@ -22,13 +22,13 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import replace
 from typing import Callable
 
 from triton_disagg.config import DiscoveryConfig
 
 from .etcd import ETCD_ERRORS, UNREACHABLE, connect, member_key
+from .periodic import Periodic
 from .record import Load, MemberRecord
 
 _log = logging.getLogger(__name__)
@@ -48,9 +48,7 @@ class Registration:
         self._published: MemberRecord | None = None   # what etcd holds under self._lease
         self._etcd_down = False
         self._load_failing = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"etcd-registration {self.key}",
-                                        daemon=True)
+        self._heartbeat = Periodic(self._beat, self.beat_seconds, f"etcd-registration {self.key}")
 
     @property
     def registered(self) -> bool:
@@ -59,15 +57,12 @@ class Registration:
 
     def start(self) -> "Registration":
         """Register now (or log that etcd does not answer yet) and start the heartbeat."""
-        self._beat()
-        self._thread.start()
+        self._heartbeat.start()
         return self
 
     def close(self) -> None:
         """Stop the heartbeat, then revoke the lease (deleting the key)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._heartbeat.stop()
         if self._lease is None:
             return
         try:
@@ -78,10 +73,6 @@ class Registration:
                          "within %d s", self.discovery.etcd, self.key, exc,
                          self.discovery.ttl_seconds)
         self._lease = self._published = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.beat_seconds):
-            self._beat()
 
     def _beat(self) -> None:
         try:
