@@ -88,10 +88,7 @@ class Sender:
 
     def release(self, data: bytes) -> None:
         """Give back the KV of handle bytes ``data`` (checked against the deployment key)."""
-        handle = kvhandle.decode(data, self.key)
-        if handle.strategy != self.strategy:
-            raise kvhandle.HandleError(f"context_phase_params uses {handle.strategy}; this "
-                                       f"context model is set up for {self.strategy}")
+        handle = _same_strategy(kvhandle.decode(data, self.key), self.strategy, "context")
         if self.strategy == "direct_transfer":
             self.endpoint.release(handle)
         elif handle.shm_name == self.staging.name:
@@ -130,11 +127,7 @@ class Receiver:
     def decode(self, data: bytes) -> KVHandle:
         handle = kvhandle.decode(data, self.key)
         kvhandle.check_handle(handle, self.engine.spec.fingerprint, self.geometry)
-        if handle.strategy != self.strategy:
-            raise kvhandle.HandleError(
-                f"context_phase_params uses {handle.strategy} but this generation model is set "
-                f"up for {self.strategy}; give both servers the same kv_cache.strategy")
-        return handle
+        return _same_strategy(handle, self.strategy, "generation")
 
     def fetch(self, handle: KVHandle, reserved: Sequence[int]) -> TransferStats:
         """Fill the first ``blocks_for(handle.num_tokens)`` of ``reserved`` (a sequence's
@@ -146,3 +139,12 @@ class Receiver:
 
     def close(self) -> None:
         (self.endpoint if self.strategy == "direct_transfer" else self.reader).close()
+
+
+def _same_strategy(handle: KVHandle, strategy: str, role: str) -> KVHandle:
+    """``handle``, when it was made for ``strategy``; else HandleError."""
+    if handle.strategy != strategy:
+        raise kvhandle.HandleError(
+            f"context_phase_params uses {handle.strategy} but this {role} model is set up for "
+            f"{strategy}; give both servers the same kv_cache.strategy")
+    return handle
