@@ -46,9 +46,14 @@ url, max_tokens, go, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.a
 print("ready", flush=True)
 while go and not os.path.exists(go):
     time.sleep(0.01)
+def stream(prompt):
+    try:
+        text, error = "".join(serving.grpc_stream(url, prompt, max_tokens)), None
+    except Exception as exc:
+        text, error = "", str(exc)
+    return {"text": text, "error": error, "ended": time.monotonic()}
 with ThreadPoolExecutor(len(prompts)) as pool:
-    texts = pool.map(lambda p: "".join(serving.grpc_stream(url, p, max_tokens)), prompts)
-    print(json.dumps(list(texts)))
+    print(json.dumps(list(pool.map(stream, prompts))))
 """
 SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
 
@@ -193,8 +198,19 @@ class HeldStreams:
         assert self.proc.stdout.readline() == "ready\n", self.proc.communicate()[1]
 
     def texts(self, timeout: float = 120.0) -> list[str]:
-        """Start the streams; their texts."""
+        """Start the streams (if :meth:`start` did not); their texts, every one complete."""
+        outcomes = self.outcomes(timeout)
+        assert not any(o["error"] for o in outcomes), [o["error"] for o in outcomes]
+        return [o["text"] for o in outcomes]
+
+    def start(self) -> None:
         self.go.touch()
+
+    def outcomes(self, timeout: float = 120.0) -> list[dict]:
+        """Start the streams (if :meth:`start` did not); per stream ``text`` (what came),
+        ``error`` (the client's exception as it reads, None if none) and ``ended``
+        (CLOCK_MONOTONIC, one clock for every namespace)."""
+        self.start()
         out, err = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, err
         return json.loads(out.splitlines()[-1])

@@ -17,7 +17,8 @@ import zmq
 from triton_disagg import protocol as P
 from triton_disagg.serving import engine_request, token_wire
 from triton_disagg.serving.generation import read_request_parameters
-from triton_disagg.serving.orchestrator import ContextBusy, EngineError, Orchestrator
+from triton_disagg.serving.orchestrator import (ContextBusy, EngineError, GenerationLost,
+                                                 Orchestrator)
 from triton_disagg.serving.tensors import RequestError
 from triton_disagg.serving.token_inbox import TokenInbox
 from triton_disagg.serving.token_wire import TokenEvent, WireError
@@ -110,12 +111,21 @@ def test_tcp_sockets_admit_only_peers_that_hold_the_deployment_secret():
 class FakeGeneration:
     """Context and generation as a transport: generation answers with a real control
     address (a PULL socket the test reads) and pushes its events to the token address.
-    Each request's :class:`FakeRoute` passes its calls here with its request id."""
+    Each request's :class:`FakeRoute` passes its calls here with its request id.
+
+    The request's whole output is ``[first] + rest``; a call whose ``input_ids`` already
+    hold the prompt (2 tokens) and k of them answers with what follows (context: the next
+    token; generation: the rest), so a migrated request resumes where it left off.
+    Generation calls go to servers "gen-0", "gen-1", ... in turn; the first ``dying`` of
+    them push ``dies_after`` tokens, then fall silent and are lost."""
 
     def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
-                 refuse: bool = False):
+                 refuse: bool = False, dying: int = 0, dies_after: int = 0):
         self.first, self.rest, self.silent = first, rest, silent
         self.busy, self.refuse = busy, refuse       # context busy this many times; refuse all
+        self.dying, self.dies_after = dying, dies_after
+        self.output_lens: list[int] = []          # each generation call's request_output_len
+        self.avoided: list[frozenset] = []        # each route's servers to avoid
         self.released: list[bytes] = []
         self.zmq = zmq.Context.instance()
         self.control = self.zmq.socket(zmq.PULL)
@@ -125,7 +135,8 @@ class FakeGeneration:
         self.contexts = 0                                  # context calls answered
         self.closed: list[str] = []                        # request ids whose route closed
 
-    def route(self, request_id):
+    def route(self, request_id, avoid=frozenset()):
+        self.avoided.append(avoid)
         return FakeRoute(self, request_id)
 
     async def context(self, request_id, inputs):
@@ -133,24 +144,37 @@ class FakeGeneration:
             self.busy -= 1
             raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
         self.contexts += 1
-        out = engine_request.outputs([self.first], [-0.5], -0.5, "" if self.rest else "length")
+        output, done = [self.first] + self.rest, len(inputs["input_ids"]) - 2
+        last = "length" if done == len(output) - 1 else ""
+        out = engine_request.outputs([output[done]], [-0.5], -0.5, last)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
         return out
 
-    async def generate(self, request_id, inputs, request_type, token_address):
+    async def generate(self, request_id, inputs, request_type, token_address) -> str:
+        """Generation's answer; the server it went to: ``gen-<n>`` for the n-th call."""
         self.request_ids.append(request_id)
         self.calls.append((request_type, inputs["input_ids"].tolist()))
+        self.output_lens.append(int(inputs["request_output_len"][0]))
         if self.refuse:
             raise EngineError("generation refused it")
+        server = len(self.calls) - 1
+        output = ([self.first] + self.rest)[max(1, len(inputs["input_ids"]) - 2):]
+        if server < self.dying:
+            output = output[:self.dies_after]
         if not self.silent:
-            threading.Thread(target=self._push, args=(request_id, token_address)).start()
+            threading.Thread(target=self._push, args=(request_id, token_address, output,
+                                                      server >= self.dying)).start()
         return self.endpoint.address
 
-    def _push(self, request_id, token_address, gap=0.01):
-        """One event per decode step, ``gap`` seconds apart, as a decode loop sends them."""
+    def lost(self, server: int):
+        return GenerationLost(f"gen-{server}", "probe refused") if server < self.dying else None
+
+    def _push(self, request_id, token_address, output, ends, gap=0.01):
+        """One event per decode step, ``gap`` seconds apart, as a decode loop sends them;
+        the last final when the server ``ends`` the request (it is not lost first)."""
         push = push_socket(self.zmq, token_address, 100)
-        for i, token in enumerate(self.rest):
-            reason = "stop" if i == len(self.rest) - 1 else None
+        for i, token in enumerate(output):
+            reason = "stop" if ends and i == len(output) - 1 else None
             push.send(token_wire.encode_events([TokenEvent(request_id, [token],
                                                            finish_reason=reason)]))
             time.sleep(gap)
@@ -174,12 +198,18 @@ class FakeGeneration:
 class FakeRoute:
     def __init__(self, fake: FakeGeneration, request_id: str):
         self.fake, self.request_id = fake, request_id
+        self.server: int | None = None          # the generation call's server, once made
 
     async def context(self, inputs):
         return await self.fake.context(self.request_id, inputs)
 
     async def generate(self, inputs, request_type, token_address):
-        return await self.fake.generate(self.request_id, inputs, request_type, token_address)
+        address = await self.fake.generate(self.request_id, inputs, request_type, token_address)
+        self.server = len(self.fake.calls) - 1
+        return address
+
+    async def lost(self):
+        return None if self.server is None else self.fake.lost(self.server)
 
     async def release(self, inputs, handle):
         await self.fake.release(self.request_id, inputs, handle)
@@ -197,7 +227,7 @@ def _run(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=No
         inbox = TokenInbox(None, stall)
         orchestrator = Orchestrator(generation, inbox, mode, decode, local_prefill=local_prefill)
         inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
-                  "stream": np.array([stream])}
+                  "stream": np.array([stream]), "request_output_len": np.array([16], np.int32)}
         task = asyncio.ensure_future(orchestrator.handle(inputs, send, cancel))
         if cancel_task_after is not None:
             await asyncio.sleep(cancel_task_after)
@@ -360,4 +390,47 @@ def test_leaving_a_request_early_stops_generation(how, monkeypatch):
     else:
         assert result == "cancelled" and sent[-1] is True
     assert generation.stops() == generation.request_ids
+    generation.close()
+
+
+# ---- migration off a lost generation server ----------------------------------------------
+
+@pytest.mark.parametrize("dies_after", [0, 2])
+def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_or_repeated(
+        dies_after):
+    """gen-0 sends ``dies_after`` tokens and falls silent; its probe says it is lost. The
+    request moves on: context prefills the prompt plus every token sent, gen-1 decodes
+    the rest, under a new request id, on a route that avoids gen-0."""
+    generation, texts = FakeGeneration(10, [11, 12, 13, 14, 1], dying=1, dies_after=dies_after), []
+
+    async def send(outputs, final):
+        texts.append(outputs["text_output"][0])
+
+    assert _run(generation, send) == "finished"
+    assert "".join(texts) == "".join(chr(0x4E00 + i) for i in (10, 11, 12, 13, 14))
+    sent = [10, 11, 12][:1 + dies_after]
+    resumed_first = [10, 11, 12, 13][len(sent)]
+    assert generation.calls == [(P.GENERATION_ONLY, [3, 4, 10]),
+                                (P.GENERATION_ONLY, [3, 4] + sent + [resumed_first])]
+    assert generation.contexts == 2 and generation.output_lens == [16, 16 - len(sent)]
+    assert generation.avoided == [frozenset(), frozenset({"gen-0"})]
+    assert len(set(generation.request_ids)) == 2 and len(generation.closed) == 2
+    # gen-0 never made a token: it never took the KV, which goes back to the context
+    assert generation.released == ([b"handle"] if dies_after == 0 else [])
+    generation.close()
+
+
+def test_a_request_lost_more_often_than_max_migrations_ends_in_one_clear_error():
+    from triton_disagg.serving.orchestrator import MAX_MIGRATIONS
+
+    generation = FakeGeneration(10, [11, 12, 13, 14, 15, 1], dying=MAX_MIGRATIONS + 1,
+                                dies_after=1)
+
+    async def send(outputs, final):
+        pass
+
+    result = _run(generation, send)
+    assert isinstance(result, EngineError) and "\n" not in str(result)
+    assert f"generation server gen-{MAX_MIGRATIONS} was lost" in str(result), result
+    assert len(generation.calls) == MAX_MIGRATIONS + 1
     generation.close()

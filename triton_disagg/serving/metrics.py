@@ -21,6 +21,8 @@ The scheduler's routing (orchestrator over gRPC; :mod:`transports`, :mod:`pools`
   call tried again counts once per server it went to).
 - ``disagg_route_retries_total`` (counter): context calls tried again elsewhere because
   ``server`` did not answer.
+- ``disagg_migrations_total`` (counter): requests moved off generation server
+  ``server`` because it was lost with them (:class:`orchestrator.GenerationLost`).
 - ``disagg_pool_members`` (gauge, ``server_role`` only): servers in the role's pool.
 - ``disagg_etcd_reachable`` (gauge): 1 while etcd answers the scheduler's polls, else 0
   (only with discovery).
@@ -63,6 +65,8 @@ _FAMILIES = {
     "retries": ("disagg_route_retries_total",
                 "Context calls tried again elsewhere because this server did not answer",
                 "COUNTER"),
+    "migrations": ("disagg_migrations_total",
+                   "Requests moved off this generation server because it was lost", "COUNTER"),
     "members": ("disagg_pool_members", "Servers in the role's pool", "GAUGE"),
     "etcd": ("disagg_etcd_reachable", "1 while etcd answers the scheduler, else 0", "GAUGE"),
 }
@@ -174,6 +178,10 @@ class Metrics:
 
     def retried(self, role: str, url: str) -> None:
         self._later(lambda: self._metric("retries", server_role=role, server=url).increment(1))
+
+    def migrated(self, url: str) -> None:
+        self._later(lambda: self._metric("migrations", server_role="generation",
+                                         server=url).increment(1))
 
     def members(self, role: str, count: int) -> None:
         self._later(lambda: self._metric("members", server_role=role).set(count))

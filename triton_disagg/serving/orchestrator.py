@@ -24,7 +24,16 @@ Invariants:
 - leaving a request before generation ended it (client cancel, a stall, a failing
   send, an error, task cancellation) stops generation (:class:`token_inbox.TokenStream`);
   the client's cancel is asked for at most every ``CANCEL_POLL_SECONDS`` while tokens
-  stream.
+  stream;
+- a generation server that is lost (it did not answer the request, or its stream went
+  silent and it no longer answers a liveness probe: :class:`GenerationLost`, raised by
+  the route) is left for another: the request migrates, at most ``MAX_MIGRATIONS``
+  times. It starts again as a new request (a new id, so a late token of the lost server
+  is dropped) whose prompt is the original prompt plus every token the client already
+  has, whose ``request_output_len`` (and ``min_tokens``) is what is left: prefilled on a
+  context server, then decoded by another generation server, so the client's stream
+  goes on with no token missing or repeated. Greedy text is the unmigrated text;
+  sampling penalties and stop words then see the tokens sent before the move as prompt.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from triton_disagg.serving.tensors import scalar
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
 BUSY_FIRST_PAUSE, BUSY_MAX_PAUSE = 0.005, 0.1    # seconds between retries of a busy context
+MAX_MIGRATIONS = 2          # a request leaves a lost generation server at most this often
 _log = logging.getLogger(__name__)
 
 
@@ -54,6 +64,14 @@ class EngineError(RuntimeError):
 
 class ContextBusy(EngineError):
     """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
+
+
+class GenerationLost(EngineError):
+    """The generation server at ``url`` is gone with the request (module docstring)."""
+
+    def __init__(self, url: str, reason: str):
+        self.url = url
+        super().__init__(f"generation server {url} was lost ({reason})")
 
 
 class Route(Protocol):
@@ -69,12 +87,18 @@ class Route(Protocol):
     async def release(self, inputs: dict[str, np.ndarray], handle: np.ndarray) -> None:
         """Give the context the KV of ``handle`` (``context_phase_params``) back."""
 
+    async def lost(self) -> GenerationLost | None:
+        """Asked when the request's token stream has been silent a while: None while the
+        generation server that accepted it still answers, else why it is lost."""
+
     def close(self) -> None:
         """The request ended (what the route counted in flight is taken off)."""
 
 
 class Transport(Protocol):
-    def route(self, request_id: str) -> Route: ...
+    def route(self, request_id: str, avoid: frozenset[str] = frozenset()) -> Route:
+        """A request's route; its generation call goes to no server in ``avoid`` (urls of
+        generation servers that were lost with it)."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +183,8 @@ class ResponseBuilder:
 class Orchestrator:
     """``tokens``: the instance's :class:`~token_inbox.TokenInbox`; ``decode``: token ids ->
     text; ``observer`` (optional): ``first_token(seconds)`` and
-    ``finished(outcome, seconds, tokens, ttft)`` (see :class:`serving.metrics.Metrics`);
+    ``finished(outcome, seconds, tokens, ttft)``, ``migrated(url)`` (see
+    :class:`serving.metrics.Metrics`);
     ``local_prefill``: prompts of at most this many tokens skip the context (module
     docstring)."""
 
@@ -186,19 +211,22 @@ class Orchestrator:
         return outcome
 
     def _give_back(self, run: "_Run") -> None:
-        """Release the context's KV that generation never took, without delaying the client."""
+        """Release the context's KV that generation never took, without delaying the client
+        (the route and handle of now: a migrating request moves on to others)."""
         if run.unfetched is None or not run.unfetched.size:
             return
-        task = asyncio.get_running_loop().create_task(self._release(run))
+        task = asyncio.get_running_loop().create_task(
+            self._release(run.route, run.engine_in, run.unfetched, run.request_id))
         self.releases.add(task)
         task.add_done_callback(self.releases.discard)
 
-    async def _release(self, run: "_Run") -> None:
+    async def _release(self, route: Route, inputs: dict[str, np.ndarray], handle: np.ndarray,
+                       request_id: str) -> None:
         try:
-            await run.route.release(run.engine_in, run.unfetched)
+            await route.release(inputs, handle)
         except Exception as exc:  # noqa: BLE001 - the lease still expires; say why it had to
             _log.warning("orchestrator: could not release the KV of request %s (%s); its "
-                         "lease expires instead", run.request_id, exc)
+                         "lease expires instead", request_id, exc)
 
 
 class _Run:
@@ -210,15 +238,39 @@ class _Run:
         self.builder = ResponseBuilder(inputs, owner.decode)
         self.engine_in = engine_inputs(inputs)
         self.route = owner.transport.route(self.request_id)
+        self.sent: list[int] = []           # every token id passed on to the client so far
+        self.lost: frozenset[str] = frozenset()   # generation servers lost with this request
         arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
         self.start = arrival / 1e9 if arrival is not None else time.monotonic()
         self.ttft: float | None = None
         self.unfetched: np.ndarray | None = None   # the handle, until generation sends a token
 
     async def serve(self, is_cancelled: Callable[[], bool]) -> str:
-        if self.owner.mode == "aggregated" or len(self.builder.prompt) <= self.owner.local_prefill:
-            return await self.generate(self.engine_in, P.CONTEXT_AND_GENERATION, is_cancelled)
-        ctx = await self.context(is_cancelled)
+        """The request to its end, migrating it off lost generation servers."""
+        inputs, lost = self.engine_in, None
+        for moves in range(MAX_MIGRATIONS + 1):
+            try:
+                return await self.attempt(inputs, is_cancelled)
+            except GenerationLost as exc:
+                if moves == MAX_MIGRATIONS:
+                    raise EngineError(f"{exc}; the request had moved {moves} times "
+                                      f"already") from None
+                lost = exc
+            except EngineError as exc:
+                if lost is None:
+                    raise
+                raise EngineError(f"{lost}; {exc}") from None     # why it had to move, too
+            self.migrate(lost)
+            inputs = self.resumed()
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def attempt(self, inputs: dict[str, np.ndarray], is_cancelled: Callable[[], bool]) -> str:
+        """Serve ``inputs``: on generation alone when aggregated or short, else context's
+        prefill (its token goes out at once), then generation's decode of the rest."""
+        prompt_length = int(np.size(inputs["input_ids"]))
+        if self.owner.mode == "aggregated" or prompt_length <= self.owner.local_prefill:
+            return await self.generate(inputs, P.CONTEXT_AND_GENERATION, is_cancelled)
+        ctx = await self.context(inputs, is_cancelled)
         if ctx is None:
             await self.send(None, True)
             return "cancelled"
@@ -229,21 +281,48 @@ class _Run:
         if is_cancelled():   # nothing fetched yet: the handle is given back
             await self.send(None, True)
             return "cancelled"
-        gen_in = dict(self.engine_in, **{
+        gen_in = dict(inputs, **{
             # the prompt, then the first token; the handle holds the prompt's KV
-            "input_ids": np.append(self.engine_in["input_ids"], first.ids).astype(np.int32),
-            "input_lengths": np.array([len(self.builder.prompt) + len(first.ids)], np.int32),
+            "input_ids": np.append(inputs["input_ids"], first.ids).astype(np.int32),
+            "input_lengths": np.array([prompt_length + len(first.ids)], np.int32),
             P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
         return await self.generate(gen_in, P.GENERATION_ONLY, is_cancelled)
 
-    async def context(self, is_cancelled: Callable[[], bool]) -> dict[str, np.ndarray] | None:
+    def migrate(self, lost: GenerationLost) -> None:
+        """Leave the lost server: KV it never took goes back, and a new route under a new
+        request id avoids every server lost so far."""
+        _log.warning("orchestrator: %s; request %s moves on after %d tokens", lost,
+                     self.request_id, len(self.sent))
+        if self.owner.observer is not None:
+            self.owner.observer.migrated(lost.url)
+        self.owner._give_back(self)
+        self.unfetched = None
+        self.route.close()
+        self.lost |= {lost.url}
+        self.request_id = uuid.uuid4().hex
+        self.route = self.owner.transport.route(self.request_id, self.lost)
+
+    def resumed(self) -> dict[str, np.ndarray]:
+        """The original request with every token sent so far appended to its prompt and
+        only what is left to generate (module docstring)."""
+        ids = np.append(self.engine_in["input_ids"], self.sent).astype(np.int32)   # [n] + [k]
+        left = {"input_ids": ids, "input_lengths": np.array([len(ids)], np.int32),
+                "request_output_len": np.array(
+                    [int(scalar(self.engine_in, "request_output_len")) - len(self.sent)], np.int32)}
+        if "min_tokens" in self.engine_in:
+            minimum = int(scalar(self.engine_in, "min_tokens")) - len(self.sent)
+            left["min_tokens"] = np.array([max(0, minimum)], np.int32)
+        return dict(self.engine_in, **left)
+
+    async def context(self, inputs: dict[str, np.ndarray],
+                      is_cancelled: Callable[[], bool]) -> dict[str, np.ndarray] | None:
         """The context call, retried while the context is busy (backing off, for at most
         ``stall_seconds``); None when the client cancelled meanwhile."""
         patience = self.owner.tokens.stall_seconds
         deadline, pause = time.monotonic() + patience, BUSY_FIRST_PAUSE
         while True:
             try:
-                return await self.route.context(self.engine_in)
+                return await self.route.context(inputs)
             except ContextBusy as exc:
                 if time.monotonic() + pause > deadline:
                     raise ContextBusy(f"{exc} (retried for {patience:g} s: "
@@ -262,7 +341,7 @@ class _Run:
             await stream.accept(self.route.generate(gen_in, request_type, tokens.address))
             asked = 0.0   # when is_cancelled() was last asked
             while True:
-                chunk = Chunk.from_event(await stream.next())
+                chunk = Chunk.from_event(await stream.next(self.route.lost))
                 self.unfetched = None       # generation made a token: it took the KV
                 if not chunk.finish_reason and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
                     asked = time.monotonic()
@@ -275,6 +354,7 @@ class _Run:
     async def emit(self, chunk: Chunk) -> bool:
         """Pass a chunk on; True when it was the last. The first chunk ends the time to first
         token (from the request's arrival at preprocessing, or here without that stamp)."""
+        self.sent += chunk.ids
         out = self.builder.add(chunk)
         if out is not None:
             await self.send(out, bool(chunk.finish_reason))

@@ -10,7 +10,8 @@ so the client path's cost per response is paid per response, not per token.
 
 Invariants: a :class:`TokenStream` is registered before its generation request is sent,
 so no event can arrive unclaimed; :meth:`TokenStream.next` never waits longer than
-``stall_seconds``; a stream left before generation sent its final event (client cancel,
+``stall_seconds``, and after every ``PROBE_SECONDS`` of silence it asks whether the
+generation server was lost (then it raises :class:`GenerationLost` at once); a stream left before generation sent its final event (client cancel,
 stall, a failing send, an error, task cancellation) sends generation a stop, addressed
 to the control socket that generation named when it accepted the request. The socket
 file and its private directory are gone once :meth:`TokenInbox.close` returns.
@@ -21,17 +22,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Awaitable
+from typing import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
 from triton_disagg.serving import token_wire
-from triton_disagg.serving.orchestrator import EngineError
+from triton_disagg.serving.orchestrator import EngineError, GenerationLost
 from triton_disagg.serving.token_wire import TokenEvent, WireError
 from triton_disagg.serving.zmq_endpoints import Endpoint, bind, push_socket
 
 STOP_HIGH_WATER_MARK = 100
+PROBE_SECONDS = 1.0        # silence after which the stream asks if generation was lost
 STOP_LINGER_MS = 500
 _log = logging.getLogger(__name__)
 
@@ -55,18 +57,15 @@ class TokenStream:
                               f"{self.inbox.stall_seconds:g} s (generation_server.stall_seconds)"
                               ) from None
 
-    async def next(self) -> TokenEvent:
+    async def next(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None = None
+                   ) -> TokenEvent:
         """The next event merged with every later one already waiting (tokens in order; an
         error event is never merged, it comes next on its own); EngineError for an error
-        event or ``stall_seconds`` of silence."""
+        event or ``stall_seconds`` of silence; what ``lost()`` returns (asked after every
+        ``PROBE_SECONDS`` of silence) when it is not None."""
         event, self.held = self.held, None
         if event is None:
-            try:
-                event = await asyncio.wait_for(self.events.get(), self.inbox.stall_seconds)
-            except asyncio.TimeoutError:
-                raise EngineError(f"generation sent no token for {self.inbox.stall_seconds:g} s "
-                                  f"(generation_server.stall_seconds); the request was stopped"
-                                  ) from None
+            event = await self._wait(lost)
         while not event.final and not self.events.empty():
             later = self.events.get_nowait()
             if later.error is not None:
@@ -77,6 +76,23 @@ class TokenStream:
         if event.error is not None:
             raise EngineError(event.error)
         return event
+
+    async def _wait(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None
+                    ) -> TokenEvent:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.inbox.stall_seconds
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(),
+                                              max(0.0, min(PROBE_SECONDS, deadline - loop.time())))
+            except asyncio.TimeoutError:
+                pass
+            if loop.time() >= deadline:
+                raise EngineError(f"generation sent no token for {self.inbox.stall_seconds:g} s "
+                                  f"(generation_server.stall_seconds); the request was stopped")
+            gone = await lost() if lost is not None else None
+            if gone is not None:
+                raise gone
 
     def __enter__(self) -> "TokenStream":
         return self

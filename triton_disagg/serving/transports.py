@@ -15,8 +15,11 @@ Over gRPC each call goes to the server its role's
 once its server has left the pool and no call uses it). A context server that fails
 before it answers (UNAVAILABLE: refused, reset, unreachable; DEADLINE_EXCEEDED) is tried
 once more on another context server: a context call has no effect but KV that its lease
-reclaims. A generation server is never retried: one that did accept a request whose
-answer was lost would stream it twice. Either failure reaches the client as one line
+reclaims. A generation server that does not answer, or whose request's token stream
+went silent and which then fails a liveness probe (``is_server_live`` within
+``PROBE_TIMEOUT_SECONDS``), is lost: :class:`GenerationLost` makes the orchestrator
+migrate the request under a new id on a route that avoids it (a server that did accept
+it after all streams to an id nobody waits for). Failures reach the client as one line
 naming the role and the url(s) tried, and the router passes that server over for a while
 (:meth:`~triton_disagg.serving.router.Router.unanswered`).
 """
@@ -28,12 +31,13 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.serving.orchestrator import ContextBusy, EngineError
+from triton_disagg.serving.orchestrator import ContextBusy, EngineError, GenerationLost
 from triton_disagg.serving.router import NoServer, Router
 from triton_disagg.serving.tensors import scalar, to_batched
 
 UNANSWERED = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 CONTEXT_ATTEMPTS = 2       # a context server that does not answer: once more on another
+PROBE_TIMEOUT_SECONDS = 1.0   # a generation server that is not live by then is lost
 _SPECS = {"context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
           "generation": (P.GENERATION_INPUTS, P.GENERATION_OUTPUTS)}
 
@@ -79,7 +83,8 @@ class BLSTransport:
     def __init__(self, pb_utils: Any):
         self.pb = pb_utils
 
-    def route(self, request_id: str) -> "BLSRoute":
+    def route(self, request_id: str, avoid: frozenset[str] = frozenset()) -> "BLSRoute":
+        """Generation is this server's own model: never lost, so nothing to avoid."""
         return BLSRoute(self.pb, request_id)
 
 
@@ -112,6 +117,10 @@ class BLSRoute:
         outputs = await self._exec("generation", inputs, _parameters(request_type, token_address))
         return _control_address(outputs)
 
+    async def lost(self) -> None:
+        """Generation runs in this server: if it died, so did the orchestrator."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -127,8 +136,8 @@ class GrpcTransport:
         self.clients: dict[str, Any] = {}
         self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
 
-    def route(self, request_id: str) -> "GrpcRoute":
-        return GrpcRoute(self, request_id)
+    def route(self, request_id: str, avoid: frozenset[str] = frozenset()) -> "GrpcRoute":
+        return GrpcRoute(self, request_id, avoid)
 
     def routed(self, role: str, url: str) -> None:
         if self.observer is not None:
@@ -137,6 +146,18 @@ class GrpcTransport:
     def retried(self, role: str, url: str) -> None:
         if self.observer is not None:
             self.observer.retried(role, url)
+
+    async def live(self, url: str) -> str | None:
+        """None when the server at ``url`` says it is live within ``PROBE_TIMEOUT_SECONDS``,
+        else why not (one line)."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            if await self._client(url).is_server_live(client_timeout=PROBE_TIMEOUT_SECONDS):
+                return None
+            return "it says it is not live"
+        except InferenceServerException as exc:
+            return f"liveness probe: {exc.status()}"
 
     async def infer(self, url: str, model: str, request_id: str, inputs: dict,
                     parameters: dict[str, str]) -> dict[str, np.ndarray]:
@@ -186,10 +207,11 @@ class GrpcTransport:
 
 class GrpcRoute:
     """One request's calls over gRPC. Its context call's lease ends when context answers;
-    its generation lease lasts until :meth:`close` (the request ended)."""
+    its generation lease lasts until :meth:`close` (the request ended). Its generation call
+    goes to no server in ``avoid``."""
 
-    def __init__(self, transport: GrpcTransport, request_id: str):
-        self.transport, self.request_id = transport, request_id
+    def __init__(self, transport: GrpcTransport, request_id: str, avoid: frozenset[str]):
+        self.transport, self.request_id, self.avoid = transport, request_id, avoid
         self.context_url: str | None = None     # the server that holds the request's KV
         self.generation = None                  # its generation Lease, once accepted
 
@@ -223,16 +245,29 @@ class GrpcRoute:
 
     async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
         tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
-        lease = self.transport.routers["generation"].take(tokens)
+        lease = self.transport.routers["generation"].take(tokens, self.avoid)
         self.transport.routed("generation", lease.url)
         try:
             outputs = await self.transport.infer(lease.url, "generation", self.request_id, inputs,
                                                  _parameters(request_type, token_address))
+        except Unanswered as exc:
+            lease.release()
+            raise GenerationLost(exc.url, exc.reason) from None
         except BaseException:
             lease.release()
             raise
         self.generation = lease
         return _control_address(outputs)
+
+    async def lost(self) -> GenerationLost | None:
+        if self.generation is None:
+            return None
+        url = self.generation.url
+        reason = await self.transport.live(url)
+        if reason is None:
+            return None
+        self.transport.routers["generation"].unanswered(url)
+        return GenerationLost(url, reason)
 
     def close(self) -> None:
         if self.generation is not None:
