@@ -179,9 +179,12 @@ def _tests_env() -> dict[str, str]:
 
 def grpc_streams(hosts: Hosts, host: str, url: str, max_tokens: int,
                  prompts: list[str]) -> list[str]:
-    """Stream every prompt at once from ``host`` to the ensemble at ``url`` (gRPC); the texts."""
+    """Stream every prompt at once from ``host`` to the ensemble at ``url`` (gRPC); the texts,
+    every one complete."""
     out = hosts.python(host, STREAMS, url, str(max_tokens), "", *prompts)
-    return json.loads(out.splitlines()[-1])
+    outcomes = json.loads(out.splitlines()[-1])
+    assert not any(o["error"] for o in outcomes), [o["error"] for o in outcomes]
+    return [o["text"] for o in outcomes]
 
 
 class HeldStreams:

@@ -156,7 +156,7 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
         assert wrong.strip() == "[]", wrong          # the load saw no error, no wrong text
 
         # a context server killed while registered: its calls go to the other one (no load
-        # runs: a handoff already made on it would fail, and migration is not built yet)
+        # runs: generation's fetch of a handoff already made on it would fail the request)
         before = total(_metrics(hosts, "scheduler"), "disagg_route_retries_total")
         held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts[:8],
                            tmp_path / "go")          # they start well inside the 5 s lease
