@@ -75,6 +75,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/triton-disagg bench serve --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench serve --stream-interval 4 --rates 4,8,12,16,20 --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench handoff --output docs/benchmarks.md
+	$(BIN)/triton-disagg bench remote --output docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) engines checkpoints work
