@@ -1,7 +1,7 @@
 # Everything runs inside .venv, created from the system python3 (3.10+; Debian/Ubuntu:
 # apt-get install python3 python3-venv make). `doctor --install` adds the one system
 # library Triton's Python backend needs (libpython3.X) when it is missing; `make test-tools`
-# adds etcd and iproute2 for the discovery and multi-host tests, as root.
+# adds etcd, iproute2 and prometheus for the discovery, multi-host and Prometheus tests, as root.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -37,21 +37,23 @@ install: venv
 doctor: $(STAMP)
 	$(BIN)/triton-disagg doctor --install
 
-# Programs the tests run besides Python: etcd (the discovery tests start a real one) and
-# ip (iproute2: the multi-host tests make hosts out of network namespaces). As root with
+# Programs the tests run besides Python: etcd (the discovery tests start a real one), ip
+# (iproute2: the multi-host tests make hosts out of network namespaces) and prometheus
+# (tests/test_prometheus.py scrapes a server with docs/observability/prometheus.yml). As root with
 # apt-get the missing ones are installed here; otherwise the tests that need them fail
 # with the command to run (they are never skipped).
 test-tools:
 	@missing=""; \
 	command -v etcd >/dev/null || missing="$$missing etcd-server"; \
 	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "==> installing$$missing with apt-get (for the discovery and multi-host tests)"; \
+	    echo "==> installing$$missing with apt-get (for the discovery, multi-host and Prometheus tests)"; \
 	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else \
-	    echo "missing:$$missing; the discovery and multi-host tests will fail; run: sudo apt-get install$$missing"; \
+	    echo "missing:$$missing; the tests that run them will fail; run: sudo apt-get install$$missing"; \
 	  fi; \
 	fi
 

@@ -26,16 +26,16 @@ def test_p50_bucket_is_the_first_bound_reaching_half():
 def _scrape(buckets: dict[str, int], total: float, other_instance: int = 0) -> dict:
     lines = []
     for le, count in buckets.items():
-        lines.append(f'disagg_kv_transfer_seconds_bucket{{instance="g_0",le="{le}",'
+        lines.append(f'disagg_kv_transfer_seconds_bucket{{model_instance="g_0",le="{le}",'
                      f'role="generation",strategy="direct_transfer"}} {count}')
-        lines.append(f'disagg_kv_transfer_seconds_bucket{{instance="g_1",le="{le}",'
+        lines.append(f'disagg_kv_transfer_seconds_bucket{{model_instance="g_1",le="{le}",'
                      f'role="generation",strategy="direct_transfer"}} {other_instance}')
-        lines.append(f'disagg_kv_transfer_seconds_bucket{{instance="g_0",le="{le}",'
+        lines.append(f'disagg_kv_transfer_seconds_bucket{{model_instance="g_0",le="{le}",'
                      f'role="generation",strategy="host_memory"}} 99')
     count = list(buckets.values())[-1]
-    lines += [f'disagg_kv_transfer_seconds_sum{{instance="g_0",role="generation",'
+    lines += [f'disagg_kv_transfer_seconds_sum{{model_instance="g_0",role="generation",'
               f'strategy="direct_transfer"}} {total}',
-              f'disagg_kv_transfer_seconds_count{{instance="g_0",role="generation",'
+              f'disagg_kv_transfer_seconds_count{{model_instance="g_0",role="generation",'
               f'strategy="direct_transfer"}} {count}']
     return parse("\n".join(lines))
 

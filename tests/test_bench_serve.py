@@ -58,8 +58,8 @@ def test_metrics_parsing_and_model_times():
             f'nv_inference_exec_count{{model="ensemble",version="1"}} {n}',
             f'nv_inference_compute_infer_duration_us{{model="postprocessing",version="1"}} {n * 1000}',
             f'nv_inference_queue_duration_us{{model="postprocessing",version="1"}} {n * 10}',
-            f'disagg_kv_blocks_used{{instance="generation_0_0",role="generation"}} {n}',
-            'disagg_kv_blocks_used{instance="context_0_0",role="context"} 1'])
+            f'disagg_kv_blocks_used{{model_instance="generation_0_0",role="generation"}} {n}',
+            'disagg_kv_blocks_used{model_instance="context_0_0",role="context"} 1'])
     before, after = parse(text(10)), parse(text(30))
     assert total(after, "disagg_kv_blocks_used") == 31
     assert total(after, "disagg_kv_blocks_used", role="context") == 1

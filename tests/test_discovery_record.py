@@ -45,11 +45,11 @@ def test_not_json():
 
 METRICS = """\
 # TYPE disagg_kv_blocks_used gauge
-disagg_kv_blocks_used{instance="generation_0_0",role="generation"} 3
-disagg_kv_blocks_used{instance="generation_1_0",role="generation"} 5
-disagg_kv_blocks_used{instance="orchestrator_0_0",role="orchestrator"} 50
-disagg_kv_blocks_total{instance="generation_0_0",role="generation"} 64
-disagg_kv_blocks_total{instance="generation_1_0",role="generation"} 64
+disagg_kv_blocks_used{model_instance="generation_0_0",role="generation"} 3
+disagg_kv_blocks_used{model_instance="generation_1_0",role="generation"} 5
+disagg_kv_blocks_used{model_instance="orchestrator_0_0",role="orchestrator"} 50
+disagg_kv_blocks_total{model_instance="generation_0_0",role="generation"} 64
+disagg_kv_blocks_total{model_instance="generation_1_0",role="generation"} 64
 """
 
 

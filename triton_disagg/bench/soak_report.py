@@ -31,7 +31,7 @@ class StrategyResult:
     drain_seconds: float                     # load's end until every client was done
     tallies: dict[str, Tally]                # client kind -> counts, in table order
     crashes: Crashes
-    pools: dict[str, float]                  # instance -> blocks used after the settle
+    pools: dict[str, float]                  # model instance -> blocks used after the settle
     settle_seconds: float
     rss: list[RssRow]
     rss_window: float                        # seconds of load the RSS rows cover

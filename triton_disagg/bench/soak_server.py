@@ -161,11 +161,12 @@ def _lines(path: Path) -> list[str]:
 
 
 def pool_blocks(metrics_url: str) -> dict[str, float]:
-    """``{instance: disagg_kv_blocks_used}`` from the metrics endpoint."""
+    """``{model instance: disagg_kv_blocks_used}`` from the metrics endpoint."""
     from triton_disagg.bench.serve_metrics import scrape
+    from triton_disagg.serving.metrics import MODEL_INSTANCE
 
     used = scrape(metrics_url).get("disagg_kv_blocks_used", {})
-    return {dict(labels).get("instance", "?"): value for labels, value in used.items()}
+    return {dict(labels).get(MODEL_INSTANCE, "?"): value for labels, value in used.items()}
 
 
 def wait_pools_empty(metrics_url: str, timeout: float) -> tuple[dict[str, float], float]:

@@ -1,8 +1,11 @@
 """The project's Prometheus metrics, published through Triton's metrics endpoint.
 
 Python backend custom metrics (``pb_utils.MetricFamily``); every metric carries
-``role`` (orchestrator / context / generation) and ``instance`` (the Triton
-model instance name) labels, so instances of one model never share a series.
+``role`` (orchestrator / context / generation) and ``model_instance`` (the Triton
+model instance name) labels, so instances of one model never share a series. The
+label is not ``instance``: Prometheus gives every scraped series ``instance`` (the
+scrape target, host:port), and a target's own ``instance`` would be stored as
+``exported_instance``.
 
 - ``disagg_kv_blocks_used`` / ``disagg_kv_blocks_total`` (gauges): the instance's pool.
 - ``disagg_kv_transfer_bytes_total`` (counter), ``disagg_kv_transfer_seconds``
@@ -82,13 +85,14 @@ class _Ignored:
 
 
 _IGNORED = _Ignored()
+MODEL_INSTANCE = "model_instance"   # the label naming the Triton model instance (see above)
 CLOSE_WAIT_SECONDS = 5.0      # for the writer to apply what was queued before close
 _log = logging.getLogger(__name__)
 
 
 class Metrics:
     def __init__(self, pb_utils: Any, role: str, instance: str):
-        self.pb, self.labels = pb_utils, {"role": role, "instance": instance}
+        self.pb, self.labels = pb_utils, {"role": role, MODEL_INSTANCE: instance}
         kinds = {"GAUGE": pb_utils.MetricFamily.GAUGE, "COUNTER": pb_utils.MetricFamily.COUNTER,
                  "HISTOGRAM": pb_utils.MetricFamily.HISTOGRAM}
         self.families = {key: pb_utils.MetricFamily(name=name, description=doc, kind=kinds[kind])
