@@ -75,7 +75,7 @@ test: $(TEST_STAMP) doctor test-tools
 bench: $(TEST_STAMP)
 	$(BIN)/triton-disagg bench engine --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench serve --output docs/benchmarks.md
-	$(BIN)/triton-disagg bench serve --stream-interval 4 --rates 4,8,12,16,20 --output docs/benchmarks.md
+	$(BIN)/triton-disagg bench serve --stream-interval 4 --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench handoff --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench remote --output docs/benchmarks.md
 

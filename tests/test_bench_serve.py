@@ -1,5 +1,5 @@
-"""`bench serve`: its statistics, and a tiny sweep of both modes end to end (report structure
-and plausible values)."""
+"""`bench serve`: its statistics, where its rate sweep stops, and tiny runs of both modes end
+to end (report structure and plausible values; a sweep stopped by a missed SLO)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from triton_disagg.bench import serve_cli
 from triton_disagg.bench.serve_load import LoadRun, Outcome, arrival_times
 from triton_disagg.bench.serve_servers import placement
 from triton_disagg.bench.serve_stats import SLO, Percentiles, Summary, goodput, summarize
+from triton_disagg.bench.serve_sweep import Sweep, verdicts
 from triton_disagg.clients.stream import GenerateRequest, Measurement
+from triton_disagg.errors import UserError
 
 
 def _measured(ttft: float, gaps: list[float]) -> Measurement:
@@ -27,6 +29,16 @@ def _measured(ttft: float, gaps: list[float]) -> Measurement:
         m.on_response("b", 3, i + 2, at=at)
     m.end = at
     return m
+
+
+def _row(rate: float, attainment: float, mode: str = "m") -> Summary:
+    return Summary(mode, rate, 1, 0, 1, 1, 1, None, None, None, attainment)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    serve_cli.add_serve_parser(parser.add_subparsers(dest="kind"))
+    return parser
 
 
 def test_summary_attainment_and_goodput():
@@ -42,10 +54,9 @@ def test_summary_attainment_and_goodput():
     assert s.ttft.p50 == pytest.approx(0.05) and s.ttft.p99 <= 0.2
     assert Percentiles.of([]) is None
 
-    def row(rate, attainment):
-        return Summary("m", rate, 1, 0, 1, 1, 1, None, None, None, attainment)
-    assert goodput([row(2, 1.0), row(4, 0.95), row(8, 0.5), row(math.inf, 1.0), row(0, 1)]) == 4
-    assert goodput([row(2, 0.1)]) is None
+    assert goodput([_row(2, 1.0), _row(4, 0.95), _row(8, 0.5), _row(math.inf, 1.0),
+                    _row(0, 1)]) == 4
+    assert goodput([_row(2, 0.1)]) is None
 
 
 def test_metrics_parsing_and_model_times():
@@ -82,8 +93,7 @@ def test_poisson_arrivals_and_placement():
 
 
 def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
-    parser = argparse.ArgumentParser()
-    serve_cli.add_serve_parser(parser.add_subparsers(dest="kind"))
+    parser = _parser()
     doc = tmp_path / "docs" / "benchmarks.md"
     doc.parent.mkdir()
     doc.write_text("# Benchmarks\n\nkept text\n")
@@ -106,8 +116,11 @@ def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
                     "client (this benchmark)"):
         assert cpu[("disaggregated", process)] > 0, process
     assert ("aggregated", "context_0_0") not in cpu and cpu[("aggregated", "generation_0_0")] > 0
+    assert "Rates: 2, 4 req/s (--rates), every rate for every mode" in text
     for mode in ("disaggregated", "aggregated"):
         assert f"- **{mode}**: TTFT p50" in text
+        assert re.search(rf"- \*\*{mode}\*\* (missed the SLO first at|met the SLO at every "
+                         rf"swept rate, up to 4 req/s)", text), mode
         for rate in ("serial", "2", "4", "burst"):
             assert f"| {mode} | {rate} |" in text
     for png in ("serve_latency.png", "serve_throughput.png"):
@@ -126,3 +139,81 @@ def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
         assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] < 30, r
         assert 0 < tpot["p50"] <= tpot["p99"] < 5, r
         assert r["token_throughput"] > 0 and 0 <= r["attainment"] <= 1
+
+
+def _swept(sweep: Sweep, mode: str, attainment: dict) -> tuple[list[Summary], list[str], list]:
+    """Run ``sweep`` with ``attainment[rate]`` as each point's result: (points, what it said,
+    (index, rate) of every measure call)."""
+    said, calls = [], []
+
+    def measure(i: int, rate: float) -> Summary:
+        calls.append((i, rate))
+        return _row(rate, attainment[rate], mode)
+    return sweep.run(mode, measure, said.append), said, calls
+
+
+def test_stepped_sweep_goes_on_until_each_mode_misses_its_slo():
+    sweep = Sweep.stepped(4, 30)
+    assert sweep.rates == (4, 8, 12, 16, 20, 24, 28) and sweep.until_miss
+    # disaggregated meets it up to 12 (0.95 >= 0.9), misses at 16; 20 would pass again
+    disagg, said, calls = _swept(sweep, "disaggregated", {4: 1, 8: 1, 12: 0.95, 16: 0.5, 20: 1})
+    assert [p.rate for p in disagg] == [4, 8, 12, 16] and calls[-1] == (3, 16)
+    assert said[0] == "disaggregated: rate 4 req/s (point 1 of at most 7)"
+    assert said[-1].startswith("disaggregated missed its SLO at 16 req/s (50% attainment)")
+    aggregated, _, _ = _swept(sweep, "aggregated", {4: 1, 8: 0.89})
+    assert [p.rate for p in aggregated] == [4, 8]
+    never, said, _ = _swept(sweep, "aggregated", dict.fromkeys(sweep.rates, 1.0))
+    assert [p.rate for p in never] == list(sweep.rates)
+    assert "met its SLO up to the cap of 28 req/s" in said[-1]
+
+    lines = verdicts(disagg + aggregated, ["disaggregated", "aggregated"], sweep)
+    assert lines == ["- **disaggregated** missed the SLO first at 16 req/s (50% attainment); "
+                     "its sweep stopped there.",
+                     "- **aggregated** missed the SLO first at 8 req/s (89% attainment); its "
+                     "sweep stopped there."]
+    (floor,) = verdicts(never, ["aggregated"], sweep)
+    assert "every swept rate, up to 28 req/s: its goodput is a floor" in floor
+    assert goodput(disagg) == 12 and goodput(aggregated) == 4
+
+
+def test_explicit_rates_are_all_swept_and_the_flags_are_checked():
+    sweep = Sweep.explicit([2, 8, 4])
+    points, said, calls = _swept(sweep, "aggregated", {2: 1, 8: 0, 4: 1})
+    assert calls == [(0, 2), (1, 8), (2, 4)] and len(said) == 3
+    (line,) = verdicts(points, ["aggregated"], sweep)
+    assert line == ("- **aggregated** missed the SLO first at 8 req/s (0% attainment); it "
+                    "missed at 1 of its 3 swept rates.")
+
+    default = serve_cli._sweep(_parser().parse_args(["serve"]))
+    assert default.until_miss and default.rates[:2] == (4, 8) and default.rates[-1] == 64
+    assert serve_cli._sweep(_parser().parse_args(["serve", "--rate-step", "0.5", "--max-rate",
+                                                  "1.2"])).rates == (0.5, 1.0)
+    assert serve_cli._sweep(_parser().parse_args(["serve", "--rates", "3,1"])).rates == (3, 1)
+    with pytest.raises(UserError, match="leave out --rate-step"):
+        serve_cli._sweep(_parser().parse_args(["serve", "--rates", "3", "--max-rate", "9"]))
+    for step, cap in ((0, 4), (4, 2), (-1, 4)):
+        with pytest.raises(UserError, match="need 0 < step <= max rate"):
+            Sweep.stepped(step, cap)
+
+
+def test_a_missed_slo_stops_each_modes_sweep_at_its_first_rate(demo_engine, tmp_path, capsys):
+    """A real run with an SLO nothing can meet (1 microsecond to first token): both modes
+    stop after the first rate of a 2, 4, 6 sweep, and the report says where and why."""
+    args = _parser().parse_args([
+        "serve", "--engine", str(demo_engine), "--rate-step", "2", "--max-rate", "6",
+        "--duration", "1", "--serial-requests", "1", "--burst-requests", "2",
+        "--prompt-tokens", "8", "--output-tokens", "4", "--slo-ttft-ms", "0.001",
+        "--work-dir", str(tmp_path / "work"), "--json", str(tmp_path / "serve.json")])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+
+    rows = json.loads((tmp_path / "serve.json").read_text())["summaries"]
+    modes = ("disaggregated", "aggregated")
+    assert [(r["mode"], r["rate"]) for r in rows if r["mode"] in modes] == [
+        (m, r) for m in modes for r in (0, 2.0, math.inf)]
+    assert all(r["failed"] == 0 and r["attainment"] == 0 for r in rows), rows
+    for mode in modes:
+        assert f"{mode} missed its SLO at 2 req/s (0% attainment): its sweep stops here" in err
+        assert (f"- **{mode}** missed the SLO first at 2 req/s (0% attainment); its sweep "
+                f"stopped there.") in out
+    assert "Rates: 2, 4, 6 req/s, each mode until it misses the SLO" in out

@@ -5,15 +5,18 @@ Order of a run (every server on the same cores, one at a time):
 1. the in-process baseline (:mod:`serve_inproc`): the serial and burst request
    sets on :class:`LLMEngine` in this process;
 2. per mode: start the server, warm it up, then the serial set, one Poisson
-   run per ``--rates`` entry (``rate x --duration`` requests) and the burst
+   run per rate of the sweep (``rate x --duration`` requests; :mod:`serve_sweep`:
+   by default ``--rate-step``, twice that, ... until the mode misses its SLO or
+   reaches ``--max-rate``; with ``--rates``, exactly those) and the burst
    set (:mod:`serve_load`), reading each server process's CPU time around the burst
    (:mod:`process_cpu`), then stop it;
 3. the figures (:mod:`serve_stats`), markdown and plots (:mod:`serve_report`):
    printed, and with ``--output`` kept as the ``serve`` section of that file
    with the PNGs in ``--img-dir``.
 
-Invariant: every mode and the baseline get the same requests (same seed), so
-their rows compare one to one.
+Invariant: every mode and the baseline get the same requests (same seed; the
+i-th rate of the sweep gets the same set in every mode), so their rows compare
+one to one.
 """
 
 from __future__ import annotations
@@ -32,19 +35,26 @@ from triton_disagg.bench.args import number_list
 from triton_disagg.errors import UserError
 
 WARMUP_REQUESTS = 4
+RATE_STEP, MAX_RATE = 4.0, 64.0     # the default sweep: 4, 8, ... req/s, at most up to 64
 
 
 def add_serve_parser(kinds) -> None:
     p = kinds.add_parser(
         "serve", help="TTFT, per-token latency, throughput and goodput through Triton, "
                       "disaggregated vs aggregated, and the serving overhead",
-        description="Open-loop Poisson load at a sweep of request rates against `serve all`, "
+        description="Open-loop Poisson load at rising request rates against `serve all`, "
                     "disaggregated and aggregated in turn on the same cores, plus the engine "
                     "in-process on the same prompts.")
     p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
                                                "built under --work-dir)")
     p.add_argument("--modes", default="disaggregated,aggregated")
-    p.add_argument("--rates", default="2,4,8,12", help="requests/s, comma-separated")
+    p.add_argument("--rates", help="requests/s, comma-separated: sweep exactly these, every "
+                                   "one in every mode (default: the stepped sweep below)")
+    p.add_argument("--rate-step", type=float,
+                   help=f"the default sweep: STEP, 2 x STEP, ... req/s, each mode until it "
+                        f"misses its SLO (default {RATE_STEP:g})")
+    p.add_argument("--max-rate", type=float,
+                   help=f"the default sweep's cap in req/s (default {MAX_RATE:g})")
     p.add_argument("--duration", type=float, default=12.0,
                    help="seconds of arrivals per rate (default 12)")
     p.add_argument("--prompt-tokens", default="uniform:32,128", help="length distribution")
@@ -53,8 +63,11 @@ def add_serve_parser(kinds) -> None:
                    help="requests sent one at a time (unloaded latency, overhead)")
     p.add_argument("--burst-requests", type=int, default=64,
                    help="requests sent at once (saturation throughput, overhead)")
-    p.add_argument("--slo-ttft-ms", type=float, default=200.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=200.0,
+                   help="SLO: time to first token (default 200)")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0,
+                   help="SLO: time per output token (default 50); a rate meets the SLO when "
+                        "90%% of its requests meet both")
     p.add_argument("--cpus", help="cores for every configuration, e.g. 0,1 (default: all usable)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="generation_server.stream_interval for both modes (default 1: a "
@@ -82,6 +95,18 @@ def _engine(args: argparse.Namespace, say) -> Path:
     return engine.resolve()
 
 
+def _sweep(args: argparse.Namespace):
+    from triton_disagg.bench.serve_sweep import Sweep
+
+    if args.rates is None:
+        return Sweep.stepped(RATE_STEP if args.rate_step is None else args.rate_step,
+                             MAX_RATE if args.max_rate is None else args.max_rate)
+    if args.rate_step is not None or args.max_rate is not None:
+        raise UserError("--rates sweeps exactly the rates given; leave out --rate-step and "
+                        "--max-rate, or --rates")
+    return Sweep.explicit(number_list(args.rates, "--rates"))
+
+
 def make_requests(n: int, args: argparse.Namespace, tokenizer, seed: int) -> list:
     """``n`` streaming, greedy requests with end id off (exactly ``max_tokens`` tokens each)."""
     from triton_disagg.clients.stream import GenerateRequest
@@ -100,14 +125,14 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.serve_load import run_load
     from triton_disagg.bench.process_cpu import cpu_delta, server_cpu
     from triton_disagg.bench.serve_servers import MODES, serving
-    from triton_disagg.bench.serve_stats import SLO, summarize
+    from triton_disagg.bench.serve_stats import SLO, Summary, summarize
     from triton_disagg.engine.tokenizer import Tokenizer
 
     began = time.monotonic()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
         raise UserError(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
-    rates = number_list(args.rates, "--rates")
+    sweep = _sweep(args)
     cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
              else sorted(os.sched_getaffinity(0)))
     if args.serial_requests < 1 or args.burst_requests < 1 or args.duration <= 0:
@@ -123,17 +148,16 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(engine)
     serial = make_requests(args.serial_requests, args, tokenizer, args.seed)
     burst = make_requests(args.burst_requests, args, tokenizer, args.seed + 1)
-    sweep = {r: make_requests(max(1, round(r * args.duration)), args, tokenizer,
-                              args.seed + 2 + i) for i, r in enumerate(rates)}
     summaries, times = [], {}
 
-    def keep(mode: str, load_run) -> None:
+    def keep(mode: str, load_run) -> Summary:
         s = summarize(mode, load_run, slo)
         summaries.append(s)
         ttft = "–" if s.ttft is None else f"{s.ttft.p50 * 1e3:.1f} ms"
         say(f"{mode:>13} rate {s.rate:g}: {s.sent - s.failed}/{s.sent} done, "
             f"{s.token_throughput:.0f} tok/s, TTFT p50 {ttft}, attainment {s.attainment:.0%}"
             + (f", errors: {'; '.join(s.errors)}" if s.errors else ""))
+        return s
 
     say(f"in-process baseline on {len(cores)} thread(s)")
     baseline = InProcessEngine(engine, threads=len(cores))
@@ -146,9 +170,13 @@ def run(args: argparse.Namespace) -> int:
                      args.stream_interval) as served:
             run_load(served.grpc, make_requests(WARMUP_REQUESTS, args, tokenizer, -1), math.inf)
             keep(mode, run_load(served.grpc, serial, 0))
-            for i, rate in enumerate(rates):
-                keep(mode, run_load(served.grpc, sweep[rate], rate, seed=args.seed + i,
-                                    deadline=args.duration * 4 + 60))
+
+            def point(i: int, rate: float) -> Summary:
+                requests = make_requests(max(1, round(rate * args.duration)), args, tokenizer,
+                                         args.seed + 2 + i)
+                return keep(mode, run_load(served.grpc, requests, rate, seed=args.seed + i,
+                                           deadline=args.duration * 4 + 60))
+            sweep.run(mode, point, say)
             before = server_cpu(served.pid)
             burst_run = run_load(served.grpc, burst, math.inf)
             rows = cpu_delta(before, server_cpu(served.pid))
@@ -158,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
     shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
     setup = serve_report.Setup(shown, tuple(cores), args.prompt_tokens, args.output_tokens,
-                               slo, time.monotonic() - began, args.stream_interval)
+                               slo, sweep, time.monotonic() - began, args.stream_interval)
     # The default run owns section "serve"; another interval keeps a section of its own.
     section, title = "serve", "Serving: disaggregated vs aggregated"
     if args.stream_interval != 1:

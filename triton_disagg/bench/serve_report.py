@@ -2,8 +2,10 @@
 
 Rows come from :class:`serve_stats.Summary`; rate 0 is shown as "serial" (one
 request at a time), ``inf`` as "burst" (all at once). Invariant: the verdict
-lines state the target, the measured value and whether it holds, so the
-section reads correctly on its own whatever the numbers are.
+lines state the target, the measured value and whether it holds, and say where
+each mode first missed its SLO or that its goodput is only a floor
+(:func:`serve_sweep.verdicts`), so the section reads correctly on its own
+whatever the numbers are.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from triton_disagg.bench.serve_stats import SLO, Percentiles, Summary, goodput
+from triton_disagg.bench.serve_stats import GOODPUT_ATTAINMENT, SLO, Percentiles, Summary, goodput
+from triton_disagg.bench.serve_sweep import Sweep, verdicts
 
 TTFT_ADDED_MAX = 0.010          # overhead target: at most 10 ms added TTFT at p50
 THROUGHPUT_LOSS_MAX = 0.15      # and at most 15 % output throughput lost at saturation
@@ -29,6 +32,7 @@ class Setup:
     prompt_tokens: str
     output_tokens: str
     slo: SLO
+    sweep: Sweep
     seconds: float               # wall time of the whole run
     stream_interval: int = 1     # generation_server.stream_interval of both modes
 
@@ -122,7 +126,8 @@ def plot(summaries: Sequence[Summary], modes: Sequence[str], slo: SLO, img_dir: 
                               ("time per output token (ms)", lambda s: s.tpot, True,
                                slo.tpot * 1e3)],
         "serve_throughput.png": [("output tokens/s", lambda s: s.token_throughput, False, None),
-                                 ("SLO attainment", lambda s: s.attainment, False, 0.9)],
+                                 ("SLO attainment", lambda s: s.attainment, False,
+                                  GOODPUT_ATTAINMENT)],
     }
     for name, specs in panels.items():
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -163,14 +168,16 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         f"response every {setup.stream_interval} decode step(s)), gRPC streaming client on the "
         f"same cores (its CPU use is the last column). SLO: TTFT <= "
         f"{setup.slo.ttft * 1e3:.0f} ms and time per output token <= {setup.slo.tpot * 1e3:.0f} "
-        f"ms. The whole run took {setup.seconds:.0f} s.",
+        f"ms. Rates: {setup.sweep.describe()}. The whole run took {setup.seconds:.0f} s.",
         "", "### Request-rate sweep (open loop, Poisson arrivals)", "",
         "`serial`: one request at a time (unloaded latency); `burst`: every request at once "
         "(saturation throughput). TPOT is per request, (last - first token) / (tokens - 1); ITL "
         "pools every gap between streamed tokens.", "",
         sweep_table(summaries), "",
-        "**Goodput** (highest swept rate with >= 90% SLO attainment): " + ", ".join(
-            f"{m} {'none' if g is None else f'{g:g} req/s'}" for m, g in good.items()) + ".", "",
+        f"**Goodput** (highest swept rate with >= {GOODPUT_ATTAINMENT:.0%} SLO attainment): "
+        + ", ".join(f"{m} {'none' if g is None else f'{g:g} req/s'}" for m, g in good.items())
+        + ".", "",
+        *verdicts(summaries, modes, setup.sweep), "",
         *[f"![{p.stem}]({os.path.relpath(p, doc_dir)})" for p in images], "",
         "### Serving overhead (Triton vs the engine in-process, same prompts and cores)", "",
         "TTFT at p50 with one request at a time, output tokens/s with every request at once.", "",

@@ -11,7 +11,8 @@ Definitions (client-measured, seconds internally):
 - SLO attainment: share of *all* sent requests that finished without error
   with TTFT <= ``slo.ttft`` and TPOT <= ``slo.tpot`` (a one-token reply has
   no TPOT and meets that half);
-- goodput: the highest swept rate whose attainment is >= ``threshold`` (0.9);
+- goodput: the highest swept rate whose attainment is >= ``threshold``
+  (:data:`GOODPUT_ATTAINMENT`, 0.9); a rate below it misses the SLO;
 - client cores: CPU seconds the load generator spent per second of the run
   (it shares the host's cores with the server).
 
@@ -28,6 +29,8 @@ import numpy as np
 
 from triton_disagg.bench.serve_load import LoadRun
 from triton_disagg.clients.stream import Measurement
+
+GOODPUT_ATTAINMENT = 0.9     # a swept rate meets the SLO when this share of requests did
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ def summarize(mode: str, run: LoadRun, slo: SLO) -> Summary:
         errors=tuple(errors[:3]))
 
 
-def goodput(summaries: Sequence[Summary], threshold: float = 0.9) -> float | None:
+def goodput(summaries: Sequence[Summary],
+            threshold: float = GOODPUT_ATTAINMENT) -> float | None:
     """Highest finite, positive rate of ``summaries`` with attainment >= ``threshold``."""
     good = [s.rate for s in summaries
             if 0 < s.rate and not math.isinf(s.rate) and s.attainment >= threshold]
