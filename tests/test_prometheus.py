@@ -4,7 +4,8 @@ Checked through Prometheus's HTTP API: the project's series keep their own label
 (``model_instance``, ``role``) beside the ``instance`` and ``job`` Prometheus adds, so
 nothing is renamed to ``exported_instance``; and every query of the Grafana dashboard
 returns data, with one distinct legend per series (a legend naming a label Prometheus
-overwrote would show the scrape target for every model instance alike).
+overwrote would show the scrape target for every model instance alike). The soak's
+reader of the pool gauges finds the same model instances on the endpoint itself.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import prometheus_server
 import serving
 from serving import PROMPTS
+from triton_disagg.bench.soak_server import pool_blocks
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "observability" / "grafana-dashboard.json"
 RATE_WINDOW = "30s"          # stands in for Grafana's $__rate_interval (>= 4 scrape intervals)
@@ -61,6 +63,7 @@ def test_prometheus_keeps_the_labels_and_the_dashboard_answers(demo_engine, tmp_
         exported = prom.query('{exported_instance!=""}')
         answers = {t["expr"]: prom.query(t["expr"].replace("$__rate_interval", RATE_WINDOW))
                    for t in _dashboard_targets()}
+        pools = pool_blocks(served.metrics)
 
     target = urllib.parse.urlsplit(served.metrics).netloc
     assert project and not exported, exported[:3]
@@ -85,6 +88,7 @@ def test_prometheus_keeps_the_labels_and_the_dashboard_answers(demo_engine, tmp_
         assert len(set(legends)) == len(legends), (t["expr"], legends)
     per_instance = answers["disagg_kv_blocks_used"]
     assert {s["metric"]["model_instance"] for s in per_instance} >= generation
+    assert set(pools) == {s["metric"]["model_instance"] for s in per_instance}, pools
     by_outcome = {s["metric"]["outcome"]: float(s["value"][1]) for s in answers[
         'sum by (outcome) (rate(disagg_requests_total{role="orchestrator"}[$__rate_interval]))']}
     assert by_outcome["finished"] > 0, by_outcome
