@@ -203,7 +203,8 @@ def test_a_missed_slo_stops_each_modes_sweep_at_its_first_rate(demo_engine, tmp_
         "serve", "--engine", str(demo_engine), "--rate-step", "2", "--max-rate", "6",
         "--duration", "1", "--serial-requests", "1", "--burst-requests", "2",
         "--prompt-tokens", "8", "--output-tokens", "4", "--slo-ttft-ms", "0.001",
-        "--work-dir", str(tmp_path / "work"), "--json", str(tmp_path / "serve.json")])
+        "--work-dir", str(tmp_path / "work"), "--img-dir", str(tmp_path / "img"),
+        "--json", str(tmp_path / "serve.json")])
     assert args.func(args) == 0
     out, err = capsys.readouterr()
 
@@ -217,3 +218,5 @@ def test_a_missed_slo_stops_each_modes_sweep_at_its_first_rate(demo_engine, tmp_
         assert (f"- **{mode}** missed the SLO first at 2 req/s (0% attainment); its sweep "
                 f"stopped there.") in out
     assert "Rates: 2, 4, 6 req/s, each mode until it misses the SLO" in out
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
+        "serve_latency.png", "serve_throughput.png"]
