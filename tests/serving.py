@@ -32,6 +32,13 @@ READY_POLL = 0.3               # seconds between looks for a serve command's rea
 PROMPTS = ["The quick brown fox", "日本語と中文的文字", "emoji 🎉🚀 party", "a"]
 
 
+def cli_argv(argv: list[str]) -> list[str]:
+    """A ``triton-disagg ...`` command line run by this interpreter (``python -m
+    triton_disagg.cli ...``), as the console script would run it."""
+    assert argv[0] == "triton-disagg", argv
+    return [sys.executable, "-m", "triton_disagg.cli", *argv[1:]]
+
+
 @dataclass
 class Served:
     process: subprocess.Popen

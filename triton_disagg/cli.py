@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = (
     "triton_disagg.bench.cli",               # bench engine|serve
     "triton_disagg.launch.serve_cli",        # serve all|context|generation|scheduler
     "triton_disagg.launch.doctor_cli",       # doctor
+    "triton_disagg.launch.k8s_cli",          # launch k8s
     "triton_disagg.clients.cli",             # client
 )
 

@@ -19,7 +19,9 @@ before it ends in an error and generation is told to stop it; default 30); a
 ``scheduler_server: {url, http_port, metrics_port, instances}`` for ``serve scheduler``
 (``instances``: orchestrator instances, in ``serve all`` too; default 1);
 ``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
-context and generation urls name two hosts (see :func:`_check_kv_hosts`).
+context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
+``kubernetes:`` section is read by ``launch k8s`` alone
+(:mod:`triton_disagg.config_kubernetes`).
 
 Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`` (a
 static pool; ``url`` stays the way to name one server, and ``url: X`` equals
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from triton_disagg.config_kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.config_values import (count, int_list, is_loopback, mapping, number,
                                          parse_size, parse_url)
 from triton_disagg.errors import UserError
@@ -140,6 +143,7 @@ class DisaggConfig:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     discovery: DiscoveryConfig | None = None   # None: membership is the urls of the config
     decoupled_mode: bool = True         # False: non-decoupled ensemble, plain infer() works
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)   # launch k8s only
     source: str = "<defaults>"          # where it was loaded from, for messages
 
     def server(self, role: str) -> ServerConfig:
@@ -147,8 +151,10 @@ class DisaggConfig:
                 "scheduler": self.scheduler}[role]
 
 
-def load_config(path: str | Path) -> DisaggConfig:
-    """Read and validate a disagg_config.yaml (see the module docstring)."""
+def load_config(path: str | Path, engine_here: bool = True) -> DisaggConfig:
+    """Read and validate a disagg_config.yaml (see the module docstring). ``engine_here``
+    False: ``model.engine`` need not exist on this host (``launch k8s`` renders for a
+    cluster whose engine lives in a volume)."""
     import yaml
 
     path = Path(path)
@@ -160,13 +166,14 @@ def load_config(path: str | Path) -> DisaggConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise UserError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    return parse_config(raw, base_dir=path.parent, source=str(path))
+    return parse_config(raw, base_dir=path.parent, source=str(path), engine_here=engine_here)
 
 
-def parse_config(raw: Any, base_dir: Path = Path("."), source: str = "<config>") -> DisaggConfig:
+def parse_config(raw: Any, base_dir: Path = Path("."), source: str = "<config>",
+                 engine_here: bool = True) -> DisaggConfig:
     """Validate an already-parsed YAML mapping; messages start with ``source``."""
     try:
-        return _parse(raw, base_dir, source)
+        return _parse(raw, base_dir, source, engine_here)
     except UserError as exc:
         raise UserError(f"{source}: {exc}") from None
 
@@ -208,16 +215,16 @@ def count_gpus() -> int:
     return found
 
 
-def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
+def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggConfig:
     top = mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
                                       "generation_server", "scheduler_server", "kv_cache",
-                                      "discovery"})
+                                      "discovery", "kubernetes"})
     model = mapping(top.get("model"), "model", {"engine"}, required=True)
     if "engine" not in model:
         raise UserError("model.engine: missing; add `model: {engine: engines/demo}` "
                         "(an engine directory from `triton-disagg build`)")
     engine = (base_dir / str(model["engine"])).resolve()
-    if not (engine / "engine.json").is_file():
+    if engine_here and not (engine / "engine.json").is_file():
         raise UserError(f"model.engine: {engine} has no engine.json; build it with "
                         f"`triton-disagg build --checkpoint HF_CHECKPOINT_DIR --output {engine}` "
                         f"(the demo: `make demo`), or fix the path")
@@ -239,7 +246,7 @@ def _parse(raw: Any, base_dir: Path, source: str) -> DisaggConfig:
     discovery = _discovery(top.get("discovery"))
     config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
-        source=source,
+        kubernetes=parse_kubernetes(top.get("kubernetes")), source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",
                            _SERVER_KEYS | {"stream_interval", "stall_seconds",

@@ -1,0 +1,220 @@
+"""The pods of a Kubernetes deployment: one Deployment per unit, the config they read, the
+scheduler's Service and the etcd they register in.
+
+A unit is the roles whose servers share a pod: each of context, generation and scheduler
+alone, except with ``kv_cache.strategy: host_memory``, where context and generation share
+one pod (and its ``/dev/shm``, where the KV cache is staged), one replica of it, since the
+scheduler does not pair a context server with the generation server of its own pod.
+
+Every container runs :func:`launch.serve_argv.serve_argv`: bound to ``0.0.0.0`` on the
+role's ``PORTS``, with HTTP open for the probes (readiness ``/v2/health/ready``, liveness
+and startup ``/v2/health/live``), context and generation advertising ``$(POD_IP)``, which
+the kubelet expands from the downward API. Pods read the user's config as rewritten by
+:func:`pod_config` from a ConfigMap at ``CONFIG_PATH``, and the engine from a PVC mounted
+read-only at ``ENGINES_DIR``.
+
+Invariants: ports are distinct across roles (two roles can share a pod) and their names
+are ``<short role>-<kind>``; every object carries ``labels(k8s)`` and each Deployment
+selects its pods by unit; nothing here depends on which namespace the objects land in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from triton_disagg.config import DisaggConfig
+from triton_disagg.config_kubernetes import IN_CLUSTER, KubernetesConfig
+from triton_disagg.errors import UserError
+from triton_disagg.kv.secret import SECRET_ENV
+
+from .serve_argv import serve_argv
+
+CONFIG_DIR = "/etc/triton-disagg"
+CONFIG_PATH = f"{CONFIG_DIR}/disagg_config.yaml"
+ENGINES_DIR = "/engines"
+PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002},
+         "context": {"http": 8010, "grpc": 8011, "metrics": 8012},
+         "generation": {"http": 8020, "grpc": 8021, "metrics": 8022}}
+SHORT = {"scheduler": "sch", "context": "ctx", "generation": "gen"}
+READY_PATH, LIVE_PATH = "/v2/health/ready", "/v2/health/live"
+SHM_BASE = 64 * 2**20        # Triton's Python-backend regions (Docker's default /dev/shm)
+ETCD_PORT = 2379
+DEFAULT_TTL_SECONDS = 10
+_PLACED = {"url", "urls", "gpus", "cpus", "instances", "http_port", "metrics_port"}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One Deployment: ``roles`` run as containers of each of its pods."""
+
+    name: str                       # the component label and the Deployment's name suffix
+    roles: tuple[str, ...]
+    single: bool = False            # one replica, never autoscaled (host_memory's pair)
+
+
+def units(config: DisaggConfig) -> tuple[Unit, ...]:
+    """The Deployments of ``config`` (module docstring)."""
+    if config.mode == "aggregated":
+        return Unit("generation", ("generation",)), Unit("scheduler", ("scheduler",))
+    if config.kv_cache.strategy == "host_memory":
+        for role in ("context", "generation"):
+            given = config.kubernetes.scaling.get(role)
+            if given is not None and given.max_replicas > 1:
+                raise UserError(f"kubernetes.{role}.max_replicas: {given.max_replicas}, but "
+                                f"with kv_cache.strategy host_memory context and generation "
+                                f"share one pod of one replica (the KV cache is staged in its "
+                                f"/dev/shm); use direct_transfer to scale them")
+        return (Unit("context-generation", ("context", "generation"), single=True),
+                Unit("scheduler", ("scheduler",)))
+    return tuple(Unit(role, (role,)) for role in ("context", "generation", "scheduler"))
+
+
+def labels(k8s: KubernetesConfig, unit: Unit | None = None) -> dict[str, str]:
+    out = {"app.kubernetes.io/name": "triton-disagg", "app.kubernetes.io/instance": k8s.name}
+    if unit is not None:
+        out["app.kubernetes.io/component"] = unit.name
+    return out
+
+
+def metadata(k8s: KubernetesConfig, name: str, unit: Unit | None = None) -> dict:
+    return {"name": name, "labels": labels(k8s, unit)}
+
+
+def etcd_endpoint(k8s: KubernetesConfig) -> str:
+    """host:port the pods register in: the in-cluster etcd's Service, or the external one."""
+    return f"{k8s.name}-etcd:{ETCD_PORT}" if k8s.etcd == IN_CLUSTER else k8s.etcd
+
+
+def pod_config(raw: dict, config: DisaggConfig) -> dict:
+    """The user's config (``raw``, as parsed from YAML) as pods read it: the engine at its
+    place in the volume; discovery through :func:`etcd_endpoint` (prefix and lease from the
+    config's ``discovery``, else ``/triton-disagg/<name>`` and 10 s); per role no urls or
+    ports (flags give them) and no host cores (``instances`` instead; GPUs renumbered from 0,
+    as the device plugin shows them); no ``kubernetes`` section. Everything else as given."""
+    k8s = config.kubernetes
+    out = {key: value for key, value in raw.items() if key != "kubernetes"}
+    out["model"] = {"engine": f"{ENGINES_DIR}/{k8s.engine_path or config.engine.name}"}
+    for role in ("context", "generation"):
+        server = config.server(role)
+        section = {k: v for k, v in (raw.get(f"{role}_server") or {}).items() if k not in _PLACED}
+        section.update({"gpus": list(range(len(server.gpus)))} if server.gpus
+                       else {"instances": server.instances})
+        out[f"{role}_server"] = section
+    out.pop("scheduler_server", None)
+    if config.scheduler.instances > 1:
+        out["scheduler_server"] = {"instances": config.scheduler.instances}
+    found = config.discovery
+    out["discovery"] = {"etcd": etcd_endpoint(k8s),
+                        "prefix": found.prefix if found else f"/triton-disagg/{k8s.name}",
+                        "ttl_seconds": found.ttl_seconds if found else DEFAULT_TTL_SECONDS}
+    return out
+
+
+def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
+    k8s = config.kubernetes
+    staged = config.kv_cache.max_size * config.context.instances if (
+        "context" in unit.roles and config.kv_cache.strategy == "host_memory") else 0
+    pod = {
+        "restartPolicy": "Always",
+        "containers": [_container(role, config, image) for role in unit.roles],
+        "volumes": [
+            {"name": "config", "configMap": {"name": f"{k8s.name}-config"}},
+            {"name": "engines", "persistentVolumeClaim": {"claimName": k8s.engine_pvc,
+                                                          "readOnly": True}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                          "sizeLimit": f"{(SHM_BASE + staged) // 2**20}Mi"}},
+        ],
+    }
+    spec = {"selector": {"matchLabels": labels(k8s, unit)},
+            "template": {"metadata": {"labels": labels(k8s, unit)}, "spec": pod}}
+    if unit.single:
+        spec = {"replicas": 1, **spec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": metadata(k8s, f"{k8s.name}-{unit.name}", unit), "spec": spec}
+
+
+def _container(role: str, config: DisaggConfig, image: str) -> dict:
+    ports, short = PORTS[role], SHORT[role]
+    advertise = None if role == "scheduler" else f"$(POD_IP):{ports['grpc']}"
+    env = [] if role == "scheduler" else [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "UCX_TLS", "value": "tcp"},       # pods of one node share no /dev/shm
+    ]
+    if role != "scheduler" and config.mode == "disaggregated":
+        env.append({"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {
+            "name": config.kubernetes.kv_secret, "key": "secret"}}})
+    http = f"{short}-http"
+    return {
+        "name": role, "image": image,
+        "command": serve_argv(role, CONFIG_PATH, "0.0.0.0", ports["grpc"], ports["metrics"],
+                              http_port=ports["http"], advertise=advertise),
+        "env": env,
+        "ports": [{"name": f"{short}-{kind}", "containerPort": port, "protocol": "TCP"}
+                  for kind, port in ports.items()],
+        "readinessProbe": _probe(READY_PATH, http, period=5, failures=2),
+        "livenessProbe": _probe(LIVE_PATH, http, period=10, failures=3),
+        "startupProbe": _probe(LIVE_PATH, http, period=5, failures=60),   # 5 min to start
+        "resources": _resources(role, config),
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": "engines", "mountPath": ENGINES_DIR, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+
+
+def _probe(path: str, port: str, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "failureThreshold": failures}
+
+
+def _resources(role: str, config: DisaggConfig) -> dict:
+    """GPUs as ``nvidia.com/gpu`` (requests equal to limits, as extended resources must be),
+    else one CPU per pinned core or per model instance."""
+    server = config.server(role)
+    if server.gpus:
+        gpus = {"nvidia.com/gpu": str(len(server.gpus))}
+        return {"requests": gpus, "limits": dict(gpus)}
+    return {"requests": {"cpu": str(len(server.cpus) or server.instances)}}
+
+
+def scheduler_service(config: DisaggConfig) -> dict:
+    """Clients' entry: HTTP 8000, gRPC 8001, metrics 8002, as ``serve all`` serves them."""
+    k8s = config.kubernetes
+    unit = next(u for u in units(config) if "scheduler" in u.roles)
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": metadata(k8s, f"{k8s.name}-scheduler", unit),
+            "spec": {"selector": labels(k8s, unit),
+                     "ports": [{"name": kind, "port": port, "targetPort": f"sch-{kind}",
+                                "protocol": "TCP"}
+                               for kind, port in PORTS["scheduler"].items()]}}
+
+
+def etcd_objects(k8s: KubernetesConfig) -> list[dict]:
+    """A one-member etcd (StatefulSet and Service) when ``kubernetes.etcd`` is in_cluster.
+    Its data is an emptyDir: membership is soft state, every server re-registers under a
+    new lease when etcd lost it (triton_disagg.discovery.registration)."""
+    if k8s.etcd != IN_CLUSTER:
+        return []
+    unit = Unit("etcd", ())
+    name, peer = f"{k8s.name}-etcd", "http://127.0.0.1:2380"
+    command = ["etcd", "--name", "etcd-0", "--data-dir", "/var/lib/etcd",
+               "--listen-client-urls", f"http://0.0.0.0:{ETCD_PORT}",
+               "--advertise-client-urls", f"http://{name}:{ETCD_PORT}",
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"etcd-0={peer}", "--auto-compaction-retention=1"]
+    container = {"name": "etcd", "image": k8s.etcd_image, "command": command,
+                 "ports": [{"name": "client", "containerPort": ETCD_PORT, "protocol": "TCP"}],
+                 "readinessProbe": {"httpGet": {"path": "/health", "port": "client"},
+                                    "periodSeconds": 5},
+                 "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}]}
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": metadata(k8s, name, unit),
+         "spec": {"selector": labels(k8s, unit),
+                  "ports": [{"name": "client", "port": ETCD_PORT, "targetPort": "client",
+                             "protocol": "TCP"}]}},
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata(k8s, name, unit),
+         "spec": {"serviceName": name, "replicas": 1,
+                  "selector": {"matchLabels": labels(k8s, unit)},
+                  "template": {"metadata": {"labels": labels(k8s, unit)},
+                               "spec": {"containers": [container],
+                                        "volumes": [{"name": "data", "emptyDir": {}}]}}}},
+    ]

@@ -1,0 +1,23 @@
+"""YAML as the manifests are written: keys in the order built, multi-line strings (a config,
+the dashboard) as literal blocks, no anchors or aliases, lines never folded."""
+
+from __future__ import annotations
+
+import yaml
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _text(dumper: yaml.SafeDumper, value: str):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value,
+                                   style="|" if "\n" in value else None)
+
+
+_Dumper.add_representer(str, _text)
+
+
+def to_yaml(obj) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=2**16)

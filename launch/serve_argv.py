@@ -1,0 +1,29 @@
+"""The command line that starts one server of a deployment, whoever launches it.
+
+Every launcher writes a role's server as :func:`serve_argv` does: the Kubernetes
+manifests (:mod:`.k8s_workloads`), the multi-host test (tests/test_netns_pools.py) and
+the per-host commands of docs/deploy.md. So what the tests run on network-namespace
+hosts is, flag for flag, what a pod runs.
+"""
+
+from __future__ import annotations
+
+PROGRAM = "triton-disagg"
+ROLES = ("context", "generation", "scheduler")
+
+
+def serve_argv(role: str, config: str, host: str, grpc_port: int, metrics_port: int,
+               http_port: int | None = None, advertise: str | None = None) -> list[str]:
+    """``triton-disagg serve ROLE -c CONFIG --host HOST --grpc-port P --metrics-port P
+    [--http-port P] [--advertise HOST:PORT]``. ``http_port`` opens HTTP (health probes) on
+    context and generation, which otherwise serve gRPC and metrics only; ``advertise`` is
+    for context and generation alone (serve refuses it on the scheduler)."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {ROLES}")
+    argv = [PROGRAM, "serve", role, "-c", config, "--host", host,
+            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+    if http_port is not None:
+        argv += ["--http-port", str(http_port)]
+    if advertise is not None:
+        argv += ["--advertise", advertise]
+    return argv

@@ -1,0 +1,196 @@
+"""``triton-disagg launch k8s`` renders manifests a cluster accepts and that run the serving
+commands (the pods themselves run in tests/test_k8s_commands.py).
+
+- Every object of the example configs (disagg_config.yaml, examples/three_roles.yaml, the
+  2x2 GPU examples/k8s_gpu.yaml) and of the host_memory and aggregated variants validates,
+  strictly (no unknown field), against the Kubernetes KUBERNETES_VERSION schemas of
+  ``kubernetes-validate``, with zero errors. The PodMonitor is a prometheus-operator CRD,
+  which those schemas do not hold: it is NOT schema-checked; instead it is checked against
+  the pods it must scrape (its selector matches every server pod, its ports are theirs).
+- Each container's command is :func:`serve_argv` of its role, and the serve parser takes
+  it; its probes name its HTTP port, which the command opens; the Deployment selects its
+  pods; the HPA targets a Deployment of the render and a metric the adapter rules serve.
+- The pods' config loads and keeps the user's settings.
+- A bad ``kubernetes:`` key is one error line naming it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from triton_disagg.cli import build_parser
+from triton_disagg.config import parse_config
+from triton_disagg.launch.k8s_workloads import CONFIG_PATH, PORTS, READY_PATH, LIVE_PATH
+from triton_disagg.launch.serve_argv import serve_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+KUBERNETES_VERSION = "1.37.0"
+CRD_KINDS = {"PodMonitor"}
+IMAGE = "registry.example.com/triton-disagg:cpu"
+
+
+def render(config: Path, out: Path, *flags: str) -> dict[str, dict]:
+    """Run the CLI as a user does; file name -> object."""
+    done = subprocess.run([sys.executable, "-m", "triton_disagg.cli", "launch", "k8s",
+                           "-c", str(config), "--image", IMAGE, "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(out.glob("*.yaml"))}
+
+
+def schema_errors(objects: dict[str, dict]) -> list[str]:
+    errors = []
+    for name, obj in objects.items():
+        if obj["kind"] in CRD_KINDS or obj["kind"] == "Kustomization":
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{name}: {exc.message} at {list(exc.path)}")
+    return errors
+
+
+def of_kind(objects: dict[str, dict], kind: str) -> list[dict]:
+    return [obj for obj in objects.values() if obj["kind"] == kind]
+
+
+def _variant(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "variant.yaml"
+    path.write_text(f"model: {{engine: {ROOT / 'engines' / 'demo'}}}\n" + text)
+    return path
+
+
+CONFIGS = {
+    "root": lambda tmp: ROOT / "disagg_config.yaml",
+    "three_roles": lambda tmp: ROOT / "examples" / "three_roles.yaml",
+    "gpu_2x2": lambda tmp: ROOT / "examples" / "k8s_gpu.yaml",
+    "host_memory": lambda tmp: _variant(tmp, "kv_cache: {strategy: host_memory, max_size: 512MiB}\n"
+                                             "context_server: {instances: 2}\n"),
+    "aggregated": lambda tmp: _variant(tmp, "mode: aggregated\n"
+                                            "kubernetes: {etcd: \"etcd.example.net:2379\"}\n"),
+}
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
+    objects = render(CONFIGS[which](tmp_path), tmp_path / "out", "--kustomize", "-n", "llm")
+    assert schema_errors(objects) == []
+    kustomization = objects.pop("kustomization.yaml")
+    assert sorted(kustomization["resources"]) == sorted(objects)
+    assert {obj["metadata"]["namespace"] for obj in objects.values()} == {"llm"}
+    assert {obj["kind"] for obj in objects.values()} - {
+        "ConfigMap", "Deployment", "Service", "StatefulSet", "HorizontalPodAutoscaler"} == CRD_KINDS
+
+    serve = build_parser()
+    deployments = {d["metadata"]["name"]: d for d in of_kind(objects, "Deployment")}
+    for deployment in deployments.values():
+        pod = deployment["spec"]["template"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        assert pod["spec"]["restartPolicy"] == "Always"
+        for container in pod["spec"]["containers"]:
+            role, ports = container["name"], PORTS[container["name"]]
+            advertise = None if role == "scheduler" else f"$(POD_IP):{ports['grpc']}"
+            assert container["command"] == serve_argv(role, CONFIG_PATH, "0.0.0.0", ports["grpc"],
+                                                      ports["metrics"], ports["http"], advertise)
+            args = serve.parse_args(container["command"][1:])
+            declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert sorted(declared.values()) == sorted([args.http_port, args.grpc_port,
+                                                        args.metrics_port])
+            for probe, path in (("readinessProbe", READY_PATH), ("livenessProbe", LIVE_PATH),
+                                ("startupProbe", LIVE_PATH)):
+                get = container[probe]["httpGet"]
+                assert get["path"] == path and declared[get["port"]] == args.http_port
+            if advertise:
+                env = {e["name"]: e for e in container["env"]}
+                assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert {m["mountPath"] for m in container["volumeMounts"]} >= {
+                str(Path(CONFIG_PATH).parent), "/dev/shm"}
+
+    metrics_ports = {p["name"] for d in deployments.values()
+                     for c in d["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+                     if p["name"].endswith("-metrics")}
+    (monitor,) = of_kind(objects, "PodMonitor")
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == metrics_ports
+    for d in deployments.values():
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= \
+            d["spec"]["template"]["metadata"]["labels"].items()
+
+    adapter = next(o for o in of_kind(objects, "ConfigMap") if "config.yaml" in o["data"])
+    served = {rule["name"]["as"] for rule in yaml.safe_load(adapter["data"]["config.yaml"])["rules"]}
+    for hpa in of_kind(objects, "HorizontalPodAutoscaler"):
+        assert hpa["spec"]["scaleTargetRef"]["name"] in deployments
+        for metric in hpa["spec"]["metrics"]:
+            if metric["type"] == "Pods":
+                assert metric["pods"]["metric"]["name"] in served
+
+
+def test_gpu_pods_ask_for_their_gpus_and_host_memory_pods_share_shm(tmp_path):
+    gpu = render(ROOT / "examples" / "k8s_gpu.yaml", tmp_path / "gpu")
+    for role in ("context", "generation"):
+        (container,) = gpu[f"deployment-llm-{role}.yaml"]["spec"]["template"]["spec"]["containers"]
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert gpu["horizontalpodautoscaler-llm-generation.yaml"]["spec"]["minReplicas"] == 2
+
+    shared = render(CONFIGS["host_memory"](tmp_path), tmp_path / "shm")
+    pair = shared["deployment-triton-disagg-context-generation.yaml"]
+    pod = pair["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["context", "generation"]
+    assert pair["spec"]["replicas"] == 1
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{64 + 2 * 512}Mi"}
+    assert "horizontalpodautoscaler-triton-disagg-context-generation.yaml" not in shared
+
+
+def test_pods_config_loads_and_keeps_the_users_settings(tmp_path):
+    objects = render(ROOT / "examples" / "three_roles.yaml", tmp_path / "out")
+    text = objects["configmap-triton-disagg-config.yaml"]["data"]["disagg_config.yaml"]
+    pods = parse_config(yaml.safe_load(text), engine_here=False)
+    source = parse_config(yaml.safe_load((ROOT / "examples" / "three_roles.yaml").read_text()),
+                          base_dir=ROOT / "examples", engine_here=False)
+    assert str(pods.engine) == "/engines/demo"
+    assert pods.discovery.etcd == "triton-disagg-etcd:2379"
+    assert pods.kv_cache == source.kv_cache and pods.mode == source.mode
+    for role in ("context", "generation"):
+        assert pods.server(role).urls == () and pods.server(role).cpus == ()
+        assert pods.server(role).instances == source.server(role).instances
+
+
+@pytest.mark.parametrize("section, message", [
+    ("{name: Triton}", "kubernetes.name: 'Triton' must be a Kubernetes name"),
+    ("{generation: {min_replicas: 3, max_replicas: 2}}",
+     "kubernetes.generation.max_replicas: 2 is below min_replicas 3"),
+    ("{generation: {target_kv_usage: 1.5}}", "kubernetes.generation.target_kv_usage: 1.5 must be"),
+    ("{etcd: nowhere}", "kubernetes.etcd: 'nowhere' is not host:port"),
+    ("{replicas: 2}", "kubernetes: unknown key 'replicas'"),
+    ("{engine_path: ../x}", "kubernetes.engine_path: '../x' must be a folder inside the PVC"),
+])
+def test_a_bad_kubernetes_key_is_one_line_naming_it(section, message, tmp_path):
+    config = _variant(tmp_path, f"kubernetes: {section}\n")
+    done = subprocess.run([sys.executable, "-m", "triton_disagg.cli", "launch", "k8s", "-c",
+                           str(config), "--image", IMAGE, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_host_memory_refuses_scaling_and_out_must_be_empty(tmp_path):
+    config = _variant(tmp_path, "kv_cache: {strategy: host_memory}\n"
+                                "kubernetes: {context: {max_replicas: 3}}\n")
+    done = subprocess.run([sys.executable, "-m", "triton_disagg.cli", "launch", "k8s", "-c",
+                           str(config), "--image", IMAGE, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "kubernetes.context.max_replicas: 3" in done.stderr
+    render(ROOT / "disagg_config.yaml", tmp_path / "again")
+    shutil.copy(ROOT / "disagg_config.yaml", tmp_path / "again" / "stale.yaml")
+    done = subprocess.run([sys.executable, "-m", "triton_disagg.cli", "launch", "k8s", "-c",
+                           str(ROOT / "disagg_config.yaml"), "--image", IMAGE, "--out",
+                           str(tmp_path / "again")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "not an empty folder" in done.stderr
