@@ -1,25 +1,40 @@
-# Two targets:
+# Two targets, the images `triton-disagg launch k8s --image` names (docs/deploy.md):
 #   docker build --target cpu -t triton-disagg:cpu .   embedded Triton from the nvidia-pytriton wheel
 #   docker build --target gpu -t triton-disagg:gpu .   NGC Triton with the TensorRT-LLM backend
 # Both serve the numpy reference engine on the CPU today: the gpu image only swaps in NGC's
 # tritonserver, ready for the TensorRT-LLM engines that builders/ does not produce yet.
-# Neither image downloads model weights: mount a checkpoint or engine directory at run time.
-# Run with a /dev/shm big enough for the Python backend and the KV staging area
-# (docker run --shm-size=1g ...; Docker's default of 64 MB is too small).
+# Neither image downloads model weights: the cpu image carries the demo engine (seeded
+# random weights, built here) at /opt/triton-disagg/engines/demo; mount others at run time.
+#
+# A plain `docker run` needs a /dev/shm bigger than Docker's 64 MB default: Triton's Python
+# backend keeps about 1 MiB per model instance there, and kv_cache.strategy host_memory
+# stages each context instance's whole KV pool (kv_cache.max_size) there too. Give
+# --shm-size of at least the context instances' max_size together plus 64 MB, e.g.
+#   docker run --rm --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 triton-disagg:cpu
+# (Kubernetes: the rendered pods mount an emptyDir of medium Memory at /dev/shm, sized so.)
+#
+# Every server role runs `triton-disagg serve ROLE ...` (the pods' command); the default
+# command serves every model in one server on 0.0.0.0 with the demo engine.
 
 FROM python:3.11-slim AS cpu
 WORKDIR /opt/triton-disagg
 COPY . .
+# The official python image ships libpython3.11.so, which Triton's Python-backend stub
+# loads; `doctor` fails the build, with the fix, if the stub cannot start.
 RUN pip install --no-cache-dir -e . \
+ && triton-disagg doctor \
  && triton-disagg demo-checkpoint --output checkpoints/demo \
  && triton-disagg build --checkpoint checkpoints/demo --output engines/demo
 EXPOSE 8000 8001 8002
-CMD ["triton-disagg", "run", "--engine", "engines/demo", "--text", "Hello", "--max-tokens", "16"]
+CMD ["triton-disagg", "serve", "all", "--engine", "engines/demo", "--host", "0.0.0.0"]
 
 FROM nvcr.io/nvidia/tritonserver:24.10-trtllm-python-py3 AS gpu
 WORKDIR /opt/triton-disagg
 COPY . .
-RUN pip install --no-cache-dir -e .
+# serve finds NGC's tritonserver through this variable (launch/tritonserver.py), not the
+# nvidia-pytriton wheel's; `doctor` checks that its Python-backend stub loads this Python.
 ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver
+RUN pip install --no-cache-dir -e . \
+ && triton-disagg doctor
 EXPOSE 8000 8001 8002
 CMD ["triton-disagg", "--help"]

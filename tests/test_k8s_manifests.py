@@ -3,7 +3,7 @@ commands (the pods themselves run in tests/test_k8s_commands.py).
 
 - Every object of the example configs (disagg_config.yaml, examples/three_roles.yaml, the
   2x2 GPU examples/k8s_gpu.yaml) and of the host_memory and aggregated variants validates,
-  strictly (no unknown field), against the Kubernetes KUBERNETES_VERSION schemas of
+  strictly (no unknown field), against the Kubernetes 1.37 schemas of
   ``kubernetes-validate``, with zero errors. The PodMonitor is a prometheus-operator CRD,
   which those schemas do not hold: it is NOT schema-checked; instead it is checked against
   the pods it must scrape (its selector matches every server pod, its ports are theirs).
@@ -21,44 +21,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
+from k8s_manifests import CRD_KINDS, IMAGE, of_kind, render, schema_errors
 from triton_disagg.cli import build_parser
 from triton_disagg.config import parse_config
 from triton_disagg.launch.k8s_workloads import CONFIG_PATH, PORTS, READY_PATH, LIVE_PATH
 from triton_disagg.launch.serve_argv import serve_argv
 
 ROOT = Path(__file__).resolve().parent.parent
-KUBERNETES_VERSION = "1.37.0"
-CRD_KINDS = {"PodMonitor"}
-IMAGE = "registry.example.com/triton-disagg:cpu"
-
-
-def render(config: Path, out: Path, *flags: str) -> dict[str, dict]:
-    """Run the CLI as a user does; file name -> object."""
-    done = subprocess.run([sys.executable, "-m", "triton_disagg.cli", "launch", "k8s",
-                           "-c", str(config), "--image", IMAGE, "--out", str(out), *flags],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(out.glob("*.yaml"))}
-
-
-def schema_errors(objects: dict[str, dict]) -> list[str]:
-    errors = []
-    for name, obj in objects.items():
-        if obj["kind"] in CRD_KINDS or obj["kind"] == "Kustomization":
-            continue
-        try:
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            errors.append(f"{name}: {exc.message} at {list(exc.path)}")
-    return errors
-
-
-def of_kind(objects: dict[str, dict], kind: str) -> list[dict]:
-    return [obj for obj in objects.values() if obj["kind"] == kind]
 
 
 def _variant(tmp_path: Path, text: str) -> Path:
