@@ -60,7 +60,8 @@ def units(config: DisaggConfig) -> tuple[Unit, ...]:
         for role in ("context", "generation"):
             given = config.kubernetes.scaling.get(role)
             if given is not None and given.max_replicas > 1:
-                raise UserError(f"kubernetes.{role}.max_replicas: {given.max_replicas}, but "
+                raise UserError(f"{config.source}: kubernetes.{role}.max_replicas: "
+                                f"{given.max_replicas}, but "
                                 f"with kv_cache.strategy host_memory context and generation "
                                 f"share one pod of one replica (the KV cache is staged in its "
                                 f"/dev/shm); use direct_transfer to scale them")
@@ -136,13 +137,13 @@ def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
 def _container(role: str, config: DisaggConfig, image: str) -> dict:
     ports, short = PORTS[role], SHORT[role]
     advertise = None if role == "scheduler" else f"$(POD_IP):{ports['grpc']}"
-    env = [] if role == "scheduler" else [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "UCX_TLS", "value": "tcp"},       # pods of one node share no /dev/shm
-    ]
-    if role != "scheduler" and config.mode == "disaggregated":
-        env.append({"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {
-            "name": config.kubernetes.kv_secret, "key": "secret"}}})
+    # The deployment secret signs KV handles and keys the token channel's CURVE encryption
+    # (triton_disagg.serving.zmq_endpoints): every server of the deployment needs the same.
+    env = [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {
+        "name": config.kubernetes.kv_secret, "key": "secret"}}}]
+    if role != "scheduler":
+        env += [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "UCX_TLS", "value": "tcp"}]      # pods of one node share no /dev/shm
     http = f"{short}-http"
     return {
         "name": role, "image": image,

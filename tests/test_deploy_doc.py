@@ -1,8 +1,8 @@
-"""docs/deploy.md matches the code: its ``launch k8s`` commands run as written from a checkout
-and render objects that validate with zero schema errors; its per-host ``serve`` lines are
-the command line :func:`serve_argv` writes, on the ports the pods use; its ``kubernetes:``
-block shows the defaults the config code applies. (Its ``kubectl`` and ``docker`` lines need
-a cluster and Docker, and are not run.)"""
+"""docs/deploy.md matches the code: its ``launch k8s`` commands (and the README's) run as
+written from a checkout and render objects that validate with zero schema errors; its
+per-host ``serve`` lines are the command line :func:`serve_argv` writes, on the ports the
+pods use; its ``kubernetes:`` block shows the defaults the config code applies. (Its
+``kubectl`` and ``docker`` lines need a cluster and Docker, and are not run.)"""
 
 from __future__ import annotations
 
@@ -23,16 +23,18 @@ from triton_disagg.launch.serve_argv import serve_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "deploy.md").read_text()
+README = (ROOT / "README.md").read_text()
 
 
-def _bash_lines(prefix: str) -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", DOC, re.S)
+def _bash_lines(prefix: str, text: str = DOC) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     return [line for block in blocks for line in block.splitlines() if line.startswith(prefix)]
 
 
 def test_render_commands_run_as_written_and_validate(tmp_path):
     commands = _bash_lines(".venv/bin/triton-disagg launch k8s ")
     assert len(commands) >= 2, "docs/deploy.md lost its render commands"
+    commands += _bash_lines(".venv/bin/triton-disagg launch k8s ", README)
     shutil.copy(ROOT / "disagg_config.yaml", tmp_path)
     shutil.copytree(ROOT / "examples", tmp_path / "examples")   # no engines/: not needed
     for command in commands:
@@ -44,6 +46,7 @@ def test_render_commands_run_as_written_and_validate(tmp_path):
         objects = {p.name: yaml.safe_load(p.read_text()) for p in out.glob("*.yaml")}
         assert len(objects) > 10 and schema_errors(objects) == [], command
         assert ("kustomization.yaml" in objects) == ("--kustomize" in argv)
+        shutil.rmtree(out)              # the README's command renders into the same folder
 
 
 def test_per_host_serve_lines_are_serve_argv_on_the_pods_ports():

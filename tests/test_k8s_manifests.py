@@ -16,6 +16,7 @@ commands (the pods themselves run in tests/test_k8s_commands.py).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -166,3 +167,23 @@ def test_host_memory_refuses_scaling_and_out_must_be_empty(tmp_path):
                            str(ROOT / "disagg_config.yaml"), "--image", IMAGE, "--out",
                            str(tmp_path / "again")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "not an empty folder" in done.stderr
+
+
+def _adapter_series() -> list[str]:
+    from triton_disagg.launch.k8s_autoscale import adapter_rules
+
+    text = " ".join(f"{r['seriesQuery']} {r['metricsQuery']}" for r in adapter_rules())
+    return sorted(set(re.findall(r"disagg_\w+", text)))
+
+
+PENDING = {"disagg_queued_prompt_tokens":   # strict: passes, so this mark must go, once it lands
+           "the context gauge is being added with the model_instance label work"}
+
+
+@pytest.mark.parametrize("series", [
+    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=PENDING[s])) if s in PENDING
+    else s for s in _adapter_series()])
+def test_the_adapter_reads_series_the_servers_publish(series):
+    from triton_disagg.serving.metrics import _FAMILIES
+
+    assert series in {name for name, _, _ in _FAMILIES.values()}

@@ -7,7 +7,8 @@ needs beyond the serving config (every key optional)::
       engine_path: demo                # the engine's folder in it (default: model.engine's name)
       etcd: in_cluster                 # or "etcd.example.net:2379", an etcd outside the manifests
       etcd_image: quay.io/coreos/etcd:v3.5.17   # the in-cluster etcd's image
-      kv_secret: triton-disagg-kv      # Secret whose key `secret` is TRITON_DISAGG_KV_SECRET
+      kv_secret: triton-disagg-kv      # Secret whose key `secret` is every server's
+                                       # TRITON_DISAGG_KV_SECRET (default: NAME-kv)
       context:    {min_replicas: 1, max_replicas: 4, target_queued_prompt_tokens: 2048}
       generation: {min_replicas: 1, max_replicas: 4, target_kv_usage: 0.75}
       scheduler:  {min_replicas: 1, max_replicas: 2, target_cpu_utilization: 80}
