@@ -37,25 +37,27 @@ def prometheus_binary() -> str:
     return found
 
 
-def scrape_config(metrics_url: str) -> dict:
+def scrape_config(metrics_url: str, labels: dict[str, str] | None = None) -> dict:
     """The shipped config, scraping ``metrics_url`` (http://host:port) every
-    :data:`SCRAPE_INTERVAL`."""
+    :data:`SCRAPE_INTERVAL`; ``labels`` are added to the target's (as Kubernetes service
+    discovery adds ``namespace`` and ``pod``)."""
     config = yaml.safe_load(SHIPPED_CONFIG.read_text())
     config["global"]["scrape_interval"] = SCRAPE_INTERVAL
     (job,) = config["scrape_configs"]
     (static,) = job["static_configs"]
     static["targets"] = [urllib.parse.urlsplit(metrics_url).netloc]
+    static["labels"] = {**static.get("labels", {}), **(labels or {})}
     return config
 
 
 class PrometheusServer:
     """Prometheus scraping ``metrics_url``; its files (config, storage, log) go in ``work_dir``."""
 
-    def __init__(self, metrics_url: str, work_dir: Path):
+    def __init__(self, metrics_url: str, work_dir: Path, labels: dict[str, str] | None = None):
         self.binary = prometheus_binary()      # fail at once, in one line, when it is missing
         work_dir.mkdir(parents=True, exist_ok=True)
         self.config = work_dir / "prometheus.yml"
-        self.config.write_text(yaml.safe_dump(scrape_config(metrics_url)))
+        self.config.write_text(yaml.safe_dump(scrape_config(metrics_url, labels)))
         self.storage, self.log = work_dir / "data", work_dir / "prometheus.log"
         (self.port,) = free_ports(1)
         self.process: subprocess.Popen | None = None
