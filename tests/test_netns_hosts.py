@@ -11,7 +11,6 @@ eth0 sent at least the KV bytes generation fetched); both pools return to 0 bloc
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 import serving
 from netns_hosts import Hosts, grpc_streams, hosts_for_test, scrape
 from triton_disagg.bench.serve_metrics import parse, total
+from triton_disagg.launch.serve_argv import serve_argv
 
 ROLES = ("context", "generation", "scheduler")
 GRPC_PORTS = {"context": 9001, "generation": 9002, "scheduler": 8001}
@@ -53,9 +53,9 @@ def test_three_roles_on_three_hosts(demo_engine, tmp_path, hosts, monkeypatch):
     offline = serving.offline_text(demo_engine)
     with contextlib.ExitStack() as stack:
         for role in ROLES:
-            cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", role, "-c", str(config),
-                   "--host", hosts.address(role), "--grpc-port", str(GRPC_PORTS[role]),
-                   "--metrics-port", str(METRICS_PORT), "--work-dir", str(tmp_path / role)]
+            argv = serve_argv(role, str(config), hosts.address(role), GRPC_PORTS[role],
+                              METRICS_PORT)
+            cmd = [*serving.cli_argv(argv), "--work-dir", str(tmp_path / role)]
             stack.enter_context(serving.serve_command(hosts.command(role, cmd), tmp_path / role,
                                                       None, url[role]))
         for role, model in (("scheduler", "orchestrator"), ("generation", "generation")):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 
 import pytest
@@ -26,6 +25,7 @@ import pytest
 import serving
 from netns_hosts import HeldStreams, Hosts, hosts_for_test, scrape
 from triton_disagg.bench.serve_metrics import parse, total
+from triton_disagg.launch.serve_argv import serve_argv
 
 HOSTS = ("scheduler", "ctx1", "gen1", "gen2")
 ROLE = {"scheduler": "scheduler", "ctx1": "context", "gen1": "generation", "gen2": "generation"}
@@ -42,11 +42,11 @@ def hosts():
 
 
 def _serve(hosts: Hosts, host: str, config, tmp_path) -> tuple:
-    """``serve ROLE`` on ``host`` as :func:`serving.serve_commands` takes it."""
+    """``serve ROLE`` on ``host`` (the command line of :func:`serve_argv`, as a pod runs
+    it) as :func:`serving.serve_commands` takes it."""
     port = SCHEDULER_GRPC if host == "scheduler" else GRPC_PORT
-    cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", ROLE[host], "-c", str(config),
-           "--host", hosts.address(host), "--grpc-port", str(port),
-           "--metrics-port", str(METRICS_PORT), "--work-dir", str(tmp_path / host)]
+    argv = serve_argv(ROLE[host], str(config), hosts.address(host), port, METRICS_PORT)
+    cmd = [*serving.cli_argv(argv), "--work-dir", str(tmp_path / host)]
     return hosts.command(host, cmd), tmp_path / host, None, f"{hosts.address(host)}:{port}", None
 
 
