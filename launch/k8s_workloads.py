@@ -9,9 +9,11 @@ scheduler does not pair a context server with the generation server of its own p
 Every container runs :func:`launch.serve_argv.serve_argv`: bound to ``0.0.0.0`` on the
 role's ``PORTS``, with HTTP open for the probes (readiness ``/v2/health/ready``, liveness
 and startup ``/v2/health/live``), context and generation advertising ``$(POD_IP)``, which
-the kubelet expands from the downward API. Pods read the user's config as rewritten by
-:func:`pod_config` from a ConfigMap at ``CONFIG_PATH``, and the engine from a PVC mounted
-read-only at ``ENGINES_DIR``.
+the kubelet expands from the downward API, and every server reads the deployment secret
+(``TRITON_DISAGG_KV_SECRET``) from the Secret ``kubernetes.kv_secret``, which the user
+creates: it signs KV handles and keys the token channel's encryption. Pods read the user's
+config as rewritten by :func:`pod_config` from a ConfigMap at ``CONFIG_PATH``, and the
+engine from a PVC mounted read-only at ``ENGINES_DIR``.
 
 Invariants: ports are distinct across roles (two roles can share a pod) and their names
 are ``<short role>-<kind>``; every object carries ``labels(k8s)`` and each Deployment
