@@ -70,14 +70,19 @@ def unavailable() -> str | None:
     return None
 
 
-def hosts_for_test(names: list[str]) -> "Hosts":
-    """:class:`Hosts` for a test; a machine that cannot make them fails it in one line
-    (never a skip: CI runs as root)."""
+def hosts_fixture(names: tuple[str, ...] | list[str]):
+    """A pytest fixture giving a test :class:`Hosts` of ``names`` (``hosts =
+    hosts_fixture(HOSTS)`` in a test module); a machine that cannot make them fails the
+    test in one line (never a skip: CI runs as root)."""
     import pytest
 
-    if unavailable():
-        pytest.fail(unavailable(), pytrace=False)
-    return Hosts(names)
+    @pytest.fixture
+    def hosts():
+        if unavailable():
+            pytest.fail(unavailable(), pytrace=False)
+        with Hosts(list(names)) as made:
+            yield made
+    return hosts
 
 
 class Hosts:
@@ -217,6 +222,25 @@ class HeldStreams:
         out, err = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, err
         return json.loads(out.splitlines()[-1])
+
+
+def serve_role(hosts: Hosts, host: str, role: str, config: Path, work_dir: Path, grpc_port: int,
+               metrics_port: int) -> tuple:
+    """``serve ROLE`` on ``host`` (the command line of :func:`serve_argv`, as a pod runs it),
+    as :func:`serving.serve_commands` takes it."""
+    from serving import cli_argv
+    from triton_disagg.launch.serve_argv import serve_argv
+
+    argv = serve_argv(role, str(config), hosts.address(host), grpc_port, metrics_port)
+    cmd = [*cli_argv(argv), "--work-dir", str(work_dir)]
+    return hosts.command(host, cmd), work_dir, None, f"{hosts.address(host)}:{grpc_port}", None
+
+
+def metrics_of(hosts: Hosts, host: str, metrics_port: int) -> dict:
+    """``host``'s server's metrics, parsed (read from the scheduler's host)."""
+    from triton_disagg.bench.serve_metrics import parse
+
+    return parse(scrape(hosts, "scheduler", f"http://{hosts.address(host)}:{metrics_port}/metrics"))
 
 
 def scrape(hosts: Hosts, host: str, metrics_url: str) -> str:

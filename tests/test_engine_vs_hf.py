@@ -5,7 +5,6 @@ Engines here are rebuilt from the shared ``tiny_checkpoints`` with 4 tokens per 
 """
 
 import functools
-import time
 from pathlib import Path
 
 import numpy as np

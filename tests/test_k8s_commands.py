@@ -23,13 +23,12 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 import etcd_server
 import serving
 from k8s_manifests import of_kind, render
-from netns_hosts import grpc_streams, hosts_for_test, scrape
+from netns_hosts import grpc_streams, hosts_fixture, scrape
 from triton_disagg.bench.serve_metrics import parse, total
 from triton_disagg.launch.k8s_workloads import PORTS
 
@@ -42,10 +41,7 @@ MAX_TOKENS = 24
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
-@pytest.fixture
-def hosts():
-    with hosts_for_test(list(HOSTS)) as hosts:
-        yield hosts
+hosts = hosts_fixture(HOSTS)
 
 
 def kubelet_env(container: dict, pod_ip: str) -> dict[str, str]:

@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-import pytest
-
 import serving
-from netns_hosts import Hosts, grpc_streams, hosts_for_test, scrape
+from netns_hosts import Hosts, grpc_streams, hosts_fixture, scrape
 from triton_disagg.bench.serve_metrics import parse, total
 from triton_disagg.launch.serve_argv import serve_argv
 
@@ -26,10 +24,7 @@ METRICS_PORT = 9100            # the same on every host: each host has its own p
 MAX_TOKENS = 24
 
 
-@pytest.fixture
-def hosts():
-    with hosts_for_test(list(ROLES)) as hosts:
-        yield hosts
+hosts = hosts_fixture(ROLES)
 
 
 def _used(hosts: Hosts, role: str) -> tuple[float, float]:

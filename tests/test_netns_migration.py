@@ -20,12 +20,9 @@ import os
 import signal
 import time
 
-import pytest
-
 import serving
-from netns_hosts import HeldStreams, Hosts, hosts_for_test, scrape
-from triton_disagg.bench.serve_metrics import parse, total
-from triton_disagg.launch.serve_argv import serve_argv
+from netns_hosts import HeldStreams, Hosts, hosts_fixture, metrics_of, serve_role
+from triton_disagg.bench.serve_metrics import total
 
 HOSTS = ("scheduler", "ctx1", "gen1", "gen2")
 ROLE = {"scheduler": "scheduler", "ctx1": "context", "gen1": "generation", "gen2": "generation"}
@@ -35,23 +32,16 @@ LEASE_SECONDS = 5
 FAIL_BOUND = 5.0    # seconds from the kill to a client's error when no server is left
 
 
-@pytest.fixture
-def hosts():
-    with hosts_for_test(list(HOSTS)) as hosts:
-        yield hosts
+hosts = hosts_fixture(HOSTS)
 
 
 def _serve(hosts: Hosts, host: str, config, tmp_path) -> tuple:
-    """``serve ROLE`` on ``host`` (the command line of :func:`serve_argv`, as a pod runs
-    it) as :func:`serving.serve_commands` takes it."""
     port = SCHEDULER_GRPC if host == "scheduler" else GRPC_PORT
-    argv = serve_argv(ROLE[host], str(config), hosts.address(host), port, METRICS_PORT)
-    cmd = [*serving.cli_argv(argv), "--work-dir", str(tmp_path / host)]
-    return hosts.command(host, cmd), tmp_path / host, None, f"{hosts.address(host)}:{port}", None
+    return serve_role(hosts, host, ROLE[host], config, tmp_path / host, port, METRICS_PORT)
 
 
 def _metrics(hosts: Hosts, host: str):
-    return parse(scrape(hosts, "scheduler", f"http://{hosts.address(host)}:{METRICS_PORT}/metrics"))
+    return metrics_of(hosts, host, METRICS_PORT)
 
 
 def _kill(work_dir, only: str = "") -> None:

@@ -21,13 +21,10 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import etcd_server
 import serving
-from netns_hosts import HeldStreams, Hosts, grpc_streams, hosts_for_test, scrape
-from triton_disagg.bench.serve_metrics import parse, total
-from triton_disagg.launch.serve_argv import serve_argv
+from netns_hosts import HeldStreams, Hosts, grpc_streams, hosts_fixture, metrics_of, serve_role
+from triton_disagg.bench.serve_metrics import total
 
 HOSTS = ("etcd", "scheduler", "ctx1", "ctx2", "gen1", "gen2", "gen3")
 ROLE = {"ctx1": "context", "ctx2": "context", "gen1": "generation", "gen2": "generation",
@@ -56,7 +53,7 @@ with ThreadPoolExecutor(int(workers)) as pool:
 """ % MAX_TOKENS
 WATCH = """
 import sys, time, urllib.request
-from triton_disagg.bench.serve_metrics import parse, total
+from triton_disagg.bench.serve_metrics import total
 url, server = sys.argv[1:3]
 while not total(parse(urllib.request.urlopen(url).read().decode()),
                 "disagg_routed_requests_total", server=server):
@@ -65,23 +62,16 @@ print(time.monotonic())
 """
 
 
-@pytest.fixture
-def hosts():
-    with hosts_for_test(list(HOSTS)) as hosts:
-        yield hosts
+hosts = hosts_fixture(HOSTS)
 
 
 def _serve(hosts: Hosts, host: str, config, tmp_path) -> tuple:
-    """``serve ROLE`` on ``host`` (the command line of :func:`serve_argv`, as a pod runs
-    it) as :func:`serving.serve_commands` takes it."""
     port = SCHEDULER_GRPC if host == "scheduler" else GRPC_PORT
-    argv = serve_argv(ROLE[host], str(config), hosts.address(host), port, METRICS_PORT)
-    cmd = [*serving.cli_argv(argv), "--work-dir", str(tmp_path / host)]
-    return hosts.command(host, cmd), tmp_path / host, None, f"{hosts.address(host)}:{port}", None
+    return serve_role(hosts, host, ROLE[host], config, tmp_path / host, port, METRICS_PORT)
 
 
 def _metrics(hosts: Hosts, host: str):
-    return parse(scrape(hosts, "scheduler", f"http://{hosts.address(host)}:{METRICS_PORT}/metrics"))
+    return metrics_of(hosts, host, METRICS_PORT)
 
 
 def _routed(hosts: Hosts, host: str) -> float:

@@ -135,9 +135,11 @@ TTFT added by the remote path: **{added:+.1f} ms** at p50.
 
 @contextlib.contextmanager
 def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[str]:
-    """The three roles' `serve` commands on loopback; yields the scheduler's gRPC url."""
+    """The three roles' `serve` commands (:func:`serve_argv`, as every launcher writes them)
+    on loopback, run by this interpreter; yields the scheduler's gRPC url."""
     from triton_disagg.bench.serve_servers import placement
     from triton_disagg.launch.deploy import free_ports
+    from triton_disagg.launch.serve_argv import serve_argv
 
     ctx, gen, sched, *metrics = free_ports(6)
     roles = placement("disaggregated", cores)
@@ -154,11 +156,10 @@ def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[st
     try:
         for role, (grpc, metrics_port) in ports.items():
             log = work / f"{role}.log"
-            cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", role, "-c", str(config),
-                   "--host", "127.0.0.1", "--grpc-port", str(grpc), "--metrics-port",
-                   str(metrics_port), "--work-dir", str(work / role)]
-            if role == "scheduler":
-                cmd += ["--http-port", str(free_ports(1)[0])]
+            argv = serve_argv(role, str(config), "127.0.0.1", grpc, metrics_port,
+                              http_port=free_ports(1)[0] if role == "scheduler" else None)
+            cmd = [sys.executable, "-m", "triton_disagg.cli", *argv[1:],
+                   "--work-dir", str(work / role)]
             with open(log, "wb") as out:
                 started.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                  start_new_session=True), log))
