@@ -82,6 +82,17 @@ def test_least_loaded_generation_counts_free_kv_in_tokens_across_block_sizes():
     assert picks(router, 1) == ["a:1"]
 
 
+def test_least_loaded_generation_breaks_a_free_kv_tie_by_live_sequences():
+    """Equal free KV in tokens (10 x 64 = 40 x 16): the server holding fewer live sequences
+    (b: its waiting ones have no blocks yet) takes the request; free KV still comes first."""
+    a = Member("a:1", 64, 10, Load(free_kv_blocks=10, live_sequences=3))
+    b = Member("b:1", 16, 40, Load(free_kv_blocks=40, live_sequences=1))
+    router = Router("generation", "least_loaded", Source(a, b))
+    assert [picks(router, 1)[0] for _ in range(4)] == ["b:1"] * 4   # each released at once
+    router.source.current = (a, Member("b:1", 16, 40, Load(free_kv_blocks=39, live_sequences=0)))
+    assert picks(router, 1) == ["a:1"]                 # 640 free tokens > 624, whatever live
+
+
 def test_in_flight_accounting_returns_to_zero_and_release_is_idempotent():
     members = [Member(f"g{i}:1", 2 ** i, 100, Load(free_kv_blocks=50)) for i in range(4)]
     router = Router("generation", "least_loaded", Source(*members))

@@ -1,22 +1,27 @@
 """A server's load, read from its own Prometheus metrics endpoint.
 
-Free KV blocks are ``disagg_kv_blocks_total - disagg_kv_blocks_used`` summed over the
-role's model instances (:mod:`triton_disagg.serving.metrics`); None (unknown) until
-the pool gauges show (a model reports them shortly after it loads), never a made-up 0.
-Live sequences and queued prompt tokens are not on the metrics endpoint, so they stay
-None.
+Each figure is a gauge of :mod:`triton_disagg.serving.metrics` summed over the role's
+model instances:
+
+- free KV blocks: ``disagg_kv_blocks_total - disagg_kv_blocks_used``;
+- live sequences (generation): ``disagg_live_sequences``;
+- queued prompt tokens (context): ``disagg_queued_prompt_tokens``.
+
+A figure is None (unknown) until its gauge shows (a model reports them shortly after it
+loads) or when the role does not report it, never a made-up 0.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from triton_disagg.bench.serve_metrics import scrape, total
+from triton_disagg.bench.serve_metrics import Samples, scrape, total
 
 from .record import Load
 
 TIMEOUT_SECONDS = 0.5        # the endpoint is local; a beat must not wait on it for long
 TOTAL, USED = "disagg_kv_blocks_total", "disagg_kv_blocks_used"
+LIVE, QUEUED = "disagg_live_sequences", "disagg_queued_prompt_tokens"
 
 
 def metrics_load(metrics_url: str, role: str) -> Callable[[], Load]:
@@ -26,8 +31,15 @@ def metrics_load(metrics_url: str, role: str) -> Callable[[], Load]:
 
     def read() -> Load:
         samples = scrape(metrics_url, timeout=TIMEOUT_SECONDS)
-        if not any(("role", role) in labels for labels in samples.get(TOTAL, {})):
-            return Load()
-        free = total(samples, TOTAL, role=role) - total(samples, USED, role=role)
-        return Load(free_kv_blocks=int(free))
+        blocks, used = _gauge(samples, TOTAL, role), _gauge(samples, USED, role)
+        free = None if blocks is None or used is None else blocks - used
+        return Load(free_kv_blocks=free, live_sequences=_gauge(samples, LIVE, role),
+                    queued_prompt_tokens=_gauge(samples, QUEUED, role))
     return read
+
+
+def _gauge(samples: Samples, name: str, role: str) -> int | None:
+    """``name`` summed over ``role``'s series; None when it has none."""
+    if not any(("role", role) in labels for labels in samples.get(name, {})):
+        return None
+    return int(total(samples, name, role=role))

@@ -10,7 +10,9 @@ retried one by one); ``execute`` never waits for memory: a request whose KV
 blocks or staging slots are not free now gets an error starting with
 ``protocol.CONTEXT_BUSY`` at once (back-pressure: the orchestrator retries it),
 so the instance goes on serving prompts that fit; every result either carries a
-handle that owns its blocks or has no blocks.
+handle that owns its blocks or has no blocks; :attr:`ContextSide.queued_tokens` counts the
+prompt tokens of the batches inside :meth:`ContextSide.prefill` (0 when none is), which the
+reporter publishes as ``disagg_queued_prompt_tokens`` with the pool gauges.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class ContextSide:
         self.engine, self.metrics = engine, metrics
         self.lock = threading.Lock()
         self.sender = Sender(engine, settings, instance, self.lock)
+        self.queued_tokens = 0
+        self._queued_lock = threading.Lock()
         self.closed = threading.Event()
         self.reporter = threading.Thread(target=self._report_loop, name="context-metrics",
                                          daemon=True)
@@ -46,11 +50,23 @@ class ContextSide:
 
     def prefill(self, batch: list[tuple[str, EngineRequest]]) -> list[dict | Exception]:
         """Engine outputs plus ``context_phase_params`` per request, or that request's error."""
+        tokens = sum(len(request.prompt_ids) for _, request in batch)
+        self._count_queued(tokens)
+        try:
+            return self._prefill_and_hand_off(batch)
+        finally:
+            self._count_queued(-tokens)
+
+    def _prefill_and_hand_off(self, batch: list[tuple[str, EngineRequest]]) -> list:
         try:
             results: list = self._prefill(batch)
         except (EngineRequestError, KVCacheFullError) as exc:
             results = [self._one(item) for item in batch] if len(batch) > 1 else [_refusal(exc)]
         return [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
+
+    def _count_queued(self, tokens: int) -> None:
+        with self._queued_lock:
+            self.queued_tokens += tokens
 
     def release(self, handle: bytes) -> None:
         """Give back the KV of a handle that will not be fetched (RequestError if invalid)."""
@@ -85,10 +101,12 @@ class ContextSide:
         return out
 
     def _report_loop(self) -> None:
-        """Pool gauges and expired leases, also while idle (leases end on other threads)."""
+        """Load gauges and expired leases, also while idle (leases end on other threads). The
+        queue is read before the engine lock, which a prefill holds."""
         while not self.closed.wait(REPORT_SECONDS):
             expired = self.sender.expired_total()
             if self.metrics is not None:
+                self.metrics.queued_prompt_tokens(self.queued_tokens)
                 with self.lock:
                     used, total = self.engine.pool.num_used, self.engine.pool.num_total
                 self.metrics.kv_pool(used, total)

@@ -56,7 +56,8 @@ class DecodeLoop:
     raise to refuse it, e.g. when the pool could never hold them),
     ``side.admit(engine, request_id, work)`` (called once those blocks are free: takes
     them; may raise to refuse the request), ``side.request_done(outcome)`` and
-    ``side.report()`` (pool gauges, every ``REPORT_SECONDS``).
+    ``side.report(live_sequences)`` (load gauges, every ``REPORT_SECONDS``: the requests
+    the loop holds, admitted or waiting).
 
     ``outbox``: ``put(address, event)`` and ``flush() -> request ids not sent``
     (:class:`~generation_sockets.TokenOutbox`); ``stops``: ``take() -> request ids``
@@ -133,7 +134,7 @@ class DecodeLoop:
                     self._fail(event.request_id, f"generation failed: {exc}")
         if time.monotonic() - self.reported >= REPORT_SECONDS:
             self.reported = time.monotonic()
-            self.side.report()
+            self.side.report(len(self.live) + len(self.waiting))
 
     def _drain(self, wait: float) -> None:
         """Handle every queued item, first waiting up to ``wait`` seconds for one."""

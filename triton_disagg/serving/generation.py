@@ -114,9 +114,11 @@ class GenerationSide:
         if self.metrics is not None:
             self.metrics.request_done(outcome)
 
-    def report(self) -> None:
+    def report(self, live_sequences: int) -> None:
+        """Load gauges: the pool, and the sequences the decode loop holds (decode-loop thread)."""
         if self.metrics is not None:
             self.metrics.kv_pool(self.engine.pool.num_used, self.engine.pool.num_total)
+            self.metrics.live_sequences(live_sequences)
 
     def close(self) -> None:
         if self.receiver is not None:

@@ -8,6 +8,11 @@ scrape target, host:port), and a target's own ``instance`` would be stored as
 ``exported_instance``.
 
 - ``disagg_kv_blocks_used`` / ``disagg_kv_blocks_total`` (gauges): the instance's pool.
+- ``disagg_live_sequences`` (gauge, generation): sequences the instance's decode loop
+  holds, decoding or waiting for their KV blocks.
+- ``disagg_queued_prompt_tokens`` (gauge, context): prompt tokens the instance has taken
+  from Triton's queue and not yet prefilled (Triton's own queue is
+  ``nv_inference_pending_request_count``, in requests).
 - ``disagg_kv_transfer_bytes_total`` (counter), ``disagg_kv_transfer_seconds``
   (histogram): KV fetched by generation, label ``strategy``.
 - ``disagg_kv_leases_expired_total`` (counter): handoffs never fetched, reclaimed.
@@ -56,6 +61,12 @@ LATENCY_BUCKETS = [0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0025, 0.005, 0.01, 0
 _FAMILIES = {
     "kv_blocks_used": ("disagg_kv_blocks_used", "KV blocks in use in this instance's pool", "GAUGE"),
     "kv_blocks_total": ("disagg_kv_blocks_total", "KV blocks in this instance's pool", "GAUGE"),
+    "live_sequences": ("disagg_live_sequences",
+                       "Sequences this generation instance holds (decoding or waiting for KV)",
+                       "GAUGE"),
+    "queued_prompt_tokens": ("disagg_queued_prompt_tokens",
+                             "Prompt tokens this context instance accepted and has not prefilled",
+                             "GAUGE"),
     "kv_bytes": ("disagg_kv_transfer_bytes_total", "KV bytes fetched from context", "COUNTER"),
     "kv_seconds": ("disagg_kv_transfer_seconds", "Seconds per KV fetch", "HISTOGRAM"),
     "leases_expired": ("disagg_kv_leases_expired_total",
@@ -149,6 +160,12 @@ class Metrics:
     def kv_pool(self, used: int, total: int) -> None:
         self._later(lambda: (self._metric("kv_blocks_used").set(used),
                              self._metric("kv_blocks_total").set(total)))
+
+    def live_sequences(self, count: int) -> None:
+        self._later(lambda: self._metric("live_sequences").set(count))
+
+    def queued_prompt_tokens(self, tokens: int) -> None:
+        self._later(lambda: self._metric("queued_prompt_tokens").set(tokens))
 
     def kv_transfer(self, strategy: str, nbytes: int, seconds: float) -> None:
         self._later(lambda: (self._metric("kv_bytes", strategy=strategy).increment(nbytes),

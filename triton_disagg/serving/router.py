@@ -28,7 +28,10 @@ Policies (``router:`` per role in the config):
   (taking this scheduler's requests to be among the blocks a server reports used, as for
   context: the used figure is ``max(own, published)``, never the sum).
   Without a capacity (static urls publish none; the config gives every server of a
-  static pool the same one) it is ``- own in flight``.
+  static pool the same one) it is ``- own in flight``. Among servers with as much free
+  KV, the one with the fewest published ``live_sequences`` wins (every sequence its decode
+  loop holds, those still waiting for their blocks included: these are not in its free
+  blocks yet, and every live sequence costs a share of each decode step).
 
 Ties go round robin: equally loaded servers take turns, so an idle pool spreads
 requests the way ``round_robin`` does. "This scheduler" is one orchestrator model
@@ -119,17 +122,19 @@ class Router:
         """``url`` failed before it answered: pass it over for a while (module docstring)."""
         self._passed_over[url] = time.monotonic() + PASS_OVER_SECONDS
 
-    def _score(self, member: Member) -> int:
-        """Higher is less loaded (module docstring)."""
+    def _score(self, member: Member) -> tuple[int, int]:
+        """Higher is less loaded (module docstring): (free KV in tokens or minus the queued
+        prompt tokens, minus the live sequences)."""
         own = self.in_flight.get(member.url, 0)
         if self.role == "context":
-            return -max(own, member.load.queued_prompt_tokens or 0)
+            return -max(own, member.load.queued_prompt_tokens or 0), 0
+        live = -(member.load.live_sequences or 0)
         if member.kv_blocks_total is None or member.tokens_per_block is None:
-            return -own
+            return -own, live
         free = member.kv_blocks_total * member.tokens_per_block - own
         if member.load.free_kv_blocks is not None:
             free = min(free, member.load.free_kv_blocks * member.tokens_per_block)
-        return free
+        return free, live
 
     def _release(self, url: str, cost: int) -> None:
         left = self.in_flight[url] - cost
