@@ -1,7 +1,7 @@
 """``serve generation`` with ``discovery`` in the config, on a real tritonserver and a real
 etcd: once ready it is registered at its advertised address with its engine, capacity and
-load (read from its metrics endpoint), and after a clean stop its key is already gone.
-Mistakes about the advertised address are one line before anything starts."""
+load (free KV blocks and live sequences, read from its metrics endpoint), and after a
+clean stop its key is already gone. Mistakes about the advertised address are one line before anything starts."""
 
 from __future__ import annotations
 
@@ -40,7 +40,11 @@ def test_serve_registers_and_deregisters(demo_engine, tmp_path):
                        is not None, 5.0, "load published")
             blocks = total(scrape(gen.metrics), "disagg_kv_blocks_total", role="generation")
             assert member.kv_blocks_total == blocks > 0    # the pool the server really has
-            assert membership.members("generation")[0].load.free_kv_blocks == blocks   # idle
+            wait_until(lambda: membership.members("generation")[0].load.live_sequences
+                       is not None, 5.0, "live sequences published")
+            load = membership.members("generation")[0].load
+            assert (load.free_kv_blocks, load.live_sequences) == (blocks, 0)      # idle
+            assert load.queued_prompt_tokens is None        # a context server's figure
             stopped = serving.stop(gen)
         assert stopped == 0
         time.sleep(2 * membership.poll_seconds)        # two polls after serve exited
