@@ -2,7 +2,8 @@
 
 Binding rule: loopback unless told otherwise. ``--host`` wins; a role served
 alone (context / generation / scheduler) binds the host of its ``url`` in the
-config; everything else binds 127.0.0.1. The model-control API stays off.
+config; everything else binds 127.0.0.1. The model-control API stays off (the scheduler's is restricted to
+serve itself, which loads its readiness gate: :mod:`.peers_gate`).
 
 What peers are told (``serve context|generation``): ``--advertise HOST:PORT``, else the
 bind address and gRPC port; a wildcard bind (``0.0.0.0``) names no address, so then the
@@ -35,6 +36,7 @@ from triton_disagg.config import DisaggConfig
 from triton_disagg.config_values import is_loopback
 from triton_disagg.errors import UserError
 
+from .peers_gate import GateControl
 from .render import render
 from .stub_check import check_stub
 from .tritonserver import Endpoints, TritonServer, locate, server_env
@@ -174,6 +176,9 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     work_dir.mkdir(parents=True, exist_ok=True)
     repo = render(role, config, work_dir / "model_repository", token,
                   endpoints.host if role == "generation" else None)
-    server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose)
+    control = GateControl(tuple(sorted(p.name for p in repo.iterdir()))) \
+        if role == "scheduler" else None
+    server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose,
+                          control=control)
     server.start()
     return server

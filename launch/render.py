@@ -9,8 +9,9 @@ settings; for the orchestrator each role's pool, static ``urls`` or etcd ``disco
 with its routing policy).
 
 Roles: ``all`` (every model; the orchestrator calls context and generation
-through BLS), ``scheduler`` (ensemble, preprocessing and an orchestrator that
-reaches the roles over gRPC), ``context``, ``generation``. In aggregated mode no
+through BLS), ``scheduler`` (ensemble, preprocessing, an orchestrator that
+reaches the roles over gRPC, and the readiness gate ``peers_ready``, rendered closed:
+:mod:`launch.peers_gate`), ``context``, ``generation``. In aggregated mode no
 context model is rendered and the orchestrator asks generation for
 ``context_and_generation``.
 
@@ -33,6 +34,8 @@ from triton_disagg.config import DisaggConfig, ServerConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repo"
 FRONT = ("ensemble", "preprocessing", "orchestrator")
+GATE = "peers_ready"
+GATE_CLOSED_AT_START = "the scheduler has not checked its context and generation servers yet"
 
 _IO = {
     "preprocessing": (P.PREPROCESS_INPUTS, P.PREPROCESS_OUTPUTS),
@@ -45,7 +48,7 @@ _IO = {
 
 def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
     engines = ("generation",) if config.mode == "aggregated" else ("context", "generation")
-    return {"all": FRONT + engines, "scheduler": FRONT,
+    return {"all": FRONT + engines, "scheduler": FRONT + (GATE,),
             "context": ("context",), "generation": ("generation",)}[role]
 
 
@@ -59,10 +62,21 @@ def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None =
         (dst / "1").mkdir(parents=True)
         if (src / "1" / "model.py").is_file():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
+        if model == GATE:
+            render_gate(repo, GATE_CLOSED_AT_START)
+            continue
         values = _values(model, role, config, token_host, token_bind)
         text = Template((src / "config.pbtxt").read_text()).substitute(values)
         (dst / "config.pbtxt").write_text(text)
     return repo
+
+
+def render_gate(repo: Path, closed: str) -> None:
+    """Write the gate's config into ``repo``: it loads when ``closed`` is "", else its load
+    fails with ``closed`` as the reason."""
+    text = Template((TEMPLATES / GATE / "config.pbtxt").read_text()).substitute(
+        max_batch_size=str(P.MAX_BATCH_SIZE), closed=_quote(closed))
+    (repo / GATE / "config.pbtxt").write_text(text)
 
 
 def settings(model: str, role: str, config: DisaggConfig, token_host: str | None = None,

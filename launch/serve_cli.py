@@ -8,7 +8,8 @@ the config, a context or generation server registers in etcd once ready and dere
 before it stops (:mod:`.register`). A model's stub
 process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops the
 server at once, so its clients get errors and probes fail, and starts it afresh
-(:mod:`.stub_watch`).
+(:mod:`.stub_watch`). The scheduler says "up" once its models are loaded, then "ready" or
+"not ready" as its peers come and go, as ``/v2/health/ready`` does (:mod:`.peers_gate`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     stub died, or tritonserver was killed by a signal; it is stopped and deregistered by
     then)."""
     from .deploy import start
+    from .peers_gate import start_peers_gate
     from .register import start_registration
 
     work_dir = args.work_dir or Path("work") / args.role
@@ -145,11 +147,12 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
                    token)
-    models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
+    gate = server.control.gate if server.control else None
+    models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and p.name != gate)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
     loaded: list[str] = []
-    registration = None
+    registration = peers_gate = None
 
     def on_loaded(model: str) -> None:
         loaded.append(model)
@@ -162,6 +165,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised)
         _announce(args.role, config, endpoints, advertised, server, registration)
+        if server.control is not None:
+            peers_gate = start_peers_gate(config, server, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
             dead = first_dead(stubs)
             if dead is not None:   # no graceful exit: it would hold streams for the exit timeout
@@ -176,6 +181,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
+        if peers_gate is not None:
+            peers_gate.stop()
         if registration is not None:
             registration.close()
         server.stop()
@@ -184,7 +191,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
 def _announce(role: str, config, endpoints, advertised: str | None, server,
               registration) -> None:
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
-    lines = [f"triton-disagg serve {role}: ready ({config.mode}, engine {config.engine})"]
+    state = "up" if server.control is not None else "ready"   # the gate says when it is ready
+    lines = [f"triton-disagg serve {role}: {state} ({config.mode}, engine {config.engine})"]
     if endpoints.http_port is not None:
         lines.append(f"  HTTP     http://{shown}:{endpoints.http_port}")
     lines.append(f"  gRPC     {shown}:{endpoints.grpc_port}")
@@ -193,6 +201,8 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     lines.append(f"  log      {server.log_path}")
     if role == "scheduler":
         lines.append(f"  routes   {_pools(config)}")
+        lines.append("  health   /v2/health/ready answers 200 while every role has a server that "
+                     "answers")
     if role in ("all", "scheduler") and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")

@@ -127,8 +127,11 @@ class TritonServer:
     """One tritonserver process group serving ``repo`` at ``endpoints``."""
 
     def __init__(self, install: TritonInstall, repo: Path, endpoints: Endpoints, work_dir: Path,
-                 env: dict[str, str] | None = None, log_verbose: int = 0):
+                 env: dict[str, str] | None = None, log_verbose: int = 0, control=None):
+        """``control``: None (model control off), or a readiness gate's
+        :class:`~launch.peers_gate.GateControl` (explicit model control, its API restricted)."""
         self.install, self.repo, self.endpoints, self.work_dir = install, repo, endpoints, work_dir
+        self.control = control
         self.log_path = work_dir / "tritonserver.log"
         self.env = server_env(install, env)
         self.log_verbose = log_verbose
@@ -138,7 +141,8 @@ class TritonServer:
     def command(self, backends: Path) -> list[str]:
         e = self.endpoints
         cmd = [str(self.install.binary), f"--model-repository={self.repo}",
-               f"--backend-directory={backends}", "--model-control-mode=none",
+               f"--backend-directory={backends}",
+               *(self.control.server_args() if self.control else ["--model-control-mode=none"]),
                "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}"]
@@ -163,7 +167,8 @@ class TritonServer:
 
     def wait_ready(self, timeout: float = 300.0, cancel: threading.Event | None = None,
                    on_loaded: Callable[[str], None] | None = None) -> bool:
-        """Block until the server reports ready (True) or ``cancel`` is set (False).
+        """Block until the server reports ready (True) or ``cancel`` is set (False); with a
+        readiness gate, until every other model is ready (the gate starts closed).
 
         ``on_loaded(model)`` is called as each model finishes loading. A failure the log
         reports (a model that cannot load, a stub that cannot start, a port taken), a
@@ -175,14 +180,14 @@ class TritonServer:
         while cancel is None or not cancel.is_set():
             for line in log.new_lines():
                 cause = server_log.fatal_cause(line)
-                if cause:
+                if cause and not (self.control and f"'{self.control.gate}'" in line):
                     raise self._failure(cause)
                 model = server_log.loaded_model(line)
                 if model and on_loaded:
                     on_loaded(model)
             if self.process is None or self.process.poll() is not None:
                 raise self._failure("tritonserver exited before it was ready")
-            if self.is_ready():
+            if self.is_ready() if self.control is None else self._models_ready():
                 return True
             if time.monotonic() > deadline:
                 raise self._failure(f"tritonserver not ready after {timeout:.0f}s")
@@ -193,11 +198,19 @@ class TritonServer:
         return UserError(f"{cause}\n--- tritonserver log (tail) ---\n{self.log_tail()}\n"
                          f"(full log: {self.log_path})")
 
+    @property
+    def local_host(self) -> str:
+        """Where this host reaches the server's endpoints."""
+        return "127.0.0.1" if self.endpoints.host in ("0.0.0.0", "::") else self.endpoints.host
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.local_host}:{self.endpoints.grpc_port}"
+
     def is_ready(self) -> bool:
-        host = "127.0.0.1" if self.endpoints.host in ("0.0.0.0", "::") else self.endpoints.host
         if self.endpoints.http_port is not None:
             try:
-                url = f"http://{host}:{self.endpoints.http_port}/v2/health/ready"
+                url = f"http://{self.local_host}:{self.endpoints.http_port}/v2/health/ready"
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     return resp.status == 200
             except OSError:
@@ -205,8 +218,20 @@ class TritonServer:
         import tritonclient.grpc as grpcclient
 
         try:
-            with grpcclient.InferenceServerClient(f"{host}:{self.endpoints.grpc_port}") as client:
+            with grpcclient.InferenceServerClient(self.grpc_url) as client:
                 return client.is_server_ready(client_timeout=2)
+        except Exception:  # noqa: BLE001 - any failure means "not yet"
+            return False
+
+    def _models_ready(self) -> bool:
+        """Every model but the gate is ready (its endpoints answer once the start's loads
+        are done)."""
+        import tritonclient.grpc as grpcclient
+
+        others = [m for m in self.control.models if m != self.control.gate]
+        try:
+            with grpcclient.InferenceServerClient(self.grpc_url) as client:
+                return all(client.is_model_ready(m, client_timeout=2) for m in others)
         except Exception:  # noqa: BLE001 - any failure means "not yet"
             return False
 

@@ -55,9 +55,9 @@ class Served:
 
 @contextlib.contextmanager
 def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics: bool = True,
-          grpc_port: int | None = None):
+          grpc_port: int | None = None, until: str = "ready ("):
     """Run ``triton-disagg serve role *args`` on free ports (gRPC: ``grpc_port`` when given)
-    until the block exits."""
+    until the block exits; the block starts once its output shows ``until``."""
     http_port, free_grpc, metrics_port = free_ports(3)
     grpc_port = grpc_port or free_grpc
     cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", role, *args,
@@ -68,7 +68,8 @@ def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics
         cmd += ["--metrics-port", str(metrics_port)]
     with serve_command(cmd, work_dir, f"http://127.0.0.1:{http_port}" if http else None,
                        f"127.0.0.1:{grpc_port}",
-                       f"http://127.0.0.1:{metrics_port}" if metrics else None) as served:
+                       f"http://127.0.0.1:{metrics_port}" if metrics else None,
+                       until=until) as served:
         yield served
 
 
@@ -84,18 +85,19 @@ def serve_config(config_text: str, work_dir: Path):
 
 @contextlib.contextmanager
 def serve_command(cmd: list[str], work_dir: Path, http: str | None, grpc: str,
-                  metrics: str | None = None, cwd: Path | None = None):
+                  metrics: str | None = None, cwd: Path | None = None, until: str = "ready ("):
     """Run a `serve` command line as given (it serves at the URLs given here and writes
     under ``work_dir``) until the block exits."""
-    with serve_commands([(cmd, work_dir, http, grpc, metrics)], cwd) as (served,):
+    with serve_commands([(cmd, work_dir, http, grpc, metrics)], cwd, until) as (served,):
         yield served
 
 
 @contextlib.contextmanager
-def serve_commands(commands: list[tuple], cwd: Path | None = None):
+def serve_commands(commands: list[tuple], cwd: Path | None = None, until: str = "ready ("):
     """Start several `serve` command lines at once, each ``(cmd, work_dir, http, grpc,
     metrics)`` as :func:`serve_command` takes them, so their servers load side by side;
-    yields their :class:`Served` once every one is ready, and stops them all on exit."""
+    yields their :class:`Served` once every one's output shows ``until`` (a scheduler's
+    "ready (" waits for its peers; "up (" does not), and stops them all on exit."""
     started: list[Served] = []
     try:
         for cmd, work_dir, http, grpc, metrics in commands:
@@ -106,7 +108,7 @@ def serve_commands(commands: list[tuple], cwd: Path | None = None):
                                         start_new_session=True, cwd=cwd)
             started.append(Served(proc, http, grpc, metrics, log, work_dir))
         for served in started:
-            _wait_for_line(served, "ready (")
+            _wait_for_line(served, until)
         yield started
     finally:
         failures = []

@@ -77,20 +77,25 @@ class Pools:
             self.membership.close()
 
 
-def start_pools(settings: dict, observer: Any) -> Pools:
-    """The routers of ``settings`` (polling etcd from now on when it has discovery)."""
+def member_sources(settings: dict) -> tuple[Membership | None, dict]:
+    """Each role's members as the orchestrator's ``settings`` name them: (the Membership,
+    not yet started, when they come from etcd, else None; ``{role: source}``)."""
     membership = None
     if settings.get("discovery"):
         from triton_disagg.engine.spec import EngineSpec
 
         membership = Membership(DiscoveryConfig(**settings["discovery"]),
                                 EngineSpec.load(settings["engine"]).fingerprint)
-    routers = {}
-    for role in ROLES:
-        pool = settings["pools"][role]
-        source = (DiscoveredMembers(membership, role) if membership is not None
-                  else StaticMembers(role, pool["urls"]))
-        routers[role] = Router(role, pool["router"], source)
+    return membership, {role: DiscoveredMembers(membership, role) if membership is not None
+                        else StaticMembers(role, settings["pools"][role]["urls"])
+                        for role in ROLES}
+
+
+def start_pools(settings: dict, observer: Any) -> Pools:
+    """The routers of ``settings`` (polling etcd from now on when it has discovery)."""
+    membership, sources = member_sources(settings)
+    routers = {role: Router(role, settings["pools"][role]["router"], source)
+               for role, source in sources.items()}
     pools = Pools(routers, membership, observer)
     if membership is None:
         pools.report()
