@@ -112,11 +112,13 @@ def run(args: argparse.Namespace) -> int:
     endpoints = endpoints_for(args.role, config, flags)
     advertised = advertised_url(args.role, config, endpoints, flags)
     token = token_host(args.role, config, advertised)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop, hurry = threading.Event(), threading.Event()    # the first signal, a second one
+    previous = {s: signal.signal(s, lambda *_: (hurry if stop.is_set() else stop).set())
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(MAX_RESTARTS + 1):
-            outcome = _serve_once(args, config, endpoints, advertised, token, stop, restart)
+            outcome = _serve_once(args, config, endpoints, advertised, token, stop, hurry,
+                                  restart)
             if isinstance(outcome, int):
                 return outcome
             print(f"triton-disagg serve {args.role}: {outcome}", flush=True)
@@ -130,12 +132,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_once(args, config, endpoints, advertised: str | None, token: str | None,
-                stop: threading.Event, restart: int) -> int | str:
+                stop: threading.Event, hurry: threading.Event, restart: int) -> int | str:
     """Start tritonserver, announce it ready (registering ``advertised`` in etcd when the
     config has discovery), watch it: returns serve's exit code, or why it must restart (a
     stub died, or tritonserver was killed by a signal; it is stopped and deregistered by
-    then)."""
+    then). A context or generation server stopped by a signal deregisters, then drains
+    (:mod:`.drain`; a second signal cuts that short)."""
     from .deploy import start
+    from .drain import drain
     from .peers_gate import start_peers_gate
     from .register import start_registration
 
@@ -178,6 +182,13 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
             if code is not None:
                 print(f"tritonserver exited with code {code}:\n{server.log_tail()}", flush=True)
                 return f"tritonserver was killed by signal {-code}" if code < 0 else 1
+        if args.role in ("context", "generation"):
+            if registration is not None:
+                registration.close()
+                registration = None
+            metrics = endpoints.metrics_port
+            drain(f"http://{server.local_host}:{metrics}" if metrics else None, args.role, hurry,
+                  lambda line: print(f"triton-disagg serve {args.role}: {line}", flush=True))
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:

@@ -9,7 +9,11 @@ own, started with the commands a user runs (one config: ``discovery`` and no url
 - a context server killed (every process on its host, SIGKILL) while still registered
   costs no request: a call routed to it is tried once on the other
   (``disagg_route_retries_total``), and it is passed over after that;
-- the survivors' KV pools return to 0 blocks.
+- the survivors' KV pools return to 0 blocks;
+- a generation server stopped cleanly (SIGTERM) under load fails no request: it
+  deregisters, takes no more requests and drains what it holds before it stops;
+- etcd killed: serving goes on with the last known set (the scheduler says so in its log
+  and ``disagg_etcd_reachable``), and once etcd restarts the registrations are back.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ HOSTS = ("etcd", "scheduler", "ctx1", "ctx2", "gen1", "gen2", "gen3")
 ROLE = {"ctx1": "context", "ctx2": "context", "gen1": "generation", "gen2": "generation",
         "gen3": "generation", "scheduler": "scheduler"}
 ETCD_PORT, GRPC_PORT, SCHEDULER_GRPC, METRICS_PORT = 2379, 9001, 8001, 9100
+PREFIX, TTL = "/netns-pools", 5
 MAX_TOKENS = 24
 SHARE = 0.25        # every server takes at least this part of its role's even share
 JOIN_BOUND = 2.0    # seconds from ready to its first request (the issue's bound)
@@ -89,29 +94,56 @@ def _until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch):
+def _deployment(hosts: Hosts, engine, tmp_path, monkeypatch):
+    """The config every host serves (discovery, no urls); the KV secret they share."""
     from triton_disagg.kv.secret import SECRET_ENV
 
     monkeypatch.setenv(SECRET_ENV, "netns-pools-" + "7" * 32)   # as hosts apart must share it
     config = tmp_path / "disagg_config.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\n"
+    config.write_text(f"model: {{engine: {engine}}}\n"
                       "context_server: {cpus: [0]}\ngeneration_server: {cpus: [1]}\n"
                       "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n"
                       f"discovery: {{etcd: \"{hosts.address('etcd')}:{ETCD_PORT}\", "
-                      "prefix: /netns-pools, ttl_seconds: 5}\n")
+                      f"prefix: {PREFIX}, ttl_seconds: {TTL}}}\n")
+    return config
+
+
+def _start_etcd(hosts: Hosts, tmp_path) -> subprocess.Popen:
+    """etcd on its host, on ``tmp_path``'s data dir (kept across restarts)."""
+    with open(tmp_path / "etcd.log", "ab") as log:
+        return hosts.popen("etcd", etcd_server.command(tmp_path / "etcd-data",
+                                                       hosts.address("etcd"), ETCD_PORT,
+                                                       ETCD_PORT + 1),
+                           stdout=log, stderr=subprocess.STDOUT)
+
+
+def _members(hosts: Hosts, role: str) -> float:
+    return total(_metrics(hosts, "scheduler"), "disagg_pool_members", server_role=role)
+
+
+def _start_load(hosts: Hosts, offline, stop_file, workers: int) -> subprocess.Popen:
+    """Clients on the scheduler's host streaming one prompt over and over until ``stop_file``
+    exists; its output is the JSON list of every wrong text or error."""
+    prompt = serving.PROMPTS[0]
+    return hosts.popen("scheduler", [sys.executable, "-c", LOAD,
+                                     f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}",
+                                     str(stop_file), prompt, offline(prompt, MAX_TOKENS),
+                                     str(workers)],
+                       stdout=subprocess.PIPE, text=True,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+
+
+def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch):
+    config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
     offline = serving.offline_text(demo_engine)
     scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}"
-    with open(tmp_path / "etcd.log", "wb") as log:
-        hosts.popen("etcd", etcd_server.command(tmp_path / "etcd-data", hosts.address("etcd"),
-                                                ETCD_PORT, ETCD_PORT + 1),
-                    stdout=log, stderr=subprocess.STDOUT)
+    _start_etcd(hosts, tmp_path)
     first = ("scheduler", "ctx1", "ctx2", "gen1", "gen2")
     with contextlib.ExitStack() as stack:
         stack.enter_context(serving.serve_commands([_serve(hosts, h, config, tmp_path)
                                                     for h in first]))
-        members = lambda role: total(_metrics(hosts, "scheduler"),  # noqa: E731
-                                     "disagg_pool_members", server_role=role)
-        _until(lambda: members("context") == members("generation") == 2, 5, "2 + 2 members")
+        _until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 2, 5,
+               "2 + 2 members")
 
         # 32 streams at once: the offline text, every server its share
         prompts = serving.PROMPTS * 8
@@ -125,11 +157,7 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
 
         # a third generation server started under load takes traffic within 2 s
         stop_file = tmp_path / "stop-load"
-        prompt = serving.PROMPTS[0]
-        load = hosts.popen("scheduler", [sys.executable, "-c", LOAD, scheduler, str(stop_file),
-                                         prompt, offline(prompt, MAX_TOKENS), "4"],
-                           stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+        load = _start_load(hosts, offline, stop_file, 4)
         gen3 = f"{hosts.address('gen3')}:{GRPC_PORT}"
         metrics = f"http://{hosts.address('scheduler')}:{METRICS_PORT}/metrics"
         watch = hosts.popen("scheduler", [sys.executable, "-c", WATCH, metrics, gen3],
@@ -161,3 +189,86 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
         survivors = ("ctx1", "gen1", "gen2", "gen3")
         _until(lambda: not any(total(_metrics(hosts, h), "disagg_kv_blocks_used")
                                for h in survivors), 30, "KV pools back to 0 blocks")
+
+
+def test_a_generation_server_stopped_cleanly_under_load_fails_no_request(
+        demo_engine, tmp_path, hosts, monkeypatch):
+    """SIGTERM to one generation server's ``serve`` under load: it deregisters, the
+    scheduler routes nothing more to it, what it holds finishes (it drains before it stops
+    tritonserver), and the clients see no error and no wrong text."""
+    config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
+    offline = serving.offline_text(demo_engine)
+    _start_etcd(hosts, tmp_path)
+    first = ("scheduler", "ctx1", "gen1", "gen2")
+    with serving.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
+        _until(lambda: _members(hosts, "generation") == 2, 5, "2 generation members")
+        stop_file = tmp_path / "stop-load"
+        load = _start_load(hosts, offline, stop_file, 4)
+        _until(lambda: _routed(hosts, "gen2") >= 4, 60, "gen2 takes requests under load")
+        gen2 = served[first.index("gen2")]
+        assert serving.stop(gen2) == 0                 # SIGTERM, then serve exits by itself
+        said = [line for line in gen2.log.read_text().splitlines() if "drain" in line]
+        print("gen2 " + "; ".join(said))
+        assert any("drained in" in line for line in said), gen2.log.read_text()
+        assert _members(hosts, "generation") == 1
+        routed = _routed(hosts, "gen2")
+        served_by_gen1 = _routed(hosts, "gen1")
+        _until(lambda: _routed(hosts, "gen1") >= served_by_gen1 + 4, 60, "the load goes on")
+        assert _routed(hosts, "gen2") == routed        # nothing routed there once it stopped
+        stop_file.touch()
+        wrong = load.communicate(timeout=120)[0]
+        assert wrong.strip() == "[]", wrong            # no error, no wrong text
+
+
+REGISTERED = """
+import sys
+from triton_disagg.config import DiscoveryConfig
+from triton_disagg.discovery.etcd import connect, members_prefix
+etcd, prefix = sys.argv[1:3]
+client = connect(DiscoveryConfig(etcd=etcd, prefix=prefix, ttl_seconds=5), timeout=2)
+print(" ".join(sorted(meta["key"].decode() for _, meta in client.get_prefix(members_prefix(prefix)))))
+"""
+
+
+def test_etcd_killed_serving_goes_on_and_registrations_come_back(
+        demo_engine, tmp_path, hosts, monkeypatch):
+    """``kill -9`` of etcd: the scheduler says so (log, ``disagg_etcd_reachable`` 0) and
+    serves on the last known set, past the lease TTL; etcd restarted on its data dir: the
+    scheduler says it answers again, and both servers are registered there, their leases
+    kept alive by their heartbeats (still there a TTL later)."""
+    config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
+    offline = serving.offline_text(demo_engine)
+    scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}"
+    etcd = _start_etcd(hosts, tmp_path)
+    first = ("scheduler", "ctx1", "gen1")
+    etcd_url = f"{hosts.address('etcd')}:{ETCD_PORT}"
+    keys = " ".join(sorted(f"{PREFIX}/{ROLE[h]}/{hosts.address(h)}:{GRPC_PORT}"
+                           for h in first[1:]))
+    registered = lambda: hosts.python("scheduler", REGISTERED, etcd_url, PREFIX).strip()  # noqa: E731
+    reachable = lambda: total(_metrics(hosts, "scheduler"), "disagg_etcd_reachable")  # noqa: E731
+    prompts = serving.PROMPTS
+    with serving.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
+        _until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 1, 5,
+               "1 + 1 members")
+        assert registered() == keys and reachable() == 1
+
+        etcd.kill()                                    # SIGKILL: ip netns exec exec'd etcd
+        etcd.wait()
+        _until(lambda: reachable() == 0, 5, "the scheduler sees etcd gone")
+        time.sleep(TTL + 1)                            # past every lease: nothing lapses here
+        assert grpc_streams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts) == \
+            [offline(p, MAX_TOKENS) for p in prompts]
+        assert _members(hosts, "context") == _members(hosts, "generation") == 1
+        log = (served[0].work_dir / "tritonserver.log").read_text(errors="replace")
+        assert f"etcd at {etcd_url} does not answer" in log
+        assert "keeping the last known members (1 context, 1 generation)" in log
+
+        _start_etcd(hosts, tmp_path)
+        _until(lambda: reachable() == 1, 15, "the scheduler sees etcd back")
+        _until(lambda: registered() == keys, 10, "both servers registered again")
+        time.sleep(TTL + 1)                            # their heartbeats keep the leases
+        assert registered() == keys
+        log = (served[0].work_dir / "tritonserver.log").read_text(errors="replace")
+        assert f"etcd at {etcd_url} answers again; members: 1 context, 1 generation" in log
+        assert grpc_streams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts) == \
+            [offline(p, MAX_TOKENS) for p in prompts]
