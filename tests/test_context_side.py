@@ -1,6 +1,6 @@
 """The context model's logic with a real engine and real KV exchange, without a server:
-a context instance never waits for memory (it answers busy at once) and gives back a
-handoff that nobody will fetch."""
+a context instance never waits for memory (it answers busy at once), gives back a
+handoff that nobody will fetch, and counts the prompt tokens it has not prefilled yet."""
 
 from __future__ import annotations
 
@@ -63,3 +63,38 @@ def test_a_release_of_a_forged_handle_is_a_clear_error(side):
     forged[-1] ^= 1
     with pytest.raises(RequestError, match="context_phase_params: cannot release"):
         side.release(bytes(forged))
+
+
+def test_queued_prompt_tokens_count_a_batch_until_it_is_prefilled(side):
+    """A batch waiting for the engine (another prefill holds its lock) counts its prompt
+    tokens, and the reporter publishes them; once answered they are off again."""
+    import threading
+
+    class Gauges:                                   # the Metrics calls the reporter makes
+        def __init__(self):
+            self.queued: list[int] = []
+
+        def queued_prompt_tokens(self, tokens):
+            self.queued.append(tokens)
+
+        def kv_pool(self, used, total):
+            pass
+
+        def leases_expired(self, total):
+            pass
+
+    def until(predicate):
+        deadline = time.monotonic() + 5
+        while not predicate():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    side.metrics = Gauges()
+    until(lambda: side.metrics.queued)   # a report just went: the next is REPORT_SECONDS away
+    with side.lock:                                 # the engine is busy
+        batch = threading.Thread(target=_prefill, args=(side, "a", "b"))
+        batch.start()
+        until(lambda: side.queued_tokens == 2 * len(PROMPT))
+        until(lambda: side.metrics.queued[-1] == 2 * len(PROMPT))
+    batch.join(10)
+    assert side.queued_tokens == 0
