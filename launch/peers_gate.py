@@ -80,15 +80,14 @@ class Peers:
 
     def missing(self) -> str | None:
         """One line naming the first role without a server that answers, else None."""
-        asked: set[str] = set()
-        for role, source in self.sources.items():
-            urls = [m.url for m in source.members()]
-            asked.update(urls)
-            if not any(self._answers(url) for url in urls):
-                who = f" answers ({', '.join(urls)})" if urls else ""
-                return f"no {role} server {source.where()}{who}"
-        for url in set(self._clients) - asked:          # members that left
+        urls = {role: [m.url for m in source.members()] for role, source in self.sources.items()}
+        current = {url for role_urls in urls.values() for url in role_urls}
+        for url in set(self._clients) - current:          # members that left
             self._clients.pop(url).close()
+        for role, source in self.sources.items():
+            if not any(self._answers(url) for url in urls[role]):
+                who = f" answers ({', '.join(urls[role])})" if urls[role] else ""
+                return f"no {role} server {source.where()}{who}"
         return None
 
     def _answers(self, url: str) -> bool:
@@ -134,21 +133,22 @@ class PeersGate:
         self._client.close()
 
     def _check(self) -> None:
+        """Set the gate when its state must change, then say so (or say a new reason)."""
+        from tritonclient.utils import InferenceServerException
+
         reason = self.peers.missing()
-        if reason != self._reason or self._open is None:
+        changed = self._open is None or self._open != (reason is None)
+        if changed:
+            try:
+                self._set(reason)
+            except InferenceServerException as exc:
+                self.say(f"could not set the readiness gate ({exc.message()}); trying again")
+                return
+            self._open = reason is None
+        if changed or reason != self._reason:
             self.say("ready (every role has a server that answers)" if reason is None
                      else f"not ready: {reason}")
         self._reason = reason
-        if self._open is not None and self._open == (reason is None):
-            return
-        from tritonclient.utils import InferenceServerException
-
-        try:
-            self._set(reason)
-        except InferenceServerException as exc:
-            self.say(f"could not set the readiness gate ({exc.message()}); trying again")
-            return
-        self._open = reason is None
 
     def _set(self, reason: str | None) -> None:
         from tritonclient.utils import InferenceServerException
