@@ -23,7 +23,6 @@ from triton_disagg.launch.k8s_autoscale import KV_USAGE, QUEUED_TOKENS, adapter_
 
 NAMESPACE, POD = "llm", "triton-disagg-generation-7d9f-x2x4q"
 SCRAPED_WITHIN = 20.0
-PENDING = {QUEUED_TOKENS: "the context gauge disagg_queued_prompt_tokens is not published yet"}
 
 
 def adapter_query(rule: dict) -> str:
@@ -42,9 +41,7 @@ def _until_found(prom: prometheus_server.PrometheusServer, expr: str) -> list[di
     return found
 
 
-@pytest.mark.parametrize("metric", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=PENDING[m])) if m in PENDING
-    else m for m in (KV_USAGE, QUEUED_TOKENS)])
+@pytest.mark.parametrize("metric", [KV_USAGE, QUEUED_TOKENS])
 def test_each_adapter_rule_gives_the_pods_value(metric, demo_engine, tmp_path):
     (rule,) = [r for r in adapter_rules() if r["name"]["as"] == metric]
     with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "serve") as served, \

@@ -59,7 +59,7 @@ with ThreadPoolExecutor(int(workers)) as pool:
 """
 WATCH = """
 import sys, time, urllib.request
-from triton_disagg.bench.serve_metrics import total
+from triton_disagg.bench.serve_metrics import parse, total
 url, server = sys.argv[1:3]
 while not total(parse(urllib.request.urlopen(url).read().decode()),
                 "disagg_routed_requests_total", server=server):
