@@ -176,13 +176,7 @@ def _adapter_series() -> list[str]:
     return sorted(set(re.findall(r"disagg_\w+", text)))
 
 
-PENDING = {"disagg_queued_prompt_tokens":   # strict: passes, so this mark must go, once it lands
-           "the context gauge is being added with the model_instance label work"}
-
-
-@pytest.mark.parametrize("series", [
-    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=PENDING[s])) if s in PENDING
-    else s for s in _adapter_series()])
+@pytest.mark.parametrize("series", _adapter_series())
 def test_the_adapter_reads_series_the_servers_publish(series):
     from triton_disagg.serving.metrics import _FAMILIES
 
