@@ -2,8 +2,9 @@
 
 Binding rule: loopback unless told otherwise. ``--host`` wins; a role served
 alone (context / generation / scheduler) binds the host of its ``url`` in the
-config; everything else binds 127.0.0.1. The model-control API stays off (the scheduler's is restricted to
-serve itself, which loads its readiness gate: :mod:`.peers_gate`).
+config; everything else binds 127.0.0.1. The model-control API stays off (the
+scheduler's is restricted to serve itself, which loads its readiness gate:
+:mod:`.peers_gate`).
 
 What peers are told (``serve context|generation``): ``--advertise HOST:PORT``, else the
 bind address and gRPC port; a wildcard bind (``0.0.0.0``) names no address, so then the
