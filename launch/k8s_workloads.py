@@ -22,6 +22,7 @@ selects its pods by unit; nothing here depends on which namespace the objects la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from triton_disagg.config import DisaggConfig
@@ -29,7 +30,9 @@ from triton_disagg.config_kubernetes import IN_CLUSTER, KubernetesConfig
 from triton_disagg.errors import UserError
 from triton_disagg.kv.secret import SECRET_ENV
 
+from .drain import DRAIN_SECONDS, NOTICE_SECONDS
 from .serve_argv import serve_argv
+from .tritonserver import STOP_GRACE_SECONDS
 
 CONFIG_DIR = "/etc/triton-disagg"
 CONFIG_PATH = f"{CONFIG_DIR}/disagg_config.yaml"
@@ -42,6 +45,9 @@ READY_PATH, LIVE_PATH = "/v2/health/ready", "/v2/health/live"
 SHM_BASE = 64 * 2**20        # Triton's Python-backend regions (Docker's default /dev/shm)
 ETCD_PORT = 2379
 DEFAULT_TTL_SECONDS = 10
+# a stopping server drains (notice + at most DRAIN_SECONDS), then gives tritonserver its
+# stop grace, plus a margin: Kubernetes' default of 30 s would cut the drain short
+TERMINATION_GRACE_SECONDS = math.ceil(NOTICE_SECONDS + DRAIN_SECONDS + STOP_GRACE_SECONDS) + 5
 _PLACED = {"url", "urls", "gpus", "cpus", "instances", "http_port", "metrics_port"}
 
 
@@ -119,6 +125,7 @@ def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
         "context" in unit.roles and config.kv_cache.strategy == "host_memory") else 0
     pod = {
         "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "containers": [_container(role, config, image) for role in unit.roles],
         "volumes": [
             {"name": "config", "configMap": {"name": f"{k8s.name}-config"}},

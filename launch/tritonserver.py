@@ -47,6 +47,8 @@ from triton_disagg.errors import UserError
 
 from . import server_log
 
+STOP_GRACE_SECONDS = 15.0   # SIGTERM to SIGKILL when a server stops
+
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
 
 
@@ -241,7 +243,7 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, grace: float = 15.0) -> int | None:
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace`` seconds; returns the exit code."""
         proc = self.process
         if proc is None:

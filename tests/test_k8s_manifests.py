@@ -28,8 +28,10 @@ import yaml
 from k8s_manifests import CRD_KINDS, IMAGE, of_kind, render, schema_errors
 from triton_disagg.cli import build_parser
 from triton_disagg.config import parse_config
+from triton_disagg.launch.drain import DRAIN_SECONDS, NOTICE_SECONDS
 from triton_disagg.launch.k8s_workloads import CONFIG_PATH, PORTS, READY_PATH, LIVE_PATH
 from triton_disagg.launch.serve_argv import serve_argv
+from triton_disagg.launch.tritonserver import STOP_GRACE_SECONDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,6 +69,9 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
         pod = deployment["spec"]["template"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         assert pod["spec"]["restartPolicy"] == "Always"
+        # a stopping server drains, then stops tritonserver: the kubelet must not kill it first
+        assert pod["spec"]["terminationGracePeriodSeconds"] > (
+            NOTICE_SECONDS + DRAIN_SECONDS + STOP_GRACE_SECONDS)
         for container in pod["spec"]["containers"]:
             role, ports = container["name"], PORTS[container["name"]]
             advertise = None if role == "scheduler" else f"$(POD_IP):{ports['grpc']}"
