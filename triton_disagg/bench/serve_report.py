@@ -20,7 +20,13 @@ from triton_disagg.bench.serve_stats import GOODPUT_ATTAINMENT, SLO, Percentiles
 from triton_disagg.bench.serve_sweep import Sweep, verdicts
 
 TTFT_ADDED_MAX = 0.010          # overhead target: at most 10 ms added TTFT at p50
-THROUGHPUT_LOSS_MAX = 0.15      # and at most 15 % output throughput lost at saturation
+# and at most this much output throughput lost at saturation (issue 9): per stream_interval,
+# a streamed response per token costs the server a response each; others as at 4
+THROUGHPUT_LOSS_MAX = {1: 0.30, 4: 0.10}
+
+
+def throughput_loss_max(stream_interval: int) -> float:
+    return THROUGHPUT_LOSS_MAX.get(stream_interval, THROUGHPUT_LOSS_MAX[4])
 ACCEPT_TTFT = 0.200             # deployment guide: TTFT under 200 ms (p90 here) ...
 ACCEPT_TOKENS = 1000.0          # ... and over 1000 output tokens/s aggregate
 
@@ -61,7 +67,8 @@ def _find(summaries: Sequence[Summary], mode: str, rate: float) -> Summary | Non
     return next((s for s in summaries if s.mode == mode and s.rate == rate), None)
 
 
-def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str]) -> list[str]:
+def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str],
+                   stream_interval: int) -> list[str]:
     base_serial = _find(summaries, "in-process", 0)
     base_burst = _find(summaries, "in-process", math.inf)
     if base_serial is None or base_burst is None or base_serial.ttft is None:
@@ -73,13 +80,13 @@ def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str]) -> list[s
             continue
         added = serial.ttft.p50 - base_serial.ttft.p50
         lost = 1 - burst.token_throughput / base_burst.token_throughput
+        lost_max = throughput_loss_max(stream_interval)
         out.append(
             f"- **{mode}**: TTFT p50 {serial.ttft.p50 * 1e3:.1f} ms vs {base_serial.ttft.p50 * 1e3:.1f} "
             f"ms in-process, {added * 1e3:+.1f} ms ({'holds' if added <= TTFT_ADDED_MAX else 'misses'}"
             f" the <= {TTFT_ADDED_MAX * 1e3:.0f} ms target); saturation {burst.token_throughput:.0f} vs "
             f"{base_burst.token_throughput:.0f} output tok/s, {lost:.0%} lost "
-            f"({'holds' if lost <= THROUGHPUT_LOSS_MAX else 'misses'} the <= "
-            f"{THROUGHPUT_LOSS_MAX:.0%} target).")
+            f"({'holds' if lost <= lost_max else 'misses'} the <= {lost_max:.0%} target).")
     return out
 
 
@@ -181,7 +188,7 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         *[f"![{p.stem}]({os.path.relpath(p, doc_dir)})" for p in images], "",
         "### Serving overhead (Triton vs the engine in-process, same prompts and cores)", "",
         "TTFT at p50 with one request at a time, output tokens/s with every request at once.", "",
-        *overhead_lines(summaries, modes), "",
+        *overhead_lines(summaries, modes, setup.stream_interval), "",
         "Where the CPU went during the burst: each process's user + system time from `/proc` "
         "(every thread: generation's decode loop, the orchestrator's event loop, Triton's "
         "ensemble and gRPC), and the benchmark's own client; share of the cores = CPU / "
