@@ -4,7 +4,6 @@ binary on free loopback ports with its own data dir, started and stopped by PID.
 :meth:`EtcdServer.kill` (SIGKILL) then :meth:`EtcdServer.start` brings etcd back on the
 same data dir and ports, as a crashed etcd restarted by its supervisor. A missing
 ``etcd`` binary fails the test with one line naming the fix; it is never a skip.
-:func:`wait_until` polls a condition against a deadline (membership changes in steps).
 """
 
 from __future__ import annotations
@@ -94,12 +93,3 @@ def command(data_dir: Path, host: str, client_port: int, peer_port: int) -> list
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"test={peer}"]
 
-
-def wait_until(predicate, timeout: float, what: str) -> float:
-    """Seconds until ``predicate()`` held (polled every 10 ms); fails after ``timeout``."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start

@@ -288,3 +288,13 @@ def stream_then_cancel(grpc: str, max_tokens: int = 1500) -> None:
             result, error = got.get(timeout=60)
             assert error is None, error
         client.stop_stream(cancel_requests=True)
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.01) -> float:
+    """Seconds until ``predicate()`` held (polled every ``poll`` s); fails after ``timeout``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(poll)
+    return time.monotonic() - start

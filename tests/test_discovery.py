@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import etcd_server
-from etcd_server import wait_until
+from serving import wait_until
 from triton_disagg.discovery import Load, MemberRecord, Membership, Registration
 
 TTL = 2                              # seconds: etcd's shortest whole-second lease

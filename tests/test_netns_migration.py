@@ -22,6 +22,7 @@ import time
 
 import serving
 from netns_hosts import HeldStreams, Hosts, hosts_fixture, metrics_of, serve_role
+from serving import wait_until
 from triton_disagg.bench.serve_metrics import total
 
 HOSTS = ("scheduler", "ctx1", "gen1", "gen2")
@@ -51,11 +52,6 @@ def _kill(work_dir, only: str = "") -> None:
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
-def _until(predicate, timeout: float, what: str) -> None:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
 
 
 def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monkeypatch):
@@ -83,14 +79,14 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
         # kill -9 of gen1's tritonserver once it holds streams: they move to gen2
         held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts, tmp_path / "go")
         held.start()
-        _until(lambda: routed("gen1") >= 4, 30, "gen1 holds streams")
+        wait_until(lambda: routed("gen1") >= 4, 30, "gen1 holds streams")
         _kill(tmp_path / "gen1", only="bin/tritonserver")
         assert held.texts() == expected
         migrations = total(_metrics(hosts, "scheduler"), "disagg_migrations_total",
                            server=url["gen1"])
         print(f"streams migrated off gen1: {migrations:g}")
         assert migrations >= 1
-        _until(lambda: not any(total(_metrics(hosts, h), "disagg_kv_blocks_used")
+        wait_until(lambda: not any(total(_metrics(hosts, h), "disagg_kv_blocks_used")
                                for h in ("ctx1", "gen2")), 2 * LEASE_SECONDS + 10,
                "KV pools of ctx1 and gen2 back to 0 blocks")
 
@@ -100,13 +96,14 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
         held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts[:4],
                            tmp_path / "go-again")
         held.start()
-        _until(lambda: routed("gen2") >= before + 4, 30, "gen2 holds the streams")
+        wait_until(lambda: routed("gen2") >= before + 4, 30, "gen2 holds the streams")
         _kill(tmp_path / "gen2")
         killed = time.monotonic()            # CLOCK_MONOTONIC: one clock for every netns
         outcomes = held.outcomes()
         for outcome in outcomes:
             error = outcome["error"] or ""
-            lost = [u for u in (url["gen1"], url["gen2"]) if f"generation server {u} was lost" in error]
+            lost = [u for u in (url["gen1"], url["gen2"])
+                    if f"generation server {u} was lost" in error]
             assert lost and "\n" not in error.strip(), outcome
             assert outcome["ended"] - killed < FAIL_BOUND, outcome
         print(f"errors after the last generation server died: {outcomes[0]['error']}")

@@ -28,6 +28,7 @@ import time
 import etcd_server
 import serving
 from netns_hosts import HeldStreams, Hosts, grpc_streams, hosts_fixture, metrics_of, serve_role
+from serving import wait_until
 from triton_disagg.bench.serve_metrics import total
 
 HOSTS = ("etcd", "scheduler", "ctx1", "ctx2", "gen1", "gen2", "gen3")
@@ -86,13 +87,6 @@ def _routed(hosts: Hosts, host: str) -> float:
                  server=f"{hosts.address(host)}:{GRPC_PORT}")
 
 
-def _until(predicate, timeout: float, what: str) -> float:
-    """Seconds until ``predicate()`` held, polled every 0.1 s."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def _deployment(hosts: Hosts, engine, tmp_path, monkeypatch):
@@ -144,7 +138,7 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
     with contextlib.ExitStack() as stack:
         stack.enter_context(serving.serve_commands([_serve(hosts, h, config, tmp_path)
                                                     for h in first]))
-        _until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 2, 5,
+        wait_until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 2, 5,
                "2 + 2 members")
 
         # 32 streams at once: the offline text, every server its share
@@ -189,7 +183,7 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
         assert retries >= 1
 
         survivors = ("ctx1", "gen1", "gen2", "gen3")
-        _until(lambda: not any(total(_metrics(hosts, h), "disagg_kv_blocks_used")
+        wait_until(lambda: not any(total(_metrics(hosts, h), "disagg_kv_blocks_used")
                                for h in survivors), 30, "KV pools back to 0 blocks")
 
 
@@ -203,16 +197,16 @@ def test_a_generation_server_stopped_cleanly_under_load_fails_no_request(
     _start_etcd(hosts, tmp_path)
     first = ("scheduler", "ctx1", "gen1", "gen2")
     with serving.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
-        _until(lambda: _members(hosts, "generation") == 2, 5, "2 generation members")
+        wait_until(lambda: _members(hosts, "generation") == 2, 5, "2 generation members")
         stop_file = tmp_path / "stop-load"
         load = _start_load(hosts, offline, stop_file, 4, LONG_TOKENS)
-        _until(lambda: _routed(hosts, "gen2") >= 2, 60, "gen2 takes requests under load")
+        wait_until(lambda: _routed(hosts, "gen2") >= 2, 60, "gen2 takes requests under load")
         gen2 = served[first.index("gen2")]
         assert serving.stop(gen2) == 0                 # SIGTERM, then serve exits by itself
         assert _members(hosts, "generation") == 1
         routed = _routed(hosts, "gen2")
         served_by_gen1 = _routed(hosts, "gen1")
-        _until(lambda: _routed(hosts, "gen1") >= served_by_gen1 + 4, 60, "the load goes on")
+        wait_until(lambda: _routed(hosts, "gen1") >= served_by_gen1 + 4, 60, "the load goes on")
         assert _routed(hosts, "gen2") == routed        # nothing routed there once it stopped
         stop_file.touch()
         wrong = load.communicate(timeout=120)[0]
@@ -251,13 +245,13 @@ def test_etcd_killed_serving_goes_on_and_registrations_come_back(
     reachable = lambda: total(_metrics(hosts, "scheduler"), "disagg_etcd_reachable")  # noqa: E731
     prompts = serving.PROMPTS
     with serving.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
-        _until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 1, 5,
+        wait_until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 1, 5,
                "1 + 1 members")
         assert registered() == keys and reachable() == 1
 
         etcd.kill()                                    # SIGKILL: ip netns exec exec'd etcd
         etcd.wait()
-        _until(lambda: reachable() == 0, 5, "the scheduler sees etcd gone")
+        wait_until(lambda: reachable() == 0, 5, "the scheduler sees etcd gone")
         time.sleep(TTL + 1)                            # past every lease: nothing lapses here
         assert grpc_streams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts) == \
             [offline(p, MAX_TOKENS) for p in prompts]
@@ -267,8 +261,8 @@ def test_etcd_killed_serving_goes_on_and_registrations_come_back(
         assert "keeping the last known members (1 context, 1 generation)" in log
 
         _start_etcd(hosts, tmp_path)
-        _until(lambda: reachable() == 1, 15, "the scheduler sees etcd back")
-        _until(lambda: registered() == keys, 10, "both servers registered again")
+        wait_until(lambda: reachable() == 1, 15, "the scheduler sees etcd back")
+        wait_until(lambda: registered() == keys, 10, "both servers registered again")
         time.sleep(TTL + 1)                            # their heartbeats keep the leases
         assert registered() == keys
         log = (served[0].work_dir / "tritonserver.log").read_text(errors="replace")

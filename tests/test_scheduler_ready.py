@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 import serving
+from serving import wait_until
 
 READY_BOUND = 10.0     # seconds: a check every second, plus a stub start to load the gate
 
@@ -27,12 +28,6 @@ def _ready(http: str) -> bool:
         return False
 
 
-def _until(predicate, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def _one_line_error(grpc: str, prompt: str) -> str:
@@ -58,7 +53,7 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
     with serving.serve("scheduler", args, tmp_path / "s", until="up (") as scheduler:
         said = f"not ready: no context server in context_server.urls answers (127.0.0.1:{ctx_port})"
         seen = [_ready(scheduler.http) for _ in range(10) if not time.sleep(0.2)]
-        _until(lambda: said in scheduler.log.read_text(), READY_BOUND, "it says why")
+        wait_until(lambda: said in scheduler.log.read_text(), READY_BOUND, "it says why")
         seen.append(_ready(scheduler.http))
         assert not any(seen), "ready with no context or generation server"
         assert "ready (" not in scheduler.log.read_text()
@@ -71,18 +66,18 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
         with serving.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port), \
                 serving.serve("generation", args, tmp_path / "g", http=False,
                               grpc_port=gen_port) as gen:
-            took = _until(lambda: _ready(scheduler.http), READY_BOUND, "ready once peers answer")
+            took = wait_until(lambda: _ready(scheduler.http), READY_BOUND, "ready once peers answer")
             print(f"ready {took:.1f} s after both peers were")
-            _until(lambda: "ready (every role has a server that answers)"
+            wait_until(lambda: "ready (every role has a server that answers)"
                    in scheduler.log.read_text(), 2, "it says so")
             for prompt in serving.PROMPTS[:2]:
                 status, body = serving.generate(scheduler.http,
                                                 {"text_input": prompt, "max_tokens": 16})
                 assert status == 200 and body["text_output"] == offline(prompt, 16), body
             assert serving.stop(gen) == 0
-            _until(lambda: not _ready(scheduler.http), READY_BOUND, "not ready once gen left")
+            wait_until(lambda: not _ready(scheduler.http), READY_BOUND, "not ready once gen left")
             said = (f"not ready: no generation server in generation_server.urls answers "
                     f"(127.0.0.1:{gen_port})")
-            _until(lambda: said in scheduler.log.read_text(), READY_BOUND, "it says why")
+            wait_until(lambda: said in scheduler.log.read_text(), READY_BOUND, "it says why")
             message = _one_line_error(scheduler.grpc, "The quick brown fox")
             assert "generation server" in message and f"127.0.0.1:{gen_port}" in message, message
