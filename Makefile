@@ -51,7 +51,7 @@ test-tools:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "==> installing$$missing with apt-get (for the discovery, multi-host and Prometheus tests)"; \
 	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	  else \
 	    echo "missing:$$missing; the tests that run them will fail; run: sudo apt-get install$$missing"; \
 	  fi; \
