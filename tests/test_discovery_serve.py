@@ -11,7 +11,7 @@ import pytest
 
 import etcd_server
 import serving
-from etcd_server import wait_until
+from serving import wait_until
 from triton_disagg.bench.serve_metrics import scrape, total
 from triton_disagg.cli import main
 from triton_disagg.discovery import Membership

@@ -125,7 +125,7 @@ def test_each_pods_command_starts_a_working_role(demo_engine, tmp_path, hosts):
         members = lambda: [total(parse(scrape(hosts, "scheduler", metrics)),  # noqa: E731
                                  "disagg_pool_members", server_role=r)
                            for r in ("context", "generation")]
-        etcd_server.wait_until(lambda: members() == [1, 1], 15, "context and generation in etcd")
+        serving.wait_until(lambda: members() == [1, 1], 15, "context and generation in etcd")
         for url in probes:           # scrape fails on any answer but 200
             scrape(hosts, "scheduler", url)
         offline = serving.offline_text(demo_engine)

@@ -6,7 +6,7 @@ the observer hears each pool's size and whether etcd answers only when one chang
 from __future__ import annotations
 
 import etcd_server
-from etcd_server import wait_until
+from serving import wait_until
 from triton_disagg.discovery import MemberRecord, Registration
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.serving.pools import start_pools
