@@ -20,12 +20,13 @@ import time
 from typing import Callable
 
 from triton_disagg.bench.serve_metrics import scrape, total
+from triton_disagg.discovery.metrics_load import LIVE, QUEUED, USED
 
 NOTICE_SECONDS = 1.0
 DRAIN_SECONDS = 30.0
 POLL_SECONDS = 0.1
-WORK = {"disagg_kv_blocks_used": "KV blocks in use", "disagg_live_sequences": "live sequences",
-        "disagg_queued_prompt_tokens": "queued prompt tokens"}
+# the gauges a registered server publishes as its load (discovery.metrics_load), by meaning
+WORK = {USED: "KV blocks in use", LIVE: "live sequences", QUEUED: "queued prompt tokens"}
 
 
 def work_left(metrics_url: str, role: str) -> dict[str, int]:
