@@ -29,11 +29,12 @@ metrics only when given a port (flag or config).
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_disagg.config import DisaggConfig
+from triton_disagg.config import DisaggConfig, front_cpus
 from triton_disagg.config_values import is_loopback
 from triton_disagg.errors import UserError
 
@@ -169,7 +170,8 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           tritonserver: str | None = None, log_verbose: int = 0,
           token: str | None = None) -> TritonServer:
     """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
-    :func:`token_host`) and start its server (not yet ready)."""
+    :func:`token_host`) and start its server (not yet ready), on the front end's cores
+    (:func:`~triton_disagg.config.front_cpus`)."""
     check_ports_free(endpoints)
     install = locate(tritonserver)
     check_stub(install.stub_binary, server_env(install))
@@ -180,6 +182,6 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     control = GateControl(tuple(sorted(p.name for p in repo.iterdir()))) \
         if role == "scheduler" else None
     server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose,
-                          control=control)
+                          control=control, cpus=front_cpus(config, role, os.sched_getaffinity(0)))
     server.start()
     return server

@@ -4,7 +4,8 @@ A template folder holds ``config.pbtxt`` with ``${placeholders}`` and
 ``1/model.py``. Rendering fills the ``input``/``output`` sections from
 :mod:`triton_disagg.protocol` (the single owner of tensor names), the ensemble's
 steps, the instance group, and one ``settings`` parameter: a JSON object that
-the model's ``initialize`` reads (engine path, CPU pinning per instance, KV
+the model's ``initialize`` reads (engine path, CPU pinning per instance: see
+:func:`instance_cpus`, KV
 settings; for the orchestrator each role's pool, static ``urls`` or etcd ``discovery``,
 with its routing policy).
 
@@ -24,13 +25,14 @@ decides it per role).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 from string import Template
 
 from triton_disagg import protocol as P
-from triton_disagg.config import DisaggConfig, ServerConfig
+from triton_disagg.config import DisaggConfig, ServerConfig, front_cpus
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repo"
 FRONT = ("ensemble", "preprocessing", "orchestrator")
@@ -86,7 +88,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
     if model in ("context", "generation"):
         server = config.server(model)
         out.update(
-            instance_cpus=[list(server.instance_cpus(i)) for i in range(server.instances)],
+            instance_cpus=instance_cpus(model, role, config),
             tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
             kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
             kv_lease_seconds=config.kv_cache.lease_seconds,
@@ -106,6 +108,16 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
                               "router": config.server(r).router} for r in ("context", "generation")},
                    discovery=asdict(config.discovery) if config.discovery else None)
     return out
+
+
+def instance_cpus(model: str, role: str, config: DisaggConfig) -> list[list[int]]:
+    """The cores each instance of ``model`` (context or generation) pins itself to. An
+    instance given none runs on every usable core, as an unpinned one always has, rather
+    than on the front end's cores that its stub inherits from a pinned tritonserver
+    (:func:`~triton_disagg.config.front_cpus`); [] where there is nothing to undo."""
+    server, usable = config.server(model), os.sched_getaffinity(0)
+    anywhere = sorted(usable) if front_cpus(config, role, usable) else []
+    return [list(server.instance_cpus(i)) or anywhere for i in range(server.instances)]
 
 
 def _values(model: str, role: str, config: DisaggConfig,

@@ -19,6 +19,7 @@ import signal
 import threading
 from pathlib import Path
 
+from triton_disagg.config import PLACED_ROLES
 from triton_disagg.errors import UserError
 
 from .stub_watch import first_dead, stubs_of
@@ -93,10 +94,17 @@ def load(args: argparse.Namespace):
             raise UserError(f"--advertise: serve {args.role} advertises nothing; it is for "
                             f"serve context|generation")
         args.advertise = parse_url(args.advertise, "--advertise")
+    check_host(config, roles=_placed_here(args.role))
     if args.role != "scheduler":
-        check_host(config)
         check_kv_capacity(config, None if args.role == "all" else (args.role,))
     return config
+
+
+def _placed_here(role: str) -> tuple[str, ...]:
+    """The roles whose placement ``serve role`` checks against this host: the scheduler's
+    front end runs where ``serve all`` or ``serve scheduler`` runs; ``serve context`` and
+    ``serve generation`` check both of those roles, as they always have."""
+    return {"all": PLACED_ROLES, "scheduler": ("scheduler",)}.get(role, ("context", "generation"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,6 +163,9 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and p.name != gate)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
+    if args.role in ("all", "scheduler"):
+        cores = f"cores {list(server.cpus)}" if server.cpus else "every usable core (not pinned)"
+        print(f"  front end (tritonserver, preprocessing, orchestrator) on {cores}", flush=True)
     loaded: list[str] = []
     registration = peers_gate = None
 

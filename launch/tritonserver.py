@@ -20,7 +20,9 @@ Embedded server facts this module relies on:
 
 Invariant: the server runs in its own process group (its Python stubs
 included), so :meth:`TritonServer.stop` ends all of it and nothing else; it is
-also SIGTERMed if the process that started it dies. Its Python-backend regions
+also SIGTERMed if the process that started it dies. Given cores, the server runs on
+them from its first instruction, and so do the stubs it forks until a stub re-pins
+itself (:mod:`triton_disagg.serving.placement`). Its Python-backend regions
 in ``/dev/shm`` carry a name owned by the process that started it
 (:mod:`triton_disagg.shm`): ``stop`` unlinks them once the server is gone, and
 every start and stop sweeps what killed servers and stubs left behind.
@@ -39,8 +41,9 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from triton_disagg import shm
 from triton_disagg.errors import UserError
@@ -129,11 +132,15 @@ class TritonServer:
     """One tritonserver process group serving ``repo`` at ``endpoints``."""
 
     def __init__(self, install: TritonInstall, repo: Path, endpoints: Endpoints, work_dir: Path,
-                 env: dict[str, str] | None = None, log_verbose: int = 0, control=None):
+                 env: dict[str, str] | None = None, log_verbose: int = 0, control=None,
+                 cpus: Sequence[int] = ()):
         """``control``: None (model control off), or a readiness gate's
-        :class:`~launch.peers_gate.GateControl` (explicit model control, its API restricted)."""
+        :class:`~launch.peers_gate.GateControl` (explicit model control, its API restricted).
+        ``cpus``: the cores the server process (and what it forks) runs on; () leaves it
+        on this process's."""
         self.install, self.repo, self.endpoints, self.work_dir = install, repo, endpoints, work_dir
         self.control = control
+        self.cpus = tuple(cpus)
         self.log_path = work_dir / "tritonserver.log"
         self.env = server_env(install, env)
         self.log_verbose = log_verbose
@@ -164,7 +171,8 @@ class TritonServer:
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.command(backends), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=self.env, cwd=self.work_dir,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
+                                        start_new_session=True,
+                                        preexec_fn=partial(_before_exec, self.cpus))
         log.close()
 
     def wait_ready(self, timeout: float = 300.0, cancel: threading.Event | None = None,
@@ -263,13 +271,16 @@ class TritonServer:
         return code
 
 
-def _die_with_parent() -> None:
+def _before_exec(cpus: tuple[int, ...]) -> None:
     """In the child before exec: SIGTERM it if the process that started it dies (even by
-    SIGKILL), so a killed `triton-disagg serve` never leaves a server behind."""
+    SIGKILL), so a killed `triton-disagg serve` never leaves a server behind; put it on
+    ``cpus`` when given (exec and fork keep the mask)."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from triton_disagg.config import check_host, default_config, load_config
+from triton_disagg.config import check_host, default_config, front_cpus, load_config
 from triton_disagg.config_values import parse_size
 from config_files import assert_one_line_error, config_writer
 from triton_disagg.errors import UserError
@@ -126,3 +126,42 @@ def test_host_memory_needs_one_host(write, context, generation, refused):
         load_config(write(text.replace("host_memory", "direct_transfer")))
         text += "mode: aggregated\n"                  # no handoff: nothing is staged
     load_config(write(text))
+
+
+def test_scheduler_instances_share_the_front_ends_cores(write):
+    cfg = load_config(write("model: {engine: engines/demo}\n"
+                            "scheduler_server: {cpus: [0], instances: 2}\n"))
+    assert cfg.scheduler.cpus == (0,) and cfg.scheduler.instances == 2
+
+
+def test_unusable_cores_are_refused_for_every_placed_role(write):
+    import os
+
+    unusable = max(os.sched_getaffinity(0)) + 1
+    for role in ("context", "generation", "scheduler"):
+        cfg = load_config(write(f"model: {{engine: engines/demo}}\n"
+                                f"{role}_server: {{cpus: [{unusable}]}}\n"))
+        with pytest.raises(UserError) as err:
+            check_host(cfg, gpu_count=0)
+        message = str(err.value)
+        assert "\n" not in message and "disagg_config.yaml" in message
+        assert f"{role}_server.cpus: core {unusable} is not usable here" in message
+        assert "pick cores from that list" in message
+    check_host(cfg, gpu_count=0, roles=("context", "generation"))   # serve context: not its
+
+
+@pytest.mark.parametrize("scheduler, generation, role, usable, front", [
+    ("{}", "{cpus: [1]}", "all", {0, 1}, (0,)),              # beside the decode cores
+    ("{}", "{cpus: [2, 3]}", "all", {0, 1, 2, 3}, (0, 1)),
+    ("{}", "{cpus: [0, 1]}", "all", {0, 1}, ()),              # nothing left: not pinned
+    ("{}", "{}", "all", {0, 1}, ()),                          # generation not pinned either
+    ("{cpus: [1]}", "{cpus: [1]}", "all", {0, 1}, (1,)),      # given: as given
+    ("{cpus: [2]}", "{cpus: [1]}", "scheduler", {0, 1, 2}, (2,)),
+    ("{}", "{cpus: [1]}", "scheduler", {0, 1}, ()),           # generation is another host's
+    ("{cpus: [0]}", "{cpus: [1]}", "generation", {0, 1}, ()),  # no front end there
+    ("{cpus: [0]}", "{cpus: [1]}", "context", {0, 1}, ()),
+])
+def test_front_end_cores(write, scheduler, generation, role, usable, front):
+    cfg = load_config(write(f"model: {{engine: engines/demo}}\nscheduler_server: {scheduler}\n"
+                            f"generation_server: {generation}\n"))
+    assert front_cpus(cfg, role, usable) == front

@@ -16,8 +16,11 @@ two instances when its ``cpus`` name two cores or more, every other role to one)
 ``generation_server.stream_interval`` (decode steps per streamed response),
 ``generation_server.stall_seconds`` (how long a request's token stream may stay silent
 before it ends in an error and generation is told to stop it; default 30); a
-``scheduler_server: {url, http_port, metrics_port, instances}`` for ``serve scheduler``
-(``instances``: orchestrator instances, in ``serve all`` too; default 1);
+``scheduler_server: {url, http_port, metrics_port, instances, cpus}`` for ``serve scheduler``
+(``instances``: orchestrator instances, in ``serve all`` too; default 1; ``cpus``: the
+front end's cores, in ``serve all`` too: tritonserver's own threads and the
+preprocessing and orchestrator stubs, which every orchestrator instance shares, so
+they are not split per instance; default :func:`front_cpus`);
 ``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection, Sequence
 
 from triton_disagg.config_kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.config_values import (count, int_list, is_loopback, mapping, number,
@@ -58,7 +61,8 @@ ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
                 "http_port", "metrics_port", "router"}
-_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances"}
+_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances", "cpus"}
+PLACED_ROLES = ("context", "generation", "scheduler")   # the roles that take cpus
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
 _DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds"}
 
@@ -66,7 +70,8 @@ _DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds"}
 @dataclass(frozen=True)
 class ServerConfig:
     """One role's placement. ``instances`` model instances split ``cpus`` evenly
-    (contiguous chunks); with ``gpus`` there is one instance per GPU."""
+    (contiguous chunks); with ``gpus`` there is one instance per GPU. The scheduler's
+    ``cpus`` are the front end's and are shared by its instances, never split."""
 
     url: str | None = None              # "host:port" of the role's gRPC endpoint
     # The static pool, each "host:port"; (url,) when url is given. With one entry, url is it.
@@ -183,13 +188,15 @@ def default_config(engine: str | Path) -> DisaggConfig:
     return parse_config({"model": {"engine": str(engine)}}, source="--engine")
 
 
-def check_host(config: DisaggConfig, gpu_count: int | None = None) -> None:
-    """Refuse placements this host cannot honour (GPUs that are not there, unknown cores)."""
+def check_host(config: DisaggConfig, gpu_count: int | None = None,
+               roles: Sequence[str] = PLACED_ROLES) -> None:
+    """Refuse placements of ``roles`` this host cannot honour (GPUs that are not there,
+    unknown cores)."""
     import os
 
     gpu_count = count_gpus() if gpu_count is None else gpu_count
     usable = os.sched_getaffinity(0)
-    for role in ("context", "generation"):
+    for role in roles:
         server = config.server(role)
         missing = [g for g in server.gpus if g >= gpu_count]
         if missing:
@@ -201,6 +208,26 @@ def check_host(config: DisaggConfig, gpu_count: int | None = None) -> None:
         if bad:
             raise UserError(f"{config.source}: {role}_server.cpus: core {bad[0]} is not usable here "
                             f"(usable: {sorted(usable)}); pick cores from that list")
+
+
+def front_cpus(config: DisaggConfig, role: str, usable: Collection[int]) -> tuple[int, ...]:
+    """The cores of the front end that ``serve role`` starts (tritonserver's own threads,
+    hence the preprocessing and orchestrator stubs it forks); () means not pinned.
+
+    ``scheduler_server.cpus`` when given (``serve all`` and ``serve scheduler``). Else, for
+    ``serve all`` with ``generation_server.cpus``: the ``usable`` cores minus generation's,
+    when that leaves any. The decode loop's per-step time is the token rate, while the
+    front end's work per token is bursty: it belongs beside the prefill, not on the decode
+    cores (on two cores it took about a third of generation's). ``serve context`` and
+    ``serve generation`` run no front end: their tritonserver is not pinned (their stubs
+    pin themselves, :mod:`triton_disagg.serving.placement`).
+    """
+    if role not in ("all", "scheduler"):
+        return ()
+    if config.scheduler.cpus or role == "scheduler":
+        return config.scheduler.cpus
+    beside_decode = set(usable) - set(config.generation.cpus)
+    return tuple(sorted(beside_decode)) if config.generation.cpus and beside_decode else ()
 
 
 def count_gpus() -> int:
@@ -290,7 +317,7 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
         raise UserError(f"{key}: give either gpus (one instance per GPU) or cpus/instances, not both")
     instances = len(gpus) if gpus else count(s.get("instances", _default_instances(key, cpus)),
                                               f"{key}.instances")
-    if cpus and len(cpus) < instances:
+    if cpus and len(cpus) < instances and key != "scheduler_server":   # it shares its cores
         raise UserError(f"{key}.cpus: {len(cpus)} cores for {instances} instances; give at least "
                         f"one core per instance or lower instances")
     tpb = s.get("tokens_per_block")
