@@ -1,9 +1,13 @@
 """`triton-disagg bench handoff`: the KV handoff's latency and bandwidth per strategy and
 prompt length, from the server's own ``disagg_kv_transfer_seconds`` histogram, beside a
-single-thread memcpy of the same bytes. :func:`markdown` says what the figures include.
+single-thread memcpy of the same bytes and ``process_vm_readv`` of them from another
+process (the kernel copy a NIXL READ rides on within one host). :func:`markdown` says
+what the figures include.
 
 Invariant: a row's figures are one server's counters between two scrapes around that
-row's requests only; p50 is a bucket bound of the histogram, never an interpolation.
+row's requests only; p50 is a bucket bound of the histogram, never an interpolation;
+both copy figures time the row's bytes per handoff with one harness
+(:func:`triton_disagg.bench.copy_timing.best_gbps`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import json
 import os
 import random
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,7 @@ KV_MAX_SIZE = "64MB"     # per pool: the demo engine's 2,048-token sequence need
 def add_handoff_parser(kinds) -> None:
     p = kinds.add_parser(
         "handoff", help="KV handoff latency and bandwidth per strategy and prompt length, from "
-                        "the server's own histogram, against memcpy")
+                        "the server's own histogram, against memcpy and process_vm_readv")
     p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
                                                "built under --work-dir)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -52,6 +55,8 @@ class Row:
     mean_s: float
     bytes_per: float
     memcpy_gbps: float
+    vm_readv_gbps: float | None     # None: the kernel refused process_vm_readv
+    vm_readv_refused: str = ""      # why vm_readv_gbps is None
 
     @property
     def gbps(self) -> float:
@@ -60,6 +65,14 @@ class Row:
     @property
     def of_memcpy(self) -> float:
         return self.gbps / self.memcpy_gbps
+
+    @property
+    def of_vm_readv(self) -> float | None:
+        """Share of ``process_vm_readv``'s GB/s: the bound of a NIXL READ on one host, so
+        direct_transfer's only (None for host_memory, or when it was refused)."""
+        if self.strategy != "direct_transfer" or self.vm_readv_gbps is None:
+            return None
+        return self.gbps / self.vm_readv_gbps
 
 
 def p50_bucket(cumulative: Sequence[tuple[float, float]]) -> float:
@@ -90,12 +103,21 @@ def memcpy_gbps(nbytes: int, repeats: int = 50) -> float:
     """GB/s of a numpy copy of ``nbytes`` between two preallocated arrays (best of ``repeats``)."""
     import numpy as np
 
-    src, dst, seconds = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8), []
-    for _ in range(repeats + 2):                      # the first two are the warm-up
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        seconds.append(time.perf_counter() - start)
-    return nbytes / min(seconds[2:]) / 1e9
+    from triton_disagg.bench.copy_timing import best_gbps
+
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    return best_gbps(lambda: np.copyto(dst, src), nbytes, repeats)
+
+
+def vm_readv_bound(nbytes: int) -> tuple[float | None, str]:
+    """``(GB/s, "")`` of ``process_vm_readv`` of ``nbytes`` from a child process, or
+    ``(None, why)`` when the kernel refuses it here."""
+    from triton_disagg.bench.cross_process_copy import Refused, process_vm_readv_gbps
+
+    try:
+        return process_vm_readv_gbps(nbytes), ""
+    except Refused as why:
+        return None, str(why)
 
 
 def exact_prompt(tokenizer, n: int, rng: random.Random) -> str:
@@ -168,15 +190,17 @@ def measure(strategy: str, engine: Path, cores, work_dir: Path, prompts: dict[in
                                 f"{len(texts) - WARMUP_REQUESTS} requests")
             per = nbytes / count
             rows.append(Row(strategy, tokens, int(count), p50_bucket(cumulative), total_s / count,
-                            per, memcpy_gbps(int(per))))
+                            per, memcpy_gbps(int(per)), *vm_readv_bound(int(per))))
             say(_row(rows[-1]))
     return rows
 
 
 def _row(r: Row) -> str:
+    vm_readv = "n/a" if r.vm_readv_gbps is None else f"{r.vm_readv_gbps:.1f}"
+    of_vm_readv = "–" if r.of_vm_readv is None else f"{r.of_vm_readv:.1%}"
     return (f"| {r.strategy} | {r.tokens} | {r.handoffs} | ≤ {r.p50_le * 1e3:g} ms "
             f"| {r.mean_s * 1e3:.2f} ms | {r.bytes_per / 1024:.0f} | {r.gbps:.2f} "
-            f"| {r.memcpy_gbps:.1f} | {r.of_memcpy:.1%} |")
+            f"| {r.memcpy_gbps:.1f} | {r.of_memcpy:.1%} | {vm_readv} | {of_vm_readv} |")
 
 
 def verdict(rows: Sequence[Row]) -> str:
@@ -208,11 +232,20 @@ def markdown(rows: Sequence[Row], engine: str, cores: Sequence[int], requests: i
         "the copy out of the staging area), not the client, HTTP or the context's export. p50 "
         "is the histogram's bucket bound where the cumulative share reaches 50%; mean = sum / "
         "count; GB/s = bytes per handoff / mean. memcpy: a single-thread numpy copy of the same "
-        "byte count between two preallocated arrays, best of 50 after warm-up.", "",
+        "byte count between two preallocated arrays, best of 50 after warm-up. On one host a "
+        "NIXL READ of host memory is a `process_vm_readv` by UCX's cma transport; the "
+        "process_vm_readv column is that syscall alone between two processes (the bench "
+        "reading a child's buffer into its own) on the same byte count, timed as memcpy is "
+        "(cache-hot, best of 50 after warm-up): the bound that transport sets, and "
+        "direct_transfer's share of it.", "",
         "| strategy | prompt tokens | handoffs | p50 (bucket) | mean | KiB / handoff "
-        "| GB/s | memcpy GB/s | % of memcpy |",
-        "|---|---|---|---|---|---|---|---|---|"]
-    return "\n".join(lines + [_row(r) for r in rows] + ["", verdict(rows)]).rstrip() + "\n"
+        "| GB/s | memcpy GB/s | % of memcpy | process_vm_readv GB/s | % of process_vm_readv |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    after = [f"process_vm_readv n/a: {why}."
+             for why in dict.fromkeys(r.vm_readv_refused for r in rows) if why]
+    after.append(verdict(rows))
+    paragraphs = [line for text in after for line in ("", text)]
+    return "\n".join(lines + [_row(r) for r in rows] + paragraphs).rstrip() + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
