@@ -13,6 +13,8 @@ import pytest
 
 from triton_disagg.bench import serve_cli
 from triton_disagg.bench.serve_load import LoadRun, Outcome, arrival_times
+from triton_disagg.bench.serve_inproc import InProcessEngine
+from triton_disagg.bench.serve_report import IN_PROCESS_CONTEXT, SplitBaseline, overhead_lines
 from triton_disagg.bench.serve_servers import placement
 from triton_disagg.bench.serve_stats import SLO, Percentiles, Summary, goodput, summarize
 from triton_disagg.bench.serve_sweep import Sweep, verdicts
@@ -85,9 +87,11 @@ def test_poisson_arrivals_and_placement():
     assert times[-1] / 3999 == pytest.approx(0.1, rel=0.05)
     assert arrival_times(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
     assert placement("disaggregated", [0, 1]) == {
-        "context_server": {"cpus": [0]}, "generation_server": {"cpus": [1], "stream_interval": 1}}
+        "context_server": {"cpus": [0]}, "scheduler_server": {"cpus": [0]},
+        "generation_server": {"cpus": [1], "stream_interval": 1}}
     assert placement("disaggregated", [3], 4) == {
-        "context_server": {"cpus": [3]}, "generation_server": {"cpus": [3], "stream_interval": 4}}
+        "context_server": {"cpus": [3]}, "scheduler_server": {"cpus": [3]},
+        "generation_server": {"cpus": [3], "stream_interval": 4}}
     assert placement("aggregated", [0, 1]) == {
         "generation_server": {"cpus": [0, 1], "instances": 1, "stream_interval": 1}}
 
@@ -123,6 +127,9 @@ def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
                          rf"swept rate, up to 4 req/s)", text), mode
         for rate in ("serial", "2", "4", "burst"):
             assert f"| {mode} | {rate} |" in text
+    assert "  - the split: prefilled in-process on the context's core(s) 0, TTFT p50" in text
+    assert re.search(r"  - the split: the engine's decode steps alone on generation's core\(s\) "
+                     r"1 .* make [1-9]\d* output tok/s, (above|below)", text)
     for png in ("serve_latency.png", "serve_throughput.png"):
         data = (doc.parent / "img" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -130,7 +137,7 @@ def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
 
     rows = json.loads((tmp_path / "serve.json").read_text())["summaries"]
     assert [(r["mode"], r["rate"]) for r in rows] == [
-        ("in-process", 0), ("in-process", math.inf),
+        ("in-process", 0), ("in-process", math.inf), ("in-process, context's cores", 0),
         *[(m, r) for m in ("disaggregated", "aggregated") for r in (0, 2.0, 4.0, math.inf)]]
     sent = {0: 3, 2.0: 4, 4.0: 8, math.inf: 6}
     for r in rows:
@@ -139,6 +146,37 @@ def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
         assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] < 30, r
         assert 0 < tpot["p50"] <= tpot["p99"] < 5, r
         assert r["token_throughput"] > 0 and 0 <= r["attainment"] <= 1
+
+
+def _timed(mode: str, rate: float, ttft: float, tokens_per_s: float) -> Summary:
+    p = Percentiles(ttft, ttft, ttft)
+    return Summary(mode, rate, 1, 0, 1, 1, tokens_per_s, p, p, p, 1.0)
+
+
+def test_split_lines_say_whether_the_decode_ceiling_can_meet_the_target():
+    split = SplitBaseline((0,), (1,), decode_ceiling=1500.0)
+    rows = [_timed("in-process", 0, 0.010, 100), _timed("in-process", math.inf, 0.5, 2000),
+            _timed(IN_PROCESS_CONTEXT, 0, 0.013, 80),
+            _timed("disaggregated", 0, 0.021, 90), _timed("disaggregated", math.inf, 0.4, 1200)]
+    lines = overhead_lines(rows, ["disaggregated"], 4, split)
+    assert "+11.0 ms (misses" in lines[0] and "40% lost (misses the <= 10% target)" in lines[0]
+    assert "core(s) 0, TTFT p50 is 13.0 ms, so serving adds +8.0 ms" in lines[1]
+    assert ("make 1500 output tok/s, below: no server with this split can meet it on these "
+            "cores the target's 1800; disaggregated serving streamed 80% of that ceiling") in lines[2]
+    above = overhead_lines(rows, ["disaggregated"], 1, split)   # target 70% of 2000
+    assert "make 1500 output tok/s, above the target's 1400" in above[2]
+    assert len(overhead_lines(rows, ["disaggregated"], 4)) == 1    # no split measured
+
+
+def test_decode_rate_counts_decode_steps_only(demo_engine):
+    engine = InProcessEngine(demo_engine, threads=1)
+    try:
+        one_token = [GenerateRequest("hello there", 1, True, {"end_id": -1})] * 3
+        assert engine.decode_rate(one_token) == 0.0        # prefill makes the only token
+        assert engine.decode_rate([GenerateRequest("hello there", 6, True, {"end_id": -1})] * 3) > 0
+        assert not engine.engine.has_unfinished()
+    finally:
+        engine.close()
 
 
 def _swept(sweep: Sweep, mode: str, attainment: dict) -> tuple[list[Summary], list[str], list]:

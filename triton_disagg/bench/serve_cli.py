@@ -3,8 +3,11 @@
 Order of a run (every server on the same cores, one at a time):
 
 1. the in-process baseline (:mod:`serve_inproc`): the serial and burst request
-   sets on :class:`LLMEngine` in this process;
-2. per mode: start the server, warm it up, then the serial set, one Poisson
+   sets on :class:`LLMEngine` in this process, on all the cores; then, when
+   disaggregated is measured, the same engine on the split's cores
+   (:func:`split_baseline`);
+2. per mode: start the server, warm it up, then (with the client on the front
+   end's cores) the serial set, one Poisson
    run per rate of the sweep (``rate x --duration`` requests; :mod:`serve_sweep`:
    by default ``--rate-step``, twice that, ... until the mode misses its SLO or
    reaches ``--max-rate``; with ``--rates``, exactly those) and the burst
@@ -30,11 +33,16 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from triton_disagg.bench.args import number_list
 from triton_disagg.errors import UserError
 
+if TYPE_CHECKING:
+    from triton_disagg.bench.serve_report import SplitBaseline
+
 WARMUP_REQUESTS = 4
+CEILING_RUNS = 3                    # the decode ceiling is the best of this many bursts
 RATE_STEP, MAX_RATE = 4.0, 64.0     # the default sweep: 4, 8, ... req/s, at most up to 64
 
 
@@ -119,8 +127,34 @@ def make_requests(n: int, args: argparse.Namespace, tokenizer, seed: int) -> lis
                             True, {"end_id": -1}) for _ in range(n)]
 
 
+def split_baseline(engine: Path, cores: Sequence[int], serial: list, burst: list, keep,
+                   say) -> "SplitBaseline":
+    """The engine in-process on the disaggregated split's cores: the serial requests on
+    the context's cores (row ``IN_PROCESS_CONTEXT``: the TTFT a server with that prefill
+    placement starts from) and the decode ceiling on generation's (best of
+    ``CEILING_RUNS``: the most it can stream)."""
+    from triton_disagg.bench.affinity import pinned
+    from triton_disagg.bench.serve_inproc import InProcessEngine
+    from triton_disagg.bench.serve_report import IN_PROCESS_CONTEXT, SplitBaseline
+    from triton_disagg.bench.serve_servers import placement
+
+    split = placement("disaggregated", cores)
+    context, generation = split["context_server"]["cpus"], split["generation_server"]["cpus"]
+    say(f"in-process on the split: prefill on cores {context}, decode on cores {generation}")
+    with pinned(context):
+        engine_here = InProcessEngine(engine, threads=len(context))
+        keep(IN_PROCESS_CONTEXT, engine_here.run(serial, 0))
+        engine_here.close()
+    with pinned(generation):
+        engine_here = InProcessEngine(engine, threads=len(generation))
+        ceiling = max(engine_here.decode_rate(burst) for _ in range(CEILING_RUNS))
+        engine_here.close()
+    return SplitBaseline(tuple(context), tuple(generation), ceiling)
+
+
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench import serve_report
+    from triton_disagg.bench.affinity import pinned
     from triton_disagg.bench.serve_inproc import InProcessEngine
     from triton_disagg.bench.serve_load import run_load
     from triton_disagg.bench.process_cpu import cpu_delta, server_cpu
@@ -163,11 +197,13 @@ def run(args: argparse.Namespace) -> int:
     baseline = InProcessEngine(engine, threads=len(cores))
     keep("in-process", baseline.run(serial, 0))
     keep("in-process", baseline.run(burst, math.inf))
-    del baseline
+    baseline.close()
+    split = (split_baseline(engine, cores, serial, burst, keep, say)
+             if "disaggregated" in modes and len(cores) > 1 else None)
     for mode in modes:
         say(f"starting {mode} serving on cores {cores}")
         with serving(mode, engine, cores, args.work_dir.resolve(),
-                     args.stream_interval) as served:
+                     args.stream_interval) as served, pinned(served.front):
             run_load(served.grpc, make_requests(WARMUP_REQUESTS, args, tokenizer, -1), math.inf)
             keep(mode, run_load(served.grpc, serial, 0))
 
@@ -195,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     doc_dir = (args.output.parent if args.output else Path("."))
     img_dir = args.img_dir or doc_dir / "img" / ("" if section == "serve" else section)
     images = serve_report.plot(summaries, modes, slo, img_dir)
-    body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times)
+    body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times, split)
     print(body)
     if args.output:
         from triton_disagg.bench.report import replace_section

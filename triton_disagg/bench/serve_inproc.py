@@ -6,10 +6,15 @@ per sequence), with each new token detokenized, but no Triton, no gRPC, no
 ensemble, no KV handoff. Timings are recorded into the same
 :class:`Measurement` the clients use, so the figures compare one to one.
 
+:meth:`InProcessEngine.decode_rate` is the ceiling of a generation server on the
+engine's cores: the output tokens/s of decode steps alone (no prefill, no tokenizing or
+detokenizing, no serving), every request in the batch at once.
+
 Invariants: ``end_id -1`` in a request's options maps to ``end_id=None`` (the
 reply has exactly ``max_tokens`` tokens), as the server does; other options
 are not applied (the benchmark sends greedy requests); BLAS runs on at most
-``threads`` threads, like a server instance pinned to that many cores.
+``threads`` threads, like a server instance pinned to that many cores (the caller
+pins the process, :func:`bench.affinity.pinned`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class InProcessEngine:
         self.tokenizer = Tokenizer(engine_dir)
         self.eos = EngineSpec.load(engine_dir).eos_token_id
 
+    def close(self) -> None:
+        """Give BLAS back the threads it had before this engine limited them."""
+        self.limits.restore_original_limits()
+
     def _add(self, key: str, request: GenerateRequest) -> int:
         from triton_disagg.engine.sampling import SamplingParams
 
@@ -54,6 +63,25 @@ class InProcessEngine:
         for group in groups:
             self._serve({str(i): outcomes[i] for i in group})
         return LoadRun(rate, outcomes, time.perf_counter() - start)
+
+    def decode_rate(self, requests: Sequence[GenerateRequest]) -> float:
+        """Output tokens/s over the decode steps of ``requests`` sent all at once. A step
+        prefills (the sequences it admits) or decodes (every running one), never both; a
+        prefill step, told by its tokens being their requests' first, is left out."""
+        keys = [f"decode-{i}" for i in range(len(requests))]
+        for key, request in zip(keys, requests):
+            self._add(key, request)
+        started: set[str] = set()
+        tokens, seconds = 0, 0.0
+        while self.engine.has_unfinished():
+            start = time.perf_counter()
+            events = self.engine.step()
+            elapsed = time.perf_counter() - start
+            if events and events[0].request_id in started:
+                tokens += len(events)
+                seconds += elapsed
+            started.update(e.request_id for e in events)
+        return tokens / seconds if seconds else 0.0
 
     def _serve(self, live: dict[str, Outcome]) -> None:
         prompt_lens = {}

@@ -29,6 +29,18 @@ def throughput_loss_max(stream_interval: int) -> float:
     return THROUGHPUT_LOSS_MAX.get(stream_interval, THROUGHPUT_LOSS_MAX[4])
 ACCEPT_TTFT = 0.200             # deployment guide: TTFT under 200 ms (p90 here) ...
 ACCEPT_TOKENS = 1000.0          # ... and over 1000 output tokens/s aggregate
+IN_PROCESS_CONTEXT = "in-process, context's cores"   # the serial set, prefill on the split's
+
+
+@dataclass(frozen=True)
+class SplitBaseline:
+    """The engine in-process on the disaggregated split's cores (``bench serve``'s
+    :func:`split_baseline`; the serial row on the context's cores is a Summary of mode
+    :data:`IN_PROCESS_CONTEXT`)."""
+
+    context_cores: tuple[int, ...]
+    generation_cores: tuple[int, ...]
+    decode_ceiling: float        # output tok/s of decode steps alone on generation's cores
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,7 @@ def _find(summaries: Sequence[Summary], mode: str, rate: float) -> Summary | Non
 
 
 def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str],
-                   stream_interval: int) -> list[str]:
+                   stream_interval: int, split: SplitBaseline | None = None) -> list[str]:
     base_serial = _find(summaries, "in-process", 0)
     base_burst = _find(summaries, "in-process", math.inf)
     if base_serial is None or base_burst is None or base_serial.ttft is None:
@@ -87,6 +99,30 @@ def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str],
             f" the <= {TTFT_ADDED_MAX * 1e3:.0f} ms target); saturation {burst.token_throughput:.0f} vs "
             f"{base_burst.token_throughput:.0f} output tok/s, {lost:.0%} lost "
             f"({'holds' if lost <= lost_max else 'misses'} the <= {lost_max:.0%} target).")
+        if mode == "disaggregated" and split is not None:
+            out += split_lines(split, _find(summaries, IN_PROCESS_CONTEXT, 0), serial, burst,
+                               (1 - lost_max) * base_burst.token_throughput)
+    return out
+
+
+def split_lines(split: SplitBaseline, context_serial: Summary | None, serial: Summary,
+                burst: Summary, target: float) -> list[str]:
+    """What the split alone costs, against what the serving path adds to it."""
+    out = []
+    cores = ",".join(map(str, split.context_cores))
+    if context_serial is not None and context_serial.ttft is not None:
+        out.append(
+            f"  - the split: prefilled in-process on the context's core(s) {cores}, TTFT p50 "
+            f"is {context_serial.ttft.p50 * 1e3:.1f} ms, so serving adds "
+            f"{(serial.ttft.p50 - context_serial.ttft.p50) * 1e3:+.1f} ms to that.")
+    reach = ("above" if split.decode_ceiling >= target else
+             "below: no server with this split can meet it on these cores")
+    out.append(
+        f"  - the split: the engine's decode steps alone on generation's core(s) "
+        f"{','.join(map(str, split.generation_cores))} (no prefill, tokenizing or serving; "
+        f"best of 3 bursts) make {split.decode_ceiling:.0f} output tok/s, {reach} the "
+        f"target's {target:.0f}; disaggregated serving streamed "
+        f"{burst.token_throughput / split.decode_ceiling:.0%} of that ceiling.")
     return out
 
 
@@ -164,7 +200,8 @@ def plot(summaries: Sequence[Summary], modes: Sequence[str], slo: SLO, img_dir: 
 
 
 def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
-             images: Sequence[Path], doc_dir: Path, times: dict[str, tuple[float, list]]) -> str:
+             images: Sequence[Path], doc_dir: Path, times: dict[str, tuple[float, list]],
+             split: SplitBaseline | None = None) -> str:
     good = {m: goodput([s for s in summaries if s.mode == m]) for m in modes}
     cores = ",".join(str(c) for c in setup.cores)
     parts = [
@@ -173,7 +210,8 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         f"prompts `{setup.prompt_tokens}` tokens, outputs `{setup.output_tokens}` tokens (end id "
         f"off), greedy, generation `stream_interval` {setup.stream_interval} (a streamed "
         f"response every {setup.stream_interval} decode step(s)), gRPC streaming client on the "
-        f"same cores (its CPU use is the last column). SLO: TTFT <= "
+        f"same cores (disaggregated: with the front end on the context's; its CPU use is the "
+        f"last column). SLO: TTFT <= "
         f"{setup.slo.ttft * 1e3:.0f} ms and time per output token <= {setup.slo.tpot * 1e3:.0f} "
         f"ms. Rates: {setup.sweep.describe()}. The whole run took {setup.seconds:.0f} s.",
         "", "### Request-rate sweep (open loop, Poisson arrivals)", "",
@@ -188,7 +226,7 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         *[f"![{p.stem}]({os.path.relpath(p, doc_dir)})" for p in images], "",
         "### Serving overhead (Triton vs the engine in-process, same prompts and cores)", "",
         "TTFT at p50 with one request at a time, output tokens/s with every request at once.", "",
-        *overhead_lines(summaries, modes, setup.stream_interval), "",
+        *overhead_lines(summaries, modes, setup.stream_interval, split), "",
         "Where the CPU went during the burst: each process's user + system time from `/proc` "
         "(every thread: generation's decode loop, the orchestrator's event loop, Triton's "
         "ensemble and gRPC), and the benchmark's own client; share of the cores = CPU / "

@@ -3,9 +3,11 @@
 ``disaggregated``: the context model's instance is pinned to the first half of
 ``cores`` and the generation model's to the second half (both get all of them
 when there is one core). ``aggregated``: one generation instance on all of
-``cores`` does prefill and decode. The front models (ensemble, pre/post-
-processing, orchestrator) are not pinned in either. So both configurations
-use the same cores, and only the split differs.
+``cores`` does prefill and decode. Disaggregated, the front end (tritonserver,
+preprocessing, orchestrator: ``scheduler_server.cpus``) shares the context's cores, off
+generation's, as ``serve all`` places it by default; aggregated, it is not pinned. The
+benchmark's client belongs with it (``Served.front``). So both configurations use the
+same cores, and only the split differs.
 
 Invariant: :func:`serving` yields a ready server on free loopback ports and
 stops its whole process group on exit, even when the body raises.
@@ -31,6 +33,7 @@ class Served:
     metrics: str                 # http://host:port
     log: Path
     pid: int                     # the tritonserver process
+    front: tuple[int, ...]       # the front end's cores; () when not pinned
 
 
 def placement(mode: str, cores: Sequence[int], stream_interval: int = 1) -> dict:
@@ -41,7 +44,7 @@ def placement(mode: str, cores: Sequence[int], stream_interval: int = 1) -> dict
                                       "stream_interval": stream_interval}}
     half = max(1, len(cores) // 2)
     context, generation = cores[:half], cores[half:] or cores[:half]
-    return {"context_server": {"cpus": context},
+    return {"context_server": {"cpus": context}, "scheduler_server": {"cpus": context},
             "generation_server": {"cpus": generation, "stream_interval": stream_interval}}
 
 
@@ -60,6 +63,7 @@ def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
     try:
         server.wait_ready(ready_timeout)
         yield Served(mode, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}",
-                     f"http://127.0.0.1:{metrics}", server.log_path, server.process.pid)
+                     f"http://127.0.0.1:{metrics}", server.log_path, server.process.pid,
+                     config.scheduler.cpus)
     finally:
         server.stop()

@@ -40,11 +40,16 @@ def pin(cores: Sequence[int]) -> Any:
     if not cores:
         return None
     mask = set(cores)
+    set_affinity(mask)
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=len(mask))
+
+
+def set_affinity(mask: set[int]) -> None:
+    """Every existing thread of this process may run only on ``mask`` (new ones inherit it)."""
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), mask)
         except OSError:
             pass  # a thread that ended meanwhile
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=len(mask))
