@@ -161,8 +161,8 @@ def test_split_lines_say_whether_the_decode_ceiling_can_meet_the_target():
     lines = overhead_lines(rows, ["disaggregated"], 4, split)
     assert "+11.0 ms (misses" in lines[0] and "40% lost (misses the <= 10% target)" in lines[0]
     assert "core(s) 0, TTFT p50 is 13.0 ms, so serving adds +8.0 ms" in lines[1]
-    assert ("make 1500 output tok/s, below: no server with this split can meet it on these "
-            "cores the target's 1800; disaggregated serving streamed 80% of that ceiling") in lines[2]
+    assert ("make 1500 output tok/s, below the target's 1800: no server with this split can "
+            "meet it on these cores; disaggregated serving streamed 80% of that ceiling") in lines[2]
     above = overhead_lines(rows, ["disaggregated"], 1, split)   # target 70% of 2000
     assert "make 1500 output tok/s, above the target's 1400" in above[2]
     assert len(overhead_lines(rows, ["disaggregated"], 4)) == 1    # no split measured

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from triton_disagg.bench.serve_report import SplitBaseline
 
 WARMUP_REQUESTS = 4
-CEILING_RUNS = 3                    # the decode ceiling is the best of this many bursts
 RATE_STEP, MAX_RATE = 4.0, 64.0     # the default sweep: 4, 8, ... req/s, at most up to 64
 
 
@@ -135,7 +134,7 @@ def split_baseline(engine: Path, cores: Sequence[int], serial: list, burst: list
     ``CEILING_RUNS``: the most it can stream)."""
     from triton_disagg.bench.affinity import pinned
     from triton_disagg.bench.serve_inproc import InProcessEngine
-    from triton_disagg.bench.serve_report import IN_PROCESS_CONTEXT, SplitBaseline
+    from triton_disagg.bench.serve_report import CEILING_RUNS, IN_PROCESS_CONTEXT, SplitBaseline
     from triton_disagg.bench.serve_servers import placement
 
     split = placement("disaggregated", cores)
