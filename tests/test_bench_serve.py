@@ -4,6 +4,7 @@ to end (report structure and plausible values; a sweep stopped by a missed SLO).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -16,7 +17,8 @@ from triton_disagg.bench.serve_load import LoadRun, Outcome, arrival_times
 from triton_disagg.bench.serve_inproc import InProcessEngine
 from triton_disagg.bench.serve_report import IN_PROCESS_CONTEXT, SplitBaseline, overhead_lines
 from triton_disagg.bench.serve_servers import placement
-from triton_disagg.bench.serve_stats import SLO, Percentiles, Summary, goodput, summarize
+from triton_disagg.bench.serve_stats import (SLO, Percentiles, Summary, best_index, goodput,
+                                              summarize)
 from triton_disagg.bench.serve_sweep import Sweep, verdicts
 from triton_disagg.clients.stream import GenerateRequest, Measurement
 from triton_disagg.errors import UserError
@@ -166,6 +168,15 @@ def test_split_lines_say_whether_the_decode_ceiling_can_meet_the_target():
     above = overhead_lines(rows, ["disaggregated"], 1, split)   # target 70% of 2000
     assert "make 1500 output tok/s, above the target's 1400" in above[2]
     assert len(overhead_lines(rows, ["disaggregated"], 4)) == 1    # no split measured
+
+
+def test_best_run_is_the_fastest_first_token_serially_and_the_most_tokens_in_a_burst():
+    serial = [_timed("m", 0, t, 100) for t in (0.030, 0.012, 0.020)]
+    assert best_index(serial) == 1
+    burst = [_timed("m", math.inf, 0.5, tps) for tps in (900, 1500, 1200)]
+    assert best_index(burst) == 1
+    failed = dataclasses.replace(burst[1], failed=1)
+    assert best_index([burst[0], failed]) == 0
 
 
 def test_decode_rate_counts_decode_steps_only(demo_engine):

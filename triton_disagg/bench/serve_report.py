@@ -30,7 +30,7 @@ def throughput_loss_max(stream_interval: int) -> float:
 ACCEPT_TTFT = 0.200             # deployment guide: TTFT under 200 ms (p90 here) ...
 ACCEPT_TOKENS = 1000.0          # ... and over 1000 output tokens/s aggregate
 IN_PROCESS_CONTEXT = "in-process, context's cores"   # the serial set, prefill on the split's
-CEILING_RUNS = 3                # the decode ceiling is the best of this many bursts
+BEST_OF = 3                     # serial sets, bursts and the decode ceiling: best of this many
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def split_lines(split: SplitBaseline, context_serial: Summary | None, serial: Su
     out.append(
         f"  - the split: the engine's decode steps alone on generation's core(s) "
         f"{','.join(map(str, split.generation_cores))} (no prefill, tokenizing or serving; "
-        f"best of {CEILING_RUNS} bursts) make {split.decode_ceiling:.0f} output tok/s, {reach}; "
+        f"best of {BEST_OF} bursts) make {split.decode_ceiling:.0f} output tok/s, {reach}; "
         f"disaggregated serving streamed "
         f"{burst.token_throughput / split.decode_ceiling:.0%} of that ceiling.")
     return out
@@ -219,7 +219,9 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         f"ms. Rates: {setup.sweep.describe()}. The whole run took {setup.seconds:.0f} s.",
         "", "### Request-rate sweep (open loop, Poisson arrivals)", "",
         "`serial`: one request at a time (unloaded latency); `burst`: every request at once "
-        "(saturation throughput). TPOT is per request, (last - first token) / (tokens - 1); ITL "
+        f"(saturation throughput); each the best of {BEST_OF} runs of the same requests "
+        "(serial by TTFT p50, burst by output tok/s: the run least disturbed on a shared "
+        "machine); each swept rate runs once. TPOT is per request, (last - first token) / (tokens - 1); ITL "
         "pools every gap between streamed tokens.", "",
         sweep_table(summaries), "",
         f"**Goodput** (highest swept rate with >= {GOODPUT_ATTAINMENT:.0%} SLO attainment): "

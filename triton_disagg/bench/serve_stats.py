@@ -98,3 +98,15 @@ def goodput(summaries: Sequence[Summary],
     good = [s.rate for s in summaries
             if 0 < s.rate and not math.isinf(s.rate) and s.attainment >= threshold]
     return max(good) if good else None
+
+
+def best_index(summaries: Sequence[Summary]) -> int:
+    """Of runs of one request set: a serial set's (rate 0) with the lowest TTFT p50, any
+    other's with the most output tokens/s. On a shared machine the best run is the one
+    least disturbed by others; failed runs lose to complete ones."""
+    def score(s: Summary) -> tuple:
+        complete = s.failed == 0
+        if s.rate == 0:
+            return (complete, -(s.ttft.p50 if s.ttft is not None else math.inf))
+        return (complete, s.token_throughput)
+    return max(range(len(summaries)), key=lambda i: score(summaries[i]))
