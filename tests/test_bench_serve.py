@@ -15,7 +15,8 @@ import pytest
 from triton_disagg.bench import serve_cli
 from triton_disagg.bench.serve_load import LoadRun, Outcome, arrival_times
 from triton_disagg.bench.serve_inproc import InProcessEngine
-from triton_disagg.bench.serve_report import IN_PROCESS_CONTEXT, SplitBaseline, overhead_lines
+from triton_disagg.bench.serve_report import (IN_PROCESS_CONTEXT, Round, SplitBaseline,
+                                               overhead_lines)
 from triton_disagg.bench.serve_servers import placement
 from triton_disagg.bench.serve_stats import (SLO, Percentiles, Summary, best_index, goodput,
                                               summarize)
@@ -124,7 +125,7 @@ def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):
     assert ("aggregated", "context_0_0") not in cpu and cpu[("aggregated", "generation_0_0")] > 0
     assert "Rates: 2, 4 req/s (--rates), every rate for every mode" in text
     for mode in ("disaggregated", "aggregated"):
-        assert f"- **{mode}**: TTFT p50" in text
+        assert f"- **{mode}** (median of 3 paired rounds): TTFT p50" in text
         assert re.search(rf"- \*\*{mode}\*\* (missed the SLO first at|met the SLO at every "
                          rf"swept rate, up to 4 req/s)", text), mode
         for rate in ("serial", "2", "4", "burst"):
@@ -155,19 +156,24 @@ def _timed(mode: str, rate: float, ttft: float, tokens_per_s: float) -> Summary:
     return Summary(mode, rate, 1, 0, 1, 1, tokens_per_s, p, p, p, 1.0)
 
 
-def test_split_lines_say_whether_the_decode_ceiling_can_meet_the_target():
+def test_overhead_takes_the_median_paired_round_and_the_split_says_what_binds():
+    rounds = {"disaggregated": [Round(0.010, 0.021, 2000, 1200),     # +11 ms, 40% lost
+                                Round(0.008, 0.030, 1500, 1400),     # +22 ms, 7% lost
+                                Round(0.012, 0.016, 2500, 1000)]}    # +4 ms, 60% lost
+    rows = [_timed(IN_PROCESS_CONTEXT, 0, 0.013, 80), _timed("disaggregated", 0, 0.021, 90)]
     split = SplitBaseline((0,), (1,), decode_ceiling=1500.0)
-    rows = [_timed("in-process", 0, 0.010, 100), _timed("in-process", math.inf, 0.5, 2000),
-            _timed(IN_PROCESS_CONTEXT, 0, 0.013, 80),
-            _timed("disaggregated", 0, 0.021, 90), _timed("disaggregated", math.inf, 0.4, 1200)]
-    lines = overhead_lines(rows, ["disaggregated"], 4, split)
-    assert "+11.0 ms (misses" in lines[0] and "40% lost (misses the <= 10% target)" in lines[0]
+    lines = overhead_lines(rows, ["disaggregated"], 4, rounds, split)
+    assert lines[0].startswith("- **disaggregated** (median of 3 paired rounds): TTFT p50 "
+                               "21.0 ms vs 10.0 ms in-process, +11.0 ms (misses")
+    assert "1200 vs 2000 output tok/s, 40% lost (misses the <= 10% target)" in lines[0]
+    assert "all rounds: +11.0 ms / 40%, +22.0 ms / 7%, +4.0 ms / 60%." in lines[0]
     assert "core(s) 0, TTFT p50 is 13.0 ms, so serving adds +8.0 ms" in lines[1]
     assert ("make 1500 output tok/s, below the target's 1800: no server with this split can "
             "meet it on these cores; disaggregated serving streamed 80% of that ceiling") in lines[2]
-    above = overhead_lines(rows, ["disaggregated"], 1, split)   # target 70% of 2000
+    above = overhead_lines(rows, ["disaggregated"], 1, rounds, split)   # target 70% of 2000
     assert "make 1500 output tok/s, above the target's 1400" in above[2]
-    assert len(overhead_lines(rows, ["disaggregated"], 4)) == 1    # no split measured
+    assert len(overhead_lines(rows, ["disaggregated"], 4, rounds)) == 1    # no split measured
+    assert overhead_lines(rows, ["aggregated"], 4, rounds) == ["No paired rounds in this run."]
 
 
 def test_best_run_is_the_fastest_first_token_serially_and_the_most_tokens_in_a_burst():

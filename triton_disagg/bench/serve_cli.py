@@ -6,13 +6,15 @@ Order of a run (every server on the same cores, one at a time):
    sets on :class:`LLMEngine` in this process, on all the cores; then, when
    disaggregated is measured, the same engine on the split's cores
    (:func:`split_baseline`);
-2. per mode: start the server, warm it up, then (with the client on the front
-   end's cores) the serial set, one Poisson
-   run per rate of the sweep (``rate x --duration`` requests; :mod:`serve_sweep`:
-   by default ``--rate-step``, twice that, ... until the mode misses its SLO or
-   reaches ``--max-rate``; with ``--rates``, exactly those) and the burst
-   set (:mod:`serve_load`), reading each server process's CPU time around the burst
-   (:mod:`process_cpu`), then stop it;
+2. per mode: start the server, warm it up, then, with the client on the front
+   end's cores, one Poisson run per rate of the sweep (``rate x --duration``
+   requests; :mod:`serve_sweep`: by default ``--rate-step``, twice that, ... until
+   the mode misses its SLO or reaches ``--max-rate``; with ``--rates``, exactly
+   those), then ``BEST_OF`` paired rounds: the serial and burst sets in-process,
+   then the same on the server (:mod:`serve_load`), reading each server process's
+   CPU time around its burst (:mod:`process_cpu`); then stop it. The overhead is
+   judged on the rounds (:class:`serve_report.Round`): on a shared machine whose
+   speed drifts over minutes, only figures taken seconds apart compare;
 3. the figures (:mod:`serve_stats`), markdown and plots (:mod:`serve_report`):
    printed, and with ``--output`` kept as the ``serve`` section of that file
    with the PNGs in ``--img-dir``.
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.serve_load import run_load
     from triton_disagg.bench.process_cpu import cpu_delta, server_cpu
     from triton_disagg.bench.serve_servers import MODES, serving
-    from triton_disagg.bench.serve_report import BEST_OF
+    from triton_disagg.bench.serve_report import BEST_OF, Round
     from triton_disagg.bench.serve_stats import SLO, Summary, best_index, summarize
     from triton_disagg.engine.tokenizer import Tokenizer
 
@@ -202,15 +204,14 @@ def run(args: argparse.Namespace) -> int:
     baseline = InProcessEngine(engine, threads=len(cores))
     keep("in-process", *[baseline.run(serial, 0) for _ in range(BEST_OF)])
     keep("in-process", *[baseline.run(burst, math.inf) for _ in range(BEST_OF)])
-    baseline.close()
     split = (split_baseline(engine, cores, serial, burst, keep, say)
              if "disaggregated" in modes and len(cores) > 1 else None)
+    rounds: dict[str, list[Round]] = {}
     for mode in modes:
         say(f"starting {mode} serving on cores {cores}")
         with serving(mode, engine, cores, args.work_dir.resolve(),
                      args.stream_interval) as served, pinned(served.front):
             run_load(served.grpc, make_requests(WARMUP_REQUESTS, args, tokenizer, -1), math.inf)
-            keep(mode, *[run_load(served.grpc, serial, 0) for _ in range(BEST_OF)])
 
             def point(i: int, rate: float) -> Summary:
                 requests = make_requests(max(1, round(rate * args.duration)), args, tokenizer,
@@ -219,14 +220,24 @@ def run(args: argparse.Namespace) -> int:
                                     deadline=args.duration * 4 + 60))
                 return summaries[-1]
             sweep.run(mode, point, say)
-            bursts, cpu_rows = [], []
+            serials, bursts, cpu_rows, rounds[mode] = [], [], [], []
             for _ in range(BEST_OF):
+                # One paired round: the engine in-process, then the server, back to back.
+                with pinned(cores):
+                    base_serial, base_burst = baseline.run(serial, 0), baseline.run(burst, math.inf)
+                serials.append(run_load(served.grpc, serial, 0))
                 before = server_cpu(served.pid)
                 bursts.append(run_load(served.grpc, burst, math.inf))
                 cpu_rows.append(cpu_delta(before, server_cpu(served.pid)))
+                rounds[mode].append(Round.of(*(summarize(mode, r, slo) for r in (
+                    base_serial, serials[-1], base_burst, bursts[-1]))))
+            keep(mode, *serials)
             best = keep(mode, *bursts)
             times[mode] = (bursts[best].duration, cpu_rows[best] + [
                 ("client (this benchmark)", bursts[best].client_cpu or 0.0)])
+    baseline.close()
+    appeared = {m: i for i, m in enumerate(dict.fromkeys(s.mode for s in summaries))}
+    summaries.sort(key=lambda s: (appeared[s.mode], s.rate))   # per mode: serial, rates, burst
 
     shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
     setup = serve_report.Setup(shown, tuple(cores), args.prompt_tokens, args.output_tokens,
@@ -239,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
     doc_dir = (args.output.parent if args.output else Path("."))
     img_dir = args.img_dir or doc_dir / "img" / ("" if section == "serve" else section)
     images = serve_report.plot(summaries, modes, slo, img_dir)
-    body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times, split)
+    body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times, rounds,
+                                 split)
     print(body)
     if args.output:
         from triton_disagg.bench.report import replace_section
