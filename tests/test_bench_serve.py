@@ -97,6 +97,8 @@ def test_poisson_arrivals_and_placement():
         "generation_server": {"cpus": [3], "stream_interval": 4}}
     assert placement("aggregated", [0, 1]) == {
         "generation_server": {"cpus": [0, 1], "instances": 1, "stream_interval": 1}}
+    for mode in ("aggregated", "disaggregated"):     # --front-cpus: cores of its own in both
+        assert placement(mode, [0, 1], 1, front=[2, 3])["scheduler_server"] == {"cpus": [2, 3]}
 
 
 def test_tiny_sweep_writes_a_plausible_report(demo_engine, tmp_path):

@@ -152,7 +152,8 @@ def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[st
         f"model: {{engine: \"{engine}\"}}\nmode: disaggregated\n"
         f"context_server: {{urls: [\"127.0.0.1:{ctx}\"], cpus: {roles['context_server']['cpus']}}}\n"
         f"generation_server: {{urls: [\"127.0.0.1:{gen}\"], "
-        f"cpus: {roles['generation_server']['cpus']}}}\n")
+        f"cpus: {roles['generation_server']['cpus']}}}\n"
+        f"scheduler_server: {{cpus: {roles['scheduler_server']['cpus']}}}\n")
     ports = {"context": (ctx, metrics[0]), "generation": (gen, metrics[1]),
              "scheduler": (sched, metrics[2])}
     started: list[tuple[subprocess.Popen, Path]] = []

@@ -78,6 +78,12 @@ def add_serve_parser(kinds) -> None:
                    help="SLO: time per output token (default 50); a rate meets the SLO when "
                         "90%% of its requests meet both")
     p.add_argument("--cpus", help="cores for every configuration, e.g. 0,1 (default: all usable)")
+    p.add_argument("--front-cpus",
+                   help="cores of their own for the front end (tritonserver, preprocessing, "
+                        "orchestrator) and this benchmark's client, in both modes, e.g. 2,3 "
+                        "(default: the context's cores when disaggregated, unpinned when "
+                        "aggregated); on a host with cores to spare, the engines then get "
+                        "exactly the baseline's --cpus")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="generation_server.stream_interval for both modes (default 1: a "
                         "response per token); other values keep their own docs section")
@@ -171,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     sweep = _sweep(args)
     cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
              else sorted(os.sched_getaffinity(0)))
+    front = (number_list(args.front_cpus, "--front-cpus", int, allow_zero=True)
+             if args.front_cpus is not None else [])
     if args.serial_requests < 1 or args.burst_requests < 1 or args.duration <= 0:
         raise UserError("--serial-requests, --burst-requests and --duration must be positive")
     if args.stream_interval < 1:
@@ -209,8 +217,8 @@ def run(args: argparse.Namespace) -> int:
     rounds: dict[str, list[Round]] = {}
     for mode in modes:
         say(f"starting {mode} serving on cores {cores}")
-        with serving(mode, engine, cores, args.work_dir.resolve(),
-                     args.stream_interval) as served, pinned(served.front):
+        with serving(mode, engine, cores, args.work_dir.resolve(), args.stream_interval,
+                     front=front) as served, pinned(served.front):
             run_load(served.grpc, make_requests(WARMUP_REQUESTS, args, tokenizer, -1), math.inf)
 
             def point(i: int, rate: float) -> Summary:
@@ -241,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
 
     shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
     setup = serve_report.Setup(shown, tuple(cores), args.prompt_tokens, args.output_tokens,
-                               slo, sweep, time.monotonic() - began, args.stream_interval)
+                               slo, sweep, time.monotonic() - began, args.stream_interval,
+                               tuple(front))
     # The default run owns section "serve"; another interval keeps a section of its own.
     section, title = "serve", "Serving: disaggregated vs aggregated"
     if args.stream_interval != 1:

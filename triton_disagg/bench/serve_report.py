@@ -85,6 +85,7 @@ class Setup:
     sweep: Sweep
     seconds: float               # wall time of the whole run
     stream_interval: int = 1     # generation_server.stream_interval of both modes
+    front: tuple[int, ...] = ()  # --front-cpus: the front end's and client's own cores
 
 
 def _rate(rate: float, unit: str = "") -> str:
@@ -245,9 +246,11 @@ def markdown(setup: Setup, summaries: Sequence[Summary], modes: Sequence[str],
         f"context on the first half, generation on the second; aggregated: generation on all), "
         f"prompts `{setup.prompt_tokens}` tokens, outputs `{setup.output_tokens}` tokens (end id "
         f"off), greedy, generation `stream_interval` {setup.stream_interval} (a streamed "
-        f"response every {setup.stream_interval} decode step(s)), gRPC streaming client on the "
-        f"same cores (disaggregated: with the front end on the context's; its CPU use is the "
-        f"last column). SLO: TTFT <= "
+        f"response every {setup.stream_interval} decode step(s)), gRPC streaming client "
+        + (f"and front end on cores {','.join(map(str, setup.front))} of their own"
+           if setup.front else "on the same cores (disaggregated: with the front end on the "
+           "context's)")
+        + f" (the client's CPU use is the last column). SLO: TTFT <= "
         f"{setup.slo.ttft * 1e3:.0f} ms and time per output token <= {setup.slo.tpot * 1e3:.0f} "
         f"ms. Rates: {setup.sweep.describe()}. The whole run took {setup.seconds:.0f} s.",
         "", "### Request-rate sweep (open loop, Poisson arrivals)", "",

@@ -5,8 +5,9 @@
 when there is one core). ``aggregated``: one generation instance on all of
 ``cores`` does prefill and decode. Disaggregated, the front end (tritonserver,
 preprocessing, orchestrator: ``scheduler_server.cpus``) shares the context's cores, off
-generation's, as ``serve all`` places it by default; aggregated, it is not pinned. The
-benchmark's client belongs with it (``Served.front``). So both configurations use the
+generation's, as ``serve all`` places it by default; aggregated, it is not pinned; given
+cores of its own (``front``), it runs there in both. The benchmark's client belongs with
+it (``Served.front``). So both configurations use the
 same cores, and only the split differs.
 
 Invariant: :func:`serving` yields a ready server on free loopback ports and
@@ -36,27 +37,36 @@ class Served:
     front: tuple[int, ...]       # the front end's cores; () when not pinned
 
 
-def placement(mode: str, cores: Sequence[int], stream_interval: int = 1) -> dict:
-    """The ``context_server`` / ``generation_server`` part of disagg_config.yaml."""
+def placement(mode: str, cores: Sequence[int], stream_interval: int = 1,
+              front: Sequence[int] = ()) -> dict:
+    """The ``*_server`` part of disagg_config.yaml. ``front``: the front end's cores
+    (``scheduler_server.cpus``) in both modes; none given: the context's when
+    disaggregated, not pinned when aggregated."""
     cores = list(cores)
     if mode == "aggregated":
-        return {"generation_server": {"cpus": cores, "instances": 1,
-                                      "stream_interval": stream_interval}}
-    half = max(1, len(cores) // 2)
-    context, generation = cores[:half], cores[half:] or cores[:half]
-    return {"context_server": {"cpus": context}, "scheduler_server": {"cpus": context},
-            "generation_server": {"cpus": generation, "stream_interval": stream_interval}}
+        out = {"generation_server": {"cpus": cores, "instances": 1,
+                                     "stream_interval": stream_interval}}
+    else:
+        half = max(1, len(cores) // 2)
+        context, generation = cores[:half], cores[half:] or cores[:half]
+        out = {"context_server": {"cpus": context}, "scheduler_server": {"cpus": context},
+               "generation_server": {"cpus": generation, "stream_interval": stream_interval}}
+    if front:
+        out["scheduler_server"] = {"cpus": list(front)}
+    return out
 
 
 @contextlib.contextmanager
 def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
-            stream_interval: int = 1, ready_timeout: float = 300.0) -> Iterator[Served]:
+            stream_interval: int = 1, ready_timeout: float = 300.0,
+            front: Sequence[int] = ()) -> Iterator[Served]:
     from triton_disagg.config import check_host, parse_config
     from triton_disagg.launch.deploy import start
     from triton_disagg.launch.tritonserver import Endpoints
 
     config = parse_config({"model": {"engine": str(Path(engine).resolve())}, "mode": mode,
-                           **placement(mode, cores, stream_interval)}, source=f"bench serve ({mode})")
+                           **placement(mode, cores, stream_interval, front)},
+                          source=f"bench serve ({mode})")
     check_host(config)
     http, grpc, metrics = free_ports(3)
     server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / mode)
