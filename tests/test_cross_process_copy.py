@@ -22,11 +22,9 @@ def test_pattern_is_not_page_periodic():
 
 @pytest.mark.parametrize("nbytes", [262_144, 8_192_000])
 def test_reads_the_childs_pattern_across_processes(nbytes):
-    try:
-        gbps = process_vm_readv_gbps(nbytes, repeats=5)    # raises unless the bytes match
-    except Refused as why:
-        pytest.skip(str(why))
-    assert gbps > 0
+    """The parent reads its own child, which even Yama's ptrace_scope 1 allows: a refusal
+    here is a failure, not a skip."""
+    assert process_vm_readv_gbps(nbytes, repeats=5) > 0    # raises unless the bytes match
 
 
 def test_bytes_other_than_the_childs_fail_loudly(monkeypatch):
@@ -34,11 +32,8 @@ def test_bytes_other_than_the_childs_fail_loudly(monkeypatch):
     another, so the read-back check must raise rather than time anything."""
     real = cross_process_copy.pattern
     monkeypatch.setattr(cross_process_copy, "pattern", lambda n: real(n) + np.uint8(1))
-    try:
-        with pytest.raises(RuntimeError, match="other than the child's pattern"):
-            process_vm_readv_gbps(4096, repeats=1)
-    except Refused as why:
-        pytest.skip(str(why))
+    with pytest.raises(RuntimeError, match="other than the child's pattern"):
+        process_vm_readv_gbps(4096, repeats=1)
 
 
 def test_refusing_errnos_become_refused_with_the_reason_others_raise():
