@@ -33,11 +33,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from triton_disagg.launch.process_group import terminate
+
 PREFIX = "tdn"                 # this harness's namespaces, and nothing else's
 SUBNET = "10.213.7"            # a private /24 that lives only inside the namespaces
 BRIDGE = "br"                  # the bridge namespace's host name
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 STOP_SECONDS = 20.0
+# Where serve_role's servers listen. Each host has its own network namespace, so every host
+# can use the same ports: the scheduler's gRPC on one, any other role's on another.
+ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, METRICS_PORT = 9001, 8001, 9100
 STREAMS = """
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +156,7 @@ class Hosts:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop(proc, 0)
+            terminate(proc, 0, whole_group=True)
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -170,7 +175,7 @@ class Hosts:
         """Stop this harness's processes (SIGTERM, then SIGKILL after ``STOP_SECONDS``) and
         whatever else runs in its namespaces, then delete them (idempotent)."""
         for proc in self.processes:
-            _stop(proc, STOP_SECONDS)
+            terminate(proc, STOP_SECONDS, whole_group=True)
         self.processes.clear()
         for ns in reversed(self._made):
             _delete(ns)
@@ -224,23 +229,24 @@ class HeldStreams:
         return json.loads(out.splitlines()[-1])
 
 
-def serve_role(hosts: Hosts, host: str, role: str, config: Path, work_dir: Path, grpc_port: int,
-               metrics_port: int) -> tuple:
-    """``serve ROLE`` on ``host`` (the command line of :func:`serve_argv`, as a pod runs it),
-    as :func:`serving.serve_commands` takes it."""
+def serve_role(hosts: Hosts, host: str, role: str, config: Path, work_dir: Path) -> tuple:
+    """``serve ROLE`` on ``host`` (the command line of :func:`serve_argv`, as a pod runs it)
+    on this module's ports, as :func:`serving.serve_commands` takes it."""
     from serving import cli_argv
     from triton_disagg.launch.serve_argv import serve_argv
 
-    argv = serve_argv(role, str(config), hosts.address(host), grpc_port, metrics_port)
+    grpc_port = SCHEDULER_GRPC_PORT if role == "scheduler" else ROLE_GRPC_PORT
+    argv = serve_argv(role, str(config), hosts.address(host), grpc_port, METRICS_PORT)
     cmd = [*cli_argv(argv), "--work-dir", str(work_dir)]
     return hosts.command(host, cmd), work_dir, None, f"{hosts.address(host)}:{grpc_port}", None
 
 
-def metrics_of(hosts: Hosts, host: str, metrics_port: int) -> dict:
-    """``host``'s server's metrics, parsed (read from the scheduler's host)."""
+def metrics_of(hosts: Hosts, host: str) -> dict:
+    """``host``'s server's metrics (:func:`serve_role`'s port), parsed, read from the
+    scheduler's host."""
     from triton_disagg.bench.serve_metrics import parse
 
-    return parse(scrape(hosts, "scheduler", f"http://{hosts.address(host)}:{metrics_port}/metrics"))
+    return parse(scrape(hosts, "scheduler", f"http://{hosts.address(host)}:{METRICS_PORT}/metrics"))
 
 
 def scrape(hosts: Hosts, host: str, metrics_url: str) -> str:
@@ -266,19 +272,6 @@ def _delete(ns: str) -> None:
         except ProcessLookupError:
             pass
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def _stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the process group of ``proc`` if it still runs, SIGKILL the group after
-    ``grace`` s, reap ``proc`` (what its group leaves behind dies with the namespace)."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _ip(*args: str) -> None:

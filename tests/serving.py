@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from triton_disagg.launch.deploy import free_ports
+from triton_disagg.launch.process_group import terminate
 
 READY_TIMEOUT = 240.0
 READY_POLL = 0.3               # seconds between looks for a serve command's ready line
@@ -123,18 +122,11 @@ def serve_commands(commands: list[tuple], cwd: Path | None = None, until: str = 
 
 def stop(served: Served, timeout: float = 60.0) -> int:
     """SIGTERM the CLI; assert that it, tritonserver and every stub are gone."""
-    proc = served.process
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AssertionError(f"serve did not stop on SIGTERM:\n{served.log.read_text()}")
+    if not terminate(served.process, timeout):
+        raise AssertionError(f"serve did not stop on SIGTERM:\n{served.log.read_text()}")
     left = processes_under(served.work_dir)
     assert not left, f"left running after serve stopped: {left}"
-    return proc.returncode
+    return served.process.returncode
 
 
 def processes_under(work_dir: Path) -> list[str]:

@@ -3,9 +3,7 @@ until every model has loaded, and stays false when a model fails to load."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +13,7 @@ import pytest
 
 import serving
 from triton_disagg.clients.health import ServerNotReady, probe, require_ready
+from triton_disagg.launch.process_group import terminate
 
 TIMEOUT = 240.0
 SERVE_ALL = [sys.executable, "-m", "triton_disagg.cli", "serve", "all"]
@@ -37,17 +36,6 @@ def _watch(cmd: list[str], http: str, log: Path, until: str) -> tuple[list[bool]
     return seen, proc
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the CLI's process group (it stops tritonserver); SIGKILL after 60 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def test_ready_is_false_while_models_load(demo_engine, tmp_path):
     http, grpc, metrics = serving.free_ports(3)
     cmd = [*SERVE_ALL, "--engine", str(demo_engine),
@@ -62,7 +50,7 @@ def test_ready_is_false_while_models_load(demo_engine, tmp_path):
         require_ready(url, "http")
         require_ready(f"127.0.0.1:{grpc}", "grpc")
     finally:
-        _stop(proc)
+        terminate(proc, 60, whole_group=True)
 
 
 def test_serve_with_a_corrupt_engine_never_reports_ready(demo_engine, tmp_path):
@@ -76,7 +64,7 @@ def test_serve_with_a_corrupt_engine_never_reports_ready(demo_engine, tmp_path):
         assert proc.wait(timeout=60) != 0
         assert time.monotonic() - started < 15.0
     finally:
-        _stop(proc)
+        terminate(proc, 60, whole_group=True)
     assert not any(seen)
     text = (tmp_path / "cli.log").read_text()
     error = next(line for line in text.splitlines() if "error:" in line)

@@ -21,13 +21,13 @@ import signal
 import time
 
 import serving
-from netns_hosts import HeldStreams, Hosts, hosts_fixture, metrics_of, serve_role
+from netns_hosts import (ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, HeldStreams, Hosts, hosts_fixture,
+                         metrics_of, serve_role)
 from serving import wait_until
 from triton_disagg.bench.serve_metrics import total
 
 HOSTS = ("scheduler", "ctx1", "gen1", "gen2")
 ROLE = {"scheduler": "scheduler", "ctx1": "context", "gen1": "generation", "gen2": "generation"}
-GRPC_PORT, SCHEDULER_GRPC, METRICS_PORT = 9001, 8001, 9100
 MAX_TOKENS = 96
 LEASE_SECONDS = 5
 FAIL_BOUND = 5.0    # seconds from the kill to a client's error when no server is left
@@ -37,12 +37,7 @@ hosts = hosts_fixture(HOSTS)
 
 
 def _serve(hosts: Hosts, host: str, config, tmp_path) -> tuple:
-    port = SCHEDULER_GRPC if host == "scheduler" else GRPC_PORT
-    return serve_role(hosts, host, ROLE[host], config, tmp_path / host, port, METRICS_PORT)
-
-
-def _metrics(hosts: Hosts, host: str):
-    return metrics_of(hosts, host, METRICS_PORT)
+    return serve_role(hosts, host, ROLE[host], config, tmp_path / host)
 
 
 def _kill(work_dir, only: str = "") -> None:
@@ -58,7 +53,7 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
     from triton_disagg.kv.secret import SECRET_ENV
 
     monkeypatch.setenv(SECRET_ENV, "netns-migration-" + "5" * 32)   # hosts apart share it
-    url = {h: f"{hosts.address(h)}:{GRPC_PORT}" for h in ("ctx1", "gen1", "gen2")}
+    url = {h: f"{hosts.address(h)}:{ROLE_GRPC_PORT}" for h in ("ctx1", "gen1", "gen2")}
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\n"
                       f"context_server: {{urls: [\"{url['ctx1']}\"], cpus: [0]}}\n"
@@ -67,10 +62,10 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
                       f"kv_cache: {{strategy: direct_transfer, max_size: 64MB, "
                       f"lease_seconds: {LEASE_SECONDS}}}\n")
     offline = serving.offline_text(demo_engine)
-    scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}"
+    scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}"
     prompts = serving.PROMPTS * 4
     expected = [offline(p, MAX_TOKENS) for p in prompts]
-    routed = lambda host: total(_metrics(hosts, "scheduler"),  # noqa: E731
+    routed = lambda host: total(metrics_of(hosts, "scheduler"),  # noqa: E731
                                 "disagg_routed_requests_total", server=url[host])
     with contextlib.ExitStack() as stack:
         servers = stack.enter_context(serving.serve_commands(
@@ -82,11 +77,11 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
         wait_until(lambda: routed("gen1") >= 4, 30, "gen1 holds streams")
         _kill(tmp_path / "gen1", only="bin/tritonserver")
         assert held.texts() == expected
-        migrations = total(_metrics(hosts, "scheduler"), "disagg_migrations_total",
+        migrations = total(metrics_of(hosts, "scheduler"), "disagg_migrations_total",
                            server=url["gen1"])
         print(f"streams migrated off gen1: {migrations:g}")
         assert migrations >= 1
-        wait_until(lambda: not any(total(_metrics(hosts, h), "disagg_kv_blocks_used")
+        wait_until(lambda: not any(total(metrics_of(hosts, h), "disagg_kv_blocks_used")
                                for h in ("ctx1", "gen2")), 2 * LEASE_SECONDS + 10,
                "KV pools of ctx1 and gen2 back to 0 blocks")
 

@@ -27,14 +27,15 @@ import time
 
 import etcd_server
 import serving
-from netns_hosts import HeldStreams, Hosts, grpc_streams, hosts_fixture, metrics_of, serve_role
+from netns_hosts import (METRICS_PORT, ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, HeldStreams, Hosts,
+                         grpc_streams, hosts_fixture, metrics_of, serve_role)
 from serving import wait_until
 from triton_disagg.bench.serve_metrics import total
 
 HOSTS = ("etcd", "scheduler", "ctx1", "ctx2", "gen1", "gen2", "gen3")
 ROLE = {"ctx1": "context", "ctx2": "context", "gen1": "generation", "gen2": "generation",
         "gen3": "generation", "scheduler": "scheduler"}
-ETCD_PORT, GRPC_PORT, SCHEDULER_GRPC, METRICS_PORT = 2379, 9001, 8001, 9100
+ETCD_PORT = 2379
 PREFIX, TTL = "/netns-pools", 5
 LONG_TOKENS = 400   # streams that outlast a stopping server's 1 s notice
 MAX_TOKENS = 24
@@ -73,18 +74,13 @@ hosts = hosts_fixture(HOSTS)
 
 
 def _serve(hosts: Hosts, host: str, config, tmp_path) -> tuple:
-    port = SCHEDULER_GRPC if host == "scheduler" else GRPC_PORT
-    return serve_role(hosts, host, ROLE[host], config, tmp_path / host, port, METRICS_PORT)
-
-
-def _metrics(hosts: Hosts, host: str):
-    return metrics_of(hosts, host, METRICS_PORT)
+    return serve_role(hosts, host, ROLE[host], config, tmp_path / host)
 
 
 def _routed(hosts: Hosts, host: str) -> float:
     """Calls the scheduler routed to ``host``'s server."""
-    return total(_metrics(hosts, "scheduler"), "disagg_routed_requests_total",
-                 server=f"{hosts.address(host)}:{GRPC_PORT}")
+    return total(metrics_of(hosts, "scheduler"), "disagg_routed_requests_total",
+                 server=f"{hosts.address(host)}:{ROLE_GRPC_PORT}")
 
 
 
@@ -113,7 +109,7 @@ def _start_etcd(hosts: Hosts, tmp_path) -> subprocess.Popen:
 
 
 def _members(hosts: Hosts, role: str) -> float:
-    return total(_metrics(hosts, "scheduler"), "disagg_pool_members", server_role=role)
+    return total(metrics_of(hosts, "scheduler"), "disagg_pool_members", server_role=role)
 
 
 def _start_load(hosts: Hosts, offline, stop_file, workers: int,
@@ -122,7 +118,7 @@ def _start_load(hosts: Hosts, offline, stop_file, workers: int,
     exists; its output is the JSON list of every wrong text or error."""
     prompt = serving.PROMPTS[0]
     return hosts.popen("scheduler", [sys.executable, "-c", LOAD,
-                                     f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}",
+                                     f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}",
                                      str(stop_file), prompt, offline(prompt, max_tokens),
                                      str(workers), str(max_tokens)],
                        stdout=subprocess.PIPE, text=True,
@@ -132,7 +128,7 @@ def _start_load(hosts: Hosts, offline, stop_file, workers: int,
 def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch):
     config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
     offline = serving.offline_text(demo_engine)
-    scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}"
+    scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}"
     _start_etcd(hosts, tmp_path)
     first = ("scheduler", "ctx1", "ctx2", "gen1", "gen2")
     with contextlib.ExitStack() as stack:
@@ -154,7 +150,7 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
         # a third generation server started under load takes traffic within 2 s
         stop_file = tmp_path / "stop-load"
         load = _start_load(hosts, offline, stop_file, 4)
-        gen3 = f"{hosts.address('gen3')}:{GRPC_PORT}"
+        gen3 = f"{hosts.address('gen3')}:{ROLE_GRPC_PORT}"
         metrics = f"http://{hosts.address('scheduler')}:{METRICS_PORT}/metrics"
         watch = hosts.popen("scheduler", [sys.executable, "-c", WATCH, metrics, gen3],
                             stdout=subprocess.PIPE, text=True)
@@ -172,18 +168,18 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
 
         # a context server killed while registered: its calls go to the other one (no load
         # runs: generation's fetch of a handoff already made on it would fail the request)
-        before = total(_metrics(hosts, "scheduler"), "disagg_route_retries_total")
+        before = total(metrics_of(hosts, "scheduler"), "disagg_route_retries_total")
         held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts[:8],
                            tmp_path / "go")          # they start well inside the 5 s lease
         for line in serving.processes_under(tmp_path / "ctx2"):
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
         assert held.texts() == [offline(p, MAX_TOKENS) for p in prompts[:8]]
-        retries = total(_metrics(hosts, "scheduler"), "disagg_route_retries_total") - before
+        retries = total(metrics_of(hosts, "scheduler"), "disagg_route_retries_total") - before
         print(f"context calls retried after ctx2 was killed: {retries:g}")
         assert retries >= 1
 
         survivors = ("ctx1", "gen1", "gen2", "gen3")
-        wait_until(lambda: not any(total(_metrics(hosts, h), "disagg_kv_blocks_used")
+        wait_until(lambda: not any(total(metrics_of(hosts, h), "disagg_kv_blocks_used")
                                for h in survivors), 30, "KV pools back to 0 blocks")
 
 
@@ -235,14 +231,14 @@ def test_etcd_killed_serving_goes_on_and_registrations_come_back(
     kept alive by their heartbeats (still there a TTL later)."""
     config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
     offline = serving.offline_text(demo_engine)
-    scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC}"
+    scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}"
     etcd = _start_etcd(hosts, tmp_path)
     first = ("scheduler", "ctx1", "gen1")
     etcd_url = f"{hosts.address('etcd')}:{ETCD_PORT}"
-    keys = " ".join(sorted(f"{PREFIX}/{ROLE[h]}/{hosts.address(h)}:{GRPC_PORT}"
+    keys = " ".join(sorted(f"{PREFIX}/{ROLE[h]}/{hosts.address(h)}:{ROLE_GRPC_PORT}"
                            for h in first[1:]))
     registered = lambda: hosts.python("scheduler", REGISTERED, etcd_url, PREFIX).strip()  # noqa: E731
-    reachable = lambda: total(_metrics(hosts, "scheduler"), "disagg_etcd_reachable")  # noqa: E731
+    reachable = lambda: total(metrics_of(hosts, "scheduler"), "disagg_etcd_reachable")  # noqa: E731
     prompts = serving.PROMPTS
     with serving.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
         wait_until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 1, 5,

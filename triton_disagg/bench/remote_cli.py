@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Iterator
 import numpy as np
 
 from triton_disagg.errors import UserError
+from triton_disagg.launch.process_group import terminate
 
 WARMUP_REQUESTS = 4
 READY_LINE = "ready ("
@@ -173,7 +173,7 @@ def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[st
         yield f"127.0.0.1:{sched}"
     finally:
         for proc, _ in started:
-            _stop(proc)
+            terminate(proc, STOP_SECONDS)
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
@@ -186,11 +186,3 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> No
         time.sleep(0.2)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from triton_disagg.errors import UserError
+from triton_disagg.launch.process_group import terminate
 from triton_disagg.launch.server_log import is_cpu_noise
 
 READY_MARKER = "ready ("
@@ -102,15 +103,9 @@ def serving(config: dict, work_dir: Path, ready_timeout: float = 300.0) -> Itera
 
 def stop(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     """SIGTERM ``serve`` (it stops tritonserver and the stubs), SIGKILL the group if slow."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
+    terminate(proc, timeout)
+    with contextlib.suppress(ProcessLookupError):   # what the group left behind
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 # --- afterwards: logs and pools ---------------------------------------------------------
