@@ -2,7 +2,33 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 from triton_disagg.errors import UserError
+
+
+def add_engine_arg(parser, default_under: str = "--work-dir") -> None:
+    """``--engine DIR``; without it the bench builds the demo engine (:func:`bench_engine`)."""
+    parser.add_argument("--engine", type=Path, help=f"engine directory (default: the demo "
+                                                    f"engine, built under {default_under})")
+
+
+def bench_engine(engine: Path | None, work_dir: Path, say: Callable[[str], None]) -> Path:
+    """``engine`` checked to be one, or the demo engine built (or found up to date) under
+    ``work_dir``; the absolute path."""
+    if engine is not None:
+        if not (engine / "engine.json").is_file():
+            raise UserError(f"--engine: {engine} has no engine.json; build one with "
+                            f"`triton-disagg build`")
+        return engine.resolve()
+    from triton_disagg.builders.build import build_engine
+    from triton_disagg.builders.demo import write_demo_checkpoint
+
+    checkpoint, built = work_dir / "checkpoints" / "demo", work_dir / "engines" / "demo"
+    write_demo_checkpoint(checkpoint)
+    build_engine(checkpoint, built, progress=say)
+    return built.resolve()
 
 
 def number_list(text: str, name: str, kind: type = float, allow_zero: bool = False) -> list:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from triton_disagg.bench.args import number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
 from triton_disagg.errors import UserError
 
 STRATEGIES = ("direct_transfer", "host_memory")
@@ -35,8 +35,7 @@ def add_handoff_parser(kinds) -> None:
     p = kinds.add_parser(
         "handoff", help="KV handoff latency and bandwidth per strategy and prompt length, from "
                         "the server's own histogram, against memcpy and process_vm_readv")
-    p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
-                                               "built under --work-dir)")
+    add_engine_arg(p)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--prompt-tokens", default="64,2000", help="comma-separated lengths")
     p.add_argument("--requests", type=int, default=40, help="per length (default 40)")
@@ -249,7 +248,6 @@ def markdown(rows: Sequence[Row], engine: str, cores: Sequence[int], requests: i
 
 
 def run(args: argparse.Namespace) -> int:
-    from triton_disagg.bench.serve_cli import _engine
     from triton_disagg.engine.tokenizer import Tokenizer
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -264,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"[bench handoff] {message}", file=sys.stderr, flush=True)
 
-    engine = _engine(args, say)
+    engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer, rng = Tokenizer(engine), random.Random(0)
     prompts = {n: [exact_prompt(tokenizer, n, rng) for _ in range(WARMUP_REQUESTS + args.requests)]
                for n in lengths}

@@ -35,6 +35,7 @@ from typing import Iterator
 
 import numpy as np
 
+from triton_disagg.bench.args import add_engine_arg, bench_engine
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
 
@@ -48,8 +49,7 @@ def add_remote_parser(kinds) -> None:
     p = kinds.add_parser(
         "remote", help="TTFT added by the remote path (scheduler -> gRPC -> context and "
                        "generation servers) over `serve all`, same engine and cores")
-    p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
-                                               "built under --work-dir)")
+    add_engine_arg(p)
     p.add_argument("--requests", type=int, default=32, help="serial requests per run")
     p.add_argument("--runs", type=int, default=3, help="runs per deployment; the best p50 counts")
     p.add_argument("--prompt-tokens", default="uniform:32,128", help="length distribution")
@@ -63,7 +63,7 @@ def add_remote_parser(kinds) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.args import number_list
-    from triton_disagg.bench.serve_cli import _engine, make_requests
+    from triton_disagg.bench.serve_cli import make_requests
     from triton_disagg.bench.serve_load import run_load
     from triton_disagg.bench.serve_servers import serving
     from triton_disagg.engine.tokenizer import Tokenizer
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[bench remote] {message}", file=sys.stderr, flush=True)
 
     began = time.monotonic()
-    engine = _engine(args, say)
+    engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer = Tokenizer(engine)
     requests = make_requests(args.requests, args, tokenizer, args.seed)
     work = args.work_dir.resolve()

@@ -37,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from triton_disagg.bench.args import number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
 from triton_disagg.errors import UserError
 
 if TYPE_CHECKING:
@@ -54,8 +54,7 @@ def add_serve_parser(kinds) -> None:
         description="Open-loop Poisson load at rising request rates against `serve all`, "
                     "disaggregated and aggregated in turn on the same cores, plus the engine "
                     "in-process on the same prompts.")
-    p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
-                                               "built under --work-dir)")
+    add_engine_arg(p)
     p.add_argument("--modes", default="disaggregated,aggregated")
     p.add_argument("--rates", help="requests/s, comma-separated: sweep exactly these, every "
                                    "one in every mode (default: the stepped sweep below)")
@@ -93,21 +92,6 @@ def add_serve_parser(kinds) -> None:
     p.add_argument("--img-dir", type=Path, help="where the PNGs go (default: img/ beside --output)")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     p.set_defaults(func=run)
-
-
-def _engine(args: argparse.Namespace, say) -> Path:
-    if args.engine is not None:
-        if not (args.engine / "engine.json").is_file():
-            raise UserError(f"--engine: {args.engine} has no engine.json; build one with "
-                            f"`triton-disagg build`")
-        return args.engine.resolve()
-    from triton_disagg.builders.build import build_engine
-    from triton_disagg.builders.demo import write_demo_checkpoint
-
-    checkpoint, engine = args.work_dir / "checkpoints" / "demo", args.work_dir / "engines" / "demo"
-    write_demo_checkpoint(checkpoint)
-    build_engine(checkpoint, engine, progress=say)
-    return engine.resolve()
 
 
 def _sweep(args: argparse.Namespace):
@@ -188,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"[bench serve] {message}", file=sys.stderr, flush=True)
 
-    engine = _engine(args, say)
+    engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer = Tokenizer(engine)
     serial = make_requests(args.serial_requests, args, tokenizer, args.seed)
     burst = make_requests(args.burst_requests, args, tokenizer, args.seed + 1)

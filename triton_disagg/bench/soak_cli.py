@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from triton_disagg.bench.args import add_engine_arg, bench_engine
 from triton_disagg.errors import UserError
 
 
@@ -34,8 +35,7 @@ def add_soak_parser(kinds) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="load per strategy (default 10)")
     p.add_argument("--strategies", default="direct_transfer,host_memory")
     p.add_argument("--generation-instances", type=int, default=2)
-    p.add_argument("--engine", type=Path, help="engine directory (default: the demo engine, "
-                                               "built under work/bench)")
+    add_engine_arg(p, "work/bench")
     p.add_argument("--cpus", help="cores to place the models on, e.g. 0,1,2 (default: all "
                                   "usable; pinned only with one per instance plus one)")
     p.add_argument("--genai-perf", type=Path, help="genai-perf executable or its venv "
@@ -55,7 +55,6 @@ def _say(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.args import number_list
-    from triton_disagg.bench.serve_cli import _engine
     from triton_disagg.bench.soak_report import markdown
     from triton_disagg.bench.soak_tools import find_genai_perf
     from triton_disagg.config import STRATEGIES
@@ -70,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
              else sorted(os.sched_getaffinity(0)))
     genai_perf = find_genai_perf(args.genai_perf)      # fails here, before any server starts
-    engine = _engine(argparse.Namespace(engine=args.engine, work_dir=Path("work/bench")), _say)
+    engine = bench_engine(args.engine, Path("work/bench"), _say)
     results = [soak_one(s, args, engine, genai_perf, cores) for s in strategies]
     command = f"triton-disagg bench soak --minutes {args.minutes:g} --strategies " \
               f"{','.join(strategies)}"
