@@ -31,7 +31,7 @@ CMD ["triton-disagg", "serve", "all", "--engine", "engines/demo", "--host", "0.0
 FROM nvcr.io/nvidia/tritonserver:24.10-trtllm-python-py3 AS gpu
 WORKDIR /opt/triton-disagg
 COPY . .
-# serve finds NGC's tritonserver through this variable (launch/tritonserver.py), not the
+# serve finds NGC's tritonserver through this variable (triton_disagg/triton/tritonserver.py), not the
 # nvidia-pytriton wheel's; `doctor` checks that its Python-backend stub loads this Python.
 ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver
 RUN pip install --no-cache-dir -e . \

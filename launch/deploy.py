@@ -10,7 +10,7 @@ What peers are told (``serve context|generation``): ``--advertise HOST:PORT``, e
 bind address and gRPC port; a wildcard bind (``0.0.0.0``) names no address, so then the
 host of the role's ``url``, else ``--advertise`` is required.
 
-Token channel (ZeroMQ, :mod:`triton_disagg.serving.zmq_endpoints`): ``serve all`` uses
+Token channel (ZeroMQ, :mod:`triton_disagg.zmq_endpoints`): ``serve all`` uses
 ``ipc://``. Otherwise the sockets are ``tcp://``: generation's control socket binds
 where the server binds (``--host``) and advertises its advertised host (a name or an
 address its peers reach); the scheduler's token socket binds and advertises this host's
@@ -34,14 +34,14 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_disagg.config import DisaggConfig, front_cpus
-from triton_disagg.config_values import is_loopback
+from triton_disagg.config.disagg import DisaggConfig, front_cpus
+from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
 from .peers_gate import GateControl
-from .render import render
-from .stub_check import check_stub
-from .tritonserver import Endpoints, TritonServer, locate, server_env
+from triton_disagg.triton.render import render
+from triton_disagg.triton.stub_check import check_stub
+from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, server_env
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 WILDCARDS = ("0.0.0.0", "::")
@@ -171,7 +171,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           token: str | None = None) -> TritonServer:
     """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
     :func:`token_host`) and start its server (not yet ready), on the front end's cores
-    (:func:`~triton_disagg.config.front_cpus`)."""
+    (:func:`~triton_disagg.config.disagg.front_cpus`)."""
     check_ports_free(endpoints)
     install = locate(tritonserver)
     check_stub(install.stub_binary, server_env(install))

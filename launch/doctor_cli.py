@@ -30,8 +30,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .stub_check import check_stub, libpython_package
-    from .tritonserver import locate, server_env
+    from triton_disagg.triton.stub_check import check_stub, libpython_package
+    from triton_disagg.triton.tritonserver import locate, server_env
 
     install = locate(args.tritonserver)
     env = server_env(install)

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable
 
-from triton_disagg.bench.serve_metrics import scrape, total
-from triton_disagg.discovery.metrics_load import LIVE, QUEUED, USED
+from triton_disagg.routing.scrape import scrape, total
+from triton_disagg.routing.discovery.metrics_load import LIVE, QUEUED, USED
 
 NOTICE_SECONDS = 1.0
 DRAIN_SECONDS = 30.0

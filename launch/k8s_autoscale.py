@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triton_disagg.config import DisaggConfig
+from triton_disagg.config.disagg import DisaggConfig
 
 from .k8s_workloads import SHORT, Unit, labels, metadata, units
 from .k8s_yaml import to_yaml

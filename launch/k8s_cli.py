@@ -17,7 +17,7 @@ import argparse
 import re
 from pathlib import Path
 
-from triton_disagg.config import DisaggConfig
+from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.errors import UserError
 
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -74,7 +74,7 @@ def file_name(obj: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from triton_disagg.config import load_config
+    from triton_disagg.config.disagg import load_config
 
     from .k8s_yaml import to_yaml
 

@@ -25,14 +25,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from triton_disagg.config import DisaggConfig
-from triton_disagg.config_kubernetes import IN_CLUSTER, KubernetesConfig
+from triton_disagg.config.disagg import DisaggConfig
+from triton_disagg.config.kubernetes import IN_CLUSTER, KubernetesConfig
 from triton_disagg.errors import UserError
 from triton_disagg.kv.secret import SECRET_ENV
 
 from .drain import DRAIN_SECONDS, NOTICE_SECONDS
 from .serve_argv import serve_argv
-from .tritonserver import STOP_GRACE_SECONDS
+from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 
 CONFIG_DIR = "/etc/triton-disagg"
 CONFIG_PATH = f"{CONFIG_DIR}/disagg_config.yaml"
@@ -147,7 +147,7 @@ def _container(role: str, config: DisaggConfig, image: str) -> dict:
     ports, short = PORTS[role], SHORT[role]
     advertise = None if role == "scheduler" else f"$(POD_IP):{ports['grpc']}"
     # The deployment secret signs KV handles and keys the token channel's CURVE encryption
-    # (triton_disagg.serving.zmq_endpoints): every server of the deployment needs the same.
+    # (triton_disagg.zmq_endpoints): every server of the deployment needs the same.
     env = [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {
         "name": config.kubernetes.kv_secret, "key": "secret"}}}]
     if role != "scheduler":
@@ -201,7 +201,7 @@ def scheduler_service(config: DisaggConfig) -> dict:
 def etcd_objects(k8s: KubernetesConfig) -> list[dict]:
     """A one-member etcd (StatefulSet and Service) when ``kubernetes.etcd`` is in_cluster.
     Its data is an emptyDir: membership is soft state, every server re-registers under a
-    new lease when etcd lost it (triton_disagg.discovery.registration)."""
+    new lease when etcd lost it (triton_disagg.routing.discovery.registration)."""
     if k8s.etcd != IN_CLUSTER:
         return []
     unit = Unit("etcd", ())

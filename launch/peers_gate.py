@@ -36,9 +36,9 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_disagg.discovery.periodic import Periodic
+from triton_disagg.routing.discovery.periodic import Periodic
 
-from .render import GATE, render_gate
+from triton_disagg.triton.render import GATE, render_gate
 
 CHECK_SECONDS = 1.0
 PROBE_TIMEOUT = 1.0         # seconds a member may take to answer ServerReady
@@ -170,9 +170,9 @@ class PeersGate:
 def start_peers_gate(config, server, role: str) -> PeersGate:
     """The gate of the started ``server`` (``serve role``), checking the roles the scheduler
     routes to (generation alone in aggregated mode); it prints as ``serve`` does."""
-    from triton_disagg.serving.pools import member_sources
+    from triton_disagg.routing.pools import member_sources
 
-    from .render import settings
+    from triton_disagg.triton.render import settings
 
     membership, sources = member_sources(settings("orchestrator", role, config))
     if config.mode == "aggregated":

@@ -1,5 +1,5 @@
 """``serve context|generation`` with ``discovery`` in the config: the server is
-registered in etcd while it serves (:class:`~triton_disagg.discovery.Registration`).
+registered in etcd while it serves (:class:`~triton_disagg.routing.discovery.Registration`).
 
 Its record names the gRPC url other hosts dial (:func:`launch.deploy.advertised_url`:
 ``--advertise HOST:PORT``, else the address it binds), the engine's fingerprint, and its capacity from the config: KV
@@ -11,18 +11,18 @@ Invariant: a server registers only once it is ready, and is deregistered before 
 
 from __future__ import annotations
 
-from triton_disagg.config import DisaggConfig
+from triton_disagg.config.disagg import DisaggConfig
 
 _ANY = ("0.0.0.0", "::")
 
 
 def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str):
     """Register the ready server; returns the started Registration (close it to deregister)."""
-    from triton_disagg.discovery import MemberRecord, Registration
-    from triton_disagg.discovery.metrics_load import metrics_load
+    from triton_disagg.routing.discovery import MemberRecord, Registration
+    from triton_disagg.routing.discovery.metrics_load import metrics_load
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.kv.block_pool import BlockPool
-    from triton_disagg.serving.capacity import kv_layout
+    from triton_disagg.engine.block_pool import BlockPool
+    from triton_disagg.engine.capacity import kv_layout
 
     server = config.server(role)
     spec = EngineSpec.load(config.engine)

@@ -19,10 +19,10 @@ import signal
 import threading
 from pathlib import Path
 
-from triton_disagg.config import PLACED_ROLES
+from triton_disagg.config.disagg import PLACED_ROLES
 from triton_disagg.errors import UserError
 
-from .stub_watch import first_dead, stubs_of
+from triton_disagg.triton.stub_watch import first_dead, stubs_of
 
 ROLES = ("all", "context", "generation", "scheduler")
 MAX_RESTARTS = 5            # stub deaths survived by restarting the server, per serve run
@@ -67,9 +67,9 @@ def register(subparsers) -> None:
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config import check_host, default_config, load_config
-    from triton_disagg.config_values import parse_url
-    from triton_disagg.serving.capacity import check_kv_capacity
+    from triton_disagg.config.disagg import check_host, default_config, load_config
+    from triton_disagg.config.values import parse_url
+    from triton_disagg.engine.capacity import check_kv_capacity
 
     if args.config is None:
         if args.engine is None:

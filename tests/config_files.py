@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import pytest
 
-from triton_disagg.config import load_config
+from triton_disagg.config.disagg import load_config
 from triton_disagg.errors import UserError
 
 

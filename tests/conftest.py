@@ -17,8 +17,8 @@ def pytest_sessionstart(session):
     """Stop the run in seconds, with the one-line fix, when Triton's Python-backend stub
     cannot start on this host (every server test would otherwise time out in turn)."""
     from triton_disagg.errors import UserError
-    from triton_disagg.launch.stub_check import check_stub
-    from triton_disagg.launch.tritonserver import locate, server_env
+    from triton_disagg.triton.stub_check import check_stub
+    from triton_disagg.triton.tritonserver import locate, server_env
 
     install = locate()
     try:

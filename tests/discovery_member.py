@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 import threading
 
-from triton_disagg.config import DiscoveryConfig
-from triton_disagg.discovery import MemberRecord, Registration
+from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.routing.discovery import MemberRecord, Registration
 
 if __name__ == "__main__":
     etcd, prefix, ttl, role, url, fingerprint = sys.argv[1:]

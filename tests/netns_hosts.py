@@ -244,7 +244,7 @@ def serve_role(hosts: Hosts, host: str, role: str, config: Path, work_dir: Path)
 def metrics_of(hosts: Hosts, host: str) -> dict:
     """``host``'s server's metrics (:func:`serve_role`'s port), parsed, read from the
     scheduler's host."""
-    from triton_disagg.bench.serve_metrics import parse
+    from triton_disagg.routing.scrape import parse
 
     return parse(scrape(hosts, "scheduler", f"http://{hosts.address(host)}:{METRICS_PORT}/metrics"))
 

@@ -10,7 +10,7 @@ import pytest
 
 from triton_disagg.bench.handoff import (Row, exact_prompt, histogram_delta, markdown, p50_bucket,
                                          verdict)
-from triton_disagg.bench.serve_metrics import parse
+from triton_disagg.routing.scrape import parse
 
 INF = float("inf")
 

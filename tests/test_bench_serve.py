@@ -65,7 +65,7 @@ def test_summary_attainment_and_goodput():
 
 
 def test_metrics_parsing_and_model_times():
-    from triton_disagg.bench.serve_metrics import model_times, parse, total
+    from triton_disagg.routing.scrape import model_times, parse, total
 
     def text(n):
         return "\n".join([

@@ -152,7 +152,7 @@ def test_verdict_fails_on_each_hard_criterion():
 
 def test_config_pins_only_with_a_core_per_instance(tmp_path):
     (tmp_path / "engine.json").write_text("{}")
-    from triton_disagg.config import parse_config
+    from triton_disagg.config.disagg import parse_config
 
     two, words = config_for(tmp_path, "direct_transfer", 2, [0, 1])
     assert "unpinned" in words and "cpus" not in two["generation_server"]

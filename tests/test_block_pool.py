@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from triton_disagg.errors import UserError
-from triton_disagg.kv.block_pool import BlockPool, BlockTable, KVCacheFullError
+from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
 from triton_disagg.kv.layout import BlockGeometry
 
 GEOMETRY = BlockGeometry(num_layers=2, num_kv_heads=2, head_dim=4, tokens_per_block=4,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from config_files import assert_one_line_error, config_writer
-from triton_disagg.config import DiscoveryConfig, load_config
+from triton_disagg.config.disagg import DiscoveryConfig, load_config
 
 ENGINE = "model: {engine: engines/demo}\n"
 

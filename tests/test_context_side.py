@@ -9,11 +9,12 @@ import time
 import pytest
 
 from triton_disagg import protocol as P
+from triton_disagg.config.settings import ContextSettings
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.kv.secret import deployment_key, key_id
-from triton_disagg.serving.context import ContextSide
-from triton_disagg.serving.engine_request import EngineRequest
-from triton_disagg.serving.tensors import RequestError
+from triton_disagg.context.prefill import ContextSide
+from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.triton.tensors import RequestError
 
 PROMPT = list(range(3, 63))      # 60 tokens: 4 blocks of 16
 
@@ -25,8 +26,9 @@ def side(request, demo_engine):
     from triton_disagg.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(demo_engine, num_blocks=8)       # two prompts' KV, then full
-    settings = {"kv_strategy": request.param, "kv_lease_seconds": 30.0,
-                "kv_key_id": key_id(deployment_key())}
+    settings = ContextSettings(str(demo_engine), "disaggregated", (), None, None,
+                               kv_strategy=request.param, kv_max_size=0, kv_lease_seconds=30.0,
+                               stream_interval=1, kv_key_id=key_id(deployment_key()))
     side = ContextSide(engine, settings, f"ctxtest_{request.param}")
     yield side
     side.close()

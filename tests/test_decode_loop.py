@@ -11,12 +11,13 @@ import pytest
 import zmq
 
 from triton_disagg import protocol as P
-from triton_disagg.serving import engine_request, token_wire
-from triton_disagg.serving.decode_loop import DecodeLoop
-from triton_disagg.serving.generation import GenerationSide
-from triton_disagg.serving.generation_sockets import StopInbox, TokenOutbox
-from triton_disagg.serving.token_wire import TokenEvent
-from triton_disagg.serving.zmq_endpoints import bind, push_socket
+from triton_disagg.triton import engine_request
+from triton_disagg import token_wire
+from triton_disagg.generation.decode_loop import DecodeLoop
+from triton_disagg.generation.side import GenerationSide
+from triton_disagg.generation.sockets import StopInbox, TokenOutbox
+from triton_disagg.token_wire import TokenEvent
+from triton_disagg.zmq_endpoints import bind, push_socket
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def _request(prompt, max_tokens, streaming=True):
 
 
 def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine):
-    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    side = GenerationSide(engine, None)
     orchestrators = Orchestrators(1)
     context = zmq.Context.instance()
     stops = StopInbox(context, None)
@@ -90,7 +91,7 @@ def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine
 
 
 def test_stream_interval_groups_tokens_after_the_first(engine):
-    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    side = GenerationSide(engine, None)
     orchestrators = Orchestrators(1)
     loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side, stream_interval=3)
     loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6, 7], 9), {}),
@@ -116,7 +117,7 @@ class BrokenSocket:
 def test_the_loop_survives_a_send_that_raises(engine):
     """Requests for an address whose send raises fail; the loop goes on and the requests
     of another address finish with every token."""
-    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    side = GenerationSide(engine, None)
     orchestrators = Orchestrators(1)
     outbox = TokenOutbox(zmq.Context.instance())
     outbox.sockets["ipc:///gone"] = BrokenSocket()
@@ -140,7 +141,7 @@ def test_the_loop_survives_a_send_that_raises(engine):
 
 
 def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
-    from triton_disagg.serving import generation_sockets
+    from triton_disagg.generation import sockets as generation_sockets
 
     orchestrators, outbox = Orchestrators(1), TokenOutbox(zmq.Context.instance())
     outbox.sockets["ipc:///gone"] = BrokenSocket()
@@ -156,7 +157,7 @@ def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
 
 
 def test_a_stuck_loop_reports_its_stacks_and_fails_its_requests(engine, capfd):
-    side = GenerationSide(engine, {"mode": "aggregated"}, "generation_0_0")
+    side = GenerationSide(engine, None)
     orchestrators = Orchestrators(1)
     release = threading.Event()
     step = engine.step

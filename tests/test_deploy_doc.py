@@ -17,7 +17,7 @@ import yaml
 
 from k8s_manifests import schema_errors
 from triton_disagg.cli import build_parser
-from triton_disagg.config_kubernetes import KubernetesConfig, parse_kubernetes
+from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.launch.k8s_workloads import PORTS
 from triton_disagg.launch.serve_argv import serve_argv
 

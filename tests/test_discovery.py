@@ -18,7 +18,7 @@ import pytest
 
 import etcd_server
 from serving import wait_until
-from triton_disagg.discovery import Load, MemberRecord, Membership, Registration
+from triton_disagg.routing.discovery import Load, MemberRecord, Membership, Registration
 
 TTL = 2                              # seconds: etcd's shortest whole-second lease
 OURS, THEIRS = "a" * 64, "b" * 64    # engine fingerprints
@@ -121,7 +121,7 @@ def test_another_engine_is_refused_loudly_once(etcd, prefix, caplog):
     theirs = Registration(discovery, record("gen-09:8001", fingerprint=THEIRS)).start()
     ours = Registration(discovery, record("gen-03:8001")).start()
     try:
-        with caplog.at_level(logging.WARNING, logger="triton_disagg.discovery"):
+        with caplog.at_level(logging.WARNING, logger="triton_disagg.routing.discovery"):
             wait_until(lambda: urls(membership) == ["gen-03:8001"], JOIN_BOUND, "ours seen")
             time.sleep(4 * membership.poll_seconds)       # several more polls see theirs
         refusals = [r for r in caplog.records if "REFUSED" in r.getMessage()]
@@ -139,7 +139,7 @@ def test_etcd_killed_keeps_the_last_set_then_restarted_clears_the_flag(own_etcd,
     membership = Membership(discovery, OURS).start()
     registration = Registration(discovery, record("gen-04:8001")).start()
     try:
-        with caplog.at_level(logging.WARNING, logger="triton_disagg.discovery"):
+        with caplog.at_level(logging.WARNING, logger="triton_disagg.routing.discovery"):
             wait_until(lambda: urls(membership) == ["gen-04:8001"], JOIN_BOUND, "join")
             own_etcd.kill()
             down = wait_until(lambda: not membership.etcd_reachable, 1.0, "etcd seen down")
@@ -184,7 +184,7 @@ def test_etcd_absent_at_start(tmp_path, prefix, caplog):
     """A scheduler or server started before etcd says so and catches up once it runs."""
     server = etcd_server.EtcdServer(tmp_path / "etcd-data")
     discovery = server.discovery(prefix, TTL)
-    with caplog.at_level(logging.WARNING, logger="triton_disagg.discovery"):
+    with caplog.at_level(logging.WARNING, logger="triton_disagg.routing.discovery"):
         membership = Membership(discovery, OURS).start()
         registration = Registration(discovery, record("gen-06:8001")).start()
     try:

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from triton_disagg.discovery import Load, MemberRecord
-from triton_disagg.discovery.metrics_load import metrics_load
+from triton_disagg.routing.discovery import Load, MemberRecord
+from triton_disagg.routing.discovery.metrics_load import metrics_load
 
 RECORD = MemberRecord(role="context", grpc_url="ctx-01:8001", fingerprint="f" * 64,
                       kv_blocks_total=128, tokens_per_block=8, token_address="tcp://ctx-01:5555",

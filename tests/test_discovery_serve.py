@@ -12,9 +12,9 @@ import pytest
 import etcd_server
 import serving
 from serving import wait_until
-from triton_disagg.bench.serve_metrics import scrape, total
+from triton_disagg.routing.scrape import scrape, total
 from triton_disagg.cli import main
-from triton_disagg.discovery import Membership
+from triton_disagg.routing.discovery import Membership
 from triton_disagg.engine.spec import EngineSpec
 
 
@@ -75,9 +75,9 @@ def test_advertise_mistakes_are_one_line(demo_engine, tmp_path, capsys, role, di
 
 
 def test_advertised_by_default_is_the_bound_address(demo_engine, tmp_path):
-    from triton_disagg.config import load_config
+    from triton_disagg.config.disagg import load_config
     from triton_disagg.launch.deploy import PortFlags, advertised_url
-    from triton_disagg.launch.tritonserver import Endpoints
+    from triton_disagg.triton.tritonserver import Endpoints
 
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\ndiscovery: {{etcd: '127.0.0.1:1'}}\n")

@@ -14,7 +14,7 @@ from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.sequence import RequestError
 from triton_disagg.engine.spec import KVLayout
-from triton_disagg.kv.block_pool import KVCacheFullError
+from triton_disagg.engine.block_pool import KVCacheFullError
 
 FAMILIES = ["llama", "llama3", "qwen2", "mistral", "gpt2"]
 PROMPT_LENGTHS = (1, 5, 12, 23)

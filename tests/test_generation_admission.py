@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import pytest
 
 from triton_disagg import protocol as P
+from triton_disagg.config.settings import GenerationSettings
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.errors import UserError
-from triton_disagg.serving.decode_loop import DecodeLoop
-from triton_disagg.serving.engine_request import EngineRequest
-from triton_disagg.serving.generation import GenerationSide, Work
+from triton_disagg.generation.decode_loop import DecodeLoop
+from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.generation.side import GenerationSide, Work
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
 WAIT_SECONDS = 20.0
@@ -70,7 +71,7 @@ class GatedSide:
 def sides(demo_engine):
     context = LLMEngine(demo_engine, num_blocks=64, kv_layout=LAYOUT)
     generation = LLMEngine(demo_engine, num_blocks=10, kv_layout=LAYOUT)
-    side = GenerationSide(generation, {"mode": "aggregated"}, "generation_0_0")
+    side = GenerationSide(generation, None)
     side.receiver = CopyReceiver(context, generation)
     return context, side
 
@@ -180,10 +181,10 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_once(sides):
 
 
 def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_engine):
-    from triton_disagg.config import parse_config
+    from triton_disagg.config.disagg import parse_config
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.serving.capacity import check_kv_capacity
-    from triton_disagg.serving.kv_side import make_engine
+    from triton_disagg.engine.capacity import check_kv_capacity
+    from triton_disagg.kv.sides import make_engine
 
     spec = EngineSpec.load(demo_engine)
     geometry = spec.block_geometry()
@@ -210,7 +211,8 @@ def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_en
                                "kv_cache": {"max_size": enough // 2},
                                "generation_server": {"kv_dtype": "float16"}})
     check_kv_capacity(aggregated)                  # no context model in aggregated mode
-    settings = {"engine": str(demo_engine), "kv_max_size": enough - 1,
-                "tokens_per_block": None, "kv_dtype": None}
+    settings = GenerationSettings(str(demo_engine), "disaggregated", (), None, None,
+                                  "direct_transfer", kv_max_size=enough - 1,
+                                  kv_lease_seconds=30.0, stream_interval=1)
     with pytest.raises(UserError, match="generation instance.*raise kv_cache.max_size"):
         make_engine(settings, "generation")

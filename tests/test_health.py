@@ -77,9 +77,9 @@ def test_serve_with_a_corrupt_engine_never_reports_ready(demo_engine, tmp_path):
 def test_live_but_not_ready_when_a_model_fails_to_load(demo_engine, tmp_path):
     """A server kept up despite the failure (--exit-on-error=false): live, never ready, while
     the ensemble's own flag says ready (the models it reaches by BLS are not its steps)."""
-    from triton_disagg.config import default_config
-    from triton_disagg.launch.render import render
-    from triton_disagg.launch.tritonserver import Endpoints, TritonServer, locate
+    from triton_disagg.config.disagg import default_config
+    from triton_disagg.triton.render import render
+    from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
 
     class KeepGoing(TritonServer):
         def command(self, backends):

@@ -18,7 +18,7 @@ import pytest
 
 import prometheus_server
 import serving
-from triton_disagg.bench.serve_metrics import parse, total
+from triton_disagg.routing.scrape import parse, total
 from triton_disagg.launch.k8s_autoscale import KV_USAGE, QUEUED_TOKENS, adapter_rules
 
 NAMESPACE, POD = "llm", "triton-disagg-generation-7d9f-x2x4q"

@@ -29,7 +29,7 @@ import etcd_server
 import serving
 from k8s_manifests import of_kind, render
 from netns_hosts import grpc_streams, hosts_fixture, scrape
-from triton_disagg.bench.serve_metrics import parse, total
+from triton_disagg.routing.scrape import parse, total
 from triton_disagg.launch.k8s_workloads import PORTS
 
 PODS = {"triton-disagg-context": "context", "triton-disagg-generation": "generation",

@@ -27,11 +27,11 @@ import yaml
 
 from k8s_manifests import CRD_KINDS, IMAGE, of_kind, render, schema_errors
 from triton_disagg.cli import build_parser
-from triton_disagg.config import parse_config
+from triton_disagg.config.disagg import parse_config
 from triton_disagg.launch.drain import DRAIN_SECONDS, NOTICE_SECONDS
 from triton_disagg.launch.k8s_workloads import CONFIG_PATH, PORTS, READY_PATH, LIVE_PATH
 from triton_disagg.launch.serve_argv import serve_argv
-from triton_disagg.launch.tritonserver import STOP_GRACE_SECONDS
+from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,6 +183,6 @@ def _adapter_series() -> list[str]:
 
 @pytest.mark.parametrize("series", _adapter_series())
 def test_the_adapter_reads_series_the_servers_publish(series):
-    from triton_disagg.serving.metrics import _FAMILIES
+    from triton_disagg.triton.metrics import _FAMILIES
 
     assert series in {name for name, _, _ in _FAMILIES.values()}

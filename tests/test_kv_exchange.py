@@ -14,9 +14,9 @@ from kv_peers import (FP, HD, KEY, KVH, REUSED, WAIT_S, L, Peer, make_pool,  # n
                       staging_sender, tokens_of, bounded_time, no_leaked_shm, receivers, sender)
 from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import check_handle, decode
-from triton_disagg.kv.host_staging import HostStaging, StagingFullError, StagingReader
+from triton_disagg.kv.host_memory import HostStaging, StagingFullError, StagingReader
 from triton_disagg.kv.leases import LeaseExpiredError
-from triton_disagg.kv.nixl_transfer import NixlEndpoint, TransferError
+from triton_disagg.kv.nixl import NixlEndpoint, TransferError
 
 
 # ---- direct_transfer -----------------------------------------------------------------

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from triton_disagg.config import parse_config
+from triton_disagg.config.disagg import parse_config
 from triton_disagg.errors import UserError
 from triton_disagg.kv import secret
 from triton_disagg.kv.handle import FORMAT_VERSION, HandleError, KVHandle, decode, encode
 from triton_disagg.kv.layout import BlockGeometry
-from triton_disagg.launch.render import render, settings
+from triton_disagg.triton.render import render, settings
 
 FP = "f" * 64
 KEY = b"k" * 32
@@ -104,16 +104,16 @@ def test_one_secret_per_user_and_host_or_from_the_environment_never_in_the_repos
     path = tmp_path / "cfg" / "triton-disagg" / "kv_secret"
     generated = path.read_text().strip()
     assert len(generated) == 64 and path.stat().st_mode & 0o777 == 0o600
-    ids = {settings(m, role, config)["kv_key_id"]                    # roles rendered apart agree
+    ids = {settings(m, role, config).kv_key_id                    # roles rendered apart agree
            for m in ("context", "generation") for role in ("all", m)}
     assert ids == {secret.key_id(generated.encode())}
     rendered = "".join(p.read_text() for p in repo.rglob("config.pbtxt"))
     assert generated not in rendered and next(iter(ids)) in rendered
-    assert secret.load_key(settings("generation", "all", config)) == generated.encode()
+    assert secret.load_key(settings("generation", "all", config).kv_key_id) == generated.encode()
     monkeypatch.setenv(secret.SECRET_ENV, "s" * 40)                  # the variable wins
-    assert settings("context", "context", config)["kv_key_id"] == secret.key_id(b"s" * 40)
+    assert settings("context", "context", config).kv_key_id == secret.key_id(b"s" * 40)
     with pytest.raises(UserError, match="not the one this model repository was rendered"):
-        secret.load_key({"kv_key_id": next(iter(ids))})
+        secret.load_key(next(iter(ids)))
     monkeypatch.setenv(secret.SECRET_ENV, "short")
     with pytest.raises(UserError, match="at least 32"):
         settings("context", "context", config)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import serving
 from triton_disagg.bench.serve_load import run_load
-from triton_disagg.bench.serve_metrics import delta, model_times, scrape, total
+from triton_disagg.routing.scrape import delta, model_times, scrape, total
 from triton_disagg.clients.stream import GenerateRequest
 from triton_disagg.clients.workload import make_prompt
 

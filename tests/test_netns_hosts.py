@@ -15,7 +15,7 @@ import time
 
 import serving
 from netns_hosts import Hosts, grpc_streams, hosts_fixture, scrape
-from triton_disagg.bench.serve_metrics import parse, total
+from triton_disagg.routing.scrape import parse, total
 from triton_disagg.launch.serve_argv import serve_argv
 
 ROLES = ("context", "generation", "scheduler")

@@ -24,7 +24,7 @@ import serving
 from netns_hosts import (ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, HeldStreams, Hosts, hosts_fixture,
                          metrics_of, serve_role)
 from serving import wait_until
-from triton_disagg.bench.serve_metrics import total
+from triton_disagg.routing.scrape import total
 
 HOSTS = ("scheduler", "ctx1", "gen1", "gen2")
 ROLE = {"scheduler": "scheduler", "ctx1": "context", "gen1": "generation", "gen2": "generation"}

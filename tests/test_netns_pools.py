@@ -30,7 +30,7 @@ import serving
 from netns_hosts import (METRICS_PORT, ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, HeldStreams, Hosts,
                          grpc_streams, hosts_fixture, metrics_of, serve_role)
 from serving import wait_until
-from triton_disagg.bench.serve_metrics import total
+from triton_disagg.routing.scrape import total
 
 HOSTS = ("etcd", "scheduler", "ctx1", "ctx2", "gen1", "gen2", "gen3")
 ROLE = {"ctx1": "context", "ctx2": "context", "gen1": "generation", "gen2": "generation",
@@ -61,7 +61,7 @@ with ThreadPoolExecutor(int(workers)) as pool:
 """
 WATCH = """
 import sys, time, urllib.request
-from triton_disagg.bench.serve_metrics import parse, total
+from triton_disagg.routing.scrape import parse, total
 url, server = sys.argv[1:3]
 while not total(parse(urllib.request.urlopen(url).read().decode()),
                 "disagg_routed_requests_total", server=server):
@@ -215,8 +215,8 @@ def test_a_generation_server_stopped_cleanly_under_load_fails_no_request(
 
 REGISTERED = """
 import sys
-from triton_disagg.config import DiscoveryConfig
-from triton_disagg.discovery.etcd import connect, members_prefix
+from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.routing.discovery.etcd import connect, members_prefix
 etcd, prefix = sys.argv[1:3]
 client = connect(DiscoveryConfig(etcd=etcd, prefix=prefix, ttl_seconds=5), timeout=2)
 print(" ".join(sorted(meta["key"].decode() for _, meta in client.get_prefix(members_prefix(prefix)))))

@@ -14,12 +14,13 @@ import pytest
 import zmq
 
 from triton_disagg import protocol as P
-from triton_disagg.serving import engine_request, token_wire
-from triton_disagg.serving.orchestrator import (ContextBusy, EngineError, GenerationLost,
+from triton_disagg.triton import engine_request
+from triton_disagg import token_wire
+from triton_disagg.front.orchestrator import (ContextBusy, EngineError, GenerationLost,
                                                  Orchestrator)
-from triton_disagg.serving.token_inbox import TokenInbox
-from triton_disagg.serving.token_wire import TokenEvent
-from triton_disagg.serving.zmq_endpoints import bind, push_socket
+from triton_disagg.front.token_inbox import TokenInbox
+from triton_disagg.token_wire import TokenEvent
+from triton_disagg.zmq_endpoints import bind, push_socket
 
 
 class FakeGeneration:
@@ -173,7 +174,7 @@ def test_tokens_arrive_over_zeromq_and_are_detokenized():
 
 
 def test_events_that_queued_are_taken_as_one_but_an_error_comes_on_its_own():
-    from triton_disagg.serving.token_inbox import TokenStream
+    from triton_disagg.front.token_inbox import TokenStream
 
     async def main():
         stream = TokenStream(TokenInbox(None, 1.0), "r")
@@ -285,7 +286,7 @@ def test_a_busy_context_is_retried_until_it_has_room_within_stall_seconds():
 
 @pytest.mark.parametrize("how", ["send fails", "client cancels", "task cancelled"])
 def test_leaving_a_request_early_stops_generation(how, monkeypatch):
-    from triton_disagg.serving import orchestrator
+    from triton_disagg.front import orchestrator
 
     monkeypatch.setattr(orchestrator, "CANCEL_POLL_SECONDS", 0.0)   # ask at every event
     generation = FakeGeneration(10, [11, 12, 13, 14, 1], silent=how == "task cancelled")
@@ -335,7 +336,7 @@ def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_o
 
 
 def test_a_request_lost_more_often_than_max_migrations_ends_in_one_clear_error():
-    from triton_disagg.serving.orchestrator import MAX_MIGRATIONS
+    from triton_disagg.front.orchestrator import MAX_MIGRATIONS
 
     generation = FakeGeneration(10, [11, 12, 13, 14, 15, 1], dying=MAX_MIGRATIONS + 1,
                                 dies_after=1)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import etcd_server
 from serving import wait_until
-from triton_disagg.discovery import MemberRecord, Registration
+from triton_disagg.routing.discovery import MemberRecord, Registration
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.serving.pools import start_pools
+from triton_disagg.config.settings import OrchestratorSettings, PoolSettings
+from triton_disagg.routing.pools import start_pools
 
 
 class Heard:
@@ -23,10 +24,11 @@ class Heard:
         self.events.append(("etcd", reachable))
 
 
-def _settings(engine, urls=None, discovery=None) -> dict:
+def _settings(engine, urls=None, discovery=None) -> OrchestratorSettings:
     urls = urls or {"context": [], "generation": []}
-    return {"engine": str(engine), "discovery": discovery,
-            "pools": {role: {"urls": urls[role], "router": "least_loaded"} for role in urls}}
+    return OrchestratorSettings(str(engine), "disaggregated", 30.0, None, "grpc", True, 0,
+                                {role: PoolSettings(urls[role], "least_loaded") for role in urls},
+                                discovery)
 
 
 def test_a_static_pool_routes_over_the_config_urls(tmp_path):

@@ -83,7 +83,7 @@ def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_pa
 
 def test_example_config_loads_as_written(demo_engine, tmp_path):
     """The root disagg_config.yaml, beside an engines/demo like the one `make demo` builds."""
-    from triton_disagg.config import load_config
+    from triton_disagg.config.disagg import load_config
 
     config_path = tmp_path / "disagg_config.yaml"
     config_path.write_text((ROOT / "disagg_config.yaml").read_text())

@@ -16,12 +16,12 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from triton_disagg import protocol as P
-from triton_disagg.discovery.record import Load
+from triton_disagg.routing.discovery.record import Load
 from triton_disagg.launch.deploy import free_ports
-from triton_disagg.serving.orchestrator import EngineError
-from triton_disagg.serving.pools import StaticMembers
-from triton_disagg.serving.router import Member, NoServer, Router
-from triton_disagg.serving.transports import GrpcTransport
+from triton_disagg.front.orchestrator import EngineError
+from triton_disagg.routing.pools import StaticMembers
+from triton_disagg.routing.router import Member, NoServer, Router
+from triton_disagg.front.transports import GrpcTransport
 
 
 class Source:
@@ -120,7 +120,7 @@ def test_a_member_that_left_is_never_picked_and_its_leases_still_release():
 
 
 def test_a_server_that_did_not_answer_is_passed_over_while_another_is_left(monkeypatch):
-    from triton_disagg.serving import router as router_module
+    from triton_disagg.routing import router as router_module
 
     router = Router("context", "least_loaded", Source(Member("a:1"), Member("b:1")))
     router.unanswered("a:1")                 # idle, so least loaded, but it did not answer

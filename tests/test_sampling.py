@@ -9,7 +9,7 @@ from triton_disagg.engine.sampling import Sampler, SamplingParams, SamplingParam
 from triton_disagg.engine.sequence import Sequence
 from triton_disagg.engine.words import MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS, StopWords
 from triton_disagg.errors import UserError
-from triton_disagg.kv.block_pool import BlockTable
+from triton_disagg.engine.block_pool import BlockTable
 
 SAMPLER = Sampler()
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))

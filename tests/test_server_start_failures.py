@@ -15,12 +15,12 @@ from dataclasses import replace
 
 import pytest
 
-from triton_disagg.config import default_config
+from triton_disagg.config.disagg import default_config
 from triton_disagg.errors import UserError
-from triton_disagg.launch import server_log
+from triton_disagg.triton import server_log
 from triton_disagg.launch.deploy import free_ports
-from triton_disagg.launch.render import render
-from triton_disagg.launch.tritonserver import Endpoints, TritonServer, locate
+from triton_disagg.triton.render import render
+from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
 
 VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 

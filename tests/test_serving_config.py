@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from triton_disagg.config import check_host, default_config, front_cpus, load_config
-from triton_disagg.config_values import parse_size
+from triton_disagg.config.disagg import check_host, default_config, front_cpus, load_config
+from triton_disagg.config.values import parse_size
 from config_files import assert_one_line_error, config_writer
 from triton_disagg.errors import UserError
 

@@ -199,8 +199,8 @@ def _generation_only(served, ids, handle_bytes):
     import zmq
     from tritonclient.utils import InferenceServerException
 
-    from triton_disagg.serving import token_wire
-    from triton_disagg.serving.zmq_endpoints import bind
+    from triton_disagg import token_wire
+    from triton_disagg.zmq_endpoints import bind
 
     arrays = {"input_ids": np.array([ids], np.int32),
               "input_lengths": np.array([[len(ids)]], np.int32),
@@ -260,7 +260,7 @@ def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
 
 
 def _context_requests(served) -> float:
-    from triton_disagg.bench.serve_metrics import scrape, total
+    from triton_disagg.routing.scrape import scrape, total
 
     return total(scrape(served.metrics), "nv_inference_request_success", model="context")
 

@@ -15,12 +15,12 @@ from tritonclient.grpc import model_config_pb2
 
 import serving
 from triton_disagg import protocol as P
-from triton_disagg.config import parse_config
+from triton_disagg.config.disagg import parse_config
 from triton_disagg.errors import UserError
 from triton_disagg.launch.deploy import PortFlags, advertised_url, endpoints_for, token_host
 from triton_disagg.launch import serve_cli
-from triton_disagg.launch.render import render
-from triton_disagg.launch.tritonserver import Endpoints, TritonServer, locate
+from triton_disagg.triton.render import render
+from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_the_schedulers_token_socket_faces_every_generation_server(config):
     reaches too."""
     from dataclasses import replace
 
-    from triton_disagg.config import DiscoveryConfig
+    from triton_disagg.config.disagg import DiscoveryConfig
 
     ip = _an_address_of_this_host()
     pool = replace(config, generation=replace(config.generation, url=None,

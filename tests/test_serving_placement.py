@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import serving
-from triton_disagg.config import parse_config
-from triton_disagg.launch.render import instance_cpus
-from triton_disagg.launch.stub_watch import children_running, stubs_of
+from triton_disagg.config.disagg import parse_config
+from triton_disagg.triton.render import instance_cpus
+from triton_disagg.triton.stub_watch import children_running, stubs_of
 
 pytestmark = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0),
                                 reason="needs cores 0 and 1")

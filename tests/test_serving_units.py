@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from triton_disagg import protocol as P
-from triton_disagg.serving import engine_request
-from triton_disagg.serving.detokenize import DeltaWindows, text_delta
-from triton_disagg.serving.preprocess import Preprocessor, parse_word_list, word_list
-from triton_disagg.serving.tensors import RequestError, to_batched
+from triton_disagg.triton import engine_request
+from triton_disagg.front.detokenize import DeltaWindows, text_delta
+from triton_disagg.front.preprocess import Preprocessor, parse_word_list, word_list
+from triton_disagg.triton.tensors import RequestError, to_batched
 
 
 @pytest.fixture(scope="module")

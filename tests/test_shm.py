@@ -18,7 +18,7 @@ import pytest
 import serving
 from triton_disagg import shm
 from triton_disagg.errors import UserError
-from triton_disagg.kv.host_staging import HostStaging, StagingError, StagingReader
+from triton_disagg.kv.host_memory import HostStaging, StagingError, StagingReader
 
 WAIT_S = 60
 SPAWN = mp.get_context("spawn")
@@ -147,7 +147,7 @@ class TritonPythonModel:
 
 
 def test_a_killed_tritonservers_regions_are_gone_after_stop(tmp_path):
-    from triton_disagg.launch.tritonserver import Endpoints, TritonServer, locate
+    from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
 
     (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
     (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO)

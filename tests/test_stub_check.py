@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from triton_disagg.errors import UserError
-from triton_disagg.launch.stub_check import (check_stub, libpython_fix, libpython_package,
+from triton_disagg.triton.stub_check import (check_stub, libpython_fix, libpython_package,
                                              missing_libraries)
-from triton_disagg.launch.tritonserver import locate, server_env
+from triton_disagg.triton.tritonserver import locate, server_env
 
 VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 

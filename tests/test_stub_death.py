@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 import serving
-from triton_disagg.launch.stub_watch import stubs_of
+from triton_disagg.triton.stub_watch import stubs_of
 
 LONG = 1000   # tokens: a stream that lasts seconds on the demo engine
 

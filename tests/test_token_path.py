@@ -12,11 +12,11 @@ import pytest
 import zmq
 
 from triton_disagg import protocol as P
-from triton_disagg.serving import token_wire
-from triton_disagg.serving.generation import read_request_parameters
-from triton_disagg.serving.tensors import RequestError
-from triton_disagg.serving.token_wire import TokenEvent, WireError
-from triton_disagg.serving.zmq_endpoints import bind, push_socket
+from triton_disagg import token_wire
+from triton_disagg.generation.side import read_request_parameters
+from triton_disagg.triton.tensors import RequestError
+from triton_disagg.token_wire import TokenEvent, WireError
+from triton_disagg.zmq_endpoints import bind, push_socket
 
 
 # ---- the schema ------------------------------------------------------------------------

@@ -24,7 +24,7 @@ batch across requests themselves.
   ``token_address`` and its request id as the Triton request id; generation
   answers at once with one response, :data:`GENERATION_OUTPUTS` (the control
   address where stops for that request go), or an error, and streams the
-  tokens to ``token_address`` (:mod:`triton_disagg.serving.token_wire`). Every
+  tokens to ``token_address`` (:mod:`triton_disagg.token_wire`). Every
   token stream ends with an event whose finish reason is set (``length``,
   ``stop``, ``stop_word``, ``cancelled``) or with an error.
 - Preprocessing -> orchestrator: the engine inputs plus ``arrival_ns``, the

@@ -11,7 +11,7 @@ import contextlib
 import os
 from typing import Iterator, Sequence
 
-from triton_disagg.serving.placement import set_affinity
+from triton_disagg.triton.placement import set_affinity
 
 
 @contextlib.contextmanager

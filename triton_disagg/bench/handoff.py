@@ -86,7 +86,7 @@ def p50_bucket(cumulative: Sequence[tuple[float, float]]) -> float:
 def histogram_delta(before, after, name: str, **labels: str) -> tuple[list, float, float]:
     """``(cumulative [(le, count)], sum, count)`` of histogram ``name`` between two scrapes,
     summed over the series whose labels include ``labels``."""
-    from triton_disagg.bench.serve_metrics import delta
+    from triton_disagg.routing.scrape import delta
 
     want, buckets = set(labels.items()), {}
     for sign, samples in ((-1, before), (1, after)):
@@ -150,9 +150,9 @@ def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
             ) -> Iterator[tuple[str, str]]:
     """``serve all`` with ``strategy``; yields ``(http url, metrics url)``, stops on exit."""
     from triton_disagg.bench.serve_servers import placement
-    from triton_disagg.config import check_host, parse_config
+    from triton_disagg.config.disagg import check_host, parse_config
     from triton_disagg.launch.deploy import free_ports, start
-    from triton_disagg.launch.tritonserver import Endpoints
+    from triton_disagg.triton.tritonserver import Endpoints
 
     config = parse_config({"model": {"engine": str(engine)}, **placement("disaggregated", cores),
                            "kv_cache": {"strategy": strategy, "max_size": KV_MAX_SIZE}},
@@ -169,7 +169,7 @@ def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
 
 def measure(strategy: str, engine: Path, cores, work_dir: Path, prompts: dict[int, list[str]],
             say) -> list[Row]:
-    from triton_disagg.bench.serve_metrics import delta, scrape
+    from triton_disagg.routing.scrape import delta, scrape
 
     rows = []
     with serving(strategy, engine, cores, work_dir) as (http, metrics):

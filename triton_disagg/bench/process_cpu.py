@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from triton_disagg.launch.stub_watch import stubs_of
+from triton_disagg.triton.stub_watch import stubs_of
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -60,9 +60,9 @@ def placement(mode: str, cores: Sequence[int], stream_interval: int = 1,
 def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
             stream_interval: int = 1, ready_timeout: float = 300.0,
             front: Sequence[int] = ()) -> Iterator[Served]:
-    from triton_disagg.config import check_host, parse_config
+    from triton_disagg.config.disagg import check_host, parse_config
     from triton_disagg.launch.deploy import start
-    from triton_disagg.launch.tritonserver import Endpoints
+    from triton_disagg.triton.tritonserver import Endpoints
 
     config = parse_config({"model": {"engine": str(Path(engine).resolve())}, "mode": mode,
                            **placement(mode, cores, stream_interval, front)},

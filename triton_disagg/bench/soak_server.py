@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
-from triton_disagg.launch.server_log import is_cpu_noise
+from triton_disagg.triton.server_log import is_cpu_noise
 
 READY_MARKER = "ready ("
 CRASH_MARKERS = ("Fatal Python error", "Segmentation fault")
@@ -157,8 +157,8 @@ def _lines(path: Path) -> list[str]:
 
 def pool_blocks(metrics_url: str) -> dict[str, float]:
     """``{model instance: disagg_kv_blocks_used}`` from the metrics endpoint."""
-    from triton_disagg.bench.serve_metrics import scrape
-    from triton_disagg.serving.metrics import MODEL_INSTANCE
+    from triton_disagg.routing.scrape import scrape
+    from triton_disagg.triton.metrics import MODEL_INSTANCE
 
     used = scrape(metrics_url).get("disagg_kv_blocks_used", {})
     return {dict(labels).get(MODEL_INSTANCE, "?"): value for labels, value in used.items()}

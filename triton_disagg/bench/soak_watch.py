@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_disagg.launch.stub_watch import children_running, stubs_of
+from triton_disagg.triton.stub_watch import children_running, stubs_of
 
 SLACK_SECONDS = 30.0
 SECONDS_PER_TOKEN = 0.5

@@ -34,7 +34,7 @@ from triton_disagg.engine.scheduler import Scheduler
 from triton_disagg.engine.sequence import FinishReason, RequestError, Sequence, TokenEvent
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
-from triton_disagg.kv.block_pool import BlockPool, BlockTable, KVCacheFullError
+from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import numpy as np
 
 from triton_disagg.engine.rope import apply_rope, inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.kv.block_pool import BlockPool
+from triton_disagg.engine.block_pool import BlockPool
 
 Attention = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
 

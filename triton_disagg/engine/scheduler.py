@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from triton_disagg.engine.sequence import Sequence
-from triton_disagg.kv.block_pool import BlockPool
+from triton_disagg.engine.block_pool import BlockPool
 
 
 class Scheduler:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import UserError
-from triton_disagg.kv.block_pool import BlockTable
+from triton_disagg.engine.block_pool import BlockTable
 
 FinishReason = Literal["length", "stop", "stop_word", "aborted"]
 

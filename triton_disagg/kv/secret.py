@@ -59,13 +59,14 @@ def render_key_id() -> str:
     return key_id(deployment_key())
 
 
-def load_key(settings: dict) -> bytes:
-    """The HMAC key, checked against the ``kv_key_id`` the repository was rendered with."""
+def load_key(rendered_key_id: str | None) -> bytes:
+    """The HMAC key, checked against the key id the repository was rendered with
+    (settings' ``kv_key_id``)."""
     key = deployment_key()
-    if key_id(key) != settings["kv_key_id"]:
+    if key_id(key) != rendered_key_id:
         raise UserError(f"the KV secret ({SECRET_ENV} or {secret_file()}) is not the one this "
                         f"model repository was rendered with (key id {key_id(key)}, rendered "
-                        f"for {settings['kv_key_id']}); render again or restore that secret")
+                        f"for {rendered_key_id}); render again or restore that secret")
     return key
 
 

@@ -1,5 +1,5 @@
 """context: prefill of a batch of prompts; first token + context_phase_params
-(logic: triton_disagg.serving.context). A ``release_kv`` request gives back the KV of
+(logic: triton_disagg.context.prefill). A ``release_kv`` request gives back the KV of
 the ``context_phase_params`` it carries (a client left before generation took it) and
 answers with no tokens."""
 
@@ -12,20 +12,21 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_disagg import protocol as P
-from triton_disagg.serving import engine_request
-from triton_disagg.serving.context import ContextSide
-from triton_disagg.serving.kv_side import make_engine
-from triton_disagg.serving.metrics import Metrics
-from triton_disagg.serving.placement import cores_for, pin, read_settings
-from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+from triton_disagg.triton import engine_request
+from triton_disagg.context.prefill import ContextSide
+from triton_disagg.kv.sides import make_engine
+from triton_disagg.triton.metrics import Metrics
+from triton_disagg.config.settings import from_model_config
+from triton_disagg.triton.placement import cores_for, pin
+from triton_disagg.triton.tensors import RequestError, error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        settings = read_settings(args)
-        self.limits = pin(cores_for(settings, args))
+        settings = from_model_config("context", args)
+        self.limits = pin(cores_for(settings.instance_cpus, args))
         instance = args["model_instance_name"]
         self.metrics = Metrics(pb_utils, "context", instance)
         with self.metrics.closed_on_error():

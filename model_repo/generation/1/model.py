@@ -13,33 +13,35 @@ import triton_python_backend_utils as pb_utils
 import zmq
 
 from triton_disagg import protocol as P
-from triton_disagg.serving import engine_request
-from triton_disagg.serving.decode_loop import DecodeLoop
-from triton_disagg.serving.generation import GenerationSide, read_request_parameters
-from triton_disagg.serving.generation_sockets import StopInbox, TokenOutbox
-from triton_disagg.serving.kv_side import make_engine
-from triton_disagg.serving.metrics import Metrics
-from triton_disagg.serving.placement import cores_for, pin, read_settings
-from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+from triton_disagg.triton import engine_request
+from triton_disagg.generation.decode_loop import DecodeLoop
+from triton_disagg.generation.side import GenerationSide, read_request_parameters
+from triton_disagg.generation.sockets import StopInbox, TokenOutbox
+from triton_disagg.kv.sides import Receiver, make_engine
+from triton_disagg.triton.metrics import Metrics
+from triton_disagg.config.settings import from_model_config
+from triton_disagg.triton.placement import cores_for, pin
+from triton_disagg.triton.tensors import RequestError, error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        settings = read_settings(args)
-        self.limits = pin(cores_for(settings, args))
+        settings = from_model_config("generation", args)
+        self.limits = pin(cores_for(settings.instance_cpus, args))
         instance = args["model_instance_name"]
         engine = make_engine(settings, "generation")
         self.metrics = Metrics(pb_utils, "generation", instance)
         with self.metrics.closed_on_error():
-            self.side = GenerationSide(engine, settings, instance, self.metrics)
+            receiver = Receiver(engine, settings, instance) if settings.mode != "aggregated" else None
+            self.side = GenerationSide(engine, receiver, self.metrics)
             context = zmq.Context.instance()
-            stops = StopInbox(context, settings.get("token_host"), settings.get("token_bind"))
+            stops = StopInbox(context, settings.token_host, settings.token_bind)
             self.control_address = stops.address
             self.loop = DecodeLoop(engine, TokenOutbox(context), self.side,
-                                   stream_interval=settings.get("stream_interval", 1),
-                                   stops=stops, stuck_seconds=settings["stall_seconds"])
+                                   stream_interval=settings.stream_interval,
+                                   stops=stops, stuck_seconds=settings.stall_seconds)
 
     def execute(self, requests):
         responses = []

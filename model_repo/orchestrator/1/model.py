@@ -1,11 +1,11 @@
-"""orchestrator: BLS model (logic: triton_disagg.serving.orchestrator).
+"""orchestrator: BLS model (logic: triton_disagg.front.orchestrator).
 
 Each request runs as a task on the stub's event loop: context call, first token
 out at once, KV handoff, generation request, then its tokens in over ZeroMQ (this
 instance's token socket), detokenized here and sent to the client. Context and
 generation are reached in-process (BLS, `serve all`) or over gRPC (`serve scheduler`:
 each call routed over the role's pool, the config's urls or the servers in etcd; see
-triton_disagg.serving.pools).
+triton_disagg.routing.pools).
 
 Each task answers through its request's response sender, in both transaction
 policies: decoupled (streaming, the default) and not (``decoupled_mode: false``:
@@ -19,15 +19,15 @@ import faulthandler
 import triton_python_backend_utils as pb_utils
 
 from triton_disagg import protocol as P
+from triton_disagg.config.settings import from_model_config
 from triton_disagg.engine.tokenizer import Tokenizer
-from triton_disagg.serving.metrics import Metrics
-from triton_disagg.serving.orchestrator import EngineError, Orchestrator
-from triton_disagg.serving.placement import read_settings
-from triton_disagg.serving.pools import start_pools
-from triton_disagg.serving.tensors import (RequestError, error_response, make_tensors, read_inputs,
+from triton_disagg.triton.metrics import Metrics
+from triton_disagg.front.orchestrator import EngineError, Orchestrator
+from triton_disagg.routing.pools import start_pools
+from triton_disagg.triton.tensors import (RequestError, error_response, make_tensors, read_inputs,
                                            scalar)
-from triton_disagg.serving.token_inbox import TokenInbox
-from triton_disagg.serving.transports import BLSTransport, GrpcTransport
+from triton_disagg.front.token_inbox import TokenInbox
+from triton_disagg.front.transports import BLSTransport, GrpcTransport
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
@@ -36,20 +36,20 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        settings = read_settings(args)
+        settings = from_model_config("orchestrator", args)
         self.metrics = Metrics(pb_utils, "orchestrator", args["model_instance_name"])
         self.pools = None
         with self.metrics.closed_on_error():
-            if settings["transport"] == "bls":
+            if settings.transport == "bls":
                 self.transport = BLSTransport(pb_utils)
             else:
                 self.pools = start_pools(settings, self.metrics)
                 self.transport = GrpcTransport(self.pools.routers, self.metrics)
-            decode = Tokenizer(settings["engine"]).decode
-        self.tokens = TokenInbox(settings.get("token_host"), settings["stall_seconds"])
-        self.orchestrator = Orchestrator(self.transport, self.tokens, settings["mode"], decode,
-                                         self.metrics, settings["max_local_prefill_length"])
-        self.decoupled = settings["decoupled"]
+            decode = Tokenizer(settings.engine).decode
+        self.tokens = TokenInbox(settings.token_host, settings.stall_seconds)
+        self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,
+                                         self.metrics, settings.max_local_prefill_length)
+        self.decoupled = settings.decoupled
         self.tasks: set[asyncio.Task] = set()   # requests in flight (held: the loop keeps weak refs)
 
     async def execute(self, requests):

@@ -1,5 +1,5 @@
 """preprocessing: text -> input_ids, words -> id lists, default end/pad ids
-(logic: triton_disagg.serving.preprocess). Stamps each request's arrival (``arrival_ns``),
+(logic: triton_disagg.front.preprocess). Stamps each request's arrival (``arrival_ns``),
 where the orchestrator's time to first token starts."""
 
 import faulthandler
@@ -10,16 +10,16 @@ import triton_python_backend_utils as pb_utils
 from triton_disagg import protocol as P
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
-from triton_disagg.serving.placement import read_settings
-from triton_disagg.serving.preprocess import Preprocessor
-from triton_disagg.serving.tensors import RequestError, error_response, make_tensors, read_inputs
+from triton_disagg.config.settings import from_model_config
+from triton_disagg.front.preprocess import Preprocessor
+from triton_disagg.triton.tensors import RequestError, error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        engine = read_settings(args)["engine"]
+        engine = from_model_config("preprocessing", args).engine
         spec = EngineSpec.load(engine)
         self.pre = Preprocessor(Tokenizer(engine), spec.max_seq_len, spec.eos_token_id,
                                 spec.pad_token_id)

@@ -16,8 +16,8 @@ import numpy as np
 
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import UserError
-from triton_disagg.serving.preprocess import parse_word_list
-from triton_disagg.serving.tensors import RequestError, scalar
+from triton_disagg.front.preprocess import parse_word_list
+from triton_disagg.triton.tensors import RequestError, scalar
 
 # engine input -> SamplingParams field
 _FIELDS = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "temperature": "temperature",

@@ -23,21 +23,23 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import protocol as P
+from triton_disagg.config.settings import ContextSettings
 from triton_disagg.engine.sequence import RequestError as EngineRequestError
-from triton_disagg.kv.block_pool import KVCacheFullError
+from triton_disagg.engine.block_pool import KVCacheFullError
 from triton_disagg.kv.handle import HandleError
-from triton_disagg.kv.host_staging import StagingError, StagingFullError
+from triton_disagg.kv.host_memory import StagingError, StagingFullError
 from triton_disagg.kv.nixl_agent import TransferError
-from triton_disagg.serving import engine_request
-from triton_disagg.serving.engine_request import EngineRequest
-from triton_disagg.serving.kv_side import Sender
-from triton_disagg.serving.tensors import RequestError
+from triton_disagg.triton import engine_request
+from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.kv.sides import Sender
+from triton_disagg.triton.tensors import RequestError
 
 REPORT_SECONDS = 0.5
 
 
 class ContextSide:
-    def __init__(self, engine: Any, settings: dict, instance: str, metrics: Any = None):
+    def __init__(self, engine: Any, settings: ContextSettings, instance: str,
+                 metrics: Any = None):
         self.engine, self.metrics = engine, metrics
         self.lock = threading.Lock()
         self.sender = Sender(engine, settings, instance, self.lock)

@@ -2,14 +2,14 @@
 
 :func:`start_pools` reads the orchestrator's rendered settings (:func:`launch.render.settings`:
 ``pools: {role: {urls, router}}`` and ``discovery``) and returns :class:`Pools`: a
-:class:`~triton_disagg.serving.router.Router` per role over
+:class:`~triton_disagg.routing.router.Router` per role over
 
 - :class:`StaticMembers`: the role's ``urls`` (no capacity or load is known), or
 - :class:`DiscoveredMembers`: with ``discovery``, the role's servers registered in etcd
-  (one :class:`~triton_disagg.discovery.Membership` polls for both roles; urls in the
+  (one :class:`~triton_disagg.routing.discovery.Membership` polls for both roles; urls in the
   config are then where those servers bind, not the scheduler's pool).
 
-Invariant: the observer (:class:`serving.metrics.Metrics`) hears a role's membership size
+Invariant: the observer (:class:`~triton_disagg.triton.metrics.Metrics`) hears a role's membership size
 and etcd's reachability once at the start and again whenever one changes, never more
 often (each report is an IPC round trip to Triton).
 """
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from triton_disagg.config import DiscoveryConfig
-from triton_disagg.discovery import MemberRecord, Membership
-from triton_disagg.discovery.record import ROLES
-from triton_disagg.serving.router import Member, Router
+from triton_disagg.config.settings import OrchestratorSettings
+from triton_disagg.routing.discovery import MemberRecord, Membership
+from triton_disagg.routing.discovery.record import ROLES
+from triton_disagg.routing.router import Member, Router
 
 
 class StaticMembers:
@@ -77,24 +77,23 @@ class Pools:
             self.membership.close()
 
 
-def member_sources(settings: dict) -> tuple[Membership | None, dict]:
+def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, dict]:
     """Each role's members as the orchestrator's ``settings`` name them: (the Membership,
     not yet started, when they come from etcd, else None; ``{role: source}``)."""
     membership = None
-    if settings.get("discovery"):
+    if settings.discovery is not None:
         from triton_disagg.engine.spec import EngineSpec
 
-        membership = Membership(DiscoveryConfig(**settings["discovery"]),
-                                EngineSpec.load(settings["engine"]).fingerprint)
+        membership = Membership(settings.discovery, EngineSpec.load(settings.engine).fingerprint)
     return membership, {role: DiscoveredMembers(membership, role) if membership is not None
-                        else StaticMembers(role, settings["pools"][role]["urls"])
+                        else StaticMembers(role, list(settings.pools[role].urls))
                         for role in ROLES}
 
 
-def start_pools(settings: dict, observer: Any) -> Pools:
+def start_pools(settings: OrchestratorSettings, observer: Any) -> Pools:
     """The routers of ``settings`` (polling etcd from now on when it has discovery)."""
     membership, sources = member_sources(settings)
-    routers = {role: Router(role, settings["pools"][role]["router"], source)
+    routers = {role: Router(role, settings.pools[role].router, source)
                for role, source in sources.items()}
     pools = Pools(routers, membership, observer)
     if membership is None:

@@ -24,17 +24,16 @@ decides it per role).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from string import Template
 
-from triton_disagg import protocol as P
-from triton_disagg.config import DisaggConfig, ServerConfig, front_cpus
+from triton_disagg import model_repo, protocol as P
+from triton_disagg.config import settings as S
+from triton_disagg.config.disagg import DisaggConfig, ServerConfig, front_cpus
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "model_repo"
+TEMPLATES = Path(model_repo.__file__).resolve().parent   # package data: wheels ship it
 FRONT = ("ensemble", "preprocessing", "orchestrator")
 GATE = "peers_ready"
 GATE_CLOSED_AT_START = "the scheduler has not checked its context and generation servers yet"
@@ -82,39 +81,40 @@ def render_gate(repo: Path, closed: str) -> None:
 
 
 def settings(model: str, role: str, config: DisaggConfig, token_host: str | None = None,
-             token_bind: str | None = None) -> dict:
-    """The JSON object handed to ``model``'s ``initialize`` as parameter ``settings``."""
-    out: dict = {"engine": str(config.engine), "mode": config.mode}
-    if model in ("context", "generation"):
-        server = config.server(model)
-        out.update(
-            instance_cpus=instance_cpus(model, role, config),
-            tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
-            kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
-            kv_lease_seconds=config.kv_cache.lease_seconds,
-            stream_interval=server.stream_interval)
-        if config.mode != "aggregated":  # the key signing KV handles; never the secret itself
-            from triton_disagg.kv.secret import render_key_id
-
-            out.update(kv_key_id=render_key_id())
-    if model in ("orchestrator", "generation"):
-        out.update(stall_seconds=config.generation.stall_seconds, token_host=token_host)
-    if model == "generation" and token_bind is not None:
-        out.update(token_bind=token_bind)         # bound there, token_host advertised
+             token_bind: str | None = None) -> S.Settings:
+    """What ``model``'s ``initialize`` reads back (parameter ``settings``, :mod:`~.settings`)."""
+    engine, mode = str(config.engine), config.mode
+    if model == "preprocessing":
+        return S.PreprocessSettings(engine, mode)
     if model == "orchestrator":
-        out.update(transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
-                   max_local_prefill_length=config.generation.max_local_prefill_length,
-                   pools={r: {"urls": list(config.server(r).urls),
-                              "router": config.server(r).router} for r in ("context", "generation")},
-                   discovery=asdict(config.discovery) if config.discovery else None)
-    return out
+        return S.OrchestratorSettings(
+            engine, mode, stall_seconds=config.generation.stall_seconds, token_host=token_host,
+            transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
+            max_local_prefill_length=config.generation.max_local_prefill_length,
+            pools={r: S.PoolSettings(config.server(r).urls, config.server(r).router)
+                   for r in ("context", "generation")},
+            discovery=config.discovery)
+    server = config.server(model)
+    common = dict(
+        engine=engine, mode=mode, instance_cpus=instance_cpus(model, role, config),
+        tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
+        kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
+        kv_lease_seconds=config.kv_cache.lease_seconds, stream_interval=server.stream_interval)
+    if mode != "aggregated":   # the key signing KV handles; never the secret itself
+        from triton_disagg.kv.secret import render_key_id
+
+        common.update(kv_key_id=render_key_id())
+    if model == "context":
+        return S.ContextSettings(**common)
+    return S.GenerationSettings(**common, stall_seconds=config.generation.stall_seconds,
+                                token_host=token_host, token_bind=token_bind)
 
 
 def instance_cpus(model: str, role: str, config: DisaggConfig) -> list[list[int]]:
     """The cores each instance of ``model`` (context or generation) pins itself to. An
     instance given none runs on every usable core, as an unpinned one always has, rather
     than on the front end's cores that its stub inherits from a pinned tritonserver
-    (:func:`~triton_disagg.config.front_cpus`); [] where there is nothing to undo."""
+    (:func:`~triton_disagg.config.disagg.front_cpus`); [] where there is nothing to undo."""
     server, usable = config.server(model), os.sched_getaffinity(0)
     anywhere = sorted(usable) if front_cpus(config, role, usable) else []
     return [list(server.instance_cpus(i)) or anywhere for i in range(server.instances)]
@@ -128,9 +128,10 @@ def _values(model: str, role: str, config: DisaggConfig,
         "max_batch_size": str(P.MAX_BATCH_SIZE),
         "inputs": _tensors("input", inputs, ragged),
         "outputs": _tensors("output", outputs, False),
-        "settings": _quote(json.dumps(settings(model, role, config, token_host, token_bind),
-                                      sort_keys=True)),
     }
+    if model in S.KINDS:
+        values["settings"] = _quote(S.to_json(settings(model, role, config, token_host,
+                                                       token_bind)))
     if model in ("context", "generation"):
         values["instance_group"] = _instance_group(config.server(model))
     if model == "ensemble":

@@ -27,10 +27,10 @@ from typing import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from triton_disagg.serving import token_wire
-from triton_disagg.serving.orchestrator import EngineError, GenerationLost
-from triton_disagg.serving.token_wire import TokenEvent, WireError
-from triton_disagg.serving.zmq_endpoints import Endpoint, bind, push_socket
+from triton_disagg import token_wire
+from triton_disagg.front.orchestrator import EngineError, GenerationLost
+from triton_disagg.token_wire import TokenEvent, WireError
+from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
 STOP_HIGH_WATER_MARK = 100
 PROBE_SECONDS = 1.0        # silence after which the stream asks if generation was lost

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_disagg.config_values import count, mapping, parse_url
+from triton_disagg.config.values import count, mapping, parse_url
 from triton_disagg.errors import UserError
 
 IN_CLUSTER = "in_cluster"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_disagg.serving.token_wire import TokenEvent
+from triton_disagg.token_wire import TokenEvent
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A server's load, read from its own Prometheus metrics endpoint.
 
-Each figure is a gauge of :mod:`triton_disagg.serving.metrics` summed over the role's
+Each figure is a gauge of :mod:`triton_disagg.triton.metrics` summed over the role's
 model instances:
 
 - free KV blocks: ``disagg_kv_blocks_total - disagg_kv_blocks_used``;
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from triton_disagg.bench.serve_metrics import Samples, scrape, total
+from triton_disagg.routing.scrape import Samples, scrape, total
 
 from .record import Load
 

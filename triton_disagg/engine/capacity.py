@@ -16,7 +16,7 @@ from typing import Iterable
 
 from triton_disagg.engine.spec import EngineSpec, KVLayout
 from triton_disagg.errors import UserError
-from triton_disagg.kv.block_pool import BlockPool
+from triton_disagg.engine.block_pool import BlockPool
 
 
 def kv_layout(spec: EngineSpec, tokens_per_block: int | None, kv_dtype: str | None) -> KVLayout:

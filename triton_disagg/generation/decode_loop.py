@@ -39,11 +39,11 @@ from typing import Any
 
 import zmq
 
-from triton_disagg.serving.decode_requests import Live, Waiting, token_event
-from triton_disagg.serving.engine_request import EngineRequest
-from triton_disagg.serving.generation_sockets import send_errors
-from triton_disagg.serving.loop_watchdog import Watchdog
-from triton_disagg.serving.token_wire import TokenEvent
+from triton_disagg.generation.decode_requests import Live, Waiting, token_event
+from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.generation.sockets import send_errors
+from triton_disagg.generation.watchdog import Watchdog
+from triton_disagg.token_wire import TokenEvent
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5

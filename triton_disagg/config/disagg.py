@@ -24,15 +24,15 @@ they are not split per instance; default :func:`front_cpus`);
 ``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
-(:mod:`triton_disagg.config_kubernetes`).
+(:mod:`triton_disagg.config.kubernetes`).
 
 Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`` (a
 static pool; ``url`` stays the way to name one server, and ``url: X`` equals
 ``urls: [X]``), or a top-level ``discovery: {etcd: "host:2379", prefix:
 "/triton-disagg/<name>", ttl_seconds: 10}``: servers register in etcd under that prefix
-and the scheduler watches it (:mod:`triton_disagg.discovery`). With discovery a role
+and the scheduler watches it (:mod:`triton_disagg.routing.discovery`). With discovery a role
 names at most one url: where that server binds, not a pool; the scheduler routes over
-what etcd holds. Routing (:mod:`triton_disagg.serving.router`): per role ``router:
+what etcd holds. Routing (:mod:`triton_disagg.routing.router`): per role ``router:
 least_loaded`` (default) or ``round_robin``; ``generation_server.max_local_prefill_length:
 N`` (default 0, off) serves prompts of at most N tokens whole on a generation server
 (``context_and_generation``, no KV handoff), as trtllm-serve and Dynamo do.
@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
-from triton_disagg.config_kubernetes import KubernetesConfig, parse_kubernetes
-from triton_disagg.config_values import (count, int_list, is_loopback, mapping, number,
+from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
+from triton_disagg.config.values import (count, int_list, is_loopback, mapping, number,
                                          parse_size, parse_url)
 from triton_disagg.errors import UserError
 
@@ -90,7 +90,7 @@ class ServerConfig:
     # to stop it); a decode loop stuck this long with work live fails its requests.
     # generation_server only.
     stall_seconds: float = 30.0
-    # How the scheduler picks this role's server per request (ROUTERS; serving.router).
+    # How the scheduler picks this role's server per request (ROUTERS; routing.router).
     router: str = ROUTERS[0]
     # Prompts of at most this many tokens are prefilled by generation itself, with no
     # handoff (0: never). generation_server only.
@@ -220,7 +220,7 @@ def front_cpus(config: DisaggConfig, role: str, usable: Collection[int]) -> tupl
     front end's work per token is bursty: it belongs beside the prefill, not on the decode
     cores (on two cores it took about a third of generation's). ``serve context`` and
     ``serve generation`` run no front end: their tritonserver is not pinned (their stubs
-    pin themselves, :mod:`triton_disagg.serving.placement`).
+    pin themselves, :mod:`triton_disagg.triton.placement`).
     """
     if role not in ("all", "scheduler"):
         return ()

@@ -22,7 +22,7 @@ Invariant: the server runs in its own process group (its Python stubs
 included), so :meth:`TritonServer.stop` ends all of it and nothing else; it is
 also SIGTERMed if the process that started it dies. Given cores, the server runs on
 them from its first instruction, and so do the stubs it forks until a stub re-pins
-itself (:mod:`triton_disagg.serving.placement`). Its Python-backend regions
+itself (:mod:`triton_disagg.triton.placement`). Its Python-backend regions
 in ``/dev/shm`` carry a name owned by the process that started it
 (:mod:`triton_disagg.shm`): ``stop`` unlinks them once the server is gone, and
 every start and stop sweeps what killed servers and stubs left behind.
@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 from triton_disagg import shm
 from triton_disagg.errors import UserError
 
-from . import server_log
+from triton_disagg.triton import server_log
 
 STOP_GRACE_SECONDS = 15.0   # SIGTERM to SIGKILL when a server stops
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from triton_disagg.config import DiscoveryConfig
+from triton_disagg.config.disagg import DiscoveryConfig
 
 from .etcd import ETCD_ERRORS, connect, member_key, members_prefix
 from .periodic import Periodic

@@ -2,7 +2,7 @@
 
 One :class:`Router` per role routes over that role's members, read afresh at every
 pick from a :class:`MemberSource` (the config's static ``urls``, or the servers
-registered in etcd: :mod:`triton_disagg.serving.pools`). It also keeps this scheduler's
+registered in etcd: :mod:`triton_disagg.routing.pools`). It also keeps this scheduler's
 own in-flight accounting per server, in tokens: a :class:`Lease` adds a request's tokens
 to its server when the request is routed there and takes them off when it releases.
 
@@ -55,8 +55,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Collection, Protocol
 
-from triton_disagg.discovery.record import Load
-from triton_disagg.serving.orchestrator import EngineError
+from triton_disagg.routing.discovery.record import Load
+from triton_disagg.front.orchestrator import EngineError
 
 ROUND_ROBIN, LEAST_LOADED = "round_robin", "least_loaded"
 PASS_OVER_SECONDS = 5.0

@@ -25,37 +25,38 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
+from triton_disagg.config.settings import EngineSettings
 from triton_disagg.kv import handle as kvhandle
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry
 from triton_disagg.kv.secret import load_key
 
-def make_engine(settings: dict, role: str) -> Any:
+def make_engine(settings: EngineSettings, role: str) -> Any:
     """``role``: "context" or "generation", for the capacity error."""
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.serving.capacity import check_pool, kv_layout
+    from triton_disagg.engine.capacity import check_pool, kv_layout
 
-    spec = EngineSpec.load(settings["engine"])
-    layout = kv_layout(spec, settings.get("tokens_per_block"), settings.get("kv_dtype"))
-    check_pool(spec, layout, settings["kv_max_size"], role)
-    return LLMEngine(settings["engine"], kv_max_bytes=settings["kv_max_size"], kv_layout=layout)
+    spec = EngineSpec.load(settings.engine)
+    layout = kv_layout(spec, settings.tokens_per_block, settings.kv_dtype)
+    check_pool(spec, layout, settings.kv_max_size, role)
+    return LLMEngine(settings.engine, kv_max_bytes=settings.kv_max_size, kv_layout=layout)
 
 
 class Sender:
-    def __init__(self, engine: Any, settings: dict, instance: str, lock: threading.Lock):
+    def __init__(self, engine: Any, settings: EngineSettings, instance: str, lock: threading.Lock):
         self.engine, self.lock = engine, lock
-        self.strategy, self.ttl = settings["kv_strategy"], settings["kv_lease_seconds"]
-        self.fingerprint, self.key = engine.spec.fingerprint, load_key(settings)
+        self.strategy, self.ttl = settings.kv_strategy, settings.kv_lease_seconds
+        self.fingerprint, self.key = engine.spec.fingerprint, load_key(settings.kv_key_id)
         pool = engine.pool
         if self.strategy == "direct_transfer":
-            from triton_disagg.kv.nixl_transfer import NixlEndpoint
+            from triton_disagg.kv.nixl import NixlEndpoint
 
             self.endpoint = NixlEndpoint(f"context-{instance}", pool.array, self.free)
         else:
-            from triton_disagg.kv.host_staging import HostStaging
+            from triton_disagg.kv.host_memory import HostStaging
 
-            from triton_disagg.kv.host_staging import StagingReader
+            from triton_disagg.kv.host_memory import StagingReader
 
             # One slot per block of the context pool: staging holds whatever the pool can.
             self.staging = HostStaging.create(instance, pool.num_total, pool.geometry.block_nbytes)
@@ -111,16 +112,16 @@ class Sender:
 
 
 class Receiver:
-    def __init__(self, engine: Any, settings: dict, instance: str):
-        self.engine, self.strategy = engine, settings["kv_strategy"]
+    def __init__(self, engine: Any, settings: EngineSettings, instance: str):
+        self.engine, self.strategy = engine, settings.kv_strategy
         self.geometry: BlockGeometry = engine.pool.geometry
-        self.key = load_key(settings)
+        self.key = load_key(settings.kv_key_id)
         if self.strategy == "direct_transfer":
-            from triton_disagg.kv.nixl_transfer import NixlEndpoint
+            from triton_disagg.kv.nixl import NixlEndpoint
 
             self.endpoint = NixlEndpoint(f"generation-{instance}", engine.pool.array)
         else:
-            from triton_disagg.kv.host_staging import StagingReader
+            from triton_disagg.kv.host_memory import StagingReader
 
             self.reader = StagingReader()
 

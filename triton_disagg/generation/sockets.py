@@ -21,9 +21,9 @@ import time
 
 import zmq
 
-from triton_disagg.serving import token_wire
-from triton_disagg.serving.token_wire import TokenEvent, WireError
-from triton_disagg.serving.zmq_endpoints import Endpoint, bind, push_socket
+from triton_disagg import token_wire
+from triton_disagg.token_wire import TokenEvent, WireError
+from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
 HIGH_WATER_MARK = 1000       # messages (decode steps) queued per orchestrator address
 IDLE_SECONDS = 60.0          # a socket with nothing to send this long is closed

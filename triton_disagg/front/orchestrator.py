@@ -48,8 +48,8 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.serving.detokenize import DeltaWindows, text_delta
-from triton_disagg.serving.tensors import scalar
+from triton_disagg.front.detokenize import DeltaWindows, text_delta
+from triton_disagg.triton.tensors import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
@@ -184,7 +184,7 @@ class Orchestrator:
     """``tokens``: the instance's :class:`~token_inbox.TokenInbox`; ``decode``: token ids ->
     text; ``observer`` (optional): ``first_token(seconds)`` and
     ``finished(outcome, seconds, tokens, ttft)``, ``migrated(url)`` (see
-    :class:`serving.metrics.Metrics`);
+    :class:`~triton_disagg.triton.metrics.Metrics`);
     ``local_prefill``: prompts of at most this many tokens skip the context (module
     docstring)."""
 

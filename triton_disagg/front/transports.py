@@ -1,7 +1,7 @@
 """How the orchestrator reaches context and generation: in-process BLS or tritonclient gRPC.
 
-Both implement :class:`triton_disagg.serving.orchestrator.Transport`: ``route`` gives a
-request's :class:`~triton_disagg.serving.orchestrator.Route`, whose calls move the tensors
+Both implement :class:`triton_disagg.front.orchestrator.Transport`: ``route`` gives a
+request's :class:`~triton_disagg.front.orchestrator.Route`, whose calls move the tensors
 of :data:`protocol.ENGINE_INPUTS` / ``CONTEXT_OUTPUTS`` unchanged (batch axis of 1 added
 on the way out, removed on the way back), with the phase in the ``request_type`` request
 parameter and the orchestrator's request id as the Triton request id. A generation
@@ -11,7 +11,7 @@ themselves arrive over ZeroMQ (:mod:`token_inbox`), never as Triton responses. A
 error that is back-pressure (``protocol.CONTEXT_BUSY``) is raised as :class:`ContextBusy`.
 
 Over gRPC each call goes to the server its role's
-:class:`~triton_disagg.serving.router.Router` picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
+:class:`~triton_disagg.routing.router.Router` picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
 once its server has left the pool and no call uses it). A context server that fails
 before it answers (UNAVAILABLE: refused, reset, unreachable; DEADLINE_EXCEEDED) is tried
 once more on another context server: a context call has no effect but KV that its lease
@@ -21,7 +21,7 @@ went silent and which then fails a liveness probe (``is_server_live`` within
 migrate the request under a new id on a route that avoids it (a server that did accept
 it after all streams to an id nobody waits for). Failures reach the client as one line
 naming the role and the url(s) tried, and the router passes that server over for a while
-(:meth:`~triton_disagg.serving.router.Router.unanswered`).
+(:meth:`~triton_disagg.routing.router.Router.unanswered`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.serving.orchestrator import ContextBusy, EngineError, GenerationLost
-from triton_disagg.serving.router import NoServer, Router
-from triton_disagg.serving.tensors import scalar, to_batched
+from triton_disagg.front.orchestrator import ContextBusy, EngineError, GenerationLost
+from triton_disagg.routing.router import NoServer, Router
+from triton_disagg.triton.tensors import scalar, to_batched
 
 UNANSWERED = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 CONTEXT_ATTEMPTS = 2       # a context server that does not answer: once more on another
@@ -126,9 +126,9 @@ class BLSRoute:
 
 
 class GrpcTransport:
-    """The scheduler's side: ``routers`` per role (:func:`serving.pools.start_pools`);
+    """The scheduler's side: ``routers`` per role (:func:`~triton_disagg.routing.pools.start_pools`);
     ``observer`` (optional): ``routed(role, url)`` per call routed, ``retried(role, url)``
-    per context call tried again after ``url`` did not answer (:class:`serving.metrics.Metrics`).
+    per context call tried again after ``url`` did not answer (:class:`~triton_disagg.triton.metrics.Metrics`).
     Clients are made on the event loop that uses them."""
 
     def __init__(self, routers: dict[str, Router], observer: Any = None):

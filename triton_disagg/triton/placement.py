@@ -1,5 +1,4 @@
-"""Per-instance setup: read the rendered ``settings``; pin the stub process to its
-cores and cap its BLAS threads.
+"""Per-instance setup: pin the stub process to its cores and cap its BLAS threads.
 
 The stub has imported numpy (and started its BLAS thread pool) before the
 model's ``initialize`` runs, so environment variables are too late: the
@@ -12,15 +11,8 @@ and BLAS uses at most one thread per core; with none, nothing changes.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Sequence
-
-
-def read_settings(args: dict) -> dict:
-    """The ``settings`` JSON parameter that ``launch.render`` wrote into config.pbtxt."""
-    config = json.loads(args["model_config"])
-    return json.loads(config["parameters"]["settings"]["string_value"])
 
 
 def instance_index(model_instance_name: str) -> int:
@@ -29,8 +21,9 @@ def instance_index(model_instance_name: str) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
-def cores_for(settings: dict, args: dict) -> tuple[int, ...]:
-    per_instance: Sequence[Sequence[int]] = settings.get("instance_cpus") or []
+def cores_for(per_instance: Sequence[Sequence[int]], args: dict) -> tuple[int, ...]:
+    """This instance's cores of ``per_instance`` (cores by instance index; settings'
+    ``instance_cpus``); () when it has none."""
     index = instance_index(args.get("model_instance_name", ""))
     return tuple(per_instance[index]) if index < len(per_instance) else ()
 

@@ -25,9 +25,9 @@ import numpy as np
 from triton_disagg import protocol as P
 from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import KVHandle
-from triton_disagg.serving.engine_request import EngineRequest
-from triton_disagg.serving.kv_side import Receiver
-from triton_disagg.serving.tensors import RequestError
+from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.kv.sides import Receiver
+from triton_disagg.triton.tensors import RequestError
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,11 @@ def read_request_parameters(parameters: str | None) -> tuple[str, str]:
 
 
 class GenerationSide:
-    def __init__(self, engine: Any, settings: dict, instance: str, metrics: Any = None):
-        self.engine, self.metrics = engine, metrics
-        self.receiver = Receiver(engine, settings, instance) if settings["mode"] != "aggregated" \
-            else None
+    """``receiver``: where ``generation_only`` requests' KV comes from; None in aggregated
+    mode, which serves ``context_and_generation`` alone."""
+
+    def __init__(self, engine: Any, receiver: Receiver | None, metrics: Any = None):
+        self.engine, self.receiver, self.metrics = engine, receiver, metrics
 
     def prepare(self, request_type: str, request: EngineRequest,
                 inputs: dict[str, np.ndarray]) -> Work:

@@ -1,0 +1,1 @@
+"""disagg_config.yaml -> typed config, and each role's rendered settings."""

@@ -1,0 +1,110 @@
+"""Each model's settings, as :mod:`triton_disagg.triton.render` writes them into a
+rendered ``config.pbtxt`` (parameter ``settings``, a JSON object) and each model's
+``initialize`` reads them back: one frozen dataclass per model.
+
+Invariants: :func:`to_json` and :func:`from_model_config` are the only places the JSON
+is built or read by key; ``from_json(kind, to_json(s)) == s`` for every settings object
+``s`` of kind ``kind``; an unknown or missing key fails at load, naming the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Union
+
+from triton_disagg.config.disagg import DiscoveryConfig
+
+
+@dataclass(frozen=True)
+class PreprocessSettings:
+    engine: str                        # engine directory (its tokenizer)
+    mode: str                          # "disaggregated" or "aggregated"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a context or generation instance needs to build its engine and KV side."""
+
+    engine: str
+    mode: str
+    instance_cpus: tuple[tuple[int, ...], ...]   # cores per instance index; () = unpinned
+    tokens_per_block: int | None                 # None: the engine's own layout
+    kv_dtype: str | None
+    kv_strategy: str                             # kv_cache.strategy
+    kv_max_size: int                             # bytes of KV pool per instance
+    kv_lease_seconds: float
+    stream_interval: int
+    kv_key_id: str | None = None                 # names the handle-signing key; None: aggregated
+
+    def __post_init__(self):
+        object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))
+
+
+@dataclass(frozen=True)
+class ContextSettings(EngineSettings):
+    pass
+
+
+@dataclass(frozen=True)
+class GenerationSettings(EngineSettings):
+    stall_seconds: float = 30.0
+    token_host: str | None = None      # None: ipc:// sockets (one server); else tcp:// on it
+    token_bind: str | None = None      # bind here, advertise token_host (behind NAT / netns)
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    urls: tuple[str, ...]
+    router: str                        # round_robin | least_loaded
+
+    def __post_init__(self):
+        object.__setattr__(self, "urls", tuple(self.urls))
+
+
+@dataclass(frozen=True)
+class OrchestratorSettings:
+    engine: str
+    mode: str
+    stall_seconds: float
+    token_host: str | None
+    transport: str                     # "bls" (serve all) or "grpc" (serve scheduler)
+    decoupled: bool
+    max_local_prefill_length: int
+    pools: dict[str, PoolSettings] = field(default_factory=dict)   # role -> its pool
+    discovery: DiscoveryConfig | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "pools", {
+            role: p if isinstance(p, PoolSettings) else PoolSettings(**p)
+            for role, p in self.pools.items()})
+        if isinstance(self.discovery, dict):
+            object.__setattr__(self, "discovery", DiscoveryConfig(**self.discovery))
+
+
+Settings = Union[PreprocessSettings, ContextSettings, GenerationSettings, OrchestratorSettings]
+KINDS: dict[str, type] = {"preprocessing": PreprocessSettings, "context": ContextSettings,
+                          "generation": GenerationSettings, "orchestrator": OrchestratorSettings}
+
+
+def to_json(settings: Settings) -> str:
+    return json.dumps(asdict(settings), sort_keys=True)
+
+
+def from_json(model: str, text: str) -> Settings:
+    cls = KINDS[model]
+    data = json.loads(text)
+    names = {f.name for f in fields(cls)}
+    if set(data) - names:
+        raise ValueError(f"{model} settings: unknown keys {sorted(set(data) - names)}; "
+                         f"render the model repository again with this version")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"{model} settings: {exc}; render the model repository again") from None
+
+
+def from_model_config(model: str, args: dict) -> Settings:
+    """The settings of ``model`` from its ``initialize`` ``args`` (Triton's model config)."""
+    config = json.loads(args["model_config"])
+    return from_json(model, config["parameters"]["settings"]["string_value"])

@@ -1,0 +1,1 @@
+"""The context role: prefill a batch and hand its KV over."""

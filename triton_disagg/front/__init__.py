@@ -1,0 +1,1 @@
+"""The front end's process: preprocess, orchestrator, transports, token inbox, detokenize."""

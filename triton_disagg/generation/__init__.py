@@ -1,0 +1,1 @@
+"""The generation role: the decode loop and its token sockets."""

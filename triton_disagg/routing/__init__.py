@@ -1,0 +1,1 @@
+"""Which server serves a request: router, pools, discovery, metric scraping."""

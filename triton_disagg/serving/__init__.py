@@ -1,1 +1,0 @@
-"""Library logic behind the Triton models in model_repo/ (unit-testable without a server)."""

@@ -1,0 +1,1 @@
+"""Glue to Triton: tensors, placement, metrics, render, tritonserver, stub watch, server log."""
