@@ -244,9 +244,10 @@ def serve_role(hosts: Hosts, host: str, role: str, config: Path, work_dir: Path)
 def metrics_of(hosts: Hosts, host: str) -> dict:
     """``host``'s server's metrics (:func:`serve_role`'s port), parsed, read from the
     scheduler's host."""
-    from triton_disagg.routing.scrape import parse
+    from triton_disagg.routing.scrape import parse_metrics
 
-    return parse(scrape(hosts, "scheduler", f"http://{hosts.address(host)}:{METRICS_PORT}/metrics"))
+    url = f"http://{hosts.address(host)}:{METRICS_PORT}/metrics"
+    return parse_metrics(scrape(hosts, "scheduler", url))
 
 
 def scrape(hosts: Hosts, host: str, metrics_url: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from triton_disagg.bench.handoff import (Row, exact_prompt, histogram_delta, markdown, p50_bucket,
                                          verdict)
-from triton_disagg.routing.scrape import parse
+from triton_disagg.routing.scrape import parse_metrics
 
 INF = float("inf")
 
@@ -38,7 +38,7 @@ def _scrape(buckets: dict[str, int], total: float, other_instance: int = 0) -> d
               f'strategy="direct_transfer"}} {total}',
               f'disagg_kv_transfer_seconds_count{{model_instance="g_0",role="generation",'
               f'strategy="direct_transfer"}} {count}']
-    return parse("\n".join(lines))
+    return parse_metrics("\n".join(lines))
 
 
 def test_histogram_delta_sums_instances_of_one_strategy_between_scrapes():

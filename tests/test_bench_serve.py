@@ -65,7 +65,7 @@ def test_summary_attainment_and_goodput():
 
 
 def test_metrics_parsing_and_model_times():
-    from triton_disagg.routing.scrape import model_times, parse, total
+    from triton_disagg.routing.scrape import model_times, parse_metrics, total
 
     def text(n):
         return "\n".join([
@@ -76,7 +76,7 @@ def test_metrics_parsing_and_model_times():
             f'nv_inference_queue_duration_us{{model="postprocessing",version="1"}} {n * 10}',
             f'disagg_kv_blocks_used{{model_instance="generation_0_0",role="generation"}} {n}',
             'disagg_kv_blocks_used{model_instance="context_0_0",role="context"} 1'])
-    before, after = parse(text(10)), parse(text(30))
+    before, after = parse_metrics(text(10)), parse_metrics(text(30))
     assert total(after, "disagg_kv_blocks_used") == 31
     assert total(after, "disagg_kv_blocks_used", role="context") == 1
     (row,) = model_times(before, after)

@@ -14,7 +14,7 @@ from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.kv.secret import deployment_key, key_id
 from triton_disagg.context.prefill import ContextSide
 from triton_disagg.triton.engine_request import EngineRequest
-from triton_disagg.triton.tensors import RequestError
+from triton_disagg.errors import RequestError
 
 PROMPT = list(range(3, 63))      # 60 tokens: 4 blocks of 16
 

@@ -16,7 +16,7 @@ from triton_disagg import token_wire
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import GenerationSide
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
-from triton_disagg.token_wire import TokenEvent
+from triton_disagg.token_wire import StreamEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
@@ -38,7 +38,7 @@ class Orchestrators:
     def address(self, i: int) -> str:
         return self.endpoints[i].address
 
-    def messages(self, i: int, finals: int, timeout: float = 60.0) -> list[list[TokenEvent]]:
+    def messages(self, i: int, finals: int, timeout: float = 60.0) -> list[list[StreamEvent]]:
         got, deadline = [], time.monotonic() + timeout
         while sum(e.final for m in got for e in m) < finals:
             assert self.socks[i].poll(max(1, int(1000 * (deadline - time.monotonic())))), got
@@ -145,11 +145,11 @@ def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
 
     orchestrators, outbox = Orchestrators(1), TokenOutbox(zmq.Context.instance())
     outbox.sockets["ipc:///gone"] = BrokenSocket()
-    outbox.put("ipc:///gone", TokenEvent("a", [1]))
-    outbox.put(orchestrators.address(0), TokenEvent("b", [2]))
+    outbox.put("ipc:///gone", StreamEvent("a", [1]))
+    outbox.put(orchestrators.address(0), StreamEvent("b", [2]))
     assert outbox.flush() == ["a"] and list(outbox.sockets) == [orchestrators.address(0)]
     assert orchestrators.socks[0].poll(2000)
-    assert token_wire.decode_events(orchestrators.socks[0].recv()) == [TokenEvent("b", [2])]
+    assert token_wire.decode_events(orchestrators.socks[0].recv()) == [StreamEvent("b", [2])]
     monkeypatch.setattr(generation_sockets, "IDLE_SECONDS", 0.0)
     assert outbox.flush() == [] and outbox.sockets == {}        # nothing sent: idle, closed
     outbox.close()

@@ -12,7 +12,7 @@ import pytest
 
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.engine.sequence import RequestError
+from triton_disagg.errors import RequestError
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.block_pool import KVCacheFullError
 

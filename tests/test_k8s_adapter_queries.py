@@ -18,7 +18,7 @@ import pytest
 
 import prometheus_server
 import serving
-from triton_disagg.routing.scrape import parse, total
+from triton_disagg.routing.scrape import parse_metrics, total
 from triton_disagg.launch.k8s_autoscale import KV_USAGE, QUEUED_TOKENS, adapter_rules
 
 NAMESPACE, POD = "llm", "triton-disagg-generation-7d9f-x2x4q"
@@ -52,7 +52,7 @@ def test_each_adapter_rule_gives_the_pods_value(metric, demo_engine, tmp_path):
         (sample,) = _until_found(prom, adapter_query(rule))
         assert sample["metric"] == {"pod": POD}
         if metric == KV_USAGE:
-            own = parse(serving.metrics(served.metrics))
+            own = parse_metrics(serving.metrics(served.metrics))
             used = total(own, "disagg_kv_blocks_used", role="generation")
             blocks = total(own, "disagg_kv_blocks_total", role="generation")
             assert blocks > 0 and float(sample["value"][1]) == used / blocks

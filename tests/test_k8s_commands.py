@@ -29,7 +29,7 @@ import etcd_server
 import serving
 from k8s_manifests import of_kind, render
 from netns_hosts import grpc_streams, hosts_fixture, scrape
-from triton_disagg.routing.scrape import parse, total
+from triton_disagg.routing.scrape import parse_metrics, total
 from triton_disagg.launch.k8s_workloads import PORTS
 
 PODS = {"triton-disagg-context": "context", "triton-disagg-generation": "generation",
@@ -122,7 +122,7 @@ def test_each_pods_command_starts_a_working_role(demo_engine, tmp_path, hosts):
 
     with serving.serve_commands(commands, cwd=pods):
         metrics = f"http://{hosts.address('scheduler')}:{PORTS['scheduler']['metrics']}/metrics"
-        members = lambda: [total(parse(scrape(hosts, "scheduler", metrics)),  # noqa: E731
+        members = lambda: [total(parse_metrics(scrape(hosts, "scheduler", metrics)),  # noqa: E731
                                  "disagg_pool_members", server_role=r)
                            for r in ("context", "generation")]
         serving.wait_until(lambda: members() == [1, 1], 15, "context and generation in etcd")

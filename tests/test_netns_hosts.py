@@ -15,7 +15,7 @@ import time
 
 import serving
 from netns_hosts import Hosts, grpc_streams, hosts_fixture, scrape
-from triton_disagg.routing.scrape import parse, total
+from triton_disagg.routing.scrape import parse_metrics, total
 from triton_disagg.launch.serve_argv import serve_argv
 
 ROLES = ("context", "generation", "scheduler")
@@ -29,7 +29,7 @@ hosts = hosts_fixture(ROLES)
 
 def _used(hosts: Hosts, role: str) -> tuple[float, float]:
     """``role``'s (KV blocks used, KV bytes fetched so far) from its metrics."""
-    samples = parse(scrape(hosts, "scheduler",
+    samples = parse_metrics(scrape(hosts, "scheduler",
                            f"http://{hosts.address(role)}:{METRICS_PORT}/metrics"))
     return total(samples, "disagg_kv_blocks_used"), total(samples, "disagg_kv_transfer_bytes_total")
 

@@ -61,9 +61,9 @@ with ThreadPoolExecutor(int(workers)) as pool:
 """
 WATCH = """
 import sys, time, urllib.request
-from triton_disagg.routing.scrape import parse, total
+from triton_disagg.routing.scrape import parse_metrics, total
 url, server = sys.argv[1:3]
-while not total(parse(urllib.request.urlopen(url).read().decode()),
+while not total(parse_metrics(urllib.request.urlopen(url).read().decode()),
                 "disagg_routed_requests_total", server=server):
     time.sleep(0.05)
 print(time.monotonic())

@@ -16,10 +16,10 @@ import zmq
 from triton_disagg import protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg import token_wire
-from triton_disagg.front.orchestrator import (ContextBusy, EngineError, GenerationLost,
-                                                 Orchestrator)
+from triton_disagg.errors import ContextBusy, EngineError, GenerationLost
+from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
-from triton_disagg.token_wire import TokenEvent
+from triton_disagg.token_wire import StreamEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
@@ -90,7 +90,7 @@ class FakeGeneration:
         push = push_socket(self.zmq, token_address, 100)
         for i, token in enumerate(output):
             reason = "stop" if ends and i == len(output) - 1 else None
-            push.send(token_wire.encode_events([TokenEvent(request_id, [token],
+            push.send(token_wire.encode_events([StreamEvent(request_id, [token],
                                                            finish_reason=reason)]))
             time.sleep(gap)
         push.close(linger=1000)
@@ -179,16 +179,16 @@ def test_events_that_queued_are_taken_as_one_but_an_error_comes_on_its_own():
     async def main():
         stream = TokenStream(TokenInbox(None, 1.0), "r")
         lp = [-0.1]
-        for event in (TokenEvent("r", [5], lp, -0.1), TokenEvent("r", [6], lp, -0.2),
-                      TokenEvent("r", [7, 8], lp * 2, -0.4, finish_reason="length")):
+        for event in (StreamEvent("r", [5], lp, -0.1), StreamEvent("r", [6], lp, -0.2),
+                      StreamEvent("r", [7, 8], lp * 2, -0.4, finish_reason="length")):
             stream.events.put_nowait(event)
         merged = await stream.next()
-        assert merged == TokenEvent("r", [5, 6, 7, 8], lp * 4, -0.4, "length") and stream.ended
+        assert merged == StreamEvent("r", [5, 6, 7, 8], lp * 4, -0.4, "length") and stream.ended
         stream = TokenStream(TokenInbox(None, 1.0), "s")
-        for event in (TokenEvent("s", [5]), TokenEvent("s", [6]), TokenEvent("s", [], error="boom"),
-                      TokenEvent("s", [9])):
+        for event in (StreamEvent("s", [5]), StreamEvent("s", [6]),
+                      StreamEvent("s", [], error="boom"), StreamEvent("s", [9])):
             stream.events.put_nowait(event)
-        assert await stream.next() == TokenEvent("s", [5, 6]) and not stream.ended
+        assert await stream.next() == StreamEvent("s", [5, 6]) and not stream.ended
         with pytest.raises(EngineError, match="boom"):
             await stream.next()
         assert stream.ended

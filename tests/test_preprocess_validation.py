@@ -13,7 +13,7 @@ import pytest
 from triton_disagg.engine.token_bound import max_token_bytes
 from triton_disagg.engine.words import MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS
 from triton_disagg.front.preprocess import Preprocessor
-from triton_disagg.triton.tensors import RequestError
+from triton_disagg.errors import RequestError
 
 
 @pytest.fixture(scope="module")

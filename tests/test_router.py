@@ -18,9 +18,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from triton_disagg import protocol as P
 from triton_disagg.routing.discovery.record import Load
 from triton_disagg.launch.deploy import free_ports
-from triton_disagg.front.orchestrator import EngineError
+from triton_disagg.errors import EngineError, NoServer
 from triton_disagg.routing.pools import StaticMembers
-from triton_disagg.routing.router import Member, NoServer, Router
+from triton_disagg.routing.router import Member, Router
 from triton_disagg.front.transports import GrpcTransport
 
 
@@ -38,11 +38,11 @@ class Source:
 
 
 def picks(router: Router, n: int, tokens: int = 10, release: bool = True) -> list[str]:
-    leases = [router.take(tokens) for _ in range(n)]
+    assignments = [router.take(tokens) for _ in range(n)]
     if release:
-        for lease in leases:
-            lease.release()
-    return [lease.url for lease in leases]
+        for assignment in assignments:
+            assignment.release()
+    return [assignment.url for assignment in assignments]
 
 
 def test_round_robin_goes_round_in_url_order_whatever_the_load():
@@ -97,12 +97,12 @@ def test_in_flight_accounting_returns_to_zero_and_release_is_idempotent():
     members = [Member(f"g{i}:1", 2 ** i, 100, Load(free_kv_blocks=50)) for i in range(4)]
     router = Router("generation", "least_loaded", Source(*members))
     rng = random.Random(7)
-    leases = [router.take(rng.randint(1, 300)) for _ in range(200)]
-    rng.shuffle(leases)
-    assert sum(router.in_flight.values()) == sum(lease.cost for lease in leases) > 0
-    for lease in leases:
-        lease.release()
-        lease.release()
+    assignments = [router.take(rng.randint(1, 300)) for _ in range(200)]
+    rng.shuffle(assignments)
+    assert sum(router.in_flight.values()) == sum(assignment.cost for assignment in assignments) > 0
+    for assignment in assignments:
+        assignment.release()
+        assignment.release()
     assert router.in_flight == {}
 
 
@@ -110,11 +110,11 @@ def test_a_member_that_left_is_never_picked_and_its_leases_still_release():
     source = Source(Member("a:1"), Member("b:1"), Member("c:1"))
     for policy in ("round_robin", "least_loaded"):
         router = Router("context", policy, source)
-        on_b = [lease for lease in (router.take(5) for _ in range(6)) if lease.url == "b:1"]
+        on_b = [a for a in (router.take(5) for _ in range(6)) if a.url == "b:1"]
         source.current = (Member("a:1"), Member("c:1"))          # b left
         assert "b:1" not in picks(router, 50)
-        for lease in on_b:
-            lease.release()
+        for assignment in on_b:
+            assignment.release()
         assert set(router.in_flight) <= {"a:1", "c:1"}
         source.current = (Member("a:1"), Member("b:1"), Member("c:1"))
 

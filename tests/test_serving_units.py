@@ -12,7 +12,8 @@ from triton_disagg import protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.front.detokenize import DeltaWindows, text_delta
 from triton_disagg.front.preprocess import Preprocessor, parse_word_list, word_list
-from triton_disagg.triton.tensors import RequestError, to_batched
+from triton_disagg.errors import RequestError
+from triton_disagg.triton.tensors import to_batched
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,11 @@ def test_engine_request_parse_maps_trtllm_names():
               "request_output_len": np.array([3]), "runtime_top_k": np.array([5]),
               "temperature": np.array([0.5]), "end_id": np.array([-1]),
               "stop_words_list": np.array([[7, 8], [2, -1]])}
-    req = engine_request.parse(inputs)
+    req = engine_request.from_inputs(inputs)
     assert req.prompt_ids == [4, 5] and req.params.top_k == 5 and req.params.end_id is None
     assert req.params.stop_words == ((7, 8),)
     with pytest.raises(RequestError, match="top_p"):
-        engine_request.parse({**inputs, "runtime_top_p": np.array([2.0])})
+        engine_request.from_inputs({**inputs, "runtime_top_p": np.array([2.0])})
 
 
 def test_to_batched_adds_the_batch_axis_in_protocol_dtypes():

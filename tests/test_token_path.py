@@ -14,26 +14,39 @@ import zmq
 from triton_disagg import protocol as P
 from triton_disagg import token_wire
 from triton_disagg.generation.side import read_request_parameters
-from triton_disagg.triton.tensors import RequestError
-from triton_disagg.token_wire import TokenEvent, WireError
+from triton_disagg.errors import RequestError
+from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
 # ---- the schema ------------------------------------------------------------------------
 
 def test_messages_round_trip():
-    events = [TokenEvent("a", [1, 2]), TokenEvent("b", [3], [-0.5], -1.5, finish_reason="length"),
-              TokenEvent("c", [], error="KV handle refused")]
+    events = [StreamEvent("a", [1, 2]), StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length"),
+              StreamEvent("c", [], error="KV handle refused")]
     assert token_wire.decode_events(token_wire.encode_events(events)) == events
     assert [e.final for e in events] == [False, True, True]
     assert token_wire.decode_stop(token_wire.encode_stop("req-1")) == "req-1"
+
+
+def test_the_bytes_are_the_schema():
+    """Field names, their order and the version are the wire: peers of another build read
+    them, so a rename in Python must not change a byte."""
+    events = [StreamEvent("a", [1, 2]),
+              StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length"),
+              StreamEvent("c", [], error="KV handle refused")]
+    assert token_wire.encode_events(events) == msgpack.packb({"v": 1, "events": [
+        {"id": "a", "tokens": [1, 2]},
+        {"id": "b", "tokens": [3], "log_probs": [-0.5], "cum_log_prob": -1.5, "finish": "length"},
+        {"id": "c", "tokens": [], "error": "KV handle refused"}]})
+    assert token_wire.encode_stop("req-1") == msgpack.packb({"v": 1, "stop": "req-1"})
 
 
 @pytest.mark.parametrize("frame, words", [
     (msgpack.packb({"v": 2, "events": []}), ["version 2", "speaks 1"]),
     (msgpack.packb({"events": []}), ["version None"]),
     (pickle.dumps({"v": 1, "events": []}), ["not a msgpack message"]),
-    (pickle.dumps(TokenEvent("a", [1])), ["not a msgpack message"]),
+    (pickle.dumps(StreamEvent("a", [1])), ["not a msgpack message"]),
     (b"\x00garbage\xff", ["not"]),
     (msgpack.packb([1, 2]), ["msgpack map"]),
     (msgpack.packb({"v": 1, "events": [{"id": "a", "tokens": ["x"]}]}), ["list of integers"]),

@@ -1,5 +1,44 @@
-"""Errors a user can fix. The CLI prints them as one line and exits with code 2."""
+"""Every serving error, in one module that imports nothing of the package, so that any
+layer may raise or catch them without importing another layer.
+
+- :class:`UserError`: a mistake in input, config or files; the CLI prints it as one line
+  and exits with code 2.
+- :class:`RequestError`: one request's mistake (what the engine, a model or the front end
+  refuses); the model answers that request with the message, the others go on.
+- :class:`EngineError` and its kinds: context or generation could not serve a request
+  (an error answer, back-pressure, a lost or missing server); the orchestrator passes
+  the message to the client.
+
+Invariant: a message is one line naming what is wrong and, where there is one, the fix;
+it reaches the client unchanged. The KV transfer's own errors live in :mod:`triton_disagg.kv`.
+"""
 
 
 class UserError(Exception):
     """A mistake in input, config or files, with a message naming what is wrong and the fix."""
+
+
+class RequestError(UserError):
+    """A request that cannot be served as sent (bad input tensor, empty prompt, bad token id,
+    too long, duplicate id): sent back as that request's Triton error."""
+
+
+class EngineError(RuntimeError):
+    """Context or generation answered with an error (message passed to the client)."""
+
+
+class ContextBusy(EngineError):
+    """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
+
+
+class GenerationLost(EngineError):
+    """The generation server at ``url`` is gone with the request (the orchestrator moves
+    the request to another: :mod:`triton_disagg.front.orchestrator`)."""
+
+    def __init__(self, url: str, reason: str):
+        self.url = url
+        super().__init__(f"generation server {url} was lost ({reason})")
+
+
+class NoServer(EngineError):
+    """No member of the role is left to route to (one line, naming the role and urls)."""

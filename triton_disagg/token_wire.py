@@ -2,9 +2,10 @@
 
 Two kinds, each one msgpack map with the schema version under ``"v"``:
 
-- a token message (generation -> an orchestrator's token address): every token event
-  of one decode step for that address, ``{"v": 1, "events": [event, ...]}``, where an
-  event is ``{"id": request id, "tokens": [int, ...]}`` plus, only when they apply,
+- a token message (generation -> an orchestrator's token address): every event
+  (:class:`StreamEvent`) of one decode step for that address,
+  ``{"v": 1, "events": [event, ...]}``, where an event is
+  ``{"id": request id, "tokens": [int, ...]}`` plus, only when they apply,
   ``"log_probs": [float, ...]`` and ``"cum_log_prob": float`` (the request asked for
   them), ``"finish": reason`` (its last event) or ``"error": message`` (its last event);
 - a stop (orchestrator -> the control address of the generation instance holding the
@@ -31,7 +32,10 @@ class WireError(ValueError):
 
 
 @dataclass(frozen=True)
-class TokenEvent:
+class StreamEvent:
+    """One request's tokens made since its previous event, in order; what the orchestrator
+    turns into the client's next response (the context's first token is one, too)."""
+
     request_id: str
     tokens: list[int]
     log_probs: list[float] | None = None     # only when the request asked for them
@@ -43,25 +47,25 @@ class TokenEvent:
     def final(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def then(self, later: "TokenEvent") -> "TokenEvent":
+    def then(self, later: "StreamEvent") -> "StreamEvent":
         """This event and the same request's ``later`` one as one event (this one is not
         final, ``later`` carries no error): tokens in order, ``later``'s end."""
         log_probs = (self.log_probs + later.log_probs
                      if self.log_probs is not None and later.log_probs is not None else None)
         cum = later.cum_log_prob if later.cum_log_prob is not None else self.cum_log_prob
-        return TokenEvent(self.request_id, self.tokens + later.tokens, log_probs, cum,
-                          later.finish_reason)
+        return StreamEvent(self.request_id, self.tokens + later.tokens, log_probs, cum,
+                           later.finish_reason)
 
 
 _OPTIONAL = (("log_probs", "log_probs", list), ("cum_log_prob", "cum_log_prob", float),
              ("finish", "finish_reason", str), ("error", "error", str))   # wire, field, type
 
 
-def encode_events(events: list[TokenEvent]) -> bytes:
+def encode_events(events: list[StreamEvent]) -> bytes:
     return msgpack.packb({"v": VERSION, "events": [_event_map(e) for e in events]})
 
 
-def decode_events(frame: bytes) -> list[TokenEvent]:
+def decode_events(frame: bytes) -> list[StreamEvent]:
     events = _message(frame, "events")
     if not isinstance(events, list):
         raise WireError("token message: 'events' must be a list")
@@ -79,7 +83,7 @@ def decode_stop(frame: bytes) -> str:
     return request_id
 
 
-def _event_map(event: TokenEvent) -> dict:
+def _event_map(event: StreamEvent) -> dict:
     out: dict[str, Any] = {"id": event.request_id, "tokens": event.tokens}
     for wire, name, _ in _OPTIONAL:
         value = getattr(event, name)
@@ -102,7 +106,7 @@ def _message(frame: bytes, key: str) -> Any:
     return message[key]
 
 
-def _event(raw: Any) -> TokenEvent:
+def _event(raw: Any) -> StreamEvent:
     if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
         raise WireError("token event: expected a map with a request id under 'id'")
     tokens = raw.get("tokens")
@@ -115,4 +119,4 @@ def _event(raw: Any) -> TokenEvent:
             if not isinstance(value, kind):
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
-    return TokenEvent(raw["id"], tokens, **fields)
+    return StreamEvent(raw["id"], tokens, **fields)

@@ -24,15 +24,14 @@ import numpy as np
 
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
-from triton_disagg.engine.sequence import RequestError as EngineRequestError
 from triton_disagg.engine.block_pool import KVCacheFullError
+from triton_disagg.errors import RequestError
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.kv.host_memory import StagingError, StagingFullError
 from triton_disagg.kv.nixl_agent import TransferError
 from triton_disagg.triton import engine_request
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.kv.sides import Sender
-from triton_disagg.triton.tensors import RequestError
 
 REPORT_SECONDS = 0.5
 
@@ -62,7 +61,7 @@ class ContextSide:
     def _prefill_and_hand_off(self, batch: list[tuple[str, EngineRequest]]) -> list:
         try:
             results: list = self._prefill(batch)
-        except (EngineRequestError, KVCacheFullError) as exc:
+        except (RequestError, KVCacheFullError) as exc:
             results = [self._one(item) for item in batch] if len(batch) > 1 else [_refusal(exc)]
         return [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
 
@@ -80,7 +79,7 @@ class ContextSide:
     def _one(self, item: tuple[str, EngineRequest]) -> Any:
         try:
             return self._prefill([item])[0]
-        except (EngineRequestError, KVCacheFullError) as exc:
+        except (RequestError, KVCacheFullError) as exc:
             return _refusal(exc)
 
     def _prefill(self, batch: list[tuple[str, EngineRequest]]) -> list:

@@ -31,10 +31,11 @@ import numpy as np
 from triton_disagg.engine.model import ModelRunner
 from triton_disagg.engine.sampling import Sampler, SamplingParams
 from triton_disagg.engine.scheduler import Scheduler
-from triton_disagg.engine.sequence import FinishReason, RequestError, Sequence, TokenEvent
+from triton_disagg.engine.sequence import FinishReason, Sequence, TokenEvent
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
+from triton_disagg.errors import RequestError
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.errors import UserError
 from triton_disagg.engine.block_pool import BlockTable
 
 FinishReason = Literal["length", "stop", "stop_word", "aborted"]
-
-
-class RequestError(UserError):
-    """A request the engine cannot run (empty prompt, bad token id, too long, duplicate id)."""
 
 
 @dataclass(frozen=True)

@@ -42,13 +42,14 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
 from triton_disagg import protocol as P
+from triton_disagg.errors import ContextBusy, EngineError, GenerationLost
 from triton_disagg.front.detokenize import DeltaWindows, text_delta
+from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.tensors import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
@@ -56,22 +57,6 @@ CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most
 BUSY_FIRST_PAUSE, BUSY_MAX_PAUSE = 0.005, 0.1    # seconds between retries of a busy context
 MAX_MIGRATIONS = 2          # a request leaves a lost generation server at most this often
 _log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """Context or generation answered with an error (message passed to the client)."""
-
-
-class ContextBusy(EngineError):
-    """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
-
-
-class GenerationLost(EngineError):
-    """The generation server at ``url`` is gone with the request (module docstring)."""
-
-    def __init__(self, url: str, reason: str):
-        self.url = url
-        super().__init__(f"generation server {url} was lost ({reason})")
 
 
 class Route(Protocol):
@@ -101,29 +86,16 @@ class Transport(Protocol):
         generation servers that were lost with it)."""
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """One request's new tokens: the context model's response or a generation token event."""
-
-    ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
-
-    @classmethod
-    def from_event(cls, event: Any) -> "Chunk":
-        """A :class:`token_wire.TokenEvent` (generation's tokens)."""
-        log_probs = event.log_probs if event.log_probs is not None else [0.0] * len(event.tokens)
-        return cls(event.tokens, log_probs, event.finish_reason or "")
-
-    @classmethod
-    def from_outputs(cls, out: dict[str, np.ndarray]) -> "Chunk":
-        """The context model's response tensors."""
-        ids = np.asarray(out["output_ids"]).reshape(-1).tolist()        # [beam=1, n] -> [n]
-        lp = out.get("output_log_probs")
-        log_probs = np.asarray(lp).reshape(-1).tolist() if lp is not None else [0.0] * len(ids)
-        reason = out.get("finish_reason")
-        reason = np.asarray(reason).reshape(-1)[0] if reason is not None and np.size(reason) else b""
-        return cls(ids, log_probs, reason.decode() if isinstance(reason, bytes) else str(reason))
+def _context_event(request_id: str, out: dict[str, np.ndarray]) -> StreamEvent:
+    """The context model's response tensors as the request's first event (final when its
+    ``finish_reason`` is set and not empty)."""
+    ids = np.asarray(out["output_ids"]).reshape(-1).tolist()        # [beam=1, n] -> [n]
+    lp = out.get("output_log_probs")
+    log_probs = np.asarray(lp).reshape(-1).tolist() if lp is not None else None
+    reason = out.get("finish_reason")
+    reason = np.asarray(reason).reshape(-1)[0] if reason is not None and np.size(reason) else b""
+    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    return StreamEvent(request_id, ids, log_probs, finish_reason=reason or None)
 
 
 def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -136,7 +108,7 @@ def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class ResponseBuilder:
-    """Turns engine chunks into the ensemble's outputs (``text_output`` deltas, counts,
+    """Turns a request's events into the ensemble's outputs (``text_output`` deltas, counts,
     and log probs only when the request's ``return_log_probs`` asked for them, as
     TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response)."""
 
@@ -153,17 +125,19 @@ class ResponseBuilder:
         self.pending_ids: list[int] = []
         self.pending_lp: list[float] = []
 
-    def add(self, chunk: Chunk) -> dict | None:
-        """Outputs to send now (streaming) or None (accumulating until the final chunk)."""
-        ids, lps = chunk.ids, chunk.log_probs
-        if chunk.finish_reason and ids and ids[-1] == self.end_id:
+    def add(self, event: StreamEvent) -> dict | None:
+        """Outputs to send now (streaming) or None (accumulating until the final event, which
+        carries no error: those are raised before they get here)."""
+        ids = event.tokens
+        lps = event.log_probs if event.log_probs is not None else [0.0] * len(ids)
+        if event.final and ids and ids[-1] == self.end_id:
             ids, lps = ids[:-1], lps[:-1]      # the end token is not output text
         self.generated += len(ids)
         self.cum_log_prob += float(sum(lps))
         self.pending_ids += ids
         self.pending_lp += lps
-        if self.stream or chunk.finish_reason:
-            return self._flush(final=bool(chunk.finish_reason))
+        if self.stream or event.final:
+            return self._flush(final=event.final)
         return None
 
     def _flush(self, final: bool) -> dict:
@@ -274,7 +248,7 @@ class _Run:
         if ctx is None:
             await self.send(None, True)
             return "cancelled"
-        first = Chunk.from_outputs(ctx)
+        first = _context_event(self.request_id, ctx)
         if await self.emit(first):
             return "finished"
         self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
@@ -283,8 +257,8 @@ class _Run:
             return "cancelled"
         gen_in = dict(inputs, **{
             # the prompt, then the first token; the handle holds the prompt's KV
-            "input_ids": np.append(inputs["input_ids"], first.ids).astype(np.int32),
-            "input_lengths": np.array([prompt_length + len(first.ids)], np.int32),
+            "input_ids": np.append(inputs["input_ids"], first.tokens).astype(np.int32),
+            "input_lengths": np.array([prompt_length + len(first.tokens)], np.int32),
             P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
         return await self.generate(gen_in, P.GENERATION_ONLY, is_cancelled)
 
@@ -341,28 +315,28 @@ class _Run:
             await stream.accept(self.route.generate(gen_in, request_type, tokens.address))
             asked = 0.0   # when is_cancelled() was last asked
             while True:
-                chunk = Chunk.from_event(await stream.next(self.route.lost))
+                event = await stream.next(self.route.lost)
                 self.unfetched = None       # generation made a token: it took the KV
-                if not chunk.finish_reason and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
+                if not event.final and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
                     asked = time.monotonic()
                     if is_cancelled():
                         await self.send(None, True)
                         return "cancelled"
-                if await self.emit(chunk):
-                    return "cancelled" if chunk.finish_reason == "cancelled" else "finished"
+                if await self.emit(event):
+                    return "cancelled" if event.finish_reason == "cancelled" else "finished"
 
-    async def emit(self, chunk: Chunk) -> bool:
-        """Pass a chunk on; True when it was the last. The first chunk ends the time to first
+    async def emit(self, event: StreamEvent) -> bool:
+        """Pass an event on; True when it was the last. The first event ends the time to first
         token (from the request's arrival at preprocessing, or here without that stamp)."""
-        self.sent += chunk.ids
-        out = self.builder.add(chunk)
+        self.sent += event.tokens
+        out = self.builder.add(event)
         if out is not None:
-            await self.send(out, bool(chunk.finish_reason))
+            await self.send(out, event.final)
         if self.ttft is None:   # the first token went out (streaming) or reached here, so the
             self.ttft = time.monotonic() - self.start   # per-token interval starts as the client's
             if self.owner.observer is not None:
                 self.owner.observer.first_token(self.ttft)
-        return bool(chunk.finish_reason)
+        return event.final
 
     def done(self, outcome: str) -> None:
         if self.owner.observer is not None:

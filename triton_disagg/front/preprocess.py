@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from triton_disagg.engine.words import MAX_WORD_TOKENS, cap_error, count_error
-from triton_disagg.triton.tensors import RequestError, scalar
+from triton_disagg.errors import RequestError
+from triton_disagg.triton.tensors import scalar
 
 # input -> (value that is fine, why another value is refused)
 _REFUSED_UNLESS = {

@@ -28,8 +28,8 @@ import zmq
 import zmq.asyncio
 
 from triton_disagg import token_wire
-from triton_disagg.front.orchestrator import EngineError, GenerationLost
-from triton_disagg.token_wire import TokenEvent, WireError
+from triton_disagg.errors import EngineError, GenerationLost
+from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
 STOP_HIGH_WATER_MARK = 100
@@ -43,10 +43,10 @@ class TokenStream:
 
     def __init__(self, inbox: "TokenInbox", request_id: str):
         self.inbox, self.request_id = inbox, request_id
-        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.control: str | None = None     # the generation instance's control address
         self.ended = False                  # generation sent the final event
-        self.held: TokenEvent | None = None  # an error event taken while merging, next up
+        self.held: StreamEvent | None = None  # an error event taken while merging, next up
 
     async def accept(self, ack: Awaitable[str]) -> None:
         """Await generation's answer to the request (its control address)."""
@@ -58,7 +58,7 @@ class TokenStream:
                               ) from None
 
     async def next(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None = None
-                   ) -> TokenEvent:
+                   ) -> StreamEvent:
         """The next event merged with every later one already waiting (tokens in order; an
         error event is never merged, it comes next on its own); EngineError for an error
         event or ``stall_seconds`` of silence; what ``lost()`` returns (asked after every
@@ -78,7 +78,7 @@ class TokenStream:
         return event
 
     async def _wait(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None
-                    ) -> TokenEvent:
+                    ) -> StreamEvent:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.inbox.stall_seconds
         while True:

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.front.orchestrator import ContextBusy, EngineError, GenerationLost
-from triton_disagg.routing.router import NoServer, Router
+from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, NoServer
+from triton_disagg.routing.router import Router
 from triton_disagg.triton.tensors import scalar, to_batched
 
 UNANSWERED = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
@@ -206,35 +206,35 @@ class GrpcTransport:
 
 
 class GrpcRoute:
-    """One request's calls over gRPC. Its context call's lease ends when context answers;
-    its generation lease lasts until :meth:`close` (the request ended). Its generation call
-    goes to no server in ``avoid``."""
+    """One request's calls over gRPC. Its context call's router assignment ends when context
+    answers; its generation assignment lasts until :meth:`close` (the request ended). Its
+    generation call goes to no server in ``avoid``."""
 
     def __init__(self, transport: GrpcTransport, request_id: str, avoid: frozenset[str]):
         self.transport, self.request_id, self.avoid = transport, request_id, avoid
         self.context_url: str | None = None     # the server that holds the request's KV
-        self.generation = None                  # its generation Lease, once accepted
+        self.generation = None                  # its generation Assignment, once accepted
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
         router, failed = self.transport.routers["context"], []
         tokens = int(np.size(inputs["input_ids"]))
         for _ in range(CONTEXT_ATTEMPTS):
             try:
-                lease = router.take(tokens, [f.url for f in failed])
+                assignment = router.take(tokens, [f.url for f in failed])
             except NoServer as exc:
                 raise _unanswered(failed, f"; {exc}") if failed else exc from None
             if failed:
                 self.transport.retried("context", failed[-1].url)
-            self.transport.routed("context", lease.url)
+            self.transport.routed("context", assignment.url)
             try:
-                outputs = await self.transport.infer(lease.url, "context", self.request_id,
+                outputs = await self.transport.infer(assignment.url, "context", self.request_id,
                                                      inputs, _parameters(P.CONTEXT_ONLY, None))
             except Unanswered as exc:
                 failed.append(exc)
                 continue
             finally:
-                lease.release()
-            self.context_url = lease.url
+                assignment.release()
+            self.context_url = assignment.url
             return outputs
         raise _unanswered(failed, "")
 
@@ -245,18 +245,18 @@ class GrpcRoute:
 
     async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
         tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
-        lease = self.transport.routers["generation"].take(tokens, self.avoid)
-        self.transport.routed("generation", lease.url)
+        assignment = self.transport.routers["generation"].take(tokens, self.avoid)
+        self.transport.routed("generation", assignment.url)
         try:
-            outputs = await self.transport.infer(lease.url, "generation", self.request_id, inputs,
-                                                 _parameters(request_type, token_address))
+            outputs = await self.transport.infer(assignment.url, "generation", self.request_id,
+                                                 inputs, _parameters(request_type, token_address))
         except Unanswered as exc:
-            lease.release()
+            assignment.release()
             raise GenerationLost(exc.url, exc.reason) from None
         except BaseException:
-            lease.release()
+            assignment.release()
             raise
-        self.generation = lease
+        self.generation = assignment
         return _control_address(outputs)
 
     async def lost(self) -> GenerationLost | None:

@@ -3,7 +3,7 @@
 ``execute`` only calls :meth:`DecodeLoop.submit` and returns; one thread owns the
 engine: it admits new work between steps, runs ``engine.step()`` (every live sequence
 of the instance in one decode batch, new prompts prefilled as they arrive), turns each
-token into a :class:`~token_wire.TokenEvent` for its request's orchestrator address and,
+token into a :class:`~token_wire.StreamEvent` for its request's orchestrator address and,
 once per step, sends every address one message with all of its events (``outbox``).
 Stops arrive on the instance's control socket (``stops``).
 
@@ -43,7 +43,7 @@ from triton_disagg.generation.decode_requests import Live, Waiting, token_event
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.sockets import send_errors
 from triton_disagg.generation.watchdog import Watchdog
-from triton_disagg.token_wire import TokenEvent
+from triton_disagg.token_wire import StreamEvent
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
@@ -205,7 +205,7 @@ class DecodeLoop:
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
 
     def _refuse(self, request_id: str, live: Live, message: str) -> None:
-        self.outbox.put(live.address, TokenEvent(request_id, [], error=message))
+        self.outbox.put(live.address, StreamEvent(request_id, [], error=message))
         self.side.request_done("error")
 
     def _fail(self, request_id: str, message: str) -> None:

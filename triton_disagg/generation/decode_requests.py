@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_disagg.token_wire import TokenEvent
+from triton_disagg.token_wire import StreamEvent
 
 
 @dataclass
@@ -31,8 +31,8 @@ class Waiting:
     blocks: int                     # KV blocks it holds once admitted
 
 
-def token_event(request_id: str, live: Live, reason: str | None) -> TokenEvent:
+def token_event(request_id: str, live: Live, reason: str | None) -> StreamEvent:
     """The tokens ``live`` holds (log probs only when asked for), final with ``reason``."""
     if not live.with_log_probs:
-        return TokenEvent(request_id, live.tokens, finish_reason=reason)
-    return TokenEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason)
+        return StreamEvent(request_id, live.tokens, finish_reason=reason)
+    return StreamEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason)

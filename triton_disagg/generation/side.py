@@ -23,11 +23,10 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.errors import UserError
+from triton_disagg.errors import RequestError, UserError
 from triton_disagg.kv.handle import KVHandle
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.kv.sides import Receiver
-from triton_disagg.triton.tensors import RequestError
 
 
 @dataclass(frozen=True)

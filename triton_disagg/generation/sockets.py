@@ -22,7 +22,7 @@ import time
 import zmq
 
 from triton_disagg import token_wire
-from triton_disagg.token_wire import TokenEvent, WireError
+from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
 HIGH_WATER_MARK = 1000       # messages (decode steps) queued per orchestrator address
@@ -35,10 +35,10 @@ class TokenOutbox:
         self.context = context
         self.sockets: dict[str, zmq.Socket] = {}
         self.last_sent: dict[str, float] = {}
-        self.pending: dict[str, list[TokenEvent]] = {}
+        self.pending: dict[str, list[StreamEvent]] = {}
         self.swept = time.monotonic()
 
-    def put(self, address: str, event: TokenEvent) -> None:
+    def put(self, address: str, event: StreamEvent) -> None:
         self.pending.setdefault(address, []).append(event)
 
     def flush(self) -> list[str]:
@@ -85,7 +85,7 @@ def send_errors(context: zmq.Context, addresses: dict[str, str], message: str) -
     own (for a thread other than the loop's), given a second to leave."""
     outbox = TokenOutbox(context)
     for request_id, address in addresses.items():
-        outbox.put(address, TokenEvent(request_id, [], error=message))
+        outbox.put(address, StreamEvent(request_id, [], error=message))
     outbox.flush()
     outbox.close(linger_ms=1000)
 

@@ -3,11 +3,12 @@
 One :class:`Router` per role routes over that role's members, read afresh at every
 pick from a :class:`MemberSource` (the config's static ``urls``, or the servers
 registered in etcd: :mod:`triton_disagg.routing.pools`). It also keeps this scheduler's
-own in-flight accounting per server, in tokens: a :class:`Lease` adds a request's tokens
-to its server when the request is routed there and takes them off when it releases.
+own in-flight accounting per server, in tokens: an :class:`Assignment` (what
+:meth:`Router.take` returns) adds a request's tokens to its server when the request is
+routed there and takes them off when it is released.
 
-- context: a lease holds the prompt's tokens from the call until context answers;
-- generation: a lease holds prompt + max_tokens (the KV the server reserves for the
+- context: an assignment holds the prompt's tokens from the call until context answers;
+- generation: an assignment holds prompt + max_tokens (the KV the server reserves for the
   whole request, rounded up to whole blocks of its ``tokens_per_block`` when known) from
   the call until the request ends.
 
@@ -43,9 +44,10 @@ registered until its lease lapses, and least_loaded would otherwise send every r
 there first, its in-flight count being always 0.
 
 Invariants: a pick only ever returns a current member, never one in ``tried``; each
-lease adds its tokens once and takes exactly those off once (:meth:`Lease.release` is
-idempotent), so with nothing in flight :attr:`Router.in_flight` is empty; everything runs
-on one thread (the orchestrator's event loop), so nothing here locks.
+assignment adds its tokens once and takes exactly those off once
+(:meth:`Assignment.release` is idempotent), so with nothing in flight
+:attr:`Router.in_flight` is empty; everything runs on one thread (the orchestrator's
+event loop), so nothing here locks.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Protocol
 
 from triton_disagg.routing.discovery.record import Load
-from triton_disagg.front.orchestrator import EngineError
+from triton_disagg.errors import NoServer
 
 ROUND_ROBIN, LEAST_LOADED = "round_robin", "least_loaded"
 PASS_OVER_SECONDS = 5.0
@@ -86,10 +88,6 @@ class MemberSource(Protocol):
         """Where the members come from, for messages (e.g. "in generation_server.urls")."""
 
 
-class NoServer(EngineError):
-    """No member of the role is left to route to (one line, naming the role and urls)."""
-
-
 class Router:
     def __init__(self, role: str, policy: str, source: MemberSource):
         if policy not in (ROUND_ROBIN, LEAST_LOADED):
@@ -102,7 +100,7 @@ class Router:
     def members(self) -> tuple[Member, ...]:
         return self.source.members()
 
-    def take(self, tokens: int, tried: Collection[str] = ()) -> "Lease":
+    def take(self, tokens: int, tried: Collection[str] = ()) -> "Assignment":
         """Route a request of ``tokens`` to a member not in ``tried``; NoServer when none is."""
         members = [m for m in self.source.members() if m.url not in tried]
         if not members:
@@ -116,7 +114,7 @@ class Router:
         chosen = turn[0] if self.policy == ROUND_ROBIN else max(turn, key=self._score)
         cost = chosen.kv_tokens(tokens) if self.role == "generation" else tokens
         self.in_flight[chosen.url] = self.in_flight.get(chosen.url, 0) + cost
-        return Lease(self, chosen.url, cost)
+        return Assignment(self, chosen.url, cost)
 
     def unanswered(self, url: str) -> None:
         """``url`` failed before it answered: pass it over for a while (module docstring)."""
@@ -149,8 +147,9 @@ class Router:
         return f"no {self.role} server {self.source.where()}"
 
 
-class Lease:
-    """A request's tokens counted at ``url`` until :meth:`release`."""
+class Assignment:
+    """A request routed to the server at ``url``: its ``cost`` in tokens counts in that
+    server's :attr:`Router.in_flight` until :meth:`release`."""
 
     def __init__(self, router: Router, url: str, cost: int):
         self.router, self.url, self.cost = router, url, cost

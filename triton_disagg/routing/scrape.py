@@ -1,7 +1,8 @@
 """Read a server's Prometheus metrics endpoint, and Triton's time per model between two reads.
 
-:func:`scrape` returns ``{metric name: {frozenset((label, value), ...): sample}}``
-(histograms appear as their ``_bucket``/``_sum``/``_count`` series). Summing
+:func:`scrape` (and :func:`parse_metrics`, from text) returns
+``{metric name: {frozenset((label, value), ...): sample}}`` (histograms appear as their
+``_bucket``/``_sum``/``_count`` series). Summing
 over series whose labels include the given ones (:func:`total`) is how every
 figure here is read, so a metric split over instances adds up.
 """
@@ -18,7 +19,8 @@ _LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 _COMPUTE = ("compute_input", "compute_infer", "compute_output")
 
 
-def parse(text: str) -> Samples:
+def parse_metrics(text: str) -> Samples:
+    """Prometheus text exposition -> :data:`Samples` (lines that are no sample are skipped)."""
     out: Samples = defaultdict(dict)
     for line in text.splitlines():
         m = _LINE.match(line)
@@ -31,7 +33,7 @@ def parse(text: str) -> Samples:
 def scrape(url: str, timeout: float = 10.0) -> Samples:
     """``url``: http://host:port of the metrics endpoint."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-        return parse(resp.read().decode())
+        return parse_metrics(resp.read().decode())
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:

@@ -2,7 +2,7 @@
 and engine results -> protocol ``ENGINE_OUTPUTS``.
 
 Shared by the context and generation models (and any TensorRT-LLM-style
-client calling them directly). Invariant: :func:`parse` either returns a
+client calling them directly). Invariant: :func:`from_inputs` either returns a
 request the engine can be given or raises :class:`RequestError` with a message
 naming the input.
 """
@@ -15,9 +15,9 @@ from typing import Sequence
 import numpy as np
 
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.errors import UserError
+from triton_disagg.errors import RequestError, UserError
 from triton_disagg.front.preprocess import parse_word_list
-from triton_disagg.triton.tensors import RequestError, scalar
+from triton_disagg.triton.tensors import scalar
 
 # engine input -> SamplingParams field
 _FIELDS = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "temperature": "temperature",
@@ -33,7 +33,7 @@ class EngineRequest:
     streaming: bool
 
 
-def parse(inputs: dict[str, np.ndarray]) -> EngineRequest:
+def from_inputs(inputs: dict[str, np.ndarray]) -> EngineRequest:
     prompt = np.asarray(inputs["input_ids"]).reshape(-1)
     length = scalar(inputs, "input_lengths", len(prompt))
     if not 0 < length <= len(prompt):

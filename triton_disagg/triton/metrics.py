@@ -30,7 +30,7 @@ The scheduler's routing (orchestrator over gRPC; :mod:`transports`, :mod:`pools`
 - ``disagg_route_retries_total`` (counter): context calls tried again elsewhere because
   ``server`` did not answer.
 - ``disagg_migrations_total`` (counter): requests moved off generation server
-  ``server`` because it was lost with them (:class:`orchestrator.GenerationLost`).
+  ``server`` because it was lost with them (:class:`~triton_disagg.errors.GenerationLost`).
 - ``disagg_pool_members`` (gauge, ``server_role`` only): servers in the role's pool.
 - ``disagg_etcd_reachable`` (gauge): 1 while etcd answers the scheduler's polls, else 0
   (only with discovery).

@@ -15,11 +15,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from triton_disagg.errors import RequestError
 from triton_disagg.protocol import TensorSpec
-
-
-class RequestError(ValueError):
-    """A per-request problem the client can fix; sent back as that request's TritonError."""
 
 
 def strip_batch(name: str, array: np.ndarray) -> np.ndarray:

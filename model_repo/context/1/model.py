@@ -18,7 +18,8 @@ from triton_disagg.kv.sides import make_engine
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, pin
-from triton_disagg.triton.tensors import RequestError, error_response, make_tensors, read_inputs
+from triton_disagg.errors import RequestError
+from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
@@ -50,7 +51,7 @@ class TritonPythonModel:
                     responses[i] = self._response(engine_request.outputs([], [], 0.0, ""))
                     continue
                 batch.append((request.request_id() or uuid.uuid4().hex,
-                              engine_request.parse(inputs)))
+                              engine_request.from_inputs(inputs)))
                 slots.append(i)
             except RequestError as exc:
                 responses[i] = error_response(pb_utils, str(exc))

@@ -21,7 +21,8 @@ from triton_disagg.kv.sides import Receiver, make_engine
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, pin
-from triton_disagg.triton.tensors import RequestError, error_response, make_tensors, read_inputs
+from triton_disagg.errors import RequestError
+from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
@@ -53,7 +54,7 @@ class TritonPythonModel:
                     raise RequestError("generation needs the orchestrator's request id as the "
                                        "Triton request id (the stream's events carry it)")
                 inputs = read_inputs(pb_utils, request, P.GENERATION_INPUTS)
-                work = self.side.prepare(request_type, engine_request.parse(inputs), inputs)
+                work = self.side.prepare(request_type, engine_request.from_inputs(inputs), inputs)
             except RequestError as exc:
                 responses.append(error_response(pb_utils, str(exc)))
                 continue

@@ -22,10 +22,10 @@ from triton_disagg import protocol as P
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.triton.metrics import Metrics
-from triton_disagg.front.orchestrator import EngineError, Orchestrator
+from triton_disagg.errors import EngineError, RequestError
+from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.routing.pools import start_pools
-from triton_disagg.triton.tensors import (RequestError, error_response, make_tensors, read_inputs,
-                                           scalar)
+from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, scalar
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.transports import BLSTransport, GrpcTransport
 
