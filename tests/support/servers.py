@@ -1,4 +1,4 @@
-"""Helpers for tests that start a real tritonserver (import as ``import serving``).
+"""Helpers for tests that start a real tritonserver (import as ``import servers``).
 
 :func:`serve` runs ``triton-disagg serve ROLE ...`` exactly as a user would,
 in its own process group, waits for its "ready" line, yields a
