@@ -20,8 +20,9 @@ FROM python:3.11-slim AS cpu
 WORKDIR /opt/triton-disagg
 COPY . .
 # The official python image ships libpython3.11.so, which Triton's Python-backend stub
-# loads; `doctor` fails the build, with the fix, if the stub cannot start.
-RUN pip install --no-cache-dir -e . \
+# loads; `doctor` fails the build, with the fix, if the stub cannot start. Installed as a
+# user's `pip install` would (not editable): the model templates come from the package.
+RUN pip install --no-cache-dir . \
  && triton-disagg doctor \
  && triton-disagg demo-checkpoint --output checkpoints/demo \
  && triton-disagg build --checkpoint checkpoints/demo --output engines/demo
@@ -34,7 +35,7 @@ COPY . .
 # serve finds NGC's tritonserver through this variable (triton_disagg/triton/tritonserver.py), not the
 # nvidia-pytriton wheel's; `doctor` checks that its Python-backend stub loads this Python.
 ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver
-RUN pip install --no-cache-dir -e . \
+RUN pip install --no-cache-dir . \
  && triton-disagg doctor
 EXPOSE 8000 8001 8002
 CMD ["triton-disagg", "--help"]

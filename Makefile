@@ -15,7 +15,7 @@ GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: venv install doctor test-tools demo test bench clean
+.PHONY: venv install doctor test-tools demo test test-fast bench clean
 
 venv: $(STAMP)
 
@@ -39,7 +39,7 @@ doctor: $(STAMP)
 
 # Programs the tests run besides Python: etcd (the discovery tests start a real one), ip
 # (iproute2: the multi-host tests make hosts out of network namespaces) and prometheus
-# (tests/test_prometheus.py scrapes a server with docs/observability/prometheus.yml). As root with
+# (tests/cluster/test_prometheus.py scrapes a server with docs/observability/prometheus.yml). As root with
 # apt-get the missing ones are installed here; otherwise the tests that need them fail
 # with the command to run (they are never skipped).
 test-tools:
@@ -68,8 +68,15 @@ demo: doctor $(DEMO_ENGINE)/engine.json
 	$(BIN)/triton-disagg serve all -c disagg_config.yaml \
 	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
+# Everything: tests/unit, tests/server (real tritonservers) and tests/cluster (root, netns,
+# etcd, Prometheus).
 test: $(TEST_STAMP) doctor test-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The fast lane: tests/unit only, which start no process (no tritonserver, so no doctor
+# and no test-tools); under 2 minutes.
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
 # The benchmarks print their tables and keep them in docs/benchmarks.md (plots in docs/img/).
 bench: $(TEST_STAMP)

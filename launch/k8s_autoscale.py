@@ -25,7 +25,7 @@ from triton_disagg.config.disagg import DisaggConfig
 from .k8s_workloads import SHORT, Unit, labels, metadata, units
 from .k8s_yaml import to_yaml
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "observability" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parent / "grafana-dashboard.json"   # package data: a wheel has it
 SCRAPE_INTERVAL = "5s"
 QUEUED_TOKENS = "disagg_queued_prompt_tokens"      # the servers' gauge, and the custom metric
 KV_USAGE = "disagg_kv_usage_ratio"                 # custom metric: used / total blocks

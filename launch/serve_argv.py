@@ -1,7 +1,7 @@
 """The command line that starts one server of a deployment, whoever launches it.
 
 Every launcher writes a role's server as :func:`serve_argv` does: the Kubernetes
-manifests (:mod:`.k8s_workloads`), the multi-host test (tests/test_netns_pools.py) and
+manifests (:mod:`.k8s_workloads`), the multi-host test (tests/cluster/test_netns_pools.py) and
 the per-host commands of docs/deploy.md. So what the tests run on network-namespace
 hosts is, flag for flag, what a pod runs.
 """

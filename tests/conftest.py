@@ -1,5 +1,10 @@
 """Session-wide fixtures: tiny checkpoints and engines, built once per test session.
 
+Layers: tests/unit (start no process), tests/server (a real tritonserver or other local
+processes), tests/cluster (root, network namespaces, etcd, Prometheus); each test is
+marked with its folder's name. Helpers shared by the layers live in tests/support
+(on sys.path through pyproject's ``pythonpath``).
+
 Keys of ``tiny_checkpoints`` / ``tiny_engines``: "llama", "llama3" (llama3 rope
 scaling), "qwen2", "mistral", "gpt2". Treat the directories as read-only.
 """
@@ -13,9 +18,27 @@ import pytest
 from checkpoints import MAKERS, make_llama_checkpoint
 
 
-def pytest_sessionstart(session):
+LAYERS = ("unit", "server", "cluster")   # tests/<layer>/: each test is marked with its folder's
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its layer (the folder under tests/ it lives in), so that
+    ``-m unit`` selects the same tests as ``tests/unit``."""
+    root = Path(__file__).parent
+    for item in items:
+        layer = Path(item.fspath).relative_to(root).parts[0]
+        if layer in LAYERS:
+            item.add_marker(getattr(pytest.mark, layer))
+
+
+def pytest_collection_finish(session):
     """Stop the run in seconds, with the one-line fix, when Triton's Python-backend stub
-    cannot start on this host (every server test would otherwise time out in turn)."""
+    cannot start on this host (every server test would otherwise time out in turn). Only
+    a run that selected server or cluster tests checks: unit tests start no process."""
+    if session.config.option.collectonly or not any(
+            item.get_closest_marker("server") or item.get_closest_marker("cluster")
+            for item in session.items):
+        return
     from triton_disagg.errors import UserError
     from triton_disagg.triton.stub_check import check_stub
     from triton_disagg.triton.tritonserver import locate, server_env
@@ -29,7 +52,7 @@ def pytest_sessionstart(session):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """family -> tiny random Hugging Face checkpoint directory (see tests/checkpoints.py)."""
+    """family -> tiny random Hugging Face checkpoint directory (see tests/support/checkpoints.py)."""
     root = tmp_path_factory.mktemp("checkpoints")
     out = {family: make(root / family) for family, make in MAKERS.items()}
     out["llama3"] = make_llama_checkpoint(root / "llama3", llama3_rope=True)

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-import serving
-from serving import PROMPTS
+import servers
+from servers import PROMPTS
 
 LEASE_SECONDS = 5
 SECRET = "test-deployment-secret-" + "5" * 32
@@ -36,7 +36,7 @@ def shared_secret():
 
 @pytest.fixture(scope="module")
 def offline(demo_engine):
-    return serving.offline_text(demo_engine)
+    return servers.offline_text(demo_engine)
 
 
 def _config(path, engine, strategy, extra=""):
@@ -53,13 +53,13 @@ def _config(path, engine, strategy, extra=""):
 def server(request, demo_engine, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"serve-{request.param}")
     config = _config(work / "disagg_config.yaml", demo_engine, request.param)
-    with serving.serve("all", ["-c", str(config)], work / "run") as served:
+    with servers.serve("all", ["-c", str(config)], work / "run") as served:
         yield served
 
 
 def _gauges(served, name):
     return {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-            for line in serving.metrics(served.metrics).splitlines() if line.startswith(name + "{")}
+            for line in servers.metrics(served.metrics).splitlines() if line.startswith(name + "{")}
 
 
 def _wait_pools_empty(served, timeout=3 * LEASE_SECONDS + 5):
@@ -74,30 +74,30 @@ def _wait_pools_empty(served, timeout=3 * LEASE_SECONDS + 5):
 
 def test_greedy_equals_offline_over_every_client(server, offline):
     for prompt in PROMPTS:
-        status, body = serving.generate(server.http, {"text_input": prompt, "max_tokens": 20})
+        status, body = servers.generate(server.http, {"text_input": prompt, "max_tokens": 20})
         assert status == 200 and body["text_output"] == offline(prompt, 20), body
-        events = serving.generate_stream(server.http, {"text_input": prompt, "max_tokens": 20,
+        events = servers.generate_stream(server.http, {"text_input": prompt, "max_tokens": 20,
                                                        "stream": True})
         assert "".join(e["text_output"] for e in events) == offline(prompt, 20)
-    assert "".join(serving.grpc_stream(server.grpc, PROMPTS[1], 20)) == offline(PROMPTS[1], 20)
+    assert "".join(servers.grpc_stream(server.grpc, PROMPTS[1], 20)) == offline(PROMPTS[1], 20)
 
 
 def test_concurrent_and_first_token_only(server, offline):
     jobs = [(p, n) for p in PROMPTS for n in (1, 7, 19)]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda j: serving.generate(
+        results = list(pool.map(lambda j: servers.generate(
             server.http, {"text_input": j[0], "max_tokens": j[1]}), jobs))
     for (prompt, n), (status, body) in zip(jobs, results):
         assert status == 200 and body["text_output"] == offline(prompt, n), (prompt, n, body)
     _wait_pools_empty(server)
-    m = serving.metrics(server.metrics)
+    m = servers.metrics(server.metrics)
     assert "disagg_kv_transfer_bytes_total{" in m and "disagg_time_to_first_token_seconds_count" in m
 
 
 def test_32_concurrent_streams_each_get_their_text(server, offline):
     jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i % 13) for i in range(32)]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        streams = list(pool.map(lambda j: serving.generate_stream(
+        streams = list(pool.map(lambda j: servers.generate_stream(
             server.http, {"text_input": j[0], "max_tokens": j[1], "stream": True}), jobs))
     for (prompt, n), events in zip(jobs, streams):
         assert "".join(e["text_output"] for e in events) == offline(prompt, n), (prompt, n)
@@ -120,7 +120,7 @@ def test_tokens_reach_the_orchestrator_over_zeromq(server, offline):
             return int(stats.get("execution_count", 0))
 
         before = executions()
-        events = serving.generate_stream(server.http, {"text_input": PROMPTS[0],
+        events = servers.generate_stream(server.http, {"text_input": PROMPTS[0],
                                                        "max_tokens": 16, "stream": True})
         assert executions() - before == 1
     assert len([e for e in events if e["text_output"]]) > 8
@@ -128,7 +128,7 @@ def test_tokens_reach_the_orchestrator_over_zeromq(server, offline):
 
 
 def test_client_cancel_stops_generation_and_frees_blocks(server):
-    serving.stream_then_cancel(server.grpc)
+    servers.stream_then_cancel(server.grpc)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         outcomes = _gauges(server, "disagg_requests_total")
@@ -146,7 +146,7 @@ def test_unfetched_handoff_expires_and_foreign_handle_is_refused(server):
     from triton_disagg.kv import handle as kvhandle
 
     with grpcclient.InferenceServerClient(server.grpc) as client:
-        inputs = serving.orchestrator_inputs(list(range(3, 40)), 8)[:3]
+        inputs = servers.orchestrator_inputs(list(range(3, 40)), 8)[:3]
         result = client.infer("context", inputs, parameters={"request_type": "context_only"})
     handle = kvhandle.decode(result.as_numpy("context_phase_params")[0], SECRET.encode())
     assert handle.num_tokens == 37
@@ -168,7 +168,7 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
 
     ids = list(range(3, 40))
     with grpcclient.InferenceServerClient(server.grpc) as client:
-        result = client.infer("context", serving.orchestrator_inputs(ids, 8)[:3],
+        result = client.infer("context", servers.orchestrator_inputs(ids, 8)[:3],
                               parameters={"request_type": "context_only"})
     raw = result.as_numpy("context_phase_params")[0].tobytes()
     ids.append(int(result.as_numpy("output_ids")[0, 0, 0]))
@@ -180,7 +180,7 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
     for bad in (raw.replace(b'"num_tokens":37', b'"num_tokens":36'), raw[:-32], deep):
         with pytest.raises(RuntimeError, match="not signed by this deployment"):
             _generation_only(server, ids, bad)
-    status, body = serving.generate(server.http, {"text_input": PROMPTS[0], "max_tokens": 8})
+    status, body = servers.generate(server.http, {"text_input": PROMPTS[0], "max_tokens": 8})
     assert status == 200 and body["text_output"] == offline(PROMPTS[0], 8), body
     _wait_pools_empty(server)
     for model in ("context", "generation"):
@@ -237,23 +237,23 @@ def _generation_only(served, ids, handle_bytes):
 def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
     """Prompts over max_local_prefill_length go through the context server; the short one
     ("a") is served whole by generation: the context server never sees it."""
-    ctx_port, gen_port = serving.free_ports(2)
+    ctx_port, gen_port = servers.free_ports(2)
     config = _config(tmp_path / "disagg_config.yaml", demo_engine, "direct_transfer",
                      f'context_server: {{url: "localhost:{ctx_port}", cpus: [0]}}\n'
                      f'generation_server: {{url: "localhost:{gen_port}", '
                      f'max_local_prefill_length: 2}}\n')
     args = ["-c", str(config)]
-    with serving.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port) as ctx, \
-            serving.serve("generation", args, tmp_path / "g", http=False, grpc_port=gen_port), \
-            serving.serve("scheduler", args, tmp_path / "s") as scheduler:
+    with servers.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port) as ctx, \
+            servers.serve("generation", args, tmp_path / "g", http=False, grpc_port=gen_port), \
+            servers.serve("scheduler", args, tmp_path / "s") as scheduler:
         for prompt in PROMPTS[:2]:
-            status, body = serving.generate(scheduler.http, {"text_input": prompt, "max_tokens": 16})
+            status, body = servers.generate(scheduler.http, {"text_input": prompt, "max_tokens": 16})
             assert status == 200 and body["text_output"] == offline(prompt, 16), body
-        deltas = serving.grpc_stream(scheduler.grpc, PROMPTS[2], 16)
+        deltas = servers.grpc_stream(scheduler.grpc, PROMPTS[2], 16)
         assert len(deltas) > 1 and "".join(deltas) == offline(PROMPTS[2], 16)
         contexts = _context_requests(ctx)
         assert contexts == 3
-        status, body = serving.generate(scheduler.http, {"text_input": PROMPTS[3],
+        status, body = servers.generate(scheduler.http, {"text_input": PROMPTS[3],
                                                          "max_tokens": 16})
         assert status == 200 and body["text_output"] == offline(PROMPTS[3], 16), body
         assert body["num_input_tokens"] <= 2 and _context_requests(ctx) == contexts
@@ -272,16 +272,16 @@ def test_layout_conversion_between_sides(demo_engine, tmp_path, offline):
     both, and the KV it reads afterwards is rounded to float16 the same way)."""
     from triton_disagg.engine.spec import KVLayout
 
-    offline_fp16 = serving.offline_text(demo_engine, KVLayout(tokens_per_block=32, dtype="float16"))
+    offline_fp16 = servers.offline_text(demo_engine, KVLayout(tokens_per_block=32, dtype="float16"))
     for strategy, gen_kv, reference in (
             ("direct_transfer", "tokens_per_block: 8", offline),
             ("host_memory", "tokens_per_block: 32, kv_dtype: float16", offline_fp16),
             ("direct_transfer", "tokens_per_block: 32, kv_dtype: float16", offline_fp16)):
         config = _config(tmp_path / f"{strategy}.yaml", demo_engine, strategy,
                          f"generation_server: {{{gen_kv}}}\n")
-        with serving.serve("all", ["-c", str(config)], tmp_path / strategy) as served:
+        with servers.serve("all", ["-c", str(config)], tmp_path / strategy) as served:
             prompt = "The quick brown fox jumps over the lazy dog, again and again"
-            status, body = serving.generate(served.http, {"text_input": prompt, "max_tokens": 12})
+            status, body = servers.generate(served.http, {"text_input": prompt, "max_tokens": 12})
             assert status == 200 and body["num_output_tokens"] == 12, body
             assert body["text_output"] == reference(prompt, 12), (strategy, gen_kv)
             _wait_pools_empty(served)

@@ -15,19 +15,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-import serving
+import servers
 
-from serving import PROMPTS
+from servers import PROMPTS
 
 
 @pytest.fixture(scope="module")
 def offline(demo_engine):
-    return serving.offline_text(demo_engine)
+    return servers.offline_text(demo_engine)
 
 
 @pytest.fixture(scope="module")
 def server(demo_engine, tmp_path_factory):
-    with serving.serve_config(
+    with servers.serve_config(
             f"model: {{engine: {demo_engine}}}\nmode: aggregated\n"
             f"generation_server: {{instances: 1, stream_interval: 2}}\nkv_cache: {{max_size: 64MB}}\n",
             tmp_path_factory.mktemp("serve-aggregated")) as served:
@@ -36,7 +36,7 @@ def server(demo_engine, tmp_path_factory):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_http_generate_equals_offline(server, offline, prompt):
-    status, body = serving.generate(server.http, {"text_input": prompt, "max_tokens": 24})
+    status, body = servers.generate(server.http, {"text_input": prompt, "max_tokens": 24})
     assert status == 200, body
     assert body["text_output"] == offline(prompt, 24)
     assert body["num_output_tokens"] <= 24
@@ -44,7 +44,7 @@ def test_http_generate_equals_offline(server, offline, prompt):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_generate_stream_deltas_concatenate_to_generate(server, offline, prompt):
-    events = serving.generate_stream(server.http, {"text_input": prompt, "max_tokens": 24,
+    events = servers.generate_stream(server.http, {"text_input": prompt, "max_tokens": 24,
                                                    "stream": True})
     assert all("error" not in e for e in events), events
     assert len(events) > 1
@@ -55,23 +55,23 @@ def test_generate_stream_deltas_concatenate_to_generate(server, offline, prompt)
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
 def test_grpc_streaming_equals_offline(server, offline, prompt):
-    deltas = serving.grpc_stream(server.grpc, prompt, 24)
+    deltas = servers.grpc_stream(server.grpc, prompt, 24)
     assert len(deltas) > 1 and "".join(deltas) == offline(prompt, 24)
-    (whole,) = serving.grpc_stream(server.grpc, prompt, 24, stream=False)
+    (whole,) = servers.grpc_stream(server.grpc, prompt, 24, stream=False)
     assert whole == offline(prompt, 24)
 
 
 def test_concurrent_requests_are_batched_and_each_correct(server, offline):
     jobs = [(p, 16 + i) for i, p in enumerate(PROMPTS * 2)]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda j: serving.generate(
+        results = list(pool.map(lambda j: servers.generate(
             server.http, {"text_input": j[0], "max_tokens": j[1]}), jobs))
     for (prompt, n), (status, body) in zip(jobs, results):
         assert status == 200 and body["text_output"] == offline(prompt, n)
 
 
 def test_outputs_and_options(server, offline):
-    status, body = serving.generate(server.http, {
+    status, body = servers.generate(server.http, {
         "text_input": "The quick brown fox", "max_tokens": 5, "return_log_probs": True,
         "exclude_input_in_output": False})
     assert status == 200, body
@@ -79,7 +79,7 @@ def test_outputs_and_options(server, offline):
     assert body["num_input_tokens"] == 4 and body["num_output_tokens"] == 5
     assert len(body["output_log_probs"]) == 5 and all(lp <= 0 for lp in body["output_log_probs"])
     assert body["cum_log_probs"] == pytest.approx(sum(body["output_log_probs"]), rel=1e-5)
-    status, body = serving.generate(server.http, {"text_input": "The quick brown fox",
+    status, body = servers.generate(server.http, {"text_input": "The quick brown fox",
                                                   "max_tokens": 5})
     assert status == 200 and body["num_output_tokens"] == 5      # log probs only when asked
     assert "output_log_probs" not in body and "cum_log_probs" not in body
@@ -97,26 +97,26 @@ def test_outputs_and_options(server, offline):
     ({"text_input": "hi", "max_tokens": 4, "lora_task_id": 3}, ["LoRA"]),
 ])
 def test_per_request_errors_keep_the_server_serving(server, offline, payload, words):
-    status, body = serving.generate(server.http, payload)
+    status, body = servers.generate(server.http, payload)
     assert status == 400, body
     for word in words:
         assert word in body["error"], body
-    status, body = serving.generate(server.http, {"text_input": "a", "max_tokens": 3})
+    status, body = servers.generate(server.http, {"text_input": "a", "max_tokens": 3})
     assert status == 200 and body["text_output"] == offline("a", 3)
 
 
 def test_missing_max_tokens_over_a_grpc_stream_is_refused(server):
     """Beside another input (stream), Triton 2.51 itself lets the request through."""
     with pytest.raises(RuntimeError, match="max_tokens is required"):
-        serving.grpc_stream(server.grpc, "hi", 4, extra={"max_tokens": None})
-    assert serving.generate(server.http, {"text_input": "a", "max_tokens": 2})[0] == 200
+        servers.grpc_stream(server.grpc, "hi", 4, extra={"max_tokens": None})
+    assert servers.generate(server.http, {"text_input": "a", "max_tokens": 2})[0] == 200
 
 
 def test_wrong_dtype_over_grpc_is_refused(server):
     with pytest.raises(RuntimeError, match="max_tokens"):
-        serving.grpc_stream(server.grpc, "hi", 4, extra={
+        servers.grpc_stream(server.grpc, "hi", 4, extra={
             "max_tokens": np.array([[4.0]], dtype=np.float32)})
-    assert serving.generate(server.http, {"text_input": "a", "max_tokens": 2})[0] == 200
+    assert servers.generate(server.http, {"text_input": "a", "max_tokens": 2})[0] == 200
 
 
 def test_cancel_reaches_the_generation_instance_holding_the_request(demo_engine, tmp_path):
@@ -127,12 +127,12 @@ def test_cancel_reaches_the_generation_instance_holding_the_request(demo_engine,
                       f"generation_server: {{cpus: [0, 1], instances: 2}}\n"
                       f"kv_cache: {{max_size: 64MB}}\n")
     cancels = 4
-    with serving.serve("all", ["-c", str(config)], tmp_path / "run") as served:
+    with servers.serve("all", ["-c", str(config)], tmp_path / "run") as served:
         for _ in range(cancels):
-            serving.stream_then_cancel(served.grpc)
+            servers.stream_then_cancel(served.grpc)
         deadline = time.monotonic() + 30
         while True:
-            text = serving.metrics(served.metrics)
+            text = servers.metrics(served.metrics)
             counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                       if line.startswith("disagg_requests_total") and 'role="generation"' in line
                       and 'outcome="cancelled"' in line]

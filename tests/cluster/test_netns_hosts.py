@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-import serving
+import servers
 from netns_hosts import Hosts, grpc_streams, hosts_fixture, scrape
 from triton_disagg.routing.scrape import parse_metrics, total
 from triton_disagg.launch.serve_argv import serve_argv
@@ -44,14 +44,14 @@ def test_three_roles_on_three_hosts(demo_engine, tmp_path, hosts, monkeypatch):
                       f"context_server: {{url: \"{url['context']}\", cpus: [0]}}\n"
                       f"generation_server: {{url: \"{url['generation']}\", cpus: [1]}}\n"
                       "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
-    prompts = serving.PROMPTS * 2
-    offline = serving.offline_text(demo_engine)
+    prompts = servers.PROMPTS * 2
+    offline = servers.offline_text(demo_engine)
     with contextlib.ExitStack() as stack:
         for role in ROLES:
             argv = serve_argv(role, str(config), hosts.address(role), GRPC_PORTS[role],
                               METRICS_PORT)
-            cmd = [*serving.cli_argv(argv), "--work-dir", str(tmp_path / role)]
-            stack.enter_context(serving.serve_command(hosts.command(role, cmd), tmp_path / role,
+            cmd = [*servers.cli_argv(argv), "--work-dir", str(tmp_path / role)]
+            stack.enter_context(servers.serve_command(hosts.command(role, cmd), tmp_path / role,
                                                       None, url[role]))
         for role, model in (("scheduler", "orchestrator"), ("generation", "generation")):
             rendered = tmp_path / role / "model_repository" / model / "config.pbtxt"

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-import serving
+import servers
 
 
 def test_bench_remote_writes_both_deployments_and_what_the_remote_path_added(demo_engine,
@@ -31,4 +31,4 @@ def test_bench_remote_writes_both_deployments_and_what_the_remote_path_added(dem
     added = float(found[1])
     assert abs(added - (float(rows["remote"]) - float(rows["serve all"]))) <= 0.11
     assert (found[2] == "holds") == (added <= 5.0)
-    assert not serving.processes_under(work)
+    assert not servers.processes_under(work)

@@ -14,14 +14,13 @@ import json
 import re
 import time
 import urllib.parse
-from pathlib import Path
 
 import prometheus_server
-import serving
-from serving import PROMPTS
+import servers
+from servers import PROMPTS
 from triton_disagg.bench.soak_server import pool_blocks
+from triton_disagg.launch.k8s_autoscale import DASHBOARD
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "observability" / "grafana-dashboard.json"
 RATE_WINDOW = "30s"          # stands in for Grafana's $__rate_interval (>= 4 scrape intervals)
 SCRAPED_TIMEOUT = 30.0
 FINISHED = 'sum(disagg_requests_total{role="orchestrator",outcome="finished"})'
@@ -51,12 +50,12 @@ def _wait_scraped(prom: prometheus_server.PrometheusServer, expr: str, want: flo
 def test_prometheus_keeps_the_labels_and_the_dashboard_answers(demo_engine, tmp_path):
     config = (f"model: {{engine: {demo_engine}}}\ngeneration_server: {{instances: 2}}\n"
               f"kv_cache: {{max_size: 64MB}}\n")
-    with serving.serve_config(config, tmp_path / "serve") as served, \
+    with servers.serve_config(config, tmp_path / "serve") as served, \
             prometheus_server.PrometheusServer(served.metrics, tmp_path / "prometheus") as prom:
         # Two rounds, each seen by Prometheus, so every rate() has two samples and rises.
         for done in (len(PROMPTS), 2 * len(PROMPTS)):
             for prompt in PROMPTS:
-                assert "".join(serving.grpc_stream(served.grpc, prompt, 12))
+                assert "".join(servers.grpc_stream(served.grpc, prompt, 12))
             _wait_scraped(prom, FINISHED, done)
         assert prom.targets_up()
         project = prom.query('{__name__=~"disagg_.+"}')

@@ -18,15 +18,14 @@ import random
 import re
 import threading
 import time
-from pathlib import Path
 
-import serving
+import servers
 from triton_disagg.bench.serve_load import run_load
 from triton_disagg.routing.scrape import delta, model_times, scrape, total
 from triton_disagg.clients.stream import GenerateRequest
 from triton_disagg.clients.workload import make_prompt
+from triton_disagg.launch.k8s_autoscale import DASHBOARD
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "observability" / "grafana-dashboard.json"
 REQUESTS, RATE = 16, 4.0
 
 
@@ -46,7 +45,7 @@ def test_server_metrics_agree_with_the_client(demo_engine, tmp_path):
     geometry = BlockGeometry(s.num_layers, s.num_kv_heads, s.head_dim, spec.kv.tokens_per_block,
                              spec.kv.dtype)
     requests = _requests(Tokenizer(demo_engine))
-    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path) as served:
+    with servers.serve("all", ["--engine", str(demo_engine)], tmp_path) as served:
         run_load(served.grpc, requests[:2], 0)                       # warm up
         time.sleep(0.5)
         before = scrape(served.metrics)

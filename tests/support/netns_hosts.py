@@ -46,14 +46,14 @@ ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, METRICS_PORT = 9001, 8001, 9100
 STREAMS = """
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
-import serving
+import servers
 url, max_tokens, go, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 print("ready", flush=True)
 while go and not os.path.exists(go):
     time.sleep(0.01)
 def stream(prompt):
     try:
-        text, error = "".join(serving.grpc_stream(url, prompt, max_tokens)), None
+        text, error = "".join(servers.grpc_stream(url, prompt, max_tokens)), None
     except Exception as exc:
         text, error = "", str(exc)
     return {"text": text, "error": error, "ended": time.monotonic()}
@@ -231,8 +231,8 @@ class HeldStreams:
 
 def serve_role(hosts: Hosts, host: str, role: str, config: Path, work_dir: Path) -> tuple:
     """``serve ROLE`` on ``host`` (the command line of :func:`serve_argv`, as a pod runs it)
-    on this module's ports, as :func:`serving.serve_commands` takes it."""
-    from serving import cli_argv
+    on this module's ports, as :func:`servers.serve_commands` takes it."""
+    from servers import cli_argv
     from triton_disagg.launch.serve_argv import serve_argv
 
     grpc_port = SCHEDULER_GRPC_PORT if role == "scheduler" else ROLE_GRPC_PORT

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-import serving
+import servers
 from triton_disagg import shm
 from triton_disagg.errors import UserError
 from triton_disagg.kv.host_memory import HostStaging, StagingError, StagingReader
@@ -155,7 +155,7 @@ def test_a_killed_tritonservers_regions_are_gone_after_stop(tmp_path):
         'backend: "python"\nmax_batch_size: 0\n'
         'input [ { name: "X" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
         'output [ { name: "Y" data_type: TYPE_INT64 dims: [ 1 ] } ]\n')
-    http, grpc = serving.free_ports(2)
+    http, grpc = servers.free_ports(2)
     server = TritonServer(locate(), tmp_path / "repo", Endpoints("127.0.0.1", http, grpc, None),
                           tmp_path)
     server.start()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import serving
+import servers
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.triton.render import instance_cpus
 from triton_disagg.triton.stub_watch import children_running, stubs_of
@@ -45,7 +45,7 @@ def _cores(listed: str) -> set[int]:
     return cores
 
 
-def placement_of(served: serving.Served) -> dict[str, set[frozenset[int]]]:
+def placement_of(served: servers.Served) -> dict[str, set[frozenset[int]]]:
     """``{"tritonserver": masks, "generation_0_0": masks, ...}`` of a running `serve`."""
     [(server_pid, _)] = children_running(served.process.pid, "tritonserver")
     return {"tritonserver": thread_cores(server_pid),
@@ -65,13 +65,13 @@ def on(*cores: int) -> set[frozenset[int]]:
 def test_front_end_and_stubs_run_on_their_cores(demo_engine, tmp_path, placement, front,
                                                 context, generation):
     anywhere = sorted(os.sched_getaffinity(0))
-    with serving.serve_config(f"model: {{engine: {demo_engine}}}\n{placement}", tmp_path) as served:
-        status, body = serving.generate(served.http, {"text_input": serving.PROMPTS[0],
+    with servers.serve_config(f"model: {{engine: {demo_engine}}}\n{placement}", tmp_path) as served:
+        status, body = servers.generate(served.http, {"text_input": servers.PROMPTS[0],
                                                       "max_tokens": 8})
         placed = placement_of(served)
         log = served.log.read_text()
-    assert status == 200 and body["text_output"] == serving.offline_text(demo_engine)(
-        serving.PROMPTS[0], 8), body
+    assert status == 200 and body["text_output"] == servers.offline_text(demo_engine)(
+        servers.PROMPTS[0], 8), body
     assert placed == {"tritonserver": on(front), "preprocessing_0_0": on(front),
                       "orchestrator_0_0": on(front),
                       "context_0_0": on(*anywhere) if context is None else on(context),

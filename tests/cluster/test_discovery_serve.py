@@ -10,8 +10,8 @@ import time
 import pytest
 
 import etcd_server
-import serving
-from serving import wait_until
+import servers
+from servers import wait_until
 from triton_disagg.routing.scrape import scrape, total
 from triton_disagg.cli import main
 from triton_disagg.routing.discovery import Membership
@@ -27,7 +27,7 @@ def test_serve_registers_and_deregisters(demo_engine, tmp_path):
     membership = Membership(etcd.discovery("/it", 3), fingerprint).start()
     try:
         args = ["-c", str(config), "--advertise", "gen-01.example:8001"]
-        with serving.serve("generation", args, tmp_path / "gen", http=False) as gen:
+        with servers.serve("generation", args, tmp_path / "gen", http=False) as gen:
             # Registered before "ready" was printed; seen at the scheduler's next poll.
             wait_until(lambda: membership.members("generation"), 2.0, "registered when ready")
             member = membership.members("generation")[0]
@@ -45,7 +45,7 @@ def test_serve_registers_and_deregisters(demo_engine, tmp_path):
             load = membership.members("generation")[0].load
             assert (load.free_kv_blocks, load.live_sequences) == (blocks, 0)      # idle
             assert load.queued_prompt_tokens is None        # a context server's figure
-            stopped = serving.stop(gen)
+            stopped = servers.stop(gen)
         assert stopped == 0
         time.sleep(2 * membership.poll_seconds)        # two polls after serve exited
         assert membership.members("generation") == ()  # deregistered, not left to lapse

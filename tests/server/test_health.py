@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import serving
+import servers
 from triton_disagg.clients.health import ServerNotReady, probe, require_ready
 from triton_disagg.launch.process_group import terminate
 
@@ -37,7 +37,7 @@ def _watch(cmd: list[str], http: str, log: Path, until: str) -> tuple[list[bool]
 
 
 def test_ready_is_false_while_models_load(demo_engine, tmp_path):
-    http, grpc, metrics = serving.free_ports(3)
+    http, grpc, metrics = servers.free_ports(3)
     cmd = [*SERVE_ALL, "--engine", str(demo_engine),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--work-dir", str(tmp_path)]
@@ -55,7 +55,7 @@ def test_ready_is_false_while_models_load(demo_engine, tmp_path):
 
 def test_serve_with_a_corrupt_engine_never_reports_ready(demo_engine, tmp_path):
     engine = _corrupt_copy(demo_engine, tmp_path / "engine")
-    http, grpc = serving.free_ports(2)
+    http, grpc = servers.free_ports(2)
     cmd = [*SERVE_ALL, "--engine", str(engine),
            "--http-port", str(http), "--grpc-port", str(grpc), "--work-dir", str(tmp_path / "w")]
     started = time.monotonic()
@@ -86,7 +86,7 @@ def test_live_but_not_ready_when_a_model_fails_to_load(demo_engine, tmp_path):
             return super().command(backends) + ["--exit-on-error=false"]
 
     engine = _corrupt_copy(demo_engine, tmp_path / "engine")
-    http, grpc = serving.free_ports(2)
+    http, grpc = servers.free_ports(2)
     repo = render("all", default_config(engine), tmp_path / "repo")
     server = KeepGoing(locate(), repo, Endpoints("127.0.0.1", http, grpc, None), tmp_path)
     server.start()

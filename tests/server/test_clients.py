@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import serving
+import servers
 from triton_disagg.clients import cli
 from triton_disagg.clients.stream import (GenerateError, GenerateRequest, Measurement,
                                           _error_text, parse_event, sse_events)
 from triton_disagg.clients.workload import Lengths, make_prompt
 from triton_disagg.errors import UserError
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "clients" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "clients" / "examples"
 
 
 def client(*argv: str) -> int:
@@ -85,14 +85,14 @@ def test_lengths_and_prompts(demo_engine):
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_unreachable_server_is_one_clear_error(protocol):
-    (port,) = serving.free_ports(1)
+    (port,) = servers.free_ports(1)
     with pytest.raises(UserError, match="no Triton server answers"):
         client("hi", "--protocol", protocol, "--url", f"127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")
 def served(demo_engine, tmp_path_factory):
-    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path_factory.mktemp("clients")) as s:
+    with servers.serve("all", ["--engine", str(demo_engine)], tmp_path_factory.mktemp("clients")) as s:
         yield s
 
 

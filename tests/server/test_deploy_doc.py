@@ -21,7 +21,7 @@ from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.launch.k8s_workloads import PORTS
 from triton_disagg.launch.serve_argv import serve_argv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "deploy.md").read_text()
 README = (ROOT / "README.md").read_text()
 

@@ -13,14 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import serving
+import servers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 PROMPT, MAX_TOKENS = "The quick brown fox", 20
 
 
-def _on_ports(code: str, served: serving.Served) -> str:
+def _on_ports(code: str, served: servers.Served) -> str:
     """The README's default ports replaced by the test server's."""
     http_port = served.http.rsplit(":", 1)[1]
     grpc_port = served.grpc.rsplit(":", 1)[1]
@@ -32,7 +32,7 @@ def _plain_infer(code: str) -> bool:
     return ".infer(" in code
 
 
-def _run_snippets(snippets: list[str], served: serving.Served, expected: str) -> None:
+def _run_snippets(snippets: list[str], served: servers.Served, expected: str) -> None:
     for code in snippets:
         assert PROMPT in code
         out = subprocess.run([sys.executable, "-c", _on_ports(code, served)],
@@ -45,10 +45,10 @@ def test_readme_python_examples_print_the_offline_text(demo_engine, tmp_path):
     snippets = re.findall(r"```python\n(.*?)```", README, re.S)
     plain = [code for code in snippets if _plain_infer(code)]
     assert len(snippets) - len(plain) >= 2 and plain, "the README lost its client examples"
-    expected = serving.offline_text(demo_engine)(PROMPT, MAX_TOKENS)
-    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "run") as served:
+    expected = servers.offline_text(demo_engine)(PROMPT, MAX_TOKENS)
+    with servers.serve("all", ["--engine", str(demo_engine)], tmp_path / "run") as served:
         _run_snippets([code for code in snippets if not _plain_infer(code)], served, expected)
-    with serving.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n",
+    with servers.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n",
                               tmp_path / "plain") as served:
         _run_snippets(plain, served, expected)
 
@@ -63,21 +63,21 @@ def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_pa
     shutil.copy(ROOT / "examples" / "three_roles.yaml", tmp_path / "examples")
     (tmp_path / "engines").mkdir()
     (tmp_path / "engines" / "demo").symlink_to(demo_engine)
-    prompts = [PROMPT, serving.PROMPTS[1]]
-    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "all") as served:
-        reference = [serving.generate(served.http, {"text_input": p, "max_tokens": MAX_TOKENS})[1]
+    prompts = [PROMPT, servers.PROMPTS[1]]
+    with servers.serve("all", ["--engine", str(demo_engine)], tmp_path / "all") as served:
+        reference = [servers.generate(served.http, {"text_input": p, "max_tokens": MAX_TOKENS})[1]
                      ["text_output"] for p in prompts]
     with contextlib.ExitStack() as stack:
         for command in commands:
             role = command.split()[1]
-            stack.enter_context(serving.serve_command(
+            stack.enter_context(servers.serve_command(
                 [sys.executable, "-m", "triton_disagg.cli", *command.split()],
                 tmp_path / "work" / role, "http://127.0.0.1:8000", "127.0.0.1:8001", cwd=tmp_path))
         for prompt, text in zip(prompts, reference):
-            status, body = serving.generate("http://127.0.0.1:8000",
+            status, body = servers.generate("http://127.0.0.1:8000",
                                             {"text_input": prompt, "max_tokens": MAX_TOKENS})
             assert status == 200 and body["text_output"] == text, body
-        deltas = serving.grpc_stream("127.0.0.1:8001", prompts[1], MAX_TOKENS)
+        deltas = servers.grpc_stream("127.0.0.1:8001", prompts[1], MAX_TOKENS)
         assert "".join(deltas) == reference[1]
 
 

@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-import serving
-from serving import wait_until
+import servers
+from servers import wait_until
 
 READY_BOUND = 10.0     # seconds: a check every second, plus a stub start to load the gate
 
@@ -32,7 +32,7 @@ def _ready(http: str) -> bool:
 
 def _one_line_error(grpc: str, prompt: str) -> str:
     with pytest.raises(RuntimeError) as failure:
-        serving.grpc_stream(grpc, prompt, 8)
+        servers.grpc_stream(grpc, prompt, 8)
     message = str(failure.value)
     assert "\n" not in message.strip() and "Traceback" not in message, message
     return message
@@ -42,15 +42,15 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    ctx_port, gen_port = serving.free_ports(2)
+    ctx_port, gen_port = servers.free_ports(2)
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\n"
                       f"context_server: {{url: \"127.0.0.1:{ctx_port}\", cpus: [0]}}\n"
                       f"generation_server: {{url: \"127.0.0.1:{gen_port}\", cpus: [1]}}\n"
                       "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
-    offline = serving.offline_text(demo_engine)
+    offline = servers.offline_text(demo_engine)
     args = ["-c", str(config)]
-    with serving.serve("scheduler", args, tmp_path / "s", until="up (") as scheduler:
+    with servers.serve("scheduler", args, tmp_path / "s", until="up (") as scheduler:
         said = f"not ready: no context server in context_server.urls answers (127.0.0.1:{ctx_port})"
         seen = [_ready(scheduler.http) for _ in range(10) if not time.sleep(0.2)]
         wait_until(lambda: said in scheduler.log.read_text(), READY_BOUND, "it says why")
@@ -63,18 +63,18 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
             with pytest.raises(InferenceServerException, match="restricted"):
                 client.unload_model("peers_ready")
 
-        with serving.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port), \
-                serving.serve("generation", args, tmp_path / "g", http=False,
+        with servers.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port), \
+                servers.serve("generation", args, tmp_path / "g", http=False,
                               grpc_port=gen_port) as gen:
             took = wait_until(lambda: _ready(scheduler.http), READY_BOUND, "ready once peers answer")
             print(f"ready {took:.1f} s after both peers were")
             wait_until(lambda: "ready (every role has a server that answers)"
                    in scheduler.log.read_text(), 2, "it says so")
-            for prompt in serving.PROMPTS[:2]:
-                status, body = serving.generate(scheduler.http,
+            for prompt in servers.PROMPTS[:2]:
+                status, body = servers.generate(scheduler.http,
                                                 {"text_input": prompt, "max_tokens": 16})
                 assert status == 200 and body["text_output"] == offline(prompt, 16), body
-            assert serving.stop(gen) == 0
+            assert servers.stop(gen) == 0
             wait_until(lambda: not _ready(scheduler.http), READY_BOUND, "not ready once gen left")
             said = (f"not ready: no generation server in generation_server.urls answers "
                     f"(127.0.0.1:{gen_port})")

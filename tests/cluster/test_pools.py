@@ -1,4 +1,4 @@
-"""The scheduler's pools (serving.pools) from the orchestrator's rendered settings: a static
+"""The scheduler's pools (routing.pools) from the orchestrator's rendered settings: a static
 pool routes over the config's urls; with discovery the routers follow a real etcd (a
 server that registers is routed to within 2 s, one that deregisters never again), and
 the observer hears each pool's size and whether etcd answers only when one changes."""
@@ -6,7 +6,7 @@ the observer hears each pool's size and whether etcd answers only when one chang
 from __future__ import annotations
 
 import etcd_server
-from serving import wait_until
+from servers import wait_until
 from triton_disagg.routing.discovery import MemberRecord, Registration
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.config.settings import OrchestratorSettings, PoolSettings

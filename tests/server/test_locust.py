@@ -9,15 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import serving
+import servers
 
-LOCUSTFILE = Path(__file__).resolve().parent.parent / "clients" / "locustfile.py"
+LOCUSTFILE = Path(__file__).resolve().parents[2] / "clients" / "locustfile.py"
 KINDS = ("grpc_stream", "http_stream")
 ENTRIES = ("ttft", "time_per_output_token", "e2e")
 
 
 def test_headless_locust_run_has_no_failures(demo_engine, tmp_path):
-    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "server") as served:
+    with servers.serve("all", ["--engine", str(demo_engine)], tmp_path / "server") as served:
         env = dict(os.environ, TD_GRPC_URL=served.grpc, TD_TOKENIZER=str(demo_engine),
                    TD_PROMPT_TOKENS="uniform:8,32", TD_OUTPUT_TOKENS="uniform:4,16", TD_SEED="0")
         done = subprocess.run(

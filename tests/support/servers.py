@@ -1,4 +1,4 @@
-"""Helpers for tests that start a real tritonserver (import as ``import serving``).
+"""Helpers for tests that start a real tritonserver (import as ``import servers``).
 
 :func:`serve` runs ``triton-disagg serve ROLE ...`` exactly as a user would,
 in its own process group, waits for its "ready" line, yields a
@@ -84,15 +84,17 @@ def serve_config(config_text: str, work_dir: Path):
 
 @contextlib.contextmanager
 def serve_command(cmd: list[str], work_dir: Path, http: str | None, grpc: str,
-                  metrics: str | None = None, cwd: Path | None = None, until: str = "ready ("):
+                  metrics: str | None = None, cwd: Path | None = None, until: str = "ready (",
+                  env: dict[str, str] | None = None):
     """Run a `serve` command line as given (it serves at the URLs given here and writes
-    under ``work_dir``) until the block exits."""
-    with serve_commands([(cmd, work_dir, http, grpc, metrics)], cwd, until) as (served,):
+    under ``work_dir``) until the block exits; ``env``: its environment (default: ours)."""
+    with serve_commands([(cmd, work_dir, http, grpc, metrics)], cwd, until, env) as (served,):
         yield served
 
 
 @contextlib.contextmanager
-def serve_commands(commands: list[tuple], cwd: Path | None = None, until: str = "ready ("):
+def serve_commands(commands: list[tuple], cwd: Path | None = None, until: str = "ready (",
+                   env: dict[str, str] | None = None):
     """Start several `serve` command lines at once, each ``(cmd, work_dir, http, grpc,
     metrics)`` as :func:`serve_command` takes them, so their servers load side by side;
     yields their :class:`Served` once every one's output shows ``until`` (a scheduler's
@@ -104,7 +106,7 @@ def serve_commands(commands: list[tuple], cwd: Path | None = None, until: str = 
             log = work_dir / "serve-cli.log"
             with open(log, "wb") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True, cwd=cwd)
+                                        start_new_session=True, cwd=cwd, env=env)
             started.append(Served(proc, http, grpc, metrics, log, work_dir))
         for served in started:
             _wait_for_line(served, until)

@@ -1,4 +1,4 @@
-"""etcd membership against a real etcd (tests/etcd_server.py; no mocks): a server that
+"""etcd membership against a real etcd (tests/support/etcd_server.py; no mocks): a server that
 registers is seen within 2 s, one that dies is dropped once its lease lapses, one that
 closes is dropped at once; with etcd killed the scheduler keeps the last set and says so,
 and when etcd comes back (same data dir, or its data lost) the registrations come back;
@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 import etcd_server
-from serving import wait_until
+from servers import wait_until
 from triton_disagg.routing.discovery import Load, MemberRecord, Membership, Registration
 
+MEMBER = Path(__file__).resolve().parents[1] / "support" / "discovery_member.py"   # a registrant
 TTL = 2                              # seconds: etcd's shortest whole-second lease
 OURS, THEIRS = "a" * 64, "b" * 64    # engine fingerprints
 JOIN_BOUND = 2.0                     # the issue's bound: a server that joins gets traffic within 2 s
@@ -94,7 +95,7 @@ def test_clean_close_drops_at_once(etcd, prefix):
 def test_killed_server_is_dropped_when_its_lease_lapses(etcd, prefix):
     membership = Membership(etcd.discovery(prefix, TTL), OURS).start()
     member = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("discovery_member.py")), etcd.endpoint,
+        [sys.executable, str(MEMBER), etcd.endpoint,
          prefix, str(TTL), "generation", "gen-02:8001", OURS],
         stdout=subprocess.PIPE, text=True)
     try:

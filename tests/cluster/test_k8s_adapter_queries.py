@@ -1,7 +1,7 @@
 """The prometheus-adapter rules that ``launch k8s`` renders are queries a real Prometheus
 answers over a real server's series, per pod, as the HPAs read them.
 
-A ``serve all`` of the demo engine is scraped by Debian's Prometheus (tests/prometheus_server.py)
+A ``serve all`` of the demo engine is scraped by Debian's Prometheus (tests/support/prometheus_server.py)
 with the ``namespace`` and ``pod`` labels that prometheus-operator's PodMonitor adds in a
 cluster. Each rule's ``seriesQuery`` must find series, and its ``metricsQuery``, filled in as
 the adapter fills it for one pod (``<<.Series>>`` the series' name, ``<<.LabelMatchers>>``
@@ -17,7 +17,7 @@ import time
 import pytest
 
 import prometheus_server
-import serving
+import servers
 from triton_disagg.routing.scrape import parse_metrics, total
 from triton_disagg.launch.k8s_autoscale import KV_USAGE, QUEUED_TOKENS, adapter_rules
 
@@ -44,15 +44,15 @@ def _until_found(prom: prometheus_server.PrometheusServer, expr: str) -> list[di
 @pytest.mark.parametrize("metric", [KV_USAGE, QUEUED_TOKENS])
 def test_each_adapter_rule_gives_the_pods_value(metric, demo_engine, tmp_path):
     (rule,) = [r for r in adapter_rules() if r["name"]["as"] == metric]
-    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path / "serve") as served, \
+    with servers.serve("all", ["--engine", str(demo_engine)], tmp_path / "serve") as served, \
             prometheus_server.PrometheusServer(served.metrics, tmp_path / "prometheus",
                                                {"namespace": NAMESPACE, "pod": POD}) as prom:
-        assert "".join(serving.grpc_stream(served.grpc, serving.PROMPTS[0], 8))
+        assert "".join(servers.grpc_stream(served.grpc, servers.PROMPTS[0], 8))
         _until_found(prom, rule["seriesQuery"])
         (sample,) = _until_found(prom, adapter_query(rule))
         assert sample["metric"] == {"pod": POD}
         if metric == KV_USAGE:
-            own = parse_metrics(serving.metrics(served.metrics))
+            own = parse_metrics(servers.metrics(served.metrics))
             used = total(own, "disagg_kv_blocks_used", role="generation")
             blocks = total(own, "disagg_kv_blocks_total", role="generation")
             assert blocks > 0 and float(sample["value"][1]) == used / blocks

@@ -20,10 +20,10 @@ import os
 import signal
 import time
 
-import serving
+import servers
 from netns_hosts import (ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, HeldStreams, Hosts, hosts_fixture,
                          metrics_of, serve_role)
-from serving import wait_until
+from servers import wait_until
 from triton_disagg.routing.scrape import total
 
 HOSTS = ("scheduler", "ctx1", "gen1", "gen2")
@@ -42,7 +42,7 @@ def _serve(hosts: Hosts, host: str, config, tmp_path) -> tuple:
 
 def _kill(work_dir, only: str = "") -> None:
     """SIGKILL the processes of a server (those whose command line holds ``only``)."""
-    for line in serving.processes_under(work_dir):
+    for line in servers.processes_under(work_dir):
         if only in line:
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
@@ -61,14 +61,14 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
                       "cpus: [1]}\n"
                       f"kv_cache: {{strategy: direct_transfer, max_size: 64MB, "
                       f"lease_seconds: {LEASE_SECONDS}}}\n")
-    offline = serving.offline_text(demo_engine)
+    offline = servers.offline_text(demo_engine)
     scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}"
-    prompts = serving.PROMPTS * 4
+    prompts = servers.PROMPTS * 4
     expected = [offline(p, MAX_TOKENS) for p in prompts]
     routed = lambda host: total(metrics_of(hosts, "scheduler"),  # noqa: E731
                                 "disagg_routed_requests_total", server=url[host])
     with contextlib.ExitStack() as stack:
-        servers = stack.enter_context(serving.serve_commands(
+        servers = stack.enter_context(servers.serve_commands(
             [_serve(hosts, h, config, tmp_path) for h in HOSTS]))
 
         # kill -9 of gen1's tritonserver once it holds streams: they move to gen2
@@ -86,7 +86,7 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
                "KV pools of ctx1 and gen2 back to 0 blocks")
 
         # no generation server left: one clear line within 5 s of the kill
-        serving.stop(servers[HOSTS.index("gen1")])
+        servers.stop(servers[HOSTS.index("gen1")])
         before = routed("gen2")
         held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts[:4],
                            tmp_path / "go-again")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-import serving
+import servers
 from triton_disagg.triton.stub_watch import stubs_of
 
 LONG = 1000   # tokens: a stream that lasts seconds on the demo engine
@@ -24,7 +24,7 @@ LONG = 1000   # tokens: a stream that lasts seconds on the demo engine
 
 @pytest.fixture(scope="module")
 def served(demo_engine, tmp_path_factory):
-    with serving.serve("all", ["--engine", str(demo_engine)],
+    with servers.serve("all", ["--engine", str(demo_engine)],
                        tmp_path_factory.mktemp("stub-death")) as served:
         yield served
 
@@ -37,8 +37,8 @@ def _ready(http: str) -> bool:
         return False
 
 
-def _server_pid(served: serving.Served) -> int:
-    (entry,) = [p for p in serving.processes_under(served.work_dir) if "bin/tritonserver" in p]
+def _server_pid(served: servers.Served) -> int:
+    (entry,) = [p for p in servers.processes_under(served.work_dir) if "bin/tritonserver" in p]
     return int(entry.split(":")[0])
 
 
@@ -59,7 +59,7 @@ def _start_long_stream(client, events: queue.Queue) -> None:
 @pytest.mark.parametrize("model", ["generation", "context", "orchestrator"])
 def test_a_killed_stub_errors_its_clients_turns_not_ready_and_recovers(served, demo_engine,
                                                                        model):
-    offline = serving.offline_text(demo_engine)
+    offline = servers.offline_text(demo_engine)
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(served.grpc)
     try:
@@ -83,7 +83,7 @@ def test_a_killed_stub_errors_its_clients_turns_not_ready_and_recovers(served, d
     while not _ready(served.http):
         assert time.monotonic() - killed < 30.0, served.log.read_text()
         time.sleep(0.25)
-    status, body = serving.generate(served.http, {"text_input": "The quick brown fox",
+    status, body = servers.generate(served.http, {"text_input": "The quick brown fox",
                                                   "max_tokens": 16})
     assert status == 200 and body["text_output"] == offline("The quick brown fox", 16)
     assert time.monotonic() - killed < 30.0

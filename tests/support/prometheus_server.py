@@ -24,7 +24,7 @@ import yaml
 
 from triton_disagg.launch.deploy import free_ports
 
-SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "docs" / "observability" / "prometheus.yml"
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "observability" / "prometheus.yml"
 SCRAPE_INTERVAL = "1s"
 START_TIMEOUT = 30.0
 

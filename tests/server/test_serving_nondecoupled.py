@@ -11,8 +11,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-import serving
-from serving import PROMPTS
+import servers
+from servers import PROMPTS
 
 MAX_TOKENS = 16
 
@@ -32,14 +32,14 @@ def _inputs(module, text: str, stream: bool | None = None) -> list:
 
 @pytest.fixture(scope="module")
 def served(demo_engine, tmp_path_factory):
-    with serving.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n"
+    with servers.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n"
                               f"kv_cache: {{strategy: direct_transfer, max_size: 64MB}}\n",
                               tmp_path_factory.mktemp("nondecoupled")) as served:
         yield served
 
 
 def test_plain_infer_over_grpc_and_http_equals_offline(served, demo_engine):
-    offline = serving.offline_text(demo_engine)
+    offline = servers.offline_text(demo_engine)
     http_url = served.http.removeprefix("http://")
     with grpcclient.InferenceServerClient(served.grpc) as grpc, \
             httpclient.InferenceServerClient(http_url) as http:
@@ -48,7 +48,7 @@ def test_plain_infer_over_grpc_and_http_equals_offline(served, demo_engine):
                 result = client.infer("ensemble", _inputs(module, prompt))
                 text = result.as_numpy("text_output").reshape(-1)[0].decode()   # [1, 1]
                 assert text == offline(prompt, MAX_TOKENS), (module.__name__, prompt)
-    status, body = serving.generate(served.http, {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS})
+    status, body = servers.generate(served.http, {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS})
     assert status == 200 and body["text_output"] == offline(PROMPTS[0], MAX_TOKENS)
 
 

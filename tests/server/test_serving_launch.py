@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-import serving
+import servers
 from triton_disagg import protocol as P
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.errors import UserError
@@ -190,7 +190,7 @@ def test_embedded_tritonserver_starts_serves_and_stops_its_whole_group(tmp_path)
         'backend: "python"\nmax_batch_size: 0\n'
         'input [ { name: "X" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
         'output [ { name: "Y" data_type: TYPE_INT64 dims: [ 1 ] } ]\n')
-    http, grpc, metrics = serving.free_ports(3)
+    http, grpc, metrics = servers.free_ports(3)
     server = TritonServer(locate(), repo, Endpoints("127.0.0.1", http, grpc, metrics), tmp_path)
     server.start()
     try:
@@ -210,15 +210,15 @@ def test_embedded_tritonserver_starts_serves_and_stops_its_whole_group(tmp_path)
 def test_serve_cli_stops_everything_on_sigterm_and_even_on_sigkill(demo_engine, tmp_path):
     import time
 
-    with serving.serve("generation", ["--engine", str(demo_engine)], tmp_path / "a") as served:
+    with servers.serve("generation", ["--engine", str(demo_engine)], tmp_path / "a") as served:
         assert "the scheduler dials" in served.log.read_text()
     # stop() asserted that tritonserver and the stubs are gone; now kill -9 the CLI
-    with serving.serve("generation", ["--engine", str(demo_engine)], tmp_path / "b") as served:
+    with servers.serve("generation", ["--engine", str(demo_engine)], tmp_path / "b") as served:
         served.process.kill()
         served.process.wait()
         deadline = time.monotonic() + 30
-        while serving.processes_under(served.work_dir):
-            assert time.monotonic() < deadline, serving.processes_under(served.work_dir)
+        while servers.processes_under(served.work_dir):
+            assert time.monotonic() < deadline, servers.processes_under(served.work_dir)
             time.sleep(0.2)
 
 
@@ -226,10 +226,10 @@ def test_serve_all_stops_without_a_stub_crash(demo_engine, tmp_path):
     """Every model unloads on SIGTERM and no stub crashes while tearing down (the models
     enable faulthandler, so a crash would print "Fatal Python error" into the server log;
     custom metrics still alive at teardown crashed Triton 2.51's stubs)."""
-    with serving.serve("all", ["--engine", str(demo_engine)], tmp_path) as served:
-        status, body = serving.generate(served.http, {"text_input": "hello", "max_tokens": 4})
+    with servers.serve("all", ["--engine", str(demo_engine)], tmp_path) as served:
+        status, body = servers.generate(served.http, {"text_input": "hello", "max_tokens": 4})
         assert status == 200, body
-        assert serving.stop(served) == 0
+        assert servers.stop(served) == 0
         text = served.server_log()
     assert "Fatal Python error" not in text, text[-3000:]
     for model in ("preprocessing", "orchestrator", "context", "generation"):

@@ -3,7 +3,7 @@ starts a working role.
 
 The manifests are rendered by the CLI for a config whose etcd is external
 (``kubernetes.etcd``, a real etcd on a host of its own). Each Deployment's pod becomes a
-network-namespace host (:mod:`netns_hosts`, as tests/test_netns_pools.py runs servers),
+network-namespace host (:mod:`netns_hosts`, as tests/cluster/test_netns_pools.py runs servers),
 and each container's command runs there as the kubelet would start it: its ``env`` set
 (the downward API's ``status.podIP`` is the host's address, the KV Secret a test value),
 ``$(VAR)`` in the command expanded from that env, and its volumes mounted: the ConfigMap's
@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 import etcd_server
-import serving
+import servers
 from k8s_manifests import of_kind, render
 from netns_hosts import grpc_streams, hosts_fixture, scrape
 from triton_disagg.routing.scrape import parse_metrics, total
@@ -112,7 +112,7 @@ def test_each_pods_command_starts_a_working_role(demo_engine, tmp_path, hosts):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         env = kubelet_env(container, hosts.address(host))
         argv = [mount(expand(arg, env), mounts) for arg in container["command"]]
-        cmd = hosts.command(host, [*(f"{k}={v}" for k, v in env.items()), *serving.cli_argv(argv)])
+        cmd = hosts.command(host, [*(f"{k}={v}" for k, v in env.items()), *servers.cli_argv(argv)])
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         grpc = f"{hosts.address(host)}:{PORTS[host]['grpc']}"
         commands.append((cmd, pods / "work" / host, None, grpc, None))
@@ -120,15 +120,15 @@ def test_each_pods_command_starts_a_working_role(demo_engine, tmp_path, hosts):
                    f"{container[kind]['httpGet']['path']}"
                    for kind in ("readinessProbe", "livenessProbe", "startupProbe")]
 
-    with serving.serve_commands(commands, cwd=pods):
+    with servers.serve_commands(commands, cwd=pods):
         metrics = f"http://{hosts.address('scheduler')}:{PORTS['scheduler']['metrics']}/metrics"
         members = lambda: [total(parse_metrics(scrape(hosts, "scheduler", metrics)),  # noqa: E731
                                  "disagg_pool_members", server_role=r)
                            for r in ("context", "generation")]
-        serving.wait_until(lambda: members() == [1, 1], 15, "context and generation in etcd")
+        servers.wait_until(lambda: members() == [1, 1], 15, "context and generation in etcd")
         for url in probes:           # scrape fails on any answer but 200
             scrape(hosts, "scheduler", url)
-        offline = serving.offline_text(demo_engine)
+        offline = servers.offline_text(demo_engine)
         scheduler = f"{hosts.address('scheduler')}:{PORTS['scheduler']['grpc']}"
-        texts = grpc_streams(hosts, "scheduler", scheduler, MAX_TOKENS, serving.PROMPTS)
-        assert texts == [offline(p, MAX_TOKENS) for p in serving.PROMPTS]
+        texts = grpc_streams(hosts, "scheduler", scheduler, MAX_TOKENS, servers.PROMPTS)
+        assert texts == [offline(p, MAX_TOKENS) for p in servers.PROMPTS]

@@ -24,14 +24,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import etcd_server
-import serving
+import servers
 from netns_hosts import (METRICS_PORT, ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, HeldStreams, Hosts,
                          grpc_streams, hosts_fixture, metrics_of, serve_role)
-from serving import wait_until
+from servers import wait_until
 from triton_disagg.routing.scrape import total
 
+SUPPORT = Path(__file__).resolve().parents[1] / "support"   # the helpers, for LOAD
 HOSTS = ("etcd", "scheduler", "ctx1", "ctx2", "gen1", "gen2", "gen3")
 ROLE = {"ctx1": "context", "ctx2": "context", "gen1": "generation", "gen2": "generation",
         "gen3": "generation", "scheduler": "scheduler"}
@@ -44,13 +46,13 @@ JOIN_BOUND = 2.0    # seconds from ready to its first request (the issue's bound
 LOAD = """
 import json, os, sys
 from concurrent.futures import ThreadPoolExecutor
-import serving
+import servers
 url, stop, prompt, expected, workers, max_tokens = sys.argv[1:7]
 def worker(_):
     wrong = []
     while not os.path.exists(stop):
         try:
-            text = "".join(serving.grpc_stream(url, prompt, int(max_tokens)))
+            text = "".join(servers.grpc_stream(url, prompt, int(max_tokens)))
         except Exception as exc:
             text = f"error: {exc}"
         if text != expected:
@@ -116,29 +118,29 @@ def _start_load(hosts: Hosts, offline, stop_file, workers: int,
                 max_tokens: int = MAX_TOKENS) -> subprocess.Popen:
     """Clients on the scheduler's host streaming one prompt over and over until ``stop_file``
     exists; its output is the JSON list of every wrong text or error."""
-    prompt = serving.PROMPTS[0]
+    prompt = servers.PROMPTS[0]
     return hosts.popen("scheduler", [sys.executable, "-c", LOAD,
                                      f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}",
                                      str(stop_file), prompt, offline(prompt, max_tokens),
                                      str(workers), str(max_tokens)],
                        stdout=subprocess.PIPE, text=True,
-                       env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+                       env={**os.environ, "PYTHONPATH": str(SUPPORT)})
 
 
 def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch):
     config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
-    offline = serving.offline_text(demo_engine)
+    offline = servers.offline_text(demo_engine)
     scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}"
     _start_etcd(hosts, tmp_path)
     first = ("scheduler", "ctx1", "ctx2", "gen1", "gen2")
     with contextlib.ExitStack() as stack:
-        stack.enter_context(serving.serve_commands([_serve(hosts, h, config, tmp_path)
+        stack.enter_context(servers.serve_commands([_serve(hosts, h, config, tmp_path)
                                                     for h in first]))
         wait_until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 2, 5,
                "2 + 2 members")
 
         # 32 streams at once: the offline text, every server its share
-        prompts = serving.PROMPTS * 8
+        prompts = servers.PROMPTS * 8
         texts = grpc_streams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts)
         assert texts == [offline(p, MAX_TOKENS) for p in prompts]
         routed = {h: _routed(hosts, h) for h in first[1:]}
@@ -154,11 +156,11 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
         metrics = f"http://{hosts.address('scheduler')}:{METRICS_PORT}/metrics"
         watch = hosts.popen("scheduler", [sys.executable, "-c", WATCH, metrics, gen3],
                             stdout=subprocess.PIPE, text=True)
-        stack.enter_context(serving.serve_commands([_serve(hosts, "gen3", config, tmp_path)]))
+        stack.enter_context(servers.serve_commands([_serve(hosts, "gen3", config, tmp_path)]))
         seen_ready = time.monotonic()            # CLOCK_MONOTONIC: one clock for every netns
         first_request = float(watch.communicate(timeout=30)[0])
         # the ready line is looked for every READY_POLL s: it came at most that much earlier
-        joined = first_request - seen_ready + serving.READY_POLL
+        joined = first_request - seen_ready + servers.READY_POLL
         print(f"gen3 took its first request at most {joined:.2f} s after it was ready")
         assert joined < JOIN_BOUND
 
@@ -171,7 +173,7 @@ def test_pools_across_hosts_with_etcd(demo_engine, tmp_path, hosts, monkeypatch)
         before = total(metrics_of(hosts, "scheduler"), "disagg_route_retries_total")
         held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts[:8],
                            tmp_path / "go")          # they start well inside the 5 s lease
-        for line in serving.processes_under(tmp_path / "ctx2"):
+        for line in servers.processes_under(tmp_path / "ctx2"):
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
         assert held.texts() == [offline(p, MAX_TOKENS) for p in prompts[:8]]
         retries = total(metrics_of(hosts, "scheduler"), "disagg_route_retries_total") - before
@@ -189,16 +191,16 @@ def test_a_generation_server_stopped_cleanly_under_load_fails_no_request(
     scheduler routes nothing more to it, what it holds finishes (it drains before it stops
     tritonserver), and the clients see no error and no wrong text."""
     config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
-    offline = serving.offline_text(demo_engine)
+    offline = servers.offline_text(demo_engine)
     _start_etcd(hosts, tmp_path)
     first = ("scheduler", "ctx1", "gen1", "gen2")
-    with serving.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
+    with servers.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
         wait_until(lambda: _members(hosts, "generation") == 2, 5, "2 generation members")
         stop_file = tmp_path / "stop-load"
         load = _start_load(hosts, offline, stop_file, 4, LONG_TOKENS)
         wait_until(lambda: _routed(hosts, "gen2") >= 2, 60, "gen2 takes requests under load")
         gen2 = served[first.index("gen2")]
-        assert serving.stop(gen2) == 0                 # SIGTERM, then serve exits by itself
+        assert servers.stop(gen2) == 0                 # SIGTERM, then serve exits by itself
         assert _members(hosts, "generation") == 1
         routed = _routed(hosts, "gen2")
         served_by_gen1 = _routed(hosts, "gen1")
@@ -230,7 +232,7 @@ def test_etcd_killed_serving_goes_on_and_registrations_come_back(
     scheduler says it answers again, and both servers are registered there, their leases
     kept alive by their heartbeats (still there a TTL later)."""
     config = _deployment(hosts, demo_engine, tmp_path, monkeypatch)
-    offline = serving.offline_text(demo_engine)
+    offline = servers.offline_text(demo_engine)
     scheduler = f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}"
     etcd = _start_etcd(hosts, tmp_path)
     first = ("scheduler", "ctx1", "gen1")
@@ -239,8 +241,8 @@ def test_etcd_killed_serving_goes_on_and_registrations_come_back(
                            for h in first[1:]))
     registered = lambda: hosts.python("scheduler", REGISTERED, etcd_url, PREFIX).strip()  # noqa: E731
     reachable = lambda: total(metrics_of(hosts, "scheduler"), "disagg_etcd_reachable")  # noqa: E731
-    prompts = serving.PROMPTS
-    with serving.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
+    prompts = servers.PROMPTS
+    with servers.serve_commands([_serve(hosts, h, config, tmp_path) for h in first]) as served:
         wait_until(lambda: _members(hosts, "context") == _members(hosts, "generation") == 1, 5,
                "1 + 1 members")
         assert registered() == keys and reachable() == 1

@@ -1,5 +1,5 @@
 """``triton-disagg launch k8s`` renders manifests a cluster accepts and that run the serving
-commands (the pods themselves run in tests/test_k8s_commands.py).
+commands (the pods themselves run in tests/cluster/test_k8s_commands.py).
 
 - Every object of the example configs (disagg_config.yaml, examples/three_roles.yaml, the
   2x2 GPU examples/k8s_gpu.yaml) and of the host_memory and aggregated variants validates,
@@ -33,7 +33,7 @@ from triton_disagg.launch.k8s_workloads import CONFIG_PATH, PORTS, READY_PATH, L
 from triton_disagg.launch.serve_argv import serve_argv
 from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _variant(tmp_path: Path, text: str) -> Path:
