@@ -4,7 +4,7 @@ hold one max_seq_len sequence is refused at start-up.
 
 The generation pool here has 10 blocks of 4 tokens; a "4+4" request has a 16-token
 prompt (4 blocks of KV fetched) and 17 max_tokens (4 more blocks to decode into). The KV
-moves by a plain copy between the two pools (:class:`CopyReceiver`): the transports have
+moves by a plain copy between the two pools (:class:`CopyConnector`): the transports have
 their own tests (test_kv_exchange.py); these are about when and into what it moves.
 """
 
@@ -24,6 +24,8 @@ from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.side import GenerationSide, Work
+from triton_disagg.kv.connector import Completed
+from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
 WAIT_SECONDS = 20.0
@@ -35,17 +37,19 @@ class CopyHandle:
     block_ids: list[int]          # in the context pool, which the handle owns
 
 
-class CopyReceiver:
-    """Receiver's ``fetch`` contract over a plain copy: fill the first blocks of the
-    reservation with the handle's KV, then free the context blocks (as a transport does)."""
+class CopyConnector:
+    """The connector's ``start_fetch`` contract over a plain copy: fill the first blocks of
+    the reservation with the handle's KV, then free the context blocks (as a transport
+    does); the fetch is complete when it returns."""
 
     def __init__(self, context: LLMEngine, generation: LLMEngine):
         self.context, self.generation = context, generation
 
-    def fetch(self, handle: CopyHandle, reserved):
+    def start_fetch(self, handle: CopyHandle, reserved):
         blocks = list(reserved[:len(handle.block_ids)])
         self.generation.pool.write_blocks(blocks, self.context.pool.read_blocks(handle.block_ids))
         self.context.pool.free(handle.block_ids)
+        return Completed(TransferStats(0, 0.0))
 
     def close(self):
         pass
@@ -72,7 +76,7 @@ def sides(demo_engine):
     context = LLMEngine(demo_engine, num_blocks=64, kv_layout=LAYOUT)
     generation = LLMEngine(demo_engine, num_blocks=10, kv_layout=LAYOUT)
     side = GenerationSide(generation, None)
-    side.receiver = CopyReceiver(context, generation)
+    side.connector = CopyConnector(context, generation)
     return context, side
 
 
@@ -184,7 +188,7 @@ def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_en
     from triton_disagg.config.disagg import parse_config
     from triton_disagg.engine.spec import EngineSpec
     from triton_disagg.engine.capacity import check_kv_capacity
-    from triton_disagg.kv.sides import make_engine
+    from triton_disagg.engine.capacity import make_engine
 
     spec = EngineSpec.load(demo_engine)
     geometry = spec.block_geometry()

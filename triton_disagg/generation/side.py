@@ -26,7 +26,7 @@ from triton_disagg import protocol as P
 from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import KVHandle
 from triton_disagg.triton.engine_request import EngineRequest
-from triton_disagg.kv.sides import Receiver
+from triton_disagg.kv.connector import KVConnector
 from triton_disagg.triton.tensors import RequestError
 
 
@@ -57,11 +57,11 @@ def read_request_parameters(parameters: str | None) -> tuple[str, str]:
 
 
 class GenerationSide:
-    """``receiver``: where ``generation_only`` requests' KV comes from; None in aggregated
+    """``connector``: where ``generation_only`` requests' KV comes from; None in aggregated
     mode, which serves ``context_and_generation`` alone."""
 
-    def __init__(self, engine: Any, receiver: Receiver | None, metrics: Any = None):
-        self.engine, self.receiver, self.metrics = engine, receiver, metrics
+    def __init__(self, engine: Any, connector: KVConnector | None, metrics: Any = None):
+        self.engine, self.connector, self.metrics = engine, connector, metrics
 
     def prepare(self, request_type: str, request: EngineRequest,
                 inputs: dict[str, np.ndarray]) -> Work:
@@ -71,7 +71,7 @@ class GenerationSide:
             raise RequestError(f"request_type {request_type!r}: the generation model serves "
                                f"{P.CONTEXT_AND_GENERATION!r} and {P.GENERATION_ONLY!r}; send "
                                f"{P.CONTEXT_ONLY!r} to the context model")
-        if self.receiver is None:
+        if self.connector is None:
             raise RequestError("generation_only: this server runs in aggregated mode; send "
                                "context_and_generation")
         data = inputs.get(P.CONTEXT_PHASE_PARAMS)
@@ -79,7 +79,7 @@ class GenerationSide:
             raise RequestError("generation_only needs context_phase_params from the context "
                                "model's response")
         try:
-            handle = self.receiver.decode(np.asarray(data, dtype=np.uint8).tobytes())
+            handle = self.connector.decode(np.asarray(data, dtype=np.uint8).tobytes())
         except UserError as exc:
             raise RequestError(str(exc)) from None
         if len(request.prompt_ids) != handle.num_tokens + 1:
@@ -103,7 +103,7 @@ class GenerationSide:
             return
         blocks = engine.pool.allocate(self.blocks_needed(request_id, work))
         try:
-            stats = self.receiver.fetch(work.handle, blocks)
+            stats = self.connector.start_fetch(work.handle, blocks).poll()
             engine.add_prefilled(request_id, prompt[:-1], prompt[-1], blocks, params)
         except BaseException:
             engine.pool.free(blocks)
@@ -122,5 +122,5 @@ class GenerationSide:
             self.metrics.live_sequences(live_sequences)
 
     def close(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
+        if self.connector is not None:
+            self.connector.close()
