@@ -78,7 +78,6 @@ class Scheduler:
         for seq in list(self.waiting):
             if len(self.running) >= self.max_batch_size or not seq.block_table.block_ids:
                 break                                   # the batch is full / none reserved
-
             if seq.status == WAITING:
                 self.waiting.remove(seq)
                 seq.status = RUNNING
@@ -98,7 +97,7 @@ class Scheduler:
                 seq.status = WAITING_FOR_REMOTE_KV
                 try:
                     seq.transfer = seq.remote_kv.start(list(table.block_ids))
-                except Exception as exc:  # noqa: BLE001 - that request fails, no block moved
+                except Exception as exc:  # noqa: BLE001 - that request fails alone
                     self._end_fetch(seq, KVArrival(seq.request_id, error=exc))
                     continue
                 table.advance(seq.remote_kv.num_tokens)

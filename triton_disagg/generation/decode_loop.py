@@ -121,7 +121,7 @@ class DecodeLoop:
                     else FETCH_POLL_SECONDS)
         for request_id in self.stops.take() if self.stops is not None else ():
             self._stop(request_id)
-        if self.live or self.engine.has_unfinished():
+        if busy or self.live:
             try:
                 events = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - an engine failure fails its requests
