@@ -1,9 +1,10 @@
 """The state of one request inside the engine, and the events a step emits.
 
-Invariants of a :class:`Sequence`: once it has a generated token, its block table holds
-the KV of ``num_tokens - 1`` tokens (all but the newest generated one, which the next
-decode step feeds); once admitted, its blocks are reserved for ``max_total - 1`` tokens,
-so decode never allocates. ``finish_reason`` is set once and never changes.
+Invariants of a :class:`Sequence`: once running with a generated token, its block table
+holds the KV of ``num_tokens - 1`` tokens (all but the newest generated one, which the
+next decode step feeds; a sequence with remote KV gets its first token when queued and
+that KV before it runs); once admitted, its blocks are reserved for ``max_total - 1``
+tokens, so decode never allocates. ``finish_reason`` is set once and never changes.
 """
 
 from __future__ import annotations

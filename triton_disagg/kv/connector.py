@@ -14,10 +14,11 @@ which names the memory's device, so that a pool in device memory fits the same i
   layout and strategy); :meth:`~KVConnector.start_fetch` starts filling the first blocks of
   a reservation and returns a :class:`Transfer` to :meth:`~Transfer.poll` until done.
 
-:func:`make_connector` chooses the implementation from :data:`STRATEGIES`, the one place
-that knows the strategies by name (``direct_transfer``: :mod:`triton_disagg.kv.nixl`;
-``host_memory``: :mod:`triton_disagg.kv.host_memory`); other code asks :func:`strategy`
-for a strategy's properties instead of comparing names.
+:func:`make_connector` chooses the implementation from :data:`STRATEGIES`, the one map
+from a strategy's name to its implementation and properties (``direct_transfer``:
+:mod:`triton_disagg.kv.nixl`; ``host_memory``: :mod:`triton_disagg.kv.host_memory`;
+:mod:`triton_disagg.kv.handle` keys each one's handle fields by the same names); other
+code asks :func:`strategy` for a strategy's properties instead of comparing names.
 """
 
 from __future__ import annotations
