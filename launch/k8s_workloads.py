@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.kubernetes import IN_CLUSTER, KubernetesConfig
 from triton_disagg.errors import UserError
+from triton_disagg.kv.connector import strategy as kv_strategy
 from triton_disagg.kv.secret import SECRET_ENV
 
 from .drain import DRAIN_SECONDS, NOTICE_SECONDS
@@ -64,7 +65,7 @@ def units(config: DisaggConfig) -> tuple[Unit, ...]:
     """The Deployments of ``config`` (module docstring)."""
     if config.mode == "aggregated":
         return Unit("generation", ("generation",)), Unit("scheduler", ("scheduler",))
-    if config.kv_cache.strategy == "host_memory":
+    if kv_strategy(config.kv_cache.strategy).needs_one_host:
         for role in ("context", "generation"):
             given = config.kubernetes.scaling.get(role)
             if given is not None and given.max_replicas > 1:
@@ -122,7 +123,7 @@ def pod_config(raw: dict, config: DisaggConfig) -> dict:
 def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
     k8s = config.kubernetes
     staged = config.kv_cache.max_size * config.context.instances if (
-        "context" in unit.roles and config.kv_cache.strategy == "host_memory") else 0
+        "context" in unit.roles and kv_strategy(config.kv_cache.strategy).needs_one_host) else 0
     pod = {
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,

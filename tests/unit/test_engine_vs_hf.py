@@ -111,14 +111,34 @@ def test_mixed_batch_with_continuous_batching_matches_hf(family, engines, tiny_c
     assert engine.pool.num_used == 0
 
 
+class CopiedKV:
+    """A prefill's KV as the generation engine fetches it (the KV handoff): copied and
+    converted into the blocks the scheduler reserved when it starts, then the context's
+    blocks are freed; done at once."""
+
+    def __init__(self, context: LLMEngine, generation: LLMEngine, result):
+        self.context, self.generation, self.result = context, generation, result
+        self.num_tokens = result.num_tokens
+
+    def start(self, block_ids):
+        from triton_disagg.kv.layout import write_blocks
+
+        dst = block_ids[:self.generation.pool.geometry.blocks_for(self.num_tokens)]
+        write_blocks(self.context.pool.read_blocks(self.result.block_ids), self.num_tokens,
+                     self.generation.pool.array, dst)
+        self.context.pool.free(self.result.block_ids)
+        return self
+
+    def poll(self):
+        return self.num_tokens
+
+
 @pytest.mark.parametrize("family, generation_block", [("llama", 4), ("gpt2", 4), ("llama", 8)])
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=20),
                                     SamplingParams(max_tokens=20, temperature=0.9, top_k=50,
                                                    seed=11, repetition_penalty=1.2)])
 def test_prefill_only_then_add_prefilled_equals_aggregated(family, generation_block, params,
                                                            engines):
-    from triton_disagg.kv.layout import write_blocks
-
     context = LLMEngine(engines[family])
     generation = LLMEngine(engines[family], kv_layout=KVLayout(tokens_per_block=generation_block))
     prompts = prompts_for(context)
@@ -126,17 +146,14 @@ def test_prefill_only_then_add_prefilled_equals_aggregated(family, generation_bl
     results = context.prefill_only([(f"r{i}", p, params) for i, p in enumerate(prompts)])
     for prompt, result in zip(prompts, results):
         assert result.num_tokens == len(prompt) and result.finish_reason is None
-        blocks = generation.pool.allocate(generation.pool.geometry.blocks_for(len(prompt)))
-        write_blocks(context.pool.read_blocks(result.block_ids), result.num_tokens,
-                     generation.pool.array, blocks)                  # the KV handoff
-        context.pool.free(result.block_ids)
-        generation.add_prefilled(result.request_id, prompt, result.token_id, blocks, params)
-    assert context.pool.num_used == 0
+        generation.add_prefilled(result.request_id, prompt, result.token_id, params,
+                                 CopiedKV(context, generation, result))
     got = {r.request_id: [r.token_id] for r in results}
     while generation.has_unfinished():
         for event in generation.step():
             got[event.request_id].append(event.token_id)
     assert [got[r.request_id] for r in results] == expected
+    assert context.pool.num_used == 0
     assert generation.pool.num_used == 0
 
 
@@ -206,12 +223,16 @@ def test_invalid_requests_raise_clear_errors_and_abort_frees(engines):
         engine.prefill_only([("p", [1] * 12, params)] * 3)
     (done,) = engine.prefill_only([("p", [1, 2], SamplingParams(max_tokens=1))])
     assert done.finish_reason == "length" and done.block_ids == [] and engine.pool.num_used == 0
-    blocks = engine.pool.allocate(1)
     with pytest.raises(RequestError, match="already finished"):
-        engine.add_prefilled("p", [1, 2], 5, blocks, SamplingParams(max_tokens=1))
-    # The prompt fills 1 block of 4; with max_tokens 4 the request holds at most 2.
-    for ids in ([], blocks * 3):
-        with pytest.raises(RequestError, match=f"got {len(ids)} block ids"):
-            engine.add_prefilled("p", [1, 2], 5, ids, params)
-    engine.pool.free(blocks)
+        engine.add_prefilled("p", [1, 2], 5, SamplingParams(max_tokens=1), TwoTokensOfKV)
+    # The prompt has 2 tokens; KV of any other length is refused.
+    for prompt in ([1], [1, 2, 3]):
+        with pytest.raises(RequestError, match="the KV to fetch holds 2"):
+            engine.add_prefilled("p", prompt, 5, params, TwoTokensOfKV)
     assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
+class TwoTokensOfKV:
+    """A remote prompt KV of 2 tokens that is never fetched (its request is refused)."""
+
+    num_tokens = 2

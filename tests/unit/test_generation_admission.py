@@ -4,7 +4,7 @@ hold one max_seq_len sequence is refused at start-up.
 
 The generation pool here has 10 blocks of 4 tokens; a "4+4" request has a 16-token
 prompt (4 blocks of KV fetched) and 17 max_tokens (4 more blocks to decode into). The KV
-moves by a plain copy between the two pools (:class:`CopyReceiver`): the transports have
+moves by a plain copy between the two pools (:class:`CopyConnector`): the transports have
 their own tests (test_kv_exchange.py); these are about when and into what it moves.
 """
 
@@ -24,6 +24,8 @@ from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.side import GenerationSide, Work
+from triton_disagg.kv.connector import Completed
+from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
 WAIT_SECONDS = 20.0
@@ -33,38 +35,35 @@ WAIT_SECONDS = 20.0
 class CopyHandle:
     num_tokens: int
     block_ids: list[int]          # in the context pool, which the handle owns
+    request_id: str
 
 
-class CopyReceiver:
-    """Receiver's ``fetch`` contract over a plain copy: fill the first blocks of the
-    reservation with the handle's KV, then free the context blocks (as a transport does)."""
+class CopyConnector:
+    """The connector's ``start_fetch`` contract over a plain copy: fill the first blocks of
+    the reservation with the handle's KV, then free the context blocks (as a transport
+    does); the fetch is complete when it returns. Each start is recorded, and waits for
+    ``release``: the loop then meets every submitted request at once (as under load),
+    deterministically."""
 
     def __init__(self, context: LLMEngine, generation: LLMEngine):
         self.context, self.generation = context, generation
+        self.started, self.release = [], threading.Event()
+        self.release.set()
+        self.failing: set[str] = set()          # request ids whose fetch raises
 
-    def fetch(self, handle: CopyHandle, reserved):
+    def start_fetch(self, handle: CopyHandle, reserved):
+        self.started.append(handle.request_id)
+        self.release.wait(WAIT_SECONDS)
+        if handle.request_id in self.failing:
+            self.context.pool.free(handle.block_ids)
+            raise RuntimeError(f"KV lease of {handle.request_id} expired")
         blocks = list(reserved[:len(handle.block_ids)])
         self.generation.pool.write_blocks(blocks, self.context.pool.read_blocks(handle.block_ids))
         self.context.pool.free(handle.block_ids)
+        return Completed(TransferStats(0, 0.0))
 
     def close(self):
         pass
-
-
-class GatedSide:
-    """A GenerationSide whose ``admit`` waits for ``release`` and records each call: the
-    loop then meets every submitted request at once (as under load), deterministically."""
-
-    def __init__(self, side: GenerationSide):
-        self.side, self.release, self.admitted = side, threading.Event(), []
-
-    def __getattr__(self, name):
-        return getattr(self.side, name)
-
-    def admit(self, engine, request_id, work):
-        self.admitted.append(request_id)
-        self.release.wait(WAIT_SECONDS)
-        self.side.admit(engine, request_id, work)
 
 
 @pytest.fixture
@@ -72,7 +71,7 @@ def sides(demo_engine):
     context = LLMEngine(demo_engine, num_blocks=64, kv_layout=LAYOUT)
     generation = LLMEngine(demo_engine, num_blocks=10, kv_layout=LAYOUT)
     side = GenerationSide(generation, None)
-    side.receiver = CopyReceiver(context, generation)
+    side.connector = CopyConnector(context, generation)
     return context, side
 
 
@@ -122,7 +121,7 @@ def handed_off(context, rid, prompt, params):
     """Prefill ``prompt`` on the context engine: its first token and generation_only Work."""
     (result,) = context.prefill_only([(rid, prompt, params)])
     request = EngineRequest(prompt + [result.token_id], params, streaming=False)
-    handle = CopyHandle(result.num_tokens, result.block_ids)
+    handle = CopyHandle(result.num_tokens, result.block_ids, rid)
     return result.token_id, Work(P.GENERATION_ONLY, request, handle)
 
 
@@ -131,8 +130,9 @@ def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
     requests = {"a": (list(range(5, 21)), SamplingParams(max_tokens=17)),    # 4+4 blocks
                 "b": (list(range(30, 46)), SamplingParams(max_tokens=17)),   # 4+4 blocks
                 "c": ([7, 8, 9, 10], SamplingParams(max_tokens=5))}          # 1+1 blocks
-    gated, finals = GatedSide(side), Finals()
-    loop = DecodeLoop(side.engine, finals, gated, stops=StopsFor("d"))
+    gated, finals = side.connector, Finals()
+    gated.release.clear()
+    loop = DecodeLoop(side.engine, finals, side, stops=StopsFor("d"))
     firsts = {}
     for rid, (prompt, params) in requests.items():
         firsts[rid], work = handed_off(context, rid, prompt, params)
@@ -146,7 +146,7 @@ def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
     finally:
         loop.close()
     # c would fit beside a, but waits behind b (FIFO); each is admitted once, no retries.
-    assert gated.admitted == ["a", "b", "c"]
+    assert gated.started == ["a", "b", "c"]
     (event,) = finals.emits["d"]
     assert event.error is None and event.finish_reason == "cancelled" and event.tokens == []
     context.pool.free(cancelled.handle.block_ids)        # as its lease expiring would
@@ -180,11 +180,33 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_once(sides):
     assert finals.emits["ok"][-1].error is None and side.engine.pool.num_used == 0
 
 
+def test_a_failing_fetch_fails_its_request_alone_and_frees_its_blocks(sides):
+    context, side = sides
+    side.connector.failing.add("lost")
+    finals = Finals()
+    loop = DecodeLoop(side.engine, finals, side)
+    prompts = {"lost": [5, 6, 7, 8, 9], "ok": [7, 8, 9]}
+    firsts = {}
+    for rid, prompt in prompts.items():
+        firsts[rid], work = handed_off(context, rid, prompt, SamplingParams(max_tokens=4))
+        loop.submit(rid, work, "ipc:///orchestrator")
+    try:
+        assert finals.wait(2), "a request never ended"
+    finally:
+        loop.close()
+    (event,) = finals.emits["lost"]
+    assert event.tokens == [] and event.error == "KV lease of lost expired"
+    (whole,) = context.generate([prompts["ok"]], SamplingParams(max_tokens=4))
+    assert [firsts["ok"]] + finals.tokens("ok") == whole.output_ids
+    assert [e.final for e in finals.emits["ok"]] == [True] and finals.emits["ok"][0].error is None
+    assert side.engine.pool.num_used == 0 and context.pool.num_used == 0
+
+
 def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_engine):
     from triton_disagg.config.disagg import parse_config
     from triton_disagg.engine.spec import EngineSpec
     from triton_disagg.engine.capacity import check_kv_capacity
-    from triton_disagg.kv.sides import make_engine
+    from triton_disagg.engine.capacity import make_engine
 
     spec = EngineSpec.load(demo_engine)
     geometry = spec.block_geometry()

@@ -25,8 +25,8 @@ from typing import Iterator, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
 from triton_disagg.errors import UserError
-
-STRATEGIES = ("direct_transfer", "host_memory")
+from triton_disagg.kv.connector import STRATEGIES
+from triton_disagg.kv.connector import strategy as kv_strategy
 WARMUP_REQUESTS = 5
 KV_MAX_SIZE = "64MB"     # per pool: the demo engine's 2,048-token sequence needs 8 MiB
 
@@ -69,7 +69,7 @@ class Row:
     def of_vm_readv(self) -> float | None:
         """Share of ``process_vm_readv``'s GB/s: the bound of a NIXL READ on one host, so
         direct_transfer's only (None for host_memory, or when it was refused)."""
-        if self.strategy != "direct_transfer" or self.vm_readv_gbps is None:
+        if not kv_strategy(self.strategy).reads_peer_memory or self.vm_readv_gbps is None:
             return None
         return self.gbps / self.vm_readv_gbps
 
@@ -204,7 +204,7 @@ def _row(r: Row) -> str:
 
 def verdict(rows: Sequence[Row]) -> str:
     """Issue 9's direct_transfer targets, as far as ``rows`` measure them."""
-    direct = {r.tokens: r for r in rows if r.strategy == "direct_transfer"}
+    direct = {r.tokens: r for r in rows if kv_strategy(r.strategy).reads_peer_memory}
     said, holds = [], ("MISSES", "holds")
     if r := direct.get(64):
         said.append(f"p50 ≤ 2 ms at 64 tokens {holds[r.p50_le <= 0.002]} "

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.args import number_list
     from triton_disagg.bench.soak_report import markdown
     from triton_disagg.bench.soak_tools import find_genai_perf
-    from triton_disagg.config.disagg import STRATEGIES
+    from triton_disagg.kv.connector import STRATEGIES
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or set(strategies) - set(STRATEGIES):

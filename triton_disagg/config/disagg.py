@@ -54,9 +54,9 @@ from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.config.values import (count, int_list, is_loopback, mapping, number,
                                          parse_size, parse_url)
 from triton_disagg.errors import UserError
+from triton_disagg.kv.connector import strategy as kv_strategy
 
 MODES = ("disaggregated", "aggregated")
-STRATEGIES = ("direct_transfer", "host_memory")
 ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
@@ -263,9 +263,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
         raise UserError(f"decoupled_mode: {decoupled!r} must be true (streaming) or false "
                         f"(plain infer(), one response per request)")
     kv_raw = mapping(top.get("kv_cache"), "kv_cache", {"strategy", "max_size", "lease_seconds"})
-    strategy = kv_raw.get("strategy", "direct_transfer")
-    if strategy not in STRATEGIES:
-        raise UserError(f"kv_cache.strategy: {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    strategy = kv_strategy(kv_raw.get("strategy", "direct_transfer")).name
     kv = KVCacheConfig(strategy=strategy,
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
                        lease_seconds=number(kv_raw.get("lease_seconds", 30.0),
@@ -375,9 +373,10 @@ def _check_kv_hosts(config: DisaggConfig) -> None:
     hosts = {u.rsplit(":", 1)[0].lower() for role in ("context", "generation")
              for u in config.server(role).urls}
     remote = sorted(h for h in hosts if not is_loopback(h))
-    if (config.kv_cache.strategy == "host_memory" and config.mode == "disaggregated"
+    if (kv_strategy(config.kv_cache.strategy).needs_one_host and config.mode == "disaggregated"
             and config.context.urls and config.generation.urls and len(remote) > 1):
-        raise UserError(f"kv_cache.strategy: host_memory needs context and generation on one "
+        raise UserError(f"kv_cache.strategy: {config.kv_cache.strategy} needs context and "
+                        f"generation on one "
                         f"host (it stages the KV cache in /dev/shm), but their urls name "
                         f"{' and '.join(remote)}; use direct_transfer across hosts")
 

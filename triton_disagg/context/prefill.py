@@ -10,9 +10,12 @@ retried one by one); ``execute`` never waits for memory: a request whose KV
 blocks or staging slots are not free now gets an error starting with
 ``protocol.CONTEXT_BUSY`` at once (back-pressure: the orchestrator retries it),
 so the instance goes on serving prompts that fit; every result either carries a
-handle that owns its blocks or has no blocks; :attr:`ContextSide.queued_tokens` counts the
-prompt tokens of the batches inside :meth:`ContextSide.prefill` (0 when none is), which the
-reporter publishes as ``disagg_queued_prompt_tokens`` with the pool gauges.
+handle that owns its blocks or has no blocks (the KV connector,
+:mod:`triton_disagg.kv.connector`, frees them exactly once); the pool is only touched
+under ``lock``, since a connector frees handed-off blocks from its own thread;
+:attr:`ContextSide.queued_tokens` counts the prompt tokens of the batches inside
+:meth:`ContextSide.prefill` (0 when none is), which the reporter publishes as
+``disagg_queued_prompt_tokens`` with the pool gauges.
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
 from triton_disagg.engine.block_pool import KVCacheFullError
 from triton_disagg.errors import RequestError
+from triton_disagg.kv.connector import ConnectorError, HandoffBusy, connector_for
 from triton_disagg.kv.handle import HandleError
-from triton_disagg.kv.host_memory import StagingError, StagingFullError
-from triton_disagg.kv.nixl_agent import TransferError
 from triton_disagg.triton import engine_request
 from triton_disagg.triton.engine_request import EngineRequest
-from triton_disagg.kv.sides import Sender
 
 REPORT_SECONDS = 0.5
 
@@ -41,7 +42,7 @@ class ContextSide:
                  metrics: Any = None):
         self.engine, self.metrics = engine, metrics
         self.lock = threading.Lock()
-        self.sender = Sender(engine, settings, instance, self.lock)
+        self.connector = connector_for(settings, engine, instance, self.free)
         self.queued_tokens = 0
         self._queued_lock = threading.Lock()
         self.closed = threading.Event()
@@ -69,11 +70,16 @@ class ContextSide:
         with self._queued_lock:
             self.queued_tokens += tokens
 
+    def free(self, block_ids: list[int]) -> None:
+        """Return blocks to the pool (the connector's ``free_blocks``; any thread)."""
+        with self.lock:
+            self.engine.pool.free(block_ids)
+
     def release(self, handle: bytes) -> None:
         """Give back the KV of a handle that will not be fetched (RequestError if invalid)."""
         try:
-            self.sender.release(handle)
-        except (HandleError, TransferError, StagingError) as exc:
+            self.connector.release(handle)
+        except (HandleError, ConnectorError) as exc:
             raise RequestError(f"{P.CONTEXT_PHASE_PARAMS}: cannot release: {exc}") from None
 
     def _one(self, item: tuple[str, EngineRequest]) -> Any:
@@ -93,8 +99,8 @@ class ContextSide:
         handle = b""
         if result.block_ids:
             try:
-                handle = self.sender.hand_off(result.block_ids, result.num_tokens)
-            except StagingFullError as exc:
+                handle = self.connector.export(result.block_ids, result.num_tokens)
+            except HandoffBusy as exc:
                 return RequestError(f"{P.CONTEXT_BUSY}: {exc}")
             except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
                 return RequestError(f"KV handoff failed: {exc}")
@@ -105,7 +111,7 @@ class ContextSide:
         """Load gauges and expired leases, also while idle (leases end on other threads). The
         queue is read before the engine lock, which a prefill holds."""
         while not self.closed.wait(REPORT_SECONDS):
-            expired = self.sender.expired_total()
+            expired = self.connector.expired_total()
             if self.metrics is not None:
                 self.metrics.queued_prompt_tokens(self.queued_tokens)
                 with self.lock:
@@ -116,7 +122,7 @@ class ContextSide:
     def close(self) -> None:
         self.closed.set()
         self.reporter.join()
-        self.sender.close()
+        self.connector.close()
 
 
 def _refusal(exc: Exception) -> RequestError:

@@ -4,7 +4,9 @@ A pool smaller than one ``max_seq_len`` sequence refuses some valid requests for
 so it is a config mistake, reported as one :class:`UserError` line naming
 ``kv_cache.max_size``, the size needed and the fix. :func:`check_kv_capacity` checks a
 whole config before Triton starts (cheap: it reads ``engine.json`` only);
-:func:`check_pool` is the same check for one model instance, run from ``initialize``.
+:func:`check_pool` is the same check for one model instance, run by :func:`make_engine`
+(the instance's engine, its pool sized by ``kv_cache.max_size`` and the side's
+``tokens_per_block`` / ``kv_dtype``) from ``initialize``.
 
 Invariant: a pool passes exactly when it holds the KV of the longest sequence the engine
 runs, ``max_context - 1`` tokens (the last generated token's KV is never written).
@@ -12,11 +14,15 @@ runs, ``max_context - 1`` tokens (the last generated token's KV is never written
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from triton_disagg.engine.spec import EngineSpec, KVLayout
 from triton_disagg.errors import UserError
 from triton_disagg.engine.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from triton_disagg.config.settings import EngineSettings
+    from triton_disagg.engine.llm_engine import LLMEngine
 
 
 def kv_layout(spec: EngineSpec, tokens_per_block: int | None, kv_dtype: str | None) -> KVLayout:
@@ -54,3 +60,13 @@ def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
             check_pool(spec, layout, config.kv_cache.max_size, role)
         except UserError as exc:
             raise UserError(f"{config.source}: {exc}") from None
+
+
+def make_engine(settings: "EngineSettings", role: str) -> "LLMEngine":
+    """A context or generation instance's engine (``role`` names it in the capacity error)."""
+    from triton_disagg.engine.llm_engine import LLMEngine
+
+    spec = EngineSpec.load(settings.engine)
+    layout = kv_layout(spec, settings.tokens_per_block, settings.kv_dtype)
+    check_pool(spec, layout, settings.kv_max_size, role)
+    return LLMEngine(settings.engine, kv_max_bytes=settings.kv_max_size, kv_layout=layout)

@@ -8,15 +8,17 @@ Three ways in, so that aggregated and disaggregated serving share one engine:
 - :meth:`LLMEngine.prefill_only` (the context side): prefill a batch, sample each first
   token, and hand the filled KV blocks to the caller, who owns them from then on and
   frees them with ``engine.pool.free(block_ids)`` once they are transferred.
-- :meth:`LLMEngine.add_prefilled` (the generation side): take a sequence whose prompt KV
-  already sits in this engine's pool, plus its first token; it then only decodes.
+- :meth:`LLMEngine.add_prefilled` (the generation side): queue a sequence whose prompt KV
+  comes from another instance (a :class:`~triton_disagg.engine.sequence.RemoteKV`), plus
+  its first token; once admitted it fetches that KV into its blocks, then only decodes.
 
-The generation side takes a sequence's :meth:`LLMEngine.blocks_needed` blocks before it
-enters (``add_request(reserve=True)``; ``add_prefilled`` given them all), so a queued
-sequence waits only for a batch slot, never for blocks other queued ones hold.
+Every request waits in the one queue of :class:`~triton_disagg.engine.scheduler.Scheduler`
+(FIFO, every block a sequence will hold taken before any KV moves); a request the pool
+could never hold is refused when it is added.
 
-Invariant: once every request has finished or been aborted, ``pool.num_used == 0``
-(except blocks handed out by :meth:`prefill_only`, which belong to the caller).
+Invariant: once every request has finished or been aborted and every fetch has ended,
+``pool.num_used == 0`` (except blocks handed out by :meth:`prefill_only`, which belong
+to the caller).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import numpy as np
 
 from triton_disagg.engine.model import ModelRunner
 from triton_disagg.engine.sampling import Sampler, SamplingParams
-from triton_disagg.engine.scheduler import Scheduler
-from triton_disagg.engine.sequence import FinishReason, Sequence, TokenEvent
+from triton_disagg.engine.scheduler import KVArrival, Scheduler
+from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, TokenEvent
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
@@ -77,11 +79,9 @@ class LLMEngine:
 
     # ---- aggregated serving -----------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
-                    reserve: bool = False) -> None:
-        """Queue a request; raises :class:`RequestError` if it is invalid or can never fit.
-        ``reserve``: take its blocks now, or raise :class:`KVCacheFullError` (queue nothing)."""
-        self._enqueue(self._new_sequence(request_id, prompt_ids, params), reserve)
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Queue a request; raises :class:`RequestError` if it is invalid or can never fit."""
+        self._enqueue(self._new_sequence(request_id, prompt_ids, params))
 
     def blocks_needed(self, request_id: str, num_prompt_tokens: int,
                       params: SamplingParams) -> int:
@@ -113,6 +113,16 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request and free its blocks; False if unknown."""
         return self.scheduler.abort(request_id)
+
+    def admitted(self, request_id: str) -> bool:
+        """Does the request hold its blocks (running, or waiting for its KV or a batch slot)?"""
+        seq = self.scheduler.find(request_id)
+        return seq is not None and bool(seq.block_table.block_ids)
+
+    def take_kv_arrivals(self) -> list[KVArrival]:
+        """The remote-KV fetches that ended since the last call (a failed one ended its
+        request, whose blocks are free)."""
+        return self.scheduler.take_kv_arrivals()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -161,24 +171,17 @@ class LLMEngine:
                 for s, e in zip(seqs, events)]
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
-                      block_ids: Seq[int], params: SamplingParams,
-                      first_logprob: float = 0.0) -> None:
-        """Queue a sequence whose prompt KV is already in ``block_ids`` of this pool.
+                      params: SamplingParams, kv: RemoteKV, first_logprob: float = 0.0) -> None:
+        """Queue a sequence whose prompt KV ``kv`` brings from another instance.
 
-        The prompt's KV fills the first blocks, in position order; any more (up to
-        :meth:`blocks_needed`) are reserved for the tokens to come. The engine owns
-        ``block_ids`` once this returns (it frees them when the request ends); if it
-        raises, they stay the caller's. The first token must not already finish the
-        request (see ``PrefillResult``).
+        Once admitted (all its blocks taken) the sequence starts ``kv``'s fetch into its
+        first blocks and waits for it; then it only decodes. The first token must not
+        already finish the request (see ``PrefillResult``).
         """
         seq = self._new_sequence(request_id, prompt_ids, params)
-        geometry = self.pool.geometry
-        least = geometry.blocks_for(len(seq.prompt_ids))
-        most = self.blocks_needed(request_id, len(seq.prompt_ids), params)
-        if not least <= len(block_ids) <= most:
-            raise RequestError(f"request {request_id}: its prompt fills {least} KV blocks and it "
-                               f"holds at most {most}; got {len(block_ids)} block ids")
-        seq.block_table = BlockTable(geometry.tokens_per_block, block_ids, len(seq.prompt_ids))
+        if kv.num_tokens != len(seq.prompt_ids):
+            raise RequestError(f"request {request_id}: its prompt has {len(seq.prompt_ids)} "
+                               f"tokens but the KV to fetch holds {kv.num_tokens}")
         if not 0 <= int(first_token) < self.spec.shape.vocab_size:
             raise RequestError(f"request {request_id}: first token {first_token} is outside "
                                f"the vocabulary [0, {self.spec.shape.vocab_size})")
@@ -186,6 +189,7 @@ class LLMEngine:
         if seq.finished:
             raise RequestError(f"request {request_id} already finished at its first token "
                                f"({seq.finish_reason}); there is nothing to generate")
+        seq.remote_kv = kv
         self._enqueue(seq)
 
     # ---- internals --------------------------------------------------------------------
@@ -220,12 +224,10 @@ class LLMEngine:
     def _max_total(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         return min(num_prompt_tokens + params.max_tokens, self.runner.max_context)
 
-    def _enqueue(self, seq: Sequence, reserve: bool = False) -> None:
+    def _enqueue(self, seq: Sequence) -> None:
         if seq.request_id in self.scheduler:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
         self.blocks_needed(seq.request_id, len(seq.prompt_ids), seq.params)
-        if reserve:
-            seq.block_table.reserve(self.pool, Scheduler.tokens_to_reserve(seq))
         self.scheduler.add(seq)
 
     def _prefill(self, seqs: list[Sequence]) -> list[TokenEvent]:

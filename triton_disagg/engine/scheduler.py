@@ -1,23 +1,44 @@
-"""Continuous-batching admission over a block pool.
+"""Continuous-batching admission over a block pool: an engine instance's one waiting queue.
 
-Policy: FIFO, "guaranteed no evict" (TensorRT-LLM's default capacity policy). A waiting
-sequence is admitted only when the batch has room (``max_batch_size``) and the pool
-can reserve every block the sequence can ever need (``max_total - 1`` tokens of KV), so
-a running sequence never waits for memory and is never preempted. The head of the
-queue blocks those behind it, so nobody starves. A waiting sequence may hold its whole
-reservation already (the generation side reserves before it queues, so that queued
-sequences never hold blocks the head needs); it then waits only for a batch slot.
+Policy: FIFO, "guaranteed no evict" (TensorRT-LLM's default capacity policy). The head of
+``waiting`` takes every block it can ever need (``max_total - 1`` tokens of KV) as soon
+as they are free, before any KV moves; those behind it wait, so nobody starves and no
+queued sequence holds blocks the head needs. A sequence whose prompt KV comes from
+another instance (``remote_kv``, the generation side) then starts its fetch into those
+blocks and waits in the ``waiting_for_remote_kv`` state (vLLM v1's WAITING_FOR_REMOTE_KVS)
+until the fetch polls done; a failed fetch ends that sequence alone, frees its blocks
+and is reported by :meth:`Scheduler.take_kv_arrivals`. A sequence holding its blocks
+and its KV joins ``running`` in queue order while the batch has room
+(``max_batch_size``), passing over those still fetching. A running sequence never
+waits for memory and is never preempted.
 
-Invariants: a sequence is in at most one of ``waiting`` / ``running``; every running
-sequence holds its full reservation; a finished or aborted sequence holds no blocks.
+Invariants: a sequence is in at most one of ``waiting`` / ``running``; in ``waiting``
+the sequences holding their reservation come before those without; every running
+sequence holds its full reservation and its KV; a finished or aborted sequence holds no
+blocks, except that the blocks of a fetch in flight are freed only once it polls done
+or failed (an aborted one waits in ``draining`` until then).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
-from triton_disagg.engine.sequence import Sequence
 from triton_disagg.engine.block_pool import BlockPool
+from triton_disagg.engine.sequence import Sequence
+
+WAITING, WAITING_FOR_REMOTE_KV, RUNNING = "waiting", "waiting_for_remote_kv", "running"
+
+
+@dataclass(frozen=True)
+class KVArrival:
+    """A remote-KV fetch that ended: ``result`` is its ``poll()`` value (e.g. TransferStats);
+    with ``error`` set, the request is gone and its blocks are free."""
+
+    request_id: str
+    result: Any = None
+    error: Exception | None = None
 
 
 class Scheduler:
@@ -26,12 +47,18 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.draining: list[Sequence] = []     # aborted while fetching: blocks still lent
+        self.arrivals: list[KVArrival] = []
 
     def __contains__(self, request_id: str) -> bool:
-        return any(s.request_id == request_id for s in (*self.waiting, *self.running))
+        return self.find(request_id) is not None
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in (*self.waiting, *self.running) if s.request_id == request_id),
+                    None)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.draining)
 
     @staticmethod
     def tokens_to_reserve(seq: Sequence) -> int:
@@ -39,20 +66,71 @@ class Scheduler:
         return seq.max_total - 1 - seq.block_table.num_tokens
 
     def add(self, seq: Sequence) -> None:
+        seq.status = WAITING
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
-        """Move what fits from ``waiting`` to ``running``; return those that need prefill."""
+        """Reserve for the head, poll fetches, move what is ready to ``running`` (policy in
+        the module docstring); return the newly running sequences that need prefill."""
+        self._reserve()
+        self._poll()
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            table = seq.block_table
-            if table.blocks_needed(self.tokens_to_reserve(seq)) > self.pool.num_free:
-                break
-            table.reserve(self.pool, self.tokens_to_reserve(seq))
-            self.running.append(self.waiting.popleft())
-            admitted.append(seq)
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_batch_size or not seq.block_table.block_ids:
+                break                                   # the batch is full / none reserved
+            if seq.status == WAITING:
+                self.waiting.remove(seq)
+                seq.status = RUNNING
+                self.running.append(seq)
+                admitted.append(seq)
         return [s for s in admitted if s.needs_prefill]
+
+    def _reserve(self) -> None:
+        for seq in list(self.waiting):
+            table = seq.block_table
+            if table.block_ids:
+                continue
+            if table.blocks_needed(self.tokens_to_reserve(seq)) > self.pool.num_free:
+                return
+            table.reserve(self.pool, self.tokens_to_reserve(seq))
+            if seq.remote_kv is not None:
+                seq.status = WAITING_FOR_REMOTE_KV
+                try:
+                    seq.transfer = seq.remote_kv.start(list(table.block_ids))
+                except Exception as exc:  # noqa: BLE001 - that request fails alone
+                    self._end_fetch(seq, KVArrival(seq.request_id, error=exc))
+                    continue
+                table.advance(seq.remote_kv.num_tokens)
+
+    def _poll(self) -> None:
+        for seq in [s for s in (*self.waiting, *self.draining) if s.transfer is not None]:
+            try:
+                result = seq.transfer.poll()
+            except Exception as exc:  # noqa: BLE001 - that request fails, the rest go on
+                self._end_fetch(seq, KVArrival(seq.request_id, error=exc))
+                continue
+            if result is not None:
+                self._end_fetch(seq, KVArrival(seq.request_id, result))
+
+    def _end_fetch(self, seq: Sequence, arrival: KVArrival) -> None:
+        """The fetch of ``seq`` ended: it is ready, failed (gone), or was aborted before."""
+        seq.transfer = None
+        if seq in self.draining:
+            self.draining.remove(seq)
+            seq.block_table.release(self.pool)
+            return
+        self.arrivals.append(arrival)
+        if arrival.error is None:
+            seq.status = WAITING
+            return
+        self.waiting.remove(seq)
+        seq.block_table.release(self.pool)
+        seq.finish_reason = "aborted"
+
+    def take_kv_arrivals(self) -> list[KVArrival]:
+        """The fetches that ended since the last call, in the order they ended."""
+        arrivals, self.arrivals = self.arrivals, []
+        return arrivals
 
     def retire_finished(self) -> None:
         """Release the blocks of finished running sequences and drop them."""
@@ -61,12 +139,15 @@ class Scheduler:
             seq.block_table.release(self.pool)
 
     def abort(self, request_id: str) -> bool:
-        """Finish the request as "aborted" and free its blocks; False if it is unknown."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    seq.block_table.release(self.pool)
-                    seq.finish_reason = "aborted"
-                    return True
-        return False
+        """Finish the request as "aborted" and free its blocks (once its fetch, if one is
+        in flight, has ended); False if it is unknown."""
+        seq = self.find(request_id)
+        if seq is None:
+            return False
+        (self.running if seq.status == RUNNING else self.waiting).remove(seq)
+        seq.finish_reason = "aborted"
+        if seq.transfer is not None:
+            self.draining.append(seq)
+        else:
+            seq.block_table.release(self.pool)
+        return True

@@ -1,15 +1,16 @@
 """The state of one request inside the engine, and the events a step emits.
 
-Invariants of a :class:`Sequence`: once it has a generated token, its block table holds
-the KV of ``num_tokens - 1`` tokens (all but the newest generated one, which the next
-decode step feeds); once admitted, its blocks are reserved for ``max_total - 1`` tokens,
-so decode never allocates. ``finish_reason`` is set once and never changes.
+Invariants of a :class:`Sequence`: once running with a generated token, its block table
+holds the KV of ``num_tokens - 1`` tokens (all but the newest generated one, which the
+next decode step feeds; a sequence with remote KV gets its first token when queued and
+that KV before it runs); once admitted, its blocks are reserved for ``max_total - 1``
+tokens, so decode never allocates. ``finish_reason`` is set once and never changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.block_pool import BlockTable
@@ -28,6 +29,19 @@ class TokenEvent:
     finish_reason: FinishReason | None
 
 
+class RemoteKV(Protocol):
+    """Where a sequence's prompt KV comes from (the generation side's KV connector).
+
+    ``start(block_ids)`` begins moving ``num_tokens`` tokens of KV into the first of
+    ``block_ids`` (the sequence's blocks in position order) and returns a transfer whose
+    ``poll()`` is None while in flight, its result once done, and raises if it failed.
+    """
+
+    num_tokens: int
+
+    def start(self, block_ids: list[int]) -> Any: ...
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -38,6 +52,9 @@ class Sequence:
     max_total: int                 # prompt + generated tokens allowed (max_tokens, max_seq_len)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    remote_kv: RemoteKV | None = None  # its prompt KV comes from another instance
+    transfer: Any = None               # that KV's fetch while in flight
+    status: str = "waiting"            # the scheduler's: waiting, waiting_for_remote_kv, running
 
     @property
     def num_tokens(self) -> int:

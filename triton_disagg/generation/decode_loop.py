@@ -1,20 +1,20 @@
 """The generation model's background loop: continuous batching over one engine instance.
 
 ``execute`` only calls :meth:`DecodeLoop.submit` and returns; one thread owns the
-engine: it admits new work between steps, runs ``engine.step()`` (every live sequence
-of the instance in one decode batch, new prompts prefilled as they arrive), turns each
-token into a :class:`~token_wire.StreamEvent` for its request's orchestrator address and,
-once per step, sends every address one message with all of its events (``outbox``).
-Stops arrive on the instance's control socket (``stops``).
+engine. Each iteration takes new work and stops, runs ``engine.step()`` (admission, KV
+fetches polled, every running sequence of the instance in one decode batch, new prompts
+prefilled as they arrive), turns each token into a :class:`~token_wire.StreamEvent` for
+its request's orchestrator address and, once per step, sends every address one message
+with all of its events (``outbox``). Stops arrive on the instance's control socket
+(``stops``).
 
 Invariants:
 
 - only the loop thread touches the engine and the loop's sockets;
-- admission is FIFO and decided before any KV moves: the head of ``waiting``
-  enters the engine once the blocks it will ever hold are free (one comparison
-  per step), taking them all; those behind it wait. Admitted requests therefore
-  never wait on each other's blocks, and a request the pool could never hold is
-  refused when it arrives;
+- admission is the engine scheduler's alone (one FIFO queue, every block a request
+  will hold taken before any KV moves, :mod:`triton_disagg.engine.scheduler`); a
+  request the pool could never hold is refused when it arrives, and a request whose
+  KV fetch fails fails alone;
 - every submitted request gets exactly one final event: its last token (with
   ``finish_reason``), a cancellation (finish_reason ``cancelled``), or an error;
   after that nothing more is sent for it. A request whose events cannot be sent
@@ -23,9 +23,10 @@ Invariants:
   ``stream_interval`` tokens (each token exactly once, in order), then the final
   one; non-streaming ones one event with every token when they finish;
 - nothing in one iteration stops the loop: a failing token hand-off fails that
-  request, a failing engine step the live ones, anything else is logged; a loop stuck
-  ``stuck_seconds`` with work live is reported by its watchdog, which fails its
-  requests (the loop drops them if it comes round).
+  request, a failing engine step the admitted ones (those holding their blocks),
+  anything else is logged; a loop stuck ``stuck_seconds`` with work live is reported by
+  its watchdog, which fails the requests it holds (the loop drops them if it comes
+  round); at shutdown admitted requests are cancelled, queued ones refused.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import zmq
 
-from triton_disagg.generation.decode_requests import Live, Waiting, token_event
+from triton_disagg.generation.decode_requests import Live, token_event
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.sockets import send_errors
 from triton_disagg.generation.watchdog import Watchdog
@@ -47,17 +47,16 @@ from triton_disagg.token_wire import StreamEvent
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
+FETCH_POLL_SECONDS = 0.001     # pace of an iteration that only waits for KV fetches
 _log = logging.getLogger(__name__)
 
 
 class DecodeLoop:
-    """``side`` decides how work enters the engine and hears about it:
-    ``side.blocks_needed(request_id, work)`` (the KV blocks the request will hold; may
-    raise to refuse it, e.g. when the pool could never hold them),
-    ``side.admit(engine, request_id, work)`` (called once those blocks are free: takes
-    them; may raise to refuse the request), ``side.request_done(outcome)`` and
-    ``side.report(live_sequences)`` (load gauges, every ``REPORT_SECONDS``: the requests
-    the loop holds, admitted or waiting).
+    """``side`` puts work into the engine and hears about it: ``side.add(request_id, work)``
+    (queues it in the engine; may raise to refuse it, e.g. when the pool could never hold
+    it), ``side.kv_arrived(result)`` (a request's KV fetch finished),
+    ``side.request_done(outcome)`` and ``side.report(live_sequences)`` (load gauges, every
+    ``REPORT_SECONDS``: the requests the loop holds, admitted or queued).
 
     ``outbox``: ``put(address, event)`` and ``flush() -> request ids not sent``
     (:class:`~generation_sockets.TokenOutbox`); ``stops``: ``take() -> request ids``
@@ -71,8 +70,8 @@ class DecodeLoop:
         self.stream_interval = stream_interval
         self.stops = stops
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.live: dict[str, Live] = {}
-        self.waiting: deque[Waiting] = deque()    # FIFO: the head enters once its blocks free
+        self.live: dict[str, Live] = {}           # every request in the engine
+        self.progressed = True                    # the last step made tokens
         self.abandoned: set[str] = set()          # failed by the watchdog (under ``lock``)
         self.lock = threading.Lock()
         self.running = True
@@ -104,28 +103,33 @@ class DecodeLoop:
                 _log.exception("generation decode loop: an iteration failed")
                 time.sleep(0.01)
             self._flush()
-        for request_id in list(self.live):
+        queued = [rid for rid in self.live if not self.engine.admitted(rid)]
+        for request_id in [rid for rid in self.live if rid not in queued]:
             self.engine.abort(request_id)
             self._finish(request_id, CANCELLED)
-        for waiting in self.waiting:
-            self._refuse(waiting.request_id, waiting.live, "the server is shutting down")
+        for request_id in queued:
+            self.engine.abort(request_id)
+            self._refuse(request_id, self.live.pop(request_id), "the server is shutting down")
         self._flush()
         self.outbox.close()
         if self.stops is not None:
             self.stops.close()
 
     def _iteration(self) -> None:
-        self._drain(wait=0.0 if self.live else REPORT_SECONDS)
+        busy = bool(self.live) or self.engine.has_unfinished()
+        self._drain(wait=REPORT_SECONDS if not busy else 0.0 if self.progressed
+                    else FETCH_POLL_SECONDS)
         for request_id in self.stops.take() if self.stops is not None else ():
             self._stop(request_id)
-        self._admit_waiting()
-        if self.live:
+        if busy or self.live:
             try:
                 events = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - an engine failure fails its requests
-                for request_id in list(self.live):
+                for request_id in [r for r in self.live if self.engine.admitted(r)]:
                     self._fail(request_id, f"engine step failed: {exc}")
                 return
+            self.progressed = bool(events)
+            self._arrivals()
             self._drop_abandoned()
             for event in events:
                 try:
@@ -134,7 +138,7 @@ class DecodeLoop:
                     self._fail(event.request_id, f"generation failed: {exc}")
         if time.monotonic() - self.reported >= REPORT_SECONDS:
             self.reported = time.monotonic()
-            self.side.report(len(self.live) + len(self.waiting))
+            self.side.report(len(self.live))
 
     def _drain(self, wait: float) -> None:
         """Handle every queued item, first waiting up to ``wait`` seconds for one."""
@@ -155,34 +159,25 @@ class DecodeLoop:
         if request_id in self.live:
             self.engine.abort(request_id)
             self._finish(request_id, CANCELLED)
-            return
-        waiting = next((w for w in self.waiting if w.request_id == request_id), None)
-        if waiting is not None:
-            self.waiting.remove(waiting)
-            self.live[request_id] = waiting.live
-            self._finish(request_id, CANCELLED)
 
     def _queue(self, request_id: str, request: Any, live: Live) -> None:
-        if request_id in self.live or any(w.request_id == request_id for w in self.waiting):
+        if request_id in self.live:
             self._refuse(request_id, live, f"request id {request_id!r} is already generating")
             return
         try:
-            blocks = self.side.blocks_needed(request_id, request)
+            self.side.add(request_id, request)
         except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
             self._refuse(request_id, live, str(exc))
             return
-        self.waiting.append(Waiting(request_id, request, live, blocks))
+        self.live[request_id] = live
 
-    def _admit_waiting(self) -> None:
-        """Admit from the head of ``waiting`` while its blocks are free (FIFO)."""
-        while self.waiting and self.waiting[0].blocks <= self.engine.pool.num_free:
-            waiting = self.waiting.popleft()
-            try:
-                self.side.admit(self.engine, waiting.request_id, waiting.work)
-            except Exception as exc:  # noqa: BLE001 - refused request: its error only
-                self._refuse(waiting.request_id, waiting.live, str(exc))
-                continue
-            self.live[waiting.request_id] = waiting.live
+    def _arrivals(self) -> None:
+        """Hear how the KV fetches that ended went; a failed one's request is over."""
+        for arrival in self.engine.take_kv_arrivals():
+            if arrival.error is None:
+                self.side.kv_arrived(arrival.result)
+            elif (live := self.live.pop(arrival.request_id, None)) is not None:
+                self._refuse(arrival.request_id, live, str(arrival.error))
 
     def _on_token(self, event: Any) -> None:
         live = self.live.get(event.request_id)
@@ -224,7 +219,7 @@ class DecodeLoop:
     def _fail_stuck(self) -> None:
         """Watchdog thread: tell every live request's orchestrator, over sockets of its own."""
         with self.lock:
-            stuck = {request_id: live.address for request_id, live in self.live.items()}
+            stuck = {request_id: live.address for request_id, live in list(self.live.items())}
             self.abandoned.update(stuck)
         send_errors(zmq.Context.instance(), stuck, f"generation loop stuck for "
                     f"{self.watchdog.stuck_seconds:g} s; request failed")

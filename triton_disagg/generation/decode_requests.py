@@ -7,7 +7,6 @@ request's last event (plain ints and floats, ready for msgpack).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from triton_disagg.token_wire import StreamEvent
 
@@ -21,14 +20,6 @@ class Live:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     cum_log_prob: float = 0.0
-
-
-@dataclass
-class Waiting:
-    request_id: str
-    work: Any
-    live: Live
-    blocks: int                     # KV blocks it holds once admitted
 
 
 def token_event(request_id: str, live: Live, reason: str | None) -> StreamEvent:

@@ -7,11 +7,11 @@ the engine.
   the prompt's KV is fetched into this instance's pool and the sequence only decodes.
 
 Invariants: :meth:`GenerationSide.prepare` runs in ``execute`` (cheap checks, a
-clear per-request error); :meth:`GenerationSide.admit` runs on the decode-loop
-thread, the only thread that touches the engine, once
-:meth:`GenerationSide.blocks_needed` blocks are free. It takes all of them (prompt +
-max_tokens) before any KV moves, fetches the prompt's KV into the first ones, and
-frees them all if the request is refused.
+clear per-request error); :meth:`GenerationSide.add` runs on the decode-loop thread,
+the only thread that touches the engine, and only queues the request in the engine's
+scheduler, which takes all its blocks (prompt + max_tokens) before any KV moves, then
+starts the prompt's KV fetch (:class:`RemoteKV`) into the first ones and frees them all
+if the fetch fails.
 """
 
 from __future__ import annotations
@@ -24,9 +24,25 @@ import numpy as np
 
 from triton_disagg import protocol as P
 from triton_disagg.errors import RequestError, UserError
-from triton_disagg.kv.handle import KVHandle
+from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.triton.engine_request import EngineRequest
-from triton_disagg.kv.sides import Receiver
+from triton_disagg.kv.connector import KVConnector, Transfer
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """A ``generation_only`` request's prompt KV, as the engine fetches it
+    (:class:`triton_disagg.engine.sequence.RemoteKV`)."""
+
+    connector: KVConnector
+    handle: KVHandle
+
+    @property
+    def num_tokens(self) -> int:
+        return self.handle.num_tokens
+
+    def start(self, block_ids: list[int]) -> Transfer:
+        return self.connector.start_fetch(self.handle, block_ids)
 
 
 @dataclass(frozen=True)
@@ -56,11 +72,11 @@ def read_request_parameters(parameters: str | None) -> tuple[str, str]:
 
 
 class GenerationSide:
-    """``receiver``: where ``generation_only`` requests' KV comes from; None in aggregated
+    """``connector``: where ``generation_only`` requests' KV comes from; None in aggregated
     mode, which serves ``context_and_generation`` alone."""
 
-    def __init__(self, engine: Any, receiver: Receiver | None, metrics: Any = None):
-        self.engine, self.receiver, self.metrics = engine, receiver, metrics
+    def __init__(self, engine: Any, connector: KVConnector | None, metrics: Any = None):
+        self.engine, self.connector, self.metrics = engine, connector, metrics
 
     def prepare(self, request_type: str, request: EngineRequest,
                 inputs: dict[str, np.ndarray]) -> Work:
@@ -70,7 +86,7 @@ class GenerationSide:
             raise RequestError(f"request_type {request_type!r}: the generation model serves "
                                f"{P.CONTEXT_AND_GENERATION!r} and {P.GENERATION_ONLY!r}; send "
                                f"{P.CONTEXT_ONLY!r} to the context model")
-        if self.receiver is None:
+        if self.connector is None:
             raise RequestError("generation_only: this server runs in aggregated mode; send "
                                "context_and_generation")
         data = inputs.get(P.CONTEXT_PHASE_PARAMS)
@@ -78,7 +94,7 @@ class GenerationSide:
             raise RequestError("generation_only needs context_phase_params from the context "
                                "model's response")
         try:
-            handle = self.receiver.decode(np.asarray(data, dtype=np.uint8).tobytes())
+            handle = self.connector.decode(np.asarray(data, dtype=np.uint8).tobytes())
         except UserError as exc:
             raise RequestError(str(exc)) from None
         if len(request.prompt_ids) != handle.num_tokens + 1:
@@ -87,28 +103,20 @@ class GenerationSide:
                                f"token, got {len(request.prompt_ids)} ids")
         return Work(request_type, request, handle)
 
-    def blocks_needed(self, request_id: str, work: Work) -> int:
-        """KV blocks ``work`` holds in this pool from admission to its end; RequestError
-        (naming the sizes and the fix) when the pool could never hold them."""
-        prompt = work.request.prompt_ids
-        num_prompt = work.handle.num_tokens if work.handle is not None else len(prompt)
-        return self.engine.blocks_needed(request_id, num_prompt, work.request.params)
-
-    def admit(self, engine: Any, request_id: str, work: Work) -> None:
-        """Put ``work`` into the engine with its whole reservation (decode-loop thread)."""
+    def add(self, request_id: str, work: Work) -> None:
+        """Queue ``work`` in the engine (decode-loop thread); RequestError (naming the sizes
+        and the fix) when the pool could never hold it, or when it is invalid."""
         prompt, params = work.request.prompt_ids, work.request.params
-        if work.request_type == P.CONTEXT_AND_GENERATION:
-            engine.add_request(request_id, prompt, params, reserve=True)
-            return
-        blocks = engine.pool.allocate(self.blocks_needed(request_id, work))
-        try:
-            stats = self.receiver.fetch(work.handle, blocks)
-            engine.add_prefilled(request_id, prompt[:-1], prompt[-1], blocks, params)
-        except BaseException:
-            engine.pool.free(blocks)
-            raise
+        if work.handle is None:
+            self.engine.add_request(request_id, prompt, params)
+        else:
+            self.engine.add_prefilled(request_id, prompt[:-1], prompt[-1], params,
+                                      RemoteKV(self.connector, work.handle))
+
+    def kv_arrived(self, stats: TransferStats) -> None:
+        """A request's KV is in place (decode-loop thread)."""
         if self.metrics is not None:
-            self.metrics.kv_transfer(work.handle.strategy, stats.nbytes, stats.seconds)
+            self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds)
 
     def request_done(self, outcome: str) -> None:
         if self.metrics is not None:
@@ -121,5 +129,5 @@ class GenerationSide:
             self.metrics.live_sequences(live_sequences)
 
     def close(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
+        if self.connector is not None:
+            self.connector.close()

@@ -38,7 +38,6 @@ from triton_disagg.kv.layout import BlockGeometry
 
 FORMAT_VERSION = 2
 MAX_HANDLE_BYTES = 64 * 1024
-STRATEGIES = ("direct_transfer", "host_memory")
 SHM_NAME = re.compile(r"[A-Za-z0-9_-]{1,255}")  # the staging area's own names (triton_disagg.shm)
 _MAGIC = b"TDKV"
 _PREFIX = struct.Struct(">4sHI")  # magic, format version, header JSON length
@@ -81,29 +80,36 @@ class KVHandle:
     slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy not in _WHERE:
+            raise ValueError(f"strategy must be one of {tuple(_WHERE)}, got {self.strategy!r}")
         if not isinstance(self.num_tokens, int) or self.num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive integer, got {self.num_tokens!r}")
         if not self.lease_id or not isinstance(self.lease_deadline, (int, float)):
             raise ValueError("a handle needs a lease id and a numeric lease deadline")
-        blocks = self.geometry.blocks_for(self.num_tokens)
-        if self.strategy == "direct_transfer":
-            if not self.agent_name or not self.agent_metadata:
-                raise ValueError("direct_transfer handle needs the NIXL agent name and metadata")
-            if not (self.pool_addr > 0 and self.ticket_addr > 0 and self.ticket > 0):
-                raise ValueError("direct_transfer handle needs pool and ticket addresses and a "
-                                 "ticket")
-            if len(self.block_ids) != blocks or min(self.block_ids) < 0:
-                raise ValueError(f"{self.num_tokens} tokens need {blocks} block ids, got "
-                                 f"{self.block_ids}")
-        elif not SHM_NAME.fullmatch(self.shm_name):
-            raise ValueError(f"shm_name {self.shm_name!r} is not a staging area name (letters, "
-                             f"digits, '_' and '-' only)")
-        elif len(self.slots) != blocks or min(self.slots) < 0:
-            raise ValueError("host_memory handle needs one staging slot per block")
-        else:
-            int(self.lease_id, 16)  # host_memory lease ids are the slots' hex ticket
+        _WHERE[self.strategy](self, self.geometry.blocks_for(self.num_tokens))
+
+
+def _nixl_fields(handle: KVHandle, blocks: int) -> None:
+    if not handle.agent_name or not handle.agent_metadata:
+        raise ValueError("direct_transfer handle needs the NIXL agent name and metadata")
+    if not (handle.pool_addr > 0 and handle.ticket_addr > 0 and handle.ticket > 0):
+        raise ValueError("direct_transfer handle needs pool and ticket addresses and a ticket")
+    if len(handle.block_ids) != blocks or min(handle.block_ids) < 0:
+        raise ValueError(f"{handle.num_tokens} tokens need {blocks} block ids, got "
+                         f"{handle.block_ids}")
+
+
+def _staging_fields(handle: KVHandle, blocks: int) -> None:
+    if not SHM_NAME.fullmatch(handle.shm_name):
+        raise ValueError(f"shm_name {handle.shm_name!r} is not a staging area name (letters, "
+                         f"digits, '_' and '-' only)")
+    if len(handle.slots) != blocks or min(handle.slots) < 0:
+        raise ValueError("host_memory handle needs one staging slot per block")
+    int(handle.lease_id, 16)  # host_memory lease ids are the slots' hex ticket
+
+
+# Where each strategy's KV lives, checked field by field (the names of kv.connector.STRATEGIES).
+_WHERE = {"direct_transfer": _nixl_fields, "host_memory": _staging_fields}
 
 
 @dataclass(frozen=True)

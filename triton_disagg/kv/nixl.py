@@ -29,6 +29,10 @@ it fetched before, which closes the window until the sender sees the notificatio
 A replayed handle never returns another request's KV. Assumes a block is in at most
 one live lease.
 
+:class:`NixlConnector` is this strategy's :class:`~triton_disagg.kv.connector.KVConnector`:
+one endpoint per instance, named ``<label>-<pid>-<random>``; its fetch completes inside
+``start_fetch``.
+
 Invariants: the sender's blocks stay untouched until the lease is released or expires;
 after a :class:`TransferError` or :class:`LeaseExpiredError` the destination blocks'
 contents are undefined. Fetches on one endpoint run one at a time (they share scratch).
@@ -46,6 +50,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from triton_disagg.kv.connector import Completed, KVConnector, PoolBuffer, Transfer
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
 from triton_disagg.kv.leases import LeaseExpiredError, LeaseTable
@@ -56,7 +61,7 @@ LEASED_POLL_SECONDS = 0.0005   # watcher pace while a handoff is outstanding (se
 _TICKET = np.dtype(np.int64)
 _log = logging.getLogger(__name__)
 
-__all__ = ["NixlEndpoint", "TransferError", "NOTIF_PREFIX"]
+__all__ = ["NixlConnector", "NixlEndpoint", "TransferError", "NOTIF_PREFIX"]
 
 
 class NixlEndpoint:
@@ -168,7 +173,7 @@ class NixlEndpoint:
         """
         start = time.monotonic()
         src = handle.geometry
-        if handle.strategy != "direct_transfer" or not src.same_model(self.geometry):
+        if not (handle.agent_name and src.same_model(self.geometry)):
             raise ValueError(f"cannot fetch a {handle.strategy} handle of layout {src} "
                              f"into a pool of layout {self.geometry}")
         if len(dst_block_ids) != self.geometry.blocks_for(handle.num_tokens):
@@ -230,3 +235,35 @@ class NixlEndpoint:
             self._watcher.join()
             self._watcher = None
         self._agent.close()
+
+
+class NixlConnector(KVConnector):
+    """``direct_transfer`` behind the connector interface: exports lease the blocks to a
+    NIXL reader; a fetch READs them (see the module docstring)."""
+
+    strategy = "direct_transfer"
+
+    def __init__(self, pool: PoolBuffer, name: str, key: bytes, fingerprint: str,
+                 lease_seconds: float, free_blocks=None):
+        super().__init__(pool, name, key, fingerprint, lease_seconds, free_blocks)
+        self.endpoint = NixlEndpoint(name, pool.array, free_blocks)
+
+    def _export(self, block_ids: list[int], num_tokens: int) -> KVHandle:
+        try:
+            return self.endpoint.export(block_ids, num_tokens, self.fingerprint,
+                                        self.lease_seconds)
+        except ValueError:        # refused before the lease took the blocks
+            self.free_blocks(block_ids)
+            raise
+
+    def _release(self, handle: KVHandle) -> None:
+        self.endpoint.release(handle)
+
+    def expired_total(self) -> int:
+        return self.endpoint.leases.expired_total
+
+    def _start_fetch(self, handle: KVHandle, block_ids: list[int]) -> Transfer:
+        return Completed(self.endpoint.fetch(handle, block_ids))
+
+    def close(self) -> None:
+        self.endpoint.close()

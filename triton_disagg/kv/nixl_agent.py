@@ -17,9 +17,10 @@ from typing import Sequence
 import numpy as np
 
 from triton_disagg.errors import UserError
+from triton_disagg.kv.connector import ConnectorError
 
 
-class TransferError(RuntimeError):
+class TransferError(ConnectorError):
     """A NIXL READ failed or did not finish in time."""
 
 

@@ -14,7 +14,7 @@ import triton_python_backend_utils as pb_utils
 from triton_disagg import protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.context.prefill import ContextSide
-from triton_disagg.kv.sides import make_engine
+from triton_disagg.engine.capacity import make_engine
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, pin

@@ -17,7 +17,8 @@ from triton_disagg.triton import engine_request
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import GenerationSide, read_request_parameters
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
-from triton_disagg.kv.sides import Receiver, make_engine
+from triton_disagg.engine.capacity import make_engine
+from triton_disagg.kv.connector import connector_for
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, pin
@@ -35,8 +36,9 @@ class TritonPythonModel:
         engine = make_engine(settings, "generation")
         self.metrics = Metrics(pb_utils, "generation", instance)
         with self.metrics.closed_on_error():
-            receiver = Receiver(engine, settings, instance) if settings.mode != "aggregated" else None
-            self.side = GenerationSide(engine, receiver, self.metrics)
+            connector = (connector_for(settings, engine, instance)
+                         if settings.mode != "aggregated" else None)
+            self.side = GenerationSide(engine, connector, self.metrics)
             context = zmq.Context.instance()
             stops = StopInbox(context, settings.token_host, settings.token_bind)
             self.control_address = stops.address

@@ -1,0 +1,94 @@
+"""The KV connector factory: each ``kv_cache.strategy`` gives its implementation behind one
+interface, an unknown one is a clear error, and a pool outside host memory is refused by
+name until a connector moves device memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kv_peers import FP, HD, KEY, KVH, L, CountingPool, make_pool, no_leaked_shm  # noqa: F401
+from triton_disagg.errors import UserError
+from triton_disagg.kv.connector import (STRATEGIES, Device, KVConnector, PoolBuffer,
+                                        make_connector, strategy)
+from triton_disagg.kv.handle import HandleError
+
+
+def _make(name: str, free_blocks=None, device: Device = Device()) -> KVConnector:
+    pool = PoolBuffer(np.zeros((4, L, 2, 4, KVH, HD), np.float32), device)
+    return make_connector(name, pool, "conntest_0_0", KEY, FP, 30.0, free_blocks)
+
+
+@pytest.mark.parametrize("name, module, cls", [
+    ("direct_transfer", "triton_disagg.kv.nixl", "NixlConnector"),
+    ("host_memory", "triton_disagg.kv.host_memory", "HostMemoryConnector")])
+def test_each_strategy_gives_its_implementation(name, module, cls):
+    if name == "direct_transfer":
+        pytest.importorskip("nixl")
+    for free_blocks in (None, CountingPool().free):          # generation, then context
+        connector = _make(name, free_blocks)
+        try:
+            assert isinstance(connector, KVConnector) and connector.strategy == name
+            assert (type(connector).__module__, type(connector).__name__) == (module, cls)
+        finally:
+            connector.close()
+    assert strategy(name).name == name and set(STRATEGIES) == {"direct_transfer", "host_memory"}
+
+
+def test_an_unknown_strategy_is_a_clear_error():
+    with pytest.raises(UserError, match="kv_cache.strategy: 'rdma_magic' is not one of "
+                                        "direct_transfer, host_memory"):
+        _make("rdma_magic")
+    with pytest.raises(UserError, match="is not one of"):
+        strategy(None)
+
+
+def test_strategy_properties_replace_name_comparisons():
+    assert strategy("host_memory").needs_one_host and not strategy("direct_transfer").needs_one_host
+    assert strategy("direct_transfer").reads_peer_memory
+    assert not strategy("host_memory").reads_peer_memory
+
+
+def test_a_pool_in_device_memory_is_described_and_refused_by_name():
+    assert Device("cuda", 1) == Device(kind="cuda", index=1)
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        Device("tpu")
+    with pytest.raises(UserError, match="host memory only; this pool is on cuda:1"):
+        _make("host_memory", device=Device("cuda", 1))
+
+
+def test_a_host_memory_export_round_trips_through_the_interface():
+    """Export (context) -> decode and start_fetch + poll (generation), then the handle is
+    spent; a handle of the other strategy is refused before anything moves."""
+    src, blocks = make_pool(3, 4, 4, "float32"), CountingPool()
+    context = make_connector("host_memory", PoolBuffer(src), "conntest_0_0", KEY, FP, 30.0,
+                             blocks.free)
+    generation = _make("host_memory")
+    try:
+        blocks.take([2, 0])
+        data = context.export([2, 0], 7)
+        assert blocks.state()["used"] == 0 and not blocks.errors     # staged, then freed
+        handle = generation.decode(data)
+        stats = generation.start_fetch(handle, [1, 3, 2]).poll()       # the first 2 are filled
+        assert stats.nbytes == 2 * handle.geometry.block_nbytes
+        assert generation.pool.array[[1, 3]].tobytes() == src[[2, 0]].tobytes()
+        assert context.expired_total() == 0
+        other = make_connector("direct_transfer", PoolBuffer(src), "x", KEY, FP, 30.0) \
+            if _has_nixl() else None
+        if other is not None:
+            try:
+                with pytest.raises(HandleError, match="set up for direct_transfer"):
+                    other.decode(data)
+            finally:
+                other.close()
+    finally:
+        generation.close()
+        context.close()
+
+
+def _has_nixl() -> bool:
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,231 @@
+"""One KV connector interface for both ends of the handoff, and the factory that picks one
+by ``kv_cache.strategy``.
+
+A :class:`KVConnector` is one model instance's end over its own pool (:class:`PoolBuffer`,
+which names the memory's device, so that a pool in device memory fits the same interface):
+
+- context (made with ``free_blocks``): :meth:`~KVConnector.export` turns prefilled blocks
+  into signed handle bytes (``context_phase_params``); from that call on the handoff owns
+  the blocks and frees them through ``free_blocks`` exactly once (fetched, released,
+  expired, or at once when the export fails). :meth:`~KVConnector.release` gives back a
+  handle nobody will fetch; :meth:`~KVConnector.expired_total` counts leases reclaimed
+  unfetched.
+- generation: :meth:`~KVConnector.decode` checks a handle (signature first, then engine,
+  layout and strategy); :meth:`~KVConnector.start_fetch` starts filling the first blocks of
+  a reservation and returns a :class:`Transfer` to :meth:`~Transfer.poll` until done.
+
+:func:`make_connector` chooses the implementation from :data:`STRATEGIES`, the one map
+from a strategy's name to its implementation and properties (``direct_transfer``:
+:mod:`triton_disagg.kv.nixl`; ``host_memory``: :mod:`triton_disagg.kv.host_memory`;
+:mod:`triton_disagg.kv.handle` keys each one's handle fields by the same names); other
+code asks :func:`strategy` for a strategy's properties instead of comparing names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
+
+from triton_disagg.errors import UserError
+from triton_disagg.kv import handle as kvhandle
+from triton_disagg.kv.handle import KVHandle, TransferStats
+from triton_disagg.kv.layout import BlockGeometry
+from triton_disagg.kv.secret import load_key
+
+if TYPE_CHECKING:
+    from triton_disagg.config.settings import EngineSettings
+
+FreeBlocks = Callable[[list[int]], None]
+
+
+class ConnectorError(RuntimeError):
+    """A transport failed: a staging area is gone, NIXL refused or timed out a READ, ..."""
+
+
+class HandoffBusy(ConnectorError):
+    """No room to hand off now (back-pressure: retry later); nothing was kept."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a KV pool's memory lives: ``kind`` "cpu" or "cuda", ``index`` the device id."""
+
+    kind: str = "cpu"
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cpu", "cuda") or self.index < 0:
+            raise ValueError(f"device must be cpu or cuda with an index >= 0, got "
+                             f"{self.kind}:{self.index}")
+
+
+@dataclass(frozen=True)
+class PoolBuffer:
+    """An instance's KV pool as a connector registers it: one C-contiguous array
+    ``[num_blocks, L, 2, bs, kvh, hd]`` on ``device`` (block ``i`` at byte offset
+    ``i * geometry.block_nbytes``)."""
+
+    array: Any
+    device: Device = Device()
+
+    @property
+    def geometry(self) -> BlockGeometry:
+        return BlockGeometry.of_pool(self.array)
+
+
+class Transfer(ABC):
+    """A fetch :meth:`KVConnector.start_fetch` started.
+
+    Invariant: the destination blocks belong to the fetch until :meth:`poll` returned
+    stats or raised; only then may the caller use, free or reuse them.
+    """
+
+    @abstractmethod
+    def poll(self) -> Optional[TransferStats]:
+        """None while in flight; the stats once the KV is in place; raises if it failed."""
+
+
+class Completed(Transfer):
+    """A fetch that finished inside ``start_fetch``."""
+
+    def __init__(self, stats: TransferStats):
+        self.stats = stats
+
+    def poll(self) -> TransferStats:
+        return self.stats
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A ``kv_cache.strategy``: its implementation (imported when first made) and the
+    properties deployment code needs."""
+
+    name: str
+    module: str
+    class_name: str
+    needs_one_host: bool       # context and generation share one host (and one k8s pod)
+    reads_peer_memory: bool    # generation reads the context's pool in place (no staging copy)
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("direct_transfer", "triton_disagg.kv.nixl", "NixlConnector",
+             needs_one_host=False, reads_peer_memory=True),
+    Strategy("host_memory", "triton_disagg.kv.host_memory", "HostMemoryConnector",
+             needs_one_host=True, reads_peer_memory=False),
+)}
+
+
+def strategy(name: str) -> Strategy:
+    """The strategy called ``name``; UserError naming the choices if there is none."""
+    try:
+        return STRATEGIES[name]
+    except (KeyError, TypeError):
+        raise UserError(f"kv_cache.strategy: {name!r} is not one of "
+                        f"{', '.join(STRATEGIES)}") from None
+
+
+class KVConnector(ABC):
+    """One instance's end of the KV handoff over ``pool`` (module docstring).
+
+    ``name`` labels its transport resources (agent, staging area); ``key`` signs and checks
+    handles; ``fingerprint`` is this engine's; ``lease_seconds`` bounds how long an exported
+    handoff waits for its fetch; ``free_blocks`` (context only) returns blocks to the pool
+    and must be thread-safe (transports may call it from their own threads).
+    """
+
+    strategy: ClassVar[str]
+
+    def __init__(self, pool: PoolBuffer, name: str, key: bytes, fingerprint: str,
+                 lease_seconds: float, free_blocks: Optional[FreeBlocks] = None):
+        if pool.device.kind != "cpu":
+            raise UserError(f"kv_cache.strategy {self.strategy} moves KV pools in host memory "
+                            f"only; this pool is on {pool.device.kind}:{pool.device.index}")
+        self.pool, self.geometry = pool, pool.geometry
+        self.key, self.fingerprint, self.lease_seconds = key, fingerprint, lease_seconds
+        self.free_blocks = free_blocks
+
+    # ---- context --------------------------------------------------------------------
+
+    def export(self, block_ids: Sequence[int], num_tokens: int) -> bytes:
+        """Signed handle bytes for ``block_ids`` (token order, ``num_tokens`` tokens of KV);
+        the handoff owns the blocks from this call on, whether it returns or raises
+        (:class:`HandoffBusy` when there is no room now)."""
+        if self.free_blocks is None:
+            raise RuntimeError(f"this {self.strategy} connector was made without free_blocks; "
+                               f"it cannot export")
+        handle = self._export([int(b) for b in block_ids], num_tokens)
+        try:
+            return kvhandle.encode(handle, self.key)
+        except kvhandle.HandleError:       # too large to hand out: give the KV back now
+            self._release(handle)
+            raise
+
+    def release(self, data: bytes) -> None:
+        """Give back the KV of handle bytes ``data`` (checked against the deployment key),
+        whichever instance on this host made it; a handoff already ended is left alone."""
+        self._release(self._ours(kvhandle.decode(data, self.key), "context"))
+
+    @abstractmethod
+    def expired_total(self) -> int:
+        """Leases reclaimed unfetched so far (``disagg_kv_leases_expired_total``)."""
+
+    # ---- generation -----------------------------------------------------------------
+
+    def decode(self, data: bytes) -> KVHandle:
+        """The handle in ``data``, or HandleError when it is unsigned, garbage, from another
+        engine or layout, or made for another strategy."""
+        handle = kvhandle.decode(data, self.key)
+        kvhandle.check_handle(handle, self.fingerprint, self.geometry)
+        return self._ours(handle, "generation")
+
+    def start_fetch(self, handle: KVHandle, block_ids: Sequence[int]) -> Transfer:
+        """Start filling the first ``blocks_for(handle.num_tokens)`` of ``block_ids`` (a
+        sequence's blocks in position order, owned by the caller) with the handle's KV."""
+        blocks = [int(b) for b in block_ids[:self.geometry.blocks_for(handle.num_tokens)]]
+        return self._start_fetch(self._ours(handle, "generation"), blocks)
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transport's resources (idempotent)."""
+
+    # ---- what an implementation provides ---------------------------------------------
+
+    @abstractmethod
+    def _export(self, block_ids: list[int], num_tokens: int) -> KVHandle:
+        """Hand the blocks to a lease (or copy them out and free them); owns them once called."""
+
+    @abstractmethod
+    def _release(self, handle: KVHandle) -> None:
+        """End the handoff of ``handle`` without a fetch."""
+
+    @abstractmethod
+    def _start_fetch(self, handle: KVHandle, block_ids: list[int]) -> Transfer:
+        """Start moving the handle's KV into exactly ``block_ids``."""
+
+    def _ours(self, handle: KVHandle, role: str) -> KVHandle:
+        if handle.strategy != self.strategy:
+            raise kvhandle.HandleError(
+                f"context_phase_params uses {handle.strategy} but this {role} model is set up "
+                f"for {self.strategy}; give both servers the same kv_cache.strategy")
+        return handle
+
+
+def make_connector(name: str, pool: PoolBuffer, label: str, key: bytes, fingerprint: str,
+                   lease_seconds: float, free_blocks: Optional[FreeBlocks] = None
+                   ) -> KVConnector:
+    """The connector of strategy ``name`` (UserError if unknown); see :class:`KVConnector`
+    for the other arguments (``label`` is its ``name``)."""
+    chosen = strategy(name)
+    cls = getattr(importlib.import_module(chosen.module), chosen.class_name)
+    return cls(pool, label, key, fingerprint, lease_seconds, free_blocks)
+
+
+def connector_for(settings: "EngineSettings", engine: Any, instance: str,
+                  free_blocks: Optional[FreeBlocks] = None) -> KVConnector:
+    """The connector a context (``free_blocks`` given) or generation model instance named
+    ``instance`` uses over ``engine``'s pool, as its settings say."""
+    return make_connector(settings.kv_strategy, PoolBuffer(engine.pool.array), instance,
+                          load_key(settings.kv_key_id), engine.spec.fingerprint,
+                          settings.kv_lease_seconds, free_blocks)
