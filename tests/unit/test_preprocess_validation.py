@@ -1,4 +1,4 @@
-"""The preprocessing model's input checks (issue 9): invalid UTF-8 in word lists, word-list
+"""The preprocessing model's input checks: invalid UTF-8 in word lists, word-list
 caps, over-long prompts refused before they are tokenized, and the token-count bound that
 makes that refusal sound."""
 

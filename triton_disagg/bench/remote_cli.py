@@ -42,7 +42,7 @@ from triton_disagg.launch.process_group import terminate
 WARMUP_REQUESTS = 4
 READY_LINE = "ready ("
 STOP_SECONDS = 60.0
-TARGET_MS = 5.0           # issue 10: the remote path adds at most this much TTFT at p50
+TARGET_MS = 5.0           # target: the remote path adds at most this much TTFT at p50
 
 
 def add_remote_parser(kinds) -> None:

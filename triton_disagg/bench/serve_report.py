@@ -20,7 +20,7 @@ from triton_disagg.bench.serve_stats import GOODPUT_ATTAINMENT, SLO, Percentiles
 from triton_disagg.bench.serve_sweep import Sweep, verdicts
 
 TTFT_ADDED_MAX = 0.010          # overhead target: at most 10 ms added TTFT at p50
-# and at most this much output throughput lost at saturation (issue 9): per stream_interval,
+# and at most this much output throughput lost at saturation: per stream_interval,
 # a streamed response per token costs the server a response each; others as at 4
 THROUGHPUT_LOSS_MAX = {1: 0.30, 4: 0.10}
 
@@ -116,7 +116,7 @@ def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str], stream_in
                    rounds: dict[str, Sequence[Round]],
                    split: SplitBaseline | None = None) -> list[str]:
     """Per mode, the round with the median TTFT added and the one with the median
-    throughput lost, against issue 9's targets."""
+    throughput lost, against the targets above."""
     out = []
     lost_max = throughput_loss_max(stream_interval)
     for mode in modes:

@@ -43,8 +43,8 @@ dropped.
 Invariant: the MetricFamily objects live until :meth:`Metrics.close` (Triton drops a
 family's series when its Python object is collected). Models call ``close`` in
 ``finalize``: a family still alive when the stub process tears itself down crashes
-it (Triton 2.51's python backend; fixed upstream in python_backend#429), which made
-every server stop wait out Triton's exit timeout.
+it (Triton 2.51's Python backend; docs/architecture.md, "Triton behaviours worked
+around"), and every server stop would wait out Triton's exit timeout.
 """
 
 from __future__ import annotations
