@@ -237,3 +237,56 @@ def test_an_inflated_record_no_longer_wins_every_least_loaded_pick(monkeypatch):
         assert sorted(set(picked)) == ["honest:1", "inflated:1"], picked
     finally:
         watcher.close()
+
+
+# --- discovery's TLS and auth options: parsed, checked, handed to the client ---
+
+from triton_disagg.errors import UserError                        # noqa: E402
+
+
+@pytest.fixture
+def pem(tmp_path):
+    for name in ("ca.pem", "cert.pem", "key.pem"):
+        (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\n")
+    return tmp_path
+
+
+def _discovery(pem, text: str) -> DiscoveryConfig:
+    """``discovery: TEXT`` of a config in the folder ``pem``, its files checked here."""
+    import yaml
+
+    from triton_disagg.config import disagg
+
+    return disagg._discovery(yaml.safe_load(text), pem, files_here=True)
+
+
+def test_tls_and_auth_options_parse_and_reach_the_client(pem, monkeypatch):
+    monkeypatch.setenv("ETCD_PW", "pw")
+    found = _discovery(pem, "{etcd: 'e:2379', ca_file: ca.pem, cert_file: cert.pem, "
+                            "key_file: key.pem, username: triton, password_env: ETCD_PW}")
+    assert (found.ca_file, found.cert_file, found.key_file) == tuple(
+        str(pem / n) for n in ("ca.pem", "cert.pem", "key.pem"))
+    assert found.tls and (found.username, found.password_env) == ("triton", "ETCD_PW")
+    client = etcd.connect(found, timeout=1.5)
+    assert isinstance(client, etcd.AuthClient) and client.base_url == "https://e:2379"
+    assert client.session.verify == str(pem / "ca.pem") and client.timeout == 1.5
+    assert client.session.cert == (str(pem / "cert.pem"), str(pem / "key.pem"))
+    assert client._credentials == {"name": "triton", "password": "pw"}
+    assert not client.session.trust_env          # REQUESTS_CA_BUNDLE must not replace ca_file
+    plain = etcd.connect(DiscoveryConfig(etcd="e:2379"), timeout=1.0)
+    assert type(plain) is Etcd3Client and plain.base_url == "http://e:2379"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{etcd: 'e:2379', ca_file: nope.pem}", "discovery.ca_file: {pem}/nope.pem not found"),
+    ("{etcd: 'e:2379', cert_file: cert.pem}", "discovery.cert_file and discovery.key_file: give both"),
+    ("{etcd: 'e:2379', username: u}", "discovery.username and discovery.password_env: give both"),
+    ("{etcd: 'e:2379', username: u, password_env: UNSET_PW_VAR}",
+     "discovery.password_env: the environment variable UNSET_PW_VAR is not set"),
+    ("{etcd: 'e:2379', password: x}", "discovery: unknown key 'password'"),
+    ("{etcd: 'e:2379', ca_file: 3}", "discovery.ca_file: 3 must be a file path"),
+])
+def test_a_bad_tls_or_auth_option_is_one_line_naming_it(pem, text, message):
+    with pytest.raises(UserError) as err:
+        _discovery(pem, text)
+    assert message.format(pem=pem) in str(err.value) and "\n" not in str(err.value)

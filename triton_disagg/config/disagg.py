@@ -30,7 +30,9 @@ Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`
 static pool; ``url`` stays the way to name one server, and ``url: X`` equals
 ``urls: [X]``), or a top-level ``discovery: {etcd: "host:2379", prefix:
 "/triton-disagg/<name>", ttl_seconds: 10}``: servers register in etcd under that prefix
-and the scheduler watches it (:mod:`triton_disagg.routing.discovery`). With discovery a role
+and the scheduler watches it (:mod:`triton_disagg.routing.discovery`); with ``ca_file``,
+``cert_file`` + ``key_file`` (TLS) and ``username`` + ``password_env`` (etcd auth, the
+password read from that environment variable) as :class:`DiscoveryConfig` says. With discovery a role
 names at most one url: where that server binds, not a pool; the scheduler routes over
 what etcd holds. Routing (:mod:`triton_disagg.routing.router`): per role ``router:
 least_loaded`` (default) or ``round_robin``; ``generation_server.max_local_prefill_length:

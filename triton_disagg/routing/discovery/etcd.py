@@ -44,13 +44,24 @@ ETCD_ERRORS = (Etcd3Exception, requests.RequestException)
 def connect(discovery: DiscoveryConfig, timeout: float) -> Etcd3Client:
     """A client for ``discovery.etcd`` with its TLS and auth settings; every request gives
     up after ``timeout`` seconds. Nothing is sent until the first call (which then asks etcd
-    for its API version)."""
-    tls = {"protocol": "https" if discovery.tls else "http", "ca_cert": discovery.ca_file,
-           "cert_cert": discovery.cert_file, "cert_key": discovery.key_file, "timeout": timeout}
+    for its API version).
+
+    Its session ignores the environment (``trust_env`` off): with it on, requests lets
+    ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` override the session's CA (requests issue
+    3829), so ``ca_file`` would be silently replaced, and ``HTTP_PROXY`` would route etcd
+    traffic through a proxy. etcd is always reached directly."""
+    session = requests.Session()
+    session.trust_env = False
+    if discovery.ca_file is not None:
+        session.verify = discovery.ca_file
+    if discovery.cert_file is not None:
+        session.cert = (discovery.cert_file, discovery.key_file)
+    where = {"host": discovery.etcd_host, "port": discovery.etcd_port, "timeout": timeout,
+             "protocol": "https" if discovery.tls else "http", "session": session}
     if discovery.username is None:
-        return Etcd3Client(discovery.etcd_host, discovery.etcd_port, **tls)
-    return AuthClient(discovery.etcd_host, discovery.etcd_port, username=discovery.username,
-                      password=os.environ.get(discovery.password_env or "", ""), **tls)
+        return Etcd3Client(**where)
+    return AuthClient(username=discovery.username,
+                      password=os.environ.get(discovery.password_env or "", ""), **where)
 
 
 class AuthClient(Etcd3Client):
@@ -59,8 +70,8 @@ class AuthClient(Etcd3Client):
     Invariant: every request but the authentication itself carries the current token; a
     request refused as unauthenticated is sent once more with a fresh token, never twice."""
 
-    def __init__(self, host: str, port: int, username: str, password: str, **kwargs):
-        super().__init__(host, port, **kwargs)
+    def __init__(self, username: str, password: str, **kwargs):
+        super().__init__(**kwargs)
         self._credentials = {"name": username, "password": password}
 
     def post(self, url: str, *args, json=None, **kwargs):
