@@ -1,15 +1,30 @@
-"""The member record's JSON and the load read from a metrics endpoint (no etcd needed)."""
+"""The member record's JSON and the load read from a metrics endpoint (no etcd needed);
+against a fake etcd client (etcd3gw's own, its HTTP replaced by a dict): garbage values and
+replies never end polling or heartbeats, records that claim too much are refused or capped;
+discovery's TLS and auth options are parsed, checked and handed to the client."""
 
 from __future__ import annotations
 
+import base64
 import http.server
 import json
+import logging
 import threading
+import time
 
 import pytest
+import yaml
+from etcd3gw import Etcd3Client
 
-from triton_disagg.routing.discovery import Load, MemberRecord
+from triton_disagg.config import disagg
+from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.errors import UserError
+from triton_disagg.routing.discovery import (Load, MemberRecord, Membership, Registration, etcd,
+                                             membership, registration)
 from triton_disagg.routing.discovery.metrics_load import metrics_load
+from triton_disagg.routing.discovery.periodic import Periodic
+from triton_disagg.routing.pools import DiscoveredMembers
+from triton_disagg.routing.router import Router
 
 RECORD = MemberRecord(role="context", grpc_url="ctx-01:8001", fingerprint="f" * 64,
                       kv_blocks_total=128, tokens_per_block=8, token_address="tcp://ctx-01:5555",
@@ -77,18 +92,6 @@ def test_load_from_the_metrics_endpoint():
 
 
 # --- garbage in etcd, and records that claim too much (a fake etcd client, no process) ---
-
-import base64                                                      # noqa: E402
-import logging                                                     # noqa: E402
-import time                                                        # noqa: E402
-
-from etcd3gw import Etcd3Client                                    # noqa: E402
-
-from triton_disagg.config.disagg import DiscoveryConfig           # noqa: E402
-from triton_disagg.routing.discovery import Membership, Registration, etcd, membership, registration  # noqa: E402,E501
-from triton_disagg.routing.discovery.periodic import Periodic     # noqa: E402
-from triton_disagg.routing.pools import DiscoveredMembers         # noqa: E402
-from triton_disagg.routing.router import Router                   # noqa: E402
 
 PREFIX = "/fake"
 
@@ -166,6 +169,25 @@ def test_a_deeply_nested_value_is_skipped_and_polling_goes_on(monkeypatch, caplo
     assert "nested too deep" in " ".join(ignored) and "over the 16384" in " ".join(ignored)
 
 
+def test_an_unreadable_range_reply_counts_as_etcd_not_answering(monkeypatch):
+    """A range reply whose kvs lack a "key": the last members are kept, etcd is reported
+    unreachable, and the next good reply is read."""
+    client = fake(monkeypatch, FakeEtcd())
+    put(client, gen("good:1", 64, 64))
+    watcher = Membership(DiscoveryConfig(etcd="fake:1", prefix=PREFIX), "f" * 64,
+                         poll_seconds=0.01).start()
+    try:
+        real_post = client.post
+        client.post = lambda url, *a, json=None, **k: {"kvs": [{"value": "e30="}], "count": "1"}
+        time.sleep(0.1)
+        assert not watcher.etcd_reachable and len(watcher.members("generation")) == 1
+        client.post = real_post
+        time.sleep(0.1)
+        assert watcher.etcd_reachable and watcher._poller.failures == 0
+    finally:
+        watcher.close()
+
+
 def test_a_keepalive_without_result_does_not_stop_the_heartbeat(monkeypatch):
     """A keepalive reply without "result" once raised KeyError out of the beat and the
     healthy server silently left its pool; now it registers again under a fresh lease."""
@@ -241,9 +263,6 @@ def test_an_inflated_record_no_longer_wins_every_least_loaded_pick(monkeypatch):
 
 # --- discovery's TLS and auth options: parsed, checked, handed to the client ---
 
-from triton_disagg.errors import UserError                        # noqa: E402
-
-
 @pytest.fixture
 def pem(tmp_path):
     for name in ("ca.pem", "cert.pem", "key.pem"):
@@ -253,10 +272,6 @@ def pem(tmp_path):
 
 def _discovery(pem, text: str) -> DiscoveryConfig:
     """``discovery: TEXT`` of a config in the folder ``pem``, its files checked here."""
-    import yaml
-
-    from triton_disagg.config import disagg
-
     return disagg._discovery(yaml.safe_load(text), pem, files_here=True)
 
 

@@ -22,7 +22,8 @@ Invariants:
   this engine), its ``kv_blocks_total`` and free blocks are capped at what that budget
   holds (logged once per key), so an inflated record cannot draw every least_loaded pick.
 - An exception out of a poll never ends polling (:class:`.periodic.Periodic`).
-- While etcd does not answer, :meth:`members` is the last set read and
+- While etcd does not answer (or answers what cannot be read), :meth:`members` is the
+  last set read and
   :attr:`etcd_reachable` is False; one log line when etcd stops answering, one when it
   answers again.
 - :attr:`on_poll`, when set before :meth:`start`, is called after every poll, answered
@@ -36,13 +37,14 @@ from typing import Callable
 
 from triton_disagg.config.disagg import DiscoveryConfig
 
-from .etcd import ETCD_ERRORS, connect, member_key, members_prefix
+from .etcd import connect, member_key, members_prefix
 from .periodic import Periodic
 from .record import ROLES, MemberRecord
 
 _log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25
 REQUEST_TIMEOUT = 1.0
+LOGGED_MAX = 4096            # (key, problem) pairs remembered as logged
 
 
 class Membership:
@@ -81,7 +83,7 @@ class Membership:
     def _read(self) -> None:
         try:
             kvs = self._client.get_prefix(members_prefix(self.discovery.prefix))
-        except ETCD_ERRORS as exc:
+        except Exception as exc:       # down, refusing, or a reply etcd3gw cannot read
             if self.etcd_reachable or not self._polled_once:
                 _log.warning("etcd at %s does not answer (%s); keeping the last known members "
                              "(%s)", self.discovery.etcd, type(exc).__name__, self._sizes())
@@ -132,6 +134,8 @@ class Membership:
         return capped
 
     def _log_once(self, key: str, problem: str, level: int, message: str, *args) -> None:
+        if len(self._logged) >= LOGGED_MAX:   # keys written to flood the log: start over
+            self._logged.clear()
         if (key, problem) not in self._logged:
             self._logged.add((key, problem))
             _log.log(level, message, *args)
