@@ -2,8 +2,8 @@
 
 Writes one YAML file per object into ``--out`` (``kubectl apply -f DIR``), plus, with
 ``--kustomize``, a ``kustomization.yaml`` listing them (``kubectl apply -k DIR``). What the
-objects are: :mod:`.k8s_workloads` (Deployments, their config, Services, etcd) and
-:mod:`.k8s_autoscale` (HPAs, PodMonitor, prometheus-adapter rules, Grafana dashboard).
+objects are: :mod:`.k8s_workloads` (Deployments, their config, Services, etcd),
+:mod:`.k8s_network` (NetworkPolicies) and :mod:`.k8s_autoscale` (HPAs, PodMonitor, prometheus-adapter rules, Grafana dashboard).
 
 Invariants: the output depends on the config, the flags and the dashboard file alone (no
 clock, no randomness: the KV secret is a Secret the user creates, named by
@@ -31,7 +31,8 @@ def register(subparsers) -> None:
         "k8s", help="Kubernetes manifests (kubectl apply -f DIR, or -k DIR with --kustomize)",
         description="A Deployment per role (context, generation, scheduler) running `triton-"
                     "disagg serve ROLE`, its config as a ConfigMap, the engine from a PVC, the "
-                    "scheduler's Service, etcd, an HPA per role on the servers' load metrics "
+                    "scheduler's Service, etcd, NetworkPolicies (only the scheduler reaches "
+                    "context and generation, only the roles reach etcd), an HPA per role on the servers' load metrics "
                     "(prometheus-adapter rules and a PodMonitor beside them) and the Grafana "
                     "dashboard. Settings: the config's `kubernetes:` section.")
     k.add_argument("-c", "--config", type=Path, required=True, help="disagg_config.yaml")
@@ -47,6 +48,7 @@ def register(subparsers) -> None:
 def manifests(raw: dict, config: DisaggConfig, image: str, namespace: str | None = None) -> list[dict]:
     """Every object, in the order a reader meets them: config, workloads, monitoring."""
     from .k8s_autoscale import monitoring_objects
+    from .k8s_network import network_policies
     from .k8s_workloads import (deployment, etcd_objects, metadata, pod_config,
                                 scheduler_service, units)
     from .k8s_yaml import to_yaml
@@ -57,7 +59,8 @@ def manifests(raw: dict, config: DisaggConfig, image: str, namespace: str | None
          "data": {"disagg_config.yaml": to_yaml(pod_config(raw, config))}},
         *(deployment(unit, config, image) for unit in units(config)),
         scheduler_service(config),
-        *etcd_objects(k8s),
+        *etcd_objects(config),
+        *network_policies(config),
         *monitoring_objects(config),
     ]
     if namespace is not None:

@@ -11,7 +11,11 @@ role's ``PORTS``, with HTTP open for the probes (readiness ``/v2/health/ready``,
 and startup ``/v2/health/live``), context and generation advertising ``$(POD_IP)``, which
 the kubelet expands from the downward API, and every server reads the deployment secret
 (``TRITON_DISAGG_KV_SECRET``) from the Secret ``kubernetes.kv_secret``, which the user
-creates: it signs KV handles and keys the token channel's encryption. Pods read the user's
+creates: it signs KV handles and keys the token channel's encryption. When ``discovery``
+has TLS or auth, every server (and the in-cluster etcd) mounts the Secret
+``kubernetes.etcd_secret`` at ``ETCD_TLS_DIR``: keys ``ca.crt``, ``tls.crt`` / ``tls.key`` (the
+client certificate), ``server.crt`` / ``server.key`` (the in-cluster etcd's), ``password``
+(read as ``ETCD_PASSWORD_ENV``). Pods read the user's
 config as rewritten by :func:`pod_config` from a ConfigMap at ``CONFIG_PATH``, and the
 engine from a PVC mounted read-only at ``ENGINES_DIR``.
 
@@ -46,6 +50,10 @@ READY_PATH, LIVE_PATH = "/v2/health/ready", "/v2/health/live"
 SHM_BASE = 64 * 2**20        # Triton's Python-backend regions (Docker's default /dev/shm)
 ETCD_PORT = 2379
 DEFAULT_TTL_SECONDS = 10
+ETCD_TLS_DIR = f"{CONFIG_DIR}/etcd"
+ETCD_PASSWORD_ENV = "TRITON_DISAGG_ETCD_PASSWORD"
+# discovery's file options -> their key in the etcd Secret
+ETCD_FILES = {"ca_file": "ca.crt", "cert_file": "tls.crt", "key_file": "tls.key"}
 # a stopping server drains (notice + at most DRAIN_SECONDS), then gives tritonserver its
 # stop grace, plus a margin: Kubernetes' default of 30 s would cut the drain short
 TERMINATION_GRACE_SECONDS = math.ceil(NOTICE_SECONDS + DRAIN_SECONDS + STOP_GRACE_SECONDS) + 5
@@ -98,7 +106,8 @@ def etcd_endpoint(k8s: KubernetesConfig) -> str:
 def pod_config(raw: dict, config: DisaggConfig) -> dict:
     """The user's config (``raw``, as parsed from YAML) as pods read it: the engine at its
     place in the volume; discovery through :func:`etcd_endpoint` (prefix and lease from the
-    config's ``discovery``, else ``/triton-disagg/<name>`` and 10 s); per role no urls or
+    config's ``discovery``, else ``/triton-disagg/<name>`` and 10 s; its TLS files at their
+    place in the etcd Secret's mount, its password from ``ETCD_PASSWORD_ENV``); per role no urls or
     ports (flags give them) and no host cores (``instances`` instead; GPUs renumbered from 0,
     as the device plugin shows them); no ``kubernetes`` section. Everything else as given."""
     k8s = config.kubernetes
@@ -117,7 +126,31 @@ def pod_config(raw: dict, config: DisaggConfig) -> dict:
     out["discovery"] = {"etcd": etcd_endpoint(k8s),
                         "prefix": found.prefix if found else f"/triton-disagg/{k8s.name}",
                         "ttl_seconds": found.ttl_seconds if found else DEFAULT_TTL_SECONDS}
+    if found is not None:
+        out["discovery"].update({key: f"{ETCD_TLS_DIR}/{name}" for key, name in ETCD_FILES.items()
+                                 if getattr(found, key) is not None})
+        if found.username is not None:
+            out["discovery"].update(username=found.username, password_env=ETCD_PASSWORD_ENV)
     return out
+
+
+def etcd_secured(config: DisaggConfig) -> bool:
+    """Whether discovery uses TLS or auth, so pods mount ``kubernetes.etcd_secret``."""
+    found = config.discovery
+    return found is not None and (found.tls or found.username is not None)
+
+
+def _etcd_secret_mount(config: DisaggConfig) -> list[dict]:
+    if not etcd_secured(config):
+        return []
+    return [{"name": "etcd-tls", "mountPath": ETCD_TLS_DIR, "readOnly": True}]
+
+
+def _etcd_secret_volume(config: DisaggConfig) -> list[dict]:
+    if not etcd_secured(config):
+        return []
+    return [{"name": "etcd-tls", "secret": {"secretName": config.kubernetes.etcd_secret,
+                                            "defaultMode": 0o440}}]
 
 
 def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
@@ -134,6 +167,7 @@ def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
                                                           "readOnly": True}},
             {"name": "dshm", "emptyDir": {"medium": "Memory",
                                           "sizeLimit": f"{(SHM_BASE + staged) // 2**20}Mi"}},
+            *_etcd_secret_volume(config),
         ],
     }
     spec = {"selector": {"matchLabels": labels(k8s, unit)},
@@ -154,6 +188,9 @@ def _container(role: str, config: DisaggConfig, image: str) -> dict:
     if role != "scheduler":
         env += [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "UCX_TLS", "value": "tcp"}]      # pods of one node share no /dev/shm
+    if config.discovery is not None and config.discovery.username is not None:
+        env.append({"name": ETCD_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
+            "name": config.kubernetes.etcd_secret, "key": "password"}}})
     http = f"{short}-http"
     return {
         "name": role, "image": image,
@@ -168,7 +205,8 @@ def _container(role: str, config: DisaggConfig, image: str) -> dict:
         "resources": _resources(role, config),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": "engines", "mountPath": ENGINES_DIR, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+                         {"name": "dshm", "mountPath": "/dev/shm"},
+                         *_etcd_secret_mount(config)],
     }
 
 
@@ -199,24 +237,42 @@ def scheduler_service(config: DisaggConfig) -> dict:
                                for kind, port in PORTS["scheduler"].items()]}}
 
 
-def etcd_objects(k8s: KubernetesConfig) -> list[dict]:
+def etcd_objects(config: DisaggConfig) -> list[dict]:
     """A one-member etcd (StatefulSet and Service) when ``kubernetes.etcd`` is in_cluster.
     Its data is an emptyDir: membership is soft state, every server re-registers under a
-    new lease when etcd lost it (triton_disagg.routing.discovery.registration)."""
+    new lease when etcd lost it (triton_disagg.routing.discovery.registration).
+
+    It listens for clients on its pod IP and loopback (for ``etcdctl`` in the pod), never
+    0.0.0.0. With discovery's TLS it serves https with the etcd Secret's ``server.crt`` /
+    ``server.key``, and with a client certificate configured it demands one signed by
+    ``ca.crt`` (``--client-cert-auth``); its readiness probe is then a TCP connect. Auth
+    (users, ``auth enable``) is etcd's own state: docs/deploy.md gives the commands."""
+    k8s = config.kubernetes
     if k8s.etcd != IN_CLUSTER:
         return []
-    unit = Unit("etcd", ())
+    found, unit = config.discovery, Unit("etcd", ())
+    scheme = "https" if found is not None and found.tls else "http"
     name, peer = f"{k8s.name}-etcd", "http://127.0.0.1:2380"
     command = ["etcd", "--name", "etcd-0", "--data-dir", "/var/lib/etcd",
-               "--listen-client-urls", f"http://0.0.0.0:{ETCD_PORT}",
-               "--advertise-client-urls", f"http://{name}:{ETCD_PORT}",
+               "--listen-client-urls",
+               f"{scheme}://$(POD_IP):{ETCD_PORT},{scheme}://127.0.0.1:{ETCD_PORT}",
+               "--advertise-client-urls", f"{scheme}://{name}:{ETCD_PORT}",
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"etcd-0={peer}", "--auto-compaction-retention=1"]
+    probe: dict = {"httpGet": {"path": "/health", "port": "client"}}
+    if scheme == "https":
+        command += ["--cert-file", f"{ETCD_TLS_DIR}/server.crt",
+                    "--key-file", f"{ETCD_TLS_DIR}/server.key"]
+        probe = {"tcpSocket": {"port": "client"}}
+        if found.cert_file is not None:
+            command += ["--trusted-ca-file", f"{ETCD_TLS_DIR}/ca.crt", "--client-cert-auth"]
+    mounts = [{"name": "data", "mountPath": "/var/lib/etcd"}, *_etcd_secret_mount(config)]
     container = {"name": "etcd", "image": k8s.etcd_image, "command": command,
+                 "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {
+                     "fieldPath": "status.podIP"}}}],
                  "ports": [{"name": "client", "containerPort": ETCD_PORT, "protocol": "TCP"}],
-                 "readinessProbe": {"httpGet": {"path": "/health", "port": "client"},
-                                    "periodSeconds": 5},
-                 "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}]}
+                 "readinessProbe": {**probe, "periodSeconds": 5},
+                 "volumeMounts": mounts}
     return [
         {"apiVersion": "v1", "kind": "Service", "metadata": metadata(k8s, name, unit),
          "spec": {"selector": labels(k8s, unit),
@@ -227,5 +283,6 @@ def etcd_objects(k8s: KubernetesConfig) -> list[dict]:
                   "selector": {"matchLabels": labels(k8s, unit)},
                   "template": {"metadata": {"labels": labels(k8s, unit)},
                                "spec": {"containers": [container],
-                                        "volumes": [{"name": "data", "emptyDir": {}}]}}}},
+                                        "volumes": [{"name": "data", "emptyDir": {}},
+                                                    *_etcd_secret_volume(config)]}}}},
     ]

@@ -12,6 +12,12 @@ commands (the pods themselves run in tests/cluster/test_k8s_commands.py).
   pods; the HPA targets a Deployment of the render and a metric the adapter rules serve.
 - The pods' config loads and keeps the user's settings.
 - A bad ``kubernetes:`` key is one error line naming it.
+- NetworkPolicies: context and generation pods admit the scheduler's pods (context: on its
+  gRPC and HTTP ports alone), each other (NIXL), and the monitoring namespace on their
+  metrics ports; the in-cluster etcd admits the role pods on its client port and listens on
+  its pod IP, not 0.0.0.0. Every selector matches the pods it means.
+- discovery's TLS and auth reach the pods: the etcd Secret mounted, the pods' config naming
+  the files in it and the password's variable, the in-cluster etcd serving https.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from k8s_manifests import CRD_KINDS, IMAGE, of_kind, render, schema_errors
 from triton_disagg.cli import build_parser
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.launch.drain import DRAIN_SECONDS, NOTICE_SECONDS
-from triton_disagg.launch.k8s_workloads import CONFIG_PATH, PORTS, READY_PATH, LIVE_PATH
+from triton_disagg.launch.k8s_workloads import (CONFIG_PATH, ETCD_PASSWORD_ENV, ETCD_TLS_DIR,
+                                                PORTS, READY_PATH, LIVE_PATH)
 from triton_disagg.launch.serve_argv import serve_argv
 from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 
@@ -50,7 +57,10 @@ CONFIGS = {
                                              "context_server: {instances: 2}\n"),
     "aggregated": lambda tmp: _variant(tmp, "mode: aggregated\n"
                                             "kubernetes: {etcd: \"etcd.example.net:2379\"}\n"),
+    "etcd_tls_auth": lambda tmp: _variant(tmp, TLS_AUTH),
 }
+TLS_AUTH = ("discovery: {etcd: 'e:2379', ca_file: /pki/ca.pem, cert_file: /pki/c.pem, "
+            "key_file: /pki/c.key, username: triton, password_env: ETCD_PW}\n")
 
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))
@@ -61,7 +71,8 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
     assert sorted(kustomization["resources"]) == sorted(objects)
     assert {obj["metadata"]["namespace"] for obj in objects.values()} == {"llm"}
     assert {obj["kind"] for obj in objects.values()} - {
-        "ConfigMap", "Deployment", "Service", "StatefulSet", "HorizontalPodAutoscaler"} == CRD_KINDS
+        "ConfigMap", "Deployment", "Service", "StatefulSet", "HorizontalPodAutoscaler",
+        "NetworkPolicy"} == CRD_KINDS
 
     serve = build_parser()
     deployments = {d["metadata"]["name"]: d for d in of_kind(objects, "Deployment")}
@@ -148,6 +159,7 @@ def test_pods_config_loads_and_keeps_the_users_settings(tmp_path):
     ("{etcd: nowhere}", "kubernetes.etcd: 'nowhere' is not host:port"),
     ("{replicas: 2}", "kubernetes: unknown key 'replicas'"),
     ("{engine_path: ../x}", "kubernetes.engine_path: '../x' must be a folder inside the PVC"),
+    ("{etcd_secret: Etcd}", "kubernetes.etcd_secret: 'Etcd' must be a Kubernetes name"),
 ])
 def test_a_bad_kubernetes_key_is_one_line_naming_it(section, message, tmp_path):
     config = _variant(tmp_path, f"kubernetes: {section}\n")
@@ -186,3 +198,89 @@ def test_the_adapter_reads_series_the_servers_publish(series):
     from triton_disagg.triton.metrics import _FAMILIES
 
     assert series in {name for name, _, _ in _FAMILIES.values()}
+
+
+def _selects(selector: dict, pod_labels: dict) -> bool:
+    """Whether a LabelSelector (matchLabels, matchExpressions with In) selects ``pod_labels``."""
+    if not selector.get("matchLabels", {}).items() <= pod_labels.items():
+        return False
+    return all(e["operator"] == "In" and pod_labels.get(e["key"]) in e["values"]
+               for e in selector.get("matchExpressions", []))
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_network_policies_let_only_the_scheduler_reach_the_servers(which, tmp_path):
+    objects = render(CONFIGS[which](tmp_path), tmp_path / "out")
+    pods = {o["metadata"]["name"]: o["spec"]["template"] for o in objects.values()
+            if o["kind"] in ("Deployment", "StatefulSet")}
+    roles = {name: {c["name"] for c in t["spec"]["containers"]} for name, t in pods.items()}
+    ports = {name: {p["name"] for c in t["spec"]["containers"] for p in c["ports"]}
+             for name, t in pods.items()}
+
+    def selected(selector: dict) -> set[str]:
+        return {name for name, t in pods.items() if _selects(selector, t["metadata"]["labels"])}
+
+    policies = of_kind(objects, "NetworkPolicy")
+    guarded = {}
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        (target,) = selected(spec["podSelector"])
+        guarded[target] = policy
+        for rule in spec["ingress"]:
+            assert rule["from"], "a rule without peers admits everyone"
+            for port in rule.get("ports", []):
+                assert port["port"] in ports[target]         # named ports of the target pods
+    servers = {name for name, r in roles.items() if r & {"context", "generation"}}
+    assert servers <= set(guarded)
+    (scheduler,) = [name for name, r in roles.items() if r == {"scheduler"}]
+    assert scheduler not in guarded                          # clients reach it
+    for name in servers:
+        rules = guarded[name]["spec"]["ingress"]
+        by_pods = [(selected(peer["podSelector"]), rule.get("ports")) for rule in rules
+                   for peer in rule["from"] if "podSelector" in peer]
+        assert all(not peers & {name} for peers, _ in by_pods)
+        assert {p for peers, _ in by_pods for p in peers} <= servers | {scheduler}
+        (from_scheduler,) = [p for peers, p in by_pods if peers == {scheduler}]
+        if roles[name] == {"context"}:
+            assert {p["port"] for p in from_scheduler} == {"ctx-grpc", "ctx-http"}
+        monitoring = [rule for rule in rules for peer in rule["from"]
+                      if "namespaceSelector" in peer]
+        (metrics,) = monitoring
+        assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": "monitoring"}}}]
+        assert {p["port"] for p in metrics["ports"]} == {p for p in ports[name]
+                                                         if p.endswith("-metrics")}
+    etcd = [name for name, r in roles.items() if r == {"etcd"}]
+    if etcd:
+        (rule,) = guarded[etcd[0]]["spec"]["ingress"]
+        assert selected(rule["from"][0]["podSelector"]) == servers | {scheduler}
+        assert rule["ports"] == [{"protocol": "TCP", "port": "client"}]
+        command = " ".join(pods[etcd[0]]["spec"]["containers"][0]["command"])
+        assert "0.0.0.0" not in command and "://$(POD_IP):2379" in command
+    else:
+        assert which == "aggregated"
+
+
+def test_etcd_tls_and_auth_reach_the_pods(tmp_path):
+    objects = render(_variant(tmp_path, TLS_AUTH), tmp_path / "out")
+    text = objects["configmap-triton-disagg-config.yaml"]["data"]["disagg_config.yaml"]
+    found = parse_config(yaml.safe_load(text), engine_here=False).discovery
+    assert (found.ca_file, found.cert_file, found.key_file) == (
+        f"{ETCD_TLS_DIR}/ca.crt", f"{ETCD_TLS_DIR}/tls.crt", f"{ETCD_TLS_DIR}/tls.key")
+    assert (found.username, found.password_env) == ("triton", ETCD_PASSWORD_ENV)
+    for obj in of_kind(objects, "Deployment") + of_kind(objects, "StatefulSet"):
+        spec = obj["spec"]["template"]["spec"]
+        assert {"name": "etcd-tls", "secret": {"secretName": "triton-disagg-etcd",
+                                               "defaultMode": 0o440}} in spec["volumes"]
+        for container in spec["containers"]:
+            assert {"name": "etcd-tls", "mountPath": ETCD_TLS_DIR, "readOnly": True} in \
+                container["volumeMounts"]
+            if container["name"] != "etcd":
+                env = {e["name"]: e for e in container["env"]}
+                assert env[ETCD_PASSWORD_ENV]["valueFrom"]["secretKeyRef"] == {
+                    "name": "triton-disagg-etcd", "key": "password"}
+    (etcd,) = of_kind(objects, "StatefulSet")
+    command = etcd["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "https://$(POD_IP):2379,https://127.0.0.1:2379" in command
+    assert "--client-cert-auth" in command and f"{ETCD_TLS_DIR}/server.crt" in command

@@ -30,7 +30,9 @@ Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`
 static pool; ``url`` stays the way to name one server, and ``url: X`` equals
 ``urls: [X]``), or a top-level ``discovery: {etcd: "host:2379", prefix:
 "/triton-disagg/<name>", ttl_seconds: 10}``: servers register in etcd under that prefix
-and the scheduler watches it (:mod:`triton_disagg.routing.discovery`). With discovery a role
+and the scheduler watches it (:mod:`triton_disagg.routing.discovery`); with ``ca_file``,
+``cert_file`` + ``key_file`` (TLS) and ``username`` + ``password_env`` (etcd auth, the
+password read from that environment variable) as :class:`DiscoveryConfig` says. With discovery a role
 names at most one url: where that server binds, not a pool; the scheduler routes over
 what etcd holds. Routing (:mod:`triton_disagg.routing.router`): per role ``router:
 least_loaded`` (default) or ``round_robin``; ``generation_server.max_local_prefill_length:
@@ -46,7 +48,8 @@ GPU cluster still loads (and renders) on a laptop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
@@ -64,7 +67,9 @@ _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", 
 _SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances", "cpus"}
 PLACED_ROLES = ("context", "generation", "scheduler")   # the roles that take cpus
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
-_DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds"}
+_DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds", "ca_file", "cert_file", "key_file",
+                   "username", "password_env"}
+_DISCOVERY_FILES = ("ca_file", "cert_file", "key_file")
 
 
 @dataclass(frozen=True)
@@ -123,11 +128,31 @@ class KVCacheConfig:
 class DiscoveryConfig:
     """etcd membership: servers register under ``prefix`` with a lease of
     ``ttl_seconds`` (whole seconds, >= 2: etcd counts leases in seconds and rounds
-    shorter ones up)."""
+    shorter ones up).
+
+    TLS: with ``ca_file`` or ``cert_file`` the client speaks https, verifying etcd's
+    certificate against ``ca_file`` (else the system's CAs) and presenting ``cert_file`` /
+    ``key_file`` (always both) when given. Auth: ``username`` with the password read from
+    the environment variable ``password_env`` (always both; the password itself is never in
+    the config, which lands in ConfigMaps and Triton's model settings). ``kv_budget`` is
+    not a user key: the parser fills it from the config (:func:`_kv_budget`)."""
 
     etcd: str                           # "host:port" of etcd's client endpoint
     prefix: str = "/triton-disagg"      # starts with "/", no trailing "/"
     ttl_seconds: int = 10
+    ca_file: str | None = None          # absolute paths (relative ones resolve against the config)
+    cert_file: str | None = None
+    key_file: str | None = None
+    username: str | None = None
+    password_env: str | None = None
+    # role -> KV bytes one server of that role holds at most, by this config (kv_cache.max_size
+    # x the role's instances): the scheduler caps what a member record claims at it. Derived
+    # from the rest of the config, so not compared.
+    kv_budget: dict[str, int] = field(default_factory=dict, compare=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_file is not None or self.cert_file is not None
 
     @property
     def etcd_host(self) -> str:
@@ -268,7 +293,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
                        lease_seconds=number(kv_raw.get("lease_seconds", 30.0),
                                              "kv_cache.lease_seconds"))
-    discovery = _discovery(top.get("discovery"))
+    discovery = _discovery(top.get("discovery"), base_dir, files_here=engine_here)
     config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
         kubernetes=parse_kubernetes(top.get("kubernetes")), source=source,
@@ -283,10 +308,19 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
             raise UserError(f"{role}_server.urls: a static pool and discovery both name the "
                             f"servers; drop urls (servers register in etcd) or drop discovery")
     _check_kv_hosts(config)
+    if discovery is not None:
+        config = replace(config, discovery=replace(discovery, kv_budget=_kv_budget(config)))
     return config
 
 
-def _discovery(raw: Any) -> DiscoveryConfig | None:
+def _kv_budget(config: DisaggConfig) -> dict[str, int]:
+    """Role -> the KV bytes one of its servers holds: ``kv_cache.max_size`` per model instance."""
+    return {role: config.kv_cache.max_size * config.server(role).instances
+            for role in ("context", "generation")}
+
+
+def _discovery(raw: Any, base_dir: Path, files_here: bool) -> DiscoveryConfig | None:
+    """``discovery``; ``files_here`` False: its TLS files need not exist on this host."""
     if raw is None:
         return None
     d = mapping(raw, "discovery", _DISCOVERY_KEYS)
@@ -302,7 +336,32 @@ def _discovery(raw: Any) -> DiscoveryConfig | None:
     if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 2:
         raise UserError(f"discovery.ttl_seconds: {ttl!r} must be a whole number of seconds "
                         f">= 2 (etcd leases count whole seconds), e.g. 10")
-    return DiscoveryConfig(etcd=etcd, prefix=prefix.rstrip("/"), ttl_seconds=ttl)
+    files = {key: _discovery_file(d[key], key, base_dir, files_here)
+             for key in _DISCOVERY_FILES if key in d}
+    if ("cert_file" in files) != ("key_file" in files):
+        raise UserError("discovery.cert_file and discovery.key_file: give both (the client "
+                        "certificate and its key) or neither")
+    for key in ("username", "password_env"):
+        if key in d and (not isinstance(d[key], str) or not d[key].strip()):
+            raise UserError(f"discovery.{key}: {d[key]!r} must be a non-empty string")
+    if ("username" in d) != ("password_env" in d):
+        raise UserError("discovery.username and discovery.password_env: give both (etcd's user "
+                        "and the environment variable holding its password) or neither")
+    if files_here and "password_env" in d and d["password_env"] not in os.environ:
+        raise UserError(f"discovery.password_env: the environment variable {d['password_env']} "
+                        f"is not set; export it with etcd's password for {d['username']}")
+    return DiscoveryConfig(etcd=etcd, prefix=prefix.rstrip("/"), ttl_seconds=ttl,
+                           username=d.get("username"), password_env=d.get("password_env"),
+                           **files)
+
+
+def _discovery_file(raw: Any, key: str, base_dir: Path, files_here: bool) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise UserError(f"discovery.{key}: {raw!r} must be a file path (PEM)")
+    path = (base_dir / raw).resolve()
+    if files_here and not path.is_file():
+        raise UserError(f"discovery.{key}: {path} not found; give the PEM file's path")
+    return str(path)
 
 
 def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:

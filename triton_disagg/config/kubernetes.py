@@ -9,6 +9,10 @@ needs beyond the serving config (every key optional)::
       etcd_image: quay.io/coreos/etcd:v3.5.17   # the in-cluster etcd's image
       kv_secret: triton-disagg-kv      # Secret whose key `secret` is every server's
                                        # TRITON_DISAGG_KV_SECRET (default: NAME-kv)
+      etcd_secret: triton-disagg-etcd  # Secret with etcd's TLS files and password, mounted
+                                       # when discovery has TLS or auth (default: NAME-etcd)
+      monitoring_namespace: monitoring # where Prometheus runs: the NetworkPolicies let it
+                                       # reach the servers' metrics ports
       context:    {min_replicas: 1, max_replicas: 4, target_queued_prompt_tokens: 2048}
       generation: {min_replicas: 1, max_replicas: 4, target_kv_usage: 0.75}
       scheduler:  {min_replicas: 1, max_replicas: 2, target_cpu_utilization: 80}
@@ -35,8 +39,8 @@ DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 TARGETS = {"context": ("target_queued_prompt_tokens", 2048),
            "generation": ("target_kv_usage", 0.75),
            "scheduler": ("target_cpu_utilization", 80)}
-_KEYS = {"name", "engine_pvc", "engine_path", "etcd", "etcd_image", "kv_secret",
-         "context", "generation", "scheduler"}
+_KEYS = {"name", "engine_pvc", "engine_path", "etcd", "etcd_image", "kv_secret", "etcd_secret",
+         "monitoring_namespace", "context", "generation", "scheduler"}
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 NAME_MAX = 40      # leaves room for "-generation-prometheus-adapter"-style suffixes in 63
 
@@ -58,6 +62,8 @@ class KubernetesConfig:
     etcd: str = IN_CLUSTER               # IN_CLUSTER, or "host:port" of an external etcd
     etcd_image: str = DEFAULT_ETCD_IMAGE
     kv_secret: str = ""                  # "" until parsed: NAME-kv
+    etcd_secret: str = ""                # "" until parsed: NAME-etcd
+    monitoring_namespace: str = "monitoring"
     scaling: dict[str, Scaling] = field(default_factory=dict)   # role -> as given
 
     def scale(self, role: str) -> Scaling:
@@ -86,6 +92,9 @@ def parse_kubernetes(raw: Any) -> KubernetesConfig:
         engine_path=engine_path.strip("/") if engine_path else None,
         engine_pvc=_dns_label(k.get("engine_pvc", f"{name}-engines"), "kubernetes.engine_pvc"),
         kv_secret=_dns_label(k.get("kv_secret", f"{name}-kv"), "kubernetes.kv_secret"),
+        etcd_secret=_dns_label(k.get("etcd_secret", f"{name}-etcd"), "kubernetes.etcd_secret"),
+        monitoring_namespace=_dns_label(k.get("monitoring_namespace", "monitoring"),
+                                        "kubernetes.monitoring_namespace"),
         scaling={role: _scaling(k[role], role) for role in TARGETS if role in k})
 
 

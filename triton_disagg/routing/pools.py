@@ -82,9 +82,17 @@ def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, d
     not yet started, when they come from etcd, else None; ``{role: source}``)."""
     membership = None
     if settings.discovery is not None:
-        from triton_disagg.engine.spec import EngineSpec
+        from triton_disagg.config.disagg import KV_DTYPES
+        from triton_disagg.engine.spec import EngineSpec, KVLayout
 
-        membership = Membership(settings.discovery, EngineSpec.load(settings.engine).fingerprint)
+        spec = EngineSpec.load(settings.engine)
+
+        def block_nbytes(tokens_per_block: int) -> int:
+            """The fewest bytes a block of ``tokens_per_block`` tokens takes (any kv_dtype)."""
+            return min(spec.block_geometry(KVLayout(tokens_per_block, dtype)).block_nbytes
+                       for dtype in KV_DTYPES)
+
+        membership = Membership(settings.discovery, spec.fingerprint, block_nbytes=block_nbytes)
     return membership, {role: DiscoveredMembers(membership, role) if membership is not None
                         else StaticMembers(role, list(settings.pools[role].urls))
                         for role in ROLES}

@@ -13,12 +13,20 @@ etcd goes away, the stream just ends with nothing told to the caller, so a watch
 could not tell "no change" from "etcd gone". :class:`.membership.Membership` polls a
 range request instead (see there).
 
+TLS and auth (``discovery.ca_file`` / ``cert_file`` / ``key_file``, ``username`` /
+``password_env``): etcd3gw takes the CA and client certificate itself; user/password auth
+it lacks, so :class:`AuthClient` gets a token from ``/v3/auth/authenticate`` and sends it
+in the ``Authorization`` header of every request, authenticating again once when etcd
+says the token is no longer valid (etcd forgets its tokens when it restarts).
+
 Key layout: ``{prefix}/{role}/{grpc_url}``, one key per server, its value a
 :class:`.record.MemberRecord` in JSON. The gRPC url is the server's identity: a server
 restarted at the same address overwrites its own key.
 """
 
 from __future__ import annotations
+
+import os
 
 import requests
 from etcd3gw import Etcd3Client
@@ -34,9 +42,53 @@ ETCD_ERRORS = (Etcd3Exception, requests.RequestException)
 
 
 def connect(discovery: DiscoveryConfig, timeout: float) -> Etcd3Client:
-    """A client for ``discovery.etcd``; every request gives up after ``timeout`` seconds.
-    Nothing is sent until the first call (which then asks etcd for its API version)."""
-    return Etcd3Client(discovery.etcd_host, discovery.etcd_port, timeout=timeout)
+    """A client for ``discovery.etcd`` with its TLS and auth settings; every request gives
+    up after ``timeout`` seconds. Nothing is sent until the first call (which then asks etcd
+    for its API version).
+
+    Its session ignores the environment (``trust_env`` off): with it on, requests lets
+    ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` override the session's CA (requests issue
+    3829), so ``ca_file`` would be silently replaced, and ``HTTP_PROXY`` would route etcd
+    traffic through a proxy. etcd is always reached directly."""
+    session = requests.Session()
+    session.trust_env = False
+    if discovery.ca_file is not None:
+        session.verify = discovery.ca_file
+    if discovery.cert_file is not None:
+        session.cert = (discovery.cert_file, discovery.key_file)
+    where = {"host": discovery.etcd_host, "port": discovery.etcd_port, "timeout": timeout,
+             "protocol": "https" if discovery.tls else "http", "session": session}
+    if discovery.username is None:
+        return Etcd3Client(**where)
+    return AuthClient(username=discovery.username,
+                      password=os.environ.get(discovery.password_env or "", ""), **where)
+
+
+class AuthClient(Etcd3Client):
+    """An etcd3gw client that authenticates as ``username`` (see the module docstring).
+
+    Invariant: every request but the authentication itself carries the current token; a
+    request refused as unauthenticated is sent once more with a fresh token, never twice."""
+
+    def __init__(self, username: str, password: str, **kwargs):
+        super().__init__(**kwargs)
+        self._credentials = {"name": username, "password": password}
+
+    def post(self, url: str, *args, json=None, **kwargs):
+        if "Authorization" not in self.session.headers:
+            self._authenticate()
+        try:
+            return super().post(url, *args, json=json, **kwargs)
+        except Etcd3Exception as exc:
+            if "auth token" not in str(exc.detail_text) and exc.args[:1] != ("Unauthorized",):
+                raise
+        self._authenticate()
+        return super().post(url, *args, json=json, **kwargs)
+
+    def _authenticate(self) -> None:
+        self.session.headers.pop("Authorization", None)
+        reply = super().post(self.get_url("/auth/authenticate"), json=self._credentials)
+        self.session.headers["Authorization"] = reply["token"]
 
 
 def member_key(prefix: str, role: str, grpc_url: str) -> str:

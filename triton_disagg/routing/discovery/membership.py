@@ -12,13 +12,22 @@ Invariants:
 - :meth:`Membership.members` holds only well-formed records of that role whose engine
   fingerprint is the scheduler's own, sorted by gRPC url (a stable order to route over).
 - A record with another fingerprint is refused: left out and logged at ERROR, once per
-  key and fingerprint. A record that does not parse, or does not match its key, is left
-  out and logged once per key and reason.
-- While etcd does not answer, :meth:`members` is the last set read and
+  key and fingerprint. A record that does not parse (whatever the parser raises: deep
+  nesting, a huge value, a load over its own capacity; see :mod:`.record`), or does not
+  match its key, is left out, counted in :attr:`refused` and logged once per key and
+  reason; the other records of that poll are read as usual.
+- What a record claims is bounded by the deployment's config: with
+  ``discovery.kv_budget`` (role -> KV bytes a server of that role holds) and
+  ``block_nbytes`` (the fewest bytes a KV block of ``tokens_per_block`` tokens takes in
+  this engine), its ``kv_blocks_total`` and free blocks are capped at what that budget
+  holds (logged once per key), so an inflated record cannot draw every least_loaded pick.
+- An exception out of a poll never ends polling (:class:`.periodic.Periodic`).
+- While etcd does not answer (or answers what cannot be read), :meth:`members` is the
+  last set read and
   :attr:`etcd_reachable` is False; one log line when etcd stops answering, one when it
   answers again.
 - :attr:`on_poll`, when set before :meth:`start`, is called after every poll, answered
-  or not, on the polling thread (the first time inside :meth:`start`).
+  or not, even one that raised, on the polling thread (the first time inside :meth:`start`).
 """
 
 from __future__ import annotations
@@ -28,19 +37,23 @@ from typing import Callable
 
 from triton_disagg.config.disagg import DiscoveryConfig
 
-from .etcd import ETCD_ERRORS, connect, member_key, members_prefix
+from .etcd import connect, member_key, members_prefix
 from .periodic import Periodic
 from .record import ROLES, MemberRecord
 
 _log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25
 REQUEST_TIMEOUT = 1.0
+LOGGED_MAX = 4096            # (key, problem) pairs remembered as logged
 
 
 class Membership:
     def __init__(self, discovery: DiscoveryConfig, fingerprint: str,
-                 poll_seconds: float = POLL_SECONDS):
+                 poll_seconds: float = POLL_SECONDS,
+                 block_nbytes: Callable[[int], int] | None = None):
         self.discovery, self.fingerprint, self.poll_seconds = discovery, fingerprint, poll_seconds
+        self.block_nbytes = block_nbytes
+        self.refused = 0                # records left out because they did not parse
         self.on_poll: Callable[[Membership], None] | None = None
         self._client = connect(discovery, timeout=REQUEST_TIMEOUT)
         self._members: dict[str, tuple[MemberRecord, ...]] = {role: () for role in ROLES}
@@ -61,14 +74,16 @@ class Membership:
         self._poller.stop()
 
     def _poll(self) -> None:
-        self._read()
-        if self.on_poll is not None:
-            self.on_poll(self)
+        try:
+            self._read()
+        finally:
+            if self.on_poll is not None:
+                self.on_poll(self)
 
     def _read(self) -> None:
         try:
             kvs = self._client.get_prefix(members_prefix(self.discovery.prefix))
-        except ETCD_ERRORS as exc:
+        except Exception as exc:       # down, refusing, or a reply etcd3gw cannot read
             if self.etcd_reachable or not self._polled_once:
                 _log.warning("etcd at %s does not answer (%s); keeping the last known members "
                              "(%s)", self.discovery.etcd, type(exc).__name__, self._sizes())
@@ -92,9 +107,10 @@ class Membership:
             record = MemberRecord.from_json(value)
             if key != member_key(self.discovery.prefix, record.role, record.grpc_url):
                 raise ValueError(f"it names {record.role} {record.grpc_url}, another key")
-        except ValueError as exc:
-            self._log_once(key, str(exc), logging.WARNING,
-                           "etcd: ignoring %s: %s", key, exc)
+        except Exception as exc:       # anything etcd holds may be garbage: never end the poll
+            self.refused += 1
+            self._log_once(key, f"{type(exc).__name__}: {exc}"[:200], logging.WARNING,
+                           "etcd: ignoring %s: %s", key[:200], f"{exc}"[:200])
             return None
         if record.fingerprint != self.fingerprint:
             self._log_once(key, record.fingerprint, logging.ERROR,
@@ -102,9 +118,24 @@ class Membership:
                            "scheduler's %s; serve the same engine on both", record.role,
                            record.grpc_url, record.fingerprint[:16], self.fingerprint[:16])
             return None
-        return record
+        return self._bounded(key, record)
+
+    def _bounded(self, key: str, record: MemberRecord) -> MemberRecord:
+        """``record`` capped at the KV blocks its role's budget holds (module docstring)."""
+        budget = self.discovery.kv_budget.get(record.role)
+        if not budget or self.block_nbytes is None:
+            return record
+        capped = record.capped(budget // self.block_nbytes(record.tokens_per_block))
+        if capped is not record:
+            self._log_once(key, "capped", logging.WARNING,
+                           "etcd: %s server %s claims %d KV blocks, more than this deployment's "
+                           "kv_cache.max_size x instances holds; counting %d", record.role,
+                           record.grpc_url, record.kv_blocks_total, capped.kv_blocks_total)
+        return capped
 
     def _log_once(self, key: str, problem: str, level: int, message: str, *args) -> None:
+        if len(self._logged) >= LOGGED_MAX:   # keys written to flood the log: start over
+            self._logged.clear()
         if (key, problem) not in self._logged:
             self._logged.add((key, problem))
             _log.log(level, message, *args)

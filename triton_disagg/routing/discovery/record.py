@@ -8,18 +8,24 @@ JSON, versioned (``"version": 1``), never pickle::
      "load": {"free_kv_blocks": 500, "live_sequences": null, "queued_prompt_tokens": null}}
 
 Invariants: :func:`MemberRecord.from_json` reads back what :meth:`to_json` writes and
-raises ValueError, with the reason, on a field missing or of the wrong type; a load figure the server cannot
-measure is ``None`` (JSON null), never a made-up 0; ``token_address`` /
-``nixl_address`` are "" until the server knows them.
+raises ValueError, with the reason, on anything else: a value over ``MAX_RECORD_BYTES``
+(refused before JSON parsing), nesting too deep to parse, a field missing or of the wrong
+type, a count outside ``0..MAX_COUNT``, ``tokens_per_block`` not a power of two up to
+``MAX_TOKENS_PER_BLOCK``, free KV blocks above the record's own ``kv_blocks_total``. A load
+figure the server cannot measure is ``None`` (JSON null), never a made-up 0;
+``token_address`` / ``nixl_address`` are "" until the server knows them.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 ROLES = ("context", "generation")
 VERSION = 1
+MAX_RECORD_BYTES = 16384        # a record is about 500 bytes; longer values are not read
+MAX_COUNT = 2**40               # any count a record may carry (blocks, sequences, tokens)
+MAX_TOKENS_PER_BLOCK = 2**16
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,14 @@ class MemberRecord:
     nixl_address: str = ""      # where NIXL reaches its KV pool, if known
     load: Load = field(default_factory=Load)
 
+    def capped(self, max_blocks: int) -> "MemberRecord":
+        """This record with its capacity and free KV blocks at most ``max_blocks``."""
+        if self.kv_blocks_total <= max_blocks:
+            return self
+        free = self.load.free_kv_blocks
+        return replace(self, kv_blocks_total=max_blocks, load=replace(
+            self.load, free_kv_blocks=None if free is None else min(free, max_blocks)))
+
     def to_json(self) -> bytes:
         return json.dumps({
             "version": VERSION, "role": self.role, "grpc_url": self.grpc_url,
@@ -51,8 +65,12 @@ class MemberRecord:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "MemberRecord":
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ValueError(f"{len(raw)} bytes, over the {MAX_RECORD_BYTES} a record may take")
         try:
             d = json.loads(raw)
+        except RecursionError:
+            raise ValueError("nested too deep to be a record") from None
         except ValueError as exc:
             raise ValueError(f"not JSON ({exc})") from None
         if not isinstance(d, dict) or d.get("version") != VERSION:
@@ -66,6 +84,13 @@ class MemberRecord:
                      load=Load(**{k: _int(load, k, optional=True) for k in Load.__dataclass_fields__}))
         if record.role not in ROLES:
             raise ValueError(f"role {record.role!r} is not one of {', '.join(ROLES)}")
+        tpb = record.tokens_per_block
+        if not 0 < tpb <= MAX_TOKENS_PER_BLOCK or tpb & (tpb - 1):
+            raise ValueError(f"tokens_per_block {tpb} is not a power of two up to "
+                             f"{MAX_TOKENS_PER_BLOCK}")
+        if (record.load.free_kv_blocks or 0) > record.kv_blocks_total:
+            raise ValueError(f"free_kv_blocks {record.load.free_kv_blocks} is over its own "
+                             f"kv_blocks_total {record.kv_blocks_total}")
         return record
 
 
@@ -85,6 +110,6 @@ def _int(d: dict, key: str, optional: bool = False) -> int | None:
     value = d.get(key)
     if value is None and optional:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{key} is not a whole number >= 0")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{key} is not a whole number from 0 to {MAX_COUNT}")
     return value

@@ -17,6 +17,10 @@ Invariants:
   deletes the key at once) if etcd answered; otherwise the key lapses within the TTL.
   Revoking touches only keys under this lease, never a newer server's at the same url.
 - A load callable that raises keeps the last load (logged once per failing streak).
+- Any other exception in a beat (etcd answering with an error, or a reply without the
+  fields expected, such as a keepalive without ``result``) drops the lease held and the
+  next beat registers under a fresh one; logged once per streak of one error type. The
+  heartbeat never stops on its own (:class:`.periodic.Periodic`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Registration:
         self._published: MemberRecord | None = None   # what etcd holds under self._lease
         self._etcd_down = False
         self._load_failing = False
+        self._refusal: str | None = None    # the error of the current refused streak, logged once
         self._heartbeat = Periodic(self._beat, self.beat_seconds, f"etcd-registration {self.key}")
 
     @property
@@ -93,11 +98,15 @@ class Registration:
                              self.beat_seconds, self.key)
             self._etcd_down = True
             return
-        except ETCD_ERRORS as exc:     # etcd answered with an error: start a fresh lease
-            _log.warning("etcd at %s refused a request for %s (%s); registering again",
-                         self.discovery.etcd, self.key, exc)
+        except Exception as exc:       # an etcd error, or a reply this cannot read
+            if self._refusal != type(exc).__name__:
+                _log.warning("etcd at %s refused a request for %s (%s: %s); registering again "
+                             "with a fresh lease", self.discovery.etcd, self.key,
+                             type(exc).__name__, exc)
+            self._refusal = type(exc).__name__
             self._lease = self._published = None
             return
+        self._refusal = None
         if self._etcd_down:
             _log.warning("etcd at %s answers again; %s is registered", self.discovery.etcd,
                          self.key)
