@@ -68,7 +68,7 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
     routed = lambda host: total(metrics_of(hosts, "scheduler"),  # noqa: E731
                                 "disagg_routed_requests_total", server=url[host])
     with contextlib.ExitStack() as stack:
-        servers = stack.enter_context(servers.serve_commands(
+        running = stack.enter_context(servers.serve_commands(
             [_serve(hosts, h, config, tmp_path) for h in HOSTS]))
 
         # kill -9 of gen1's tritonserver once it holds streams: they move to gen2
@@ -86,7 +86,7 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
                "KV pools of ctx1 and gen2 back to 0 blocks")
 
         # no generation server left: one clear line within 5 s of the kill
-        servers.stop(servers[HOSTS.index("gen1")])
+        servers.stop(running[HOSTS.index("gen1")])
         before = routed("gen2")
         held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts[:4],
                            tmp_path / "go-again")
