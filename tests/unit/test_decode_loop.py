@@ -317,3 +317,28 @@ def test_token_sockets_stay_bounded_under_many_distinct_addresses(engine):
     orchestrators.close()
     assert "at most 2 orchestrator addresses" in refused.error
     assert engine.pool.num_used == 0
+
+
+def test_a_dead_orchestrators_requests_are_aborted_and_their_kv_freed(engine):
+    """The orchestrator closes its token socket (it died) while its non-streaming request
+    decodes (no event on the way, so no send fails): the loop sees the disconnection,
+    aborts the request and frees its blocks instead of decoding to its end."""
+    side = GenerationSide(engine, None)
+    orchestrators = Orchestrators(1)
+    done: list[str] = []
+    side.request_done = done.append
+    loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side)
+    loop.submit("earlier", side.prepare(P.CONTEXT_AND_GENERATION, _request([5], 2), {}),
+                orchestrators.address(0))
+    orchestrators.messages(0, finals=1)                   # the socket to it is connected
+    loop.submit("orphan", side.prepare(P.CONTEXT_AND_GENERATION,
+                                       _request([5, 6], 500, False), {}),
+                orchestrators.address(0))
+    time.sleep(0.05)
+    orchestrators.close()
+    deadline = time.monotonic() + 5
+    while loop.live and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live = dict(loop.live)
+    loop.close()
+    assert live == {} and done == ["finished", "error"] and engine.pool.num_used == 0

@@ -9,8 +9,10 @@
 Invariants: only the decode-loop thread sends or receives on these sockets; nothing
 here blocks. A send that would wait (the orchestrator is gone or not reading, and
 ``HIGH_WATER_MARK`` messages already wait for it) or fails closes that address's socket,
-which drops every message still queued on it, so :meth:`TokenOutbox.flush` reports the
-address: the loop then fails every request that streams to it, never only those of the
+which drops every message still queued on it, and so does a disconnection (the
+orchestrator closed its socket or died, or stopped answering heartbeats; what was on the
+way may be lost), seen by each socket's monitor at the next flush; either way
+:meth:`TokenOutbox.flush` reports the address, with this flush's events for it unsent: the loop then fails every request that streams to it, never only those of the
 failed message. At most ``MAX_SOCKETS`` sockets stay open after a flush: beyond that the
 least recently used ones whose address no live request names are closed (given
 ``EVICT_LINGER_MS`` to deliver what they hold), as is a socket whose address had nothing
@@ -42,6 +44,7 @@ class TokenOutbox:
     def __init__(self, context: zmq.Context, max_sockets: int = MAX_SOCKETS):
         self.context, self.max_sockets = context, max_sockets
         self.sockets: dict[str, zmq.Socket] = {}      # least recently used first
+        self.monitors: dict[str, zmq.Socket] = {}     # each socket's disconnection events
         self.last_sent: dict[str, float] = {}
         self.pending: dict[str, list[StreamEvent]] = {}
         self.swept = time.monotonic()
@@ -56,6 +59,11 @@ class TokenOutbox:
         pending, self.pending = self.pending, {}
         dropped: dict[str, list[StreamEvent]] = {}
         now = time.monotonic()
+        for address in [a for a, monitor in self.monitors.items() if _disconnected(monitor)]:
+            _log.warning("generation: the orchestrator at %s disconnected; its socket is "
+                         "closed and every request streaming to it fails", address)
+            dropped[address] = [e for e in pending.pop(address, []) if e.error is None]
+            self._drop(address)
         for address, events in pending.items():
             try:
                 sock = self.sockets.pop(address, None) or self._connect(address)
@@ -77,20 +85,35 @@ class TokenOutbox:
         return dropped
 
     def _connect(self, address: str) -> zmq.Socket:
-        return push_socket(self.context, address, HIGH_WATER_MARK)
+        sock = push_socket(self.context, address, HIGH_WATER_MARK)
+        self.monitors[address] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return sock
 
     def _drop(self, address: str, linger_ms: int = 0) -> None:
         sock = self.sockets.pop(address, None)
         self.last_sent.pop(address, None)
+        monitor = self.monitors.pop(address, None)
+        if monitor is not None:
+            monitor.close(linger=0)
         if sock is not None:
             sock.close(linger=linger_ms)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket; what is still unsent after ``linger_ms`` is dropped."""
-        for sock in self.sockets.values():
-            sock.close(linger=linger_ms)
-        self.sockets.clear()
+        for address in list(self.sockets):
+            self._drop(address, linger_ms)
         self.last_sent.clear()
+
+
+def _disconnected(monitor: zmq.Socket) -> bool:
+    """Whether ``monitor`` reported a disconnection since it was last asked."""
+    seen = False
+    while True:
+        try:
+            monitor.recv_multipart(zmq.NOBLOCK)    # [event id + value, endpoint]
+        except zmq.Again:
+            return seen
+        seen = True
 
 
 def send_errors(context: zmq.Context, events: list[tuple[str, StreamEvent]]) -> None:
