@@ -5,7 +5,8 @@ a crash (``Fatal Python error`` or ``Segmentation fault`` in tritonserver's log,
 that died, tritonserver or ``serve`` gone); KV blocks still used, or no pool gauge at all,
 after the settle; an unexpected error (a good request that failed, a bad input that was
 answered as if fine); a request read to its end whose token count disagrees with
-``num_output_tokens`` or ``max_tokens`` (tokens lost on the way; counted apart as well). Stub memory must stay within ``RSS_FLAT`` over the last half of
+``num_output_tokens`` or ``max_tokens`` (tokens lost on the way; counted apart as well).
+Stub memory must stay within ``RSS_FLAT`` over the last half of
 the load; it is judged when that window is at least ``RSS_MIN_WINDOW`` seconds (a 1-minute
 CI run is mostly warm-up) and shown in any case. tritonserver's own memory is shown with
 its growth but not judged: it is Triton's C++ process, not a model's stub, and it creeps

@@ -43,11 +43,10 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import zmq
-
-from collections import Counter
 
 from triton_disagg.generation.decode_requests import Live, error_event, token_event
 from triton_disagg.triton.engine_request import EngineRequest
@@ -70,7 +69,8 @@ class DecodeLoop:
 
     ``outbox``: ``put(address, event)``, ``flush(keep) -> {dropped address: failed
     events}`` and ``max_sockets`` (:class:`~sockets.TokenOutbox`); ``stops``:
-    ``take() -> [(request id, key)]`` (:class:`~sockets.StopInbox`) or None. The loop closes both when it ends.
+    ``take() -> [(request id, key)]`` (:class:`~sockets.StopInbox`) or None. The loop
+    closes both when it ends.
 
     ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""
 
@@ -245,17 +245,17 @@ class DecodeLoop:
     def _flush(self) -> None:
         """Send this iteration's messages. For every address whose socket was dropped, fail
         every request streaming to it, and tell the requests of the failed message that had
-        ended already, over a fresh socket (one more flush: only errors, so a second drop
-        ends nothing more)."""
+        ended already (an error in their final event's place), over a fresh socket (one
+        more flush: only errors, so a second drop ends nothing more)."""
         dropped = self.outbox.flush(self.addresses)
         for address, failed in dropped.items():
             message = (f"generation lost the token events queued for {address} (its socket "
-                       f"failed); request failed")
+                       f"failed or its peer disconnected); request failed")
             for request_id in [rid for rid, live in self.live.items() if live.address == address]:
                 self._fail(request_id, message)
             for event in [e for e in failed if e.final]:   # the others' requests: failed above
                 self.outbox.put(address, StreamEvent(event.request_id, [], error=message,
-                                                     seq=event.seq + 1, key=event.key))
+                                                     seq=event.seq, key=event.key))
         if dropped:
             self.outbox.flush(self.addresses)
 

@@ -12,8 +12,9 @@ here blocks. A send that would wait (the orchestrator is gone or not reading, an
 which drops every message still queued on it, and so does a disconnection (the
 orchestrator closed its socket or died, or stopped answering heartbeats; what was on the
 way may be lost), seen by each socket's monitor at the next flush; either way
-:meth:`TokenOutbox.flush` reports the address, with this flush's events for it unsent: the loop then fails every request that streams to it, never only those of the
-failed message. At most ``MAX_SOCKETS`` sockets stay open after a flush: beyond that the
+:meth:`TokenOutbox.flush` reports the address, with this flush's events for it unsent:
+the loop then fails every request that streams to it, never only those of the failed
+message. At most ``MAX_SOCKETS`` sockets stay open after a flush: beyond that the
 least recently used ones whose address no live request names are closed (given
 ``EVICT_LINGER_MS`` to deliver what they hold), as is a socket whose address had nothing
 to send for ``IDLE_SECONDS`` (an orchestrator restarts with a new address), so dead
