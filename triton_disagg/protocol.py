@@ -20,8 +20,9 @@ batch across requests themselves.
   context response's ``context_phase_params`` unchanged and ``input_ids`` =
   the prompt plus the first token the context model returned.
 - Generation's tokens do not travel as Triton responses: a generation request
-  names the orchestrator's ZeroMQ address in the request parameter
-  ``token_address`` and its request id as the Triton request id; generation
+  names the orchestrator's ZeroMQ address and the request's key in the request
+  parameter ``token_address`` (``<address>#<key>``: every event carries the key, a stop
+  needs it) and its request id as the Triton request id; generation
   answers at once with one response, :data:`GENERATION_OUTPUTS` (the control
   address where stops for that request go), or an error, and streams the
   tokens to ``token_address`` (:mod:`triton_disagg.token_wire`). Every

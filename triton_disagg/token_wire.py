@@ -4,12 +4,18 @@ Two kinds, each one msgpack map with the schema version under ``"v"``:
 
 - a token message (generation -> an orchestrator's token address): every event
   (:class:`StreamEvent`) of one decode step for that address,
-  ``{"v": 1, "events": [event, ...]}``, where an event is
-  ``{"id": request id, "tokens": [int, ...]}`` plus, only when they apply,
+  ``{"v": 2, "events": [event, ...]}``, where an event is
+  ``{"id": request id, "key": the request's key, "seq": int, "tokens": [int, ...]}``
+  plus, only when they apply,
   ``"log_probs": [float, ...]`` and ``"cum_log_prob": float`` (the request asked for
   them), ``"finish": reason`` (its last event) or ``"error": message`` (its last event);
 - a stop (orchestrator -> the control address of the generation instance holding the
-  request): ``{"v": 1, "stop": request id}``.
+  request): ``{"v": 2, "stop": request id, "key": the request's key}``.
+
+A request's key is a random string the orchestrator makes for it and sends generation
+inside the token address (``<address>#<key>``, :func:`with_key`); knowing a request id
+is not enough to add to its stream or end it. ``seq`` numbers a request's events from
+generation 0, 1, 2, ... so the receiver sees a lost one.
 
 Invariants: decoding never runs code (msgpack only; a tcp socket can be reached from
 other hosts, so nothing here is pickle); every frame that is not a well-formed message
@@ -24,7 +30,8 @@ from typing import Any
 
 import msgpack
 
-VERSION = 1
+VERSION = 2
+KEY_SEPARATOR = "#"
 
 
 class WireError(ValueError):
@@ -42,6 +49,8 @@ class StreamEvent:
     cum_log_prob: float | None = None
     finish_reason: str | None = None         # set on a request's last event
     error: str | None = None                 # or this, instead
+    seq: int = 0                             # the request's events from generation: 0, 1, ...
+    key: str = ""                            # the request's key (module docstring)
 
     @property
     def final(self) -> bool:
@@ -54,7 +63,7 @@ class StreamEvent:
                      if self.log_probs is not None and later.log_probs is not None else None)
         cum = later.cum_log_prob if later.cum_log_prob is not None else self.cum_log_prob
         return StreamEvent(self.request_id, self.tokens + later.tokens, log_probs, cum,
-                           later.finish_reason)
+                           later.finish_reason, seq=later.seq, key=later.key)
 
 
 _OPTIONAL = (("log_probs", "log_probs", list), ("cum_log_prob", "cum_log_prob", float),
@@ -66,25 +75,43 @@ def encode_events(events: list[StreamEvent]) -> bytes:
 
 
 def decode_events(frame: bytes) -> list[StreamEvent]:
-    events = _message(frame, "events")
+    events = _message(frame, "events")["events"]
     if not isinstance(events, list):
         raise WireError("token message: 'events' must be a list")
     return [_event(e) for e in events]
 
 
-def encode_stop(request_id: str) -> bytes:
-    return msgpack.packb({"v": VERSION, "stop": request_id})
+def encode_stop(request_id: str, key: str) -> bytes:
+    return msgpack.packb({"v": VERSION, "stop": request_id, "key": key})
 
 
-def decode_stop(frame: bytes) -> str:
-    request_id = _message(frame, "stop")
-    if not isinstance(request_id, str):
-        raise WireError("stop message: 'stop' must be a request id string")
-    return request_id
+def decode_stop(frame: bytes) -> tuple[str, str]:
+    """``(request id, key)`` of a stop."""
+    message = _message(frame, "stop")
+    request_id, key = message["stop"], message.get("key")
+    if not isinstance(request_id, str) or not isinstance(key, str):
+        raise WireError("stop message: 'stop' and 'key' must be strings")
+    return request_id, key
+
+
+def with_key(address: str, key: str) -> str:
+    """The token address a request names: where its events go, and its key."""
+    return f"{address}{KEY_SEPARATOR}{key}"
+
+
+def split_key(token_address: str) -> tuple[str, str]:
+    """``(address, key)`` of a token address made by :func:`with_key`; WireError without a
+    key."""
+    address, separator, key = token_address.rpartition(KEY_SEPARATOR)
+    if not separator or not address or not key:
+        raise WireError(f"token address {token_address!r} carries no request key "
+                        f"('<address>{KEY_SEPARATOR}<key>')")
+    return address, key
 
 
 def _event_map(event: StreamEvent) -> dict:
-    out: dict[str, Any] = {"id": event.request_id, "tokens": event.tokens}
+    out: dict[str, Any] = {"id": event.request_id, "key": event.key, "seq": event.seq,
+                           "tokens": event.tokens}
     for wire, name, _ in _OPTIONAL:
         value = getattr(event, name)
         if value is not None:
@@ -103,12 +130,15 @@ def _message(frame: bytes, key: str) -> Any:
         raise WireError(f"message version {message.get('v')!r}; this side speaks {VERSION}")
     if key not in message:
         raise WireError(f"message without {key!r}")
-    return message[key]
+    return message
 
 
 def _event(raw: Any) -> StreamEvent:
     if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
         raise WireError("token event: expected a map with a request id under 'id'")
+    if not isinstance(raw.get("key"), str) or type(raw.get("seq")) is not int:
+        raise WireError("token event: expected the request's key under 'key' and its "
+                        "sequence number under 'seq'")
     tokens = raw.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise WireError("token event: 'tokens' must be a list of integers")
@@ -119,4 +149,4 @@ def _event(raw: Any) -> StreamEvent:
             if not isinstance(value, kind):
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
-    return StreamEvent(raw["id"], tokens, **fields)
+    return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)

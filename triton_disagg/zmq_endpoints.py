@@ -36,6 +36,7 @@ import zmq.utils.z85
 from triton_disagg import shm
 
 KIND = "zmq"     # the owner-named kind of the ipc directories
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 5000    # a PUSH socket's peer liveness
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,14 @@ def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = 
 def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq.Socket:
     """A PUSH socket connected to ``address`` that never blocks its owner: at most
     ``high_water_mark`` messages wait for a slow peer (then a NOBLOCK send raises
-    ``zmq.Again``) and closing drops what is unsent."""
+    ``zmq.Again``) and closing drops what is unsent. A peer that stops answering
+    heartbeats for ``HEARTBEAT_TIMEOUT_MS`` (a host gone without closing) is disconnected,
+    as one that closes is (a monitor sees both: ``zmq.EVENT_DISCONNECTED``)."""
     sock = context.socket(zmq.PUSH, socket_class=zmq.Socket)
     sock.setsockopt(zmq.SNDHWM, high_water_mark)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if address.startswith("tcp://"):
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         sock.curve_serverkey = server_keys()[0]

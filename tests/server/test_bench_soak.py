@@ -13,7 +13,7 @@ from triton_disagg.bench.soak_report import RSS_MIN_WINDOW, StrategyResult, mark
 from triton_disagg.bench.soak_server import Crashes, config_for, scan_logs
 from triton_disagg.bench.soak_tools import find_genai_perf, locust_tallies, read_profile_export
 from triton_disagg.bench.soak_watch import (Record, RequestLog, RssRow, Tally, deadline_seconds,
-                                            rss_rows)
+                                            rss_rows, token_count_problem)
 from triton_disagg.errors import UserError
 
 
@@ -40,6 +40,19 @@ def test_a_request_is_hung_when_it_ends_or_stays_open_past_its_deadline():
     assert (t.hung, t.open) == (2, 0)
     assert any("hung after 81.0 s" in e for e in t.examples)
     assert log.open_deadline() == 35.0
+
+
+def test_a_reply_with_tokens_missing_is_counted_apart():
+    assert token_count_problem(8, 24, 24) is None
+    assert token_count_problem(3, None, 3) is None              # no count: the responses
+    assert token_count_problem(20, 20, 24) == "asked for 24 tokens, got 20"
+    assert token_count_problem(25, 24, 24) == "25 text responses for 24 tokens"
+    log = RequestLog()
+    log.finish(log.begin("k", 24), "unexpected_error", "asked for 24 tokens, got 20",
+               miscounted=True)
+    log.finish(log.begin("k", 24), "ok")
+    t = log.tally()["k"]
+    assert (t.sent, t.ok, t.unexpected_error, t.miscounted) == (2, 1, 1, 1)
 
 
 def test_rss_flatness_over_the_window_only():
@@ -139,6 +152,11 @@ def test_verdict_fails_on_each_hard_criterion():
     assert any("no disagg_kv_blocks_used" in f for f in _result(pools={}).failures())
     assert "1 unexpected errors" in \
         _result(tallies={"a": Tally(sent=1, unexpected_error=1)}).failures()
+    short = _result(tallies={"a": Tally(sent=2, ok=1, unexpected_error=1, miscounted=1)})
+    assert "1 requests whose token count disagrees with num_output_tokens or max_tokens" in \
+        short.failures()
+    assert "| **all** | **2** | **1** | **0** | **1** | **1** | **0** |" in \
+        markdown([short], 1, "triton-disagg bench soak")
     growing = [RssRow("orchestrator_0_0", 10, 100, 130, 100, 130, False)]
     assert any("orchestrator_0_0" in f for f in _result(rss=growing).failures())
     server = [RssRow("tritonserver", 10, 60, 70, 60, 70, False)]    # Triton's own: shown only

@@ -217,7 +217,8 @@ def _generation_only(served, ids, handle_bytes):
         with grpcclient.InferenceServerClient(served.grpc) as client:
             try:
                 client.infer("generation", tensors, request_id=uuid.uuid4().hex, parameters={
-                    "request_type": "generation_only", "token_address": endpoint.address})
+                    "request_type": "generation_only",
+                    "token_address": token_wire.with_key(endpoint.address, "k")})
             except InferenceServerException as exc:
                 raise RuntimeError(exc.message()) from None
         tokens = []

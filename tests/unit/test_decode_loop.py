@@ -35,8 +35,9 @@ class Orchestrators:
         self.socks = [self.context.socket(zmq.PULL) for _ in range(count)]
         self.endpoints = [bind(s, None, "tokens") for s in self.socks]
 
-    def address(self, i: int) -> str:
-        return self.endpoints[i].address
+    def address(self, i: int, key: str = "k") -> str:
+        """Orchestrator ``i``'s token address for a request with ``key``."""
+        return token_wire.with_key(self.endpoints[i].address, key)
 
     def messages(self, i: int, finals: int, timeout: float = 60.0) -> list[list[StreamEvent]]:
         got, deadline = [], time.monotonic() + timeout
@@ -71,7 +72,7 @@ def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine
                 orchestrators.address(0))
     messages = orchestrators.messages(0, finals=3)
     push = push_socket(context, stops.address, 10)           # the orchestrator's stop
-    push.send(token_wire.encode_stop("long"))
+    push.send(token_wire.encode_stop("long", "k"))
     messages += orchestrators.messages(0, finals=1)
     push.close(linger=1000)
     loop.close()
@@ -125,7 +126,7 @@ def test_the_loop_survives_a_send_that_raises(engine):
     side.request_done = done.append
     loop = DecodeLoop(engine, outbox, side)
     loop.submit("doomed", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6], 400), {}),
-                "ipc:///gone")
+                "ipc:///gone#k")
     loop.submit("fine", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 7], 12), {}),
                 orchestrators.address(0))
     events = [e for m in orchestrators.messages(0, finals=1) for e in m]
@@ -145,13 +146,16 @@ def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
 
     orchestrators, outbox = Orchestrators(1), TokenOutbox(zmq.Context.instance())
     outbox.sockets["ipc:///gone"] = BrokenSocket()
+    address = orchestrators.endpoints[0].address
     outbox.put("ipc:///gone", StreamEvent("a", [1]))
-    outbox.put(orchestrators.address(0), StreamEvent("b", [2]))
-    assert outbox.flush() == ["a"] and list(outbox.sockets) == [orchestrators.address(0)]
+    outbox.put("ipc:///gone", StreamEvent("e", [], error="x"))
+    outbox.put(address, StreamEvent("b", [2]))
+    assert outbox.flush() == {"ipc:///gone": [StreamEvent("a", [1])]}   # errors not reported
+    assert list(outbox.sockets) == [address]
     assert orchestrators.socks[0].poll(2000)
     assert token_wire.decode_events(orchestrators.socks[0].recv()) == [StreamEvent("b", [2])]
     monkeypatch.setattr(generation_sockets, "IDLE_SECONDS", 0.0)
-    assert outbox.flush() == [] and outbox.sockets == {}        # nothing sent: idle, closed
+    assert outbox.flush() == {} and outbox.sockets == {}        # nothing sent: idle, closed
     outbox.close()
     orchestrators.close()
 
@@ -183,3 +187,158 @@ def test_a_stuck_loop_reports_its_stacks_and_fails_its_requests(engine, capfd):
     orchestrators.close()
     assert not loop.live and engine.pool.num_used == 0
     assert "stuck_step" in capfd.readouterr().err       # every thread's stack was logged
+
+
+class StallingOutbox(TokenOutbox):
+    """An outbox whose sockets to ``address`` can be made to stall as a full socket does:
+    ``stall(n)``: the next ``n`` messages are taken but never delivered (queued for a
+    peer that does not read), then a send raises ``zmq.Again`` (the high-water mark)."""
+
+    def __init__(self, context, address):
+        super().__init__(context)
+        self.address, self.swallow = address, None
+        self.swallowed: list[list[StreamEvent]] = []
+
+    def stall(self, messages: int) -> None:
+        self.swallow = messages
+
+    def _connect(self, address):
+        sock = super()._connect(address)
+        return StallingSocket(self, sock) if address == self.address else sock
+
+
+class StallingSocket:
+    def __init__(self, outbox: StallingOutbox, sock: zmq.Socket):
+        self.outbox, self.sock = outbox, sock
+
+    def send(self, frame, flags=0):
+        if self.outbox.swallow is None:
+            return self.sock.send(frame, flags)
+        if self.outbox.swallow:
+            self.outbox.swallow -= 1
+            self.outbox.swallowed.append(token_wire.decode_events(frame))
+            return None
+        self.outbox.swallow = None               # the next socket to it works again
+        raise zmq.Again()
+
+    def close(self, linger=0):
+        self.sock.close(linger=linger)
+
+
+def test_a_dropped_token_socket_fails_every_request_that_streams_to_it(engine):
+    """Three requests stream to orchestrator 0 (two streaming, one not: it has no event in
+    the failed message), one to orchestrator 1. The socket to 0 stalls: two steps' messages
+    are lost with it, then a send fails. Every request of orchestrator 0 ends in an error
+    (over a fresh socket), none with a normal end and tokens missing; orchestrator 1's
+    request is untouched, and every block is free."""
+    side = GenerationSide(engine, None)
+    orchestrators = Orchestrators(2)
+    outbox = StallingOutbox(zmq.Context.instance(), orchestrators.endpoints[0].address)
+    done: list[str] = []
+    side.request_done = done.append
+    loop = DecodeLoop(engine, outbox, side)
+    for rid, prompt, streaming in (("s1", [5, 6], True), ("s2", [5, 7], True),
+                                   ("whole", [5, 8], False)):
+        loop.submit(rid, side.prepare(P.CONTEXT_AND_GENERATION,
+                                      _request(prompt, 200, streaming), {}),
+                    orchestrators.address(0))
+    loop.submit("other", side.prepare(P.CONTEXT_AND_GENERATION, _request([9, 9], 40), {}),
+                orchestrators.address(1))
+    first = orchestrators.socks[0].poll(10_000) and token_wire.decode_events(
+        orchestrators.socks[0].recv())
+    assert first and {e.request_id for e in first} == {"s1", "s2"}
+    outbox.stall(2)
+    events = [e for m in orchestrators.messages(0, finals=3) for e in m]
+    others = [e for m in orchestrators.messages(1, finals=1) for e in m]
+    loop.close()
+    orchestrators.close()
+    assert len(outbox.swallowed) == 2
+    finals = {e.request_id: e for e in events if e.final}
+    assert set(finals) == {"s1", "s2", "whole"}
+    for rid, event in finals.items():
+        assert event.error is not None and "lost the token events" in event.error, (rid, event)
+    assert [e.finish_reason for e in others if e.final] == ["length"]
+    assert sum(len(e.tokens) for e in others) == 40
+    assert sorted(done) == ["error", "error", "error", "finished"]
+    assert engine.pool.num_used == 0
+
+
+def test_a_stop_without_the_requests_key_is_ignored(engine):
+    side = GenerationSide(engine, None)
+    orchestrators = Orchestrators(1)
+    context = zmq.Context.instance()
+    stops = StopInbox(context, None)
+    loop = DecodeLoop(engine, TokenOutbox(context), side, stops=stops)
+    loop.submit("long", side.prepare(P.CONTEXT_AND_GENERATION, _request([9, 9], 500), {}),
+                orchestrators.address(0, key="right"))
+    push = push_socket(context, stops.address, 10)
+    assert orchestrators.socks[0].poll(10_000)
+    for key in ("wrong", ""):                             # a stranger's stops
+        push.send(token_wire.encode_stop("long", key))
+    time.sleep(0.5)
+    assert "long" in loop.live                            # still generating
+    push.send(token_wire.encode_stop("long", "right"))
+    events = [e for m in orchestrators.messages(0, finals=1) for e in m]
+    push.close(linger=1000)
+    loop.close()
+    orchestrators.close()
+    assert [e.finish_reason for e in events if e.final] == ["cancelled"]
+    assert [e.seq for e in events] == list(range(len(events)))     # numbered 0, 1, 2, ...
+    assert engine.pool.num_used == 0
+
+
+def test_token_sockets_stay_bounded_under_many_distinct_addresses(engine):
+    """Many one-shot addresses (one request each) leave at most ``max_sockets`` sockets
+    open; with every socket's address busy, a request for one more is refused with an
+    error that says why."""
+    side = GenerationSide(engine, None)
+    outbox = TokenOutbox(zmq.Context.instance(), max_sockets=2)
+    orchestrators = Orchestrators(3)
+    loop = DecodeLoop(engine, outbox, side)
+    for i in range(12):
+        loop.submit(f"one-{i}", side.prepare(P.CONTEXT_AND_GENERATION, _request([5], 1), {}),
+                    token_wire.with_key(f"ipc:///nowhere/orchestrator-{i}", "k"))
+    deadline = time.monotonic() + 10
+    while (loop.live or not loop.inbox.empty()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)                                       # the loop's last flush
+    assert len(outbox.sockets) <= 2
+    for i in (0, 1):
+        loop.submit(f"busy-{i}", side.prepare(P.CONTEXT_AND_GENERATION,
+                                              _request([5, i], 300, False), {}),
+                    orchestrators.address(i))
+    time.sleep(0.3)
+    loop.submit("more", side.prepare(P.CONTEXT_AND_GENERATION, _request([7], 4), {}),
+                orchestrators.address(2))
+    (refused,) = [e for m in orchestrators.messages(2, finals=1) for e in m]
+    for i in (0, 1):
+        orchestrators.messages(i, finals=1)
+    loop.close()
+    orchestrators.close()
+    assert "at most 2 orchestrator addresses" in refused.error
+    assert engine.pool.num_used == 0
+
+
+def test_a_dead_orchestrators_requests_are_aborted_and_their_kv_freed(engine):
+    """The orchestrator closes its token socket (it died) while its non-streaming request
+    decodes (no event on the way, so no send fails): the loop sees the disconnection,
+    aborts the request and frees its blocks instead of decoding to its end."""
+    side = GenerationSide(engine, None)
+    orchestrators = Orchestrators(1)
+    done: list[str] = []
+    side.request_done = done.append
+    loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side)
+    loop.submit("earlier", side.prepare(P.CONTEXT_AND_GENERATION, _request([5], 2), {}),
+                orchestrators.address(0))
+    orchestrators.messages(0, finals=1)                   # the socket to it is connected
+    loop.submit("orphan", side.prepare(P.CONTEXT_AND_GENERATION,
+                                       _request([5, 6], 500, False), {}),
+                orchestrators.address(0))
+    time.sleep(0.05)
+    orchestrators.close()
+    deadline = time.monotonic() + 5
+    while loop.live and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live = dict(loop.live)
+    loop.close()
+    assert live == {} and done == ["finished", "error"] and engine.pool.num_used == 0

@@ -88,8 +88,10 @@ class Finals:
             self.emits.setdefault(event.request_id, []).append(event)
             self.cond.notify_all()
 
-    def flush(self):
-        return []                          # every event reached its orchestrator
+    max_sockets = 64
+
+    def flush(self, keep=()):
+        return {}                          # every event reached its orchestrator
 
     def close(self):
         pass
@@ -110,8 +112,8 @@ class StopsFor:
     def __init__(self, request_id: str):
         self.request_id = request_id
 
-    def take(self) -> list[str]:
-        return [self.request_id]
+    def take(self) -> list[tuple[str, str]]:
+        return [(self.request_id, "k")]
 
     def close(self):
         pass
@@ -136,10 +138,10 @@ def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
     firsts = {}
     for rid, (prompt, params) in requests.items():
         firsts[rid], work = handed_off(context, rid, prompt, params)
-        loop.submit(rid, work, "ipc:///orchestrator")
+        loop.submit(rid, work, "ipc:///orchestrator#k")
     # d's client is gone before d reaches the head: it ends without taking any block.
     _, cancelled = handed_off(context, "d", [7, 8, 9], SamplingParams(max_tokens=3))
-    loop.submit("d", cancelled, "ipc:///orchestrator")
+    loop.submit("d", cancelled, "ipc:///orchestrator#k")
     gated.release.set()
     try:
         assert finals.wait(4), "admission deadlock: the requests never all finished"
@@ -164,9 +166,9 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_once(sides):
     # 48 prompt tokens (12 blocks) + 4: the prompt alone outgrows the 10-block pool.
     _, work = handed_off(context, "big", list(range(5, 53)),
                          SamplingParams(max_tokens=4))
-    loop.submit("big", work, "ipc:///orchestrator")
+    loop.submit("big", work, "ipc:///orchestrator#k")
     _, work = handed_off(context, "ok", [7, 8, 9], SamplingParams(max_tokens=3))
-    loop.submit("ok", work, "ipc:///orchestrator")
+    loop.submit("ok", work, "ipc:///orchestrator#k")
     try:
         assert finals.wait(2, timeout=5.0), "the never-fitting request waits for ever"
     finally:
@@ -189,7 +191,7 @@ def test_a_failing_fetch_fails_its_request_alone_and_frees_its_blocks(sides):
     firsts = {}
     for rid, prompt in prompts.items():
         firsts[rid], work = handed_off(context, rid, prompt, SamplingParams(max_tokens=4))
-        loop.submit(rid, work, "ipc:///orchestrator")
+        loop.submit(rid, work, "ipc:///orchestrator#k")
     try:
         assert finals.wait(2), "a request never ended"
     finally:

@@ -35,8 +35,11 @@ class FakeGeneration:
     them push ``dies_after`` tokens, then fall silent and are lost."""
 
     def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
-                 refuse: bool = False, dying: int = 0, dies_after: int = 0):
+                 refuse: bool = False, dying: int = 0, dies_after: int = 0,
+                 spoof: bool = False, skip_seq: int | None = None):
         self.first, self.rest, self.silent = first, rest, silent
+        self.spoof = spoof          # a stranger who knows the request id pushes events too
+        self.skip_seq = skip_seq    # the event numbered this one is lost on the way
         self.busy, self.refuse = busy, refuse       # context busy this many times; refuse all
         self.dying, self.dies_after = dying, dies_after
         self.output_lens: list[int] = []          # each generation call's request_output_len
@@ -87,11 +90,17 @@ class FakeGeneration:
     def _push(self, request_id, token_address, output, ends, gap=0.01):
         """One event per decode step, ``gap`` seconds apart, as a decode loop sends them;
         the last final when the server ``ends`` the request (it is not lost first)."""
-        push = push_socket(self.zmq, token_address, 100)
+        address, key = token_wire.split_key(token_address)
+        push = push_socket(self.zmq, address, 100)
         for i, token in enumerate(output):
             reason = "stop" if ends and i == len(output) - 1 else None
-            push.send(token_wire.encode_events([StreamEvent(request_id, [token],
-                                                           finish_reason=reason)]))
+            if self.spoof:      # right id and sequence, a guessed key: a token, then an end
+                push.send(token_wire.encode_events([
+                    StreamEvent(request_id, [99], seq=i, key="guess"),
+                    StreamEvent(request_id, [], finish_reason="stop", seq=i, key="")]))
+            if i != self.skip_seq:
+                push.send(token_wire.encode_events([StreamEvent(
+                    request_id, [token], finish_reason=reason, seq=i, key=key)]))
             time.sleep(gap)
         push.close(linger=1000)
 
@@ -101,7 +110,7 @@ class FakeGeneration:
     def stops(self, timeout_ms: int = 2000) -> list[str]:
         got = []
         while self.control.poll(timeout_ms):
-            got.append(token_wire.decode_stop(self.control.recv()))
+            got.append(token_wire.decode_stop(self.control.recv())[0])
             timeout_ms = 100
         return got
 
@@ -349,3 +358,55 @@ def test_a_request_lost_more_often_than_max_migrations_ends_in_one_clear_error()
     assert f"generation server gen-{MAX_MIGRATIONS} was lost" in str(result), result
     assert len(generation.calls) == MAX_MIGRATIONS + 1
     generation.close()
+
+
+# ---- the stream's key and sequence -------------------------------------------------------
+
+def test_a_spoofed_event_is_ignored_and_the_real_stream_completes():
+    """Before each real event a stranger who knows the request id (but not its key) pushes
+    a token and an end: both are dropped, the client gets every real token."""
+    generation, texts = FakeGeneration(10, [11, 12, 13, 1], spoof=True), []
+
+    async def send(outputs, final):
+        texts.append((outputs["text_output"][0], final))
+
+    assert _run(generation, send) == "finished"
+    assert "".join(t for t, _ in texts) == "".join(chr(0x4E00 + i) for i in (10, 11, 12, 13))
+    assert [f for _, f in texts].count(True) == 1 and texts[-1][1]
+    generation.close()
+
+
+def test_a_gap_in_the_sequence_fails_the_request_and_stops_generation():
+    """Event 1 of 4 is lost on the way: the request ends in an error naming the gap, never
+    a normal end with a token missing, and generation is told to stop."""
+    generation, texts = FakeGeneration(10, [11, 12, 13, 1], skip_seq=1), []
+
+    async def send(outputs, final):
+        texts.append(outputs["text_output"][0])
+
+    result = _run(generation, send)
+    assert isinstance(result, EngineError), result
+    assert "were lost" in str(result) and "expected event 1, got 2" in str(result)
+    assert "".join(texts) == "".join(chr(0x4E00 + i) for i in (10, 11))   # none after the gap
+    assert generation.stops() == generation.request_ids
+    generation.close()
+
+
+def test_stop_sockets_no_stream_names_are_closed_once_idle(monkeypatch):
+    """A generation instance restarts with a new control address: the old stop socket
+    (dialling a dead address) is closed once idle, the one an open stream names is kept."""
+    from triton_disagg.front import token_inbox
+
+    monkeypatch.setattr(token_inbox, "STOP_IDLE_SECONDS", 0.0)
+
+    async def main():
+        inbox = TokenInbox(None, 1.0)
+        with inbox.open("new") as new:
+            new.control = "ipc:///nowhere/new-control"
+            inbox.stop(new.control, "earlier", "its key")    # a stop socket to the new one
+            with inbox.open("old") as old:                 # exits: stops, then prunes
+                old.control = "ipc:///nowhere/old-control"
+            assert list(inbox.stop_sockets) == [new.control]
+        assert inbox.stop_sockets == {}
+        inbox.close()
+    asyncio.run(main())

@@ -22,36 +22,45 @@ from triton_disagg.zmq_endpoints import bind, push_socket
 # ---- the schema ------------------------------------------------------------------------
 
 def test_messages_round_trip():
-    events = [StreamEvent("a", [1, 2]), StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length"),
-              StreamEvent("c", [], error="KV handle refused")]
+    events = [StreamEvent("a", [1, 2], key="ka"),
+              StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length", seq=4, key="kb"),
+              StreamEvent("c", [], error="KV handle refused", seq=1, key="kc")]
     assert token_wire.decode_events(token_wire.encode_events(events)) == events
     assert [e.final for e in events] == [False, True, True]
-    assert token_wire.decode_stop(token_wire.encode_stop("req-1")) == "req-1"
+    assert token_wire.decode_stop(token_wire.encode_stop("req-1", "k")) == ("req-1", "k")
+    assert token_wire.split_key(token_wire.with_key("ipc:///x", "k")) == ("ipc:///x", "k")
 
 
 def test_the_bytes_are_the_schema():
     """Field names, their order and the version are the wire: peers of another build read
     them, so a rename in Python must not change a byte."""
-    events = [StreamEvent("a", [1, 2]),
-              StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length"),
-              StreamEvent("c", [], error="KV handle refused")]
-    assert token_wire.encode_events(events) == msgpack.packb({"v": 1, "events": [
-        {"id": "a", "tokens": [1, 2]},
-        {"id": "b", "tokens": [3], "log_probs": [-0.5], "cum_log_prob": -1.5, "finish": "length"},
-        {"id": "c", "tokens": [], "error": "KV handle refused"}]})
-    assert token_wire.encode_stop("req-1") == msgpack.packb({"v": 1, "stop": "req-1"})
+    events = [StreamEvent("a", [1, 2], key="ka"),
+              StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length", seq=4, key="kb"),
+              StreamEvent("c", [], error="KV handle refused", seq=1, key="kc")]
+    assert token_wire.encode_events(events) == msgpack.packb({"v": 2, "events": [
+        {"id": "a", "key": "ka", "seq": 0, "tokens": [1, 2]},
+        {"id": "b", "key": "kb", "seq": 4, "tokens": [3], "log_probs": [-0.5],
+         "cum_log_prob": -1.5, "finish": "length"},
+        {"id": "c", "key": "kc", "seq": 1, "tokens": [], "error": "KV handle refused"}]})
+    assert token_wire.encode_stop("req-1", "k") == msgpack.packb(
+        {"v": 2, "stop": "req-1", "key": "k"})
 
 
 @pytest.mark.parametrize("frame, words", [
-    (msgpack.packb({"v": 2, "events": []}), ["version 2", "speaks 1"]),
+    (msgpack.packb({"v": 1, "events": []}), ["version 1", "speaks 2"]),
     (msgpack.packb({"events": []}), ["version None"]),
-    (pickle.dumps({"v": 1, "events": []}), ["not a msgpack message"]),
+    (pickle.dumps({"v": 2, "events": []}), ["not a msgpack message"]),
     (pickle.dumps(StreamEvent("a", [1])), ["not a msgpack message"]),
     (b"\x00garbage\xff", ["not"]),
     (msgpack.packb([1, 2]), ["msgpack map"]),
-    (msgpack.packb({"v": 1, "events": [{"id": "a", "tokens": ["x"]}]}), ["list of integers"]),
-    (msgpack.packb({"v": 1, "events": [{"id": "a", "tokens": [], "finish": 3}]}), ["'finish'"]),
-    (msgpack.packb({"v": 1, "stop": 5}), ["without 'events'"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": ["x"]}]}),
+     ["list of integers"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
+                                        "finish": 3}]}), ["'finish'"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "tokens": []}]}), ["'key'", "'seq'"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": "0", "tokens": []}]}),
+     ["'seq'"]),
+    (msgpack.packb({"v": 2, "stop": 5}), ["without 'events'"]),
 ])
 def test_frames_that_are_not_this_schema_are_refused(frame, words):
     with pytest.raises(WireError) as err:
@@ -62,11 +71,13 @@ def test_frames_that_are_not_this_schema_are_refused(frame, words):
         token_wire.decode_stop(frame)
 
 
-def test_generation_refuses_a_request_without_a_token_address():
+def test_generation_refuses_a_request_without_a_token_address_and_key():
     with pytest.raises(RequestError, match="token_address"):
         read_request_parameters('{"request_type": "generation_only"}')
-    assert read_request_parameters('{"token_address": "ipc:///x"}') == (
-        P.CONTEXT_AND_GENERATION, "ipc:///x")
+    with pytest.raises(RequestError, match="token_address.*no request key"):
+        read_request_parameters('{"token_address": "ipc:///x"}')
+    assert read_request_parameters('{"token_address": "ipc:///x#k"}') == (
+        P.CONTEXT_AND_GENERATION, "ipc:///x#k")
 
 
 def test_ipc_directories_are_private_and_a_dead_owners_are_swept(monkeypatch):

@@ -22,11 +22,11 @@ import queue
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from triton_disagg.bench.soak_watch import Record, RequestLog
+from triton_disagg.bench.soak_watch import Record, RequestLog, token_count_problem
 
 MODEL = "ensemble"
 BAD_INPUT_PAUSE = 2.0
@@ -87,12 +87,12 @@ class GrpcStreams:
         self.client = grpcclient.InferenceServerClient(url)
 
     def send(self, log: RequestLog, record: Record, arrays: dict[str, np.ndarray],
-             stop_after: int | None, check: Callable[[int, int | None], str | None],
-             expect_error: bool = False) -> None:
+             stop_after: int | None, refused: str | None = None) -> None:
         """Stream one request; cancel it after ``stop_after`` text responses (None: read to
-        the end). ``check(responses, num_output_tokens)`` of a finished reply returns what
-        is wrong with it, or None; with ``expect_error`` an error reply is the right answer.
-        Leaves ``record`` open when no reply comes in time."""
+        the end). A reply read to its end must hold ``record.max_tokens`` tokens
+        (:func:`token_count_problem`); with ``refused`` (what is wrong with the input) an
+        error reply is the right answer and any other is not. Leaves ``record`` open when
+        no reply comes in time."""
         from triton_disagg.clients.stream import read_result
 
         replies: queue.Queue = queue.Queue()
@@ -108,15 +108,18 @@ class GrpcStreams:
                 except queue.Empty:
                     return                                  # stays open: hung
                 if error is not None:
-                    return log.finish(record, "expected_error" if expect_error
+                    return log.finish(record, "expected_error" if refused is not None
                                       else "unexpected_error", error.message())
                 text, _, out, final = read_result(result)
                 count += text is not None
                 n_out = out if out is not None else n_out
+                if final and refused is not None:
+                    return log.finish(record, "unexpected_error", f"{refused}: answered with "
+                                      f"{count} responses instead of an error")
                 if final:
-                    problem = check(count, n_out)
+                    problem = token_count_problem(count, n_out, record.max_tokens)
                     return log.finish(record, "unexpected_error" if problem else "ok",
-                                      problem or "")
+                                      problem or "", miscounted=problem is not None)
                 if stop_after is not None and count >= stop_after:
                     return log.finish(record, "ok")      # cancelled below, as meant
         finally:
@@ -125,10 +128,7 @@ class GrpcStreams:
     def refused(self, log: RequestLog, record: Record, arrays: dict[str, np.ndarray],
                 what: str) -> None:
         """Send a bad input: an error reply is expected, a final success is not."""
-        def wrong(count: int, n_out: int | None) -> str:
-            return f"{what}: answered with {count} responses instead of an error"
-
-        self.send(log, record, arrays, None, wrong, expect_error=True)
+        self.send(log, record, arrays, None, refused=what)
 
     def close(self) -> None:
         self.client.close()
@@ -174,13 +174,6 @@ def http_refused(log: RequestLog, record: Record, http: str, endpoint: str, body
         log.finish(record, "unexpected_error", f"{what}: HTTP 200 without an error")
 
 
-def _exact(max_tokens: int) -> Callable[[int, int | None], str | None]:
-    def check(count: int, n_out: int | None) -> str | None:
-        got = n_out if n_out is not None else count
-        return None if got == max_tokens else f"asked for {max_tokens} tokens, got {got}"
-    return check
-
-
 def _prompt(rng: random.Random, tokenizer: Any) -> str:
     from triton_disagg.clients.workload import make_prompt
 
@@ -205,7 +198,7 @@ def cancel_client(grpc: str, http: str, log: RequestLog, stop: threading.Event, 
                                                "stream": True, "end_id": -1}, n // 2)
             else:
                 stop_after = {0: 1, 1: None, 2: n // 2}[shape]
-                streams.send(log, record, arrays, stop_after, _exact(n))
+                streams.send(log, record, arrays, stop_after)
     finally:
         streams.close()
 
@@ -237,6 +230,6 @@ def probe(grpc: str, log: RequestLog, tokenizer: Any = None) -> None:
     arrays = {"text_input": _text(_prompt(random.Random(1), tokenizer)), "max_tokens": _i32(n),
               "stream": np.array([[True]]), "end_id": _i32(-1)}
     try:
-        streams.send(log, log.begin(KINDS[6], n), arrays, None, _exact(n))
+        streams.send(log, log.begin(KINDS[6], n), arrays, None)
     finally:
         streams.close()

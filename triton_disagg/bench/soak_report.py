@@ -4,7 +4,9 @@ Hard criteria (any one fails the strategy, and the command exits 1): a hung requ
 a crash (``Fatal Python error`` or ``Segmentation fault`` in tritonserver's log, a stub
 that died, tritonserver or ``serve`` gone); KV blocks still used, or no pool gauge at all,
 after the settle; an unexpected error (a good request that failed, a bad input that was
-answered as if fine). Stub memory must stay within ``RSS_FLAT`` over the last half of
+answered as if fine); a request read to its end whose token count disagrees with
+``num_output_tokens`` or ``max_tokens`` (tokens lost on the way; counted apart as well).
+Stub memory must stay within ``RSS_FLAT`` over the last half of
 the load; it is judged when that window is at least ``RSS_MIN_WINDOW`` seconds (a 1-minute
 CI run is mostly warm-up) and shown in any case. tritonserver's own memory is shown with
 its growth but not judged: it is Triton's C++ process, not a model's stub, and it creeps
@@ -44,7 +46,8 @@ class StrategyResult:
     def total(self) -> Tally:
         out = Tally()
         for t in self.tallies.values():
-            for name in ("sent", "ok", "expected_error", "unexpected_error", "hung", "open"):
+            for name in ("sent", "ok", "expected_error", "unexpected_error", "hung", "open",
+                         "miscounted"):
                 setattr(out, name, getattr(out, name) + getattr(t, name))
         return out
 
@@ -62,6 +65,9 @@ class StrategyResult:
             out.append("no disagg_kv_blocks_used gauge on /metrics after the load")
         if total.unexpected_error:
             out.append(f"{total.unexpected_error} unexpected errors")
+        if total.miscounted:
+            out.append(f"{total.miscounted} requests whose token count disagrees with "
+                       f"num_output_tokens or max_tokens")
         drifting = [r.process for r in self.rss if r.judged and not r.flat]
         if self.judge_rss and drifting:
             out.append(f"RSS not flat within {RSS_FLAT:.0%}: {', '.join(drifting)}")
@@ -75,7 +81,7 @@ class StrategyResult:
 
 
 def _row(name: str, t: Tally, bold: bool = False) -> str:
-    cells = [t.sent, t.ok, t.expected_error, t.unexpected_error, t.hung + t.open]
+    cells = [t.sent, t.ok, t.expected_error, t.unexpected_error, t.miscounted, t.hung + t.open]
     text = [f"**{c}**" if bold else str(c) for c in cells]
     return f"| {f'**{name}**' if bold else name} | " + " | ".join(text) + " |"
 
@@ -84,8 +90,8 @@ def strategy_markdown(r: StrategyResult) -> str:
     lines = [f"### {r.strategy}: {r.verdict}", "",
              f"{r.placement}; ready in {r.ready_seconds:.0f} s; load {r.load_seconds:.0f} s, "
              f"then {r.drain_seconds:.0f} s until every client had ended.", "",
-             "| client | sent | ok | refused as expected | unexpected errors | hung |",
-             "|---|--:|--:|--:|--:|--:|"]
+             "| client | sent | ok | refused as expected | unexpected errors | wrong token count "
+             "| hung |", "|---|--:|--:|--:|--:|--:|--:|"]
     lines += [_row(name, t) for name, t in r.tallies.items()]
     lines += [_row("all", r.total(), bold=True), ""]
     c = r.crashes
@@ -127,12 +133,13 @@ def markdown(results: list[StrategyResult], minutes: float, command: str) -> str
         f"it has not ended {SLACK_SECONDS:.0f} s + {SECONDS_PER_TOKEN} s per max_tokens after "
         f"it was sent. After the load: a settle until the KV pools are empty, one more "
         f"request, then the server's logs are searched for crashes.")
-    summary = ["| strategy | sent | hung | unexpected errors | crashes | leaked blocks | "
-               "stub RSS flat | verdict |", "|---|--:|--:|--:|--:|--:|---|---|"]
+    summary = ["| strategy | sent | hung | unexpected errors | wrong token count | crashes | "
+               "leaked blocks | stub RSS flat | verdict |",
+               "|---|--:|--:|--:|--:|--:|--:|---|---|"]
     for r in results:
         t = r.total()
         flat = "yes" if all(row.flat for row in r.rss if row.judged) else "no"
         summary.append(f"| {r.strategy} | {t.sent} | {t.hung + t.open} | {t.unexpected_error} | "
-                       f"{r.crashes.total} | {sum(r.pools.values()):.0f} | "
+                       f"{t.miscounted} | {r.crashes.total} | {sum(r.pools.values()):.0f} | "
                        f"{flat if r.judge_rss else f'{flat} (not judged)'} | {r.verdict} |")
     return "\n\n".join([intro, "\n".join(summary)] + [strategy_markdown(r) for r in results])

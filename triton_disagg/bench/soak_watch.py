@@ -8,6 +8,8 @@ holds whatever runs inside the models.
   with a deadline of ``SLACK_SECONDS + SECONDS_PER_TOKEN * max_tokens`` after it was
   sent. Invariant: a record is *hung* when it ended after its deadline, or has not
   ended and its deadline has passed; otherwise it counts under the outcome it ended with.
+  A request read to its end whose token count is wrong (:func:`token_count_problem`) is
+  an unexpected error and is also counted as *miscounted*: tokens lost on the way.
 - :class:`RssSampler`: every stub process's resident memory (and tritonserver's), by
   model instance, every few seconds; :func:`rss_rows` judges flatness over a window.
 """
@@ -29,6 +31,20 @@ RSS_FLAT = 0.10
 SERVER = "tritonserver"          # the RSS row of the server process itself
 
 
+def token_count_problem(responses: int, num_output_tokens: int | None, max_tokens: int
+                        ) -> str | None:
+    """What is wrong with the token count of a reply read to its end that must hold exactly
+    ``max_tokens`` tokens (end id off, finish reason ``length``), or None: the count the
+    server reports (``num_output_tokens``; the text responses without it) must be
+    ``max_tokens``, and no more text responses than tokens may have come."""
+    got = num_output_tokens if num_output_tokens is not None else responses
+    if got != max_tokens:
+        return f"asked for {max_tokens} tokens, got {got}"
+    if responses > got:
+        return f"{responses} text responses for {got} tokens"
+    return None
+
+
 def deadline_seconds(max_tokens: int) -> float:
     """How long a request asking for ``max_tokens`` may take before it counts as hung."""
     return SLACK_SECONDS + SECONDS_PER_TOKEN * max(0, max_tokens)
@@ -42,6 +58,7 @@ class Record:
     end: float | None = None
     outcome: str | None = None
     detail: str = ""
+    miscounted: bool = False          # read to its end with a wrong token count
 
     @property
     def deadline(self) -> float:
@@ -62,6 +79,7 @@ class Tally:
     unexpected_error: int = 0
     hung: int = 0
     open: int = 0                       # not ended, deadline not yet passed
+    miscounted: int = 0                 # ended with a token count that is wrong
     examples: list[str] = field(default_factory=list)   # what went wrong, a few
 
 
@@ -79,9 +97,11 @@ class RequestLog:
         return record
 
     @staticmethod
-    def finish(record: Record, outcome: str, detail: str = "") -> None:
+    def finish(record: Record, outcome: str, detail: str = "", miscounted: bool = False
+               ) -> None:
         assert outcome in OUTCOMES, outcome
         record.end, record.outcome, record.detail = time.monotonic(), outcome, detail[:200]
+        record.miscounted = miscounted
 
     def open_deadline(self) -> float | None:
         """The latest deadline among records not yet ended (None: all ended)."""
@@ -97,6 +117,7 @@ class RequestLog:
         for r in records:
             t = out.setdefault(r.kind, Tally())
             t.sent += 1
+            t.miscounted += r.miscounted
             state = r.state(now)
             if state is None:
                 t.open += 1

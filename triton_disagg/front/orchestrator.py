@@ -312,7 +312,8 @@ class _Run:
         early in any way stops generation (the stream's exit)."""
         tokens = self.owner.tokens
         with tokens.open(self.request_id) as stream:
-            await stream.accept(self.route.generate(gen_in, request_type, tokens.address))
+            await stream.accept(self.route.generate(gen_in, request_type,
+                                                    stream.token_address))
             asked = 0.0   # when is_cancelled() was last asked
             while True:
                 event = await stream.next(self.route.lost)

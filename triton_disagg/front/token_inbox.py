@@ -9,19 +9,30 @@ response for all their tokens, as vLLM's output collector merges deltas under lo
 so the client path's cost per response is paid per response, not per token.
 
 Invariants: a :class:`TokenStream` is registered before its generation request is sent,
-so no event can arrive unclaimed; :meth:`TokenStream.next` never waits longer than
+so no event can arrive unclaimed; an event is taken only with its request's key (a
+random string per stream, sent to generation inside ``token_address``): others are
+dropped, logged and counted (``TokenInbox.rejected``), so knowing a request id is not
+enough to add to a stream or end it; events are taken in sequence (0, 1, 2, ...): the
+first one out of order (an event was lost: a dropped socket, a reconnect) ends the
+stream with an error, never a normal end with tokens missing, and nothing after it is
+taken; :meth:`TokenStream.next` never waits longer than
 ``stall_seconds``, and after every ``PROBE_SECONDS`` of silence it asks whether the
 generation server was lost (then it raises :class:`GenerationLost` at once); a stream left before generation sent its final event (client cancel,
 stall, a failing send, an error, task cancellation) sends generation a stop, addressed
-to the control socket that generation named when it accepted the request. The socket
-file and its private directory are gone once :meth:`TokenInbox.close` returns.
+to the control socket that generation named when it accepted the request, with the key. A
+stop socket to a control address no open stream names is closed once it has not been
+used for ``STOP_IDLE_SECONDS`` (a restarted generation instance has a new one). The
+socket file and its private directory are gone once :meth:`TokenInbox.close` returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import threading
+import time
 from typing import Awaitable, Callable
 
 import zmq
@@ -35,6 +46,7 @@ from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 STOP_HIGH_WATER_MARK = 100
 PROBE_SECONDS = 1.0        # silence after which the stream asks if generation was lost
 STOP_LINGER_MS = 500
+STOP_IDLE_SECONDS = 60.0   # an unused stop socket no stream names is closed after this
 _log = logging.getLogger(__name__)
 
 
@@ -43,10 +55,38 @@ class TokenStream:
 
     def __init__(self, inbox: "TokenInbox", request_id: str):
         self.inbox, self.request_id = inbox, request_id
+        self.key = secrets.token_urlsafe(16)
+        self.expected = 0                   # the sequence number of the next event
+        self.broken = False                 # an event was lost: nothing more is taken
         self.events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.control: str | None = None     # the generation instance's control address
         self.ended = False                  # generation sent the final event
         self.held: StreamEvent | None = None  # an error event taken while merging, next up
+
+    @property
+    def token_address(self) -> str:
+        """What generation is told to stream to: the inbox's address and this stream's key."""
+        return token_wire.with_key(self.inbox.address, self.key)
+
+    def deliver(self, event: StreamEvent) -> None:
+        """Queue ``event`` when it carries this stream's key and the next sequence number;
+        the first out of order queues an error instead, and ends what is taken."""
+        if not hmac.compare_digest(event.key, self.key):
+            self.inbox.rejected += 1
+            _log.warning("orchestrator: dropped a token event for %s without its key",
+                         self.request_id)
+            return
+        if self.broken:
+            return
+        if event.seq != self.expected:
+            self.events.put_nowait(StreamEvent(self.request_id, [], error=(
+                f"token events of request {self.request_id} were lost on the way from "
+                f"generation (expected event {self.expected}, got {event.seq}); request "
+                f"failed")))
+            self.broken = True
+            return
+        self.expected += 1
+        self.events.put_nowait(event)
 
     async def accept(self, ack: Awaitable[str]) -> None:
         """Await generation's answer to the request (its control address)."""
@@ -99,8 +139,9 @@ class TokenStream:
 
     def __exit__(self, *exc_info) -> None:
         self.inbox.streams.pop(self.request_id, None)
-        if not self.ended and self.control is not None:
-            self.inbox.stop(self.control, self.request_id)
+        if (not self.ended or self.broken) and self.control is not None:
+            self.inbox.stop(self.control, self.request_id, self.key)
+        self.inbox.prune()
 
 
 class TokenInbox:
@@ -115,6 +156,9 @@ class TokenInbox:
         self.endpoint: Endpoint | None = None
         self.reader: asyncio.Task | None = None
         self.stop_sockets: dict[str, zmq.Socket] = {}
+        self.stop_used: dict[str, float] = {}   # control address -> when last used
+        self.pruned = time.monotonic()
+        self.rejected = 0                       # events dropped: not their request's key
 
     @property
     def address(self) -> str:
@@ -131,16 +175,30 @@ class TokenInbox:
         stream = self.streams[request_id] = TokenStream(self, request_id)
         return stream
 
-    def stop(self, control: str, request_id: str) -> None:
+    def stop(self, control: str, request_id: str, key: str) -> None:
         """Ask the generation instance at ``control`` to stop ``request_id`` (never blocks)."""
         sock = self.stop_sockets.get(control)
         if sock is None:
             sock = self.stop_sockets[control] = push_socket(self.context, control,
                                                             STOP_HIGH_WATER_MARK)
+        self.stop_used[control] = time.monotonic()
         try:
-            sock.send(token_wire.encode_stop(request_id), zmq.NOBLOCK)
+            sock.send(token_wire.encode_stop(request_id, key), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             _log.warning("orchestrator: could not send a stop to %s (%s)", control, exc)
+
+    def prune(self) -> None:
+        """Close the stop sockets no open stream names that were not used for
+        ``STOP_IDLE_SECONDS`` (looked at most once per ``STOP_IDLE_SECONDS``)."""
+        now = time.monotonic()
+        if now - self.pruned < STOP_IDLE_SECONDS:
+            return
+        self.pruned = now
+        named = {stream.control for stream in self.streams.values()}
+        for control in [c for c, t in self.stop_used.items()
+                        if c not in named and now - t >= STOP_IDLE_SECONDS]:
+            self.stop_sockets.pop(control).close(linger=STOP_LINGER_MS)
+            del self.stop_used[control]
 
     async def _read(self) -> None:
         while True:
@@ -157,7 +215,7 @@ class TokenInbox:
             for event in events:
                 stream = self.streams.get(event.request_id)
                 if stream is not None:
-                    stream.events.put_nowait(event)
+                    stream.deliver(event)
 
     def close(self, timeout: float = 2.0) -> None:
         """Remove the ipc file, stop reading and close the sockets (``finalize``, any thread).

@@ -17,8 +17,15 @@ Invariants:
   KV fetch fails fails alone;
 - every submitted request gets exactly one final event: its last token (with
   ``finish_reason``), a cancellation (finish_reason ``cancelled``), or an error;
-  after that nothing more is sent for it. A request whose events cannot be sent
-  ends (aborted, counted as an error) without one: nobody would hear it;
+  after that nothing more is sent for it. When the socket to an orchestrator address
+  is dropped (a failed send: what it still held is lost), every request streaming to
+  that address ends as an error (aborted, its KV freed, counted), and its error event
+  goes out over a fresh socket: the orchestrator hears of the loss, never a short
+  stream with a normal end;
+- every event carries its request's key and sequence number (:mod:`decode_requests`);
+  a stop is obeyed only with the request's key;
+- requests stream to at most ``outbox.max_sockets`` distinct addresses at a time; a
+  request for one more is refused with an error saying so;
 - streaming requests get an event for their first token, then one for every
   ``stream_interval`` tokens (each token exactly once, in order), then the final
   one; non-streaming ones one event with every token when they finish;
@@ -31,19 +38,21 @@ Invariants:
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import zmq
 
-from triton_disagg.generation.decode_requests import Live, token_event
+from triton_disagg.generation.decode_requests import Live, error_event, token_event
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.sockets import send_errors
 from triton_disagg.generation.watchdog import Watchdog
-from triton_disagg.token_wire import StreamEvent
+from triton_disagg.token_wire import StreamEvent, split_key
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
@@ -58,9 +67,10 @@ class DecodeLoop:
     ``side.request_done(outcome)`` and ``side.report(live_sequences)`` (load gauges, every
     ``REPORT_SECONDS``: the requests the loop holds, admitted or queued).
 
-    ``outbox``: ``put(address, event)`` and ``flush() -> request ids not sent``
-    (:class:`~generation_sockets.TokenOutbox`); ``stops``: ``take() -> request ids``
-    (:class:`~generation_sockets.StopInbox`) or None. The loop closes both when it ends.
+    ``outbox``: ``put(address, event)``, ``flush(keep) -> {dropped address: failed
+    events}`` and ``max_sockets`` (:class:`~sockets.TokenOutbox`); ``stops``:
+    ``take() -> [(request id, key)]`` (:class:`~sockets.StopInbox`) or None. The loop
+    closes both when it ends.
 
     ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""
 
@@ -71,6 +81,7 @@ class DecodeLoop:
         self.stops = stops
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Live] = {}           # every request in the engine
+        self.addresses: Counter[str] = Counter()  # live requests per token address
         self.progressed = True                    # the last step made tokens
         self.abandoned: set[str] = set()          # failed by the watchdog (under ``lock``)
         self.lock = threading.Lock()
@@ -81,9 +92,11 @@ class DecodeLoop:
         self.thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, request_id: str, request: EngineRequest | Any, address: str) -> None:
-        """Generate for ``request`` and send its events to the orchestrator at ``address``."""
-        live = Live(address, getattr(request, "streaming", True),
+    def submit(self, request_id: str, request: EngineRequest | Any, token_address: str) -> None:
+        """Generate for ``request`` and send its events to the orchestrator at
+        ``token_address`` (``<address>#<key>``, checked by ``read_request_parameters``)."""
+        address, key = split_key(token_address)
+        live = Live(address, key, getattr(request, "streaming", True),
                     getattr(request, "return_log_probs", True))
         self.inbox.put(("add", request_id, request, live))
 
@@ -109,7 +122,7 @@ class DecodeLoop:
             self._finish(request_id, CANCELLED)
         for request_id in queued:
             self.engine.abort(request_id)
-            self._refuse(request_id, self.live.pop(request_id), "the server is shutting down")
+            self._refuse(request_id, self._pop(request_id), "the server is shutting down")
         self._flush()
         self.outbox.close()
         if self.stops is not None:
@@ -119,8 +132,8 @@ class DecodeLoop:
         busy = bool(self.live) or self.engine.has_unfinished()
         self._drain(wait=REPORT_SECONDS if not busy else 0.0 if self.progressed
                     else FETCH_POLL_SECONDS)
-        for request_id in self.stops.take() if self.stops is not None else ():
-            self._stop(request_id)
+        for request_id, key in self.stops.take() if self.stops is not None else ():
+            self._stop(request_id, key)
         if busy or self.live:
             try:
                 events = self.engine.step()
@@ -155,14 +168,24 @@ class DecodeLoop:
             except queue.Empty:
                 return
 
-    def _stop(self, request_id: str) -> None:
-        if request_id in self.live:
-            self.engine.abort(request_id)
-            self._finish(request_id, CANCELLED)
+    def _stop(self, request_id: str, key: str) -> None:
+        live = self.live.get(request_id)
+        if live is None:
+            return
+        if not hmac.compare_digest(live.key, key):
+            _log.warning("generation: ignored a stop for %s without its key", request_id)
+            return
+        self.engine.abort(request_id)
+        self._finish(request_id, CANCELLED)
 
     def _queue(self, request_id: str, request: Any, live: Live) -> None:
         if request_id in self.live:
             self._refuse(request_id, live, f"request id {request_id!r} is already generating")
+            return
+        if live.address not in self.addresses and len(self.addresses) >= self.outbox.max_sockets:
+            self._refuse(request_id, live, f"generation streams to at most "
+                         f"{self.outbox.max_sockets} orchestrator addresses at a time and all "
+                         f"are busy; request refused")
             return
         try:
             self.side.add(request_id, request)
@@ -170,13 +193,23 @@ class DecodeLoop:
             self._refuse(request_id, live, str(exc))
             return
         self.live[request_id] = live
+        self.addresses[live.address] += 1
+
+    def _pop(self, request_id: str) -> Live | None:
+        """Take ``request_id`` out of the loop's live requests (None when it is not there)."""
+        live = self.live.pop(request_id, None)
+        if live is not None:
+            self.addresses[live.address] -= 1
+            if not self.addresses[live.address]:
+                del self.addresses[live.address]
+        return live
 
     def _arrivals(self) -> None:
         """Hear how the KV fetches that ended went; a failed one's request is over."""
         for arrival in self.engine.take_kv_arrivals():
             if arrival.error is None:
                 self.side.kv_arrived(arrival.result)
-            elif (live := self.live.pop(arrival.request_id, None)) is not None:
+            elif (live := self._pop(arrival.request_id)) is not None:
                 self._refuse(arrival.request_id, live, str(arrival.error))
 
     def _on_token(self, event: Any) -> None:
@@ -194,40 +227,52 @@ class DecodeLoop:
             live.emitted = True
 
     def _finish(self, request_id: str, reason: str | None) -> None:
-        live = self.live.pop(request_id)
+        live = self._pop(request_id)
         reason = CANCELLED if reason == "aborted" else reason
         self.outbox.put(live.address, token_event(request_id, live, reason))
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
 
     def _refuse(self, request_id: str, live: Live, message: str) -> None:
-        self.outbox.put(live.address, StreamEvent(request_id, [], error=message))
+        self.outbox.put(live.address, error_event(request_id, live, message))
         self.side.request_done("error")
 
     def _fail(self, request_id: str, message: str) -> None:
-        live = self.live.pop(request_id, None)
+        live = self._pop(request_id)
         if live is not None:
             self.engine.abort(request_id)
             self._refuse(request_id, live, message)
 
     def _flush(self) -> None:
-        """Send this iteration's messages; end the requests nobody can hear."""
-        for request_id in self.outbox.flush():
-            if self.live.pop(request_id, None) is not None:
-                self.engine.abort(request_id)
-                self.side.request_done("error")
+        """Send this iteration's messages. For every address whose socket was dropped, fail
+        every request streaming to it, and tell the requests of the failed message that had
+        ended already (an error in their final event's place), over a fresh socket (one
+        more flush: only errors, so a second drop ends nothing more)."""
+        dropped = self.outbox.flush(self.addresses)
+        for address, failed in dropped.items():
+            message = (f"generation lost the token events queued for {address} (its socket "
+                       f"failed or its peer disconnected); request failed")
+            for request_id in [rid for rid, live in self.live.items() if live.address == address]:
+                self._fail(request_id, message)
+            for event in [e for e in failed if e.final]:   # the others' requests: failed above
+                self.outbox.put(address, StreamEvent(event.request_id, [], error=message,
+                                                     seq=event.seq, key=event.key))
+        if dropped:
+            self.outbox.flush(self.addresses)
 
     def _fail_stuck(self) -> None:
         """Watchdog thread: tell every live request's orchestrator, over sockets of its own."""
+        message = f"generation loop stuck for {self.watchdog.stuck_seconds:g} s; request failed"
         with self.lock:
-            stuck = {request_id: live.address for request_id, live in list(self.live.items())}
-            self.abandoned.update(stuck)
-        send_errors(zmq.Context.instance(), stuck, f"generation loop stuck for "
-                    f"{self.watchdog.stuck_seconds:g} s; request failed")
+            stuck = list(self.live.items())
+            self.abandoned.update(request_id for request_id, _ in stuck)
+        send_errors(zmq.Context.instance(),
+                    [(live.address, error_event(request_id, live, message))
+                     for request_id, live in stuck])
 
     def _drop_abandoned(self) -> None:
         with self.lock:
             abandoned, self.abandoned = self.abandoned, set()
         for request_id in abandoned:
-            if self.live.pop(request_id, None) is not None:
+            if self._pop(request_id) is not None:
                 self.engine.abort(request_id)
                 self.side.request_done("error")

@@ -1,7 +1,9 @@
-"""The decode loop's per-request state, and the token event it becomes.
+"""The decode loop's per-request state, and the token events it becomes.
 
-Invariant: ``Live.tokens`` / ``Live.log_probs`` hold exactly the tokens made since the
-request's last event (plain ints and floats, ready for msgpack).
+Invariants: ``Live.tokens`` / ``Live.log_probs`` hold exactly the tokens made since the
+request's last event (plain ints and floats, ready for msgpack); ``Live.seq`` is the
+number of events made for the request so far, so its events carry 0, 1, 2, ... and
+every one carries the request's key.
 """
 
 from __future__ import annotations
@@ -13,17 +15,30 @@ from triton_disagg.token_wire import StreamEvent
 
 @dataclass
 class Live:
-    address: str                    # the orchestrator's token address
+    address: str                    # the orchestrator's token address (without the key)
+    key: str                        # the request's key (token_wire)
     streaming: bool
     with_log_probs: bool = True
     emitted: bool = False           # has the first token gone out
+    seq: int = 0                    # events made for it so far
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     cum_log_prob: float = 0.0
 
+    def numbered(self) -> int:
+        """The next event's sequence number (counted as made)."""
+        self.seq += 1
+        return self.seq - 1
+
 
 def token_event(request_id: str, live: Live, reason: str | None) -> StreamEvent:
     """The tokens ``live`` holds (log probs only when asked for), final with ``reason``."""
+    seq = live.numbered()
     if not live.with_log_probs:
-        return StreamEvent(request_id, live.tokens, finish_reason=reason)
-    return StreamEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason)
+        return StreamEvent(request_id, live.tokens, finish_reason=reason, seq=seq, key=live.key)
+    return StreamEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason,
+                       seq=seq, key=live.key)
+
+
+def error_event(request_id: str, live: Live, message: str) -> StreamEvent:
+    return StreamEvent(request_id, [], error=message, seq=live.numbered(), key=live.key)

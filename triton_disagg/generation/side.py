@@ -27,6 +27,7 @@ from triton_disagg.errors import RequestError, UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.kv.connector import KVConnector, Transfer
+from triton_disagg.token_wire import WireError, split_key
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,18 @@ class Work:
 
 
 def read_request_parameters(parameters: str | None) -> tuple[str, str]:
-    """A generation request's JSON parameters -> (``request_type``, ``token_address``)."""
+    """A generation request's JSON parameters -> (``request_type``, ``token_address``); the
+    address must carry the request's key (:func:`token_wire.with_key`)."""
     params = json.loads(parameters or "{}")
     address = params.get(P.TOKEN_ADDRESS)
     if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
         raise RequestError(f"generation streams tokens over ZeroMQ: request parameter "
                            f"{P.TOKEN_ADDRESS!r} must name the orchestrator's ipc:// or tcp:// "
                            f"address, got {address!r}")
+    try:
+        split_key(address)
+    except WireError as exc:
+        raise RequestError(f"request parameter {P.TOKEN_ADDRESS!r}: {exc}") from None
     return params.get(P.REQUEST_TYPE, P.CONTEXT_AND_GENERATION), address
 
 
