@@ -35,8 +35,11 @@ class FakeGeneration:
     them push ``dies_after`` tokens, then fall silent and are lost."""
 
     def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
-                 refuse: bool = False, dying: int = 0, dies_after: int = 0):
+                 refuse: bool = False, dying: int = 0, dies_after: int = 0,
+                 mute_context: bool = False):
         self.first, self.rest, self.silent = first, rest, silent
+        self.mute_context = mute_context          # context calls never answer
+        self.timeouts: list[float] = []           # each route's deadline per call
         self.busy, self.refuse = busy, refuse       # context busy this many times; refuse all
         self.dying, self.dies_after = dying, dies_after
         self.output_lens: list[int] = []          # each generation call's request_output_len
@@ -50,11 +53,14 @@ class FakeGeneration:
         self.contexts = 0                                  # context calls answered
         self.closed: list[str] = []                        # request ids whose route closed
 
-    def route(self, request_id, avoid=frozenset()):
+    def route(self, request_id, avoid, timeout):
         self.avoided.append(avoid)
+        self.timeouts.append(timeout)
         return FakeRoute(self, request_id)
 
     async def context(self, request_id, inputs):
+        if self.mute_context:
+            await asyncio.Event().wait()
         if self.busy:
             self.busy -= 1
             raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
@@ -245,6 +251,26 @@ def test_a_silent_stream_ends_in_a_clear_error_and_stops_generation():
     assert isinstance(result, EngineError) and "stall_seconds" in str(result)
     assert time.monotonic() - started < 5
     assert generation.stops() == generation.request_ids
+    generation.close()
+
+
+def test_a_cancelled_request_stops_waiting_for_a_context_that_says_nothing():
+    """Each route's calls have the stall deadline; a client that leaves while the context
+    call is out is answered at once (flags only), not when the call ends."""
+    generation, sent = FakeGeneration(10, [11, 1], mute_context=True), []
+    asked = []
+
+    async def send(outputs, final):
+        sent.append((outputs, final))
+
+    def cancel():
+        asked.append(time.monotonic())
+        return len(asked) >= 3
+
+    started = time.monotonic()
+    assert _run(generation, send, stall=30.0, cancel=cancel) == "cancelled"
+    assert time.monotonic() - started < 2 and sent == [(None, True)]
+    assert generation.timeouts == [30.0] and generation.calls == []
     generation.close()
 
 
