@@ -290,6 +290,42 @@ def test_kv_that_generation_never_took_is_given_back(how):
     generation.close()
 
 
+def test_releases_that_hang_do_not_pile_up(monkeypatch):
+    """Past MAX_RELEASES release calls out at once, a request's KV is left to its lease."""
+    from triton_disagg.front import orchestrator
+
+    monkeypatch.setattr(orchestrator, "MAX_RELEASES", 2)
+    generation = FakeGeneration(10, [11, 1], refuse=True)    # each request's KV to release
+    hung = asyncio.Event()
+
+    async def release(request_id, inputs, handle):
+        generation.released.append(handle.tobytes())
+        await hung.wait()
+    generation.release = release
+
+    async def send(outputs, final):
+        pass
+
+    async def main():
+        inbox = TokenInbox(None, 5.0)
+        owner = Orchestrator(generation, inbox, "disaggregated", str)
+        inputs = {"input_ids": np.array([3, 4], np.int32),
+                  "request_output_len": np.array([16], np.int32)}
+        try:
+            for _ in range(4):
+                with pytest.raises(EngineError):
+                    await owner.handle(dict(inputs), send)
+                await asyncio.sleep(0)
+            return len(owner.releases)
+        finally:
+            hung.set()
+            await asyncio.sleep(0)
+            inbox.close()
+
+    assert asyncio.run(main()) == 2 and len(generation.released) == 2
+    generation.close()
+
+
 def test_a_busy_context_is_retried_until_it_has_room_within_stall_seconds():
     sends = []
 

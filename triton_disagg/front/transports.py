@@ -4,20 +4,20 @@ Both implement :class:`triton_disagg.front.orchestrator.Transport`: ``route`` gi
 request's :class:`~triton_disagg.front.orchestrator.Route`, whose calls move the tensors
 of :data:`protocol.ENGINE_INPUTS` / ``CONTEXT_OUTPUTS`` unchanged (batch axis of 1 added
 on the way out, removed on the way back), with the phase in the ``request_type`` request
-parameter, the deployment's peer credential in ``peer_credential`` (:mod:`triton_disagg.peers`:
+parameter, the deployment's credential in ``peer_credential`` (:mod:`triton_disagg.peers`:
 context and generation answer no one else) and the orchestrator's request id as the Triton
-request id. A generation
-request also names the orchestrator's token address (``token_address``); Triton carries
-it to generation, whose one response is the control address for stops: the tokens
-themselves arrive over ZeroMQ (:mod:`token_inbox`), never as Triton responses. A context
-error that is back-pressure (``protocol.CONTEXT_BUSY``) is raised as :class:`ContextBusy`.
+request id. A generation request also names the orchestrator's token address
+(``token_address``); Triton carries it to generation, whose one response is the control
+address for stops: the tokens themselves arrive over ZeroMQ (:mod:`token_inbox`), never as
+Triton responses. A context error that is back-pressure (``protocol.CONTEXT_BUSY``) is
+raised as :class:`ContextBusy`.
 
-Deadlines: a route's context and generation calls each wait at most its ``timeout``
-(the orchestrator's ``generation_server.stall_seconds``), a release at most
-``RELEASE_TIMEOUT_SECONDS``; over gRPC as the call's deadline (the server sees it too), in
-``serve all`` as a wait on the BLS call. gRPC channels send keepalive pings
-(``KEEPALIVE_MS``, answered within ``KEEPALIVE_TIMEOUT_MS``), so a server that stops
-answering fails its calls without waiting for a deadline.
+Deadlines: a route's context and generation calls each wait at most its ``timeout`` (the
+orchestrator's ``generation_server.stall_seconds``), a release at most
+``RELEASE_TIMEOUT_SECONDS``: over gRPC as the call's deadline, in ``serve all`` as a wait on
+the BLS call. gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
+``KEEPALIVE_TIMEOUT_MS``), so a connection to a server that stopped answering fails its
+calls without waiting for their deadlines.
 
 Over gRPC each call goes to the server its role's
 :class:`~triton_disagg.routing.router.Router` picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
