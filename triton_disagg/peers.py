@@ -23,10 +23,11 @@ import hashlib
 import hmac
 import json
 
+from triton_disagg import protocol as P
 from triton_disagg.errors import RequestError
 from triton_disagg.kv.secret import SECRET_ENV, deployment_key
 
-PARAMETER = "peer_credential"
+PARAMETER = P.PEER_CREDENTIAL
 _LABEL = b"triton-disagg peer credential v1"
 
 
