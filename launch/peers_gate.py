@@ -20,8 +20,9 @@ fails it ("not checked yet"), so the scheduler is never ready before the first c
 
 Loading models takes ``--model-control-mode=explicit``, whose repository API would let any
 client load a model (``model_repo/`` files included: code). So that API is restricted
-(``--http-restricted-api`` / ``--grpc-restricted-protocol`` on ``model-repository``) to a
-header whose value is a secret made at each start, which only serve sends: to clients the
+(``--http-restricted-api`` / ``--grpc-restricted-protocol`` on ``model-repository``, with
+the APIs every server restricts: :mod:`triton_disagg.triton.tritonserver`) to a header
+whose value is a secret made at each start, which only serve sends: to clients the
 model-control API stays off, as the design asks. (The secret is on tritonserver's command
 line, which the host's local users can read.)
 
@@ -39,30 +40,29 @@ from pathlib import Path
 from triton_disagg.routing.discovery.periodic import Periodic
 
 from triton_disagg.triton.render import GATE, render_gate
+from triton_disagg.triton.tritonserver import RESTRICTED_HEADER
 
 CHECK_SECONDS = 1.0
 PROBE_TIMEOUT = 1.0         # seconds a member may take to answer ServerReady
-HEADER = "triton-disagg-control"
 
 
 @dataclass(frozen=True)
 class GateControl:
     """What tritonserver needs to run with the gate: explicit model control, its API
-    restricted to ``secret``."""
+    (``restricted_apis``) restricted to ``secret``."""
 
     models: tuple[str, ...]                 # every model of the repository, the gate included
     gate: str = GATE
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    restricted_apis: tuple[str, ...] = ("model-repository",)
 
     def server_args(self) -> list[str]:
-        restricted = f"model-repository:{HEADER}={self.secret}"
         return ["--model-control-mode=explicit", "--exit-on-error=false",
-                *(f"--load-model={m}" for m in self.models),
-                f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+                *(f"--load-model={m}" for m in self.models)]
 
     @property
     def grpc_headers(self) -> dict[str, str]:
-        return {f"triton-grpc-protocol-{HEADER}": self.secret}
+        return {f"triton-grpc-protocol-{RESTRICTED_HEADER}": self.secret}
 
 
 class Peers:

@@ -18,7 +18,8 @@ batch across requests themselves.
   the engine under the same orchestrator. The request parameter
   ``request_type`` picks the phase. A ``generation_only`` request carries the
   context response's ``context_phase_params`` unchanged and ``input_ids`` =
-  the prompt plus the first token the context model returned.
+  the prompt plus the first token the context model returned. Every such request
+  carries the request parameter ``peer_credential`` (:mod:`triton_disagg.peers`).
 - Generation's tokens do not travel as Triton responses: a generation request
   names the orchestrator's ZeroMQ address and the request's key in the request
   parameter ``token_address`` (``<address>#<key>``: every event carries the key, a stop
@@ -51,6 +52,9 @@ REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION)
 # Context only: give back the KV of a ``context_phase_params`` handle that will not be
 # fetched (the client left before generation took it); any context instance takes it.
 RELEASE_KV = "release_kv"
+# Request parameter every orchestrator call to context or generation carries: the
+# deployment's peer credential (triton_disagg.peers); without it both models refuse.
+PEER_CREDENTIAL = "peer_credential"
 # An error message beginning with this is back-pressure, not a failure: the context
 # instance has no KV blocks or staging slots free now; the orchestrator retries it.
 CONTEXT_BUSY = "context busy"

@@ -4,7 +4,8 @@
 (the scheduler dials context and generation over gRPC). Greedy output equals
 the offline engine; cancelled, expired and refused handoffs leave the pools at
 zero blocks used; a replayed, tampered or garbage handle is that request's error.
-Every server here gets one TRITON_DISAGG_KV_SECRET, so the tests can sign handles.
+Every server here gets one TRITON_DISAGG_KV_SECRET, so the tests can sign handles and call
+context and generation as the deployment's orchestrators do (with its peer credential).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def test_unfetched_handoff_expires_and_foreign_handle_is_refused(server):
 
     with grpcclient.InferenceServerClient(server.grpc) as client:
         inputs = servers.orchestrator_inputs(list(range(3, 40)), 8)[:3]
-        result = client.infer("context", inputs, parameters={"request_type": "context_only"})
+        result = client.infer("context", inputs,
+                              parameters=_as_peer({"request_type": "context_only"}))
     handle = kvhandle.decode(result.as_numpy("context_phase_params")[0], SECRET.encode())
     assert handle.num_tokens == 37
     foreign = kvhandle.encode(dataclasses.replace(handle, fingerprint="0" * 64), SECRET.encode())
@@ -169,7 +171,7 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
     ids = list(range(3, 40))
     with grpcclient.InferenceServerClient(server.grpc) as client:
         result = client.infer("context", servers.orchestrator_inputs(ids, 8)[:3],
-                              parameters={"request_type": "context_only"})
+                              parameters=_as_peer({"request_type": "context_only"}))
     raw = result.as_numpy("context_phase_params")[0].tobytes()
     ids.append(int(result.as_numpy("output_ids")[0, 0, 0]))
     assert _generation_only(server, ids, raw)                 # its tokens came
@@ -188,6 +190,13 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
             config = resp.read()
         assert b"kv_key_id" in config and SECRET.encode() not in config
     assert SECRET not in server.server_log()
+
+
+def _as_peer(parameters: dict) -> dict:
+    """Request parameters as an orchestrator of this deployment sends them."""
+    from triton_disagg import peers
+
+    return dict(parameters, **{peers.PARAMETER: peers.credential()})
 
 
 def _generation_only(served, ids, handle_bytes):
@@ -216,9 +225,9 @@ def _generation_only(served, ids, handle_bytes):
     try:
         with grpcclient.InferenceServerClient(served.grpc) as client:
             try:
-                client.infer("generation", tensors, request_id=uuid.uuid4().hex, parameters={
+                client.infer("generation", tensors, request_id=uuid.uuid4().hex, parameters=_as_peer({
                     "request_type": "generation_only",
-                    "token_address": token_wire.with_key(endpoint.address, "k")})
+                    "token_address": token_wire.with_key(endpoint.address, "k")}))
             except InferenceServerException as exc:
                 raise RuntimeError(exc.message()) from None
         tokens = []

@@ -36,10 +36,12 @@ class FakeGeneration:
 
     def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
                  refuse: bool = False, dying: int = 0, dies_after: int = 0,
-                 spoof: bool = False, skip_seq: int | None = None):
+                 spoof: bool = False, skip_seq: int | None = None, mute_context: bool = False):
         self.first, self.rest, self.silent = first, rest, silent
         self.spoof = spoof          # a stranger who knows the request id pushes events too
         self.skip_seq = skip_seq    # the event numbered this one is lost on the way
+        self.mute_context = mute_context          # context calls never answer
+        self.timeouts: list[float] = []           # each route's deadline per call
         self.busy, self.refuse = busy, refuse       # context busy this many times; refuse all
         self.dying, self.dies_after = dying, dies_after
         self.output_lens: list[int] = []          # each generation call's request_output_len
@@ -53,11 +55,14 @@ class FakeGeneration:
         self.contexts = 0                                  # context calls answered
         self.closed: list[str] = []                        # request ids whose route closed
 
-    def route(self, request_id, avoid=frozenset()):
+    def route(self, request_id, avoid, timeout):
         self.avoided.append(avoid)
+        self.timeouts.append(timeout)
         return FakeRoute(self, request_id)
 
     async def context(self, request_id, inputs):
+        if self.mute_context:
+            await asyncio.Event().wait()
         if self.busy:
             self.busy -= 1
             raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
@@ -257,6 +262,26 @@ def test_a_silent_stream_ends_in_a_clear_error_and_stops_generation():
     generation.close()
 
 
+def test_a_cancelled_request_stops_waiting_for_a_context_that_says_nothing():
+    """Each route's calls have the stall deadline; a client that leaves while the context
+    call is out is answered at once (flags only), not when the call ends."""
+    generation, sent = FakeGeneration(10, [11, 1], mute_context=True), []
+    asked = []
+
+    async def send(outputs, final):
+        sent.append((outputs, final))
+
+    def cancel():
+        asked.append(time.monotonic())
+        return len(asked) >= 3
+
+    started = time.monotonic()
+    assert _run(generation, send, stall=30.0, cancel=cancel) == "cancelled"
+    assert time.monotonic() - started < 2 and sent == [(None, True)]
+    assert generation.timeouts == [30.0] and generation.calls == []
+    generation.close()
+
+
 @pytest.mark.parametrize("how", ["finishes", "cancelled after the first token",
                                  "generation refuses"])
 def test_kv_that_generation_never_took_is_given_back(how):
@@ -270,6 +295,42 @@ def test_kv_that_generation_never_took_is_given_back(how):
     expected = {"finishes": "finished", "cancelled after the first token": "cancelled"}
     assert result == expected[how] if how in expected else isinstance(result, EngineError)
     assert generation.released == ([] if how == "finishes" else [b"handle"])
+    generation.close()
+
+
+def test_releases_that_hang_do_not_pile_up(monkeypatch):
+    """Past MAX_RELEASES release calls out at once, a request's KV is left to its lease."""
+    from triton_disagg.front import orchestrator
+
+    monkeypatch.setattr(orchestrator, "MAX_RELEASES", 2)
+    generation = FakeGeneration(10, [11, 1], refuse=True)    # each request's KV to release
+    hung = asyncio.Event()
+
+    async def release(request_id, inputs, handle):
+        generation.released.append(handle.tobytes())
+        await hung.wait()
+    generation.release = release
+
+    async def send(outputs, final):
+        pass
+
+    async def main():
+        inbox = TokenInbox(None, 5.0)
+        owner = Orchestrator(generation, inbox, "disaggregated", str)
+        inputs = {"input_ids": np.array([3, 4], np.int32),
+                  "request_output_len": np.array([16], np.int32)}
+        try:
+            for _ in range(4):
+                with pytest.raises(EngineError):
+                    await owner.handle(dict(inputs), send)
+                await asyncio.sleep(0)
+            return len(owner.releases)
+        finally:
+            hung.set()
+            await asyncio.sleep(0)
+            inbox.close()
+
+    assert asyncio.run(main()) == 2 and len(generation.released) == 2
     generation.close()
 
 

@@ -1,9 +1,10 @@
 """The scheduler's router without tritonserver: the policies (round robin order, least
 loaded by tokens, unequal tokens_per_block compared fairly, ties taking turns), the
 in-flight accounting returning to zero, a member that left never picked; and the gRPC
-transport over a pool: a context server that does not answer is tried once on another
-(a stand-in Triton gRPC server answers), and every failure is one line naming the role
-and the url(s) tried."""
+transport over a pool: a context server that does not answer (refuses, or says nothing
+until the deadline) is tried once on another (a stand-in Triton gRPC server answers), every
+call carries the deployment's peer credential, and every failure is one line naming the
+role and the url(s) tried."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from triton_disagg import protocol as P
+from triton_disagg import peers, protocol as P
 from triton_disagg.routing.discovery.record import Load
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.errors import EngineError, NoServer
@@ -156,13 +157,19 @@ class Observed:
 
 
 class ContextStandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Answers every ModelInfer with a first token, as a context server would."""
+    """Answers every ModelInfer with a first token, as a context server would; ``mute``:
+    never answers (a stopped server whose socket still accepts)."""
 
-    def __init__(self):
+    def __init__(self, mute: bool = False):
         self.request_ids: list[str] = []
+        self.credentials: list[str] = []          # each call's peer_credential parameter
+        self.mute = mute
 
     async def ModelInfer(self, request, context):
         self.request_ids.append(request.id)
+        self.credentials.append(request.parameters[peers.PARAMETER].string_param)
+        if self.mute:
+            await asyncio.Event().wait()
         response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
         response.outputs.add(name="output_ids", datatype="INT32", shape=[1, 1])
         response.raw_output_contents.append(np.array([[7]], np.int32).tobytes())  # [batch, 1]
@@ -205,6 +212,38 @@ def test_a_context_server_that_does_not_answer_is_tried_once_on_another():
     assert observed.events == [("routed", "context", dead), ("retried", "context", dead),
                                ("routed", "context", live)]
     assert transport.routers["context"].in_flight == {}
+
+
+def test_a_context_server_that_says_nothing_is_left_at_the_deadline_for_another():
+    mute, live = sorted(f"127.0.0.1:{port}" for port in free_ports(2))   # round robin: mute first
+    observed = Observed()
+
+    async def main():
+        started, standins = [], {}
+        for url, silent in ((mute, True), (live, False)):
+            server, standins[url] = grpc.aio.server(), ContextStandIn(mute=silent)
+            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(standins[url], server)
+            server.add_insecure_port(url)
+            await server.start()
+            started.append(server)
+        transport = _transport([mute, live], [], observed)
+        try:
+            begun = asyncio.get_running_loop().time()
+            route = transport.route("req-1", frozenset(), 1.0)
+            outputs = await asyncio.wait_for(route.context(INPUTS), 20)
+            return outputs, route, standins, asyncio.get_running_loop().time() - begun
+        finally:
+            await transport.close()
+            for server in started:
+                await server.stop(None)
+
+    outputs, route, standins, took = asyncio.run(main())
+    assert outputs["output_ids"].tolist() == [7] and route.context_url == live
+    assert 1.0 <= took < 5, took                       # one deadline, then the other answered
+    assert observed.events == [("routed", "context", mute), ("retried", "context", mute),
+                               ("routed", "context", live)]
+    credential = peers.credential()
+    assert standins[mute].credentials == standins[live].credentials == [credential]
 
 
 @pytest.mark.parametrize("role", ["context", "generation"])

@@ -18,9 +18,15 @@ Invariants:
 - nothing waits for ever: generation's answer and every token event are awaited at
   most ``generation_server.stall_seconds``, and a busy context (no KV blocks or staging
   slots free now: :class:`ContextBusy`) is retried, backing off, for at most as long;
+  every call a route makes has that deadline too (a context server that misses it is
+  tried once more on another: :mod:`transports`), and while the context call is out the
+  client's cancel is asked for every ``CANCEL_POLL_SECONDS``: a cancelled request stops
+  waiting then (the KV of an answer that comes later goes back with its lease);
 - the context's KV of a request that generation never took (the client left after the
   first token, generation refused or failed the request) is given back at once with a
-  ``release_kv`` call instead of waiting for its lease to expire;
+  ``release_kv`` call instead of waiting for its lease to expire; at most
+  ``MAX_RELEASES`` such calls are out at once (each with a short deadline), beyond that
+  the lease reclaims the KV;
 - leaving a request before generation ended it (client cancel, a stall, a failing
   send, an error, task cancellation) stops generation (:class:`token_inbox.TokenStream`);
   the client's cancel is asked for at most every ``CANCEL_POLL_SECONDS`` while tokens
@@ -56,6 +62,7 @@ Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
 BUSY_FIRST_PAUSE, BUSY_MAX_PAUSE = 0.005, 0.1    # seconds between retries of a busy context
 MAX_MIGRATIONS = 2          # a request leaves a lost generation server at most this often
+MAX_RELEASES = 64           # release_kv calls out at once; beyond that leases reclaim the KV
 _log = logging.getLogger(__name__)
 
 
@@ -81,9 +88,10 @@ class Route(Protocol):
 
 
 class Transport(Protocol):
-    def route(self, request_id: str, avoid: frozenset[str] = frozenset()) -> Route:
+    def route(self, request_id: str, avoid: frozenset[str], timeout: float) -> Route:
         """A request's route; its generation call goes to no server in ``avoid`` (urls of
-        generation servers that were lost with it)."""
+        generation servers that were lost with it); each of its calls fails after
+        ``timeout`` seconds without an answer."""
 
 
 def _context_event(request_id: str, out: dict[str, np.ndarray]) -> StreamEvent:
@@ -189,6 +197,10 @@ class Orchestrator:
         (the route and handle of now: a migrating request moves on to others)."""
         if run.unfetched is None or not run.unfetched.size:
             return
+        if len(self.releases) >= MAX_RELEASES:
+            _log.warning("orchestrator: %d releases in flight; the KV of request %s waits "
+                         "for its lease to expire", len(self.releases), run.request_id)
+            return
         task = asyncio.get_running_loop().create_task(
             self._release(run.route, run.engine_in, run.unfetched, run.request_id))
         self.releases.add(task)
@@ -211,7 +223,8 @@ class _Run:
         self.request_id = uuid.uuid4().hex
         self.builder = ResponseBuilder(inputs, owner.decode)
         self.engine_in = engine_inputs(inputs)
-        self.route = owner.transport.route(self.request_id)
+        self.route = owner.transport.route(self.request_id, frozenset(),
+                                           owner.tokens.stall_seconds)
         self.sent: list[int] = []           # every token id passed on to the client so far
         self.lost: frozenset[str] = frozenset()   # generation servers lost with this request
         arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
@@ -274,7 +287,8 @@ class _Run:
         self.route.close()
         self.lost |= {lost.url}
         self.request_id = uuid.uuid4().hex
-        self.route = self.owner.transport.route(self.request_id, self.lost)
+        self.route = self.owner.transport.route(self.request_id, self.lost,
+                                                self.owner.tokens.stall_seconds)
 
     def resumed(self) -> dict[str, np.ndarray]:
         """The original request with every token sent so far appended to its prompt and
@@ -291,16 +305,23 @@ class _Run:
     async def context(self, inputs: dict[str, np.ndarray],
                       is_cancelled: Callable[[], bool]) -> dict[str, np.ndarray] | None:
         """The context call, retried while the context is busy (backing off, for at most
-        ``stall_seconds``); None when the client cancelled meanwhile."""
+        ``stall_seconds``); None when the client cancelled meanwhile (asked every
+        ``CANCEL_POLL_SECONDS`` while a call is out: the call is then abandoned)."""
         patience = self.owner.tokens.stall_seconds
         deadline, pause = time.monotonic() + patience, BUSY_FIRST_PAUSE
         while True:
+            call = asyncio.ensure_future(self.route.context(inputs))
             try:
-                return await self.route.context(inputs)
+                while not (await asyncio.wait({call}, timeout=CANCEL_POLL_SECONDS))[0]:
+                    if is_cancelled():
+                        return None
+                return call.result()
             except ContextBusy as exc:
                 if time.monotonic() + pause > deadline:
                     raise ContextBusy(f"{exc} (retried for {patience:g} s: "
                                       f"generation_server.stall_seconds)") from None
+            finally:
+                call.cancel()           # the client left (or this task was cancelled): stop it
             if is_cancelled():
                 return None
             await asyncio.sleep(pause)

@@ -4,11 +4,20 @@ Both implement :class:`triton_disagg.front.orchestrator.Transport`: ``route`` gi
 request's :class:`~triton_disagg.front.orchestrator.Route`, whose calls move the tensors
 of :data:`protocol.ENGINE_INPUTS` / ``CONTEXT_OUTPUTS`` unchanged (batch axis of 1 added
 on the way out, removed on the way back), with the phase in the ``request_type`` request
-parameter and the orchestrator's request id as the Triton request id. A generation
-request also names the orchestrator's token address (``token_address``); Triton carries
-it to generation, whose one response is the control address for stops: the tokens
-themselves arrive over ZeroMQ (:mod:`token_inbox`), never as Triton responses. A context
-error that is back-pressure (``protocol.CONTEXT_BUSY``) is raised as :class:`ContextBusy`.
+parameter, the deployment's credential in ``peer_credential`` (:mod:`triton_disagg.peers`:
+context and generation answer no one else) and the orchestrator's request id as the Triton
+request id. A generation request also names the orchestrator's token address
+(``token_address``); Triton carries it to generation, whose one response is the control
+address for stops: the tokens themselves arrive over ZeroMQ (:mod:`token_inbox`), never as
+Triton responses. A context error that is back-pressure (``protocol.CONTEXT_BUSY``) is
+raised as :class:`ContextBusy`.
+
+Deadlines: a route's context and generation calls each wait at most its ``timeout`` (the
+orchestrator's ``generation_server.stall_seconds``), a release at most
+``RELEASE_TIMEOUT_SECONDS``: over gRPC as the call's deadline, in ``serve all`` as a wait on
+the BLS call. gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
+``KEEPALIVE_TIMEOUT_MS``), so a connection to a server that stopped answering fails its
+calls without waiting for their deadlines.
 
 Over gRPC each call goes to the server its role's
 :class:`~triton_disagg.routing.router.Router` picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
@@ -26,18 +35,23 @@ naming the role and the url(s) tried, and the router passes that server over for
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
 
-from triton_disagg import protocol as P
+from triton_disagg import peers, protocol as P
 from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, NoServer
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.tensors import scalar, to_batched
+from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
 UNANSWERED = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 CONTEXT_ATTEMPTS = 2       # a context server that does not answer: once more on another
 PROBE_TIMEOUT_SECONDS = 1.0   # a generation server that is not live by then is lost
+CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
+RELEASE_TIMEOUT_SECONDS = 5.0  # a release not answered by then: the lease reclaims the KV
+KEEPALIVE_TIMEOUT_MS = 5_000   # a ping not answered by then: the channel's calls fail
 _SPECS = {"context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
           "generation": (P.GENERATION_INPUTS, P.GENERATION_OUTPUTS)}
 
@@ -46,8 +60,9 @@ def _unbatch(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: arr[0] for name, arr in arrays.items()}
 
 
-def _parameters(request_type: str, token_address: str | None) -> dict[str, str]:
-    params = {P.REQUEST_TYPE: request_type}
+def _parameters(credential: str, request_type: str,
+                token_address: str | None = None) -> dict[str, str]:
+    params = {P.REQUEST_TYPE: request_type, peers.PARAMETER: credential}
     if token_address is not None:
         params[P.TOKEN_ADDRESS] = token_address
     return params
@@ -82,39 +97,50 @@ class Unanswered(EngineError):
 class BLSTransport:
     def __init__(self, pb_utils: Any):
         self.pb = pb_utils
+        self.credential = peers.credential()
 
-    def route(self, request_id: str, avoid: frozenset[str] = frozenset()) -> "BLSRoute":
+    def route(self, request_id: str, avoid: frozenset[str] = frozenset(),
+              timeout: float = CALL_TIMEOUT_SECONDS) -> "BLSRoute":
         """Generation is this server's own model: never lost, so nothing to avoid."""
-        return BLSRoute(self.pb, request_id)
+        return BLSRoute(self, request_id, timeout)
 
 
 class BLSRoute:
-    """One request's calls to the context and generation models of this server."""
+    """One request's calls to the context and generation models of this server, each
+    waited for at most ``timeout`` seconds (a release: ``RELEASE_TIMEOUT_SECONDS``)."""
 
-    def __init__(self, pb_utils: Any, request_id: str):
-        self.pb, self.request_id = pb_utils, request_id
+    def __init__(self, transport: BLSTransport, request_id: str, timeout: float):
+        self.pb, self.credential = transport.pb, transport.credential
+        self.request_id, self.timeout = request_id, timeout
 
-    async def _exec(self, model: str, inputs: dict,
-                    parameters: dict[str, str]) -> dict[str, np.ndarray]:
+    async def _exec(self, model: str, inputs: dict, parameters: dict[str, str],
+                    timeout: float) -> dict[str, np.ndarray]:
         specs, outputs = _SPECS[model]
         tensors = [self.pb.Tensor(n, a) for n, a in to_batched(specs, inputs).items()]
         request = self.pb.InferenceRequest(
             model_name=model, inputs=tensors, request_id=self.request_id,
             requested_output_names=[s.name for s in outputs], parameters=parameters)
-        response = await request.async_exec()
+        try:
+            response = await asyncio.wait_for(request.async_exec(), timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(f"{model} did not answer within {timeout:g} s") from None
         if response.has_error():
             raise _error(model, response.error().message())
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
-        return await self._exec("context", inputs, _parameters(P.CONTEXT_ONLY, None))
+        return await self._exec("context", inputs, _parameters(self.credential, P.CONTEXT_ONLY),
+                                self.timeout)
 
     async def release(self, inputs: dict, handle: np.ndarray) -> None:
         await self._exec("context", _release_inputs(inputs, handle),
-                         _parameters(P.RELEASE_KV, None))
+                         _parameters(self.credential, P.RELEASE_KV),
+                         min(self.timeout, RELEASE_TIMEOUT_SECONDS))
 
     async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
-        outputs = await self._exec("generation", inputs, _parameters(request_type, token_address))
+        outputs = await self._exec("generation", inputs,
+                                   _parameters(self.credential, request_type, token_address),
+                                   self.timeout)
         return _control_address(outputs)
 
     async def lost(self) -> None:
@@ -129,15 +155,17 @@ class GrpcTransport:
     """The scheduler's side: ``routers`` per role (:func:`~triton_disagg.routing.pools.start_pools`);
     ``observer`` (optional): ``routed(role, url)`` per call routed, ``retried(role, url)``
     per context call tried again after ``url`` did not answer (:class:`~triton_disagg.triton.metrics.Metrics`).
-    Clients are made on the event loop that uses them."""
+    Clients are made on the event loop that uses them, with keepalive on."""
 
     def __init__(self, routers: dict[str, Router], observer: Any = None):
         self.routers, self.observer = routers, observer
+        self.credential = peers.credential()
         self.clients: dict[str, Any] = {}
         self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
 
-    def route(self, request_id: str, avoid: frozenset[str] = frozenset()) -> "GrpcRoute":
-        return GrpcRoute(self, request_id, avoid)
+    def route(self, request_id: str, avoid: frozenset[str] = frozenset(),
+              timeout: float = CALL_TIMEOUT_SECONDS) -> "GrpcRoute":
+        return GrpcRoute(self, request_id, avoid, timeout)
 
     def routed(self, role: str, url: str) -> None:
         if self.observer is not None:
@@ -160,7 +188,9 @@ class GrpcTransport:
             return f"liveness probe: {exc.status()}"
 
     async def infer(self, url: str, model: str, request_id: str, inputs: dict,
-                    parameters: dict[str, str]) -> dict[str, np.ndarray]:
+                    parameters: dict[str, str], timeout: float) -> dict[str, np.ndarray]:
+        """The call's outputs; :class:`Unanswered` when the server failed before it answered
+        or not within ``timeout`` seconds (DEADLINE_EXCEEDED)."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -172,8 +202,9 @@ class GrpcTransport:
         await self._close_departed()
         self.calls[url] = self.calls.get(url, 0) + 1
         try:
-            result = await self._client(url).infer(model, tensors, request_id=request_id,
-                                                   parameters=parameters)
+            result = await self._client(url).infer(
+                model, tensors, request_id=request_id, client_timeout=timeout,
+                parameters=parameters)
         except InferenceServerException as exc:
             if exc.status() in UNANSWERED:
                 self.routers[model].unanswered(url)
@@ -189,9 +220,13 @@ class GrpcTransport:
 
     def _client(self, url: str) -> Any:
         if url not in self.clients:
+            import tritonclient.grpc as grpc
             import tritonclient.grpc.aio as grpcclient
 
-            self.clients[url] = grpcclient.InferenceServerClient(url)
+            keepalive = grpc.KeepAliveOptions(
+                keepalive_time_ms=KEEPALIVE_MS, keepalive_timeout_ms=KEEPALIVE_TIMEOUT_MS,
+                keepalive_permit_without_calls=True, http2_max_pings_without_data=0)
+            self.clients[url] = grpcclient.InferenceServerClient(url, keepalive_options=keepalive)
         return self.clients[url]
 
     async def _close_departed(self) -> None:
@@ -208,10 +243,14 @@ class GrpcTransport:
 class GrpcRoute:
     """One request's calls over gRPC. Its context call's router assignment ends when context
     answers; its generation assignment lasts until :meth:`close` (the request ended). Its
-    generation call goes to no server in ``avoid``."""
+    generation call goes to no server in ``avoid``. Each context attempt and the generation
+    call have a deadline of ``timeout`` seconds: a context server that misses it counts as
+    not answering (tried once more on another)."""
 
-    def __init__(self, transport: GrpcTransport, request_id: str, avoid: frozenset[str]):
+    def __init__(self, transport: GrpcTransport, request_id: str, avoid: frozenset[str],
+                 timeout: float):
         self.transport, self.request_id, self.avoid = transport, request_id, avoid
+        self.timeout = timeout
         self.context_url: str | None = None     # the server that holds the request's KV
         self.generation = None                  # its generation Assignment, once accepted
 
@@ -227,8 +266,9 @@ class GrpcRoute:
                 self.transport.retried("context", failed[-1].url)
             self.transport.routed("context", assignment.url)
             try:
-                outputs = await self.transport.infer(assignment.url, "context", self.request_id,
-                                                     inputs, _parameters(P.CONTEXT_ONLY, None))
+                outputs = await self.transport.infer(
+                    assignment.url, "context", self.request_id, inputs,
+                    _parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout)
             except Unanswered as exc:
                 failed.append(exc)
                 continue
@@ -241,15 +281,18 @@ class GrpcRoute:
     async def release(self, inputs: dict, handle: np.ndarray) -> None:
         await self.transport.infer(self.context_url, "context", self.request_id,
                                    _release_inputs(inputs, handle),
-                                   _parameters(P.RELEASE_KV, None))
+                                   _parameters(self.transport.credential, P.RELEASE_KV),
+                                   min(self.timeout, RELEASE_TIMEOUT_SECONDS))
 
     async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
         tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
         assignment = self.transport.routers["generation"].take(tokens, self.avoid)
         self.transport.routed("generation", assignment.url)
         try:
-            outputs = await self.transport.infer(assignment.url, "generation", self.request_id,
-                                                 inputs, _parameters(request_type, token_address))
+            outputs = await self.transport.infer(
+                assignment.url, "generation", self.request_id, inputs,
+                _parameters(self.transport.credential, request_type, token_address),
+                self.timeout)
         except Unanswered as exc:
             assignment.release()
             raise GenerationLost(exc.url, exc.reason) from None

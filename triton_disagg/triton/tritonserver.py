@@ -26,12 +26,20 @@ itself (:mod:`triton_disagg.triton.placement`). Its Python-backend regions
 in ``/dev/shm`` carry a name owned by the process that started it
 (:mod:`triton_disagg.shm`): ``stop`` unlinks them once the server is gone, and
 every start and stop sweeps what killed servers and stubs left behind.
+
+Triton APIs no client needs are restricted on every server: ``RESTRICTED_APIS``, plus
+model control where a readiness gate uses it (:mod:`launch.peers_gate`), answer only
+requests with the header ``RESTRICTED_HEADER`` set to a secret made at each start, which
+only serve knows (clients get "This API is restricted"; health, metadata, inference and
+statistics stay open). The gRPC endpoint accepts the orchestrators' keepalive pings
+(:mod:`triton_disagg.front.transports`): every ``KEEPALIVE_MS``, idle calls included.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -53,6 +61,9 @@ from triton_disagg.triton import server_log
 STOP_GRACE_SECONDS = 15.0   # SIGTERM to SIGKILL when a server stops
 
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
+RESTRICTED_APIS = ("shared-memory", "logging", "trace")
+RESTRICTED_HEADER = "triton-disagg-control"   # over gRPC: triton-grpc-protocol-<this>
+KEEPALIVE_MS = 10_000       # the orchestrators' gRPC keepalive interval (servers allow half)
 
 
 @dataclass(frozen=True)
@@ -135,11 +146,13 @@ class TritonServer:
                  env: dict[str, str] | None = None, log_verbose: int = 0, control=None,
                  cpus: Sequence[int] = ()):
         """``control``: None (model control off), or a readiness gate's
-        :class:`~launch.peers_gate.GateControl` (explicit model control, its API restricted).
+        :class:`~launch.peers_gate.GateControl` (explicit model control, its API restricted
+        with the rest to its secret).
         ``cpus``: the cores the server process (and what it forks) runs on; () leaves it
         on this process's."""
         self.install, self.repo, self.endpoints, self.work_dir = install, repo, endpoints, work_dir
         self.control = control
+        self.api_secret = control.secret if control else secrets.token_hex(16)
         self.cpus = tuple(cpus)
         self.log_path = work_dir / "tritonserver.log"
         self.env = server_env(install, env)
@@ -152,6 +165,9 @@ class TritonServer:
         cmd = [str(self.install.binary), f"--model-repository={self.repo}",
                f"--backend-directory={backends}",
                *(self.control.server_args() if self.control else ["--model-control-mode=none"]),
+               *self._restricted_args(),
+               "--grpc-keepalive-permit-without-calls=true",
+               f"--grpc-http2-min-recv-ping-interval-without-data={KEEPALIVE_MS // 2}",
                "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}"]
@@ -164,6 +180,11 @@ class TritonServer:
         else:
             cmd += [f"--metrics-address={e.host}", f"--metrics-port={e.metrics_port}"]
         return cmd
+
+    def _restricted_args(self) -> list[str]:
+        apis = RESTRICTED_APIS + (self.control.restricted_apis if self.control else ())
+        value = f"{','.join(apis)}:{RESTRICTED_HEADER}={self.api_secret}"
+        return [f"--http-restricted-api={value}", f"--grpc-restricted-protocol={value}"]
 
     def start(self) -> None:
         backends = prepare_backends(self.install, self.work_dir)

@@ -1,7 +1,8 @@
 """context: prefill of a batch of prompts; first token + context_phase_params
 (logic: triton_disagg.context.prefill). A ``release_kv`` request gives back the KV of
 the ``context_phase_params`` it carries (a client left before generation took it) and
-answers with no tokens."""
+answers with no tokens. Only the deployment's orchestrators are answered
+(:mod:`triton_disagg.peers`): any other request is refused before its tensors are read."""
 
 import faulthandler
 import json
@@ -11,7 +12,7 @@ import numpy as np
 
 import triton_python_backend_utils as pb_utils
 
-from triton_disagg import protocol as P
+from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.context.prefill import ContextSide
 from triton_disagg.engine.capacity import make_engine
@@ -28,6 +29,7 @@ class TritonPythonModel:
     def initialize(self, args):
         settings = from_model_config("context", args)
         self.limits = pin(cores_for(settings.instance_cpus, args))
+        self.credential = peers.credential()
         instance = args["model_instance_name"]
         self.metrics = Metrics(pb_utils, "context", instance)
         with self.metrics.closed_on_error():
@@ -39,6 +41,7 @@ class TritonPythonModel:
         batch, slots = [], []
         for i, request in enumerate(requests):
             try:
+                peers.check(request.parameters(), "context", self.credential)
                 request_type = json.loads(request.parameters() or "{}").get(
                     P.REQUEST_TYPE, P.CONTEXT_ONLY)
                 if request_type not in (P.CONTEXT_ONLY, P.RELEASE_KV):

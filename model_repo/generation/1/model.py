@@ -5,6 +5,8 @@ execute() only validates and hands each request to the instance's DecodeLoop, th
 answers it at once with one response: the instance's control address (where stops for
 that request go), or an error. The loop's thread runs the engine and sends the tokens
 to the orchestrator address the request names (request parameter ``token_address``).
+Only the deployment's orchestrators are answered (:mod:`triton_disagg.peers`): any other
+request is refused before its tensors are read.
 """
 
 import faulthandler
@@ -12,7 +14,7 @@ import faulthandler
 import triton_python_backend_utils as pb_utils
 import zmq
 
-from triton_disagg import protocol as P
+from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import GenerationSide, read_request_parameters
@@ -32,6 +34,7 @@ class TritonPythonModel:
     def initialize(self, args):
         settings = from_model_config("generation", args)
         self.limits = pin(cores_for(settings.instance_cpus, args))
+        self.credential = peers.credential()
         instance = args["model_instance_name"]
         engine = make_engine(settings, "generation")
         self.metrics = Metrics(pb_utils, "generation", instance)
@@ -50,6 +53,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
+                peers.check(request.parameters(), "generation", self.credential)
                 request_type, address = read_request_parameters(request.parameters())
                 request_id = request.request_id()
                 if not request_id:
