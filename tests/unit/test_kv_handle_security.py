@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import secrets
 import struct
 import time
 
@@ -121,3 +122,28 @@ def test_one_secret_per_user_and_host_or_from_the_environment_never_in_the_repos
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "engine.json"))  # not a directory
     with pytest.raises(UserError, match=f"cannot keep the KV secret.*set {secret.SECRET_ENV}"):
         settings("context", "context", config)
+
+
+def test_secret_file_open_to_group_or_others_is_refused_naming_chmod(monkeypatch, tmp_path):
+    monkeypatch.setenv(secret.SECRET_ENV, "x" * 32)    # so that teardown restores the original
+    monkeypatch.delenv(secret.SECRET_ENV)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    secret.deployment_key()                                          # creates it, mode 600
+    path = secret.secret_file()
+    for mode in (0o640, 0o604, 0o620, 0o602):
+        path.chmod(mode)
+        with pytest.raises(UserError, match=f"mode {mode:04o}.*run `chmod 600 {path}`"):
+            secret.deployment_key()
+    path.chmod(0o600)
+    assert len(secret.deployment_key()) == 64
+
+
+def test_published_key_id_is_slow_to_compute_so_no_offline_guessing_oracle():
+    """The key id is public (model config); a fast unsalted hash of the secret would let
+    anyone test guesses at it offline at billions a second."""
+    key = secrets.token_bytes(32)
+    start = time.perf_counter()
+    kid = secret.key_id(key)
+    assert time.perf_counter() - start > 0.01
+    assert kid not in hashlib.sha256(b"triton-disagg kv key id\0" + key).hexdigest()
+    assert secret.key_id(key) == kid and secret.key_id(b"k" * 32) != kid
