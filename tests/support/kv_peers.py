@@ -143,7 +143,7 @@ def _our_shm() -> set[str]:
 def no_leaked_shm():
     before = _our_shm()
     yield
-    assert _our_shm() == before, "shared-memory staging segments leaked"
+    assert _our_shm() == before, f"shared-memory staging segments leaked: {_our_shm() - before}"
 
 
 @pytest.fixture(autouse=True)
