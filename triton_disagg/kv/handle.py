@@ -7,7 +7,8 @@ unchanged. Wire format (version 3)::
             | HMAC-SHA256 tag (32 bytes) over every byte before it
 
 The header JSON holds every :class:`KVHandle` field except ``agent_metadata`` (the
-NIXL agent's raw metadata bytes), which follows it verbatim. The tag is keyed by the
+NIXL agent's partial metadata: connection info and the remote keys of this handle's own
+blocks and ticket words, nothing else of the sender's memory), which follows it verbatim. The tag is keyed by the
 deployment secret (:mod:`triton_disagg.kv.secret`), so only a context server of this
 deployment can make a handle that a generation server of it accepts.
 
@@ -89,8 +90,8 @@ class KVHandle:
         if not isinstance(self.num_tokens, int) or self.num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive integer, got {self.num_tokens!r}")
         if not self.lease_id or not isinstance(self.lease_seconds, (int, float)) \
-                or not 0 < self.lease_seconds < 1e6:
-            raise ValueError("a handle needs a lease id and a lease of 0 to 1e6 seconds")
+                or not 0 < self.lease_seconds < float("inf"):
+            raise ValueError("a handle needs a lease id and a positive, finite lease_seconds")
         _WHERE[self.strategy](self, self.geometry.blocks_for(self.num_tokens))
 
 
