@@ -16,14 +16,16 @@ sender keeps one int64 *ticket* word per block and registers nothing up front.
   name no other block to its NIXL, and none of its own once the lease ended (see
   :mod:`~triton_disagg.kv.nixl_agent` for what the transport below NIXL enforces).
 - Receiver (generation): :meth:`NixlEndpoint.fetch` loads the handle's metadata into the
-  peer's remote agent, READs the blocks (straight into the pool's blocks when the layouts match,
-  otherwise into scratch memory followed by :func:`layout.write_blocks`), *then* READs
-  the blocks' ticket words, naming the lease in that second READ's notification, and
-  accepts the data only if every word still holds the handle's ticket. The lease's time
-is judged by each side on its own clock (``lease_seconds`` is relative): the sender
-reaps at export + ``lease_seconds``, the receiver gives up at most ``lease_seconds``
-after its fetch began, so clock skew between hosts refuses nothing. Each READ has one
-  descriptor per run of consecutive block ids (usually one: pools hand out ascending ids).
+  peer's remote agent, READs the blocks (straight into the pool's blocks when the layouts
+  match, otherwise into scratch memory followed by :func:`layout.write_blocks`), *then*
+  READs the blocks' ticket words, naming the lease in that second READ's notification,
+  and accepts the data only if every word still holds the handle's ticket. Each READ has
+  one descriptor per run of consecutive block ids (usually one: pools hand out ascending
+  ids).
+
+A lease's time is judged by each side on its own clock (``lease_seconds`` is relative):
+the sender reaps at export + ``lease_seconds``, the receiver gives up at most
+``lease_seconds`` after its fetch began, so clock skew between hosts refuses nothing.
 
 Why this is safe: a ticket word read after the data READ finished and still holding the
 ticket proves the block was not freed before that moment, so it was not reused while it
