@@ -8,9 +8,10 @@ unchanged. Wire format (version 3)::
 
 The header JSON holds every :class:`KVHandle` field except ``agent_metadata`` (the
 NIXL agent's partial metadata: connection info and the remote keys of this handle's own
-blocks and ticket words, nothing else of the sender's memory), which follows it verbatim. The tag is keyed by the
-deployment secret (:mod:`triton_disagg.kv.secret`), so only a context server of this
-deployment can make a handle that a generation server of it accepts.
+blocks and ticket words, nothing else of the sender's memory), which follows it
+verbatim. The tag is keyed by the deployment secret (:mod:`triton_disagg.kv.secret`), so
+only a context server of this deployment can make a handle that a generation server of it
+accepts.
 
 Invariants: ``decode(encode(h, key), key) == h``; :func:`decode` either returns a handle
 whose fields are all valid or raises :class:`HandleError`, never anything else, and it
