@@ -102,8 +102,8 @@ def test_nixl_read_of_consecutive_blocks_in_one_descriptor(sender, receivers):
 
 def test_a_handle_reads_its_own_blocks_only_and_only_once(sender):
     """A peer holding a valid handle cannot READ a neighbouring block, the whole pool from
-    its base, or the ticket words of other blocks: the handle's metadata names its own
-    blocks alone. Its own blocks it reads once; after that every receiver is refused."""
+    its base, or the ticket words of other blocks, nor WRITE another block: the handle's
+    metadata names its own blocks alone. Its own blocks it reads once; after that every receiver is refused."""
     probe = NixlEndpoint("gen-probe", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
     late = NixlEndpoint("gen-late", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
     try:
@@ -118,6 +118,12 @@ def test_a_handle_reads_its_own_blocks_only_and_only_once(sender):
             with pytest.raises(TransferError, match="refused"):
                 agent.read(peer, [(dst, nbytes, 0)], [(addr, nbytes, 0)], b"",
                            time.monotonic() + 10, "a probe")
+        nixl = agent._agent                                           # a WRITE, too
+        agent.connect(handle.agent_name, handle.agent_metadata)
+        with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
+            nixl.initialize_xfer("WRITE", nixl.get_xfer_descs([(dst, size, 0)], "DRAM"),
+                                 nixl.get_xfer_descs([(handle.pool_addr + 7 * size, size, 0)],
+                                                     "DRAM"), handle.agent_name, b"")
         probe.fetch(handle, [2])
         assert probe.pool[2].tobytes() == make_pool(1, 16, 4, "float32")[6].tobytes()
         sender.wait_state(lambda s: s["leases"] == 0)
