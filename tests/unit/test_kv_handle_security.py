@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import struct
 import time
@@ -136,6 +137,10 @@ def test_secret_file_open_to_group_or_others_is_refused_naming_chmod(monkeypatch
             secret.deployment_key()
     path.chmod(0o600)
     assert len(secret.deployment_key()) == 64
+    if os.getuid() == 0:                                 # only root can give it away
+        os.chown(path, 4242, -1)
+        with pytest.raises(UserError, match="owned by uid 4242, not by this user"):
+            secret.deployment_key()
 
 
 def test_published_key_id_is_slow_to_compute_so_no_offline_guessing_oracle():
