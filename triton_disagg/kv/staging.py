@@ -77,11 +77,8 @@ class HostStaging:
         receivers' flock)."""
         self.name, self.path = name, os.path.join(shm.SHM_DIR, name)
         self._fd = fd
-        try:
-            self._mapping, self._inode = mmap.mmap(fd, 0), os.fstat(fd).st_ino
-        except BaseException:
-            os.close(fd)
-            raise
+        self._close_fd = weakref.finalize(self, os.close, fd)   # by close() or on collection
+        self._mapping, self._inode = mmap.mmap(fd, 0), os.fstat(fd).st_ino
         # The creator's unlink, run once: by close(), on collection, or at interpreter exit.
         self._unlink = weakref.finalize(self, _unlink_quietly, self.path) if creator else None
         self._lock = threading.Lock()
@@ -278,9 +275,7 @@ class HostStaging:
         if self._unlink is not None:
             self._unlink()
         mapping, self._mapping = self._mapping, None
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        self._close_fd()
         try:
             if mapping is not None:
                 mapping.close()
