@@ -2,20 +2,23 @@
 handoff needs (expose byte ranges to a peer, load a peer, READ with an optional
 notification, new notifications) and a registered scratch buffer.
 
-Invariants: every call into the agent holds one lock. What a peer may read is exactly
-what :meth:`Agent.expose` registered and has not withdrawn: its metadata names those
-ranges and nothing else (no fixed region is ever published). Remote agents are bounded
+Invariants: every call into the agent holds one lock. A peer is given only the metadata
+of one :meth:`Agent.expose`: connection info and the remote keys of those ranges, nothing
+else (no fixed region is ever published); :meth:`Agent.withdraw` deregisters them. Remote agents are bounded
 (:class:`RemoteAgents`): at most ``MAX_PEERS``, none idle longer than ``PEER_IDLE_S``,
 none holding more than ``MAX_LOADS`` handles' descriptors, none after a failed READ.
 
-What NIXL enforces and what it does not: a reader's NIXL refuses a READ outside the
-ranges it was given (``NIXL_ERR_NOT_FOUND``). Below NIXL, an RDMA NIC enforces the
-registration (and deregistration) itself, but within one host UCX reads with
-``process_vm_readv`` (CMA) and across hosts over TCP with software RMA, neither of which
-checks the remote key: a peer that patches its NIXL/UCX can still read (not write:
-the sender never posts a WRITE target, and CMA needs ptrace rights over the sender)
-any address of the sender process. The lease tickets, not the registration, are what
-keep an honest reader from ever returning reused blocks.
+What NIXL enforces and what it does not: NIXL registers memory with no read-only mode,
+so a holder may READ or WRITE the ranges it was given (its own blocks and ticket words:
+it can spoil only its own handoff); its NIXL refuses a READ or WRITE anywhere else
+(``NIXL_ERR_NOT_FOUND``). A receiver's NIXL keeps the descriptors of every handle it
+loaded until the peer is reloaded or forgotten, so to it an ended lease's blocks stay
+nameable. Below NIXL, an RDMA NIC enforces the registration (and its withdrawal), but
+within one host UCX copies with ``process_vm_readv``/``writev`` (CMA) and across hosts
+over TCP with software RMA, neither of which checks the remote key: a peer that patches
+its NIXL/UCX can still read or write any address of the sender process. The lease
+tickets, not the registration, are what keep an honest reader from ever returning
+reused blocks.
 """
 
 from __future__ import annotations
