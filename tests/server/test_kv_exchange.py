@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 
 import numpy as np
@@ -99,6 +100,57 @@ def test_nixl_read_of_consecutive_blocks_in_one_descriptor(sender, receivers):
     assert state["freed"][-1] == [1, 12, 13, 14] and not state["errors"]
 
 
+def test_a_handle_reads_its_own_blocks_only_and_only_once(sender):
+    """A peer holding a valid handle cannot READ a neighbouring block, the whole pool from
+    its base, or the ticket words of other blocks, nor WRITE another block: the handle's
+    metadata names its own blocks alone. Its own blocks it reads once; after that every receiver is refused."""
+    probe = NixlEndpoint("gen-probe", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
+    late = NixlEndpoint("gen-late", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
+    try:
+        handle = decode(sender.ask("export", [6], 3, 30.0), KEY)
+        size, agent = handle.geometry.block_nbytes, probe._agent
+        dst = agent.scratch(16 * size).ctypes.data
+        for addr, nbytes in ((handle.pool_addr + 7 * size, size),    # the next block
+                             (handle.pool_addr + 5 * size, 2 * size),  # straddling its own
+                             (handle.pool_addr, 16 * size),            # the whole pool
+                             (handle.ticket_addr, 16 * 8)):            # every ticket word
+            peer = agent.connect(handle.agent_name, handle.agent_metadata)
+            with pytest.raises(TransferError, match="refused"):
+                agent.read(peer, [(dst, nbytes, 0)], [(addr, nbytes, 0)], b"",
+                           time.monotonic() + 10, "a probe")
+        nixl = agent._agent                                           # a WRITE, too
+        agent.connect(handle.agent_name, handle.agent_metadata)
+        with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
+            nixl.initialize_xfer("WRITE", nixl.get_xfer_descs([(dst, size, 0)], "DRAM"),
+                                 nixl.get_xfer_descs([(handle.pool_addr + 7 * size, size, 0)],
+                                                     "DRAM"), handle.agent_name, b"")
+        probe.fetch(handle, [2])
+        assert probe.pool[2].tobytes() == make_pool(1, 16, 4, "float32")[6].tobytes()
+        sender.wait_state(lambda s: s["leases"] == 0)
+        for endpoint in (probe, late):
+            with pytest.raises(LeaseExpiredError, match="single-use"):
+                endpoint.fetch(handle, [3])
+    finally:
+        probe.close()
+        late.close()
+    state = sender.wait_state(lambda s: s["leases"] == 0)
+    assert state["used"] == 0 and not state["errors"]
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
+def test_lease_survives_clock_skew_between_hosts(sender, receivers, monkeypatch, skew_s):
+    """The receiver's wall clock an hour off the sender's refuses nothing: a lease is
+    judged by each side on its own clock."""
+    expired = sender.ask("state")["expired"]                 # earlier tests' leases
+    handle = decode(sender.ask("export", [10], 2, 30.0), KEY)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)
+    receivers[0].fetch(handle, [6])
+    monkeypatch.undo()
+    assert receivers[0].pool[6].tobytes() == make_pool(1, 16, 4, "float32")[10].tobytes()
+    assert sender.wait_state(lambda s: s["leases"] == 0)["expired"] == expired
+
+
 # ---- host_memory ---------------------------------------------------------------------
 
 def test_host_staging_round_trip_across_processes():
@@ -157,6 +209,52 @@ def test_host_staging_same_layout_copies_each_run_of_slots_exactly():
         assert dst[[1, 2, 5, 0]].tobytes() == pool[[4, 0, 2, 3]].tobytes()
         assert not dst[[3, 4]].any()
     finally:
+        area.close()
+
+
+def test_concurrent_fetches_of_one_staged_handle_exactly_one_succeeds():
+    """Two readers (each its own mapping of the area, as in two processes) replay one
+    handle at the same moment: one gets the KV, the other is refused before it copied a
+    byte (both would pass a check-then-copy that claims nothing)."""
+    pool = make_pool(6, 4, 4, "float32")
+    area = HostStaging.create("race", num_slots=4, slot_bytes=pool[0].nbytes)
+    readers = [HostStaging.attach(area.name) for _ in range(2)]
+    both_copying = threading.Barrier(2)
+
+    class Rendezvous(np.ndarray):
+        """A pool whose first write waits (up to 2 s) until the other reader writes too."""
+
+        def __setitem__(self, key, value):
+            try:
+                both_copying.wait(2)
+            except threading.BrokenBarrierError:
+                pass
+            super().__setitem__(key, value)
+
+    try:
+        handle = area.put(pool, [2, 3], 7, FP, ttl_s=30)
+        results, dsts = [None, None], [np.zeros_like(pool).view(Rendezvous) for _ in range(2)]
+
+        def fetch(i: int) -> None:
+            dst = dsts[i]
+            try:
+                readers[i].take(handle, dst, [0, 1])
+                results[i] = dst[[0, 1]].tobytes() == pool[[2, 3]].tobytes()
+            except LeaseExpiredError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=fetch, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert results.count(True) == 1, results
+        refused = results.index(True) ^ 1
+        assert isinstance(results[refused], LeaseExpiredError), results
+        assert not dsts[refused].any() and area.slots_in_use() == 0
+    finally:
+        for reader in readers:
+            reader.close()
         area.close()
 
 

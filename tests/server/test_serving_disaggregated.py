@@ -178,7 +178,9 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
     time.sleep(0.5)                                      # the context side saw the READ
     with pytest.raises(RuntimeError, match="already fetched"):
         _generation_only(server, ids, raw)
-    deep = b"TDKV" + (2).to_bytes(2, "big") + (60_000).to_bytes(4, "big") + b"[" * 60_000
+    from triton_disagg.kv.handle import FORMAT_VERSION
+
+    deep = b"TDKV" + FORMAT_VERSION.to_bytes(2, "big") + (60_000).to_bytes(4, "big") + b"[" * 60_000
     for bad in (raw.replace(b'"num_tokens":37', b'"num_tokens":36'), raw[:-32], deep):
         with pytest.raises(RuntimeError, match="not signed by this deployment"):
             _generation_only(server, ids, bad)

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from triton_disagg import shm
 from triton_disagg.kv.handle import decode, encode
 from triton_disagg.kv.host_memory import HostStaging
 from triton_disagg.kv.nixl import NixlEndpoint
@@ -25,6 +26,7 @@ KEY = b"k" * 32               # the deployment key that signs handles
 WAIT_S = 60                   # bound on any single wait for another process
 SPAWN = mp.get_context("spawn")
 REUSED = 42.0                 # what a later request's prefill writes into reused blocks
+SPAWNED: set[int] = set()     # pids of the sender processes the tests started
 
 
 def make_pool(seed: int, num_blocks: int, bs: int, dtype: str) -> np.ndarray:
@@ -110,6 +112,7 @@ class Peer:
         self.cmds, self.out = SPAWN.Queue(), SPAWN.Queue()
         self.proc = SPAWN.Process(target=target, args=(self.cmds, self.out), daemon=True)
         self.proc.start()
+        SPAWNED.add(self.proc.pid)
 
     def ask(self, *cmd):
         self.cmds.put(cmd)
@@ -136,14 +139,18 @@ class Peer:
 # ---- fixtures ------------------------------------------------------------------------
 
 def _our_shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("triton_disagg_kv_")}
+    """Staging areas made by this process or its senders (other servers on the host, e.g.
+    other test runs, make their own)."""
+    ours = {os.getpid()} | SPAWNED
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith("triton_disagg_kv_") and getattr(shm.owner_of(n), "pid", 0) in ours}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_leaked_shm():
     before = _our_shm()
     yield
-    assert _our_shm() == before, "shared-memory staging segments leaked"
+    assert _our_shm() == before, f"shared-memory staging segments leaked: {_our_shm() - before}"
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,8 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import os
+import secrets
 import struct
 import time
 
@@ -27,7 +29,7 @@ KEY = b"k" * 32
 
 def _staged(**overrides) -> KVHandle:
     fields = dict(fingerprint=FP, geometry=BlockGeometry(2, 2, 4, 4, "float32"), num_tokens=5,
-                  strategy="host_memory", lease_id="ab12", lease_deadline=time.time() + 5,
+                  strategy="host_memory", lease_id="ab12", lease_seconds=5,
                   shm_name="triton_disagg_kv_1-23-45_context_0_0_0a1b2c3d", slots=(0, 1))
     return KVHandle(**{**fields, **overrides})
 
@@ -47,7 +49,7 @@ def _signed(header: bytes, tail: bytes = b"", key: bytes = KEY) -> bytes:
 
 def test_tampered_or_unsigned_handle_is_not_signed_by_this_deployment():
     good = encode(_direct(), KEY)
-    assert decode(good, KEY) == _direct(lease_deadline=decode(good, KEY).lease_deadline)
+    assert decode(good, KEY) == _direct()
     forged = encode(_direct(pool_addr=1 << 40), b"x" * 32)          # another deployment's key
     for bad in (good.replace(b'"pool_addr":4096', b'"pool_addr":4097'), good[:-32],
                 good[:-1] + bytes([good[-1] ^ 1]), forged):
@@ -84,7 +86,7 @@ def test_huge_handle_is_refused_before_parsing():
 
 @pytest.mark.parametrize("change", [
     {"geometry": [1, 2]}, {"num_tokens": True}, {"block_ids": ["1", 2]}, {"extra": 1},
-    {"lease_deadline": "soon"}, {"ticket": 0}])
+    {"lease_seconds": "soon"}, {"lease_seconds": -1}, {"ticket": 0}])
 def test_wrong_fields_in_a_signed_header_are_handle_errors(change):
     fields = dataclasses.asdict(_direct())
     del fields["agent_metadata"]
@@ -121,3 +123,32 @@ def test_one_secret_per_user_and_host_or_from_the_environment_never_in_the_repos
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "engine.json"))  # not a directory
     with pytest.raises(UserError, match=f"cannot keep the KV secret.*set {secret.SECRET_ENV}"):
         settings("context", "context", config)
+
+
+def test_secret_file_open_to_group_or_others_is_refused_naming_chmod(monkeypatch, tmp_path):
+    monkeypatch.setenv(secret.SECRET_ENV, "x" * 32)    # so that teardown restores the original
+    monkeypatch.delenv(secret.SECRET_ENV)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    secret.deployment_key()                                          # creates it, mode 600
+    path = secret.secret_file()
+    for mode in (0o640, 0o604, 0o620, 0o602):
+        path.chmod(mode)
+        with pytest.raises(UserError, match=f"mode {mode:04o}.*run `chmod 600 {path}`"):
+            secret.deployment_key()
+    path.chmod(0o600)
+    assert len(secret.deployment_key()) == 64
+    if os.getuid() == 0:                                 # only root can give it away
+        os.chown(path, 4242, -1)
+        with pytest.raises(UserError, match="owned by uid 4242, not by this user"):
+            secret.deployment_key()
+
+
+def test_published_key_id_is_slow_to_compute_so_no_offline_guessing_oracle():
+    """The key id is public (model config); a fast unsalted hash of the secret would let
+    anyone test guesses at it offline at billions a second."""
+    key = secrets.token_bytes(32)
+    start = time.perf_counter()
+    kid = secret.key_id(key)
+    assert time.perf_counter() - start > 0.01
+    assert kid not in hashlib.sha256(b"triton-disagg kv key id\0" + key).hexdigest()
+    assert secret.key_id(key) == kid and secret.key_id(b"k" * 32) != kid

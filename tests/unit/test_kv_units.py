@@ -23,7 +23,7 @@ from triton_disagg.kv.leases import LeaseTable
 def _handle(**overrides) -> KVHandle:
     fields = dict(fingerprint=FP, geometry=BlockGeometry(L, KVH, HD, 4, "float32"),
                   num_tokens=5, strategy="host_memory", lease_id="ab12",
-                  lease_deadline=time.time() + 5, shm_name="triton_disagg_kv_x",
+                  lease_seconds=5, shm_name="triton_disagg_kv_x",
                   slots=(0, 1))
     return KVHandle(**{**fields, **overrides})
 
@@ -110,3 +110,46 @@ def test_read_descriptors_cover_runs_of_consecutive_blocks():
     assert _runs([3, 4, 5, 9, 10, 2], range(6)) == [(3, 0, 3), (9, 3, 2), (2, 5, 1)]
     assert _runs([0, 1, 2], [5, 4, 3]) == [(0, 5, 1), (1, 4, 1), (2, 3, 1)]   # dst goes down
     assert _runs([7], [0]) == [(7, 0, 1)] and _runs([], []) == []
+
+
+# ---- remote NIXL agents --------------------------------------------------------------
+
+class FakeNixl:
+    """A ``nixl_agent``'s remote-agent calls: metadata ``b"<name>:..."`` loads ``name``."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, int] = {}     # loaded agent -> metadata loaded into it
+        self.removed: list[str] = []
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        name = metadata.split(b":")[0].decode()
+        self.loads[name] = self.loads.get(name, 0) + 1
+        return name.encode()
+
+    def remove_remote_agent(self, name: str) -> None:
+        del self.loads[name]
+        self.removed.append(name)
+
+
+def test_remote_agents_of_restarted_contexts_do_not_pile_up():
+    from triton_disagg.kv.nixl_agent import RemoteAgents, TransferError
+    now, nixl = [0.0], FakeNixl()
+    remotes = RemoteAgents(nixl, max_peers=2, idle_s=10, max_loads=3, clock=lambda: now[0])
+    for name in ("ctx-1", "ctx-2", "ctx-3"):          # a context restarts under a new name
+        remotes.load(name, f"{name}:md".encode())
+    assert set(nixl.loads) == {"ctx-2", "ctx-3"} and nixl.removed == ["ctx-1"]
+    remotes.load("ctx-2", b"ctx-2:md2")                # used: ctx-3 is now the oldest
+    remotes.load("ctx-4", b"ctx-4:md")
+    assert set(nixl.loads) == {"ctx-2", "ctx-4"} and nixl.removed[-1] == "ctx-3"
+    remotes.load("ctx-2", b"ctx-2:md3")                # a third handle's descriptors
+    remotes.load("ctx-2", b"ctx-2:md4")                # the fourth: loaded afresh
+    assert nixl.loads["ctx-2"] == 1 and nixl.removed[-1] == "ctx-2"
+    now[0] = 11.0                                      # both idle past 10 s
+    remotes.load("ctx-5", b"ctx-5:md")
+    assert set(nixl.loads) == {"ctx-5"} and len(remotes) == 1
+    with pytest.raises(TransferError, match="names agent 'ctx-6' but its metadata is"):
+        remotes.load("ctx-6", b"ctx-7:md")             # metadata of another agent: not kept
+    assert set(nixl.loads) == {"ctx-5"}
+    remotes.forget("ctx-5")                            # after a failed READ
+    remotes.forget("ctx-5")
+    assert not nixl.loads and len(remotes) == 0

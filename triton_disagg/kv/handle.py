@@ -1,15 +1,17 @@
 """``context_phase_params``: the opaque, versioned, signed handle naming a KV handoff.
 
 The context model returns it as ``UINT8 [-1]``; the generation model takes it back
-unchanged. Wire format (version 2)::
+unchanged. Wire format (version 3)::
 
     b"TDKV" | uint16 format version | uint32 header length | header JSON | agent metadata
             | HMAC-SHA256 tag (32 bytes) over every byte before it
 
 The header JSON holds every :class:`KVHandle` field except ``agent_metadata`` (the
-NIXL agent's raw metadata bytes), which follows it verbatim. The tag is keyed by the
-deployment secret (:mod:`triton_disagg.kv.secret`), so only a context server of this
-deployment can make a handle that a generation server of it accepts.
+NIXL agent's partial metadata: connection info and the remote keys of this handle's own
+blocks and ticket words, nothing else of the sender's memory), which follows it
+verbatim. The tag is keyed by the deployment secret (:mod:`triton_disagg.kv.secret`), so
+only a context server of this deployment can make a handle that a generation server of it
+accepts.
 
 Invariants: ``decode(encode(h, key), key) == h``; :func:`decode` either returns a handle
 whose fields are all valid or raises :class:`HandleError`, never anything else, and it
@@ -36,7 +38,7 @@ import numpy as np
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import BlockGeometry
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAX_HANDLE_BYTES = 64 * 1024
 SHM_NAME = re.compile(r"[A-Za-z0-9_-]{1,255}")  # the staging area's own names (triton_disagg.shm)
 _MAGIC = b"TDKV"
@@ -44,7 +46,7 @@ _PREFIX = struct.Struct(">4sHI")  # magic, format version, header JSON length
 _TAG_BYTES = hashlib.sha256().digest_size
 _INTS = ("block_ids", "slots")    # header lists of non-negative ints
 _TYPES = {"fingerprint": str, "geometry": dict, "num_tokens": int, "strategy": str,
-          "lease_id": str, "lease_deadline": (int, float), "agent_name": str, "pool_addr": int,
+          "lease_id": str, "lease_seconds": (int, float), "agent_name": str, "pool_addr": int,
           "ticket_addr": int, "ticket": int, "block_ids": list, "shm_name": str, "slots": list}
 
 
@@ -62,6 +64,10 @@ class KVHandle:
     ``i``'s at ``ticket_addr + 8 * i``) and ``ticket`` (the value every one of those words
     holds until the blocks are freed). ``host_memory`` fills ``shm_name`` and ``slots``
     (one staging slot per block, in token order).
+
+    ``lease_seconds`` is relative, never a wall-clock time, so that hosts' clocks need not
+    agree: the sender keeps the KV that long from the export, by its own clock; a receiver
+    gives up at most that long after it began the fetch, by its own.
     """
 
     fingerprint: str              # engine fingerprint of the context model
@@ -69,7 +75,7 @@ class KVHandle:
     num_tokens: int               # tokens of KV in the blocks
     strategy: str                 # "direct_transfer" | "host_memory"
     lease_id: str
-    lease_deadline: float         # wall clock (time.time()); blocks may be reclaimed after it
+    lease_seconds: float          # the lease's length from the export; reclaimed after it
     agent_name: str = ""
     agent_metadata: bytes = b""
     pool_addr: int = 0
@@ -84,8 +90,9 @@ class KVHandle:
             raise ValueError(f"strategy must be one of {tuple(_WHERE)}, got {self.strategy!r}")
         if not isinstance(self.num_tokens, int) or self.num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive integer, got {self.num_tokens!r}")
-        if not self.lease_id or not isinstance(self.lease_deadline, (int, float)):
-            raise ValueError("a handle needs a lease id and a numeric lease deadline")
+        if not self.lease_id or not isinstance(self.lease_seconds, (int, float)) \
+                or not 0 < self.lease_seconds < float("inf"):
+            raise ValueError("a handle needs a lease id and a positive, finite lease_seconds")
         _WHERE[self.strategy](self, self.geometry.blocks_for(self.num_tokens))
 
 

@@ -2,21 +2,30 @@
 
 One :class:`NixlEndpoint` per process (per model instance): one NIXL agent
 (:class:`~triton_disagg.kv.nixl_agent.Agent`, UCX: shared memory on one host, TCP/RDMA
-across hosts) that registers the whole pool once, and on a sender also one int64
-*ticket* word per block.
+across hosts); a receiver registers its pool (READ destinations, never published), a
+sender keeps one int64 *ticket* word per block and registers nothing up front.
 
 - Sender (context): :meth:`NixlEndpoint.export` writes a fresh random ticket into the
-  blocks' ticket words, leases the blocks and returns a :class:`KVHandle` naming the
-  agent, its metadata, the pool and ticket addresses, the block ids and the ticket. A
-  watcher thread reads the notifications; ``tdkv-done:<lease id>`` releases the lease,
-  and expired leases are reaped on the same thread. Releasing or reaping zeroes the
-  blocks' ticket words *before* the blocks go back to the pool.
-- Receiver (generation): :meth:`NixlEndpoint.fetch` loads the peer's metadata once per
-  peer, READs the blocks (straight into the pool's blocks when the layouts match,
-  otherwise into scratch memory followed by :func:`layout.write_blocks`), *then* READs
-  the blocks' ticket words, naming the lease in that second READ's notification, and
-  accepts the data only if every word still holds the handle's ticket. Each READ has one
-  descriptor per run of consecutive block ids (usually one: pools hand out ascending ids).
+  blocks' ticket words, registers exactly those blocks' byte ranges and ticket words
+  (:meth:`~triton_disagg.kv.nixl_agent.Agent.expose`), leases the blocks and returns a
+  :class:`KVHandle` naming the agent, the partial metadata of that registration alone,
+  the pool and ticket addresses, the block ids and the ticket. A watcher thread reads the
+  notifications; ``tdkv-done:<lease id>`` releases the lease, and expired leases are
+  reaped on the same thread. Releasing or reaping deregisters the ranges, then zeroes the
+  blocks' ticket words, *before* the blocks go back to the pool. So a handle's holder can
+  name no other block to its NIXL, and none of its own once the lease ended (see
+  :mod:`~triton_disagg.kv.nixl_agent` for what the transport below NIXL enforces).
+- Receiver (generation): :meth:`NixlEndpoint.fetch` loads the handle's metadata into the
+  peer's remote agent, READs the blocks (straight into the pool's blocks when the layouts
+  match, otherwise into scratch memory followed by :func:`layout.write_blocks`), *then*
+  READs the blocks' ticket words, naming the lease in that second READ's notification,
+  and accepts the data only if every word still holds the handle's ticket. Each READ has
+  one descriptor per run of consecutive block ids (usually one: pools hand out ascending
+  ids).
+
+A lease's time is judged by each side on its own clock (``lease_seconds`` is relative):
+the sender reaps at export + ``lease_seconds``, the receiver gives up at most
+``lease_seconds`` after its fetch began, so clock skew between hosts refuses nothing.
 
 Why this is safe: a ticket word read after the data READ finished and still holding the
 ticket proves the block was not freed before that moment, so it was not reused while it
@@ -79,8 +88,10 @@ class NixlEndpoint:
         self.pool = pool
         self.geometry = BlockGeometry.of_pool(pool)
         self._tickets = np.zeros(len(pool), _TICKET)   # [num_blocks]; 0 = not exported
-        regions = [pool, self._tickets] if free_blocks is not None else [pool]
-        self._agent = Agent(f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}", regions)
+        self._agent = Agent(f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                            [pool] if free_blocks is None else [])
+        self._exposed: dict[tuple[int, ...], object] = {}   # leased block ids -> registration
+        self._exposed_lock = threading.Lock()
         self.name = self._agent.name                    # unique across restarts
         self._free_blocks = free_blocks
         self.leases = LeaseTable(self._retire) if free_blocks is not None else None
@@ -100,7 +111,8 @@ class NixlEndpoint:
                ttl_s: float) -> KVHandle:
         """Lease ``block_ids`` (token order) for ``ttl_s`` s and describe them for a reader.
 
-        From here the lease table owns the blocks: the caller must not free them.
+        From here the lease table owns the blocks: the caller must not free them. Raises
+        ValueError or :class:`TransferError` (NIXL could not register them) before that.
         """
         if self.leases is None:
             raise RuntimeError("this NixlEndpoint was made without free_blocks; it cannot export")
@@ -109,12 +121,23 @@ class NixlEndpoint:
                              f"blocks, got {len(block_ids)}")
         ids, ticket = [int(b) for b in block_ids], secrets.randbits(62) + 1
         self._tickets[ids] = ticket
+        size, tickets = self.geometry.block_nbytes, self._tickets.ctypes.data
+        own = runs(ids, ids)
+        try:
+            reg, metadata = self._agent.expose(
+                [(self.pool.ctypes.data + s * size, k * size) for s, _, k in own]
+                + [(tickets + 8 * s, 8 * k) for s, _, k in own])
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+            self._tickets[ids] = 0
+            raise TransferError(f"NIXL cannot register {len(ids)} KV blocks: {exc}") from exc
+        with self._exposed_lock:
+            self._exposed[tuple(ids)] = reg
         lease = self.leases.grant(ids, ttl_s)
         self._wake.set()
         return KVHandle(
             fingerprint=fingerprint, geometry=self.geometry, num_tokens=num_tokens,
-            strategy="direct_transfer", lease_id=lease.lease_id, lease_deadline=lease.deadline,
-            agent_name=self.name, agent_metadata=self._agent.metadata,
+            strategy="direct_transfer", lease_id=lease.lease_id, lease_seconds=ttl_s,
+            agent_name=self.name, agent_metadata=metadata,
             pool_addr=self.pool.ctypes.data, ticket_addr=self._tickets.ctypes.data,
             ticket=ticket, block_ids=tuple(ids))
 
@@ -129,9 +152,15 @@ class NixlEndpoint:
         self._agent.notify(peer, NOTIF_PREFIX + handle.lease_id.encode())
 
     def _retire(self, block_ids: list[int]) -> None:
-        """A lease ended: clear the tickets, then give the blocks back (LeaseTable callback)."""
-        self._tickets[block_ids] = 0
-        self._free_blocks(block_ids)
+        """A lease ended: withdraw its ranges from NIXL, clear the tickets, then give the
+        blocks back (LeaseTable callback; the blocks go back even if NIXL fails)."""
+        with self._exposed_lock:
+            reg = self._exposed.pop(tuple(block_ids))
+        try:
+            self._agent.withdraw(reg)
+        finally:
+            self._tickets[block_ids] = 0
+            self._free_blocks(block_ids)
 
     def poll(self) -> int:
         """Release the leases named by new notifications and reap expired ones.
@@ -169,7 +198,8 @@ class NixlEndpoint:
 
         ``dst_block_ids`` must name ``ceil(num_tokens / bs_local)`` blocks. Raises
         :class:`LeaseExpiredError` when the lease ran out or the handle was fetched
-        before, :class:`TransferError` when a READ fails or takes longer than ``timeout_s``.
+        before, :class:`TransferError` when a READ fails or takes longer than ``timeout_s``
+        (or than the lease's ``lease_seconds``).
         """
         start = time.monotonic()
         src = handle.geometry
@@ -180,7 +210,8 @@ class NixlEndpoint:
             raise ValueError(f"{handle.num_tokens} tokens need "
                              f"{self.geometry.blocks_for(handle.num_tokens)} local blocks, "
                              f"got {len(dst_block_ids)}")
-        deadline = start + min(timeout_s, self._claim(handle))
+        self._claim(handle, start)
+        deadline = start + min(timeout_s, handle.lease_seconds)
         peer = self._agent.connect(handle.agent_name, handle.agent_metadata)
         n, size = len(handle.block_ids), src.block_nbytes
         what = f"KV lease {handle.lease_id}"
@@ -205,27 +236,24 @@ class NixlEndpoint:
                              NOTIF_PREFIX + handle.lease_id.encode(), deadline, what + " tickets")
             if (tickets != handle.ticket).any():
                 raise LeaseExpiredError(f"KV blocks of lease {handle.lease_id} were already "
-                                        f"fetched or reclaimed; a handle is single-use")
+                                        f"fetched, or the lease expired and the context "
+                                        f"reclaimed them; a handle is single-use")
             if convert:
                 write_blocks(staged, handle.num_tokens, self.pool, dst_block_ids)
         return TransferStats(nbytes=n * size, seconds=time.monotonic() - start)
 
-    def _claim(self, handle: KVHandle) -> float:
-        """Mark the lease fetched here; returns the seconds left of it. Raises
-        :class:`LeaseExpiredError` if it ran out or was fetched here before."""
-        now = time.time()
-        remaining = handle.lease_deadline - now
-        if remaining <= 0:
-            raise LeaseExpiredError(f"KV lease {handle.lease_id} expired {-remaining:.3f} s ago; "
-                                    f"the context blocks may have been reclaimed")
+    def _claim(self, handle: KVHandle, now: float) -> None:
+        """Mark the lease fetched here (``now``: ``time.monotonic()``); raises
+        :class:`LeaseExpiredError` if it was fetched here before. A lease is remembered for
+        its ``lease_seconds``: by then the sender reaped it, and its cleared tickets refuse
+        it."""
         with self._fetch_lock:
             for lease_id in [k for k, end in self._fetched.items() if end < now]:
-                del self._fetched[lease_id]     # past its deadline the clock check refuses it
+                del self._fetched[lease_id]
             if handle.lease_id in self._fetched:
                 raise LeaseExpiredError(f"KV blocks of lease {handle.lease_id} were already "
                                         f"fetched; a handle is single-use")
-            self._fetched[handle.lease_id] = handle.lease_deadline
-        return remaining
+            self._fetched[handle.lease_id] = now + handle.lease_seconds
 
     def close(self) -> None:
         """Stop the watcher and deregister memory (idempotent). Live leases stay in the table."""
@@ -252,7 +280,7 @@ class NixlConnector(KVConnector):
         try:
             return self.endpoint.export(block_ids, num_tokens, self.fingerprint,
                                         self.lease_seconds)
-        except ValueError:        # refused before the lease took the blocks
+        except (ValueError, TransferError):        # refused before the lease took the blocks
             self.free_blocks(block_ids)
             raise
 

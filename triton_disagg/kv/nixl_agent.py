@@ -1,18 +1,32 @@
 """One process's NIXL agent (UCX backend) over registered host memory: the calls the KV
-handoff needs (load a peer, READ with an optional notification, new notifications) and a
-registered scratch buffer.
+handoff needs (expose byte ranges to a peer, load a peer, READ with an optional
+notification, new notifications) and a registered scratch buffer.
 
-Invariants: every call into the agent holds one lock; the metadata is taken after every
-fixed region is registered, so it names them all; a peer's metadata is loaded once and
-reloaded only when the same name comes with different metadata.
+Invariants: every call into the agent holds one lock. A peer is given only the metadata
+of one :meth:`Agent.expose`: connection info and the remote keys of those ranges, nothing
+else (no fixed region is ever published); :meth:`Agent.withdraw` deregisters them. Remote agents are bounded
+(:class:`RemoteAgents`): at most ``MAX_PEERS``, none idle longer than ``PEER_IDLE_S``,
+none holding more than ``MAX_LOADS`` handles' descriptors, none after a failed READ.
+
+What NIXL enforces and what it does not: NIXL registers memory with no read-only mode,
+so a holder may READ or WRITE the ranges it was given (its own blocks and ticket words:
+it can spoil only its own handoff); its NIXL refuses a READ or WRITE anywhere else
+(``NIXL_ERR_NOT_FOUND``). A receiver's NIXL keeps the descriptors of every handle it
+loaded until the peer is reloaded or forgotten, so to it an ended lease's blocks stay
+nameable. Below NIXL, an RDMA NIC enforces the registration (and its withdrawal), but
+within one host UCX copies with ``process_vm_readv``/``writev`` (CMA) and across hosts
+over TCP with software RMA, neither of which checks the remote key: a peer that patches
+its NIXL/UCX can still read or write any address of the sender process. The lease
+tickets, not the registration, are what keep an honest reader from ever returning
+reused blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
-from typing import Sequence
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -20,12 +34,66 @@ from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import ConnectorError
 
 
+MAX_PEERS = 32          # remote agents kept loaded; the least recently used goes first
+PEER_IDLE_S = 300.0     # a remote agent unused this long is removed (a restarted context)
+MAX_LOADS = 4096        # handles' descriptors loaded into one remote agent before a reload
+
+
 class TransferError(ConnectorError):
     """A NIXL READ failed or did not finish in time."""
 
 
+class RemoteAgents:
+    """The remote agents loaded into ``agent`` (a ``nixl_agent``), bounded as the module
+    says. Each handle's metadata is loaded as it comes (NIXL merges a known agent's new
+    descriptors, at no new connection); a remote agent whose loads reach ``max_loads`` is
+    removed and loaded afresh, so that the descriptors of handles long done do not pile
+    up. Callers hold the agent's lock."""
+
+    def __init__(self, agent: Any, max_peers: int = MAX_PEERS, idle_s: float = PEER_IDLE_S,
+                 max_loads: int = MAX_LOADS, clock: Callable[[], float] = time.monotonic):
+        self._agent, self._clock = agent, clock
+        self.max_peers, self.idle_s, self.max_loads = max_peers, idle_s, max_loads
+        self._peers: OrderedDict[str, list] = OrderedDict()  # name -> [last use, loads]
+
+    def load(self, peer: str, metadata: bytes) -> None:
+        """Load ``metadata`` of agent ``peer``; TransferError if it names another agent."""
+        now = self._clock()
+        for name in [n for n, (used, _) in self._peers.items() if now - used > self.idle_s]:
+            self.forget(name)
+        if peer in self._peers and self._peers[peer][1] >= self.max_loads:
+            self.forget(peer)
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+            raise TransferError(f"cannot load NIXL metadata of agent {peer}: {exc}") from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded != peer:
+            if loaded not in self._peers:
+                self._agent.remove_remote_agent(loaded)
+            raise TransferError(f"handle names agent {peer!r} but its metadata is "
+                                f"agent {loaded!r}")
+        loads = self._peers.pop(peer, [now, 0])[1]
+        self._peers[peer] = [now, loads + 1]                # most recently used last
+        while len(self._peers) > self.max_peers:
+            self.forget(next(iter(self._peers)))
+
+    def forget(self, peer: str) -> None:
+        """Remove ``peer`` (e.g. after a failed READ); a peer not loaded is left alone."""
+        if self._peers.pop(peer, None) is not None:
+            self._agent.remove_remote_agent(peer)
+
+    def clear(self) -> None:
+        for peer in list(self._peers):
+            self.forget(peer)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+
 class Agent:
-    """A ``nixl_agent`` named ``name`` with ``regions`` (contiguous arrays) registered."""
+    """A ``nixl_agent`` named ``name`` with ``regions`` (contiguous arrays) registered for
+    its own READs' destinations; no peer is ever given their descriptors."""
 
     def __init__(self, name: str, regions: Sequence[np.ndarray]):
         try:
@@ -42,31 +110,42 @@ class Agent:
             raise UserError("NIXL has no UCX backend here; reinstall nixl or use host_memory")
         self._regs = [self._agent.register_memory([(r.ctypes.data, r.nbytes, 0, "")], "DRAM")
                       for r in regions]
-        self.metadata: bytes = self._agent.get_agent_metadata()
         self._lock = threading.Lock()
-        self._peers: dict[str, bytes] = {}   # peer agent name -> digest of its loaded metadata
+        self._exposed: list = []             # registrations expose() made, not withdrawn
+        self._remotes = RemoteAgents(self._agent)
         self._scratch = np.empty(0, np.uint8)
         self._scratch_reg = None
 
-    def connect(self, peer: str, metadata: bytes) -> str:
-        """Load ``peer``'s metadata (once; again when it changed). Returns the peer name."""
-        digest = hashlib.sha256(metadata).digest()
+    def expose(self, ranges: Sequence[tuple[int, int]]) -> tuple[Any, bytes]:
+        """Register ``ranges`` ``(addr, nbytes)`` of this process; returns the registration
+        (for :meth:`withdraw`) and the metadata a peer needs to READ exactly those ranges:
+        connection info plus their remote keys, nothing else."""
         with self._lock:
-            if self._peers.get(peer) != digest:
-                if peer in self._peers:
-                    self._agent.remove_remote_agent(peer)
-                    del self._peers[peer]
-                try:
-                    loaded = self._agent.add_remote_agent(metadata)
-                except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
-                    raise TransferError(f"cannot load NIXL metadata of agent {peer}: "
-                                        f"{exc}") from exc
-                loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
-                if loaded != peer:
-                    raise TransferError(f"handle names agent {peer!r} but its metadata is "
-                                        f"agent {loaded!r}")
-                self._peers[peer] = digest
+            reg = self._agent.register_memory([(a, n, 0, "") for a, n in ranges], "DRAM")
+            try:
+                metadata = self._agent.get_partial_agent_metadata(reg, True, ["UCX"])
+            except Exception:
+                self._agent.deregister_memory(reg)
+                raise
+            self._exposed.append(reg)
+        return reg, metadata
+
+    def withdraw(self, reg: Any) -> None:
+        """Deregister what :meth:`expose` returned as ``reg`` (once)."""
+        with self._lock:
+            self._exposed.remove(reg)
+            self._agent.deregister_memory(reg)
+
+    def connect(self, peer: str, metadata: bytes) -> str:
+        """Load ``peer``'s (partial) metadata (see :class:`RemoteAgents`). Returns its name."""
+        with self._lock:
+            self._remotes.load(peer, metadata)
         return peer
+
+    def forget(self, peer: str) -> None:
+        """Remove ``peer``'s loaded metadata (after a failed READ: it may have restarted)."""
+        with self._lock:
+            self._remotes.forget(peer)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """A registered buffer of at least ``nbytes``; callers serialise its use themselves."""
@@ -83,13 +162,15 @@ class Agent:
              what: str) -> None:
         """READ ``remote`` ``(addr, len, 0)`` ranges of ``peer`` into ``local`` ones; the
         peer gets ``notif`` (if any) after its memory was read. :class:`TransferError`
-        unless done by ``deadline`` (``time.monotonic()``)."""
+        unless done by ``deadline`` (``time.monotonic()``); a failed READ also forgets the
+        peer, whose next handle loads it afresh."""
         with self._lock:
             try:
                 xfer = self._agent.initialize_xfer(
                     "READ", self._agent.get_xfer_descs(local, "DRAM"),
                     self._agent.get_xfer_descs(remote, "DRAM"), peer, notif)
-            except Exception as exc:  # noqa: BLE001 - e.g. addresses the peer never registered
+            except Exception as exc:  # noqa: BLE001 - e.g. addresses the peer never exposed
+                self._remotes.forget(peer)
                 raise TransferError(f"NIXL refused the READ of {what} from {peer}: "
                                     f"{exc}") from exc
             state = self._agent.transfer(xfer)
@@ -105,6 +186,7 @@ class Agent:
         except Exception:  # noqa: BLE001 - a handle NIXL could not cancel; it frees it later
             pass
         if state != "DONE":
+            self.forget(peer)
             result = "did not finish in time" if state == "PROC" else "failed"
             raise TransferError(f"NIXL READ of {what} from {peer} {result} (state {state})")
 
@@ -123,11 +205,10 @@ class Agent:
         return [msg for messages in notifs.values() for msg in messages]
 
     def close(self) -> None:
-        """Forget peers and deregister memory (idempotent)."""
+        """Forget peers and deregister memory, exposed ranges included (idempotent)."""
         with self._lock:
-            for peer in self._peers:
-                self._agent.remove_remote_agent(peer)
-            self._peers.clear()
-            for reg in self._regs + ([self._scratch_reg] if self._scratch_reg else []):
+            self._remotes.clear()
+            for reg in self._regs + self._exposed + ([self._scratch_reg] if self._scratch_reg
+                                                     else []):
                 self._agent.deregister_memory(reg)
-            self._regs, self._scratch_reg = [], None
+            self._regs, self._exposed, self._scratch_reg = [], [], None

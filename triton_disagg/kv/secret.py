@@ -3,7 +3,8 @@
 Source, first found: the environment variable ``TRITON_DISAGG_KV_SECRET`` (at least 32
 characters, e.g. ``openssl rand -hex 32``); else the user's secret file
 ``$XDG_CONFIG_HOME/triton-disagg/kv_secret`` (``~/.config/...``), which the first render
-on a host creates with 64 random hex digits, readable by the user alone. So every server
+on a host creates with 64 random hex digits, readable by the user alone (a file that
+group or others may read or write, or that another user owns, is refused). So every server
 one user starts on one host (``serve all``, or the three roles apart) shares a key, as
 Erlang nodes share ``~/.erlang.cookie``; servers on different hosts need the variable
 (or the file) set to the same value, or generation refuses every handle ("not signed
@@ -11,7 +12,8 @@ by this deployment").
 
 Invariants: the secret is never written into the model repository (Triton answers
 ``GET /v2/models/<model>/config`` with the rendered settings to any client) nor
-logged; the settings carry only its key id, a hash that does not reveal it, and a
+logged; the settings carry only its key id, a salted, deliberately slow (scrypt) digest
+that neither reveals it nor lets it be guessed offline at speed, and a
 model refuses to start with a secret other than the one its repository was rendered
 for. The file appears whole or not at all (written aside, then hard-linked into place),
 so servers starting together read one value.
@@ -19,8 +21,10 @@ so servers starting together read one value.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import stat
 import secrets
 from pathlib import Path
 
@@ -43,6 +47,7 @@ def deployment_key() -> bytes:
         try:
             if not path.exists():
                 _create(path)
+            _check_private(path)
             secret = path.read_text().strip()
         except OSError as exc:
             raise UserError(f"cannot keep the KV secret in {path} ({exc.strerror}); set "
@@ -70,9 +75,26 @@ def load_key(rendered_key_id: str | None) -> bytes:
     return key
 
 
+@functools.lru_cache(maxsize=8)
 def key_id(key: bytes) -> str:
-    """A public name for a key: tells two keys apart without revealing either."""
-    return hashlib.sha256(b"triton-disagg kv key id\0" + key).hexdigest()[:16]
+    """A public name for a key: tells two keys apart without revealing either. Salted and
+    scrypt-stretched (about 50 ms), so that the published id is no fast oracle for guessing
+    the secret offline."""
+    return hashlib.scrypt(key, salt=b"triton-disagg kv key id", n=1 << 14, r=8, p=1,
+                          dklen=8).hex()
+
+
+def _check_private(path: Path) -> None:
+    """UserError unless ``path`` is owned by this user and closed to group and others."""
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise UserError(f"the KV secret file {path} is owned by uid {info.st_uid}, not by this "
+                        f"user (uid {os.getuid()}); remove it (a new one is made) or "
+                        f"`chown $USER {path} && chmod 600 {path}`")
+    if info.st_mode & 0o077:
+        raise UserError(f"the KV secret file {path} has mode "
+                        f"{stat.S_IMODE(info.st_mode):04o}: group or others may read or write "
+                        f"it; run `chmod 600 {path}`")
 
 
 def _create(path: Path) -> None:

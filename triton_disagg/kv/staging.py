@@ -4,8 +4,8 @@ The context side creates one area (:meth:`HostStaging.create`) of ``num_slots`` 
 ``slot_bytes`` each; a slot holds one KV block, so a handoff of ``n`` blocks claims any
 ``n`` free slots (:meth:`HostStaging.put`), and the context frees its pool blocks at once.
 The generation side attaches by name from its own process (:meth:`HostStaging.attach`),
-copies the blocks into its pool, converting the layout (:meth:`HostStaging.take`), and
-marks the slots done.
+claims the slots, copies the blocks into its pool, converting the layout
+(:meth:`HostStaging.take`), and marks the slots done.
 
 The area is a file in ``/dev/shm`` named and swept as :mod:`triton_disagg.shm` says: the
 creator checks free space first (a full tmpfs would SIGBUS the first large copy), sweeps
@@ -17,23 +17,28 @@ Segment layout (all little-endian, native to both processes on one host)::
 
     uint64[4]      magic, format version, num_slots, slot_bytes
     int64[N]       ticket     slot's current lease; 0 = never used or being rewritten
-    int64[N]       done       ticket of the last lease the receiver finished
+    int64[N]       done       ticket of the last lease a receiver finished (-ticket: claimed)
     float64[N]     deadline   wall clock (time.time()) after which the slot is reclaimed
     int64[N]       nbytes     bytes of KV in the slot
     (pad to 64)    N * slot_bytes of block data
 
-Invariants: each header field has one writer process: the creator writes
-ticket/deadline/nbytes and the data, the receiver writes only ``done``, so no
-cross-process lock is needed. A slot is busy while ``ticket != 0``, ``ticket != done``
-and its deadline has not passed; the slots of one handoff share its ticket. The creator
-reuses only slots that are not busy and unpublishes the ticket before rewriting the
-data. A receiver copies only while every slot's ticket is its own and the deadline is
-ahead, and checks both again after the copy, so it never returns data from a reclaimed
-slot.
+Invariants: the creator writes ticket/deadline/nbytes and the data; receivers write
+only ``done``, and only while holding an exclusive ``flock`` of the area's file (one per
+open, so it excludes threads as well as processes), under which a fetch *claims* its
+slots (checks they hold its lease, unclaimed and unfetched, and sets ``done`` to
+``-ticket``) and a discard frees them: of any number of concurrent fetches of one handle,
+exactly one claims it. A slot is busy while ``ticket != 0``, ``ticket != done`` and its
+deadline has not passed (a claimed slot stays busy); the slots of one handoff share its
+ticket. The creator reuses only slots that are not busy and unpublishes the ticket
+before rewriting the data. A receiver copies only after its claim, and checks the
+tickets and the deadline (the area's own, on the one host's clock) again after the
+copy, so it never returns data from a reclaimed slot.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -67,15 +72,21 @@ class StagingFullError(StagingError, HandoffBusy):
 class HostStaging:
     """A shared-memory staging area, as its creator (context) or an attacher (generation)."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, inode: int, creator: bool):
+    def __init__(self, name: str, fd: int, creator: bool):
+        """Map the area open at ``fd``, which this object owns from here (it holds the
+        receivers' flock)."""
         self.name, self.path = name, os.path.join(shm.SHM_DIR, name)
-        self._mapping, self._inode = mapping, inode
+        self._fd = fd
+        self._close_fd = weakref.finalize(self, os.close, fd)   # by close() or on collection
+        self._mapping, self._inode = mmap.mmap(fd, 0), os.fstat(fd).st_ino
         # The creator's unlink, run once: by close(), on collection, or at interpreter exit.
         self._unlink = weakref.finalize(self, _unlink_quietly, self.path) if creator else None
         self._lock = threading.Lock()
-        buf = memoryview(mapping)
+        buf = memoryview(self._mapping)
         header = np.frombuffer(buf, np.uint64, 4)
         if int(header[0]) != _MAGIC or int(header[1]) != _VERSION:
+            del buf, header
+            self.close()
             raise StagingError(f"{self.path} is not a version {_VERSION} KV staging area")
         self.num_slots, self.slot_bytes = int(header[2]), int(header[3])
         n = self.num_slots
@@ -102,15 +113,13 @@ class HostStaging:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size)
-            inode = os.fstat(fd).st_ino
+            os.pwrite(fd, np.array([_MAGIC, _VERSION, num_slots, slot_bytes], np.uint64)
+                      .tobytes(), 0)
         except BaseException:
+            os.close(fd)
             _unlink_quietly(path)
             raise
-        finally:
-            os.close(fd)
-        np.frombuffer(mapping, np.uint64, 4)[:] = (_MAGIC, _VERSION, num_slots, slot_bytes)
-        return cls(name, mapping, inode, creator=True)
+        return cls(name, fd, creator=True)
 
     @classmethod
     def attach(cls, name: str) -> "HostStaging":
@@ -123,12 +132,7 @@ class HostStaging:
             raise StagingError(
                 f"KV staging area {name} not found: the context server stopped, or runs on "
                 f"another host (host_memory needs one host; use direct_transfer)") from exc
-        try:
-            mapping = mmap.mmap(fd, 0)
-            inode = os.fstat(fd).st_ino
-        finally:
-            os.close(fd)
-        return cls(name, mapping, inode, creator=False)
+        return cls(name, fd, creator=False)
 
     def gone(self) -> bool:
         """True once the area's name was unlinked or its creator died (reader side).
@@ -191,35 +195,40 @@ class HostStaging:
             self._ticket[slots] = ticket  # publish last
         return KVHandle(fingerprint=fingerprint, geometry=geometry, num_tokens=num_tokens,
                         strategy="host_memory", lease_id=f"{ticket:016x}",
-                        lease_deadline=now + ttl_s, shm_name=self.name,
+                        lease_seconds=ttl_s, shm_name=self.name,
                         slots=tuple(int(x) for x in slots))
 
     def take(self, handle: KVHandle, dst_pool: np.ndarray,
              dst_block_ids: Sequence[int]) -> TransferStats:
-        """Copy the handle's slots into ``dst_block_ids`` of ``dst_pool``, then release them."""
+        """Claim the handle's slots, copy them into ``dst_block_ids`` of ``dst_pool``, then
+        release them. :class:`LeaseExpiredError` if another fetch claimed them first, or
+        they were fetched, discarded or reclaimed."""
         start = time.monotonic()
         src, slots, ticket = handle.geometry, np.asarray(handle.slots), int(handle.lease_id, 16)
         if slots.max() >= self.num_slots or src.block_nbytes > self.slot_bytes:
             raise StagingError(f"handle names slots up to {slots.max()} of {src.block_nbytes} "
                                f"bytes; {self.name} has {self.num_slots} slots of {self.slot_bytes}")
 
-        def check(when: str) -> None:
-            if (self._ticket[slots] != ticket).any() or (self._done[slots] == ticket).any() \
+        def check(when: str, done_ok: bool) -> None:
+            if (self._ticket[slots] != ticket).any() or not done_ok \
                     or (self._nbytes[slots] != src.block_nbytes).any() \
-                    or time.time() > handle.lease_deadline:
+                    or (self._deadline[slots] < time.time()).any():
                 raise LeaseExpiredError(f"KV staging slots of lease {handle.lease_id} were "
                                         f"already fetched or reclaimed ({when})")
 
-        check("before the copy")
+        with self._receivers_lock():                  # claim: exactly one fetch gets here
+            done = self._done[slots]
+            check("before the copy", not ((done == ticket) | (done == -ticket)).any())
+            self._done[slots] = -ticket
         if src == BlockGeometry.of_pool(dst_pool):     # one copy per run of slots, from the area
             rows = self._data.reshape(self.num_slots, self.slot_bytes)      # [N, slot_bytes]
             for s, d, k in runs(slots, dst_block_ids):
                 dst_pool[d:d + k] = rows[s:s + k, :src.block_nbytes].view(src.dtype).reshape(
                     (k,) + src.block_shape)             # [k, slot_bytes] -> [k, L, 2, bs, kvh, hd]
-            check("during the copy")
+            check("during the copy", True)
         else:
             staged = self._slots_view(slots, src)               # [n, L, 2, bs, kvh, hd]
-            check("during the copy")
+            check("during the copy", True)
             write_blocks(staged, handle.num_tokens, dst_pool, dst_block_ids)
         self._done[slots] = ticket
         return TransferStats(nbytes=len(slots) * src.block_nbytes,
@@ -227,11 +236,21 @@ class HostStaging:
 
     def discard(self, handle: KVHandle) -> None:
         """Free the handle's slots without copying them (nobody will fetch it); slots that
-        already hold another lease, or were fetched, are left as they are."""
+        already hold another lease, or were claimed or fetched, are left as they are."""
         slots, ticket = np.asarray(handle.slots), int(handle.lease_id, 16)
         slots = slots[slots < self.num_slots]
-        mine = slots[self._ticket[slots] == ticket]
-        self._done[mine] = ticket
+        with self._receivers_lock():
+            mine = slots[(self._ticket[slots] == ticket) & (self._done[slots] != -ticket)]
+            self._done[mine] = ticket
+
+    @contextlib.contextmanager
+    def _receivers_lock(self):
+        """The exclusive flock under which receivers write ``done`` (module docstring)."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def reap(self, now: Optional[float] = None) -> int:
         """Count slots whose lease expired un-fetched (creator only); they are free to reuse."""
@@ -256,6 +275,7 @@ class HostStaging:
         if self._unlink is not None:
             self._unlink()
         mapping, self._mapping = self._mapping, None
+        self._close_fd()
         try:
             if mapping is not None:
                 mapping.close()
