@@ -263,7 +263,9 @@ def test_a_dropped_token_socket_fails_every_request_that_streams_to_it(engine):
     assert engine.pool.num_used == 0
 
 
-def test_a_stop_without_the_requests_key_is_ignored(engine):
+def test_a_stop_without_the_requests_key_is_ignored(engine, monkeypatch, caplog):
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), step())[1])  # >= 2 s to its end
     side = GenerationSide(engine, None)
     orchestrators = Orchestrators(1)
     context = zmq.Context.instance()
@@ -275,8 +277,10 @@ def test_a_stop_without_the_requests_key_is_ignored(engine):
     assert orchestrators.socks[0].poll(10_000)
     for key in ("wrong", ""):                             # a stranger's stops
         push.send(token_wire.encode_stop("long", key))
-    time.sleep(0.5)
-    assert "long" in loop.live                            # still generating
+    deadline = time.monotonic() + 5
+    while caplog.text.count("ignored a stop for long") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "long" in loop.live                            # both handled, still generating
     push.send(token_wire.encode_stop("long", "right"))
     events = [e for m in orchestrators.messages(0, finals=1) for e in m]
     push.close(linger=1000)
