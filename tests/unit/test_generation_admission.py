@@ -24,11 +24,20 @@ from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.side import GenerationSide, Work
-from triton_disagg.kv.connector import Completed
 from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
 WAIT_SECONDS = 20.0
+
+
+@dataclass(frozen=True)
+class Copied:
+    """The Transfer of a copy done inside ``start_fetch``: polls done at once."""
+
+    stats: TransferStats
+
+    def poll(self) -> TransferStats:
+        return self.stats
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,7 @@ class CopyConnector:
         blocks = list(reserved[:len(handle.block_ids)])
         self.generation.pool.write_blocks(blocks, self.context.pool.read_blocks(handle.block_ids))
         self.context.pool.free(handle.block_ids)
-        return Completed(TransferStats(0, 0.0))
+        return Copied(TransferStats(0, 0.0))
 
     def close(self):
         pass

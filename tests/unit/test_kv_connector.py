@@ -4,6 +4,8 @@ name until a connector moves device memory."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -69,7 +71,8 @@ def test_a_host_memory_export_round_trips_through_the_interface():
         data = context.export([2, 0], 7)
         assert blocks.state()["used"] == 0 and not blocks.errors     # staged, then freed
         handle = generation.decode(data)
-        stats = generation.start_fetch(handle, [1, 3, 2]).poll()       # the first 2 are filled
+        transfer = generation.start_fetch(handle, [1, 3, 2])         # the first 2 are filled
+        stats = _finished(transfer)
         assert stats.nbytes == 2 * handle.geometry.block_nbytes
         assert generation.pool.array[[1, 3]].tobytes() == src[[2, 0]].tobytes()
         assert context.expired_total() == 0
@@ -84,6 +87,15 @@ def test_a_host_memory_export_round_trips_through_the_interface():
     finally:
         generation.close()
         context.close()
+
+
+def _finished(transfer, limit_s: float = 20.0):
+    """``transfer.poll()`` once the connector's fetch thread finished it."""
+    end = time.monotonic() + limit_s
+    while (stats := transfer.poll()) is None:
+        assert time.monotonic() < end, "the fetch never finished"
+        time.sleep(0.001)
+    return stats
 
 
 def _has_nixl() -> bool:

@@ -1,9 +1,15 @@
 """The scheduler's waiting-for-remote-KV state, with fetches the test completes by hand:
 a request whose fetch has not completed holds its blocks but does not decode while the
 others do; it joins the batch when its fetch polls done; a failed fetch ends that request
-alone and frees its blocks; an abort during a fetch frees the blocks once it ends."""
+alone and frees its blocks; an abort during a fetch frees the blocks once it ends. Then the
+same on a real fetch thread (:class:`FetchWorker`) whose fetch blocks on an Event: the
+engine keeps stepping, a fetch past its deadline fails alone, a cancel frees the blocks
+once the thread let go of them."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -11,9 +17,12 @@ from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import RequestError
 from triton_disagg.engine.spec import KVLayout
+from triton_disagg.kv.fetch_worker import FetchDeadlineError, FetchWorker
+from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
 PARAMS = SamplingParams(max_tokens=6)
+WAIT_S = 20.0
 
 
 class ManualKV:
@@ -128,3 +137,116 @@ def test_kv_of_another_length_than_the_prompt_is_refused(engines):
     with pytest.raises(RequestError, match="prompt has 4 tokens but the KV to fetch holds 3"):
         generation.add_prefilled("r", [5, 6, 7, 8], first, PARAMS, kv)
     assert not generation.has_unfinished() and generation.pool.num_used == 0
+
+
+# ---- the same, with the fetch on the connector's fetch thread (kv/fetch_worker.py) ----------
+
+class ThreadedKV(ManualKV):
+    """A RemoteKV whose copy runs on ``worker`` (as a connector's does) once ``gate`` is set;
+    a fetch still gated at its deadline fails as a silent context host's READ does."""
+
+    def __init__(self, worker: FetchWorker, gate: threading.Event, *args,
+                 timeout_s: float = WAIT_S):
+        super().__init__(*args)
+        self.worker, self.gate, self.timeout_s = worker, gate, timeout_s
+        self.ran = threading.Event()
+
+    def start(self, block_ids):
+        return self.worker.submit(lambda deadline: self._copy(block_ids, deadline),
+                                  self.timeout_s, "test fetch")
+
+    def _copy(self, block_ids, deadline):
+        self.ran.set()
+        if not self.gate.wait(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("the context host went silent")
+        ManualKV.start(self, block_ids)
+        return TransferStats(nbytes=len(self.src), seconds=0.0)
+
+
+def run_until(generation, done, limit_s: float = WAIT_S) -> dict[str, list[int]]:
+    """Step (as the decode loop does) until ``done()``; the tokens made meanwhile."""
+    tokens: dict[str, list[int]] = {}
+    end = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < end, "the fetch thread never finished"
+        for rid, more in run(generation, 1).items():
+            tokens.setdefault(rid, []).extend(more)
+        time.sleep(0.001)
+    return tokens
+
+
+@pytest.fixture
+def worker():
+    fetcher = FetchWorker("test")
+    yield fetcher
+    fetcher.close()
+
+
+def threaded(engines, worker, gate, rid, prompt, **kwargs):
+    first, manual = handed_off(engines, rid, prompt)
+    return first, ThreadedKV(worker, gate, *engines, manual.src, manual.num_tokens, **kwargs)
+
+
+def test_the_loop_decodes_while_a_fetch_blocks_on_its_thread(engines, worker):
+    context, generation = engines
+    gate, ready = threading.Event(), threading.Event()
+    ready.set()
+    prompts = {"slow": [5, 6, 7, 8, 9], "running": [11, 12, 13]}
+    first, kvs = {}, {}
+    first["running"], kvs["running"] = threaded(engines, worker, ready, "running",
+                                                prompts["running"])
+    generation.add_prefilled("running", prompts["running"], first["running"], PARAMS,
+                             kvs["running"])
+    tokens = run_until(generation, lambda: generation.scheduler.running)
+    first["slow"], kvs["slow"] = threaded(engines, worker, gate, "slow", prompts["slow"])
+    generation.add_prefilled("slow", prompts["slow"], first["slow"], PARAMS, kvs["slow"])
+    waits = [run_until(generation, kvs["slow"].ran.is_set), run(generation, 3)]
+    assert len(waits[1]["running"]) == 3 and "slow" not in waits[1]   # blocked; steps go on
+    assert generation.scheduler.find("slow").status == "waiting_for_remote_kv"
+    gate.set()
+    waits.append(run_until(generation, lambda: not generation.has_unfinished()))
+    for part in waits:
+        for rid, more in part.items():
+            tokens[rid] = tokens.get(rid, []) + more
+    for rid, prompt in prompts.items():
+        (whole,) = context.generate([prompt], PARAMS)
+        assert [first[rid]] + tokens[rid] == whole.output_ids
+    assert generation.scheduler.steps_blocked_by_transfer == 0
+    assert all(a.result.in_flight_seconds > 0 for a in generation.take_kv_arrivals())
+    assert generation.pool.num_used == 0
+
+
+def test_a_fetch_past_its_deadline_fails_alone_and_frees_its_blocks(engines, worker):
+    context, generation = engines
+    silent, ready = threading.Event(), threading.Event()
+    ready.set()
+    first, dead = threaded(engines, worker, silent, "dead", [5, 6, 7, 8, 9], timeout_s=0.3)
+    generation.add_prefilled("dead", [5, 6, 7, 8, 9], first, PARAMS, dead)
+    run_until(generation, dead.ran.is_set)
+    # queued behind the silent one, with a deadline shorter than its wait: never runs
+    first_late, late = threaded(engines, worker, ready, "late", [11, 12], timeout_s=0.05)
+    generation.add_prefilled("late", [11, 12], first_late, PARAMS, late)
+    first_ok, ok = threaded(engines, worker, ready, "ok", [11, 12, 13])
+    generation.add_prefilled("ok", [11, 12, 13], first_ok, PARAMS, ok)
+    tokens = run_until(generation, lambda: not generation.has_unfinished())
+    errors = {a.request_id: a.error for a in generation.take_kv_arrivals() if a.error}
+    assert set(errors) == {"dead", "late"} and "went silent" in str(errors["dead"])
+    assert isinstance(errors["late"], FetchDeadlineError) and not late.ran.is_set()
+    (whole,) = context.generate([[11, 12, 13]], PARAMS)
+    assert [first_ok] + tokens["ok"] == whole.output_ids and set(tokens) == {"ok"}
+    assert generation.pool.num_used == 0
+
+
+def test_a_cancel_while_the_thread_fetches_frees_the_blocks_once_it_ends(engines, worker):
+    context, generation = engines
+    gate = threading.Event()
+    first, kv = threaded(engines, worker, gate, "gone", [5, 6, 7])
+    generation.add_prefilled("gone", [5, 6, 7], first, PARAMS, kv)
+    run_until(generation, kv.ran.is_set)
+    held = generation.pool.num_used
+    assert held > 0 and generation.abort("gone") and "gone" not in generation.scheduler
+    run(generation, 3)
+    assert generation.pool.num_used == held                 # the thread may still write them
+    gate.set()
+    run_until(generation, lambda: not generation.has_unfinished())
+    assert generation.pool.num_used == 0 and generation.take_kv_arrivals() == []

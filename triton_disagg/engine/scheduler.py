@@ -12,6 +12,11 @@ and its KV joins ``running`` in queue order while the batch has room
 (``max_batch_size``), passing over those still fetching. A running sequence never
 waits for memory and is never preempted.
 
+Starting and polling a fetch must not wait on the transfer (the connector copies on its
+own thread): :attr:`Scheduler.steps_blocked_by_transfer` counts the admissions in which
+those calls together took more than ``BLOCKED_SECONDS`` (expected 0; the metric
+``disagg_decode_steps_blocked_by_transfer_total``).
+
 Invariants: a sequence is in at most one of ``waiting`` / ``running``; in ``waiting``
 the sequences holding their reservation come before those without; every running
 sequence holds its full reservation and its KV; a finished or aborted sequence holds no
@@ -21,6 +26,7 @@ or failed (an aborted one waits in ``draining`` until then).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +35,7 @@ from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.sequence import Sequence
 
 WAITING, WAITING_FOR_REMOTE_KV, RUNNING = "waiting", "waiting_for_remote_kv", "running"
+BLOCKED_SECONDS = 0.001    # an admission's fetch starts + polls past this blocked its step
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.draining: list[Sequence] = []     # aborted while fetching: blocks still lent
         self.arrivals: list[KVArrival] = []
+        self.steps_blocked_by_transfer = 0
 
     def __contains__(self, request_id: str) -> bool:
         return self.find(request_id) is not None
@@ -72,8 +80,10 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Reserve for the head, poll fetches, move what is ready to ``running`` (policy in
         the module docstring); return the newly running sequences that need prefill."""
-        self._reserve()
-        self._poll()
+        began = time.perf_counter()
+        transfers = self._reserve() + self._poll()
+        if transfers and time.perf_counter() - began > BLOCKED_SECONDS:
+            self.steps_blocked_by_transfer += 1
         admitted = []
         for seq in list(self.waiting):
             if len(self.running) >= self.max_batch_size or not seq.block_table.block_ids:
@@ -85,15 +95,18 @@ class Scheduler:
                 admitted.append(seq)
         return [s for s in admitted if s.needs_prefill]
 
-    def _reserve(self) -> None:
+    def _reserve(self) -> int:
+        """Reserve in queue order while blocks last; returns how many fetches it started."""
+        started = 0
         for seq in list(self.waiting):
             table = seq.block_table
             if table.block_ids:
                 continue
             if table.blocks_needed(self.tokens_to_reserve(seq)) > self.pool.num_free:
-                return
+                break
             table.reserve(self.pool, self.tokens_to_reserve(seq))
             if seq.remote_kv is not None:
+                started += 1
                 seq.status = WAITING_FOR_REMOTE_KV
                 try:
                     seq.transfer = seq.remote_kv.start(list(table.block_ids))
@@ -101,9 +114,12 @@ class Scheduler:
                     self._end_fetch(seq, KVArrival(seq.request_id, error=exc))
                     continue
                 table.advance(seq.remote_kv.num_tokens)
+        return started
 
-    def _poll(self) -> None:
-        for seq in [s for s in (*self.waiting, *self.draining) if s.transfer is not None]:
+    def _poll(self) -> int:
+        """Poll every fetch in flight; returns how many it polled."""
+        fetching = [s for s in (*self.waiting, *self.draining) if s.transfer is not None]
+        for seq in fetching:
             try:
                 result = seq.transfer.poll()
             except Exception as exc:  # noqa: BLE001 - that request fails, the rest go on
@@ -111,6 +127,7 @@ class Scheduler:
                 continue
             if result is not None:
                 self._end_fetch(seq, KVArrival(seq.request_id, result))
+        return len(fetching)
 
     def _end_fetch(self, seq: Sequence, arrival: KVArrival) -> None:
         """The fetch of ``seq`` ended: it is ready, failed (gone), or was aborted before."""

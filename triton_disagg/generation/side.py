@@ -122,17 +122,21 @@ class GenerationSide:
     def kv_arrived(self, stats: TransferStats) -> None:
         """A request's KV is in place (decode-loop thread)."""
         if self.metrics is not None:
-            self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds)
+            self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds,
+                                     stats.in_flight_seconds)
 
     def request_done(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.request_done(outcome)
 
     def report(self, live_sequences: int) -> None:
-        """Load gauges: the pool, and the sequences the decode loop holds (decode-loop thread)."""
+        """Load gauges: the pool, and the sequences the decode loop holds; the decode steps
+        blocked by a transfer so far (decode-loop thread)."""
         if self.metrics is not None:
             self.metrics.kv_pool(self.engine.pool.num_used, self.engine.pool.num_total)
             self.metrics.live_sequences(live_sequences)
+            self.metrics.steps_blocked_by_transfer(
+                self.engine.scheduler.steps_blocked_by_transfer)
 
     def close(self) -> None:
         if self.connector is not None:

@@ -12,7 +12,9 @@ which names the memory's device, so that a pool in device memory fits the same i
   unfetched.
 - generation: :meth:`~KVConnector.decode` checks a handle (signature first, then engine,
   layout and strategy); :meth:`~KVConnector.start_fetch` starts filling the first blocks of
-  a reservation and returns a :class:`Transfer` to :meth:`~Transfer.poll` until done.
+  a reservation and returns a :class:`Transfer` to :meth:`~Transfer.poll` until done. The
+  copy runs on the instance's one fetch thread (:mod:`triton_disagg.kv.fetch_worker`),
+  never on the caller's: the decode loop goes on stepping while KV arrives.
 
 :func:`make_connector` chooses the implementation from :data:`STRATEGIES`, the one map
 from a strategy's name to its implementation and properties (``direct_transfer``:
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from triton_disagg.config.settings import EngineSettings
 
 FreeBlocks = Callable[[list[int]], None]
+FETCH_TIMEOUT_SECONDS = 30.0    # a fetch fails this long after it started (or at its lease end)
 
 
 class ConnectorError(RuntimeError):
@@ -85,16 +88,6 @@ class Transfer(ABC):
     @abstractmethod
     def poll(self) -> Optional[TransferStats]:
         """None while in flight; the stats once the KV is in place; raises if it failed."""
-
-
-class Completed(Transfer):
-    """A fetch that finished inside ``start_fetch``."""
-
-    def __init__(self, stats: TransferStats):
-        self.stats = stats
-
-    def poll(self) -> TransferStats:
-        return self.stats
 
 
 @dataclass(frozen=True)
@@ -145,6 +138,9 @@ class KVConnector(ABC):
         self.pool, self.geometry = pool, pool.geometry
         self.key, self.fingerprint, self.lease_seconds = key, fingerprint, lease_seconds
         self.free_blocks = free_blocks
+        self.fetch_timeout_s = FETCH_TIMEOUT_SECONDS
+        from triton_disagg.kv.fetch_worker import FetchWorker    # it imports this module
+        self.fetcher = FetchWorker(name)
 
     # ---- context --------------------------------------------------------------------
 
@@ -182,13 +178,19 @@ class KVConnector(ABC):
 
     def start_fetch(self, handle: KVHandle, block_ids: Sequence[int]) -> Transfer:
         """Start filling the first ``blocks_for(handle.num_tokens)`` of ``block_ids`` (a
-        sequence's blocks in position order, owned by the caller) with the handle's KV."""
+        sequence's blocks in position order, owned by the caller) with the handle's KV, on
+        the fetch thread; returns at once. The fetch fails after ``fetch_timeout_s`` or at
+        the end of the handle's lease, whichever comes first."""
         blocks = [int(b) for b in block_ids[:self.geometry.blocks_for(handle.num_tokens)]]
-        return self._start_fetch(self._ours(handle, "generation"), blocks)
+        ours = self._ours(handle, "generation")
+        return self.fetcher.submit(lambda deadline: self._fetch(ours, blocks, deadline),
+                                   min(self.fetch_timeout_s, handle.lease_seconds),
+                                   f"KV lease {handle.lease_id}")
 
-    @abstractmethod
     def close(self) -> None:
-        """Release the transport's resources (idempotent)."""
+        """Finish the queued fetches, then release the transport's resources (idempotent)."""
+        self.fetcher.close()
+        self._close()
 
     # ---- what an implementation provides ---------------------------------------------
 
@@ -201,8 +203,13 @@ class KVConnector(ABC):
         """End the handoff of ``handle`` without a fetch."""
 
     @abstractmethod
-    def _start_fetch(self, handle: KVHandle, block_ids: list[int]) -> Transfer:
-        """Start moving the handle's KV into exactly ``block_ids``."""
+    def _fetch(self, handle: KVHandle, block_ids: list[int], deadline: float) -> TransferStats:
+        """Move the handle's KV into exactly ``block_ids`` (fetch thread); give up by
+        ``deadline`` (``time.monotonic()``) and raise."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release the transport's resources (idempotent; no fetch runs any more)."""
 
     def _ours(self, handle: KVHandle, role: str) -> KVHandle:
         if handle.strategy != self.strategy:

@@ -121,10 +121,13 @@ _WHERE = {"direct_transfer": _nixl_fields, "host_memory": _staging_fields}
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one fetch moved, for ``disagg_kv_transfer_bytes_total`` / ``_seconds``."""
+    """What one fetch moved, for ``disagg_kv_transfer_bytes_total`` / ``_seconds`` (the
+    copy) and ``disagg_kv_fetch_seconds`` (``in_flight_seconds``: from the fetch's start on
+    the decode loop to its KV in place, queueing on the fetch thread included)."""
 
     nbytes: int
     seconds: float
+    in_flight_seconds: float = 0.0
 
 
 def encode(handle: KVHandle, key: bytes) -> bytes:

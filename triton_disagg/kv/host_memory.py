@@ -8,7 +8,8 @@ never waits on space only its own batch could free: an export copies the blocks 
 slots and frees them at once (a full area raises
 :class:`~triton_disagg.kv.staging.StagingFullError` at once: back-pressure, never a wait).
 Every instance reads or releases other instances' areas by name through a
-:class:`StagingReader`; a fetch completes inside ``start_fetch``.
+:class:`StagingReader`; fetches run on the connector's fetch thread (a local copy, which
+numpy does without the GIL, so the decode loop keeps stepping).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from triton_disagg.kv.connector import Completed, KVConnector, PoolBuffer, Transfer
+from triton_disagg.kv.connector import KVConnector, PoolBuffer
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.staging import HostStaging, StagingError, StagingFullError
 
@@ -96,10 +97,10 @@ class HostMemoryConnector(KVConnector):
         self.staging.reap()
         return self.staging.expired_total
 
-    def _start_fetch(self, handle: KVHandle, block_ids: list[int]) -> Transfer:
-        return Completed(self.peers.fetch(handle, self.pool.array, block_ids))
+    def _fetch(self, handle: KVHandle, block_ids: list[int], deadline: float) -> TransferStats:
+        return self.peers.fetch(handle, self.pool.array, block_ids)   # local: bounded copy
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.peers.close()
         if self.staging is not None:
             self.staging.close()

@@ -39,8 +39,8 @@ A replayed handle never returns another request's KV. Assumes a block is in at m
 one live lease.
 
 :class:`NixlConnector` is this strategy's :class:`~triton_disagg.kv.connector.KVConnector`:
-one endpoint per instance, named ``<label>-<pid>-<random>``; its fetch completes inside
-``start_fetch``.
+one endpoint per instance, named ``<label>-<pid>-<random>``; its fetches run on the
+connector's fetch thread.
 
 Invariants: the sender's blocks stay untouched until the lease is released or expires;
 after a :class:`TransferError` or :class:`LeaseExpiredError` the destination blocks'
@@ -59,7 +59,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from triton_disagg.kv.connector import Completed, KVConnector, PoolBuffer, Transfer
+from triton_disagg.kv.connector import KVConnector, PoolBuffer
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
 from triton_disagg.kv.leases import LeaseExpiredError, LeaseTable
@@ -290,8 +290,8 @@ class NixlConnector(KVConnector):
     def expired_total(self) -> int:
         return self.endpoint.leases.expired_total
 
-    def _start_fetch(self, handle: KVHandle, block_ids: list[int]) -> Transfer:
-        return Completed(self.endpoint.fetch(handle, block_ids))
+    def _fetch(self, handle: KVHandle, block_ids: list[int], deadline: float) -> TransferStats:
+        return self.endpoint.fetch(handle, block_ids, deadline - time.monotonic())
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.endpoint.close()

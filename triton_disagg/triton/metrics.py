@@ -15,6 +15,12 @@ scrape target, host:port), and a target's own ``instance`` would be stored as
   ``nv_inference_pending_request_count``, in requests).
 - ``disagg_kv_transfer_bytes_total`` (counter), ``disagg_kv_transfer_seconds``
   (histogram): KV fetched by generation, label ``strategy``.
+- ``disagg_kv_fetch_seconds`` (histogram, generation): per request, its KV's time in
+  flight: from the fetch's start on the decode loop to the KV in place (queueing on the
+  instance's fetch thread included), label ``strategy``.
+- ``disagg_decode_steps_blocked_by_transfer_total`` (counter, generation): decode steps
+  whose admission waited on a KV transfer (more than 1 ms in fetch starts and polls;
+  expected 0: fetches run on their own thread).
 - ``disagg_kv_leases_expired_total`` (counter): handoffs never fetched, reclaimed.
 - ``disagg_requests_total`` (counter): finished requests by ``outcome``
   (finished / cancelled / error).
@@ -69,6 +75,11 @@ _FAMILIES = {
                              "GAUGE"),
     "kv_bytes": ("disagg_kv_transfer_bytes_total", "KV bytes fetched from context", "COUNTER"),
     "kv_seconds": ("disagg_kv_transfer_seconds", "Seconds per KV fetch", "HISTOGRAM"),
+    "kv_fetch_seconds": ("disagg_kv_fetch_seconds",
+                         "Seconds a request's KV was in flight, fetch start to KV in place",
+                         "HISTOGRAM"),
+    "steps_blocked": ("disagg_decode_steps_blocked_by_transfer_total",
+                      "Decode steps that waited on a KV transfer", "COUNTER"),
     "leases_expired": ("disagg_kv_leases_expired_total",
                        "KV handoffs reclaimed because their lease expired", "COUNTER"),
     "requests": ("disagg_requests_total", "Requests by outcome", "COUNTER"),
@@ -109,7 +120,7 @@ class Metrics:
         self.families = {key: pb_utils.MetricFamily(name=name, description=doc, kind=kinds[kind])
                          for key, (name, doc, kind) in _FAMILIES.items()}
         self._series: dict[tuple, Any] = {}
-        self._expired_seen = 0
+        self._totals_seen: dict[str, int] = {}
         self._closed = False
         self._updates: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name=f"metrics-{role}", daemon=True)
@@ -167,19 +178,27 @@ class Metrics:
     def queued_prompt_tokens(self, tokens: int) -> None:
         self._later(lambda: self._metric("queued_prompt_tokens").set(tokens))
 
-    def kv_transfer(self, strategy: str, nbytes: int, seconds: float) -> None:
-        self._later(lambda: (self._metric("kv_bytes", strategy=strategy).increment(nbytes),
-                             self._metric("kv_seconds", strategy=strategy).observe(seconds)))
+    def kv_transfer(self, strategy: str, nbytes: int, seconds: float,
+                    in_flight_seconds: float) -> None:
+        self._later(lambda: (
+            self._metric("kv_bytes", strategy=strategy).increment(nbytes),
+            self._metric("kv_seconds", strategy=strategy).observe(seconds),
+            self._metric("kv_fetch_seconds", strategy=strategy).observe(in_flight_seconds)))
 
     def leases_expired(self, total: int) -> None:
         """``total``: the lease table's running count; only the increase is added."""
-        self._later(lambda: self._add_expired(total))
+        self._later(lambda: self._add_total("leases_expired", total))
 
-    def _add_expired(self, total: int) -> None:
-        metric = self._metric("leases_expired")     # the series shows from the start, at 0
-        if total > self._expired_seen:
-            metric.increment(total - self._expired_seen)
-            self._expired_seen = total
+    def steps_blocked_by_transfer(self, total: int) -> None:
+        """``total``: the scheduler's running count; only the increase is added."""
+        self._later(lambda: self._add_total("steps_blocked", total))
+
+    def _add_total(self, key: str, total: int) -> None:
+        metric = self._metric(key)                  # the series shows from the start, at 0
+        seen = self._totals_seen.get(key, 0)
+        if total > seen:
+            metric.increment(total - seen)
+            self._totals_seen[key] = total
 
     def request_done(self, outcome: str) -> None:
         self._later(lambda: self._metric("requests", outcome=outcome).increment(1))

@@ -1,0 +1,118 @@
+"""The generation instance's one KV fetch thread: started fetches run here, in order, while
+the decode loop goes on stepping.
+
+:meth:`FetchWorker.submit` queues a blocking fetch (a callable taking its deadline) and
+returns a :class:`PendingTransfer` at once; the decode loop polls it between steps
+(:meth:`~triton_disagg.kv.connector.Transfer.poll`: a lock-free look at an Event). One
+thread per instance, not one per request: fetches into one pool run one at a time anyway
+(they share the NIXL scratch and the staging reader), and a second thread would only add
+GIL contention. The thread lowers its own priority (``FETCH_NICE``) so that, on the core
+it shares with the decode loop, the loop's step wins.
+
+Deadlines: each fetch gets ``deadline = submit time + timeout_s``; the fetch must honour it
+itself (NIXL cancels its READ, a staging copy is bounded), and one whose turn comes after
+its deadline fails without running. So a silent context host fails only its own requests,
+each at most ``timeout_s`` after it was started, and the loop never waits for it.
+
+Invariant (the :class:`~triton_disagg.kv.connector.Transfer` one): the destination blocks
+belong to the fetch until ``poll`` returned stats or raised; ``poll`` reports only what the
+thread finished, so a caller freeing blocks after a failed poll never races a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+from triton_disagg.kv.connector import ConnectorError, Transfer
+from triton_disagg.kv.handle import TransferStats
+
+FETCH_NICE = 5          # added to the fetch thread's niceness (Linux: per thread)
+_log = logging.getLogger(__name__)
+
+Fetch = Callable[[float], TransferStats]    # blocking; takes its deadline (time.monotonic())
+
+
+class FetchDeadlineError(ConnectorError):
+    """A fetch whose deadline passed before it could run (queued behind a slow one)."""
+
+
+class PendingTransfer(Transfer):
+    """A fetch queued on a :class:`FetchWorker`; ``poll`` returns its stats (``seconds``:
+    the copy, ``in_flight_seconds``: submit to done) once the thread finished it."""
+
+    def __init__(self, fetch: Fetch, deadline: float, what: str):
+        self.fetch, self.deadline, self.what = fetch, deadline, what
+        self.started = time.monotonic()
+        self._done = threading.Event()
+        self._stats: Optional[TransferStats] = None
+        self._error: Optional[BaseException] = None
+
+    def poll(self) -> Optional[TransferStats]:
+        if not self._done.is_set():
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._stats
+
+    def run(self) -> None:
+        """The worker thread's part: run the fetch (unless too late) and record the end."""
+        try:
+            if time.monotonic() >= self.deadline:
+                raise FetchDeadlineError(f"{self.what}: its fetch deadline passed while it "
+                                         f"waited behind other fetches")
+            stats = self.fetch(self.deadline)
+            self._stats = dataclasses.replace(
+                stats, in_flight_seconds=time.monotonic() - self.started)
+        except BaseException as exc:  # noqa: BLE001 - reported to the poller, request fails
+            self._error = exc
+        finally:
+            self._done.set()
+
+
+class FetchWorker:
+    """One thread (started on the first submit) running :class:`PendingTransfer` s in
+    submission order; ``name`` labels it."""
+
+    def __init__(self, name: str, nice: int = FETCH_NICE):
+        self.name, self.nice = name, nice
+        self._jobs: queue.SimpleQueue[Optional[PendingTransfer]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def submit(self, fetch: Fetch, timeout_s: float, what: str) -> PendingTransfer:
+        """Queue ``fetch`` with a deadline ``timeout_s`` from now; never blocks."""
+        job = PendingTransfer(fetch, time.monotonic() + timeout_s, what)
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"{what}: this KV connector is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"{self.name}-fetch",
+                                                daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
+        except (OSError, AttributeError):  # not Linux, or not allowed: run at equal priority
+            _log.debug("KV fetch thread %s keeps its priority", self.name)
+        while (job := self._jobs.get()) is not None:
+            job.run()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop taking fetches; the thread finishes those queued, then ends (idempotent)."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout_s)
