@@ -61,16 +61,21 @@ def register(subparsers) -> None:
     p.add_argument("--no-restart", action="store_true",
                    help="exit 1 when a model's stub process dies, instead of restarting "
                         "tritonserver (for a supervisor that restarts serve)")
+    p.add_argument("--overlap_kv_transfer", action="store_true",
+                   help="push KV layer by layer during the prefill: not yet supported (refused)")
     p.set_defaults(func=run)
 
 
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config.disagg import check_host, default_config, load_config
+    from triton_disagg.config.disagg import (check_host, default_config, load_config,
+                                             refuse_overlap)
     from triton_disagg.config.values import parse_url
     from triton_disagg.engine.capacity import check_kv_capacity
 
+    if args.overlap_kv_transfer:
+        refuse_overlap("--overlap_kv_transfer")
     if args.config is None:
         if args.engine is None:
             raise UserError("give -c disagg_config.yaml or --engine DIR")

@@ -85,6 +85,10 @@ def test_generation_runs_two_instances_where_its_cores_allow(write, generation, 
      ["kv_cache.lease_seconds", "nan", "finite"]),
     ("model: {engine: engines/demo}\nkv_cache: {lease_seconds: .inf}\n",
      ["kv_cache.lease_seconds", "inf", "finite"]),
+    ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: true}\n",
+     ["kv_cache.overlap_transfer: true", "not yet supported", "remove it"]),
+    ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: sometimes}\n",
+     ["kv_cache.overlap_transfer", "true or false"]),
 ])
 def test_mistakes_are_one_line_naming_the_key(write, text, words):
     assert_one_line_error(write(text), words)
@@ -165,3 +169,12 @@ def test_front_end_cores(write, scheduler, generation, role, usable, front):
     cfg = load_config(write(f"model: {{engine: engines/demo}}\nscheduler_server: {scheduler}\n"
                             f"generation_server: {generation}\n"))
     assert front_cpus(cfg, role, usable) == front
+
+
+def test_overlap_transfer_off_loads_and_the_serve_flag_is_refused(write, tmp_path, capsys):
+    load_config(write("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: false}\n"))
+    from triton_disagg.cli import main
+
+    assert main(["serve", "all", "--engine", str(tmp_path), "--overlap_kv_transfer"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--overlap_kv_transfer" in line and "not yet supported" in line

@@ -1,4 +1,4 @@
-"""`triton-disagg bench engine|serve|handoff|remote|soak`: figures kept in docs/benchmarks.md."""
+"""`triton-disagg bench engine|serve|handoff|remote|soak|stall`: figures kept in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from triton_disagg.bench.handoff import add_handoff_parser
 from triton_disagg.bench.remote_cli import add_remote_parser
 from triton_disagg.bench.serve_cli import add_serve_parser
 from triton_disagg.bench.soak_cli import add_soak_parser
+from triton_disagg.bench.stall import add_stall_parser
 from triton_disagg.errors import UserError
 
 
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
     add_handoff_parser(kinds)
     add_remote_parser(kinds)
     add_soak_parser(kinds)
+    add_stall_parser(kinds)
 
 
 def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Path, Path]]:

@@ -147,8 +147,9 @@ def _generate(http: str, text: str) -> int:
 
 @contextlib.contextmanager
 def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
-            ) -> Iterator[tuple[str, str]]:
-    """``serve all`` with ``strategy``; yields ``(http url, metrics url)``, stops on exit."""
+            ) -> Iterator[tuple[str, str, str]]:
+    """``serve all`` with ``strategy``; yields ``(http url, metrics url, grpc address)``,
+    stops on exit."""
     from triton_disagg.bench.serve_servers import placement
     from triton_disagg.config.disagg import check_host, parse_config
     from triton_disagg.launch.deploy import free_ports, start
@@ -162,7 +163,7 @@ def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
     server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / strategy)
     try:
         server.wait_ready(300.0)
-        yield f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}"
+        yield f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}", f"127.0.0.1:{grpc}"
     finally:
         server.stop()
 
@@ -172,7 +173,7 @@ def measure(strategy: str, engine: Path, cores, work_dir: Path, prompts: dict[in
     from triton_disagg.routing.scrape import delta, scrape
 
     rows = []
-    with serving(strategy, engine, cores, work_dir) as (http, metrics):
+    with serving(strategy, engine, cores, work_dir) as (http, metrics, _):
         for text in [t for texts in prompts.values() for t in texts[:WARMUP_REQUESTS]]:
             _generate(http, text)
         for tokens, texts in prompts.items():

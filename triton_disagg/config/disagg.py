@@ -199,6 +199,14 @@ def load_config(path: str | Path, engine_here: bool = True) -> DisaggConfig:
     return parse_config(raw, base_dir=path.parent, source=str(path), engine_here=engine_here)
 
 
+def refuse_overlap(what: str) -> None:
+    """``--overlap_kv_transfer`` / ``kv_cache.overlap_transfer`` is not built yet: one clear
+    line (never silently ignored). Generation already decodes while KV arrives."""
+    raise UserError(f"{what}: overlapping the KV transfer with the prefill is not yet "
+                    f"supported; remove it (generation already keeps decoding while a "
+                    f"request's KV arrives)")
+
+
 def parse_config(raw: Any, base_dir: Path = Path("."), source: str = "<config>",
                  engine_here: bool = True) -> DisaggConfig:
     """Validate an already-parsed YAML mapping; messages start with ``source``."""
@@ -287,7 +295,13 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
     if not isinstance(decoupled, bool):
         raise UserError(f"decoupled_mode: {decoupled!r} must be true (streaming) or false "
                         f"(plain infer(), one response per request)")
-    kv_raw = mapping(top.get("kv_cache"), "kv_cache", {"strategy", "max_size", "lease_seconds"})
+    kv_raw = mapping(top.get("kv_cache"), "kv_cache",
+                     {"strategy", "max_size", "lease_seconds", "overlap_transfer"})
+    overlap = kv_raw.get("overlap_transfer", False)
+    if not isinstance(overlap, bool):
+        raise UserError(f"kv_cache.overlap_transfer: {overlap!r} must be true or false")
+    if overlap:
+        refuse_overlap("kv_cache.overlap_transfer: true")
     strategy = kv_strategy(kv_raw.get("strategy", "direct_transfer")).name
     kv = KVCacheConfig(strategy=strategy,
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),

@@ -1,0 +1,163 @@
+"""`triton-disagg bench stall`: how much a long prompt's KV handoff stalls the streams that
+are already decoding on the same generation instance.
+
+Six streams decode (each slot starts a new stream when one ends) while a long prompt
+arrives every ``--period`` seconds. An arrival's handoff lies between its first token
+(from the context) and its second (its first decode step). For each arrival, the bench
+takes the running streams' longest inter-token gap overlapping that window; the figure is
+the median of those over the arrivals against the median of all the streams' gaps
+(1.0: a handoff costs the streams nothing).
+
+Invariant: every gap is one stream's two consecutive responses as this client saw them
+(``stream_interval`` 1: a response per token); an arrival whose reply came in fewer than
+two responses has no window and is left out (and counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.errors import UserError
+from triton_disagg.kv.connector import STRATEGIES
+
+STREAMS = 6
+STREAM_PROMPT_TOKENS = 32
+STREAM_MAX_TOKENS = 300
+WARMUP_SECONDS = 3.0       # streams running, and one long prompt through, before arrivals
+
+
+def add_stall_parser(kinds) -> None:
+    p = kinds.add_parser(
+        "stall", help="running streams' longest gap during a long prompt's KV handoff, "
+                      "against their median gap")
+    add_engine_arg(p)
+    p.add_argument("--strategy", default="direct_transfer", choices=list(STRATEGIES))
+    p.add_argument("--prompt-tokens", type=int, default=1800)
+    p.add_argument("--arrivals", type=int, default=24)
+    p.add_argument("--period", type=float, default=1.0, help="seconds between arrivals")
+    p.add_argument("--repeats", type=int, default=1, help="runs; the best ratio is kept")
+    p.add_argument("--cpus", default="0,1", help="context on the first half, generation on "
+                                                 "the rest (default 0,1)")
+    p.add_argument("--label", default="this tree", help="names the row (e.g. a commit)")
+    p.add_argument("--work-dir", type=Path, default=Path("work/bench"))
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class Stall:
+    label: str
+    arrivals: int               # arrivals with a handoff window
+    skipped: int                # arrivals without one (reply in one response, or failed)
+    window_max_gap_s: float     # median over arrivals of the longest overlapping gap
+    median_gap_s: float         # median of every stream gap
+    stream_gaps: int
+
+    @property
+    def ratio(self) -> float:
+        return self.window_max_gap_s / self.median_gap_s
+
+
+def stall_figures(label: str, streams: Sequence[Sequence[float]],
+                  arrivals: Sequence[Sequence[float]]) -> Stall:
+    """``streams``: each running stream's response times; ``arrivals``: each long prompt's
+    (its first two are the handoff window). Times on one clock."""
+    gaps = [(a, b) for times in streams for a, b in zip(times, times[1:])]
+    if not gaps:
+        raise UserError("bench stall: the streams produced no inter-token gaps")
+    worst, skipped = [], 0
+    for times in arrivals:
+        if len(times) < 2:
+            skipped += 1
+            continue
+        start, end = times[0], times[1]
+        overlapping = [b - a for a, b in gaps if b > start and a < end]
+        if overlapping:
+            worst.append(max(overlapping))
+        else:
+            skipped += 1
+    if not worst:
+        raise UserError("bench stall: no arrival's handoff window overlapped a stream")
+    return Stall(label, len(worst), skipped, statistics.median(worst),
+                 statistics.median(b - a for a, b in gaps), len(gaps))
+
+
+async def _load(grpc_url: str, stream_prompts: Sequence[str], long_prompts: Sequence[str],
+                period: float) -> tuple[list[list[float]], list[list[float]]]:
+    import tritonclient.grpc.aio as aio
+
+    from triton_disagg.clients.stream import GenerateRequest, grpc_generate
+
+    streams: list[list[float]] = []
+    arrivals: list[list[float]] = []
+    done = asyncio.Event()
+    async with aio.InferenceServerClient(grpc_url) as client:
+        async def slot(prompt: str) -> None:
+            while not done.is_set():
+                m = await grpc_generate(client, GenerateRequest(prompt, STREAM_MAX_TOKENS))
+                streams.append(m.arrivals)
+
+        slots = [asyncio.create_task(slot(p)) for p in stream_prompts]
+        await grpc_generate(client, GenerateRequest(long_prompts[0], 2))    # warm the path
+        await asyncio.sleep(WARMUP_SECONDS)
+        tasks, start = [], time.perf_counter()
+        for i, prompt in enumerate(long_prompts):
+            await asyncio.sleep(max(0.0, start + i * period - time.perf_counter()))
+            tasks.append(asyncio.create_task(grpc_generate(client, GenerateRequest(prompt, 2))))
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            arrivals.append([] if isinstance(result, BaseException) else result.arrivals)
+        done.set()
+        await asyncio.gather(*slots)
+    return streams, arrivals
+
+
+def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
+    from triton_disagg.bench.handoff import exact_prompt, serving
+    from triton_disagg.engine.tokenizer import Tokenizer
+
+    cores = number_list(args.cpus, "--cpus", int, allow_zero=True)
+    tokenizer, rng = Tokenizer(engine), random.Random(0)
+    stream_prompts = [exact_prompt(tokenizer, STREAM_PROMPT_TOKENS, rng) for _ in range(STREAMS)]
+    long_prompts = [exact_prompt(tokenizer, args.prompt_tokens, rng)
+                    for _ in range(args.arrivals + 1)]
+    best = None
+    with serving(args.strategy, engine, cores,
+                 (args.work_dir / "stall").resolve()) as (_, _, grpc_url):
+        for repeat in range(args.repeats):
+            streams, arrivals = asyncio.run(_load(grpc_url, stream_prompts, long_prompts[1:],
+                                                  args.period))
+            stall = stall_figures(args.label, streams, arrivals)
+            say(f"run {repeat + 1}: {_row(stall, args.strategy)}")
+            best = stall if best is None or stall.ratio < best.ratio else best
+    return best
+
+
+def _row(s: Stall, strategy: str) -> str:
+    return (f"| {s.label} | {strategy} | {s.arrivals} ({s.skipped} skipped) | "
+            f"{s.window_max_gap_s * 1e3:.1f} ms | {s.median_gap_s * 1e3:.1f} ms "
+            f"({s.stream_gaps} gaps) | {s.ratio:.2f} |")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.arrivals < 1 or args.period <= 0 or args.repeats < 1:
+        raise UserError("bench stall: --arrivals and --repeats must be >= 1, --period > 0")
+
+    def say(message: str) -> None:
+        print(f"[bench stall] {message}", file=sys.stderr, flush=True)
+
+    engine = bench_engine(args.engine, args.work_dir, say)
+    stall = measure(args, engine, say)
+    print("| tree | strategy | arrivals | median longest gap in a handoff window "
+          "| median stream gap | ratio |")
+    print("|---|---|---|---|---|---|")
+    print(_row(stall, args.strategy))
+    return 0
