@@ -4,6 +4,9 @@ disaggregated config loads, mapped onto ours, with one line per key we do not su
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from config_files import assert_one_line_error, config_writer
@@ -110,3 +113,12 @@ def test_trtllm_disagg_cluster_becomes_discovery(write):
 ])
 def test_trtllm_mistakes_are_one_line(write, text, words):
     assert_one_line_error(write(text), words)
+
+
+def test_the_readmes_trtllm_example_loads(write, capsys):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "context_servers" in b]
+    config = load_config(write(block))
+    assert config.generation.router == "least_loaded" and config.context.url == "127.0.0.1:9001"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "backend" in line and "ignored" in line
