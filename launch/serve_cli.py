@@ -40,6 +40,9 @@ def register(subparsers) -> None:
     p.add_argument("role", choices=ROLES)
     p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
     p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
+    p.add_argument("--gpus", metavar="0,1",
+                   help="context/generation: the GPUs of the role's instances, one instance "
+                        "per GPU (replaces the role's gpus:, cpus: and instances:)")
     p.add_argument("--host", help="bind address (default 127.0.0.1, or the host of the role's url)")
     p.add_argument("--advertise", metavar="HOST:PORT",
                    help="context/generation: the gRPC address peers are told, and registered "
@@ -70,7 +73,7 @@ def load(args: argparse.Namespace):
     from dataclasses import replace
 
     from triton_disagg.config.disagg import (check_host, default_config, load_config,
-                                             refuse_overlap)
+                                             refuse_overlap, with_gpus_flag)
     from triton_disagg.config.values import parse_url
     from triton_disagg.engine.capacity import check_kv_capacity
 
@@ -87,6 +90,8 @@ def load(args: argparse.Namespace):
         config = load_config(args.config)
         if args.engine is not None:
             config = replace(config, engine=default_config(args.engine).engine)
+    if args.gpus is not None:
+        config = with_gpus_flag(config, args.role, args.gpus)
     if args.role == "scheduler" and config.discovery is None:
         for role in ("generation",) if config.mode == "aggregated" else ("context", "generation"):
             if not config.server(role).urls:

@@ -9,6 +9,11 @@ layer may raise or catch them without importing another layer.
   (an error answer, back-pressure, a lost or missing server); the orchestrator passes
   the message to the client.
 
+Each class names its Triton status (``status``, a ``pb_utils.TritonError`` code name), so a
+client tells its own mistake (INVALID_ARG: HTTP 400, gRPC INVALID_ARGUMENT) from a server
+that cannot serve now (UNAVAILABLE: 503 / UNAVAILABLE; :class:`Unavailable` and its kinds)
+and a fault (INTERNAL: 500 / INTERNAL).
+
 Invariant: a message is one line naming what is wrong and, where there is one, the fix;
 it reaches the client unchanged. The KV transfer's own errors live in :mod:`triton_disagg.kv`.
 """
@@ -16,6 +21,8 @@ it reaches the client unchanged. The KV transfer's own errors live in :mod:`trit
 
 class UserError(Exception):
     """A mistake in input, config or files, with a message naming what is wrong and the fix."""
+
+    status = "INVALID_ARG"
 
 
 class RequestError(UserError):
@@ -26,12 +33,21 @@ class RequestError(UserError):
 class EngineError(RuntimeError):
     """Context or generation answered with an error (message passed to the client)."""
 
+    status = "INTERNAL"
 
-class ContextBusy(EngineError):
+
+class Unavailable(EngineError):
+    """No server can serve the request now: lost, none left, busy, or silent past its
+    deadline (Triton's python backend has no DEADLINE_EXCEEDED code: a timeout is this)."""
+
+    status = "UNAVAILABLE"
+
+
+class ContextBusy(Unavailable):
     """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
 
 
-class GenerationLost(EngineError):
+class GenerationLost(Unavailable):
     """The generation server at ``url`` is gone with the request (the orchestrator moves
     the request to another: :mod:`triton_disagg.front.orchestrator`)."""
 
@@ -40,5 +56,5 @@ class GenerationLost(EngineError):
         super().__init__(f"generation server {url} was lost ({reason})")
 
 
-class NoServer(EngineError):
+class NoServer(Unavailable):
     """No member of the role is left to route to (one line, naming the role and urls)."""

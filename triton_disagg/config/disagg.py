@@ -24,7 +24,10 @@ they are not split per instance; default :func:`front_cpus`);
 ``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
-(:mod:`triton_disagg.config.kubernetes`).
+(:mod:`triton_disagg.config.kubernetes`). TensorRT-LLM's disaggregated config
+(``hostname``, ``port``, ``context_servers: {num_instances, urls}``, ...) loads too,
+mapped onto this format by :mod:`triton_disagg.config.trtllm`. ``serve context|generation
+--gpus 0,1`` replaces that role's placement (:func:`with_gpus_flag`).
 
 Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`` (a
 static pool; ``url`` stays the way to name one server, and ``url: X`` equals
@@ -196,6 +199,7 @@ def load_config(path: str | Path, engine_here: bool = True) -> DisaggConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise UserError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    raw = _from_trtllm_format(raw, str(path))
     return parse_config(raw, base_dir=path.parent, source=str(path), engine_here=engine_here)
 
 
@@ -205,6 +209,22 @@ def refuse_overlap(what: str) -> None:
     raise UserError(f"{what}: overlapping the KV transfer with the prefill is not yet "
                     f"supported; remove it (generation already keeps decoding while a "
                     f"request's KV arrives)")
+
+
+def _from_trtllm_format(raw: Any, source: str) -> Any:
+    """TensorRT-LLM's disaggregated config mapped onto ours (:mod:`.trtllm`), one line on
+    stderr per key it has and we do not support; ours as is."""
+    import sys
+
+    from triton_disagg.config.trtllm import from_trtllm, is_trtllm
+
+    if not is_trtllm(raw):
+        return raw
+    try:
+        return from_trtllm(raw, lambda line: print(f"{source}: {line}", file=sys.stderr,
+                                                   flush=True))
+    except UserError as exc:
+        raise UserError(f"{source}: {exc}") from None
 
 
 def parse_config(raw: Any, base_dir: Path = Path("."), source: str = "<config>",
@@ -241,6 +261,30 @@ def check_host(config: DisaggConfig, gpu_count: int | None = None,
         if bad:
             raise UserError(f"{config.source}: {role}_server.cpus: core {bad[0]} is not usable here "
                             f"(usable: {sorted(usable)}); pick cores from that list")
+
+
+def with_gpus_flag(config: DisaggConfig, role: str, spec: str,
+                   gpu_count: int | None = None) -> DisaggConfig:
+    """``serve context|generation --gpus 0,1``: the role's instances go one per GPU in
+    ``spec``, replacing its ``gpus``, ``cpus`` and ``instances``. GPUs this host lacks are
+    one error line naming the flag (:func:`check_host` names the key for a config's own)."""
+    if role not in ("context", "generation"):
+        raise UserError(f"--gpus: serve {role} places no model on a GPU by itself; give "
+                        f"context_server.gpus / generation_server.gpus in the config, or run "
+                        f"serve context|generation --gpus")
+    parts = [g.strip() for g in spec.split(",")]
+    if not all(p.isdigit() for p in parts) or len(set(map(int, parts))) != len(parts):
+        raise UserError(f"--gpus: {spec!r} must list distinct GPU indices, e.g. --gpus 0,1")
+    gpus = [int(p) for p in parts]
+    gpu_count = count_gpus() if gpu_count is None else gpu_count
+    missing = [g for g in gpus if g >= gpu_count]
+    if missing:
+        have = f"only GPUs 0-{gpu_count - 1}" if gpu_count else "no GPUs"
+        raise UserError(f"--gpus {spec}: asks for GPU {missing[0]} but this host has {have}; "
+                        f"drop --gpus on a CPU host (the config's cpus:/instances: place the "
+                        f"role there)")
+    placed = replace(config.server(role), gpus=tuple(gpus), cpus=(), instances=len(gpus))
+    return replace(config, **{role: placed})
 
 
 def front_cpus(config: DisaggConfig, role: str, usable: Collection[int]) -> tuple[int, ...]:

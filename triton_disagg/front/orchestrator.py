@@ -53,7 +53,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.errors import ContextBusy, EngineError, GenerationLost
+from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, Unavailable
 from triton_disagg.front.detokenize import DeltaWindows, text_delta
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.tensors import scalar
@@ -240,13 +240,13 @@ class _Run:
                 return await self.attempt(inputs, is_cancelled)
             except GenerationLost as exc:
                 if moves == MAX_MIGRATIONS:
-                    raise EngineError(f"{exc}; the request had moved {moves} times "
+                    raise Unavailable(f"{exc}; the request had moved {moves} times "
                                       f"already") from None
                 lost = exc
             except EngineError as exc:
                 if lost is None:
                     raise
-                raise EngineError(f"{lost}; {exc}") from None     # why it had to move, too
+                raise Unavailable(f"{lost}; {exc}") from None     # why it had to move, too
             self.migrate(lost)
             inputs = self.resumed()
         raise AssertionError("unreachable: the last attempt returns or raises")

@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, NoServer
+from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoServer,
+                                  RequestError, Unavailable)
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
@@ -68,7 +69,11 @@ def _parameters(credential: str, request_type: str,
     return params
 
 
-def _error(model: str, message: str) -> EngineError:
+def _error(model: str, message: str, invalid: bool) -> EngineError | RequestError:
+    """The callee's error answer as ours: ``invalid`` (it said INVALID_ARG) is the request's
+    own mistake, passed on as one; a busy context is :class:`ContextBusy`."""
+    if invalid:
+        return RequestError(message)
     busy = model == "context" and message.startswith(P.CONTEXT_BUSY)
     return (ContextBusy if busy else EngineError)(message)
 
@@ -82,7 +87,7 @@ def _control_address(outputs: dict[str, np.ndarray]) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class Unanswered(EngineError):
+class Unanswered(Unavailable):
     """A server failed before it answered (module docstring). One line: gRPC's message
     ("failed to connect to all addresses; last error: ...: Connection refused") is cut to
     its last, most specific part."""
@@ -123,9 +128,10 @@ class BLSRoute:
         try:
             response = await asyncio.wait_for(request.async_exec(), timeout)
         except asyncio.TimeoutError:
-            raise EngineError(f"{model} did not answer within {timeout:g} s") from None
+            raise Unavailable(f"{model} did not answer within {timeout:g} s") from None
         if response.has_error():
-            raise _error(model, response.error().message())
+            error = response.error()
+            raise _error(model, error.message(), error.code() == self.pb.TritonError.INVALID_ARG)
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
@@ -209,7 +215,7 @@ class GrpcTransport:
             if exc.status() in UNANSWERED:
                 self.routers[model].unanswered(url)
                 raise Unanswered(model, url, exc.status(), exc.message() or "") from None
-            error = _error(model, exc.message())
+            error = _error(model, exc.message(), exc.status() == "StatusCode.INVALID_ARGUMENT")
             raise type(error)(f"{model} at {url}: {error}") from None
         finally:
             self.calls[url] -= 1
@@ -317,8 +323,8 @@ class GrpcRoute:
             self.generation.release()
 
 
-def _unanswered(failed: list[Unanswered], tail: str) -> EngineError:
+def _unanswered(failed: list[Unanswered], tail: str) -> Unavailable:
     """One line for the context servers that did not answer, each url with its reason."""
     tried = ", ".join(f"{f.url} ({f.reason})" for f in failed)
-    return EngineError(f"context server{'s' if len(failed) > 1 else ''} did not answer: "
+    return Unavailable(f"context server{'s' if len(failed) > 1 else ''} did not answer: "
                        f"{tried}{tail}")

@@ -67,5 +67,9 @@ def scalar(inputs: dict[str, np.ndarray], name: str, default: Any = None) -> Any
     return value.item() if hasattr(value, "item") else value
 
 
-def error_response(pb_utils: Any, message: str) -> Any:
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def error_response(pb_utils: Any, message: str, status: str = "INTERNAL") -> Any:
+    """A response carrying ``message`` with Triton status ``status`` (a ``TritonError`` code
+    name, as :mod:`triton_disagg.errors` classes name theirs): INVALID_ARG reaches the client
+    as HTTP 400 / gRPC INVALID_ARGUMENT, UNAVAILABLE as 503 / UNAVAILABLE, INTERNAL as 500."""
+    error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, status))
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)

@@ -57,10 +57,11 @@ class TritonPythonModel:
                               engine_request.from_inputs(inputs)))
                 slots.append(i)
             except RequestError as exc:
-                responses[i] = error_response(pb_utils, str(exc))
+                responses[i] = error_response(pb_utils, str(exc), exc.status)
         for i, result in zip(slots, self.side.prefill(batch) if batch else []):
             if isinstance(result, Exception):
-                responses[i] = error_response(pb_utils, str(result))
+                responses[i] = error_response(pb_utils, str(result),
+                                              getattr(result, "status", "INTERNAL"))
             else:
                 responses[i] = self._response(result)
         return responses

@@ -62,7 +62,7 @@ class TritonPythonModel:
                 inputs = read_inputs(pb_utils, request, P.GENERATION_INPUTS)
                 work = self.side.prepare(request_type, engine_request.from_inputs(inputs), inputs)
             except RequestError as exc:
-                responses.append(error_response(pb_utils, str(exc)))
+                responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue
             self.loop.submit(request_id, work, address)
             ack = make_tensors(pb_utils, P.GENERATION_OUTPUTS,

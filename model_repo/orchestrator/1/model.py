@@ -85,7 +85,7 @@ class TritonPythonModel:
                                    "decoupled_mode: true)")
             await self.orchestrator.handle(inputs, send, sender.is_cancelled)
         except (RequestError, EngineError) as exc:
-            sender.send(error_response(pb_utils, str(exc)), flags=FINAL)
+            sender.send(error_response(pb_utils, str(exc), exc.status), flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
             pb_utils.Logger.log_error(f"orchestrator: {type(exc).__name__}: {exc}")
             sender.send(error_response(pb_utils, f"internal error: {type(exc).__name__}: {exc}"),

@@ -32,7 +32,7 @@ class TritonPythonModel:
             try:
                 outputs = self.pre.process(read_inputs(pb_utils, request, P.PREPROCESS_INPUTS))
             except RequestError as exc:
-                responses.append(error_response(pb_utils, str(exc)))
+                responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue
             outputs[P.ARRIVAL] = [arrival]
             tensors = make_tensors(pb_utils, P.PREPROCESS_OUTPUTS, outputs)
