@@ -46,6 +46,7 @@ log = logging.getLogger("triton_disagg.front")
 
 PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
+ID_KEY = web.RequestKey("request_id", str)
 
 
 @web.middleware
@@ -72,15 +73,15 @@ def _error(exc: ApiError, request: web.Request) -> web.Response:
 
 
 def _request_id(request: web.Request) -> str:
-    if "request_id" not in request:
-        request["request_id"] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
-    return request["request_id"]
+    if ID_KEY not in request:
+        request[ID_KEY] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+    return request[ID_KEY]
 
 
 async def _body(request: web.Request):
     raw = await request.read()
     try:
-        return json.loads(raw)
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ApiError("the body is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
