@@ -150,6 +150,9 @@ def test_no_template_loads_as_none(tmp_path):
     (["a", "b", "c"], ("zz",), "abc", False),
     (["日本", "語🎉"], ("🎉",), "日本語", True),
     (["ab"], (), "ab", False),
+    (["the cat sat", " on the mat"], ("sat",), "the cat ", True),
+    (["x", "yz", "q"], ("yzx",), "xyzq", False),
+    (["x", "yz", "xy"], ("yzx",), "x", True),
 ])
 def test_stop_trimmer_streams_what_the_whole_text_holds(deltas, stop, text, stopped):
     trimmer = StopTrimmer(stop)

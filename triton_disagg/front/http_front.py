@@ -129,6 +129,8 @@ async def _whole(gen: Generation, model: str, deltas: AsyncIterator[Delta], max_
     try:
         async for last in deltas:
             text += trimmer.add(last.text)
+            if trimmer.stopped:
+                break               # leaving the relay's stream cancels the request
     except Exception as exc:  # noqa: BLE001
         raise _server_error(exc) from None
     text += trimmer.finish()
@@ -156,6 +158,8 @@ async def _stream(request: web.Request, gen: Generation, model: str,
             text = trimmer.add(last.text)
             if text:
                 await response.write(sse(reply.chunk(text)))
+            if trimmer.stopped:
+                break               # leaving the relay's stream cancels the request
     except (ConnectionResetError, asyncio.CancelledError):
         raise                       # the client left: the relay's stream is cancelled
     except Exception as exc:  # noqa: BLE001 - the status line went out: an error event

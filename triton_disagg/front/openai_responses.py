@@ -1,10 +1,10 @@
 """What the HTTP front answers: OpenAI's completion and chat objects (whole, or as SSE
 chunks), the guide's ``/v1/inference`` JSON, usage and finish reasons.
 
-Invariants: streamed content concatenates to the non-streamed content; a stop sequence
-that ended the text is not in it (OpenAI's semantics; the engine keeps it, as TensorRT-LLM
-does: :class:`StopTrimmer` holds back as many characters as the longest stop sequence
-could need until the end); ``finish_reason`` is ``"stop"`` when a stop sequence or the end
+Invariants: streamed content concatenates to the non-streamed content; the text ends
+before the first stop sequence in it, which is left out (OpenAI's semantics; the engine
+keeps a stop word, as TensorRT-LLM does, and matches it on tokens: :class:`StopTrimmer`
+matches on text); ``finish_reason`` is ``"stop"`` when a stop sequence or the end
 token ended the text, ``"length"`` when ``max_tokens`` did.
 """
 
@@ -21,30 +21,37 @@ _OBJECTS = {"completions": ("cmpl", "text_completion", "text_completion"),
 
 
 class StopTrimmer:
-    """Text deltas in, text safe to send out: never the start of a stop sequence that may
-    turn out to end the text."""
+    """Text deltas in, text safe to send out. OpenAI's ``stop`` is matched on text, the
+    engine's stop words on tokens (a word tokenized alone may not match the tokens it is
+    part of mid-text), so the front matches the text itself: the text ends before the first
+    stop sequence in it (``stopped`` set: the caller stops reading, which cancels the
+    request), and the last ``longest - 1`` characters are held back until it is clear that
+    they do not start one."""
 
     def __init__(self, stop: tuple[str, ...]):
         self.stop = stop
-        self.hold = max((len(s) for s in stop), default=0)
-        self.text = ""          # everything received
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""          # everything received, cut at a stop sequence
         self.sent = 0           # characters of it already given out
-        self.stopped = False    # the text ended with a stop sequence (set by finish)
+        self.stopped = False    # a stop sequence ended the text
 
     def add(self, delta: str) -> str:
+        if self.stopped:
+            return ""
         self.text += delta
-        safe = max(self.sent, len(self.text) - self.hold)
+        start = max(0, self.sent - self.hold)
+        found = [i for i in (self.text.find(w, start) for w in self.stop) if i >= 0]
+        if found:
+            self.text, self.stopped = self.text[:min(found)], True
+            safe = len(self.text)
+        else:
+            safe = max(self.sent, len(self.text) - self.hold)
         out, self.sent = self.text[self.sent:safe], safe
         return out
 
     def finish(self) -> str:
-        """The rest of the text, less the stop sequence that ends it (if one does)."""
-        end = len(self.text)
-        for word in self.stop:
-            if self.text.endswith(word):
-                end, self.stopped = end - len(word), True
-                break
-        out, self.sent = self.text[self.sent:max(end, self.sent)], len(self.text)
+        """What is left to send once the text ended."""
+        out, self.sent = self.text[self.sent:], len(self.text)
         return out
 
 
