@@ -8,7 +8,8 @@ names the field and the fix. A field OpenAI defines that this server cannot hono
 1, ``logprobs``, tools, ...) is accepted only at its default, else refused by name, never
 silently ignored. Defaults are OpenAI's: ``max_tokens`` 16 for completions, the rest of the
 engine's ``max_seq_len`` for chat; ``temperature`` 1 (the guide's ``/v1/inference``: 0,
-greedy); ``top_p`` 1.
+greedy); ``top_p`` 1. ``ignore_eos`` (vLLM's and trtllm-serve's extension, for load
+tests) generates ``max_tokens`` tokens whatever comes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
@@ -172,6 +174,7 @@ _COMMON = {
     "temperature": _number(0.0, 2.0), "top_p": _number(0.0, 1.0, low_open=True),
     "seed": _int(0, 2**64 - 1), "presence_penalty": _number(-2.0, 2.0),
     "frequency_penalty": _number(-2.0, 2.0), "user": _string,
+    "ignore_eos": _bool,     # vLLM's and trtllm-serve's extension: max_tokens tokens, always
 }
 _FIELDS = {
     "completions": {**_COMMON, "prompt": _prompt, "max_tokens": _int(1)},
@@ -229,6 +232,6 @@ def parse(endpoint: str, body: Any) -> Generation:
         messages=v.get("messages", ()),
         max_tokens=v.get("max_completion_tokens", v.get("max_tokens")),
         stream=v.get("stream", False), include_usage=v.get("stream_options", False),
-        stop=v.get("stop", ()),
+        stop=v.get("stop", ()), ignore_eos=v.get("ignore_eos", False),
         sampling={name: v[name] for name in _SAMPLING if name in v}
         | ({"temperature": 1.0} if endpoint != "inference" and "temperature" not in v else {}))

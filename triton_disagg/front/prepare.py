@@ -62,6 +62,8 @@ class Preparer:
             ensemble = {"text_input": np.array([prompt.encode("utf-8")], dtype=object),
                         "max_tokens": np.array([max_tokens], dtype=np.int32),
                         "stop_words": np.array([w.encode("utf-8") for w in gen.stop], dtype=object)}
+            if gen.ignore_eos:
+                ensemble["end_id"] = np.array([-1], dtype=np.int32)    # no end token
             arrays: dict[str, Any] = self.pre.process(ensemble)
         except RequestError as exc:
             raise ApiError(str(exc)) from None
