@@ -231,34 +231,60 @@ def http_generate(url: str, request: GenerateRequest, model: str = "ensemble",
     return measurement.finish()
 
 
+def openai_body(request: GenerateRequest, model: str) -> dict[str, Any]:
+    """The ``/v1/completions`` body of ``request``: prompt and ``max_tokens``, greedy,
+    streamed with the usage chunk; of its options only ``end_id`` -1, as ``ignore_eos``."""
+    return {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": request.options.get("end_id") == -1}
+
+
+def on_openai_line(measurement: Measurement, raw: bytes | str) -> bool:
+    """Feed one line of a ``/v1/completions`` event stream; True once it is ``[DONE]``."""
+    line = raw.decode("utf-8").strip() if isinstance(raw, bytes) else raw.strip()
+    if not line.startswith("data: "):
+        return False
+    if line == "data: [DONE]":
+        measurement.finish()
+        return True
+    chunk = json.loads(line[len("data: "):])
+    if "error" in chunk:
+        raise GenerateError(str(chunk["error"].get("message", chunk["error"])))
+    if chunk.get("usage"):
+        measurement.num_input_tokens = chunk["usage"]["prompt_tokens"]
+        measurement.num_output_tokens = chunk["usage"]["completion_tokens"]
+    elif chunk["choices"] and chunk["choices"][0]["text"]:
+        measurement.on_response(chunk["choices"][0]["text"], None, None)
+    return False
+
+
 def openai_generate(front: str, request: GenerateRequest, model: str, session: Any = None,
                     timeout: float = 600.0) -> Measurement:
-    """POST ``request`` (prompt, ``max_tokens``, streamed; of its options only ``end_id``
-    -1, sent as ``ignore_eos``) to the HTTP front's ``{front}/v1/completions``. A stream
-    that ends without ``data: [DONE]`` is an error."""
+    """POST ``request`` (:func:`openai_body`) to the HTTP front's ``{front}/v1/completions``
+    with ``requests``. A stream that ends without ``data: [DONE]`` is an error."""
     import requests
 
     http = session or requests
-    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": request.options.get("end_id") == -1}
     measurement = Measurement()
-    with http.post(f"{front.rstrip('/')}/v1/completions", json=body, stream=True,
-                   timeout=timeout) as reply:
+    with http.post(f"{front.rstrip('/')}/v1/completions", json=openai_body(request, model),
+                   stream=True, timeout=timeout) as reply:
         if reply.status_code != 200:
             raise GenerateError(f"HTTP {reply.status_code}: {_error_text(reply.text)}")
         for raw in reply.iter_lines():
-            line = raw.decode("utf-8")
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                return measurement.finish()
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                raise GenerateError(str(chunk["error"].get("message", chunk["error"])))
-            if chunk.get("usage"):
-                measurement.num_input_tokens = chunk["usage"]["prompt_tokens"]
-                measurement.num_output_tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                measurement.on_response(chunk["choices"][0]["text"], None, None)
+            if on_openai_line(measurement, raw):
+                return measurement
+    raise GenerateError("the stream ended without data: [DONE]")
+
+
+async def openai_generate_async(session: Any, front: str, request: GenerateRequest,
+                                model: str) -> Measurement:
+    """:func:`openai_generate` on an ``aiohttp.ClientSession``."""
+    measurement = Measurement()
+    async with session.post(f"{front.rstrip('/')}/v1/completions",
+                            json=openai_body(request, model)) as reply:
+        if reply.status != 200:
+            raise GenerateError(f"HTTP {reply.status}: {_error_text(await reply.text())}")
+        async for raw in reply.content:
+            if on_openai_line(measurement, raw):
+                return measurement
     raise GenerateError("the stream ended without data: [DONE]")
