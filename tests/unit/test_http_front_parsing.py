@@ -31,6 +31,17 @@ def test_openai_defaults_temperature_one_and_inference_greedy():
     assert parse("inference", {"prompt": "Hello, world!", "model": "demo"}).sampling == {}
 
 
+def test_ignore_eos_sends_no_end_id(demo_engine):
+    from triton_disagg.front.prepare import Preparer
+
+    preparer = Preparer(demo_engine, "demo")
+    body = {"model": "demo", "prompt": "a"}
+    inputs, _ = preparer.inputs(parse("completions", {**body, "ignore_eos": True}))
+    assert int(inputs["end_id"][0, 0]) == -1
+    inputs, _ = preparer.inputs(parse("completions", body))
+    assert int(inputs["end_id"][0, 0]) == preparer.pre.eos_id >= 0
+
+
 def test_max_completion_tokens_wins_over_max_tokens():
     assert parse("chat", {**CHAT, "max_tokens": 5, "max_completion_tokens": 9}).max_tokens == 9
 
