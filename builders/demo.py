@@ -33,6 +33,12 @@ DEFAULT_SIZES = {"vocab_size": None,  # None: the tokenizer's vocabulary size
                  "num_key_value_heads": 4, "intermediate_size": 688,
                  "max_position_embeddings": 2048}
 LINEAR_STD, EMBED_STD = 0.02, 0.1   # larger embed/lm_head std: greedy text isn't one token
+# Each message as "<|role|>\n" + content + eos, then the assistant's turn: a chat format of
+# plain text plus the eos token, which the demo model's vocabulary already has.
+CHAT_TEMPLATE = ("{% for message in messages %}"
+                 "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+                 "{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json")
 
@@ -68,7 +74,8 @@ def write_demo_tokenizer(directory: str | Path, model_max_length: int = 2048) ->
     (directory / "tokenizer.json").write_text(demo_tokenizer_json(), encoding="utf-8")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[BOS_ID],
               "eos_token": SPECIAL_TOKENS[EOS_ID], "pad_token": SPECIAL_TOKENS[PAD_ID],
-              "clean_up_tokenization_spaces": False, "model_max_length": model_max_length}
+              "clean_up_tokenization_spaces": False, "model_max_length": model_max_length,
+              "chat_template": CHAT_TEMPLATE}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return demo_vocab_size()
 
@@ -133,7 +140,8 @@ def write_demo_checkpoint(output_dir: str | Path, seed: int = 0, **overrides: in
     if sizes["vocab_size"] < tokens:
         raise ValueError(f"vocab_size {sizes['vocab_size']} < tokenizer vocabulary {tokens}")
     corpus = hashlib.sha256(CORPUS.read_bytes()).hexdigest()
-    marker = {"seed": seed, "sizes": sizes, "corpus_sha256": corpus}
+    marker = {"seed": seed, "sizes": sizes, "corpus_sha256": corpus,
+              "chat_template_sha256": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()}
     existing = _marker(output) if output.is_dir() else None
     if existing == marker:
         return False

@@ -1,16 +1,20 @@
-"""Locust load test of the served ensemble: gRPC streaming and HTTP ``generate_stream``.
+"""Locust load test of the served ensemble (gRPC streaming, HTTP ``generate_stream``) and of
+the HTTP front's OpenAI API.
 
     locust -f clients/locustfile.py --headless -u 8 -r 8 -t 20s --host http://127.0.0.1:8000
 
-Users (pick one by class name after the options, default both):
+Users (pick one by class name after the options, default all three):
 
 - ``GrpcStreamUser``: ``tritonclient.grpc`` streaming, one stream per user
   (grpc made gevent-cooperative with ``grpc.experimental.gevent.init_gevent``);
 - ``HttpStreamUser``: ``requests`` against ``/generate_stream`` (server-sent
-  events; locust's gevent patching makes it cooperative).
+  events; locust's gevent patching makes it cooperative);
+- ``OpenAIStreamUser``: ``requests`` against the HTTP front's streamed
+  ``/v1/completions`` (``stream_options.include_usage`` for the token counts; with
+  ``TD_IGNORE_EOS`` it sends ``ignore_eos``).
 
 Each request is recorded as three locust entries of its user's type
-(``grpc_stream`` / ``http_stream``): ``ttft`` (first response),
+(``grpc_stream`` / ``http_stream`` / ``openai_stream``): ``ttft`` (first response),
 ``time_per_output_token`` (after the first) and ``e2e``, whose "size" is the
 number of output tokens. A failed request is one failed ``e2e`` entry; with
 ``TD_IGNORE_EOS=1`` (default) a reply shorter than ``max_tokens`` also fails.
@@ -22,6 +26,8 @@ Environment:
   defaults ``uniform:16,64`` / ``uniform:16,64``);
 - ``TD_TOKENIZER``: an engine directory, to make prompts of exact token counts;
 - ``TD_GRPC_URL``: default the ``--host``'s host at its port + 1 (Triton's 8000/8001);
+- ``TD_FRONT_URL``: the HTTP front, default the ``--host``'s host at port 8080;
+  ``TD_OPENAI_MODEL``: the model id, default the first of its ``/v1/models``;
 - ``TD_MODEL`` (``ensemble``), ``TD_SEED``, ``TD_WAIT_SECONDS`` (0: closed loop),
   ``TD_IGNORE_EOS`` (``1``: send ``end_id -1`` so every reply has ``max_tokens`` tokens).
 """
@@ -41,7 +47,8 @@ import gevent.queue  # noqa: E402
 from locust import User, constant, task  # noqa: E402
 
 from triton_disagg.clients.stream import (  # noqa: E402
-    GenerateError, GenerateRequest, Measurement, grpc_inputs, http_generate, read_result)
+    GenerateError, GenerateRequest, Measurement, grpc_inputs, http_generate, openai_generate,
+    read_result)
 from triton_disagg.clients.workload import Lengths, make_prompt  # noqa: E402
 
 MODEL = os.environ.get("TD_MODEL", "ensemble")
@@ -151,3 +158,24 @@ class HttpStreamUser(_GenerateUser):
     def send(self, request: GenerateRequest) -> Measurement:
         return http_generate(self.host, request, MODEL, session=self.session,
                              timeout=REPLY_TIMEOUT)
+
+
+class OpenAIStreamUser(_GenerateUser):
+    kind = "openai_stream"
+
+    def on_start(self) -> None:
+        import requests
+
+        super().on_start()
+        host = urlsplit(self.host or "http://127.0.0.1:8000")
+        self.front = os.environ.get("TD_FRONT_URL") or f"{host.scheme}://{host.hostname}:8080"
+        self.session = requests.Session()
+        self.model = os.environ.get("TD_OPENAI_MODEL") or self.session.get(
+            f"{self.front}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def on_stop(self) -> None:
+        self.session.close()
+
+    def send(self, request: GenerateRequest) -> Measurement:
+        return openai_generate(self.front, request, self.model, session=self.session,
+                               timeout=REPLY_TIMEOUT)

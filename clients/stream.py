@@ -9,7 +9,10 @@ any of the ensemble's optional inputs by their tensor names (``temperature``,
   response; ``enable_empty_final_response`` marks the end;
 - HTTP (:func:`http_generate`): ``/generate_stream`` (server-sent events)
   when streaming, ``/generate`` (exactly one JSON reply) otherwise. KServe
-  ``/infer`` over HTTP refuses decoupled models (501), hence ``generate``.
+  ``/infer`` over HTTP refuses decoupled models (501), hence ``generate``;
+- the HTTP front's OpenAI API (:func:`openai_generate`): ``/v1/completions``, streamed
+  with ``stream_options.include_usage`` (the token counts), greedy, ``ignore_eos`` when
+  the request's ``end_id`` is -1.
 
 Every response is fed to a :class:`Measurement`. Invariants: ``arrivals`` has
 one entry per response that carried output, in arrival order; the token
@@ -226,3 +229,62 @@ def http_generate(url: str, request: GenerateRequest, model: str = "ensemble",
             if on_text is not None:
                 on_text(text)
     return measurement.finish()
+
+
+def openai_body(request: GenerateRequest, model: str) -> dict[str, Any]:
+    """The ``/v1/completions`` body of ``request``: prompt and ``max_tokens``, greedy,
+    streamed with the usage chunk; of its options only ``end_id`` -1, as ``ignore_eos``."""
+    return {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": request.options.get("end_id") == -1}
+
+
+def on_openai_line(measurement: Measurement, raw: bytes | str) -> bool:
+    """Feed one line of a ``/v1/completions`` event stream; True once it is ``[DONE]``."""
+    line = raw.decode("utf-8").strip() if isinstance(raw, bytes) else raw.strip()
+    if not line.startswith("data: "):
+        return False
+    if line == "data: [DONE]":
+        measurement.finish()
+        return True
+    chunk = json.loads(line[len("data: "):])
+    if "error" in chunk:
+        raise GenerateError(str(chunk["error"].get("message", chunk["error"])))
+    if chunk.get("usage"):
+        measurement.num_input_tokens = chunk["usage"]["prompt_tokens"]
+        measurement.num_output_tokens = chunk["usage"]["completion_tokens"]
+    elif chunk["choices"] and chunk["choices"][0]["text"]:
+        measurement.on_response(chunk["choices"][0]["text"], None, None)
+    return False
+
+
+def openai_generate(front: str, request: GenerateRequest, model: str, session: Any = None,
+                    timeout: float = 600.0) -> Measurement:
+    """POST ``request`` (:func:`openai_body`) to the HTTP front's ``{front}/v1/completions``
+    with ``requests``. A stream that ends without ``data: [DONE]`` is an error."""
+    import requests
+
+    http = session or requests
+    measurement = Measurement()
+    with http.post(f"{front.rstrip('/')}/v1/completions", json=openai_body(request, model),
+                   stream=True, timeout=timeout) as reply:
+        if reply.status_code != 200:
+            raise GenerateError(f"HTTP {reply.status_code}: {_error_text(reply.text)}")
+        for raw in reply.iter_lines():
+            if on_openai_line(measurement, raw):
+                return measurement
+    raise GenerateError("the stream ended without data: [DONE]")
+
+
+async def openai_generate_async(session: Any, front: str, request: GenerateRequest,
+                                model: str) -> Measurement:
+    """:func:`openai_generate` on an ``aiohttp.ClientSession``."""
+    measurement = Measurement()
+    async with session.post(f"{front.rstrip('/')}/v1/completions",
+                            json=openai_body(request, model)) as reply:
+        if reply.status != 200:
+            raise GenerateError(f"HTTP {reply.status}: {_error_text(await reply.text())}")
+        async for raw in reply.content:
+            if on_openai_line(measurement, raw):
+                return measurement
+    raise GenerateError("the stream ended without data: [DONE]")

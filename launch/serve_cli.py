@@ -57,6 +57,9 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-port", type=int,
                    help="default 8002 for all/scheduler (or scheduler_server.metrics_port); "
                         "context/generation: the role's metrics_port, else metrics off")
+    p.add_argument("--front-port", type=int,
+                   help="all/scheduler: the HTTP front's port (OpenAI API, /v1/inference, "
+                        "/healthz); default scheduler_server.front_port, else 8080")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
     p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     killed by a signal (a stub dying mid-exchange can abort it), up to ``MAX_RESTARTS``
     times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
     from .deploy import PortFlags, advertised_url, endpoints_for, token_host
+    from .front_process import front_port
 
     config = load(args)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,
@@ -130,13 +134,14 @@ def run(args: argparse.Namespace) -> int:
     endpoints = endpoints_for(args.role, config, flags)
     advertised = advertised_url(args.role, config, endpoints, flags)
     token = token_host(args.role, config, advertised)
+    front = front_port(args.role, config, args.front_port)
     stop, hurry = threading.Event(), threading.Event()    # the first signal, a second one
     previous = {s: signal.signal(s, lambda *_: (hurry if stop.is_set() else stop).set())
                 for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(MAX_RESTARTS + 1):
-            outcome = _serve_once(args, config, endpoints, advertised, token, stop, hurry,
-                                  restart)
+            outcome = _serve_once(args, config, endpoints, advertised, token, front, stop,
+                                  hurry, restart)
             if isinstance(outcome, int):
                 return outcome
             print(f"triton-disagg serve {args.role}: {outcome}", flush=True)
@@ -150,14 +155,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_once(args, config, endpoints, advertised: str | None, token: str | None,
-                stop: threading.Event, hurry: threading.Event, restart: int) -> int | str:
-    """Start tritonserver, announce it ready (registering ``advertised`` in etcd when the
+                front: int | None, stop: threading.Event, hurry: threading.Event,
+                restart: int) -> int | str:
+    """Start tritonserver and the HTTP front on port ``front`` (None: none;
+    :mod:`.front_process`), announce it ready (registering ``advertised`` in etcd when the
     config has discovery), watch it: returns serve's exit code, or why it must restart (a
     stub died, or tritonserver was killed by a signal; it is stopped and deregistered by
     then). A context or generation server stopped by a signal deregisters, then drains
     (:mod:`.drain`; a second signal cuts that short)."""
     from .deploy import start
     from .drain import drain
+    from .front_process import check_front_port, start_front, stop_front
     from .peers_gate import start_peers_gate
     from .register import start_registration
 
@@ -167,8 +175,12 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         (work_dir / "tritonserver.log").rename(kept)
         print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
+    if front is not None:
+        check_front_port(endpoints.host, front, endpoints)
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
                    token)
+    front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir) \
+        if front is not None else None
     gate = server.control.gate if server.control else None
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and p.name != gate)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
@@ -189,7 +201,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         stubs = stubs_of(server.process.pid)
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised)
-        _announce(args.role, config, endpoints, advertised, server, registration)
+        _announce(args.role, config, endpoints, advertised, server, registration, front)
         if server.control is not None:
             peers_gate = start_peers_gate(config, server, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
@@ -199,6 +211,10 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
                 return (f"the stub process of {dead.instance} (pid {dead.pid}) died; Triton "
                         f"cannot restart it, so tritonserver was stopped and its clients got "
                         f"errors")
+            if front_proc is not None and front_proc.poll() is not None:
+                server.stop(grace=0)
+                return (f"the HTTP front (pid {front_proc.pid}) exited with code "
+                        f"{front_proc.returncode}; see {server.work_dir / 'http_front.log'}")
             code = server.process.poll()
             if code is not None:
                 print(f"tritonserver exited with code {code}:\n{server.log_tail()}", flush=True)
@@ -213,6 +229,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
+        if front_proc is not None:
+            stop_front(front_proc)
         if peers_gate is not None:
             peers_gate.stop()
         if registration is not None:
@@ -221,7 +239,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
 
 
 def _announce(role: str, config, endpoints, advertised: str | None, server,
-              registration) -> None:
+              registration, front: int | None) -> None:
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
     state = "up" if server.control is not None else "ready"   # the gate says when it is ready
     lines = [f"triton-disagg serve {role}: {state} ({config.mode}, engine {config.engine})"]
@@ -230,6 +248,9 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     lines.append(f"  gRPC     {shown}:{endpoints.grpc_port}")
     if endpoints.metrics_port is not None:
         lines.append(f"  metrics  http://{shown}:{endpoints.metrics_port}/metrics")
+    if front is not None:
+        lines.append(f"  front    http://{shown}:{front}  (OpenAI /v1/completions, "
+                     f"/v1/chat/completions, /v1/models; /v1/inference; /healthz)")
     lines.append(f"  log      {server.log_path}")
     if role == "scheduler":
         lines.append(f"  routes   {_pools(config)}")
@@ -238,6 +259,10 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     if role in ("all", "scheduler") and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
+        if front is not None:
+            lines.append(f"  curl -s http://{shown}:{front}/v1/completions -H 'Content-Type: "
+                         f"application/json' -d '{{\"model\": \"{config.engine.name}\", "
+                         f"\"prompt\": \"The quick brown fox\", \"max_tokens\": 20}}'")
     elif registration is not None:
         lines.append(f"  advertised {advertised}")
         lines.append(f"  etcd     {registration.key} on {config.discovery.etcd} (lease "

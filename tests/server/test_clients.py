@@ -130,9 +130,10 @@ def test_client_reports_the_servers_refusal(served):
 
 @pytest.mark.parametrize("script, url", [("grpc_streaming.py", "grpc"),
                                          ("http_tritonclient.py", "http_hostport"),
-                                         ("http_requests.py", "http")])
+                                         ("http_requests.py", "http"),
+                                         ("openai_chat.py", "front")])
 def test_examples_run(served, script, url):
-    urls = {"grpc": served.grpc, "http": served.http,
+    urls = {"grpc": served.grpc, "http": served.http, "front": served.front,
             "http_hostport": served.http.removeprefix("http://")}
     done = subprocess.run([sys.executable, str(EXAMPLES / script), "The quick brown fox",
                            "--url", urls[url], "--max-tokens", "8"],

@@ -20,37 +20,67 @@ README = (ROOT / "README.md").read_text()
 PROMPT, MAX_TOKENS = "The quick brown fox", 20
 
 
-def _on_ports(code: str, served: servers.Served) -> str:
-    """The README's default ports replaced by the test server's."""
+def _on_ports(code: str, served: servers.Served, model: str = "demo") -> str:
+    """The README's default ports replaced by the test server's, and its model id
+    (``demo``, the name of ``engines/demo``) by ``model``, the test engine directory's."""
     http_port = served.http.rsplit(":", 1)[1]
     grpc_port = served.grpc.rsplit(":", 1)[1]
-    return code.replace("127.0.0.1:8000", f"127.0.0.1:{http_port}").replace(
-        "127.0.0.1:8001", f"127.0.0.1:{grpc_port}")
+    code = code.replace("127.0.0.1:8000", f"127.0.0.1:{http_port}").replace(
+        "127.0.0.1:8001", f"127.0.0.1:{grpc_port}").replace('"demo"', f'"{model}"')
+    return code.replace("http://127.0.0.1:8080", served.front) if served.front else code
 
 
 def _plain_infer(code: str) -> bool:
     return ".infer(" in code
 
 
-def _run_snippets(snippets: list[str], served: servers.Served, expected: str) -> None:
+def _run_snippets(snippets: list[str], served: servers.Served, expected: str,
+                  model: str) -> None:
     for code in snippets:
         assert PROMPT in code
-        out = subprocess.run([sys.executable, "-c", _on_ports(code, served)],
+        out = subprocess.run([sys.executable, "-c", _on_ports(code, served, model)],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == expected.strip(), code
 
 
-def test_readme_python_examples_print_the_offline_text(demo_engine, tmp_path):
+def test_readme_examples_print_the_offline_text(demo_engine, tmp_path):
+    """Its Python snippets (tritonclient, requests, the openai SDK against the HTTP front)
+    print the offline text; its curl lines against the front answer as they should."""
     snippets = re.findall(r"```python\n(.*?)```", README, re.S)
     plain = [code for code in snippets if _plain_infer(code)]
-    assert len(snippets) - len(plain) >= 2 and plain, "the README lost its client examples"
+    assert len(snippets) - len(plain) >= 4 and plain, "the README lost its client examples"
+    assert any("from openai import OpenAI" in code for code in snippets)
     expected = servers.offline_text(demo_engine)(PROMPT, MAX_TOKENS)
+    model = demo_engine.name
     with servers.serve("all", ["--engine", str(demo_engine)], tmp_path / "run") as served:
-        _run_snippets([code for code in snippets if not _plain_infer(code)], served, expected)
+        _run_snippets([code for code in snippets if not _plain_infer(code)], served, expected,
+                      model)
+        _run_front_curls(served, model, expected)
     with servers.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n",
                               tmp_path / "plain") as served:
-        _run_snippets(plain, served, expected)
+        _run_snippets(plain, served, expected, model)
+
+
+def _run_front_curls(served: servers.Served, model: str, expected: str) -> None:
+    """The README's curl lines to the front (port 8080), run by bash as written."""
+    import json
+
+    curls = [c.replace("\\\n", " ") for c in
+             re.findall(r"^curl [^\n]*8080(?:[^\n]*\\\n)*[^\n]*$", README, re.M)]
+    assert len(curls) >= 4, curls
+    for curl in curls:
+        out = subprocess.run(["bash", "-c", _on_ports(curl, served, model)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout, (curl, out.stderr)
+        if '"stream": true' in curl:
+            assert out.stdout.rstrip().endswith("data: [DONE]"), out.stdout
+        elif "/v1/completions" in curl:
+            assert json.loads(out.stdout)["choices"][0]["text"] == expected
+        elif "/v1/inference" in curl:
+            assert json.loads(out.stdout)["text"]
+        else:
+            assert json.loads(out.stdout) == {"status": "ok"}
 
 
 def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_path):

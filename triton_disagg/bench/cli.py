@@ -1,4 +1,5 @@
-"""`triton-disagg bench engine|serve|handoff|remote|soak|stall`: figures kept in docs/benchmarks.md."""
+"""`triton-disagg bench engine|serve|front|handoff|remote|soak|stall`: figures kept in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 from triton_disagg.bench.args import number_list
+from triton_disagg.bench.front_bench import add_front_parser
 from triton_disagg.bench.handoff import add_handoff_parser
 from triton_disagg.bench.remote_cli import add_remote_parser
 from triton_disagg.bench.serve_cli import add_serve_parser
@@ -33,6 +35,7 @@ def register(subparsers) -> None:
                         help="markdown file whose engine section is replaced with the table")
     engine.set_defaults(func=_run_engine)
     add_serve_parser(kinds)
+    add_front_parser(kinds)
     add_handoff_parser(kinds)
     add_remote_parser(kinds)
     add_soak_parser(kinds)

@@ -1,4 +1,5 @@
-"""Open-loop load on a running server: requests sent at Poisson arrival times over gRPC.
+"""Open-loop load on a running server: requests sent at Poisson arrival times over gRPC
+(the ensemble, :func:`run_load`) or over the HTTP front's OpenAI API (:func:`run_openai_load`).
 
 Open loop means a request is sent at its arrival time whether or not earlier
 ones have finished, so an overloaded server shows up as growing TTFT (queueing)
@@ -9,19 +10,24 @@ previous one has finished (the unloaded latency).
 Invariants: :func:`run_load` returns one :class:`Outcome` per request, in
 request order; a request that errs, or has not finished ``deadline`` seconds
 after the first send, has ``error`` set and counts as failed; every request
-uses its own stream of one shared ``tritonclient.grpc.aio`` client.
+uses its own stream of one shared ``tritonclient.grpc.aio`` client (or its own request on
+one shared ``aiohttp`` session).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from triton_disagg.clients.stream import GenerateRequest, Measurement, grpc_generate
+from triton_disagg.clients.stream import (GenerateRequest, Measurement, grpc_generate,
+                                          openai_generate_async)
+
+Send = Callable[[GenerateRequest], Awaitable[Measurement]]
 
 
 @dataclass
@@ -50,15 +56,31 @@ def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
     return times
 
 
-async def _send_all(url: str, requests: Sequence[GenerateRequest], rate: float, seed: int,
-                    deadline: float, model: str) -> LoadRun:
+@contextlib.asynccontextmanager
+async def _grpc_sender(url: str, model: str) -> AsyncIterator[Send]:
     import tritonclient.grpc.aio as aio
 
-    outcomes = [Outcome(r) for r in requests]
     async with aio.InferenceServerClient(url) as client:
+        yield lambda request: grpc_generate(client, request, model)
+
+
+@contextlib.asynccontextmanager
+async def _openai_sender(front: str, model: str) -> AsyncIterator[Send]:
+    import aiohttp
+
+    limits = aiohttp.TCPConnector(limit=0)          # no cap on concurrent requests
+    async with aiohttp.ClientSession(connector=limits,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        yield lambda request: openai_generate_async(session, front, request, model)
+
+
+async def _send_all(sender, requests: Sequence[GenerateRequest], rate: float, seed: int,
+                    deadline: float) -> LoadRun:
+    outcomes = [Outcome(r) for r in requests]
+    async with sender as send:
         async def one(outcome: Outcome) -> None:
             try:
-                outcome.measurement = await grpc_generate(client, outcome.request, model)
+                outcome.measurement = await send(outcome.request)
             except Exception as exc:  # noqa: BLE001 - a failed request is data, not a crash
                 outcome.error = f"{type(exc).__name__}: {exc}"
 
@@ -89,4 +111,11 @@ async def _send_all(url: str, requests: Sequence[GenerateRequest], rate: float, 
 def run_load(url: str, requests: Sequence[GenerateRequest], rate: float, seed: int = 0,
              deadline: float = 300.0, model: str = "ensemble") -> LoadRun:
     """Send ``requests`` to the gRPC endpoint ``url`` at ``rate`` (see the module docstring)."""
-    return asyncio.run(_send_all(url, requests, rate, seed, deadline, model))
+    return asyncio.run(_send_all(_grpc_sender(url, model), requests, rate, seed, deadline))
+
+
+def run_openai_load(front: str, model: str, requests: Sequence[GenerateRequest], rate: float,
+                    seed: int = 0, deadline: float = 300.0) -> LoadRun:
+    """Send ``requests`` to the HTTP front at ``front`` (``/v1/completions``, streamed) at
+    ``rate`` (see the module docstring)."""
+    return asyncio.run(_send_all(_openai_sender(front, model), requests, rate, seed, deadline))

@@ -10,8 +10,11 @@ cores of its own (``front``), it runs there in both. The benchmark's client belo
 it (``Served.front``). So both configurations use the
 same cores, and only the split differs.
 
+With ``openai``, the HTTP front (:mod:`triton_disagg.launch.front_process`) runs beside
+it, as ``serve all`` runs it (``Served.openai``: its URL).
+
 Invariant: :func:`serving` yields a ready server on free loopback ports and
-stops its whole process group on exit, even when the body raises.
+stops its whole process group (and the front) on exit, even when the body raises.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Served:
     log: Path
     pid: int                     # the tritonserver process
     front: tuple[int, ...]       # the front end's cores; () when not pinned
+    openai: str | None = None    # http://host:port of the HTTP front, when started
+    model: str | None = None     # the model id the HTTP front serves
 
 
 def placement(mode: str, cores: Sequence[int], stream_interval: int = 1,
@@ -59,21 +64,28 @@ def placement(mode: str, cores: Sequence[int], stream_interval: int = 1,
 @contextlib.contextmanager
 def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
             stream_interval: int = 1, ready_timeout: float = 300.0,
-            front: Sequence[int] = ()) -> Iterator[Served]:
+            front: Sequence[int] = (), openai: bool = False) -> Iterator[Served]:
     from triton_disagg.config.disagg import check_host, parse_config
     from triton_disagg.launch.deploy import start
+    from triton_disagg.launch.front_process import start_front, stop_front
     from triton_disagg.triton.tritonserver import Endpoints
 
     config = parse_config({"model": {"engine": str(Path(engine).resolve())}, "mode": mode,
                            **placement(mode, cores, stream_interval, front)},
                           source=f"bench serve ({mode})")
     check_host(config)
-    http, grpc, metrics = free_ports(3)
-    server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / mode)
+    http, grpc, metrics, front_port = free_ports(4)
+    endpoints = Endpoints("127.0.0.1", http, grpc, metrics)
+    server = start("all", config, endpoints, work_dir / mode)
+    proc = start_front(config, endpoints, front_port, "127.0.0.1", server.work_dir) \
+        if openai else None
     try:
         server.wait_ready(ready_timeout)
         yield Served(mode, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}",
                      f"http://127.0.0.1:{metrics}", server.log_path, server.process.pid,
-                     config.scheduler.cpus)
+                     config.scheduler.cpus,
+                     f"http://127.0.0.1:{front_port}" if openai else None, config.engine.name)
     finally:
+        if proc is not None:
+            stop_front(proc)
         server.stop()

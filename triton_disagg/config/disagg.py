@@ -16,8 +16,9 @@ two instances when its ``cpus`` name two cores or more, every other role to one)
 ``generation_server.stream_interval`` (decode steps per streamed response),
 ``generation_server.stall_seconds`` (how long a request's token stream may stay silent
 before it ends in an error and generation is told to stop it; default 30); a
-``scheduler_server: {url, http_port, metrics_port, instances, cpus}`` for ``serve scheduler``
-(``instances``: orchestrator instances, in ``serve all`` too; default 1; ``cpus``: the
+``scheduler_server: {url, http_port, metrics_port, front_port, instances, cpus}`` for
+``serve scheduler`` (``front_port``: the HTTP front's, the OpenAI API, in ``serve all`` too;
+default 8080; ``instances``: orchestrator instances, in ``serve all`` too; default 1; ``cpus``: the
 front end's cores, in ``serve all`` too: tritonserver's own threads and the
 preprocessing and orchestrator stubs, which every orchestrator instance shares, so
 they are not split per instance; default :func:`front_cpus`);
@@ -67,7 +68,7 @@ ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
                 "http_port", "metrics_port", "router"}
-_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "instances", "cpus"}
+_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "front_port", "instances", "cpus"}
 PLACED_ROLES = ("context", "generation", "scheduler")   # the roles that take cpus
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
 _DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds", "ca_file", "cert_file", "key_file",
@@ -91,6 +92,7 @@ class ServerConfig:
     kv_dtype: str | None = None
     http_port: int | None = None
     metrics_port: int | None = None
+    front_port: int | None = None       # scheduler_server only: the HTTP front (OpenAI API)
     # Streaming: a response every this many decode steps (the first token and the last
     # always go at once). TensorRT-LLM's name; generation_server only.
     stream_interval: int = 1
@@ -441,7 +443,7 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     kv_dtype = s.get("kv_dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise UserError(f"{key}.kv_dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    ports = {k: s.get(k) for k in ("http_port", "metrics_port")}
+    ports = {k: s.get(k) for k in ("http_port", "metrics_port", "front_port")}
     for k, v in ports.items():
         if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")

@@ -1,0 +1,173 @@
+"""The HTTP front of a real `serve all` (disaggregated, the demo engine), called as its users
+call it: the official ``openai`` SDK (completions and chat, streaming and not), the
+deployment guide's ``requests.post(.../v1/inference)``, raw HTTP for bad inputs; greedy
+text equals the offline engine's, Chinese and emoji included; a client that disconnects
+frees its KV blocks. One server for the module (a start costs ~20 s)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+import servers
+from servers import PROMPTS
+
+MODEL = "engine"                 # the model id: the engine directory's name (conftest's)
+
+
+@pytest.fixture(scope="module")
+def server(demo_engine, tmp_path_factory):
+    assert demo_engine.name == MODEL, "the front serves the engine directory's name"
+    work = tmp_path_factory.mktemp("serve-front")
+    config = work / "disagg_config.yaml"
+    config.write_text(f"model: {{engine: {demo_engine}}}\nkv_cache: {{max_size: 16MB}}\n")
+    with servers.serve("all", ["-c", str(config)], work / "run") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def offline(demo_engine):
+    return servers.offline_text(demo_engine)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.front}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(demo_engine):
+    from triton_disagg.front.chat_template import ChatTemplate
+
+    return lambda text: ChatTemplate.load(demo_engine).render([{"role": "user", "content": text}])
+
+
+def _blocks_used(served) -> float:
+    from triton_disagg.routing.scrape import scrape, total
+
+    return total(scrape(served.metrics), "disagg_kv_blocks_used")
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for path in ("/healthz", "/health"):
+        resp = requests.get(server.front + path, timeout=10)
+        assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+    assert requests.get(server.front + "/version", timeout=10).json()["model"] == MODEL
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completions_greedy_equals_offline_streamed_or_not(client, offline, prompt):
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert whole.choices[0].text == offline(prompt, 20)
+    assert whole.usage.completion_tokens <= 20 and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                            temperature=0, stream=True))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("text", PROMPTS[1:3])
+def test_chat_greedy_equals_offline_on_the_templated_prompt(client, offline, chat_prompt, text):
+    messages = [{"role": "user", "content": text}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                           temperature=0)
+    assert whole.choices[0].message.content == offline(chat_prompt(text), 16)
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages,
+                                            max_completion_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_sequence_ends_the_text_and_is_left_out(client, offline):
+    full = offline(PROMPTS[0], 20)
+    stop = full[5:9]
+    assert stop.strip() and full.index(stop) == 5
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20,
+                                    temperature=0, stop=[stop])
+    assert got.choices[0].text == full[:5] and got.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(client):
+    def draw():
+        return client.completions.create(model=MODEL, prompt="a", max_tokens=12,
+                                         temperature=1.0, top_p=0.9, seed=7).choices[0].text
+    assert draw() == draw()
+
+
+def test_the_guides_inference_request_prints_text(server, offline):
+    # the deployment guide's verification request, as written there (plus a timeout)
+    response = requests.post(f"{server.front}/v1/inference",
+                             json={"prompt": "Hello, world!", "model": MODEL}, timeout=60)
+    print(response.json())
+    assert response.status_code == 200
+    assert response.json()["text"] == offline("Hello, world!", 16)
+
+
+@pytest.mark.parametrize("send, status, words", [
+    (dict(data=b"{oops"), 400, "not valid JSON"),
+    (dict(json={"model": MODEL, "prompt": 3}), 400, "'prompt'"),
+    (dict(json={"model": MODEL, "prompt": "a", "nonsense": 1}), 400, "'nonsense'"),
+    (dict(json={"model": MODEL, "prompt": "a", "n": 3}), 400, "'n'"),
+    (dict(json={"model": MODEL, "prompt": "a", "max_tokens": 99999}), 400, "max_seq_len"),
+    (dict(json={"model": MODEL, "prompt": ""}), 400, "empty"),
+    (dict(json={"model": "gpt-4o", "prompt": "a"}), 404, "not found"),
+    (dict(data=b"x" * (11 * 2**20)), 413, "over"),
+])
+def test_bad_inputs_get_4xx_openai_errors_and_the_server_serves_on(server, client, send,
+                                                                   status, words):
+    resp = requests.post(f"{server.front}/v1/completions", timeout=60,
+                         headers={"Content-Type": "application/json", "X-Request-Id": "bad-1"},
+                         **send)
+    assert resp.status_code == status, resp.text
+    assert words in resp.json()["error"]["message"]
+    assert resp.headers["X-Request-Id"] == "bad-1"
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=2).choices
+
+
+def test_sdk_raises_the_openai_error(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="a", top_p=5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "a"}])
+
+
+def _cancelled(served) -> float:
+    from triton_disagg.routing.scrape import scrape, total
+
+    return total(scrape(served.metrics), "disagg_requests_total", outcome="cancelled",
+                 role="orchestrator")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_and_frees_its_blocks(server, stream):
+    """1500 tokens take far longer than this test waits: only the cancel ends them."""
+    cancelled = _cancelled(server)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0,
+            "stream": stream}
+    if stream:
+        with requests.post(f"{server.front}/v1/completions", stream=True, timeout=60,
+                           json=body) as resp:
+            lines = resp.iter_lines()
+            for _ in range(3):
+                line = next(line for line in lines if line)
+                assert json.loads(line[len(b"data: "):])["choices"]
+            assert _blocks_used(server) > 0        # the request holds KV blocks now
+    else:
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(f"{server.front}/v1/completions", json=body, timeout=1.5)
+    servers.wait_until(lambda: _cancelled(server) == cancelled + 1, 5,
+                       "the orchestrator counts the request cancelled", poll=0.1)
+    servers.wait_until(lambda: _blocks_used(server) == 0, 10, "KV blocks back to 0", poll=0.1)

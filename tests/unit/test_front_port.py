@@ -1,0 +1,58 @@
+"""Where the HTTP front listens (launch/front_process.py): flag, config key, default, the
+roles and modes that run one, and the one-line refusals."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from config_files import assert_one_line_error, config_writer
+from triton_disagg.config.disagg import load_config
+from triton_disagg.errors import UserError
+from triton_disagg.launch.front_process import DEFAULT_FRONT_PORT, check_front_port, front_port
+from triton_disagg.triton.tritonserver import Endpoints
+
+ENGINE = "model: {engine: engines/demo}\n"
+
+
+@pytest.fixture
+def write(tmp_path):
+    return config_writer(tmp_path, ENGINE)
+
+
+def test_flag_then_config_then_default(write):
+    plain = load_config(write(""))
+    keyed = load_config(write("scheduler_server: {front_port: 9090}\n"))
+    assert front_port("all", plain, None) == DEFAULT_FRONT_PORT == 8080
+    assert front_port("scheduler", keyed, None) == 9090
+    assert front_port("all", keyed, 7070) == 7070
+
+
+def test_no_front_for_the_roles_or_without_decoupled_mode(write):
+    config = load_config(write("scheduler_server: {front_port: 9090}\n"))
+    assert front_port("context", config, 7070) is None
+    assert front_port("generation", config, None) is None
+    assert front_port("all", load_config(write("decoupled_mode: false\n")), 7070) is None
+
+
+@pytest.mark.parametrize("value", ["0", "70000", "'8080'"])
+def test_bad_front_port_is_one_line(write, value):
+    assert_one_line_error(write(f"scheduler_server: {{front_port: {value}}}\n"),
+                          ["scheduler_server.front_port", "port number"])
+
+
+def test_front_port_only_on_the_scheduler(write):
+    assert_one_line_error(write("context_server: {front_port: 9090}\n"),
+                          ["context_server", "front_port"])
+
+
+def test_a_taken_or_colliding_port_is_refused():
+    endpoints = Endpoints("127.0.0.1", 18000, 18001, 18002)
+    with pytest.raises(UserError, match="also tritonserver's"):
+        check_front_port("127.0.0.1", 18001, endpoints)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(UserError, match="not free.*--front-port"):
+            check_front_port("127.0.0.1", taken.getsockname()[1], endpoints)

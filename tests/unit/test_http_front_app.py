@@ -1,0 +1,170 @@
+"""The HTTP front's aiohttp app in this process, its relay replaced by a scripted one (the
+real relay against a real tritonserver: tests/server/test_http_front.py): error JSON for
+every failure, the request id, health, a stream that fails part-way, and a client that
+leaves cancelling its relay stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from triton_disagg.front.http_front import MAX_BODY_BYTES, make_app
+from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.relay import Delta, OrchestratorError
+
+
+class ScriptedRelay:
+    """Answers every request with ``deltas`` (a Delta, or an exception to raise there),
+    one every ``pause`` s; records the request ids and whether each stream was left early."""
+
+    def __init__(self, deltas, pause: float = 0.0, ready: str | None = None):
+        self.deltas, self.pause, self.why_not_ready = deltas, pause, ready
+        self.request_ids: list[str] = []
+        self.left_early: list[bool] = []
+
+    async def ready(self):
+        return self.why_not_ready
+
+    async def stream(self, inputs, request_id):
+        self.request_ids.append(request_id)
+        ended = False
+        try:
+            for item in self.deltas:
+                await asyncio.sleep(self.pause)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+            ended = True
+        finally:
+            self.left_early.append(not ended)
+
+    async def close(self):
+        pass
+
+
+WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3)]
+
+
+def run(relay, check, demo_engine):
+    async def main():
+        app = make_app(Preparer(demo_engine, "demo"), relay)
+        async with TestClient(TestServer(app, handler_cancellation=True)) as client:
+            await check(client)
+    asyncio.run(main())
+
+
+def test_whole_and_streamed_completion(demo_engine):
+    relay = ScriptedRelay(WORDS)
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a",
+                                                          "max_tokens": 3},
+                                 headers={"X-Request-Id": "req-7"})
+        body = await resp.json()
+        assert resp.status == 200 and resp.headers["X-Request-Id"] == "req-7"
+        assert body["choices"][0]["text"] == "Hello 世界 🎉"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "demo", "messages": [{"role": "user", "content": "a"}], "max_tokens": 4,
+            "stream": True, "stream_options": {"include_usage": True}})
+        lines = [l for l in (await resp.text()).split("\n\n") if l]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(l[len("data: "):]) for l in lines[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        assert text == "Hello 世界 🎉"
+        assert chunks[-2]["choices"][0]["finish_reason"] == "stop"    # 3 of 4 tokens: the end id
+        assert chunks[-1]["usage"]["completion_tokens"] == 3
+        assert len(relay.request_ids[1]) == 32            # none sent: one generated
+    run(relay, check, demo_engine)
+
+
+@pytest.mark.parametrize("send, status, words", [
+    (dict(data=b"{not json"), 400, "not valid JSON"),
+    (dict(data=b"\xff\xfe"), 400, "not UTF-8"),
+    (dict(json={"model": "demo", "prompt": "a", "max_tokens": "9"}), 400, "'max_tokens'"),
+    (dict(json={"model": "demo", "prompt": "a", "best_of": 3}), 400, "'best_of'"),
+    (dict(json={"model": "other", "prompt": "a"}), 404, "'other' not found"),
+    (dict(data=b" " * (MAX_BODY_BYTES + 1)), 413, "over"),
+])
+def test_bad_requests_get_openai_error_json_and_the_server_serves_on(demo_engine, send, status,
+                                                                     words):
+    relay = ScriptedRelay(WORDS)
+
+    async def check(client):
+        resp = await client.post("/v1/completions", **send)
+        body = await resp.json()
+        assert resp.status == status and words in body["error"]["message"], body
+        assert body["error"]["code"] == status
+        ok = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        assert ok.status == 200
+    run(relay, check, demo_engine)
+
+
+def test_unknown_path_and_method_are_openai_errors(demo_engine):
+    async def check(client):
+        for resp, status in ((await client.get("/v1/nothing"), 404),
+                             (await client.get("/v1/completions"), 405)):
+            assert resp.status == status
+            assert (await resp.json())["error"]["code"] == status
+    run(ScriptedRelay(WORDS), check, demo_engine)
+
+
+@pytest.mark.parametrize("error, status", [
+    (OrchestratorError("generation server 127.0.0.1:1 was lost (gone)"), 503),
+    (OrchestratorError("internal error: ValueError: x"), 500),
+])
+def test_server_faults_are_5xx(demo_engine, error, status):
+    async def check(client):
+        resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        assert resp.status == status
+        assert (await resp.json())["error"]["type"] == "server_error"
+    run(ScriptedRelay([error]), check, demo_engine)
+
+
+def test_a_stream_failing_part_way_ends_with_an_error_not_done(demo_engine):
+    relay = ScriptedRelay([WORDS[0], OrchestratorError("generation server x was lost (gone)")])
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a",
+                                                          "stream": True})
+        text = await resp.text()
+        assert resp.status == 200 and '"Hello"' in text
+        assert '"error"' in text and "[DONE]" not in text and "finish_reason\": \"" not in text
+    run(relay, check, demo_engine)
+
+
+def test_health_says_why_not_ready(demo_engine):
+    async def check(client):
+        resp = await client.get("/healthz")
+        assert resp.status == 503 and (await resp.json())["reason"] == "orchestrator loading"
+        assert (await client.get("/health")).status == 503
+        assert (await (await client.get("/version")).json())["model"] == "demo"
+    run(ScriptedRelay(WORDS, ready="orchestrator loading"), check, demo_engine)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_ends_the_relay_stream(demo_engine, stream):
+    relay = ScriptedRelay(WORDS * 50, pause=0.05)
+
+    async def check(client):
+        request = client.post("/v1/completions", json={"model": "demo", "prompt": "a",
+                                                       "stream": stream})
+        task = asyncio.ensure_future(request)
+        if stream:
+            resp = await task
+            await resp.content.readline()
+            resp.close()
+        else:
+            await asyncio.sleep(0.3)
+            task.cancel()
+        for _ in range(100):
+            if relay.left_early:
+                break
+            await asyncio.sleep(0.05)
+        assert relay.left_early == [True]
+    run(relay, check, demo_engine)

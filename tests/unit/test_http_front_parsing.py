@@ -1,0 +1,209 @@
+"""The HTTP front's request checks (:mod:`triton_disagg.front.openai_api`), its chat
+template against transformers' ``apply_chat_template``, stop-sequence trimming, and the
+orchestrator tensors it prepares (:mod:`triton_disagg.front.prepare`)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from triton_disagg.front.chat_template import ChatTemplate
+from triton_disagg.front.openai_api import ApiError, parse
+from triton_disagg.front.openai_responses import StopTrimmer, finish_reason
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_completion_body_becomes_a_generation():
+    gen = parse("completions", {"model": "demo", "prompt": ["日本 🎉"], "max_tokens": 7,
+                                "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
+                                "stream": True, "stream_options": {"include_usage": True},
+                                "n": 1, "user": "u"})
+    assert (gen.prompt, gen.max_tokens, gen.stop, gen.stream, gen.include_usage) == \
+        ("日本 🎉", 7, ("x",), True, True)
+    assert gen.sampling == {"temperature": 0.0, "top_p": 0.5, "seed": 3}
+
+
+def test_openai_defaults_temperature_one_and_inference_greedy():
+    assert parse("chat", CHAT).sampling == {"temperature": 1.0}
+    assert parse("inference", {"prompt": "Hello, world!", "model": "demo"}).sampling == {}
+
+
+def test_ignore_eos_sends_no_end_id(demo_engine):
+    from triton_disagg.front.prepare import Preparer
+
+    preparer = Preparer(demo_engine, "demo")
+    body = {"model": "demo", "prompt": "a"}
+    inputs, _ = preparer.inputs(parse("completions", {**body, "ignore_eos": True}))
+    assert int(inputs["end_id"][0, 0]) == -1
+    inputs, _ = preparer.inputs(parse("completions", body))
+    assert int(inputs["end_id"][0, 0]) == preparer.pre.eos_id >= 0
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert parse("chat", {**CHAT, "max_tokens": 5, "max_completion_tokens": 9}).max_tokens == 9
+
+
+@pytest.mark.parametrize("endpoint, body, names", [
+    ("completions", [1, 2], "JSON object"),
+    ("completions", {"model": "demo", "prompt": "a", "frobnicate": 1}, "'frobnicate': unknown"),
+    ("completions", {"model": "demo"}, "'prompt' is required"),
+    ("completions", {"model": "demo", "prompt": 5}, "'prompt': expected a string"),
+    ("completions", {"model": "demo", "prompt": ["a", "b"]}, "one prompt per request"),
+    ("completions", {"model": "demo", "prompt": "a", "max_tokens": "5"}, "'max_tokens': expected an integer"),
+    ("completions", {"model": "demo", "prompt": "a", "max_tokens": 0}, "'max_tokens': 0 must be >= 1"),
+    ("completions", {"model": "demo", "prompt": "a", "max_tokens": True}, "'max_tokens': expected an integer"),
+    ("completions", {"model": "demo", "prompt": "a", "temperature": 3}, "'temperature': 3 must be in [0.0, 2.0]"),
+    ("completions", {"model": "demo", "prompt": "a", "top_p": 0}, "'top_p': 0 must be in (0.0, 1.0]"),
+    ("completions", {"model": "demo", "prompt": "a", "n": 2}, "'n' 2: one choice per request"),
+    ("completions", {"model": "demo", "prompt": "a", "echo": True}, "'echo' True"),
+    ("completions", {"model": "demo", "prompt": "a", "logprobs": 2}, "'logprobs' 2"),
+    ("completions", {"model": "demo", "prompt": "a", "stop": ["a"] * 5}, "at most 4 stop"),
+    ("completions", {"model": "demo", "prompt": "a", "stream_options": {"include_usage": True}},
+     "only allowed with stream true"),
+    ("completions", {"model": "demo", "prompt": "a", "stream": True,
+                     "stream_options": {"x": 1}}, "'stream_options.x': unknown"),
+    ("chat", {**CHAT, "tools": [{"type": "function"}]}, "'tools'"),
+    ("chat", {**CHAT, "messages": []}, "'messages': expected a non-empty list"),
+    ("chat", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "'messages[0].role': 'robot'"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "only text parts"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "'messages[0].tool_calls': not supported"),
+    ("inference", {"model": "demo"}, "'prompt' is required"),
+    ("inference", {"prompt": "a", "n": 1}, "'n': unknown field"),
+])
+def test_bad_bodies_are_400_naming_the_field(endpoint, body, names):
+    with pytest.raises(ApiError) as err:
+        parse(endpoint, body)
+    assert err.value.status == 400 and names in str(err.value)
+    assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_content_parts_are_joined():
+    gen = parse("chat", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert gen.messages == ({"role": "user", "content": "ab"},)
+
+
+# ---- chat templates: equal to transformers' apply_chat_template -------------------------
+
+LLAMA3_LIKE = (
+    "{{ bos_token }}{% for message in messages %}{% if loop.index0 == 0 and message['role'] "
+    "!= 'system' %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\nBe brief.<|eot_id|>' }}"
+    "{% endif %}{% if message['role'] == 'assistant' and message['content'] == '' %}"
+    "{% continue %}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{{ messages | tojson }}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}")
+MESSAGES = [{"role": "system", "content": "You are 助手 🤖."},
+            {"role": "user", "content": "  日本語と中文的文字 emoji 🎉🚀  "},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "again"}]
+
+
+def _tokenizer_dir(tmp_path, template):
+    from triton_disagg.builders.demo import write_demo_tokenizer
+
+    write_demo_tokenizer(tmp_path)
+    if template is not None:
+        path = tmp_path / "tokenizer_config.json"
+        config = json.loads(path.read_text())
+        config["chat_template"] = template
+        path.write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3_LIKE], ids=["demo", "llama3-like"])
+def test_chat_template_renders_as_transformers(tmp_path, template):
+    from transformers import PreTrainedTokenizerFast
+
+    directory = _tokenizer_dir(tmp_path, template)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    want = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplate.load(directory).render(MESSAGES) == want
+    assert "日本語と中文的文字" in want
+
+
+def test_template_raise_exception_is_the_requests_mistake(tmp_path):
+    from triton_disagg.errors import RequestError
+
+    directory = _tokenizer_dir(tmp_path, "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(RequestError, match="roles must alternate"):
+        ChatTemplate.load(directory).render(MESSAGES)
+
+
+def test_template_sandbox_refuses_attribute_escapes(tmp_path):
+    from triton_disagg.errors import RequestError
+
+    directory = _tokenizer_dir(tmp_path, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(RequestError, match="chat template"):
+        ChatTemplate.load(directory).render(MESSAGES)
+
+
+def test_no_template_loads_as_none(tmp_path):
+    directory = _tokenizer_dir(tmp_path, None)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.load(directory) is None
+
+
+# ---- stop sequences -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("deltas, stop, text, stopped", [
+    (["Hel", "lo wor", "ld!"], ("world!",), "Hello ", True),
+    (["Hel", "lo wor", "ld!"], ("xyz", "ld!"), "Hello wor", True),
+    (["a", "b", "c"], ("zz",), "abc", False),
+    (["日本", "語🎉"], ("🎉",), "日本語", True),
+    (["ab"], (), "ab", False),
+    (["the cat sat", " on the mat"], ("sat",), "the cat ", True),
+    (["x", "yz", "q"], ("yzx",), "xyzq", False),
+    (["x", "yz", "xy"], ("yzx",), "x", True),
+])
+def test_stop_trimmer_streams_what_the_whole_text_holds(deltas, stop, text, stopped):
+    trimmer = StopTrimmer(stop)
+    out = "".join(trimmer.add(d) for d in deltas) + trimmer.finish()
+    assert out == text and trimmer.stopped == stopped
+    assert finish_reason(trimmer, 3, 3) == ("stop" if stopped else "length")
+    assert finish_reason(StopTrimmer(()), 2, 3) == "stop"     # the end token came first
+
+
+# ---- prepared tensors ---------------------------------------------------------------------
+
+def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
+    from triton_disagg import protocol as P
+    from triton_disagg.front.prepare import Preparer
+
+    preparer = Preparer(demo_engine, "demo")
+    inputs, prompt = preparer.inputs(parse("chat", {**CHAT, "stop": ["a", "bc"], "seed": 5}))
+    specs = P.by_name(P.ORCHESTRATOR_INPUTS)
+    assert set(inputs) <= set(specs)
+    for name, array in inputs.items():
+        assert array.dtype == specs[name].numpy_dtype, name
+        assert array.shape[0] == 1 and array.ndim == len(specs[name].dims) + 1, name
+    assert inputs["stop_words_list"].shape[:2] == (1, 2)
+    assert bool(inputs["stream"][0, 0]) and int(inputs["seed"][0, 0]) == 5
+    # chat default max_tokens: the rest of the engine's context
+    assert int(inputs["request_output_len"][0, 0]) + inputs["input_ids"].shape[1] == \
+        preparer.max_seq_len
+    assert prompt.endswith("<|assistant|>\n")
+    ids = preparer.tokenizer.encode(prompt)
+    assert np.array_equal(inputs["input_ids"][0], ids)
+
+
+def test_prepare_refuses_another_model_with_404_and_long_prompts_with_400(demo_engine):
+    from triton_disagg.front.prepare import Preparer
+
+    preparer = Preparer(demo_engine, "demo")
+    with pytest.raises(ApiError) as err:
+        preparer.inputs(parse("completions", {"model": "gpt-4", "prompt": "a"}))
+    assert err.value.status == 404 and "'demo'" in str(err.value)
+    with pytest.raises(ApiError) as err:
+        preparer.inputs(parse("completions", {"model": "demo", "prompt": "a",
+                                              "max_tokens": preparer.max_seq_len}))
+    assert err.value.status == 400 and "max_seq_len" in str(err.value)

@@ -1,0 +1,263 @@
+"""The HTTP front: one asyncio (aiohttp) process beside tritonserver, started by ``serve all``
+and ``serve scheduler`` (``python -m triton_disagg.front.http_front``; see
+:mod:`triton_disagg.launch.front_process`).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; SSE with ``"stream":
+true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's), ``GET
+/v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its orchestrator
+are ready, else 503 with the reason), ``GET /version``.
+
+Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
+JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a model not served:
+404) and 5xx for the server's (503 when a role is missing or the server is not ready); a
+request that fails leaves the process serving; the client's ``X-Request-Id`` (or a new one)
+is the Triton request id of the orchestrator call and comes back in the response header; a
+client that disconnects cancels its handler (``handler_cancellation``), which cancels the
+gRPC stream, which the orchestrator sees and stops generation, freeing the KV blocks; a
+stream that fails part-way ends with an error event and no ``[DONE]``, never a normal
+finish. The process exits when its parent (``serve``) is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from triton_disagg import __version__
+from triton_disagg.front.openai_api import ApiError, Generation, parse
+from triton_disagg.front.openai_responses import Reply, StopTrimmer, finish_reason, sse, usage
+from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
+
+MAX_BODY_BYTES = 10 * 2**20          # a larger body is refused with 413
+PARENT_POLL_SECONDS = 1.0
+REQUEST_ID = "X-Request-Id"
+log = logging.getLogger("triton_disagg.front")
+
+PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
+PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
+ID_KEY = web.RequestKey("request_id", str)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every error as OpenAI's error JSON: aiohttp's own (404 path, 405, 413) included."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _error(exc, request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        reason = (f"the body is over {MAX_BODY_BYTES} bytes" if exc.status == 413
+                  else f"{exc.reason}: {request.method} {request.path}")
+        return _error(ApiError(reason, exc.status, kind=kind), request)
+
+
+def _error(exc: ApiError, request: web.Request) -> web.Response:
+    if exc.status >= 500:
+        log.warning("request %s: %s %s", _request_id(request), exc.status, exc)
+    return web.json_response(exc.body(), status=exc.status,
+                             headers={REQUEST_ID: _request_id(request)})
+
+
+def _request_id(request: web.Request) -> str:
+    if ID_KEY not in request:
+        request[ID_KEY] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+    return request[ID_KEY]
+
+
+async def _body(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ApiError("the body is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(f"the body is not valid JSON: {exc}") from None
+
+
+def _server_error(exc: Exception) -> ApiError:
+    if isinstance(exc, OrchestratorError):
+        return ApiError(str(exc), exc.status, kind="server_error")
+    if unreachable(exc):
+        return ApiError(f"tritonserver did not answer ({type(exc).__name__}: {exc})", 503,
+                        kind="server_error")
+    log.exception("internal error")
+    return ApiError(f"internal error: {type(exc).__name__}: {exc}", 500, kind="server_error")
+
+
+async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
+    preparer, relay = request.app[PREPARER], request.app[RELAY]
+    gen = parse(endpoint, await _body(request))
+    loop = asyncio.get_running_loop()
+    inputs, _ = await loop.run_in_executor(None, preparer.inputs, gen)
+    max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
+    headers = {REQUEST_ID: _request_id(request)}
+    async with contextlib.aclosing(relay.stream(inputs, _request_id(request))) as deltas:
+        try:
+            first = await anext(deltas, None)
+        except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
+            raise _server_error(exc) from None
+        chained = _chain(first, deltas)
+        if gen.stream:
+            return await _stream(request, gen, preparer.model, chained, max_tokens, headers)
+        return await _whole(gen, preparer.model, chained, max_tokens, headers)
+
+
+async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
+    if first is not None:
+        yield first
+    async for delta in deltas:
+        yield delta
+
+
+async def _whole(gen: Generation, model: str, deltas: AsyncIterator[Delta], max_tokens: int,
+                 headers: dict) -> web.Response:
+    trimmer, text, last = StopTrimmer(gen.stop), "", Delta("", 0, 0)
+    try:
+        async for last in deltas:
+            text += trimmer.add(last.text)
+            if trimmer.stopped:
+                break               # leaving the relay's stream cancels the request
+    except Exception as exc:  # noqa: BLE001
+        raise _server_error(exc) from None
+    text += trimmer.finish()
+    reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
+    if gen.endpoint == "inference":
+        body = {"id": uuid.uuid4().hex, "model": model, "text": text, "finish_reason": reason,
+                "usage": usage(last.prompt_tokens, last.completion_tokens)}
+    else:
+        body = Reply(gen, model).whole(text, reason, last.prompt_tokens, last.completion_tokens)
+    return web.json_response(body, headers=headers,
+                             dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
+
+
+async def _stream(request: web.Request, gen: Generation, model: str,
+                  deltas: AsyncIterator[Delta], max_tokens: int,
+                  headers: dict) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    reply, trimmer, last = Reply(gen, model), StopTrimmer(gen.stop), Delta("", 0, 0)
+    if reply.chat:
+        await response.write(sse(reply.chunk("", first=True)))
+    try:
+        async for last in deltas:
+            text = trimmer.add(last.text)
+            if text:
+                await response.write(sse(reply.chunk(text)))
+            if trimmer.stopped:
+                break               # leaving the relay's stream cancels the request
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise                       # the client left: the relay's stream is cancelled
+    except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
+        await response.write(sse(_server_error(exc).body()))
+        return response
+    tail = trimmer.finish()
+    reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
+    await response.write(sse(reply.chunk(tail, reason)))
+    if gen.include_usage:
+        await response.write(sse(reply.usage_chunk(last.prompt_tokens, last.completion_tokens)))
+    await response.write(sse("[DONE]"))
+    await response.write_eof()
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def inference(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "inference")
+
+
+async def models(request: web.Request) -> web.Response:
+    preparer = request.app[PREPARER]
+    return web.json_response({"object": "list", "data": [
+        {"id": preparer.model, "object": "model", "created": 0, "owned_by": "triton-disagg",
+         "max_model_len": preparer.max_seq_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    reason = await request.app[RELAY].ready()
+    if reason is None:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__, "model": request.app[PREPARER].model})
+
+
+def make_app(preparer: Preparer, relay: Relay) -> web.Application:
+    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    app[PREPARER], app[RELAY] = preparer, relay
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/inference", inference)
+    app.router.add_get("/v1/models", models)
+    for path in ("/healthz", "/health"):
+        app.router.add_get(path, health)
+    app.router.add_get("/version", version)
+
+    async def close_relay(app: web.Application) -> None:
+        await app[RELAY].close()
+    app.on_cleanup.append(close_relay)
+    return app
+
+
+async def _exit_with_parent(parent: int) -> None:
+    """serve stops this process; should serve be killed, this notices and exits."""
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_POLL_SECONDS)
+    log.warning("parent %d is gone; exiting", parent)
+    os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m triton_disagg.front.http_front",
+                                description="The HTTP front (OpenAI API, /v1/inference, /healthz)")
+    p.add_argument("--engine", type=Path, required=True, help="engine directory (tokenizer)")
+    p.add_argument("--model-name", required=True, help="the model id clients send")
+    p.add_argument("--grpc-url", required=True, help="tritonserver gRPC host:port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--log", type=Path, help="log file (default: stderr)")
+    args = p.parse_args(argv)
+    logging.basicConfig(filename=args.log, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    preparer = Preparer(args.engine, args.model_name)
+    parent = os.getppid()
+
+    async def start_watch(app: web.Application) -> None:
+        app[PARENT_WATCH] = asyncio.get_running_loop().create_task(_exit_with_parent(parent))
+
+    async def app_factory() -> web.Application:
+        app = make_app(preparer, Relay(args.grpc_url))   # the gRPC channel needs the loop
+        app.on_startup.append(start_watch)
+        return app
+
+    web.run_app(app_factory(), host=args.host, port=args.port, handler_cancellation=True,
+                shutdown_timeout=5.0, access_log=None,
+                print=lambda line: log.info("%s", line.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

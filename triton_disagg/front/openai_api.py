@@ -1,0 +1,237 @@
+"""Request bodies of the HTTP front (OpenAI's ``/v1/completions`` and ``/v1/chat/completions``,
+the deployment guide's ``/v1/inference``) -> one :class:`Generation`, checked field by field.
+
+Invariants: a body this module accepts is a JSON object whose every field is known, of its
+type and in its range, so what reaches the server cannot fail on input; anything else raises
+:class:`ApiError` (status 400, or 404 for a model this server does not serve) whose message
+names the field and the fix. A field OpenAI defines that this server cannot honour (``n`` >
+1, ``logprobs``, tools, ...) is accepted only at its default, else refused by name, never
+silently ignored. Defaults are OpenAI's: ``max_tokens`` 16 for completions, the rest of the
+engine's ``max_seq_len`` for chat; ``temperature`` 1 (the guide's ``/v1/inference``: 0,
+greedy); ``top_p`` 1. ``ignore_eos`` (vLLM's and trtllm-serve's extension, for load
+tests) generates ``max_tokens`` tokens whatever comes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+MAX_STOP_WORDS = 4              # OpenAI's limit on ``stop``
+
+
+class ApiError(Exception):
+    """A request the front refuses: ``status`` and an OpenAI error ``type``/``param``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+    def body(self) -> dict:
+        """OpenAI's error JSON."""
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.status}}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request, whichever endpoint it came in on. ``prompt`` is text (a chat's rendered
+    by the chat template later: ``messages`` set, ``prompt`` empty); ``max_tokens`` None:
+    the endpoint's default; ``sampling``: ensemble input names -> values, only those given."""
+
+    endpoint: str                        # "completions" | "chat" | "inference"
+    model: str | None
+    prompt: str = ""
+    messages: tuple[dict, ...] = ()
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- field checks: (value, name) -> value, or raise ApiError naming the field --------------
+
+def _bad(name: str, want: str, value: Any) -> ApiError:
+    return ApiError(f"'{name}': expected {want}, got {type(value).__name__} {_show(value)}",
+                    param=name)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _string(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(name, "a string", value)
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(name, "true or false", value)
+    return value
+
+
+def _int(low: int, high: int | None = None) -> Callable[[Any, str], int]:
+    def check(value: Any, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(name, "an integer", value)
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"between {low} and {high}"
+            raise ApiError(f"'{name}': {value} must be {bound}", param=name)
+        return value
+    return check
+
+
+def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any, str], float]:
+    def check(value: Any, name: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _bad(name, "a number", value)
+        if value < low or value > high or (low_open and value == low):
+            left = "(" if low_open else "["
+            raise ApiError(f"'{name}': {value} must be in {left}{low}, {high}]", param=name)
+        return float(value)
+    return check
+
+
+def _stop(value: Any, name: str) -> tuple[str, ...]:
+    words = [value] if isinstance(value, str) else value
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise _bad(name, "a string or a list of strings", value)
+    if len(words) > MAX_STOP_WORDS:
+        raise ApiError(f"'{name}': at most {MAX_STOP_WORDS} stop sequences, got {len(words)}",
+                       param=name)
+    return tuple(w for w in words if w)
+
+
+def _stream_options(value: Any, name: str) -> bool:
+    """``stream_options`` -> include_usage."""
+    if not isinstance(value, dict):
+        raise _bad(name, "an object", value)
+    unknown = set(value) - {"include_usage"}
+    if unknown:
+        raise ApiError(f"'{name}.{sorted(unknown)[0]}': unknown field; only include_usage is "
+                       f"supported", param=name)
+    return _bool(value.get("include_usage", False), f"{name}.include_usage")
+
+
+def _prompt(value: Any, name: str) -> str:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, list):
+        raise ApiError(f"'{name}': one prompt per request (a string, or a list of one string)",
+                       param=name)
+    return _string(value, name)
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _messages(value: Any, name: str) -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value:
+        raise _bad(name, "a non-empty list of messages", value)
+    out = []
+    for i, message in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(message, dict):
+            raise _bad(where, "an object with role and content", message)
+        unknown = set(message) - {"role", "content", "name"}
+        if unknown:
+            raise ApiError(f"'{where}.{sorted(unknown)[0]}': not supported (text messages: "
+                           f"role, content, name)", param=name)
+        role = _string(message.get("role"), f"{where}.role")
+        if role not in _ROLES:
+            raise ApiError(f"'{where}.role': {role!r} is not one of {', '.join(_ROLES)}",
+                           param=name)
+        out.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+    return tuple(out)
+
+
+def _content(value: Any, name: str) -> str:
+    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _bad(name, "a string or a list of text parts", value)
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise ApiError(f"'{name}[{i}]': only text parts ({{\"type\": \"text\", \"text\": "
+                           f"...}}) are supported", param=name)
+        texts.append(_string(part.get("text"), f"{name}[{i}].text"))
+    return "".join(texts)
+
+
+# field -> check; the value it returns is kept under the same name
+_COMMON = {
+    "model": _string, "stream": _bool, "stream_options": _stream_options, "stop": _stop,
+    "temperature": _number(0.0, 2.0), "top_p": _number(0.0, 1.0, low_open=True),
+    "seed": _int(0, 2**64 - 1), "presence_penalty": _number(-2.0, 2.0),
+    "frequency_penalty": _number(-2.0, 2.0), "user": _string,
+    "ignore_eos": _bool,     # vLLM's and trtllm-serve's extension: max_tokens tokens, always
+}
+_FIELDS = {
+    "completions": {**_COMMON, "prompt": _prompt, "max_tokens": _int(1)},
+    "chat": {**_COMMON, "messages": _messages, "max_tokens": _int(1),
+             "max_completion_tokens": _int(1)},
+    "inference": {"model": _string, "prompt": _string, "max_tokens": _int(1), "stop": _stop,
+                  "temperature": _number(0.0, 2.0), "top_p": _number(0.0, 1.0, low_open=True),
+                  "top_k": _int(0), "seed": _int(0, 2**64 - 1)},
+}
+# OpenAI fields this server honours only at their default: field -> (accepted values, why)
+_ONLY_DEFAULT = {
+    "n": ((1, None), "one choice per request; send n 1"),
+    "best_of": ((1, None), "best_of is not supported; send best_of 1"),
+    "echo": ((False, None), "echo is not supported; send echo false"),
+    "logprobs": ((None, False), "log probabilities are not returned over this API"),
+    "top_logprobs": ((None, 0), "log probabilities are not returned over this API"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+    "logit_bias": ((None,), "logit_bias is not supported"),
+    "tools": ((None,), "tool calls are not supported"),
+    "tool_choice": ((None, "none"), "tool calls are not supported"),
+    "parallel_tool_calls": ((None,), "tool calls are not supported"),
+    "functions": ((None,), "function calls are not supported"),
+    "function_call": ((None, "none"), "function calls are not supported"),
+    "response_format": ((None, {"type": "text"}), "only text responses are supported"),
+}
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty")
+_REQUIRED = {"completions": ("model", "prompt"), "chat": ("model", "messages"),
+             "inference": ("prompt",)}
+
+
+def parse(endpoint: str, body: Any) -> Generation:
+    """A decoded JSON body of ``endpoint`` ("completions", "chat", "inference") -> its
+    :class:`Generation`; raises :class:`ApiError` (400) naming the first wrong field."""
+    if not isinstance(body, dict):
+        raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
+    fields = _FIELDS[endpoint]
+    for name, value in body.items():
+        if name in fields or (name in _ONLY_DEFAULT and endpoint != "inference"):
+            continue
+        raise ApiError(f"'{name}': unknown field for /v1/{endpoint.replace('chat', 'chat/completions')}",
+                       param=name)
+    for name in _REQUIRED[endpoint]:
+        if body.get(name) is None:
+            raise ApiError(f"'{name}' is required", param=name)
+    for name, (fine, why) in _ONLY_DEFAULT.items():
+        if name in body and not any(body[name] == f and type(body[name]) is type(f)
+                                    for f in fine):
+            raise ApiError(f"'{name}' {_show(body[name])}: {why}", param=name)
+    v = {name: check(body[name], name) for name, check in fields.items()
+         if body.get(name) is not None}
+    if v.get("stream_options") and not v.get("stream"):
+        raise ApiError("'stream_options': only allowed with stream true", param="stream_options")
+    return Generation(
+        endpoint=endpoint, model=v.get("model"), prompt=v.get("prompt", ""),
+        messages=v.get("messages", ()),
+        max_tokens=v.get("max_completion_tokens", v.get("max_tokens")),
+        stream=v.get("stream", False), include_usage=v.get("stream_options", False),
+        stop=v.get("stop", ()), ignore_eos=v.get("ignore_eos", False),
+        sampling={name: v[name] for name in _SAMPLING if name in v}
+        | ({"temperature": 1.0} if endpoint != "inference" and "temperature" not in v else {}))

@@ -1,0 +1,88 @@
+"""A checked :class:`~triton_disagg.front.openai_api.Generation` -> the orchestrator model's
+input tensors, through the ``preprocessing`` model's own library (:mod:`.preprocess`), so
+the HTTP front tokenizes, bounds and defaults a prompt exactly as the ensemble does.
+
+Invariants: the model named must be the one served (else 404); a chat's prompt is its
+messages rendered by the engine's chat template (:mod:`.chat_template`); the tensors carry
+``stream`` true whatever the client asked (the front relays deltas, and a non-streamed
+answer is their concatenation, which the orchestrator guarantees equal to its non-streamed
+text) and ``arrival_ns`` (the orchestrator's time to first token starts here).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from triton_disagg import protocol as P
+from triton_disagg.engine.spec import EngineSpec
+from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg.errors import RequestError
+from triton_disagg.front.chat_template import ChatTemplate
+from triton_disagg.front.openai_api import COMPLETION_MAX_TOKENS, ApiError, Generation
+from triton_disagg.front.preprocess import Preprocessor
+
+_SPECS = P.by_name(P.ORCHESTRATOR_INPUTS)
+
+
+class Preparer:
+    """One engine's tokenizer, limits and chat template; ``model``: the name served."""
+
+    def __init__(self, engine_dir: str | Path, model: str):
+        spec = EngineSpec.load(engine_dir)
+        self.tokenizer = Tokenizer(engine_dir)
+        self.max_seq_len = spec.max_seq_len
+        self.pre = Preprocessor(self.tokenizer, spec.max_seq_len, spec.eos_token_id,
+                                spec.pad_token_id)
+        self.chat = ChatTemplate.load(engine_dir)
+        self.model = model
+
+    def prompt(self, gen: Generation) -> str:
+        """The prompt text: as sent, or the chat's messages rendered."""
+        if gen.endpoint != "chat":
+            return gen.prompt
+        if self.chat is None:
+            raise ApiError(f"model '{self.model}' has no chat template (tokenizer_config.json "
+                           f"chat_template); use /v1/completions")
+        return self.chat.render(list(gen.messages))
+
+    def inputs(self, gen: Generation) -> tuple[dict[str, np.ndarray], str]:
+        """The orchestrator's input arrays (each ``[1, ...]``: batch of one) and the prompt
+        text; raises :class:`ApiError` for a model not served or a prompt the engine refuses."""
+        if gen.model is not None and gen.model != self.model:
+            raise ApiError(f"model '{gen.model}' not found; this server serves "
+                           f"'{self.model}' (GET /v1/models)", status=404, param="model",
+                           kind="not_found_error")
+        try:
+            prompt = self.prompt(gen)
+            max_tokens = gen.max_tokens or self._default_max_tokens(gen, prompt)
+            ensemble = {"text_input": np.array([prompt.encode("utf-8")], dtype=object),
+                        "max_tokens": np.array([max_tokens], dtype=np.int32),
+                        "stop_words": np.array([w.encode("utf-8") for w in gen.stop], dtype=object)}
+            if gen.ignore_eos:
+                ensemble["end_id"] = np.array([-1], dtype=np.int32)    # no end token
+            arrays: dict[str, Any] = self.pre.process(ensemble)
+        except RequestError as exc:
+            raise ApiError(str(exc)) from None
+        arrays.update(gen.sampling)
+        arrays["stream"] = True
+        arrays[P.ARRIVAL] = time.monotonic_ns()
+        return {name: _batch_of_one(value, _SPECS[name].numpy_dtype)
+                for name, value in arrays.items()}, prompt
+
+    def _default_max_tokens(self, gen: Generation, prompt: str) -> int:
+        """OpenAI's defaults: 16 for a completion; the rest of the context for chat."""
+        if gen.endpoint != "chat":
+            return COMPLETION_MAX_TOKENS
+        return max(1, self.max_seq_len - len(self.tokenizer.encode(prompt)))
+
+
+def _batch_of_one(value: Any, dtype: type) -> np.ndarray:
+    """A tensor as the orchestrator takes it: its dims with a batch axis of 1 in front."""
+    array = np.asarray(value, dtype=dtype)
+    if array.ndim == 0:
+        array = array.reshape(1)        # scalar -> [1]
+    return array[None]                  # [...] -> [1, ...]

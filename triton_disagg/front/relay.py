@@ -1,0 +1,102 @@
+"""The HTTP front's one call: a request to the ``orchestrator`` model over Triton's gRPC
+streaming (tritonclient's asyncio client), its responses as text deltas.
+
+Why the orchestrator and not the ensemble: a client's cancel reaches a decoupled model it
+calls directly, but not the steps inside an ensemble (Triton 2.51), and the orchestrator
+must see it to stop generation and free the request's KV blocks. Preprocessing runs in the
+front itself, on the same library (:mod:`.prepare`).
+
+Invariants: one gRPC stream per request, half-closed once the request is sent, so it ends
+when the orchestrator sends its final response; a stream that ends any other way (the
+caller stops iterating: the HTTP client left, or its task was cancelled) is cancelled, and
+Triton passes that cancel to the orchestrator; an error response raises
+:class:`OrchestratorError` with the orchestrator's message and the HTTP status it means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import numpy as np
+
+ORCHESTRATOR = "orchestrator"
+# Words in an orchestrator error that say the deployment, not the request, is at fault now.
+_UNAVAILABLE = ("lost", "no ", "not ready", "unavailable", "busy", "stall")
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class OrchestratorError(Exception):
+    """The orchestrator answered with an error: 503 when a server is missing or busy, else 500."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        lowered = message.lower()
+        self.status = 503 if any(word in lowered for word in _UNAVAILABLE) else 500
+
+
+class Relay:
+    """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``)."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc.aio as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+
+    async def ready(self) -> str | None:
+        """None when the server and the orchestrator are ready, else why not."""
+        try:
+            if not await self.client.is_server_ready():
+                return "tritonserver is not ready (a role has no server that answers)"
+            if not await self.client.is_model_ready(ORCHESTRATOR):
+                return "the orchestrator model is not ready"
+        except Exception as exc:  # noqa: BLE001 - any failure to ask means not ready
+            return f"tritonserver does not answer ({type(exc).__name__})"
+        return None
+
+    async def stream(self, inputs: dict[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
+        """The orchestrator's responses to ``inputs`` (arrays with their batch axis)."""
+        from tritonclient.grpc import InferInput
+        from tritonclient.utils import np_to_triton_dtype
+
+        tensors = []
+        for name, array in inputs.items():
+            tensors.append(InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+            tensors[-1].set_data_from_numpy(array)
+
+        async def one_request():
+            yield {"model_name": ORCHESTRATOR, "inputs": tensors, "request_id": request_id}
+
+        responses = self.client.stream_infer(one_request())
+        ended = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise OrchestratorError(error.message())
+                text = result.as_numpy("text_output")
+                n_in, n_out = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
+                yield Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
+                            int(n_in.reshape(-1)[0]) if n_in is not None else 0,
+                            int(n_out.reshape(-1)[0]) if n_out is not None else 0)
+            ended = True
+        finally:
+            if not ended:
+                responses.cancel()
+
+
+def unreachable(exc: Exception) -> bool:
+    """True for the errors of a call that did not reach tritonserver or lost it (gRPC's own,
+    the client's, the OS's), as opposed to a fault of this process."""
+    import grpc
+    from tritonclient.utils import InferenceServerException
+
+    return isinstance(exc, (grpc.aio.AioRpcError, InferenceServerException, OSError))
+
+    async def close(self) -> None:
+        await self.client.close()
