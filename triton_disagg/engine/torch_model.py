@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,11 @@ import torch.nn.functional as F
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
+
+# Attention whose gathered KV is at most this many bytes runs on one CPU thread: split
+# over threads, such small ops cost more in thread wake-ups than they save (measured on
+# 2 busy cores: gather + SDPA of one decode token 0.5 ms on one thread, 3.5 ms on two).
+SINGLE_THREAD_ATTENTION_BYTES = 4 << 20
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -133,12 +140,24 @@ class TorchModelRunner:
             table[i, :used] = torch.tensor(ids[:used], dtype=torch.int64)
         real = (torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]).nonzero(as_tuple=True)
         real_pos = pos[real]                                               # [R]
-        slot_block = table[real[0], real_pos // self.bs].to(dev)           # [R]
-        slot_offset = (real_pos % self.bs).to(dev)                         # [R]
+        slot_block = table[real[0], real_pos // self.bs]                  # [R]
+        # The pool viewed as rows of one token's K or V: [N * L * 2 * bs, kvh * hd]; token
+        # slot (block, offset) of layer l, K/V c is row ((block * L + l) * 2 + c) * bs + offset.
+        layers = s.num_layers
+        write_rows = (slot_block * (layers * 2 * self.bs) + real_pos % self.bs).to(dev)  # [R], l=0 K
+        # Whole blocks as rows of [N * L * 2, bs * kvh * hd]: row (block * L + l) * 2 + c.
+        read_rows = (table[:, None, :] * (layers * 2)
+                     + torch.arange(2)[None, :, None]).flatten().to(dev)   # [B * 2 * nb], l=0
         real = tuple(r.to(dev) for r in real)
-        table, tok, pos = table.to(dev), tok.to(dev), pos.to(dev)
+        tok, pos = tok.to(dev), pos.to(dev)
         key_pos = torch.arange(nb * self.bs, device=dev)                   # [S]
         mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)    # [B, 1, n, S]
+        token_rows = self.kv.view(-1, self.kv_dim)                         # [N*L*2*bs, KV]
+        block_rows = self.kv.view(-1, self.bs * self.kv_dim)               # [N*L*2, bs*KV]
+        gathered_bytes = len(read_rows) * self.bs * self.kv_dim * 4
+        threads_for_attention = (_OneCpuThread() if dev.type == "cpu"
+                                 and gathered_bytes <= SINGLE_THREAD_ATTENTION_BYTES
+                                 else contextlib.nullcontext())
         x = self.embed[tok]                                                # [B, n, H]
         if self.gpt2:
             x = x + self.pos_embed[pos]
@@ -153,15 +172,17 @@ class TorchModelRunner:
             v = qkv[..., self.q_dim + self.kv_dim:].view(b, n, s.num_kv_heads, s.head_dim)
             if not self.gpt2:
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            layer_kv = self.kv[:, li]                                      # [N, 2, bs, kvh, hd]
-            layer_kv[slot_block, 0, slot_offset] = k[real].to(layer_kv.dtype)  # [R, kvh, hd]
-            layer_kv[slot_block, 1, slot_offset] = v[real].to(layer_kv.dtype)
-            cached = layer_kv[table].to(x.dtype)                          # [B, nb, 2, bs, kvh, hd]
-            keys = cached[:, :, 0].reshape(b, nb * self.bs, s.num_kv_heads, s.head_dim)  # [B, S, kvh, hd]
-            vals = cached[:, :, 1].reshape(b, nb * self.bs, s.num_kv_heads, s.head_dim)  # [B, S, kvh, hd]
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=mask, enable_gqa=True)                           # [B, nh, n, hd]
+            with threads_for_attention:
+                k_rows = write_rows + li * 2 * self.bs
+                token_rows.index_copy_(0, k_rows, k[real].reshape(-1, self.kv_dim).to(self.kv.dtype))
+                token_rows.index_copy_(0, k_rows + self.bs,
+                                       v[real].reshape(-1, self.kv_dim).to(self.kv.dtype))
+                cached = block_rows.index_select(0, read_rows + li * 2).to(x.dtype)  # [B*2*nb, bs*KV]
+                cached = cached.view(b, 2, nb * self.bs, s.num_kv_heads, s.head_dim)  # [B, 2, S, kvh, hd]
+                keys, vals = cached[:, 0], cached[:, 1]                        # [B, S, kvh, hd] each
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                    attn_mask=mask, enable_gqa=True)                           # [B, nh, n, hd]
             o = o.transpose(1, 2).reshape(b, n, self.q_dim)                # [B, n, Q]
             x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
             x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
@@ -185,6 +206,17 @@ class TorchModelRunner:
             return F.linear(F.gelu(a, approximate="tanh"), w["proj.weight"], w["proj.bias"])
         gate, up = F.linear(h, w["gate_up.weight"]).chunk(2, dim=-1)      # [B, n, I] each
         return F.linear(F.silu(gate) * up, w["down.weight"])
+
+
+class _OneCpuThread:
+    """A reusable context: its block runs on one intra-op thread, then the count returns."""
+
+    def __enter__(self) -> None:
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.threads)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
