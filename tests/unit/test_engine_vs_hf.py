@@ -1,7 +1,10 @@
-"""The numpy engine against Hugging Face transformers on the tiny checkpoints of every family.
+"""The engine's model runners (numpy, torch CPU) against Hugging Face transformers on the
+tiny checkpoints of every family.
 
 Engines here are rebuilt from the shared ``tiny_checkpoints`` with 4 tokens per block
-(so sequences span several blocks) and max_batch_size 4 (so requests queue).
+(so sequences span several blocks) and max_batch_size 4 (so requests queue). Tests that
+check the math take the ``runtime`` fixture and run once per runner; control-logic tests
+run on the numpy runner only (the logic is the same copy for both).
 """
 
 import functools
@@ -13,12 +16,18 @@ import pytest
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import RequestError
+from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.block_pool import KVCacheFullError
 
 FAMILIES = ["llama", "llama3", "qwen2", "mistral", "gpt2"]
 PROMPT_LENGTHS = (1, 5, 12, 23)
 MAX_TOKENS = (33, 40, 32, 36)
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def runtime(request) -> Runtime:
+    return Runtime(request.param, "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +72,8 @@ def prompts_for(engine: LLMEngine, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_logits_of_every_position_match_hf(family, engines, tiny_checkpoints):
-    engine = LLMEngine(engines[family])
+def test_prefill_logits_of_every_position_match_hf(family, runtime, engines, tiny_checkpoints):
+    engine = LLMEngine(engines[family], runtime=runtime)
     prompts = prompts_for(engine)
     tables = [engine.pool.allocate(engine.pool.geometry.blocks_for(len(p))) for p in prompts]
     ours = engine.runner.prefill_all_logits(list(zip(prompts, tables)))
@@ -74,8 +83,8 @@ def test_prefill_logits_of_every_position_match_hf(family, engines, tiny_checkpo
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_alone_matches_hf_generate(family, engines, tiny_checkpoints):
-    engine = LLMEngine(engines[family])
+def test_greedy_alone_matches_hf_generate(family, runtime, engines, tiny_checkpoints):
+    engine = LLMEngine(engines[family], runtime=runtime)
     for prompt, n in zip(prompts_for(engine), MAX_TOKENS):
         (seq,) = engine.generate([prompt], SamplingParams(max_tokens=n))
         assert seq.output_ids == hf_greedy(tiny_checkpoints[family], tuple(prompt), n)
@@ -84,9 +93,10 @@ def test_greedy_alone_matches_hf_generate(family, engines, tiny_checkpoints):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_batch_with_continuous_batching_matches_hf(family, engines, tiny_checkpoints):
+def test_mixed_batch_with_continuous_batching_matches_hf(family, runtime, engines,
+                                                         tiny_checkpoints):
     # 24 blocks of 4 tokens: not every request's reservation fits at once, so some wait.
-    engine = LLMEngine(engines[family], num_blocks=24)
+    engine = LLMEngine(engines[family], num_blocks=24, runtime=runtime)
     prompts = prompts_for(engine) + prompts_for(engine, seed=1)
     budgets = list(MAX_TOKENS) * 2
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
@@ -138,9 +148,10 @@ class CopiedKV:
                                     SamplingParams(max_tokens=20, temperature=0.9, top_k=50,
                                                    seed=11, repetition_penalty=1.2)])
 def test_prefill_only_then_add_prefilled_equals_aggregated(family, generation_block, params,
-                                                           engines):
-    context = LLMEngine(engines[family])
-    generation = LLMEngine(engines[family], kv_layout=KVLayout(tokens_per_block=generation_block))
+                                                           runtime, engines):
+    context = LLMEngine(engines[family], runtime=runtime)
+    generation = LLMEngine(engines[family], kv_layout=KVLayout(tokens_per_block=generation_block),
+                           runtime=runtime)
     prompts = prompts_for(context)
     expected = [s.output_ids for s in LLMEngine(engines[family]).generate(prompts, params)]
     results = context.prefill_only([(f"r{i}", p, params) for i, p in enumerate(prompts)])
@@ -155,6 +166,22 @@ def test_prefill_only_then_add_prefilled_equals_aggregated(family, generation_bl
     assert [got[r.request_id] for r in results] == expected
     assert context.pool.num_used == 0
     assert generation.pool.num_used == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resumed_prompt_continues_like_hf_and_runtimes_agree(family, engines, tiny_checkpoints):
+    """A resumed request (migrated) re-prefills prompt + the tokens generated so far, then
+    decodes on: its tokens equal HF's uninterrupted greedy run, on both runners."""
+    tokens = {}
+    for name in ("numpy", "torch"):
+        engine = LLMEngine(engines[family], runtime=Runtime(name))
+        prompt = prompts_for(engine)[2]
+        ref = hf_greedy(tiny_checkpoints[family], tuple(prompt), 30)
+        (seq,) = engine.generate([prompt + ref[:11]], SamplingParams(max_tokens=19))
+        assert ref[:11] + seq.output_ids == ref
+        assert engine.pool.num_used == 0
+        tokens[name] = seq.output_ids
+    assert tokens["torch"] == tokens["numpy"]
 
 
 def test_seeded_sampling_does_not_depend_on_batch_composition(engines):
@@ -182,12 +209,12 @@ def test_end_id_stops_and_is_included(engines, tiny_checkpoints):
     assert seq.finish_reason == "stop_word" and seq.output_ids == ref[:stop]
 
 
-def test_float16_engine_and_kv_stay_close_to_hf(tiny_checkpoints, tmp_path):
+def test_float16_engine_and_kv_stay_close_to_hf(runtime, tiny_checkpoints, tmp_path):
     from triton_disagg.builders.build import build_engine
 
     build_engine(tiny_checkpoints["llama"], tmp_path / "fp16", dtype="float16",
                  kv_dtype="float16", tokens_per_block=4)
-    engine = LLMEngine(tmp_path / "fp16")
+    engine = LLMEngine(tmp_path / "fp16", runtime=runtime)
     assert engine.pool.array.dtype == np.float16
     prompt = prompts_for(engine)[3]
     blocks = engine.pool.allocate(engine.pool.geometry.blocks_for(len(prompt)))

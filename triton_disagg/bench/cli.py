@@ -21,7 +21,14 @@ def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks that print figures and keep them in docs/")
     kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     engine = kinds.add_parser(
-        "engine", help="prefill/decode tokens/s of the numpy engine vs transformers, and the roofline")
+        "engine", help="prefill/decode tokens/s of the engine's runtimes vs transformers, "
+                       "and the roofline")
+    engine.add_argument("--runtime", default="numpy,torch",
+                        help="comma-separated runtimes to measure (default numpy,torch)")
+    engine.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cpu (default); on a GPU run scripts/gpu_check.sh instead")
+    engine.add_argument("--repeats", type=int, default=3,
+                        help="timed passes per figure after one warm-up; the best is kept")
     engine.add_argument("--work-dir", type=Path, default=Path("work/bench"),
                         help="where the benchmark checkpoints and engines are built (kept between runs)")
     engine.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
@@ -66,10 +73,19 @@ def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Pa
 def _run_engine(args: argparse.Namespace) -> int:
     from triton_disagg.bench.engine_bench import default_threads, run_engine_bench
     from triton_disagg.bench.report import replace_section
+    from triton_disagg.engine.runtime import RUNTIMES
 
     batches = number_list(args.batch_sizes, "--batch-sizes", int)
-    if args.prompt_len <= 0 or args.new_tokens < 2:
-        raise UserError("--prompt-len must be > 0 and --new-tokens >= 2")
+    if args.prompt_len <= 0 or args.new_tokens < 2 or args.repeats < 1:
+        raise UserError("--prompt-len must be > 0, --new-tokens >= 2 and --repeats >= 1")
+    if args.device != "cpu":
+        raise UserError("bench engine --device: cuda is measured by scripts/gpu_check.sh "
+                        "(decode/prefill beside transformers on the GPU); use --device cpu")
+    runtimes = [r.strip() for r in args.runtime.split(",") if r.strip()]
+    unknown = sorted(set(runtimes) - set(RUNTIMES))
+    if unknown or not runtimes:
+        raise UserError(f"--runtime: {','.join(unknown) or 'empty'}; choose from "
+                        f"{', '.join(RUNTIMES)}")
     threads = args.threads or default_threads()
 
     def say(message: str) -> None:
@@ -77,9 +93,11 @@ def _run_engine(args: argparse.Namespace) -> int:
 
     models = _prepare_models([m.strip() for m in args.models.split(",") if m.strip()],
                              args.work_dir, say)
-    report = run_engine_bench(models, batches, args.prompt_len, args.new_tokens, threads, say)
+    report = run_engine_bench(models, runtimes, batches, args.prompt_len, args.new_tokens,
+                              threads, args.repeats, say)
     print(report)
     if args.output:
-        replace_section(args.output, "engine", "Engine throughput (numpy engine vs transformers)", report)
+        replace_section(args.output, "engine",
+                        "Engine throughput (numpy and torch runtimes vs transformers)", report)
         say(f"[bench] table written to {args.output}")
     return 0

@@ -1,0 +1,227 @@
+"""The torch forward pass of both families over the paged KV cache (CPU float32, or CUDA).
+
+The same math as :mod:`triton_disagg.engine.model` (the numpy reference) and the same
+entry points (``prefill``, ``prefill_all_logits``, ``decode``, ``max_context``), so the
+engine's control logic (scheduler, block pool, sampling) stays the one copy and only
+the runner differs. Logits come back as float32 numpy arrays on the host.
+
+KV storage: on CPU the runner computes straight in the pool's numpy array
+(``torch.from_numpy(pool.array)`` shares its memory), so the KV connectors that register
+that array keep working unchanged. On CUDA it owns one device tensor of the pool's
+shape; the host array is then unused (the KV connectors do not reach device memory yet).
+
+Invariants (as the numpy runner): a pass writes the K/V of exactly the positions it
+computes (token ``t`` of a sequence at slot ``t % bs`` of its ``t // bs``-th block) and
+reads only the blocks the caller names; it never allocates or frees blocks. A query at
+position ``p`` sees exactly the keys at positions ``0..p`` of its own sequence, so a
+prompt may continue a sequence whose earlier KV is already cached.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from triton_disagg.engine.block_pool import BlockPool
+from triton_disagg.engine.rope import inv_frequencies, rope_tables
+from triton_disagg.engine.spec import EngineSpec
+
+# Attention whose gathered KV is at most this many bytes runs on one CPU thread: split
+# over threads, such small ops cost more in thread wake-ups than they save (measured on
+# 2 busy cores: gather + SDPA of one decode token 0.5 ms on one thread, 3.5 ms on two).
+SINGLE_THREAD_ATTENTION_BYTES = 4 << 20
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Batch = Sequence[tuple[Sequence[int], Sequence[int]]]
+
+
+class TorchModelRunner:
+    """Runs prefill and decode batches of one engine against one :class:`BlockPool`."""
+
+    def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray], pool: BlockPool,
+                 device: str = "cpu", dtype: str = "float32"):
+        s = self.shape = spec.shape
+        g = pool.geometry
+        if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
+            raise ValueError(f"KV pool geometry {g} does not match the model shape")
+        self.pool, self.device, self.dtype = pool, torch.device(device), TORCH_DTYPES[dtype]
+        self.gpt2 = s.family == "gpt2"
+        self.q_dim, self.kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.max_context = spec.max_context
+        self.bs = g.tokens_per_block
+        to = self._to_device
+        self.layers = [{key.split(".", 2)[2]: to(w) for key, w in weights.items()
+                        if key.startswith(f"layers.{i}.")} for i in range(s.num_layers)]
+        self.embed = to(weights["embed"])                                  # [V, H]
+        self.pos_embed = to(weights["pos_embed"]) if self.gpt2 else None   # [P, H]
+        self.lm_head = to(weights["lm_head.weight"]) if "lm_head.weight" in weights else self.embed
+        self.final_norm = (to(weights["final_norm.weight"]),
+                           to(weights["final_norm.bias"]) if self.gpt2 else None)
+        if self.device.type == "cpu":
+            self.kv = torch.from_numpy(pool.array)     # [N, L, 2, bs, kvh, hd], shares memory
+        else:
+            self.kv = torch.zeros(pool.array.shape, dtype=self.dtype, device=self.device)
+        if not self.gpt2:
+            cos, sin = rope_tables(inv_frequencies(s.head_dim, s.rope_theta, s.rope_scaling),
+                                   self.max_context)
+            self.cos = torch.from_numpy(cos).to(self.device)                # [P, hd/2] float32
+            self.sin = torch.from_numpy(sin).to(self.device)
+
+    def _to_device(self, w: np.ndarray) -> torch.Tensor:
+        """A weight on the runner's device and dtype (on CPU float32: no copy)."""
+        return torch.from_numpy(w).to(device=self.device, dtype=self.dtype)
+
+    # ---- public entry points -------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, batch: Batch) -> np.ndarray:
+        """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
+
+        ``batch`` holds ``(token_ids, block_ids)`` per sequence; tokens start at position 0.
+        """
+        hidden, lengths = self._prefill_hidden(batch)                      # [B, n, H]
+        last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
+        return self._logits(last)
+
+    @torch.inference_mode()
+    def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
+        """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every position of each prompt."""
+        hidden, lengths = self._prefill_hidden(batch)
+        return [self._logits(hidden[b, :n]) for b, n in enumerate(lengths)]
+
+    @torch.inference_mode()
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               block_tables: Sequence[Sequence[int]]) -> np.ndarray:
+        """One new token per sequence at ``positions`` (its KV slot); returns logits ``[B, V]``.
+
+        Sequence ``b`` attends to positions ``0..positions[b]`` of ``block_tables[b]``.
+        """
+        pos = torch.tensor(positions, dtype=torch.int64).unsqueeze(1)      # [B, 1]
+        tok = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)         # [B, 1]
+        hidden = self._forward(tok, pos, [1] * len(tokens), block_tables,
+                               int(pos.max()) + 1)                         # [B, 1, H]
+        return self._logits(hidden[:, 0])
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _prefill_hidden(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
+        """Final-norm hidden states ``[B, n_max, H]`` of the prompts, right-padded, and
+        each prompt's length (rows past it are padding: computed, never written to KV)."""
+        lengths = [len(ids) for ids, _ in batch]
+        n_max = max(lengths)
+        tok = torch.zeros((len(batch), n_max), dtype=torch.int64)          # [B, n]
+        for b, (ids, _) in enumerate(batch):
+            tok[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        pos = torch.arange(n_max).expand(len(batch), n_max)               # [B, n]
+        pos = torch.minimum(pos, torch.tensor(lengths).unsqueeze(1) - 1)   # padding repeats last
+        hidden = self._forward(tok, pos, lengths, [blocks for _, blocks in batch], n_max)
+        return hidden, lengths
+
+    def _forward(self, tok: torch.Tensor, pos: torch.Tensor, lengths: Sequence[int],
+                 block_tables: Sequence[Sequence[int]], span: int) -> torch.Tensor:
+        """Final-norm hidden states ``[B, n, H]`` of tokens ``tok`` ``[B, n]`` at positions
+        ``pos`` ``[B, n]``; each sequence's keys are positions ``0..span-1`` of its blocks.
+
+        Only the first ``lengths[b]`` tokens of row ``b`` are real: only their K/V is
+        written. Padding rows attend like their row's last real token and are discarded.
+        """
+        s, dev = self.shape, self.device
+        b, n = tok.shape
+        nb = -(-span // self.bs)
+        table = torch.zeros((b, nb), dtype=torch.int64)                    # [B, nb]; pad: block 0
+        for i, ids in enumerate(block_tables):
+            used = min(nb, len(ids))
+            table[i, :used] = torch.tensor(ids[:used], dtype=torch.int64)
+        real = (torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]).nonzero(as_tuple=True)
+        real_pos = pos[real]                                               # [R]
+        slot_block = table[real[0], real_pos // self.bs]                  # [R]
+        # The pool viewed as rows of one token's K or V: [N * L * 2 * bs, kvh * hd]; token
+        # slot (block, offset) of layer l, K/V c is row ((block * L + l) * 2 + c) * bs + offset.
+        layers = s.num_layers
+        write_rows = (slot_block * (layers * 2 * self.bs) + real_pos % self.bs).to(dev)  # [R], l=0 K
+        # Whole blocks as rows of [N * L * 2, bs * kvh * hd]: row (block * L + l) * 2 + c.
+        read_rows = (table[:, None, :] * (layers * 2)
+                     + torch.arange(2)[None, :, None]).flatten().to(dev)   # [B * 2 * nb], l=0
+        real = tuple(r.to(dev) for r in real)
+        tok, pos = tok.to(dev), pos.to(dev)
+        key_pos = torch.arange(nb * self.bs, device=dev)                   # [S]
+        mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)    # [B, 1, n, S]
+        token_rows = self.kv.view(-1, self.kv_dim)                         # [N*L*2*bs, KV]
+        block_rows = self.kv.view(-1, self.bs * self.kv_dim)               # [N*L*2, bs*KV]
+        gathered_bytes = len(read_rows) * self.bs * self.kv_dim * 4
+        threads_for_attention = (_OneCpuThread() if dev.type == "cpu"
+                                 and gathered_bytes <= SINGLE_THREAD_ATTENTION_BYTES
+                                 else contextlib.nullcontext())
+        x = self.embed[tok]                                                # [B, n, H]
+        if self.gpt2:
+            x = x + self.pos_embed[pos]
+        else:
+            cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, n, 1, hd/2]
+        for li, w in enumerate(self.layers):
+            h = self._norm(x, w["attn_norm.weight"], w.get("attn_norm.bias"))
+            qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))          # [B, n, Q + 2*KV]
+            q = qkv[..., :self.q_dim].view(b, n, s.num_heads, s.head_dim)   # [B, n, nh, hd]
+            k = qkv[..., self.q_dim:self.q_dim + self.kv_dim].view(
+                b, n, s.num_kv_heads, s.head_dim)                           # [B, n, kvh, hd]
+            v = qkv[..., self.q_dim + self.kv_dim:].view(b, n, s.num_kv_heads, s.head_dim)
+            if not self.gpt2:
+                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            with threads_for_attention:
+                k_rows = write_rows + li * 2 * self.bs
+                token_rows.index_copy_(0, k_rows, k[real].reshape(-1, self.kv_dim).to(self.kv.dtype))
+                token_rows.index_copy_(0, k_rows + self.bs,
+                                       v[real].reshape(-1, self.kv_dim).to(self.kv.dtype))
+                cached = block_rows.index_select(0, read_rows + li * 2).to(x.dtype)  # [B*2*nb, bs*KV]
+                cached = cached.view(b, 2, nb * self.bs, s.num_kv_heads, s.head_dim)  # [B, 2, S, kvh, hd]
+                keys, vals = cached[:, 0], cached[:, 1]                        # [B, S, kvh, hd] each
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                    attn_mask=mask, enable_gqa=True)                           # [B, nh, n, hd]
+            o = o.transpose(1, 2).reshape(b, n, self.q_dim)                # [B, n, Q]
+            x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
+            x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
+        return self._norm(x, *self.final_norm)
+
+    def _logits(self, hidden: torch.Tensor) -> np.ndarray:
+        """``hidden [R, H]`` -> float32 host logits ``[R, V]``."""
+        return F.linear(hidden, self.lm_head).float().cpu().numpy()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """LayerNorm when there is a bias (gpt2), else RMSNorm, over the last axis of ``x``."""
+        eps = self.shape.norm_eps
+        if bias is not None:
+            return F.layer_norm(x, weight.shape, weight, bias, eps)
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def _mlp(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.gpt2:
+            a = F.linear(h, w["fc.weight"], w["fc.bias"])                  # [B, n, I]
+            return F.linear(F.gelu(a, approximate="tanh"), w["proj.weight"], w["proj.bias"])
+        gate, up = F.linear(h, w["gate_up.weight"]).chunk(2, dim=-1)      # [B, n, I] each
+        return F.linear(F.silu(gate) * up, w["down.weight"])
+
+
+class _OneCpuThread:
+    """A reusable context: its block runs on one intra-op thread, then the count returns."""
+
+    def __enter__(self) -> None:
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.threads)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, n, heads, hd]`` rotated by HF's rotate_half convention (see ``rope.py``);
+    ``cos``/``sin`` are ``[B, n, 1, hd/2]`` float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)                                    # [B, n, heads, hd/2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
