@@ -109,6 +109,9 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         try:
             first = await anext(deltas, None)
         except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
+            not_ready = await relay.ready()
+            if not_ready is not None:
+                raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
             raise _server_error(exc) from None
         chained = _chain(first, deltas)
         if gen.stream:
