@@ -102,7 +102,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     preparer, relay = request.app[PREPARER], request.app[RELAY]
     gen = parse(endpoint, await _body(request))
     loop = asyncio.get_running_loop()
-    inputs, _ = await loop.run_in_executor(None, preparer.inputs, gen)
+    inputs = await loop.run_in_executor(None, preparer.inputs, gen)
     max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
     headers = {REQUEST_ID: _request_id(request)}
     async with contextlib.aclosing(relay.stream(inputs, _request_id(request))) as deltas:
