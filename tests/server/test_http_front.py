@@ -199,3 +199,61 @@ def test_bench_front_paths_send_the_same_requests(server, demo_engine):
         assert [o.measurement.output_tokens for o in run.outcomes] == \
             [r.max_tokens for r in requests_]
         assert all(o.measurement.ttft > 0 for o in run.outcomes)
+
+
+def _front_argv(server, demo_engine, port: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "triton_disagg.front.http_front", "--engine", str(demo_engine),
+            "--model-name", MODEL, "--grpc-url", server.grpc, "--port", str(port)]
+
+
+def _wait_healthy(url: str) -> None:
+    def healthy() -> bool:
+        try:
+            return requests.get(f"{url}/healthz", timeout=1).status_code == 200
+        except requests.ConnectionError:
+            return False
+    servers.wait_until(healthy, 60, f"{url}/healthz answers 200", poll=0.1)
+
+
+def test_the_front_stops_cleanly_on_sigterm(server, demo_engine):
+    import subprocess
+
+    (port,) = servers.free_ports(1)
+    proc = subprocess.Popen(_front_argv(server, demo_engine, port), stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_the_front_exits_when_its_parent_is_killed(server, demo_engine):
+    """serve stops the front; should serve be SIGKILLed, the front notices and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (port,) = servers.free_ports(1)
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen({_front_argv(server, demo_engine, port)!r})\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    front = int(parent.stdout.readline())
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+        parent.kill()
+        parent.wait()
+        servers.wait_until(lambda: not os.path.exists(f"/proc/{front}") or
+                           "zombie" in open(f"/proc/{front}/status").read(), 10,
+                           "the front exits without its parent", poll=0.1)
+    finally:
+        parent.kill()
+        if os.path.exists(f"/proc/{front}"):
+            os.kill(front, signal.SIGKILL)
