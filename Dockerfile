@@ -26,7 +26,7 @@ RUN pip install --no-cache-dir . \
  && triton-disagg doctor \
  && triton-disagg demo-checkpoint --output checkpoints/demo \
  && triton-disagg build --checkpoint checkpoints/demo --output engines/demo
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 8080
 CMD ["triton-disagg", "serve", "all", "--engine", "engines/demo", "--host", "0.0.0.0"]
 
 FROM nvcr.io/nvidia/tritonserver:24.10-trtllm-python-py3 AS gpu
@@ -37,5 +37,5 @@ COPY . .
 ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver
 RUN pip install --no-cache-dir . \
  && triton-disagg doctor
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 8080
 CMD ["triton-disagg", "--help"]

@@ -57,7 +57,9 @@ test-tools:
 	  fi; \
 	fi
 
-$(DEMO_ENGINE)/engine.json: $(STAMP)
+# builders/demo.py: a checkout whose demo checkpoint changed (e.g. gained its chat template)
+# rebuilds the engine.
+$(DEMO_ENGINE)/engine.json: $(STAMP) builders/demo.py
 	$(BIN)/triton-disagg demo-checkpoint --output $(DEMO_CKPT)
 	$(BIN)/triton-disagg build --checkpoint $(DEMO_CKPT) --output $(DEMO_ENGINE)
 

@@ -36,13 +36,16 @@ from triton_disagg.kv.connector import strategy as kv_strategy
 from triton_disagg.kv.secret import SECRET_ENV
 
 from .drain import DRAIN_SECONDS, NOTICE_SECONDS
+from .front_process import DEFAULT_FRONT_PORT
 from .serve_argv import serve_argv
 from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 
 CONFIG_DIR = "/etc/triton-disagg"
 CONFIG_PATH = f"{CONFIG_DIR}/disagg_config.yaml"
 ENGINES_DIR = "/engines"
-PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002},
+# The scheduler's HTTP front listens on its default port: pod configs carry no
+# scheduler_server ports (pod_config).
+PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002, "front": DEFAULT_FRONT_PORT},
          "context": {"http": 8010, "grpc": 8011, "metrics": 8012},
          "generation": {"http": 8020, "grpc": 8021, "metrics": 8022}}
 SHORT = {"scheduler": "sch", "context": "ctx", "generation": "gen"}
@@ -226,7 +229,8 @@ def _resources(role: str, config: DisaggConfig) -> dict:
 
 
 def scheduler_service(config: DisaggConfig) -> dict:
-    """Clients' entry: HTTP 8000, gRPC 8001, metrics 8002, as ``serve all`` serves them."""
+    """Clients' entry: HTTP 8000, gRPC 8001, metrics 8002 and the HTTP front 8080, as
+    ``serve all`` serves them."""
     k8s = config.kubernetes
     unit = next(u for u in units(config) if "scheduler" in u.roles)
     return {"apiVersion": "v1", "kind": "Service",

@@ -153,7 +153,9 @@ def _cancelled(served) -> float:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_cancels_and_frees_its_blocks(server, stream):
-    """1500 tokens take far longer than this test waits: only the cancel ends them."""
+    """The orchestrator counts the request ``cancelled`` (a request that ran to its 1500
+    tokens counts ``finished``), and the KV blocks return to 0. Generous waits: the
+    machine may be busy."""
     cancelled = _cancelled(server)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0,
             "stream": stream}
@@ -166,8 +168,92 @@ def test_a_client_that_disconnects_cancels_and_frees_its_blocks(server, stream):
                 assert json.loads(line[len(b"data: "):])["choices"]
             assert _blocks_used(server) > 0        # the request holds KV blocks now
     else:
-        with pytest.raises(requests.exceptions.ReadTimeout):
-            requests.post(f"{server.front}/v1/completions", json=body, timeout=1.5)
-    servers.wait_until(lambda: _cancelled(server) == cancelled + 1, 5,
+        import http.client
+
+        host, port = server.front.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        servers.wait_until(lambda: _blocks_used(server) > 0, 60, "the request holds KV blocks")
+        conn.close()                           # before any answer: the client is gone
+    servers.wait_until(lambda: _cancelled(server) == cancelled + 1, 60,
                        "the orchestrator counts the request cancelled", poll=0.1)
-    servers.wait_until(lambda: _blocks_used(server) == 0, 10, "KV blocks back to 0", poll=0.1)
+    servers.wait_until(lambda: _blocks_used(server) == 0, 60, "KV blocks back to 0", poll=0.1)
+
+
+def test_bench_front_paths_send_the_same_requests(server, demo_engine):
+    """`bench front`'s two senders against this server: every reply complete, with exactly
+    its max_tokens tokens (end id off), over gRPC and over the front alike."""
+    import math
+    import random
+
+    from triton_disagg.bench.serve_load import run_load, run_openai_load
+    from triton_disagg.clients.stream import GenerateRequest
+
+    rng = random.Random(0)
+    requests_ = [GenerateRequest(PROMPTS[i % len(PROMPTS)], rng.randint(4, 12), True,
+                                 {"end_id": -1}) for i in range(6)]
+    for run in (run_load(server.grpc, requests_, math.inf),
+                run_openai_load(server.front, MODEL, requests_, math.inf)):
+        assert [o.error for o in run.outcomes] == [None] * len(requests_)
+        assert [o.measurement.output_tokens for o in run.outcomes] == \
+            [r.max_tokens for r in requests_]
+        assert all(o.measurement.ttft > 0 for o in run.outcomes)
+
+
+def _front_argv(server, demo_engine, port: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "triton_disagg.front.http_front", "--engine", str(demo_engine),
+            "--model-name", MODEL, "--grpc-url", server.grpc, "--port", str(port)]
+
+
+def _wait_healthy(url: str) -> None:
+    def healthy() -> bool:
+        try:
+            return requests.get(f"{url}/healthz", timeout=1).status_code == 200
+        except requests.ConnectionError:
+            return False
+    servers.wait_until(healthy, 60, f"{url}/healthz answers 200", poll=0.1)
+
+
+def test_the_front_stops_cleanly_on_sigterm(server, demo_engine):
+    import subprocess
+
+    (port,) = servers.free_ports(1)
+    proc = subprocess.Popen(_front_argv(server, demo_engine, port), stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_the_front_exits_when_its_parent_is_killed(server, demo_engine):
+    """serve stops the front; should serve be SIGKILLed, the front notices and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (port,) = servers.free_ports(1)
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen({_front_argv(server, demo_engine, port)!r})\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    front = int(parent.stdout.readline())
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+        parent.kill()
+        parent.wait()
+        servers.wait_until(lambda: not os.path.exists(f"/proc/{front}") or
+                           "zombie" in open(f"/proc/{front}/status").read(), 10,
+                           "the front exits without its parent", poll=0.1)
+    finally:
+        parent.kill()
+        if os.path.exists(f"/proc/{front}"):
+            os.kill(front, signal.SIGKILL)

@@ -35,6 +35,7 @@ from k8s_manifests import CRD_KINDS, IMAGE, of_kind, render, schema_errors
 from triton_disagg.cli import build_parser
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.launch.drain import DRAIN_SECONDS, NOTICE_SECONDS
+from triton_disagg.launch.front_process import DEFAULT_FRONT_PORT
 from triton_disagg.launch.k8s_workloads import (CONFIG_PATH, ETCD_PASSWORD_ENV, ETCD_TLS_DIR,
                                                 PORTS, READY_PATH, LIVE_PATH)
 from triton_disagg.launch.serve_argv import serve_argv
@@ -90,8 +91,10 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
                                                       ports["metrics"], ports["http"], advertise)
             args = serve.parse_args(container["command"][1:])
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+            front = [DEFAULT_FRONT_PORT] if role == "scheduler" else []   # serve's default
+            assert args.front_port is None
             assert sorted(declared.values()) == sorted([args.http_port, args.grpc_port,
-                                                        args.metrics_port])
+                                                        args.metrics_port, *front])
             for probe, path in (("readinessProbe", READY_PATH), ("livenessProbe", LIVE_PATH),
                                 ("startupProbe", LIVE_PATH)):
                 get = container[probe]["httpGet"]

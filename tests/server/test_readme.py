@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import requests
+
 import servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +111,10 @@ def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_pa
             assert status == 200 and body["text_output"] == text, body
         deltas = servers.grpc_stream("127.0.0.1:8001", prompts[1], MAX_TOKENS)
         assert "".join(deltas) == reference[1]
+        # the guide's verification request, on the scheduler's HTTP front (default port)
+        reply = requests.post("http://127.0.0.1:8080/v1/inference", timeout=60, json={
+            "prompt": PROMPT, "model": demo_engine.name, "max_tokens": MAX_TOKENS})
+        assert reply.status_code == 200 and reply.json()["text"] == reference[0], reply.text
 
 
 def test_example_config_loads_as_written(demo_engine, tmp_path):

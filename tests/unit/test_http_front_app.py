@@ -126,6 +126,17 @@ def test_server_faults_are_5xx(demo_engine, error, status):
     run(ScriptedRelay([error]), check, demo_engine)
 
 
+def test_a_request_while_not_ready_is_503_with_the_reason(demo_engine):
+    relay = ScriptedRelay([OrchestratorError("Request for unknown model: 'orchestrator'")],
+                          ready="the orchestrator model is not ready")
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        assert resp.status == 503
+        assert "the orchestrator model is not ready" in (await resp.json())["error"]["message"]
+    run(relay, check, demo_engine)
+
+
 def test_a_stream_failing_part_way_ends_with_an_error_not_done(demo_engine):
     relay = ScriptedRelay([WORDS[0], OrchestratorError("generation server x was lost (gone)")])
 

@@ -36,9 +36,9 @@ def test_ignore_eos_sends_no_end_id(demo_engine):
 
     preparer = Preparer(demo_engine, "demo")
     body = {"model": "demo", "prompt": "a"}
-    inputs, _ = preparer.inputs(parse("completions", {**body, "ignore_eos": True}))
+    inputs = preparer.inputs(parse("completions", {**body, "ignore_eos": True}))
     assert int(inputs["end_id"][0, 0]) == -1
-    inputs, _ = preparer.inputs(parse("completions", body))
+    inputs = preparer.inputs(parse("completions", body))
     assert int(inputs["end_id"][0, 0]) == preparer.pre.eos_id >= 0
 
 
@@ -180,7 +180,8 @@ def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
     from triton_disagg.front.prepare import Preparer
 
     preparer = Preparer(demo_engine, "demo")
-    inputs, prompt = preparer.inputs(parse("chat", {**CHAT, "stop": ["a", "bc"], "seed": 5}))
+    gen = parse("chat", {**CHAT, "stop": ["a", "bc"], "seed": 5})
+    inputs, prompt = preparer.inputs(gen), preparer.prompt(gen)
     specs = P.by_name(P.ORCHESTRATOR_INPUTS)
     assert set(inputs) <= set(specs)
     for name, array in inputs.items():

@@ -102,13 +102,16 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     preparer, relay = request.app[PREPARER], request.app[RELAY]
     gen = parse(endpoint, await _body(request))
     loop = asyncio.get_running_loop()
-    inputs, _ = await loop.run_in_executor(None, preparer.inputs, gen)
+    inputs = await loop.run_in_executor(None, preparer.inputs, gen)
     max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
     headers = {REQUEST_ID: _request_id(request)}
     async with contextlib.aclosing(relay.stream(inputs, _request_id(request))) as deltas:
         try:
             first = await anext(deltas, None)
         except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
+            not_ready = await relay.ready()
+            if not_ready is not None:
+                raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
             raise _server_error(exc) from None
         chained = _chain(first, deltas)
         if gen.stream:

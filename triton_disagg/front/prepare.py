@@ -49,9 +49,9 @@ class Preparer:
                            f"chat_template); use /v1/completions")
         return self.chat.render(list(gen.messages))
 
-    def inputs(self, gen: Generation) -> tuple[dict[str, np.ndarray], str]:
-        """The orchestrator's input arrays (each ``[1, ...]``: batch of one) and the prompt
-        text; raises :class:`ApiError` for a model not served or a prompt the engine refuses."""
+    def inputs(self, gen: Generation) -> dict[str, np.ndarray]:
+        """The orchestrator's input arrays (each ``[1, ...]``: batch of one); raises
+        :class:`ApiError` for a model not served or a prompt the engine refuses."""
         if gen.model is not None and gen.model != self.model:
             raise ApiError(f"model '{gen.model}' not found; this server serves "
                            f"'{self.model}' (GET /v1/models)", status=404, param="model",
@@ -71,7 +71,7 @@ class Preparer:
         arrays["stream"] = True
         arrays[P.ARRIVAL] = time.monotonic_ns()
         return {name: _batch_of_one(value, _SPECS[name].numpy_dtype)
-                for name, value in arrays.items()}, prompt
+                for name, value in arrays.items()}
 
     def _default_max_tokens(self, gen: Generation, prompt: str) -> int:
         """OpenAI's defaults: 16 for a completion; the rest of the context for chat."""

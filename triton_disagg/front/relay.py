@@ -89,6 +89,9 @@ class Relay:
             if not ended:
                 responses.cancel()
 
+    async def close(self) -> None:
+        await self.client.close()
+
 
 def unreachable(exc: Exception) -> bool:
     """True for the errors of a call that did not reach tritonserver or lost it (gRPC's own,
@@ -97,6 +100,3 @@ def unreachable(exc: Exception) -> bool:
     from tritonclient.utils import InferenceServerException
 
     return isinstance(exc, (grpc.aio.AioRpcError, InferenceServerException, OSError))
-
-    async def close(self) -> None:
-        await self.client.close()
