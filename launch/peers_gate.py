@@ -15,8 +15,10 @@ and
   (a READY model whose reload fails would stay READY); the server reports not ready from
   the unload on (UNLOADING, LOADING, then failed).
 
-The gate starts closed: tritonserver loads it at start with ``--exit-on-error=false`` and
-fails it ("not checked yet"), so the scheduler is never ready before the first check.
+The gate starts as one check before tritonserver starts finds the peers
+(:func:`check_before_start`): open when they answer, so a healthy start logs no ERROR;
+else closed, and tritonserver (``--exit-on-error=false``) fails its load with the reason.
+The scheduler is never ready before a check.
 
 Loading models takes ``--model-control-mode=explicit``, whose repository API would let any
 client load a model (``model_repo/`` files included: code). So that API is restricted
@@ -170,6 +172,26 @@ class PeersGate:
 def start_peers_gate(config, server, role: str) -> PeersGate:
     """The gate of the started ``server`` (``serve role``), checking the roles the scheduler
     routes to (generation alone in aggregated mode); it prints as ``serve`` does."""
+    say = lambda line: print(f"triton-disagg serve {role}: {line}", flush=True)  # noqa: E731
+    return PeersGate(_peers(config, role), server.repo, server.grpc_url, server.control,
+                     say).start()
+
+
+def check_before_start(config, repo: Path, role: str) -> None:
+    """Render the gate as one check of the peers finds them, before tritonserver starts:
+    open when every role answers, so a healthy start loads it READY and logs no error
+    (a closed gate's load fails, and Triton logs that as an ERROR); else closed, naming
+    the role that does not answer. Either way never open before a check."""
+    peers = _peers(config, role).start()
+    try:
+        reason = peers.missing()
+    finally:
+        peers.close()
+    render_gate(repo, f"{reason}" if reason is not None else "")
+
+
+def _peers(config, role: str) -> Peers:
+    """The members of the roles the scheduler routes to (generation alone when aggregated)."""
     from triton_disagg.routing.pools import member_sources
 
     from triton_disagg.triton.render import settings
@@ -177,6 +199,4 @@ def start_peers_gate(config, server, role: str) -> PeersGate:
     membership, sources = member_sources(settings("orchestrator", role, config))
     if config.mode == "aggregated":
         del sources["context"]
-    say = lambda line: print(f"triton-disagg serve {role}: {line}", flush=True)  # noqa: E731
-    return PeersGate(Peers(sources, membership), server.repo, server.grpc_url, server.control,
-                     say).start()
+    return Peers(sources, membership)
