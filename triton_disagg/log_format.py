@@ -72,6 +72,13 @@ def configure_stub(instance: str) -> None:
     root.setLevel(logging.INFO)
 
 
+def adopt_logger(name: str) -> None:
+    """In json mode, the logger ``name``, which its library gave a handler of its own (NIXL
+    writes plain lines to stdout), writes through the stub's JSON handler instead."""
+    if os.environ.get(FORMAT_ENV) == "json":
+        logging.getLogger(name).handlers[:] = logging.getLogger().handlers
+
+
 class JsonLines(io.TextIOBase):
     """serve's stdout in json mode: every complete line printed becomes one JSON object
     (level INFO, instance ``serve``)."""
