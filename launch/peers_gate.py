@@ -28,8 +28,9 @@ whose value is a secret made at each start, which only serve sends: to clients t
 model-control API stays off, as the design asks. (The secret is on tritonserver's command
 line, which the host's local users can read.)
 
-Invariants: the gate is loaded only when its state changes (and once at the first check,
-so that Triton's state names the first real reason); serve prints one line per change of
+Invariants: the gate is loaded only when its state changes (the first check starts from
+the state :func:`check_before_start` left); its stub, which comes and goes with it, is
+not among those serve watches; serve prints one line per change of
 state or reason; after :meth:`PeersGate.stop` no check runs and no client is left open.
 """
 
@@ -119,7 +120,7 @@ class PeersGate:
 
         self.peers, self.repo, self.control, self.say = peers, repo, control, say
         self._client = grpcclient.InferenceServerClient(grpc_url)
-        self._open: bool | None = None          # None: as tritonserver started it (closed)
+        self._open: bool | None = None          # None: not checked yet (the first check asks Triton)
         self._reason: str | None = None
         self._checks = Periodic(self._check, CHECK_SECONDS, "peers-gate")
 
@@ -139,7 +140,10 @@ class PeersGate:
         from tritonclient.utils import InferenceServerException
 
         reason = self.peers.missing()
-        changed = self._open is None or self._open != (reason is None)
+        first = self._open is None
+        if first:           # as check_before_start left it: open, or closed
+            self._open = self._gate_ready()
+        changed = self._open != (reason is None)
         if changed:
             try:
                 self._set(reason)
@@ -147,10 +151,16 @@ class PeersGate:
                 self.say(f"could not set the readiness gate ({exc.message()}); trying again")
                 return
             self._open = reason is None
-        if changed or reason != self._reason:
+        if first or changed or reason != self._reason:
             self.say("ready (every role has a server that answers)" if reason is None
                      else f"not ready: {reason}")
         self._reason = reason
+
+    def _gate_ready(self) -> bool:
+        try:
+            return bool(self._client.is_model_ready(GATE, client_timeout=PROBE_TIMEOUT))
+        except Exception:  # noqa: BLE001 - no answer: treat it as closed, so it gets set
+            return False
 
     def _set(self, reason: str | None) -> None:
         from tritonclient.utils import InferenceServerException

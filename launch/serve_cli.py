@@ -203,7 +203,9 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     try:
         if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
-        stubs = stubs_of(server.process.pid)
+        # The gate's stub comes and goes as the gate opens and closes: not watched.
+        stubs = [s for s in stubs_of(server.process.pid)
+                 if gate is None or not s.instance.startswith(f"{gate}_")]
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised)
         _announce(args.role, config, endpoints, advertised, server, registration)

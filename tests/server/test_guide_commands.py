@@ -8,7 +8,7 @@ scheduler after its peers) and stop of the three logs no ERROR line.
 Status codes, measured on Triton 2.51: through KServe ``infer`` of a non-decoupled ensemble
 a bad input is gRPC INVALID_ARGUMENT / HTTP 400 and a killed generation server gRPC
 UNAVAILABLE / HTTP 503; HTTP ``/generate`` answers every error with 400, and a gRPC stream's
-error carries the message and no status (its responses have no status field).
+error carries the message and no status (its responses have no status field)."""
 
 from __future__ import annotations
 
