@@ -54,7 +54,8 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,
                                          self.metrics, settings.max_local_prefill_length)
         self.decoupled = settings.decoupled
-        self.rejections = Rejections(logging.getLogger("orchestrator"))
+        self.log = logging.getLogger("orchestrator")   # JSON lines with serve --log-format json
+        self.rejections = Rejections(self.log)
         self.tasks: set[asyncio.Task] = set()   # requests in flight (held: the loop keeps weak refs)
 
     async def execute(self, requests):
@@ -94,7 +95,7 @@ class TritonPythonModel:
             self.rejections.rejected(exc.status, str(exc))
             sender.send(error_response(pb_utils, str(exc), exc.status), flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
-            pb_utils.Logger.log_error(f"orchestrator: {type(exc).__name__}: {exc}")
+            self.log.exception("orchestrator: %s: %s", type(exc).__name__, exc)
             sender.send(error_response(pb_utils, f"internal error: {type(exc).__name__}: {exc}"),
                         flags=FINAL)
 
