@@ -38,7 +38,7 @@ from triton_disagg.config.disagg import DisaggConfig, front_cpus
 from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
-from .peers_gate import GateControl
+from .peers_gate import GateControl, check_before_start
 from triton_disagg.triton.render import render
 from triton_disagg.triton.stub_check import check_stub
 from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, server_env
@@ -181,6 +181,8 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
                   endpoints.host if role == "generation" else None)
     control = GateControl(tuple(sorted(p.name for p in repo.iterdir()))) \
         if role == "scheduler" else None
+    if control is not None:
+        check_before_start(config, repo, role)
     server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose,
                           control=control, cpus=front_cpus(config, role, os.sched_getaffinity(0)))
     server.start()

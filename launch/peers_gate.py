@@ -15,8 +15,10 @@ and
   (a READY model whose reload fails would stay READY); the server reports not ready from
   the unload on (UNLOADING, LOADING, then failed).
 
-The gate starts closed: tritonserver loads it at start with ``--exit-on-error=false`` and
-fails it ("not checked yet"), so the scheduler is never ready before the first check.
+The gate starts as one check before tritonserver starts finds the peers
+(:func:`check_before_start`): open when they answer, so a healthy start logs no ERROR;
+else closed, and tritonserver (``--exit-on-error=false``) fails its load with the reason.
+The scheduler is never ready before a check.
 
 Loading models takes ``--model-control-mode=explicit``, whose repository API would let any
 client load a model (``model_repo/`` files included: code). So that API is restricted
@@ -26,8 +28,9 @@ whose value is a secret made at each start, which only serve sends: to clients t
 model-control API stays off, as the design asks. (The secret is on tritonserver's command
 line, which the host's local users can read.)
 
-Invariants: the gate is loaded only when its state changes (and once at the first check,
-so that Triton's state names the first real reason); serve prints one line per change of
+Invariants: the gate is loaded only when its state changes (the first check starts from
+the state :func:`check_before_start` left); its stub, which comes and goes with it, is
+not among those serve watches; serve prints one line per change of
 state or reason; after :meth:`PeersGate.stop` no check runs and no client is left open.
 """
 
@@ -117,7 +120,7 @@ class PeersGate:
 
         self.peers, self.repo, self.control, self.say = peers, repo, control, say
         self._client = grpcclient.InferenceServerClient(grpc_url)
-        self._open: bool | None = None          # None: as tritonserver started it (closed)
+        self._open: bool | None = None          # None: not checked yet (the first check asks Triton)
         self._reason: str | None = None
         self._checks = Periodic(self._check, CHECK_SECONDS, "peers-gate")
 
@@ -137,7 +140,10 @@ class PeersGate:
         from tritonclient.utils import InferenceServerException
 
         reason = self.peers.missing()
-        changed = self._open is None or self._open != (reason is None)
+        first = self._open is None
+        if first:           # as check_before_start left it: open, or closed
+            self._open = self._gate_ready()
+        changed = self._open != (reason is None)
         if changed:
             try:
                 self._set(reason)
@@ -145,10 +151,16 @@ class PeersGate:
                 self.say(f"could not set the readiness gate ({exc.message()}); trying again")
                 return
             self._open = reason is None
-        if changed or reason != self._reason:
+        if first or changed or reason != self._reason:
             self.say("ready (every role has a server that answers)" if reason is None
                      else f"not ready: {reason}")
         self._reason = reason
+
+    def _gate_ready(self) -> bool:
+        try:
+            return bool(self._client.is_model_ready(GATE, client_timeout=PROBE_TIMEOUT))
+        except Exception:  # noqa: BLE001 - no answer: treat it as closed, so it gets set
+            return False
 
     def _set(self, reason: str | None) -> None:
         from tritonclient.utils import InferenceServerException
@@ -170,6 +182,26 @@ class PeersGate:
 def start_peers_gate(config, server, role: str) -> PeersGate:
     """The gate of the started ``server`` (``serve role``), checking the roles the scheduler
     routes to (generation alone in aggregated mode); it prints as ``serve`` does."""
+    say = lambda line: print(f"triton-disagg serve {role}: {line}", flush=True)  # noqa: E731
+    return PeersGate(_peers(config, role), server.repo, server.grpc_url, server.control,
+                     say).start()
+
+
+def check_before_start(config, repo: Path, role: str) -> None:
+    """Render the gate as one check of the peers finds them, before tritonserver starts:
+    open when every role answers, so a healthy start loads it READY and logs no error
+    (a closed gate's load fails, and Triton logs that as an ERROR); else closed, naming
+    the role that does not answer. Either way never open before a check."""
+    peers = _peers(config, role).start()
+    try:
+        reason = peers.missing()
+    finally:
+        peers.close()
+    render_gate(repo, f"{reason}" if reason is not None else "")
+
+
+def _peers(config, role: str) -> Peers:
+    """The members of the roles the scheduler routes to (generation alone when aggregated)."""
     from triton_disagg.routing.pools import member_sources
 
     from triton_disagg.triton.render import settings
@@ -177,6 +209,4 @@ def start_peers_gate(config, server, role: str) -> PeersGate:
     membership, sources = member_sources(settings("orchestrator", role, config))
     if config.mode == "aggregated":
         del sources["context"]
-    say = lambda line: print(f"triton-disagg serve {role}: {line}", flush=True)  # noqa: E731
-    return PeersGate(Peers(sources, membership), server.repo, server.grpc_url, server.control,
-                     say).start()
+    return Peers(sources, membership)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from triton_disagg.config.disagg import PLACED_ROLES
 from triton_disagg.errors import UserError
+from triton_disagg.log_format import FORMATS
 
 from triton_disagg.triton.stub_watch import first_dead, stubs_of
 
@@ -63,6 +64,10 @@ def register(subparsers) -> None:
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
     p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="json: serve's lines and every stub's are JSON objects (time, level, "
+                        "role, instance, request_id, message), one per line, with a line per "
+                        "request; tritonserver's own lines get ISO8601 time")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for ready")
     p.add_argument("--no-restart", action="store_true",
                    help="exit 1 when a model's stub process dies, instead of restarting "
@@ -129,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from .front_process import front_port
 
     config = load(args)
+    _log_format(args.log_format, args.role)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,
                       args.advertise)
     endpoints = endpoints_for(args.role, config, flags)
@@ -152,6 +158,19 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _log_format(chosen: str, role: str) -> None:
+    """``--log-format json``: serve's stdout becomes JSON lines, and tritonserver and its
+    stubs (which inherit this environment) are told so (:mod:`triton_disagg.log_format`)."""
+    import os
+    import sys
+
+    from triton_disagg.log_format import FORMAT_ENV, ROLE_ENV, JsonLines
+
+    if chosen == "json":
+        os.environ.update({FORMAT_ENV: "json", ROLE_ENV: role})
+        sys.stdout = JsonLines(sys.stdout, role)
 
 
 def _serve_once(args, config, endpoints, advertised: str | None, token: str | None,
@@ -192,13 +211,17 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     registration = peers_gate = None
 
     def on_loaded(model: str) -> None:
+        if model == gate:        # loaded at start when its peers answered: not a model to count
+            return
         loaded.append(model)
         print(f"  loaded {model} ({len(loaded)}/{len(models)})", flush=True)
 
     try:
         if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
-        stubs = stubs_of(server.process.pid)
+        # The gate's stub comes and goes as the gate opens and closes: not watched.
+        stubs = [s for s in stubs_of(server.process.pid)
+                 if gate is None or not s.instance.startswith(f"{gate}_")]
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised)
         _announce(args.role, config, endpoints, advertised, server, registration, front)

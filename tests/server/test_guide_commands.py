@@ -2,13 +2,13 @@
 context|generation|scheduler -c disagg_config.yaml``, from the config's folder) against a
 config that names an engine: ``--gpus 0,1`` on this GPU-less host is one error line naming
 the flag; without it the three serve, and the guide's verification prompt, sent through the
-ensemble (until the HTTP front lands), gets the offline engine's text. Status codes: a bad
-input is HTTP 400; once the generation server is killed, a request's error names
-the lost server and UNAVAILABLE. What Triton 2.51 carries of the orchestrator's status code
-(``pb_utils.TritonError(msg, TritonError.UNAVAILABLE)``), measured: nothing on gRPC
-streaming (a stream response has a message and no status field) and nothing on HTTP
-``/generate`` (every response error is 400). A healthy start and stop of context and generation logs no ERROR line;
-the scheduler's only ERROR lines are its readiness gate's closed loads (not fixed yet)."""
+ensemble (until the HTTP front lands), gets the offline engine's text. A healthy start (the
+scheduler after its peers) and stop of the three logs no ERROR line.
+
+Status codes, measured on Triton 2.51: through KServe ``infer`` of a non-decoupled ensemble
+a bad input is gRPC INVALID_ARGUMENT / HTTP 400 and a killed generation server gRPC
+UNAVAILABLE / HTTP 503; HTTP ``/generate`` answers every error with 400, and a gRPC stream's
+error carries the message and no status (its responses have no status field)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def test_the_guides_commands_as_written(demo_engine, tmp_path):
              ("scheduler", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}")]
     commands = [(guide(role), tmp_path / "work" / role, url_http, url_grpc, None)
                 for role, url_grpc, url_http in roles]
-    with servers.serve_commands(commands, cwd=tmp_path) as (context, generation, scheduler):
+    with servers.serve_commands(commands[:2], cwd=tmp_path) as (context, generation), \
+            servers.serve_commands(commands[2:], cwd=tmp_path) as (scheduler,):
         status, body = servers.generate(scheduler.http, {"text_input": PROMPT, "max_tokens": 16})
         assert status == 200 and body["text_output"] == offline(PROMPT, 16), body
 
@@ -102,20 +103,20 @@ def test_the_guides_commands_as_written(demo_engine, tmp_path):
         status, message = _stream_error(scheduler.grpc, _inputs(PROMPT, 0))
         assert status is None and "max_tokens must be >= 1" in message
 
-        for served in (context, generation, scheduler):
+        for served in (scheduler, context, generation):   # the scheduler first: no peer lost
             assert servers.stop(served) == 0
         for served in (context, generation, scheduler):
             text = served.log.read_text() + served.server_log()
             errors = [l for l in text.splitlines() if "ERROR" in l]    # the guide's grep ERROR
-            if served is scheduler:   # still open: the readiness gate's closed loads (README)
-                errors = [l for l in errors if "peers_ready/1/model.py" not in l]
             assert not errors, f"{served.work_dir.name}: {errors}"
 
 
 def test_a_killed_generation_server_is_unavailable(demo_engine, tmp_path):
+    """With ``decoupled_mode: false`` (KServe ``infer``), a request after the generation
+    server was killed is gRPC UNAVAILABLE and HTTP 503; ``/generate`` says 400 (measured)."""
     ctx, gen = servers.free_ports(2)
     config = tmp_path / "disagg_config.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\n"
+    config.write_text(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n"
                       f"context_server: {{url: \"127.0.0.1:{ctx}\", cpus: [0]}}\n"
                       f"generation_server: {{url: \"127.0.0.1:{gen}\", cpus: [1]}}\n"
                       "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
@@ -124,12 +125,57 @@ def test_a_killed_generation_server_is_unavailable(demo_engine, tmp_path):
             servers.serve("generation", args, tmp_path / "g", http=False,
                           grpc_port=gen) as generation, \
             servers.serve("scheduler", args, tmp_path / "s") as scheduler:
-        assert _stream_error(scheduler.grpc, _inputs(PROMPT, 4)) is None
+        assert _infer_errors(scheduler, 4) == (None, None)
         _kill(generation)
-        status, message = _stream_error(scheduler.grpc, _inputs(PROMPT, 4))
-        assert status is None and "generation server" in message, message
+        grpc_status, http_status = _infer_errors(scheduler, 4)
         status, body = servers.generate(scheduler.http, {"text_input": PROMPT, "max_tokens": 4})
-        print(f"HTTP /generate with the generation server killed: {status} {body}")
+        print(f"generation killed: gRPC infer {grpc_status}, HTTP infer {http_status}, "
+              f"HTTP /generate {status} {body}")
+        assert grpc_status == "StatusCode.UNAVAILABLE" and http_status == 503
         # Measured: Triton 2.51's /generate answers a response's error with 400 whatever its
-        # code (UNAVAILABLE here); pinned, so that an upgrade that maps it to 503 shows.
+        # code; pinned, so that an upgrade that maps it to 503 shows.
         assert status == 400 and "was lost (UNAVAILABLE" in body["error"], (status, body)
+
+
+def _infer_errors(served: servers.Served, max_tokens: int) -> tuple[str | None, int | None]:
+    """KServe ``infer`` of the ensemble over gRPC and HTTP: (gRPC status, HTTP status) of
+    their errors, None for one that answered."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    arrays = _inputs(PROMPT, max_tokens)
+    arrays["stream"] = np.array([[False]], dtype=bool)
+    grpc_status = http_status = None
+    with grpcclient.InferenceServerClient(served.grpc) as client:
+        tensors = []
+        for name, arr in arrays.items():
+            dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
+            tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
+            tensors[-1].set_data_from_numpy(arr)
+        try:
+            client.infer("ensemble", tensors, client_timeout=120)
+        except InferenceServerException as exc:
+            grpc_status = exc.status()
+    body = {"inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES",
+                        "data": [PROMPT]},
+                       {"name": "max_tokens", "shape": [1, 1], "datatype": "INT32",
+                        "data": [max_tokens]}]}
+    request = urllib.request.Request(f"{served.http}/v2/models/ensemble/infer",
+                                     data=json.dumps(body).encode())
+    try:
+        urllib.request.urlopen(request, timeout=120).read()
+    except urllib.error.HTTPError as err:
+        http_status = err.code
+    return grpc_status, http_status
+
+
+def test_kserve_infer_clients_get_the_status_code(demo_engine, tmp_path):
+    """A non-decoupled ensemble (``decoupled_mode: false``) answers KServe ``infer``: there
+    a bad input's code reaches the client (measured)."""
+    with servers.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n",
+                              tmp_path) as served:
+        assert _infer_errors(served, 0) == ("StatusCode.INVALID_ARGUMENT", 400)

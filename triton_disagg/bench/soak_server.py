@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
+from triton_disagg.triton import server_log
 from triton_disagg.triton.server_log import is_cpu_noise
 
 READY_MARKER = "ready ("
@@ -131,7 +132,7 @@ def scan_logs(server_logs: list[Path], serve_log: Path | None) -> Crashes:
     for path in server_logs:
         for line in _lines(path):
             # Triton's error lines: E1203 12:33:19.940615 18147 pb_stub.cc:930] "message"
-            if line.startswith("E") and "] " in line and not is_cpu_noise(line):
+            if server_log.level(line) == "E" and "] " in line and not is_cpu_noise(line):
                 crashes.error_lines[_ERROR_ID.sub("#", line.split("] ", 1)[1])[:120]] += 1
             for marker, attr in zip(CRASH_MARKERS, ("fatal", "segfault")):
                 if marker in line:

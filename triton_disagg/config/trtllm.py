@@ -112,8 +112,8 @@ def _servers(raw: Any, where: str, say: Callable[[str], None]) -> dict:
     kv_cache = section.get("kv_cache_config") or {}
     if isinstance(kv_cache, dict) and "tokens_per_block" in kv_cache:
         role["tokens_per_block"] = kv_cache["tokens_per_block"]
+    known = {"urls", "num_instances", "router", *PARALLEL_SIZES, *OURS_PER_ROLE}
     for key, value in section.items():
-        known = {"urls", "num_instances", "router", *PARALLEL_SIZES, *OURS_PER_ROLE}
         if key == "kv_cache_config" and isinstance(value, dict):
             for sub in value:
                 if sub != "tokens_per_block":

@@ -20,6 +20,7 @@ under ``lock``, since a connector frees handed-off blocks from its own thread;
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -33,6 +34,8 @@ from triton_disagg.kv.connector import ConnectorError, HandoffBusy, connector_fo
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.triton import engine_request
 from triton_disagg.triton.engine_request import EngineRequest
+
+_log = logging.getLogger(__name__)
 
 REPORT_SECONDS = 0.5
 
@@ -64,7 +67,12 @@ class ContextSide:
             results: list = self._prefill(batch)
         except (RequestError, KVCacheFullError) as exc:
             results = [self._one(item) for item in batch] if len(batch) > 1 else [_refusal(exc)]
-        return [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
+        answers = [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
+        for (request_id, request), answer in zip(batch, answers):   # one line per request
+            _log.info("prefill of %d prompt tokens: %s", len(request.prompt_ids),
+                      answer if isinstance(answer, Exception) else "handed off",
+                      extra={"request_id": request_id})
+        return answers
 
     def _count_queued(self, tokens: int) -> None:
         with self._queued_lock:

@@ -52,7 +52,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
-from triton_disagg import protocol as P
+from triton_disagg import log_format, protocol as P
 from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, Unavailable
 from triton_disagg.front.detokenize import DeltaWindows, text_delta
 from triton_disagg.token_wire import StreamEvent
@@ -92,6 +92,13 @@ class Transport(Protocol):
         """A request's route; its generation call goes to no server in ``avoid`` (urls of
         generation servers that were lost with it); each of its calls fails after
         ``timeout`` seconds without an answer."""
+
+
+def _call_id(client_id: str) -> str:
+    """The id of one attempt's calls to context and generation (unique: generation keys its
+    streams by it): the client's id (its first 64 characters) and a random suffix."""
+    suffix = uuid.uuid4().hex
+    return f"{client_id[:64]}-{suffix[:12]}" if client_id else suffix
 
 
 def _context_event(request_id: str, out: dict[str, np.ndarray]) -> StreamEvent:
@@ -178,9 +185,14 @@ class Orchestrator:
         self.releases: set[asyncio.Task] = set()   # release_kv calls in flight (held)
 
     async def handle(self, inputs: dict[str, np.ndarray], send: Send,
-                     is_cancelled: Callable[[], bool] = lambda: False) -> str:
-        """Serve one request; returns its outcome ("finished" or "cancelled"), or raises."""
-        run = _Run(self, inputs, send)
+                     is_cancelled: Callable[[], bool] = lambda: False,
+                     client_id: str = "") -> str:
+        """Serve one request; returns its outcome ("finished" or "cancelled"), or raises.
+        ``client_id``: the Triton request id the client set; the ids of the calls to context
+        and generation start with it (else they are generated), so one grep finds the
+        request's lines on every server; this task's log lines carry it."""
+        run = _Run(self, inputs, send, client_id)
+        log_format.request_id.set(client_id or run.request_id)
         try:
             outcome = await run.serve(is_cancelled)
         except BaseException:
@@ -218,9 +230,10 @@ class Orchestrator:
 class _Run:
     """One request's state while the orchestrator serves it."""
 
-    def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray], send: Send):
-        self.owner, self.send = owner, send
-        self.request_id = uuid.uuid4().hex
+    def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray], send: Send,
+                 client_id: str = ""):
+        self.owner, self.send, self.client_id = owner, send, client_id
+        self.request_id = _call_id(client_id)
         self.builder = ResponseBuilder(inputs, owner.decode)
         self.engine_in = engine_inputs(inputs)
         self.route = owner.transport.route(self.request_id, frozenset(),
@@ -286,7 +299,7 @@ class _Run:
         self.unfetched = None
         self.route.close()
         self.lost |= {lost.url}
-        self.request_id = uuid.uuid4().hex
+        self.request_id = _call_id(self.client_id)
         self.route = self.owner.transport.route(self.request_id, self.lost,
                                                 self.owner.tokens.stall_seconds)
 
@@ -361,6 +374,8 @@ class _Run:
         return event.final
 
     def done(self, outcome: str) -> None:
+        _log.info("request %s: %s after %.3f s, %d tokens", self.request_id, outcome,
+                  time.monotonic() - self.start, self.builder.generated)
         if self.owner.observer is not None:
             self.owner.observer.finished(outcome, time.monotonic() - self.start,
                                          self.builder.generated, self.ttft)

@@ -231,10 +231,13 @@ class DecodeLoop:
         reason = CANCELLED if reason == "aborted" else reason
         self.outbox.put(live.address, token_event(request_id, live, reason))
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
+        _log.info("generation ended: %s", reason, extra={"request_id": request_id})
 
     def _refuse(self, request_id: str, live: Live, message: str) -> None:
         self.outbox.put(live.address, error_event(request_id, live, message))
         self.side.request_done("error")
+        _log.warning("generation refused or failed: %s", message,
+                     extra={"request_id": request_id})
 
     def _fail(self, request_id: str, message: str) -> None:
         live = self._pop(request_id)

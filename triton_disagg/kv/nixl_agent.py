@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from triton_disagg.errors import UserError
+from triton_disagg.log_format import adopt_logger
 from triton_disagg.kv.connector import ConnectorError
 
 
@@ -101,6 +102,7 @@ class Agent:
         except ImportError as exc:
             raise UserError(f"kv_cache.strategy direct_transfer needs NIXL ({exc}); "
                             f"`pip install nixl`, or use strategy host_memory") from exc
+        adopt_logger("nixl")      # NIXL writes its own plain lines; json mode: ours
         self.name = name
         # No progress thread: it spins on its core even when idle (most of a core here).
         # Transfers progress in the reader's check_xfer_state polls, notifications in notifs().

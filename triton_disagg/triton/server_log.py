@@ -35,6 +35,16 @@ _FATAL = (
 )
 
 
+# Triton's level letter, after the ISO8601 time that --log-format=ISO8601 puts first.
+_LEVEL = re.compile(r"^(?:\d{4}-\d\d-\d\dT[\d:.]+Z )?([EWIV])")
+
+
+def level(line: str) -> str | None:
+    """The level letter (E, W, I, V) of a tritonserver line in either of its formats."""
+    m = _LEVEL.match(line)
+    return m.group(1) if m else None
+
+
 def is_cpu_noise(line: str) -> bool:
     return any(text in line for text in CPU_NOISE)
 
@@ -59,7 +69,7 @@ def tail(text: str, lines: int = 20) -> str:
     CPU-host noise and Triton's status tables."""
     kept = [t for t in text.splitlines()
             if t.strip() and not is_cpu_noise(t) and not t.startswith(("+", "|"))]
-    errors = [t for t in kept if t.startswith("E") or "error" in t.lower()]
+    errors = [t for t in kept if level(t) == "E" or "error" in t.lower()]
     return "\n".join((errors or kept)[-lines:])
 
 

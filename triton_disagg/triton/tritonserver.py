@@ -56,6 +56,7 @@ from typing import Callable, Sequence
 from triton_disagg import shm
 from triton_disagg.errors import UserError
 
+from triton_disagg import log_format
 from triton_disagg.triton import server_log
 
 STOP_GRACE_SECONDS = 15.0   # SIGTERM to SIGKILL when a server stops
@@ -171,6 +172,8 @@ class TritonServer:
                "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}"]
+        if self.env.get(log_format.FORMAT_ENV) == "json":   # serve --log-format json
+            cmd.append("--log-format=ISO8601")
         if e.http_port is None:
             cmd.append("--allow-http=false")
         else:

@@ -14,6 +14,8 @@ import faulthandler
 import triton_python_backend_utils as pb_utils
 import zmq
 
+from triton_disagg.log_format import configure_stub
+
 from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.generation.decode_loop import DecodeLoop
@@ -32,6 +34,7 @@ faulthandler.enable()  # a crash in this stub logs every thread's traceback to t
 
 class TritonPythonModel:
     def initialize(self, args):
+        configure_stub(args["model_instance_name"])   # serve --log-format
         settings = from_model_config("generation", args)
         self.limits = pin(cores_for(settings.instance_cpus, args))
         self.credential = peers.credential()

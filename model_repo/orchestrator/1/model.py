@@ -15,8 +15,11 @@ exactly one response per request, so the ensemble answers plain ``infer()``);
 
 import asyncio
 import faulthandler
+import logging
 
 import triton_python_backend_utils as pb_utils
+
+from triton_disagg.log_format import Rejections, configure_stub
 
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import from_model_config
@@ -36,6 +39,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
+        configure_stub(args["model_instance_name"])   # serve --log-format
         settings = from_model_config("orchestrator", args)
         self.metrics = Metrics(pb_utils, "orchestrator", args["model_instance_name"])
         self.pools = None
@@ -50,6 +54,8 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,
                                          self.metrics, settings.max_local_prefill_length)
         self.decoupled = settings.decoupled
+        self.log = logging.getLogger("orchestrator")   # JSON lines with serve --log-format json
+        self.rejections = Rejections(self.log)
         self.tasks: set[asyncio.Task] = set()   # requests in flight (held: the loop keeps weak refs)
 
     async def execute(self, requests):
@@ -83,11 +89,13 @@ class TritonPythonModel:
                 raise RequestError("stream: true needs a decoupled ensemble; this server runs "
                                    "decoupled_mode: false (send stream: false, or serve with "
                                    "decoupled_mode: true)")
-            await self.orchestrator.handle(inputs, send, sender.is_cancelled)
+            await self.orchestrator.handle(inputs, send, sender.is_cancelled,
+                                           request.request_id())
         except (RequestError, EngineError) as exc:
+            self.rejections.rejected(exc.status, str(exc))
             sender.send(error_response(pb_utils, str(exc), exc.status), flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
-            pb_utils.Logger.log_error(f"orchestrator: {type(exc).__name__}: {exc}")
+            self.log.exception("orchestrator: %s: %s", type(exc).__name__, exc)
             sender.send(error_response(pb_utils, f"internal error: {type(exc).__name__}: {exc}"),
                         flags=FINAL)
 

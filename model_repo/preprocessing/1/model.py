@@ -3,9 +3,12 @@
 where the orchestrator's time to first token starts."""
 
 import faulthandler
+import logging
 import time
 
 import triton_python_backend_utils as pb_utils
+
+from triton_disagg.log_format import Rejections, configure_stub
 
 from triton_disagg import protocol as P
 from triton_disagg.engine.spec import EngineSpec
@@ -20,10 +23,12 @@ faulthandler.enable()  # a crash in this stub logs every thread's traceback to t
 
 class TritonPythonModel:
     def initialize(self, args):
+        configure_stub(args["model_instance_name"])   # serve --log-format
         engine = from_model_config("preprocessing", args).engine
         spec = EngineSpec.load(engine)
         self.pre = Preprocessor(Tokenizer(engine), spec.max_seq_len, spec.eos_token_id,
                                 spec.pad_token_id)
+        self.rejections = Rejections(logging.getLogger("preprocessing"))
 
     def execute(self, requests):
         arrival = time.monotonic_ns()
@@ -32,6 +37,7 @@ class TritonPythonModel:
             try:
                 outputs = self.pre.process(read_inputs(pb_utils, request, P.PREPROCESS_INPUTS))
             except RequestError as exc:
+                self.rejections.rejected(exc.status, str(exc), request.request_id() or None)
                 responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue
             outputs[P.ARRIVAL] = [arrival]
