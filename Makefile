@@ -85,6 +85,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/triton-disagg bench serve --stream-interval 4 --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench handoff --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench remote --output docs/benchmarks.md
+	$(BIN)/triton-disagg bench stall --repeats 3 --output docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) engines checkpoints work

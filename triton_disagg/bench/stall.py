@@ -50,6 +50,7 @@ def add_stall_parser(kinds) -> None:
                                                  "the rest (default 0,1)")
     p.add_argument("--label", default="this tree", help="names the row (e.g. a commit)")
     p.add_argument("--work-dir", type=Path, default=Path("work/bench"))
+    p.add_argument("--output", type=Path, help="markdown file whose stall section is replaced")
     p.set_defaults(func=run)
 
 
@@ -177,8 +178,29 @@ def run(args: argparse.Namespace) -> int:
 
     engine = bench_engine(args.engine, args.work_dir, say)
     stall = measure(args, engine, say)
-    print("| tree | strategy | arrivals | median longest gap in a handoff window "
-          "| median stream gap | ratio | generation server (KV per handoff) |")
-    print("|---|---|---|---|---|---|---|")
-    print(_row(stall, args.strategy))
+    body = markdown(stall, args)
+    print(body)
+    if args.output:
+        from triton_disagg.bench.report import replace_section
+
+        replace_section(args.output, "stall", "KV handoff stalls of running streams", body)
+        say(f"section written to {args.output}")
     return 0
+
+
+def markdown(stall: Stall, args: argparse.Namespace) -> str:
+    return "\n".join([
+        f"`triton-disagg bench stall`: `serve all` of the demo engine, {args.strategy}, "
+        f"cores {args.cpus} (context and front end on the first half, generation on the "
+        f"rest). {STREAMS} streams of {STREAM_MAX_TOKENS} tokens decode back to back while "
+        f"a {args.prompt_tokens}-token prompt (max_tokens 2) arrives every {args.period:g} s, "
+        f"{args.arrivals} arrivals after {WARMUP_SECONDS:g} s of warm-up; best ratio of "
+        f"{args.repeats} run(s). Per arrival: the longest gap between two consecutive "
+        f"responses of any stream that overlaps the arrival's first-to-second-token window; "
+        f"the ratio is the median of those over the median of all stream gaps (1.0: a "
+        f"handoff costs the streams nothing). The last column is the generation server's "
+        f"own metrics over the run.", "",
+        "| tree | strategy | arrivals | median longest gap in a handoff window "
+        "| median stream gap | ratio | generation server (KV per handoff) |",
+        "|---|---|---|---|---|---|---|",
+        _row(stall, args.strategy)]) + "\n"
