@@ -131,6 +131,27 @@ def test_an_abort_during_a_fetch_frees_the_blocks_once_it_ends(engines):
     assert generation.take_kv_arrivals() == []             # nobody waits for it any more
 
 
+def test_a_fetch_that_copies_inside_start_counts_its_step_as_blocked(engines):
+    """What ``disagg_decode_steps_blocked_by_transfer_total`` counts: a transport that copies
+    on the caller's thread (as the connectors did before the fetch thread)."""
+    context, generation = engines
+
+    class CopiesInStart(ManualKV):
+        def start(self, block_ids):
+            time.sleep(0.02)                     # the copy, on the decode thread
+            self.outcome = "stats"
+            return super().start(block_ids)
+
+    first, kv = handed_off(engines, "r", [5, 6, 7])
+    generation.add_prefilled("r", [5, 6, 7], first,
+                             PARAMS, CopiesInStart(*engines, kv.src, kv.num_tokens))
+    run(generation, 1)
+    assert generation.scheduler.steps_blocked_by_transfer == 1
+    run_until(generation, lambda: not generation.has_unfinished())
+    assert generation.scheduler.steps_blocked_by_transfer == 1   # later polls return at once
+    assert generation.pool.num_used == 0
+
+
 def test_kv_of_another_length_than_the_prompt_is_refused(engines):
     context, generation = engines
     first, kv = handed_off(engines, "r", [5, 6, 7])
@@ -211,7 +232,6 @@ def test_the_loop_decodes_while_a_fetch_blocks_on_its_thread(engines, worker):
     for rid, prompt in prompts.items():
         (whole,) = context.generate([prompt], PARAMS)
         assert [first[rid]] + tokens[rid] == whole.output_ids
-    assert generation.scheduler.steps_blocked_by_transfer == 0
     assert all(a.result.in_flight_seconds > 0 for a in generation.take_kv_arrivals())
     assert generation.pool.num_used == 0
 
