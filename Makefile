@@ -88,6 +88,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/triton-disagg bench handoff --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench remote --output docs/benchmarks.md
 	$(BIN)/triton-disagg bench front --output docs/benchmarks.md
+	$(BIN)/triton-disagg bench stall --repeats 3 --output docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) engines checkpoints work

@@ -11,6 +11,7 @@ their own tests (test_kv_exchange.py); these are about when and into what it mov
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +25,7 @@ from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.side import GenerationSide, Work
+from triton_disagg.kv.fetch_worker import FetchWorker
 from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
@@ -249,3 +251,55 @@ def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_en
                                   kv_lease_seconds=30.0, stream_interval=1)
     with pytest.raises(UserError, match="generation instance.*raise kv_cache.max_size"):
         make_engine(settings, "generation")
+
+
+class ThreadedCopyConnector(CopyConnector):
+    """The same copy on a real fetch thread (:class:`FetchWorker`, as the connectors run
+    it); a request's copy waits until its id is in ``opened``."""
+
+    def __init__(self, context: LLMEngine, generation: LLMEngine):
+        super().__init__(context, generation)
+        self.worker, self.opened = FetchWorker("test"), threading.Condition()
+        self.open_ids: set[str] = set()
+
+    def start_fetch(self, handle: CopyHandle, reserved):
+        def copy(deadline: float) -> TransferStats:
+            with self.opened:
+                self.opened.wait_for(lambda: handle.request_id in self.open_ids,
+                                     max(0.0, deadline - time.monotonic()))
+            return CopyConnector.start_fetch(self, handle, reserved).poll()
+
+        return self.worker.submit(copy, WAIT_SECONDS, f"test {handle.request_id}")
+
+    def open(self, request_id: str) -> None:
+        with self.opened:
+            self.open_ids.add(request_id)
+            self.opened.notify_all()
+
+    def close(self):
+        self.worker.close()
+
+
+def test_the_decode_loop_finishes_a_request_while_another_fetch_blocks(sides):
+    context, side = sides
+    side.connector = threaded = ThreadedCopyConnector(context, side.engine)
+    finals = Finals()
+    loop = DecodeLoop(side.engine, finals, side)
+    prompts = {"ok": [7, 8, 9], "slow": [5, 6, 7, 8, 9]}       # ok's fetch runs first
+    params, firsts = SamplingParams(max_tokens=5), {}
+    try:
+        threaded.open("ok")
+        for rid, prompt in prompts.items():
+            firsts[rid], work = handed_off(context, rid, prompt, params)
+            loop.submit(rid, work, "ipc:///orchestrator#k")
+        assert finals.wait(1), "a blocked fetch held up the other request"
+        assert set(finals.emits) == {"ok"}                       # slow is still fetching
+        threaded.open("slow")
+        assert finals.wait(2), "the blocked fetch never finished"
+    finally:
+        loop.close()
+        threaded.close()
+    for rid, prompt in prompts.items():
+        (whole,) = context.generate([prompt], params)
+        assert [firsts[rid]] + finals.tokens(rid) == whole.output_ids
+    assert side.engine.pool.num_used == 0 and context.pool.num_used == 0

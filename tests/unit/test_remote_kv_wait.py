@@ -17,7 +17,7 @@ from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import RequestError
 from triton_disagg.engine.spec import KVLayout
-from triton_disagg.kv.fetch_worker import FetchDeadlineError, FetchWorker
+from triton_disagg.kv.fetch_worker import FetchWorker
 from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
@@ -131,6 +131,27 @@ def test_an_abort_during_a_fetch_frees_the_blocks_once_it_ends(engines):
     assert generation.take_kv_arrivals() == []             # nobody waits for it any more
 
 
+def test_a_fetch_that_copies_inside_start_counts_its_step_as_blocked(engines):
+    """What ``disagg_decode_steps_blocked_by_transfer_total`` counts: a transport that copies
+    on the caller's thread (as the connectors did before the fetch thread)."""
+    context, generation = engines
+
+    class CopiesInStart(ManualKV):
+        def start(self, block_ids):
+            time.sleep(0.02)                     # the copy, on the decode thread
+            self.outcome = "stats"
+            return super().start(block_ids)
+
+    first, kv = handed_off(engines, "r", [5, 6, 7])
+    generation.add_prefilled("r", [5, 6, 7], first,
+                             PARAMS, CopiesInStart(*engines, kv.src, kv.num_tokens))
+    run(generation, 1)
+    assert generation.scheduler.steps_blocked_by_transfer == 1
+    run_until(generation, lambda: not generation.has_unfinished())
+    assert generation.scheduler.steps_blocked_by_transfer == 1   # later polls return at once
+    assert generation.pool.num_used == 0
+
+
 def test_kv_of_another_length_than_the_prompt_is_refused(engines):
     context, generation = engines
     first, kv = handed_off(engines, "r", [5, 6, 7])
@@ -211,7 +232,6 @@ def test_the_loop_decodes_while_a_fetch_blocks_on_its_thread(engines, worker):
     for rid, prompt in prompts.items():
         (whole,) = context.generate([prompt], PARAMS)
         assert [first[rid]] + tokens[rid] == whole.output_ids
-    assert generation.scheduler.steps_blocked_by_transfer == 0
     assert all(a.result.in_flight_seconds > 0 for a in generation.take_kv_arrivals())
     assert generation.pool.num_used == 0
 
@@ -223,15 +243,13 @@ def test_a_fetch_past_its_deadline_fails_alone_and_frees_its_blocks(engines, wor
     first, dead = threaded(engines, worker, silent, "dead", [5, 6, 7, 8, 9], timeout_s=0.3)
     generation.add_prefilled("dead", [5, 6, 7, 8, 9], first, PARAMS, dead)
     run_until(generation, dead.ran.is_set)
-    # queued behind the silent one, with a deadline shorter than its wait: never runs
-    first_late, late = threaded(engines, worker, ready, "late", [11, 12], timeout_s=0.05)
-    generation.add_prefilled("late", [11, 12], first_late, PARAMS, late)
-    first_ok, ok = threaded(engines, worker, ready, "ok", [11, 12, 13])
+    # queued behind the silent one with a deadline shorter than that wait: its clock
+    # starts when it runs, so it still succeeds
+    first_ok, ok = threaded(engines, worker, ready, "ok", [11, 12, 13], timeout_s=0.1)
     generation.add_prefilled("ok", [11, 12, 13], first_ok, PARAMS, ok)
     tokens = run_until(generation, lambda: not generation.has_unfinished())
     errors = {a.request_id: a.error for a in generation.take_kv_arrivals() if a.error}
-    assert set(errors) == {"dead", "late"} and "went silent" in str(errors["dead"])
-    assert isinstance(errors["late"], FetchDeadlineError) and not late.ran.is_set()
+    assert set(errors) == {"dead"} and "went silent" in str(errors["dead"])
     (whole,) = context.generate([[11, 12, 13]], PARAMS)
     assert [first_ok] + tokens["ok"] == whole.output_ids and set(tokens) == {"ok"}
     assert generation.pool.num_used == 0

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -50,6 +49,7 @@ def add_stall_parser(kinds) -> None:
                                                  "the rest (default 0,1)")
     p.add_argument("--label", default="this tree", help="names the row (e.g. a commit)")
     p.add_argument("--work-dir", type=Path, default=Path("work/bench"))
+    p.add_argument("--output", type=Path, help="markdown file whose stall section is replaced")
     p.set_defaults(func=run)
 
 
@@ -61,6 +61,8 @@ class Stall:
     window_max_gap_s: float     # median over arrivals of the longest overlapping gap
     median_gap_s: float         # median of every stream gap
     stream_gaps: int
+    server: str = ""            # the generation server's own KV figures over the run
+
 
     @property
     def ratio(self) -> float:
@@ -123,6 +125,7 @@ async def _load(grpc_url: str, stream_prompts: Sequence[str], long_prompts: Sequ
 def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
     from triton_disagg.bench.handoff import exact_prompt, serving
     from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.routing.scrape import scrape
 
     cores = number_list(args.cpus, "--cpus", int, allow_zero=True)
     tokenizer, rng = Tokenizer(engine), random.Random(0)
@@ -131,20 +134,38 @@ def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
                     for _ in range(args.arrivals + 1)]
     best = None
     with serving(args.strategy, engine, cores,
-                 (args.work_dir / "stall").resolve()) as (_, _, grpc_url):
+                 (args.work_dir / "stall").resolve()) as (_, metrics, grpc_url):
         for repeat in range(args.repeats):
+            before = scrape(metrics)
             streams, arrivals = asyncio.run(_load(grpc_url, stream_prompts, long_prompts[1:],
                                                   args.period))
-            stall = stall_figures(args.label, streams, arrivals)
+            stall = replace(stall_figures(args.label, streams, arrivals),
+                            server=server_figures(before, scrape(metrics)))
             say(f"run {repeat + 1}: {_row(stall, args.strategy)}")
             best = stall if best is None or stall.ratio < best.ratio else best
     return best
 
 
+def server_figures(before, after) -> str:
+    """Mean KV copy and mean KV in flight per handoff, and decode steps blocked by a
+    transfer, from the server's metrics between two scrapes ("n/a" for a series the
+    server does not publish)."""
+    from triton_disagg.routing.scrape import delta
+
+    def mean_ms(name: str) -> str:
+        count = delta(before, after, f"{name}_count")
+        return f"{delta(before, after, f'{name}_sum') / count * 1e3:.1f} ms" if count else "n/a"
+
+    blocked = "disagg_decode_steps_blocked_by_transfer_total"
+    steps = f"{delta(before, after, blocked):g}" if blocked in after else "n/a"
+    return (f"copy {mean_ms('disagg_kv_transfer_seconds')}, in flight "
+            f"{mean_ms('disagg_kv_fetch_seconds')}, steps blocked {steps}")
+
+
 def _row(s: Stall, strategy: str) -> str:
     return (f"| {s.label} | {strategy} | {s.arrivals} ({s.skipped} skipped) | "
             f"{s.window_max_gap_s * 1e3:.1f} ms | {s.median_gap_s * 1e3:.1f} ms "
-            f"({s.stream_gaps} gaps) | {s.ratio:.2f} |")
+            f"({s.stream_gaps} gaps) | {s.ratio:.2f} | {s.server} |")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,8 +177,29 @@ def run(args: argparse.Namespace) -> int:
 
     engine = bench_engine(args.engine, args.work_dir, say)
     stall = measure(args, engine, say)
-    print("| tree | strategy | arrivals | median longest gap in a handoff window "
-          "| median stream gap | ratio |")
-    print("|---|---|---|---|---|---|")
-    print(_row(stall, args.strategy))
+    body = markdown(stall, args)
+    print(body)
+    if args.output:
+        from triton_disagg.bench.report import replace_section
+
+        replace_section(args.output, "stall", "KV handoff stalls of running streams", body)
+        say(f"section written to {args.output}")
     return 0
+
+
+def markdown(stall: Stall, args: argparse.Namespace) -> str:
+    return "\n".join([
+        f"`triton-disagg bench stall`: `serve all` of the demo engine, {args.strategy}, "
+        f"cores {args.cpus} (context and front end on the first half, generation on the "
+        f"rest). {STREAMS} streams of {STREAM_MAX_TOKENS} tokens decode back to back while "
+        f"a {args.prompt_tokens}-token prompt (max_tokens 2) arrives every {args.period:g} s, "
+        f"{args.arrivals} arrivals after {WARMUP_SECONDS:g} s of warm-up; best ratio of "
+        f"{args.repeats} run(s). Per arrival: the longest gap between two consecutive "
+        f"responses of any stream that overlaps the arrival's first-to-second-token window; "
+        f"the ratio is the median of those over the median of all stream gaps (1.0: a "
+        f"handoff costs the streams nothing). The last column is the generation server's "
+        f"own metrics over the run.", "",
+        "| tree | strategy | arrivals | median longest gap in a handoff window "
+        "| median stream gap | ratio | generation server (KV per handoff) |",
+        "|---|---|---|---|---|---|---|",
+        _row(stall, args.strategy)]) + "\n"

@@ -9,10 +9,12 @@ thread per instance, not one per request: fetches into one pool run one at a tim
 GIL contention. The thread lowers its own priority (``FETCH_NICE``) so that, on the core
 it shares with the decode loop, the loop's step wins.
 
-Deadlines: each fetch gets ``deadline = submit time + timeout_s``; the fetch must honour it
-itself (NIXL cancels its READ, a staging copy is bounded), and one whose turn comes after
-its deadline fails without running. So a silent context host fails only its own requests,
-each at most ``timeout_s`` after it was started, and the loop never waits for it.
+Deadlines: each fetch gets ``deadline = the time it starts running + timeout_s`` and must
+honour it itself (NIXL cancels its READ, a staging copy is bounded). The clock starts when
+the fetch runs, not when it was queued: a fetch queued behind a silent context host's
+waits for that one's deadline, then runs, so the silent host fails only its own requests
+(``timeout_s`` is well below the lease, so the KV queued behind it is still there), and the
+loop never waits for any of them.
 
 Invariant (the :class:`~triton_disagg.kv.connector.Transfer` one): the destination blocks
 belong to the fetch until ``poll`` returned stats or raised; ``poll`` reports only what the
@@ -38,16 +40,12 @@ _log = logging.getLogger(__name__)
 Fetch = Callable[[float], TransferStats]    # blocking; takes its deadline (time.monotonic())
 
 
-class FetchDeadlineError(ConnectorError):
-    """A fetch whose deadline passed before it could run (queued behind a slow one)."""
-
-
 class PendingTransfer(Transfer):
     """A fetch queued on a :class:`FetchWorker`; ``poll`` returns its stats (``seconds``:
     the copy, ``in_flight_seconds``: submit to done) once the thread finished it."""
 
-    def __init__(self, fetch: Fetch, deadline: float, what: str):
-        self.fetch, self.deadline, self.what = fetch, deadline, what
+    def __init__(self, fetch: Fetch, timeout_s: float, what: str):
+        self.fetch, self.timeout_s, self.what = fetch, timeout_s, what
         self.started = time.monotonic()
         self._done = threading.Event()
         self._stats: Optional[TransferStats] = None
@@ -61,12 +59,9 @@ class PendingTransfer(Transfer):
         return self._stats
 
     def run(self) -> None:
-        """The worker thread's part: run the fetch (unless too late) and record the end."""
+        """The worker thread's part: run the fetch and record how it ended."""
         try:
-            if time.monotonic() >= self.deadline:
-                raise FetchDeadlineError(f"{self.what}: its fetch deadline passed while it "
-                                         f"waited behind other fetches")
-            stats = self.fetch(self.deadline)
+            stats = self.fetch(time.monotonic() + self.timeout_s)
             self._stats = dataclasses.replace(
                 stats, in_flight_seconds=time.monotonic() - self.started)
         except BaseException as exc:  # noqa: BLE001 - reported to the poller, request fails
@@ -87,8 +82,9 @@ class FetchWorker:
         self._closed = False
 
     def submit(self, fetch: Fetch, timeout_s: float, what: str) -> PendingTransfer:
-        """Queue ``fetch`` with a deadline ``timeout_s`` from now; never blocks."""
-        job = PendingTransfer(fetch, time.monotonic() + timeout_s, what)
+        """Queue ``fetch``, to run with a deadline ``timeout_s`` after it starts; never
+        blocks."""
+        job = PendingTransfer(fetch, timeout_s, what)
         with self._lock:
             if self._closed:
                 raise ConnectorError(f"{what}: this KV connector is closed")
