@@ -44,8 +44,8 @@ Batch = Sequence[tuple[Sequence[int], Sequence[int]]]
 class TorchModelRunner:
     """Runs prefill and decode batches of one engine against one :class:`BlockPool`."""
 
-    def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray], pool: BlockPool,
-                 device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray | torch.Tensor],
+                 pool: BlockPool, device: str = "cpu", dtype: str = "float32"):
         s = self.shape = spec.shape
         g = pool.geometry
         if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
@@ -73,9 +73,10 @@ class TorchModelRunner:
             self.cos = torch.from_numpy(cos).to(self.device)                # [P, hd/2] float32
             self.sin = torch.from_numpy(sin).to(self.device)
 
-    def _to_device(self, w: np.ndarray) -> torch.Tensor:
-        """A weight on the runner's device and dtype (on CPU float32: no copy)."""
-        return torch.from_numpy(w).to(device=self.device, dtype=self.dtype)
+    def _to_device(self, w: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """A weight (numpy, or a tensor already made on the device) on the runner's device
+        and dtype (on CPU float32: no copy)."""
+        return torch.as_tensor(w).to(device=self.device, dtype=self.dtype)
 
     # ---- public entry points -------------------------------------------------------
 
