@@ -1,4 +1,7 @@
-"""The numpy LLM engine: requests in, token events out, with continuous batching.
+"""The LLM engine: requests in, token events out, with continuous batching.
+
+The math runs in a model runner (numpy or torch, :mod:`triton_disagg.engine.runtime`);
+everything here is the one copy of the control logic both runners share.
 
 Three ways in, so that aggregated and disaggregated serving share one engine:
 
