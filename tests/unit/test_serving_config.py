@@ -192,3 +192,19 @@ def test_front_end_cores(write, scheduler, generation, role, usable, front):
     cfg = load_config(write(f"model: {{engine: engines/demo}}\nscheduler_server: {scheduler}\n"
                             f"generation_server: {generation}\n"))
     assert front_cpus(cfg, role, usable) == front
+
+
+@pytest.mark.parametrize("gpu, given, chosen", [
+    (False, {}, ("numpy", "cpu", "float32")),
+    (False, {"runtime": "torch"}, ("torch", "cpu", "float32")),
+    (True, {}, ("torch", "cuda", "bfloat16")),
+    (True, {"runtime": "numpy"}, ("numpy", "cpu", "float32")),
+    (True, {"device": "cpu"}, ("numpy", "cpu", "float32")),
+    (True, {"dtype": "float16"}, ("torch", "cuda", "float16")),
+])
+def test_runtime_defaults_follow_the_host(monkeypatch, gpu, given, chosen):
+    from triton_disagg.engine import runtime
+
+    monkeypatch.setattr(runtime, "_cuda_visible", lambda: gpu)
+    got = runtime.Runtime.default(**given)
+    assert (got.runtime, got.device, got.dtype) == chosen
