@@ -1,6 +1,7 @@
 """Disaggregated serving on the demo engine: context -> KV handoff -> generation.
 
-`serve all` with each KV strategy, and the three roles as separate servers
+`serve all` with each KV strategy on each model runtime (numpy; torch on CPU), and the
+three roles as separate servers
 (the scheduler dials context and generation over gRPC). Greedy output equals
 the offline engine; cancelled, expired and refused handoffs leave the pools at
 zero blocks used; a replayed, tampered or garbage handle is that request's error.
@@ -40,20 +41,23 @@ def offline(demo_engine):
     return servers.offline_text(demo_engine)
 
 
-def _config(path, engine, strategy, extra=""):
+def _config(path, engine, strategy, extra="", runtime="numpy"):
     """16 MB: a max_seq_len sequence of the demo engine takes 8 MiB, these tests' busiest
     moment about 6, and a host_memory staging area this size fits Docker's default 64 MB
     /dev/shm beside Triton's own regions."""
-    path.write_text(f"model: {{engine: {engine}}}\n"
+    path.write_text(f"model: {{engine: {engine}, runtime: {runtime}, device: cpu}}\n"
                     f"kv_cache: {{strategy: {strategy}, max_size: 16MB, "
                     f"lease_seconds: {LEASE_SECONDS}}}\n{extra}")
     return path
 
 
-@pytest.fixture(scope="module", params=["direct_transfer", "host_memory"])
+@pytest.fixture(scope="module", params=[
+    ("direct_transfer", "numpy"), ("host_memory", "numpy"),
+    ("direct_transfer", "torch"), ("host_memory", "torch")], ids="-".join)
 def server(request, demo_engine, tmp_path_factory):
-    work = tmp_path_factory.mktemp(f"serve-{request.param}")
-    config = _config(work / "disagg_config.yaml", demo_engine, request.param)
+    strategy, runtime = request.param
+    work = tmp_path_factory.mktemp(f"serve-{strategy}-{runtime}")
+    config = _config(work / "disagg_config.yaml", demo_engine, strategy, runtime=runtime)
     with servers.serve("all", ["-c", str(config)], work / "run") as served:
         yield served
 

@@ -35,6 +35,12 @@ def test_input_ids_json_equals_engine_output(engine_dir, capsys):
     assert out["text"] == Tokenizer(engine_dir).decode(out["output_ids"])
 
 
+def test_torch_runtime_on_cpu_equals_numpy(engine_dir, capsys):
+    argv = ["--engine", str(engine_dir), "--input-ids", "5,6,7,8", "--max-tokens", "12"]
+    torch_out = run_json(capsys, *argv, "--runtime", "torch", "--device", "cpu")
+    assert torch_out == run_json(capsys, *argv, "--runtime", "numpy")
+
+
 def test_text_prompt_sampling_options_and_stop_words(engine_dir, capsys):
     tokenizer = Tokenizer(engine_dir)
     prompt = tokenizer.encode("Hello there, world")
@@ -77,6 +83,8 @@ def test_add_special_tokens_prepends_the_tokenizers_bos(engine_dir, capsys):
     (["--input-ids", "1,99999999"], "outside the vocabulary"),
     (["--input-ids", ""], "prompt is empty"),
     (["--input-ids", "1", "--top-p", "0"], "top_p"),
+    (["--input-ids", "1", "--runtime", "numpy", "--device", "cuda"], "needs model.runtime: torch"),
+    (["--input-ids", "1", "--runtime", "torch", "--device", "cuda"], "no CUDA GPU"),
 ])
 def test_errors_exit_2_with_one_line(engine_dir, capsys, argv, message):
     if "--engine" not in argv:

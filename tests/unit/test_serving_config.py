@@ -81,6 +81,14 @@ def test_generation_runs_two_instances_where_its_cores_allow(write, generation, 
     ("model: {engine: engines/demo}\ncontext_server: {stall_seconds: 5}\n",
      ["context_server", "'stall_seconds'", "allowed keys"]),
     ("model: {engine: [}\n", ["not valid YAML"]),
+    ("model: {engine: engines/demo, runtime: jax}\n", ["model.runtime", "numpy, torch"]),
+    ("model: {engine: engines/demo, device: tpu}\n", ["model.device", "cpu, cuda"]),
+    ("model: {engine: engines/demo, runtime: numpy, device: cuda}\n",
+     ["model.device", "needs model.runtime: torch"]),
+    ("model: {engine: engines/demo, device: cpu, dtype: bfloat16}\n",
+     ["model.dtype", "float32 on CPU"]),
+    ("model: {engine: engines/demo, tensor_parallel_size: 2}\n",
+     ["model.tensor_parallel_size", "only 1 is supported"]),
     ("model: {engine: engines/demo}\nkv_cache: {lease_seconds: .nan}\n",
      ["kv_cache.lease_seconds", "nan", "finite"]),
     ("model: {engine: engines/demo}\nkv_cache: {lease_seconds: .inf}\n",
@@ -99,6 +107,25 @@ def test_gpus_where_none_exist(write):
     with pytest.raises(UserError, match=r"context_server.gpus.*no GPUs.*cpus: \[0\]"):
         check_host(cfg, gpu_count=0)
     check_host(cfg, gpu_count=4)
+
+
+def test_model_runtime_carried_to_the_engine_settings(write, tmp_path):
+    from triton_disagg.config.settings import from_json, to_json
+    from triton_disagg.triton.render import settings
+
+    cfg = load_config(write("model: {engine: engines/demo, runtime: torch, device: cpu, "
+                            "tensor_parallel_size: 1}\n"))
+    assert (cfg.runtime, cfg.device, cfg.dtype) == ("torch", "cpu", None)
+    for model in ("context", "generation"):
+        carried = from_json(model, to_json(settings(model, "all", cfg)))
+        assert (carried.runtime, carried.device, carried.dtype) == ("torch", "cpu", None)
+
+
+def test_cuda_where_no_gpu_exists(write):
+    cfg = load_config(write("model: {engine: engines/demo, runtime: torch, device: cuda}\n"))
+    with pytest.raises(UserError, match=r"model.device: cuda.*no NVIDIA GPU.*device: cpu"):
+        check_host(cfg, gpu_count=0)
+    check_host(cfg, gpu_count=1)
 
 
 def test_defaults_from_engine_only(tmp_path):
@@ -178,3 +205,19 @@ def test_overlap_transfer_off_loads_and_the_serve_flag_is_refused(write, tmp_pat
     assert main(["serve", "all", "--engine", str(tmp_path), "--overlap_kv_transfer"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--overlap_kv_transfer" in line and "not yet supported" in line
+
+
+@pytest.mark.parametrize("gpu, given, chosen", [
+    (False, {}, ("numpy", "cpu", "float32")),
+    (False, {"runtime": "torch"}, ("torch", "cpu", "float32")),
+    (True, {}, ("torch", "cuda", "bfloat16")),
+    (True, {"runtime": "numpy"}, ("numpy", "cpu", "float32")),
+    (True, {"device": "cpu"}, ("numpy", "cpu", "float32")),
+    (True, {"dtype": "float16"}, ("torch", "cuda", "float16")),
+])
+def test_runtime_defaults_follow_the_host(monkeypatch, gpu, given, chosen):
+    from triton_disagg.engine import runtime
+
+    monkeypatch.setattr(runtime, "_cuda_visible", lambda: gpu)
+    got = runtime.Runtime.default(**given)
+    assert (got.runtime, got.device, got.dtype) == chosen

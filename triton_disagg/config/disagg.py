@@ -7,7 +7,11 @@ The deployment guide's format loads as written, plus the engine path::
     generation_server: {url: "generation-server-01:8001", gpus: [2, 3]}
     kv_cache: {strategy: direct_transfer, max_size: 2GB}
 
-Extensions (all optional): ``mode: disaggregated | aggregated``;
+Extensions (all optional): ``model.runtime: numpy | torch``, ``model.device: cpu | cuda``,
+``model.dtype: float32 | bfloat16 | float16`` (left out: chosen on the serving host by
+:meth:`triton_disagg.engine.runtime.Runtime.default`; ``device: cuda`` on a host without
+a GPU is refused by :func:`check_host`), ``model.tensor_parallel_size: 1`` (nothing
+else is supported); ``mode: disaggregated | aggregated``;
 ``decoupled_mode: true | false`` (TensorRT-LLM's name: the public ``ensemble`` streams,
 or answers plain ``infer()`` with one response); per server
 ``cpus: [0, 1]`` and/or ``instances: N`` in place of ``gpus`` (generation defaults to
@@ -60,6 +64,7 @@ from typing import Any, Collection, Sequence
 from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.config.values import (count, int_list, is_loopback, mapping, number,
                                          parse_size, parse_url)
+from triton_disagg.engine.runtime import check_choice
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import strategy as kv_strategy
 
@@ -179,6 +184,10 @@ class DisaggConfig:
     discovery: DiscoveryConfig | None = None   # None: membership is the urls of the config
     decoupled_mode: bool = True         # False: non-decoupled ensemble, plain infer() works
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)   # launch k8s only
+    # model.runtime / device / dtype; None: chosen on the serving host (Runtime.default)
+    runtime: str | None = None
+    device: str | None = None
+    dtype: str | None = None
     source: str = "<defaults>"          # where it was loaded from, for messages
 
     def server(self, role: str) -> ServerConfig:
@@ -250,6 +259,9 @@ def check_host(config: DisaggConfig, gpu_count: int | None = None,
     import os
 
     gpu_count = count_gpus() if gpu_count is None else gpu_count
+    if config.device == "cuda" and not gpu_count:
+        raise UserError(f"{config.source}: model.device: cuda, but this host has no NVIDIA GPU; "
+                        f"use model.device: cpu (or leave it out) on a CPU host")
     usable = os.sched_getaffinity(0)
     for role in roles:
         server = config.server(role)
@@ -325,7 +337,13 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
     top = mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
                                       "generation_server", "scheduler_server", "kv_cache",
                                       "discovery", "kubernetes"})
-    model = mapping(top.get("model"), "model", {"engine"}, required=True)
+    model = mapping(top.get("model"), "model", {"engine", "runtime", "device", "dtype",
+                                                "tensor_parallel_size"}, required=True)
+    check_choice(model.get("runtime"), model.get("device"), model.get("dtype"))
+    tp = model.get("tensor_parallel_size", 1)
+    if tp != 1:
+        raise UserError(f"model.tensor_parallel_size: {tp!r}; only 1 is supported (each "
+                        f"instance runs the whole model on one device); remove the key or set 1")
     if "engine" not in model:
         raise UserError("model.engine: missing; add `model: {engine: engines/demo}` "
                         "(an engine directory from `triton-disagg build`)")
@@ -356,6 +374,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
     discovery = _discovery(top.get("discovery"), base_dir, files_here=engine_here)
     config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
+        runtime=model.get("runtime"), device=model.get("device"), dtype=model.get("dtype"),
         kubernetes=parse_kubernetes(top.get("kubernetes")), source=source,
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",

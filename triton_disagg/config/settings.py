@@ -36,6 +36,9 @@ class EngineSettings:
     kv_lease_seconds: float
     stream_interval: int
     kv_key_id: str | None = None                 # names the handle-signing key; None: aggregated
+    runtime: str | None = None                   # model.runtime/device/dtype; None: the
+    device: str | None = None                    # serving host's Runtime.default
+    dtype: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))

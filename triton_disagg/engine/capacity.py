@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
 
+from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.spec import EngineSpec, KVLayout
 from triton_disagg.errors import UserError
 from triton_disagg.engine.block_pool import BlockPool
@@ -63,10 +64,13 @@ def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
 
 
 def make_engine(settings: "EngineSettings", role: str) -> "LLMEngine":
-    """A context or generation instance's engine (``role`` names it in the capacity error)."""
+    """A context or generation instance's engine (``role`` names it in the capacity error),
+    on the runner its settings name (what they leave out: this host's default)."""
     from triton_disagg.engine.llm_engine import LLMEngine
 
     spec = EngineSpec.load(settings.engine)
     layout = kv_layout(spec, settings.tokens_per_block, settings.kv_dtype)
     check_pool(spec, layout, settings.kv_max_size, role)
-    return LLMEngine(settings.engine, kv_max_bytes=settings.kv_max_size, kv_layout=layout)
+    runtime = Runtime.default(settings.runtime, settings.device, settings.dtype)
+    return LLMEngine(settings.engine, kv_max_bytes=settings.kv_max_size, kv_layout=layout,
+                     runtime=runtime)

@@ -1,4 +1,7 @@
-"""The numpy LLM engine: requests in, token events out, with continuous batching.
+"""The LLM engine: requests in, token events out, with continuous batching.
+
+The math runs in a model runner (numpy or torch, :mod:`triton_disagg.engine.runtime`);
+everything here is the one copy of the control logic both runners share.
 
 Three ways in, so that aggregated and disaggregated serving share one engine:
 
@@ -33,7 +36,7 @@ import numpy as np
 from triton_disagg.engine.sampling import Sampler, SamplingParams
 from triton_disagg.engine.scheduler import KVArrival, Scheduler
 from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, TokenEvent
-from triton_disagg.engine.runtime import Runtime, make_runner
+from triton_disagg.engine.runtime import DTYPE_BYTES, Runtime, device_kv_budget, make_runner
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
@@ -62,20 +65,26 @@ class LLMEngine:
     ``kv_max_bytes`` (``kv_cache.max_size``) or ``num_blocks`` sizes the pool; by default
     it holds ``max_batch_size`` sequences of the longest allowed length. ``kv_layout``
     overrides the engine's tokens per block and KV dtype (a serving side's own choice).
-    ``runtime`` picks the model runner (default: :meth:`Runtime.default`).
+    ``runtime`` picks the model runner (default: :meth:`Runtime.default`); on CUDA an
+    unsized pool takes :func:`device_kv_budget` (free device memory, capped by
+    ``kv_max_bytes``).
     """
 
     def __init__(self, engine_dir: str | Path, kv_max_bytes: int | None = None,
                  num_blocks: int | None = None, kv_layout: KVLayout | None = None,
                  runtime: Runtime | None = None):
         self.spec, weights = load_engine(engine_dir)
+        runtime = runtime or Runtime.default()
         geometry = self.spec.block_geometry(kv_layout)
+        if num_blocks is None and runtime.device == "cuda":
+            weight_bytes = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype]
+            kv_max_bytes = device_kv_budget(kv_max_bytes, weight_bytes)
         if num_blocks is None and kv_max_bytes is not None:
             num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
         if num_blocks is None:
             num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
         self.pool = BlockPool(geometry, num_blocks)
-        self.runner = make_runner(runtime or Runtime.default(), self.spec, weights, self.pool)
+        self.runner = make_runner(runtime, self.spec, weights, self.pool)
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.pool, self.spec.max_batch_size)
 

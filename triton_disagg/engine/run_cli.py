@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from triton_disagg.engine.runtime import DEVICES, RUNTIMES
 from triton_disagg.errors import UserError
 
 
@@ -23,6 +24,7 @@ def _token_ids(text: str) -> list[int]:
 
 def _run(args: argparse.Namespace) -> int:
     from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.runtime import Runtime
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.engine.spec import EngineSpec
     from triton_disagg.engine.tokenizer import Tokenizer
@@ -38,7 +40,9 @@ def _run(args: argparse.Namespace) -> int:
         min_tokens=args.min_tokens, end_id=None if end_id is None or end_id < 0 else end_id,
         stop_words=[tokenizer.encode_word(w) for w in args.stop_words],
         bad_words=[tokenizer.encode_word(w) for w in args.bad_words])
-    engine = LLMEngine(args.engine, num_blocks=-(-spec.max_seq_len // spec.kv.tokens_per_block))
+    runtime = Runtime.default(args.runtime, args.device)
+    engine = LLMEngine(args.engine, num_blocks=-(-spec.max_seq_len // spec.kv.tokens_per_block),
+                       runtime=runtime)
     (seq,) = engine.generate([prompt], params)
     text = tokenizer.decode(seq.output_ids)
     if args.json:
@@ -52,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser(
         "run", help="generate text from an engine directory, in this process",
-        description="Generate from an engine directory with the numpy engine (no server). "
+        description="Generate from an engine directory in this process (no server). "
                     "Greedy by default; stops at the engine's eos token.")
     run.add_argument("--engine", required=True, metavar="DIR", help="engine directory")
     prompt = run.add_mutually_exclusive_group(required=True)
@@ -77,6 +81,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="stop after generating any of these words (kept in the output)")
     run.add_argument("--bad-words", nargs="+", default=[], metavar="W",
                      help="never generate these words")
+    run.add_argument("--runtime", choices=RUNTIMES, default=None,
+                     help="model runner (default: torch on a visible GPU, else numpy)")
+    run.add_argument("--device", choices=DEVICES, default=None,
+                     help="cpu or cuda (default: cuda when a GPU is visible and the runtime "
+                          "is torch)")
     run.add_argument("--json", action="store_true",
                      help='print {"input_ids", "output_ids", "text"} as one JSON object')
     run.set_defaults(func=_run)

@@ -24,9 +24,11 @@ from triton_disagg.errors import UserError
 RUNTIMES = ("numpy", "torch")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # On CPU numpy is the default: it measured faster than the torch runner at batch 1-8 on
 # this project's benchmark machine (docs/benchmarks.md); torch is the default on CUDA.
 DEFAULT_CPU_RUNTIME = "numpy"
+CUDA_KV_FRACTION = 0.9   # of the device memory free after the weights, for the KV pool
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,28 @@ class Runtime:
         if dtype is None:
             dtype = "bfloat16" if device == "cuda" else "float32"
         return cls(runtime, device, dtype)
+
+
+def check_choice(runtime: str | None, device: str | None, dtype: str | None) -> None:
+    """Raise the one-line :class:`UserError` of a bad ``model.runtime/device/dtype``
+    (``None``: chosen on the serving host); touches no GPU."""
+    for key, value, allowed in (("runtime", runtime, RUNTIMES), ("device", device, DEVICES),
+                                ("dtype", dtype, DTYPES)):
+        if value is not None and value not in allowed:
+            raise UserError(f"model.{key}: {value!r} is not one of {', '.join(allowed)}")
+    if device is not None or runtime == "numpy":
+        Runtime.default(runtime, device, dtype)
+
+
+def device_kv_budget(max_bytes: int | None, weight_bytes: int,
+                     fraction: float = CUDA_KV_FRACTION) -> int:
+    """KV bytes of one instance's pool on the current CUDA device: ``fraction`` of its free
+    memory less the ``weight_bytes`` still to be loaded, capped by ``kv_cache.max_size``."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    budget = max(0, int((free - weight_bytes) * fraction))
+    return budget if max_bytes is None else min(budget, int(max_bytes))
 
 
 def _cuda_visible() -> bool:

@@ -19,9 +19,10 @@ prompt may continue a sequence whose earlier KV is already cached.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,8 +45,8 @@ Batch = Sequence[tuple[Sequence[int], Sequence[int]]]
 class TorchModelRunner:
     """Runs prefill and decode batches of one engine against one :class:`BlockPool`."""
 
-    def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray], pool: BlockPool,
-                 device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray | torch.Tensor],
+                 pool: BlockPool, device: str = "cpu", dtype: str = "float32"):
         s = self.shape = spec.shape
         g = pool.geometry
         if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
@@ -73,9 +74,10 @@ class TorchModelRunner:
             self.cos = torch.from_numpy(cos).to(self.device)                # [P, hd/2] float32
             self.sin = torch.from_numpy(sin).to(self.device)
 
-    def _to_device(self, w: np.ndarray) -> torch.Tensor:
-        """A weight on the runner's device and dtype (on CPU float32: no copy)."""
-        return torch.from_numpy(w).to(device=self.device, dtype=self.dtype)
+    def _to_device(self, w: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """A weight (numpy, or a tensor already made on the device) on the runner's device
+        and dtype (on CPU float32: no copy)."""
+        return torch.as_tensor(w).to(device=self.device, dtype=self.dtype)
 
     # ---- public entry points -------------------------------------------------------
 
@@ -131,33 +133,10 @@ class TorchModelRunner:
         Only the first ``lengths[b]`` tokens of row ``b`` are real: only their K/V is
         written. Padding rows attend like their row's last real token and are discarded.
         """
-        s, dev = self.shape, self.device
+        s = self.shape
         b, n = tok.shape
-        nb = -(-span // self.bs)
-        table = torch.zeros((b, nb), dtype=torch.int64)                    # [B, nb]; pad: block 0
-        for i, ids in enumerate(block_tables):
-            used = min(nb, len(ids))
-            table[i, :used] = torch.tensor(ids[:used], dtype=torch.int64)
-        real = (torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]).nonzero(as_tuple=True)
-        real_pos = pos[real]                                               # [R]
-        slot_block = table[real[0], real_pos // self.bs]                  # [R]
-        # The pool viewed as rows of one token's K or V: [N * L * 2 * bs, kvh * hd]; token
-        # slot (block, offset) of layer l, K/V c is row ((block * L + l) * 2 + c) * bs + offset.
-        layers = s.num_layers
-        write_rows = (slot_block * (layers * 2 * self.bs) + real_pos % self.bs).to(dev)  # [R], l=0 K
-        # Whole blocks as rows of [N * L * 2, bs * kvh * hd]: row (block * L + l) * 2 + c.
-        read_rows = (table[:, None, :] * (layers * 2)
-                     + torch.arange(2)[None, :, None]).flatten().to(dev)   # [B * 2 * nb], l=0
-        real = tuple(r.to(dev) for r in real)
-        tok, pos = tok.to(dev), pos.to(dev)
-        key_pos = torch.arange(nb * self.bs, device=dev)                   # [S]
-        mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)    # [B, 1, n, S]
-        token_rows = self.kv.view(-1, self.kv_dim)                         # [N*L*2*bs, KV]
-        block_rows = self.kv.view(-1, self.bs * self.kv_dim)               # [N*L*2, bs*KV]
-        gathered_bytes = len(read_rows) * self.bs * self.kv_dim * 4
-        threads_for_attention = (_OneCpuThread() if dev.type == "cpu"
-                                 and gathered_bytes <= SINGLE_THREAD_ATTENTION_BYTES
-                                 else contextlib.nullcontext())
+        paged = self._paged_batch(pos, lengths, block_tables, span)
+        tok, pos = tok.to(self.device), pos.to(self.device)
         x = self.embed[tok]                                                # [B, n, H]
         if self.gpt2:
             x = x + self.pos_embed[pos]
@@ -172,21 +151,61 @@ class TorchModelRunner:
             v = qkv[..., self.q_dim + self.kv_dim:].view(b, n, s.num_kv_heads, s.head_dim)
             if not self.gpt2:
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            with threads_for_attention:
-                k_rows = write_rows + li * 2 * self.bs
-                token_rows.index_copy_(0, k_rows, k[real].reshape(-1, self.kv_dim).to(self.kv.dtype))
-                token_rows.index_copy_(0, k_rows + self.bs,
-                                       v[real].reshape(-1, self.kv_dim).to(self.kv.dtype))
-                cached = block_rows.index_select(0, read_rows + li * 2).to(x.dtype)  # [B*2*nb, bs*KV]
-                cached = cached.view(b, 2, nb * self.bs, s.num_kv_heads, s.head_dim)  # [B, 2, S, kvh, hd]
-                keys, vals = cached[:, 0], cached[:, 1]                        # [B, S, kvh, hd] each
-                o = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                    attn_mask=mask, enable_gqa=True)                           # [B, nh, n, hd]
-            o = o.transpose(1, 2).reshape(b, n, self.q_dim)                # [B, n, Q]
+            o = self._paged_attention(li, q, k, v, paged)                  # [B, n, Q]
             x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
             x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
         return self._norm(x, *self.final_norm)
+
+    def _paged_batch(self, pos: torch.Tensor, lengths: Sequence[int],
+                     block_tables: Sequence[Sequence[int]], span: int) -> "_PagedBatch":
+        """Where a pass writes and reads the pool (layer 0; layer ``l`` adds ``l * 2 * bs``
+        to write rows and ``l * 2`` to read rows), and its attention mask."""
+        layers, (b, n) = self.shape.num_layers, pos.shape
+        nb = -(-span // self.bs)
+        table = torch.zeros((b, nb), dtype=torch.int64)                    # [B, nb]; pad: block 0
+        for i, ids in enumerate(block_tables):
+            used = min(nb, len(ids))
+            table[i, :used] = torch.tensor(ids[:used], dtype=torch.int64)
+        real = (torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]).nonzero(as_tuple=True)
+        real_pos = pos[real]                                               # [R]
+        slot_block = table[real[0], real_pos // self.bs]                   # [R]
+        # Pool as token rows [N * L * 2 * bs, KV]: slot (block, offset) of layer l, K/V c
+        # is row ((block * L + l) * 2 + c) * bs + offset.
+        write_rows = slot_block * (layers * 2 * self.bs) + real_pos % self.bs      # [R]
+        # Pool as block rows [N * L * 2, bs * KV]: block of layer l, K/V c is row
+        # (block * L + l) * 2 + c.
+        read_rows = (table[:, None, :] * (layers * 2)
+                     + torch.arange(2)[None, :, None]).flatten()           # [B * 2 * nb]
+        key_pos = torch.arange(nb * self.bs)                               # [S]
+        mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)    # [B, 1, n, S]
+        small = len(read_rows) * self.bs * self.kv_dim * 4 <= SINGLE_THREAD_ATTENTION_BYTES
+        threads = (_OneCpuThread() if self.device.type == "cpu" and small
+                   else contextlib.nullcontext())
+        dev = self.device
+        return _PagedBatch(tuple(r.to(dev) for r in real), write_rows.to(dev),
+                           read_rows.to(dev), mask.to(dev), nb * self.bs, threads)
+
+    def _paged_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         paged: "_PagedBatch") -> torch.Tensor:
+        """Write the real tokens' ``k``/``v`` ``[B, n, kvh, hd]`` into layer ``li`` of the
+        pool, then attend ``q`` ``[B, n, nh, hd]`` over the gathered blocks -> ``[B, n, Q]``."""
+        s = self.shape
+        b, n = q.shape[:2]
+        token_rows = self.kv.view(-1, self.kv_dim)                         # [N*L*2*bs, KV]
+        block_rows = self.kv.view(-1, self.bs * self.kv_dim)               # [N*L*2, bs*KV]
+        with paged.threads:
+            k_rows = paged.write_rows + li * 2 * self.bs
+            token_rows.index_copy_(0, k_rows, k[paged.real].reshape(-1, self.kv_dim)
+                                   .to(self.kv.dtype))                     # [R, KV]
+            token_rows.index_copy_(0, k_rows + self.bs, v[paged.real].reshape(-1, self.kv_dim)
+                                   .to(self.kv.dtype))
+            cached = block_rows.index_select(0, paged.read_rows + li * 2).to(q.dtype)  # [B*2*nb, bs*KV]
+            cached = cached.view(b, 2, paged.span, s.num_kv_heads, s.head_dim)  # [B, 2, S, kvh, hd]
+            keys, vals = cached[:, 0], cached[:, 1]                        # [B, S, kvh, hd] each
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=paged.mask, enable_gqa=True)                     # [B, nh, n, hd]
+        return o.transpose(1, 2).reshape(b, n, self.q_dim)                 # [B, n, Q]
 
     def _logits(self, hidden: torch.Tensor) -> np.ndarray:
         """``hidden [R, H]`` -> float32 host logits ``[R, V]``."""
@@ -206,6 +225,18 @@ class TorchModelRunner:
             return F.linear(F.gelu(a, approximate="tanh"), w["proj.weight"], w["proj.bias"])
         gate, up = F.linear(h, w["gate_up.weight"]).chunk(2, dim=-1)      # [B, n, I] each
         return F.linear(F.silu(gate) * up, w["down.weight"])
+
+
+@dataclass(frozen=True)
+class _PagedBatch:
+    """One pass's pool addressing (see :meth:`TorchModelRunner._paged_batch`)."""
+
+    real: tuple[torch.Tensor, torch.Tensor]   # (row, column) of each real token, [R] each
+    write_rows: torch.Tensor                   # [R] token row of each real token's K, layer 0
+    read_rows: torch.Tensor                    # [B * 2 * nb] block rows to gather, layer 0
+    mask: torch.Tensor                         # [B, 1, n, S] bool: key visible to query
+    span: int                                  # S = nb * bs keys per sequence
+    threads: Any                               # context manager for the attention ops
 
 
 class _OneCpuThread:
