@@ -338,7 +338,8 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
                                       "generation_server", "scheduler_server", "kv_cache",
                                       "discovery", "kubernetes"})
     model = mapping(top.get("model"), "model", {"engine", "runtime", "device", "dtype",
-                                                "tensor_parallel_size"}, required=True)
+                                                "tensor_parallel_size"}, required=True,
+                    like="engine: engines/demo")
     check_choice(model.get("runtime"), model.get("device"), model.get("dtype"))
     tp = model.get("tensor_parallel_size", 1)
     if tp != 1:

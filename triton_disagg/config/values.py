@@ -47,11 +47,15 @@ def is_loopback(host: str) -> bool:
         return host.lower() == "localhost"
 
 
-def mapping(raw: Any, key: str, allowed: set[str], required: bool = False) -> dict:
+def mapping(raw: Any, key: str, allowed: set[str], required: bool = False,
+            like: str | None = None) -> dict:
+    """``raw`` checked as a mapping of ``allowed`` keys; ``like`` is the example its error
+    shows (default: the first allowed key)."""
     if raw is None and not required:
         return {}
     if not isinstance(raw, dict):
-        raise UserError(f"{key}: expected a mapping like `{{{sorted(allowed)[0]}: ...}}`, got {raw!r}")
+        example = like or f"{sorted(allowed)[0]}: ..."
+        raise UserError(f"{key}: expected a mapping like `{{{example}}}`, got {raw!r}")
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise UserError(f"{key}: unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(allowed))}")
