@@ -20,7 +20,7 @@ import subprocess
 import numpy as np
 
 import servers
-from servers import wait_until
+from servers import grpc_inputs, wait_until
 
 PROMPT = "Hello, world!"
 
@@ -33,11 +33,7 @@ def _stream_error(grpc: str, inputs: dict) -> tuple[str | None, str] | None:
     results: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(grpc) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensors = []
-        for name, arr in inputs.items():
-            dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
-            tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
-            tensors[-1].set_data_from_numpy(arr)
+        tensors = grpc_inputs(inputs)
         client.async_stream_infer("ensemble", tensors, enable_empty_final_response=True)
         try:
             while True:
@@ -151,13 +147,8 @@ def _infer_errors(served: servers.Served, max_tokens: int) -> tuple[str | None, 
     arrays["stream"] = np.array([[False]], dtype=bool)
     grpc_status = http_status = None
     with grpcclient.InferenceServerClient(served.grpc) as client:
-        tensors = []
-        for name, arr in arrays.items():
-            dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
-            tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
-            tensors[-1].set_data_from_numpy(arr)
         try:
-            client.infer("ensemble", tensors, client_timeout=120)
+            client.infer("ensemble", grpc_inputs(arrays), client_timeout=120)
         except InferenceServerException as exc:
             grpc_status = exc.status()
     body = {"inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES",

@@ -193,6 +193,18 @@ def generate_stream(http: str, payload: dict, model: str = "ensemble",
     return events
 
 
+def grpc_inputs(arrays: dict) -> list:
+    """tritonclient gRPC inputs for ``{name: numpy array}`` (object arrays as BYTES)."""
+    import tritonclient.grpc as grpcclient
+
+    tensors = []
+    for name, arr in arrays.items():
+        dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
+        tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
+        tensors[-1].set_data_from_numpy(arr)
+    return tensors
+
+
 def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
                 model: str = "ensemble", extra: dict | None = None, timeout: float = 120.0) -> list:
     """Send one request over a gRPC stream; returns the text_output strings (or raises)."""
@@ -208,12 +220,7 @@ def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
     results: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(grpc) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensors = []
-        for name, arr in inputs.items():
-            dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
-            tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
-            tensors[-1].set_data_from_numpy(arr)
-        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        client.async_stream_infer(model, grpc_inputs(inputs), enable_empty_final_response=True)
         texts = []
         while True:
             result, error = results.get(timeout=timeout)
