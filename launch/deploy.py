@@ -34,7 +34,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_disagg.config.disagg import DisaggConfig, front_cpus
+from triton_disagg.config.disagg import DisaggConfig
+from triton_disagg.config.host import front_cpus
 from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
@@ -171,7 +172,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           token: str | None = None) -> TritonServer:
     """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
     :func:`token_host`) and start its server (not yet ready), on the front end's cores
-    (:func:`~triton_disagg.config.disagg.front_cpus`)."""
+    (:func:`~triton_disagg.config.host.front_cpus`)."""
     check_ports_free(endpoints)
     install = locate(tritonserver)
     check_stub(install.stub_binary, server_env(install))

@@ -80,8 +80,8 @@ def register(subparsers) -> None:
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config.disagg import (check_host, default_config, load_config,
-                                             refuse_overlap, with_gpus_flag)
+    from triton_disagg.config.disagg import default_config, load_config, refuse_overlap
+    from triton_disagg.config.host import check_host, with_gpus_flag
     from triton_disagg.config.values import parse_url
     from triton_disagg.engine.capacity import check_kv_capacity
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from config_files import assert_one_line_error, config_writer
-from triton_disagg.config.disagg import load_config, with_gpus_flag
+from triton_disagg.config.disagg import load_config
+from triton_disagg.config.host import with_gpus_flag
 from triton_disagg.errors import UserError
 
 OURS = """\

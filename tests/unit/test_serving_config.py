@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from triton_disagg.config.disagg import check_host, default_config, front_cpus, load_config
+from triton_disagg.config.disagg import default_config, load_config
+from triton_disagg.config.host import check_host, front_cpus
 from triton_disagg.config.values import parse_size
 from config_files import assert_one_line_error, config_writer
 from triton_disagg.errors import UserError

@@ -151,7 +151,8 @@ def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
     """``serve all`` with ``strategy``; yields ``(http url, metrics url, grpc address)``,
     stops on exit."""
     from triton_disagg.bench.serve_servers import placement
-    from triton_disagg.config.disagg import check_host, parse_config
+    from triton_disagg.config.disagg import parse_config
+    from triton_disagg.config.host import check_host
     from triton_disagg.launch.deploy import free_ports, start
     from triton_disagg.triton.tritonserver import Endpoints
 

@@ -65,7 +65,8 @@ def placement(mode: str, cores: Sequence[int], stream_interval: int = 1,
 def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
             stream_interval: int = 1, ready_timeout: float = 300.0,
             front: Sequence[int] = (), openai: bool = False) -> Iterator[Served]:
-    from triton_disagg.config.disagg import check_host, parse_config
+    from triton_disagg.config.disagg import parse_config
+    from triton_disagg.config.host import check_host
     from triton_disagg.launch.deploy import start
     from triton_disagg.launch.front_process import start_front, stop_front
     from triton_disagg.triton.tritonserver import Endpoints

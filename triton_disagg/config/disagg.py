@@ -10,7 +10,7 @@ The deployment guide's format loads as written, plus the engine path::
 Extensions (all optional): ``model.runtime: numpy | torch``, ``model.device: cpu | cuda``,
 ``model.dtype: float32 | bfloat16 | float16`` (left out: chosen on the serving host by
 :meth:`triton_disagg.engine.runtime.Runtime.default`; ``device: cuda`` on a host without
-a GPU is refused by :func:`check_host`), ``model.tensor_parallel_size: 1`` (nothing
+a GPU is refused by :func:`~triton_disagg.config.host.check_host`), ``model.tensor_parallel_size: 1`` (nothing
 else is supported); ``mode: disaggregated | aggregated``;
 ``decoupled_mode: true | false`` (TensorRT-LLM's name: the public ``ensemble`` streams,
 or answers plain ``infer()`` with one response); per server
@@ -25,14 +25,14 @@ before it ends in an error and generation is told to stop it; default 30); a
 default 8080; ``instances``: orchestrator instances, in ``serve all`` too; default 1; ``cpus``: the
 front end's cores, in ``serve all`` too: tritonserver's own threads and the
 preprocessing and orchestrator stubs, which every orchestrator instance shares, so
-they are not split per instance; default :func:`front_cpus`);
+they are not split per instance; default :func:`~triton_disagg.config.host.front_cpus`);
 ``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
 (:mod:`triton_disagg.config.kubernetes`). TensorRT-LLM's disaggregated config
 (``hostname``, ``port``, ``context_servers: {num_instances, urls}``, ...) loads too,
 mapped onto this format by :mod:`triton_disagg.config.trtllm`. ``serve context|generation
---gpus 0,1`` replaces that role's placement (:func:`with_gpus_flag`).
+--gpus 0,1`` replaces that role's placement (:func:`~triton_disagg.config.host.with_gpus_flag`).
 
 Pools of servers: ``context_server`` / ``generation_server`` take ``urls: [...]`` (a
 static pool; ``url`` stays the way to name one server, and ``url: X`` equals
@@ -50,7 +50,7 @@ N`` (default 0, off) serves prompts of at most N tokens whole on a generation se
 Invariants: every value is checked here, so a loaded :class:`DisaggConfig` is
 usable as is; every mistake is one :class:`UserError` line naming the key and
 the fix; paths are absolute (relative ones resolve against the config file).
-Whether GPUs exist is checked by :func:`check_host`, so a config written for a
+Whether GPUs exist is checked by :func:`~triton_disagg.config.host.check_host`, so a config written for a
 GPU cluster still loads (and renders) on a laptop.
 """
 
@@ -59,7 +59,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any
 
 from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.config.values import (count, int_list, is_loopback, mapping, number,
@@ -250,87 +250,6 @@ def parse_config(raw: Any, base_dir: Path = Path("."), source: str = "<config>",
 def default_config(engine: str | Path) -> DisaggConfig:
     """``serve all --engine DIR`` without a config file: one instance per role, no pinning."""
     return parse_config({"model": {"engine": str(engine)}}, source="--engine")
-
-
-def check_host(config: DisaggConfig, gpu_count: int | None = None,
-               roles: Sequence[str] = PLACED_ROLES) -> None:
-    """Refuse placements of ``roles`` this host cannot honour (GPUs that are not there,
-    unknown cores)."""
-    import os
-
-    gpu_count = count_gpus() if gpu_count is None else gpu_count
-    if config.device == "cuda" and not gpu_count:
-        raise UserError(f"{config.source}: model.device: cuda, but this host has no NVIDIA GPU; "
-                        f"use model.device: cpu (or leave it out) on a CPU host")
-    usable = os.sched_getaffinity(0)
-    for role in roles:
-        server = config.server(role)
-        missing = [g for g in server.gpus if g >= gpu_count]
-        if missing:
-            have = f"only GPUs 0-{gpu_count - 1}" if gpu_count else "no GPUs"
-            raise UserError(f"{config.source}: {role}_server.gpus: {list(server.gpus)} asks for GPU "
-                            f"{missing[0]} but this host has {have}; use `cpus: [0]` or "
-                            f"`instances: 1` on a CPU host")
-        bad = [c for c in server.cpus if c not in usable]
-        if bad:
-            raise UserError(f"{config.source}: {role}_server.cpus: core {bad[0]} is not usable here "
-                            f"(usable: {sorted(usable)}); pick cores from that list")
-
-
-def with_gpus_flag(config: DisaggConfig, role: str, spec: str,
-                   gpu_count: int | None = None) -> DisaggConfig:
-    """``serve context|generation --gpus 0,1``: the role's instances go one per GPU in
-    ``spec``, replacing its ``gpus``, ``cpus`` and ``instances``. GPUs this host lacks are
-    one error line naming the flag (:func:`check_host` names the key for a config's own)."""
-    if role not in ("context", "generation"):
-        raise UserError(f"--gpus: serve {role} places no model on a GPU by itself; give "
-                        f"context_server.gpus / generation_server.gpus in the config, or run "
-                        f"serve context|generation --gpus")
-    parts = [g.strip() for g in spec.split(",")]
-    if not all(p.isdigit() for p in parts) or len(set(map(int, parts))) != len(parts):
-        raise UserError(f"--gpus: {spec!r} must list distinct GPU indices, e.g. --gpus 0,1")
-    gpus = [int(p) for p in parts]
-    gpu_count = count_gpus() if gpu_count is None else gpu_count
-    missing = [g for g in gpus if g >= gpu_count]
-    if missing:
-        have = f"only GPUs 0-{gpu_count - 1}" if gpu_count else "no GPUs"
-        raise UserError(f"--gpus {spec}: asks for GPU {missing[0]} but this host has {have}; "
-                        f"drop --gpus on a CPU host (the config's cpus:/instances: place the "
-                        f"role there)")
-    placed = replace(config.server(role), gpus=tuple(gpus), cpus=(), instances=len(gpus))
-    return replace(config, **{role: placed})
-
-
-def front_cpus(config: DisaggConfig, role: str, usable: Collection[int]) -> tuple[int, ...]:
-    """The cores of the front end that ``serve role`` starts (tritonserver's own threads,
-    hence the preprocessing and orchestrator stubs it forks); () means not pinned.
-
-    ``scheduler_server.cpus`` when given (``serve all`` and ``serve scheduler``). Else, for
-    ``serve all`` with ``generation_server.cpus``: the ``usable`` cores minus generation's,
-    when that leaves any. The decode loop's per-step time is the token rate, while the
-    front end's work per token is bursty: it belongs beside the prefill, not on the decode
-    cores (on two cores it took about a third of generation's). ``serve context`` and
-    ``serve generation`` run no front end: their tritonserver is not pinned (their stubs
-    pin themselves, :mod:`triton_disagg.triton.placement`).
-    """
-    if role not in ("all", "scheduler"):
-        return ()
-    if config.scheduler.cpus or role == "scheduler":
-        return config.scheduler.cpus
-    beside_decode = set(usable) - set(config.generation.cpus)
-    return tuple(sorted(beside_decode)) if config.generation.cpus and beside_decode else ()
-
-
-def count_gpus() -> int:
-    """NVIDIA GPUs visible to this process (0 on CPU hosts)."""
-    import os
-
-    gpus_dir = Path("/proc/driver/nvidia/gpus")
-    found = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and found:
-        found = min(found, len([v for v in visible.split(",") if v.strip()]))
-    return found
 
 
 def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggConfig:

@@ -31,7 +31,8 @@ from string import Template
 
 from triton_disagg import model_repo, protocol as P
 from triton_disagg.config import settings as S
-from triton_disagg.config.disagg import DisaggConfig, ServerConfig, front_cpus
+from triton_disagg.config.disagg import DisaggConfig, ServerConfig
+from triton_disagg.config.host import front_cpus
 
 TEMPLATES = Path(model_repo.__file__).resolve().parent   # package data: wheels ship it
 FRONT = ("ensemble", "preprocessing", "orchestrator")
@@ -115,7 +116,7 @@ def instance_cpus(model: str, role: str, config: DisaggConfig) -> list[list[int]
     """The cores each instance of ``model`` (context or generation) pins itself to. An
     instance given none runs on every usable core, as an unpinned one always has, rather
     than on the front end's cores that its stub inherits from a pinned tritonserver
-    (:func:`~triton_disagg.config.disagg.front_cpus`); [] where there is nothing to undo."""
+    (:func:`~triton_disagg.config.host.front_cpus`); [] where there is nothing to undo."""
     server, usable = config.server(model), os.sched_getaffinity(0)
     anywhere = sorted(usable) if front_cpus(config, role, usable) else []
     return [list(server.instance_cpus(i)) or anywhere for i in range(server.instances)]
