@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_disagg.bench.soak_clients import grpc_inputs  # noqa: F401 - the tests' helper too
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.launch.process_group import terminate
 
@@ -193,18 +194,6 @@ def generate_stream(http: str, payload: dict, model: str = "ensemble",
     return events
 
 
-def grpc_inputs(arrays: dict) -> list:
-    """tritonclient gRPC inputs for ``{name: numpy array}`` (object arrays as BYTES)."""
-    import tritonclient.grpc as grpcclient
-
-    tensors = []
-    for name, arr in arrays.items():
-        dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
-        tensors.append(grpcclient.InferInput(name, list(arr.shape), dtype))
-        tensors[-1].set_data_from_numpy(arr)
-    return tensors
-
-
 def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
                 model: str = "ensemble", extra: dict | None = None, timeout: float = 120.0) -> list:
     """Send one request over a gRPC stream; returns the text_output strings (or raises)."""
@@ -264,7 +253,6 @@ def metrics(url: str) -> str:
 def orchestrator_inputs(ids, max_tokens):
     """tritonclient inputs for the orchestrator model: a streaming greedy request, no end id."""
     import numpy as np
-    import tritonclient.grpc as grpcclient
 
     arrays = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
               "request_output_len": np.array([[max_tokens]], np.int32),
@@ -272,12 +260,7 @@ def orchestrator_inputs(ids, max_tokens):
               "bad_words_list": np.array([[[0], [-1]]], np.int32),
               "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[2]], np.int32),
               "stream": np.array([[True]])}
-    tensors = []
-    for name, arr in arrays.items():
-        tensors.append(grpcclient.InferInput(name, list(arr.shape),
-                                             grpcclient.np_to_triton_dtype(arr.dtype)))
-        tensors[-1].set_data_from_numpy(arr)
-    return tensors
+    return grpc_inputs(arrays)
 
 
 def stream_then_cancel(grpc: str, max_tokens: int = 1500) -> None:

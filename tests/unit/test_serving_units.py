@@ -1,5 +1,5 @@
 """The serving library without a server: detokenizing, preprocessing, engine requests.
-The token path: test_token_path.py (ZeroMQ wire), test_orchestrator_side.py, test_decode_loop.py."""
+The token path: test_token_path.py (ZeroMQ wire), test_orchestrator_tokens.py, test_decode_loop.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The token path's wire without a server: the ZeroMQ message schema, generation's check
 of the token address, and the sockets (private ipc directories, CurveZMQ on tcp). The
-orchestrator's side: tests/unit/test_orchestrator_side.py; the generation side:
+orchestrator's side: tests/unit/test_orchestrator_tokens.py; the generation side:
 tests/unit/test_decode_loop.py."""
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def bad_http_bodies(prompt: str) -> list[tuple[str, str, dict]]:
     ]
 
 
-def _tensors(arrays: dict[str, np.ndarray]) -> list:
+def grpc_inputs(arrays: dict[str, np.ndarray]) -> list:
+    """tritonclient gRPC inputs for ``{name: numpy array}`` (object arrays as BYTES)."""
     import tritonclient.grpc as grpcclient
 
     out = []
@@ -98,7 +99,7 @@ class GrpcStreams:
         replies: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: replies.put((result, error)))
         try:
-            self.client.async_stream_infer(MODEL, _tensors(arrays),
+            self.client.async_stream_infer(MODEL, grpc_inputs(arrays),
                                            enable_empty_final_response=True)
             count, n_out = 0, None
             while True:

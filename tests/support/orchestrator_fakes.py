@@ -1,0 +1,170 @@
+"""What the orchestrator's unit tests share: a fake context/generation transport
+(:class:`FakeGeneration`) that pushes real token frames over real ipc sockets, and
+:func:`serve_one`, which serves one request through a real TokenInbox."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from triton_disagg import protocol as P
+from triton_disagg.triton import engine_request
+from triton_disagg import token_wire
+from triton_disagg.errors import ContextBusy, EngineError, GenerationLost
+from triton_disagg.front.orchestrator import Orchestrator
+from triton_disagg.front.token_inbox import TokenInbox
+from triton_disagg.token_wire import StreamEvent
+from triton_disagg.zmq_endpoints import bind, push_socket
+
+
+class FakeGeneration:
+    """Context and generation as a transport: generation answers with a real control
+    address (a PULL socket the test reads) and pushes its events to the token address.
+    Each request's :class:`FakeRoute` passes its calls here with its request id.
+
+    The request's whole output is ``[first] + rest``; a call whose ``input_ids`` already
+    hold the prompt (2 tokens) and k of them answers with what follows (context: the next
+    token; generation: the rest), so a migrated request resumes where it left off.
+    Generation calls go to servers "gen-0", "gen-1", ... in turn; the first ``dying`` of
+    them push ``dies_after`` tokens, then fall silent and are lost."""
+
+    def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
+                 refuse: bool = False, dying: int = 0, dies_after: int = 0,
+                 spoof: bool = False, skip_seq: int | None = None, mute_context: bool = False):
+        self.first, self.rest, self.silent = first, rest, silent
+        self.spoof = spoof          # a stranger who knows the request id pushes events too
+        self.skip_seq = skip_seq    # the event numbered this one is lost on the way
+        self.mute_context = mute_context          # context calls never answer
+        self.timeouts: list[float] = []           # each route's deadline per call
+        self.busy, self.refuse = busy, refuse       # context busy this many times; refuse all
+        self.dying, self.dies_after = dying, dies_after
+        self.output_lens: list[int] = []          # each generation call's request_output_len
+        self.avoided: list[frozenset] = []        # each route's servers to avoid
+        self.released: list[bytes] = []
+        self.zmq = zmq.Context.instance()
+        self.control = self.zmq.socket(zmq.PULL)
+        self.endpoint = bind(self.control, None, "control")
+        self.request_ids: list[str] = []
+        self.calls: list[tuple[str, list[int]]] = []       # (request_type, input_ids)
+        self.contexts = 0                                  # context calls answered
+        self.closed: list[str] = []                        # request ids whose route closed
+
+    def route(self, request_id, avoid, timeout):
+        self.avoided.append(avoid)
+        self.timeouts.append(timeout)
+        return FakeRoute(self, request_id)
+
+    async def context(self, request_id, inputs):
+        if self.mute_context:
+            await asyncio.Event().wait()
+        if self.busy:
+            self.busy -= 1
+            raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
+        self.contexts += 1
+        output, done = [self.first] + self.rest, len(inputs["input_ids"]) - 2
+        last = "length" if done == len(output) - 1 else ""
+        out = engine_request.outputs([output[done]], [-0.5], -0.5, last)
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
+        return out
+
+    async def generate(self, request_id, inputs, request_type, token_address) -> str:
+        """Generation's answer; the server it went to: ``gen-<n>`` for the n-th call."""
+        self.request_ids.append(request_id)
+        self.calls.append((request_type, inputs["input_ids"].tolist()))
+        self.output_lens.append(int(inputs["request_output_len"][0]))
+        if self.refuse:
+            raise EngineError("generation refused it")
+        server = len(self.calls) - 1
+        output = ([self.first] + self.rest)[max(1, len(inputs["input_ids"]) - 2):]
+        if server < self.dying:
+            output = output[:self.dies_after]
+        if not self.silent:
+            threading.Thread(target=self._push, args=(request_id, token_address, output,
+                                                      server >= self.dying)).start()
+        return self.endpoint.address
+
+    def lost(self, server: int):
+        return GenerationLost(f"gen-{server}", "probe refused") if server < self.dying else None
+
+    def _push(self, request_id, token_address, output, ends, gap=0.01):
+        """One event per decode step, ``gap`` seconds apart, as a decode loop sends them;
+        the last final when the server ``ends`` the request (it is not lost first)."""
+        address, key = token_wire.split_key(token_address)
+        push = push_socket(self.zmq, address, 100)
+        for i, token in enumerate(output):
+            reason = "stop" if ends and i == len(output) - 1 else None
+            if self.spoof:      # right id and sequence, a guessed key: a token, then an end
+                push.send(token_wire.encode_events([
+                    StreamEvent(request_id, [99], seq=i, key="guess"),
+                    StreamEvent(request_id, [], finish_reason="stop", seq=i, key="")]))
+            if i != self.skip_seq:
+                push.send(token_wire.encode_events([StreamEvent(
+                    request_id, [token], finish_reason=reason, seq=i, key=key)]))
+            time.sleep(gap)
+        push.close(linger=1000)
+
+    async def release(self, request_id, inputs, handle):
+        self.released.append(handle.tobytes())
+
+    def stops(self, timeout_ms: int = 2000) -> list[str]:
+        got = []
+        while self.control.poll(timeout_ms):
+            got.append(token_wire.decode_stop(self.control.recv())[0])
+            timeout_ms = 100
+        return got
+
+    def close(self):
+        self.control.close(linger=0)
+        self.endpoint.release()
+
+
+class FakeRoute:
+    def __init__(self, fake: FakeGeneration, request_id: str):
+        self.fake, self.request_id = fake, request_id
+        self.server: int | None = None          # the generation call's server, once made
+
+    async def context(self, inputs):
+        return await self.fake.context(self.request_id, inputs)
+
+    async def generate(self, inputs, request_type, token_address):
+        address = await self.fake.generate(self.request_id, inputs, request_type, token_address)
+        self.server = len(self.fake.calls) - 1
+        return address
+
+    async def lost(self):
+        return None if self.server is None else self.fake.lost(self.server)
+
+    async def release(self, inputs, handle):
+        await self.fake.release(self.request_id, inputs, handle)
+
+    def close(self):
+        self.fake.closed.append(self.request_id)
+
+
+def serve_one(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=None,
+         mode="disaggregated", stream=True, local_prefill=0):
+    """Serve one request through a real TokenInbox; returns the outcome or the exception."""
+    decode = lambda ids: "".join(chr(0x4E00 + i) for i in ids)   # noqa: E731 - one char per id
+
+    async def main():
+        inbox = TokenInbox(None, stall)
+        orchestrator = Orchestrator(generation, inbox, mode, decode, local_prefill=local_prefill)
+        inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
+                  "stream": np.array([stream]), "request_output_len": np.array([16], np.int32)}
+        task = asyncio.ensure_future(orchestrator.handle(inputs, send, cancel))
+        if cancel_task_after is not None:
+            await asyncio.sleep(cancel_task_after)
+            task.cancel()
+        try:
+            return await task
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            return exc
+        finally:
+            directory = inbox.endpoint.directory if inbox.endpoint else None
+            inbox.close()
+            assert directory is None or not directory.exists()   # the ipc file is gone
+    return asyncio.run(main())
