@@ -20,6 +20,7 @@ import subprocess
 import numpy as np
 
 import servers
+from config_files import three_roles_config
 from servers import grpc_inputs, wait_until
 
 PROMPT = "Hello, world!"
@@ -111,11 +112,7 @@ def test_a_killed_generation_server_is_unavailable(demo_engine, tmp_path):
     """With ``decoupled_mode: false`` (KServe ``infer``), a request after the generation
     server was killed is gRPC UNAVAILABLE and HTTP 503; ``/generate`` says 400 (measured)."""
     ctx, gen = servers.free_ports(2)
-    config = tmp_path / "disagg_config.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n"
-                      f"context_server: {{url: \"127.0.0.1:{ctx}\", cpus: [0]}}\n"
-                      f"generation_server: {{url: \"127.0.0.1:{gen}\", cpus: [1]}}\n"
-                      "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
+    config = three_roles_config(tmp_path, demo_engine, ctx, gen, "decoupled_mode: false\n")
     args = ["-c", str(config)]
     with servers.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx), \
             servers.serve("generation", args, tmp_path / "g", http=False,

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from config_files import three_roles_config
 import servers
 from servers import wait_until
 
@@ -43,11 +44,7 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
     from tritonclient.utils import InferenceServerException
 
     ctx_port, gen_port = servers.free_ports(2)
-    config = tmp_path / "disagg_config.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\n"
-                      f"context_server: {{url: \"127.0.0.1:{ctx_port}\", cpus: [0]}}\n"
-                      f"generation_server: {{url: \"127.0.0.1:{gen_port}\", cpus: [1]}}\n"
-                      "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
+    config = three_roles_config(tmp_path, demo_engine, ctx_port, gen_port)
     offline = servers.offline_text(demo_engine)
     args = ["-c", str(config)]
     with servers.serve("scheduler", args, tmp_path / "s", until="up (") as scheduler:

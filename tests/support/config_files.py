@@ -1,6 +1,7 @@
 """What the config tests share: a ``disagg_config.yaml`` beside a stand-in engine
 directory (``engines/demo`` with an ``engine.json``: the config checks the path, not
-the weights), and the check that a mistake is one line naming what is wrong."""
+the weights), the check that a mistake is one line naming what is wrong, and the
+three-role config the served tests start ``serve context|generation|scheduler`` from."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def assert_one_line_error(path: Path, words: Sequence[str]) -> None:
     assert "\n" not in message and "disagg_config.yaml" in message
     for word in words:
         assert word in message, message
+
+
+def three_roles_config(tmp_path: Path, engine: Path, ctx_port: int, gen_port: int,
+                       extra: str = "") -> Path:
+    """``tmp_path/disagg_config.yaml`` for the three roles on this host: context on core 0
+    at ``ctx_port``, generation on core 1 at ``gen_port``, direct_transfer; ``extra`` YAML
+    lines appended."""
+    path = tmp_path / "disagg_config.yaml"
+    path.write_text(f"model: {{engine: {engine}}}\n"
+                    f"context_server: {{url: \"127.0.0.1:{ctx_port}\", cpus: [0]}}\n"
+                    f"generation_server: {{url: \"127.0.0.1:{gen_port}\", cpus: [1]}}\n"
+                    f"kv_cache: {{strategy: direct_transfer, max_size: 64MB}}\n{extra}")
+    return path
