@@ -44,8 +44,8 @@ class PendingTransfer(Transfer):
     """A fetch queued on a :class:`FetchWorker`; ``poll`` returns its stats (``seconds``:
     the copy, ``in_flight_seconds``: submit to done) once the thread finished it."""
 
-    def __init__(self, fetch: Fetch, timeout_s: float, what: str):
-        self.fetch, self.timeout_s, self.what = fetch, timeout_s, what
+    def __init__(self, fetch: Fetch, timeout_s: float):
+        self.fetch, self.timeout_s = fetch, timeout_s
         self.started = time.monotonic()
         self._done = threading.Event()
         self._stats: Optional[TransferStats] = None
@@ -84,7 +84,7 @@ class FetchWorker:
     def submit(self, fetch: Fetch, timeout_s: float, what: str) -> PendingTransfer:
         """Queue ``fetch``, to run with a deadline ``timeout_s`` after it starts; never
         blocks."""
-        job = PendingTransfer(fetch, timeout_s, what)
+        job = PendingTransfer(fetch, timeout_s)
         with self._lock:
             if self._closed:
                 raise ConnectorError(f"{what}: this KV connector is closed")
