@@ -166,7 +166,8 @@ def test_a_client_that_disconnects_cancels_and_frees_its_blocks(server, stream):
             for _ in range(3):
                 line = next(line for line in lines if line)
                 assert json.loads(line[len(b"data: "):])["choices"]
-            assert _blocks_used(server) > 0        # the request holds KV blocks now
+            servers.wait_until(lambda: _blocks_used(server) > 0, 60,   # the gauge: every 0.5 s
+                               "the request holds KV blocks")
     else:
         import http.client
 
