@@ -98,6 +98,10 @@ def test_generation_runs_two_instances_where_its_cores_allow(write, generation, 
      ["kv_cache.overlap_transfer: true", "not yet supported", "remove it"]),
     ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: sometimes}\n",
      ["kv_cache.overlap_transfer", "true or false"]),
+    ("model: {engine: engines/demo}\nkv_cache: {gpu_memory_fraction: 0}\n",
+     ["kv_cache.gpu_memory_fraction", "> 0 and <= 1"]),
+    ("model: {engine: engines/demo}\nkv_cache: {gpu_memory_fraction: 90%}\n",
+     ["kv_cache.gpu_memory_fraction", "e.g. 0.9"]),
 ])
 def test_mistakes_are_one_line_naming_the_key(write, text, words):
     assert_one_line_error(write(text), words)
@@ -120,6 +124,18 @@ def test_model_runtime_carried_to_the_engine_settings(write, tmp_path):
     for model in ("context", "generation"):
         carried = from_json(model, to_json(settings(model, "all", cfg)))
         assert (carried.runtime, carried.device, carried.dtype) == ("torch", "cpu", None)
+
+
+def test_gpu_memory_fraction_carried_to_the_engine_settings(write):
+    from triton_disagg.config.settings import from_json, to_json
+    from triton_disagg.triton.render import settings
+
+    assert load_config(write(GUIDE)).kv_cache.gpu_memory_fraction == 0.9
+    cfg = load_config(write(GUIDE.replace("max_size: 2GB", "max_size: 2GB, "
+                                          "gpu_memory_fraction: 0.5")))
+    for model in ("context", "generation"):
+        carried = from_json(model, to_json(settings(model, "disaggregated", cfg)))
+        assert carried.kv_gpu_memory_fraction == 0.5
 
 
 def test_cuda_where_no_gpu_exists(write):

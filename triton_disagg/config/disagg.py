@@ -26,7 +26,8 @@ default 8080; ``instances``: orchestrator instances, in ``serve all`` too; defau
 front end's cores, in ``serve all`` too: tritonserver's own threads and the
 preprocessing and orchestrator stubs, which every orchestrator instance shares, so
 they are not split per instance; default :func:`~triton_disagg.config.host.front_cpus`);
-``kv_cache.lease_seconds``. ``kv_cache.strategy: host_memory`` is refused when the
+``kv_cache.lease_seconds``; ``kv_cache.gpu_memory_fraction`` (a CUDA pool's share of the device
+memory free after the weights; default 0.9). ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
 (:mod:`triton_disagg.config.kubernetes`). TensorRT-LLM's disaggregated config
@@ -62,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
-from triton_disagg.config.values import (count, int_list, is_loopback, mapping, number,
+from triton_disagg.config.values import (count, int_list, is_loopback, mapping, fraction, number,
                                          parse_size, parse_url)
 from triton_disagg.engine.runtime import check_choice
 from triton_disagg.errors import UserError
@@ -132,6 +133,7 @@ class KVCacheConfig:
     strategy: str = "direct_transfer"
     max_size: int = 2 * 10**9           # bytes, per model instance's block pool
     lease_seconds: float = 30.0
+    gpu_memory_fraction: float = 0.9    # of device memory free after weights (CUDA pools)
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,8 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
         raise UserError(f"decoupled_mode: {decoupled!r} must be true (streaming) or false "
                         f"(plain infer(), one response per request)")
     kv_raw = mapping(top.get("kv_cache"), "kv_cache",
-                     {"strategy", "max_size", "lease_seconds", "overlap_transfer"})
+                     {"strategy", "max_size", "lease_seconds", "overlap_transfer",
+                      "gpu_memory_fraction"})
     overlap = kv_raw.get("overlap_transfer", False)
     if not isinstance(overlap, bool):
         raise UserError(f"kv_cache.overlap_transfer: {overlap!r} must be true or false")
@@ -290,7 +293,9 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
     kv = KVCacheConfig(strategy=strategy,
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
                        lease_seconds=number(kv_raw.get("lease_seconds", 30.0),
-                                             "kv_cache.lease_seconds"))
+                                             "kv_cache.lease_seconds"),
+                       gpu_memory_fraction=fraction(kv_raw.get("gpu_memory_fraction", 0.9),
+                                                    "kv_cache.gpu_memory_fraction"))
     discovery = _discovery(top.get("discovery"), base_dir, files_here=engine_here)
     config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,

@@ -39,6 +39,7 @@ class EngineSettings:
     runtime: str | None = None                   # model.runtime/device/dtype; None: the
     device: str | None = None                    # serving host's Runtime.default
     dtype: str | None = None
+    kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
 
     def __post_init__(self):
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))

@@ -79,6 +79,13 @@ def count(raw: Any, key: str, hint: str = "") -> int:
     return raw
 
 
+def fraction(raw: Any, key: str) -> float:
+    """A number in ``(0, 1]``."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw <= 1:
+        raise UserError(f"{key}: {raw!r} must be a number > 0 and <= 1, e.g. 0.9")
+    return float(raw)
+
+
 def number(raw: Any, key: str) -> float:
     """A finite number of seconds > 0 (YAML's ``.nan`` and ``.inf`` are refused)."""
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < float("inf"):

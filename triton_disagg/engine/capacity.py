@@ -63,14 +63,16 @@ def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
             raise UserError(f"{config.source}: {exc}") from None
 
 
-def make_engine(settings: "EngineSettings", role: str) -> "LLMEngine":
+def make_engine(settings: "EngineSettings", role: str,
+                device_index: int | None = None) -> "LLMEngine":
     """A context or generation instance's engine (``role`` names it in the capacity error),
-    on the runner its settings name (what they leave out: this host's default)."""
+    on the runner its settings name (what they leave out: this host's default), on CUDA
+    device ``device_index`` (its Triton instance's GPU) when it runs on CUDA."""
     from triton_disagg.engine.llm_engine import LLMEngine
 
     spec = EngineSpec.load(settings.engine)
     layout = kv_layout(spec, settings.tokens_per_block, settings.kv_dtype)
     check_pool(spec, layout, settings.kv_max_size, role)
-    runtime = Runtime.default(settings.runtime, settings.device, settings.dtype)
+    runtime = Runtime.default(settings.runtime, settings.device, settings.dtype, device_index)
     return LLMEngine(settings.engine, kv_max_bytes=settings.kv_max_size, kv_layout=layout,
-                     runtime=runtime)
+                     runtime=runtime, kv_memory_fraction=settings.kv_gpu_memory_fraction)

@@ -36,7 +36,8 @@ import numpy as np
 from triton_disagg.engine.sampling import Sampler, SamplingParams
 from triton_disagg.engine.scheduler import KVArrival, Scheduler
 from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, TokenEvent
-from triton_disagg.engine.runtime import DTYPE_BYTES, Runtime, device_kv_budget, make_runner
+from triton_disagg.engine.runtime import (CUDA_KV_FRACTION, DTYPE_BYTES, Runtime,
+                                          device_kv_budget, make_runner)
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
@@ -66,24 +67,26 @@ class LLMEngine:
     it holds ``max_batch_size`` sequences of the longest allowed length. ``kv_layout``
     overrides the engine's tokens per block and KV dtype (a serving side's own choice).
     ``runtime`` picks the model runner (default: :meth:`Runtime.default`); on CUDA an
-    unsized pool takes :func:`device_kv_budget` (free device memory, capped by
-    ``kv_max_bytes``).
+    unsized pool takes :func:`device_kv_budget` (``kv_memory_fraction`` of the device
+    memory free after the weights, capped by ``kv_max_bytes``).
     """
 
     def __init__(self, engine_dir: str | Path, kv_max_bytes: int | None = None,
                  num_blocks: int | None = None, kv_layout: KVLayout | None = None,
-                 runtime: Runtime | None = None):
+                 runtime: Runtime | None = None, kv_memory_fraction: float = CUDA_KV_FRACTION):
         self.spec, weights = load_engine(engine_dir)
         runtime = runtime or Runtime.default()
         geometry = self.spec.block_geometry(kv_layout)
         if num_blocks is None and runtime.device == "cuda":
             weight_bytes = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype]
-            kv_max_bytes = device_kv_budget(kv_max_bytes, weight_bytes)
+            kv_max_bytes = device_kv_budget(kv_max_bytes, weight_bytes, kv_memory_fraction,
+                                            runtime.torch_device)
         if num_blocks is None and kv_max_bytes is not None:
             num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
         if num_blocks is None:
             num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
         self.pool = BlockPool(geometry, num_blocks)
+        self.runtime = runtime     # its device is where the KV the runner computes lives
         self.runner = make_runner(runtime, self.spec, weights, self.pool)
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.pool, self.spec.max_batch_size)

@@ -6,8 +6,9 @@ the same engine directory and expose the same entry points, so everything around
 runner (scheduler, block pool, sampling, KV connectors) is shared.
 
 Invariant: a :class:`Runtime` is valid when it is constructed (known names; float32 on
-CPU; numpy on CPU only), and :func:`make_runner` fails with one line when the device is
-not there (``device: cuda`` with no GPU visible).
+CPU; numpy on CPU only; a device index on CUDA only), and :func:`make_runner` fails with
+one line when the device is not there (``device: cuda`` with no GPU visible) or cannot
+hold the engine (out of device memory at load: the line names the settings to lower).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # On CPU numpy is the default: it measured faster than the torch runner at batch 1-8 on
 # this project's benchmark machine (docs/benchmarks.md); torch is the default on CUDA.
 DEFAULT_CPU_RUNTIME = "numpy"
-CUDA_KV_FRACTION = 0.9   # of the device memory free after the weights, for the KV pool
+# kv_cache.gpu_memory_fraction's default: the share of the device memory free after the
+# weights that the KV pool takes (the rest: activations, CUDA graphs, the allocator's slack).
+CUDA_KV_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Runtime:
     runtime: str = DEFAULT_CPU_RUNTIME
     device: str = "cpu"
     dtype: str = "float32"
+    device_index: int = 0     # which CUDA device (the Triton instance's device id)
 
     def __post_init__(self) -> None:
         for key, value, allowed in (("runtime", self.runtime, RUNTIMES),
@@ -49,19 +53,29 @@ class Runtime:
             raise UserError("model.device: cuda needs model.runtime: torch (numpy runs on CPU)")
         if self.device == "cpu" and self.dtype != "float32":
             raise UserError(f"model.dtype: {self.dtype} runs on CUDA only; use float32 on CPU")
+        if self.device_index < 0 or (self.device == "cpu" and self.device_index):
+            raise UserError(f"device index {self.device_index}: only CUDA devices are "
+                            f"numbered (0, 1, ...)")
+
+    @property
+    def torch_device(self) -> str:
+        """``cpu`` or ``cuda:N``: where the runner's weights and KV pool live."""
+        return f"cuda:{self.device_index}" if self.device == "cuda" else "cpu"
 
     @classmethod
     def default(cls, runtime: str | None = None, device: str | None = None,
-                dtype: str | None = None) -> "Runtime":
+                dtype: str | None = None, device_index: int | None = None) -> "Runtime":
         """Fill what is not given: torch on CUDA when a GPU is visible, else the CPU default;
-        bfloat16 on CUDA, float32 on CPU."""
+        bfloat16 on CUDA, float32 on CPU. ``device_index`` (a Triton GPU instance's device
+        id) applies on CUDA and is dropped on CPU."""
         if device is None:
             device = "cuda" if runtime != "numpy" and _cuda_visible() else "cpu"
         if runtime is None:
             runtime = "torch" if device == "cuda" else DEFAULT_CPU_RUNTIME
         if dtype is None:
             dtype = "bfloat16" if device == "cuda" else "float32"
-        return cls(runtime, device, dtype)
+        index = device_index if device == "cuda" and device_index is not None else 0
+        return cls(runtime, device, dtype, index)
 
 
 def check_choice(runtime: str | None, device: str | None, dtype: str | None) -> None:
@@ -76,13 +90,21 @@ def check_choice(runtime: str | None, device: str | None, dtype: str | None) -> 
 
 
 def device_kv_budget(max_bytes: int | None, weight_bytes: int,
-                     fraction: float = CUDA_KV_FRACTION) -> int:
-    """KV bytes of one instance's pool on the current CUDA device: ``fraction`` of its free
-    memory less the ``weight_bytes`` still to be loaded, capped by ``kv_cache.max_size``."""
+                     fraction: float = CUDA_KV_FRACTION, device: str = "cuda") -> int:
+    """KV bytes of one instance's pool on CUDA ``device``: :func:`kv_budget` of its free
+    memory now."""
     import torch
 
-    free, _ = torch.cuda.mem_get_info()
-    budget = max(0, int((free - weight_bytes) * fraction))
+    free, _ = torch.cuda.mem_get_info(device)
+    return kv_budget(free, max_bytes, weight_bytes, fraction)
+
+
+def kv_budget(free_bytes: int, max_bytes: int | None, weight_bytes: int,
+              fraction: float) -> int:
+    """``fraction`` (``kv_cache.gpu_memory_fraction``) of the ``free_bytes`` a device has
+    less the ``weight_bytes`` still to be loaded, capped by ``max_bytes``
+    (``kv_cache.max_size``); never negative."""
+    budget = max(0, int((free_bytes - weight_bytes) * fraction))
     return budget if max_bytes is None else min(budget, int(max_bytes))
 
 
@@ -118,4 +140,17 @@ def make_runner(runtime: Runtime, spec: EngineSpec, weights: dict[str, np.ndarra
                         f"use model.device: cpu or run on a GPU host")
     if runtime.device == "cpu":
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-    return TorchModelRunner(spec, weights, pool, runtime.device, runtime.dtype)
+    try:
+        return TorchModelRunner(spec, weights, pool, runtime.torch_device, runtime.dtype)
+    except torch.OutOfMemoryError:
+        raise UserError(out_of_memory_message(runtime, weights, pool)) from None
+
+
+def out_of_memory_message(runtime: Runtime, weights: dict[str, np.ndarray],
+                          pool: BlockPool) -> str:
+    """The one line for an engine that does not fit its device at load, naming what to lower."""
+    weight_mib = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype] >> 20
+    kv_mib = pool.num_total * pool.geometry.block_nbytes >> 20
+    return (f"out of memory on {runtime.torch_device} loading the engine ({weight_mib} MiB of "
+            f"{runtime.dtype} weights + a {kv_mib} MiB KV pool); lower "
+            f"kv_cache.gpu_memory_fraction or kv_cache.max_size, or use a smaller engine")

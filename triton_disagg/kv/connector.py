@@ -137,7 +137,8 @@ class KVConnector(ABC):
                  lease_seconds: float, free_blocks: Optional[FreeBlocks] = None):
         if pool.device.kind != "cpu":
             raise UserError(f"kv_cache.strategy {self.strategy} moves KV pools in host memory "
-                            f"only; this pool is on {pool.device.kind}:{pool.device.index}")
+                            f"only; this pool is on {pool.device.kind}:{pool.device.index}: "
+                            f"serve aggregated on CUDA, or disaggregated with model.device: cpu")
         self.pool, self.geometry = pool, pool.geometry
         self.key, self.fingerprint, self.lease_seconds = key, fingerprint, lease_seconds
         self.free_blocks = free_blocks
@@ -237,6 +238,7 @@ def connector_for(settings: "EngineSettings", engine: Any, instance: str,
                   free_blocks: Optional[FreeBlocks] = None) -> KVConnector:
     """The connector a context (``free_blocks`` given) or generation model instance named
     ``instance`` uses over ``engine``'s pool, as its settings say."""
-    return make_connector(settings.kv_strategy, PoolBuffer(engine.pool.array), instance,
+    device = Device(engine.runtime.device, engine.runtime.device_index)
+    return make_connector(settings.kv_strategy, PoolBuffer(engine.pool.array, device), instance,
                           load_key(settings.kv_key_id), engine.spec.fingerprint,
                           settings.kv_lease_seconds, free_blocks)

@@ -1,4 +1,5 @@
-"""Per-instance setup: pin the stub process to its cores and cap its BLAS threads.
+"""Per-instance setup: pin the stub process to its cores and cap its BLAS threads; on a
+GPU instance, which CUDA device it runs on (:func:`gpu_index`).
 
 The stub has imported numpy (and started its BLAS thread pool) before the
 model's ``initialize`` runs, so environment variables are too late: the
@@ -26,6 +27,14 @@ def cores_for(per_instance: Sequence[Sequence[int]], args: dict) -> tuple[int, .
     ``instance_cpus``); () when it has none."""
     index = instance_index(args.get("model_instance_name", ""))
     return tuple(per_instance[index]) if index < len(per_instance) else ()
+
+
+def gpu_index(args: dict) -> int | None:
+    """The CUDA device id Triton gave a ``KIND_GPU`` instance (``gpus:`` of its role puts
+    one instance on each listed GPU); None for a ``KIND_CPU`` instance."""
+    if args.get("model_instance_kind") != "GPU":
+        return None
+    return int(args["model_instance_device_id"])
 
 
 def pin(cores: Sequence[int]) -> Any:

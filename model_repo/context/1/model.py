@@ -20,7 +20,7 @@ from triton_disagg.context.prefill import ContextSide
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
-from triton_disagg.triton.placement import cores_for, pin
+from triton_disagg.triton.placement import cores_for, gpu_index, pin
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
 
@@ -36,7 +36,7 @@ class TritonPythonModel:
         instance = args["model_instance_name"]
         self.metrics = Metrics(pb_utils, "context", instance)
         with self.metrics.closed_on_error():
-            engine = make_engine(settings, "context")
+            engine = make_engine(settings, "context", gpu_index(args))
             self.side = ContextSide(engine, settings, instance, self.metrics)
 
     def execute(self, requests):

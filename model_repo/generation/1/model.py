@@ -25,7 +25,7 @@ from triton_disagg.engine.capacity import make_engine
 from triton_disagg.kv.connector import connector_for
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
-from triton_disagg.triton.placement import cores_for, pin
+from triton_disagg.triton.placement import cores_for, gpu_index, pin
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
 
@@ -39,7 +39,7 @@ class TritonPythonModel:
         self.limits = pin(cores_for(settings.instance_cpus, args))
         self.credential = peers.credential()
         instance = args["model_instance_name"]
-        engine = make_engine(settings, "generation")
+        engine = make_engine(settings, "generation", gpu_index(args))
         self.metrics = Metrics(pb_utils, "generation", instance)
         with self.metrics.closed_on_error():
             connector = (connector_for(settings, engine, instance)

@@ -1,0 +1,85 @@
+"""Device memory and placement of the torch runtime, checked on CPU: which CUDA device a
+Triton GPU instance uses, how much of it the KV pool takes, the one line when the engine
+does not fit, and a KV connector never handed host memory that stands in for device KV.
+
+The only fake is at the GPU boundary: a runner whose device allocation fails the way
+torch's CUDA allocator does (``torch.OutOfMemoryError``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from triton_disagg.engine.block_pool import BlockPool
+from triton_disagg.engine.runtime import Runtime, kv_budget, make_runner
+from triton_disagg.errors import UserError
+from triton_disagg.kv.layout import BlockGeometry
+from triton_disagg.triton.placement import gpu_index
+
+GIB = 2**30
+
+
+def test_a_gpu_instance_runs_on_the_device_triton_gave_it():
+    args = {"model_instance_kind": "GPU", "model_instance_device_id": "2"}
+    assert gpu_index(args) == 2
+    assert gpu_index({"model_instance_kind": "CPU", "model_instance_device_id": "0"}) is None
+    assert Runtime.default("torch", "cuda", None, gpu_index(args)).torch_device == "cuda:2"
+    assert Runtime.default("torch", "cuda").torch_device == "cuda:0"
+    # a CPU runtime ignores the instance's GPU: the device id names no CPU
+    assert Runtime.default("numpy", "cpu", None, 2) == Runtime("numpy", "cpu", "float32", 0)
+    with pytest.raises(UserError, match="only CUDA devices are numbered"):
+        Runtime("torch", "cpu", "float32", 1)
+
+
+@pytest.mark.parametrize("free, cap, weights, fraction, budget", [
+    (80 * GIB, None, 16 * GIB, 0.9, int(64 * GIB * 0.9)),    # fraction of what the weights leave
+    (80 * GIB, 2 * GIB, 16 * GIB, 0.9, 2 * GIB),              # kv_cache.max_size caps it
+    (80 * GIB, None, 16 * GIB, 0.5, 32 * GIB),
+    (10 * GIB, None, 16 * GIB, 0.9, 0),                       # weights alone do not fit
+])
+def test_kv_pool_budget_is_a_fraction_of_free_device_memory(free, cap, weights, fraction,
+                                                           budget):
+    assert kv_budget(free, cap, weights, fraction) == budget
+
+
+class FakeCudaOutOfMemoryRunner:
+    """The GPU boundary: a runner whose device allocation fails as CUDA's allocator does."""
+
+    def __init__(self, *args, **kwargs):
+        import torch
+
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def test_out_of_device_memory_at_load_is_one_line_naming_the_settings(monkeypatch):
+    pytest.importorskip("torch")
+    import triton_disagg.engine.torch_model as torch_model
+
+    monkeypatch.setattr(torch_model, "TorchModelRunner", FakeCudaOutOfMemoryRunner)
+    pool = BlockPool(BlockGeometry(2, 4, 8, 16, "float32"), 64)
+    weights = {"embed": np.zeros((1024, 256), np.float32)}
+    with pytest.raises(UserError) as err:
+        make_runner(Runtime("torch", "cpu"), SimpleNamespace(), weights, pool)
+    line = str(err.value)
+    assert "\n" not in line and "out of memory on cpu" in line
+    assert "kv_cache.gpu_memory_fraction" in line and "kv_cache.max_size" in line
+    kv_mib = 64 * pool.geometry.block_nbytes >> 20
+    assert "1 MiB of float32 weights" in line and f"a {kv_mib} MiB KV pool" in line
+
+
+def test_a_connector_is_given_the_device_the_kv_lives_on(monkeypatch):
+    """On CUDA the runner computes KV in device memory, not in ``pool.array``: the connector
+    is told so and refuses by name, instead of moving the host array's zeros."""
+    from triton_disagg.kv.connector import connector_for
+    from triton_disagg.kv.secret import SECRET_ENV, render_key_id
+
+    monkeypatch.setenv(SECRET_ENV, "s" * 64)
+    pool = BlockPool(BlockGeometry(2, 4, 8, 16, "float32"), 4)
+    settings = SimpleNamespace(kv_strategy="host_memory", kv_key_id=render_key_id(),
+                               kv_lease_seconds=30.0)
+    engine = SimpleNamespace(pool=pool, spec=SimpleNamespace(fingerprint="f" * 64),
+                             runtime=Runtime("torch", "cuda", "bfloat16", 1))
+    with pytest.raises(UserError, match="host memory only; this pool is on cuda:1"):
+        connector_for(settings, engine, "conntest_0_0", lambda blocks: None)
