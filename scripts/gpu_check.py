@@ -20,6 +20,11 @@ Sections:
    engine samples there.
 3. nixl: a READ of a device buffer from another process (UCX, VRAM; DRAM on CPU) beside a
    device-to-device copy of the same bytes in one process.
+4. memory: an engine on the last visible device (as a Triton GPU instance with that
+   device id gets) holds its weights and KV pool there, the pool sized by
+   ``kv_cache.gpu_memory_fraction`` of the memory free after the weights; and an engine
+   that does not fit is the one out-of-memory line naming the settings to lower. On CPU
+   only the placement row runs (the pool is host memory).
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ import torch
 
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.llm_engine import LLMEngine
-from triton_disagg.engine.runtime import Runtime
+from triton_disagg.engine.runtime import DTYPE_BYTES, Runtime, kv_budget
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.spec import EngineSpec, KVLayout, ModelShape
 from triton_disagg.engine.torch_model import TORCH_DTYPES, TorchModelRunner
-from triton_disagg.engine.weights import expected_shapes
+from triton_disagg.engine.weights import expected_shapes, load_engine
+from triton_disagg.errors import UserError
 
 LOW_PRECISION_LOGIT_TOLERANCE = 0.05    # max |logit diff| of bf16/fp16 vs fp32 at step one
 
@@ -340,6 +346,61 @@ def nixl_table(device: str, nbytes: int, repeats: int, say) -> list[str]:
     return lines
 
 
+# ---- 4. memory -------------------------------------------------------------------------
+
+MEMORY_CHECK_FRACTION = 0.05   # small, so that the host's shadow pool array stays small too
+
+
+def memory_table(device: str, dtype: str, say) -> list[str]:
+    lines = ["| check | expected | got | verdict |", "|---|---|---|---|"]
+
+    def row(check: str, expected: str, got: str, ok: bool) -> None:
+        lines.append(f"| {check} | {expected} | {got} | {'ok' if ok else 'FAIL'} |")
+        say(lines[-1])
+
+    index = torch.cuda.device_count() - 1 if device == "cuda" else None
+    runtime = Runtime.default("torch", device, dtype, index)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine_dir = write_tiny_engine(Path(tmp) / "llama", "llama")
+        if device == "cuda":
+            free_before, _ = torch.cuda.mem_get_info(runtime.torch_device)
+        engine = LLMEngine(engine_dir, runtime=runtime, kv_max_bytes=None if device == "cuda"
+                           else 1 << 20, kv_memory_fraction=MEMORY_CHECK_FRACTION)
+        where = {str(engine.runner.kv.device), str(engine.runner.embed.device)}
+        row("weights and KV pool placed", runtime.torch_device, ", ".join(sorted(where)),
+            where == {str(torch.device(runtime.torch_device))})
+        if device != "cuda":
+            return lines
+        weight_bytes = sum(w.size for w in load_engine(engine_dir)[1].values()) * (
+            DTYPE_BYTES[dtype])
+        pool_bytes = engine.pool.num_total * engine.pool.geometry.block_nbytes
+        expected = kv_budget(free_before, None, weight_bytes, MEMORY_CHECK_FRACTION)
+        row(f"KV pool at gpu_memory_fraction {MEMORY_CHECK_FRACTION}",
+            f"{expected / 2**30:.2f} GiB", f"{pool_bytes / 2**30:.2f} GiB",
+            abs(pool_bytes - expected) <= 0.02 * expected)
+        del engine
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(runtime.torch_device)
+        filler = torch.empty(free - (64 << 20), dtype=torch.uint8, device=runtime.torch_device)
+        try:
+            LLMEngine(engine_dir, runtime=runtime,
+                      num_blocks=(1 << 30) // engine_pool_block_bytes(engine_dir))
+            got, ok = "loaded", False
+        except UserError as exc:
+            got = str(exc)
+            ok = "\n" not in got and "kv_cache.gpu_memory_fraction" in got
+        finally:
+            del filler
+            torch.cuda.empty_cache()
+        row("1 GiB pool with 64 MiB free", "one line naming kv_cache.gpu_memory_fraction",
+            got.replace("|", "/"), ok)
+    return lines
+
+
+def engine_pool_block_bytes(engine_dir: Path) -> int:
+    return EngineSpec.load(engine_dir).block_geometry().block_nbytes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -347,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="low-precision dtype checked beside float32 (CUDA only)")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny shapes and few steps: the smoke run")
-    parser.add_argument("--sections", default="parity,speed,nixl",
-                        help="comma-separated subset of parity,speed,nixl")
+    parser.add_argument("--sections", default="parity,speed,nixl,memory",
+                        help="comma-separated subset of parity,speed,nixl,memory")
     parser.add_argument("--output", type=Path, required=True, help="markdown file to write")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -377,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         out += ["## NIXL READ between two processes vs a local copy", ""]
         out += nixl_table(args.device, (16 << 20) if args.tiny else (1 << 30),
                           1 if args.tiny else 3, say) + [""]
+    if "memory" in sections:
+        out += ["## Device memory: placement, KV pool size, out of memory at load", ""]
+        out += memory_table(args.device, dtype, say) + [""]
     out.append(f"Took {time.perf_counter() - started:.0f} s.")
     args.output.write_text("\n".join(out) + "\n")
     print("\n".join(out))

@@ -30,6 +30,7 @@ def test_cpu_smoke_run_writes_every_table(tmp_path):
     assert all(float(ours.replace(",", "")) > 0 for *_, ours, _, _ in speed)
     nixl = re.search(r"^\| NIXL READ from another process \(UCX, DRAM\) \| ([\d.]+) \|", text, re.M)
     assert nixl and float(nixl.group(1)) > 0
+    assert "| weights and KV pool placed | cpu | cpu | ok |" in text
 
 
 def test_cuda_without_a_gpu_is_one_line(tmp_path):
