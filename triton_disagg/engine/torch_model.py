@@ -145,12 +145,12 @@ class TorchModelRunner:
         for li, w in enumerate(self.layers):
             h = self._norm(x, w["attn_norm.weight"], w.get("attn_norm.bias"))
             qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))          # [B, n, Q + 2*KV]
-            q = qkv[..., :self.q_dim].view(b, n, s.num_heads, s.head_dim)   # [B, n, nh, hd]
-            k = qkv[..., self.q_dim:self.q_dim + self.kv_dim].view(
-                b, n, s.num_kv_heads, s.head_dim)                           # [B, n, kvh, hd]
-            v = qkv[..., self.q_dim + self.kv_dim:].view(b, n, s.num_kv_heads, s.head_dim)
+            qk = qkv[..., :self.q_dim + self.kv_dim].view(
+                b, n, s.num_heads + s.num_kv_heads, s.head_dim)            # [B, n, nh+kvh, hd]
             if not self.gpt2:
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                qk = _rope(qk, cos, sin)       # queries and keys in one rotation
+            q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]          # [B, n, nh|kvh, hd]
+            v = qkv[..., self.q_dim + self.kv_dim:].view(b, n, s.num_kv_heads, s.head_dim)
             o = self._paged_attention(li, q, k, v, paged)                  # [B, n, Q]
             x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
             x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
@@ -182,7 +182,8 @@ class TorchModelRunner:
         threads = (_OneCpuThread() if self.device.type == "cpu" and small
                    else contextlib.nullcontext())
         dev = self.device
-        return _PagedBatch(tuple(r.to(dev) for r in real), write_rows.to(dev),
+        every = len(write_rows) == b * n        # no padding (decode, equal prompts)
+        return _PagedBatch(None if every else tuple(r.to(dev) for r in real), write_rows.to(dev),
                            read_rows.to(dev), mask.to(dev), nb * self.bs, threads)
 
     def _paged_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -195,10 +196,8 @@ class TorchModelRunner:
         block_rows = self.kv.view(-1, self.bs * self.kv_dim)               # [N*L*2, bs*KV]
         with paged.threads:
             k_rows = paged.write_rows + li * 2 * self.bs
-            token_rows.index_copy_(0, k_rows, k[paged.real].reshape(-1, self.kv_dim)
-                                   .to(self.kv.dtype))                     # [R, KV]
-            token_rows.index_copy_(0, k_rows + self.bs, v[paged.real].reshape(-1, self.kv_dim)
-                                   .to(self.kv.dtype))
+            token_rows.index_copy_(0, k_rows, paged.real_rows(k).to(self.kv.dtype))   # [R, KV]
+            token_rows.index_copy_(0, k_rows + self.bs, paged.real_rows(v).to(self.kv.dtype))
             cached = block_rows.index_select(0, paged.read_rows + li * 2).to(q.dtype)  # [B*2*nb, bs*KV]
             cached = cached.view(b, 2, paged.span, s.num_kv_heads, s.head_dim)  # [B, 2, S, kvh, hd]
             keys, vals = cached[:, 0], cached[:, 1]                        # [B, S, kvh, hd] each
@@ -231,12 +230,18 @@ class TorchModelRunner:
 class _PagedBatch:
     """One pass's pool addressing (see :meth:`TorchModelRunner._paged_batch`)."""
 
-    real: tuple[torch.Tensor, torch.Tensor]   # (row, column) of each real token, [R] each
+    real: tuple[torch.Tensor, torch.Tensor] | None   # (row, column) of each real token,
+                                                      # [R] each; None: every token is real
     write_rows: torch.Tensor                   # [R] token row of each real token's K, layer 0
     read_rows: torch.Tensor                    # [B * 2 * nb] block rows to gather, layer 0
     mask: torch.Tensor                         # [B, 1, n, S] bool: key visible to query
     span: int                                  # S = nb * bs keys per sequence
     threads: Any                               # context manager for the attention ops
+
+    def real_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The real tokens' rows of ``t`` ``[B, n, heads, hd]`` -> ``[R, heads * hd]``."""
+        rows = t if self.real is None else t[self.real]                    # [B, n | R, ...]
+        return rows.reshape(-1, t.shape[2] * t.shape[3])                   # [R, heads*hd]
 
 
 class _OneCpuThread:
