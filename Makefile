@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) with $(PYTHON) and installing triton-disagg (first time: a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar off --upgrade pip
-	$(BIN)/pip install --progress-bar off -e .
+	$(BIN)/pip install --progress-bar off -e ".[cpu]"   # CPU torch: no CUDA libraries (README)
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)

@@ -132,7 +132,7 @@ def make_runner(runtime: Runtime, spec: EngineSpec, weights: dict[str, np.ndarra
         import torch
     except ImportError:
         raise UserError("model.runtime: torch needs PyTorch; pip install "
-                        "'triton-disagg[torch]'") from None
+                        "'triton-disagg[cpu]' (or [gpu] on a CUDA host)") from None
     from triton_disagg.engine.torch_model import TorchModelRunner
 
     if runtime.device == "cuda" and not torch.cuda.is_available():
