@@ -89,6 +89,8 @@ def test_trtllm_format_maps_onto_ours(write, capsys):
     assert said == {"backend", "otlp_config", "context_servers.max_batch_size",
                     "context_servers.kv_cache_config.free_gpu_memory_fraction",
                     "context_servers.cache_transceiver_config"}, lines
+    assert any(line.endswith("one value for every role: kv_cache.gpu_memory_fraction")
+               for line in lines), lines
 
 
 def test_trtllm_disagg_cluster_becomes_discovery(write):

@@ -116,7 +116,10 @@ def _servers(raw: Any, where: str, say: Callable[[str], None]) -> dict:
     for key, value in section.items():
         if key == "kv_cache_config" and isinstance(value, dict):
             for sub in value:
-                if sub != "tokens_per_block":
+                if sub == "free_gpu_memory_fraction":
+                    say(f"{where}.kv_cache_config.{sub}: ignored; triton-disagg's is one "
+                        f"value for every role: kv_cache.gpu_memory_fraction")
+                elif sub != "tokens_per_block":
                     say(f"{where}.kv_cache_config.{sub}: not supported by triton-disagg; "
                         f"ignored (kv_cache.max_size sizes the block pool)")
         elif key not in known:
