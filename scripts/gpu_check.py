@@ -373,7 +373,7 @@ def memory_table(device: str, dtype: str, say) -> list[str]:
             return lines
         weight_bytes = sum(w.size for w in load_engine(engine_dir)[1].values()) * (
             DTYPE_BYTES[dtype])
-        pool_bytes = engine.pool.num_total * engine.pool.geometry.block_nbytes
+        pool_bytes = engine.pool.num_total * runtime.kv_block_bytes(engine.pool.geometry)
         expected = kv_budget(free_before, None, weight_bytes, MEMORY_CHECK_FRACTION)
         row(f"KV pool at gpu_memory_fraction {MEMORY_CHECK_FRACTION}",
             f"{expected / 2**30:.2f} GiB", f"{pool_bytes / 2**30:.2f} GiB",

@@ -83,3 +83,22 @@ def test_a_connector_is_given_the_device_the_kv_lives_on(monkeypatch):
                              runtime=Runtime("torch", "cuda", "bfloat16", 1))
     with pytest.raises(UserError, match="host memory only; this pool is on cuda:1"):
         connector_for(settings, engine, "conntest_0_0", lambda blocks: None)
+
+
+def test_a_cuda_pool_is_counted_in_device_bytes_and_too_small_is_one_line():
+    """bfloat16 KV of a float32 layout takes half the bytes on the device, so a budget holds
+    twice the blocks; a budget short of one longest sequence names the settings."""
+    from triton_disagg.engine.runtime import device_pool_blocks
+
+    geometry = BlockGeometry(2, 4, 8, 16, "float32")
+    cuda = Runtime("torch", "cuda", "bfloat16", 1)
+    assert cuda.kv_block_bytes(geometry) * 2 == geometry.block_nbytes
+    assert Runtime("torch", "cpu").kv_block_bytes(geometry) == geometry.block_nbytes
+    budget = 100 * geometry.block_nbytes
+    assert device_pool_blocks(cuda, geometry, budget, 0.9, blocks_needed=128) == 200
+    with pytest.raises(UserError) as err:
+        device_pool_blocks(cuda, geometry, budget, 0.9, blocks_needed=201)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("out of memory on cuda:1")
+    assert "200 KV blocks" in line and "needs 201" in line
+    assert "raise kv_cache.gpu_memory_fraction or kv_cache.max_size" in line

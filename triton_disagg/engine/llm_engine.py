@@ -37,7 +37,7 @@ from triton_disagg.engine.sampling import Sampler, SamplingParams
 from triton_disagg.engine.scheduler import KVArrival, Scheduler
 from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, TokenEvent
 from triton_disagg.engine.runtime import (CUDA_KV_FRACTION, DTYPE_BYTES, Runtime,
-                                          device_kv_budget, make_runner)
+                                          device_kv_budget, device_pool_blocks, make_runner)
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
@@ -79,8 +79,10 @@ class LLMEngine:
         geometry = self.spec.block_geometry(kv_layout)
         if num_blocks is None and runtime.device == "cuda":
             weight_bytes = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype]
-            kv_max_bytes = device_kv_budget(kv_max_bytes, weight_bytes, kv_memory_fraction,
-                                            runtime.torch_device)
+            budget = device_kv_budget(kv_max_bytes, weight_bytes, kv_memory_fraction,
+                                      runtime.torch_device)
+            num_blocks = device_pool_blocks(runtime, geometry, budget, kv_memory_fraction,
+                                            geometry.blocks_for(self.spec.max_context - 1))
         if num_blocks is None and kv_max_bytes is not None:
             num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
         if num_blocks is None:

@@ -21,6 +21,7 @@ import numpy as np
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import UserError
+from triton_disagg.kv.layout import BlockGeometry
 
 RUNTIMES = ("numpy", "torch")
 DEVICES = ("cpu", "cuda")
@@ -61,6 +62,14 @@ class Runtime:
     def torch_device(self) -> str:
         """``cpu`` or ``cuda:N``: where the runner's weights and KV pool live."""
         return f"cuda:{self.device_index}" if self.device == "cuda" else "cpu"
+
+    def kv_block_bytes(self, geometry: BlockGeometry) -> int:
+        """Bytes of one KV block where this runtime's runner keeps it: on CUDA one device
+        tensor in the runtime's dtype (bfloat16 KV of a float32 layout: half the bytes),
+        on CPU the pool's own array (the layout's dtype)."""
+        if self.device == "cpu":
+            return geometry.block_nbytes
+        return int(np.prod(geometry.block_shape)) * DTYPE_BYTES[self.dtype]
 
     @classmethod
     def default(cls, runtime: str | None = None, device: str | None = None,
@@ -108,6 +117,23 @@ def kv_budget(free_bytes: int, max_bytes: int | None, weight_bytes: int,
     return budget if max_bytes is None else min(budget, int(max_bytes))
 
 
+def device_pool_blocks(runtime: Runtime, geometry: BlockGeometry, budget: int,
+                       fraction: float, blocks_needed: int) -> int:
+    """KV blocks of a CUDA pool of ``budget`` bytes (:func:`device_kv_budget`), or the one
+    line naming the settings when they are fewer than ``blocks_needed`` (one longest
+    sequence)."""
+    blocks = budget // runtime.kv_block_bytes(geometry)
+    if blocks < blocks_needed:
+        need_mib = -(-blocks_needed * runtime.kv_block_bytes(geometry) // 2**20)
+        raise UserError(
+            f"out of memory on {runtime.torch_device}: kv_cache.gpu_memory_fraction {fraction} "
+            f"of the memory free after the weights, capped by kv_cache.max_size, is "
+            f"{budget >> 20} MiB, {blocks} KV blocks, but one max_seq_len sequence needs "
+            f"{blocks_needed} ({need_mib} MiB); raise kv_cache.gpu_memory_fraction or "
+            f"kv_cache.max_size, or free the device")
+    return blocks
+
+
 def _cuda_visible() -> bool:
     """Is a CUDA GPU visible to torch (False without torch, or without an NVIDIA device
     node: then torch is not even imported)?"""
@@ -150,7 +176,7 @@ def out_of_memory_message(runtime: Runtime, weights: dict[str, np.ndarray],
                           pool: BlockPool) -> str:
     """The one line for an engine that does not fit its device at load, naming what to lower."""
     weight_mib = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype] >> 20
-    kv_mib = pool.num_total * pool.geometry.block_nbytes >> 20
+    kv_mib = pool.num_total * runtime.kv_block_bytes(pool.geometry) >> 20
     return (f"out of memory on {runtime.torch_device} loading the engine ({weight_mib} MiB of "
             f"{runtime.dtype} weights + a {kv_mib} MiB KV pool); lower "
             f"kv_cache.gpu_memory_fraction or kv_cache.max_size, or use a smaller engine")
