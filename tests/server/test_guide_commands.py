@@ -66,13 +66,13 @@ def _kill(served: servers.Served) -> None:
 
 
 def test_the_guides_commands_as_written(demo_engine, tmp_path):
-    ctx, gen, grpc, http, metrics = servers.free_ports(5)
+    ctx, gen, grpc, http, metrics, *fronts = servers.free_ports(8)
     (tmp_path / "disagg_config.yaml").write_text(
         f"model: {{engine: {demo_engine}}}\n"
-        f"context_server:    {{url: \"127.0.0.1:{ctx}\", cpus: [0]}}\n"
-        f"generation_server: {{url: \"127.0.0.1:{gen}\", cpus: [1]}}\n"
+        f"context_server:    {{url: \"127.0.0.1:{ctx}\", cpus: [0], front_port: {fronts[0]}}}\n"
+        f"generation_server: {{url: \"127.0.0.1:{gen}\", cpus: [1], front_port: {fronts[1]}}}\n"
         f"scheduler_server:  {{url: \"127.0.0.1:{grpc}\", http_port: {http}, "
-        f"metrics_port: {metrics}}}\n"
+        f"metrics_port: {metrics}, front_port: {fronts[2]}}}\n"
         "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
 
     def guide(role: str, *extra: str) -> list[str]:

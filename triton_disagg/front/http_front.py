@@ -13,7 +13,8 @@ needs no engine.
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
 JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a model not served:
 404) and 5xx for the server's (503 when a role is missing or the server is not ready); a
-request that fails leaves the process serving; the client's ``X-Request-Id`` (or a new one)
+timeout is 504 (:class:`~triton_disagg.front.relay.OrchestratorError`); a request that fails
+leaves the process serving; the client's ``X-Request-Id`` (or a new one)
 is the Triton request id of the orchestrator call and comes back in the response header; a
 client that disconnects cancels its handler (``handler_cancellation``), which cancels the
 gRPC stream, which the orchestrator sees and stops generation, freeing the KV blocks; a
@@ -113,7 +114,9 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         try:
             first = await anext(deltas, None)
         except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
-            not_ready = await relay.ready()
+            # A timeout stays 504 though the server that let it pass made this one not ready.
+            timed_out = isinstance(exc, OrchestratorError) and exc.status == 504
+            not_ready = None if timed_out else await relay.ready()
             if not_ready is not None:
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
             raise _server_error(exc) from None
