@@ -18,6 +18,7 @@ import signal
 import subprocess
 
 import numpy as np
+import pytest
 
 import servers
 from config_files import three_roles_config
@@ -163,7 +164,17 @@ def _infer_errors(served: servers.Served, max_tokens: int) -> tuple[str | None, 
 
 def test_kserve_infer_clients_get_the_status_code(demo_engine, tmp_path):
     """A non-decoupled ensemble (``decoupled_mode: false``) answers KServe ``infer``: there
-    a bad input's code reaches the client (measured)."""
+    a bad input's code reaches the client (measured). Its front, which cannot stream from a
+    non-decoupled orchestrator, answers ``/healthz`` alone."""
+    import json
+    import urllib.error
+    import urllib.request
+
     with servers.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n",
                               tmp_path) as served:
         assert _infer_errors(served, 0) == ("StatusCode.INVALID_ARGUMENT", 400)
+        with urllib.request.urlopen(f"{served.front}/healthz", timeout=10) as resp:
+            assert json.loads(resp.read()) == {"status": "ok"}
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{served.front}/v1/models", timeout=10)
+        assert missing.value.code == 404
