@@ -60,16 +60,17 @@ def check_front_port(host: str, port: int, endpoints: Endpoints) -> None:
 
 
 def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host: str,
-                work_dir: Path, health_of: tuple[str, ...] | None = None) -> subprocess.Popen:
+                work_dir: Path, models: tuple[str, ...] = (), health_only: bool = False
+                ) -> subprocess.Popen:
     """Start the front on ``endpoints.host:port``, calling ``grpc_host``'s gRPC port; its log
-    goes to ``work_dir/http_front.log``. ``health_of``: the health-only mode, reporting
-    ready while tritonserver and these models are; None: the whole front, whose model id
-    is the engine directory's name."""
+    goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
+    are (the orchestrator always, for the whole front); ``health_only``: its health-only
+    mode, else the whole front, whose model id is the engine directory's name."""
     log = work_dir / "http_front.log"
-    mode = ["--engine", str(config.engine), "--model-name", config.engine.name] \
-        if health_of is None else ["--health-only", "--models", ",".join(health_of)]
+    mode = ["--health-only"] if health_only else \
+        ["--engine", str(config.engine), "--model-name", config.engine.name]
     cmd = [sys.executable, "-m", "triton_disagg.front.http_front", *mode,
-           "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
+           "--models", ",".join(models), "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
            "--host", endpoints.host, "--port", str(port), "--log", str(log)]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

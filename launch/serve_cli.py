@@ -203,8 +203,9 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
                    token)
     gate = server.control.gate if server.control else None
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and p.name != gate)
+    every_model = tuple(sorted(p.name for p in server.repo.iterdir() if p.is_dir()))
     front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir,
-                             tuple(models) if health_only(args.role, config) else None)
+                             every_model, health_only(args.role, config))
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
     if args.role in ("all", "scheduler"):

@@ -129,7 +129,7 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
         seen.append(_ready(scheduler.http))
         assert not any(seen), "ready with no context or generation server"
         status, body = _healthz(scheduler.front)
-        assert status == 503 and "not ready" in body["reason"], body
+        assert status == 503 and "has no server that answers" in body["reason"], body
         assert "ready (" not in scheduler.log.read_text()
         message = _one_line_error(scheduler.grpc, "The quick brown fox")
         assert "context server" in message and f"127.0.0.1:{ctx_port}" in message, message

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg.front.health import ASK_TIMEOUT_SECONDS, ServerReadiness
 from triton_disagg.front.http_front import make_health_app
+from triton_disagg.triton.render import GATE
 
 
 class FakeTriton:
@@ -33,13 +34,14 @@ class FakeTriton:
 
 
 @pytest.mark.parametrize("triton, words", [
-    (FakeTriton(True, {"context"}), None),
-    (FakeTriton(False, {"context"}), "tritonserver is not ready"),
-    (FakeTriton(True, set()), "the context model is not ready"),
+    (FakeTriton(True, {"context", GATE}), None),
+    (FakeTriton(False, {"context", GATE}), "tritonserver is not ready"),
+    (FakeTriton(False, {GATE}), "the context model is not ready"),
+    (FakeTriton(False, {"context"}), "a role the scheduler routes to has no server that answers"),
     (FakeTriton(TimeoutError("deadline")), "tritonserver does not answer (TimeoutError)"),
 ])
 def test_server_readiness_names_what_is_not_ready(triton, words):
-    reason = asyncio.run(ServerReadiness(triton, ("context",)).ready())
+    reason = asyncio.run(ServerReadiness(triton, ("context", GATE)).ready())
     assert reason == words if words is None else words in reason
     assert triton.timeouts and set(triton.timeouts) == {ASK_TIMEOUT_SECONDS}   # never hangs
 

@@ -34,22 +34,31 @@ READINESS = web.AppKey("readiness", Readiness)
 
 class ServerReadiness:
     """Asks a tritonserver (``client``: a ``tritonclient.grpc.aio`` client) whether it and
-    each of ``models`` are ready."""
+    each of ``models`` are ready; the reason names the models that are not (a scheduler's
+    closed gate, :data:`~triton_disagg.triton.render.GATE`, in words)."""
 
     def __init__(self, client: Any, models: tuple[str, ...]):
         self.client, self.models = client, models
 
     async def ready(self) -> str | None:
+        ask = {"client_timeout": ASK_TIMEOUT_SECONDS}
         try:
-            if not await self.client.is_server_ready(client_timeout=ASK_TIMEOUT_SECONDS):
-                return "tritonserver is not ready (a model is loading or failed, or a role " \
-                       "has no server that answers)"
-            for model in self.models:
-                if not await self.client.is_model_ready(model, client_timeout=ASK_TIMEOUT_SECONDS):
-                    return f"the {model} model is not ready"
+            server = await self.client.is_server_ready(**ask)
+            missing = [m for m in self.models if not await self.client.is_model_ready(m, **ask)]
         except Exception as exc:  # noqa: BLE001 - any failure to ask means not ready
             return f"tritonserver does not answer ({type(exc).__name__})"
-        return None
+        if missing:
+            return "; ".join(_why(model) for model in missing)
+        return None if server else "tritonserver is not ready"
+
+
+def _why(model: str) -> str:
+    from triton_disagg.triton.render import GATE
+
+    if model == GATE:
+        return ("a role the scheduler routes to has no server that answers (its peers_ready "
+                "gate is closed; serve's log names the role)")
+    return f"the {model} model is not ready"
 
 
 async def health(request: web.Request) -> web.Response:

@@ -7,8 +7,8 @@ true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's
 /v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its orchestrator
 are ready, else 503 with the reason: :mod:`.health`), ``GET /version``. With
 ``--health-only`` (``serve context|generation``, and a non-decoupled ``serve all|scheduler``)
-it serves ``/healthz`` and ``/health`` alone, for the models named by ``--models``, and
-needs no engine.
+it serves ``/healthz`` and ``/health`` alone and needs no engine. Either way it is ready while
+tritonserver and the models named by ``--models`` (serve names the repository's) are.
 
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
 JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a model not served:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-only", action="store_true",
                    help="serve /healthz and /health alone (no engine needed)")
     p.add_argument("--models", default="",
-                   help="--health-only: comma-separated models that must be ready too")
+                   help="comma-separated models that must be ready too (the repository's)")
     p.add_argument("--grpc-url", required=True, help="tritonserver gRPC host:port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     async def app_factory() -> web.Application:
         # the gRPC channel needs the loop
         app = _health_only_app(args.grpc_url, models) if preparer is None \
-            else make_app(preparer, Relay(args.grpc_url))
+            else make_app(preparer, Relay(args.grpc_url, models))
         app.on_startup.append(start_watch)
         return app
 

@@ -49,16 +49,18 @@ class OrchestratorError(Exception):
 
 
 class Relay:
-    """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``)."""
+    """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``); it is
+    ready while the server and ``models`` (the orchestrator among them) are."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, models: tuple[str, ...] = (ORCHESTRATOR,)):
         import tritonclient.grpc.aio as grpcclient
 
         self.client = grpcclient.InferenceServerClient(url)
-        self.readiness = ServerReadiness(self.client, (ORCHESTRATOR,))
+        self.readiness = ServerReadiness(self.client, tuple(dict.fromkeys((ORCHESTRATOR,
+                                                                          *models))))
 
     async def ready(self) -> str | None:
-        """None when the server and the orchestrator are ready, else why not
+        """None when the server and its models are ready, else why not
         (:class:`~triton_disagg.front.health.ServerReadiness`)."""
         return await self.readiness.ready()
 
