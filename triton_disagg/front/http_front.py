@@ -1,11 +1,10 @@
-"""The HTTP front: one asyncio (aiohttp) process beside tritonserver, started by ``serve all``
-and ``serve scheduler`` (``python -m triton_disagg.front.http_front``; see
-:mod:`triton_disagg.launch.front_process`).
+"""The HTTP front: one asyncio (aiohttp) process beside tritonserver, started by every ``serve``
+(``python -m triton_disagg.front.http_front``; see :mod:`triton_disagg.launch.front_process`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; SSE with ``"stream":
 true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's), ``GET
-/v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its orchestrator
-are ready, else 503 with the reason: :mod:`.health`), ``GET /version``. With
+/v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its models are
+ready, else 503 with the reason: :mod:`.health`), ``GET /version``. With
 ``--health-only`` (``serve context|generation``, and a non-decoupled ``serve all|scheduler``)
 it serves ``/healthz`` and ``/health`` alone and needs no engine. Either way it is ready while
 tritonserver and the models named by ``--models`` (serve names the repository's) are.
@@ -38,7 +37,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from triton_disagg import __version__
-from triton_disagg.front.health import ServerReadiness, add_health_routes
+from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.openai_api import ApiError, Generation, parse
 from triton_disagg.front.openai_responses import Reply, StopTrimmer, finish_reason, sse, usage
 from triton_disagg.front.prepare import Preparer
@@ -208,7 +207,7 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__, "model": request.app[PREPARER].model})
 
 
-def make_health_app(readiness) -> web.Application:
+def make_health_app(readiness: Readiness) -> web.Application:
     """``/healthz`` and ``/health`` answered by ``readiness`` (:mod:`.health`), errors as
     OpenAI's error JSON: the health-only front, and what the whole front starts from."""
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)

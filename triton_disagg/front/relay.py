@@ -56,8 +56,8 @@ class Relay:
         import tritonclient.grpc.aio as grpcclient
 
         self.client = grpcclient.InferenceServerClient(url)
-        self.readiness = ServerReadiness(self.client, tuple(dict.fromkeys((ORCHESTRATOR,
-                                                                          *models))))
+        with_orchestrator = tuple(dict.fromkeys((ORCHESTRATOR, *models)))   # once, first
+        self.readiness = ServerReadiness(self.client, with_orchestrator)
 
     async def ready(self) -> str | None:
         """None when the server and its models are ready, else why not
