@@ -9,9 +9,9 @@ health-only mode (``--health-only``), which serves these two routes and nothing 
 Invariants: 200 ``{"status": "ok"}`` only when tritonserver says it is ready (for a
 scheduler: every role it routes to has a server that answers, :mod:`launch.peers_gate`) and
 so does each model named; otherwise 503 ``{"status": "unavailable", "reason": ...}`` with a
-one-line reason. An answer never takes longer than about ``2 x ASK_TIMEOUT_SECONDS``: a
-tritonserver that does not answer (stopped, hung) is a 503, not a hung probe (Kubernetes
-gives a probe 1 s by default).
+one-line reason. Every question to tritonserver has ``ASK_TIMEOUT_SECONDS``, and the first
+one unanswered ends the check: a tritonserver that does not answer (stopped, hung) is a 503
+within that, not a hung probe (Kubernetes gives a probe 1 s by default).
 """
 
 from __future__ import annotations
