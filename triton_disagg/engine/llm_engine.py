@@ -29,7 +29,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence as Seq
+from typing import Sequence as Seq
 
 import numpy as np
 
@@ -154,10 +154,9 @@ class LLMEngine:
 
     # ---- disaggregated serving --------------------------------------------------------
 
-    def prefill_only(self, requests: Seq[tuple[str, Seq[int], SamplingParams]],
-                     on_layer: Callable[[int], None] | None = None) -> list[PrefillResult]:
+    def prefill_only(self, requests: Seq[tuple[str, Seq[int], SamplingParams]]
+                     ) -> list[PrefillResult]:
         """Prefill a batch now; the caller owns the returned blocks (context side).
-        ``on_layer(li)``: called as each layer's KV lands (the runners' ``prefill``).
 
         Raises :class:`KVCacheFullError` (allocating nothing) when the prompts' blocks are
         not free now, :class:`RequestError` when they could never be.
@@ -174,7 +173,7 @@ class LLMEngine:
                                    f"{self.pool.num_free} are free")
         for seq in seqs:
             seq.block_table.reserve(self.pool, len(seq.prompt_ids))
-        events = self._prefill(seqs, on_layer)
+        events = self._prefill(seqs)
         for seq in seqs:
             if seq.finished:
                 seq.block_table.release(self.pool)
@@ -242,10 +241,8 @@ class LLMEngine:
         self.blocks_needed(seq.request_id, len(seq.prompt_ids), seq.params)
         self.scheduler.add(seq)
 
-    def _prefill(self, seqs: list[Sequence],
-                 on_layer: Callable[[int], None] | None = None) -> list[TokenEvent]:
-        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids) for s in seqs],
-                                     on_layer)
+    def _prefill(self, seqs: list[Sequence]) -> list[TokenEvent]:
+        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids) for s in seqs])
         for s in seqs:
             s.block_table.advance(len(s.prompt_ids))
         return self._sample(seqs, logits)

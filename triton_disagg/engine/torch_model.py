@@ -82,14 +82,12 @@ class TorchModelRunner:
     # ---- public entry points -------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, batch: Batch, on_layer: Any = None) -> np.ndarray:
+    def prefill(self, batch: Batch) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
         ``batch`` holds ``(token_ids, block_ids)`` per sequence; tokens start at position 0.
-        ``on_layer(li)``: as the numpy runner's (on CUDA, once the layer's writes are
-        issued: a reader of device memory synchronises first).
         """
-        hidden, lengths = self._prefill_hidden(batch, on_layer)            # [B, n, H]
+        hidden, lengths = self._prefill_hidden(batch)                      # [B, n, H]
         last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
         return self._logits(last)
 
@@ -114,8 +112,7 @@ class TorchModelRunner:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _prefill_hidden(self, batch: Batch, on_layer: Any = None
-                        ) -> tuple[torch.Tensor, list[int]]:
+    def _prefill_hidden(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
         """Final-norm hidden states ``[B, n_max, H]`` of the prompts, right-padded, and
         each prompt's length (rows past it are padding: computed, never written to KV)."""
         lengths = [len(ids) for ids, _ in batch]
@@ -125,13 +122,11 @@ class TorchModelRunner:
             tok[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
         pos = torch.arange(n_max).expand(len(batch), n_max)               # [B, n]
         pos = torch.minimum(pos, torch.tensor(lengths).unsqueeze(1) - 1)   # padding repeats last
-        hidden = self._forward(tok, pos, lengths, [blocks for _, blocks in batch], n_max,
-                               on_layer)
+        hidden = self._forward(tok, pos, lengths, [blocks for _, blocks in batch], n_max)
         return hidden, lengths
 
     def _forward(self, tok: torch.Tensor, pos: torch.Tensor, lengths: Sequence[int],
-                 block_tables: Sequence[Sequence[int]], span: int,
-                 on_layer: Any = None) -> torch.Tensor:
+                 block_tables: Sequence[Sequence[int]], span: int) -> torch.Tensor:
         """Final-norm hidden states ``[B, n, H]`` of tokens ``tok`` ``[B, n]`` at positions
         ``pos`` ``[B, n]``; each sequence's keys are positions ``0..span-1`` of its blocks.
 
@@ -157,8 +152,6 @@ class TorchModelRunner:
             if not self.gpt2:
                 q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             o = self._paged_attention(li, q, k, v, paged)                  # [B, n, Q]
-            if on_layer is not None:                     # layer li's K/V is in the pool
-                on_layer(li)
             x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
             x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
         return self._norm(x, *self.final_norm)
