@@ -1,11 +1,16 @@
-"""The HTTP front's process (:mod:`triton_disagg.front.http_front`), run by ``serve all`` and
-``serve scheduler`` beside tritonserver.
+"""The HTTP front's process (:mod:`triton_disagg.front.http_front`), run by every ``serve``
+beside tritonserver: the whole front (OpenAI API, ``/v1/inference``, ``/healthz``) for ``serve
+all`` and ``serve scheduler``; for ``serve context|generation`` its health-only mode
+(``/healthz`` and ``/health``: :mod:`triton_disagg.front.health`), and so for ``serve
+all|scheduler`` with ``decoupled_mode: false``, since the whole front streams every request
+from the decoupled orchestrator.
 
-Port: ``--front-port``, else ``scheduler_server.front_port``, else ``DEFAULT_FRONT_PORT``
-(8080: the deployment guide shows its scheduler on 8002, which here is Triton's metrics
-port, and 8000/8001 are Triton's HTTP and gRPC). It binds where tritonserver binds and
-calls tritonserver's gRPC port on this host. It needs the decoupled orchestrator (it streams
-every request), so with ``decoupled_mode: false`` it is not started.
+Port: ``--front-port``, else the role's ``front_port`` in the config (``scheduler_server`` for
+``serve all``), else ``DEFAULT_FRONT_PORTS``: 8080 for all and the scheduler (the deployment
+guide shows its scheduler on 8002, which here is Triton's metrics port, and 8000/8001 are
+Triton's HTTP and gRPC), 8081 for context and 8082 for generation, so the three roles of one
+host do not collide. It binds where tritonserver binds and calls tritonserver's gRPC port
+on this host.
 
 Invariants: the port is checked free before anything starts (one error line); the process
 is serve's child, stopped with the rest (:func:`stop_front`) and watched like a stub (serve
@@ -25,21 +30,26 @@ from triton_disagg.triton.tritonserver import Endpoints
 
 from .process_group import terminate
 
-DEFAULT_FRONT_PORT = 8080
+DEFAULT_FRONT_PORTS = {"all": 8080, "scheduler": 8080, "context": 8081, "generation": 8082}
+DEFAULT_FRONT_PORT = DEFAULT_FRONT_PORTS["scheduler"]
 STOP_GRACE_SECONDS = 10.0
 
 
-def front_port(role: str, config: DisaggConfig, flag: int | None) -> int | None:
-    """The front's port for ``serve role`` (None: no front for this role or config)."""
-    if role not in ("all", "scheduler") or not config.decoupled_mode:
-        return None
-    return flag or config.scheduler.front_port or DEFAULT_FRONT_PORT
+def front_port(role: str, config: DisaggConfig, flag: int | None) -> int:
+    """The front's port for ``serve role``: the flag, the config's key, the default."""
+    section = config.scheduler if role == "all" else config.server(role)
+    return flag or section.front_port or DEFAULT_FRONT_PORTS[role]
+
+
+def health_only(role: str, config: DisaggConfig) -> bool:
+    """Whether ``serve role`` runs the front's health-only mode (module docstring)."""
+    return role not in ("all", "scheduler") or not config.decoupled_mode
 
 
 def check_front_port(host: str, port: int, endpoints: Endpoints) -> None:
     if port in (endpoints.http_port, endpoints.grpc_port, endpoints.metrics_port):
         raise UserError(f"front port {port} is also tritonserver's; pick another --front-port "
-                        f"(or scheduler_server.front_port)")
+                        f"(or the role's front_port)")
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -50,14 +60,17 @@ def check_front_port(host: str, port: int, endpoints: Endpoints) -> None:
 
 
 def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host: str,
-                work_dir: Path) -> subprocess.Popen:
-    """Start the front on ``endpoints.host:port``, relaying to ``grpc_host``'s gRPC port;
-    its log goes to ``work_dir/http_front.log``. The model id clients send is the engine
-    directory's name."""
+                work_dir: Path, models: tuple[str, ...] = (), health_only: bool = False
+                ) -> subprocess.Popen:
+    """Start the front on ``endpoints.host:port``, calling ``grpc_host``'s gRPC port; its log
+    goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
+    are (the orchestrator always, for the whole front); ``health_only``: its health-only
+    mode, else the whole front, whose model id is the engine directory's name."""
     log = work_dir / "http_front.log"
-    cmd = [sys.executable, "-m", "triton_disagg.front.http_front",
-           "--engine", str(config.engine), "--model-name", config.engine.name,
-           "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
+    mode = ["--health-only"] if health_only else \
+        ["--engine", str(config.engine), "--model-name", config.engine.name]
+    cmd = [sys.executable, "-m", "triton_disagg.front.http_front", *mode,
+           "--models", ",".join(models), "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
            "--host", endpoints.host, "--port", str(port), "--log", str(log)]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

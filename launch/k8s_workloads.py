@@ -7,8 +7,8 @@ one pod (and its ``/dev/shm``, where the KV cache is staged), one replica of it,
 scheduler does not pair a context server with the generation server of its own pod.
 
 Every container runs :func:`launch.serve_argv.serve_argv`: bound to ``0.0.0.0`` on the
-role's ``PORTS``, with HTTP open for the probes (readiness ``/v2/health/ready``, liveness
-and startup ``/v2/health/live``), context and generation advertising ``$(POD_IP)``, which
+role's ``PORTS``, with Triton's HTTP and the role's HTTP front open for the probes (readiness
+the front's ``/healthz``, liveness and startup Triton's ``/v2/health/live``), context and generation advertising ``$(POD_IP)``, which
 the kubelet expands from the downward API, and every server reads the deployment secret
 (``TRITON_DISAGG_KV_SECRET``) from the Secret ``kubernetes.kv_secret``, which the user
 creates: it signs KV handles and keys the token channel's encryption. When ``discovery``
@@ -43,13 +43,12 @@ from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 CONFIG_DIR = "/etc/triton-disagg"
 CONFIG_PATH = f"{CONFIG_DIR}/disagg_config.yaml"
 ENGINES_DIR = "/engines"
-# The scheduler's HTTP front listens on its default port: pod configs carry no
-# scheduler_server ports (pod_config).
+# "front": the role's HTTP front (the scheduler's: the OpenAI API; every role's: /healthz)
 PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002, "front": DEFAULT_FRONT_PORT},
-         "context": {"http": 8010, "grpc": 8011, "metrics": 8012},
-         "generation": {"http": 8020, "grpc": 8021, "metrics": 8022}}
+         "context": {"http": 8010, "grpc": 8011, "metrics": 8012, "front": 8013},
+         "generation": {"http": 8020, "grpc": 8021, "metrics": 8022, "front": 8023}}
 SHORT = {"scheduler": "sch", "context": "ctx", "generation": "gen"}
-READY_PATH, LIVE_PATH = "/v2/health/ready", "/v2/health/live"
+READY_PATH, LIVE_PATH = "/healthz", "/v2/health/live"   # on the front, on Triton's HTTP
 SHM_BASE = 64 * 2**20        # Triton's Python-backend regions (Docker's default /dev/shm)
 ETCD_PORT = 2379
 DEFAULT_TTL_SECONDS = 10
@@ -60,7 +59,7 @@ ETCD_FILES = {"ca_file": "ca.crt", "cert_file": "tls.crt", "key_file": "tls.key"
 # a stopping server drains (notice + at most DRAIN_SECONDS), then gives tritonserver its
 # stop grace, plus a margin: Kubernetes' default of 30 s would cut the drain short
 TERMINATION_GRACE_SECONDS = math.ceil(NOTICE_SECONDS + DRAIN_SECONDS + STOP_GRACE_SECONDS) + 5
-_PLACED = {"url", "urls", "gpus", "cpus", "instances", "http_port", "metrics_port"}
+_PLACED = {"url", "urls", "gpus", "cpus", "instances", "http_port", "metrics_port", "front_port"}
 
 
 @dataclass(frozen=True)
@@ -194,15 +193,16 @@ def _container(role: str, config: DisaggConfig, image: str) -> dict:
     if config.discovery is not None and config.discovery.username is not None:
         env.append({"name": ETCD_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
             "name": config.kubernetes.etcd_secret, "key": "password"}}})
-    http = f"{short}-http"
+    http, front = f"{short}-http", f"{short}-front"
     return {
         "name": role, "image": image,
         "command": serve_argv(role, CONFIG_PATH, "0.0.0.0", ports["grpc"], ports["metrics"],
-                              http_port=ports["http"], advertise=advertise),
+                              http_port=ports["http"], advertise=advertise,
+                              front_port=ports["front"]),
         "env": env,
         "ports": [{"name": f"{short}-{kind}", "containerPort": port, "protocol": "TCP"}
                   for kind, port in ports.items()],
-        "readinessProbe": _probe(READY_PATH, http, period=5, failures=2),
+        "readinessProbe": _probe(READY_PATH, front, period=5, failures=2),
         "livenessProbe": _probe(LIVE_PATH, http, period=10, failures=3),
         "startupProbe": _probe(LIVE_PATH, http, period=5, failures=60),   # 5 min to start
         "resources": _resources(role, config),

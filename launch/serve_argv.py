@@ -13,11 +13,13 @@ ROLES = ("context", "generation", "scheduler")
 
 
 def serve_argv(role: str, config: str, host: str, grpc_port: int, metrics_port: int,
-               http_port: int | None = None, advertise: str | None = None) -> list[str]:
+               http_port: int | None = None, advertise: str | None = None,
+               front_port: int | None = None) -> list[str]:
     """``triton-disagg serve ROLE -c CONFIG --host HOST --grpc-port P --metrics-port P
-    [--http-port P] [--advertise HOST:PORT]``. ``http_port`` opens HTTP (health probes) on
-    context and generation, which otherwise serve gRPC and metrics only; ``advertise`` is
-    for context and generation alone (serve refuses it on the scheduler)."""
+    [--http-port P] [--advertise HOST:PORT] [--front-port P]``. ``http_port`` opens Triton's
+    HTTP on context and generation, which otherwise serve gRPC and metrics only;
+    ``advertise`` is for context and generation alone (serve refuses it on the scheduler);
+    ``front_port``: the HTTP front's (``/healthz``; the role's default when None)."""
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
     argv = [PROGRAM, "serve", role, "-c", config, "--host", host,
@@ -26,4 +28,6 @@ def serve_argv(role: str, config: str, host: str, grpc_port: int, metrics_port: 
         argv += ["--http-port", str(http_port)]
     if advertise is not None:
         argv += ["--advertise", advertise]
+    if front_port is not None:
+        argv += ["--front-port", str(front_port)]
     return argv

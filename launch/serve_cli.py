@@ -10,6 +10,8 @@ process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops th
 server at once, so its clients get errors and probes fail, and starts it afresh
 (:mod:`.stub_watch`). The scheduler says "up" once its models are loaded, then "ready" or
 "not ready" as its peers come and go, as ``/v2/health/ready`` does (:mod:`.peers_gate`).
+Every role's server has an HTTP front beside it (:mod:`.front_process`), so every role
+answers ``GET /healthz``.
 """
 
 from __future__ import annotations
@@ -59,8 +61,10 @@ def register(subparsers) -> None:
                    help="default 8002 for all/scheduler (or scheduler_server.metrics_port); "
                         "context/generation: the role's metrics_port, else metrics off")
     p.add_argument("--front-port", type=int,
-                   help="all/scheduler: the HTTP front's port (OpenAI API, /v1/inference, "
-                        "/healthz); default scheduler_server.front_port, else 8080")
+                   help="the HTTP front's port: all/scheduler: OpenAI API, /v1/inference, "
+                        "/healthz (default scheduler_server.front_port, else 8080); "
+                        "context/generation: /healthz (default the role's front_port, else "
+                        "8081 / 8082)")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
     p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -174,17 +178,17 @@ def _log_format(chosen: str, role: str) -> None:
 
 
 def _serve_once(args, config, endpoints, advertised: str | None, token: str | None,
-                front: int | None, stop: threading.Event, hurry: threading.Event,
+                front: int, stop: threading.Event, hurry: threading.Event,
                 restart: int) -> int | str:
-    """Start tritonserver and the HTTP front on port ``front`` (None: none;
-    :mod:`.front_process`), announce it ready (registering ``advertised`` in etcd when the
-    config has discovery), watch it: returns serve's exit code, or why it must restart (a
+    """Start tritonserver and the HTTP front on port ``front`` (:mod:`.front_process`),
+    announce it ready (registering ``advertised`` in etcd when the config has discovery),
+    watch it: returns serve's exit code, or why it must restart (a
     stub died, or tritonserver was killed by a signal; it is stopped and deregistered by
     then). A context or generation server stopped by a signal deregisters, then drains
     (:mod:`.drain`; a second signal cuts that short)."""
     from .deploy import start
     from .drain import drain
-    from .front_process import check_front_port, start_front, stop_front
+    from .front_process import check_front_port, health_only, start_front, stop_front
     from .peers_gate import start_peers_gate
     from .register import start_registration
 
@@ -194,14 +198,14 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         (work_dir / "tritonserver.log").rename(kept)
         print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
-    if front is not None:
-        check_front_port(endpoints.host, front, endpoints)
+    check_front_port(endpoints.host, front, endpoints)
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
                    token)
-    front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir) \
-        if front is not None else None
     gate = server.control.gate if server.control else None
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and p.name != gate)
+    every_model = tuple(sorted(p.name for p in server.repo.iterdir() if p.is_dir()))
+    front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir,
+                             every_model, health_only(args.role, config))
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
     if args.role in ("all", "scheduler"):
@@ -234,7 +238,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
                 return (f"the stub process of {dead.instance} (pid {dead.pid}) died; Triton "
                         f"cannot restart it, so tritonserver was stopped and its clients got "
                         f"errors")
-            if front_proc is not None and front_proc.poll() is not None:
+            if front_proc.poll() is not None:
                 server.stop(grace=0)
                 return (f"the HTTP front (pid {front_proc.pid}) exited with code "
                         f"{front_proc.returncode}; see {server.work_dir / 'http_front.log'}")
@@ -252,8 +256,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
-        if front_proc is not None:
-            stop_front(front_proc)
+        stop_front(front_proc)
         if peers_gate is not None:
             peers_gate.stop()
         if registration is not None:
@@ -262,7 +265,9 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
 
 
 def _announce(role: str, config, endpoints, advertised: str | None, server,
-              registration, front: int | None) -> None:
+              registration, front: int) -> None:
+    from .front_process import health_only
+
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
     state = "up" if server.control is not None else "ready"   # the gate says when it is ready
     lines = [f"triton-disagg serve {role}: {state} ({config.mode}, engine {config.engine})"]
@@ -271,18 +276,20 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     lines.append(f"  gRPC     {shown}:{endpoints.grpc_port}")
     if endpoints.metrics_port is not None:
         lines.append(f"  metrics  http://{shown}:{endpoints.metrics_port}/metrics")
-    if front is not None:
+    if health_only(role, config):
+        lines.append(f"  health   http://{shown}:{front}/healthz")
+    else:
         lines.append(f"  front    http://{shown}:{front}  (OpenAI /v1/completions, "
                      f"/v1/chat/completions, /v1/models; /v1/inference; /healthz)")
     lines.append(f"  log      {server.log_path}")
     if role == "scheduler":
         lines.append(f"  routes   {_pools(config)}")
-        lines.append("  health   /v2/health/ready answers 200 while every role has a server that "
-                     "answers")
+        lines.append("  ready    /healthz and /v2/health/ready answer 200 while every role has a "
+                     "server that answers")
     if role in ("all", "scheduler") and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
-        if front is not None:
+        if not health_only(role, config):
             lines.append(f"  curl -s http://{shown}:{front}/v1/completions -H 'Content-Type: "
                          f"application/json' -d '{{\"model\": \"{config.engine.name}\", "
                          f"\"prompt\": \"The quick brown fox\", \"max_tokens\": 20}}'")

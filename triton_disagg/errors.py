@@ -12,7 +12,8 @@ layer may raise or catch them without importing another layer.
 Each class names its Triton status (``status``, a ``pb_utils.TritonError`` code name), so a
 client tells its own mistake (INVALID_ARG: HTTP 400, gRPC INVALID_ARGUMENT) from a server
 that cannot serve now (UNAVAILABLE: 503 / UNAVAILABLE; :class:`Unavailable` and its kinds)
-and a fault (INTERNAL: 500 / INTERNAL).
+and a fault (INTERNAL: 500 / INTERNAL). A timeout (:class:`Timeout`) is UNAVAILABLE to Triton
+too, and its message says so in words, which the HTTP front turns into 504.
 
 Invariant: a message is one line naming what is wrong and, where there is one, the fix;
 it reaches the client unchanged. The KV transfer's own errors live in :mod:`triton_disagg.kv`.
@@ -38,9 +39,21 @@ class EngineError(RuntimeError):
 
 class Unavailable(EngineError):
     """No server can serve the request now: lost, none left, busy, or silent past its
-    deadline (Triton's python backend has no DEADLINE_EXCEEDED code: a timeout is this)."""
+    deadline (:class:`Timeout`)."""
 
     status = "UNAVAILABLE"
+
+
+class Timeout(Unavailable):
+    """A server did not answer within its deadline. Triton's python backend has no
+    DEADLINE_EXCEEDED code, so it leaves as UNAVAILABLE, and a gRPC stream's error carries no
+    code at all: what tells a timeout apart is its message, which always holds ``MARK``
+    (added when the words given lack it); the HTTP front answers such a message with 504."""
+
+    MARK = "timed out"
+
+    def __init__(self, message: str):
+        super().__init__(message if self.MARK in message else f"{message} ({self.MARK})")
 
 
 class ContextBusy(Unavailable):

@@ -57,10 +57,11 @@ def test_per_host_serve_lines_are_serve_argv_on_the_pods_ports():
         argv = shlex.split(line)
         args = parser.parse_args(argv[1:])
         ports = PORTS[args.role]
-        assert (args.http_port, args.grpc_port, args.metrics_port) == (
-            ports["http"], ports["grpc"], ports["metrics"]), line
+        assert (args.http_port, args.grpc_port, args.metrics_port, args.front_port) == (
+            ports["http"], ports["grpc"], ports["metrics"], ports["front"]), line
         assert argv == serve_argv(args.role, str(args.config), args.host, args.grpc_port,
-                                  args.metrics_port, args.http_port, args.advertise), line
+                                  args.metrics_port, args.http_port, args.advertise,
+                                  args.front_port), line
 
 
 def test_the_kubernetes_block_shows_the_defaults():

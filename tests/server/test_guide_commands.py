@@ -18,6 +18,7 @@ import signal
 import subprocess
 
 import numpy as np
+import pytest
 
 import servers
 from config_files import three_roles_config
@@ -66,13 +67,13 @@ def _kill(served: servers.Served) -> None:
 
 
 def test_the_guides_commands_as_written(demo_engine, tmp_path):
-    ctx, gen, grpc, http, metrics = servers.free_ports(5)
+    ctx, gen, grpc, http, metrics, *fronts = servers.free_ports(8)
     (tmp_path / "disagg_config.yaml").write_text(
         f"model: {{engine: {demo_engine}}}\n"
-        f"context_server:    {{url: \"127.0.0.1:{ctx}\", cpus: [0]}}\n"
-        f"generation_server: {{url: \"127.0.0.1:{gen}\", cpus: [1]}}\n"
+        f"context_server:    {{url: \"127.0.0.1:{ctx}\", cpus: [0], front_port: {fronts[0]}}}\n"
+        f"generation_server: {{url: \"127.0.0.1:{gen}\", cpus: [1], front_port: {fronts[1]}}}\n"
         f"scheduler_server:  {{url: \"127.0.0.1:{grpc}\", http_port: {http}, "
-        f"metrics_port: {metrics}}}\n"
+        f"metrics_port: {metrics}, front_port: {fronts[2]}}}\n"
         "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
 
     def guide(role: str, *extra: str) -> list[str]:
@@ -163,7 +164,17 @@ def _infer_errors(served: servers.Served, max_tokens: int) -> tuple[str | None, 
 
 def test_kserve_infer_clients_get_the_status_code(demo_engine, tmp_path):
     """A non-decoupled ensemble (``decoupled_mode: false``) answers KServe ``infer``: there
-    a bad input's code reaches the client (measured)."""
+    a bad input's code reaches the client (measured). Its front, which cannot stream from a
+    non-decoupled orchestrator, answers ``/healthz`` alone."""
+    import json
+    import urllib.error
+    import urllib.request
+
     with servers.serve_config(f"model: {{engine: {demo_engine}}}\ndecoupled_mode: false\n",
                               tmp_path) as served:
         assert _infer_errors(served, 0) == ("StatusCode.INVALID_ARGUMENT", 400)
+        with urllib.request.urlopen(f"{served.front}/healthz", timeout=10) as resp:
+            assert json.loads(resp.read()) == {"status": "ok"}
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{served.front}/v1/models", timeout=10)
+        assert missing.value.code == 404

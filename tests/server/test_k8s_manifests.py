@@ -8,7 +8,8 @@ commands (the pods themselves run in tests/cluster/test_k8s_commands.py).
   which those schemas do not hold: it is NOT schema-checked; instead it is checked against
   the pods it must scrape (its selector matches every server pod, its ports are theirs).
 - Each container's command is :func:`serve_argv` of its role, and the serve parser takes
-  it; its probes name its HTTP port, which the command opens; the Deployment selects its
+  it; its readiness probe names its HTTP front (`/healthz`) and its liveness probes its
+  HTTP port, which the command opens; the Deployment selects its
   pods; the HPA targets a Deployment of the render and a metric the adapter rules serve.
 - The pods' config loads and keeps the user's settings.
 - A bad ``kubernetes:`` key is one error line naming it.
@@ -35,7 +36,6 @@ from k8s_manifests import CRD_KINDS, IMAGE, of_kind, render, schema_errors
 from triton_disagg.cli import build_parser
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.launch.drain import DRAIN_SECONDS, NOTICE_SECONDS
-from triton_disagg.launch.front_process import DEFAULT_FRONT_PORT
 from triton_disagg.launch.k8s_workloads import (CONFIG_PATH, ETCD_PASSWORD_ENV, ETCD_TLS_DIR,
                                                 PORTS, READY_PATH, LIVE_PATH)
 from triton_disagg.launch.serve_argv import serve_argv
@@ -88,17 +88,18 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
             role, ports = container["name"], PORTS[container["name"]]
             advertise = None if role == "scheduler" else f"$(POD_IP):{ports['grpc']}"
             assert container["command"] == serve_argv(role, CONFIG_PATH, "0.0.0.0", ports["grpc"],
-                                                      ports["metrics"], ports["http"], advertise)
+                                                      ports["metrics"], ports["http"], advertise,
+                                                      ports["front"])
             args = serve.parse_args(container["command"][1:])
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
-            front = [DEFAULT_FRONT_PORT] if role == "scheduler" else []   # serve's default
-            assert args.front_port is None
             assert sorted(declared.values()) == sorted([args.http_port, args.grpc_port,
-                                                        args.metrics_port, *front])
-            for probe, path in (("readinessProbe", READY_PATH), ("livenessProbe", LIVE_PATH),
-                                ("startupProbe", LIVE_PATH)):
+                                                        args.metrics_port, args.front_port])
+            # ready: the role's HTTP front's /healthz; live: Triton's own HTTP
+            for probe, path, port in (("readinessProbe", READY_PATH, args.front_port),
+                                      ("livenessProbe", LIVE_PATH, args.http_port),
+                                      ("startupProbe", LIVE_PATH, args.http_port)):
                 get = container[probe]["httpGet"]
-                assert get["path"] == path and declared[get["port"]] == args.http_port
+                assert get["path"] == path and declared[get["port"]] == port
             if advertise:
                 env = {e["name"]: e for e in container["env"]}
                 assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"

@@ -37,13 +37,14 @@ def assert_one_line_error(path: Path, words: Sequence[str]) -> None:
 
 
 def three_roles_config(tmp_path: Path, engine: Path, ctx_port: int, gen_port: int,
-                       extra: str = "") -> Path:
+                       extra: str = "", generation: str = "") -> Path:
     """``tmp_path/disagg_config.yaml`` for the three roles on this host: context on core 0
     at ``ctx_port``, generation on core 1 at ``gen_port``, direct_transfer; ``extra`` YAML
-    lines appended."""
+    lines appended; ``generation``: more keys of ``generation_server`` (", key: value")."""
     path = tmp_path / "disagg_config.yaml"
     path.write_text(f"model: {{engine: {engine}}}\n"
                     f"context_server: {{url: \"127.0.0.1:{ctx_port}\", cpus: [0]}}\n"
-                    f"generation_server: {{url: \"127.0.0.1:{gen_port}\", cpus: [1]}}\n"
+                    f"generation_server: {{url: \"127.0.0.1:{gen_port}\", cpus: [1]"
+                    f"{generation}}}\n"
                     f"kv_cache: {{strategy: direct_transfer, max_size: 64MB}}\n{extra}")
     return path

@@ -47,7 +47,7 @@ class Served:
     metrics: str | None
     log: Path                   # the CLI's stdout/stderr
     work_dir: Path
-    front: str | None = None    # http://127.0.0.1:PORT of the HTTP front (OpenAI API)
+    front: str | None = None    # http://127.0.0.1:PORT of the HTTP front (OpenAI API or /healthz)
 
     def server_log(self) -> str:
         path = self.work_dir / "tritonserver.log"
@@ -58,15 +58,14 @@ class Served:
 def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics: bool = True,
           grpc_port: int | None = None, until: str = "ready ("):
     """Run ``triton-disagg serve role *args`` on free ports (gRPC: ``grpc_port`` when given)
-    until the block exits; the block starts once its output shows ``until``. ``serve all``
-    and ``serve scheduler`` get their HTTP front on a free port too."""
+    until the block exits; the block starts once its output shows ``until``. Every role's
+    HTTP front (``serve all|scheduler``: the OpenAI API; context and generation: ``/healthz``)
+    gets a free port too."""
     http_port, free_grpc, metrics_port, front_port = free_ports(4)
     grpc_port = grpc_port or free_grpc
     cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", role, *args,
-           "--grpc-port", str(grpc_port), "--work-dir", str(work_dir)]
-    front = role in ("all", "scheduler")
-    if front:
-        cmd += ["--front-port", str(front_port)]
+           "--grpc-port", str(grpc_port), "--work-dir", str(work_dir),
+           "--front-port", str(front_port)]
     if http:
         cmd += ["--http-port", str(http_port)]
     if metrics:
@@ -75,7 +74,7 @@ def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics
                        f"127.0.0.1:{grpc_port}",
                        f"http://127.0.0.1:{metrics_port}" if metrics else None,
                        until=until) as served:
-        served.front = f"http://127.0.0.1:{front_port}" if front else None
+        served.front = f"http://127.0.0.1:{front_port}"
         yield served
 
 

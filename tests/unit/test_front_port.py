@@ -1,5 +1,6 @@
-"""Where the HTTP front listens (launch/front_process.py): flag, config key, default, the
-roles and modes that run one, and the one-line refusals."""
+"""Where the HTTP front listens (launch/front_process.py): flag, config key, default per
+role, which roles and modes run the whole front and which its health-only mode, and the
+one-line refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from config_files import assert_one_line_error, config_writer
 from triton_disagg.config.disagg import load_config
 from triton_disagg.errors import UserError
-from triton_disagg.launch.front_process import DEFAULT_FRONT_PORT, check_front_port, front_port
+from triton_disagg.launch.front_process import (DEFAULT_FRONT_PORT, check_front_port, front_port,
+                                                health_only)
 from triton_disagg.triton.tritonserver import Endpoints
 
 ENGINE = "model: {engine: engines/demo}\n"
@@ -29,11 +31,23 @@ def test_flag_then_config_then_default(write):
     assert front_port("all", keyed, 7070) == 7070
 
 
-def test_no_front_for_the_roles_or_without_decoupled_mode(write):
-    config = load_config(write("scheduler_server: {front_port: 9090}\n"))
-    assert front_port("context", config, 7070) is None
-    assert front_port("generation", config, None) is None
-    assert front_port("all", load_config(write("decoupled_mode: false\n")), 7070) is None
+def test_every_role_has_a_front_on_ports_that_do_not_collide_on_one_host(write):
+    plain = load_config(write(""))
+    defaults = {role: front_port(role, plain, None) for role in ("scheduler", "context",
+                                                                  "generation")}
+    assert defaults == {"scheduler": 8080, "context": 8081, "generation": 8082}
+    keyed = load_config(write("context_server: {front_port: 9091}\n"
+                              "generation_server: {front_port: 9092}\n"))
+    assert front_port("context", keyed, None) == 9091
+    assert front_port("generation", keyed, 7070) == 7070
+    assert front_port("all", keyed, None) == DEFAULT_FRONT_PORT     # the scheduler's key
+
+
+def test_health_only_for_context_generation_and_without_decoupled_mode(write):
+    config = load_config(write(""))
+    assert [health_only(role, config) for role in ("all", "scheduler", "context",
+                                                   "generation")] == [False, False, True, True]
+    assert health_only("all", load_config(write("decoupled_mode: false\n")))
 
 
 @pytest.mark.parametrize("value", ["0", "70000", "'8080'"])
@@ -42,9 +56,10 @@ def test_bad_front_port_is_one_line(write, value):
                           ["scheduler_server.front_port", "port number"])
 
 
-def test_front_port_only_on_the_scheduler(write):
-    assert_one_line_error(write("context_server: {front_port: 9090}\n"),
-                          ["context_server", "front_port"])
+@pytest.mark.parametrize("role", ["context", "generation"])
+def test_a_roles_bad_front_port_is_one_line(write, role):
+    assert_one_line_error(write(f"{role}_server: {{front_port: 0}}\n"),
+                          [f"{role}_server.front_port", "port number"])
 
 
 def test_a_taken_or_colliding_port_is_refused():

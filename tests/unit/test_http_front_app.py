@@ -137,6 +137,18 @@ def test_a_request_while_not_ready_is_503_with_the_reason(demo_engine):
     run(relay, check, demo_engine)
 
 
+def test_a_timeout_is_504_even_once_the_server_turned_not_ready(demo_engine):
+    relay = ScriptedRelay([OrchestratorError("context server 127.0.0.1:1 timed out: ...")],
+                          ready="tritonserver is not ready")
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        body = await resp.json()
+        assert resp.status == 504 and body["error"]["code"] == 504
+        assert "timed out" in body["error"]["message"]
+    run(relay, check, demo_engine)
+
+
 def test_a_stream_failing_part_way_ends_with_an_error_not_done(demo_engine):
     relay = ScriptedRelay([WORDS[0], OrchestratorError("generation server x was lost (gone)")])
 

@@ -1,7 +1,8 @@
 """The orchestrator's control flow without a server: non-streaming and aggregated requests,
 short prompts served whole, busy contexts retried, KV given back, cancels and early exits
 that stop generation, and migration off a lost generation server; context and generation
-are a fake transport (:class:`orchestrator_fakes.FakeGeneration`) over real ipc sockets."""
+are a fake transport (:class:`orchestrator_fakes.FakeGeneration`) over real ipc sockets;
+``serve all``'s BLS route ends a call that passes its deadline in a Timeout."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from orchestrator_fakes import FakeGeneration, serve_one
 from triton_disagg import protocol as P
-from triton_disagg.errors import ContextBusy, EngineError
+from triton_disagg.errors import ContextBusy, EngineError, Timeout
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
 
@@ -198,3 +199,27 @@ def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_o
     # gen-0 never made a token: it never took the KV, which goes back to the context
     assert generation.released == ([b"handle"] if dies_after == 0 else [])
     generation.close()
+
+
+def test_a_bls_call_past_its_deadline_is_a_timeout():
+    """``serve all``: a context model that does not answer in time (a BLS call still out)."""
+    from types import SimpleNamespace
+
+    from triton_disagg.front.transports import BLSTransport
+
+    class Request:
+        def __init__(self, **_):
+            pass
+
+        async def async_exec(self):
+            await asyncio.Event().wait()             # never answers
+
+    pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
+    route = BLSTransport(pb).route("req-1", timeout=0.2)
+    inputs = {"input_ids": np.array([3, 4, 5], np.int32),
+              "input_lengths": np.array([3], np.int32),
+              "request_output_len": np.array([8], np.int32)}
+    started = time.monotonic()
+    with pytest.raises(Timeout, match=r"^context timed out: no answer within 0.2 s$"):
+        asyncio.run(route.context(inputs))
+    assert time.monotonic() - started < 2

@@ -4,7 +4,8 @@ in-flight accounting returning to zero, a member that left never picked; and the
 transport over a pool: a context server that does not answer (refuses, or says nothing
 until the deadline) is tried once on another (a stand-in Triton gRPC server answers), every
 call carries the deployment's peer credential, and every failure is one line naming the
-role and the url(s) tried."""
+role and the url(s) tried; context servers that all let the deadline pass are a Timeout
+(504 at the HTTP front), one that refused among them is not."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from triton_disagg import peers, protocol as P
 from triton_disagg.routing.discovery.record import Load
 from triton_disagg.launch.deploy import free_ports
-from triton_disagg.errors import EngineError, NoServer
+from triton_disagg.errors import EngineError, NoServer, Timeout
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Member, Router
+from triton_disagg.front.relay import OrchestratorError
 from triton_disagg.front.transports import GrpcTransport
 
 
@@ -293,6 +295,33 @@ def test_one_context_server_that_does_not_answer_says_none_is_left():
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"context server did not answer: {url} (")
     assert message.endswith("; no other context server to try (in context_server.urls)")
+
+
+@pytest.mark.parametrize("with_dead", [False, True])
+def test_context_servers_that_all_pass_the_deadline_are_a_timeout(with_dead):
+    """A mute context server alone: Timeout, whose message the front maps to 504; beside one
+    that refused the connection: Unavailable (503)."""
+    mute, dead = (f"127.0.0.1:{port}" for port in free_ports(2))     # nothing listens on dead
+
+    async def main():
+        server = grpc.aio.server()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(ContextStandIn(mute=True),
+                                                                    server)
+        server.add_insecure_port(mute)
+        await server.start()
+        transport = _transport([mute, dead] if with_dead else [mute], [], Observed())
+        try:
+            await transport.route("req-1", frozenset(), 0.5).context(INPUTS)
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    with pytest.raises(EngineError) as err:
+        asyncio.run(main())
+    message = str(err.value)
+    assert "\n" not in message and f"{mute} (DEADLINE_EXCEEDED: no answer within 0.5 s)" in message
+    assert isinstance(err.value, Timeout) != with_dead, message
+    assert OrchestratorError(message).status == (503 if with_dead else 504)
 
 
 def test_the_client_of_a_server_that_left_is_closed():

@@ -161,7 +161,8 @@ def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[st
         for role, (grpc, metrics_port) in ports.items():
             log = work / f"{role}.log"
             argv = serve_argv(role, str(config), "127.0.0.1", grpc, metrics_port,
-                              http_port=free_ports(1)[0] if role == "scheduler" else None)
+                              http_port=free_ports(1)[0] if role == "scheduler" else None,
+                              front_port=free_ports(1)[0])
             cmd = [sys.executable, "-m", "triton_disagg.cli", *argv[1:],
                    "--work-dir", str(work / role)]
             with open(log, "wb") as out:

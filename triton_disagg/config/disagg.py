@@ -16,7 +16,8 @@ else is supported); ``mode: disaggregated | aggregated``;
 or answers plain ``infer()`` with one response); per server
 ``cpus: [0, 1]`` and/or ``instances: N`` in place of ``gpus`` (generation defaults to
 two instances when its ``cpus`` name two cores or more, every other role to one),
-``tokens_per_block``, ``kv_dtype``, ``http_port``, ``metrics_port``;
+``tokens_per_block``, ``kv_dtype``, ``http_port``, ``metrics_port``, ``front_port`` (the
+port of its HTTP front: ``/healthz``; :mod:`launch.front_process`);
 ``generation_server.stream_interval`` (decode steps per streamed response),
 ``generation_server.stall_seconds`` (how long a request's token stream may stay silent
 before it ends in an error and generation is told to stop it; default 30); a
@@ -73,7 +74,7 @@ MODES = ("disaggregated", "aggregated")
 ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
-                "http_port", "metrics_port", "router"}
+                "http_port", "metrics_port", "front_port", "router"}
 _SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "front_port", "instances", "cpus"}
 PLACED_ROLES = ("context", "generation", "scheduler")   # the roles that take cpus
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
@@ -98,7 +99,7 @@ class ServerConfig:
     kv_dtype: str | None = None
     http_port: int | None = None
     metrics_port: int | None = None
-    front_port: int | None = None       # scheduler_server only: the HTTP front (OpenAI API)
+    front_port: int | None = None       # the HTTP front (the scheduler's: OpenAI API; all: /healthz)
     # Streaming: a response every this many decode steps (the first token and the last
     # always go at once). TensorRT-LLM's name; generation_server only.
     stream_interval: int = 1

@@ -35,7 +35,7 @@ from triton_disagg.errors import UserError
 MARKERS = ("hostname", "port", "backend", "context_servers", "generation_servers",
            "disagg_cluster")
 OURS_AT_TOP = ("model", "mode", "decoupled_mode", "kv_cache", "discovery", "scheduler_server")
-OURS_PER_ROLE = ("cpus", "gpus", "instances", "kv_dtype", "http_port", "metrics_port",
+OURS_PER_ROLE = ("cpus", "gpus", "instances", "kv_dtype", "http_port", "metrics_port", "front_port",
                  "stream_interval", "stall_seconds")
 ROUTERS = {"round_robin": "round_robin", "load_balancing": "least_loaded"}
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")

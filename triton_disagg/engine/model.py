@@ -61,6 +61,26 @@ def _softmax_(x: np.ndarray) -> np.ndarray:
     return x
 
 
+PADDING_LIMIT = 2   # a decode group reads at most this many times the blocks its sequences use
+
+
+def length_groups(used: np.ndarray) -> list[np.ndarray]:
+    """Batch indices grouped by ``used`` (blocks each sequence reads) so that padding every
+    sequence of a group to its longest reads at most ``PADDING_LIMIT`` times the blocks
+    they use: one long prompt joining short streams is attended on its own instead of
+    making every stream read its length. Every index is in exactly one group; each group's
+    indices ascend (so a single group is ``0..B-1`` in order)."""
+    order = np.argsort(used, kind="stable")
+    groups, start, total = [], 0, 0
+    for end, i in enumerate(order):
+        total += int(used[i])
+        if (end + 1 - start) * int(used[i]) > PADDING_LIMIT * total and end > start:
+            groups.append(np.sort(order[start:end]))
+            start, total = end, int(used[i])
+    groups.append(np.sort(order[start:]))
+    return groups
+
+
 class ModelRunner:
     """Runs prefill and decode batches of one engine against one :class:`BlockPool`."""
 
@@ -111,20 +131,12 @@ class ModelRunner:
         positions = np.asarray(positions, dtype=np.int64)
         bs = self.pool.geometry.tokens_per_block
         used = positions // bs + 1                      # blocks each sequence reads
-        nb = int(used.max())
-        table = np.zeros((len(positions), nb), dtype=np.int64)   # [B, nb]; pad with block 0
-        for b, (ids, n) in enumerate(zip(block_tables, used)):
-            table[b, :n] = ids[:n]
-        num_layers = self.shape.num_layers
-        # Row of block t, layer l, K/V c in the pool viewed as [N * L * 2, bs * kvh * hd].
-        rows = (table[None, :, None, :] * (num_layers * 2)            # [L, B, 2, nb]
-                + np.arange(num_layers)[:, None, None, None] * 2
-                + np.arange(2)[None, None, :, None])
-        visible = np.arange(nb * bs)[None, :] <= positions[:, None]     # [B, nb*bs]
-        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
-        bias = bias[:, None, None, :]                                     # [B, 1, 1, nb*bs]
-        attend = partial(self._paged_attention, rows, bias)
-        blocks = table[np.arange(len(positions)), positions // bs]
+        groups = [(index, self._attention_inputs(positions[index], used[index],
+                                                 [block_tables[i] for i in index]))
+                  for index in length_groups(used)]
+        attend = partial(self._grouped_attention, groups)
+        blocks = np.array([ids[p // bs] for ids, p in zip(block_tables, positions.tolist())],
+                          dtype=np.int64)               # [B] block of each new token
         hidden = self._forward(np.asarray(tokens, dtype=np.int64), positions,
                                (blocks, positions % bs), attend)
         return _matmul(hidden, self.lm_head)
@@ -184,6 +196,33 @@ class ModelRunner:
             scores += np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
             o = _softmax_(scores) @ vs                          # [kvh, g, n, hd]
             out[start:stop] = o.transpose(2, 0, 1, 3).reshape(n, self.q_dim)  # [n, Q]
+        return out
+
+    def _attention_inputs(self, positions: np.ndarray, used: np.ndarray,
+                          block_tables: Sequence[Sequence[int]]
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """Pool rows and mask bias of one group of a decode batch (padded to its longest)."""
+        bs, num_layers = self.pool.geometry.tokens_per_block, self.shape.num_layers
+        nb = int(used.max())
+        table = np.zeros((len(positions), nb), dtype=np.int64)   # [B, nb]; pad with block 0
+        for b, (ids, n) in enumerate(zip(block_tables, used)):
+            table[b, :n] = ids[:n]
+        # Row of block t, layer l, K/V c in the pool viewed as [N * L * 2, bs * kvh * hd].
+        rows = (table[None, :, None, :] * (num_layers * 2)            # [L, B, 2, nb]
+                + np.arange(num_layers)[:, None, None, None] * 2
+                + np.arange(2)[None, None, :, None])
+        visible = np.arange(nb * bs)[None, :] <= positions[:, None]     # [B, nb*bs]
+        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
+        return rows, bias[:, None, None, :]                               # [B, 1, 1, nb*bs]
+
+    def _grouped_attention(self, groups: list, li: int, q: np.ndarray,
+                           kv: np.ndarray) -> np.ndarray:
+        """Decode attention of each group ``(batch indices, (rows, bias))``; ``[B, Q]``."""
+        if len(groups) == 1:                            # the whole batch, in order
+            return self._paged_attention(*groups[0][1], li, q, kv)
+        out = np.empty((len(q), self.q_dim), dtype=np.float32)
+        for index, (rows, bias) in groups:
+            out[index] = self._paged_attention(rows, bias, li, q[index], kv[index])
         return out
 
     def _paged_attention(self, rows: np.ndarray, bias: np.ndarray, li: int,

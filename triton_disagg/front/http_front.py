@@ -1,16 +1,19 @@
-"""The HTTP front: one asyncio (aiohttp) process beside tritonserver, started by ``serve all``
-and ``serve scheduler`` (``python -m triton_disagg.front.http_front``; see
-:mod:`triton_disagg.launch.front_process`).
+"""The HTTP front: one asyncio (aiohttp) process beside tritonserver, started by every ``serve``
+(``python -m triton_disagg.front.http_front``; see :mod:`triton_disagg.launch.front_process`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; SSE with ``"stream":
 true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's), ``GET
-/v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its orchestrator
-are ready, else 503 with the reason), ``GET /version``.
+/v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its models are
+ready, else 503 with the reason: :mod:`.health`), ``GET /version``. With
+``--health-only`` (``serve context|generation``, and a non-decoupled ``serve all|scheduler``)
+it serves ``/healthz`` and ``/health`` alone and needs no engine. Either way it is ready while
+tritonserver and the models named by ``--models`` (serve names the repository's) are.
 
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
 JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a model not served:
 404) and 5xx for the server's (503 when a role is missing or the server is not ready); a
-request that fails leaves the process serving; the client's ``X-Request-Id`` (or a new one)
+timeout is 504 (:class:`~triton_disagg.front.relay.OrchestratorError`); a request that fails
+leaves the process serving; the client's ``X-Request-Id`` (or a new one)
 is the Triton request id of the orchestrator call and comes back in the response header; a
 client that disconnects cancels its handler (``handler_cancellation``), which cancels the
 gRPC stream, which the orchestrator sees and stops generation, freeing the KV blocks; a
@@ -34,6 +37,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from triton_disagg import __version__
+from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.openai_api import ApiError, Generation, parse
 from triton_disagg.front.openai_responses import Reply, StopTrimmer, finish_reason, sse, usage
 from triton_disagg.front.prepare import Preparer
@@ -109,7 +113,9 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         try:
             first = await anext(deltas, None)
         except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
-            not_ready = await relay.ready()
+            # A timeout stays 504 though the server that let it pass made this one not ready.
+            timed_out = isinstance(exc, OrchestratorError) and exc.status == 504
+            not_ready = None if timed_out else await relay.ready()
             if not_ready is not None:
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
             raise _server_error(exc) from None
@@ -197,31 +203,43 @@ async def models(request: web.Request) -> web.Response:
          "max_model_len": preparer.max_seq_len}]})
 
 
-async def health(request: web.Request) -> web.Response:
-    reason = await request.app[RELAY].ready()
-    if reason is None:
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unavailable", "reason": reason}, status=503)
-
-
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__, "model": request.app[PREPARER].model})
 
 
-def make_app(preparer: Preparer, relay: Relay) -> web.Application:
+def make_health_app(readiness: Readiness) -> web.Application:
+    """``/healthz`` and ``/health`` answered by ``readiness`` (:mod:`.health`), errors as
+    OpenAI's error JSON: the health-only front, and what the whole front starts from."""
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    add_health_routes(app, readiness)
+    return app
+
+
+def make_app(preparer: Preparer, relay: Relay) -> web.Application:
+    """The whole front: generation through ``relay``, which also says whether it is ready."""
+    app = make_health_app(relay)
     app[PREPARER], app[RELAY] = preparer, relay
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/inference", inference)
     app.router.add_get("/v1/models", models)
-    for path in ("/healthz", "/health"):
-        app.router.add_get(path, health)
     app.router.add_get("/version", version)
 
     async def close_relay(app: web.Application) -> None:
         await app[RELAY].close()
     app.on_cleanup.append(close_relay)
+    return app
+
+
+def _health_only_app(grpc_url: str, models: tuple[str, ...]) -> web.Application:
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)   # made on the loop that uses it
+    app = make_health_app(ServerReadiness(client, models))
+
+    async def close_client(app: web.Application) -> None:
+        await client.close()
+    app.on_cleanup.append(close_client)
     return app
 
 
@@ -236,23 +254,32 @@ async def _exit_with_parent(parent: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m triton_disagg.front.http_front",
                                 description="The HTTP front (OpenAI API, /v1/inference, /healthz)")
-    p.add_argument("--engine", type=Path, required=True, help="engine directory (tokenizer)")
-    p.add_argument("--model-name", required=True, help="the model id clients send")
+    p.add_argument("--engine", type=Path, help="engine directory (tokenizer); the whole front")
+    p.add_argument("--model-name", help="the model id clients send; the whole front")
+    p.add_argument("--health-only", action="store_true",
+                   help="serve /healthz and /health alone (no engine needed)")
+    p.add_argument("--models", default="",
+                   help="comma-separated models that must be ready too (the repository's)")
     p.add_argument("--grpc-url", required=True, help="tritonserver gRPC host:port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log", type=Path, help="log file (default: stderr)")
     args = p.parse_args(argv)
+    if not args.health_only and (args.engine is None or args.model_name is None):
+        p.error("the whole front needs --engine and --model-name (or pass --health-only)")
     logging.basicConfig(filename=args.log, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    preparer = Preparer(args.engine, args.model_name)
+    preparer = None if args.health_only else Preparer(args.engine, args.model_name)
+    models = tuple(m for m in args.models.split(",") if m)
     parent = os.getppid()
 
     async def start_watch(app: web.Application) -> None:
         app[PARENT_WATCH] = asyncio.get_running_loop().create_task(_exit_with_parent(parent))
 
     async def app_factory() -> web.Application:
-        app = make_app(preparer, Relay(args.grpc_url))   # the gRPC channel needs the loop
+        # the gRPC channel needs the loop
+        app = _health_only_app(args.grpc_url, models) if preparer is None \
+            else make_app(preparer, Relay(args.grpc_url, models))
         app.on_startup.append(start_watch)
         return app
 

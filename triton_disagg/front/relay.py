@@ -10,7 +10,8 @@ Invariants: one gRPC stream per request, half-closed once the request is sent, s
 when the orchestrator sends its final response; a stream that ends any other way (the
 caller stops iterating: the HTTP client left, or its task was cancelled) is cancelled, and
 Triton passes that cancel to the orchestrator; an error response raises
-:class:`OrchestratorError` with the orchestrator's message and the HTTP status it means.
+:class:`OrchestratorError` with the orchestrator's message and the HTTP status it means
+(a timeout 504, a server missing 503, else 500).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import numpy as np
+
+from triton_disagg.errors import Timeout
+from triton_disagg.front.health import ServerReadiness
 
 ORCHESTRATOR = "orchestrator"
 # Words in an orchestrator error that say the deployment, not the request, is at fault now.
@@ -33,32 +37,32 @@ class Delta:
 
 
 class OrchestratorError(Exception):
-    """The orchestrator answered with an error: 503 when a server is missing or busy, else 500."""
+    """The orchestrator answered with an error: 504 when a server let its deadline pass
+    (:class:`~triton_disagg.errors.Timeout`: the message says so), 503 when a server is
+    missing or busy, else 500."""
 
     def __init__(self, message: str):
         super().__init__(message)
         lowered = message.lower()
-        self.status = 503 if any(word in lowered for word in _UNAVAILABLE) else 500
+        self.status = (504 if Timeout.MARK in lowered else
+                       503 if any(word in lowered for word in _UNAVAILABLE) else 500)
 
 
 class Relay:
-    """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``)."""
+    """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``); it is
+    ready while the server and ``models`` (the orchestrator among them) are."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, models: tuple[str, ...] = (ORCHESTRATOR,)):
         import tritonclient.grpc.aio as grpcclient
 
         self.client = grpcclient.InferenceServerClient(url)
+        with_orchestrator = tuple(dict.fromkeys((ORCHESTRATOR, *models)))   # once, first
+        self.readiness = ServerReadiness(self.client, with_orchestrator)
 
     async def ready(self) -> str | None:
-        """None when the server and the orchestrator are ready, else why not."""
-        try:
-            if not await self.client.is_server_ready():
-                return "tritonserver is not ready (a role has no server that answers)"
-            if not await self.client.is_model_ready(ORCHESTRATOR):
-                return "the orchestrator model is not ready"
-        except Exception as exc:  # noqa: BLE001 - any failure to ask means not ready
-            return f"tritonserver does not answer ({type(exc).__name__})"
-        return None
+        """None when the server and its models are ready, else why not
+        (:class:`~triton_disagg.front.health.ServerReadiness`)."""
+        return await self.readiness.ready()
 
     async def stream(self, inputs: dict[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
         """The orchestrator's responses to ``inputs`` (arrays with their batch axis)."""

@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from triton_disagg import token_wire
-from triton_disagg.errors import EngineError, GenerationLost, Unavailable
+from triton_disagg.errors import EngineError, GenerationLost, Timeout
 from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
@@ -93,7 +93,7 @@ class TokenStream:
         try:
             self.control = await asyncio.wait_for(ack, self.inbox.stall_seconds)
         except asyncio.TimeoutError:
-            raise Unavailable(f"generation did not accept the request within "
+            raise Timeout(f"generation did not accept the request within "
                               f"{self.inbox.stall_seconds:g} s (generation_server.stall_seconds)"
                               ) from None
 
@@ -128,7 +128,7 @@ class TokenStream:
             except asyncio.TimeoutError:
                 pass
             if loop.time() >= deadline:
-                raise Unavailable(f"generation sent no token for {self.inbox.stall_seconds:g} s "
+                raise Timeout(f"generation sent no token for {self.inbox.stall_seconds:g} s "
                                   f"(generation_server.stall_seconds); the request was stopped")
             gone = await lost() if lost is not None else None
             if gone is not None:

@@ -24,7 +24,9 @@ Over gRPC each call goes to the server its role's
 once its server has left the pool and no call uses it). A context server that fails
 before it answers (UNAVAILABLE: refused, reset, unreachable; DEADLINE_EXCEEDED) is tried
 once more on another context server: a context call has no effect but KV that its lease
-reclaims. A generation server that does not answer, or whose request's token stream
+reclaims. When every context server tried let its deadline pass, the request fails with
+:class:`~triton_disagg.errors.Timeout` (504 at the HTTP front), else with
+:class:`~triton_disagg.errors.Unavailable` (503). A generation server that does not answer, or whose request's token stream
 went silent and which then fails a liveness probe (``is_server_live`` within
 ``PROBE_TIMEOUT_SECONDS``), is lost: :class:`GenerationLost` makes the orchestrator
 migrate the request under a new id on a route that avoids it (a server that did accept
@@ -42,12 +44,13 @@ import numpy as np
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoServer,
-                                  RequestError, Unavailable)
+                                  RequestError, Timeout, Unavailable)
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
-UNANSWERED = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+DEADLINE_EXCEEDED = "StatusCode.DEADLINE_EXCEEDED"
+UNANSWERED = ("StatusCode.UNAVAILABLE", DEADLINE_EXCEEDED)
 CONTEXT_ATTEMPTS = 2       # a context server that does not answer: once more on another
 PROBE_TIMEOUT_SECONDS = 1.0   # a generation server that is not live by then is lost
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
@@ -88,13 +91,16 @@ def _control_address(outputs: dict[str, np.ndarray]) -> str:
 
 
 class Unanswered(Unavailable):
-    """A server failed before it answered (module docstring). One line: gRPC's message
-    ("failed to connect to all addresses; last error: ...: Connection refused") is cut to
-    its last, most specific part."""
+    """A server failed before it answered (module docstring), ``timed_out`` when it let the
+    call's deadline pass. One line: gRPC's message ("failed to connect to all addresses;
+    last error: ...: Connection refused") is cut to its last, most specific part."""
 
-    def __init__(self, role: str, url: str, status: str, message: str):
+    def __init__(self, role: str, url: str, status: str, message: str, timeout: float):
         cause = " ".join(message.split()).rsplit(": ", 1)[-1]
         self.role, self.url = role, url
+        self.timed_out = status == DEADLINE_EXCEEDED
+        if self.timed_out:
+            cause = f"no answer within {timeout:g} s"
         self.reason = f"{status.removeprefix('StatusCode.')}: {cause}"[:200]
         super().__init__(f"{role} server {url} did not answer ({self.reason})")
 
@@ -128,7 +134,7 @@ class BLSRoute:
         try:
             response = await asyncio.wait_for(request.async_exec(), timeout)
         except asyncio.TimeoutError:
-            raise Unavailable(f"{model} did not answer within {timeout:g} s") from None
+            raise Timeout(f"{model} timed out: no answer within {timeout:g} s") from None
         if response.has_error():
             error = response.error()
             raise _error(model, error.message(), error.code() == self.pb.TritonError.INVALID_ARG)
@@ -214,7 +220,7 @@ class GrpcTransport:
         except InferenceServerException as exc:
             if exc.status() in UNANSWERED:
                 self.routers[model].unanswered(url)
-                raise Unanswered(model, url, exc.status(), exc.message() or "") from None
+                raise Unanswered(model, url, exc.status(), exc.message() or "", timeout) from None
             error = _error(model, exc.message(), exc.status() == "StatusCode.INVALID_ARGUMENT")
             raise type(error)(f"{model} at {url}: {error}") from None
         finally:
@@ -324,7 +330,10 @@ class GrpcRoute:
 
 
 def _unanswered(failed: list[Unanswered], tail: str) -> Unavailable:
-    """One line for the context servers that did not answer, each url with its reason."""
+    """One line for the context servers that did not answer, each url with its reason: a
+    :class:`Timeout` when every one of them let its deadline pass."""
     tried = ", ".join(f"{f.url} ({f.reason})" for f in failed)
-    return Unavailable(f"context server{'s' if len(failed) > 1 else ''} did not answer: "
-                       f"{tried}{tail}")
+    servers = f"context server{'s' if len(failed) > 1 else ''}"
+    if all(f.timed_out for f in failed):
+        return Timeout(f"{servers} {Timeout.MARK}: {tried}{tail}")
+    return Unavailable(f"{servers} did not answer: {tried}{tail}")

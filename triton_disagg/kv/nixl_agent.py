@@ -104,7 +104,9 @@ class Agent:
                             f"`pip install nixl`, or use strategy host_memory") from exc
         adopt_logger("nixl")      # NIXL writes its own plain lines; json mode: ours
         self.name = name
-        # No progress thread: it spins on its core even when idle (most of a core here).
+        # No progress thread: NIXL's Python API gives it a 0 ms poll timeout, so it spins
+        # (94% of a core idle); with 10 ms (0.5%) the stall bench was no better
+        # (docs/benchmarks.md, stall notes).
         # Transfers progress in the reader's check_xfer_state polls, notifications in notifs().
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
                                                          backends=["UCX"]))

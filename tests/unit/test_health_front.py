@@ -1,0 +1,71 @@
+"""Every role's ``/healthz`` (triton_disagg/front/health.py): what :class:`ServerReadiness`
+says for each answer of tritonserver, and the health-only front's app (context and
+generation servers) answering 200 / 503 with the reason, nothing else; the real process
+beside real servers: tests/server/test_scheduler_ready.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from triton_disagg.front.health import ASK_TIMEOUT_SECONDS, ServerReadiness
+from triton_disagg.front.http_front import make_health_app
+from triton_disagg.triton.render import GATE
+
+
+class FakeTriton:
+    """A ``tritonclient.grpc.aio`` client's two readiness calls: ``server`` (bool, or an
+    exception to raise) and the models that are ready; records each call's timeout."""
+
+    def __init__(self, server, ready_models=()):
+        self.server, self.ready_models, self.timeouts = server, set(ready_models), []
+
+    async def is_server_ready(self, client_timeout=None):
+        self.timeouts.append(client_timeout)
+        if isinstance(self.server, Exception):
+            raise self.server
+        return self.server
+
+    async def is_model_ready(self, model, client_timeout=None):
+        self.timeouts.append(client_timeout)
+        return model in self.ready_models
+
+
+@pytest.mark.parametrize("triton, words", [
+    (FakeTriton(True, {"context", GATE}), None),
+    (FakeTriton(False, {"context", GATE}), "tritonserver is not ready"),
+    (FakeTriton(False, {GATE}), "the context model is not ready"),
+    (FakeTriton(False, {"context"}), "a role the scheduler routes to has no server that answers"),
+    (FakeTriton(TimeoutError("deadline")), "tritonserver does not answer (TimeoutError)"),
+])
+def test_server_readiness_names_what_is_not_ready(triton, words):
+    reason = asyncio.run(ServerReadiness(triton, ("context", GATE)).ready())
+    assert reason == words if words is None else words in reason
+    assert triton.timeouts and set(triton.timeouts) == {ASK_TIMEOUT_SECONDS}   # never hangs
+
+
+def test_the_health_only_app_answers_healthz_and_health_only():
+    class Scripted:
+        reason: str | None = "the generation model is not ready"
+
+        async def ready(self):
+            return self.reason
+
+    readiness = Scripted()
+
+    async def main():
+        async with TestClient(TestServer(make_health_app(readiness))) as client:
+            for path in ("/healthz", "/health"):
+                resp = await client.get(path)
+                assert resp.status == 503
+                assert await resp.json() == {"status": "unavailable",
+                                             "reason": "the generation model is not ready"}
+            readiness.reason = None
+            resp = await client.get("/healthz")
+            assert resp.status == 200 and await resp.json() == {"status": "ok"}
+            for resp in (await client.post("/v1/completions", json={}),
+                         await client.get("/v1/models")):
+                assert resp.status == 404 and (await resp.json())["error"]["code"] == 404
+    asyncio.run(main())

@@ -1,0 +1,74 @@
+"""``GET /healthz`` (the deployment guide's) and ``GET /health`` (trtllm-serve's): whether
+the tritonserver beside this process can serve, as a load balancer or a Kubernetes probe asks.
+
+Every role's server answers them: the HTTP front of ``serve all`` / ``serve scheduler``
+(:mod:`.http_front`), and, on ``serve context|generation`` (and a non-decoupled ``serve
+all|scheduler``, whose ensemble the front cannot stream), the same process in its
+health-only mode (``--health-only``), which serves these two routes and nothing else.
+
+Invariants: 200 ``{"status": "ok"}`` only when tritonserver says it is ready (for a
+scheduler: every role it routes to has a server that answers, :mod:`launch.peers_gate`) and
+so does each model named; otherwise 503 ``{"status": "unavailable", "reason": ...}`` with a
+one-line reason. Every question to tritonserver has ``ASK_TIMEOUT_SECONDS``, and the first
+one unanswered ends the check: a tritonserver that does not answer (stopped, hung) is a 503
+within that, not a hung probe (Kubernetes gives a probe 1 s by default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from aiohttp import web
+
+ASK_TIMEOUT_SECONDS = 0.4     # per question to tritonserver (server ready, each model ready)
+PATHS = ("/healthz", "/health")
+
+
+class Readiness(Protocol):
+    async def ready(self) -> str | None:
+        """None when the server can serve, else why not (one line)."""
+
+
+READINESS = web.AppKey("readiness", Readiness)
+
+
+class ServerReadiness:
+    """Asks a tritonserver (``client``: a ``tritonclient.grpc.aio`` client) whether it and
+    each of ``models`` are ready; the reason names the models that are not (a scheduler's
+    closed gate, :data:`~triton_disagg.triton.render.GATE`, in words)."""
+
+    def __init__(self, client: Any, models: tuple[str, ...]):
+        self.client, self.models = client, models
+
+    async def ready(self) -> str | None:
+        ask = {"client_timeout": ASK_TIMEOUT_SECONDS}
+        try:
+            server = await self.client.is_server_ready(**ask)
+            missing = [m for m in self.models if not await self.client.is_model_ready(m, **ask)]
+        except Exception as exc:  # noqa: BLE001 - any failure to ask means not ready
+            return f"tritonserver does not answer ({type(exc).__name__})"
+        if missing:
+            return "; ".join(_why(model) for model in missing)
+        return None if server else "tritonserver is not ready"
+
+
+def _why(model: str) -> str:
+    from triton_disagg.triton.render import GATE
+
+    if model == GATE:
+        return ("a role the scheduler routes to has no server that answers (its peers_ready "
+                "gate is closed; serve's log names the role)")
+    return f"the {model} model is not ready"
+
+
+async def health(request: web.Request) -> web.Response:
+    reason = await request.app[READINESS].ready()
+    if reason is None:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+
+
+def add_health_routes(app: web.Application, readiness: Readiness) -> None:
+    app[READINESS] = readiness
+    for path in PATHS:
+        app.router.add_get(path, health)
