@@ -39,7 +39,7 @@ def add_front_parser(kinds) -> None:
     p.add_argument("--prompt-tokens", default="uniform:32,128", help="length distribution")
     p.add_argument("--output-tokens", default="uniform:32,96", help="length distribution")
     p.add_argument("--serial-requests", type=int, default=12)
-    p.add_argument("--burst-requests", type=int, default=32)
+    p.add_argument("--burst-requests", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, default=Path("work/bench-front"))
     p.add_argument("--output", type=Path, default=None,
