@@ -47,7 +47,7 @@ BLOCKED_SECONDS = 0.001    # an admission's fetch starts + polls past this block
 class KVArrival:
     """A remote-KV fetch that ended: ``result`` is its ``poll()`` value (e.g. TransferStats);
     with ``error`` set, the request is gone and its blocks are free. ``overlap``: the
-    instance's compute while it was in flight (None if it failed to start)."""
+    instance's compute while it was in flight (the scheduler sets it on every arrival)."""
 
     request_id: str
     result: Any = None
