@@ -102,6 +102,10 @@ def test_server_metrics_agree_with_the_client(demo_engine, tmp_path):
     assert delta(before, after, "disagg_kv_fetch_seconds_count") == REQUESTS
     assert delta(before, after, "disagg_kv_transfer_seconds_sum") \
         <= delta(before, after, "disagg_kv_fetch_seconds_sum") < sum(m.e2e for m in done)
+    # the part hidden behind other sequences' compute: one sample per request, within it
+    assert delta(before, after, "disagg_kv_fetch_hidden_seconds_count") == REQUESTS
+    assert 0 <= delta(before, after, "disagg_kv_fetch_hidden_seconds_sum") \
+        <= delta(before, after, "disagg_kv_fetch_seconds_sum")
     assert "disagg_decode_steps_blocked_by_transfer_total" in after   # its value: wall time
     assert peak[0] > 0 and total(after, "disagg_kv_blocks_used") == 0
 

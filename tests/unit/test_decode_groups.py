@@ -1,12 +1,14 @@
-"""The numpy runner's decode attends in length groups: one long prompt joining short streams
-must not make every stream read its length, and grouping must not change the result."""
+"""Both runners' decode (numpy, torch CPU) attends in length groups: one long prompt joining
+short streams must not make every stream read its length, and grouping must not change the
+result."""
 
 import numpy as np
 import pytest
 
-from triton_disagg.engine import model
+from triton_disagg.engine import decode_groups
+from triton_disagg.engine.decode_groups import PADDING_LIMIT, length_groups
 from triton_disagg.engine.llm_engine import LLMEngine
-from triton_disagg.engine.model import PADDING_LIMIT, length_groups
+from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.sampling import SamplingParams
 
 
@@ -27,12 +29,35 @@ def test_a_long_prompt_among_short_streams_is_attended_alone():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoints, tmp_path_factory):
+def engine_dir(tiny_checkpoints, tmp_path_factory):
     from triton_disagg.builders.build import build_engine
 
     out = tmp_path_factory.mktemp("groups") / "llama"
     build_engine(tiny_checkpoints["llama"], out, tokens_per_block=4, max_batch_size=8)
-    return LLMEngine(out)
+    return out
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def engine(engine_dir, request):
+    return LLMEngine(engine_dir, runtime=Runtime(request.param, "cpu", "float32"))
+
+
+def keys_read(runner, monkeypatch) -> list[int]:
+    """Filled as the runner decodes: the keys per sequence (padded span) of each attention
+    group it builds (numpy: ``_attention_inputs``' mask; torch: ``_paged_batch``' span)."""
+    spans: list[int] = []
+    name, span_of = (("_attention_inputs", lambda out: out[1].shape[-1])
+                     if hasattr(runner, "_attention_inputs") else
+                     ("_paged_batch", lambda out: out.span))
+    build = getattr(runner, name)
+
+    def spy(*args):
+        out = build(*args)
+        spans.append(span_of(out))
+        return out
+
+    monkeypatch.setattr(runner, name, spy)
+    return spans
 
 
 def test_grouped_decode_equals_one_padded_batch(engine, monkeypatch):
@@ -46,10 +71,13 @@ def test_grouped_decode_equals_one_padded_batch(engine, monkeypatch):
         start += k
     engine.runner.prefill([(p, t) for p, t in zip(prompts, tables)])
     tokens, positions = [7] * len(lengths), lengths
+    spans = keys_read(engine.runner, monkeypatch)
     grouped = engine.runner.decode(tokens, positions, tables)
-    assert len(length_groups(np.array(positions) // 4 + 1)) > 1
-    monkeypatch.setattr(model, "PADDING_LIMIT", 10 ** 9)     # one group, padded to 90
+    assert sorted(spans) == [8, 92]        # short ones read 2 blocks of 4, the long one 23
+    monkeypatch.setattr(decode_groups, "PADDING_LIMIT", 10 ** 9)   # one group, padded to 90
+    spans.clear()
     padded = engine.runner.decode(tokens, positions, tables)
+    assert spans == [92]
     np.testing.assert_allclose(grouped, padded, rtol=1e-5, atol=1e-5)
 
 

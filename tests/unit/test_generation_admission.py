@@ -56,6 +56,8 @@ class CopyConnector:
     ``release``: the loop then meets every submitted request at once (as under load),
     deterministically."""
 
+    strategy = "copy"
+
     def __init__(self, context: LLMEngine, generation: LLMEngine):
         self.context, self.generation = context, generation
         self.started, self.release = [], threading.Event()
@@ -280,9 +282,23 @@ class ThreadedCopyConnector(CopyConnector):
         self.worker.close()
 
 
+class FetchMetrics:
+    """The side's metrics: records each ``kv_transfer`` (in flight, hidden) in order."""
+
+    def __init__(self):
+        self.fetches: list[tuple[float, float]] = []
+
+    def kv_transfer(self, strategy, nbytes, seconds, in_flight_seconds, hidden_seconds):
+        self.fetches.append((in_flight_seconds, hidden_seconds))
+
+    def __getattr__(self, name):
+        return lambda *args: None                # the gauges and counters: not under test
+
+
 def test_the_decode_loop_finishes_a_request_while_another_fetch_blocks(sides):
     context, side = sides
     side.connector = threaded = ThreadedCopyConnector(context, side.engine)
+    side.metrics = metrics = FetchMetrics()
     finals = Finals()
     loop = DecodeLoop(side.engine, finals, side)
     prompts = {"ok": [7, 8, 9], "slow": [5, 6, 7, 8, 9]}       # ok's fetch runs first
@@ -303,3 +319,6 @@ def test_the_decode_loop_finishes_a_request_while_another_fetch_blocks(sides):
         (whole,) = context.generate([prompt], params)
         assert [firsts[rid]] + finals.tokens(rid) == whole.output_ids
     assert side.engine.pool.num_used == 0 and context.pool.num_used == 0
+    (ok_in_flight, ok_hidden), (slow_in_flight, slow_hidden) = metrics.fetches
+    assert ok_hidden == 0.0                           # nothing else ran while it moved
+    assert 0 < slow_hidden <= slow_in_flight          # ok decoded while slow's KV waited

@@ -232,7 +232,12 @@ def test_the_loop_decodes_while_a_fetch_blocks_on_its_thread(engines, worker):
     for rid, prompt in prompts.items():
         (whole,) = context.generate([prompt], PARAMS)
         assert [first[rid]] + tokens[rid] == whole.output_ids
-    assert all(a.result.in_flight_seconds > 0 for a in generation.take_kv_arrivals())
+    arrivals = {a.request_id: a for a in generation.take_kv_arrivals()}
+    hidden = {rid: a.overlap.hidden_seconds(a.result.in_flight_seconds)
+              for rid, a in arrivals.items()}
+    assert all(a.result.in_flight_seconds > 0 for a in arrivals.values())
+    assert hidden["running"] == 0.0          # fetched while the instance was idle
+    assert 0 < hidden["slow"] <= arrivals["slow"].result.in_flight_seconds   # 3+ steps ran
     assert generation.pool.num_used == 0
 
 
@@ -268,3 +273,83 @@ def test_a_cancel_while_the_thread_fetches_frees_the_blocks_once_it_ends(engines
     gate.set()
     run_until(generation, lambda: not generation.has_unfinished())
     assert generation.pool.num_used == 0 and generation.take_kv_arrivals() == []
+
+
+# ---- the part of a fetch's time in flight hidden behind compute (engine/fetch_overlap.py) --
+
+STEP_S = 0.010
+
+
+class FakeClock:
+    """The scheduler's clock: moves only when a decode pass runs (``STEP_S`` each) or the
+    test waits (``wait``)."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def on_fake_clock(generation) -> FakeClock:
+    """Every decode pass of ``generation`` takes ``STEP_S`` on a fake clock."""
+    clock, decode = FakeClock(), generation.runner.decode
+    generation.scheduler.clock = clock
+
+    def timed_decode(*args):
+        clock.wait(STEP_S)
+        return decode(*args)
+
+    generation.runner.decode = timed_decode
+    return clock
+
+
+def test_a_fetch_overlapping_decode_steps_reports_their_time_as_hidden(engines):
+    context, generation = engines
+    clock = on_fake_clock(generation)
+    first, running = handed_off(engines, "running", [11, 12, 13])
+    running.outcome = TransferStats(1, 0.0, in_flight_seconds=0.0)
+    generation.add_prefilled("running", [11, 12, 13], first, PARAMS, running)
+    run(generation, 2)
+    first, slow = handed_off(engines, "slow", [5, 6, 7, 8, 9])
+    generation.add_prefilled("slow", [5, 6, 7, 8, 9], first, PARAMS, slow)
+    generation.take_kv_arrivals()
+    assert len(run(generation, 3)["running"]) == 3          # 3 steps while slow's KV moves
+    slow.outcome = TransferStats(1, 0.0, in_flight_seconds=2.5 * STEP_S)  # ended mid-step 3
+    run(generation, 1)
+    (arrival,) = generation.take_kv_arrivals()
+    assert arrival.request_id == "slow"
+    assert arrival.overlap.began == pytest.approx(clock.now - 4 * STEP_S)  # before 3 + 1 steps
+    assert arrival.overlap.hidden_seconds(2.5 * STEP_S) == pytest.approx(2.5 * STEP_S)
+    assert arrival.overlap.hidden_seconds(10 * STEP_S) == pytest.approx(3 * STEP_S)
+    run(generation, 10)
+    assert not generation.has_unfinished() and generation.pool.num_used == 0
+
+
+def test_a_fetch_on_an_idle_instance_hides_nothing(engines):
+    context, generation = engines
+    clock = on_fake_clock(generation)
+    first, alone = handed_off(engines, "alone", [5, 6, 7, 8, 9])
+    generation.add_prefilled("alone", [5, 6, 7, 8, 9], first, PARAMS, alone)
+    for _ in range(3):
+        run(generation, 1)                      # nothing to compute: the loop waits
+        clock.wait(STEP_S)
+    alone.outcome = TransferStats(1, 0.0, in_flight_seconds=3 * STEP_S)
+    run(generation, 1)
+    (arrival,) = generation.take_kv_arrivals()
+    assert arrival.overlap.hidden_seconds(3 * STEP_S) == 0.0
+
+
+def test_the_hidden_part_never_exceeds_the_time_in_flight():
+    from triton_disagg.engine.fetch_overlap import ComputeOverlap
+    overlap = ComputeOverlap(began=10.0)
+    overlap.add(9.0, 10.5)                      # a pass that began before the fetch
+    overlap.add(10.6, 11.0)
+    assert overlap.total == pytest.approx(0.9)
+    assert overlap.hidden_seconds(0.8) == pytest.approx(0.7)    # ended inside the last pass
+    assert overlap.hidden_seconds(0.55) == pytest.approx(0.5)   # ended between the passes
+    assert overlap.hidden_seconds(0.3) == pytest.approx(0.3)    # clocks a hair apart: capped
+    assert overlap.hidden_seconds(5.0) == pytest.approx(0.9)

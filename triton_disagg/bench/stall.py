@@ -147,9 +147,9 @@ def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
 
 
 def server_figures(before, after) -> str:
-    """Mean KV copy and mean KV in flight per handoff, and decode steps blocked by a
-    transfer, from the server's metrics between two scrapes ("n/a" for a series the
-    server does not publish)."""
+    """Mean KV copy and mean KV in flight per handoff, the share of that in flight time
+    hidden behind other sequences' compute, and decode steps blocked by a transfer, from the
+    server's metrics between two scrapes ("n/a" for a series the server does not publish)."""
     from triton_disagg.routing.scrape import delta
 
     def mean_ms(name: str) -> str:
@@ -158,8 +158,11 @@ def server_figures(before, after) -> str:
 
     blocked = "disagg_decode_steps_blocked_by_transfer_total"
     steps = f"{delta(before, after, blocked):g}" if blocked in after else "n/a"
+    in_flight = delta(before, after, "disagg_kv_fetch_seconds_sum")
+    hidden = (f"{delta(before, after, 'disagg_kv_fetch_hidden_seconds_sum') / in_flight:.0%}"
+              if in_flight and "disagg_kv_fetch_hidden_seconds_sum" in after else "n/a")
     return (f"copy {mean_ms('disagg_kv_transfer_seconds')}, in flight "
-            f"{mean_ms('disagg_kv_fetch_seconds')}, steps blocked {steps}")
+            f"{mean_ms('disagg_kv_fetch_seconds')} ({hidden} hidden), steps blocked {steps}")
 
 
 def _row(s: Stall, strategy: str) -> str:

@@ -117,12 +117,14 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """Run one prefill or one decode pass; return the tokens it produced."""
         new = self.scheduler.admit()
+        began = self.scheduler.clock()
         if new:
             events = self._prefill(new)
         elif self.scheduler.running:
             events = self._decode(self.scheduler.running)
         else:
-            events = []
+            return []
+        self.scheduler.computed(began, self.scheduler.clock())
         self.scheduler.retire_finished()
         return events
 

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from triton_disagg.engine.decode_groups import length_groups
 from triton_disagg.engine.rope import apply_rope, inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.block_pool import BlockPool
@@ -59,26 +60,6 @@ def _softmax_(x: np.ndarray) -> np.ndarray:
     np.exp(x, out=x)
     x /= x.sum(axis=-1, keepdims=True)
     return x
-
-
-PADDING_LIMIT = 2   # a decode group reads at most this many times the blocks its sequences use
-
-
-def length_groups(used: np.ndarray) -> list[np.ndarray]:
-    """Batch indices grouped by ``used`` (blocks each sequence reads) so that padding every
-    sequence of a group to its longest reads at most ``PADDING_LIMIT`` times the blocks
-    they use: one long prompt joining short streams is attended on its own instead of
-    making every stream read its length. Every index is in exactly one group; each group's
-    indices ascend (so a single group is ``0..B-1`` in order)."""
-    order = np.argsort(used, kind="stable")
-    groups, start, total = [], 0, 0
-    for end, i in enumerate(order):
-        total += int(used[i])
-        if (end + 1 - start) * int(used[i]) > PADDING_LIMIT * total and end > start:
-            groups.append(np.sort(order[start:end]))
-            start, total = end, int(used[i])
-    groups.append(np.sort(order[start:]))
-    return groups
 
 
 class ModelRunner:

@@ -15,7 +15,10 @@ waits for memory and is never preempted.
 Starting and polling a fetch must not wait on the transfer (the connector copies on its
 own thread): :attr:`Scheduler.steps_blocked_by_transfer` counts the admissions in which
 those calls together took more than ``BLOCKED_SECONDS`` (expected 0; the metric
-``disagg_decode_steps_blocked_by_transfer_total``).
+``disagg_decode_steps_blocked_by_transfer_total``). While a fetch is in flight the engine
+reports each compute pass to :meth:`Scheduler.computed`, so that its arrival tells how much
+of its time in flight the instance spent computing for others (``KVArrival.overlap``;
+``disagg_kv_fetch_hidden_seconds``).
 
 Invariants: a sequence is in at most one of ``waiting`` / ``running``; in ``waiting``
 the sequences holding their reservation come before those without; every running
@@ -26,12 +29,14 @@ or failed (an aborted one waits in ``draining`` until then).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from triton_disagg.engine.block_pool import BlockPool
+from triton_disagg.engine.fetch_overlap import ComputeOverlap
 from triton_disagg.engine.sequence import Sequence
 
 WAITING, WAITING_FOR_REMOTE_KV, RUNNING = "waiting", "waiting_for_remote_kv", "running"
@@ -41,16 +46,22 @@ BLOCKED_SECONDS = 0.001    # an admission's fetch starts + polls past this block
 @dataclass(frozen=True)
 class KVArrival:
     """A remote-KV fetch that ended: ``result`` is its ``poll()`` value (e.g. TransferStats);
-    with ``error`` set, the request is gone and its blocks are free."""
+    with ``error`` set, the request is gone and its blocks are free. ``overlap``: the
+    instance's compute while it was in flight (the scheduler sets it on every arrival)."""
 
     request_id: str
     result: Any = None
     error: Exception | None = None
+    overlap: ComputeOverlap | None = None
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch_size: int):
+    """``clock``: the monotonic clock of fetch starts and :meth:`computed` intervals (the
+    fetch thread's ``in_flight_seconds`` is measured on ``time.monotonic`` too)."""
+
+    def __init__(self, pool: BlockPool, max_batch_size: int, clock=time.monotonic):
         self.pool = pool
+        self.clock = clock
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -108,6 +119,7 @@ class Scheduler:
             if seq.remote_kv is not None:
                 started += 1
                 seq.status = WAITING_FOR_REMOTE_KV
+                seq.fetch_overlap = ComputeOverlap(self.clock())
                 try:
                     seq.transfer = seq.remote_kv.start(list(table.block_ids))
                 except Exception as exc:  # noqa: BLE001 - that request fails alone
@@ -129,9 +141,18 @@ class Scheduler:
                 self._end_fetch(seq, KVArrival(seq.request_id, result))
         return len(fetching)
 
+    def computed(self, start: float, end: float) -> None:
+        """The engine ran a pass from ``start`` to ``end`` (``clock`` readings): every fetch
+        in flight was hidden behind it (O(sequences waiting) per step)."""
+        for seq in self.waiting:
+            if seq.transfer is not None:
+                seq.fetch_overlap.add(start, end)
+
     def _end_fetch(self, seq: Sequence, arrival: KVArrival) -> None:
         """The fetch of ``seq`` ended: it is ready, failed (gone), or was aborted before."""
         seq.transfer = None
+        arrival = dataclasses.replace(arrival, overlap=seq.fetch_overlap)
+        seq.fetch_overlap = None
         if seq in self.draining:
             self.draining.remove(seq)
             seq.block_table.release(self.pool)

@@ -54,6 +54,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     remote_kv: RemoteKV | None = None  # its prompt KV comes from another instance
     transfer: Any = None               # that KV's fetch while in flight
+    fetch_overlap: Any = None          # its ComputeOverlap while in flight (scheduler's)
     status: str = "waiting"            # the scheduler's: waiting, waiting_for_remote_kv, running
 
     @property

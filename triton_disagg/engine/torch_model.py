@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_disagg.engine.block_pool import BlockPool
+from triton_disagg.engine.decode_groups import length_groups
 from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
 
@@ -102,12 +103,20 @@ class TorchModelRunner:
                block_tables: Sequence[Sequence[int]]) -> np.ndarray:
         """One new token per sequence at ``positions`` (its KV slot); returns logits ``[B, V]``.
 
-        Sequence ``b`` attends to positions ``0..positions[b]`` of ``block_tables[b]``.
+        Sequence ``b`` attends to positions ``0..positions[b]`` of ``block_tables[b]``,
+        padded only to the longest of its length group (:func:`length_groups`).
         """
         pos = torch.tensor(positions, dtype=torch.int64).unsqueeze(1)      # [B, 1]
         tok = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)         # [B, 1]
-        hidden = self._forward(tok, pos, [1] * len(tokens), block_tables,
-                               int(pos.max()) + 1)                         # [B, 1, H]
+        groups = length_groups(np.asarray(positions) // self.bs + 1)       # by blocks read
+        if len(groups) == 1:                                               # 0..B-1 in order
+            attention = [(None, self._paged_batch(pos, [1] * len(tokens), block_tables))]
+        else:
+            attention = [(torch.from_numpy(index).to(self.device),             # [G]
+                          self._paged_batch(pos[torch.from_numpy(index)], [1] * len(index),
+                                            [block_tables[i] for i in index]))
+                         for index in groups]
+        hidden = self._forward(tok, pos, attention)                        # [B, 1, H]
         return self._logits(hidden[:, 0])
 
     # ---- internals -------------------------------------------------------------------
@@ -122,20 +131,18 @@ class TorchModelRunner:
             tok[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
         pos = torch.arange(n_max).expand(len(batch), n_max)               # [B, n]
         pos = torch.minimum(pos, torch.tensor(lengths).unsqueeze(1) - 1)   # padding repeats last
-        hidden = self._forward(tok, pos, lengths, [blocks for _, blocks in batch], n_max)
-        return hidden, lengths
+        paged = self._paged_batch(pos, lengths, [blocks for _, blocks in batch])
+        return self._forward(tok, pos, [(None, paged)]), lengths
 
-    def _forward(self, tok: torch.Tensor, pos: torch.Tensor, lengths: Sequence[int],
-                 block_tables: Sequence[Sequence[int]], span: int) -> torch.Tensor:
+    def _forward(self, tok: torch.Tensor, pos: torch.Tensor,
+                 attention: list[tuple[torch.Tensor | None, "_PagedBatch"]]) -> torch.Tensor:
         """Final-norm hidden states ``[B, n, H]`` of tokens ``tok`` ``[B, n]`` at positions
-        ``pos`` ``[B, n]``; each sequence's keys are positions ``0..span-1`` of its blocks.
-
-        Only the first ``lengths[b]`` tokens of row ``b`` are real: only their K/V is
-        written. Padding rows attend like their row's last real token and are discarded.
+        ``pos`` ``[B, n]``. ``attention``: ``(rows, paged)`` groups that together hold every
+        row of the batch once (``rows`` None: all of them, in order); each group writes and
+        attends through its own :class:`_PagedBatch` (see :meth:`_paged_batch`).
         """
         s = self.shape
         b, n = tok.shape
-        paged = self._paged_batch(pos, lengths, block_tables, span)
         tok, pos = tok.to(self.device), pos.to(self.device)
         x = self.embed[tok]                                                # [B, n, H]
         if self.gpt2:
@@ -151,17 +158,21 @@ class TorchModelRunner:
                 qk = _rope(qk, cos, sin)       # queries and keys in one rotation
             q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]          # [B, n, nh|kvh, hd]
             v = qkv[..., self.q_dim + self.kv_dim:].view(b, n, s.num_kv_heads, s.head_dim)
-            o = self._paged_attention(li, q, k, v, paged)                  # [B, n, Q]
+            o = self._grouped_attention(li, q, k, v, attention)            # [B, n, Q]
             x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
             x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
         return self._norm(x, *self.final_norm)
 
     def _paged_batch(self, pos: torch.Tensor, lengths: Sequence[int],
-                     block_tables: Sequence[Sequence[int]], span: int) -> "_PagedBatch":
-        """Where a pass writes and reads the pool (layer 0; layer ``l`` adds ``l * 2 * bs``
-        to write rows and ``l * 2`` to read rows), and its attention mask."""
+                     block_tables: Sequence[Sequence[int]]) -> "_PagedBatch":
+        """Where a pass (or one group of it) writes and reads the pool (layer 0; layer ``l``
+        adds ``l * 2 * bs`` to write rows and ``l * 2`` to read rows), and its attention
+        mask. ``pos`` ``[B, n]`` (host); only the first ``lengths[b]`` tokens of row ``b``
+        are real: only their K/V is written. Every sequence's keys are positions
+        ``0..span-1`` of its blocks, span = the largest position + 1 (rounded up to blocks);
+        padding rows attend like their row's last real token and are discarded."""
         layers, (b, n) = self.shape.num_layers, pos.shape
-        nb = -(-span // self.bs)
+        nb = -(-(int(pos.max()) + 1) // self.bs)
         table = torch.zeros((b, nb), dtype=torch.int64)                    # [B, nb]; pad: block 0
         for i, ids in enumerate(block_tables):
             used = min(nb, len(ids))
@@ -185,6 +196,18 @@ class TorchModelRunner:
         every = len(write_rows) == b * n        # no padding (decode, equal prompts)
         return _PagedBatch(None if every else tuple(r.to(dev) for r in real), write_rows.to(dev),
                            read_rows.to(dev), mask.to(dev), nb * self.bs, threads)
+
+    def _grouped_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           attention: list[tuple[torch.Tensor | None, "_PagedBatch"]]
+                           ) -> torch.Tensor:
+        """:meth:`_paged_attention` of each group's rows of ``q``/``k``/``v``
+        ``[B, n, heads, hd]`` -> ``[B, n, Q]``."""
+        if len(attention) == 1 and attention[0][0] is None:              # the whole batch
+            return self._paged_attention(li, q, k, v, attention[0][1])
+        o = q.new_empty(q.shape[0], q.shape[1], self.q_dim)                # [B, n, Q]
+        for rows, paged in attention:
+            o[rows] = self._paged_attention(li, q[rows], k[rows], v[rows], paged)  # [G, n, Q]
+        return o
 
     def _paged_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          paged: "_PagedBatch") -> torch.Tensor:

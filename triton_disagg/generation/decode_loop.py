@@ -63,7 +63,8 @@ _log = logging.getLogger(__name__)
 class DecodeLoop:
     """``side`` puts work into the engine and hears about it: ``side.add(request_id, work)``
     (queues it in the engine; may raise to refuse it, e.g. when the pool could never hold
-    it), ``side.kv_arrived(result)`` (a request's KV fetch finished),
+    it), ``side.kv_arrived(result, overlap)`` (a request's KV fetch finished; the
+    scheduler's :class:`~triton_disagg.engine.scheduler.KVArrival` fields),
     ``side.request_done(outcome)`` and ``side.report(live_sequences)`` (load gauges, every
     ``REPORT_SECONDS``: the requests the loop holds, admitted or queued).
 
@@ -208,7 +209,7 @@ class DecodeLoop:
         """Hear how the KV fetches that ended went; a failed one's request is over."""
         for arrival in self.engine.take_kv_arrivals():
             if arrival.error is None:
-                self.side.kv_arrived(arrival.result)
+                self.side.kv_arrived(arrival.result, arrival.overlap)
             elif (live := self._pop(arrival.request_id)) is not None:
                 self._refuse(arrival.request_id, live, str(arrival.error))
 

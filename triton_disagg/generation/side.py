@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import protocol as P
+from triton_disagg.engine.fetch_overlap import ComputeOverlap
 from triton_disagg.errors import RequestError, UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.triton.engine_request import EngineRequest
@@ -119,11 +120,14 @@ class GenerationSide:
             self.engine.add_prefilled(request_id, prompt[:-1], prompt[-1], params,
                                       RemoteKV(self.connector, work.handle))
 
-    def kv_arrived(self, stats: TransferStats) -> None:
-        """A request's KV is in place (decode-loop thread)."""
+    def kv_arrived(self, stats: TransferStats, overlap: ComputeOverlap) -> None:
+        """A request's KV is in place (decode-loop thread); ``overlap``: the instance's
+        compute while it was in flight, of which the part inside ``in_flight_seconds`` was
+        hidden."""
         if self.metrics is not None:
             self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds,
-                                     stats.in_flight_seconds)
+                                     stats.in_flight_seconds,
+                                     overlap.hidden_seconds(stats.in_flight_seconds))
 
     def request_done(self, outcome: str) -> None:
         if self.metrics is not None:

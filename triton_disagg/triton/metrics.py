@@ -18,6 +18,11 @@ scrape target, host:port), and a target's own ``instance`` would be stored as
 - ``disagg_kv_fetch_seconds`` (histogram, generation): per request, its KV's time in
   flight: from the fetch's start on the decode loop to the KV in place (queueing on the
   instance's fetch thread included), label ``strategy``.
+- ``disagg_kv_fetch_hidden_seconds`` (histogram, generation): per request, the part of that
+  time in flight during which the instance computed (prefill or decode passes) for other
+  sequences, label ``strategy``; one sample per ``disagg_kv_fetch_seconds`` sample, never
+  larger. The hidden share is ``rate(..._hidden_seconds_sum) / rate(disagg_kv_fetch_seconds_sum)``;
+  an idle instance's fetch hides ~0 s (and stalls nothing).
 - ``disagg_decode_steps_blocked_by_transfer_total`` (counter, generation): decode steps
   whose admission waited on a KV transfer (more than 1 ms in fetch starts and polls;
   expected 0: fetches run on their own thread).
@@ -78,6 +83,9 @@ _FAMILIES = {
     "kv_fetch_seconds": ("disagg_kv_fetch_seconds",
                          "Seconds a request's KV was in flight, fetch start to KV in place",
                          "HISTOGRAM"),
+    "kv_fetch_hidden": ("disagg_kv_fetch_hidden_seconds",
+                        "Seconds of a request's KV in flight hidden behind other sequences' "
+                        "compute", "HISTOGRAM"),
     "steps_blocked": ("disagg_decode_steps_blocked_by_transfer_total",
                       "Decode steps that waited on a KV transfer", "COUNTER"),
     "leases_expired": ("disagg_kv_leases_expired_total",
@@ -179,11 +187,12 @@ class Metrics:
         self._later(lambda: self._metric("queued_prompt_tokens").set(tokens))
 
     def kv_transfer(self, strategy: str, nbytes: int, seconds: float,
-                    in_flight_seconds: float) -> None:
+                    in_flight_seconds: float, hidden_seconds: float) -> None:
         self._later(lambda: (
             self._metric("kv_bytes", strategy=strategy).increment(nbytes),
             self._metric("kv_seconds", strategy=strategy).observe(seconds),
-            self._metric("kv_fetch_seconds", strategy=strategy).observe(in_flight_seconds)))
+            self._metric("kv_fetch_seconds", strategy=strategy).observe(in_flight_seconds),
+            self._metric("kv_fetch_hidden", strategy=strategy).observe(hidden_seconds)))
 
     def leases_expired(self, total: int) -> None:
         """``total``: the lease table's running count; only the increase is added."""
