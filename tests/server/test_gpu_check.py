@@ -31,6 +31,7 @@ def test_cpu_smoke_run_writes_every_table(tmp_path):
     nixl = re.search(r"^\| NIXL READ from another process \(UCX, DRAM\) \| ([\d.]+) \|", text, re.M)
     assert nixl and float(nixl.group(1)) > 0
     assert "| weights and KV pool placed | cpu | cpu | ok |" in text
+    assert "| llama | float32 | 16/16 | ok |" in text           # the staged handoff
 
 
 def test_cuda_without_a_gpu_is_one_line(tmp_path):

@@ -69,9 +69,10 @@ def test_out_of_device_memory_at_load_is_one_line_naming_the_settings(monkeypatc
     assert "1 MiB of float32 weights" in line and f"a {kv_mib} MiB KV pool" in line
 
 
-def test_a_connector_is_given_the_device_the_kv_lives_on(monkeypatch):
+def test_a_connector_stages_kv_that_lives_on_the_device(monkeypatch):
     """On CUDA the runner computes KV in device memory, not in ``pool.array``: the connector
-    is told so and refuses by name, instead of moving the host array's zeros."""
+    is given the runner to stage blocks through the host array (on CPU: nothing to stage,
+    the runner computes in ``pool.array`` itself)."""
     from triton_disagg.kv.connector import connector_for
     from triton_disagg.kv.secret import SECRET_ENV, render_key_id
 
@@ -79,10 +80,17 @@ def test_a_connector_is_given_the_device_the_kv_lives_on(monkeypatch):
     pool = BlockPool(BlockGeometry(2, 4, 8, 16, "float32"), 4)
     settings = SimpleNamespace(kv_strategy="host_memory", kv_key_id=render_key_id(),
                                kv_lease_seconds=30.0)
-    engine = SimpleNamespace(pool=pool, spec=SimpleNamespace(fingerprint="f" * 64),
-                             runtime=Runtime("torch", "cuda", "bfloat16", 1))
-    with pytest.raises(UserError, match="host memory only; this pool is on cuda:1"):
-        connector_for(settings, engine, "conntest_0_0", lambda blocks: None)
+    for runtime, staged in ((Runtime("torch", "cuda", "bfloat16", 1), True),
+                            (Runtime("torch", "cpu"), False)):
+        engine = SimpleNamespace(pool=pool, spec=SimpleNamespace(fingerprint="f" * 64),
+                                 runtime=runtime, runner=object())
+        connector = connector_for(settings, engine, "conntest_0_0", lambda blocks: None)
+        try:
+            assert connector.pool.array is pool.array
+            assert (connector.pool.device_kv is engine.runner) == staged
+            assert staged or connector.pool.device_kv is None
+        finally:
+            connector.close()
 
 
 def test_a_cuda_pool_is_counted_in_device_bytes_and_too_small_is_one_line():

@@ -1,6 +1,6 @@
 """The KV connector factory: each ``kv_cache.strategy`` gives its implementation behind one
-interface, an unknown one is a clear error, and a pool outside host memory is refused by
-name until a connector moves device memory."""
+interface, an unknown one is a clear error, and KV computed in device memory is staged
+through the host array around the handoff."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 
 from kv_peers import FP, HD, KEY, KVH, L, CountingPool, make_pool, no_leaked_shm  # noqa: F401
 from triton_disagg.errors import UserError
-from triton_disagg.kv.connector import (STRATEGIES, Device, KVConnector, PoolBuffer,
-                                        make_connector, strategy)
+from triton_disagg.kv.connector import (STRATEGIES, KVConnector, PoolBuffer, make_connector,
+                                        strategy)
 from triton_disagg.kv.handle import HandleError
 
 
-def _make(name: str, free_blocks=None, device: Device = Device()) -> KVConnector:
-    pool = PoolBuffer(np.zeros((4, L, 2, 4, KVH, HD), np.float32), device)
+def _make(name: str, free_blocks=None) -> KVConnector:
+    pool = PoolBuffer(np.zeros((4, L, 2, 4, KVH, HD), np.float32))
     return make_connector(name, pool, "conntest_0_0", KEY, FP, 30.0, free_blocks)
 
 
@@ -51,12 +51,52 @@ def test_strategy_properties_replace_name_comparisons():
     assert not strategy("host_memory").reads_peer_memory
 
 
-def test_a_pool_in_device_memory_is_described_and_refused_by_name():
-    assert Device("cuda", 1) == Device(kind="cuda", index=1)
-    with pytest.raises(ValueError, match="cpu or cuda"):
-        Device("tpu")
-    with pytest.raises(UserError, match="host memory only; this pool is on cuda:1"):
-        _make("host_memory", device=Device("cuda", 1))
+class FakeDeviceKV:
+    """Stands in for GPU memory (none on this machine): a separate array the "runner" writes,
+    copied to and from the connector's host array as the torch runner does on CUDA."""
+
+    def __init__(self, host: np.ndarray):
+        self.host, self.memory, self.calls = host, np.zeros_like(host), []
+
+    def blocks_to_host(self, block_ids):
+        self.calls.append(("to_host", list(block_ids)))
+        self.host[block_ids] = self.memory[block_ids]
+
+    def blocks_to_device(self, block_ids):
+        self.calls.append(("to_device", list(block_ids)))
+        self.memory[block_ids] = self.host[block_ids]
+
+
+@pytest.mark.parametrize("name", ["host_memory", "direct_transfer"])
+def test_kv_in_device_memory_is_staged_through_the_host_array(name):
+    """Context: the exported blocks are copied device -> host before the transport reads
+    them; generation: the fetched blocks are copied host -> device before poll reports the
+    fetch done. The device bytes arrive where the host ones would."""
+    if name == "direct_transfer":
+        pytest.importorskip("nixl")
+    blocks = CountingPool()
+    src = FakeDeviceKV(np.zeros((4, L, 2, 4, KVH, HD), np.float32))
+    src.memory[:] = np.random.default_rng(0).standard_normal(src.memory.shape)
+    context = make_connector(name, PoolBuffer(src.host, src), "conntest_0_0", KEY, FP, 30.0,
+                             blocks.free)
+    dst = FakeDeviceKV(np.zeros((4, L, 2, 4, KVH, HD), np.float32))
+    generation = make_connector(name, PoolBuffer(dst.host, dst), "conntest_0_0", KEY, FP, 30.0)
+    try:
+        blocks.take([2, 0])
+        data = context.export([2, 0], 7)
+        assert src.calls == [("to_host", [2, 0])]
+        stats = _finished(generation.start_fetch(generation.decode(data), [1, 3, 2]))
+        assert stats.nbytes == 2 * generation.geometry.block_nbytes
+        assert dst.calls == [("to_device", [1, 3])]
+        assert dst.memory[[1, 3]].tobytes() == src.memory[[2, 0]].tobytes()
+        assert not dst.memory[[0, 2]].any()                    # nothing else written
+        end = time.monotonic() + 10     # NIXL: the context frees on the fetch's notification
+        while blocks.state()["used"] and time.monotonic() < end:
+            time.sleep(0.01)
+        assert blocks.state()["used"] == 0 and not blocks.errors
+    finally:
+        context.close()
+        generation.close()
 
 
 def test_a_host_memory_export_round_trips_through_the_interface():

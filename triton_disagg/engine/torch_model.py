@@ -7,8 +7,10 @@ the runner differs. Logits come back as float32 numpy arrays on the host.
 
 KV storage: on CPU the runner computes straight in the pool's numpy array
 (``torch.from_numpy(pool.array)`` shares its memory), so the KV connectors that register
-that array keep working unchanged. On CUDA it owns one device tensor of the pool's
-shape; the host array is then unused (the KV connectors do not reach device memory yet).
+that array move it in place. On CUDA it owns one device tensor of the pool's shape, and
+the host array is the mirror the connectors move: :meth:`TorchModelRunner.blocks_to_host`
+before an export, :meth:`TorchModelRunner.blocks_to_device` after a fetch
+(:class:`~triton_disagg.kv.connector.DeviceKV`).
 
 Invariants (as the numpy runner): a pass writes the K/V of exactly the positions it
 computes (token ``t`` of a sequence at slot ``t % bs`` of its ``t // bs``-th block) and
@@ -118,6 +120,22 @@ class TorchModelRunner:
                          for index in groups]
         hidden = self._forward(tok, pos, attention)                        # [B, 1, H]
         return self._logits(hidden[:, 0])
+
+    # ---- the host mirror (CUDA: the KV connectors move host bytes) -----------------
+
+    def blocks_to_host(self, block_ids: Sequence[int]) -> None:
+        """Copy blocks ``block_ids`` of the device KV into the same rows of ``pool.array``,
+        in its dtype (a KV connector then exports them)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        host = self.kv.index_select(0, ids).to("cpu", _torch_dtype(self.pool.array.dtype))
+        self.pool.array[np.asarray(block_ids, dtype=np.int64)] = host.numpy()  # [m, L, 2, bs, kvh, hd]
+
+    def blocks_to_device(self, block_ids: Sequence[int]) -> None:
+        """Copy rows ``block_ids`` of ``pool.array`` (a KV connector just filled them) into
+        the same blocks of the device KV, in its dtype."""
+        host = torch.from_numpy(self.pool.array[np.asarray(block_ids, dtype=np.int64)])
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        self.kv.index_copy_(0, ids, host.to(self.device, self.kv.dtype))   # [m, L, 2, bs, kvh, hd]
 
     # ---- internals -------------------------------------------------------------------
 
@@ -276,6 +294,11 @@ class _OneCpuThread:
 
     def __exit__(self, *exc) -> None:
         torch.set_num_threads(self.threads)
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a KV pool's numpy dtype (float32 or float16)."""
+    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

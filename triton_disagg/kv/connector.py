@@ -1,8 +1,9 @@
 """One KV connector interface for both ends of the handoff, and the factory that picks one
 by ``kv_cache.strategy``.
 
-A :class:`KVConnector` is one model instance's end over its own pool (:class:`PoolBuffer`,
-which names the memory's device, so that a pool in device memory fits the same interface):
+A :class:`KVConnector` is one model instance's end over its own pool (:class:`PoolBuffer`:
+the host array it moves, and, when the runner computes the KV in device memory, the
+:class:`DeviceKV` that stages a request's blocks between the two):
 
 - context (made with ``free_blocks``): :meth:`~KVConnector.export` turns prefilled blocks
   into signed handle bytes (``context_phase_params``); from that call on the handoff owns
@@ -28,7 +29,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 from triton_disagg.errors import UserError
 from triton_disagg.kv import handle as kvhandle
@@ -54,27 +55,28 @@ class HandoffBusy(ConnectorError):
     """No room to hand off now (back-pressure: retry later); nothing was kept."""
 
 
-@dataclass(frozen=True)
-class Device:
-    """Where a KV pool's memory lives: ``kind`` "cpu" or "cuda", ``index`` the device id."""
+class DeviceKV(Protocol):
+    """KV a runner computes in device memory (the torch runner on CUDA), mirrored block for
+    block by the pool's host array, which is what the connectors move: the KV is staged
+    device -> host before an export and host -> device after a fetch (NIXL reading GPU
+    memory in place, without the host copy, is not built)."""
 
-    kind: str = "cpu"
-    index: int = 0
+    def blocks_to_host(self, block_ids: Sequence[int]) -> None:
+        """Copy those blocks of the device KV into the same rows of the host array."""
 
-    def __post_init__(self) -> None:
-        if self.kind not in ("cpu", "cuda") or self.index < 0:
-            raise ValueError(f"device must be cpu or cuda with an index >= 0, got "
-                             f"{self.kind}:{self.index}")
+    def blocks_to_device(self, block_ids: Sequence[int]) -> None:
+        """Copy those rows of the host array into the same blocks of the device KV."""
 
 
 @dataclass(frozen=True)
 class PoolBuffer:
-    """An instance's KV pool as a connector registers it: one C-contiguous array
-    ``[num_blocks, L, 2, bs, kvh, hd]`` on ``device`` (block ``i`` at byte offset
-    ``i * geometry.block_nbytes``)."""
+    """An instance's KV pool as a connector registers it: one C-contiguous host array
+    ``[num_blocks, L, 2, bs, kvh, hd]`` (block ``i`` at byte offset
+    ``i * geometry.block_nbytes``), and ``device_kv`` when the runner computes the KV
+    elsewhere (None: in ``array`` itself)."""
 
     array: Any
-    device: Device = Device()
+    device_kv: Optional[DeviceKV] = None
 
     @property
     def geometry(self) -> BlockGeometry:
@@ -135,10 +137,6 @@ class KVConnector(ABC):
 
     def __init__(self, pool: PoolBuffer, name: str, key: bytes, fingerprint: str,
                  lease_seconds: float, free_blocks: Optional[FreeBlocks] = None):
-        if pool.device.kind != "cpu":
-            raise UserError(f"kv_cache.strategy {self.strategy} moves KV pools in host memory "
-                            f"only; this pool is on {pool.device.kind}:{pool.device.index}: "
-                            f"serve aggregated on CUDA, or disaggregated with model.device: cpu")
         self.pool, self.geometry = pool, pool.geometry
         self.key, self.fingerprint, self.lease_seconds = key, fingerprint, lease_seconds
         self.free_blocks = free_blocks
@@ -155,7 +153,10 @@ class KVConnector(ABC):
         if self.free_blocks is None:
             raise RuntimeError(f"this {self.strategy} connector was made without free_blocks; "
                                f"it cannot export")
-        handle = self._export([int(b) for b in block_ids], num_tokens)
+        blocks = [int(b) for b in block_ids]
+        if self.pool.device_kv is not None:
+            self.pool.device_kv.blocks_to_host(blocks)
+        handle = self._export(blocks, num_tokens)
         try:
             return kvhandle.encode(handle, self.key)
         except kvhandle.HandleError:       # too large to hand out: give the KV back now
@@ -187,8 +188,14 @@ class KVConnector(ABC):
         starts running, or at the end of the handle's lease, whichever comes first."""
         blocks = [int(b) for b in block_ids[:self.geometry.blocks_for(handle.num_tokens)]]
         ours = self._ours(handle, "generation")
-        return self.fetcher.submit(lambda deadline: self._fetch(ours, blocks, deadline),
-                                   min(self.fetch_timeout_s, handle.lease_seconds),
+
+        def fetch(deadline: float) -> TransferStats:
+            stats = self._fetch(ours, blocks, deadline)
+            if self.pool.device_kv is not None:
+                self.pool.device_kv.blocks_to_device(blocks)
+            return stats
+
+        return self.fetcher.submit(fetch, min(self.fetch_timeout_s, handle.lease_seconds),
                                    f"KV lease {handle.lease_id}")
 
     def close(self) -> None:
@@ -238,7 +245,7 @@ def connector_for(settings: "EngineSettings", engine: Any, instance: str,
                   free_blocks: Optional[FreeBlocks] = None) -> KVConnector:
     """The connector a context (``free_blocks`` given) or generation model instance named
     ``instance`` uses over ``engine``'s pool, as its settings say."""
-    device = Device(engine.runtime.device, engine.runtime.device_index)
-    return make_connector(settings.kv_strategy, PoolBuffer(engine.pool.array, device), instance,
+    device_kv = engine.runner if engine.runtime.device != "cpu" else None
+    return make_connector(settings.kv_strategy, PoolBuffer(engine.pool.array, device_kv), instance,
                           load_key(settings.kv_key_id), engine.spec.fingerprint,
                           settings.kv_lease_seconds, free_blocks)
