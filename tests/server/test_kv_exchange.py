@@ -22,6 +22,12 @@ from triton_disagg.kv.nixl import NixlEndpoint, TransferError
 
 # ---- direct_transfer -----------------------------------------------------------------
 
+def _released(state: dict) -> bool:
+    """No lease left and its blocks back in the pool: the sender drops a lease, then frees
+    its blocks outside the table's lock, so a state between the two shows both."""
+    return state["leases"] == 0 and state["used"] == 0
+
+
 def test_nixl_read_moves_exact_bytes_and_notif_releases_lease(sender, receivers):
     endpoint = receivers[0]
     handle = decode(sender.ask("export", [5, 2, 9], 10, 30.0), KEY)
@@ -30,7 +36,7 @@ def test_nixl_read_moves_exact_bytes_and_notif_releases_lease(sender, receivers)
     src = make_pool(1, 16, 4, "float32")
     assert endpoint.pool[[0, 7, 3]].tobytes() == src[[5, 2, 9]].tobytes()
     assert stats.nbytes == 3 * handle.geometry.block_nbytes and stats.seconds > 0
-    state = sender.wait_state(lambda s: s["leases"] == 0)
+    state = sender.wait_state(_released)
     assert state["used"] == 0 and state["freed"][-1] == [2, 5, 9]
     assert state["expired"] == 0 and not state["errors"]
 
@@ -45,7 +51,7 @@ def test_nixl_read_converts_tokens_per_block_and_dtype(sender, receivers):
     assert np.array_equal(got[:11], src.astype(np.float16))        # round to nearest fp16
     np.testing.assert_allclose(got[:11], src, rtol=1e-3, atol=1e-3)
     assert not got[11:].any()                                       # unused slots are zero
-    state = sender.wait_state(lambda s: s["leases"] == 0)
+    state = sender.wait_state(_released)
     assert state["used"] == 0 and not state["errors"]
 
 
@@ -57,7 +63,7 @@ def test_nixl_read_of_unregistered_addresses_is_a_clear_error(sender, receivers)
     with pytest.raises(LeaseExpiredError, match="single-use"):  # tried once here, even if
         receivers[0].fetch(handle, [1])                          # that try failed
     receivers[1].fetch(handle, [1])                          # elsewhere it still works
-    assert sender.wait_state(lambda s: s["leases"] == 0)["used"] == 0
+    assert sender.wait_state(_released)["used"] == 0
 
 
 def test_replayed_handle_never_reads_another_requests_kv(sender, receivers):
@@ -66,7 +72,7 @@ def test_replayed_handle_never_reads_another_requests_kv(sender, receivers):
     the new request's KV."""
     first = sender.ask("export", [5, 2, 9], 10, 30.0)
     receivers[0].fetch(decode(first, KEY), [0, 7, 3])
-    sender.wait_state(lambda s: s["leases"] == 0)            # the notif freed the blocks
+    sender.wait_state(_released)                             # the notif freed the blocks
     second = sender.ask("reuse", [5, 2, 9], 10, 30.0)        # another request got them
     fresh = NixlEndpoint("gen-fresh", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
     try:
@@ -77,13 +83,13 @@ def test_replayed_handle_never_reads_another_requests_kv(sender, receivers):
         assert (fresh.pool[[1, 4, 6]] == REUSED).all()
     finally:
         fresh.close()
-    state = sender.wait_state(lambda s: s["leases"] == 0)
+    state = sender.wait_state(_released)
     assert state["used"] == 0 and not state["errors"]
 
 
 def test_lease_expiry_reclaims_unfetched_blocks(sender, receivers):
     handle = decode(sender.ask("export", [0, 11], 5, 0.3), KEY)
-    state = sender.wait_state(lambda s: s["expired"] >= 1)
+    state = sender.wait_state(lambda s: s["expired"] >= 1 and _released(s))
     assert state["expired"] == 1 and state["used"] == 0 and state["leases"] == 0
     assert not state["errors"]
     with pytest.raises(LeaseExpiredError, match="expired"):
@@ -96,7 +102,7 @@ def test_nixl_read_of_consecutive_blocks_in_one_descriptor(sender, receivers):
     endpoint.fetch(handle, [4, 5, 6, 8])                      # runs (12, 4, 3), (1, 8, 1)
     src = make_pool(1, 16, 4, "float32")
     assert endpoint.pool[[4, 5, 6, 8]].tobytes() == src[[12, 13, 14, 1]].tobytes()
-    state = sender.wait_state(lambda s: s["leases"] == 0)
+    state = sender.wait_state(_released)
     assert state["freed"][-1] == [1, 12, 13, 14] and not state["errors"]
 
 
@@ -126,14 +132,14 @@ def test_a_handle_reads_its_own_blocks_only_and_only_once(sender):
                                                      "DRAM"), handle.agent_name, b"")
         probe.fetch(handle, [2])
         assert probe.pool[2].tobytes() == make_pool(1, 16, 4, "float32")[6].tobytes()
-        sender.wait_state(lambda s: s["leases"] == 0)
+        sender.wait_state(_released)
         for endpoint in (probe, late):
             with pytest.raises(LeaseExpiredError, match="single-use"):
                 endpoint.fetch(handle, [3])
     finally:
         probe.close()
         late.close()
-    state = sender.wait_state(lambda s: s["leases"] == 0)
+    state = sender.wait_state(_released)
     assert state["used"] == 0 and not state["errors"]
 
 
@@ -148,7 +154,7 @@ def test_lease_survives_clock_skew_between_hosts(sender, receivers, monkeypatch,
     receivers[0].fetch(handle, [6])
     monkeypatch.undo()
     assert receivers[0].pool[6].tobytes() == make_pool(1, 16, 4, "float32")[10].tobytes()
-    assert sender.wait_state(lambda s: s["leases"] == 0)["expired"] == expired
+    assert sender.wait_state(_released)["expired"] == expired
 
 
 # ---- host_memory ---------------------------------------------------------------------
@@ -270,7 +276,7 @@ def test_a_released_nixl_lease_frees_its_blocks_at_once_and_cannot_be_fetched(se
             expired = sender.ask("state")["expired"]      # earlier tests' leases
             raw = sender.ask("export", [3, 8], 7, 30.0)
             release(raw)
-            state = sender.wait_state(lambda s: s["leases"] == 0, timeout=5.0)
+            state = sender.wait_state(_released, timeout=5.0)
             assert state["leases"] == 0 and state["used"] == 0 and state["expired"] == expired
             assert state["freed"][-1] == [3, 8] and not state["errors"]
             with pytest.raises(LeaseExpiredError):
