@@ -88,7 +88,8 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
         # no generation server left: one clear line within 5 s of the kill
         servers.stop(running[HOSTS.index("gen1")])
         before = routed("gen2")
-        held = HeldStreams(hosts, "scheduler", scheduler, MAX_TOKENS, prompts[:4],
+        # 4 streams decode fast: long ones, so none ends before the kill lands
+        held = HeldStreams(hosts, "scheduler", scheduler, 4 * MAX_TOKENS, prompts[:4],
                            tmp_path / "go-again")
         held.start()
         wait_until(lambda: routed("gen2") >= before + 4, 30, "gen2 holds the streams")
