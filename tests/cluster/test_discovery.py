@@ -20,7 +20,7 @@ import pytest
 
 import etcd_server
 from servers import wait_until
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.routing.discovery import Load, MemberRecord, Membership, Registration
 from triton_disagg.routing.discovery.etcd import ETCD_ERRORS, connect
 

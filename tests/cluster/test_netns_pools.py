@@ -217,7 +217,7 @@ def test_a_generation_server_stopped_cleanly_under_load_fails_no_request(
 
 REGISTERED = """
 import sys
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.routing.discovery.etcd import connect, members_prefix
 etcd, prefix = sys.argv[1:3]
 client = connect(DiscoveryConfig(etcd=etcd, prefix=prefix, ttl_seconds=5), timeout=2)

@@ -125,7 +125,7 @@ def test_the_schedulers_token_socket_faces_every_generation_server(config):
     reaches too."""
     from dataclasses import replace
 
-    from triton_disagg.config.disagg import DiscoveryConfig
+    from triton_disagg.config.discovery_section import DiscoveryConfig
 
     ip = _an_address_of_this_host()
     pool = replace(config, generation=replace(config.generation, url=None,

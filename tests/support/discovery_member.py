@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.routing.discovery import MemberRecord, Registration
 
 if __name__ == "__main__":

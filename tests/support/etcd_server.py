@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.launch.deploy import free_ports
 
 START_TIMEOUT = 15.0

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from config_files import assert_one_line_error, config_writer
-from triton_disagg.config.disagg import DiscoveryConfig, load_config
+from triton_disagg.config.disagg import load_config
+from triton_disagg.config.discovery_section import DiscoveryConfig
 
 ENGINE = "model: {engine: engines/demo}\n"
 

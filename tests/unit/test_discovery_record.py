@@ -16,8 +16,8 @@ import pytest
 import yaml
 from etcd3gw import Etcd3Client
 
-from triton_disagg.config import disagg
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import parse_discovery
+from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.errors import UserError
 from triton_disagg.routing.discovery import (Load, MemberRecord, Membership, Registration, etcd,
                                              membership, registration)
@@ -272,7 +272,7 @@ def pem(tmp_path):
 
 def _discovery(pem, text: str) -> DiscoveryConfig:
     """``discovery: TEXT`` of a config in the folder ``pem``, its files checked here."""
-    return disagg._discovery(yaml.safe_load(text), pem, files_here=True)
+    return parse_discovery(yaml.safe_load(text), pem, files_here=True)
 
 
 def test_tls_and_auth_options_parse_and_reach_the_client(pem, monkeypatch):

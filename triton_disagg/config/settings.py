@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Union
 
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import requests
 from etcd3gw import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 
 # etcd did not answer (down, restarting, unreachable). Any other Etcd3Exception is etcd
 # answering with an error (for example a lease it no longer knows).

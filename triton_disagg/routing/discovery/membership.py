@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 
 from .etcd import connect, member_key, members_prefix
 from .periodic import Periodic

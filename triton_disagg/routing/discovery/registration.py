@@ -29,7 +29,7 @@ import logging
 from dataclasses import replace
 from typing import Callable
 
-from triton_disagg.config.disagg import DiscoveryConfig
+from triton_disagg.config.discovery_section import DiscoveryConfig
 
 from .etcd import ETCD_ERRORS, UNREACHABLE, connect, member_key
 from .periodic import Periodic
