@@ -77,20 +77,20 @@ def register(subparsers) -> None:
                    help="exit 1 when a model's stub process dies, instead of restarting "
                         "tritonserver (for a supervisor that restarts serve)")
     p.add_argument("--overlap_kv_transfer", action="store_true",
-                   help="push KV layer by layer during the prefill: not yet supported (refused)")
+                   help="generation reads each prompt's KV layer by layer while the context "
+                        "still prefills it (kv_cache.overlap_transfer: true; direct_transfer "
+                        "only); it changes the flow of serve all|scheduler")
     p.set_defaults(func=run)
 
 
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config.disagg import default_config, load_config, refuse_overlap
+    from triton_disagg.config.disagg import default_config, load_config, with_overlap
     from triton_disagg.config.host import check_host, with_gpus_flag
     from triton_disagg.config.values import parse_url
     from triton_disagg.engine.capacity import check_kv_capacity
 
-    if args.overlap_kv_transfer:
-        refuse_overlap("--overlap_kv_transfer")
     if args.config is None:
         if args.engine is None:
             raise UserError("give -c disagg_config.yaml or --engine DIR")
@@ -104,6 +104,8 @@ def load(args: argparse.Namespace):
             config = replace(config, engine=default_config(args.engine).engine)
     if args.gpus is not None:
         config = with_gpus_flag(config, args.role, args.gpus)
+    if args.overlap_kv_transfer:
+        config = with_overlap(config)
     if args.role == "scheduler" and config.discovery is None:
         for role in ("generation",) if config.mode == "aggregated" else ("context", "generation"):
             if not config.server(role).urls:

@@ -18,7 +18,11 @@ batch across requests themselves.
   the engine under the same orchestrator. The request parameter
   ``request_type`` picks the phase. A ``generation_only`` request carries the
   context response's ``context_phase_params`` unchanged and ``input_ids`` =
-  the prompt plus the first token the context model returned. Every such request
+  the prompt plus the first token the context model returned. With
+  ``--overlap_kv_transfer`` generation is asked first instead
+  (``generation_awaiting_context``, ``input_ids`` = the prompt): it answers with a
+  ``kv_listener``, and the context, given it, announces the KV to generation as it
+  prefills (:mod:`triton_disagg.kv.overlap`). Every such request
   carries the request parameter ``peer_credential`` (:mod:`triton_disagg.peers`).
 - Generation's tokens do not travel as Triton responses: a generation request
   names the orchestrator's ZeroMQ address and the request's key in the request
@@ -48,7 +52,11 @@ REQUEST_TYPE = "request_type"
 CONTEXT_ONLY = "context_only"
 GENERATION_ONLY = "generation_only"
 CONTEXT_AND_GENERATION = "context_and_generation"
-REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION)
+# --overlap_kv_transfer: generation takes the request (the prompt alone) before the context
+# prefills it, answers with a kv_listener for the context, and reads the KV as it lands.
+GENERATION_AWAITING_CONTEXT = "generation_awaiting_context"
+REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION,
+                 GENERATION_AWAITING_CONTEXT)
 # Context only: give back the KV of a ``context_phase_params`` handle that will not be
 # fetched (the client left before generation took it); any context instance takes it.
 RELEASE_KV = "release_kv"
@@ -134,8 +142,12 @@ ENGINE_INPUTS = (
     _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"),
 )
 CONTEXT_PHASE_PARAMS = "context_phase_params"
+# Generation's signed answer to a GENERATION_AWAITING_CONTEXT request, passed to the context
+# unchanged: where to announce the KV as it lands (triton_disagg.kv.overlap_wire).
+KV_LISTENER = "kv_listener"
 # context_phase_params: the handle to hand back (RELEASE_KV) or to fetch (GENERATION_ONLY)
-CONTEXT_INPUTS = GENERATION_INPUTS = ENGINE_INPUTS + (_opt(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
+GENERATION_INPUTS = ENGINE_INPUTS + (_opt(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
+CONTEXT_INPUTS = GENERATION_INPUTS + (_opt(KV_LISTENER, "UINT8", (-1,)),)
 # request parameter: the orchestrator's ZeroMQ address where generation sends the tokens
 TOKEN_ADDRESS = "token_address"
 ENGINE_OUTPUTS = (
@@ -146,9 +158,11 @@ ENGINE_OUTPUTS = (
     TensorSpec("finish_reason", "BYTES", (-1,)),        # [beam=1] "" while running
 )
 CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
-# Generation's one response per request: where the stops for that request go.
+# Generation's one response per request: where the stops for that request go, and (only for
+# GENERATION_AWAITING_CONTEXT, else empty) the kv_listener for the context.
 CONTROL_ADDRESS = "control_address"
-GENERATION_OUTPUTS = (TensorSpec(CONTROL_ADDRESS, "BYTES", (1,)),)
+GENERATION_OUTPUTS = (TensorSpec(CONTROL_ADDRESS, "BYTES", (1,)),
+                      TensorSpec(KV_LISTENER, "UINT8", (-1,)))
 
 # Ensemble sampling names -> engine names (TensorRT-LLM's ensemble mapping).
 SAMPLING_TO_ENGINE = {

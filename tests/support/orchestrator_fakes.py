@@ -16,7 +16,7 @@ from triton_disagg.triton import engine_request
 from triton_disagg import token_wire
 from triton_disagg.errors import ContextBusy, EngineError, GenerationLost
 from triton_disagg.front.orchestrator import Orchestrator
-from triton_disagg.front.token_inbox import TokenInbox
+from triton_disagg.front.token_inbox import Accepted, TokenInbox
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
 
@@ -133,7 +133,7 @@ class FakeRoute:
     async def generate(self, inputs, request_type, token_address):
         address = await self.fake.generate(self.request_id, inputs, request_type, token_address)
         self.server = len(self.fake.calls) - 1
-        return address
+        return Accepted(address)
 
     async def lost(self):
         return None if self.server is None else self.fake.lost(self.server)

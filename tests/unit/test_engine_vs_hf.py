@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from triton_disagg.kv.connector import Transfer
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import RequestError
@@ -121,7 +122,7 @@ def test_mixed_batch_with_continuous_batching_matches_hf(family, runtime, engine
     assert engine.pool.num_used == 0
 
 
-class CopiedKV:
+class CopiedKV(Transfer):
     """A prefill's KV as the generation engine fetches it (the KV handoff): copied and
     converted into the blocks the scheduler reserved when it starts, then the context's
     blocks are freed; done at once."""

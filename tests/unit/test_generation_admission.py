@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from triton_disagg.kv.connector import Transfer
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import GenerationSettings
 from triton_disagg.engine.llm_engine import LLMEngine
@@ -33,7 +34,7 @@ WAIT_SECONDS = 20.0
 
 
 @dataclass(frozen=True)
-class Copied:
+class Copied(Transfer):
     """The Transfer of a copy done inside ``start_fetch``: polls done at once."""
 
     stats: TransferStats

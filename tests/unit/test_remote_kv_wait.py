@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from triton_disagg.kv.connector import Transfer
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import RequestError
@@ -25,7 +26,7 @@ PARAMS = SamplingParams(max_tokens=6)
 WAIT_S = 20.0
 
 
-class ManualKV:
+class ManualKV(Transfer):
     """A RemoteKV whose fetch copies the context's blocks at start but completes only when
     the test sets ``outcome`` (a result, or an exception to raise)."""
 

@@ -94,8 +94,13 @@ def test_generation_runs_two_instances_where_its_cores_allow(write, generation, 
      ["kv_cache.lease_seconds", "nan", "finite"]),
     ("model: {engine: engines/demo}\nkv_cache: {lease_seconds: .inf}\n",
      ["kv_cache.lease_seconds", "inf", "finite"]),
-    ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: true}\n",
-     ["kv_cache.overlap_transfer: true", "not yet supported", "remove it"]),
+    ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: true, strategy: host_memory}\n",
+     ["kv_cache.overlap_transfer", "needs kv_cache.strategy direct_transfer", "host_memory"]),
+    ("model: {engine: engines/demo}\nmode: aggregated\nkv_cache: {overlap_transfer: true}\n",
+     ["kv_cache.overlap_transfer", "aggregated", "nothing to overlap"]),
+    ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: true}\n"
+     "context_server: {tokens_per_block: 8}\n",
+     ["kv_cache.overlap_transfer", "context_server.tokens_per_block is 8", "give both the same"]),
     ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: sometimes}\n",
      ["kv_cache.overlap_transfer", "true or false"]),
     ("model: {engine: engines/demo}\nkv_cache: {gpu_memory_fraction: 0}\n",
@@ -215,13 +220,21 @@ def test_front_end_cores(write, scheduler, generation, role, usable, front):
     assert front_cpus(cfg, role, usable) == front
 
 
-def test_overlap_transfer_off_loads_and_the_serve_flag_is_refused(write, tmp_path, capsys):
-    load_config(write("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: false}\n"))
-    from triton_disagg.cli import main
+def test_overlap_transfer_reaches_the_orchestrator_and_the_serve_flag_sets_it(write, tmp_path,
+                                                                             capsys):
+    from triton_disagg.config.disagg import with_overlap
+    from triton_disagg.triton.render import settings
 
-    assert main(["serve", "all", "--engine", str(tmp_path), "--overlap_kv_transfer"]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "--overlap_kv_transfer" in line and "not yet supported" in line
+    assert not load_config(write("model: {engine: engines/demo}\n")).kv_cache.overlap_transfer
+    on = load_config(write("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: true}\n"))
+    assert on.kv_cache.overlap_transfer
+    assert settings("orchestrator", "all", on).overlap_kv_transfer
+    off = load_config(write("model: {engine: engines/demo}\n"))
+    assert not settings("orchestrator", "all", off).overlap_kv_transfer
+    assert with_overlap(off).kv_cache.overlap_transfer
+    staged = load_config(write("model: {engine: engines/demo}\nkv_cache: {strategy: host_memory}\n"))
+    with pytest.raises(UserError, match="--overlap_kv_transfer: .*direct_transfer"):
+        with_overlap(staged)
 
 
 @pytest.mark.parametrize("gpu, given, chosen", [

@@ -132,6 +132,9 @@ class KVCacheConfig:
     max_size: int = 2 * 10**9           # bytes, per model instance's block pool
     lease_seconds: float = 30.0
     gpu_memory_fraction: float = 0.9    # of device memory free after weights (CUDA pools)
+    # Generation READs a prompt's KV layer by layer during its prefill (kv.overlap); the
+    # guide's --overlap_kv_transfer. What changes is the scheduler's (orchestrator's) flow.
+    overlap_transfer: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,12 +178,35 @@ def load_config(path: str | Path, engine_here: bool = True) -> DisaggConfig:
     return parse_config(raw, base_dir=path.parent, source=str(path), engine_here=engine_here)
 
 
-def refuse_overlap(what: str) -> None:
-    """``--overlap_kv_transfer`` / ``kv_cache.overlap_transfer`` is not built yet: one clear
-    line (never silently ignored). Generation already decodes while KV arrives."""
-    raise UserError(f"{what}: overlapping the KV transfer with the prefill is not yet "
-                    f"supported; remove it (generation already keeps decoding while a "
-                    f"request's KV arrives)")
+def with_overlap(config: DisaggConfig, what: str = "--overlap_kv_transfer") -> DisaggConfig:
+    """``config`` with ``kv_cache.overlap_transfer`` on (the guide's ``--overlap_kv_transfer``),
+    or UserError naming ``what`` and the fix when the deployment cannot overlap."""
+    try:
+        return _checked_overlap(replace(config, kv_cache=replace(config.kv_cache,
+                                                                 overlap_transfer=True)))
+    except UserError as exc:
+        raise UserError(f"{what}: {exc}") from None
+
+
+def _checked_overlap(config: DisaggConfig) -> DisaggConfig:
+    """Overlap needs a disaggregated deployment whose generation READs the context's pool in
+    place, with one KV layout on both roles (a layer range is read as it lies)."""
+    if not config.kv_cache.overlap_transfer:
+        return config
+    if config.mode == "aggregated":
+        raise UserError("mode aggregated moves no KV between servers: nothing to overlap; "
+                        "drop overlap_transfer or use mode disaggregated")
+    if not kv_strategy(config.kv_cache.strategy).reads_peer_memory:
+        raise UserError(f"overlapping the KV transfer with the prefill needs kv_cache.strategy "
+                        f"direct_transfer ({config.kv_cache.strategy} copies a prompt's KV "
+                        f"once its prefill is done)")
+    for key in ("tokens_per_block", "kv_dtype"):
+        ours, theirs = getattr(config.context, key), getattr(config.generation, key)
+        if ours != theirs:
+            raise UserError(f"overlapping the KV transfer needs one KV layout on both roles, "
+                            f"but context_server.{key} is {ours} and generation_server.{key} "
+                            f"is {theirs}; give both the same")
+    return config
 
 
 def _from_trtllm_format(raw: Any, source: str) -> Any:
@@ -246,15 +272,14 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
     overlap = kv_raw.get("overlap_transfer", False)
     if not isinstance(overlap, bool):
         raise UserError(f"kv_cache.overlap_transfer: {overlap!r} must be true or false")
-    if overlap:
-        refuse_overlap("kv_cache.overlap_transfer: true")
     strategy = kv_strategy(kv_raw.get("strategy", "direct_transfer")).name
     kv = KVCacheConfig(strategy=strategy,
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
                        lease_seconds=number(kv_raw.get("lease_seconds", 30.0),
                                              "kv_cache.lease_seconds"),
                        gpu_memory_fraction=fraction(kv_raw.get("gpu_memory_fraction", 0.9),
-                                                    "kv_cache.gpu_memory_fraction"))
+                                                    "kv_cache.gpu_memory_fraction"),
+                       overlap_transfer=overlap)
     discovery = parse_discovery(top.get("discovery"), base_dir, files_here=engine_here)
     config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
@@ -271,6 +296,10 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
             raise UserError(f"{role}_server.urls: a static pool and discovery both name the "
                             f"servers; drop urls (servers register in etcd) or drop discovery")
     _check_kv_hosts(config)
+    try:
+        _checked_overlap(config)
+    except UserError as exc:
+        raise UserError(f"kv_cache.overlap_transfer: {exc}") from None
     if discovery is not None:
         config = replace(config, discovery=replace(discovery, kv_budget=_kv_budget(config)))
     return config

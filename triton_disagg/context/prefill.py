@@ -12,17 +12,26 @@ blocks or staging slots are not free now gets an error starting with
 so the instance goes on serving prompts that fit; every result either carries a
 handle that owns its blocks or has no blocks (the KV connector,
 :mod:`triton_disagg.kv.connector`, frees them exactly once); the pool is only touched
-under ``lock``, since a connector frees handed-off blocks from its own thread;
+under ``lock``, since a connector frees handed-off blocks from its own thread, and such a
+free never waits for a prefill (blocks freed while one runs go back when it ends, so the
+connector's thread keeps serving its transport);
 :attr:`ContextSide.queued_tokens` counts the prompt tokens of the batches inside
 :meth:`ContextSide.prefill` (0 when none is), which the reporter publishes as
 ``disagg_queued_prompt_tokens`` with the pool gauges.
+
+An overlapped request (``--overlap_kv_transfer``: it carries generation's ``kv_listener``)
+has its blocks leased before the prefill writes them, and generation hears of the handle,
+of each layer as it lands, and of the first token (:class:`~triton_disagg.kv.overlap.Announcer`);
+one whose announcement fails gives its KV back and fails alone.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -45,6 +54,8 @@ class ContextSide:
                  metrics: Any = None):
         self.engine, self.metrics = engine, metrics
         self.lock = threading.Lock()
+        self._freed: list[list[int]] = []        # frees that came while a prefill held the pool
+        self._freed_lock = threading.Lock()
         self.connector = connector_for(settings, engine, instance, self.free)
         self.queued_tokens = 0
         self._queued_lock = threading.Lock()
@@ -53,20 +64,24 @@ class ContextSide:
                                          daemon=True)
         self.reporter.start()
 
-    def prefill(self, batch: list[tuple[str, EngineRequest]]) -> list[dict | Exception]:
-        """Engine outputs plus ``context_phase_params`` per request, or that request's error."""
+    def prefill(self, batch: list[tuple[str, EngineRequest]],
+                listeners: dict[str, bytes] | None = None) -> list[dict | Exception]:
+        """Engine outputs plus ``context_phase_params`` per request, or that request's error;
+        ``listeners``: generation's ``kv_listener`` of each overlapped request, by id."""
         tokens = sum(len(request.prompt_ids) for _, request in batch)
         self._count_queued(tokens)
         try:
-            return self._prefill_and_hand_off(batch)
+            return self._prefill_and_hand_off(batch, listeners or {})
         finally:
             self._count_queued(-tokens)
 
-    def _prefill_and_hand_off(self, batch: list[tuple[str, EngineRequest]]) -> list:
+    def _prefill_and_hand_off(self, batch: list[tuple[str, EngineRequest]],
+                              listeners: dict[str, bytes]) -> list:
         try:
-            results: list = self._prefill(batch)
+            results: list = self._prefill(batch, listeners)
         except (RequestError, KVCacheFullError) as exc:
-            results = [self._one(item) for item in batch] if len(batch) > 1 else [_refusal(exc)]
+            results = ([self._one(item, listeners) for item in batch] if len(batch) > 1
+                       else [_refusal(exc)])
         answers = [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
         for (request_id, request), answer in zip(batch, answers):   # one line per request
             _log.info("prefill of %d prompt tokens: %s", len(request.prompt_ids),
@@ -79,9 +94,32 @@ class ContextSide:
             self.queued_tokens += tokens
 
     def free(self, block_ids: list[int]) -> None:
-        """Return blocks to the pool (the connector's ``free_blocks``; any thread)."""
-        with self.lock:
+        """Return blocks to the pool (the connector's ``free_blocks``; any thread); while a
+        prefill holds the pool they queue, and go back as soon as the pool is free."""
+        with self._freed_lock:
+            self._freed.append(list(block_ids))
+        if self.lock.acquire(blocking=False):
+            try:
+                self._give_back_freed()
+            finally:
+                self.lock.release()
+
+    def _give_back_freed(self) -> None:
+        """Return the queued frees to the pool (holding ``lock``)."""
+        with self._freed_lock:
+            freed, self._freed = self._freed, []
+        for block_ids in freed:
             self.engine.pool.free(block_ids)
+
+    @contextmanager
+    def _pool(self) -> Iterator[Any]:
+        """The pool, held (frees queued meanwhile go back first and last)."""
+        with self.lock:
+            self._give_back_freed()
+            try:
+                yield self.engine.pool
+            finally:
+                self._give_back_freed()
 
     def release(self, handle: bytes) -> None:
         """Give back the KV of a handle that will not be fetched (RequestError if invalid)."""
@@ -90,18 +128,39 @@ class ContextSide:
         except (HandleError, ConnectorError) as exc:
             raise RequestError(f"{P.CONTEXT_PHASE_PARAMS}: cannot release: {exc}") from None
 
-    def _one(self, item: tuple[str, EngineRequest]) -> Any:
+    def _one(self, item: tuple[str, EngineRequest], listeners: dict[str, bytes]) -> Any:
         try:
-            return self._prefill([item])[0]
+            return self._prefill([item], listeners)[0]
         except (RequestError, KVCacheFullError) as exc:
             return _refusal(exc)
 
-    def _prefill(self, batch: list[tuple[str, EngineRequest]]) -> list:
-        with self.lock:
-            return self.engine.prefill_only(
+    def _prefill(self, batch: list[tuple[str, EngineRequest]],
+                 listeners: dict[str, bytes]) -> list:
+        """Each request's PrefillResult (an overlapped one's as an _Overlapped), or error."""
+        with self._pool():
+            seqs = self.engine.reserve_prompts(
                 [(rid, req.prompt_ids, req.params) for rid, req in batch])
+        overlapped = {s.request_id: _Overlapped.begin(self, s, listeners[s.request_id])
+                      for s in seqs if listeners.get(s.request_id)}
+        failed = {rid: o.error for rid, o in overlapped.items() if o.error is not None}
+        kept = [s for s in seqs if s.request_id not in failed]
+        live = [o for o in overlapped.values() if o.error is None]
+        per_layer = live and self.connector.pool.device_kv is None   # device KV: staged at the end
+
+        def on_layer(li: int) -> None:
+            for o in live:
+                o.layers(li + 1)
+
+        with self._pool():
+            results = self.engine.prefill_reserved(kept, on_layer if per_layer else None,
+                                                   frozenset(overlapped))
+        done = {r.request_id: (overlapped[r.request_id].landed(r)
+                               if r.request_id in overlapped else r) for r in results}
+        return [failed.get(rid) or done[rid] for rid, _ in batch]
 
     def _hand_off(self, result: Any) -> dict | Exception:
+        if isinstance(result, _Overlapped):
+            return result.outputs()
         out = engine_request.outputs([result.token_id], [result.logprob], result.logprob or 0.0,
                                      result.finish_reason)
         handle = b""
@@ -122,8 +181,8 @@ class ContextSide:
             expired = self.connector.expired_total()
             if self.metrics is not None:
                 self.metrics.queued_prompt_tokens(self.queued_tokens)
-                with self.lock:
-                    used, total = self.engine.pool.num_used, self.engine.pool.num_total
+                with self._pool() as pool:
+                    used, total = pool.num_used, pool.num_total
                 self.metrics.kv_pool(used, total)
                 self.metrics.leases_expired(expired)
 
@@ -139,3 +198,72 @@ def _refusal(exc: Exception) -> RequestError:
         return RequestError(f"{P.CONTEXT_BUSY}: KV cache full ({exc}); retry later or raise "
                             f"kv_cache.max_size")
     return RequestError(str(exc))
+
+
+@dataclass
+class _Overlapped:
+    """One overlapped request through the prefill: its announcer, the handle that leased its
+    blocks, and its first error (it then fails alone; its KV goes back with the lease)."""
+
+    side: ContextSide
+    request_id: str
+    announcer: Any = None
+    handle: bytes = b""
+    error: Exception | None = None
+    result: Any = None
+
+    @classmethod
+    def begin(cls, side: ContextSide, seq: Any, listener: bytes) -> "_Overlapped":
+        """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
+        o = cls(side, seq.request_id)
+        blocks = list(seq.block_table.block_ids)
+        try:
+            o.announcer = side.connector.announcer(listener)
+        except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
+            side.free(blocks)
+            o.error = RequestError(f"kv_listener: {exc}")
+            return o
+        try:
+            o.handle = side.connector.export(blocks, len(seq.prompt_ids), staged=True)
+            o.announcer.handle(o.handle)
+        except HandoffBusy as exc:
+            o._fail(RequestError(f"{P.CONTEXT_BUSY}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            o._fail(RequestError(f"KV handoff failed: {exc}"))
+        return o
+
+    def layers(self, done: int) -> None:
+        if self.error is None:
+            try:
+                self.announcer.layers(done)
+            except ConnectorError as exc:
+                self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))
+
+    def landed(self, result: Any) -> "_Overlapped | Exception":
+        """The prefill ended: the first token goes to generation (every layer is in place),
+        or, if it finished the request, the KV goes back and generation is told so."""
+        self.result = result
+        if self.error is None and result.finish_reason is not None:
+            self._fail(None, f"the request finished at its first token ({result.finish_reason})")
+        elif self.error is None:
+            try:
+                self.side.connector.stage(result.block_ids)
+                self.announcer.first(result.token_id, result.logprob)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))
+        return self.error if self.error is not None else self
+
+    def outputs(self) -> dict:
+        r = self.result
+        out = engine_request.outputs([r.token_id], [r.logprob], r.logprob or 0.0, r.finish_reason)
+        handle = self.handle if r.finish_reason is None else b""
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
+        return out
+
+    def _fail(self, error: Exception | None, reason: str = "") -> None:
+        """Give the KV back (the lease, if it was taken) and tell generation why."""
+        self.error = error
+        if self.handle:
+            self.side.connector.release(self.handle)
+        if self.announcer is not None:
+            self.announcer.failed(reason or str(error))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import numpy as np
 
@@ -91,7 +91,8 @@ class LLMEngine:
         self.runtime = runtime     # its device is where the KV the runner computes lives
         self.runner = make_runner(runtime, self.spec, weights, self.pool)
         self.sampler = Sampler()
-        self.scheduler = Scheduler(self.pool, self.spec.max_batch_size)
+        self.scheduler = Scheduler(self.pool, self.spec.max_batch_size,
+                                   first_token=self._take_first_token)
 
     # ---- aggregated serving -----------------------------------------------------------
 
@@ -161,9 +162,16 @@ class LLMEngine:
 
     # ---- disaggregated serving --------------------------------------------------------
 
-    def prefill_only(self, requests: Seq[tuple[str, Seq[int], SamplingParams]]
-                     ) -> list[PrefillResult]:
-        """Prefill a batch now; the caller owns the returned blocks (context side).
+    def prefill_only(self, requests: Seq[tuple[str, Seq[int], SamplingParams]],
+                     on_layer: Callable[[int], None] | None = None) -> list[PrefillResult]:
+        """Prefill a batch now; the caller owns the returned blocks (context side):
+        :meth:`reserve_prompts` then :meth:`prefill_reserved`."""
+        return self.prefill_reserved(self.reserve_prompts(requests), on_layer)
+
+    def reserve_prompts(self, requests: Seq[tuple[str, Seq[int], SamplingParams]]
+                        ) -> list[Sequence]:
+        """Sequences holding the blocks of their prompts' KV, to prefill with
+        :meth:`prefill_reserved`; the caller owns their blocks from here on.
 
         Raises :class:`KVCacheFullError` (allocating nothing) when the prompts' blocks are
         not free now, :class:`RequestError` when they could never be.
@@ -180,35 +188,53 @@ class LLMEngine:
                                    f"{self.pool.num_free} are free")
         for seq in seqs:
             seq.block_table.reserve(self.pool, len(seq.prompt_ids))
-        events = self._prefill(seqs)
+        return seqs
+
+    def prefill_reserved(self, seqs: list[Sequence],
+                         on_layer: Callable[[int], None] | None = None,
+                         handed_off: frozenset[str] = frozenset()) -> list[PrefillResult]:
+        """Prefill sequences :meth:`reserve_prompts` made, in one pass, and sample each first
+        token. ``on_layer(li)``: called as each layer's KV lands (the runners' ``prefill``).
+        A sequence its first token finished gives its blocks back (empty ``block_ids``),
+        unless its request id is in ``handed_off`` (its blocks already belong to a KV
+        handoff, which frees them)."""
+        events = self._prefill(seqs, on_layer)
         for seq in seqs:
-            if seq.finished:
+            if seq.finished and seq.request_id not in handed_off:
                 seq.block_table.release(self.pool)
         return [PrefillResult(s.request_id, e.token_id, e.logprob, list(s.block_table.block_ids),
                               s.block_table.num_tokens, e.finish_reason)
                 for s, e in zip(seqs, events)]
 
-    def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
+    def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int | None,
                       params: SamplingParams, kv: RemoteKV, first_logprob: float = 0.0) -> None:
         """Queue a sequence whose prompt KV ``kv`` brings from another instance.
 
         Once admitted (all its blocks taken) the sequence starts ``kv``'s fetch into its
         first blocks and waits for it; then it only decodes. The first token must not
-        already finish the request (see ``PrefillResult``).
+        already finish the request (see ``PrefillResult``). ``first_token`` None: the
+        fetch's result brings it (``first_token`` of its stats: the context announces it with
+        the last layer of an overlapped transfer) and the sequence takes it as the KV lands.
         """
         seq = self._new_sequence(request_id, prompt_ids, params)
         if kv.num_tokens != len(seq.prompt_ids):
             raise RequestError(f"request {request_id}: its prompt has {len(seq.prompt_ids)} "
                                f"tokens but the KV to fetch holds {kv.num_tokens}")
-        if not 0 <= int(first_token) < self.spec.shape.vocab_size:
-            raise RequestError(f"request {request_id}: first token {first_token} is outside "
-                               f"the vocabulary [0, {self.spec.shape.vocab_size})")
-        seq.append(int(first_token), first_logprob)
-        if seq.finished:
-            raise RequestError(f"request {request_id} already finished at its first token "
-                               f"({seq.finish_reason}); there is nothing to generate")
+        if first_token is not None:
+            self._take_first_token(seq, first_token, first_logprob)
         seq.remote_kv = kv
         self._enqueue(seq)
+
+    def _take_first_token(self, seq: Sequence, token: int, logprob: float) -> None:
+        """Give ``seq`` the first token another instance sampled; RequestError if it is not a
+        token or already finishes the request (the scheduler's ``first_token`` hook)."""
+        if not 0 <= int(token) < self.spec.shape.vocab_size:
+            raise RequestError(f"request {seq.request_id}: first token {token} is outside "
+                               f"the vocabulary [0, {self.spec.shape.vocab_size})")
+        seq.append(int(token), logprob)
+        if seq.finished:
+            raise RequestError(f"request {seq.request_id} already finished at its first token "
+                               f"({seq.finish_reason}); there is nothing to generate")
 
     # ---- internals --------------------------------------------------------------------
 
@@ -248,8 +274,10 @@ class LLMEngine:
         self.blocks_needed(seq.request_id, len(seq.prompt_ids), seq.params)
         self.scheduler.add(seq)
 
-    def _prefill(self, seqs: list[Sequence]) -> list[TokenEvent]:
-        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids) for s in seqs])
+    def _prefill(self, seqs: list[Sequence],
+                 on_layer: Callable[[int], None] | None = None) -> list[TokenEvent]:
+        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids) for s in seqs],
+                                     on_layer)
         for s in seqs:
             s.block_table.advance(len(s.prompt_ids))
         return self._sample(seqs, logits)

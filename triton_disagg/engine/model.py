@@ -23,6 +23,7 @@ from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.block_pool import BlockPool
 
 Attention = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
+LayerDone = Callable[[int], None]   # prefill hook: layer ``li``'s K/V of every prompt is in the pool
 
 
 SMALL_BATCH_ROWS = 16
@@ -88,12 +89,16 @@ class ModelRunner:
 
     # ---- public entry points -------------------------------------------------------
 
-    def prefill(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> np.ndarray:
+    def prefill(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]],
+                on_layer: LayerDone | None = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
         ``batch`` holds ``(token_ids, block_ids)`` per sequence; tokens start at position 0.
+        ``on_layer(li)`` is called once per layer, in order, as soon as that layer's K/V
+        of every prompt is in the pool (before the later layers are computed): the point
+        where a layer group's KV can start moving while the prefill goes on.
         """
-        hidden, bounds = self._prefill_hidden(batch)
+        hidden, bounds = self._prefill_hidden(batch, on_layer)
         return _matmul(hidden[[stop - 1 for _, stop in bounds]], self.lm_head)
 
     def prefill_all_logits(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]
@@ -124,7 +129,8 @@ class ModelRunner:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _prefill_hidden(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]
+    def _prefill_hidden(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]],
+                        on_layer: LayerDone | None = None
                         ) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Final-norm hidden states ``[T, H]`` of all prompts concatenated, and each
         prompt's ``(start, stop)`` rows."""
@@ -137,11 +143,14 @@ class ModelRunner:
         blocks = np.concatenate([np.asarray(ids, dtype=np.int64)[np.arange(n) // bs]
                                  for n, (_, ids) in zip(lengths, batch)])
         attend = partial(self._causal_attention, bounds)
-        return self._forward(tokens, positions, (blocks, positions % bs), attend), bounds
+        return self._forward(tokens, positions, (blocks, positions % bs), attend,
+                             on_layer), bounds
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray,
-                 slots: tuple[np.ndarray, np.ndarray], attend: Attention) -> np.ndarray:
-        """Final-norm hidden states ``[T, H]`` of ``tokens`` at ``positions``."""
+                 slots: tuple[np.ndarray, np.ndarray], attend: Attention,
+                 on_layer: LayerDone | None = None) -> np.ndarray:
+        """Final-norm hidden states ``[T, H]`` of ``tokens`` at ``positions``; ``on_layer``
+        as :meth:`prefill` says."""
         s = self.shape
         t = len(tokens)
         x = self.embed[tokens]                          # [T, H]
@@ -159,6 +168,8 @@ class ModelRunner:
                 apply_rope(q, cos, sin)
                 apply_rope(kv[:, 0], cos, sin)
             self.pool.array[blocks, li, :, offsets] = kv   # slot of token i <- [2, kvh, hd]
+            if on_layer is not None:
+                on_layer(li)
             x += self._linear(attend(li, q, kv), w, "o")
             x += self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
         return self._norm(x, *self.final_norm)

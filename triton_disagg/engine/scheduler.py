@@ -57,10 +57,14 @@ class KVArrival:
 
 class Scheduler:
     """``clock``: the monotonic clock of fetch starts and :meth:`computed` intervals (the
-    fetch thread's ``in_flight_seconds`` is measured on ``time.monotonic`` too)."""
+    fetch thread's ``in_flight_seconds`` is measured on ``time.monotonic`` too).
+    ``first_token(seq, token, logprob)``: gives a sequence the first token its fetch's result
+    brought (``result.first_token`` not None: an overlapped transfer); raising fails it."""
 
-    def __init__(self, pool: BlockPool, max_batch_size: int, clock=time.monotonic):
+    def __init__(self, pool: BlockPool, max_batch_size: int, clock=time.monotonic,
+                 first_token=None):
         self.pool = pool
+        self.first_token = first_token
         self.clock = clock
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()
@@ -157,6 +161,11 @@ class Scheduler:
             self.draining.remove(seq)
             seq.block_table.release(self.pool)
             return
+        if arrival.error is None and getattr(arrival.result, "first_token", None) is not None:
+            try:
+                self.first_token(seq, arrival.result.first_token, arrival.result.first_logprob)
+            except Exception as exc:  # noqa: BLE001 - that request fails alone
+                arrival = dataclasses.replace(arrival, error=exc)
         self.arrivals.append(arrival)
         if arrival.error is None:
             seq.status = WAITING
@@ -185,6 +194,7 @@ class Scheduler:
         (self.running if seq.status == RUNNING else self.waiting).remove(seq)
         seq.finish_reason = "aborted"
         if seq.transfer is not None:
+            seq.transfer.cancel()
             self.draining.append(seq)
         else:
             seq.block_table.release(self.pool)

@@ -85,12 +85,14 @@ class TorchModelRunner:
     # ---- public entry points -------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, batch: Batch) -> np.ndarray:
+    def prefill(self, batch: Batch, on_layer: Any = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
         ``batch`` holds ``(token_ids, block_ids)`` per sequence; tokens start at position 0.
+        ``on_layer(li)``: as the numpy runner's (on CUDA, once the layer's writes are
+        issued: a reader of device memory synchronises first).
         """
-        hidden, lengths = self._prefill_hidden(batch)                      # [B, n, H]
+        hidden, lengths = self._prefill_hidden(batch, on_layer)            # [B, n, H]
         last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
         return self._logits(last)
 
@@ -139,7 +141,8 @@ class TorchModelRunner:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _prefill_hidden(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
+    def _prefill_hidden(self, batch: Batch, on_layer: Any = None
+                        ) -> tuple[torch.Tensor, list[int]]:
         """Final-norm hidden states ``[B, n_max, H]`` of the prompts, right-padded, and
         each prompt's length (rows past it are padding: computed, never written to KV)."""
         lengths = [len(ids) for ids, _ in batch]
@@ -150,10 +153,11 @@ class TorchModelRunner:
         pos = torch.arange(n_max).expand(len(batch), n_max)               # [B, n]
         pos = torch.minimum(pos, torch.tensor(lengths).unsqueeze(1) - 1)   # padding repeats last
         paged = self._paged_batch(pos, lengths, [blocks for _, blocks in batch])
-        return self._forward(tok, pos, [(None, paged)]), lengths
+        return self._forward(tok, pos, [(None, paged)], on_layer), lengths
 
     def _forward(self, tok: torch.Tensor, pos: torch.Tensor,
-                 attention: list[tuple[torch.Tensor | None, "_PagedBatch"]]) -> torch.Tensor:
+                 attention: list[tuple[torch.Tensor | None, "_PagedBatch"]],
+                 on_layer: Any = None) -> torch.Tensor:
         """Final-norm hidden states ``[B, n, H]`` of tokens ``tok`` ``[B, n]`` at positions
         ``pos`` ``[B, n]``. ``attention``: ``(rows, paged)`` groups that together hold every
         row of the batch once (``rows`` None: all of them, in order); each group writes and
@@ -177,6 +181,8 @@ class TorchModelRunner:
             q, k = qk[:, :, :s.num_heads], qk[:, :, s.num_heads:]          # [B, n, nh|kvh, hd]
             v = qkv[..., self.q_dim + self.kv_dim:].view(b, n, s.num_kv_heads, s.head_dim)
             o = self._grouped_attention(li, q, k, v, attention)            # [B, n, Q]
+            if on_layer is not None:                     # layer li's K/V is in the pool
+                on_layer(li)
             x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
             x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
         return self._norm(x, *self.final_norm)

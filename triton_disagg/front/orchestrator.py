@@ -6,6 +6,11 @@ and this instance's token address -> every later token arrives over ZeroMQ
 (:mod:`token_inbox`), is detokenized here and goes out. Aggregated mode makes one
 ``context_and_generation`` call to generation instead, and so does a prompt of at most
 ``local_prefill`` tokens (``generation_server.max_local_prefill_length``; 0: none).
+With ``overlap`` (``--overlap_kv_transfer``) generation is called first
+(``generation_awaiting_context``, the prompt alone): its answer's ``kv_listener`` goes to
+the context with the prompt, generation reads the KV as the context prefills it
+(:mod:`triton_disagg.kv.overlap`), and the context's first token goes out when it answers,
+before any of generation's.
 
 Invariants:
 
@@ -55,6 +60,7 @@ import numpy as np
 from triton_disagg import log_format, protocol as P
 from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, Unavailable
 from triton_disagg.front.detokenize import DeltaWindows, text_delta
+from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.tensors import scalar
 
@@ -73,8 +79,8 @@ class Route(Protocol):
     async def context(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     async def generate(self, inputs: dict[str, np.ndarray], request_type: str,
-                       token_address: str) -> str:
-        """Send the request; generation's answer: its control address (or EngineError)."""
+                       token_address: str) -> Accepted:
+        """Send the request; generation's answer (or EngineError)."""
 
     async def release(self, inputs: dict[str, np.ndarray], handle: np.ndarray) -> None:
         """Give the context the KV of ``handle`` (``context_phase_params``) back."""
@@ -174,14 +180,15 @@ class Orchestrator:
     text; ``observer`` (optional): ``first_token(seconds)`` and
     ``finished(outcome, seconds, tokens, ttft)``, ``migrated(url)`` (see
     :class:`~triton_disagg.triton.metrics.Metrics`);
-    ``local_prefill``: prompts of at most this many tokens skip the context (module
-    docstring)."""
+    ``local_prefill``: prompts of at most this many tokens skip the context; ``overlap``:
+    generation takes a request before the context prefills it (module docstring)."""
 
     def __init__(self, transport: Transport, tokens: Any, mode: str,
                  decode: Callable[[Sequence[int]], str], observer: Any = None,
-                 local_prefill: int = 0):
+                 local_prefill: int = 0, overlap: bool = False):
         self.transport, self.tokens, self.mode = transport, tokens, mode
         self.decode, self.observer, self.local_prefill = decode, observer, local_prefill
+        self.overlap = overlap
         self.releases: set[asyncio.Task] = set()   # release_kv calls in flight (held)
 
     async def handle(self, inputs: dict[str, np.ndarray], send: Send,
@@ -270,6 +277,8 @@ class _Run:
         prompt_length = int(np.size(inputs["input_ids"]))
         if self.owner.mode == "aggregated" or prompt_length <= self.owner.local_prefill:
             return await self.generate(inputs, P.CONTEXT_AND_GENERATION, is_cancelled)
+        if self.owner.overlap:
+            return await self.overlapped(inputs, is_cancelled)
         ctx = await self.context(inputs, is_cancelled)
         if ctx is None:
             await self.send(None, True)
@@ -340,6 +349,24 @@ class _Run:
             await asyncio.sleep(pause)
             pause = min(2 * pause, BUSY_MAX_PAUSE)
 
+    async def overlapped(self, inputs: dict[str, np.ndarray],
+                         is_cancelled: Callable[[], bool]) -> str:
+        """Generation first, then the context given generation's listener; the context's
+        first token goes out, then generation's tokens (module docstring). Leaving early in
+        any way stops generation, which frees the blocks it took."""
+        with self.owner.tokens.open(self.request_id) as stream:
+            answer = await stream.accept(self.route.generate(
+                inputs, P.GENERATION_AWAITING_CONTEXT, stream.token_address))
+            listener = np.frombuffer(answer.kv_listener, np.uint8)
+            ctx = await self.context(dict(inputs, **{P.KV_LISTENER: listener}), is_cancelled)
+            if ctx is None:
+                await self.send(None, True)
+                return "cancelled"
+            if await self.emit(_context_event(self.request_id, ctx)):
+                return "finished"
+            self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
+            return await self.relay(stream, is_cancelled)
+
     async def generate(self, gen_in: dict[str, np.ndarray], request_type: str,
                        is_cancelled: Callable[[], bool]) -> str:
         """Send generation the request, then pass its tokens on until the final one; leaving
@@ -348,17 +375,22 @@ class _Run:
         with tokens.open(self.request_id) as stream:
             await stream.accept(self.route.generate(gen_in, request_type,
                                                     stream.token_address))
-            asked = 0.0   # when is_cancelled() was last asked
-            while True:
-                event = await stream.next(self.route.lost)
-                self.unfetched = None       # generation made a token: it took the KV
-                if not event.final and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
-                    asked = time.monotonic()
-                    if is_cancelled():
-                        await self.send(None, True)
-                        return "cancelled"
-                if await self.emit(event):
-                    return "cancelled" if event.finish_reason == "cancelled" else "finished"
+            return await self.relay(stream, is_cancelled)
+
+    async def relay(self, stream: Any, is_cancelled: Callable[[], bool]) -> str:
+        """Pass generation's tokens on until the final one (the client's cancel asked at
+        most every ``CANCEL_POLL_SECONDS``)."""
+        asked = 0.0   # when is_cancelled() was last asked
+        while True:
+            event = await stream.next(self.route.lost)
+            self.unfetched = None       # generation made a token: it took the KV
+            if not event.final and time.monotonic() - asked >= CANCEL_POLL_SECONDS:
+                asked = time.monotonic()
+                if is_cancelled():
+                    await self.send(None, True)
+                    return "cancelled"
+            if await self.emit(event):
+                return "cancelled" if event.finish_reason == "cancelled" else "finished"
 
     async def emit(self, event: StreamEvent) -> bool:
         """Pass an event on; True when it was the last. The first event ends the time to first

@@ -33,6 +33,7 @@ import logging
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import zmq
@@ -49,6 +50,15 @@ STOP_LINGER_MS = 500
 STOP_IDLE_SECONDS = 60.0   # an unused stop socket no stream names is closed after this
 _log = logging.getLogger(__name__)
 
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Generation's answer to a request: where its stops go, and (a request awaiting the
+    context, ``--overlap_kv_transfer``) the ``kv_listener`` to hand the context."""
+
+    control_address: str
+    kv_listener: bytes = b""
 
 class TokenStream:
     """One request's token events, in order."""
@@ -88,10 +98,12 @@ class TokenStream:
         self.expected += 1
         self.events.put_nowait(event)
 
-    async def accept(self, ack: Awaitable[str]) -> None:
-        """Await generation's answer to the request (its control address)."""
+    async def accept(self, ack: Awaitable[Accepted]) -> Accepted:
+        """Await generation's answer to the request (its control address, kept for stops)."""
         try:
-            self.control = await asyncio.wait_for(ack, self.inbox.stall_seconds)
+            answer = await asyncio.wait_for(ack, self.inbox.stall_seconds)
+            self.control = answer.control_address
+            return answer
         except asyncio.TimeoutError:
             raise Timeout(f"generation did not accept the request within "
                               f"{self.inbox.stall_seconds:g} s (generation_server.stall_seconds)"

@@ -45,6 +45,7 @@ import numpy as np
 from triton_disagg import peers, protocol as P
 from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoServer,
                                   RequestError, Timeout, Unavailable)
+from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
@@ -85,9 +86,11 @@ def _release_inputs(inputs: dict, handle: np.ndarray) -> dict:
     return dict(inputs, **{P.CONTEXT_PHASE_PARAMS: handle})
 
 
-def _control_address(outputs: dict[str, np.ndarray]) -> str:
+def _accepted(outputs: dict[str, np.ndarray]) -> Accepted:
     value = np.asarray(outputs[P.CONTROL_ADDRESS]).reshape(-1)[0]     # [1] -> scalar
-    return value.decode() if isinstance(value, bytes) else str(value)
+    listener = outputs.get(P.KV_LISTENER)
+    return Accepted(value.decode() if isinstance(value, bytes) else str(value),
+                    b"" if listener is None else np.asarray(listener, np.uint8).tobytes())
 
 
 class Unanswered(Unavailable):
@@ -149,11 +152,12 @@ class BLSRoute:
                          _parameters(self.credential, P.RELEASE_KV),
                          min(self.timeout, RELEASE_TIMEOUT_SECONDS))
 
-    async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
+    async def generate(self, inputs: dict, request_type: str,
+                       token_address: str) -> Accepted:
         outputs = await self._exec("generation", inputs,
                                    _parameters(self.credential, request_type, token_address),
                                    self.timeout)
-        return _control_address(outputs)
+        return _accepted(outputs)
 
     async def lost(self) -> None:
         """Generation runs in this server: if it died, so did the orchestrator."""
@@ -296,7 +300,8 @@ class GrpcRoute:
                                    _parameters(self.transport.credential, P.RELEASE_KV),
                                    min(self.timeout, RELEASE_TIMEOUT_SECONDS))
 
-    async def generate(self, inputs: dict, request_type: str, token_address: str) -> str:
+    async def generate(self, inputs: dict, request_type: str,
+                       token_address: str) -> Accepted:
         tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
         assignment = self.transport.routers["generation"].take(tokens, self.avoid)
         self.transport.routed("generation", assignment.url)
@@ -312,7 +317,7 @@ class GrpcRoute:
             assignment.release()
             raise
         self.generation = assignment
-        return _control_address(outputs)
+        return _accepted(outputs)
 
     async def lost(self) -> GenerationLost | None:
         if self.generation is None:

@@ -5,6 +5,10 @@ the engine.
 - ``generation_only`` (disaggregated): the request carries ``context_phase_params``
   and ``input_ids`` = the prompt plus the first token the context model produced;
   the prompt's KV is fetched into this instance's pool and the sequence only decodes.
+- ``generation_awaiting_context`` (``--overlap_kv_transfer``): ``input_ids`` = the prompt;
+  the answer carries a ``kv_listener`` for the context, and the sequence takes the KV
+  layer by layer while the context prefills, then the first token with the last layer
+  (:mod:`triton_disagg.kv.overlap`).
 
 Invariants: :meth:`GenerationSide.prepare` runs in ``execute`` (cheap checks, a
 clear per-request error); :meth:`GenerationSide.add` runs on the decode-loop thread,
@@ -24,10 +28,10 @@ import numpy as np
 
 from triton_disagg import protocol as P
 from triton_disagg.engine.fetch_overlap import ComputeOverlap
-from triton_disagg.errors import RequestError, UserError
+from triton_disagg.errors import RequestError, Unavailable, UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.triton.engine_request import EngineRequest
-from triton_disagg.kv.connector import KVConnector, Transfer
+from triton_disagg.kv.connector import ConnectorError, KVConnector, Transfer
 from triton_disagg.token_wire import WireError, split_key
 
 
@@ -48,10 +52,25 @@ class RemoteKV:
 
 
 @dataclass(frozen=True)
+class PulledKV:
+    """A ``generation_awaiting_context`` request's prompt KV, read as the context announces
+    it (the listener's ``nonce``); the transfer's result brings the first token."""
+
+    connector: KVConnector
+    nonce: str
+    num_tokens: int
+
+    def start(self, block_ids: list[int]) -> Transfer:
+        return self.connector.start_pull(self.nonce, block_ids)
+
+
+@dataclass(frozen=True)
 class Work:
     request_type: str
     request: EngineRequest
     handle: KVHandle | None = None       # decoded context_phase_params (generation_only)
+    pulled: PulledKV | None = None       # generation_awaiting_context
+    listener: bytes = b""                # its kv_listener, the answer's
 
     @property
     def streaming(self) -> bool:
@@ -89,13 +108,16 @@ class GenerationSide:
                 inputs: dict[str, np.ndarray]) -> Work:
         if request_type == P.CONTEXT_AND_GENERATION:
             return Work(request_type, request)
-        if request_type != P.GENERATION_ONLY:
+        if request_type not in (P.GENERATION_ONLY, P.GENERATION_AWAITING_CONTEXT):
             raise RequestError(f"request_type {request_type!r}: the generation model serves "
-                               f"{P.CONTEXT_AND_GENERATION!r} and {P.GENERATION_ONLY!r}; send "
-                               f"{P.CONTEXT_ONLY!r} to the context model")
+                               f"{P.CONTEXT_AND_GENERATION!r}, {P.GENERATION_ONLY!r} and "
+                               f"{P.GENERATION_AWAITING_CONTEXT!r}; send {P.CONTEXT_ONLY!r} to "
+                               f"the context model")
         if self.connector is None:
-            raise RequestError("generation_only: this server runs in aggregated mode; send "
-                               "context_and_generation")
+            raise RequestError(f"{request_type}: this server runs in aggregated mode; send "
+                               f"context_and_generation")
+        if request_type == P.GENERATION_AWAITING_CONTEXT:
+            return self._awaiting_context(request)
         data = inputs.get(P.CONTEXT_PHASE_PARAMS)
         if data is None or not np.size(data):
             raise RequestError("generation_only needs context_phase_params from the context "
@@ -110,11 +132,28 @@ class GenerationSide:
                                f"token, got {len(request.prompt_ids)} ids")
         return Work(request_type, request, handle)
 
+    def _awaiting_context(self, request: EngineRequest) -> Work:
+        """Listen for the KV of ``request``'s prompt (refused when the pool could never hold
+        the request, before any listener is made)."""
+        self.engine.blocks_needed(P.GENERATION_AWAITING_CONTEXT, len(request.prompt_ids),
+                                  request.params)
+        try:
+            nonce, listener = self.connector.listen(len(request.prompt_ids))
+        except UserError as exc:
+            raise RequestError(str(exc)) from None
+        except ConnectorError as exc:
+            raise Unavailable(str(exc)) from None
+        return Work(P.GENERATION_AWAITING_CONTEXT, request,
+                    pulled=PulledKV(self.connector, nonce, len(request.prompt_ids)),
+                    listener=listener)
+
     def add(self, request_id: str, work: Work) -> None:
         """Queue ``work`` in the engine (decode-loop thread); RequestError (naming the sizes
         and the fix) when the pool could never hold it, or when it is invalid."""
         prompt, params = work.request.prompt_ids, work.request.params
-        if work.handle is None:
+        if work.pulled is not None:
+            self.engine.add_prefilled(request_id, prompt, None, params, work.pulled)
+        elif work.handle is None:
             self.engine.add_request(request_id, prompt, params)
         else:
             self.engine.add_prefilled(request_id, prompt[:-1], prompt[-1], params,

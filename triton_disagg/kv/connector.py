@@ -94,6 +94,10 @@ class Transfer(ABC):
     def poll(self) -> Optional[TransferStats]:
         """None while in flight; the stats once the KV is in place; raises if it failed."""
 
+    def cancel(self) -> None:
+        """The request is gone: a transfer still waiting for its sender may end at once
+        (failed); one moving bytes ends by its deadline, as it would have."""
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -146,22 +150,30 @@ class KVConnector(ABC):
 
     # ---- context --------------------------------------------------------------------
 
-    def export(self, block_ids: Sequence[int], num_tokens: int) -> bytes:
+    def export(self, block_ids: Sequence[int], num_tokens: int, staged: bool = False) -> bytes:
         """Signed handle bytes for ``block_ids`` (token order, ``num_tokens`` tokens of KV);
         the handoff owns the blocks from this call on, whether it returns or raises
-        (:class:`HandoffBusy` when there is no room now)."""
+        (:class:`HandoffBusy` when there is no room now). ``staged``: the caller copies a
+        device KV to the host array itself (:meth:`stage`), as an overlapped transfer does
+        after exporting blocks not yet prefilled; else it is copied here."""
         if self.free_blocks is None:
             raise RuntimeError(f"this {self.strategy} connector was made without free_blocks; "
                                f"it cannot export")
         blocks = [int(b) for b in block_ids]
-        if self.pool.device_kv is not None:
-            self.pool.device_kv.blocks_to_host(blocks)
+        if not staged:
+            self.stage(blocks)
         handle = self._export(blocks, num_tokens)
         try:
             return kvhandle.encode(handle, self.key)
         except kvhandle.HandleError:       # too large to hand out: give the KV back now
             self._release(handle)
             raise
+
+    def stage(self, block_ids: Sequence[int]) -> None:
+        """Copy those blocks of a device KV to the host array the transport moves (nothing
+        when the KV is computed in that array)."""
+        if self.pool.device_kv is not None:
+            self.pool.device_kv.blocks_to_host(block_ids)
 
     def release(self, data: bytes) -> None:
         """Give back the KV of handle bytes ``data`` (checked against the deployment key),
@@ -197,6 +209,25 @@ class KVConnector(ABC):
 
         return self.fetcher.submit(fetch, min(self.fetch_timeout_s, handle.lease_seconds),
                                    f"KV lease {handle.lease_id}")
+
+    # ---- --overlap_kv_transfer (strategies that can READ layer ranges as they land) -----
+
+    def listen(self, num_tokens: int) -> tuple[str, bytes]:
+        """Generation: expect an overlapped transfer of a ``num_tokens``-token prompt; its
+        nonce (for :meth:`start_pull`) and the signed listener for the context
+        (:mod:`triton_disagg.kv.overlap`)."""
+        raise UserError(f"kv_cache.overlap_transfer needs strategy direct_transfer; "
+                        f"{self.strategy} cannot read KV while the context prefills it")
+
+    def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
+        """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands."""
+        raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
+
+    def announcer(self, listener: bytes) -> Any:
+        """Context: the :class:`~triton_disagg.kv.overlap.Announcer` for generation's signed
+        ``listener`` (HandleError if it is not one)."""
+        raise UserError(f"kv_cache.overlap_transfer needs strategy direct_transfer; this "
+                        f"context serves {self.strategy}")
 
     def close(self) -> None:
         """Finish the queued fetches (a running one ends by its deadline), then release the

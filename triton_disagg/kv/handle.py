@@ -128,6 +128,8 @@ class TransferStats:
     nbytes: int
     seconds: float
     in_flight_seconds: float = 0.0
+    first_token: int | None = None   # an overlapped transfer's: the context's first token
+    first_logprob: float = 0.0
 
 
 def encode(handle: KVHandle, key: bytes) -> bytes:

@@ -59,11 +59,13 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from triton_disagg.kv.connector import KVConnector, PoolBuffer
+from triton_disagg.kv.connector import KVConnector, PoolBuffer, Transfer
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
 from triton_disagg.kv.leases import LeaseExpiredError, LeaseTable
 from triton_disagg.kv.nixl_agent import Agent, TransferError
+from triton_disagg.kv.overlap import Announcer, LayerReader
+from triton_disagg.kv.overlap_wire import decode_listener
 
 NOTIF_PREFIX = b"tdkv-done:"
 LEASED_POLL_SECONDS = 0.0005   # watcher pace while a handoff is outstanding (see _watch)
@@ -104,6 +106,10 @@ class NixlEndpoint:
             self._watcher = threading.Thread(target=self._watch, args=(poll_interval_s,),
                                              name=f"{self.name}-notifs", daemon=True)
             self._watcher.start()
+
+    @property
+    def agent(self) -> Agent:
+        return self._agent
 
     # ---- sender ---------------------------------------------------------------------
 
@@ -206,41 +212,91 @@ class NixlEndpoint:
         if not (handle.agent_name and src.same_model(self.geometry)):
             raise ValueError(f"cannot fetch a {handle.strategy} handle of layout {src} "
                              f"into a pool of layout {self.geometry}")
+        self._check_blocks(handle, dst_block_ids)
+        deadline = start + min(timeout_s, handle.lease_seconds)
+        peer = self.open_pull(handle, start)
+        n, size = len(handle.block_ids), src.block_nbytes
+        words = n * _TICKET.itemsize
+        with self._fetch_lock:
+            if src != self.geometry:
+                scratch = self._agent.scratch(words + n * size)
+                staged = scratch[words:words + n * size].view(src.dtype)
+                staged = staged.reshape((n,) + src.block_shape)   # [n, L, 2, bs_src, kvh, hd]
+                self._read(peer, handle, staged.ctypes.data, range(n), None, deadline)
+            else:
+                self._read(peer, handle, self.pool.ctypes.data, dst_block_ids, None, deadline)
+            self._confirm(peer, handle, deadline)
+            if src != self.geometry:
+                write_blocks(staged, handle.num_tokens, self.pool, dst_block_ids)
+        return TransferStats(nbytes=n * size, seconds=time.monotonic() - start)
+
+    # The pieces of a fetch, also run one by one by an overlapped transfer
+    # (triton_disagg.kv.overlap), which READs each layer range as the context announces it.
+
+    def open_pull(self, handle: KVHandle, now: float) -> str:
+        """Claim the handle's lease for this receiver (:meth:`_claim`) and connect to its
+        sender; returns the peer's name for :meth:`read_layers` and :meth:`confirm`."""
+        self._claim(handle, now)
+        return self._agent.connect(handle.agent_name, handle.agent_metadata)
+
+    def read_layers(self, peer: str, handle: KVHandle, dst_block_ids: Sequence[int],
+                    layers: range, deadline: float) -> int:
+        """READ ``layers`` of the handle's blocks straight into the same layers of
+        ``dst_block_ids`` (the pools' layouts must be equal); returns the bytes read."""
+        if handle.geometry != self.geometry:
+            raise ValueError(f"a layer-by-layer READ needs equal KV layouts, got "
+                             f"{handle.geometry} into {self.geometry}")
+        self._check_blocks(handle, dst_block_ids)
+        self._read(peer, handle, self.pool.ctypes.data, dst_block_ids, layers, deadline)
+        return len(handle.block_ids) * len(layers) * self.geometry.block_nbytes \
+            // self.geometry.num_layers
+
+    def confirm(self, peer: str, handle: KVHandle, deadline: float) -> None:
+        """Check the lease held for every READ so far and end it (:meth:`_confirm`)."""
+        with self._fetch_lock:
+            self._confirm(peer, handle, deadline)
+
+    def _check_blocks(self, handle: KVHandle, dst_block_ids: Sequence[int]) -> None:
         if len(dst_block_ids) != self.geometry.blocks_for(handle.num_tokens):
             raise ValueError(f"{handle.num_tokens} tokens need "
                              f"{self.geometry.blocks_for(handle.num_tokens)} local blocks, "
                              f"got {len(dst_block_ids)}")
-        self._claim(handle, start)
-        deadline = start + min(timeout_s, handle.lease_seconds)
-        peer = self._agent.connect(handle.agent_name, handle.agent_metadata)
-        n, size = len(handle.block_ids), src.block_nbytes
-        what = f"KV lease {handle.lease_id}"
-        convert, words = src != self.geometry, n * _TICKET.itemsize
-        with self._fetch_lock:
-            scratch = self._agent.scratch(words + n * size if convert else words)
-            tickets = scratch[:words].view(_TICKET)                            # [n]
-            if convert:
-                staged = scratch[words:words + n * size].view(src.dtype)
-                staged = staged.reshape((n,) + src.block_shape)   # [n, L, 2, bs_src, kvh, hd]
-                base, dst = staged.ctypes.data, range(n)
-            else:
-                base, dst = self.pool.ctypes.data, dst_block_ids
-            data_runs = runs(handle.block_ids, dst)
-            self._agent.read(peer, [(base + d * size, k * size, 0) for _, d, k in data_runs],
-                             [(handle.pool_addr + s * size, k * size, 0) for s, _, k in data_runs],
-                             b"", deadline, what)
-            ticket_runs = runs(handle.block_ids, range(n))
-            self._agent.read(peer,
-                             [(tickets.ctypes.data + 8 * d, 8 * k, 0) for _, d, k in ticket_runs],
-                             [(handle.ticket_addr + 8 * s, 8 * k, 0) for s, _, k in ticket_runs],
-                             NOTIF_PREFIX + handle.lease_id.encode(), deadline, what + " tickets")
-            if (tickets != handle.ticket).any():
-                raise LeaseExpiredError(f"KV blocks of lease {handle.lease_id} were already "
-                                        f"fetched, or the lease expired and the context "
-                                        f"reclaimed them; a handle is single-use")
-            if convert:
-                write_blocks(staged, handle.num_tokens, self.pool, dst_block_ids)
-        return TransferStats(nbytes=n * size, seconds=time.monotonic() - start)
+
+    def _read(self, peer: str, handle: KVHandle, base: int, dst: Sequence[int],
+              layers: Optional[range], deadline: float) -> None:
+        """READ the handle's blocks (``layers`` of each; None: whole blocks) to block ``d``
+        of ``dst`` at ``base + d * block_nbytes``, source geometry's block size. Whole
+        blocks go as one descriptor per run of consecutive ids, layer ranges one per block
+        (a block holds its layers one after another: ``[L, 2, bs, kvh, hd]``)."""
+        size = handle.geometry.block_nbytes
+        if layers is None or len(layers) == handle.geometry.num_layers:
+            pairs = [(s, d, k * size) for s, d, k in runs(handle.block_ids, dst)]
+            offset = 0
+        else:
+            step = size // handle.geometry.num_layers
+            pairs = [(s, d, len(layers) * step) for s, d in zip(handle.block_ids, dst)]
+            offset = layers.start * step
+        self._agent.read(peer, [(base + d * size + offset, n, 0) for _, d, n in pairs],
+                         [(handle.pool_addr + s * size + offset, n, 0) for s, _, n in pairs],
+                         b"", deadline, f"KV lease {handle.lease_id}")
+
+    def _confirm(self, peer: str, handle: KVHandle, deadline: float) -> None:
+        """READ the blocks' ticket words, naming the lease in the READ's notification (the
+        sender then ends it), and raise :class:`LeaseExpiredError` unless every word still
+        holds the handle's ticket (module docstring: the proof that no block was reused
+        during an earlier READ). Holds ``_fetch_lock`` (the scratch)."""
+        n = len(handle.block_ids)
+        tickets = self._agent.scratch(n * _TICKET.itemsize)[:n * _TICKET.itemsize].view(_TICKET)
+        ticket_runs = runs(handle.block_ids, range(n))
+        self._agent.read(peer,
+                         [(tickets.ctypes.data + 8 * d, 8 * k, 0) for _, d, k in ticket_runs],
+                         [(handle.ticket_addr + 8 * s, 8 * k, 0) for s, _, k in ticket_runs],
+                         NOTIF_PREFIX + handle.lease_id.encode(), deadline,
+                         f"KV lease {handle.lease_id} tickets")
+        if (tickets != handle.ticket).any():
+            raise LeaseExpiredError(f"KV blocks of lease {handle.lease_id} were already "
+                                    f"fetched, or the lease expired and the context "
+                                    f"reclaimed them; a handle is single-use")
 
     def _claim(self, handle: KVHandle, now: float) -> None:
         """Mark the lease fetched here (``now``: ``time.monotonic()``); raises
@@ -275,6 +331,20 @@ class NixlConnector(KVConnector):
                  lease_seconds: float, free_blocks=None):
         super().__init__(pool, name, key, fingerprint, lease_seconds, free_blocks)
         self.endpoint = NixlEndpoint(name, pool.array, free_blocks)
+        self._layers: Optional[LayerReader] = None
+
+    def listen(self, num_tokens: int) -> tuple[str, bytes]:
+        if self._layers is None:
+            device = self.pool.device_kv
+            self._layers = LayerReader(self.endpoint, self.key, self.decode, self.lease_seconds,
+                                       device.blocks_to_device if device is not None else None)
+        return self._layers.listen(num_tokens)
+
+    def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
+        return self._layers.start(nonce, block_ids)
+
+    def announcer(self, listener: bytes) -> Announcer:
+        return Announcer(self.endpoint, decode_listener(listener, self.key))
 
     def _export(self, block_ids: list[int], num_tokens: int) -> KVHandle:
         try:
@@ -294,4 +364,6 @@ class NixlConnector(KVConnector):
         return self.endpoint.fetch(handle, block_ids, deadline - time.monotonic())
 
     def _close(self) -> None:
+        if self._layers is not None:
+            self._layers.close()
         self.endpoint.close()

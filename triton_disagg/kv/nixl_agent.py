@@ -140,6 +140,15 @@ class Agent:
             self._exposed.remove(reg)
             self._agent.deregister_memory(reg)
 
+    def contact(self) -> bytes:
+        """Connection info alone, no memory's keys: what a peer needs to send this agent
+        notifications (and nothing more)."""
+        from nixl._api import nixlBind
+
+        with self._lock:
+            return self._agent.get_partial_agent_metadata(
+                nixlBind.nixlRegDList(self._agent.nixl_mems["DRAM"], []), True, ["UCX"])
+
     def connect(self, peer: str, metadata: bytes) -> str:
         """Load ``peer``'s (partial) metadata (see :class:`RemoteAgents`). Returns its name."""
         with self._lock:
@@ -204,9 +213,13 @@ class Agent:
 
     def notifs(self) -> list[bytes]:
         """Notification messages received since the last call, from every peer."""
+        return [msg for messages in self.notifs_by_peer().values() for msg in messages]
+
+    def notifs_by_peer(self) -> dict[str, list[bytes]]:
+        """Notification messages received since the last call, by the sending agent's name."""
         with self._lock:
             notifs = self._agent.get_new_notifs()
-        return [msg for messages in notifs.values() for msg in messages]
+        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in notifs.items()}
 
     def close(self) -> None:
         """Forget peers and deregister memory, exposed ranges included (idempotent)."""

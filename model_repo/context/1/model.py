@@ -41,7 +41,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses = [None] * len(requests)
-        batch, slots = [], []
+        batch, slots, listeners = [], [], {}
         for i, request in enumerate(requests):
             try:
                 peers.check(request.parameters(), "context", self.credential)
@@ -56,12 +56,15 @@ class TritonPythonModel:
                     self.side.release(handle.tobytes())
                     responses[i] = self._response(engine_request.outputs([], [], 0.0, ""))
                     continue
-                batch.append((request.request_id() or uuid.uuid4().hex,
-                              engine_request.from_inputs(inputs)))
+                request_id = request.request_id() or uuid.uuid4().hex
+                batch.append((request_id, engine_request.from_inputs(inputs)))
+                listener = inputs.get(P.KV_LISTENER)
+                if listener is not None and listener.size:
+                    listeners[request_id] = listener.tobytes()
                 slots.append(i)
             except RequestError as exc:
                 responses[i] = error_response(pb_utils, str(exc), exc.status)
-        for i, result in zip(slots, self.side.prefill(batch) if batch else []):
+        for i, result in zip(slots, self.side.prefill(batch, listeners) if batch else []):
             if isinstance(result, Exception):
                 responses[i] = error_response(pb_utils, str(result),
                                               getattr(result, "status", "INTERNAL"))

@@ -11,6 +11,7 @@ request is refused before its tensors are read.
 
 import faulthandler
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 import zmq
 
@@ -26,7 +27,7 @@ from triton_disagg.kv.connector import connector_for
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, gpu_index, pin
-from triton_disagg.errors import RequestError
+from triton_disagg.errors import RequestError, Unavailable
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
@@ -64,12 +65,13 @@ class TritonPythonModel:
                                        "Triton request id (the stream's events carry it)")
                 inputs = read_inputs(pb_utils, request, P.GENERATION_INPUTS)
                 work = self.side.prepare(request_type, engine_request.from_inputs(inputs), inputs)
-            except RequestError as exc:
+            except (RequestError, Unavailable) as exc:
                 responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue
             self.loop.submit(request_id, work, address)
             ack = make_tensors(pb_utils, P.GENERATION_OUTPUTS,
-                               {P.CONTROL_ADDRESS: [self.control_address]})
+                               {P.CONTROL_ADDRESS: [self.control_address],
+                                P.KV_LISTENER: np.frombuffer(work.listener, np.uint8)})
             responses.append(pb_utils.InferenceResponse(output_tensors=ack))
         return responses
 

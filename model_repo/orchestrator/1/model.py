@@ -52,7 +52,8 @@ class TritonPythonModel:
             decode = Tokenizer(settings.engine).decode
         self.tokens = TokenInbox(settings.token_host, settings.stall_seconds)
         self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,
-                                         self.metrics, settings.max_local_prefill_length)
+                                         self.metrics, settings.max_local_prefill_length,
+                                         settings.overlap_kv_transfer)
         self.decoupled = settings.decoupled
         self.log = logging.getLogger("orchestrator")   # JSON lines with serve --log-format json
         self.rejections = Rejections(self.log)

@@ -1,0 +1,276 @@
+"""``--overlap_kv_transfer``: generation READs a prompt's KV layer by layer while the
+context still prefills it, and starts decoding as soon as the last layer and the first
+token have landed (``direct_transfer`` only: it needs NIXL READs of the context's pool).
+
+The request reaches generation first (``generation_awaiting_context``): generation takes
+the sequence's blocks as for any request and answers with a signed listener
+(:mod:`~triton_disagg.kv.overlap_wire`: its agent's contact and a nonce). The orchestrator
+hands the listener to the context with the prompt. The context leases the prompt's blocks
+*before* its prefill (:class:`Announcer`: the handle goes to generation at once), tells
+generation as each layer's KV is final, and finally the first token. Generation's
+:class:`LayerReader` READs each newly final layer range straight into the sequence's
+blocks, then the ticket words (the ordinary lease check of :mod:`~triton_disagg.kv.nixl`,
+which ends the lease), and reports the transfer done with the first token: the sequence
+joins the batch without the context's answer travelling through the orchestrator.
+
+Trust: generation exposes no memory (the contact holds no keys) and only READs, as in an
+ordinary fetch; the context writes nothing into generation. A notification is acted on
+only with the request's nonce, and the KV only under a handle signed by the deployment
+key, checked like any other (engine, layout, strategy, single use).
+
+Invariants: the :class:`~triton_disagg.kv.connector.Transfer` one (the sequence's blocks
+belong to the transfer until ``poll`` returned or raised; only the reader's thread
+writes them, and it reports only what it finished); every pull ends (done, failed, its
+context's FAILED, cancelled, or its deadline: ``lease_seconds`` after it began waiting,
+then ``handle.lease_seconds`` after the handle came), and then its nonce is forgotten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from triton_disagg.kv import overlap_wire as wire
+from triton_disagg.kv.connector import ConnectorError, Transfer
+from triton_disagg.kv.handle import HandleError, KVHandle, TransferStats
+
+if TYPE_CHECKING:
+    from triton_disagg.kv.nixl import NixlEndpoint
+
+POLL_SECONDS = 0.001        # the reader's pace while a pull waits for notifications
+MAX_PULLS = 4096            # listeners outstanding per instance; beyond that: refused
+READER_NICE = 5             # like the fetch thread: the decode loop's step wins its core
+_log = logging.getLogger(__name__)
+
+
+class Announcer:
+    """The context's side of one overlapped request: notifications to the generation agent
+    the ``listener`` names, through ``endpoint``'s agent. Every call raises
+    :class:`ConnectorError` if NIXL cannot send."""
+
+    def __init__(self, endpoint: "NixlEndpoint", listener: wire.Listener):
+        self.agent, self.nonce = endpoint.agent, listener.nonce
+        self.peer = self.agent.connect(listener.agent_name, listener.contact)
+
+    def handle(self, data: bytes) -> None:
+        self._send(wire.HANDLE, data)
+
+    def layers(self, done: int) -> None:
+        self._send(wire.LAYERS, str(done).encode())
+
+    def first(self, token: int, logprob: float | None) -> None:
+        self._send(wire.FIRST, f"{int(token)} {float(logprob or 0.0)!r}".encode())
+
+    def failed(self, reason: str) -> None:
+        """Best effort: a context that cannot reach generation leaves it to its deadline."""
+        try:
+            self._send(wire.FAILED, reason.encode()[:wire.MAX_REASON])
+        except ConnectorError as exc:
+            _log.warning("overlapped KV: could not tell generation %s failed (%s)",
+                         self.peer, exc)
+
+    def _send(self, kind: bytes, payload: bytes) -> None:
+        self.agent.notify(self.peer, wire.message(kind, self.nonce, payload))
+
+
+class PulledTransfer(Transfer):
+    """An overlapped transfer as the scheduler polls it; the reader thread ends it."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.cancelled = threading.Event()
+        self._stats: Optional[TransferStats] = None
+        self._error: Optional[BaseException] = None
+
+    def poll(self) -> Optional[TransferStats]:
+        if not self._done.is_set():
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._stats
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def end(self, stats: Optional[TransferStats], error: Optional[BaseException]) -> None:
+        self._stats, self._error = stats, error
+        self._done.set()
+
+
+@dataclasses.dataclass
+class _Pull:
+    """One request's overlapped transfer on the generation side (reader thread only)."""
+
+    num_tokens: int
+    deadline: float
+    began: float
+    blocks: Optional[list[int]] = None          # the sequence's blocks, once it has them
+    transfer: Optional[PulledTransfer] = None
+    handle: Optional[KVHandle] = None
+    peer: str = ""
+    announced: int = 0                          # layers the context says are final
+    read: int = 0                               # layers read so far
+    nbytes: int = 0
+    first: Optional[tuple[int, float]] = None
+    failure: Optional[str] = None
+
+
+class LayerReader:
+    """Generation's reader of overlapped transfers over ``endpoint``'s pool, on one thread
+    (started by the first :meth:`listen`). ``check(data)`` decodes and checks a handle
+    (the connector's ``decode``); ``staged(blocks)`` copies landed blocks to the device
+    (None on a host pool); ``lease_seconds`` bounds the wait for the handle."""
+
+    def __init__(self, endpoint: "NixlEndpoint", key: bytes,
+                 check: Callable[[bytes], KVHandle], lease_seconds: float,
+                 staged: Optional[Callable[[Sequence[int]], None]] = None):
+        self.endpoint, self.key, self.check = endpoint, key, check
+        self.lease_seconds, self.staged = lease_seconds, staged
+        self._contact = endpoint.agent.contact()
+        self._pulls: dict[str, _Pull] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def listen(self, num_tokens: int) -> tuple[str, bytes]:
+        """Expect the KV of a ``num_tokens``-token prompt: the pull's nonce and the signed
+        listener to hand to the context. ConnectorError when too many are outstanding."""
+        listener = wire.Listener.new(self.endpoint.name, self._contact)
+        now = time.monotonic()
+        with self._lock:
+            if len(self._pulls) >= MAX_PULLS:
+                raise ConnectorError(f"{MAX_PULLS} overlapped KV transfers are outstanding on "
+                                     f"this instance; retry later")
+            self._pulls[listener.nonce] = _Pull(num_tokens, now + self.lease_seconds, now)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"{self.endpoint.name}-layers")
+                self._thread.start()
+        self._wake.set()
+        return listener.nonce, wire.encode_listener(listener, self.key)
+
+    def start(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
+        """The sequence holds its blocks: READ into the first of ``block_ids`` as layers are
+        announced. A pull that has ended already is a failed transfer."""
+        transfer = PulledTransfer()
+        with self._lock:
+            pull = self._pulls.get(nonce)
+            if pull is None or pull.transfer is not None:
+                transfer.end(None, ConnectorError("overlapped KV transfer: the wait for the "
+                                                  "context ended before the sequence had "
+                                                  "blocks (its deadline passed)"))
+                return transfer
+            pull.blocks = list(block_ids[:self.endpoint.geometry.blocks_for(pull.num_tokens)])
+            pull.transfer = transfer
+        self._wake.set()
+        return transfer
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    # ---- the reader thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE)
+        except (OSError, AttributeError):
+            pass
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self._pulls
+            self._wake.wait(None if idle else POLL_SECONDS)
+            self._wake.clear()
+            try:
+                self._deliver(self.endpoint.agent.notifs())
+                with self._lock:
+                    pulls = list(self._pulls.items())
+                for nonce, pull in pulls:
+                    if self._advance(pull):
+                        with self._lock:
+                            del self._pulls[nonce]
+            except Exception:  # noqa: BLE001 - keep reading; each pull has its deadline
+                _log.exception("overlapped KV reader of %s", self.endpoint.name)
+        with self._lock:
+            pulls, self._pulls = list(self._pulls.values()), {}
+        for pull in pulls:
+            self._end(pull, None, ConnectorError("this KV connector is closed"))
+
+    def _deliver(self, messages: list[bytes]) -> None:
+        """File each notification with its pull (others are ignored)."""
+        for msg in messages:
+            parsed = wire.parse(msg)
+            with self._lock:
+                pull = self._pulls.get(parsed[1]) if parsed else None
+            if pull is None:
+                continue
+            kind, _, payload = parsed
+            try:
+                if kind == wire.HANDLE and pull.handle is None:
+                    self._take_handle(pull, payload)
+                elif kind == wire.LAYERS:
+                    pull.announced = max(pull.announced, int(payload))
+                elif kind == wire.FIRST:
+                    token, logprob = payload.split()
+                    pull.first = (int(token), float(logprob))
+                elif kind == wire.FAILED:
+                    pull.failure = payload.decode(errors="replace")
+            except (ValueError, HandleError) as exc:
+                pull.failure = f"bad {kind.decode()} notification: {exc}"
+
+    def _take_handle(self, pull: _Pull, data: bytes) -> None:
+        handle = self.check(data)
+        if handle.num_tokens != pull.num_tokens:
+            raise ValueError(f"the handle holds {handle.num_tokens} tokens of KV, the request's "
+                             f"prompt has {pull.num_tokens}")
+        if handle.geometry != self.endpoint.geometry:
+            raise ValueError(f"overlap_transfer needs the same KV layout (tokens_per_block, "
+                             f"dtype) on context and generation: {handle.geometry} against "
+                             f"{self.endpoint.geometry}")
+        now = time.monotonic()
+        pull.peer = self.endpoint.open_pull(handle, now)
+        pull.handle, pull.deadline = handle, now + handle.lease_seconds
+
+    def _advance(self, pull: _Pull) -> bool:
+        """Read what the context announced; True once the pull ended."""
+        if pull.transfer is not None and pull.transfer.cancelled.is_set():
+            return self._end(pull, None, ConnectorError("cancelled"))
+        if pull.failure is not None and pull.transfer is not None:
+            return self._end(pull, None, ConnectorError(f"the context failed the overlapped "
+                                                        f"KV transfer: {pull.failure}"))
+        if time.monotonic() > pull.deadline:
+            return self._end(pull, None, ConnectorError(
+                f"overlapped KV transfer: no {'handle' if pull.handle is None else 'last layer'} "
+                f"from the context within {time.monotonic() - pull.began:.1f} s"))
+        if pull.blocks is None or pull.handle is None:
+            return False
+        layers = pull.handle.geometry.num_layers
+        ready = layers if pull.first is not None else min(pull.announced, layers)
+        try:
+            if ready > pull.read:
+                pull.nbytes += self.endpoint.read_layers(pull.peer, pull.handle, pull.blocks,
+                                                         range(pull.read, ready), pull.deadline)
+                pull.read = ready
+            if pull.first is None:
+                return False
+            self.endpoint.confirm(pull.peer, pull.handle, pull.deadline)
+            if self.staged is not None:
+                self.staged(pull.blocks)
+        except Exception as exc:  # noqa: BLE001 - that request fails alone
+            return self._end(pull, None, exc)
+        seconds = time.monotonic() - pull.began
+        return self._end(pull, TransferStats(pull.nbytes, seconds, seconds, *pull.first), None)
+
+    @staticmethod
+    def _end(pull: _Pull, stats: Optional[TransferStats], error: Optional[BaseException]) -> bool:
+        if pull.transfer is not None:
+            pull.transfer.end(stats, error)
+        return True
