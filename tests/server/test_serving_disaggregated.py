@@ -53,12 +53,15 @@ def _config(path, engine, strategy, extra="", runtime="numpy"):
 
 @pytest.fixture(scope="module", params=[
     ("direct_transfer", "numpy"), ("host_memory", "numpy"),
-    ("direct_transfer", "torch"), ("host_memory", "torch")], ids="-".join)
+    ("direct_transfer", "torch"), ("host_memory", "torch"),
+    ("direct_transfer", "numpy", "overlap")], ids="-".join)
 def server(request, demo_engine, tmp_path_factory):
-    strategy, runtime = request.param
+    """``overlap``: ``--overlap_kv_transfer`` (generation reads the KV during the prefill)."""
+    strategy, runtime, *overlap = request.param
     work = tmp_path_factory.mktemp(f"serve-{strategy}-{runtime}")
     config = _config(work / "disagg_config.yaml", demo_engine, strategy, runtime=runtime)
-    with servers.serve("all", ["-c", str(config)], work / "run") as served:
+    flags = ["--overlap_kv_transfer", "--log-format", "json"] if overlap else []   # json: INFO
+    with servers.serve("all", ["-c", str(config)] + flags, work / "run") as served:
         yield served
 
 
@@ -85,6 +88,8 @@ def test_greedy_equals_offline_over_every_client(server, offline):
                                                        "stream": True})
         assert "".join(e["text_output"] for e in events) == offline(prompt, 20)
     assert "".join(servers.grpc_stream(server.grpc, PROMPTS[1], 20)) == offline(PROMPTS[1], 20)
+    if "--overlap_kv_transfer" in server.process.args:      # its context says so per request
+        assert "handed off (overlapped)" in server.server_log()
 
 
 def test_concurrent_and_first_token_only(server, offline):
@@ -250,16 +255,19 @@ def _generation_only(served, ids, handle_bytes):
         endpoint.release()
 
 
-def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
+@pytest.mark.parametrize("flags", [[], ["--overlap_kv_transfer"]], ids=["", "overlap"])
+def test_roles_as_separate_servers(demo_engine, tmp_path, offline, flags):
     """Prompts over max_local_prefill_length go through the context server; the short one
-    ("a") is served whole by generation: the context server never sees it."""
+    ("a") is served whole by generation: the context server never sees it. With the guide's
+    ``--overlap_kv_transfer`` on every role, generation reads the KV over gRPC-routed calls."""
     ctx_port, gen_port = servers.free_ports(2)
     config = _config(tmp_path / "disagg_config.yaml", demo_engine, "direct_transfer",
                      f'context_server: {{url: "localhost:{ctx_port}", cpus: [0]}}\n'
                      f'generation_server: {{url: "localhost:{gen_port}", '
                      f'max_local_prefill_length: 2}}\n')
-    args = ["-c", str(config)]
-    with servers.serve("context", args, tmp_path / "c", http=False, grpc_port=ctx_port) as ctx, \
+    args = ["-c", str(config)] + flags
+    with servers.serve("context", args + ["--log-format", "json"], tmp_path / "c", http=False,
+                       grpc_port=ctx_port) as ctx, \
             servers.serve("generation", args, tmp_path / "g", http=False, grpc_port=gen_port), \
             servers.serve("scheduler", args, tmp_path / "s") as scheduler:
         for prompt in PROMPTS[:2]:
@@ -273,6 +281,8 @@ def test_roles_as_separate_servers(demo_engine, tmp_path, offline):
                                                          "max_tokens": 16})
         assert status == 200 and body["text_output"] == offline(PROMPTS[3], 16), body
         assert body["num_input_tokens"] <= 2 and _context_requests(ctx) == contexts
+    overlapped = ctx.server_log().count("handed off (overlapped)")
+    assert overlapped == (3 if flags else 0), ctx.server_log()[-2000:]
 
 
 def _context_requests(served) -> float:

@@ -84,8 +84,9 @@ class ContextSide:
                        else [_refusal(exc)])
         answers = [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
         for (request_id, request), answer in zip(batch, answers):   # one line per request
+            done = "handed off" + (" (overlapped)" if request_id in listeners else "")
             _log.info("prefill of %d prompt tokens: %s", len(request.prompt_ids),
-                      answer if isinstance(answer, Exception) else "handed off",
+                      answer if isinstance(answer, Exception) else done,
                       extra={"request_id": request_id})
         return answers
 

@@ -1,0 +1,152 @@
+"""``--overlap_kv_transfer`` without a server: a real context side (engine, NIXL connector)
+announces a prompt's KV to a real generation engine's NIXL connector while it prefills;
+generation READs the layers as they land and decodes once the first token comes. Checked
+against the aggregated engine's greedy output, and that every block goes back on every
+path (done, finished at the first token, cancelled, a forged or unsigned notification)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from triton_disagg import protocol as P
+from triton_disagg.config.settings import ContextSettings
+from triton_disagg.context.prefill import ContextSide
+from triton_disagg.engine.llm_engine import LLMEngine
+from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.generation.side import PulledKV
+from triton_disagg.kv import overlap_wire as wire
+from triton_disagg.kv.connector import make_connector, PoolBuffer
+from triton_disagg.kv.handle import HandleError
+from triton_disagg.kv.overlap import Announcer
+from triton_disagg.kv.secret import deployment_key, key_id
+from triton_disagg.triton.engine_request import EngineRequest
+
+pytest.importorskip("nixl")
+PROMPT = list(range(3, 63))      # 60 tokens
+WAIT_S = 20.0
+
+
+@pytest.fixture
+def sides(demo_engine):
+    context_engine = LLMEngine(demo_engine, num_blocks=16)
+    settings = ContextSettings(str(demo_engine), "disaggregated", (), None, None,
+                               kv_strategy="direct_transfer", kv_max_size=0,
+                               kv_lease_seconds=30.0, stream_interval=1,
+                               kv_key_id=key_id(deployment_key()))
+    context = ContextSide(context_engine, settings, "ovctx")
+    generation = LLMEngine(demo_engine, num_blocks=16)
+    connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen",
+                               deployment_key(), generation.spec.fingerprint, 30.0)
+    yield context, generation, connector
+    connector.close()
+    context.close()
+
+
+def _await(generation: LLMEngine, connector, rid: str, params: SamplingParams,
+           prompt=PROMPT) -> bytes:
+    """Queue ``rid`` on generation as awaiting the context; step until it holds its blocks;
+    its listener."""
+    nonce, listener = connector.listen(len(prompt))
+    generation.add_prefilled(rid, prompt, None, params, PulledKV(connector, nonce, len(prompt)))
+    generation.step()
+    assert generation.admitted(rid)
+    return listener
+
+
+def _decode(generation: LLMEngine, rid: str) -> tuple[list[int], list]:
+    tokens, arrivals, deadline = [], [], time.monotonic() + WAIT_S
+    while generation.has_unfinished() and time.monotonic() < deadline:
+        tokens += [e.token_id for e in generation.step() if e.request_id == rid]
+        arrivals += generation.take_kv_arrivals()
+        time.sleep(0.001)
+    assert not generation.has_unfinished(), "generation never finished"
+    return tokens, arrivals
+
+
+def _zero(engine: LLMEngine) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while engine.pool.num_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.pool.num_used == 0
+
+
+def test_layers_are_read_while_the_context_prefills_and_the_text_is_the_aggregated_one(
+        sides, demo_engine, monkeypatch):
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=12)
+    (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+    reads: list[range] = []
+    read_layers = connector.endpoint.read_layers
+
+    def recorded(peer, handle, dst, layers, deadline):
+        reads.append(layers)
+        return read_layers(peer, handle, dst, layers, deadline)
+
+    announce = Announcer.layers
+
+    def slowly(self, done):                 # a layer's compute takes a while: reads keep up
+        announce(self, done)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(connector.endpoint, "read_layers", recorded)
+    monkeypatch.setattr(Announcer, "layers", slowly)
+    listener = _await(generation, connector, "r", params)
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    first = int(out["output_ids"].reshape(-1)[0])
+    assert out[P.CONTEXT_PHASE_PARAMS].size       # the handle, for a release if need be
+    tokens, arrivals = _decode(generation, "r")
+    assert [first] + tokens == whole.output_ids
+    layers = generation.spec.shape.num_layers
+    assert len(reads) > 1 and reads[0].start == 0 and reads[0].stop < layers   # during prefill
+    assert [r.start for r in reads[1:]] == [r.stop for r in reads[:-1]] and reads[-1].stop == layers
+    (arrival,) = arrivals
+    assert arrival.error is None and arrival.result.first_token == first
+    assert _zero(context.engine) and _zero(generation)
+
+
+def test_a_first_token_that_finishes_the_request_ends_the_pull_and_frees_both_pools(sides):
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=1)
+    listener = _await(generation, connector, "r", SamplingParams(max_tokens=4))
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    assert out["finish_reason"].reshape(-1)[0] in (b"length", "length")
+    assert not out[P.CONTEXT_PHASE_PARAMS].size
+    _, arrivals = _decode(generation, "r")
+    (arrival,) = arrivals
+    assert "finished at its first token" in str(arrival.error)
+    assert _zero(context.engine) and _zero(generation)
+
+
+def test_a_cancelled_request_gives_its_blocks_back_before_the_context_answers(sides):
+    _, generation, connector = sides
+    _await(generation, connector, "r", SamplingParams(max_tokens=4))
+    assert generation.pool.num_used
+    generation.abort("r")
+    deadline = time.monotonic() + 2.0       # at the reader's pace, not the 30 s deadline
+    while generation.has_unfinished() and time.monotonic() < deadline:
+        generation.step()
+        time.sleep(0.005)
+    assert not generation.has_unfinished() and generation.pool.num_used == 0
+
+
+def test_notifications_without_the_nonce_or_signature_are_not_acted_on(sides):
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=6)
+    listener = _await(generation, connector, "r", params)
+    parsed = wire.decode_listener(listener, deployment_key())
+    stranger = context.connector.endpoint.agent
+    peer = stranger.connect(parsed.agent_name, parsed.contact)
+    stranger.notify(peer, wire.message(wire.FAILED, "0" * 32, b"not yours"))   # wrong nonce
+    stranger.notify(peer, b"tdov-x:garbage")
+    with pytest.raises(HandleError, match="not signed"):
+        wire.decode_listener(listener[:-1] + bytes([listener[-1] ^ 1]), deployment_key())
+    time.sleep(0.05)
+    generation.step()
+    assert not generation.take_kv_arrivals()          # still waiting: nothing was acted on
+    stranger.notify(peer, wire.message(wire.HANDLE, parsed.nonce, b"TDKV unsigned"))
+    _, arrivals = _decode(generation, "r")
+    (arrival,) = arrivals
+    assert "bad tdov-h notification" in str(arrival.error)
+    assert _zero(generation)
