@@ -146,10 +146,11 @@ def _generate(http: str, text: str) -> int:
 
 
 @contextlib.contextmanager
-def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
+def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path,
+            overlap: bool = False, kv_max_size: str = KV_MAX_SIZE
             ) -> Iterator[tuple[str, str, str]]:
-    """``serve all`` with ``strategy``; yields ``(http url, metrics url, grpc address)``,
-    stops on exit."""
+    """``serve all`` with ``strategy`` (and ``kv_cache.overlap_transfer`` when ``overlap``);
+    yields ``(http url, metrics url, grpc address)``, stops on exit."""
     from triton_disagg.bench.serve_servers import placement
     from triton_disagg.config.disagg import parse_config
     from triton_disagg.config.host import check_host
@@ -157,11 +158,13 @@ def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path
     from triton_disagg.triton.tritonserver import Endpoints
 
     config = parse_config({"model": {"engine": str(engine)}, **placement("disaggregated", cores),
-                           "kv_cache": {"strategy": strategy, "max_size": KV_MAX_SIZE}},
+                           "kv_cache": {"strategy": strategy, "max_size": kv_max_size,
+                                        "overlap_transfer": overlap}},
                           source=f"bench handoff ({strategy})")
     check_host(config)
     http, grpc, metrics = free_ports(3)
-    server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics), work_dir / strategy)
+    server = start("all", config, Endpoints("127.0.0.1", http, grpc, metrics),
+                   work_dir / (strategy + ("-overlap" if overlap else "")))
     try:
         server.wait_ready(300.0)
         yield f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}", f"127.0.0.1:{grpc}"
