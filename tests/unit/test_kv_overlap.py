@@ -28,14 +28,15 @@ PROMPT = list(range(3, 63))      # 60 tokens
 WAIT_S = 20.0
 
 
+def _settings(demo_engine) -> ContextSettings:
+    return ContextSettings(str(demo_engine), "disaggregated", (), None, None,
+                           kv_strategy="direct_transfer", kv_max_size=0, kv_lease_seconds=30.0,
+                           stream_interval=1, kv_key_id=key_id(deployment_key()))
+
+
 @pytest.fixture
 def sides(demo_engine):
-    context_engine = LLMEngine(demo_engine, num_blocks=16)
-    settings = ContextSettings(str(demo_engine), "disaggregated", (), None, None,
-                               kv_strategy="direct_transfer", kv_max_size=0,
-                               kv_lease_seconds=30.0, stream_interval=1,
-                               kv_key_id=key_id(deployment_key()))
-    context = ContextSide(context_engine, settings, "ovctx")
+    context = ContextSide(LLMEngine(demo_engine, num_blocks=16), _settings(demo_engine), "ovctx")
     generation = LLMEngine(demo_engine, num_blocks=16)
     connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen",
                                deployment_key(), generation.spec.fingerprint, 30.0)
@@ -150,3 +151,31 @@ def test_notifications_without_the_nonce_or_signature_are_not_acted_on(sides):
     (arrival,) = arrivals
     assert "bad tdov-h notification" in str(arrival.error)
     assert _zero(generation)
+
+
+def test_a_context_tried_after_one_that_failed_mid_transfer_is_followed(sides, demo_engine):
+    """The orchestrator retries a context server that did not answer on another, with the same
+    listener: the first may have leased and announced its blocks already. Generation follows
+    the handle that came last, ignores the first server from then on, and decodes the
+    aggregated text; the first server's lease is left to its own end (released here)."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=8)
+    (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+    listener = _await(generation, connector, "r", params)
+    first = ContextSide(LLMEngine(demo_engine, num_blocks=16), _settings(demo_engine),
+                        "ovctx-first")
+    try:
+        (seq,) = first.engine.reserve_prompts([("r", PROMPT, params)])
+        stale = first.connector.export(list(seq.block_table.block_ids), len(PROMPT), staged=True)
+        announcer = first.connector.announcer(listener)
+        announcer.handle(stale)
+        announcer.layers(1)                          # then it went silent
+        time.sleep(0.05)
+        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+        tokens, arrivals = _decode(generation, "r")
+        assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
+        assert arrivals[0].error is None
+        first.release(stale)
+        assert _zero(first.engine) and _zero(context.engine) and _zero(generation)
+    finally:
+        first.close()

@@ -107,7 +107,8 @@ class _Pull:
 
     num_tokens: int
     deadline: float
-    began: float
+    began: float                                # listened (monotonic)
+    started: float = 0.0                        # the sequence had its blocks
     blocks: Optional[list[int]] = None          # the sequence's blocks, once it has them
     transfer: Optional[PulledTransfer] = None
     handle: Optional[KVHandle] = None
@@ -115,6 +116,7 @@ class _Pull:
     announced: int = 0                          # layers the context says are final
     read: int = 0                               # layers read so far
     nbytes: int = 0
+    copy_seconds: float = 0.0                   # in this pull's READs (and device copy)
     first: Optional[tuple[int, float]] = None
     failure: Optional[str] = None
 
@@ -166,7 +168,7 @@ class LayerReader:
                                                   "blocks (its deadline passed)"))
                 return transfer
             pull.blocks = list(block_ids[:self.endpoint.geometry.blocks_for(pull.num_tokens)])
-            pull.transfer = transfer
+            pull.transfer, pull.started = transfer, time.monotonic()
         self._wake.set()
         return transfer
 
@@ -190,7 +192,8 @@ class LayerReader:
             self._wake.wait(None if idle else POLL_SECONDS)
             self._wake.clear()
             try:
-                self._deliver(self.endpoint.agent.notifs())
+                for sender, messages in self.endpoint.agent.notifs_by_peer().items():
+                    self._deliver(sender, messages)
                 with self._lock:
                     pulls = list(self._pulls.items())
                 for nonce, pull in pulls:
@@ -204,8 +207,11 @@ class LayerReader:
         for pull in pulls:
             self._end(pull, None, ConnectorError("this KV connector is closed"))
 
-    def _deliver(self, messages: list[bytes]) -> None:
-        """File each notification with its pull (others are ignored)."""
+    def _deliver(self, sender: str, messages: list[bytes]) -> None:
+        """File each notification of agent ``sender`` with its pull; others are ignored. A
+        pull follows the context whose handle came last (a context that failed before it
+        answered is replaced by the one the orchestrator tried next, which sends its own
+        handle): what any other agent says about it is ignored."""
         for msg in messages:
             parsed = wire.parse(msg)
             with self._lock:
@@ -213,9 +219,15 @@ class LayerReader:
             if pull is None:
                 continue
             kind, _, payload = parsed
+            if pull.handle is not None and sender != pull.handle.agent_name \
+                    and kind != wire.HANDLE:
+                continue
             try:
-                if kind == wire.HANDLE and pull.handle is None:
-                    self._take_handle(pull, payload)
+                if kind == wire.HANDLE:
+                    if pull.handle is None or sender != pull.handle.agent_name:
+                        self._take_handle(pull, payload)
+                elif pull.handle is None and kind != wire.FAILED:
+                    continue                     # a context's handle comes before the rest
                 elif kind == wire.LAYERS:
                     pull.announced = max(pull.announced, int(payload))
                 elif kind == wire.FIRST:
@@ -238,6 +250,7 @@ class LayerReader:
         now = time.monotonic()
         pull.peer = self.endpoint.open_pull(handle, now)
         pull.handle, pull.deadline = handle, now + handle.lease_seconds
+        pull.announced, pull.read, pull.first, pull.failure = 0, 0, None, None
 
     def _advance(self, pull: _Pull) -> bool:
         """Read what the context announced; True once the pull ended."""
@@ -254,20 +267,24 @@ class LayerReader:
             return False
         layers = pull.handle.geometry.num_layers
         ready = layers if pull.first is not None else min(pull.announced, layers)
+        began = time.monotonic()
         try:
             if ready > pull.read:
                 pull.nbytes += self.endpoint.read_layers(pull.peer, pull.handle, pull.blocks,
                                                          range(pull.read, ready), pull.deadline)
                 pull.read = ready
-            if pull.first is None:
-                return False
-            self.endpoint.confirm(pull.peer, pull.handle, pull.deadline)
-            if self.staged is not None:
-                self.staged(pull.blocks)
+            if pull.first is not None:
+                self.endpoint.confirm(pull.peer, pull.handle, pull.deadline)
+                if self.staged is not None:
+                    self.staged(pull.blocks)
         except Exception as exc:  # noqa: BLE001 - that request fails alone
             return self._end(pull, None, exc)
-        seconds = time.monotonic() - pull.began
-        return self._end(pull, TransferStats(pull.nbytes, seconds, seconds, *pull.first), None)
+        finally:
+            pull.copy_seconds += time.monotonic() - began
+        if pull.first is None:
+            return False
+        return self._end(pull, TransferStats(pull.nbytes, pull.copy_seconds,
+                                             time.monotonic() - pull.started, *pull.first), None)
 
     @staticmethod
     def _end(pull: _Pull, stats: Optional[TransferStats], error: Optional[BaseException]) -> bool:
