@@ -143,7 +143,7 @@ def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
                                                   args.period))
             stall = replace(stall_figures(args.label, streams, arrivals),
                             server=server_figures(before, scrape(metrics)))
-            say(f"run {repeat + 1}: {_row(stall, args.strategy + (" + overlap" if args.overlap else ""))}")
+            say(f"run {repeat + 1}: {_row(stall, _strategy(args))}")
             best = stall if best is None or stall.ratio < best.ratio else best
     return best
 
@@ -165,6 +165,10 @@ def server_figures(before, after) -> str:
               if in_flight and "disagg_kv_fetch_hidden_seconds_sum" in after else "n/a")
     return (f"copy {mean_ms('disagg_kv_transfer_seconds')}, in flight "
             f"{mean_ms('disagg_kv_fetch_seconds')} ({hidden} hidden), steps blocked {steps}")
+
+
+def _strategy(args: argparse.Namespace) -> str:
+    return args.strategy + (" + overlap" if args.overlap else "")
 
 
 def _row(s: Stall, strategy: str) -> str:
@@ -207,4 +211,4 @@ def markdown(stall: Stall, args: argparse.Namespace) -> str:
         "| tree | strategy | arrivals | median longest gap in a handoff window "
         "| median stream gap | ratio | generation server (KV per handoff) |",
         "|---|---|---|---|---|---|---|",
-        _row(stall, args.strategy + (" + overlap" if args.overlap else ""))]) + "\n"
+        _row(stall, _strategy(args))]) + "\n"
