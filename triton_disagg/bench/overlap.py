@@ -33,6 +33,7 @@ from triton_disagg.bench.args import number_list
 from triton_disagg.errors import UserError
 
 KV_MAX_SIZE = "160MB"      # per pool: an 8,192-token sequence of the demo engine is 32 MiB
+STALL_SECONDS = 300.0      # a call's deadline: an 8,000-token CPU prefill takes ~30 s here
 MODES = ("without", "with")
 
 
@@ -132,7 +133,7 @@ def measure(args: argparse.Namespace, engine: Path, lengths: list[int], say) -> 
             say(f"starting serve all {mode} overlap")
             _, _, grpc[mode] = stack.enter_context(serving(
                 "direct_transfer", engine, cores, (args.work_dir / "overlap").resolve(),
-                overlap=mode == "with", kv_max_size=KV_MAX_SIZE))
+                overlap=mode == "with", kv_max_size=KV_MAX_SIZE, stall_seconds=STALL_SECONDS))
         for n in lengths:
             for mode in MODES:
                 asyncio.run(_timing(grpc[mode], prompts[n][:1]))           # warm-up

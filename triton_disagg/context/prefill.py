@@ -234,8 +234,11 @@ class _Overlapped:
         return o
 
     def layers(self, done: int) -> None:
+        """Layers ``0..done-1`` are final: tell generation, and restart the lease (a long
+        prefill must not outlast it while it still makes progress)."""
         if self.error is None:
             try:
+                self.side.connector.renew(self.handle)
                 self.announcer.layers(done)
             except ConnectorError as exc:
                 self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))
@@ -249,6 +252,7 @@ class _Overlapped:
         elif self.error is None:
             try:
                 self.side.connector.stage(result.block_ids)
+                self.side.connector.renew(self.handle)          # the fetch's lease from now
                 self.announcer.first(result.token_id, result.logprob)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))

@@ -223,6 +223,11 @@ class KVConnector(ABC):
         """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
 
+    def renew(self, data: bytes) -> None:
+        """Context: restart the lease of handle bytes ``data`` (its blocks are being filled
+        by an overlapped prefill, which may outlast ``lease_seconds``)."""
+        raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
+
     def announcer(self, listener: bytes) -> Any:
         """Context: the :class:`~triton_disagg.kv.overlap.Announcer` for generation's signed
         ``listener`` (HandleError if it is not one)."""

@@ -61,6 +61,15 @@ class LeaseTable:
         self._free_blocks(list(lease.block_ids))
         return True
 
+    def renew(self, lease_id: str, ttl_s: float) -> bool:
+        """Move a live lease's deadline to ``ttl_s`` seconds from now (its blocks are still
+        being filled: an overlapped transfer's prefill). False if unknown or already gone."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._leases[lease_id] = Lease(lease_id, lease.block_ids, self._clock() + ttl_s)
+        return lease is not None
+
     def reap(self, now: Optional[float] = None) -> int:
         """Free every lease whose deadline is before ``now``; returns how many expired."""
         now = self._clock() if now is None else now

@@ -59,6 +59,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from triton_disagg.kv import handle as kvhandle
 from triton_disagg.kv.connector import KVConnector, PoolBuffer, Transfer
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
@@ -339,6 +340,10 @@ class NixlConnector(KVConnector):
             self._layers = LayerReader(self.endpoint, self.key, self.decode, self.lease_seconds,
                                        device.blocks_to_device if device is not None else None)
         return self._layers.listen(num_tokens)
+
+    def renew(self, data: bytes) -> None:
+        self.endpoint.leases.renew(self._ours(kvhandle.decode(data, self.key), "context").lease_id,
+                                   self.lease_seconds)
 
     def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
         return self._layers.start(nonce, block_ids)

@@ -22,7 +22,8 @@ Invariants: the :class:`~triton_disagg.kv.connector.Transfer` one (the sequence'
 belong to the transfer until ``poll`` returned or raised; only the reader's thread
 writes them, and it reports only what it finished); every pull ends (done, failed, its
 context's FAILED, cancelled, or its deadline: ``lease_seconds`` after it began waiting,
-then ``handle.lease_seconds`` after the handle came), and then its nonce is forgotten.
+then ``handle.lease_seconds`` after the handle or the context's latest progress came; the
+context restarts the handle's lease at each layer too), and then its nonce is forgotten.
 """
 
 from __future__ import annotations
@@ -230,9 +231,11 @@ class LayerReader:
                     continue                     # a context's handle comes before the rest
                 elif kind == wire.LAYERS:
                     pull.announced = max(pull.announced, int(payload))
+                    pull.deadline = time.monotonic() + pull.handle.lease_seconds  # progress
                 elif kind == wire.FIRST:
                     token, logprob = payload.split()
                     pull.first = (int(token), float(logprob))
+                    pull.deadline = time.monotonic() + pull.handle.lease_seconds
                 elif kind == wire.FAILED:
                     pull.failure = payload.decode(errors="replace")
             except (ValueError, HandleError) as exc:
