@@ -34,7 +34,7 @@ from triton_disagg.bench.args import number_list
 from triton_disagg.errors import UserError
 
 KV_MAX_SIZE = "160MB"      # per pool: an 8,192-token sequence of the demo engine is 32 MiB
-STALL_SECONDS = 300.0      # a call's deadline: an 8,000-token CPU prefill takes ~30 s here
+STALL_SECONDS = 300.0      # a call's deadline: a long CPU prefill on a loaded host
 MODES = ("without", "with")
 
 
@@ -49,6 +49,9 @@ def add_overlap_parser(kinds) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds; the best median is kept")
     p.add_argument("--cpus", default="0,1", help="context on the first half, generation on "
                                                  "the rest (default 0,1)")
+    p.add_argument("--runtime", default="torch", choices=["torch", "numpy"],
+                   help="model.runtime on the CPU (default torch: its prefill of 8,000 tokens "
+                        "takes ~4 s on one core, numpy's ~30 s)")
     p.add_argument("--work-dir", type=Path, default=Path("work/bench"))
     p.add_argument("--output", type=Path, help="markdown file whose overlap section is replaced")
     p.set_defaults(func=run)
@@ -161,7 +164,8 @@ def measure(args: argparse.Namespace, engine: Path, lengths: list[int], say) -> 
             say(f"starting serve all {mode} overlap")
             _, _, grpc[mode] = stack.enter_context(serving(
                 "direct_transfer", engine, cores, (args.work_dir / "overlap").resolve(),
-                overlap=mode == "with", kv_max_size=KV_MAX_SIZE, stall_seconds=STALL_SECONDS))
+                overlap=mode == "with", kv_max_size=KV_MAX_SIZE, stall_seconds=STALL_SECONDS,
+                runtime=args.runtime))
         found = asyncio.run(_rounds(grpc, prompts, args.rounds, say))
     return [Row(n, best(found[(n, "without")]), best(found[(n, "with")])) for n in lengths]
 
@@ -191,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
 
 def markdown(rows: Sequence[Row], args: argparse.Namespace) -> str:
     lines = [
-        f"`triton-disagg bench overlap`: two `serve all` of the demo engine (direct_transfer, "
+        f"`triton-disagg bench overlap`: two `serve all` of the demo engine ({args.runtime} "
+        f"runtime, direct_transfer, "
         f"cores {args.cpus}: context and front end on the first half, generation on the "
         f"rest), one with `--overlap_kv_transfer`, taking turns one request at a time; "
         f"max_tokens 2, streamed over gRPC. Client-side medians of {args.requests} requests "
