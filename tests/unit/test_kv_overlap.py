@@ -179,3 +179,18 @@ def test_a_context_tried_after_one_that_failed_mid_transfer_is_followed(sides, d
         assert _zero(first.engine) and _zero(context.engine) and _zero(generation)
     finally:
         first.close()
+
+
+def test_a_generation_that_cannot_be_reached_leaves_an_ordinary_handoff(sides, demo_engine):
+    """Generation died after it answered (its agent is gone): the context does not fail the
+    request, whose handle the orchestrator holds; it gives the KV back (or migrates the
+    request: generation is lost) as after any handoff."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=6)
+    listener = _await(generation, connector, "r", params)
+    connector.close()
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    assert not isinstance(out, Exception), out
+    assert out[P.CONTEXT_PHASE_PARAMS].size and context.engine.pool.num_used
+    context.release(out[P.CONTEXT_PHASE_PARAMS].tobytes())
+    assert _zero(context.engine)

@@ -204,7 +204,12 @@ def _refusal(exc: Exception) -> RequestError:
 @dataclass
 class _Overlapped:
     """One overlapped request through the prefill: its announcer, the handle that leased its
-    blocks, and its first error (it then fails alone; its KV goes back with the lease)."""
+    blocks, and its error (it then fails alone; its KV goes back with the lease).
+
+    Generation that cannot be reached (its agent refuses the connection or a notification)
+    is not this request's mistake: the announcer is dropped and the request goes on as an
+    ordinary handoff, whose handle the orchestrator holds; a generation server that cannot
+    be reached is lost, and the orchestrator moves the request to another."""
 
     side: ContextSide
     request_id: str
@@ -220,28 +225,28 @@ class _Overlapped:
         blocks = list(seq.block_table.block_ids)
         try:
             o.announcer = side.connector.announcer(listener)
+        except ConnectorError as exc:
+            o._unheard(exc)
         except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
             side.free(blocks)
             o.error = RequestError(f"kv_listener: {exc}")
             return o
         try:
             o.handle = side.connector.export(blocks, len(seq.prompt_ids), staged=True)
-            o.announcer.handle(o.handle)
         except HandoffBusy as exc:
             o._fail(RequestError(f"{P.CONTEXT_BUSY}: {exc}"))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             o._fail(RequestError(f"KV handoff failed: {exc}"))
+        else:
+            o._tell(lambda a: a.handle(o.handle))
         return o
 
     def layers(self, done: int) -> None:
-        """Layers ``0..done-1`` are final: tell generation, and restart the lease (a long
-        prefill must not outlast it while it still makes progress)."""
+        """Layers ``0..done-1`` are final: restart the lease (a long prefill must not
+        outlast it while it still makes progress) and tell generation."""
         if self.error is None:
-            try:
-                self.side.connector.renew(self.handle)
-                self.announcer.layers(done)
-            except ConnectorError as exc:
-                self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))
+            self.side.connector.renew(self.handle)
+            self._tell(lambda a: a.layers(done))
 
     def landed(self, result: Any) -> "_Overlapped | Exception":
         """The prefill ended: the first token goes to generation (every layer is in place),
@@ -253,9 +258,10 @@ class _Overlapped:
             try:
                 self.side.connector.stage(result.block_ids)
                 self.side.connector.renew(self.handle)          # the fetch's lease from now
-                self.announcer.first(result.token_id, result.logprob)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))
+                self._fail(RequestError(f"KV handoff failed: {exc}"))
+            else:
+                self._tell(lambda a: a.first(result.token_id, result.logprob))
         return self.error if self.error is not None else self
 
     def outputs(self) -> dict:
@@ -264,6 +270,20 @@ class _Overlapped:
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         return out
+
+    def _tell(self, say: Any) -> None:
+        """``say(announcer)``, unless generation was found unreachable before."""
+        if self.announcer is not None:
+            try:
+                say(self.announcer)
+            except ConnectorError as exc:
+                self._unheard(exc)
+
+    def _unheard(self, exc: Exception) -> None:
+        _log.warning("generation cannot be reached for the overlapped KV handoff (%s); the "
+                     "request goes on as an ordinary handoff", exc,
+                     extra={"request_id": self.request_id})
+        self.announcer = None
 
     def _fail(self, error: Exception | None, reason: str = "") -> None:
         """Give the KV back (the lease, if it was taken) and tell generation why."""
