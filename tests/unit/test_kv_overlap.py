@@ -28,18 +28,25 @@ PROMPT = list(range(3, 63))      # 60 tokens
 WAIT_S = 20.0
 
 
-def _settings(demo_engine) -> ContextSettings:
+def _settings(demo_engine, lease_seconds: float = 30.0) -> ContextSettings:
     return ContextSettings(str(demo_engine), "disaggregated", (), None, None,
-                           kv_strategy="direct_transfer", kv_max_size=0, kv_lease_seconds=30.0,
-                           stream_interval=1, kv_key_id=key_id(deployment_key()))
+                           kv_strategy="direct_transfer", kv_max_size=0,
+                           kv_lease_seconds=lease_seconds, stream_interval=1,
+                           kv_key_id=key_id(deployment_key()))
 
 
 @pytest.fixture
-def sides(demo_engine):
-    context = ContextSide(LLMEngine(demo_engine, num_blocks=16), _settings(demo_engine), "ovctx")
+def lease_seconds():
+    return 30.0
+
+
+@pytest.fixture
+def sides(demo_engine, lease_seconds):
+    context = ContextSide(LLMEngine(demo_engine, num_blocks=16),
+                          _settings(demo_engine, lease_seconds), "ovctx")
     generation = LLMEngine(demo_engine, num_blocks=16)
     connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen",
-                               deployment_key(), generation.spec.fingerprint, 30.0)
+                               deployment_key(), generation.spec.fingerprint, lease_seconds)
     yield context, generation, connector
     connector.close()
     context.close()
@@ -194,3 +201,27 @@ def test_a_generation_that_cannot_be_reached_leaves_an_ordinary_handoff(sides, d
     assert out[P.CONTEXT_PHASE_PARAMS].size and context.engine.pool.num_used
     context.release(out[P.CONTEXT_PHASE_PARAMS].tobytes())
     assert _zero(context.engine)
+
+
+@pytest.mark.parametrize("lease_seconds", [0.5])
+def test_a_prefill_longer_than_the_lease_keeps_it_while_layers_land(sides, demo_engine,
+                                                                     monkeypatch):
+    """Each layer restarts the lease on both sides: a prefill of 4 x 0.3 s outlasts a 0.5 s
+    lease and the request still decodes the aggregated text."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=6)
+    (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+    announce = Announcer.layers
+
+    def slowly(self, done):
+        announce(self, done)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(Announcer, "layers", slowly)
+    listener = _await(generation, connector, "r", params)
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    tokens, arrivals = _decode(generation, "r")
+    assert arrivals[0].error is None, arrivals[0].error
+    assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
+    assert context.connector.expired_total() == 0
+    assert _zero(context.engine) and _zero(generation)
