@@ -27,6 +27,9 @@ code asks :func:`strategy` for a strategy's properties instead of comparing name
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from triton_disagg.config.settings import EngineSettings
 
 FreeBlocks = Callable[[list[int]], None]
+_log = logging.getLogger(__name__)
 # A fetch fails this long after it started running (or at its lease's end, if sooner). Well
 # below the default 30 s lease, so KV queued behind a silent context host's fetch is still
 # leased when its turn comes; a 2,000-token READ takes ~3 ms here, ~0.6 s on a swamped host.
@@ -97,6 +101,38 @@ class Transfer(ABC):
     def cancel(self) -> None:
         """The request is gone: a transfer still waiting for its sender may end at once
         (failed); one moving bytes ends by its deadline, as it would have."""
+
+
+class ThreadTransfer(Transfer):
+    """A transfer that another thread carries out and ends with :meth:`end`; :meth:`poll`
+    is a lock-free look at an Event, so it reports only what that thread finished."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._stats: Optional[TransferStats] = None
+        self._error: Optional[BaseException] = None
+
+    def poll(self) -> Optional[TransferStats]:
+        if not self._done.is_set():
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._stats
+
+    def end(self, stats: Optional[TransferStats], error: Optional[BaseException]) -> None:
+        """The carrying thread's last word: the stats, or the error ``poll`` raises."""
+        self._stats, self._error = stats, error
+        self._done.set()
+
+
+def lower_thread_priority(nice: int, name: str) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: per thread), so that on a core
+    it shares with the decode loop the loop wins; left as it is where that is not allowed."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (OSError, AttributeError):
+        _log.debug("KV thread %s keeps its priority", name)
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from triton_disagg.kv import overlap_wire as wire
-from triton_disagg.kv.connector import ConnectorError, Transfer
+from triton_disagg.kv.connector import (ConnectorError, ThreadTransfer, Transfer,
+                                        lower_thread_priority)
 from triton_disagg.kv.handle import HandleError, KVHandle, TransferStats
 
 if TYPE_CHECKING:
@@ -78,28 +78,15 @@ class Announcer:
         self.agent.notify(self.peer, wire.message(kind, self.nonce, payload))
 
 
-class PulledTransfer(Transfer):
+class PulledTransfer(ThreadTransfer):
     """An overlapped transfer as the scheduler polls it; the reader thread ends it."""
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        super().__init__()
         self.cancelled = threading.Event()
-        self._stats: Optional[TransferStats] = None
-        self._error: Optional[BaseException] = None
-
-    def poll(self) -> Optional[TransferStats]:
-        if not self._done.is_set():
-            return None
-        if self._error is not None:
-            raise self._error
-        return self._stats
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-    def end(self, stats: Optional[TransferStats], error: Optional[BaseException]) -> None:
-        self._stats, self._error = stats, error
-        self._done.set()
 
 
 @dataclasses.dataclass
@@ -182,11 +169,7 @@ class LayerReader:
     # ---- the reader thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE)
-        except (OSError, AttributeError):
-            pass
+        lower_thread_priority(READER_NICE, self.endpoint.name)
         while not self._stop.is_set():
             with self._lock:
                 idle = not self._pulls
