@@ -173,7 +173,8 @@ def test_a_context_tried_after_one_that_failed_mid_transfer_is_followed(sides, d
                         "ovctx-first")
     try:
         (seq,) = first.engine.reserve_prompts([("r", PROMPT, params)])
-        stale = first.connector.export(list(seq.block_table.block_ids), len(PROMPT), staged=True)
+        stale = first.connector.export(list(seq.block_table.block_ids), len(PROMPT),
+                                       prefilling=True)
         announcer = first.connector.announcer(listener)
         announcer.handle(stale)
         announcer.layers(1)                          # then it went silent

@@ -232,7 +232,7 @@ class _Overlapped:
             o.error = RequestError(f"kv_listener: {exc}")
             return o
         try:
-            o.handle = side.connector.export(blocks, len(seq.prompt_ids), staged=True)
+            o.handle = side.connector.export(blocks, len(seq.prompt_ids), prefilling=True)
         except HandoffBusy as exc:
             o._fail(RequestError(f"{P.CONTEXT_BUSY}: {exc}"))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
@@ -257,7 +257,7 @@ class _Overlapped:
         elif self.error is None:
             try:
                 self.side.connector.stage(result.block_ids)
-                self.side.connector.renew(self.handle)          # the fetch's lease from now
+                self.side.connector.renew(self.handle, prefilling=False)   # final: lease from now
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self._fail(RequestError(f"KV handoff failed: {exc}"))
             else:

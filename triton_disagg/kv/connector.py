@@ -186,19 +186,21 @@ class KVConnector(ABC):
 
     # ---- context --------------------------------------------------------------------
 
-    def export(self, block_ids: Sequence[int], num_tokens: int, staged: bool = False) -> bytes:
+    def export(self, block_ids: Sequence[int], num_tokens: int,
+               prefilling: bool = False) -> bytes:
         """Signed handle bytes for ``block_ids`` (token order, ``num_tokens`` tokens of KV);
         the handoff owns the blocks from this call on, whether it returns or raises
-        (:class:`HandoffBusy` when there is no room now). ``staged``: the caller copies a
-        device KV to the host array itself (:meth:`stage`), as an overlapped transfer does
-        after exporting blocks not yet prefilled; else it is copied here."""
+        (:class:`HandoffBusy` when there is no room now). ``prefilling`` (an overlapped
+        transfer): the blocks are not prefilled yet; the caller restarts the lease as they
+        fill and says when they are final (:meth:`renew`) after copying a device KV to the
+        host array itself (:meth:`stage`); else that copy is made here."""
         if self.free_blocks is None:
             raise RuntimeError(f"this {self.strategy} connector was made without free_blocks; "
                                f"it cannot export")
         blocks = [int(b) for b in block_ids]
-        if not staged:
+        if not prefilling:
             self.stage(blocks)
-        handle = self._export(blocks, num_tokens)
+        handle = self._export(blocks, num_tokens, prefilling)
         try:
             return kvhandle.encode(handle, self.key)
         except kvhandle.HandleError:       # too large to hand out: give the KV back now
@@ -259,9 +261,10 @@ class KVConnector(ABC):
         """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
 
-    def renew(self, data: bytes) -> None:
-        """Context: restart the lease of handle bytes ``data`` (its blocks are being filled
-        by an overlapped prefill, which may outlast ``lease_seconds``)."""
+    def renew(self, data: bytes, prefilling: bool = True) -> None:
+        """Context: restart the lease of handle bytes ``data``, its blocks still being filled
+        by an overlapped prefill (which may outlast ``lease_seconds``) or, ``prefilling``
+        False, final now."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
 
     def announcer(self, listener: bytes) -> Any:
@@ -279,8 +282,9 @@ class KVConnector(ABC):
     # ---- what an implementation provides ---------------------------------------------
 
     @abstractmethod
-    def _export(self, block_ids: list[int], num_tokens: int) -> KVHandle:
-        """Hand the blocks to a lease (or copy them out and free them); owns them once called."""
+    def _export(self, block_ids: list[int], num_tokens: int, prefilling: bool) -> KVHandle:
+        """Hand the blocks to a lease (or copy them out and free them); owns them once called.
+        ``prefilling``: see :meth:`export` (a strategy that copies at once cannot)."""
 
     @abstractmethod
     def _release(self, handle: KVHandle) -> None:
