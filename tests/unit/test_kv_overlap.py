@@ -226,3 +226,36 @@ def test_a_prefill_longer_than_the_lease_keeps_it_while_layers_land(sides, demo_
     assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
     assert context.connector.expired_total() == 0
     assert _zero(context.engine) and _zero(generation)
+
+
+def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypatch):
+    """The torch runner with its KV apart from the host array (device memory on CUDA, faked
+    on the CPU by a clone, as in test_device_kv_staging): each layer is copied to the host
+    array as it lands, before generation hears of it, so the text is the aggregated one."""
+    from triton_disagg.engine.runtime import Runtime
+
+    engine = LLMEngine(demo_engine, num_blocks=16, runtime=Runtime("torch", "cpu", "float32"))
+    engine.runner.kv = engine.runner.kv.clone()          # fake device memory
+    context = ContextSide(engine, _settings(demo_engine), "ovctx-dev")
+    context.connector.pool = PoolBuffer(engine.pool.array, engine.runner)
+    generation = LLMEngine(demo_engine, num_blocks=16)
+    connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen-dev",
+                               deployment_key(), generation.spec.fingerprint, 30.0)
+    staged: list[range] = []
+    to_host = engine.runner.blocks_to_host
+    monkeypatch.setattr(engine.runner, "blocks_to_host",
+                        lambda ids, layers=None: staged.append(layers) or to_host(ids, layers))
+    try:
+        params = SamplingParams(max_tokens=8)
+        (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+        listener = _await(generation, connector, "r", params)
+        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+        tokens, arrivals = _decode(generation, "r")
+        assert arrivals[0].error is None, arrivals[0].error
+        assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
+        layers = engine.spec.shape.num_layers
+        assert staged == [range(i, i + 1) for i in range(layers)]
+        assert _zero(engine) and _zero(generation)
+    finally:
+        connector.close()
+        context.close()

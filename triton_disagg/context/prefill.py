@@ -146,14 +146,13 @@ class ContextSide:
         failed = {rid: o.error for rid, o in overlapped.items() if o.error is not None}
         kept = [s for s in seqs if s.request_id not in failed]
         live = [o for o in overlapped.values() if o.error is None]
-        per_layer = live and self.connector.pool.device_kv is None   # device KV: staged at the end
 
         def on_layer(li: int) -> None:
             for o in live:
                 o.layers(li + 1)
 
         with self._pool():
-            results = self.engine.prefill_reserved(kept, on_layer if per_layer else None,
+            results = self.engine.prefill_reserved(kept, on_layer if live else None,
                                                    frozenset(overlapped))
         done = {r.request_id: (overlapped[r.request_id].landed(r)
                                if r.request_id in overlapped else r) for r in results}
@@ -213,16 +212,18 @@ class _Overlapped:
 
     side: ContextSide
     request_id: str
+    blocks: list[int]
     announcer: Any = None
     handle: bytes = b""
     error: Exception | None = None
     result: Any = None
+    staged: int = 0          # layers of a device KV copied to the host array so far
 
     @classmethod
     def begin(cls, side: ContextSide, seq: Any, listener: bytes) -> "_Overlapped":
         """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
-        o = cls(side, seq.request_id)
         blocks = list(seq.block_table.block_ids)
+        o = cls(side, seq.request_id, blocks)
         try:
             o.announcer = side.connector.announcer(listener)
         except ConnectorError as exc:
@@ -242,11 +243,21 @@ class _Overlapped:
         return o
 
     def layers(self, done: int) -> None:
-        """Layers ``0..done-1`` are final: restart the lease (a long prefill must not
-        outlast it while it still makes progress) and tell generation."""
+        """Layers ``0..done-1`` are final: copy a device KV's new ones to the host array,
+        restart the lease (a long prefill must not outlast it while it still makes
+        progress) and tell generation."""
         if self.error is None:
+            try:
+                self._stage(done)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._fail(RequestError(f"KV handoff failed: {exc}"))
+                return
             self.side.connector.renew(self.handle)
             self._tell(lambda a: a.layers(done))
+
+    def _stage(self, done: int) -> None:
+        self.side.connector.stage(self.blocks, range(self.staged, done))
+        self.staged = done
 
     def landed(self, result: Any) -> "_Overlapped | Exception":
         """The prefill ended: the first token goes to generation (every layer is in place),
@@ -256,7 +267,7 @@ class _Overlapped:
             self._fail(None, f"the request finished at its first token ({result.finish_reason})")
         elif self.error is None:
             try:
-                self.side.connector.stage(result.block_ids)
+                self._stage(self.side.connector.geometry.num_layers)
                 self.side.connector.renew(self.handle, prefilling=False)   # final: lease from now
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self._fail(RequestError(f"KV handoff failed: {exc}"))

@@ -65,8 +65,9 @@ class DeviceKV(Protocol):
     device -> host before an export and host -> device after a fetch (NIXL reading GPU
     memory in place, without the host copy, is not built)."""
 
-    def blocks_to_host(self, block_ids: Sequence[int]) -> None:
-        """Copy those blocks of the device KV into the same rows of the host array."""
+    def blocks_to_host(self, block_ids: Sequence[int], layers: Optional[range] = None) -> None:
+        """Copy those blocks of the device KV (only ``layers`` of each, if given) into the
+        same rows of the host array."""
 
     def blocks_to_device(self, block_ids: Sequence[int]) -> None:
         """Copy those rows of the host array into the same blocks of the device KV."""
@@ -207,11 +208,11 @@ class KVConnector(ABC):
             self._release(handle)
             raise
 
-    def stage(self, block_ids: Sequence[int]) -> None:
-        """Copy those blocks of a device KV to the host array the transport moves (nothing
-        when the KV is computed in that array)."""
-        if self.pool.device_kv is not None:
-            self.pool.device_kv.blocks_to_host(block_ids)
+    def stage(self, block_ids: Sequence[int], layers: Optional[range] = None) -> None:
+        """Copy those blocks (``layers`` of each, if given) of a device KV to the host array
+        the transport moves (nothing when the KV is computed in that array)."""
+        if self.pool.device_kv is not None and (layers is None or len(layers)):
+            self.pool.device_kv.blocks_to_host(block_ids, layers)
 
     def release(self, data: bytes) -> None:
         """Give back the KV of handle bytes ``data`` (checked against the deployment key),
