@@ -75,9 +75,9 @@ class OrchestratorSettings:
     transport: str                     # "bls" (serve all) or "grpc" (serve scheduler)
     decoupled: bool
     max_local_prefill_length: int
-    overlap_kv_transfer: bool = False  # kv_cache.overlap_transfer: generation first (kv.overlap)
     pools: dict[str, PoolSettings] = field(default_factory=dict)   # role -> its pool
     discovery: DiscoveryConfig | None = None
+    overlap_kv_transfer: bool = False  # kv_cache.overlap_transfer: generation first (kv.overlap)
 
     def __post_init__(self):
         object.__setattr__(self, "pools", {

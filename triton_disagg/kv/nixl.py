@@ -70,6 +70,7 @@ from triton_disagg.kv.overlap_wire import decode_listener
 
 NOTIF_PREFIX = b"tdkv-done:"
 LEASED_POLL_SECONDS = 0.0005   # watcher pace while a handoff is outstanding (see _watch)
+FILLING_POLL_SECONDS = 0.002   # ... while the only ones out are still being prefilled
 _TICKET = np.dtype(np.int64)
 _log = logging.getLogger(__name__)
 
@@ -189,12 +190,14 @@ class NixlEndpoint:
 
     def _watch(self, idle_interval_s: float) -> None:
         """Poll every ``LEASED_POLL_SECONDS`` while a lease whose blocks are final is out,
-        else every ``idle_interval_s`` (also while the only leases out are still being
-        prefilled: a fast pace then only takes the prefill's core and GIL); an export, or
-        a lease's blocks becoming final, wakes it at once. The agent runs without a progress
-        thread, so a reader's READ completes only as these polls progress it (UCX's flush
-        after the READ waits on this side once a notification went out), and their pace is
-        the handoff's latency."""
+        every ``FILLING_POLL_SECONDS`` while the only leases out are still being prefilled
+        (an overlapped transfer: a reader READs their layers as they land, across hosts
+        progressed by these polls, but none can finish yet; polling faster would only take
+        the prefill's core and GIL), else every ``idle_interval_s``; an export, or a lease's
+        blocks becoming final, wakes it at once. The agent runs without a progress thread,
+        so a reader's READ completes only as these polls progress it (UCX's flush after the
+        READ waits on this side once a notification went out), and their pace is the
+        handoff's latency."""
         interval = idle_interval_s
         while True:
             self._wake.wait(interval)
@@ -205,7 +208,9 @@ class NixlEndpoint:
                 self.poll()
             except Exception:  # noqa: BLE001 - keep watching; the next poll retries
                 _log.exception("KV lease watcher of %s", self.name)
-            interval = LEASED_POLL_SECONDS if self.leases.readable() else idle_interval_s
+            out, readable = len(self.leases), self.leases.readable()
+            interval = (LEASED_POLL_SECONDS if readable else FILLING_POLL_SECONDS if out
+                        else idle_interval_s)
 
     # ---- receiver -------------------------------------------------------------------
 
@@ -262,10 +267,11 @@ class NixlEndpoint:
         return len(handle.block_ids) * len(layers) * self.geometry.block_nbytes \
             // self.geometry.num_layers
 
-    def confirm(self, peer: str, handle: KVHandle, deadline: float) -> None:
-        """Check the lease held for every READ so far and end it (:meth:`_confirm`)."""
-        with self._fetch_lock:
-            self._confirm(peer, handle, deadline)
+    def confirm(self, peer: str, handle: KVHandle, deadline: float,
+                tickets: np.ndarray) -> None:
+        """Check the lease held for every READ so far and end it (:meth:`_confirm`), the
+        ticket words READ into ``tickets`` (the caller's, registered with this agent)."""
+        self._confirm(peer, handle, deadline, tickets[:len(handle.block_ids)])
 
     def _check_blocks(self, handle: KVHandle, dst_block_ids: Sequence[int]) -> None:
         if len(dst_block_ids) != self.geometry.blocks_for(handle.num_tokens):
@@ -291,13 +297,17 @@ class NixlEndpoint:
                          [(handle.pool_addr + s * size + offset, n, 0) for s, _, n in pairs],
                          b"", deadline, f"KV lease {handle.lease_id}")
 
-    def _confirm(self, peer: str, handle: KVHandle, deadline: float) -> None:
-        """READ the blocks' ticket words, naming the lease in the READ's notification (the
+    def _confirm(self, peer: str, handle: KVHandle, deadline: float,
+                 tickets: Optional[np.ndarray] = None) -> None:
+        """READ the blocks' ticket words (into ``tickets`` ``[n]``, registered; None: the
+        scratch, under ``_fetch_lock``), naming the lease in the READ's notification (the
         sender then ends it), and raise :class:`LeaseExpiredError` unless every word still
         holds the handle's ticket (module docstring: the proof that no block was reused
-        during an earlier READ). Holds ``_fetch_lock`` (the scratch)."""
+        during an earlier READ)."""
         n = len(handle.block_ids)
-        tickets = self._agent.scratch(n * _TICKET.itemsize)[:n * _TICKET.itemsize].view(_TICKET)
+        if tickets is None:
+            tickets = self._agent.scratch(n * _TICKET.itemsize)[:n * _TICKET.itemsize]
+            tickets = tickets.view(_TICKET)                                     # [n]
         ticket_runs = runs(handle.block_ids, range(n))
         self._agent.read(peer,
                          [(tickets.ctypes.data + 8 * d, 8 * k, 0) for _, d, k in ticket_runs],

@@ -135,6 +135,21 @@ class Agent:
             self._exposed.append(reg)
         return reg, metadata
 
+    def register(self, array: np.ndarray) -> Any:
+        """Register ``array`` (contiguous) as a destination of this agent's own READs; never
+        exposed to a peer. Returns the registration for :meth:`unregister`."""
+        with self._lock:
+            reg = self._agent.register_memory([(array.ctypes.data, array.nbytes, 0, "")], "DRAM")
+            self._regs.append(reg)
+        return reg
+
+    def unregister(self, reg: Any) -> None:
+        """Deregister what :meth:`register` returned (a closed agent has done it already)."""
+        with self._lock:
+            if reg in self._regs:
+                self._regs.remove(reg)
+                self._agent.deregister_memory(reg)
+
     def withdraw(self, reg: Any) -> None:
         """Deregister what :meth:`expose` returned as ``reg`` (once)."""
         with self._lock:

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import numpy as np
 
 from triton_disagg.kv import overlap_wire as wire
 from triton_disagg.kv.connector import (ConnectorError, ThreadTransfer, Transfer,
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 POLL_SECONDS = 0.001        # the reader's pace while a pull waits for notifications
 MAX_PULLS = 4096            # listeners outstanding per instance; beyond that: refused
 READER_NICE = 5             # like the fetch thread: the decode loop's step wins its core
+PEER_IDLE_SECONDS = 60.0    # a context agent's reader thread ends after this long idle
 _log = logging.getLogger(__name__)
 
 
@@ -107,13 +111,19 @@ class _Pull:
     copy_seconds: float = 0.0                   # in this pull's READs (and device copy)
     first: Optional[tuple[int, float]] = None
     failure: Optional[str] = None
+    busy: bool = False                          # its context's reader is on it (READs)
+    backlog: list = dataclasses.field(default_factory=list)  # handles that came while busy
 
 
 class LayerReader:
-    """Generation's reader of overlapped transfers over ``endpoint``'s pool, on one thread
-    (started by the first :meth:`listen`). ``check(data)`` decodes and checks a handle
-    (the connector's ``decode``); ``staged(blocks)`` copies landed blocks to the device
-    (None on a host pool); ``lease_seconds`` bounds the wait for the handle."""
+    """Generation's reader of overlapped transfers over ``endpoint``'s pool. One dispatcher
+    thread (started by the first :meth:`listen`) files the notifications and ends the pulls
+    that were cancelled, failed or ran out of time; the READs of the pulls whose KV comes
+    from one context agent run on that agent's own thread (:class:`_PeerReader`), so a
+    context host that stops answering mid-READ holds up only its own requests.
+    ``check(data)`` decodes and checks a handle (the connector's ``decode``);
+    ``staged(blocks)`` copies landed blocks to the device (None on a host pool);
+    ``lease_seconds`` bounds the wait for the handle."""
 
     def __init__(self, endpoint: "NixlEndpoint", key: bytes,
                  check: Callable[[bytes], KVHandle], lease_seconds: float,
@@ -126,6 +136,7 @@ class LayerReader:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._peers: dict[str, _PeerReader] = {}        # context agent -> its reader
 
     def listen(self, num_tokens: int) -> tuple[str, bytes]:
         """Expect the KV of a ``num_tokens``-token prompt: the pull's nonce and the signed
@@ -165,6 +176,10 @@ class LayerReader:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
 
     # ---- the reader thread ------------------------------------------------------------
 
@@ -179,17 +194,45 @@ class LayerReader:
                 for sender, messages in self.endpoint.agent.notifs_by_peer().items():
                     self._deliver(sender, messages)
                 with self._lock:
-                    pulls = list(self._pulls.items())
+                    pulls = [(n, p) for n, p in self._pulls.items() if not p.busy]
                 for nonce, pull in pulls:
-                    if self._advance(pull):
-                        with self._lock:
-                            del self._pulls[nonce]
+                    for sender, msg in pull.backlog:
+                        self._deliver(sender, [msg])
+                    pull.backlog.clear()
+                    if self._ended(pull):
+                        self._forget(nonce)
+                    elif self._has_work(pull):
+                        pull.busy = True
+                        self._dispatch(nonce, pull)
             except Exception:  # noqa: BLE001 - keep reading; each pull has its deadline
                 _log.exception("overlapped KV reader of %s", self.endpoint.name)
         with self._lock:
-            pulls, self._pulls = list(self._pulls.values()), {}
+            pulls, self._pulls = [p for p in self._pulls.values() if not p.busy], {}
         for pull in pulls:
             self._end(pull, None, ConnectorError("this KV connector is closed"))
+
+    def _forget(self, nonce: str) -> None:
+        with self._lock:
+            self._pulls.pop(nonce, None)
+
+    def _dispatch(self, nonce: str, pull: _Pull) -> None:
+        """Queue ``pull`` on the reader thread of its context agent (made on first use; one
+        that idled past ``PEER_IDLE_SECONDS`` left the table under the same lock)."""
+        agent_name = pull.handle.agent_name
+        with self._lock:
+            peer = self._peers.get(agent_name)
+            if peer is None:
+                peer = self._peers[agent_name] = _PeerReader(self, agent_name)
+            peer.put(nonce, pull)
+
+    def retire(self, peer: "_PeerReader") -> bool:
+        """May ``peer``'s idle thread end? Yes (and it leaves the table) if no job came."""
+        with self._lock:
+            if not peer.idle():
+                return False
+            if self._peers.get(peer.agent_name) is peer:
+                del self._peers[peer.agent_name]
+            return True
 
     def _deliver(self, sender: str, messages: list[bytes]) -> None:
         """File each notification of agent ``sender`` with its pull; others are ignored. A
@@ -205,6 +248,9 @@ class LayerReader:
             kind, _, payload = parsed
             if pull.handle is not None and sender != pull.handle.agent_name \
                     and kind != wire.HANDLE:
+                continue
+            if kind == wire.HANDLE and pull.busy:
+                pull.backlog.append((sender, msg))       # not under its reader's feet
                 continue
             try:
                 if kind == wire.HANDLE:
@@ -238,8 +284,9 @@ class LayerReader:
         pull.handle, pull.deadline = handle, now + handle.lease_seconds
         pull.announced, pull.read, pull.first, pull.failure = 0, 0, None, None
 
-    def _advance(self, pull: _Pull) -> bool:
-        """Read what the context announced; True once the pull ended."""
+    def _ended(self, pull: _Pull) -> bool:
+        """End a pull that was cancelled, failed or ran out of time (dispatcher, the pull
+        not busy); True if it ended."""
         if pull.transfer is not None and pull.transfer.cancelled.is_set():
             return self._end(pull, None, ConnectorError("cancelled"))
         if pull.failure is not None and pull.transfer is not None:
@@ -249,18 +296,29 @@ class LayerReader:
             return self._end(pull, None, ConnectorError(
                 f"overlapped KV transfer: no {'handle' if pull.handle is None else 'last layer'} "
                 f"from the context within {time.monotonic() - pull.began:.1f} s"))
-        if pull.blocks is None or pull.handle is None:
-            return False
+        return False
+
+    @staticmethod
+    def _ready(pull: _Pull) -> int:
         layers = pull.handle.geometry.num_layers
-        ready = layers if pull.first is not None else min(pull.announced, layers)
-        began = time.monotonic()
+        return layers if pull.first is not None else min(pull.announced, layers)
+
+    def _has_work(self, pull: _Pull) -> bool:
+        return (pull.blocks is not None and pull.handle is not None
+                and (self._ready(pull) > pull.read or pull.first is not None))
+
+    def read(self, pull: _Pull, tickets) -> bool:
+        """Read what the context announced into the sequence's blocks, and once the first
+        token came, the ticket words (into ``tickets``, the peer reader's own registered
+        buffer), which ends the lease; True once the pull ended (done, or failed)."""
+        ready, began = self._ready(pull), time.monotonic()
         try:
             if ready > pull.read:
                 pull.nbytes += self.endpoint.read_layers(pull.peer, pull.handle, pull.blocks,
                                                          range(pull.read, ready), pull.deadline)
                 pull.read = ready
             if pull.first is not None:
-                self.endpoint.confirm(pull.peer, pull.handle, pull.deadline)
+                self.endpoint.confirm(pull.peer, pull.handle, pull.deadline, tickets)
                 if self.staged is not None:
                     self.staged(pull.blocks)
         except Exception as exc:  # noqa: BLE001 - that request fails alone
@@ -272,8 +330,62 @@ class LayerReader:
         return self._end(pull, TransferStats(pull.nbytes, pull.copy_seconds,
                                              time.monotonic() - pull.started, *pull.first), None)
 
+    def stepped(self, nonce: str, pull: _Pull, ended: bool) -> None:
+        """A peer reader is done with ``pull`` for now (its thread)."""
+        if ended:
+            self._forget(nonce)
+        pull.busy = False
+        self._wake.set()
+
     @staticmethod
     def _end(pull: _Pull, stats: Optional[TransferStats], error: Optional[BaseException]) -> bool:
         if pull.transfer is not None:
             pull.transfer.end(stats, error)
         return True
+
+
+class _PeerReader:
+    """The thread that READs the KV of one context agent's pulls, one at a time, into the
+    pool (and their ticket words into its own registered buffer, so that no lock is shared
+    with another peer's READs); it ends after ``PEER_IDLE_SECONDS`` without work."""
+
+    def __init__(self, reader: LayerReader, agent_name: str):
+        self.reader, self.agent_name = reader, agent_name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"{reader.endpoint.name}-from-{agent_name[:24]}")
+        self._thread.start()
+
+    def put(self, nonce: str, pull: _Pull) -> None:
+        self._jobs.put((nonce, pull))
+
+    def idle(self) -> bool:
+        return self._jobs.empty()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        lower_thread_priority(READER_NICE, self.agent_name)
+        tickets = np.zeros(self.reader.endpoint.pool.shape[0], np.int64)   # [num_blocks]
+        agent = self.reader.endpoint.agent
+        reg = agent.register(tickets)
+        try:
+            while True:
+                try:
+                    job = self._jobs.get(timeout=PEER_IDLE_SECONDS)
+                except queue.Empty:
+                    if self.reader.retire(self):
+                        return
+                    continue
+                if job is None:
+                    return
+                nonce, pull = job
+                ended = False
+                try:
+                    ended = self.reader.read(pull, tickets)
+                finally:
+                    self.reader.stepped(nonce, pull, ended)
+        finally:
+            agent.unregister(reg)
