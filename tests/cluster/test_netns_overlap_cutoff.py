@@ -67,7 +67,7 @@ def _config(path, demo_engine, contexts: list[str], generation: str, stall: int)
     "bug in kv/overlap.py: LayerReader runs every overlapped pull of an instance on one "
     "thread, and a READ from the cut-off ctx1 holds it until that pull's deadline, so "
     "requests that never touched ctx1 stall and fail too ('generation sent no token for "
-    "4 s', 'NIXL READ ... did not finish in time (state PROC)')"))
+    "6 s', 'NIXL READ ... did not finish in time (state PROC)')"))
 def test_a_context_server_cut_off_mid_transfer_fails_only_its_requests(demo_engine, tmp_path,
                                                                         hosts, monkeypatch):
     from triton_disagg.clients.workload import make_prompt
