@@ -14,7 +14,8 @@ rounds (after one warm-up request each). Long prompts need a long engine: withou
 
 Invariant: every figure is client-side (``time.perf_counter``, from the request's send to
 its first and second responses), so it includes the front end, both Triton hops and the
-token path; the two servers' rows come from the same rounds.
+token path; the two servers' rows come from the same rounds; both servers answer every
+prompt with the same text, or the bench fails.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from triton_disagg.bench.args import number_list
 from triton_disagg.errors import UserError
 
 KV_MAX_SIZE = "160MB"      # per pool: an 8,192-token sequence of the demo engine is 32 MiB
+STALL_SECONDS = 300.0      # a call's deadline: a long CPU prefill on a loaded host
 MODES = ("without", "with")
 
 
@@ -47,6 +49,9 @@ def add_overlap_parser(kinds) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds; the best median is kept")
     p.add_argument("--cpus", default="0,1", help="context on the first half, generation on "
                                                  "the rest (default 0,1)")
+    p.add_argument("--runtime", default="torch", choices=["torch", "numpy"],
+                   help="model.runtime on the CPU (default torch: its prefill of 8,000 tokens "
+                        "takes ~4 s on one core, numpy's ~30 s)")
     p.add_argument("--work-dir", type=Path, default=Path("work/bench"))
     p.add_argument("--output", type=Path, help="markdown file whose overlap section is replaced")
     p.set_defaults(func=run)
@@ -98,21 +103,49 @@ def long_engine(work_dir: Path, tokens: int, say) -> Path:
     return built.resolve()
 
 
-async def _timing(grpc_url: str, prompts: Sequence[str]) -> Timing:
+async def _rounds(grpc: dict[str, str], prompts: dict[int, list[str]], rounds: int,
+                  say) -> dict[tuple[int, str], list[Timing]]:
+    """Every round: each length's requests, each sent to the server without overlap then
+    to the one with it (pairs, so that a slow moment of the host hits both); per round and
+    server, the medians. The first request of each length warms both servers up."""
     import tritonclient.grpc.aio as aio
 
     from triton_disagg.clients.stream import GenerateRequest, grpc_generate
 
-    firsts, seconds = [], []
-    async with aio.InferenceServerClient(grpc_url) as client:
-        for prompt in prompts:
-            m = await grpc_generate(client, GenerateRequest(prompt, 2))
+    clients = {mode: aio.InferenceServerClient(url) for mode, url in grpc.items()}
+    found: dict[tuple[int, str], list[Timing]] = {}
+    try:
+        async def one(mode: str, prompt: str) -> tuple[float, float, str]:
+            m = await grpc_generate(clients[mode], GenerateRequest(prompt, 2))
             if len(m.arrivals) < 2:
                 raise UserError("bench overlap: a reply came in one response; the second "
                                 "token is needed (is stream_interval 1?)")
-            firsts.append(m.arrivals[0] - m.start)
-            seconds.append(m.arrivals[1] - m.start)
-    return Timing(statistics.median(firsts), statistics.median(seconds))
+            return m.arrivals[0] - m.start, m.arrivals[1] - m.start, "".join(m.text)
+
+        for n, texts in prompts.items():
+            for mode in MODES:
+                await one(mode, texts[0])
+        for round_ in range(rounds):
+            for n, texts in prompts.items():
+                got: dict[str, list] = {mode: [] for mode in MODES}
+                for prompt in texts[1:]:
+                    pair = {mode: await one(mode, prompt) for mode in MODES}
+                    if len({text for _, _, text in pair.values()}) != 1:
+                        raise UserError(f"bench overlap: the servers answered a {n}-token "
+                                        f"prompt differently: {pair}")
+                    for mode in MODES:
+                        got[mode].append(pair[mode])
+                for mode in MODES:
+                    t = Timing(statistics.median(f for f, _, _ in got[mode]),
+                               statistics.median(s for _, s, _ in got[mode]))
+                    found.setdefault((n, mode), []).append(t)
+                    say(f"round {round_ + 1}, {n} tokens, {mode} overlap: first "
+                        f"{t.first * 1e3:.0f} ms, second {t.second * 1e3:.0f} ms "
+                        f"(window {t.window * 1e3:.1f} ms)")
+    finally:
+        for client in clients.values():
+            await client.close()
+    return found
 
 
 def measure(args: argparse.Namespace, engine: Path, lengths: list[int], say) -> list[Row]:
@@ -125,25 +158,15 @@ def measure(args: argparse.Namespace, engine: Path, lengths: list[int], say) -> 
     tokenizer, rng = Tokenizer(engine), random.Random(0)
     prompts = {n: [exact_prompt(tokenizer, n, rng) for _ in range(args.requests + 1)]
                for n in lengths}
-    found: dict[tuple[int, str], list[Timing]] = {}
     with contextlib.ExitStack() as stack:
         grpc = {}
         for mode in MODES:
             say(f"starting serve all {mode} overlap")
             _, _, grpc[mode] = stack.enter_context(serving(
                 "direct_transfer", engine, cores, (args.work_dir / "overlap").resolve(),
-                overlap=mode == "with", kv_max_size=KV_MAX_SIZE))
-        for n in lengths:
-            for mode in MODES:
-                asyncio.run(_timing(grpc[mode], prompts[n][:1]))           # warm-up
-        for round_ in range(args.rounds):
-            for n in lengths:
-                for mode in MODES:
-                    t = asyncio.run(_timing(grpc[mode], prompts[n][1:]))
-                    found.setdefault((n, mode), []).append(t)
-                    say(f"round {round_ + 1}, {n} tokens, {mode} overlap: first "
-                        f"{t.first * 1e3:.0f} ms, second {t.second * 1e3:.0f} ms "
-                        f"(window {t.window * 1e3:.1f} ms)")
+                overlap=mode == "with", kv_max_size=KV_MAX_SIZE, stall_seconds=STALL_SECONDS,
+                runtime=args.runtime))
+        found = asyncio.run(_rounds(grpc, prompts, args.rounds, say))
     return [Row(n, best(found[(n, "without")]), best(found[(n, "with")])) for n in lengths]
 
 
@@ -172,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
 
 def markdown(rows: Sequence[Row], args: argparse.Namespace) -> str:
     lines = [
-        f"`triton-disagg bench overlap`: two `serve all` of the demo engine (direct_transfer, "
+        f"`triton-disagg bench overlap`: two `serve all` of the demo engine ({args.runtime} "
+        f"runtime, direct_transfer, "
         f"cores {args.cpus}: context and front end on the first half, generation on the "
         f"rest), one with `--overlap_kv_transfer`, taking turns one request at a time; "
         f"max_tokens 2, streamed over gRPC. Client-side medians of {args.requests} requests "
