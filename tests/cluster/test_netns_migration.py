@@ -27,8 +27,6 @@ import re
 import signal
 import time
 
-import pytest
-
 import servers
 from netns_hosts import (ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, HeldStreams, Hosts, hosts_fixture,
                          metrics_of, serve_role)
@@ -125,11 +123,6 @@ def test_a_generation_server_lost_mid_stream(demo_engine, tmp_path, hosts, monke
         print(f"errors after the last generation server died: {outcomes[0]['error']}")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug in context/prefill.py + front/orchestrator.py: a context whose overlapped handoff "
-    "cannot notify the dead generation agent (NIXL_ERR_REMOTE_DISCONNECT) fails the request "
-    "as INVALID_ARG ('overlapped KV handoff failed'), and overlapped() passes that to the "
-    "client instead of migrating it off the lost generation server"))
 def test_a_generation_server_lost_during_overlapped_transfers(demo_engine, tmp_path, hosts,
                                                               monkeypatch):
     import random

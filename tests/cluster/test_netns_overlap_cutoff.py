@@ -7,9 +7,9 @@ knows ctx2 alone, so its requests never touch ctx1.
 Long prompts stream at once through ``scheduler``. Generation is asked first, so it holds every
 request and reads each prompt's KV while its context server prefills it. ctx1's uplink is
 slowed (``tc``'s token bucket) so that its KV arrives slower than it is made: gen1 always
-has some of it to read. Once ctx1 holds requests and its KV is on the wire, ctx1 is held
-still (SIGSTOP), its ``eth0`` pulled out, and let go: its prefills go on with nowhere to
-send their KV. Right then, long prompts stream through ``sched2`` (ctx2 and gen1). Then:
+has some of it to read. Once ctx1 holds requests and its KV is flowing, its ``eth0`` is
+pulled out: its prefills go on with nowhere to send their KV. Right then, long prompts
+stream through ``sched2`` (ctx2 and gen1). Then:
 
 - ``sched2``'s streams, which share nothing with ctx1 but gen1, complete with the offline
   engine's greedy text within their ``stall_seconds`` (``SCHED2_STALL_SECONDS``);
@@ -22,9 +22,7 @@ send their KV. Right then, long prompts stream through ``sched2`` (ctx2 and gen1
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import time
 
 import pytest
@@ -44,6 +42,7 @@ SCHED2_STREAMS = 2
 MAX_TOKENS = 16
 SLOW_LINK = "40mbit"      # ctx1's uplink: its KV (4 MB a prompt) arrives slower than made
 READ_UNDER_WAY = 1 << 20  # bytes out of ctx1 once the streams began: a READ is in flight
+FLOWING = 200_000         # bytes per 0.1 s out of ctx1 (40mbit: 500 kB): a READ under way
 LEASE_SECONDS = 10        # ctx1's slow reads fit in it when nothing is cut
 STALL_SECONDS = 8
 SCHED2_STALL_SECONDS = 6  # over what ctx1's slow READs delay gen1 when nothing is cut
@@ -96,6 +95,12 @@ def test_a_context_server_cut_off_mid_transfer_fails_only_its_requests(demo_engi
         except AssertionError:
             return False
 
+    def reading_ctx1() -> bool:
+        """ctx1 is sending KV now: its uplink moved over ``FLOWING`` bytes in 0.1 s."""
+        before = hosts.tx_bytes("ctx1")
+        time.sleep(0.1)
+        return hosts.tx_bytes("ctx1") - before > FLOWING
+
     commands = [serve_role(hosts, h, ROLE[h], ctx2_only if h == "sched2" else both,
                            tmp_path / h) for h in HOSTS]
     with servers.serve_commands(commands):
@@ -110,12 +115,8 @@ def test_a_context_server_cut_off_mid_transfer_fails_only_its_requests(demo_engi
         wait_until(lambda: routed("ctx1") >= warm_on_ctx1 + 2, 30, "ctx1 holds requests")
         wait_until(lambda: hosts.tx_bytes("ctx1") - sent > READ_UNDER_WAY, 30,
                    "gen1 reads ctx1's KV", poll=0.1)
-        context = servers.tritonserver_pid(tmp_path / "ctx1")
-        os.killpg(context, signal.SIGSTOP)            # mid-prefill: its KV partly announced
-        try:
-            hosts.link("ctx1", up=False)
-        finally:
-            os.killpg(context, signal.SIGCONT)
+        wait_until(lambda: reading_ctx1(), 30, "a READ from ctx1 under way")
+        hosts.link("ctx1", up=False)                  # mid-READ, mid-prefill
         cut = time.monotonic()                        # CLOCK_MONOTONIC: one clock for all
         held2.start()
         outcomes2 = held2.outcomes(timeout=END_BOUND + 30)
