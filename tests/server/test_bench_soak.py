@@ -168,6 +168,22 @@ def test_verdict_fails_on_each_hard_criterion():
     assert "| host_memory |" in text and "not judged" in text and "**no**" in text
 
 
+def test_overlap_serves_direct_transfer_with_overlap_and_refuses_host_memory(tmp_path, capsys):
+    from triton_disagg.cli import main
+    from triton_disagg.config.disagg import parse_config
+
+    (tmp_path / "engine.json").write_text("{}")
+    raw, _ = config_for(tmp_path, "direct_transfer", 2, [0, 1], overlap=True)
+    assert parse_config(raw).kv_cache.overlap_transfer
+    assert not parse_config(config_for(tmp_path, "host_memory", 2, [0, 1])[0]) \
+        .kv_cache.overlap_transfer
+    assert main(["bench", "soak", "--overlap", "--strategies", "direct_transfer,host_memory",
+                 "--genai-perf", str(tmp_path / "nowhere")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--overlap needs --strategies direct_transfer: host_memory" in error
+    assert "\n" not in error
+
+
 def test_config_pins_only_with_a_core_per_instance(tmp_path):
     (tmp_path / "engine.json").write_text("{}")
     from triton_disagg.config.disagg import parse_config

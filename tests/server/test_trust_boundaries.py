@@ -107,15 +107,6 @@ def test_apis_clients_do_not_need_are_restricted(served):
         assert client.is_server_ready()
 
 
-def _tritonserver_pid(served) -> int:
-    """The pid (and process group) of the tritonserver a `serve` command started."""
-    for line in servers.processes_under(served.work_dir):
-        pid, cmd = line.split(": ", 1)
-        if cmd.split()[0].endswith("/tritonserver"):
-            return int(pid)
-    raise AssertionError(f"no tritonserver under {served.work_dir}")
-
-
 def test_a_stopped_context_server_is_left_for_another_within_the_deadline(demo_engine,
                                                                           tmp_path,
                                                                           offline_demo):
@@ -135,7 +126,7 @@ def test_a_stopped_context_server_is_left_for_another_within_the_deadline(demo_e
         stack.enter_context(servers.serve("generation", args, tmp_path / "g", http=False,
                                           grpc_port=gen))
         scheduler = stack.enter_context(servers.serve("scheduler", args, tmp_path / "s"))
-        pid = _tritonserver_pid(stopped)
+        pid = servers.tritonserver_pid(stopped.work_dir)
         os.killpg(pid, signal.SIGSTOP)
         stack.callback(os.killpg, pid, signal.SIGCONT)      # before its serve stops it
         for prompt in PROMPTS[:3]:

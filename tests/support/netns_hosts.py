@@ -167,6 +167,21 @@ class Hosts:
         assert out.returncode == 0, out.stderr
         return out.stdout
 
+    def link(self, host: str, up: bool) -> None:
+        """Plug ``host``'s ``eth0`` in (``up``) or pull it out: the host drops off the
+        network with its processes still running."""
+        _ip("-n", self.namespace(host), "link", "set", "eth0", "up" if up else "down")
+
+    def throttle(self, host: str, rate: str) -> None:
+        """Cap what ``host`` sends out of its ``eth0`` at ``rate`` (tc's words: ``20mbit``),
+        a token bucket on the link: a slow network, for transfers that take seconds."""
+        out = subprocess.run(["ip", "netns", "exec", self.namespace(host), "tc", "qdisc",
+                              "replace", "dev", "eth0", "root", "tbf", "rate", rate,
+                              "burst", "32kbit", "latency", "400ms"],
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"tc on {host}: {out.stderr.strip()}")
+
     def tx_bytes(self, host: str) -> int:
         """Bytes ``host`` has sent out of its ``eth0`` so far."""
         return int(self.run(host, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout)

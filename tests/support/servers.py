@@ -137,6 +137,16 @@ def stop(served: Served, timeout: float = 60.0) -> int:
     return served.process.returncode
 
 
+def tritonserver_pid(work_dir: Path) -> int:
+    """The pid (and process group) of the tritonserver a `serve` command started under
+    ``work_dir``."""
+    for line in processes_under(work_dir):
+        pid, cmd = line.split(": ", 1)
+        if cmd.split()[0].endswith("/tritonserver"):
+            return int(pid)
+    raise AssertionError(f"no tritonserver under {work_dir}")
+
+
 def processes_under(work_dir: Path) -> list[str]:
     """Command lines of live processes that mention ``work_dir`` (tritonserver, its stubs)."""
     found = []

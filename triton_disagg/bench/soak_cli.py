@@ -6,7 +6,8 @@ Per strategy: start ``serve all -c`` (two generation instances) as a user would
 stubs' RSS is sampled (:mod:`.soak_watch`); wait for every client to end; wait for the
 KV pools to empty; send one more request; stop the server and search its logs. Then
 the table (:mod:`.soak_report`): printed, and with ``--output`` kept as the ``soak``
-section of that file. Exit 1 when a strategy fails a hard criterion.
+section of that file (``--overlap``: the ``soak-overlap`` section, each strategy named
+``direct_transfer + overlap``). Exit 1 when a strategy fails a hard criterion.
 
 Invariant: the soak depends on the public ensemble, Triton's endpoints, ``/metrics``,
 the logs and the process table only, never on what runs inside the models.
@@ -25,6 +26,8 @@ from pathlib import Path
 from triton_disagg.bench.args import add_engine_arg, bench_engine
 from triton_disagg.errors import UserError
 
+OVERLAP_SUFFIX = " + overlap"     # the strategy column's name for a run with --overlap
+
 
 def add_soak_parser(kinds) -> None:
     p = kinds.add_parser(
@@ -34,6 +37,10 @@ def add_soak_parser(kinds) -> None:
                     "requests, crashes, KV blocks left in use and stub memory over time.")
     p.add_argument("--minutes", type=float, default=10.0, help="load per strategy (default 10)")
     p.add_argument("--strategies", default="direct_transfer,host_memory")
+    p.add_argument("--overlap", action="store_true",
+                   help="serve with kv_cache.overlap_transfer: true (--overlap_kv_transfer: "
+                        "generation READs a prompt's KV layer by layer during its prefill); "
+                        "direct_transfer only")
     p.add_argument("--generation-instances", type=int, default=2)
     add_engine_arg(p, "work/bench")
     p.add_argument("--cpus", help="cores to place the models on, e.g. 0,1,2 (default: all "
@@ -57,11 +64,15 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.args import number_list
     from triton_disagg.bench.soak_report import markdown
     from triton_disagg.bench.soak_tools import find_genai_perf
-    from triton_disagg.kv.connector import STRATEGIES
+    from triton_disagg.kv.connector import STRATEGIES, strategy as kv_strategy
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or set(strategies) - set(STRATEGIES):
         raise UserError(f"--strategies: {args.strategies!r}; choose from {', '.join(STRATEGIES)}")
+    copying = [s for s in strategies if not kv_strategy(s).reads_peer_memory]
+    if args.overlap and copying:
+        raise UserError(f"--overlap needs --strategies direct_transfer: {', '.join(copying)} "
+                        f"copies a prompt's KV once its prefill is done, nothing to overlap")
     if args.minutes <= 0 or args.generation_instances < 1 or args.locust_users < 1 \
             or args.cancel_clients < 0 or args.settle < 0:
         raise UserError("--minutes, --generation-instances and --locust-users must be positive, "
@@ -72,13 +83,15 @@ def run(args: argparse.Namespace) -> int:
     engine = bench_engine(args.engine, Path("work/bench"), _say)
     results = [soak_one(s, args, engine, genai_perf, cores) for s in strategies]
     command = f"triton-disagg bench soak --minutes {args.minutes:g} --strategies " \
-              f"{','.join(strategies)}"
+              f"{','.join(strategies)}" + (" --overlap" if args.overlap else "")
     body = markdown(results, args.minutes, command)
     print(body)
     if args.output:
         from triton_disagg.bench.report import replace_section
 
-        replace_section(args.output, "soak", "Soak: serve all under mixed load", body)
+        section, title = (("soak-overlap", "Soak: serve all with --overlap_kv_transfer")
+                          if args.overlap else ("soak", "Soak: serve all under mixed load"))
+        replace_section(args.output, section, title, body)
         _say(f"section written to {args.output}")
     failed = [r.strategy for r in results if r.failures()]
     _say(f"FAIL: {', '.join(failed)}" if failed else "PASS")
@@ -94,14 +107,16 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
     from triton_disagg.bench.soak_watch import RequestLog, RssSampler, Tally, rss_rows
     from triton_disagg.engine.tokenizer import Tokenizer
 
-    config, placement = config_for(engine, strategy, args.generation_instances, cores)
-    work = args.work_dir.resolve() / strategy
+    config, placement = config_for(engine, strategy, args.generation_instances, cores,
+                                   args.overlap)
+    name = strategy + (OVERLAP_SUFFIX if args.overlap else "")
+    work = args.work_dir.resolve() / (strategy + ("-overlap" if args.overlap else ""))
     shutil.rmtree(work, ignore_errors=True)
     tokenizer, log, stop = Tokenizer(engine), RequestLog(), threading.Event()
     seconds, notes = args.minutes * 60.0, []
-    _say(f"{strategy}: starting serve all ({placement})")
+    _say(f"{name}: starting serve all ({placement})")
     with serving(config, work) as server:
-        _say(f"{strategy}: ready in {server.ready_seconds:.0f} s; {args.minutes:g} min of load")
+        _say(f"{name}: ready in {server.ready_seconds:.0f} s; {args.minutes:g} min of load")
         sampler = RssSampler(server.process.pid)
         sampler.start()
         load_start = time.monotonic()
@@ -111,7 +126,7 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
         gp_tally = Tally()
         threads = [threading.Thread(target=genai_perf_loop, daemon=True, args=(
             genai_perf, server.grpc, engine, stop_at, work / "genai-perf", gp_tally,
-            lambda m: _say(f"{strategy}: {m}")))]
+            lambda m: _say(f"{name}: {m}")))]
         threads += [threading.Thread(target=clients.cancel_client, daemon=True, args=(
             server.grpc, server.http, log, stop, i, tokenizer)) for i in range(args.cancel_clients)]
         threads.append(threading.Thread(target=clients.bad_input_client, daemon=True, args=(
@@ -122,14 +137,14 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
             time.sleep(1.0)
         load_end = time.monotonic()
         stop.set()
-        _say(f"{strategy}: load over; waiting for the clients to end")
+        _say(f"{name}: load over; waiting for the clients to end")
         for t in threads[1:]:
             t.join(timeout=max(0.0, (log.open_deadline() or 0) - time.monotonic()) + 5)
         threads[0].join(timeout=GENAI_PERF_RUN_TIMEOUT + 30)
         tool_tallies = locust_tallies(locust, work / "locust", LOCUST_STOP_TIMEOUT + 120)
         drain = time.monotonic() - load_end
         sampler.stop()
-        _say(f"{strategy}: clients done after {drain:.0f} s; waiting for the KV pools to empty")
+        _say(f"{name}: clients done after {drain:.0f} s; waiting for the KV pools to empty")
         pools, settled = wait_pools_empty(server.metrics, args.settle)
         clients.probe(server.grpc, log, tokenizer)
         serve_exit = server.process.poll()
@@ -144,9 +159,9 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
     tallies = {"genai-perf": gp_tally, **dict(sorted(tool_tallies.items())),
                **{k: own[k] for k in clients.KINDS if k in own}}
     half = load_start + (load_end - load_start) / 2
-    result = StrategyResult(strategy, placement, server.ready_seconds, load_end - load_start,
+    result = StrategyResult(name, placement, server.ready_seconds, load_end - load_start,
                             drain, tallies, crashes, pools, settled,
                             rss_rows(sampler.samples, half, load_end), load_end - half, notes)
-    _say(f"{strategy}: {result.verdict}" + (f" ({'; '.join(result.failures())})"
+    _say(f"{name}: {result.verdict}" + (f" ({'; '.join(result.failures())})"
                                              if result.failures() else ""))
     return result

@@ -2,8 +2,10 @@
 
 - a cancel client cycles through: a gRPC stream cancelled after its first token
   (``stop_stream(cancel_requests=True)``), a complete gRPC request (exactly
-  ``max_tokens`` tokens, end id off), a gRPC stream cancelled mid-way, and an HTTP
-  ``generate_stream`` whose connection is closed mid-way;
+  ``max_tokens`` tokens, end id off), a gRPC stream cancelled mid-way, an HTTP
+  ``generate_stream`` whose connection is closed mid-way, and a long prompt
+  (``LONG_PROMPT`` tokens) cancelled at its first token, while generation still
+  fetches its KV (with ``--overlap_kv_transfer``, while it READs it layer by layer);
 - the bad-input client sends, one every ``BAD_INPUT_PAUSE`` seconds, requests the
   ensemble must refuse with an error (missing or negative ``max_tokens``, invalid
   UTF-8 in ``stop_words``, a prompt far over the engine's length, ``beam_width`` 2,
@@ -30,8 +32,11 @@ from triton_disagg.bench.soak_watch import Record, RequestLog, token_count_probl
 
 MODEL = "ensemble"
 BAD_INPUT_PAUSE = 2.0
+LONG_PROMPT = (600, 1200)    # tokens of the long prompts cancelled during their KV transfer
 KINDS = ("cancel after first token (gRPC)", "complete (gRPC)", "cancel mid-stream (gRPC)",
-         "cancel mid-stream (SSE)", "bad input (gRPC)", "bad input (HTTP)", "probe after settle")
+         "cancel mid-stream (SSE)", "bad input (gRPC)", "bad input (HTTP)", "probe after settle",
+         "long prompt cancelled in its KV transfer (gRPC)")
+CANCEL_SHAPES = (0, 1, 2, 3, 7)          # the cancel client's cycle, as indices of KINDS
 
 
 def _text(s: str | bytes) -> np.ndarray:
@@ -175,21 +180,22 @@ def http_refused(log: RequestLog, record: Record, http: str, endpoint: str, body
         log.finish(record, "unexpected_error", f"{what}: HTTP 200 without an error")
 
 
-def _prompt(rng: random.Random, tokenizer: Any) -> str:
+def _prompt(rng: random.Random, tokenizer: Any, tokens: tuple[int, int] = (16, 64)) -> str:
     from triton_disagg.clients.workload import make_prompt
 
-    return make_prompt(rng.randint(16, 64), rng, tokenizer)
+    return make_prompt(rng.randint(*tokens), rng, tokenizer)
 
 
 def cancel_client(grpc: str, http: str, log: RequestLog, stop: threading.Event, seed: int,
                   tokenizer: Any = None) -> None:
-    """Loop over the four request shapes of the module docstring until ``stop``."""
+    """Loop over the five request shapes of the module docstring until ``stop``."""
     rng, streams = random.Random(seed), GrpcStreams(grpc)
     try:
         for step in range(1 << 30):
             if stop.is_set():
                 return
-            shape, prompt = step % 4, _prompt(rng, tokenizer)
+            shape = CANCEL_SHAPES[step % len(CANCEL_SHAPES)]
+            prompt = _prompt(rng, tokenizer, LONG_PROMPT if shape == 7 else (16, 64))
             n = rng.randint(64, 160) if shape != 1 else rng.randint(16, 48)
             arrays = {"text_input": _text(prompt), "max_tokens": _i32(n),
                       "stream": np.array([[True]]), "end_id": _i32(-1)}
@@ -198,7 +204,7 @@ def cancel_client(grpc: str, http: str, log: RequestLog, stop: threading.Event, 
                 sse_cancel(log, record, http, {"text_input": prompt, "max_tokens": n,
                                                "stream": True, "end_id": -1}, n // 2)
             else:
-                stop_after = {0: 1, 1: None, 2: n // 2}[shape]
+                stop_after = {0: 1, 1: None, 2: n // 2, 7: 1}[shape]
                 streams.send(log, record, arrays, stop_after)
     finally:
         streams.close()

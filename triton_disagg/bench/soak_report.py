@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from triton_disagg.bench.soak_clients import LONG_PROMPT
 from triton_disagg.bench.soak_server import Crashes
 from triton_disagg.bench.soak_watch import (RSS_FLAT, SECONDS_PER_TOKEN, SLACK_SECONDS, RssRow,
                                             Tally)
@@ -129,7 +130,9 @@ def markdown(results: list[StrategyResult], minutes: float, command: str) -> str
         f"(concurrency 4, 64-token prompts, 24-token replies, 8 s windows), locust with its "
         f"gRPC and SSE users, clients that cancel streams after the first token or mid-way "
         f"(gRPC `stop_stream(cancel_requests=True)`, SSE connection closed) between complete "
-        f"requests, and a trickle of bad inputs that must be refused. A request is hung when "
+        f"requests, long prompts ({LONG_PROMPT[0]:,}-{LONG_PROMPT[1]:,} tokens) cancelled at "
+        f"their first token while generation still takes their KV, and a trickle of bad "
+        f"inputs that must be refused. A request is hung when "
         f"it has not ended {SLACK_SECONDS:.0f} s + {SECONDS_PER_TOKEN} s per max_tokens after "
         f"it was sent. After the load: a settle until the KV pools are empty, one more "
         f"request, then the server's logs are searched for crashes.")

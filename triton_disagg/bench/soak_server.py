@@ -51,10 +51,11 @@ class SoakServer:
         return sorted(self.work_dir.glob("tritonserver*.log"))
 
 
-def config_for(engine: Path, strategy: str, instances: int,
-               cores: Sequence[int]) -> tuple[dict, str]:
-    """disagg_config.yaml for one strategy, and its placement in words. With a core for the
-    context and one per generation instance, each is pinned; otherwise nothing is (on a
+def config_for(engine: Path, strategy: str, instances: int, cores: Sequence[int],
+               overlap: bool = False) -> tuple[dict, str]:
+    """disagg_config.yaml for one strategy (with ``overlap``: ``kv_cache.overlap_transfer``
+    on, the guide's ``--overlap_kv_transfer``), and its placement in words. With a core for
+    the context and one per generation instance, each is pinned; otherwise nothing is (on a
     2-core host two generation instances and a context instance share the cores)."""
     cores = list(cores)
     if len(cores) >= 1 + instances:
@@ -65,7 +66,8 @@ def config_for(engine: Path, strategy: str, instances: int,
         words = f"unpinned on {len(cores)} cores"
     return ({"model": {"engine": str(engine)}, "mode": "disaggregated",
              "context_server": context, "generation_server": generation,
-             "kv_cache": {"strategy": strategy, "max_size": "256MB"}},
+             "kv_cache": {"strategy": strategy, "max_size": "256MB",
+                          **({"overlap_transfer": True} if overlap else {})}},
             f"{instances} generation instances, {words}")
 
 
