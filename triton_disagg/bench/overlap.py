@@ -180,18 +180,24 @@ def run(args: argparse.Namespace) -> int:
     tokenizer, rng = Tokenizer(engine), random.Random(0)
     prompts = {n: [exact_prompt(tokenizer, n, rng) for _ in range(args.requests + 1)]
                for n in lengths}
-    started, rows = time.monotonic(), []
+    started, rows, notes = time.monotonic(), [], []
     if rates:
         work = (args.work_dir / "overlap-link").resolve()
-        with linked(engine, cores, work, MODES, KV_MAX_SIZE, say) as (urls, client, shape):
+        with linked(engine, cores, work, MODES, KV_MAX_SIZE, say) as (urls, client, link):
             for mbit in rates:
-                shape(mbit)
+                link.shape(mbit)
+                say(f"what the context host sends is shaped to {mbit:g} Mbit/s")
+                before = link.sent()
                 rows += measure(args, prompts, urls, client, say, mbit)
+                notes.append(f"At {mbit:g} Mbit/s the hosts sent " + ", ".join(
+                    f"{host} {(n - before[host]) / 1e6:.1f} MB"
+                    for host, n in link.sent().items()) + " (both deployments, every request).")
+                say(notes[-1])
     else:
         with one_host(engine, cores, (args.work_dir / "overlap").resolve()) as (urls, client):
             rows = measure(args, prompts, urls, client, say)
     say(f"measured in {time.monotonic() - started:.0f} s")
-    body = markdown(rows, args)
+    body = markdown(rows, args, notes)
     print(body)
     if args.output:
         from triton_disagg.bench.report import replace_section
@@ -204,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def markdown(rows: Sequence[Row], args: argparse.Namespace) -> str:
+def markdown(rows: Sequence[Row], args: argparse.Namespace, notes: Sequence[str] = ()) -> str:
+    """The section: what ran (its command line), a row per link rate and length, then
+    ``notes`` (a paragraph each)."""
     where = ("two `serve all` of the demo engine on this host" if not args.link_mbit else
              "two deployments of the demo engine, each the guide's three `serve` commands "
              "across two hosts (network namespaces joined by a bridge, NIXL over UCX TCP): "
@@ -219,6 +227,7 @@ def markdown(rows: Sequence[Row], args: argparse.Namespace) -> str:
         f"(max_tokens {TEXT_TOKENS}); every reply's greedy text was the same with and "
         f"without overlap. The window is the first-to-second-token gap (the handoff the "
         f"client waits for); hidden is the share of that window overlap took away.", "",
+        f"Command: `{command_line(args)}`", "",
         "| link | prompt tokens | first token (without / with) | second token without | "
         "second token with | with / without | window without | window with | hidden |",
         "|---|---|---|---|---|---|---|---|---|"]
@@ -230,4 +239,11 @@ def markdown(rows: Sequence[Row], args: argparse.Namespace) -> str:
             f"{r.with_.second * 1e3:.0f} ms | {r.second_ratio:.3f} | "
             f"{r.without.window * 1e3:.1f} ms | {r.with_.window * 1e3:.1f} ms | "
             f"{r.hidden:.0%} |")
-    return "\n".join(lines) + "\n"
+    return "\n\n".join(["\n".join(lines), *notes]) + "\n"
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``bench overlap`` command that reruns these figures (engine and paths aside)."""
+    line = (f"triton-disagg bench overlap --prompt-tokens {args.prompt_tokens} --requests "
+            f"{args.requests} --rounds {args.rounds} --cpus {args.cpus}")
+    return line + (f" --link-mbit {args.link_mbit}" if args.link_mbit else "")

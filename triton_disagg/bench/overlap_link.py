@@ -70,11 +70,10 @@ def serve_command(hosts, role: str, config: Path, offset: int, overlap: bool,
 
 @contextlib.contextmanager
 def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[str],
-           kv_max_size: str, say) -> Iterator[tuple[dict[str, str], Callable, Callable]]:
+           kv_max_size: str, say) -> Iterator[tuple[dict[str, str], Callable, "Link"]]:
     """The deployments of ``modes`` ("without", "with") on the two hosts; yields
-    ``({mode: scheduler gRPC url}, client, shape)``: the client a
-    :class:`~triton_disagg.bench.second_token.Worker` on the generation host,
-    ``shape(mbit)`` sets the link's rate (what the context host sends)."""
+    ``({mode: scheduler gRPC url}, client, link)``: the client a
+    :class:`~triton_disagg.bench.second_token.Worker` on the generation host."""
     from triton_disagg.bench.netns import Hosts
     from triton_disagg.bench.second_token import Worker
     from triton_disagg.bench.serve_ready import wait_ready
@@ -105,10 +104,20 @@ def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[s
         worker = hosts.popen("generation", [sys.executable, "-m",
                                             "triton_disagg.bench.second_token"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        yield urls, Worker(worker), Link(hosts)
 
-        def shape(mbit: float) -> None:
-            hosts.shape("context", mbit)
-            say(f"what the context host sends is shaped to {mbit:g} Mbit/s")
 
-        yield urls, Worker(worker), shape
+class Link:
+    """The link between the two hosts of :func:`linked`."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    def shape(self, mbit: float) -> None:
+        """Limit what the context host sends to ``mbit`` Mbit/s (the KV's direction)."""
+        self.hosts.shape("context", mbit)
+
+    def sent(self) -> dict[str, int]:
+        """Bytes each host has sent so far."""
+        return {host: self.hosts.tx_bytes(host) for host in HOSTS}
 
