@@ -66,6 +66,15 @@ def test_markdown_names_the_link_of_each_row():
     text = overlap.markdown(rows, _args(link_mbit="200"))
     assert "| one host | 2,000 | 100 / 100 ms | 300 ms | 200 ms | 0.667 | 200.0 ms | 100.0 ms | 50% |" in text
     assert "| 200 Mbit/s | 2,000 |" in text and "shaped to the link rate" in text
+    assert "--link-mbit 200`" in text                      # the command that reruns it
+
+
+def test_the_verdict_holds_at_a_ratio_of_0_8_and_misses_above():
+    t = overlap.Timing(0.1, 1.0)
+    rows = [overlap.Row(2000, t, overlap.Timing(0.1, 0.8), link_mbit=200.0),
+            overlap.Row(8000, t, overlap.Timing(0.1, 0.81))]
+    assert overlap.verdict(rows).endswith(": holds at 200 Mbit/s, 2,000 tokens (0.800); "
+                                          "MISSES at one host, 8,000 tokens (0.810).")
 
 
 class FakeHosts:
