@@ -95,6 +95,7 @@ def test_each_deployment_names_the_two_hosts_on_its_own_ports(tmp_path):
                                                  placed, "160MB"))
         config = load_config(path, engine_here=False)
         urls.append((config.server("context").urls, config.server("generation").urls))
+        assert config.generation.stall_seconds == overlap_link.STALL_SECONDS
     assert urls[0] == (("10.0.0.1:9001",), ("10.0.0.2:9002",))
     assert urls[1] == (("10.0.0.1:10001",), ("10.0.0.2:10002",))
 

@@ -32,6 +32,9 @@ GRPC_PORT = {"context": 9001, "generation": 9002, "scheduler": 8001}
 # Each role's other ports sit at fixed distances from its gRPC port; the "with" deployment's
 # at MODE_OFFSET from the "without" one's, so the two share the hosts without a clash.
 METRICS_OFFSET, FRONT_OFFSET, HTTP_OFFSET, MODE_OFFSET = 100, 200, 300, 1000
+# generation_server.stall_seconds, every call's deadline between roles: an 8,000-token CPU
+# prefill of the demo engine took 20 s alone and over 30 s (the default) on a busy host
+STALL_SECONDS = 120
 
 
 def refusal() -> str | None:
@@ -50,7 +53,7 @@ def config_text(engine: Path, hosts, offset: int, placed: dict, kv_max_size: str
             f"context_server: {{url: \"{url['context']}\", "
             f"cpus: {placed['context_server']['cpus']}}}\n"
             f"generation_server: {{url: \"{url['generation']}\", "
-            f"cpus: {placed['generation_server']['cpus']}}}\n"
+            f"cpus: {placed['generation_server']['cpus']}, stall_seconds: {STALL_SECONDS}}}\n"
             f"scheduler_server: {{cpus: {placed['scheduler_server']['cpus']}}}\n"
             f"kv_cache: {{strategy: direct_transfer, max_size: {kv_max_size}}}\n")
 
