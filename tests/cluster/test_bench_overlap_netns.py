@@ -16,7 +16,8 @@ from triton_disagg.bench.netns import PREFIX
 
 LINK_MBIT = 20       # 64 tokens of the demo engine's KV (256 KiB) take ~0.1 s on it
 ROW = re.compile(r"^\| 20 Mbit/s \| 64 \| (\d+) / (\d+) ms \| (\d+) ms \| (\d+) ms \| "
-                 r"([\d.]+) \| ([\d.]+) ms \| ([\d.]+) ms \| (-?\d+)% \|$", re.MULTILINE)
+                 r"([\d.]+) \| ([\d.]+) \(\*\*([\d.]+)\*\*\) \| ([\d.]+) ms \| ([\d.]+) ms \| "
+                 r"(-?\d+)% \|$", re.MULTILINE)
 
 
 def _namespaces_of(pid: int) -> list[str]:
@@ -39,6 +40,7 @@ def test_bench_overlap_across_a_shaped_link(demo_engine, tmp_path):
     first_without, first_with, second_without, second_with = map(int, row[:4])
     assert 0 < first_without <= second_without and 0 < first_with <= second_with
     assert float(row[4]) == pytest.approx(second_with / second_without, rel=0.05)  # ms rounded
+    assert float(row[5]) == pytest.approx(float(row[6]), abs=0.01)     # one round: one pair
     assert "every reply's greedy text was the same with and without overlap" in out
     assert f"shaped to {LINK_MBIT:g} Mbit/s" in err
     sent = re.search(r"the hosts sent context ([\d.]+) MB, generation ([\d.]+) MB", err)

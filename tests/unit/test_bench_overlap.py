@@ -50,6 +50,9 @@ def test_measure_takes_turns_and_keeps_each_deployments_best_round():
     assert row.with_.second == pytest.approx(0.1 + 0.5 / 6)
     assert row.second_ratio == pytest.approx(row.with_.second / row.without.second)
     assert row.hidden == pytest.approx(1 - (0.5 / 6) / (1.0 / 5))
+    # paired within each round: round 1 (calls 3, 4), round 2 (calls 5, 6)
+    assert row.paired == pytest.approx(((0.1 + 0.5 / 4) / (0.1 + 1.0 / 3),
+                                        (0.1 + 0.5 / 6) / (0.1 + 1.0 / 5)))
 
 
 @pytest.mark.parametrize("call", [2, 4])     # the warm-up's text, then a timed request's
@@ -61,18 +64,19 @@ def test_a_different_greedy_text_with_overlap_fails_the_bench(call):
 
 def test_markdown_names_the_link_of_each_row():
     t = overlap.Timing(0.1, 0.3)
-    rows = [overlap.Row(2000, t, overlap.Timing(0.1, 0.2)),
-            overlap.Row(2000, t, overlap.Timing(0.1, 0.2), link_mbit=200.0)]
+    rows = [overlap.Row(2000, t, overlap.Timing(0.1, 0.2), paired=(0.7, 0.6, 0.9)),
+            overlap.Row(2000, t, overlap.Timing(0.1, 0.2), link_mbit=200.0, paired=(0.5,))]
     text = overlap.markdown(rows, _args(link_mbit="200"))
-    assert "| one host | 2,000 | 100 / 100 ms | 300 ms | 200 ms | 0.667 | 200.0 ms | 100.0 ms | 50% |" in text
+    assert ("| one host | 2,000 | 100 / 100 ms | 300 ms | 200 ms | 0.667 | 0.70 / 0.60 / 0.90 "
+            "(**0.700**) | 200.0 ms | 100.0 ms | 50% |") in text
     assert "| 200 Mbit/s | 2,000 |" in text and "shaped to the link rate" in text
     assert "--link-mbit 200`" in text                      # the command that reruns it
 
 
-def test_the_verdict_holds_at_a_ratio_of_0_8_and_misses_above():
+def test_the_verdict_holds_at_a_paired_ratio_of_0_8_and_misses_above():
     t = overlap.Timing(0.1, 1.0)
-    rows = [overlap.Row(2000, t, overlap.Timing(0.1, 0.8), link_mbit=200.0),
-            overlap.Row(8000, t, overlap.Timing(0.1, 0.81))]
+    rows = [overlap.Row(2000, t, overlap.Timing(0.1, 0.5), link_mbit=200.0, paired=(0.8, 0.9, 0.7)),
+            overlap.Row(8000, t, overlap.Timing(0.1, 0.5), paired=(0.81,))]
     assert overlap.verdict(rows).endswith(": holds at 200 Mbit/s, 2,000 tokens (0.800); "
                                           "MISSES at one host, 8,000 tokens (0.810).")
 

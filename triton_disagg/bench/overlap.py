@@ -82,6 +82,12 @@ class Row:
     without: Timing
     with_: Timing
     link_mbit: float | None = None      # None: one host
+    paired: tuple[float, ...] = ()      # each round's with / without second token
+
+    @property
+    def paired_ratio(self) -> float:
+        """Median over rounds of the with / without ratio within a round (same load)."""
+        return statistics.median(self.paired)
 
     @property
     def second_ratio(self) -> float:
@@ -156,7 +162,9 @@ def measure(args: argparse.Namespace, prompts: dict[int, list[str]], urls: dict[
                 say(f"round {round_ + 1}, {n} tokens, {mode} overlap: first "
                     f"{t.first * 1e3:.0f} ms, second {t.second * 1e3:.0f} ms "
                     f"(window {t.window * 1e3:.1f} ms)")
-    return [Row(n, best(found[(n, "without")]), best(found[(n, "with")]), link_mbit)
+    return [Row(n, best(found[(n, "without")]), best(found[(n, "with")]), link_mbit,
+                tuple(w.second / wo.second for wo, w in zip(found[(n, "without")],
+                                                          found[(n, "with")])))
             for n in prompts]
 
 
@@ -227,27 +235,33 @@ def markdown(rows: Sequence[Row], args: argparse.Namespace, notes: Sequence[str]
         f"deployment, best of {args.rounds} rounds after a warm-up request "
         f"(max_tokens {TEXT_TOKENS}); every reply's greedy text was the same with and "
         f"without overlap. The window is the first-to-second-token gap (the handoff the "
-        f"client waits for); hidden is the share of that window overlap took away.", "",
+        f"client waits for); hidden is the share of that window overlap took away. "
+        f"Paired: the with / without ratio of the second token within each round (both "
+        f"deployments under the same load), its median in bold; the target is judged on "
+        f"it.", "",
         f"Command: `{command_line(args)}`", "",
         "| link | prompt tokens | first token (without / with) | second token without | "
-        "second token with | with / without | window without | window with | hidden |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "second token with | with / without | paired, per round | window without | "
+        "window with | hidden |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         link = "one host" if r.link_mbit is None else f"{r.link_mbit:g} Mbit/s"
         lines.append(
             f"| {link} | {r.tokens:,} | {r.without.first * 1e3:.0f} / "
             f"{r.with_.first * 1e3:.0f} ms | {r.without.second * 1e3:.0f} ms | "
             f"{r.with_.second * 1e3:.0f} ms | {r.second_ratio:.3f} | "
+            f"{' / '.join(f'{p:.2f}' for p in r.paired)} (**{r.paired_ratio:.3f}**) | "
             f"{r.without.window * 1e3:.1f} ms | {r.with_.window * 1e3:.1f} ms | "
             f"{r.hidden:.0%} |")
     return "\n\n".join(["\n".join(lines), verdict(rows), *notes]) + "\n"
 
 
 def verdict(rows: Sequence[Row]) -> str:
-    """Issue 20's target per row: the second token at most ``TARGET_RATIO`` of without's."""
-    said = [f"{'holds' if r.second_ratio <= TARGET_RATIO else 'MISSES'} at "
+    """Issue 20's target per row: the second token at most ``TARGET_RATIO`` of without's
+    (the paired ratio's median)."""
+    said = [f"{'holds' if r.paired_ratio <= TARGET_RATIO else 'MISSES'} at "
             f"{'one host' if r.link_mbit is None else f'{r.link_mbit:g} Mbit/s'}, "
-            f"{r.tokens:,} tokens ({r.second_ratio:.3f})" for r in rows]
+            f"{r.tokens:,} tokens ({r.paired_ratio:.3f})" for r in rows]
     return (f"Issue 20's target (time to second token >= {1 - TARGET_RATIO:.0%} lower with "
             f"overlap): {'; '.join(said)}.")
 
