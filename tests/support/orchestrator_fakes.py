@@ -51,6 +51,7 @@ class FakeGeneration:
         self.request_ids: list[str] = []
         self.calls: list[tuple[str, list[int]]] = []       # (request_type, input_ids)
         self.contexts = 0                                  # context calls answered
+        self.listeners: list[bytes] = []                   # each answered call's kv_listener
         self.closed: list[str] = []                        # request ids whose route closed
 
     def route(self, request_id, avoid, timeout):
@@ -65,13 +66,14 @@ class FakeGeneration:
             self.busy -= 1
             raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
         self.contexts += 1
+        self.listeners.append(bytes(inputs.get(P.KV_LISTENER, np.zeros(0, np.uint8))))
         output, done = [self.first] + self.rest, len(inputs["input_ids"]) - 2
         last = "length" if done == len(output) - 1 else ""
         out = engine_request.outputs([output[done]], [-0.5], -0.5, last)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
         return out
 
-    async def generate(self, request_id, inputs, request_type, token_address) -> str:
+    async def generate(self, request_id, inputs, request_type, token_address) -> Accepted:
         """Generation's answer; the server it went to: ``gen-<n>`` for the n-th call."""
         self.request_ids.append(request_id)
         self.calls.append((request_type, inputs["input_ids"].tolist()))
@@ -85,7 +87,9 @@ class FakeGeneration:
         if not self.silent:
             threading.Thread(target=self._push, args=(request_id, token_address, output,
                                                       server >= self.dying)).start()
-        return self.endpoint.address
+        awaiting = request_type == P.GENERATION_AWAITING_CONTEXT
+        return Accepted(self.endpoint.address, b"listener-" + request_id.encode() if awaiting
+                        else b"")
 
     def lost(self, server: int):
         return GenerationLost(f"gen-{server}", "probe refused") if server < self.dying else None
@@ -131,9 +135,9 @@ class FakeRoute:
         return await self.fake.context(self.request_id, inputs)
 
     async def generate(self, inputs, request_type, token_address):
-        address = await self.fake.generate(self.request_id, inputs, request_type, token_address)
+        accepted = await self.fake.generate(self.request_id, inputs, request_type, token_address)
         self.server = len(self.fake.calls) - 1
-        return Accepted(address)
+        return accepted
 
     async def lost(self):
         return None if self.server is None else self.fake.lost(self.server)
@@ -146,13 +150,14 @@ class FakeRoute:
 
 
 def serve_one(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=None,
-         mode="disaggregated", stream=True, local_prefill=0):
+         mode="disaggregated", stream=True, local_prefill=0, overlap=False):
     """Serve one request through a real TokenInbox; returns the outcome or the exception."""
     decode = lambda ids: "".join(chr(0x4E00 + i) for i in ids)   # noqa: E731 - one char per id
 
     async def main():
         inbox = TokenInbox(None, stall)
-        orchestrator = Orchestrator(generation, inbox, mode, decode, local_prefill=local_prefill)
+        orchestrator = Orchestrator(generation, inbox, mode, decode, local_prefill=local_prefill,
+                                    overlap=overlap)
         inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
                   "stream": np.array([stream]), "request_output_len": np.array([16], np.int32)}
         task = asyncio.ensure_future(orchestrator.handle(inputs, send, cancel))

@@ -16,6 +16,7 @@ from triton_disagg.errors import UserError
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(requests=2, rounds=2, prompt_tokens="64", cpus="0,1", link_mbit=None,
+                runtime="torch",
                 engine=None, work_dir=None, output=None)
     return argparse.Namespace(**{**base, **kw})
 
@@ -36,23 +37,26 @@ class FakeClient:
         return [Reply(0.1, 0.1 + second, f"{p[:3]}{'!' if wrong else ''}") for p in prompts]
 
 
-def test_measure_takes_turns_and_keeps_each_deployments_best_round():
+def test_measure_pairs_each_request_and_keeps_each_deployments_best_round():
     client = FakeClient()
     prompts = {64: ["warm", "a", "b"]}
     rows = overlap.measure(_args(), prompts, {"without": "without", "with": "with"}, client,
                            lambda _: None, link_mbit=200.0)
-    # warm-up of TEXT_TOKENS each, then per round one call per deployment, in turns
+    # warm-up of TEXT_TOKENS each, then per round each request to one deployment then the other
     assert client.calls == [("without", 1, overlap.TEXT_TOKENS), ("with", 1, overlap.TEXT_TOKENS),
-                            ("without", 2, 2), ("with", 2, 2), ("without", 2, 2), ("with", 2, 2)]
+                            *[("without", 1, 2), ("with", 1, 2)] * 4]
     (row,) = rows
     assert row.link_mbit == 200.0 and row.tokens == 64
-    assert row.without.second == pytest.approx(0.1 + 1.0 / 5)      # the later, faster round
-    assert row.with_.second == pytest.approx(0.1 + 0.5 / 6)
+
+    def second(base: float, calls: tuple[int, int]) -> float:     # a round's median
+        return 0.1 + (base / calls[0] + base / calls[1]) / 2
+
+    assert row.without.second == pytest.approx(second(1.0, (7, 9)))   # round 2, faster
+    assert row.with_.second == pytest.approx(second(0.5, (8, 10)))
     assert row.second_ratio == pytest.approx(row.with_.second / row.without.second)
-    assert row.hidden == pytest.approx(1 - (0.5 / 6) / (1.0 / 5))
-    # paired within each round: round 1 (calls 3, 4), round 2 (calls 5, 6)
-    assert row.paired == pytest.approx(((0.1 + 0.5 / 4) / (0.1 + 1.0 / 3),
-                                        (0.1 + 0.5 / 6) / (0.1 + 1.0 / 5)))
+    assert row.hidden == pytest.approx(1 - (row.with_.second - 0.1) / (row.without.second - 0.1))
+    assert row.paired == pytest.approx((second(0.5, (4, 6)) / second(1.0, (3, 5)),
+                                        second(0.5, (8, 10)) / second(1.0, (7, 9))))
 
 
 @pytest.mark.parametrize("call", [2, 4])     # the warm-up's text, then a timed request's
@@ -96,10 +100,10 @@ def test_each_deployment_names_the_two_hosts_on_its_own_ports(tmp_path):
     for mode, offset in (("without", 0), ("with", overlap_link.MODE_OFFSET)):
         path = tmp_path / f"{mode}.yaml"
         path.write_text(overlap_link.config_text(tmp_path / "engine", FakeHosts(), offset,
-                                                 placed, "160MB"))
+                                                 placed, "160MB", 300.0, "torch"))
         config = load_config(path, engine_here=False)
         urls.append((config.server("context").urls, config.server("generation").urls))
-        assert config.generation.stall_seconds == overlap_link.STALL_SECONDS
+        assert config.generation.stall_seconds == 300.0 and config.runtime == "torch"
     assert urls[0] == (("10.0.0.1:9001",), ("10.0.0.2:9002",))
     assert urls[1] == (("10.0.0.1:10001",), ("10.0.0.2:10002",))
 

@@ -264,8 +264,13 @@ class ThreadedCopyConnector(CopyConnector):
         super().__init__(context, generation)
         self.worker, self.opened = FetchWorker("test"), threading.Condition()
         self.open_ids: set[str] = set()
+        self.fetching: set[str] = set()         # requests whose fetch the loop started
 
     def start_fetch(self, handle: CopyHandle, reserved):
+        with self.opened:
+            self.fetching.add(handle.request_id)
+            self.opened.notify_all()
+
         def copy(deadline: float) -> TransferStats:
             with self.opened:
                 self.opened.wait_for(lambda: handle.request_id in self.open_ids,
@@ -278,6 +283,10 @@ class ThreadedCopyConnector(CopyConnector):
         with self.opened:
             self.open_ids.add(request_id)
             self.opened.notify_all()
+
+    def wait_started(self, request_ids: set[str]) -> bool:
+        with self.opened:
+            return self.opened.wait_for(lambda: request_ids <= self.fetching, WAIT_SECONDS)
 
     def close(self):
         self.worker.close()
@@ -305,10 +314,11 @@ def test_the_decode_loop_finishes_a_request_while_another_fetch_blocks(sides):
     prompts = {"ok": [7, 8, 9], "slow": [5, 6, 7, 8, 9]}       # ok's fetch runs first
     params, firsts = SamplingParams(max_tokens=5), {}
     try:
-        threaded.open("ok")
         for rid, prompt in prompts.items():
             firsts[rid], work = handed_off(context, rid, prompt, params)
             loop.submit(rid, work, "ipc:///orchestrator#k")
+        assert threaded.wait_started(set(prompts))   # both in flight before ok's KV lands
+        threaded.open("ok")
         assert finals.wait(1), "a blocked fetch held up the other request"
         assert set(finals.emits) == {"ok"}                       # slow is still fetching
         threaded.open("slow")

@@ -58,9 +58,10 @@ class FakeDeviceKV:
     def __init__(self, host: np.ndarray):
         self.host, self.memory, self.calls = host, np.zeros_like(host), []
 
-    def blocks_to_host(self, block_ids):
+    def blocks_to_host(self, block_ids, layers=None):
+        span = slice(None) if layers is None else slice(layers.start, layers.stop)
         self.calls.append(("to_host", list(block_ids)))
-        self.host[block_ids] = self.memory[block_ids]
+        self.host[block_ids, span] = self.memory[block_ids, span]
 
     def blocks_to_device(self, block_ids):
         self.calls.append(("to_device", list(block_ids)))

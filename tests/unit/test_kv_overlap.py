@@ -28,17 +28,25 @@ PROMPT = list(range(3, 63))      # 60 tokens
 WAIT_S = 20.0
 
 
+def _settings(demo_engine, lease_seconds: float = 30.0) -> ContextSettings:
+    return ContextSettings(str(demo_engine), "disaggregated", (), None, None,
+                           kv_strategy="direct_transfer", kv_max_size=0,
+                           kv_lease_seconds=lease_seconds, stream_interval=1,
+                           kv_key_id=key_id(deployment_key()))
+
+
 @pytest.fixture
-def sides(demo_engine):
-    context_engine = LLMEngine(demo_engine, num_blocks=16)
-    settings = ContextSettings(str(demo_engine), "disaggregated", (), None, None,
-                               kv_strategy="direct_transfer", kv_max_size=0,
-                               kv_lease_seconds=30.0, stream_interval=1,
-                               kv_key_id=key_id(deployment_key()))
-    context = ContextSide(context_engine, settings, "ovctx")
+def lease_seconds():
+    return 30.0
+
+
+@pytest.fixture
+def sides(demo_engine, lease_seconds):
+    context = ContextSide(LLMEngine(demo_engine, num_blocks=16),
+                          _settings(demo_engine, lease_seconds), "ovctx")
     generation = LLMEngine(demo_engine, num_blocks=16)
     connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen",
-                               deployment_key(), generation.spec.fingerprint, 30.0)
+                               deployment_key(), generation.spec.fingerprint, lease_seconds)
     yield context, generation, connector
     connector.close()
     context.close()
@@ -150,3 +158,104 @@ def test_notifications_without_the_nonce_or_signature_are_not_acted_on(sides):
     (arrival,) = arrivals
     assert "bad tdov-h notification" in str(arrival.error)
     assert _zero(generation)
+
+
+def test_a_context_tried_after_one_that_failed_mid_transfer_is_followed(sides, demo_engine):
+    """The orchestrator retries a context server that did not answer on another, with the same
+    listener: the first may have leased and announced its blocks already. Generation follows
+    the handle that came last, ignores the first server from then on, and decodes the
+    aggregated text; the first server's lease is left to its own end (released here)."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=8)
+    (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+    listener = _await(generation, connector, "r", params)
+    first = ContextSide(LLMEngine(demo_engine, num_blocks=16), _settings(demo_engine),
+                        "ovctx-first")
+    try:
+        (seq,) = first.engine.reserve_prompts([("r", PROMPT, params)])
+        stale = first.connector.export(list(seq.block_table.block_ids), len(PROMPT),
+                                       prefilling=True)
+        announcer = first.connector.announcer(listener)
+        announcer.handle(stale)
+        announcer.layers(1)                          # then it went silent
+        time.sleep(0.05)
+        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+        tokens, arrivals = _decode(generation, "r")
+        assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
+        assert arrivals[0].error is None
+        first.release(stale)
+        assert _zero(first.engine) and _zero(context.engine) and _zero(generation)
+    finally:
+        first.close()
+
+
+def test_a_generation_that_cannot_be_reached_leaves_an_ordinary_handoff(sides, demo_engine):
+    """Generation died after it answered (its agent is gone): the context does not fail the
+    request, whose handle the orchestrator holds; it gives the KV back (or migrates the
+    request: generation is lost) as after any handoff."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=6)
+    listener = _await(generation, connector, "r", params)
+    connector.close()
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    assert not isinstance(out, Exception), out
+    assert out[P.CONTEXT_PHASE_PARAMS].size and context.engine.pool.num_used
+    context.release(out[P.CONTEXT_PHASE_PARAMS].tobytes())
+    assert _zero(context.engine)
+
+
+@pytest.mark.parametrize("lease_seconds", [0.5])
+def test_a_prefill_longer_than_the_lease_keeps_it_while_layers_land(sides, demo_engine,
+                                                                     monkeypatch):
+    """Each layer restarts the lease on both sides: a prefill of 4 x 0.3 s outlasts a 0.5 s
+    lease and the request still decodes the aggregated text."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=6)
+    (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+    announce = Announcer.layers
+
+    def slowly(self, done):
+        announce(self, done)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(Announcer, "layers", slowly)
+    listener = _await(generation, connector, "r", params)
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    tokens, arrivals = _decode(generation, "r")
+    assert arrivals[0].error is None, arrivals[0].error
+    assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
+    assert context.connector.expired_total() == 0
+    assert _zero(context.engine) and _zero(generation)
+
+
+def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypatch):
+    """The torch runner with its KV apart from the host array (device memory on CUDA, faked
+    on the CPU by a clone, as in test_device_kv_staging): each layer is copied to the host
+    array as it lands, before generation hears of it, so the text is the aggregated one."""
+    from triton_disagg.engine.runtime import Runtime
+
+    engine = LLMEngine(demo_engine, num_blocks=16, runtime=Runtime("torch", "cpu", "float32"))
+    engine.runner.kv = engine.runner.kv.clone()          # fake device memory
+    context = ContextSide(engine, _settings(demo_engine), "ovctx-dev")
+    context.connector.pool = PoolBuffer(engine.pool.array, engine.runner)
+    generation = LLMEngine(demo_engine, num_blocks=16)
+    connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen-dev",
+                               deployment_key(), generation.spec.fingerprint, 30.0)
+    staged: list[range] = []
+    to_host = engine.runner.blocks_to_host
+    monkeypatch.setattr(engine.runner, "blocks_to_host",
+                        lambda ids, layers=None: staged.append(layers) or to_host(ids, layers))
+    try:
+        params = SamplingParams(max_tokens=8)
+        (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+        listener = _await(generation, connector, "r", params)
+        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+        tokens, arrivals = _decode(generation, "r")
+        assert arrivals[0].error is None, arrivals[0].error
+        assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
+        layers = engine.spec.shape.num_layers
+        assert staged == [range(i, i + 1) for i in range(layers)]
+        assert _zero(engine) and _zero(generation)
+    finally:
+        connector.close()
+        context.close()

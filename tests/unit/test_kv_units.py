@@ -104,6 +104,23 @@ def test_leases_free_every_block_exactly_once_under_races():
     assert table.release(leases[1].lease_id) is False and table.reap() == 0
 
 
+def test_a_renewed_lease_outlives_its_first_deadline_and_an_ended_one_is_not_renewed():
+    now = [100.0]
+    blocks = CountingPool()
+    blocks.take([1, 2])
+    table = LeaseTable(blocks.free, clock=lambda: now[0])
+    lease = table.grant([1, 2], ttl_s=5.0, filling=True)
+    assert table.readable() == 0
+    now[0] = 104.0
+    assert table.renew(lease.lease_id, 5.0, filling=False)          # now due at 109
+    assert table.readable() == 1
+    now[0] = 106.0
+    assert table.reap() == 0 and len(table) == 1
+    now[0] = 110.0
+    assert table.reap() == 1 and not blocks.used
+    assert table.renew(lease.lease_id, 5.0, filling=False) is False and len(table) == 0
+
+
 def test_read_descriptors_cover_runs_of_consecutive_blocks():
     from triton_disagg.kv.layout import runs as _runs
 

@@ -58,6 +58,28 @@ def test_a_prompt_at_or_under_max_local_prefill_length_is_served_whole_by_genera
     generation.close()
 
 
+def test_overlap_asks_generation_first_and_hands_its_listener_to_the_context():
+    """--overlap_kv_transfer: generation gets the prompt alone before the context, the
+    context gets generation's kv_listener, and the client gets the context's first token
+    before generation's, each once, in order; a client that leaves while the context call
+    is out stops generation, which already holds the request."""
+    generation, texts = FakeGeneration(10, [11, 12, 1]), []
+
+    async def send(outputs, final):
+        texts.append(outputs["text_output"][0] if outputs is not None else "")
+
+    assert serve_one(generation, send, overlap=True) == "finished"
+    assert generation.calls == [(P.GENERATION_AWAITING_CONTEXT, [3, 4])]
+    assert generation.listeners == [b"listener-" + generation.request_ids[0].encode()]
+    assert "".join(texts) == "\u4e0a\u4e0b\u4e0c"
+    generation.close()
+    muted, asked = FakeGeneration(10, [11, 1], mute_context=True, silent=True), []
+    cancelled = serve_one(muted, send, stall=30.0, overlap=True,
+                          cancel=lambda: asked.append(1) or len(asked) >= 3)
+    assert cancelled == "cancelled" and muted.stops() == muted.request_ids
+    muted.close()
+
+
 def test_a_cancelled_request_stops_waiting_for_a_context_that_says_nothing():
     """Each route's calls have the stall deadline; a client that leaves while the context
     call is out is answered at once (flags only), not when the call ends."""

@@ -147,17 +147,23 @@ def _generate(http: str, text: str) -> int:
 
 @contextlib.contextmanager
 def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path,
-            overlap: bool = False, kv_max_size: str = KV_MAX_SIZE
+            overlap: bool = False, kv_max_size: str = KV_MAX_SIZE,
+            stall_seconds: float = 30.0, runtime: str | None = None
             ) -> Iterator[tuple[str, str, str]]:
-    """``serve all`` with ``strategy`` (and ``kv_cache.overlap_transfer`` when ``overlap``);
-    yields ``(http url, metrics url, grpc address)``, stops on exit."""
+    """``serve all`` with ``strategy`` (and ``kv_cache.overlap_transfer`` when ``overlap``;
+    ``stall_seconds``: the deadline of each call, e.g. a long prefill's; ``runtime``:
+    ``model.runtime`` on the CPU, None for the default); yields ``(http url, metrics url,
+    grpc address)``, stops on exit."""
     from triton_disagg.bench.serve_servers import placement
     from triton_disagg.config.disagg import parse_config
     from triton_disagg.config.host import check_host
     from triton_disagg.launch.deploy import free_ports, start
     from triton_disagg.triton.tritonserver import Endpoints
 
-    config = parse_config({"model": {"engine": str(engine)}, **placement("disaggregated", cores),
+    servers = placement("disaggregated", cores)
+    servers["generation_server"]["stall_seconds"] = stall_seconds
+    model = {"engine": str(engine)} | ({"runtime": runtime, "device": "cpu"} if runtime else {})
+    config = parse_config({"model": model, **servers,
                            "kv_cache": {"strategy": strategy, "max_size": kv_max_size,
                                         "overlap_transfer": overlap}},
                           source=f"bench handoff ({strategy})")

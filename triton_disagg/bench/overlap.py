@@ -38,6 +38,7 @@ from triton_disagg.bench.args import number_list
 from triton_disagg.errors import UserError
 
 KV_MAX_SIZE = "160MB"      # per pool: an 8,192-token sequence of the demo engine is 32 MiB
+STALL_SECONDS = 300.0      # a call's deadline: a long CPU prefill on a loaded host
 MODES = ("without", "with")
 TEXT_TOKENS = 16           # the warm-up request's max_tokens: a longer text to compare
 TARGET_RATIO = 0.8         # issue 20: the second token >= 20% sooner with overlap
@@ -54,6 +55,9 @@ def add_overlap_parser(kinds) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds; the best median is kept")
     p.add_argument("--cpus", default="0,1", help="context on the first half, generation on "
                                                  "the rest (default 0,1)")
+    p.add_argument("--runtime", default="torch", choices=["torch", "numpy"],
+                   help="model.runtime on the CPU (default torch: its prefill of 8,000 tokens "
+                        "takes ~4 s on one core, numpy's ~30 s)")
     p.add_argument("--link-mbit", metavar="200,1000",
                    help="context on one host, generation and the scheduler on another "
                         "(network namespaces; root), what the context sends shaped to each "
@@ -124,7 +128,8 @@ def timing(replies: Sequence) -> Timing:
 
 
 @contextlib.contextmanager
-def one_host(engine: Path, cores: Sequence[int], work_dir: Path) -> Iterator[tuple]:
+def one_host(engine: Path, cores: Sequence[int], work_dir: Path,
+             runtime: str) -> Iterator[tuple]:
     """Two ``serve all`` on this host; yields ``({mode: gRPC url}, client)``."""
     from triton_disagg.bench.handoff import serving
     from triton_disagg.bench.second_token import replies
@@ -132,7 +137,8 @@ def one_host(engine: Path, cores: Sequence[int], work_dir: Path) -> Iterator[tup
     with contextlib.ExitStack() as stack:
         urls = {mode: stack.enter_context(serving(
             "direct_transfer", engine, cores, work_dir, overlap=mode == "with",
-            kv_max_size=KV_MAX_SIZE))[2] for mode in MODES}
+            kv_max_size=KV_MAX_SIZE, stall_seconds=STALL_SECONDS, runtime=runtime))[2]
+                for mode in MODES}
         yield urls, replies
 
 
@@ -146,16 +152,22 @@ def same_texts(tokens: int, by_mode: dict[str, list]) -> None:
 
 def measure(args: argparse.Namespace, prompts: dict[int, list[str]], urls: dict[str, str],
             client: Callable, say, link_mbit: float | None = None) -> list[Row]:
-    """Warm-up (and text check) per length and mode, then ``args.rounds`` rounds taking
-    turns; the rows of the best rounds. ``client(url, prompts, max_tokens)``: the replies;
-    ``prompts[n]``: the warm-up prompt, then ``args.requests`` more."""
+    """Warm-up (and text check) per length and mode, then ``args.rounds`` rounds, each
+    request sent to the deployment without overlap then to the one with it (pairs, so that
+    a slow moment of the host hits both); the rows of the best rounds.
+    ``client(url, prompts, max_tokens)``: the replies; ``prompts[n]``: the warm-up prompt,
+    then ``args.requests`` more."""
     found: dict[tuple[int, str], list[Timing]] = {}
     for n, texts in prompts.items():
         same_texts(n, {mode: client(urls[mode], texts[:1], TEXT_TOKENS) for mode in MODES})
     for round_ in range(args.rounds):
         for n, texts in prompts.items():
-            got = {mode: client(urls[mode], texts[1:], 2) for mode in MODES}
-            same_texts(n, got)
+            got: dict[str, list] = {mode: [] for mode in MODES}
+            for prompt in texts[1:]:
+                pair = {mode: client(urls[mode], [prompt], 2) for mode in MODES}
+                same_texts(n, pair)
+                for mode in MODES:
+                    got[mode] += pair[mode]
             for mode in MODES:
                 t = timing(got[mode])
                 found.setdefault((n, mode), []).append(t)
@@ -192,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     started, rows, notes = time.monotonic(), [], []
     if rates:
         work = (args.work_dir / "overlap-link").resolve()
-        with linked(engine, cores, work, MODES, KV_MAX_SIZE, say) as (urls, client, link):
+        with linked(engine, cores, work, MODES, say, KV_MAX_SIZE, STALL_SECONDS,
+                    args.runtime) as (urls, client, link):
             for mbit in rates:
                 link.shape(mbit)
                 say(f"what the context host sends is shaped to {mbit:g} Mbit/s")
@@ -203,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
                     for host, n in link.sent().items()) + " (both deployments, every request).")
                 say(notes[-1])
     else:
-        with one_host(engine, cores, (args.work_dir / "overlap").resolve()) as (urls, client):
+        with one_host(engine, cores, (args.work_dir / "overlap").resolve(),
+                      args.runtime) as (urls, client):
             rows = measure(args, prompts, urls, client, say)
     say(f"measured in {time.monotonic() - started:.0f} s")
     body = markdown(rows, args, notes)
@@ -228,10 +242,12 @@ def markdown(rows: Sequence[Row], args: argparse.Namespace, notes: Sequence[str]
              "context on one, generation and the scheduler (and the client) on the other, "
              "what the context host sends shaped to the link rate by a `tc` token bucket")
     lines = [
-        f"`triton-disagg bench overlap`: {where} (direct_transfer, cores {args.cpus}: "
+        f"`triton-disagg bench overlap`: {where} ({args.runtime} runtime, direct_transfer, "
+        f"cores {args.cpus}: "
         f"context and front end on the first half, generation on the rest), one with "
         f"`--overlap_kv_transfer`, taking turns one request at a time; max_tokens 2, streamed "
-        f"over gRPC. Client-side medians of {args.requests} requests per length and "
+        f"over gRPC, each request to both in turn. Client-side medians of {args.requests} "
+        f"requests per length and "
         f"deployment, best of {args.rounds} rounds after a warm-up request "
         f"(max_tokens {TEXT_TOKENS}); every reply's greedy text was the same with and "
         f"without overlap. The window is the first-to-second-token gap (the handoff the "
@@ -269,5 +285,5 @@ def verdict(rows: Sequence[Row]) -> str:
 def command_line(args: argparse.Namespace) -> str:
     """The ``bench overlap`` command that reruns these figures (engine and paths aside)."""
     line = (f"triton-disagg bench overlap --prompt-tokens {args.prompt_tokens} --requests "
-            f"{args.requests} --rounds {args.rounds} --cpus {args.cpus}")
+            f"{args.requests} --rounds {args.rounds} --cpus {args.cpus} --runtime {args.runtime}")
     return line + (f" --link-mbit {args.link_mbit}" if args.link_mbit else "")

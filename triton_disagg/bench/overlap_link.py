@@ -32,9 +32,6 @@ GRPC_PORT = {"context": 9001, "generation": 9002, "scheduler": 8001}
 # Each role's other ports sit at fixed distances from its gRPC port; the "with" deployment's
 # at MODE_OFFSET from the "without" one's, so the two share the hosts without a clash.
 METRICS_OFFSET, FRONT_OFFSET, HTTP_OFFSET, MODE_OFFSET = 100, 200, 300, 1000
-# generation_server.stall_seconds, every call's deadline between roles: an 8,000-token CPU
-# prefill of the demo engine took 20 s alone and over 30 s (the default) on a busy host
-STALL_SECONDS = 120
 
 
 def refusal() -> str | None:
@@ -45,15 +42,17 @@ def refusal() -> str | None:
     return f"bench overlap --link-mbit: {why}" if why else None
 
 
-def config_text(engine: Path, hosts, offset: int, placed: dict, kv_max_size: str) -> str:
-    """One deployment's disagg_config.yaml: the roles' urls on the hosts' addresses."""
+def config_text(engine: Path, hosts, offset: int, placed: dict, kv_max_size: str,
+                stall_seconds: float, runtime: str) -> str:
+    """One deployment's disagg_config.yaml: the roles' urls on the hosts' addresses;
+    ``stall_seconds``: every call's deadline between roles; ``runtime``: model.runtime."""
     url = {role: f"{hosts.address(HOST_OF[role])}:{GRPC_PORT[role] + offset}"
            for role in ("context", "generation")}
-    return (f"model: {{engine: \"{engine}\"}}\n"
+    return (f"model: {{engine: \"{engine}\", runtime: {runtime}, device: cpu}}\n"
             f"context_server: {{url: \"{url['context']}\", "
             f"cpus: {placed['context_server']['cpus']}}}\n"
             f"generation_server: {{url: \"{url['generation']}\", "
-            f"cpus: {placed['generation_server']['cpus']}, stall_seconds: {STALL_SECONDS}}}\n"
+            f"cpus: {placed['generation_server']['cpus']}, stall_seconds: {stall_seconds:g}}}\n"
             f"scheduler_server: {{cpus: {placed['scheduler_server']['cpus']}}}\n"
             f"kv_cache: {{strategy: direct_transfer, max_size: {kv_max_size}}}\n")
 
@@ -72,9 +71,11 @@ def serve_command(hosts, role: str, config: Path, offset: int, overlap: bool,
 
 
 @contextlib.contextmanager
-def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[str],
-           kv_max_size: str, say) -> Iterator[tuple[dict[str, str], Callable, "Link"]]:
-    """The deployments of ``modes`` ("without", "with") on the two hosts; yields
+def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[str], say,
+           kv_max_size: str, stall_seconds: float, runtime: str
+           ) -> Iterator[tuple[dict[str, str], Callable, "Link"]]:
+    """The deployments of ``modes`` ("without", "with") on the two hosts (the rest as
+    :func:`config_text` takes it); yields
     ``({mode: scheduler gRPC url}, client, link)``: the client a
     :class:`~triton_disagg.bench.second_token.Worker` on the generation host."""
     from triton_disagg.bench.netns import Hosts
@@ -92,7 +93,8 @@ def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[s
             offset, mode_dir = i * MODE_OFFSET, work_dir / f"{mode}-overlap"
             mode_dir.mkdir(parents=True, exist_ok=True)
             config = mode_dir / "disagg_config.yaml"
-            config.write_text(config_text(engine, hosts, offset, placed, kv_max_size))
+            config.write_text(config_text(engine, hosts, offset, placed, kv_max_size,
+                                          stall_seconds, runtime))
             for role in ("context", "generation", "scheduler"):
                 log = mode_dir / f"{role}.log"
                 cmd = serve_command(hosts, role, config, offset, mode == "with", mode_dir / role)

@@ -47,6 +47,8 @@ def add_stall_parser(kinds) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs; the best ratio is kept")
     p.add_argument("--cpus", default="0,1", help="context on the first half, generation on "
                                                  "the rest (default 0,1)")
+    p.add_argument("--overlap", action="store_true",
+                   help="serve with --overlap_kv_transfer (direct_transfer only)")
     p.add_argument("--label", default="this tree", help="names the row (e.g. a commit)")
     p.add_argument("--work-dir", type=Path, default=Path("work/bench"))
     p.add_argument("--output", type=Path, help="markdown file whose stall section is replaced")
@@ -133,15 +135,15 @@ def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
     long_prompts = [exact_prompt(tokenizer, args.prompt_tokens, rng)
                     for _ in range(args.arrivals + 1)]
     best = None
-    with serving(args.strategy, engine, cores,
-                 (args.work_dir / "stall").resolve()) as (_, metrics, grpc_url):
+    with serving(args.strategy, engine, cores, (args.work_dir / "stall").resolve(),
+                 overlap=args.overlap) as (_, metrics, grpc_url):
         for repeat in range(args.repeats):
             before = scrape(metrics)
             streams, arrivals = asyncio.run(_load(grpc_url, stream_prompts, long_prompts[1:],
                                                   args.period))
             stall = replace(stall_figures(args.label, streams, arrivals),
                             server=server_figures(before, scrape(metrics)))
-            say(f"run {repeat + 1}: {_row(stall, args.strategy)}")
+            say(f"run {repeat + 1}: {_row(stall, _strategy(args))}")
             best = stall if best is None or stall.ratio < best.ratio else best
     return best
 
@@ -163,6 +165,10 @@ def server_figures(before, after) -> str:
               if in_flight and "disagg_kv_fetch_hidden_seconds_sum" in after else "n/a")
     return (f"copy {mean_ms('disagg_kv_transfer_seconds')}, in flight "
             f"{mean_ms('disagg_kv_fetch_seconds')} ({hidden} hidden), steps blocked {steps}")
+
+
+def _strategy(args: argparse.Namespace) -> str:
+    return args.strategy + (" + overlap" if args.overlap else "")
 
 
 def _row(s: Stall, strategy: str) -> str:
@@ -205,4 +211,4 @@ def markdown(stall: Stall, args: argparse.Namespace) -> str:
         "| tree | strategy | arrivals | median longest gap in a handoff window "
         "| median stream gap | ratio | generation server (KV per handoff) |",
         "|---|---|---|---|---|---|---|",
-        _row(stall, args.strategy)]) + "\n"
+        _row(stall, _strategy(args))]) + "\n"

@@ -146,14 +146,13 @@ class ContextSide:
         failed = {rid: o.error for rid, o in overlapped.items() if o.error is not None}
         kept = [s for s in seqs if s.request_id not in failed]
         live = [o for o in overlapped.values() if o.error is None]
-        per_layer = live and self.connector.pool.device_kv is None   # device KV: staged at the end
 
         def on_layer(li: int) -> None:
             for o in live:
                 o.layers(li + 1)
 
         with self._pool():
-            results = self.engine.prefill_reserved(kept, on_layer if per_layer else None,
+            results = self.engine.prefill_reserved(kept, on_layer if live else None,
                                                    frozenset(overlapped))
         done = {r.request_id: (overlapped[r.request_id].landed(r)
                                if r.request_id in overlapped else r) for r in results}
@@ -204,41 +203,61 @@ def _refusal(exc: Exception) -> RequestError:
 @dataclass
 class _Overlapped:
     """One overlapped request through the prefill: its announcer, the handle that leased its
-    blocks, and its first error (it then fails alone; its KV goes back with the lease)."""
+    blocks, and its error (it then fails alone; its KV goes back with the lease).
+
+    Generation that cannot be reached (its agent refuses the connection or a notification)
+    is not this request's mistake: the announcer is dropped and the request goes on as an
+    ordinary handoff, whose handle the orchestrator holds; a generation server that cannot
+    be reached is lost, and the orchestrator moves the request to another."""
 
     side: ContextSide
     request_id: str
+    blocks: list[int]
     announcer: Any = None
     handle: bytes = b""
     error: Exception | None = None
     result: Any = None
+    staged: int = 0          # layers of a device KV copied to the host array so far
 
     @classmethod
     def begin(cls, side: ContextSide, seq: Any, listener: bytes) -> "_Overlapped":
         """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
-        o = cls(side, seq.request_id)
         blocks = list(seq.block_table.block_ids)
+        o = cls(side, seq.request_id, blocks)
         try:
             o.announcer = side.connector.announcer(listener)
+        except ConnectorError as exc:
+            o._unheard(exc)
         except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
             side.free(blocks)
             o.error = RequestError(f"kv_listener: {exc}")
             return o
         try:
-            o.handle = side.connector.export(blocks, len(seq.prompt_ids), staged=True)
-            o.announcer.handle(o.handle)
+            o.handle = side.connector.export(blocks, len(seq.prompt_ids), prefilling=True)
         except HandoffBusy as exc:
             o._fail(RequestError(f"{P.CONTEXT_BUSY}: {exc}"))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             o._fail(RequestError(f"KV handoff failed: {exc}"))
+        else:
+            o._tell(lambda a: a.handle(o.handle))
         return o
 
     def layers(self, done: int) -> None:
+        """Layers ``0..done-1`` are final: copy a device KV's new ones to the host array,
+        restart the lease (a long prefill must not outlast it while it still makes
+        progress) and tell generation."""
         if self.error is None:
             try:
-                self.announcer.layers(done)
-            except ConnectorError as exc:
-                self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))
+                self._stage(done)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._fail(RequestError(f"KV handoff failed: {exc}"))
+                return
+            self.side.connector.renew(self.handle)
+            self._tell(lambda a: a.layers(done))
+
+    def _stage(self, done: int) -> None:
+        self.side.connector.stage(self.blocks, range(self.staged, done))
+        self.staged = done
 
     def landed(self, result: Any) -> "_Overlapped | Exception":
         """The prefill ended: the first token goes to generation (every layer is in place),
@@ -248,10 +267,12 @@ class _Overlapped:
             self._fail(None, f"the request finished at its first token ({result.finish_reason})")
         elif self.error is None:
             try:
-                self.side.connector.stage(result.block_ids)
-                self.announcer.first(result.token_id, result.logprob)
+                self._stage(self.side.connector.geometry.num_layers)
+                self.side.connector.renew(self.handle, prefilling=False)   # final: lease from now
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(RequestError(f"overlapped KV handoff failed: {exc}"))
+                self._fail(RequestError(f"KV handoff failed: {exc}"))
+            else:
+                self._tell(lambda a: a.first(result.token_id, result.logprob))
         return self.error if self.error is not None else self
 
     def outputs(self) -> dict:
@@ -260,6 +281,20 @@ class _Overlapped:
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         return out
+
+    def _tell(self, say: Any) -> None:
+        """``say(announcer)``, unless generation was found unreachable before."""
+        if self.announcer is not None:
+            try:
+                say(self.announcer)
+            except ConnectorError as exc:
+                self._unheard(exc)
+
+    def _unheard(self, exc: Exception) -> None:
+        _log.warning("generation cannot be reached for the overlapped KV handoff (%s); the "
+                     "request goes on as an ordinary handoff", exc,
+                     extra={"request_id": self.request_id})
+        self.announcer = None
 
     def _fail(self, error: Exception | None, reason: str = "") -> None:
         """Give the KV back (the lease, if it was taken) and tell generation why."""

@@ -125,12 +125,13 @@ class TorchModelRunner:
 
     # ---- the host mirror (CUDA: the KV connectors move host bytes) -----------------
 
-    def blocks_to_host(self, block_ids: Sequence[int]) -> None:
-        """Copy blocks ``block_ids`` of the device KV into the same rows of ``pool.array``,
-        in its dtype (a KV connector then exports them)."""
+    def blocks_to_host(self, block_ids: Sequence[int], layers: range | None = None) -> None:
+        """Copy blocks ``block_ids`` of the device KV (only ``layers`` of each, if given) into
+        the same rows of ``pool.array``, in its dtype (a KV connector then exports them)."""
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        host = self.kv.index_select(0, ids).to("cpu", _torch_dtype(self.pool.array.dtype))
-        self.pool.array[np.asarray(block_ids, dtype=np.int64)] = host.numpy()  # [m, L, 2, bs, kvh, hd]
+        span = slice(None) if layers is None else slice(layers.start, layers.stop)
+        host = self.kv.index_select(0, ids)[:, span].to("cpu", _torch_dtype(self.pool.array.dtype))
+        self.pool.array[np.asarray(block_ids, dtype=np.int64), span] = host.numpy()  # [m, l, 2, bs, kvh, hd]
 
     def blocks_to_device(self, block_ids: Sequence[int]) -> None:
         """Copy rows ``block_ids`` of ``pool.array`` (a KV connector just filled them) into

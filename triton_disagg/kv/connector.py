@@ -27,6 +27,9 @@ code asks :func:`strategy` for a strategy's properties instead of comparing name
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from triton_disagg.config.settings import EngineSettings
 
 FreeBlocks = Callable[[list[int]], None]
+_log = logging.getLogger(__name__)
 # A fetch fails this long after it started running (or at its lease's end, if sooner). Well
 # below the default 30 s lease, so KV queued behind a silent context host's fetch is still
 # leased when its turn comes; a 2,000-token READ takes ~3 ms here, ~0.6 s on a swamped host.
@@ -61,8 +65,9 @@ class DeviceKV(Protocol):
     device -> host before an export and host -> device after a fetch (NIXL reading GPU
     memory in place, without the host copy, is not built)."""
 
-    def blocks_to_host(self, block_ids: Sequence[int]) -> None:
-        """Copy those blocks of the device KV into the same rows of the host array."""
+    def blocks_to_host(self, block_ids: Sequence[int], layers: Optional[range] = None) -> None:
+        """Copy those blocks of the device KV (only ``layers`` of each, if given) into the
+        same rows of the host array."""
 
     def blocks_to_device(self, block_ids: Sequence[int]) -> None:
         """Copy those rows of the host array into the same blocks of the device KV."""
@@ -97,6 +102,38 @@ class Transfer(ABC):
     def cancel(self) -> None:
         """The request is gone: a transfer still waiting for its sender may end at once
         (failed); one moving bytes ends by its deadline, as it would have."""
+
+
+class ThreadTransfer(Transfer):
+    """A transfer that another thread carries out and ends with :meth:`end`; :meth:`poll`
+    is a lock-free look at an Event, so it reports only what that thread finished."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._stats: Optional[TransferStats] = None
+        self._error: Optional[BaseException] = None
+
+    def poll(self) -> Optional[TransferStats]:
+        if not self._done.is_set():
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._stats
+
+    def end(self, stats: Optional[TransferStats], error: Optional[BaseException]) -> None:
+        """The carrying thread's last word: the stats, or the error ``poll`` raises."""
+        self._stats, self._error = stats, error
+        self._done.set()
+
+
+def lower_thread_priority(nice: int, name: str) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: per thread), so that on a core
+    it shares with the decode loop the loop wins; left as it is where that is not allowed."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (OSError, AttributeError):
+        _log.debug("KV thread %s keeps its priority", name)
 
 
 @dataclass(frozen=True)
@@ -150,30 +187,32 @@ class KVConnector(ABC):
 
     # ---- context --------------------------------------------------------------------
 
-    def export(self, block_ids: Sequence[int], num_tokens: int, staged: bool = False) -> bytes:
+    def export(self, block_ids: Sequence[int], num_tokens: int,
+               prefilling: bool = False) -> bytes:
         """Signed handle bytes for ``block_ids`` (token order, ``num_tokens`` tokens of KV);
         the handoff owns the blocks from this call on, whether it returns or raises
-        (:class:`HandoffBusy` when there is no room now). ``staged``: the caller copies a
-        device KV to the host array itself (:meth:`stage`), as an overlapped transfer does
-        after exporting blocks not yet prefilled; else it is copied here."""
+        (:class:`HandoffBusy` when there is no room now). ``prefilling`` (an overlapped
+        transfer): the blocks are not prefilled yet; the caller restarts the lease as they
+        fill and says when they are final (:meth:`renew`) after copying a device KV to the
+        host array itself (:meth:`stage`); else that copy is made here."""
         if self.free_blocks is None:
             raise RuntimeError(f"this {self.strategy} connector was made without free_blocks; "
                                f"it cannot export")
         blocks = [int(b) for b in block_ids]
-        if not staged:
+        if not prefilling:
             self.stage(blocks)
-        handle = self._export(blocks, num_tokens)
+        handle = self._export(blocks, num_tokens, prefilling)
         try:
             return kvhandle.encode(handle, self.key)
         except kvhandle.HandleError:       # too large to hand out: give the KV back now
             self._release(handle)
             raise
 
-    def stage(self, block_ids: Sequence[int]) -> None:
-        """Copy those blocks of a device KV to the host array the transport moves (nothing
-        when the KV is computed in that array)."""
-        if self.pool.device_kv is not None:
-            self.pool.device_kv.blocks_to_host(block_ids)
+    def stage(self, block_ids: Sequence[int], layers: Optional[range] = None) -> None:
+        """Copy those blocks (``layers`` of each, if given) of a device KV to the host array
+        the transport moves (nothing when the KV is computed in that array)."""
+        if self.pool.device_kv is not None and (layers is None or len(layers)):
+            self.pool.device_kv.blocks_to_host(block_ids, layers)
 
     def release(self, data: bytes) -> None:
         """Give back the KV of handle bytes ``data`` (checked against the deployment key),
@@ -223,6 +262,12 @@ class KVConnector(ABC):
         """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
 
+    def renew(self, data: bytes, prefilling: bool = True) -> None:
+        """Context: restart the lease of handle bytes ``data``, its blocks still being filled
+        by an overlapped prefill (which may outlast ``lease_seconds``) or, ``prefilling``
+        False, final now."""
+        raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
+
     def announcer(self, listener: bytes) -> Any:
         """Context: the :class:`~triton_disagg.kv.overlap.Announcer` for generation's signed
         ``listener`` (HandleError if it is not one)."""
@@ -238,8 +283,9 @@ class KVConnector(ABC):
     # ---- what an implementation provides ---------------------------------------------
 
     @abstractmethod
-    def _export(self, block_ids: list[int], num_tokens: int) -> KVHandle:
-        """Hand the blocks to a lease (or copy them out and free them); owns them once called."""
+    def _export(self, block_ids: list[int], num_tokens: int, prefilling: bool) -> KVHandle:
+        """Hand the blocks to a lease (or copy them out and free them); owns them once called.
+        ``prefilling``: see :meth:`export` (a strategy that copies at once cannot)."""
 
     @abstractmethod
     def _release(self, handle: KVHandle) -> None:

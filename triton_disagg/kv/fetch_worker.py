@@ -24,50 +24,37 @@ thread finished, so a caller freeing blocks after a failed poll never races a co
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 import queue
 import threading
 import time
 from typing import Callable, Optional
 
-from triton_disagg.kv.connector import ConnectorError, Transfer
+from triton_disagg.kv.connector import ConnectorError, ThreadTransfer, lower_thread_priority
 from triton_disagg.kv.handle import TransferStats
 
 FETCH_NICE = 5          # added to the fetch thread's niceness (Linux: per thread)
-_log = logging.getLogger(__name__)
 
 Fetch = Callable[[float], TransferStats]    # blocking; takes its deadline (time.monotonic())
 
 
-class PendingTransfer(Transfer):
+class PendingTransfer(ThreadTransfer):
     """A fetch queued on a :class:`FetchWorker`; ``poll`` returns its stats (``seconds``:
     the copy, ``in_flight_seconds``: submit to done) once the thread finished it."""
 
     def __init__(self, fetch: Fetch, timeout_s: float):
+        super().__init__()
         self.fetch, self.timeout_s = fetch, timeout_s
         self.started = time.monotonic()
-        self._done = threading.Event()
-        self._stats: Optional[TransferStats] = None
-        self._error: Optional[BaseException] = None
-
-    def poll(self) -> Optional[TransferStats]:
-        if not self._done.is_set():
-            return None
-        if self._error is not None:
-            raise self._error
-        return self._stats
 
     def run(self) -> None:
         """The worker thread's part: run the fetch and record how it ended."""
         try:
             stats = self.fetch(time.monotonic() + self.timeout_s)
-            self._stats = dataclasses.replace(
-                stats, in_flight_seconds=time.monotonic() - self.started)
         except BaseException as exc:  # noqa: BLE001 - reported to the poller, request fails
-            self._error = exc
-        finally:
-            self._done.set()
+            self.end(None, exc)
+        else:
+            self.end(dataclasses.replace(
+                stats, in_flight_seconds=time.monotonic() - self.started), None)
 
 
 class FetchWorker:
@@ -96,11 +83,7 @@ class FetchWorker:
         return job
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
-        except (OSError, AttributeError):  # not Linux, or not allowed: run at equal priority
-            _log.debug("KV fetch thread %s keeps its priority", self.name)
+        lower_thread_priority(self.nice, self.name)
         while (job := self._jobs.get()) is not None:
             job.run()
 

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from triton_disagg.kv.connector import KVConnector, PoolBuffer
+from triton_disagg.kv.connector import ConnectorError, KVConnector, PoolBuffer
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.staging import HostStaging, StagingError, StagingFullError
 
@@ -80,8 +80,11 @@ class HostMemoryConnector(KVConnector):
         self.staging = None if free_blocks is None else HostStaging.create(
             name, len(pool.array), self.geometry.block_nbytes)
 
-    def _export(self, block_ids: list[int], num_tokens: int) -> KVHandle:
+    def _export(self, block_ids: list[int], num_tokens: int, prefilling: bool) -> KVHandle:
         try:
+            if prefilling:
+                raise ConnectorError("host_memory copies the KV out at once: it cannot hand "
+                                     "off blocks still being prefilled")
             return self.staging.put(self.pool.array, block_ids, num_tokens, self.fingerprint,
                                     self.lease_seconds)
         finally:

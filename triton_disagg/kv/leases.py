@@ -28,6 +28,7 @@ class Lease:
     lease_id: str
     block_ids: tuple[int, ...]
     deadline: float  # wall clock (time.time())
+    filling: bool = False   # its blocks are still being prefilled: no reader can finish yet
 
 
 class LeaseTable:
@@ -45,9 +46,10 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._expired_total = 0
 
-    def grant(self, block_ids: Sequence[int], ttl_s: float) -> Lease:
+    def grant(self, block_ids: Sequence[int], ttl_s: float, filling: bool = False) -> Lease:
         """Lease ``block_ids`` for ``ttl_s`` seconds; the table now owns freeing them."""
-        lease = Lease(uuid.uuid4().hex, tuple(int(b) for b in block_ids), self._clock() + ttl_s)
+        lease = Lease(uuid.uuid4().hex, tuple(int(b) for b in block_ids), self._clock() + ttl_s,
+                      filling)
         with self._lock:
             self._leases[lease.lease_id] = lease
         return lease
@@ -60,6 +62,21 @@ class LeaseTable:
             return False
         self._free_blocks(list(lease.block_ids))
         return True
+
+    def renew(self, lease_id: str, ttl_s: float, filling: bool) -> bool:
+        """Move a live lease's deadline to ``ttl_s`` seconds from now, its blocks still being
+        filled or now final (an overlapped transfer's prefill). False if unknown or gone."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._leases[lease_id] = Lease(lease_id, lease.block_ids,
+                                               self._clock() + ttl_s, filling)
+        return lease is not None
+
+    def readable(self) -> int:
+        """Leases whose blocks are final, so a reader may be about to finish one."""
+        with self._lock:
+            return sum(not lease.filling for lease in self._leases.values())
 
     def reap(self, now: Optional[float] = None) -> int:
         """Free every lease whose deadline is before ``now``; returns how many expired."""

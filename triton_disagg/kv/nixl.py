@@ -59,6 +59,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from triton_disagg.kv import handle as kvhandle
 from triton_disagg.kv.connector import KVConnector, PoolBuffer, Transfer
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
@@ -114,8 +115,9 @@ class NixlEndpoint:
     # ---- sender ---------------------------------------------------------------------
 
     def export(self, block_ids: Sequence[int], num_tokens: int, fingerprint: str,
-               ttl_s: float) -> KVHandle:
-        """Lease ``block_ids`` (token order) for ``ttl_s`` s and describe them for a reader.
+               ttl_s: float, filling: bool = False) -> KVHandle:
+        """Lease ``block_ids`` (token order) for ``ttl_s`` s and describe them for a reader;
+        ``filling``: they are still being prefilled (:meth:`renew` says when they are final).
 
         From here the lease table owns the blocks: the caller must not free them. Raises
         ValueError or :class:`TransferError` (NIXL could not register them) before that.
@@ -138,7 +140,7 @@ class NixlEndpoint:
             raise TransferError(f"NIXL cannot register {len(ids)} KV blocks: {exc}") from exc
         with self._exposed_lock:
             self._exposed[tuple(ids)] = reg
-        lease = self.leases.grant(ids, ttl_s)
+        lease = self.leases.grant(ids, ttl_s, filling)
         self._wake.set()
         return KVHandle(
             fingerprint=fingerprint, geometry=self.geometry, num_tokens=num_tokens,
@@ -156,6 +158,13 @@ class NixlEndpoint:
             return
         peer = self._agent.connect(handle.agent_name, handle.agent_metadata)
         self._agent.notify(peer, NOTIF_PREFIX + handle.lease_id.encode())
+
+    def renew(self, lease_id: str, ttl_s: float, filling: bool) -> None:
+        """Restart a lease (its blocks still being prefilled, or final now: then the watcher
+        goes to the leased pace, a reader is about to finish)."""
+        self.leases.renew(lease_id, ttl_s, filling)
+        if not filling:
+            self._wake.set()
 
     def _retire(self, block_ids: list[int]) -> None:
         """A lease ended: withdraw its ranges from NIXL, clear the tickets, then give the
@@ -179,8 +188,10 @@ class NixlEndpoint:
         return released
 
     def _watch(self, idle_interval_s: float) -> None:
-        """Poll every ``LEASED_POLL_SECONDS`` while a lease is out, else every
-        ``idle_interval_s``; an export wakes it at once. The agent runs without a progress
+        """Poll every ``LEASED_POLL_SECONDS`` while a lease whose blocks are final is out,
+        else every ``idle_interval_s`` (also while the only leases out are still being
+        prefilled: a fast pace then only takes the prefill's core and GIL); an export, or
+        a lease's blocks becoming final, wakes it at once. The agent runs without a progress
         thread, so a reader's READ completes only as these polls progress it (UCX's flush
         after the READ waits on this side once a notification went out), and their pace is
         the handoff's latency."""
@@ -194,7 +205,7 @@ class NixlEndpoint:
                 self.poll()
             except Exception:  # noqa: BLE001 - keep watching; the next poll retries
                 _log.exception("KV lease watcher of %s", self.name)
-            interval = LEASED_POLL_SECONDS if len(self.leases) else idle_interval_s
+            interval = LEASED_POLL_SECONDS if self.leases.readable() else idle_interval_s
 
     # ---- receiver -------------------------------------------------------------------
 
@@ -340,16 +351,20 @@ class NixlConnector(KVConnector):
                                        device.blocks_to_device if device is not None else None)
         return self._layers.listen(num_tokens)
 
+    def renew(self, data: bytes, prefilling: bool = True) -> None:
+        handle = self._ours(kvhandle.decode(data, self.key), "context")
+        self.endpoint.renew(handle.lease_id, self.lease_seconds, prefilling)
+
     def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
         return self._layers.start(nonce, block_ids)
 
     def announcer(self, listener: bytes) -> Announcer:
         return Announcer(self.endpoint, decode_listener(listener, self.key))
 
-    def _export(self, block_ids: list[int], num_tokens: int) -> KVHandle:
+    def _export(self, block_ids: list[int], num_tokens: int, prefilling: bool) -> KVHandle:
         try:
             return self.endpoint.export(block_ids, num_tokens, self.fingerprint,
-                                        self.lease_seconds)
+                                        self.lease_seconds, filling=prefilling)
         except (ValueError, TransferError):        # refused before the lease took the blocks
             self.free_blocks(block_ids)
             raise

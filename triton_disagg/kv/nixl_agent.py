@@ -3,8 +3,9 @@ handoff needs (expose byte ranges to a peer, load a peer, READ with an optional
 notification, new notifications) and a registered scratch buffer.
 
 Invariants: every call into the agent holds one lock. A peer is given only the metadata
-of one :meth:`Agent.expose`: connection info and the remote keys of those ranges, nothing
-else (no fixed region is ever published); :meth:`Agent.withdraw` deregisters them. Remote agents are bounded
+of one :meth:`Agent.expose` (connection info and the remote keys of those ranges) or
+:meth:`Agent.contact` (connection info alone), nothing else (no fixed region is ever
+published); :meth:`Agent.withdraw` deregisters them. Remote agents are bounded
 (:class:`RemoteAgents`): at most ``MAX_PEERS``, none idle longer than ``PEER_IDLE_S``,
 none holding more than ``MAX_LOADS`` handles' descriptors, none after a failed READ.
 

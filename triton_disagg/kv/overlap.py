@@ -22,20 +22,21 @@ Invariants: the :class:`~triton_disagg.kv.connector.Transfer` one (the sequence'
 belong to the transfer until ``poll`` returned or raised; only the reader's thread
 writes them, and it reports only what it finished); every pull ends (done, failed, its
 context's FAILED, cancelled, or its deadline: ``lease_seconds`` after it began waiting,
-then ``handle.lease_seconds`` after the handle came), and then its nonce is forgotten.
+then ``handle.lease_seconds`` after the handle or the context's latest progress came; the
+context restarts the handle's lease at each layer too), and then its nonce is forgotten.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from triton_disagg.kv import overlap_wire as wire
-from triton_disagg.kv.connector import ConnectorError, Transfer
+from triton_disagg.kv.connector import (ConnectorError, ThreadTransfer, Transfer,
+                                        lower_thread_priority)
 from triton_disagg.kv.handle import HandleError, KVHandle, TransferStats
 
 if TYPE_CHECKING:
@@ -77,28 +78,15 @@ class Announcer:
         self.agent.notify(self.peer, wire.message(kind, self.nonce, payload))
 
 
-class PulledTransfer(Transfer):
+class PulledTransfer(ThreadTransfer):
     """An overlapped transfer as the scheduler polls it; the reader thread ends it."""
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        super().__init__()
         self.cancelled = threading.Event()
-        self._stats: Optional[TransferStats] = None
-        self._error: Optional[BaseException] = None
-
-    def poll(self) -> Optional[TransferStats]:
-        if not self._done.is_set():
-            return None
-        if self._error is not None:
-            raise self._error
-        return self._stats
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-    def end(self, stats: Optional[TransferStats], error: Optional[BaseException]) -> None:
-        self._stats, self._error = stats, error
-        self._done.set()
 
 
 @dataclasses.dataclass
@@ -107,7 +95,8 @@ class _Pull:
 
     num_tokens: int
     deadline: float
-    began: float
+    began: float                                # listened (monotonic)
+    started: float = 0.0                        # the sequence had its blocks
     blocks: Optional[list[int]] = None          # the sequence's blocks, once it has them
     transfer: Optional[PulledTransfer] = None
     handle: Optional[KVHandle] = None
@@ -115,6 +104,7 @@ class _Pull:
     announced: int = 0                          # layers the context says are final
     read: int = 0                               # layers read so far
     nbytes: int = 0
+    copy_seconds: float = 0.0                   # in this pull's READs (and device copy)
     first: Optional[tuple[int, float]] = None
     failure: Optional[str] = None
 
@@ -166,7 +156,7 @@ class LayerReader:
                                                   "blocks (its deadline passed)"))
                 return transfer
             pull.blocks = list(block_ids[:self.endpoint.geometry.blocks_for(pull.num_tokens)])
-            pull.transfer = transfer
+            pull.transfer, pull.started = transfer, time.monotonic()
         self._wake.set()
         return transfer
 
@@ -179,18 +169,15 @@ class LayerReader:
     # ---- the reader thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE)
-        except (OSError, AttributeError):
-            pass
+        lower_thread_priority(READER_NICE, self.endpoint.name)
         while not self._stop.is_set():
             with self._lock:
                 idle = not self._pulls
             self._wake.wait(None if idle else POLL_SECONDS)
             self._wake.clear()
             try:
-                self._deliver(self.endpoint.agent.notifs())
+                for sender, messages in self.endpoint.agent.notifs_by_peer().items():
+                    self._deliver(sender, messages)
                 with self._lock:
                     pulls = list(self._pulls.items())
                 for nonce, pull in pulls:
@@ -204,8 +191,11 @@ class LayerReader:
         for pull in pulls:
             self._end(pull, None, ConnectorError("this KV connector is closed"))
 
-    def _deliver(self, messages: list[bytes]) -> None:
-        """File each notification with its pull (others are ignored)."""
+    def _deliver(self, sender: str, messages: list[bytes]) -> None:
+        """File each notification of agent ``sender`` with its pull; others are ignored. A
+        pull follows the context whose handle came last (a context that failed before it
+        answered is replaced by the one the orchestrator tried next, which sends its own
+        handle): what any other agent says about it is ignored."""
         for msg in messages:
             parsed = wire.parse(msg)
             with self._lock:
@@ -213,14 +203,22 @@ class LayerReader:
             if pull is None:
                 continue
             kind, _, payload = parsed
+            if pull.handle is not None and sender != pull.handle.agent_name \
+                    and kind != wire.HANDLE:
+                continue
             try:
-                if kind == wire.HANDLE and pull.handle is None:
-                    self._take_handle(pull, payload)
+                if kind == wire.HANDLE:
+                    if pull.handle is None or sender != pull.handle.agent_name:
+                        self._take_handle(pull, payload)
+                elif pull.handle is None and kind != wire.FAILED:
+                    continue                     # a context's handle comes before the rest
                 elif kind == wire.LAYERS:
                     pull.announced = max(pull.announced, int(payload))
+                    pull.deadline = time.monotonic() + pull.handle.lease_seconds  # progress
                 elif kind == wire.FIRST:
                     token, logprob = payload.split()
                     pull.first = (int(token), float(logprob))
+                    pull.deadline = time.monotonic() + pull.handle.lease_seconds
                 elif kind == wire.FAILED:
                     pull.failure = payload.decode(errors="replace")
             except (ValueError, HandleError) as exc:
@@ -238,6 +236,7 @@ class LayerReader:
         now = time.monotonic()
         pull.peer = self.endpoint.open_pull(handle, now)
         pull.handle, pull.deadline = handle, now + handle.lease_seconds
+        pull.announced, pull.read, pull.first, pull.failure = 0, 0, None, None
 
     def _advance(self, pull: _Pull) -> bool:
         """Read what the context announced; True once the pull ended."""
@@ -254,20 +253,24 @@ class LayerReader:
             return False
         layers = pull.handle.geometry.num_layers
         ready = layers if pull.first is not None else min(pull.announced, layers)
+        began = time.monotonic()
         try:
             if ready > pull.read:
                 pull.nbytes += self.endpoint.read_layers(pull.peer, pull.handle, pull.blocks,
                                                          range(pull.read, ready), pull.deadline)
                 pull.read = ready
-            if pull.first is None:
-                return False
-            self.endpoint.confirm(pull.peer, pull.handle, pull.deadline)
-            if self.staged is not None:
-                self.staged(pull.blocks)
+            if pull.first is not None:
+                self.endpoint.confirm(pull.peer, pull.handle, pull.deadline)
+                if self.staged is not None:
+                    self.staged(pull.blocks)
         except Exception as exc:  # noqa: BLE001 - that request fails alone
             return self._end(pull, None, exc)
-        seconds = time.monotonic() - pull.began
-        return self._end(pull, TransferStats(pull.nbytes, seconds, seconds, *pull.first), None)
+        finally:
+            pull.copy_seconds += time.monotonic() - began
+        if pull.first is None:
+            return False
+        return self._end(pull, TransferStats(pull.nbytes, pull.copy_seconds,
+                                             time.monotonic() - pull.started, *pull.first), None)
 
     @staticmethod
     def _end(pull: _Pull, stats: Optional[TransferStats], error: Optional[BaseException]) -> bool:
