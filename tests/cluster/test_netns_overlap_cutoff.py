@@ -43,7 +43,7 @@ PROMPT_TOKENS = 1000      # prefills long enough to cut ctx1 off in the middle o
 STREAMS = 8               # through scheduler: 4 per context
 SCHED2_STREAMS = 2
 MAX_TOKENS = 16
-SLOW_LINK = "40mbit"      # ctx1's uplink: its KV (4 MB a prompt) arrives slower than made
+SLOW_LINK_MBIT = 40       # ctx1's uplink: its KV (4 MB a prompt) arrives slower than made
 READ_UNDER_WAY = 1 << 20  # bytes out of ctx1 once the streams began: a READ is in flight
 FLOWING = 200_000         # bytes per 0.1 s out of ctx1 (40mbit: 500 kB): a READ under way
 LEASE_SECONDS = 10        # ctx1's slow reads fit in it when nothing is cut
@@ -107,7 +107,7 @@ def test_a_context_server_cut_off_mid_transfer_fails_only_its_requests(demo_engi
         held = HeldStreams(hosts, "scheduler", sched, MAX_TOKENS, prompts, tmp_path / "go")
         held2 = HeldStreams(hosts, "sched2", sched2, MAX_TOKENS, prompts2, tmp_path / "go2")
         warm_on_ctx1 = routed("ctx1")
-        hosts.throttle("ctx1", SLOW_LINK)
+        hosts.shape("ctx1", SLOW_LINK_MBIT)
         sent = hosts.tx_bytes("ctx1")
         held.start()
         wait_until(lambda: routed("ctx1") >= warm_on_ctx1 + 2, 30, "ctx1 holds requests")

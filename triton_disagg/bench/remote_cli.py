@@ -40,7 +40,6 @@ from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
 
 WARMUP_REQUESTS = 4
-READY_LINE = "ready ("
 STOP_SECONDS = 60.0
 TARGET_MS = 5.0           # target: the remote path adds at most this much TTFT at p50
 
@@ -140,6 +139,7 @@ target).
 def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[str]:
     """The three roles' `serve` commands (:func:`serve_argv`, as every launcher writes them)
     on loopback, run by this interpreter; yields the scheduler's gRPC url."""
+    from triton_disagg.bench.serve_ready import wait_ready
     from triton_disagg.bench.serve_servers import placement
     from triton_disagg.launch.deploy import free_ports
     from triton_disagg.launch.serve_argv import serve_argv
@@ -169,21 +169,10 @@ def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[st
                 started.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                  start_new_session=True), log))
         for proc, log in started:
-            _wait_ready(proc, log)
+            wait_ready(proc, log, f"bench remote: `{' '.join(proc.args[3:6])}`")
         say("the three roles are ready")
         yield f"127.0.0.1:{sched}"
     finally:
         for proc, _ in started:
             terminate(proc, STOP_SECONDS)
-
-
-def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while READY_LINE not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise UserError(f"bench remote: `{' '.join(proc.args[3:6])}` did not become ready "
-                            f"(see {log}):\n{tail}")
-        time.sleep(0.2)
-
 
