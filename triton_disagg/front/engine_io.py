@@ -1,0 +1,86 @@
+"""The orchestrator's tensors in and out: the engine inputs a request's calls to context
+and generation carry, the context's answer as the request's first token event, and token
+events as the ensemble's outputs (:class:`ResponseBuilder`).
+
+Invariant (the builder's): streamed ``text_output`` deltas concatenate to the non-streamed
+text, multi-byte characters included (:mod:`~triton_disagg.front.detokenize`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from triton_disagg import protocol as P
+from triton_disagg.front.detokenize import DeltaWindows, text_delta
+from triton_disagg.token_wire import StreamEvent
+from triton_disagg.triton.tensors import scalar
+
+
+def context_event(request_id: str, out: dict[str, np.ndarray]) -> StreamEvent:
+    """The context model's response tensors as the request's first event (final when its
+    ``finish_reason`` is set and not empty)."""
+    ids = np.asarray(out["output_ids"]).reshape(-1).tolist()        # [beam=1, n] -> [n]
+    lp = out.get("output_log_probs")
+    log_probs = np.asarray(lp).reshape(-1).tolist() if lp is not None else None
+    reason = out.get("finish_reason")
+    reason = np.asarray(reason).reshape(-1)[0] if reason is not None and np.size(reason) else b""
+    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    return StreamEvent(request_id, ids, log_probs, finish_reason=reason or None)
+
+
+def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Orchestrator inputs -> the ``ENGINE_INPUTS`` of context/generation (present ones only)."""
+    names = {s.name for s in P.ENGINE_INPUTS}
+    out = {n: v for n, v in inputs.items() if n in names}
+    out.update({P.SAMPLING_TO_ENGINE[n]: v for n, v in inputs.items() if n in P.SAMPLING_TO_ENGINE})
+    out["streaming"] = np.array([True])   # the orchestrator always streams from generation
+    return out
+
+
+class ResponseBuilder:
+    """Turns a request's events into the ensemble's outputs (``text_output`` deltas, counts,
+    and log probs only when the request's ``return_log_probs`` asked for them, as
+    TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response)."""
+
+    def __init__(self, inputs: dict[str, np.ndarray], decode: Callable[[Sequence[int]], str]):
+        self.decode = decode
+        self.prompt = np.asarray(inputs["input_ids"]).reshape(-1).tolist()
+        self.end_id = scalar(inputs, "end_id", -1)
+        self.stream = bool(scalar(inputs, "stream", False))
+        exclude = bool(scalar(inputs, "exclude_input_in_output", True))
+        self.windows = DeltaWindows(() if exclude or self.stream else self.prompt)
+        self.return_log_probs = bool(scalar(inputs, "return_log_probs", False))
+        self.generated = 0
+        self.cum_log_prob = 0.0
+        self.pending_ids: list[int] = []
+        self.pending_lp: list[float] = []
+
+    def add(self, event: StreamEvent) -> dict | None:
+        """Outputs to send now (streaming) or None (accumulating until the final event, which
+        carries no error: those are raised before they get here)."""
+        ids = event.tokens
+        lps = event.log_probs if event.log_probs is not None else [0.0] * len(ids)
+        if event.final and ids and ids[-1] == self.end_id:
+            ids, lps = ids[:-1], lps[:-1]      # the end token is not output text
+        self.generated += len(ids)
+        self.cum_log_prob += float(sum(lps))
+        self.pending_ids += ids
+        self.pending_lp += lps
+        if self.stream or event.final:
+            return self._flush(final=event.final)
+        return None
+
+    def _flush(self, final: bool) -> dict:
+        window, offset = self.windows.next(self.pending_ids)
+        lps, self.pending_ids, self.pending_lp = self.pending_lp, [], []
+        out = {
+            "text_output": [text_delta(self.decode, window, offset, final)],
+            "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
+            "num_output_tokens": np.array([self.generated], dtype=np.int32),
+        }
+        if self.return_log_probs:
+            out["cum_log_probs"] = np.array([self.cum_log_prob])
+            out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)
+        return out
