@@ -114,6 +114,48 @@ def test_layers_are_read_while_the_context_prefills_and_the_text_is_the_aggregat
     assert _zero(context.engine) and _zero(generation)
 
 
+def test_a_first_token_that_lands_during_a_read_waits_for_the_last_layers(
+        sides, demo_engine, monkeypatch):
+    """The first READ (of the layers final so far) is held until the context has sent its
+    first token and the dispatcher filed it: the pull must still READ the other layers
+    before it ends (a FIRST read after the layer count once ended it with them unread)."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=12)
+    (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+    reads: list[range] = []
+    read_layers = connector.endpoint.read_layers
+
+    def first_filed() -> bool:
+        return any(p.first is not None for p in connector._layers._pulls.values())
+
+    def held(peer, handle, dst, layers, deadline):
+        nbytes = read_layers(peer, handle, dst, layers, deadline)
+        if not reads:
+            deadline = time.monotonic() + WAIT_S
+            while not first_filed() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert first_filed(), "the context's first token never reached the reader"
+        reads.append(layers)
+        return nbytes
+
+    announce = Announcer.layers
+
+    def slowly(self, done):
+        announce(self, done)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(connector.endpoint, "read_layers", held)
+    monkeypatch.setattr(Announcer, "layers", slowly)
+    listener = _await(generation, connector, "r", params)
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    first = int(out["output_ids"].reshape(-1)[0])
+    tokens, _ = _decode(generation, "r")
+    layers = generation.spec.shape.num_layers
+    assert [first] + tokens == whole.output_ids
+    assert reads[0].stop < layers and reads[-1].stop == layers, reads
+    assert _zero(context.engine) and _zero(generation)
+
+
 def test_a_first_token_that_finishes_the_request_ends_the_pull_and_frees_both_pools(sides):
     context, generation, connector = sides
     params = SamplingParams(max_tokens=1)

@@ -299,25 +299,32 @@ class LayerReader:
         return False
 
     @staticmethod
-    def _ready(pull: _Pull) -> int:
+    def _ready(pull: _Pull, first: Optional[tuple[int, float]]) -> int:
+        """Layers final at the context, ``first`` being the pull's first token as read
+        *before* ``pull.announced`` (the context sends it after the last layer)."""
         layers = pull.handle.geometry.num_layers
-        return layers if pull.first is not None else min(pull.announced, layers)
+        return layers if first is not None else min(pull.announced, layers)
 
     def _has_work(self, pull: _Pull) -> bool:
         return (pull.blocks is not None and pull.handle is not None
-                and (self._ready(pull) > pull.read or pull.first is not None))
+                and (pull.first is not None or self._ready(pull, None) > pull.read))
 
     def read(self, pull: _Pull, tickets) -> bool:
         """Read what the context announced into the sequence's blocks, and once the first
         token came, the ticket words (into ``tickets``, the peer reader's own registered
-        buffer), which ends the lease; True once the pull ended (done, or failed)."""
-        ready, began = self._ready(pull), time.monotonic()
+        buffer), which ends the lease; True once the pull ended (done, or failed).
+
+        The dispatcher files notifications while this runs: the first token is taken once,
+        before the layer count, so a FIRST that lands during the READs waits for the next
+        pass instead of ending the pull with its last layers unread."""
+        first = pull.first
+        ready, began = self._ready(pull, first), time.monotonic()
         try:
             if ready > pull.read:
                 pull.nbytes += self.endpoint.read_layers(pull.peer, pull.handle, pull.blocks,
                                                          range(pull.read, ready), pull.deadline)
                 pull.read = ready
-            if pull.first is not None:
+            if first is not None:
                 self.endpoint.confirm(pull.peer, pull.handle, pull.deadline, tickets)
                 if self.staged is not None:
                     self.staged(pull.blocks)
@@ -325,10 +332,10 @@ class LayerReader:
             return self._end(pull, None, exc)
         finally:
             pull.copy_seconds += time.monotonic() - began
-        if pull.first is None:
+        if first is None:
             return False
         return self._end(pull, TransferStats(pull.nbytes, pull.copy_seconds,
-                                             time.monotonic() - pull.started, *pull.first), None)
+                                             time.monotonic() - pull.started, *first), None)
 
     def stepped(self, nonce: str, pull: _Pull, ended: bool) -> None:
         """A peer reader is done with ``pull`` for now (its thread)."""
