@@ -129,7 +129,7 @@ def test_cancel_reaches_the_generation_instance_holding_the_request(demo_engine,
     cancels = 4
     with servers.serve("all", ["-c", str(config)], tmp_path / "run") as served:
         for _ in range(cancels):
-            servers.stream_then_cancel(served.grpc)
+            servers.cancel_a_stream(served.grpc, served.metrics)
         deadline = time.monotonic() + 30
         while True:
             text = servers.metrics(served.metrics)

@@ -138,7 +138,7 @@ def test_tokens_reach_the_orchestrator_over_zeromq(server, offline):
 
 
 def test_client_cancel_stops_generation_and_frees_blocks(server):
-    servers.stream_then_cancel(server.grpc)
+    servers.cancel_a_stream(server.grpc, server.metrics)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         outcomes = _gauges(server, "disagg_requests_total")

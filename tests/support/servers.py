@@ -289,6 +289,24 @@ def stream_then_cancel(grpc: str, max_tokens: int = 1500) -> None:
         client.stop_stream(cancel_requests=True)
 
 
+def cancel_a_stream(grpc: str, metrics_url: str, attempts: int = 3) -> None:
+    """:func:`stream_then_cancel` until the orchestrator counts a request ``cancelled``: one
+    that it counts ``finished`` instead ran to its end (the demo engine's 256 positions)
+    before the stop reached the server, under load, and is tried again (``attempts`` in all)."""
+    def outcomes() -> dict[str, float]:
+        return {o: sum(float(line.rsplit(" ", 1)[1]) for line in metrics(metrics_url).splitlines()
+                       if line.startswith("disagg_requests_total{") and 'role="orchestrator"' in line
+                       and f'outcome="{o}"' in line) for o in ("cancelled", "finished")}
+
+    for _ in range(attempts):
+        before = outcomes()
+        stream_then_cancel(grpc)
+        wait_until(lambda: outcomes() != before, 30, "the orchestrator counts the request")
+        if outcomes()["cancelled"] > before["cancelled"]:
+            return
+    raise AssertionError(f"each of {attempts} streams finished before its cancel: {outcomes()}")
+
+
 def wait_until(predicate, timeout: float, what: str, poll: float = 0.01) -> float:
     """Seconds until ``predicate()`` held (polled every ``poll`` s); fails after ``timeout``."""
     start = time.monotonic()
