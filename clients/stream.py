@@ -118,6 +118,15 @@ class Measurement:
         return (self.arrivals[-1] - self.arrivals[0]) / (self.output_tokens - 1)
 
     @property
+    def token_times(self) -> list[float]:
+        """Each output token's arrival: a response carrying k tokens gives k equal times (one
+        token per response where the server gave no counts)."""
+        if None in self.counts:
+            return list(self.arrivals)
+        tokens = [b - a for a, b in zip([0] + self.counts, self.counts)]
+        return [t for t, k in zip(self.arrivals, tokens) for _ in range(k)]
+
+    @property
     def itl(self) -> list[float]:
         """Gaps between consecutive tokens when streaming: a response carrying k tokens (the
         server sends tokens that were ready together as one) adds its gap, then k - 1 zeros."""
