@@ -80,6 +80,24 @@ def _zero(engine: LLMEngine) -> bool:
     return engine.pool.num_used == 0
 
 
+def _prefill_slowly(sides, params: SamplingParams, read_layers, monkeypatch):
+    """Request "r" through the overlapped path, generation's READs through ``read_layers``
+    and each layer's announcement followed by 50 ms of compute (reads keep up): the
+    context's answer, generation's tokens and its KV arrivals."""
+    context, generation, connector = sides
+    announce = Announcer.layers
+
+    def slowly(self, done):
+        announce(self, done)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(connector.endpoint, "read_layers", read_layers)
+    monkeypatch.setattr(Announcer, "layers", slowly)
+    listener = _await(generation, connector, "r", params)
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    return (out,) + _decode(generation, "r")
+
+
 def test_layers_are_read_while_the_context_prefills_and_the_text_is_the_aggregated_one(
         sides, demo_engine, monkeypatch):
     context, generation, connector = sides
@@ -92,19 +110,9 @@ def test_layers_are_read_while_the_context_prefills_and_the_text_is_the_aggregat
         reads.append(layers)
         return read_layers(peer, handle, dst, layers, deadline)
 
-    announce = Announcer.layers
-
-    def slowly(self, done):                 # a layer's compute takes a while: reads keep up
-        announce(self, done)
-        time.sleep(0.05)
-
-    monkeypatch.setattr(connector.endpoint, "read_layers", recorded)
-    monkeypatch.setattr(Announcer, "layers", slowly)
-    listener = _await(generation, connector, "r", params)
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    out, tokens, arrivals = _prefill_slowly(sides, params, recorded, monkeypatch)
     first = int(out["output_ids"].reshape(-1)[0])
     assert out[P.CONTEXT_PHASE_PARAMS].size       # the handle, for a release if need be
-    tokens, arrivals = _decode(generation, "r")
     assert [first] + tokens == whole.output_ids
     layers = generation.spec.shape.num_layers
     assert len(reads) > 1 and reads[0].start == 0 and reads[0].stop < layers   # during prefill
@@ -138,18 +146,8 @@ def test_a_first_token_that_lands_during_a_read_waits_for_the_last_layers(
         reads.append(layers)
         return nbytes
 
-    announce = Announcer.layers
-
-    def slowly(self, done):
-        announce(self, done)
-        time.sleep(0.05)
-
-    monkeypatch.setattr(connector.endpoint, "read_layers", held)
-    monkeypatch.setattr(Announcer, "layers", slowly)
-    listener = _await(generation, connector, "r", params)
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    out, tokens, _ = _prefill_slowly(sides, params, held, monkeypatch)
     first = int(out["output_ids"].reshape(-1)[0])
-    tokens, _ = _decode(generation, "r")
     layers = generation.spec.shape.num_layers
     assert [first] + tokens == whole.output_ids
     assert reads[0].stop < layers and reads[-1].stop == layers, reads
