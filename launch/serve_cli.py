@@ -25,7 +25,7 @@ from triton_disagg.config.disagg import PLACED_ROLES
 from triton_disagg.errors import UserError
 from triton_disagg.log_format import FORMATS
 
-from triton_disagg.triton.stub_watch import first_dead, stubs_of
+from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
 
 ROLES = ("all", "context", "generation", "scheduler")
 MAX_RESTARTS = 5            # stub deaths survived by restarting the server, per serve run
@@ -215,8 +215,16 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         print(f"  front end (tritonserver, preprocessing, orchestrator) on {cores}", flush=True)
     loaded: list[str] = []
     registration = peers_gate = None
+    seen: dict[int, Stub] = {}      # every model instance's stub seen since the start, by pid
+
+    def see_stubs() -> None:
+        """Remember the stubs running now; the gate's comes and goes as the gate opens and
+        closes, so it is not watched."""
+        seen.update((s.pid, s) for s in model_instance_stubs(server.process.pid)
+                    if gate is None or not s.instance.startswith(f"{gate}_"))
 
     def on_loaded(model: str) -> None:
+        see_stubs()              # its stubs run from here on, before the server is ready
         if model == gate:        # loaded at start when its peers answered: not a model to count
             return
         loaded.append(model)
@@ -225,9 +233,10 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     try:
         if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
             return 130
-        # The gate's stub comes and goes as the gate opens and closes: not watched.
-        stubs = [s for s in stubs_of(server.process.pid)
-                 if gate is None or not s.instance.startswith(f"{gate}_")]
+        # A stub killed between the server's readiness and this listing is no longer listed
+        # (a zombie has no argv): those seen as their models loaded are watched too.
+        see_stubs()
+        stubs = list(seen.values())
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised)
         _announce(args.role, config, endpoints, advertised, server, registration, front)
