@@ -293,10 +293,12 @@ def cancel_a_stream(grpc: str, metrics_url: str, attempts: int = 3) -> None:
     """:func:`stream_then_cancel` until the orchestrator counts a request ``cancelled``: one
     that it counts ``finished`` instead ran to its end (the demo engine's 256 positions)
     before the stop reached the server, under load, and is tried again (``attempts`` in all)."""
+    from triton_disagg.routing.scrape import scrape, total
+
     def outcomes() -> dict[str, float]:
-        return {o: sum(float(line.rsplit(" ", 1)[1]) for line in metrics(metrics_url).splitlines()
-                       if line.startswith("disagg_requests_total{") and 'role="orchestrator"' in line
-                       and f'outcome="{o}"' in line) for o in ("cancelled", "finished")}
+        samples = scrape(metrics_url)
+        return {o: total(samples, "disagg_requests_total", role="orchestrator", outcome=o)
+                for o in ("cancelled", "finished")}
 
     for _ in range(attempts):
         before = outcomes()
