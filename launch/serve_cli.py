@@ -8,7 +8,9 @@ the config, a context or generation server registers in etcd once ready and dere
 before it stops (:mod:`.register`). A model's stub
 process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops the
 server at once, so its clients get errors and probes fail, and starts it afresh
-(:mod:`.stub_watch`). The scheduler says "up" once its models are loaded, then "ready" or
+(:mod:`.stub_watch`); so does a start that failed for a cause the next start need not
+meet, such as a stub Triton abandoned while the host was busy (:mod:`.stuck_start`). The
+scheduler says "up" once its models are loaded, then "ready" or
 "not ready" as its peers come and go, as ``/v2/health/ready`` does (:mod:`.peers_gate`).
 Every role's server has an HTTP front beside it (:mod:`.front_process`), so every role
 answers ``GET /healthz``.
@@ -22,13 +24,13 @@ import threading
 from pathlib import Path
 
 from triton_disagg.config.disagg import PLACED_ROLES
-from triton_disagg.errors import UserError
+from triton_disagg.errors import RetryableStart, UserError
 from triton_disagg.log_format import FORMATS
 
 from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
 
 ROLES = ("all", "context", "generation", "scheduler")
-MAX_RESTARTS = 5            # stub deaths survived by restarting the server, per serve run
+MAX_RESTARTS = 5            # stub deaths and failed starts survived by restarting, per serve run
 STUB_POLL_SECONDS = 0.5
 
 
@@ -231,8 +233,12 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         print(f"  loaded {model} ({len(loaded)}/{len(models)})", flush=True)
 
     try:
-        if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
-            return 130
+        try:
+            if not server.wait_ready(args.ready_timeout, cancel=stop, on_loaded=on_loaded):
+                return 130
+        except RetryableStart as exc:     # a start that may succeed if tried again
+            server.stop(grace=0)
+            return f"tritonserver did not start: {exc}"
         # A stub killed between the server's readiness and this listing is no longer listed
         # (a zombie has no argv): those seen as their models loaded are watched too.
         see_stubs()

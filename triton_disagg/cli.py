@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from triton_disagg.errors import UserError
+from triton_disagg.log_format import error_line
 
 SUBCOMMAND_MODULES = (
     "triton_disagg.builders.build_cli",      # build, demo-checkpoint
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        print(f"triton-disagg {args.command}: error: {exc}", file=sys.stderr)
+        print(error_line(f"triton-disagg {args.command}: error: {exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

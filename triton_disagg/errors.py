@@ -26,6 +26,12 @@ class UserError(Exception):
     status = "INVALID_ARG"
 
 
+class RetryableStart(UserError):
+    """A server start that failed for a cause the next start need not meet (a stub Triton
+    gave up on while the host was busy, a server killed by a signal while it loaded):
+    ``serve`` starts tritonserver again for it, within its restarts, instead of exiting."""
+
+
 class RequestError(UserError):
     """A request that cannot be served as sent (bad input tensor, empty prompt, bad token id,
     too long, duplicate id): sent back as that request's Triton error."""

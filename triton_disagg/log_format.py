@@ -45,6 +45,14 @@ def json_line(level: str, role: str, instance: str, message: str,
                        "request_id": rid, "message": message}, ensure_ascii=False)
 
 
+def error_line(message: str) -> str:
+    """The command's last word on a failure: as :func:`json_line` once ``serve
+    --log-format json`` chose JSON (the environment says), else as it is."""
+    if os.environ.get(FORMAT_ENV) != "json":
+        return message
+    return json_line("ERROR", os.environ.get(ROLE_ENV, "?"), "serve", message)
+
+
 class JsonFormatter(logging.Formatter):
     """A record as :func:`json_line`; a traceback goes into the message, escaped."""
 

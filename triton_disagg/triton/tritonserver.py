@@ -37,6 +37,7 @@ statistics stay open). The gRPC endpoint accepts the orchestrators' keepalive pi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -54,12 +55,16 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from triton_disagg import shm
-from triton_disagg.errors import UserError
+from triton_disagg.errors import RetryableStart, UserError
 
 from triton_disagg import log_format
 from triton_disagg.triton import server_log
+from triton_disagg.triton.stub_start import STACKS_SIGNAL
+from triton_disagg.triton.stub_watch import Stub
+from triton_disagg.triton.stuck_start import StartWatch
 
 STOP_GRACE_SECONDS = 15.0   # SIGTERM to SIGKILL when a server stops
+STACKS_WAIT_SECONDS = 1.0   # for a stuck stub to write its stacks (stub_start.STACKS_SIGNAL)
 
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
 RESTRICTED_APIS = ("shared-memory", "logging", "trace")
@@ -207,20 +212,29 @@ class TritonServer:
         ``on_loaded(model)`` is called as each model finishes loading. A failure the log
         reports (a model that cannot load, a stub that cannot start, a port taken), a
         server that exits, or ``timeout`` raises :class:`UserError`: the cause on its
-        first line, then the log's tail. The caller stops the server.
+        first line, then the log's tail; a cause the next start need not meet (a stub Triton
+        abandoned, :mod:`.stuck_start`; a server killed by a signal) raises
+        :class:`RetryableStart`. The caller stops the server.
         """
+        if self.process is None:
+            raise UserError("wait_ready before start")
         deadline = time.monotonic() + timeout
         log = server_log.LogFollower(self.log_path)
+        watch = StartWatch(self.process.pid)
         while cancel is None or not cancel.is_set():
             for line in log.new_lines():
+                watch.read(line)
                 cause = server_log.fatal_cause(line)
                 if cause and not (self.control and f"'{self.control.gate}'" in line):
                     raise self._failure(cause)
                 model = server_log.loaded_model(line)
                 if model and on_loaded:
                     on_loaded(model)
-            if self.process is None or self.process.poll() is not None:
-                raise self._failure("tritonserver exited before it was ready")
+            if self.process.poll() is not None:
+                raise self._exited_early()
+            stuck = watch.stuck()
+            if stuck:
+                raise self._abandoned(stuck, watch.stuck_after, log)
             if self.is_ready() if self.control is None else self._models_ready():
                 return True
             if time.monotonic() > deadline:
@@ -228,9 +242,32 @@ class TritonServer:
             time.sleep(0.25)
         return False
 
-    def _failure(self, cause: str) -> UserError:
-        return UserError(f"{cause}\n--- tritonserver log (tail) ---\n{self.log_tail()}\n"
-                         f"(full log: {self.log_path})")
+    def _failure(self, cause: str, kind: type[UserError] = UserError) -> UserError:
+        return kind(f"{cause}\n--- tritonserver log (tail) ---\n{self.log_tail()}\n"
+                    f"(full log: {self.log_path})")
+
+    def _exited_early(self) -> UserError:
+        code = self.process.poll()
+        if code is not None and code < 0:     # e.g. aborted as a stub died while loading
+            return self._failure(f"tritonserver was killed by signal {-code} before it was "
+                                 f"ready", RetryableStart)
+        return self._failure("tritonserver exited before it was ready")
+
+    def _abandoned(self, stubs: list[Stub], after: float,
+                   log: server_log.LogFollower) -> RetryableStart:
+        """The error for stubs Triton gave up on (:mod:`.stuck_start`), with every thread's
+        stack of each, which the stubs write to the log on ``STACKS_SIGNAL``."""
+        for stub in stubs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stub.pid, STACKS_SIGNAL)
+        time.sleep(STACKS_WAIT_SECONDS)
+        stacks = "\n".join(log.new_lines())
+        names = ", ".join(f"{s.instance} (pid {s.pid})" for s in stubs)
+        return RetryableStart(
+            f"Triton gave up on the stub of {names} during its start (a missed health check: "
+            f"the host was busy) and waits for it to exit, which it never does: its "
+            f"initialize finished {after:.0f}s ago and the model never loaded.\n"
+            f"--- its threads ---\n{stacks}\n(full log: {self.log_path})")
 
     @property
     def local_host(self) -> str:

@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 import zmq
 
 from triton_disagg.log_format import configure_stub
-from triton_disagg.triton.slow_start import stacks_if_slow
+from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
@@ -35,7 +35,7 @@ faulthandler.enable()  # a crash in this stub logs every thread's traceback to t
 
 
 class TritonPythonModel:
-    @stacks_if_slow
+    @watched_initialize
     def initialize(self, args):
         configure_stub(args["model_instance_name"])   # serve --log-format
         settings = from_model_config("generation", args)

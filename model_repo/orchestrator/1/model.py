@@ -20,7 +20,7 @@ import logging
 import triton_python_backend_utils as pb_utils
 
 from triton_disagg.log_format import Rejections, configure_stub
-from triton_disagg.triton.slow_start import stacks_if_slow
+from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import from_model_config
@@ -39,7 +39,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
-    @stacks_if_slow
+    @watched_initialize
     def initialize(self, args):
         configure_stub(args["model_instance_name"])   # serve --log-format
         settings = from_model_config("orchestrator", args)

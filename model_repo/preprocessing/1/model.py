@@ -9,7 +9,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from triton_disagg.log_format import Rejections, configure_stub
-from triton_disagg.triton.slow_start import stacks_if_slow
+from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import protocol as P
 from triton_disagg.engine.spec import EngineSpec
@@ -23,7 +23,7 @@ faulthandler.enable()  # a crash in this stub logs every thread's traceback to t
 
 
 class TritonPythonModel:
-    @stacks_if_slow
+    @watched_initialize
     def initialize(self, args):
         configure_stub(args["model_instance_name"])   # serve --log-format
         engine = from_model_config("preprocessing", args).engine
