@@ -66,3 +66,14 @@ def test_call_ids_start_with_the_clients_id_and_are_unique():
     first, second = _call_id("client-7"), _call_id("client-7")
     assert first.startswith("client-7-") and second.startswith("client-7-") and first != second
     assert _call_id("x" * 500).startswith("x" * 64 + "-") and len(_call_id("")) == 32
+
+
+def test_a_commands_error_line_is_json_once_serve_chose_json(monkeypatch):
+    message = "triton-disagg serve: error: tritonserver not ready after 300s"
+    monkeypatch.delenv(log_format.FORMAT_ENV, raising=False)
+    assert log_format.error_line(message) == message
+    monkeypatch.setenv(log_format.FORMAT_ENV, "json")
+    monkeypatch.setenv(log_format.ROLE_ENV, "generation")
+    record = json.loads(log_format.error_line(message))
+    assert record["level"] == "ERROR" and record["role"] == "generation"
+    assert record["message"] == message
