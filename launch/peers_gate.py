@@ -42,6 +42,7 @@ from pathlib import Path
 
 from triton_disagg.routing.discovery.periodic import Periodic
 
+from triton_disagg.triton.grpc_channel import channel_args
 from triton_disagg.triton.render import GATE, render_gate
 from triton_disagg.triton.tritonserver import RESTRICTED_HEADER
 
@@ -97,7 +98,7 @@ class Peers:
         import tritonclient.grpc as grpcclient
 
         if url not in self._clients:
-            self._clients[url] = grpcclient.InferenceServerClient(url)
+            self._clients[url] = grpcclient.InferenceServerClient(url, channel_args=channel_args())
         try:
             return bool(self._clients[url].is_server_ready(client_timeout=PROBE_TIMEOUT))
         except Exception:  # noqa: BLE001 - refused, unreachable, timed out: it does not answer

@@ -42,6 +42,7 @@ from triton_disagg.front.openai_api import ApiError, Generation, parse
 from triton_disagg.front.openai_responses import Reply, StopTrimmer, finish_reason, sse, usage
 from triton_disagg.front.prepare import Preparer
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
+from triton_disagg.triton.grpc_channel import channel_args
 
 MAX_BODY_BYTES = 10 * 2**20          # a larger body is refused with 413
 PARENT_POLL_SECONDS = 1.0
@@ -234,7 +235,7 @@ def make_app(preparer: Preparer, relay: Relay) -> web.Application:
 def _health_only_app(grpc_url: str, models: tuple[str, ...]) -> web.Application:
     import tritonclient.grpc.aio as grpcclient
 
-    client = grpcclient.InferenceServerClient(grpc_url)   # made on the loop that uses it
+    client = grpcclient.InferenceServerClient(grpc_url, channel_args=channel_args())  # on its loop
     app = make_health_app(ServerReadiness(client, models))
 
     async def close_client(app: web.Application) -> None:

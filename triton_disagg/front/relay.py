@@ -23,6 +23,7 @@ import numpy as np
 
 from triton_disagg.errors import Timeout
 from triton_disagg.front.health import ServerReadiness
+from triton_disagg.triton.grpc_channel import channel_args
 
 ORCHESTRATOR = "orchestrator"
 # Words in an orchestrator error that say the deployment, not the request, is at fault now.
@@ -55,7 +56,7 @@ class Relay:
     def __init__(self, url: str, models: tuple[str, ...] = (ORCHESTRATOR,)):
         import tritonclient.grpc.aio as grpcclient
 
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
         with_orchestrator = tuple(dict.fromkeys((ORCHESTRATOR, *models)))   # once, first
         self.readiness = ServerReadiness(self.client, with_orchestrator)
 

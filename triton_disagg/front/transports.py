@@ -47,6 +47,7 @@ from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoSe
                                   RequestError, Timeout, Unavailable)
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
+from triton_disagg.triton.grpc_channel import channel_args
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -242,7 +243,8 @@ class GrpcTransport:
             keepalive = grpc.KeepAliveOptions(
                 keepalive_time_ms=KEEPALIVE_MS, keepalive_timeout_ms=KEEPALIVE_TIMEOUT_MS,
                 keepalive_permit_without_calls=True, http2_max_pings_without_data=0)
-            self.clients[url] = grpcclient.InferenceServerClient(url, keepalive_options=keepalive)
+            self.clients[url] = grpcclient.InferenceServerClient(
+                url, channel_args=channel_args(keepalive))
         return self.clients[url]
 
     async def _close_departed(self) -> None:

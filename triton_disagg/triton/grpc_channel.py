@@ -1,0 +1,41 @@
+"""The gRPC channel options of every client this project keeps open to a tritonserver
+(the orchestrator's calls to context and generation, the scheduler's peer probes, the
+HTTP front's relay and health checks).
+
+gRPC backs off between reconnection attempts, 1 s growing by 1.6x up to 120 s: a cached
+channel to a server that was down for a few minutes stays in TRANSIENT_FAILURE, failing
+every call at once with "Connection refused", for up to two minutes after the server is
+back (measured: a scheduler ready ~65 s and serving ~80 s after its generation server
+returned, issue 27). Reconnection here backs off at most ``MAX_RECONNECT_BACKOFF_MS``, so
+a channel notices a returning server within about a second; a dead server costs a
+connection attempt a second per channel, nothing more.
+
+Invariant: options are tritonclient's defaults (message sizes unbounded, keepalive as
+given or off) plus the backoff bounds.
+"""
+
+from __future__ import annotations
+
+INITIAL_RECONNECT_BACKOFF_MS = 250
+MAX_RECONNECT_BACKOFF_MS = 1000
+_UNBOUNDED_MESSAGE = 2**31 - 1          # tritonclient's MAX_GRPC_MESSAGE_SIZE
+
+
+def channel_args(keepalive=None) -> list[tuple[str, int]]:
+    """Options for ``InferenceServerClient(url, channel_args=...)`` (sync or asyncio);
+    ``keepalive``: a ``tritonclient.grpc.KeepAliveOptions``, tritonclient's default (no
+    pings) when None."""
+    from tritonclient.grpc import KeepAliveOptions
+
+    keepalive = keepalive or KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", _UNBOUNDED_MESSAGE),
+        ("grpc.max_receive_message_length", _UNBOUNDED_MESSAGE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    ]
