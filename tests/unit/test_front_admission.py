@@ -184,17 +184,21 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_ended(d
 
 # ---- hostile JSON and bounded fields ------------------------------------------------------
 
-@pytest.mark.parametrize("raw_body, words", [
-    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (b'{"model": "demo", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "digits"),
-    (b'{"model": "demo", "prompt": "a", "max_tokens": 1e999}', "'max_tokens'"),
-    (b'{"model": "demo", "prompt": "a", "max_tokens": 99999999999999999999}', "'max_tokens'"),
-    (b'{"model": "demo", "prompt": "a", "top_p": ' + b"[" * 900 + b"]" * 900 + b"}", "'top_p'"),
+@pytest.mark.parametrize("raw_body, headers, words", [
+    (b"[" * 100_000 + b"]" * 100_000, {}, "nested too deeply"),
+    (b'{"model": "demo", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", {}, "digits"),
+    (b'{"model": "demo", "prompt": "a", "max_tokens": 1e999}', {}, "'max_tokens'"),
+    (b'{"model": "demo", "prompt": "a", "max_tokens": 99999999999999999999}', {},
+     "'max_tokens'"),
+    (b'{"model": "demo", "prompt": "a", "top_p": ' + b"[" * 900 + b"]" * 900 + b"}", {},
+     "'top_p'"),
+    (b"not gzip", {"Content-Encoding": "gzip"}, "Content-Encoding"),
 ])
-def test_hostile_json_is_a_400_naming_the_problem(demo_engine, raw_body, words):
+def test_hostile_json_is_a_400_naming_the_problem(demo_engine, raw_body, headers, words):
     async def check(client):
         for path in ("/v1/completions", "/v1/inference"):
-            resp = await client.post(path, data=raw_body)
+            resp = await client.post(path, data=raw_body,       # a broken body ends its
+                                     headers={**headers, "Connection": "close"})  # connection
             body = await resp.json()
             assert resp.status == 400 and words in body["error"]["message"], body
             assert len(body["error"]["message"]) < 300

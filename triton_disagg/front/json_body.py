@@ -1,5 +1,6 @@
 """A request's JSON body, read and parsed within bounds: at most ``MAX_BODY_BYTES`` (aiohttp's
-``client_max_size``: 413), arriving within ``body_timeout_seconds`` (else 408), UTF-8, and
+``client_max_size``: 413), arriving within ``body_timeout_seconds`` (else 408), framed and encoded as its headers say,
+UTF-8, and
 JSON that Python's parser takes (else 400 naming the problem: not JSON, nested deeper than
 the parser's recursion limit, an integer of more than ``sys.get_int_max_str_digits()``
 digits). A body over ``OFF_LOOP_BYTES`` is decoded and parsed on ``PARSER``, one thread,
@@ -48,6 +49,9 @@ async def read_json(request: web.Request, timeout: float) -> Any:
     except TimeoutError:
         raise ApiError(f"the body did not arrive within {timeout:g} s "
                        f"(front.body_timeout_seconds)", 408) from None
+    except web.RequestPayloadError:     # e.g. Content-Encoding: gzip on a body that is not
+        raise ApiError("the body could not be read as sent: its Content-Encoding or chunked "
+                       "framing is broken") from None
     if len(raw) <= OFF_LOOP_BYTES:
         return decode(raw)
     return await asyncio.get_running_loop().run_in_executor(PARSER, decode, raw)
