@@ -38,13 +38,15 @@ ANSWER_SECONDS = 15.0               # per hostile request, on a busy 2-core mach
 RSS_GROWTH_BOUND = 256 * 2**20
 FRONT_GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/inference")
 MiB = 2**20
+CAP = 8                             # the front's max_concurrent_requests here
 
 
 @pytest.fixture(scope="module")
 def server(demo_engine, tmp_path_factory):
     work = tmp_path_factory.mktemp("fuzz")
     with servers.serve_config(f"model: {{engine: {demo_engine}}}\n"
-                              "kv_cache: {max_size: 16MB}\n", work) as served:
+                              "kv_cache: {max_size: 16MB}\n"
+                              f"front: {{max_concurrent_requests: {CAP}}}\n", work) as served:
         yield served
 
 
@@ -279,6 +281,28 @@ def test_grpc_ensemble_refuses_hostile_tensors(server, rss_before, arrays):
 def test_orchestrator_called_directly_answers_an_error(server, rss_before, arrays):
     """Refused (no peer credential) or rejected, the orchestrator answers a clean error."""
     _grpc_error(server.grpc, "orchestrator", arrays)
+
+
+# ---- a burst past the request cap --------------------------------------------------------
+
+def test_a_burst_past_the_cap_gets_429_with_retry_after(server, rss_before):
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 64, "ignore_eos": True,
+            "stream": True}
+
+    def one(_):
+        with requests.post(f"{server.front}/v1/completions", json=body, stream=True,
+                           timeout=60) as resp:
+            return resp.status_code, resp.headers.get("Retry-After"), resp.text
+    with ThreadPoolExecutor(4 * CAP) as pool:
+        answers = list(pool.map(one, range(4 * CAP)))
+    refused = [a for a in answers if a[0] == 429]
+    served_ = [a for a in answers if a[0] == 200]
+    assert len(refused) + len(served_) == len(answers), [a[0] for a in answers]
+    assert refused and len(served_) >= 1, [a[0] for a in answers]
+    assert all(a[1] == "1" and "max_concurrent_requests" in a[2] for a in refused)
+    assert all(a[2].rstrip().endswith("data: [DONE]") for a in served_)
 
 
 # ---- afterwards ---------------------------------------------------------------------------
