@@ -98,10 +98,7 @@ def test_a_client_that_leaves_gives_its_slot_back(demo_engine):
         task = asyncio.ensure_future(client.post("/v1/completions", json=BODY))
         await asyncio.sleep(0.3)
         task.cancel()
-        for _ in range(100):
-            if relay.left_early:
-                break
-            await asyncio.sleep(0.05)
+        await relay.until_left()
         relay.deltas, relay.pause = WORDS, 0.0
         assert (await client.post("/v1/completions", json=BODY)).status == 200
     run_app(relay, check, demo_engine, FrontConfig(max_concurrent_requests=1))
@@ -173,11 +170,7 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_ended(d
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                          b"Content-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            for _ in range(300):                        # never reads a byte
-                if relay.left_early:
-                    break
-                await asyncio.sleep(0.05)
-            assert relay.left_early == [True]
+            await relay.until_left()                    # it never read a byte
             sock.close()
     asyncio.run(main())
 
