@@ -16,8 +16,9 @@ the server's (503 when a role is missing or the server is not ready); a timeout 
 (:class:`~triton_disagg.front.relay.OrchestratorError`); a 5xx body says what kind of
 fault and the request id, never an internal address or exception text (the front's log
 has those, with the request id); past a cap (:mod:`.admission`) a request is 429 and a
-connection 503, both with ``Retry-After``; a request that fails leaves the process serving; the client's ``X-Request-Id`` (or a new one)
-is the Triton request id of the orchestrator call and comes back in the response header; a
+connection 503, both with ``Retry-After``; a request that fails leaves the process
+serving; the client's ``X-Request-Id`` (or a new one) is the Triton request id of the
+orchestrator call and comes back in the response header; a
 client that disconnects cancels its handler (``handler_cancellation``), which cancels the
 gRPC stream, which the orchestrator sees and stops generation, freeing the KV blocks; a
 stream that fails part-way ends with an error event and no ``[DONE]``, never a normal
