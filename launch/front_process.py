@@ -10,7 +10,8 @@ Port: ``--front-port``, else the role's ``front_port`` in the config (``schedule
 guide shows its scheduler on 8002, which here is Triton's metrics port, and 8000/8001 are
 Triton's HTTP and gRPC), 8081 for context and 8082 for generation, so the three roles of one
 host do not collide. It binds where tritonserver binds and calls tritonserver's gRPC port
-on this host.
+on this host. Its admission caps and timeouts are the config's ``front`` section
+(:mod:`triton_disagg.config.front_section`), passed as flags.
 
 Invariants: the port is checked free before anything starts (one error line); the process
 is serve's child, stopped with the rest (:func:`stop_front`) and watched like a stub (serve
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
+from triton_disagg.config.front_section import front_flags
 from triton_disagg.errors import UserError
 from triton_disagg.triton.tritonserver import Endpoints
 
@@ -71,7 +73,8 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host
         ["--engine", str(config.engine), "--model-name", config.engine.name]
     cmd = [sys.executable, "-m", "triton_disagg.front.http_front", *mode,
            "--models", ",".join(models), "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
-           "--host", endpoints.host, "--port", str(port), "--log", str(log)]
+           "--host", endpoints.host, "--port", str(port), "--log", str(log),
+           *front_flags(config.front)]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err)

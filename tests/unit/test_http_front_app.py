@@ -44,6 +44,14 @@ class ScriptedRelay:
     async def close(self):
         pass
 
+    async def until_left(self, seconds: float = 15.0) -> None:
+        """Wait until a stream was left early (asserted: exactly one)."""
+        for _ in range(int(seconds / 0.05)):
+            if self.left_early:
+                break
+            await asyncio.sleep(0.05)
+        assert self.left_early == [True]
+
 
 WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3)]
 
@@ -185,9 +193,5 @@ def test_a_client_that_leaves_ends_the_relay_stream(demo_engine, stream):
         else:
             await asyncio.sleep(0.3)
             task.cancel()
-        for _ in range(100):
-            if relay.left_early:
-                break
-            await asyncio.sleep(0.05)
-        assert relay.left_early == [True]
+        await relay.until_left()
     run(relay, check, demo_engine)

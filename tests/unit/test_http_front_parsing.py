@@ -53,7 +53,7 @@ def test_max_completion_tokens_wins_over_max_tokens():
     ("completions", {"model": "demo", "prompt": 5}, "'prompt': expected a string"),
     ("completions", {"model": "demo", "prompt": ["a", "b"]}, "one prompt per request"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": "5"}, "'max_tokens': expected an integer"),
-    ("completions", {"model": "demo", "prompt": "a", "max_tokens": 0}, "'max_tokens': 0 must be >= 1"),
+    ("completions", {"model": "demo", "prompt": "a", "max_tokens": 0}, "'max_tokens': 0 must be between 1 and"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": True}, "'max_tokens': expected an integer"),
     ("completions", {"model": "demo", "prompt": "a", "temperature": 3}, "'temperature': 3 must be in [0.0, 2.0]"),
     ("completions", {"model": "demo", "prompt": "a", "top_p": 0}, "'top_p': 0 must be in (0.0, 1.0]"),

@@ -27,7 +27,8 @@ default 8080; ``instances``: orchestrator instances, in ``serve all`` too; defau
 front end's cores, in ``serve all`` too: tritonserver's own threads and the
 preprocessing and orchestrator stubs, which every orchestrator instance shares, so
 they are not split per instance; default :func:`~triton_disagg.config.host.front_cpus`);
-``kv_cache.lease_seconds``; ``kv_cache.gpu_memory_fraction`` (a CUDA pool's share of the device
+``kv_cache.lease_seconds``; a ``front:`` section, the HTTP front's admission caps and
+timeouts (:mod:`triton_disagg.config.front_section`); ``kv_cache.gpu_memory_fraction`` (a CUDA pool's share of the device
 memory free after the weights; default 0.9). ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
@@ -63,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_disagg.config.discovery_section import DiscoveryConfig, parse_discovery
+from triton_disagg.config.front_section import FrontConfig, parse_front
 from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.config.values import (count, int_list, is_loopback, mapping, fraction, number,
                                          parse_size, parse_url)
@@ -148,6 +150,7 @@ class DisaggConfig:
     discovery: DiscoveryConfig | None = None   # None: membership is the urls of the config
     decoupled_mode: bool = True         # False: non-decoupled ensemble, plain infer() works
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)   # launch k8s only
+    front: FrontConfig = field(default_factory=FrontConfig)   # the HTTP front's limits
     # model.runtime / device / dtype; None: chosen on the serving host (Runtime.default)
     runtime: str | None = None
     device: str | None = None
@@ -242,7 +245,7 @@ def default_config(engine: str | Path) -> DisaggConfig:
 def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggConfig:
     top = mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
                                       "generation_server", "scheduler_server", "kv_cache",
-                                      "discovery", "kubernetes"})
+                                      "discovery", "kubernetes", "front"})
     model = mapping(top.get("model"), "model", {"engine", "runtime", "device", "dtype",
                                                 "tensor_parallel_size"}, required=True,
                     like="engine: engines/demo")
@@ -285,6 +288,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
         runtime=model.get("runtime"), device=model.get("device"), dtype=model.get("dtype"),
         kubernetes=parse_kubernetes(top.get("kubernetes")), source=source,
+        front=parse_front(top.get("front")),
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
         generation=_server(top.get("generation_server"), "generation_server",
                            _SERVER_KEYS | {"stream_interval", "stall_seconds",

@@ -10,11 +10,15 @@ it serves ``/healthz`` and ``/health`` alone and needs no engine. Either way it 
 tritonserver and the models named by ``--models`` (serve names the repository's) are.
 
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
-JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a model not served:
-404) and 5xx for the server's (503 when a role is missing or the server is not ready); a
-timeout is 504 (:class:`~triton_disagg.front.relay.OrchestratorError`); a request that fails
-leaves the process serving; the client's ``X-Request-Id`` (or a new one)
-is the Triton request id of the orchestrator call and comes back in the response header; a
+JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a body too slow: 408,
+a model not served: 404, a foreign Origin or Host: 403, :mod:`.origin_guard`) and 5xx for
+the server's (503 when a role is missing or the server is not ready); a timeout is 504
+(:class:`~triton_disagg.front.relay.OrchestratorError`); a 5xx body says what kind of
+fault and the request id, never an internal address or exception text (the front's log
+has those, with the request id); past a cap (:mod:`.admission`) a request is 429 and a
+connection 503, both with ``Retry-After``; a request that fails leaves the process
+serving; the client's ``X-Request-Id`` (or a new one) is the Triton request id of the
+orchestrator call and comes back in the response header; a
 client that disconnects cancels its handler (``handler_cancellation``), which cancels the
 gRPC stream, which the orchestrator sees and stops generation, freeing the KV blocks; a
 stream that fails part-way ends with an error event and no ``[DONE]``, never a normal
@@ -37,19 +41,28 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from triton_disagg import __version__
+from triton_disagg.config.front_section import FrontConfig, add_front_flags, front_from_flags
+from triton_disagg.front.admission import (CappedRunner, RequestCount, StalledClient,
+                                           request_gate, send)
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
+from triton_disagg.front.json_body import MAX_BODY_BYTES, read_json
 from triton_disagg.front.openai_api import ApiError, Generation, parse
 from triton_disagg.front.openai_responses import Reply, StopTrimmer, finish_reason, sse, usage
+from triton_disagg.front.origin_guard import add_origin_guard
 from triton_disagg.front.prepare import Preparer
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
 from triton_disagg.triton.grpc_channel import channel_args
 
-MAX_BODY_BYTES = 10 * 2**20          # a larger body is refused with 413
 PARENT_POLL_SECONDS = 1.0
 REQUEST_ID = "X-Request-Id"
+SHUTDOWN_SECONDS = 5.0
 log = logging.getLogger("triton_disagg.front")
+# What a client reads of a server fault, by status (the log has the cause).
+_FAULTS = {500: "internal error", 503: "the service is unavailable now; retry later",
+           504: "the request timed out inside the server"}
 
 PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
+FRONT = web.AppKey("front", FrontConfig)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
 ID_KEY = web.RequestKey("request_id", str)
 
@@ -66,15 +79,19 @@ async def openai_errors(request: web.Request, handler):
             raise
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
         reason = (f"the body is over {MAX_BODY_BYTES} bytes" if exc.status == 413
-                  else f"{exc.reason}: {request.method} {request.path}")
+                  else f"{exc.reason}: {request.method} {request.path[:100]}")
         return _error(ApiError(reason, exc.status, kind=kind), request)
+    except ConnectionError:
+        raise                       # the client is gone: nothing to answer
+    except Exception as exc:  # noqa: BLE001 - a fault of this process: logged, not echoed
+        return _error(_server_error(exc, _request_id(request)), request)
 
 
 def _error(exc: ApiError, request: web.Request) -> web.Response:
     if exc.status >= 500:
         log.warning("request %s: %s %s", _request_id(request), exc.status, exc)
     return web.json_response(exc.body(), status=exc.status,
-                             headers={REQUEST_ID: _request_id(request)})
+                             headers={**exc.headers, REQUEST_ID: _request_id(request)})
 
 
 def _request_id(request: web.Request) -> str:
@@ -83,29 +100,26 @@ def _request_id(request: web.Request) -> str:
     return request[ID_KEY]
 
 
-async def _body(request: web.Request):
-    raw = await request.read()
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ApiError("the body is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise ApiError(f"the body is not valid JSON: {exc}") from None
-
-
-def _server_error(exc: Exception) -> ApiError:
+def _server_error(exc: Exception, request_id: str) -> ApiError:
+    """A server fault as the client sees it: its kind and the request id; the cause is
+    logged under that id."""
     if isinstance(exc, OrchestratorError):
-        return ApiError(str(exc), exc.status, kind="server_error")
-    if unreachable(exc):
-        return ApiError(f"tritonserver did not answer ({type(exc).__name__}: {exc})", 503,
-                        kind="server_error")
-    log.exception("internal error")
-    return ApiError(f"internal error: {type(exc).__name__}: {exc}", 500, kind="server_error")
+        status = exc.status
+        log.warning("request %s: %d: %s", request_id, status, exc)
+    elif unreachable(exc):
+        status = 503
+        log.warning("request %s: tritonserver did not answer: %s: %s", request_id,
+                    type(exc).__name__, exc)
+    else:
+        status = 500
+        log.error("request %s: internal error", request_id, exc_info=exc)
+    return ApiError(f"{_FAULTS[status]} (request id {request_id})", status, kind="server_error")
 
 
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     preparer, relay = request.app[PREPARER], request.app[RELAY]
-    gen = parse(endpoint, await _body(request))
+    body = await read_json(request, request.app[FRONT].body_timeout_seconds)
+    gen = parse(endpoint, body, preparer.limits)
     loop = asyncio.get_running_loop()
     inputs = await loop.run_in_executor(None, preparer.inputs, gen)
     max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
@@ -119,11 +133,12 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             not_ready = None if timed_out else await relay.ready()
             if not_ready is not None:
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
-            raise _server_error(exc) from None
+            raise _server_error(exc, _request_id(request)) from None
         chained = _chain(first, deltas)
         if gen.stream:
             return await _stream(request, gen, preparer.model, chained, max_tokens, headers)
-        return await _whole(gen, preparer.model, chained, max_tokens, headers)
+        return await _whole(gen, preparer.model, chained, max_tokens, headers,
+                            _request_id(request))
 
 
 async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
@@ -134,7 +149,7 @@ async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
 
 
 async def _whole(gen: Generation, model: str, deltas: AsyncIterator[Delta], max_tokens: int,
-                 headers: dict) -> web.Response:
+                 headers: dict, request_id: str) -> web.Response:
     trimmer, text, last = StopTrimmer(gen.stop), "", Delta("", 0, 0)
     try:
         async for last in deltas:
@@ -142,7 +157,7 @@ async def _whole(gen: Generation, model: str, deltas: AsyncIterator[Delta], max_
             if trimmer.stopped:
                 break               # leaving the relay's stream cancels the request
     except Exception as exc:  # noqa: BLE001
-        raise _server_error(exc) from None
+        raise _server_error(exc, request_id) from None
     text += trimmer.finish()
     reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
     if gen.endpoint == "inference":
@@ -159,28 +174,37 @@ async def _stream(request: web.Request, gen: Generation, model: str,
                   headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    timeout = request.app[FRONT].write_timeout_seconds
+
+    async def out(event: dict | str | None) -> None:
+        await send(request, response, None if event is None else sse(event), timeout)
+
     reply, trimmer, last = Reply(gen, model), StopTrimmer(gen.stop), Delta("", 0, 0)
-    if reply.chat:
-        await response.write(sse(reply.chunk("", first=True)))
     try:
-        async for last in deltas:
-            text = trimmer.add(last.text)
-            if text:
-                await response.write(sse(reply.chunk(text)))
-            if trimmer.stopped:
-                break               # leaving the relay's stream cancels the request
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise                       # the client left: the relay's stream is cancelled
-    except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
-        await response.write(sse(_server_error(exc).body()))
+        await out(None)             # the status line and headers
+        if reply.chat:
+            await out(reply.chunk("", first=True))
+        try:
+            async for last in deltas:
+                text = trimmer.add(last.text)
+                if text:
+                    await out(reply.chunk(text))
+                if trimmer.stopped:
+                    break           # leaving the relay's stream cancels the request
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise                   # the client left: the relay's stream is cancelled
+        except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
+            await out(_server_error(exc, _request_id(request)).body())
+            return response
+        tail = trimmer.finish()
+        reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
+        await out(reply.chunk(tail, reason))
+        if gen.include_usage:
+            await out(reply.usage_chunk(last.prompt_tokens, last.completion_tokens))
+        await out("[DONE]")
+    except StalledClient as exc:    # dropped: leaving the relay's stream cancels the request
+        log.warning("request %s: %s; dropped", _request_id(request), exc)
         return response
-    tail = trimmer.finish()
-    reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
-    await response.write(sse(reply.chunk(tail, reason)))
-    if gen.include_usage:
-        await response.write(sse(reply.usage_chunk(last.prompt_tokens, last.completion_tokens)))
-    await response.write(sse("[DONE]"))
     await response.write_eof()
     return response
 
@@ -208,17 +232,24 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__, "model": request.app[PREPARER].model})
 
 
-def make_health_app(readiness: Readiness) -> web.Application:
+def make_health_app(readiness: Readiness, front: FrontConfig = FrontConfig(),
+                    bound_host: str = "127.0.0.1") -> web.Application:
     """``/healthz`` and ``/health`` answered by ``readiness`` (:mod:`.health`), errors as
-    OpenAI's error JSON: the health-only front, and what the whole front starts from."""
+    OpenAI's error JSON, Origin and Host checked (:mod:`.origin_guard`) for a front that
+    listens on ``bound_host``: the health-only front, and what the whole front starts from."""
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    app[FRONT] = front
+    add_origin_guard(app, front, bound_host)
     add_health_routes(app, readiness)
     return app
 
 
-def make_app(preparer: Preparer, relay: Relay) -> web.Application:
-    """The whole front: generation through ``relay``, which also says whether it is ready."""
-    app = make_health_app(relay)
+def make_app(preparer: Preparer, relay: Relay, front: FrontConfig = FrontConfig(),
+             bound_host: str = "127.0.0.1") -> web.Application:
+    """The whole front: generation through ``relay``, which also says whether it is ready,
+    at most ``front.max_concurrent_requests`` at a time (:mod:`.admission`)."""
+    app = make_health_app(relay, front, bound_host)
+    app.middlewares.append(request_gate(RequestCount(front.max_concurrent_requests)))
     app[PREPARER], app[RELAY] = preparer, relay
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -232,11 +263,12 @@ def make_app(preparer: Preparer, relay: Relay) -> web.Application:
     return app
 
 
-def _health_only_app(grpc_url: str, models: tuple[str, ...]) -> web.Application:
+def _health_only_app(grpc_url: str, models: tuple[str, ...], front: FrontConfig,
+                     bound_host: str) -> web.Application:
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(grpc_url, channel_args=channel_args())  # on its loop
-    app = make_health_app(ServerReadiness(client, models))
+    app = make_health_app(ServerReadiness(client, models), front, bound_host)
 
     async def close_client(app: web.Application) -> None:
         await client.close()
@@ -265,11 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log", type=Path, help="log file (default: stderr)")
+    add_front_flags(p)
     args = p.parse_args(argv)
     if not args.health_only and (args.engine is None or args.model_name is None):
         p.error("the whole front needs --engine and --model-name (or pass --health-only)")
     logging.basicConfig(filename=args.log, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    front = front_from_flags(args)
     preparer = None if args.health_only else Preparer(args.engine, args.model_name)
     models = tuple(m for m in args.models.split(",") if m)
     parent = os.getppid()
@@ -277,17 +311,35 @@ def main(argv: list[str] | None = None) -> int:
     async def start_watch(app: web.Application) -> None:
         app[PARENT_WATCH] = asyncio.get_running_loop().create_task(_exit_with_parent(parent))
 
-    async def app_factory() -> web.Application:
+    async def serve() -> None:
         # the gRPC channel needs the loop
-        app = _health_only_app(args.grpc_url, models) if preparer is None \
-            else make_app(preparer, Relay(args.grpc_url, models))
+        app = _health_only_app(args.grpc_url, models, front, args.host) if preparer is None \
+            else make_app(preparer, Relay(args.grpc_url, models), front, args.host)
         app.on_startup.append(start_watch)
-        return app
+        await _serve(app, args.host, args.port, front)
 
-    web.run_app(app_factory(), host=args.host, port=args.port, handler_cancellation=True,
-                shutdown_timeout=5.0, access_log=None,
-                print=lambda line: log.info("%s", line.strip()))
+    try:
+        asyncio.run(serve())
+    except (web.GracefulExit, KeyboardInterrupt):     # SIGTERM / SIGINT: stopped cleanly
+        pass
     return 0
+
+
+async def _serve(app: web.Application, host: str, port: int, front: FrontConfig) -> None:
+    """Serve ``app`` on ``host:port`` until cancelled (aiohttp's ``run_app``, with the
+    connection cap of :class:`~triton_disagg.front.admission.CappedRunner` and the idle
+    timeout of ``front``)."""
+    runner = CappedRunner(app, front.max_connections, handle_signals=True,
+                          handler_cancellation=True, access_log=None,
+                          keepalive_timeout=front.idle_timeout_seconds,
+                          shutdown_timeout=SHUTDOWN_SECONDS)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("serving on http://%s:%d (%s)", host, port, front)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":

@@ -9,26 +9,47 @@ names the field and the fix. A field OpenAI defines that this server cannot hono
 silently ignored. Defaults are OpenAI's: ``max_tokens`` 16 for completions, the rest of the
 engine's ``max_seq_len`` for chat; ``temperature`` 1 (the guide's ``/v1/inference``: 0,
 greedy); ``top_p`` 1. ``ignore_eos`` (vLLM's and trtllm-serve's extension, for load
-tests) generates ``max_tokens`` tokens whatever comes.
+tests) generates ``max_tokens`` tokens whatever comes. Every number is bounded before it is
+used: ``max_tokens`` by the engine's ``max_seq_len`` less one prompt token, ``top_k`` by its
+vocabulary (:class:`EngineLimits`); ``stop`` holds at most ``MAX_STOP_WORDS`` words of at
+most ``MAX_STOP_CHARS`` characters, ``messages`` at most ``max_seq_len`` messages. An error
+message shows a value cut to ``SHOWN_CHARS`` characters, however large or deep it is.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 MAX_STOP_WORDS = 4              # OpenAI's limit on ``stop``
+MAX_STOP_CHARS = 256            # per stop sequence
+SHOWN_CHARS = 60                # of a value quoted in an error message
+INT32_MAX = 2**31 - 1
+_SHOW = reprlib.Repr()         # Python 3.11's takes no arguments
+_SHOW.maxlevel, _SHOW.maxstring = 2, SHOWN_CHARS
+_SHOW.maxother = _SHOW.maxlong = SHOWN_CHARS
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine's bounds on a request (:class:`~triton_disagg.front.prepare.Preparer`
+    has the served engine's); the defaults are those of the tensors' INT32."""
+
+    max_seq_len: int = INT32_MAX
+    vocab_size: int = INT32_MAX
 
 
 class ApiError(Exception):
     """A request the front refuses: ``status`` and an OpenAI error ``type``/``param``."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.param, self.kind = status, param, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         """OpenAI's error JSON."""
@@ -62,8 +83,10 @@ def _bad(name: str, want: str, value: Any) -> ApiError:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """``value``'s repr, never more than ``SHOWN_CHARS`` characters, built without
+    rendering all of a large or deep value."""
+    text = _SHOW.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
 def _string(value: Any, name: str) -> str:
@@ -78,13 +101,13 @@ def _bool(value: Any, name: str) -> bool:
     return value
 
 
-def _int(low: int, high: int | None = None) -> Callable[[Any, str], int]:
+def _int(low: int, high: int | None = None, why: str = "") -> Callable[[Any, str], int]:
     def check(value: Any, name: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _bad(name, "an integer", value)
         if value < low or (high is not None and value > high):
             bound = f">= {low}" if high is None else f"between {low} and {high}"
-            raise ApiError(f"'{name}': {value} must be {bound}", param=name)
+            raise ApiError(f"'{name}': {_show(value)} must be {bound}{why}", param=name)
         return value
     return check
 
@@ -95,7 +118,8 @@ def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any, s
             raise _bad(name, "a number", value)
         if value < low or value > high or (low_open and value == low):
             left = "(" if low_open else "["
-            raise ApiError(f"'{name}': {value} must be in {left}{low}, {high}]", param=name)
+            raise ApiError(f"'{name}': {_show(value)} must be in {left}{low}, {high}]",
+                           param=name)
         return float(value)
     return check
 
@@ -106,6 +130,9 @@ def _stop(value: Any, name: str) -> tuple[str, ...]:
         raise _bad(name, "a string or a list of strings", value)
     if len(words) > MAX_STOP_WORDS:
         raise ApiError(f"'{name}': at most {MAX_STOP_WORDS} stop sequences, got {len(words)}",
+                       param=name)
+    if any(len(w) > MAX_STOP_CHARS for w in words):
+        raise ApiError(f"'{name}': a stop sequence has at most {MAX_STOP_CHARS} characters",
                        param=name)
     return tuple(w for w in words if w)
 
@@ -133,9 +160,18 @@ def _prompt(value: Any, name: str) -> str:
 _ROLES = ("system", "developer", "user", "assistant")
 
 
-def _messages(value: Any, name: str) -> tuple[dict, ...]:
-    if not isinstance(value, list) or not value:
-        raise _bad(name, "a non-empty list of messages", value)
+def _messages(limit: int) -> Callable[[Any, str], tuple[dict, ...]]:
+    def check(value: Any, name: str) -> tuple[dict, ...]:
+        if not isinstance(value, list) or not value:
+            raise _bad(name, "a non-empty list of messages", value)
+        if len(value) > limit:
+            raise ApiError(f"'{name}': {len(value)} messages; at most {limit} (this engine's "
+                           f"max_seq_len)", param=name)
+        return _each_message(value, name)
+    return check
+
+
+def _each_message(value: list, name: str) -> tuple[dict, ...]:
     out = []
     for i, message in enumerate(value):
         where = f"{name}[{i}]"
@@ -168,22 +204,27 @@ def _content(value: Any, name: str) -> str:
     return "".join(texts)
 
 
-# field -> check; the value it returns is kept under the same name
-_COMMON = {
-    "model": _string, "stream": _bool, "stream_options": _stream_options, "stop": _stop,
-    "temperature": _number(0.0, 2.0), "top_p": _number(0.0, 1.0, low_open=True),
-    "seed": _int(0, 2**64 - 1), "presence_penalty": _number(-2.0, 2.0),
-    "frequency_penalty": _number(-2.0, 2.0), "user": _string,
-    "ignore_eos": _bool,     # vLLM's and trtllm-serve's extension: max_tokens tokens, always
-}
-_FIELDS = {
-    "completions": {**_COMMON, "prompt": _prompt, "max_tokens": _int(1)},
-    "chat": {**_COMMON, "messages": _messages, "max_tokens": _int(1),
-             "max_completion_tokens": _int(1)},
-    "inference": {"model": _string, "prompt": _string, "max_tokens": _int(1), "stop": _stop,
-                  "temperature": _number(0.0, 2.0), "top_p": _number(0.0, 1.0, low_open=True),
-                  "top_k": _int(0), "seed": _int(0, 2**64 - 1)},
-}
+def _fields(endpoint: str, limits: EngineLimits) -> dict[str, Callable[[Any, str], Any]]:
+    """``endpoint``'s fields -> their checks; each returns the value kept under that name."""
+    max_tokens = _int(1, limits.max_seq_len - 1,
+                      f" (this engine's max_seq_len {limits.max_seq_len} less a prompt token)")
+    sampling = {"temperature": _number(0.0, 2.0), "top_p": _number(0.0, 1.0, low_open=True),
+                "seed": _int(0, 2**64 - 1)}
+    if endpoint == "inference":
+        return {"model": _string, "prompt": _string, "max_tokens": max_tokens, "stop": _stop,
+                "top_k": _int(0, limits.vocab_size, " (the vocabulary's size)"), **sampling}
+    common = {
+        "model": _string, "stream": _bool, "stream_options": _stream_options, "stop": _stop,
+        "presence_penalty": _number(-2.0, 2.0), "frequency_penalty": _number(-2.0, 2.0),
+        "user": _string, "max_tokens": max_tokens, **sampling,
+        "ignore_eos": _bool,     # vLLM's and trtllm-serve's extension: max_tokens tokens, always
+    }
+    if endpoint == "completions":
+        return {**common, "prompt": _prompt}
+    return {**common, "messages": _messages(limits.max_seq_len),
+            "max_completion_tokens": max_tokens}
+
+
 # OpenAI fields this server honours only at their default: field -> (accepted values, why)
 _ONLY_DEFAULT = {
     "n": ((1, None), "one choice per request; send n 1"),
@@ -205,12 +246,13 @@ _REQUIRED = {"completions": ("model", "prompt"), "chat": ("model", "messages"),
              "inference": ("prompt",)}
 
 
-def parse(endpoint: str, body: Any) -> Generation:
+def parse(endpoint: str, body: Any, limits: EngineLimits = EngineLimits()) -> Generation:
     """A decoded JSON body of ``endpoint`` ("completions", "chat", "inference") -> its
-    :class:`Generation`; raises :class:`ApiError` (400) naming the first wrong field."""
+    :class:`Generation` within ``limits``; raises :class:`ApiError` (400) naming the first
+    wrong field."""
     if not isinstance(body, dict):
         raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
-    fields = _FIELDS[endpoint]
+    fields = _fields(endpoint, limits)
     for name, value in body.items():
         if name in fields or (name in _ONLY_DEFAULT and endpoint != "inference"):
             continue

@@ -6,7 +6,9 @@ Invariants: the model named must be the one served (else 404); a chat's prompt i
 messages rendered by the engine's chat template (:mod:`.chat_template`); the tensors carry
 ``stream`` true whatever the client asked (the front relays deltas, and a non-streamed
 answer is their concatenation, which the orchestrator guarantees equal to its non-streamed
-text) and ``arrival_ns`` (the orchestrator's time to first token starts here).
+text) and ``arrival_ns`` (the orchestrator's time to first token starts here); a prompt
+surely longer than the engine's context is refused before it is tokenized (chat's default
+``max_tokens``, the rest of the context, needs its length: it is bounded first too).
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import RequestError
 from triton_disagg.front.chat_template import ChatTemplate
-from triton_disagg.front.openai_api import COMPLETION_MAX_TOKENS, ApiError, Generation
+from triton_disagg.front.openai_api import (COMPLETION_MAX_TOKENS, ApiError, EngineLimits,
+                                            Generation)
 from triton_disagg.front.preprocess import Preprocessor
 
 _SPECS = P.by_name(P.ORCHESTRATOR_INPUTS)
+# A prompt of more characters than max_seq_len x this is refused untokenized whatever the
+# tokenizer (no tokenizer spends more on a token of text; with a length bound on the
+# tokenizer, :meth:`Tokenizer.surely_more_tokens`, its longest entry counts if larger).
+MAX_CHARS_PER_TOKEN = 64
 
 
 class Preparer:
@@ -39,6 +46,9 @@ class Preparer:
                                 spec.pad_token_id)
         self.chat = ChatTemplate.load(engine_dir)
         self.model = model
+        self.limits = EngineLimits(spec.max_seq_len, self.tokenizer.vocab_size)
+        self.max_prompt_chars = spec.max_seq_len * max(MAX_CHARS_PER_TOKEN,
+                                                       self.tokenizer.max_token_bytes or 0)
 
     def prompt(self, gen: Generation) -> str:
         """The prompt text: as sent, or the chat's messages rendered."""
@@ -57,7 +67,9 @@ class Preparer:
                            f"'{self.model}' (GET /v1/models)", status=404, param="model",
                            kind="not_found_error")
         try:
+            self._check_chars(sum(len(m["content"]) for m in gen.messages))  # before rendering
             prompt = self.prompt(gen)
+            self._check_chars(len(prompt))
             max_tokens = gen.max_tokens or self._default_max_tokens(gen, prompt)
             ensemble = {"text_input": np.array([prompt.encode("utf-8")], dtype=object),
                         "max_tokens": np.array([max_tokens], dtype=np.int32),
@@ -73,10 +85,21 @@ class Preparer:
         return {name: _batch_of_one(value, _SPECS[name].numpy_dtype)
                 for name, value in arrays.items()}
 
+    def _check_chars(self, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise ApiError(f"the prompt has {chars} characters, more than this engine's "
+                           f"max_seq_len of {self.max_seq_len} tokens can hold "
+                           f"({self.max_prompt_chars}); shorten it")
+
     def _default_max_tokens(self, gen: Generation, prompt: str) -> int:
         """OpenAI's defaults: 16 for a completion; the rest of the context for chat."""
         if gen.endpoint != "chat":
             return COMPLETION_MAX_TOKENS
+        room = self.max_seq_len - 1                   # at least one token generated
+        if self.tokenizer.surely_more_tokens(prompt, room):
+            raise ApiError(f"the prompt (more than {room} tokens) leaves no room to generate "
+                           f"in this engine's max_seq_len {self.max_seq_len}; shorten the "
+                           f"messages", param="messages")
         return max(1, self.max_seq_len - len(self.tokenizer.encode(prompt)))
 
 

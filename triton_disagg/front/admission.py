@@ -1,0 +1,174 @@
+"""Admission control of the HTTP front: how many connections and generation requests it
+holds at once, and how long it waits on a client (the config's ``front`` section,
+:class:`~triton_disagg.config.front_section.FrontConfig`).
+
+- Connections: :class:`CappedRunner` serves an app like aiohttp's ``AppRunner``, but a
+  connection past ``max_connections`` open ones is answered ``503`` with ``Retry-After``
+  (OpenAI's error JSON) and closed, without reaching the app.
+- Requests: :func:`request_gate` lets ``max_concurrent_requests`` generation requests
+  (``GATED_PATHS``) in at once, from before their body is read to their last byte out; one
+  more is answered ``429`` with ``Retry-After`` at once, never queued.
+- Slow clients: :func:`send` writes a response chunk or, when the client reads nothing for
+  ``write_timeout_seconds``, drops the connection and raises :class:`StalledClient`
+  (the caller ends the request, which cancels its generation and frees its KV blocks).
+  Headers and the idle time between requests are bounded by aiohttp's keep-alive timer
+  (``idle_timeout_seconds``: aiohttp 3.14 arms it when a connection opens), a request's
+  body by :mod:`.json_body`.
+
+Invariants: the counts go back down on every way out (a response, an error, a client that
+left, a cancelled handler); a refusal costs no body read, no parsing and no engine call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from triton_disagg.front.openai_api import ApiError
+
+GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/inference"})
+RETRY_AFTER_SECONDS = 1
+REFUSAL_LINGER_SECONDS = 2.0     # a refused connection's request is waited for this long
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def busy(what: str, status: int) -> ApiError:
+    """The refusal of a request or connection past a cap: ``status`` with ``Retry-After``."""
+    kind = "rate_limit_error" if status == 429 else "server_error"
+    return ApiError(f"the server is at its limit of {what}; retry after {RETRY_AFTER_SECONDS} s",
+                    status, kind=kind, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+class RequestCount:
+    """Generation requests in flight, at most ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_flight = limit, 0
+
+
+def request_gate(count: RequestCount):
+    """The middleware that admits at most ``count.limit`` requests to ``GATED_PATHS``."""
+
+    @web.middleware
+    async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in GATED_PATHS:
+            return await handler(request)
+        if count.in_flight >= count.limit:
+            raise busy(f"{count.limit} concurrent requests (front.max_concurrent_requests)", 429)
+        count.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            count.in_flight -= 1
+    return gate
+
+
+class StalledClient(ConnectionResetError):
+    """A client that read nothing of its response for ``write_timeout_seconds``."""
+
+
+async def send(request: web.Request, response: web.StreamResponse, data: bytes | None,
+               timeout: float) -> None:
+    """``response.write(data)`` (``None``: ``prepare`` it) within ``timeout`` s, else drop
+    the connection and raise :class:`StalledClient`."""
+    try:
+        async with asyncio.timeout(timeout):
+            if data is None:
+                await response.prepare(request)
+            else:
+                await response.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise StalledClient(f"the client read nothing for {timeout:g} s") from None
+
+
+class _Counted(asyncio.Protocol):
+    """The app's protocol for one connection, counted open until its connection is lost."""
+
+    def __init__(self, inner: asyncio.Protocol, cap: "ConnectionCap"):
+        self.inner, self.cap = inner, cap
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cap.open -= 1
+        self.inner.connection_lost(exc)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the cap: once its request starts arriving (or after
+    ``REFUSAL_LINGER_SECONDS``), a 503 and close."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport   # type: ignore[assignment]
+        asyncio.get_running_loop().call_later(REFUSAL_LINGER_SECONDS, self._answer)
+
+    def data_received(self, data: bytes) -> None:
+        self._answer()
+
+    def _answer(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        error = busy(f"{self.limit} open connections (front.max_connections)", 503)
+        body = json.dumps(error.body()).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Retry-After: {RETRY_AFTER_SECONDS}\r\nContent-Length: {len(body)}\r\n"
+                f"Connection: close\r\n\r\n").encode()
+        self.transport.write(head + body)
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+
+class ConnectionCap:
+    """A protocol factory: the app's protocol while fewer than ``limit`` connections are
+    open, else a refusal."""
+
+    def __init__(self, server: web.Server, limit: int):
+        self.server, self.limit, self.open = server, limit, 0
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.limit:
+            return _Refused(self.limit)
+        self.open += 1
+        return _Counted(self.server(), self)
+
+
+class CappedRunner(web.AppRunner):
+    """aiohttp's ``AppRunner`` whose sites accept at most ``max_connections`` connections."""
+
+    def __init__(self, app: web.Application, max_connections: int, **kwargs):
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+        self._cap: ConnectionCap | None = None
+
+    @property
+    def server(self):   # what a site's loop.create_server calls for each connection
+        inner = super().server
+        if inner is None:
+            return None
+        if self._cap is None or self._cap.server is not inner:
+            self._cap = ConnectionCap(inner, self.max_connections)
+        return self._cap

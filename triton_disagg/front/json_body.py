@@ -1,0 +1,57 @@
+"""A request's JSON body, read and parsed within bounds: at most ``MAX_BODY_BYTES`` (aiohttp's
+``client_max_size``: 413), arriving within ``body_timeout_seconds`` (else 408), framed and encoded as its headers say,
+UTF-8, and
+JSON that Python's parser takes (else 400 naming the problem: not JSON, nested deeper than
+the parser's recursion limit, an integer of more than ``sys.get_int_max_str_digits()``
+digits). A body over ``OFF_LOOP_BYTES`` is decoded and parsed on ``PARSER``, one thread,
+so a large body neither stalls the event loop's other clients nor has more than one
+parse's worth of objects alive at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from triton_disagg.front.openai_api import ApiError
+
+MAX_BODY_BYTES = 10 * 2**20     # a larger body is refused with 413
+OFF_LOOP_BYTES = 64 * 2**10     # a larger body is parsed on PARSER, not the event loop
+PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
+
+
+def decode(raw: bytes) -> Any:
+    """``raw`` as a JSON value, or :class:`ApiError` (400) saying why not."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ApiError("the body is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError("the body's JSON is nested too deeply; no field of this API nests "
+                       "more than a few levels") from None
+    except ValueError:      # int('9' * 5000): the str -> int digit limit
+        raise ApiError(f"the body has an integer of more than {sys.get_int_max_str_digits()} "
+                       f"digits; no field of this API takes one") from None
+
+
+async def read_json(request: web.Request, timeout: float) -> Any:
+    """The request's body as a JSON value (module docstring)."""
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(f"the body did not arrive within {timeout:g} s "
+                       f"(front.body_timeout_seconds)", 408) from None
+    except web.RequestPayloadError:     # e.g. Content-Encoding: gzip on a body that is not
+        raise ApiError("the body could not be read as sent: its Content-Encoding or chunked "
+                       "framing is broken") from None
+    if len(raw) <= OFF_LOOP_BYTES:
+        return decode(raw)
+    return await asyncio.get_running_loop().run_in_executor(PARSER, decode, raw)
