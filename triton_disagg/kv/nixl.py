@@ -260,17 +260,21 @@ class NixlEndpoint:
         peer = self.open_pull(handle, start)
         n, size = len(handle.block_ids), src.block_nbytes
         words = n * _TICKET.itemsize
-        with self._fetch_lock:
-            if src != self.geometry:
-                scratch = self._agent.scratch(words + n * size)
-                staged = scratch[words:words + n * size].view(src.dtype)
-                staged = staged.reshape((n,) + src.block_shape)   # [n, L, 2, bs_src, kvh, hd]
-                self._read(peer, handle, staged.ctypes.data, range(n), None, deadline)
-            else:
-                self._read(peer, handle, self.pool.ctypes.data, dst_block_ids, None, deadline)
-            self._confirm(peer, handle, deadline)
-            if src != self.geometry:
-                write_blocks(staged, handle.num_tokens, self.pool, dst_block_ids)
+        try:
+            with self._fetch_lock:
+                if src != self.geometry:
+                    scratch = self._agent.scratch(words + n * size)
+                    staged = scratch[words:words + n * size].view(src.dtype)
+                    staged = staged.reshape((n,) + src.block_shape)  # [n, L, 2, bs_src, kvh, hd]
+                    self._read(peer, handle, staged.ctypes.data, range(n), None, deadline)
+                else:
+                    self._read(peer, handle, self.pool.ctypes.data, dst_block_ids, None,
+                               deadline)
+                self._confirm(peer, handle, deadline)
+                if src != self.geometry:
+                    write_blocks(staged, handle.num_tokens, self.pool, dst_block_ids)
+        finally:
+            self._agent.unpin(peer)
         return TransferStats(nbytes=n * size, seconds=time.monotonic() - start)
 
     # The pieces of a fetch, also run one by one by an overlapped transfer
@@ -278,9 +282,10 @@ class NixlEndpoint:
 
     def open_pull(self, handle: KVHandle, now: float) -> str:
         """Claim the handle's lease for this receiver (:meth:`_claim`) and connect to its
-        sender; returns the peer's name for :meth:`read_layers` and :meth:`confirm`."""
+        sender, pinned (the caller calls ``agent.unpin(peer)`` once its READs are done);
+        returns the peer's name for :meth:`read_layers` and :meth:`confirm`."""
         self._claim(handle, now)
-        return self._agent.connect(handle.agent_name, handle.agent_metadata)
+        return self._agent.connect(handle.agent_name, handle.agent_metadata, pin=True)
 
     def read_layers(self, peer: str, handle: KVHandle, dst_block_ids: Sequence[int],
                     layers: range, deadline: float) -> int:

@@ -296,6 +296,7 @@ class LayerReader:
                              f"dtype) on context and generation: {handle.geometry} against "
                              f"{self.endpoint.geometry}")
         now = time.monotonic()
+        self._unpin(pull)                        # a context tried before this one
         pull.peer = self.endpoint.open_pull(handle, now)
         pull.handle, pull.deadline = handle, now + handle.lease_seconds
         pull.announced, pull.read, pull.first, pull.failure = 0, 0, None, None
@@ -360,11 +361,18 @@ class LayerReader:
         pull.busy = False
         self._wake.set()
 
-    @staticmethod
-    def _end(pull: _Pull, stats: Optional[TransferStats], error: Optional[BaseException]) -> bool:
+    def _end(self, pull: _Pull, stats: Optional[TransferStats],
+             error: Optional[BaseException]) -> bool:
+        self._unpin(pull)
         if pull.transfer is not None:
             pull.transfer.end(stats, error)
         return True
+
+    def _unpin(self, pull: _Pull) -> None:
+        """The pull READs from its context no more: its agent may go (LRU, idle)."""
+        if pull.peer:
+            self.endpoint.agent.unpin(pull.peer)
+            pull.peer = ""
 
 
 class _PeerReader:
