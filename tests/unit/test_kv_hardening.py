@@ -16,7 +16,7 @@ from triton_disagg.config.settings import ContextSettings
 from triton_disagg.context.prefill import ContextSide
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.errors import RequestError
+from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.kv.secret import deployment_key, key_id
 from triton_disagg.triton.engine_request import EngineRequest
 
@@ -57,12 +57,22 @@ def test_a_failed_prefill_gives_its_blocks_back(side, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the runner failed")
     monkeypatch.setattr(side.engine.runner, "prefill", broken)
-    with pytest.raises(RuntimeError, match="the runner failed"):
-        side.prefill([("a", _request()), ("b", _request())])
+    answers = side.prefill([("a", _request()), ("b", _request())])
+    assert [str(a) for a in answers] == ["prefill failed: RuntimeError: the runner failed"] * 2
+    assert all(isinstance(a, EngineError) for a in answers)
     assert side.engine.pool.num_used == 0
     monkeypatch.undo()
     (out,) = side.prefill([("c", _request())])             # the instance goes on serving
     assert not isinstance(out, Exception)
+
+
+def test_a_handoff_whose_device_copy_fails_gives_its_blocks_back(side, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device copy failed")
+    monkeypatch.setattr(side.connector, "stage", broken)
+    (out,) = side.prefill([("a", _request())])
+    assert isinstance(out, RequestError) and "device copy failed" in str(out)
+    assert side.engine.pool.num_used == 0
 
 
 def test_a_failed_overlapped_prefill_ends_the_lease_it_took(demo_engine, monkeypatch):
@@ -82,11 +92,12 @@ def test_a_failed_overlapped_prefill_ends_the_lease_it_took(demo_engine, monkeyp
         prefill = context.engine.runner.prefill
 
         def fails_after_a_layer(batch, on_layer=None):
-            on_layer(0)
+            if on_layer is not None:                   # the overlapped request's batch
+                on_layer(0)
             raise RuntimeError("the runner failed at layer 1")
         monkeypatch.setattr(context.engine.runner, "prefill", fails_after_a_layer)
-        with pytest.raises(RuntimeError, match="at layer 1"):
-            context.prefill([("o", _request()), ("p", _request())], [listener, b""])
+        answers = context.prefill([("o", _request()), ("p", _request())], [listener, b""])
+        assert all("at layer 1" in str(a) for a in answers)
         assert _zero(context.engine) and len(context.connector.endpoint.leases) == 0
         monkeypatch.setattr(context.engine.runner, "prefill", prefill)
     finally:

@@ -8,7 +8,9 @@ already finished the request: its blocks are freed, nothing is handed off).
 Invariants: one request's mistake fails only that request (the batch is
 retried one by one; a request id met twice in one batch fails its later copies, which
 would otherwise hand off the first one's blocks twice); a prefill that fails gives every
-block it reserved back (or ends the lease that took it) before the error leaves;
+block it reserved back (or ends the lease that took it), and each request then gets its
+own result or error (a fault: ``EngineError``, INTERNAL), never an exception out of
+:meth:`ContextSide.prefill`;
 ``execute`` never waits for memory: a request whose KV
 blocks or staging slots are not free now gets an error starting with
 ``protocol.CONTEXT_BUSY`` at once (back-pressure: the orchestrator retries it),
@@ -41,7 +43,7 @@ import numpy as np
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
 from triton_disagg.engine.block_pool import KVCacheFullError
-from triton_disagg.errors import RequestError
+from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.kv.connector import ConnectorError, HandoffBusy, connector_for
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.triton import engine_request
@@ -94,7 +96,7 @@ class ContextSide:
                               listeners: dict[str, bytes]) -> list:
         try:
             results: list = self._prefill(batch, listeners)
-        except (RequestError, KVCacheFullError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the blocks went back; each request tries alone
             results = ([self._one(item, listeners) for item in batch] if len(batch) > 1
                        else [_refusal(exc)])
         answers = [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
@@ -147,7 +149,7 @@ class ContextSide:
     def _one(self, item: tuple[str, EngineRequest], listeners: dict[str, bytes]) -> Any:
         try:
             return self._prefill([item], listeners)[0]
-        except (RequestError, KVCacheFullError) as exc:
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
             return _refusal(exc)
 
     def _prefill(self, batch: list[tuple[str, EngineRequest]],
@@ -230,12 +232,16 @@ class ContextSide:
         self.connector.close()
 
 
-def _refusal(exc: Exception) -> RequestError:
-    """A request's error: KV full is back-pressure (:data:`protocol.CONTEXT_BUSY`)."""
+def _refusal(exc: Exception) -> RequestError | EngineError:
+    """A request's error: KV full is back-pressure (:data:`protocol.CONTEXT_BUSY`), a
+    request's mistake is its RequestError, anything else a fault (logged, INTERNAL)."""
     if isinstance(exc, KVCacheFullError):
         return RequestError(f"{P.CONTEXT_BUSY}: KV cache full ({exc}); retry later or raise "
                             f"kv_cache.max_size")
-    return RequestError(str(exc))
+    if isinstance(exc, RequestError):
+        return RequestError(str(exc))
+    _log.error("prefill failed", exc_info=exc)
+    return EngineError(f"prefill failed: {type(exc).__name__}: {exc}")
 
 
 @dataclass
