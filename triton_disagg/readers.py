@@ -6,7 +6,9 @@ notifications, generation's overlapped-transfer notifications).
   that is not its request's, a request nobody waits for) is dropped and counted by the
   reader's :class:`DroppedFrames`: ``disagg_dropped_frames_total{reader, reason}``
   through the process's metrics (:func:`report_to`), and one log line per reader and
-  reason at most every ``LOG_EVERY_SECONDS`` (saying how many were dropped since).
+  reason at most every ``LOG_EVERY_SECONDS`` (saying how many were dropped since):
+  WARNING, but INFO for ``unknown_request``, which a cancel makes in normal operation
+  (events still on the way for a stream that ended).
 - A reader loop that ends by an unexpected exception (a bug: a malformed frame is never
   one) calls its ``on_death``, by default :func:`fail_instance`: one CRITICAL line with
   the traceback, then the process exits with ``EXIT_READER_DIED``. A model instance is a
@@ -71,8 +73,9 @@ class DroppedFrames:
         if last is not None and now - last < LOG_EVERY_SECONDS:
             return
         self._logged[reason], count = now, self._unlogged.pop(reason)
-        _log.warning("%s dropped %d frame(s) (%s) since its last such line; latest: %s",
-                     self.reader, count, reason, detail[:300])
+        _log.log(logging.INFO if reason == UNKNOWN_REQUEST else logging.WARNING,
+                 "%s dropped %d frame(s) (%s) since its last such line; latest: %s",
+                 self.reader, count, reason, detail[:300])
 
 
 OnDeath = Callable[[str, BaseException], None]
