@@ -19,8 +19,10 @@ generation 0, 1, 2, ... so the receiver sees a lost one.
 
 Invariants: decoding never runs code (msgpack only; a tcp socket can be reached from
 other hosts, so nothing here is pickle); every frame that is not a well-formed message
-of this version raises :class:`WireError` naming what is wrong (a key that is not ASCII
-included: keys are made ASCII); an event is final exactly when it carries ``finish`` or
+of this version raises :class:`WireError` naming what is wrong (a key that is not ASCII or
+longer than ``MAX_KEY_CHARS`` included: keys are made short and ASCII); a reader sets
+its socket's ``MAXMSGSIZE`` to ``MAX_TOKEN_FRAME_BYTES`` / ``MAX_STOP_FRAME_BYTES``, so
+ZeroMQ drops a larger frame (and the peer's connection) before it is read; an event is final exactly when it carries ``finish`` or
 ``error``; keys are compared with :func:`same_key` (constant time, any content).
 """
 
@@ -34,6 +36,9 @@ import msgpack
 
 VERSION = 2
 KEY_SEPARATOR = "#"
+MAX_KEY_CHARS = 64                  # a key is 22 (token_urlsafe(16)); longer is not one
+MAX_TOKEN_FRAME_BYTES = 64 << 20    # a token message: one step's events for one address
+MAX_STOP_FRAME_BYTES = 64 << 10     # a stop: a request id and its key
 
 
 class WireError(ValueError):
@@ -162,4 +167,4 @@ def _event(raw: Any) -> StreamEvent:
 
 
 def _is_key(key: Any) -> bool:
-    return isinstance(key, str) and key.isascii()
+    return isinstance(key, str) and key.isascii() and len(key) <= MAX_KEY_CHARS

@@ -84,6 +84,8 @@ def test_the_token_reader_survives_hostile_frames_and_a_valid_event_still_arrive
         inbox = TokenInbox(None, WAIT_S, on_death=lambda *a: deaths.append(a))
         with inbox.open("r") as stream:
             hostile = push_socket(zmq.Context.instance(), inbox.address, 100)
+            oversized = push_socket(zmq.Context.instance(), inbox.address, 10)
+            oversized.send(b"\x00" * (token_wire.MAX_TOKEN_FRAME_BYTES + 1))  # never read
             frames = hostile_frames("r")
             for frame in frames:
                 hostile.send(frame)
@@ -95,6 +97,7 @@ def test_the_token_reader_survives_hostile_frames_and_a_valid_event_still_arrive
                                                                key=stream.key)]))
             event = await asyncio.wait_for(stream.next(), WAIT_S)
             hostile.close(linger=0)
+            oversized.close(linger=0)
         assert event.tokens == [5] and not inbox.reader.done()
         inbox.close()
         return len(frames) + 1
@@ -116,16 +119,20 @@ def test_the_stop_inbox_survives_hostile_frames_and_a_valid_stop_still_gets_thro
               msgpack.packb({"v": 2, "stop": "r", "key": b"k"})]
     for frame in frames:
         hostile.send(frame)
+    hostile.send(token_wire.encode_stop("r", "k" * 65))                    # too long a key
+    oversized = push_socket(context, stops.address, 10)
+    oversized.send(b"\x00" * (token_wire.MAX_STOP_FRAME_BYTES + 1))       # never read
     hostile.send(token_wire.encode_stop("r", "right"))
     taken, deadline = [], time.monotonic() + WAIT_S
     while not taken and time.monotonic() < deadline:
         taken = stops.take()
         time.sleep(0.01)
     hostile.close(linger=0)
+    oversized.close(linger=0)
     stops.close()
     assert taken == [("r", "right")]
-    assert stops.dropped.counts == {readers.MALFORMED: len(frames)}
-    assert metrics("generation stop inbox", readers.MALFORMED) == len(frames)
+    assert stops.dropped.counts == {readers.MALFORMED: len(frames) + 1}
+    assert metrics("generation stop inbox", readers.MALFORMED) == len(frames) + 1
 
 
 class OneTake:

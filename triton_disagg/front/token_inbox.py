@@ -187,6 +187,7 @@ class TokenInbox:
             self.context = zmq.asyncio.Context()
             self.sock = self.context.socket(zmq.PULL)
             self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, token_wire.MAX_TOKEN_FRAME_BYTES)
             self.endpoint = bind(self.sock, self.host, "tokens")
             self.reader = asyncio.get_running_loop().create_task(self._read())
             watch_task("orchestrator token reader", self.reader, self.on_death)

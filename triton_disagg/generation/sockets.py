@@ -137,6 +137,7 @@ class StopInbox:
     def __init__(self, context: zmq.Context, host: str | None, bind_host: str | None = None):
         self.sock = context.socket(zmq.PULL, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, token_wire.MAX_STOP_FRAME_BYTES)
         self.endpoint: Endpoint = bind(self.sock, host, "control", bind_host)
         self.dropped = DroppedFrames(STOP_READER)
 
