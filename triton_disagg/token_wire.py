@@ -22,8 +22,9 @@ other hosts, so nothing here is pickle); every frame that is not a well-formed m
 of this version raises :class:`WireError` naming what is wrong (a key that is not ASCII or
 longer than ``MAX_KEY_CHARS`` included: keys are made short and ASCII); a reader sets
 its socket's ``MAXMSGSIZE`` to ``MAX_TOKEN_FRAME_BYTES`` / ``MAX_STOP_FRAME_BYTES``, so
-ZeroMQ drops a larger frame (and the peer's connection) before it is read; an event is final exactly when it carries ``finish`` or
-``error``; keys are compared with :func:`same_key` (constant time, any content).
+ZeroMQ drops a larger frame (and the peer's connection) before it is read; an event is
+final exactly when it carries ``finish`` or ``error``; keys are compared with
+:func:`same_key` (constant time, any content).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ random string per stream, sent to generation inside ``token_address``): others a
 dropped, logged and counted, so knowing a request id is not enough to add to a stream or
 end it; the reader survives every frame (malformed, a wrong key of any content, an unknown
 request: dropped and counted in ``TokenInbox.dropped``, :mod:`triton_disagg.readers`),
-and a reader that dies anyway takes the instance down (``on_death``); events are taken in sequence (0, 1, 2, ...): the
-first one out of order (an event was lost: a dropped socket, a reconnect) ends the
-stream with an error, never a normal end with tokens missing, and nothing after it is
-taken; :meth:`TokenStream.next` never waits longer than
+and a reader that dies anyway takes the instance down (``on_death``); events are taken
+in sequence (0, 1, 2, ...): the first one out of order (an event was lost: a dropped
+socket, a reconnect) ends the stream with an error, never a normal end with tokens
+missing, and nothing after it is taken; :meth:`TokenStream.next` never waits longer than
 ``stall_seconds``, and after every ``PROBE_SECONDS`` of silence it asks whether the
 generation server was lost (then it raises :class:`GenerationLost` at once); a stream left before generation sent its final event (client cancel,
 stall, a failing send, an error, task cancellation) sends generation a stop, addressed

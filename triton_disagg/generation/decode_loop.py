@@ -74,8 +74,9 @@ class DecodeLoop:
 
     ``outbox``: ``put(address, event)``, ``flush(keep) -> {dropped address: failed
     events}`` and ``max_sockets`` (:class:`~sockets.TokenOutbox`); ``stops``:
-    ``take() -> [(request id, key)]`` (:class:`~sockets.StopInbox`) or None. The loop closes both when it ends. ``on_death(reader, exc)``: called if the
-    loop's thread ends by an exception.
+    ``take() -> [(request id, key)]`` (:class:`~sockets.StopInbox`) or None. The loop
+    closes both when it ends. ``on_death(reader, exc)``: called if the loop's thread ends
+    by an exception.
 
     ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""
 

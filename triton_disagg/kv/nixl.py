@@ -14,9 +14,10 @@ sender keeps one int64 *ticket* word per block and registers nothing up front.
   reaped on the same thread. Each notification is handled on its own: one that names no
   lease of this endpoint is dropped and counted (``NixlEndpoint.dropped``), one whose
   release fails is logged, and neither keeps the others of its pass from their leases; a
-  watcher that dies anyway takes the instance down (:mod:`triton_disagg.readers`). Releasing or reaping deregisters the ranges, then zeroes the
-  blocks' ticket words, *before* the blocks go back to the pool. So a handle's holder can
-  name no other block to its NIXL, and none of its own once the lease ended (see
+  watcher that dies anyway takes the instance down (:mod:`triton_disagg.readers`).
+  Releasing or reaping deregisters the ranges, then zeroes the blocks' ticket words,
+  *before* the blocks go back to the pool. So a handle's holder can name no other block
+  to its NIXL, and none of its own once the lease ended (see
   :mod:`~triton_disagg.kv.nixl_agent` for what the transport below NIXL enforces).
 - Receiver (generation): :meth:`NixlEndpoint.fetch` loads the handle's metadata into the
   peer's remote agent, READs the blocks (straight into the pool's blocks when the layouts
