@@ -10,7 +10,10 @@ Invariants: an entry is removed by its owner (close, finalize, SIGTERM), or, onc
 owner process is gone (exited, killed, or a zombie), by whoever sweeps: each staging
 area's creation, each server start and stop, the test suite's end. An entry whose owner
 lives, or lives in another pid namespace (where this process cannot tell), is never
-touched. An area is created only when ``/dev/shm`` has room for all of it.
+touched. An area is created only when ``/dev/shm`` has room for all of it. Only entries
+of this user count (swept, or counted as taken room): a plain file (``/dev/shm``) or
+directory (ipc sockets) named as above and owned by this process's user; anything else,
+whatever its name (another user's decoy, a link), is left alone and cannot stop a start.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -66,12 +70,27 @@ def orphaned(name: str) -> bool:
     return owner is not None and not owner.alive()
 
 
+def mine(path: str, directory: bool = False) -> Optional[os.stat_result]:
+    """``path``'s status if it is one of this user's entries: named as a project entry, a
+    plain file (``directory``: a directory), not a link, owned by this process's user;
+    else None."""
+    if owner_of(os.path.basename(path)) is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    kind = stat.S_ISDIR if directory else stat.S_ISREG
+    return st if kind(st.st_mode) and st.st_uid == os.geteuid() else None
+
+
 def sweep() -> None:
-    """Unlink every project entry whose owner is gone."""
+    """Unlink every entry of this user's (:func:`mine`) whose owner is gone."""
     for name in os.listdir(SHM_DIR):
-        if orphaned(name):
+        path = os.path.join(SHM_DIR, name)
+        if orphaned(name) and mine(path):
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
+                os.unlink(path)
             except FileNotFoundError:  # another sweeper was first
                 pass
 
@@ -92,14 +111,12 @@ def check_free(nbytes: int, what: str) -> None:
 
 
 def _promised() -> int:
-    """Bytes that live project entries may still take (their size less what they hold)."""
+    """Bytes that this user's live entries (:func:`mine`) may still take (their size less
+    what they hold)."""
     total = 0
     for name in os.listdir(SHM_DIR):
-        if owner_of(name) is not None:
-            try:
-                st = os.stat(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                continue
+        st = mine(os.path.join(SHM_DIR, name))
+        if st is not None:
             total += max(st.st_size - st.st_blocks * 512, 0)
     return total
 

@@ -19,12 +19,17 @@ generation 0, 1, 2, ... so the receiver sees a lost one.
 
 Invariants: decoding never runs code (msgpack only; a tcp socket can be reached from
 other hosts, so nothing here is pickle); every frame that is not a well-formed message
-of this version raises :class:`WireError` naming what is wrong; an event is final
-exactly when it carries ``finish`` or ``error``.
+of this version raises :class:`WireError` naming what is wrong (a key that is not ASCII or
+longer than ``MAX_KEY_CHARS`` included: keys are made short and ASCII); a reader sets
+its socket's ``MAXMSGSIZE`` to ``MAX_TOKEN_FRAME_BYTES`` / ``MAX_STOP_FRAME_BYTES``, so
+ZeroMQ drops a larger frame (and the peer's connection) before it is read; an event is
+final exactly when it carries ``finish`` or ``error``; keys are compared with
+:func:`same_key` (constant time, any content).
 """
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,9 @@ import msgpack
 
 VERSION = 2
 KEY_SEPARATOR = "#"
+MAX_KEY_CHARS = 64                  # a key is 22 (token_urlsafe(16)); longer is not one
+MAX_TOKEN_FRAME_BYTES = 64 << 20    # a token message: one step's events for one address
+MAX_STOP_FRAME_BYTES = 64 << 10     # a stop: a request id and its key
 
 
 class WireError(ValueError):
@@ -89,9 +97,16 @@ def decode_stop(frame: bytes) -> tuple[str, str]:
     """``(request id, key)`` of a stop."""
     message = _message(frame, "stop")
     request_id, key = message["stop"], message.get("key")
-    if not isinstance(request_id, str) or not isinstance(key, str):
-        raise WireError("stop message: 'stop' and 'key' must be strings")
+    if not isinstance(request_id, str) or not _is_key(key):
+        raise WireError("stop message: 'stop' must be a string and 'key' an ASCII string")
     return request_id, key
+
+
+def same_key(given: str, expected: str) -> bool:
+    """Whether ``given`` is ``expected``, in constant time; never raises for a string
+    (``hmac.compare_digest`` raises on non-ASCII ``str``: compare their UTF-8 bytes)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                               expected.encode("utf-8", "surrogatepass"))
 
 
 def with_key(address: str, key: str) -> str:
@@ -136,9 +151,9 @@ def _message(frame: bytes, key: str) -> Any:
 def _event(raw: Any) -> StreamEvent:
     if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
         raise WireError("token event: expected a map with a request id under 'id'")
-    if not isinstance(raw.get("key"), str) or type(raw.get("seq")) is not int:
-        raise WireError("token event: expected the request's key under 'key' and its "
-                        "sequence number under 'seq'")
+    if not _is_key(raw.get("key")) or type(raw.get("seq")) is not int:
+        raise WireError("token event: expected the request's key (ASCII) under 'key' and "
+                        "its sequence number under 'seq'")
     tokens = raw.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise WireError("token event: 'tokens' must be a list of integers")
@@ -150,3 +165,7 @@ def _event(raw: Any) -> StreamEvent:
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
     return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)
+
+
+def _is_key(key: Any) -> bool:
+    return isinstance(key, str) and key.isascii() and len(key) <= MAX_KEY_CHARS

@@ -111,7 +111,8 @@ def _runtime_dir() -> Path:
 
 
 def _sweep(runtime: Path) -> None:
-    """Remove the ipc directories in ``runtime`` whose owner process is gone."""
+    """Remove this user's ipc directories in ``runtime`` whose owner process is gone."""
     for name in os.listdir(runtime):
-        if name.startswith(f"{shm.PREFIX}{KIND}_") and shm.orphaned(name):
+        if name.startswith(f"{shm.PREFIX}{KIND}_") and shm.orphaned(name) \
+                and shm.mine(str(runtime / name), directory=True):
             shutil.rmtree(runtime / name, ignore_errors=True)

@@ -94,7 +94,7 @@ def _prefill_slowly(sides, params: SamplingParams, read_layers, monkeypatch):
     monkeypatch.setattr(connector.endpoint, "read_layers", read_layers)
     monkeypatch.setattr(Announcer, "layers", slowly)
     listener = _await(generation, connector, "r", params)
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
     return (out,) + _decode(generation, "r")
 
 
@@ -158,7 +158,7 @@ def test_a_first_token_that_finishes_the_request_ends_the_pull_and_frees_both_po
     context, generation, connector = sides
     params = SamplingParams(max_tokens=1)
     listener = _await(generation, connector, "r", SamplingParams(max_tokens=4))
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
     assert out["finish_reason"].reshape(-1)[0] in (b"length", "length")
     assert not out[P.CONTEXT_PHASE_PARAMS].size
     _, arrivals = _decode(generation, "r")
@@ -219,7 +219,7 @@ def test_a_context_tried_after_one_that_failed_mid_transfer_is_followed(sides, d
         announcer.handle(stale)
         announcer.layers(1)                          # then it went silent
         time.sleep(0.05)
-        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
         tokens, arrivals = _decode(generation, "r")
         assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
         assert arrivals[0].error is None
@@ -237,7 +237,7 @@ def test_a_generation_that_cannot_be_reached_leaves_an_ordinary_handoff(sides, d
     params = SamplingParams(max_tokens=6)
     listener = _await(generation, connector, "r", params)
     connector.close()
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
     assert not isinstance(out, Exception), out
     assert out[P.CONTEXT_PHASE_PARAMS].size and context.engine.pool.num_used
     context.release(out[P.CONTEXT_PHASE_PARAMS].tobytes())
@@ -260,7 +260,7 @@ def test_a_prefill_longer_than_the_lease_keeps_it_while_layers_land(sides, demo_
 
     monkeypatch.setattr(Announcer, "layers", slowly)
     listener = _await(generation, connector, "r", params)
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
     tokens, arrivals = _decode(generation, "r")
     assert arrivals[0].error is None, arrivals[0].error
     assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
@@ -289,7 +289,7 @@ def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypat
         params = SamplingParams(max_tokens=8)
         (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
         listener = _await(generation, connector, "r", params)
-        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], {"r": listener})
+        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
         tokens, arrivals = _decode(generation, "r")
         assert arrivals[0].error is None, arrivals[0].error
         assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids

@@ -6,7 +6,12 @@ is the first token plus ``context_phase_params`` (empty when the first token
 already finished the request: its blocks are freed, nothing is handed off).
 
 Invariants: one request's mistake fails only that request (the batch is
-retried one by one); ``execute`` never waits for memory: a request whose KV
+retried one by one; a request id met twice in one batch fails its later copies, which
+would otherwise hand off the first one's blocks twice); a prefill that fails gives every
+block it reserved back (or ends the lease that took it), and each request then gets its
+own result or error (a fault: ``EngineError``, INTERNAL), never an exception out of
+:meth:`ContextSide.prefill`;
+``execute`` never waits for memory: a request whose KV
 blocks or staging slots are not free now gets an error starting with
 ``protocol.CONTEXT_BUSY`` at once (back-pressure: the orchestrator retries it),
 so the instance goes on serving prompts that fit; every result either carries a
@@ -38,7 +43,7 @@ import numpy as np
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
 from triton_disagg.engine.block_pool import KVCacheFullError
-from triton_disagg.errors import RequestError
+from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.kv.connector import ConnectorError, HandoffBusy, connector_for
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.triton import engine_request
@@ -65,21 +70,33 @@ class ContextSide:
         self.reporter.start()
 
     def prefill(self, batch: list[tuple[str, EngineRequest]],
-                listeners: dict[str, bytes] | None = None) -> list[dict | Exception]:
+                listeners: list[bytes] | None = None) -> list[dict | Exception]:
         """Engine outputs plus ``context_phase_params`` per request, or that request's error;
-        ``listeners``: generation's ``kv_listener`` of each overlapped request, by id."""
-        tokens = sum(len(request.prompt_ids) for _, request in batch)
+        ``listeners``: generation's ``kv_listener`` of each request (``b""``: not
+        overlapped), in batch order. A request id already met in the batch is refused."""
+        listeners = listeners or [b""] * len(batch)
+        repeated, seen = [], set()
+        for request_id, _ in batch:
+            repeated.append(request_id in seen)
+            seen.add(request_id)
+        unique = [item for item, again in zip(batch, repeated) if not again]
+        overlapped = {rid: listener for (rid, _), listener, again
+                      in zip(batch, listeners, repeated) if listener and not again}
+        tokens = sum(len(request.prompt_ids) for _, request in unique)
         self._count_queued(tokens)
         try:
-            return self._prefill_and_hand_off(batch, listeners or {})
+            answers = iter(self._prefill_and_hand_off(unique, overlapped))
         finally:
             self._count_queued(-tokens)
+        return [RequestError(f"request id {rid!r} appears more than once in one batch; "
+                             f"each request needs an id of its own") if again else next(answers)
+                for (rid, _), again in zip(batch, repeated)]
 
     def _prefill_and_hand_off(self, batch: list[tuple[str, EngineRequest]],
                               listeners: dict[str, bytes]) -> list:
         try:
             results: list = self._prefill(batch, listeners)
-        except (RequestError, KVCacheFullError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the blocks went back; each request tries alone
             results = ([self._one(item, listeners) for item in batch] if len(batch) > 1
                        else [_refusal(exc)])
         answers = [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
@@ -132,7 +149,7 @@ class ContextSide:
     def _one(self, item: tuple[str, EngineRequest], listeners: dict[str, bytes]) -> Any:
         try:
             return self._prefill([item], listeners)[0]
-        except (RequestError, KVCacheFullError) as exc:
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
             return _refusal(exc)
 
     def _prefill(self, batch: list[tuple[str, EngineRequest]],
@@ -141,22 +158,45 @@ class ContextSide:
         with self._pool():
             seqs = self.engine.reserve_prompts(
                 [(rid, req.prompt_ids, req.params) for rid, req in batch])
-        overlapped = {s.request_id: _Overlapped.begin(self, s, listeners[s.request_id])
-                      for s in seqs if listeners.get(s.request_id)}
-        failed = {rid: o.error for rid, o in overlapped.items() if o.error is not None}
-        kept = [s for s in seqs if s.request_id not in failed]
-        live = [o for o in overlapped.values() if o.error is None]
+        overlapped: dict[str, _Overlapped] = {}
+        try:
+            for s in seqs:
+                if listeners.get(s.request_id):
+                    overlapped[s.request_id] = _Overlapped.begin(self, s,
+                                                                 listeners[s.request_id])
+            failed = {rid: o.error for rid, o in overlapped.items() if o.error is not None}
+            kept = [s for s in seqs if s.request_id not in failed]
+            live = [o for o in overlapped.values() if o.error is None]
 
-        def on_layer(li: int) -> None:
-            for o in live:
-                o.layers(li + 1)
+            def on_layer(li: int) -> None:
+                for o in live:
+                    o.layers(li + 1)
 
-        with self._pool():
-            results = self.engine.prefill_reserved(kept, on_layer if live else None,
-                                                   frozenset(overlapped))
+            with self._pool():
+                results = self.engine.prefill_reserved(kept, on_layer if live else None,
+                                                       frozenset(overlapped))
+        except BaseException as exc:
+            self._give_back(seqs, overlapped, exc)
+            raise
         done = {r.request_id: (overlapped[r.request_id].landed(r)
                                if r.request_id in overlapped else r) for r in results}
         return [failed.get(rid) or done[rid] for rid, _ in batch]
+
+    def _give_back(self, seqs: list[Any], overlapped: dict[str, "_Overlapped"],
+                   exc: BaseException) -> None:
+        """A prefill failed: free the blocks of ``seqs`` that no handoff owns, and end the
+        leases of the overlapped ones that took theirs (those that failed earlier gave
+        theirs back then)."""
+        with self._pool():
+            for seq in seqs:
+                if seq.request_id not in overlapped:
+                    seq.block_table.release(self.engine.pool)
+        for o in overlapped.values():
+            if o.error is None:
+                try:
+                    o._fail(RequestError(f"the prefill failed: {type(exc).__name__}: {exc}"))
+                except Exception:  # noqa: BLE001 - the other leases still end
+                    _log.exception("giving back the KV of %s failed", o.request_id)
 
     def _hand_off(self, result: Any) -> dict | Exception:
         if isinstance(result, _Overlapped):
@@ -192,12 +232,16 @@ class ContextSide:
         self.connector.close()
 
 
-def _refusal(exc: Exception) -> RequestError:
-    """A request's error: KV full is back-pressure (:data:`protocol.CONTEXT_BUSY`)."""
+def _refusal(exc: Exception) -> RequestError | EngineError:
+    """A request's error: KV full is back-pressure (:data:`protocol.CONTEXT_BUSY`), a
+    request's mistake is its RequestError, anything else a fault (logged, INTERNAL)."""
     if isinstance(exc, KVCacheFullError):
         return RequestError(f"{P.CONTEXT_BUSY}: KV cache full ({exc}); retry later or raise "
                             f"kv_cache.max_size")
-    return RequestError(str(exc))
+    if isinstance(exc, RequestError):
+        return RequestError(str(exc))
+    _log.error("prefill failed", exc_info=exc)
+    return EngineError(f"prefill failed: {type(exc).__name__}: {exc}")
 
 
 @dataclass

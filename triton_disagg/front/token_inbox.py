@@ -11,11 +11,13 @@ so the client path's cost per response is paid per response, not per token.
 Invariants: a :class:`TokenStream` is registered before its generation request is sent,
 so no event can arrive unclaimed; an event is taken only with its request's key (a
 random string per stream, sent to generation inside ``token_address``): others are
-dropped, logged and counted (``TokenInbox.rejected``), so knowing a request id is not
-enough to add to a stream or end it; events are taken in sequence (0, 1, 2, ...): the
-first one out of order (an event was lost: a dropped socket, a reconnect) ends the
-stream with an error, never a normal end with tokens missing, and nothing after it is
-taken; :meth:`TokenStream.next` never waits longer than
+dropped, logged and counted, so knowing a request id is not enough to add to a stream or
+end it; the reader survives every frame (malformed, a wrong key of any content, an unknown
+request: dropped and counted in ``TokenInbox.dropped``, :mod:`triton_disagg.readers`),
+and a reader that dies anyway takes the instance down (``on_death``); events are taken
+in sequence (0, 1, 2, ...): the first one out of order (an event was lost: a dropped
+socket, a reconnect) ends the stream with an error, never a normal end with tokens
+missing, and nothing after it is taken; :meth:`TokenStream.next` never waits longer than
 ``stall_seconds``, and after every ``PROBE_SECONDS`` of silence it asks whether the
 generation server was lost (then it raises :class:`GenerationLost` at once); a stream left before generation sent its final event (client cancel,
 stall, a failing send, an error, task cancellation) sends generation a stop, addressed
@@ -28,7 +30,6 @@ socket file and its private directory are gone once :meth:`TokenInbox.close` ret
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import threading
@@ -41,7 +42,9 @@ import zmq.asyncio
 
 from triton_disagg import token_wire
 from triton_disagg.errors import EngineError, GenerationLost, Timeout
-from triton_disagg.token_wire import StreamEvent, WireError
+from triton_disagg.readers import (BAD_KEY, MALFORMED, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
+                                   fail_instance, watch_task)
+from triton_disagg.token_wire import StreamEvent, WireError, same_key
 from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
 STOP_HIGH_WATER_MARK = 100
@@ -81,10 +84,9 @@ class TokenStream:
     def deliver(self, event: StreamEvent) -> None:
         """Queue ``event`` when it carries this stream's key and the next sequence number;
         the first out of order queues an error instead, and ends what is taken."""
-        if not hmac.compare_digest(event.key, self.key):
-            self.inbox.rejected += 1
-            _log.warning("orchestrator: dropped a token event for %s without its key",
-                         self.request_id)
+        if not same_key(event.key, self.key):
+            self.inbox.dropped.drop(BAD_KEY, f"a token event for {self.request_id} without "
+                                             f"its key")
             return
         if self.broken:
             return
@@ -158,10 +160,13 @@ class TokenStream:
 
 class TokenInbox:
     """``host`` None: ipc in a private directory (generation on this host); else tcp on
-    ``host``. Sockets are made on first use, on the event loop that serves requests."""
+    ``host``. Sockets are made on first use, on the event loop that serves requests.
+    ``on_death(reader, exc)``: called if the reader task ends by an exception
+    (:func:`~triton_disagg.readers.fail_instance`: the process exits)."""
 
-    def __init__(self, host: str | None, stall_seconds: float):
-        self.host, self.stall_seconds = host, stall_seconds
+    def __init__(self, host: str | None, stall_seconds: float,
+                 on_death: OnDeath = fail_instance):
+        self.host, self.stall_seconds, self.on_death = host, stall_seconds, on_death
         self.streams: dict[str, TokenStream] = {}
         self.context: zmq.asyncio.Context | None = None
         self.sock: zmq.asyncio.Socket | None = None
@@ -170,7 +175,7 @@ class TokenInbox:
         self.stop_sockets: dict[str, zmq.Socket] = {}
         self.stop_used: dict[str, float] = {}   # control address -> when last used
         self.pruned = time.monotonic()
-        self.rejected = 0                       # events dropped: not their request's key
+        self.dropped = DroppedFrames("orchestrator token inbox")
 
     @property
     def address(self) -> str:
@@ -182,8 +187,10 @@ class TokenInbox:
             self.context = zmq.asyncio.Context()
             self.sock = self.context.socket(zmq.PULL)
             self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, token_wire.MAX_TOKEN_FRAME_BYTES)
             self.endpoint = bind(self.sock, self.host, "tokens")
             self.reader = asyncio.get_running_loop().create_task(self._read())
+            watch_task("orchestrator token reader", self.reader, self.on_death)
         stream = self.streams[request_id] = TokenStream(self, request_id)
         return stream
 
@@ -213,21 +220,29 @@ class TokenInbox:
             del self.stop_used[control]
 
     async def _read(self) -> None:
+        """Take frames until cancelled; a frame it cannot use is dropped and counted."""
         while True:
             try:
                 frame = await self.sock.recv()
-                events = token_wire.decode_events(frame)
-            except WireError as exc:
-                _log.warning("orchestrator: dropped a token frame: %s", exc)
-                continue
             except zmq.ZMQError as exc:
                 _log.error("orchestrator: token socket failed (%s); reading on", exc)
                 await asyncio.sleep(0.1)
                 continue
-            for event in events:
-                stream = self.streams.get(event.request_id)
-                if stream is not None:
-                    stream.deliver(event)
+            self._take(frame)
+
+    def _take(self, frame: bytes) -> None:
+        try:
+            events = token_wire.decode_events(frame)
+        except WireError as exc:
+            self.dropped.drop(MALFORMED, f"a token frame: {exc}")
+            return
+        for event in events:
+            stream = self.streams.get(event.request_id)
+            if stream is None:
+                self.dropped.drop(UNKNOWN_REQUEST, f"a token event for {event.request_id!r}, "
+                                                   f"which no stream waits for")
+            else:
+                stream.deliver(event)
 
     def close(self, timeout: float = 2.0) -> None:
         """Remove the ipc file, stop reading and close the sockets (``finalize``, any thread).

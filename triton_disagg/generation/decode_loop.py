@@ -23,7 +23,8 @@ Invariants:
   goes out over a fresh socket: the orchestrator hears of the loss, never a short
   stream with a normal end;
 - every event carries its request's key and sequence number (:mod:`decode_requests`);
-  a stop is obeyed only with the request's key;
+  a stop is obeyed only with the request's key; a stop for a request the loop does not
+  hold, or without its key, is dropped and counted (``dropped``);
 - requests stream to at most ``outbox.max_sockets`` distinct addresses at a time; a
   request for one more is refused with an error saying so;
 - streaming requests get an event for their first token, then one for every
@@ -33,12 +34,13 @@ Invariants:
   request, a failing engine step the admitted ones (those holding their blocks),
   anything else is logged; a loop stuck ``stuck_seconds`` with work live is reported by
   its watchdog, which fails the requests it holds (the loop drops them if it comes
-  round); at shutdown admitted requests are cancelled, queued ones refused.
+  round); at shutdown admitted requests are cancelled, queued ones refused; a loop
+  that dies anyway (an exception outside one iteration) takes the instance down
+  (``on_death``, :func:`~triton_disagg.readers.fail_instance`).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 import threading
@@ -50,9 +52,11 @@ import zmq
 
 from triton_disagg.generation.decode_requests import Live, error_event, token_event
 from triton_disagg.triton.engine_request import EngineRequest
-from triton_disagg.generation.sockets import send_errors
+from triton_disagg.generation.sockets import STOP_READER, send_errors
 from triton_disagg.generation.watchdog import Watchdog
-from triton_disagg.token_wire import StreamEvent, split_key
+from triton_disagg.readers import (BAD_KEY, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
+                                   fail_instance, guarded)
+from triton_disagg.token_wire import StreamEvent, same_key, split_key
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
@@ -71,15 +75,18 @@ class DecodeLoop:
     ``outbox``: ``put(address, event)``, ``flush(keep) -> {dropped address: failed
     events}`` and ``max_sockets`` (:class:`~sockets.TokenOutbox`); ``stops``:
     ``take() -> [(request id, key)]`` (:class:`~sockets.StopInbox`) or None. The loop
-    closes both when it ends.
+    closes both when it ends. ``on_death(reader, exc)``: called if the loop's thread ends
+    by an exception.
 
     ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""
 
     def __init__(self, engine: Any, outbox: Any, side: Any, stream_interval: int = 1,
-                 stops: Any = None, stuck_seconds: float = 30.0):
+                 stops: Any = None, stuck_seconds: float = 30.0,
+                 on_death: OnDeath = fail_instance):
         self.engine, self.outbox, self.side = engine, outbox, side
         self.stream_interval = stream_interval
         self.stops = stops
+        self.dropped = DroppedFrames(STOP_READER)         # stops it cannot obey
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, Live] = {}           # every request in the engine
         self.addresses: Counter[str] = Counter()  # live requests per token address
@@ -90,7 +97,9 @@ class DecodeLoop:
         self.reported = 0.0
         self.watchdog = Watchdog("generation decode loop", stuck_seconds,
                                  lambda: bool(self.live), self._fail_stuck)
-        self.thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self.thread = threading.Thread(target=guarded("generation decode loop", self._run,
+                                                       on_death),
+                                       name="decode-loop", daemon=True)
         self.thread.start()
 
     def submit(self, request_id: str, request: EngineRequest | Any, token_address: str) -> None:
@@ -172,9 +181,11 @@ class DecodeLoop:
     def _stop(self, request_id: str, key: str) -> None:
         live = self.live.get(request_id)
         if live is None:
+            self.dropped.drop(UNKNOWN_REQUEST, f"a stop for {request_id!r}, which "
+                                                     f"this instance does not hold")
             return
-        if not hmac.compare_digest(live.key, key):
-            _log.warning("generation: ignored a stop for %s without its key", request_id)
+        if not same_key(key, live.key):
+            self.dropped.drop(BAD_KEY, f"a stop for {request_id} without its key")
             return
         self.engine.abort(request_id)
         self._finish(request_id, CANCELLED)

@@ -4,7 +4,8 @@
   address and sends one message per address (PUSH, one socket per address, cached);
 - :class:`StopInbox` is the instance's control socket (PULL), bound once; its address
   goes back to the orchestrator with each accepted request, and stops for this
-  instance's requests arrive there.
+  instance's requests arrive there; a frame that is not a stop is dropped and counted
+  (``StopInbox.dropped``, :mod:`triton_disagg.readers`).
 
 Invariants: only the decode-loop thread sends or receives on these sockets; nothing
 here blocks. A send that would wait (the orchestrator is gone or not reading, and
@@ -31,6 +32,7 @@ from typing import Collection
 import zmq
 
 from triton_disagg import token_wire
+from triton_disagg.readers import MALFORMED, DroppedFrames
 from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
@@ -38,6 +40,7 @@ HIGH_WATER_MARK = 1000       # messages (decode steps) queued per orchestrator a
 IDLE_SECONDS = 60.0          # a socket with nothing to send this long is closed
 MAX_SOCKETS = 64             # open token sockets after a flush (distinct addresses)
 EVICT_LINGER_MS = 1000       # what an evicted socket still holds gets this long to leave
+STOP_READER = "generation stop inbox"     # the reader label of its dropped frames
 _log = logging.getLogger(__name__)
 
 
@@ -134,15 +137,17 @@ class StopInbox:
     def __init__(self, context: zmq.Context, host: str | None, bind_host: str | None = None):
         self.sock = context.socket(zmq.PULL, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, token_wire.MAX_STOP_FRAME_BYTES)
         self.endpoint: Endpoint = bind(self.sock, host, "control", bind_host)
+        self.dropped = DroppedFrames(STOP_READER)
 
     @property
     def address(self) -> str:
         return self.endpoint.address
 
     def take(self) -> list[tuple[str, str]]:
-        """``(request id, key)`` of every stop that arrived (malformed frames are logged,
-        dropped)."""
+        """``(request id, key)`` of every stop that arrived (a key is an ASCII string;
+        malformed frames are dropped and counted)."""
         stops = []
         while True:
             try:
@@ -152,7 +157,7 @@ class StopInbox:
             try:
                 stops.append(token_wire.decode_stop(frame))
             except WireError as exc:
-                _log.warning("generation: dropped a control frame: %s", exc)
+                self.dropped.drop(MALFORMED, f"a control frame: {exc}")
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -200,7 +200,11 @@ class KVConnector(ABC):
                                f"it cannot export")
         blocks = [int(b) for b in block_ids]
         if not prefilling:
-            self.stage(blocks)
+            try:
+                self.stage(blocks)
+            except BaseException:          # the device copy failed: the KV goes back now
+                self.free_blocks(blocks)
+                raise
         handle = self._export(blocks, num_tokens, prefilling)
         try:
             return kvhandle.encode(handle, self.key)

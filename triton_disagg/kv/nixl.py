@@ -11,9 +11,13 @@ sender keeps one int64 *ticket* word per block and registers nothing up front.
   :class:`KVHandle` naming the agent, the partial metadata of that registration alone,
   the pool and ticket addresses, the block ids and the ticket. A watcher thread reads the
   notifications; ``tdkv-done:<lease id>`` releases the lease, and expired leases are
-  reaped on the same thread. Releasing or reaping deregisters the ranges, then zeroes the
-  blocks' ticket words, *before* the blocks go back to the pool. So a handle's holder can
-  name no other block to its NIXL, and none of its own once the lease ended (see
+  reaped on the same thread. Each notification is handled on its own: one that names no
+  lease of this endpoint is dropped and counted (``NixlEndpoint.dropped``), one whose
+  release fails is logged, and neither keeps the others of its pass from their leases; a
+  watcher that dies anyway takes the instance down (:mod:`triton_disagg.readers`).
+  Releasing or reaping deregisters the ranges, then zeroes the blocks' ticket words,
+  *before* the blocks go back to the pool. So a handle's holder can name no other block
+  to its NIXL, and none of its own once the lease ended (see
   :mod:`~triton_disagg.kv.nixl_agent` for what the transport below NIXL enforces).
 - Receiver (generation): :meth:`NixlEndpoint.fetch` loads the handle's metadata into the
   peer's remote agent, READs the blocks (straight into the pool's blocks when the layouts
@@ -67,6 +71,8 @@ from triton_disagg.kv.leases import LeaseExpiredError, LeaseTable
 from triton_disagg.kv.nixl_agent import Agent, TransferError
 from triton_disagg.kv.overlap import Announcer, LayerReader
 from triton_disagg.kv.overlap_wire import decode_listener
+from triton_disagg.readers import MALFORMED, UNKNOWN_REQUEST, DroppedFrames, OnDeath, \
+    fail_instance, guarded
 
 NOTIF_PREFIX = b"tdkv-done:"
 LEASED_POLL_SECONDS = 0.0005   # watcher pace while a handoff is outstanding (see _watch)
@@ -84,11 +90,12 @@ class NixlEndpoint:
     :class:`LeaseTable` (``leases``) whose releases call ``free_blocks`` from the watcher
     thread, which runs :meth:`poll` every ``poll_interval_s``, so ``free_blocks`` must be
     thread-safe. With ``poll_interval_s=None`` no thread starts and the caller polls.
+    ``on_death(reader, exc)``: called if the watcher thread ends by an exception.
     """
 
     def __init__(self, name_prefix: str, pool: np.ndarray,
                  free_blocks: Optional[Callable[[list[int]], None]] = None,
-                 poll_interval_s: Optional[float] = 0.01):
+                 poll_interval_s: Optional[float] = 0.01, on_death: OnDeath = fail_instance):
         self.pool = pool
         self.geometry = BlockGeometry.of_pool(pool)
         self._tickets = np.zeros(len(pool), _TICKET)   # [num_blocks]; 0 = not exported
@@ -104,9 +111,11 @@ class NixlEndpoint:
         self._stop = threading.Event()
         self._wake = threading.Event()                  # set by export: poll at the leased pace
         self._watcher: Optional[threading.Thread] = None
+        self.dropped = DroppedFrames("KV lease notifications")
         if self.leases is not None and poll_interval_s is not None:
-            self._watcher = threading.Thread(target=self._watch, args=(poll_interval_s,),
-                                             name=f"{self.name}-notifs", daemon=True)
+            watch = guarded("KV lease watcher", lambda: self._watch(poll_interval_s), on_death)
+            self._watcher = threading.Thread(target=watch, name=f"{self.name}-notifs",
+                                             daemon=True)
             self._watcher.start()
 
     @property
@@ -171,9 +180,10 @@ class NixlEndpoint:
         """A lease ended: withdraw its ranges from NIXL, clear the tickets, then give the
         blocks back (LeaseTable callback; the blocks go back even if NIXL fails)."""
         with self._exposed_lock:
-            reg = self._exposed.pop(tuple(block_ids))
+            reg = self._exposed.pop(tuple(block_ids), None)
         try:
-            self._agent.withdraw(reg)
+            if reg is not None:
+                self._agent.withdraw(reg)
         finally:
             self._tickets[block_ids] = 0
             self._free_blocks(block_ids)
@@ -183,10 +193,28 @@ class NixlEndpoint:
 
         Returns how many leases were released by notification.
         """
-        released = sum(self.leases.release(msg[len(NOTIF_PREFIX):].decode())
-                       for msg in self._agent.notifs() if msg.startswith(NOTIF_PREFIX))
+        released = sum(self._release_named(msg) for msg in self._agent.notifs())
         self.leases.reap()
         return released
+
+    def _release_named(self, msg: bytes) -> bool:
+        """Release the lease that notification ``msg`` names; a notification that names
+        none of this endpoint's leases is dropped and counted, a release that fails is
+        logged (the pass goes on with the next notification either way)."""
+        lease_id = msg[len(NOTIF_PREFIX):] if msg.startswith(NOTIF_PREFIX) else b""
+        if not lease_id.isalnum():
+            self.dropped.drop(MALFORMED, f"a notification that is no {NOTIF_PREFIX!r} "
+                                         f"<lease id>: {msg[:64]!r}")
+            return False
+        try:
+            if self.leases.release(lease_id.decode()):
+                return True
+        except Exception:  # noqa: BLE001 - the other notifications still release theirs
+            _log.exception("KV lease %s: its release failed", lease_id.decode())
+            return False
+        self.dropped.drop(UNKNOWN_REQUEST, f"a notification for lease {lease_id.decode()}, "
+                                           f"which is not out (released or reaped before)")
+        return False
 
     def _watch(self, idle_interval_s: float) -> None:
         """Poll every ``LEASED_POLL_SECONDS`` while a lease whose blocks are final is out,
@@ -233,17 +261,21 @@ class NixlEndpoint:
         peer = self.open_pull(handle, start)
         n, size = len(handle.block_ids), src.block_nbytes
         words = n * _TICKET.itemsize
-        with self._fetch_lock:
-            if src != self.geometry:
-                scratch = self._agent.scratch(words + n * size)
-                staged = scratch[words:words + n * size].view(src.dtype)
-                staged = staged.reshape((n,) + src.block_shape)   # [n, L, 2, bs_src, kvh, hd]
-                self._read(peer, handle, staged.ctypes.data, range(n), None, deadline)
-            else:
-                self._read(peer, handle, self.pool.ctypes.data, dst_block_ids, None, deadline)
-            self._confirm(peer, handle, deadline)
-            if src != self.geometry:
-                write_blocks(staged, handle.num_tokens, self.pool, dst_block_ids)
+        try:
+            with self._fetch_lock:
+                if src != self.geometry:
+                    scratch = self._agent.scratch(words + n * size)
+                    staged = scratch[words:words + n * size].view(src.dtype)
+                    staged = staged.reshape((n,) + src.block_shape)  # [n, L, 2, bs_src, kvh, hd]
+                    self._read(peer, handle, staged.ctypes.data, range(n), None, deadline)
+                else:
+                    self._read(peer, handle, self.pool.ctypes.data, dst_block_ids, None,
+                               deadline)
+                self._confirm(peer, handle, deadline)
+                if src != self.geometry:
+                    write_blocks(staged, handle.num_tokens, self.pool, dst_block_ids)
+        finally:
+            self._agent.unpin(peer)
         return TransferStats(nbytes=n * size, seconds=time.monotonic() - start)
 
     # The pieces of a fetch, also run one by one by an overlapped transfer
@@ -251,9 +283,10 @@ class NixlEndpoint:
 
     def open_pull(self, handle: KVHandle, now: float) -> str:
         """Claim the handle's lease for this receiver (:meth:`_claim`) and connect to its
-        sender; returns the peer's name for :meth:`read_layers` and :meth:`confirm`."""
+        sender, pinned (the caller calls ``agent.unpin(peer)`` once its READs are done);
+        returns the peer's name for :meth:`read_layers` and :meth:`confirm`."""
         self._claim(handle, now)
-        return self._agent.connect(handle.agent_name, handle.agent_metadata)
+        return self._agent.connect(handle.agent_name, handle.agent_metadata, pin=True)
 
     def read_layers(self, peer: str, handle: KVHandle, dst_block_ids: Sequence[int],
                     layers: range, deadline: float) -> int:

@@ -7,7 +7,9 @@ of one :meth:`Agent.expose` (connection info and the remote keys of those ranges
 :meth:`Agent.contact` (connection info alone), nothing else (no fixed region is ever
 published); :meth:`Agent.withdraw` deregisters them. Remote agents are bounded
 (:class:`RemoteAgents`): at most ``MAX_PEERS``, none idle longer than ``PEER_IDLE_S``,
-none holding more than ``MAX_LOADS`` handles' descriptors, none after a failed READ.
+none holding more than ``MAX_LOADS`` handles' descriptors, none after a failed READ; a
+remote agent pinned by a fetch in progress (:meth:`Agent.connect` with ``pin``, until
+:meth:`Agent.unpin`) is never removed under it: those bounds wait for its last unpin.
 
 What NIXL enforces and what it does not: NIXL registers memory with no read-only mode,
 so a holder may READ or WRITE the ranges it was given (its own blocks and ticket words:
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -50,20 +52,28 @@ class RemoteAgents:
     says. Each handle's metadata is loaded as it comes (NIXL merges a known agent's new
     descriptors, at no new connection); a remote agent whose loads reach ``max_loads`` is
     removed and loaded afresh, so that the descriptors of handles long done do not pile
-    up. Callers hold the agent's lock."""
+    up. A pinned agent (:meth:`pin`, once per fetch that uses it) is neither evicted,
+    expired nor reloaded; one forgotten while pinned goes at its last :meth:`unpin`, and
+    the table may hold more than ``max_peers`` while pins keep it so. Callers hold the
+    agent's lock."""
 
     def __init__(self, agent: Any, max_peers: int = MAX_PEERS, idle_s: float = PEER_IDLE_S,
                  max_loads: int = MAX_LOADS, clock: Callable[[], float] = time.monotonic):
         self._agent, self._clock = agent, clock
         self.max_peers, self.idle_s, self.max_loads = max_peers, idle_s, max_loads
         self._peers: OrderedDict[str, list] = OrderedDict()  # name -> [last use, loads]
+        self._pins: Counter[str] = Counter()                 # name -> fetches using it
+        self._doomed: set[str] = set()                       # forgotten while pinned
 
-    def load(self, peer: str, metadata: bytes) -> None:
-        """Load ``metadata`` of agent ``peer``; TransferError if it names another agent."""
+    def load(self, peer: str, metadata: bytes, pin: bool = False) -> None:
+        """Load ``metadata`` of agent ``peer`` (and :meth:`pin` it); TransferError if it
+        names another agent."""
         now = self._clock()
-        for name in [n for n, (used, _) in self._peers.items() if now - used > self.idle_s]:
+        for name in [n for n, (used, _) in self._peers.items()
+                     if now - used > self.idle_s and n not in self._pins]:
             self.forget(name)
-        if peer in self._peers and self._peers[peer][1] >= self.max_loads:
+        if peer in self._peers and self._peers[peer][1] >= self.max_loads \
+                and peer not in self._pins:
             self.forget(peer)
         try:
             loaded = self._agent.add_remote_agent(metadata)
@@ -77,17 +87,45 @@ class RemoteAgents:
                                 f"agent {loaded!r}")
         loads = self._peers.pop(peer, [now, 0])[1]
         self._peers[peer] = [now, loads + 1]                # most recently used last
-        while len(self._peers) > self.max_peers:
-            self.forget(next(iter(self._peers)))
+        self._doomed.discard(peer)                          # loaded afresh: wanted again
+        if pin:
+            self.pin(peer)
+        self._evict()
+
+    def pin(self, peer: str) -> None:
+        """Keep ``peer`` loaded until as many :meth:`unpin` calls (a fetch reads from it)."""
+        self._pins[peer] += 1
+
+    def unpin(self, peer: str) -> None:
+        """One fetch is done with ``peer``; at the last, what waited for it happens."""
+        if self._pins[peer] > 1:
+            self._pins[peer] -= 1
+            return
+        self._pins.pop(peer, None)
+        if peer in self._doomed:
+            self.forget(peer)
+        self._evict()
 
     def forget(self, peer: str) -> None:
-        """Remove ``peer`` (e.g. after a failed READ); a peer not loaded is left alone."""
-        if self._peers.pop(peer, None) is not None:
+        """Remove ``peer`` (e.g. after a failed READ) now, or at its last unpin if it is
+        pinned; a peer not loaded is left alone."""
+        if peer in self._pins:
+            self._doomed.add(peer)
+        elif self._peers.pop(peer, None) is not None:
+            self._doomed.discard(peer)
             self._agent.remove_remote_agent(peer)
 
     def clear(self) -> None:
+        """Remove every peer, pinned or not (the agent is closing)."""
+        self._pins.clear()
         for peer in list(self._peers):
             self.forget(peer)
+
+    def _evict(self) -> None:
+        """Remove the least recently used unpinned peers beyond ``max_peers``."""
+        unpinned = [n for n in self._peers if n not in self._pins]
+        for name in unpinned[:max(0, len(self._peers) - self.max_peers)]:
+            self.forget(name)
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -165,11 +203,17 @@ class Agent:
             return self._agent.get_partial_agent_metadata(
                 nixlBind.nixlRegDList(self._agent.nixl_mems["DRAM"], []), True, ["UCX"])
 
-    def connect(self, peer: str, metadata: bytes) -> str:
-        """Load ``peer``'s (partial) metadata (see :class:`RemoteAgents`). Returns its name."""
+    def connect(self, peer: str, metadata: bytes, pin: bool = False) -> str:
+        """Load ``peer``'s (partial) metadata (see :class:`RemoteAgents`); ``pin``: keep it
+        loaded until :meth:`unpin` (a fetch's READs from it). Returns its name."""
         with self._lock:
-            self._remotes.load(peer, metadata)
+            self._remotes.load(peer, metadata, pin)
         return peer
+
+    def unpin(self, peer: str) -> None:
+        """Undo one :meth:`connect` with ``pin``."""
+        with self._lock:
+            self._remotes.unpin(peer)
 
     def forget(self, peer: str) -> None:
         """Remove ``peer``'s loaded metadata (after a failed READ: it may have restarted)."""

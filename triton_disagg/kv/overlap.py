@@ -23,7 +23,11 @@ belong to the transfer until ``poll`` returned or raised; only the reader's thre
 writes them, and it reports only what it finished); every pull ends (done, failed, its
 context's FAILED, cancelled, or its deadline: ``lease_seconds`` after it began waiting,
 then ``handle.lease_seconds`` after the handle or the context's latest progress came; the
-context restarts the handle's lease at each layer too), and then its nonce is forgotten.
+context restarts the handle's lease at each layer too), and then its nonce is forgotten;
+each notification is handled on its own: one that is not of this protocol or names no
+pull is dropped and counted (``LayerReader.dropped``), one whose handling fails fails
+its pull alone, and a reader thread that dies anyway takes the instance down
+(:mod:`triton_disagg.readers`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from triton_disagg.kv import overlap_wire as wire
 from triton_disagg.kv.connector import (ConnectorError, ThreadTransfer, Transfer,
                                         lower_thread_priority)
 from triton_disagg.kv.handle import HandleError, KVHandle, TransferStats
+from triton_disagg.readers import MALFORMED, UNKNOWN_REQUEST, DroppedFrames, OnDeath, \
+    fail_instance, guarded
 
 if TYPE_CHECKING:
     from triton_disagg.kv.nixl import NixlEndpoint
@@ -123,13 +129,16 @@ class LayerReader:
     context host that stops answering mid-READ holds up only its own requests.
     ``check(data)`` decodes and checks a handle (the connector's ``decode``);
     ``staged(blocks)`` copies landed blocks to the device (None on a host pool);
-    ``lease_seconds`` bounds the wait for the handle."""
+    ``lease_seconds`` bounds the wait for the handle; ``on_death(reader, exc)`` is called
+    if a reader thread ends by an exception."""
 
     def __init__(self, endpoint: "NixlEndpoint", key: bytes,
                  check: Callable[[bytes], KVHandle], lease_seconds: float,
-                 staged: Optional[Callable[[Sequence[int]], None]] = None):
+                 staged: Optional[Callable[[Sequence[int]], None]] = None,
+                 on_death: OnDeath = fail_instance):
         self.endpoint, self.key, self.check = endpoint, key, check
-        self.lease_seconds, self.staged = lease_seconds, staged
+        self.lease_seconds, self.staged, self.on_death = lease_seconds, staged, on_death
+        self.dropped = DroppedFrames("overlapped KV notifications")
         self._contact = endpoint.agent.contact()
         self._pulls: dict[str, _Pull] = {}
         self._lock = threading.Lock()
@@ -149,8 +158,9 @@ class LayerReader:
                                      f"this instance; retry later")
             self._pulls[listener.nonce] = _Pull(num_tokens, now + self.lease_seconds, now)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"{self.endpoint.name}-layers")
+                self._thread = threading.Thread(
+                    target=guarded("overlapped KV dispatcher", self._run, self.on_death),
+                    daemon=True, name=f"{self.endpoint.name}-layers")
                 self._thread.start()
         self._wake.set()
         return listener.nonce, wire.encode_listener(listener, self.key)
@@ -241,9 +251,15 @@ class LayerReader:
         handle): what any other agent says about it is ignored."""
         for msg in messages:
             parsed = wire.parse(msg)
+            if parsed is None:
+                self.dropped.drop(MALFORMED, f"a notification from {sender} that is not of "
+                                             f"this protocol: {msg[:64]!r}")
+                continue
             with self._lock:
-                pull = self._pulls.get(parsed[1]) if parsed else None
+                pull = self._pulls.get(parsed[1])
             if pull is None:
+                self.dropped.drop(UNKNOWN_REQUEST, f"a notification from {sender} for a pull "
+                                                   f"that is not waiting (ended, or never was)")
                 continue
             kind, _, payload = parsed
             if pull.handle is not None and sender != pull.handle.agent_name \
@@ -267,7 +283,7 @@ class LayerReader:
                     pull.deadline = time.monotonic() + pull.handle.lease_seconds
                 elif kind == wire.FAILED:
                     pull.failure = payload.decode(errors="replace")
-            except (ValueError, HandleError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad one fails its pull alone
                 pull.failure = f"bad {kind.decode()} notification: {exc}"
 
     def _take_handle(self, pull: _Pull, data: bytes) -> None:
@@ -280,6 +296,7 @@ class LayerReader:
                              f"dtype) on context and generation: {handle.geometry} against "
                              f"{self.endpoint.geometry}")
         now = time.monotonic()
+        self._unpin(pull)                        # a context tried before this one
         pull.peer = self.endpoint.open_pull(handle, now)
         pull.handle, pull.deadline = handle, now + handle.lease_seconds
         pull.announced, pull.read, pull.first, pull.failure = 0, 0, None, None
@@ -344,11 +361,18 @@ class LayerReader:
         pull.busy = False
         self._wake.set()
 
-    @staticmethod
-    def _end(pull: _Pull, stats: Optional[TransferStats], error: Optional[BaseException]) -> bool:
+    def _end(self, pull: _Pull, stats: Optional[TransferStats],
+             error: Optional[BaseException]) -> bool:
+        self._unpin(pull)
         if pull.transfer is not None:
             pull.transfer.end(stats, error)
         return True
+
+    def _unpin(self, pull: _Pull) -> None:
+        """The pull READs from its context no more: its agent may go (LRU, idle)."""
+        if pull.peer:
+            self.endpoint.agent.unpin(pull.peer)
+            pull.peer = ""
 
 
 class _PeerReader:
@@ -359,8 +383,9 @@ class _PeerReader:
     def __init__(self, reader: LayerReader, agent_name: str):
         self.reader, self.agent_name = reader, agent_name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"{reader.endpoint.name}-from-{agent_name[:24]}")
+        self._thread = threading.Thread(
+            target=guarded("overlapped KV reader", self._run, reader.on_death), daemon=True,
+            name=f"{reader.endpoint.name}-from-{agent_name[:24]}")
         self._thread.start()
 
     def put(self, nonce: str, pull: _Pull) -> None:

@@ -29,6 +29,9 @@ scrape target, host:port), and a target's own ``instance`` would be stored as
 - ``disagg_kv_leases_expired_total`` (counter): handoffs never fetched, reclaimed.
 - ``disagg_requests_total`` (counter): finished requests by ``outcome``
   (finished / cancelled / error).
+- ``disagg_dropped_frames_total`` (counter): frames a reader loop dropped, labels
+  ``reader`` (e.g. ``orchestrator token inbox``) and ``reason`` (``malformed``,
+  ``bad_key``, ``unknown_request``; :mod:`triton_disagg.readers`).
 - ``disagg_time_to_first_token_seconds``, ``disagg_time_per_output_token_seconds``
   (histograms), measured by the orchestrator; TTFT starts when the request reached
   preprocessing (``protocol.ARRIVAL``) and ends when the first token's response is sent.
@@ -91,6 +94,9 @@ _FAMILIES = {
     "leases_expired": ("disagg_kv_leases_expired_total",
                        "KV handoffs reclaimed because their lease expired", "COUNTER"),
     "requests": ("disagg_requests_total", "Requests by outcome", "COUNTER"),
+    "dropped_frames": ("disagg_dropped_frames_total",
+                       "Frames a reader loop dropped (malformed, without their request's key, "
+                       "for a request it does not hold)", "COUNTER"),
     "ttft": ("disagg_time_to_first_token_seconds", "Time to first token", "HISTOGRAM"),
     "tpot": ("disagg_time_per_output_token_seconds", "Time per output token after the first",
              "HISTOGRAM"),
@@ -211,6 +217,11 @@ class Metrics:
 
     def request_done(self, outcome: str) -> None:
         self._later(lambda: self._metric("requests", outcome=outcome).increment(1))
+
+    def dropped_frame(self, reader: str, reason: str) -> None:
+        """One frame ``reader`` dropped (:class:`triton_disagg.readers.DroppedFrames`)."""
+        self._later(lambda: self._metric("dropped_frames", reader=reader,
+                                         reason=reason).increment(1))
 
     # orchestrator observer interface
     def first_token(self, seconds: float) -> None:

@@ -19,6 +19,7 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.context.prefill import ContextSide
 from triton_disagg.engine.capacity import make_engine
+from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, gpu_index, pin
@@ -37,13 +38,14 @@ class TritonPythonModel:
         self.credential = peers.credential()
         instance = args["model_instance_name"]
         self.metrics = Metrics(pb_utils, "context", instance)
+        readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         with self.metrics.closed_on_error():
             engine = make_engine(settings, "context", gpu_index(args))
             self.side = ContextSide(engine, settings, instance, self.metrics)
 
     def execute(self, requests):
         responses = [None] * len(requests)
-        batch, slots, listeners = [], [], {}
+        batch, slots, listeners = [], [], []
         for i, request in enumerate(requests):
             try:
                 peers.check(request.parameters(), "context", self.credential)
@@ -61,8 +63,7 @@ class TritonPythonModel:
                 request_id = request.request_id() or uuid.uuid4().hex
                 batch.append((request_id, engine_request.from_inputs(inputs)))
                 listener = inputs.get(P.KV_LISTENER)
-                if listener is not None and listener.size:
-                    listeners[request_id] = listener.tobytes()
+                listeners.append(listener.tobytes() if listener is not None else b"")
                 slots.append(i)
             except RequestError as exc:
                 responses[i] = error_response(pb_utils, str(exc), exc.status)

@@ -25,6 +25,7 @@ from triton_disagg.generation.side import GenerationSide, read_request_parameter
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.kv.connector import connector_for
+from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, gpu_index, pin
@@ -44,6 +45,7 @@ class TritonPythonModel:
         instance = args["model_instance_name"]
         engine = make_engine(settings, "generation", gpu_index(args))
         self.metrics = Metrics(pb_utils, "generation", instance)
+        readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         with self.metrics.closed_on_error():
             connector = (connector_for(settings, engine, instance)
                          if settings.mode != "aggregated" else None)

@@ -25,6 +25,7 @@ from triton_disagg.triton.stub_start import watched_initialize
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.front.orchestrator import Orchestrator
@@ -44,6 +45,7 @@ class TritonPythonModel:
         configure_stub(args["model_instance_name"])   # serve --log-format
         settings = from_model_config("orchestrator", args)
         self.metrics = Metrics(pb_utils, "orchestrator", args["model_instance_name"])
+        readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         self.pools = None
         with self.metrics.closed_on_error():
             if settings.transport == "bls":
