@@ -260,9 +260,14 @@ def metrics(url: str) -> str:
 
 
 def orchestrator_inputs(ids, max_tokens, sealed=True):
-    """tritonclient inputs for the orchestrator model: a streaming greedy request, no end id,
-    sealed as preprocessing seals it (this test process holds the deployment secret) unless
-    not ``sealed``."""
+    """tritonclient gRPC inputs for the orchestrator model: :func:`orchestrator_arrays`."""
+    return grpc_inputs(orchestrator_arrays(ids, max_tokens, sealed))
+
+
+def orchestrator_arrays(ids, max_tokens, sealed=True):
+    """The orchestrator model's input arrays (batch of one): a streaming greedy request, no
+    end id, sealed as preprocessing seals it (this test process holds the deployment secret)
+    unless not ``sealed``."""
     import numpy as np
 
     from triton_disagg import peers, protocol as P
@@ -276,7 +281,7 @@ def orchestrator_inputs(ids, max_tokens, sealed=True):
     if sealed:
         unbatched = {name: array[0] for name, array in arrays.items()}   # [1, ...] -> [...]
         arrays[P.PREPROCESSED] = peers.seal(unbatched, peers.seal_key())[None]   # [1, 32]
-    return grpc_inputs(arrays)
+    return arrays
 
 
 def stream_then_cancel(grpc: str, max_tokens: int = 1500) -> None:
