@@ -142,3 +142,23 @@ def test_the_bound_holds_only_for_tokenizers_that_keep_every_byte(demo_dir):
     ]
     for change in unbounded:
         assert max_token_bytes({**config, **change}) is None, change
+
+
+class UnboundedTokenizer(CountingTokenizer):
+    """A tokenizer whose token count no text length bounds (``surely_more_tokens`` never
+    decides): a huge text must be refused by its length alone."""
+
+    def surely_more_tokens(self, text, n):
+        return False
+
+
+def test_a_text_over_the_byte_limit_is_refused_whatever_the_tokenizer(tokenizer):
+    from triton_disagg.front.preprocess import MAX_TEXT_BYTES
+
+    unbounded = UnboundedTokenizer(tokenizer)
+    pre = Preprocessor(unbounded, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")
+    with pytest.raises(RequestError, match=f"text_input is {MAX_TEXT_BYTES + 1} bytes"):
+        pre.process(request(b"x" * (MAX_TEXT_BYTES + 1)))
+    with pytest.raises(RequestError, match=rf"stop_words\[0\] is {MAX_TEXT_BYTES + 1} bytes"):
+        pre.process(request(stop_words=[b"x" * (MAX_TEXT_BYTES + 1)]))
+    assert max(unbounded.encoded, default=0) < 1000          # only the prompt "hello"

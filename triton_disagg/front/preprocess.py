@@ -4,7 +4,8 @@ Invariants: a request it accepts fits the engine (prompt + ``max_tokens`` <=
 ``max_seq_len``, at least one prompt token, ``max_tokens`` >= 1) and its stop/bad word
 lists fit the caps of :mod:`triton_disagg.engine.words`; a prompt or word that is surely
 too long is refused before it is tokenized, so a huge input costs one pass over its bytes,
-not a tokenization; an input the serving stack cannot honour (beam search, several
+not a tokenization, and one over :data:`MAX_TEXT_BYTES` is refused by its length alone
+(whatever the tokenizer); an input the serving stack cannot honour (beam search, several
 sequences, LoRA, prompt tables, guided decoding, logits outputs) or cannot read (text
 that is not UTF-8) raises :class:`RequestError` naming it, never silence.
 
@@ -24,6 +25,7 @@ from triton_disagg.engine.words import MAX_WORD_TOKENS, cap_error, count_error, 
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import scalar
 
+MAX_TEXT_BYTES = 10 * 2**20    # a prompt or word at most; the HTTP front's largest body too
 # input -> (value that is fine, why another value is refused)
 _REFUSED_UNLESS = {
     "beam_width": (1, "beam search is not supported; send beam_width 1"),
@@ -43,6 +45,10 @@ _REFUSED_IF_PRESENT = {
 
 
 def _text(value: Any, name: str) -> str:
+    """``value`` (bytes or text) as text, refused over :data:`MAX_TEXT_BYTES` or not UTF-8."""
+    if len(value) > MAX_TEXT_BYTES:
+        raise RequestError(f"{name} is {len(value)} bytes, more than the {MAX_TEXT_BYTES} "
+                           f"taken; send a shorter text")
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError:
