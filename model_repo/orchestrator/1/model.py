@@ -101,7 +101,7 @@ class TritonPythonModel:
                                            request.request_id())
         except (RequestError, EngineError) as exc:
             request_id = request.request_id() or uuid.uuid4().hex[:12]
-            self.rejections.rejected(exc.status, str(exc), request_id)
+            self.rejections.rejected(exc.status, f"request {request_id}: {exc}", request_id)
             sender.send(error_response(pb_utils, public_message(exc, request_id), exc.status),
                         flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
