@@ -16,7 +16,7 @@ are different tokens in a byte-level BPE vocabulary.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
