@@ -33,7 +33,8 @@ batch across requests themselves.
   tokens to ``token_address`` (:mod:`triton_disagg.token_wire`). Every
   token stream ends with an event whose finish reason is set (``length``,
   ``stop``, ``stop_word``, ``cancelled``) or with an error.
-- Preprocessing -> orchestrator: the engine inputs plus ``arrival_ns``, the
+- Preprocessing -> orchestrator: the engine inputs plus ``preprocessed`` (their seal: the
+  orchestrator takes nothing else, :mod:`triton_disagg.peers`) and ``arrival_ns``, the
   preprocessing clock reading that starts the time-to-first-token metric.
 - Orchestrator -> client: the orchestrator detokenizes; its outputs are the
   ensemble's outputs.
@@ -179,15 +180,21 @@ SAMPLING_TO_ENGINE = {
 # the host): the orchestrator's time to first token starts there. Optional on the orchestrator,
 # which then starts the clock itself (a caller that skips the ensemble).
 ARRIVAL = "arrival_ns"
+# HMAC of preprocessing's other outputs under a key derived from the deployment secret
+# (triton_disagg.peers.seal): the orchestrator refuses a request without a matching one.
+# Optional on the orchestrator so that its refusal, not Triton's, names what is missing.
+PREPROCESSED = "preprocessed"
 PREPROCESS_INPUTS = ENSEMBLE_INPUTS
 PREPROCESS_OUTPUTS = ENGINE_INPUTS[:3] + (
     TensorSpec("stop_words_list", "INT32", (2, -1)),
     TensorSpec("bad_words_list", "INT32", (2, -1)),
     TensorSpec("end_id", "INT32", (1,)),
     TensorSpec("pad_id", "INT32", (1,)),
+    TensorSpec(PREPROCESSED, "UINT8", (32,)),
     TensorSpec(ARRIVAL, "UINT64", (1,)),
 )
-ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-1] + (_opt(ARRIVAL, "UINT64"),) + tuple(
+ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-2] + (
+    _opt(PREPROCESSED, "UINT8", (32,)), _opt(ARRIVAL, "UINT64")) + tuple(
     s for s in SAMPLING_INPUTS if s.name not in ("end_id", "pad_id"))
 ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS     # the orchestrator detokenizes
 

@@ -31,7 +31,7 @@ def _released(state: dict) -> bool:
 def test_nixl_read_moves_exact_bytes_and_notif_releases_lease(sender, receivers):
     endpoint = receivers[0]
     handle = decode(sender.ask("export", [5, 2, 9], 10, 30.0), KEY)
-    check_handle(handle, FP, endpoint.geometry)
+    check_handle(handle, FP, endpoint.geometry, handle.num_tokens)
     stats = endpoint.fetch(handle, [0, 7, 3])
     src = make_pool(1, 16, 4, "float32")
     assert endpoint.pool[[0, 7, 3]].tobytes() == src[[5, 2, 9]].tobytes()

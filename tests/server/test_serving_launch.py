@@ -61,22 +61,25 @@ def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
     ctx = _load(repo, "context")
     assert ctx.input[0].allow_ragged_batch and ctx.dynamic_batching is not None
     assert ctx.instance_group[0].count == 2
-    settings = json.loads(ctx.parameters["settings"].string_value)
+    settings = json.loads((repo / "context" / "settings.json").read_text())
     assert settings["instance_cpus"] == [[0], [1]] and settings["kv_strategy"] == "host_memory"
     assert not _load(repo, "generation").model_transaction_policy.decoupled   # one ack each
-    orch = json.loads(_load(repo, "orchestrator").parameters["settings"].string_value)
+    orch = json.loads((repo / "orchestrator" / "settings.json").read_text())
     assert orch["transport"] == "bls" and orch["token_host"] is None      # ipc on one host
     assert orch["stall_seconds"] == 30.0
     assert _load(repo, "orchestrator").instance_group[0].count == 1
     two = parse_config({"model": {"engine": str(config.engine)},
                         "scheduler_server": {"instances": 2}})
     assert _load(render("all", two, tmp_path / "two"), "orchestrator").instance_group[0].count == 2
-    orch = json.loads(_load(render("scheduler", config, tmp_path / "s", "10.1.2.3"),
-                            "orchestrator").parameters["settings"].string_value)
+    scheduler = render("scheduler", config, tmp_path / "s", "10.1.2.3")
+    orch = json.loads((scheduler / "orchestrator" / "settings.json").read_text())
     assert orch["transport"] == "grpc" and orch["discovery"] is None
     assert orch["pools"]["generation"] == {"urls": ["localhost:9002"], "router": "least_loaded"}
     assert orch["max_local_prefill_length"] == 0
     assert orch["token_host"] == "10.1.2.3"          # tcp: generation may be on another host
+    # the topology stays out of the config Triton shows clients; the file is private
+    assert "localhost:9002" not in (scheduler / "orchestrator" / "config.pbtxt").read_text()
+    assert (scheduler / "orchestrator" / "settings.json").stat().st_mode & 0o777 == 0o600
 
 
 def test_aggregated_renders_no_context(config, tmp_path):

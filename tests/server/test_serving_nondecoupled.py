@@ -58,3 +58,19 @@ def test_a_streaming_request_gets_a_clear_error(served):
             client.infer("ensemble", _inputs(grpcclient, PROMPTS[0], stream=True))
         result = client.infer("ensemble", _inputs(grpcclient, PROMPTS[0], stream=False))
         assert result.as_numpy("text_output").reshape(-1)[0]
+
+
+def test_a_direct_http_call_to_the_orchestrator_is_refused(served):
+    """Not decoupled, the orchestrator answers plain HTTP infer(): unsealed, it refuses."""
+    arrays = servers.orchestrator_arrays(list(range(3, 20)), 4, sealed=False)
+    arrays["stream"] = np.array([[False]])
+    tensors = []
+    for name, arr in arrays.items():
+        tensors.append(httpclient.InferInput(name, list(arr.shape),
+                                             httpclient.np_to_triton_dtype(arr.dtype)))
+        tensors[-1].set_data_from_numpy(arr)
+    with httpclient.InferenceServerClient(served.http.removeprefix("http://")) as client:
+        with pytest.raises(InferenceServerException, match="preprocessed.*ensemble") as err:
+            client.infer("orchestrator", tensors)
+        assert err.value.status() == "400", err.value.status()
+        assert client.infer("ensemble", _inputs(httpclient, PROMPTS[0])).as_numpy("text_output")

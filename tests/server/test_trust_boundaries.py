@@ -11,6 +11,7 @@ one SIGSTOPped: every request completes through the other within the deadline
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -139,3 +140,57 @@ def test_a_stopped_context_server_is_left_for_another_within_the_deadline(demo_e
         retried = total(scrape(scheduler.metrics), "disagg_route_retries_total",
                         server=f"localhost:{a}")
         assert retried >= 1, "no request went to the stopped server"
+
+
+def _orchestrator_call(grpc: str, tensors: list, timeout: float = 60.0) -> list:
+    """One request streamed to the orchestrator; its responses until the final one, or the
+    error's message (a str)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    responses = []
+    with grpcclient.InferenceServerClient(grpc) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer("orchestrator", tensors, enable_empty_final_response=True)
+        while True:
+            result, error = got.get(timeout=timeout)
+            if error is not None:
+                client.stop_stream()
+                return error.message()
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+    return responses
+
+
+def test_a_client_cannot_call_the_orchestrator_directly(served, offline_demo):
+    from triton_disagg import protocol as P
+
+    ids = list(range(3, 40))
+
+    def forged():
+        tensors = servers.orchestrator_inputs(ids, 8)
+        tensors[-1].set_data_from_numpy(np.zeros((1, 32), np.uint8))     # the seal, zeroed
+        return tensors
+
+    for tensors in (lambda: servers.orchestrator_inputs(ids, 8, sealed=False), forged):
+        message = _orchestrator_call(served.grpc, tensors())
+        assert isinstance(message, str), "the orchestrator served an unsealed request"
+        assert "\n" not in message and P.PREPROCESSED in message and "ensemble" in message
+    sealed = _orchestrator_call(served.grpc, servers.orchestrator_inputs(ids, 8))
+    assert not isinstance(sealed, str), sealed                            # as the front does
+    assert sum(int(r.as_numpy("num_output_tokens").reshape(-1)[-1]) > 0 for r in sealed)
+    status, body = servers.generate(served.http, {"text_input": PROMPTS[0], "max_tokens": 8})
+    assert status == 200 and body["text_output"] == offline_demo(PROMPTS[0], 8), body
+
+
+def test_model_configs_show_clients_no_settings_or_topology(served, demo_engine):
+    for model in ("orchestrator", "preprocessing", "context", "generation"):
+        status, body = _http(f"{served.http}/v2/models/{model}/config")
+        assert status == 200, (model, body)
+        config = json.loads(body)
+        assert "settings" not in config.get("parameters", {}), (model, config["parameters"])
+        assert str(demo_engine) not in body and "stall_seconds" not in body, (model, body)

@@ -259,9 +259,18 @@ def metrics(url: str) -> str:
         return resp.read().decode()
 
 
-def orchestrator_inputs(ids, max_tokens):
-    """tritonclient inputs for the orchestrator model: a streaming greedy request, no end id."""
+def orchestrator_inputs(ids, max_tokens, sealed=True):
+    """tritonclient gRPC inputs for the orchestrator model: :func:`orchestrator_arrays`."""
+    return grpc_inputs(orchestrator_arrays(ids, max_tokens, sealed))
+
+
+def orchestrator_arrays(ids, max_tokens, sealed=True):
+    """The orchestrator model's input arrays (batch of one): a streaming greedy request, no
+    end id, sealed as preprocessing seals it (this test process holds the deployment secret)
+    unless not ``sealed``."""
     import numpy as np
+
+    from triton_disagg import peers, protocol as P
 
     arrays = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
               "request_output_len": np.array([[max_tokens]], np.int32),
@@ -269,7 +278,10 @@ def orchestrator_inputs(ids, max_tokens):
               "bad_words_list": np.array([[[0], [-1]]], np.int32),
               "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[2]], np.int32),
               "stream": np.array([[True]])}
-    return grpc_inputs(arrays)
+    if sealed:
+        unbatched = {name: array[0] for name, array in arrays.items()}   # [1, ...] -> [...]
+        arrays[P.PREPROCESSED] = peers.seal(unbatched, peers.seal_key())[None]   # [1, 32]
+    return arrays
 
 
 def stream_then_cancel(grpc: str, max_tokens: int = 1500) -> None:

@@ -230,7 +230,8 @@ def test_invalid_requests_raise_clear_errors_and_abort_frees(engines):
     vocab, limit = engine.spec.shape.vocab_size, engine.runner.max_context
     params = SamplingParams(max_tokens=4)
     cases = [([], "empty"), ([1, vocab], "outside the vocabulary"), ([1.5], "integers"),
-             ([1] * limit, "shorten it"), ([1] * 40, "lower max_tokens")]
+             ([1] * limit, "shorten it"), ([1] * 40, "lower max_tokens"),
+             ([vocab] * limit, "shorten it")]     # the length is checked before the ids
     for prompt, message in cases:
         with pytest.raises(RequestError, match=message):
             engine.add_request("bad", prompt, params)

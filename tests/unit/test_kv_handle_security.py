@@ -19,7 +19,8 @@ import pytest
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.errors import UserError
 from triton_disagg.kv import secret
-from triton_disagg.kv.handle import FORMAT_VERSION, HandleError, KVHandle, decode, encode
+from triton_disagg.kv.handle import (FORMAT_VERSION, MAX_BLOCK_ID, MAX_LEASE_SECONDS, HandleError,
+                                     KVHandle, check_handle, decode, encode)
 from triton_disagg.kv.layout import BlockGeometry
 from triton_disagg.triton.render import render, settings
 
@@ -109,7 +110,7 @@ def test_one_secret_per_user_and_host_or_from_the_environment_never_in_the_repos
     ids = {settings(m, role, config).kv_key_id                    # roles rendered apart agree
            for m in ("context", "generation") for role in ("all", m)}
     assert ids == {secret.key_id(generated.encode())}
-    rendered = "".join(p.read_text() for p in repo.rglob("config.pbtxt"))
+    rendered = "".join(p.read_text() for p in repo.rglob("*") if p.is_file())
     assert generated not in rendered and next(iter(ids)) in rendered
     assert secret.load_key(settings("generation", "all", config).kv_key_id) == generated.encode()
     monkeypatch.setenv(secret.SECRET_ENV, "s" * 40)                  # the variable wins
@@ -152,3 +153,30 @@ def test_published_key_id_is_slow_to_compute_so_no_offline_guessing_oracle():
     assert time.perf_counter() - start > 0.01
     assert kid not in hashlib.sha256(b"triton-disagg kv key id\0" + key).hexdigest()
     assert secret.key_id(key) == kid and secret.key_id(b"k" * 32) != kid
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("lease_seconds", 1e12, "lease_seconds in"), ("lease_seconds", MAX_LEASE_SECONDS + 1, "lease"),
+    ("block_ids", [MAX_BLOCK_ID, 1], "block_ids must be in"), ("block_ids", [10**40, 1], "block_ids"),
+    ("slots", [0, MAX_BLOCK_ID], "slots must be in"),
+])
+def test_a_signed_handle_with_unbounded_numbers_is_refused_at_parse(field, value, words):
+    made = _direct() if field == "block_ids" else _staged()
+    header = json.loads(encode(made, KEY)[10:10 + int.from_bytes(encode(made, KEY)[6:10], "big")])
+    header[field] = value
+    tail = made.agent_metadata
+    with pytest.raises(HandleError, match=words):
+        decode(_signed(json.dumps(header).encode(), tail), KEY)
+
+
+def test_a_handle_over_the_receivers_pool_is_refused():
+    handle = _staged(num_tokens=4097, slots=tuple(range(1025)))       # 4 tokens per block
+    with pytest.raises(HandleError, match="4097 tokens of KV, more than .* holds \\(4096\\)"):
+        check_handle(handle, FP, handle.geometry, 4096)
+    check_handle(_staged(), FP, _staged().geometry, 4096)
+
+
+def test_the_config_refuses_a_lease_no_handle_may_carry(tmp_path):
+    (tmp_path / "engine.json").write_text("{}")
+    with pytest.raises(UserError, match="lease_seconds: 7200 is over 3600"):
+        parse_config({"model": {"engine": str(tmp_path)}, "kv_cache": {"lease_seconds": 7200}})

@@ -53,10 +53,10 @@ def test_handle_round_trip_and_clear_errors():
     with pytest.raises(HandleError, match="UINT8"):
         decode(np.zeros(4, np.int32), KEY)
     with pytest.raises(HandleError, match="same engine"):
-        check_handle(_handle(), "e" * 64, BlockGeometry(L, KVH, HD, 16, "float16"))
+        check_handle(_handle(), "e" * 64, BlockGeometry(L, KVH, HD, 16, "float16"), 64)
     with pytest.raises(HandleError, match="layers, KV heads"):
-        check_handle(_handle(), FP, BlockGeometry(L + 1, KVH, HD, 4, "float32"))
-    check_handle(_handle(), FP, BlockGeometry(L, KVH, HD, 16, "float16"))  # receiver converts
+        check_handle(_handle(), FP, BlockGeometry(L + 1, KVH, HD, 4, "float32"), 64)
+    check_handle(_handle(), FP, BlockGeometry(L, KVH, HD, 16, "float16"), 64)  # it converts
 
 
 # ---- layout and leases, in process ---------------------------------------------------

@@ -65,14 +65,14 @@ def test_words_are_tokenized_alone_so_mid_sentence_words_need_their_space(tokeni
 
 @pytest.mark.parametrize("name", ["stop_words", "bad_words"])
 def test_invalid_utf8_in_a_word_list_is_a_request_error_naming_the_tensor(tokenizer, name):
-    pre = Preprocessor(tokenizer, max_seq_len=64, eos_id=1, pad_id=None)
+    pre = Preprocessor(tokenizer, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")
     with pytest.raises(RequestError, match=rf"{name}\[1\] is not valid UTF-8"):
         pre.process(request(**{name: [b"fine", b"\xff\xfe"]}))
 
 
 @pytest.mark.parametrize("name", ["stop_words", "bad_words"])
 def test_word_lists_over_the_caps_are_refused(tokenizer, name):
-    pre = Preprocessor(tokenizer, max_seq_len=64, eos_id=1, pad_id=None)
+    pre = Preprocessor(tokenizer, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")
     one_token = b" happy"
     assert len(tokenizer.encode_word(one_token.decode())) == 1
     pre.process(request(**{name: [one_token] * MAX_WORDS}))             # at the cap: fine
@@ -87,7 +87,7 @@ def test_word_lists_over_the_caps_are_refused(tokenizer, name):
 
 def test_a_huge_word_is_refused_without_being_tokenized(tokenizer):
     counting = CountingTokenizer(tokenizer)
-    pre = Preprocessor(counting, max_seq_len=64, eos_id=1, pad_id=None)
+    pre = Preprocessor(counting, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")
     with pytest.raises(RequestError, match=r"stop_words\[0\]: more than 64 tokens"):
         pre.process(request(stop_words=[b"x" * 1_000_000]))
     assert max(counting.encoded) < 1000
@@ -95,7 +95,7 @@ def test_a_huge_word_is_refused_without_being_tokenized(tokenizer):
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(tokenizer):
     counting = CountingTokenizer(tokenizer)
-    pre = Preprocessor(counting, max_seq_len=64, eos_id=1, pad_id=None)
+    pre = Preprocessor(counting, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")
     with pytest.raises(RequestError, match="max_seq_len 64"):
         pre.process(request(b"word " * 1_000_000))
     assert counting.encoded == []
@@ -142,3 +142,23 @@ def test_the_bound_holds_only_for_tokenizers_that_keep_every_byte(demo_dir):
     ]
     for change in unbounded:
         assert max_token_bytes({**config, **change}) is None, change
+
+
+class UnboundedTokenizer(CountingTokenizer):
+    """A tokenizer whose token count no text length bounds (``surely_more_tokens`` never
+    decides): a huge text must be refused by its length alone."""
+
+    def surely_more_tokens(self, text, n):
+        return False
+
+
+def test_a_text_over_the_byte_limit_is_refused_whatever_the_tokenizer(tokenizer):
+    from triton_disagg.front.preprocess import MAX_TEXT_BYTES
+
+    unbounded = UnboundedTokenizer(tokenizer)
+    pre = Preprocessor(unbounded, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")
+    with pytest.raises(RequestError, match=f"text_input is {MAX_TEXT_BYTES + 1} bytes"):
+        pre.process(request(b"x" * (MAX_TEXT_BYTES + 1)))
+    with pytest.raises(RequestError, match=rf"stop_words\[0\] is {MAX_TEXT_BYTES + 1} bytes"):
+        pre.process(request(stop_words=[b"x" * (MAX_TEXT_BYTES + 1)]))
+    assert max(unbounded.encoded, default=0) < 1000          # only the prompt "hello"

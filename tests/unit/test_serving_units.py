@@ -11,9 +11,13 @@ import pytest
 from triton_disagg import protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.front.detokenize import DeltaWindows, text_delta
-from triton_disagg.front.preprocess import Preprocessor, parse_word_list, word_list
+from triton_disagg.engine.words import from_wire, to_wire
+from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import to_batched
+from engine_limits import limits_spec
+
+SPEC = limits_spec()
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +46,14 @@ def test_deltas_concatenate_to_the_whole_text_for_any_chunking(tokenizer, text):
 
 
 def test_word_lists_round_trip():
-    arr = word_list([[97, 98], [99]])
+    arr = to_wire([[97, 98], [99]])
     assert arr.tolist() == [[97, 98, 99], [2, 3, -1]]
-    assert parse_word_list(arr) == [[97, 98], [99]]
-    assert parse_word_list(word_list([])) == []
+    assert from_wire(arr, "stop") == ((97, 98), (99,))
+    assert from_wire(to_wire([]), "stop") == ()
 
 
 def test_preprocessor_defaults_and_refusals(tokenizer):
-    pre = Preprocessor(tokenizer, max_seq_len=64, eos_id=1, pad_id=None)
+    pre = Preprocessor(tokenizer, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")
     out = pre.process({"text_input": np.array([b"hello"], object), "max_tokens": np.array([5])})
     assert out["input_lengths"][0] == len(out["input_ids"]) and out["end_id"][0] == 1
     assert out["pad_id"][0] == 1 and out["stop_words_list"].shape == (2, 1)
@@ -68,11 +72,11 @@ def test_engine_request_parse_maps_trtllm_names():
               "request_output_len": np.array([3]), "runtime_top_k": np.array([5]),
               "temperature": np.array([0.5]), "end_id": np.array([-1]),
               "stop_words_list": np.array([[7, 8], [2, -1]])}
-    req = engine_request.from_inputs(inputs)
+    req = engine_request.from_inputs(inputs, SPEC)
     assert req.prompt_ids == [4, 5] and req.params.top_k == 5 and req.params.end_id is None
     assert req.params.stop_words == ((7, 8),)
     with pytest.raises(RequestError, match="top_p"):
-        engine_request.from_inputs({**inputs, "runtime_top_p": np.array([2.0])})
+        engine_request.from_inputs({**inputs, "runtime_top_p": np.array([2.0])}, SPEC)
 
 
 def test_to_batched_adds_the_batch_axis_in_protocol_dtypes():

@@ -71,6 +71,7 @@ from triton_disagg.config.values import (count, int_list, is_loopback, mapping, 
 from triton_disagg.engine.runtime import check_choice
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import strategy as kv_strategy
+from triton_disagg.kv.handle import MAX_LEASE_SECONDS
 
 MODES = ("disaggregated", "aggregated")
 ROUTERS = ("least_loaded", "round_robin")      # the first is the default
@@ -283,6 +284,9 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
                        gpu_memory_fraction=fraction(kv_raw.get("gpu_memory_fraction", 0.9),
                                                     "kv_cache.gpu_memory_fraction"),
                        overlap_transfer=overlap)
+    if kv.lease_seconds > MAX_LEASE_SECONDS:
+        raise UserError(f"kv_cache.lease_seconds: {kv.lease_seconds:g} is over "
+                        f"{MAX_LEASE_SECONDS:g}, the longest lease a KV handle may carry")
     discovery = parse_discovery(top.get("discovery"), base_dir, files_here=engine_here)
     config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,

@@ -1,16 +1,21 @@
-"""Each model's settings, as :mod:`triton_disagg.triton.render` writes them into a
-rendered ``config.pbtxt`` (parameter ``settings``, a JSON object) and each model's
-``initialize`` reads them back: one frozen dataclass per model.
+"""Each model's settings, as :mod:`triton_disagg.triton.render` writes them into the
+rendered model's folder (``settings.json``: :func:`write`) and each model's ``initialize``
+reads them back (:func:`from_model_config`): one frozen dataclass per model.
 
 Invariants: :func:`to_json` and :func:`from_model_config` are the only places the JSON
 is built or read by key; ``from_json(kind, to_json(s)) == s`` for every settings object
-``s`` of kind ``kind``; an unknown or missing key fails at load, naming the model.
+``s`` of kind ``kind``; an unknown or missing key fails at load, naming the model. The
+settings name the deployment's topology (role urls, etcd endpoint and user, TLS file
+paths), so they never go into ``config.pbtxt``, which Triton shows any client
+(``GET /v2/models/<model>/config``): the file is readable by the serving user alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Union
 
 from triton_disagg.config.discovery_section import DiscoveryConfig
@@ -109,7 +114,28 @@ def from_json(model: str, text: str) -> Settings:
         raise ValueError(f"{model} settings: {exc}; render the model repository again") from None
 
 
+SETTINGS_FILE = "settings.json"
+
+
+def write(model_dir: Path, settings: Settings) -> None:
+    """Write ``settings`` into ``model_dir``, readable and writable by this user alone."""
+    fd = os.open(model_dir / SETTINGS_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)          # also when the file was there already
+        out.write(to_json(settings))
+
+
+def read(model: str, model_dir: str | Path) -> Settings:
+    """The settings :func:`write` wrote for ``model`` into ``model_dir``."""
+    path = Path(model_dir) / SETTINGS_FILE
+    try:
+        return from_json(model, path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{model} settings: {path} is missing; render the model repository "
+                         f"again") from None
+
+
 def from_model_config(model: str, args: dict) -> Settings:
-    """The settings of ``model`` from its ``initialize`` ``args`` (Triton's model config)."""
-    config = json.loads(args["model_config"])
-    return from_json(model, config["parameters"]["settings"]["string_value"])
+    """The settings of ``model`` from its ``initialize`` ``args`` (its folder in the
+    repository: ``model_repository``)."""
+    return read(model, args["model_repository"])

@@ -242,21 +242,21 @@ class LLMEngine:
                       params: SamplingParams) -> Sequence:
         vocab = self.spec.shape.vocab_size
         max_context = self.runner.max_context
-        array = np.asarray(prompt_ids).reshape(-1)
+        array = np.asarray(prompt_ids).reshape(-1)      # [n]; its length checked first
         if not array.size:
             raise RequestError(f"request {request_id}: the prompt is empty")
+        if array.size >= max_context:
+            raise RequestError(f"request {request_id}: the prompt has {array.size} tokens; the "
+                               f"engine allows {max_context} tokens in all (prompt + output), "
+                               f"so at most {max_context - 1}; shorten it")
         if array.dtype.kind not in "iu":
             raise RequestError(f"request {request_id}: prompt token ids must be integers, "
                                f"got {array.dtype} values")
+        outside = np.flatnonzero((array < 0) | (array >= vocab))
+        if outside.size:
+            raise RequestError(f"request {request_id}: token id {array[outside[0]]} is outside "
+                               f"the vocabulary [0, {vocab})")
         ids = array.astype(np.int64).tolist()
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"request {request_id}: token id {bad} is outside the "
-                               f"vocabulary [0, {vocab})")
-        if len(ids) >= max_context:
-            raise RequestError(f"request {request_id}: the prompt has {len(ids)} tokens; the "
-                               f"engine allows {max_context} tokens in all (prompt + output), "
-                               f"so at most {max_context - 1}; shorten it")
         if params.max_token_id() >= vocab:
             raise RequestError(f"request {request_id}: end_id / stop_words / bad_words name token "
                                f"{params.max_token_id()}, outside the vocabulary [0, {vocab})")

@@ -30,7 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
-from triton_disagg.engine.words import BadWords, StopWords, cap_error
+from triton_disagg.engine.words import (MAX_WORD_TOKENS, BadWords, StopWords, cap_error,
+                                        count_error, word_length_error)
 from triton_disagg.errors import UserError
 
 
@@ -39,7 +40,15 @@ class SamplingParamsError(UserError):
 
 
 def _word_list(name: str, words) -> tuple[tuple[int, ...], ...]:
+    """``words`` as tuples of ids, each checked; the word count and each word's length are
+    checked against the caps before the word is copied (a hostile list costs the caps)."""
     try:
+        too_many = count_error(name, len(words))
+        if too_many:
+            raise SamplingParamsError(too_many)
+        for i, word in enumerate(words):
+            if len(word) > MAX_WORD_TOKENS:
+                raise SamplingParamsError(word_length_error(name, i, len(word)))
         out = tuple(tuple(int(t) for t in word) for word in words)
     except (TypeError, ValueError):
         raise SamplingParamsError(

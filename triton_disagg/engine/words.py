@@ -8,6 +8,10 @@ serves every co-batched sequence, so one request's lists must not slow the batch
   vLLM and TensorRT-LLM set no count (TensorRT-LLM matches on the GPU). 64 words leave
   room for lists of variants ("\\n\\nUser:", "</s>", ...); 64 tokens is a sentence or
   two; 1024 in all bounds the tokens compared per step.
+- Wire format (TensorRT-LLM's ``[2, N]`` INT32 word list: :func:`to_wire`,
+  :func:`from_wire`): a client may send any ``[2, N]`` array, so :func:`from_wire` checks
+  its shape, width and offsets against the caps before it builds a single word: its cost
+  is bounded by the caps, never by ``N``.
 - Matching looks only at words that can match at this step: a stop word whose last
   token is the newest token, a bad word whose second-to-last token is the newest token
   of the history. One-token bad words are banned at every step as one array.
@@ -33,6 +37,12 @@ def count_error(name: str, count: int) -> str | None:
     return None
 
 
+def word_length_error(name: str, index: int, length: int) -> str:
+    """Why word ``index`` of ``name``, of ``length`` tokens, exceeds :data:`MAX_WORD_TOKENS`."""
+    return (f"{name}[{index}]: {length} tokens, at most {MAX_WORD_TOKENS} per word are "
+            f"allowed; send a shorter word")
+
+
 def cap_error(name: str, words: Sequence[Sequence[int]]) -> str | None:
     """Why ``words`` (token-id lists) exceed the caps, as a one-line message naming
     ``name``; None when they fit."""
@@ -41,13 +51,60 @@ def cap_error(name: str, words: Sequence[Sequence[int]]) -> str | None:
         return too_many
     for i, word in enumerate(words):
         if len(word) > MAX_WORD_TOKENS:
-            return (f"{name}[{i}]: {len(word)} tokens, at most {MAX_WORD_TOKENS} per word are "
-                    f"allowed; send a shorter word")
+            return word_length_error(name, i, len(word))
     total = sum(len(word) for word in words)
     if total > MAX_LIST_TOKENS:
         return (f"{name}: {total} tokens in all, at most {MAX_LIST_TOKENS} are allowed; "
                 f"send fewer or shorter words")
     return None
+
+
+def to_wire(words: Sequence[Sequence[int]]) -> np.ndarray:
+    """TensorRT-LLM's ``[2, N]`` INT32 word list from each word's token ids: row 0 the ids
+    of all words back to back, row 1 each word's end offset, padded with -1 (no words:
+    ``[[0], [-1]]``)."""
+    ids = [t for word in words for t in word]
+    offsets = np.cumsum([len(word) for word in words], dtype=np.int64)
+    out = np.full((2, max(1, len(ids))), -1, dtype=np.int32)    # [2, N]
+    out[0, :] = 0
+    out[0, :len(ids)] = ids
+    out[1, :len(offsets)] = offsets
+    return out
+
+
+def from_wire(array: np.ndarray | None, name: str) -> tuple[Word, ...]:
+    """Inverse of :func:`to_wire`: the words of a ``[2, N]`` list (empty words left out),
+    or :class:`ValueError` naming ``name`` and what is wrong. Shape, width and offsets
+    (the end offsets before the first negative one: strictly increasing, within the ids)
+    are checked against the caps before any word is built, so a hostile ``N`` costs O(1);
+    an accepted list costs O(:data:`MAX_LIST_TOKENS`)."""
+    if array is None:
+        return ()
+    shape = np.shape(array)
+    if len(shape) != 2 or shape[0] != 2:
+        raise ValueError(f"{name}: shape {list(shape)}, expected [2, N] (ids, end offsets)")
+    width = shape[1]
+    if width > MAX_LIST_TOKENS:
+        raise ValueError(f"{name}: {width} columns, at most {MAX_LIST_TOKENS} are allowed "
+                         f"(the most tokens a list may hold); send fewer or shorter words")
+    table = np.asarray(array)
+    if table.dtype.kind not in "iu":
+        raise ValueError(f"{name}: token ids and offsets must be integers, got {table.dtype}")
+    table = table.astype(np.int64)                   # [2, N], N <= MAX_LIST_TOKENS
+    offsets = table[1]
+    ends = offsets[:int(np.argmax(offsets < 0))] if (offsets < 0).any() else offsets
+    too_many = count_error(name, len(ends))
+    if too_many:
+        raise ValueError(too_many)
+    starts = np.concatenate(([0], ends[:-1]))
+    if len(ends) and (ends[-1] > width or (ends <= starts).any()):
+        raise ValueError(f"{name}: end offsets {ends.tolist()} must increase strictly and "
+                         f"stay within the {width} ids")
+    words = tuple(tuple(table[0, start:end].tolist()) for start, end in zip(starts, ends))
+    too_big = cap_error(name, words)
+    if too_big:
+        raise ValueError(too_big)
+    return words
 
 
 def _index(words: Sequence[Word], key: int) -> dict[int, tuple[Word, ...]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from triton_disagg import protocol as P
+from triton_disagg import peers, protocol as P
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import RequestError
@@ -43,7 +43,7 @@ class Preparer:
         self.tokenizer = Tokenizer(engine_dir)
         self.max_seq_len = spec.max_seq_len
         self.pre = Preprocessor(self.tokenizer, spec.max_seq_len, spec.eos_token_id,
-                                spec.pad_token_id)
+                                spec.pad_token_id, peers.seal_key())
         self.chat = ChatTemplate.load(engine_dir)
         self.model = model
         self.limits = EngineLimits(spec.max_seq_len, self.tokenizer.vocab_size)

@@ -4,7 +4,8 @@ Invariants: a request it accepts fits the engine (prompt + ``max_tokens`` <=
 ``max_seq_len``, at least one prompt token, ``max_tokens`` >= 1) and its stop/bad word
 lists fit the caps of :mod:`triton_disagg.engine.words`; a prompt or word that is surely
 too long is refused before it is tokenized, so a huge input costs one pass over its bytes,
-not a tokenization; an input the serving stack cannot honour (beam search, several
+not a tokenization, and one over :data:`MAX_TEXT_BYTES` is refused by its length alone
+(whatever the tokenizer); an input the serving stack cannot honour (beam search, several
 sequences, LoRA, prompt tables, guided decoding, logits outputs) or cannot read (text
 that is not UTF-8) raises :class:`RequestError` naming it, never silence.
 
@@ -15,14 +16,16 @@ are different tokens in a byte-level BPE vocabulary.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from triton_disagg.engine.words import MAX_WORD_TOKENS, cap_error, count_error
+from triton_disagg import peers, protocol as P
+from triton_disagg.engine.words import MAX_WORD_TOKENS, cap_error, count_error, to_wire
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import scalar
 
+MAX_TEXT_BYTES = 10 * 2**20    # a prompt or word at most; the HTTP front's largest body too
 # input -> (value that is fine, why another value is refused)
 _REFUSED_UNLESS = {
     "beam_width": (1, "beam search is not supported; send beam_width 1"),
@@ -41,38 +44,11 @@ _REFUSED_IF_PRESENT = {
 }
 
 
-def word_list(words: Sequence[Sequence[int]]) -> np.ndarray:
-    """TensorRT-LLM's ``[2, N]`` INT32 word list from each word's token ids: row 0 the ids
-    of all words back to back, row 1 each word's end offset, padded with -1 (no words:
-    ``[[0], [-1]]``)."""
-    ids: list[int] = []
-    offsets: list[int] = []
-    for word in words:
-        ids += word
-        offsets.append(len(ids))
-    width = max(1, len(ids))
-    out = np.full((2, width), -1, dtype=np.int32)
-    out[0, :] = 0
-    out[0, :len(ids)] = ids
-    out[1, :len(offsets)] = offsets
-    return out
-
-
-def parse_word_list(array: np.ndarray | None) -> list[list[int]]:
-    """Inverse of :func:`word_list`."""
-    if array is None:
-        return []
-    ids, offsets = np.asarray(array).reshape(2, -1)
-    words, start = [], 0
-    for end in offsets:
-        if end < 0:
-            break
-        words.append(ids[start:end].tolist())
-        start = int(end)
-    return [w for w in words if w]
-
-
 def _text(value: Any, name: str) -> str:
+    """``value`` (bytes or text) as text, refused over :data:`MAX_TEXT_BYTES` or not UTF-8."""
+    if len(value) > MAX_TEXT_BYTES:
+        raise RequestError(f"{name} is {len(value)} bytes, more than the {MAX_TEXT_BYTES} "
+                           f"taken; send a shorter text")
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError:
@@ -81,10 +57,13 @@ def _text(value: Any, name: str) -> str:
 
 class Preprocessor:
     """``tokenizer``: a :class:`triton_disagg.engine.tokenizer.Tokenizer` (``encode`` for the
-    prompt, ``encode_word`` for stop/bad words)."""
+    prompt, ``encode_word`` for stop/bad words); ``seal_key``: :func:`triton_disagg.peers.
+    seal_key`, which seals every output (``preprocessed``: the orchestrator takes nothing
+    else)."""
 
-    def __init__(self, tokenizer: Any, max_seq_len: int, eos_id: int | None, pad_id: int | None):
-        self.tokenizer, self.max_seq_len = tokenizer, max_seq_len
+    def __init__(self, tokenizer: Any, max_seq_len: int, eos_id: int | None, pad_id: int | None,
+                 seal_key: bytes):
+        self.tokenizer, self.max_seq_len, self.seal_key = tokenizer, max_seq_len, seal_key
         self.eos_id = -1 if eos_id is None else eos_id
         self.pad_id = self.eos_id if pad_id is None else pad_id
 
@@ -112,15 +91,17 @@ class Preprocessor:
             raise RequestError("text_input is empty after tokenization; send a non-empty prompt")
         if len(ids) > room:
             raise self._too_long(f"{len(ids)} tokens", max_tokens)
-        return {
+        outputs = {
             "input_ids": np.array(ids, dtype=np.int32),
             "input_lengths": np.array([len(ids)], dtype=np.int32),
             "request_output_len": np.array([max_tokens], dtype=np.int32),
-            "stop_words_list": word_list(self.word_ids(inputs, "stop_words")),
-            "bad_words_list": word_list(self.word_ids(inputs, "bad_words")),
+            "stop_words_list": to_wire(self.word_ids(inputs, "stop_words")),
+            "bad_words_list": to_wire(self.word_ids(inputs, "bad_words")),
             "end_id": np.array([scalar(inputs, "end_id", self.eos_id)], dtype=np.int32),
             "pad_id": np.array([scalar(inputs, "pad_id", self.pad_id)], dtype=np.int32),
         }
+        outputs[P.PREPROCESSED] = peers.seal(outputs, self.seal_key)
+        return outputs
 
     def _too_long(self, prompt: str, max_tokens: int) -> RequestError:
         return RequestError(f"prompt ({prompt}) + max_tokens ({max_tokens}) exceeds this "

@@ -233,7 +233,8 @@ class KVConnector(ABC):
         """The handle in ``data``, or HandleError when it is unsigned, garbage, from another
         engine or layout, or made for another strategy."""
         handle = kvhandle.decode(data, self.key)
-        kvhandle.check_handle(handle, self.fingerprint, self.geometry)
+        pool_tokens = len(self.pool.array) * self.geometry.tokens_per_block   # [blocks, ...]
+        kvhandle.check_handle(handle, self.fingerprint, self.geometry, pool_tokens)
         return self._ours(handle, "generation")
 
     def start_fetch(self, handle: KVHandle, block_ids: Sequence[int]) -> Transfer:

@@ -19,7 +19,11 @@ reads nothing but the prefix before the tag checks out (no JSON parse, no agent 
 reaches NIXL, no ``shm_name`` reaches the file system unsigned); a handle is at most
 ``MAX_HANDLE_BYTES``; ``shm_name`` is a plain name in ``/dev/shm`` (``SHM_NAME``); a
 handle is only honoured by a generation engine with the same fingerprint
-(:func:`check_handle`).
+(:func:`check_handle`). A parsed handle's numbers are bounded (defence in depth: only a
+server holding the secret signs one): block ids and slots below ``MAX_BLOCK_ID`` (pools
+are indexed in int32), ``lease_seconds`` at most ``MAX_LEASE_SECONDS`` (the config
+refuses a longer lease), and :func:`check_handle` refuses more tokens than the
+receiver's pool holds, which bounds the block count.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from triton_disagg.kv.layout import BlockGeometry
 
 FORMAT_VERSION = 3
 MAX_HANDLE_BYTES = 64 * 1024
+MAX_LEASE_SECONDS = 3600.0        # kv_cache.lease_seconds at most (config/disagg.py)
+MAX_BLOCK_ID = 2**31              # block ids and staging slots are below it
 SHM_NAME = re.compile(r"[A-Za-z0-9_-]{1,255}")  # the staging area's own names (triton_disagg.shm)
 _MAGIC = b"TDKV"
 _PREFIX = struct.Struct(">4sHI")  # magic, format version, header JSON length
@@ -91,8 +97,12 @@ class KVHandle:
         if not isinstance(self.num_tokens, int) or self.num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive integer, got {self.num_tokens!r}")
         if not self.lease_id or not isinstance(self.lease_seconds, (int, float)) \
-                or not 0 < self.lease_seconds < float("inf"):
-            raise ValueError("a handle needs a lease id and a positive, finite lease_seconds")
+                or not 0 < self.lease_seconds <= MAX_LEASE_SECONDS:
+            raise ValueError(f"a handle needs a lease id and a lease_seconds in (0, "
+                             f"{MAX_LEASE_SECONDS:g}], got {self.lease_seconds!r}")
+        for name in _INTS:
+            if any(not 0 <= i < MAX_BLOCK_ID for i in getattr(self, name)):
+                raise ValueError(f"{name} must be in [0, {MAX_BLOCK_ID})")
         _WHERE[self.strategy](self, self.geometry.blocks_for(self.num_tokens))
 
 
@@ -101,7 +111,7 @@ def _nixl_fields(handle: KVHandle, blocks: int) -> None:
         raise ValueError("direct_transfer handle needs the NIXL agent name and metadata")
     if not (handle.pool_addr > 0 and handle.ticket_addr > 0 and handle.ticket > 0):
         raise ValueError("direct_transfer handle needs pool and ticket addresses and a ticket")
-    if len(handle.block_ids) != blocks or min(handle.block_ids) < 0:
+    if len(handle.block_ids) != blocks:
         raise ValueError(f"{handle.num_tokens} tokens need {blocks} block ids, got "
                          f"{handle.block_ids}")
 
@@ -110,7 +120,7 @@ def _staging_fields(handle: KVHandle, blocks: int) -> None:
     if not SHM_NAME.fullmatch(handle.shm_name):
         raise ValueError(f"shm_name {handle.shm_name!r} is not a staging area name (letters, "
                          f"digits, '_' and '-' only)")
-    if len(handle.slots) != blocks or min(handle.slots) < 0:
+    if len(handle.slots) != blocks:
         raise ValueError("host_memory handle needs one staging slot per block")
     int(handle.lease_id, 16)  # host_memory lease ids are the slots' hex ticket
 
@@ -211,12 +221,17 @@ def _fields(raw: object) -> dict:
     return raw
 
 
-def check_handle(handle: KVHandle, fingerprint: str, geometry: BlockGeometry) -> None:
+def check_handle(handle: KVHandle, fingerprint: str, geometry: BlockGeometry,
+                 max_tokens: int) -> None:
     """Refuse a handle this generation engine cannot use, with the reason and the fix.
 
     ``fingerprint`` and ``geometry`` are the receiver's own engine fingerprint and pool
-    geometry. Tokens per block and dtype may differ (the receiver converts).
+    geometry, ``max_tokens`` the most tokens its pool holds. Tokens per block and dtype may
+    differ (the receiver converts).
     """
+    if handle.num_tokens > max_tokens:
+        raise HandleError(f"context_phase_params holds {handle.num_tokens} tokens of KV, more "
+                          f"than this generation model's pool holds ({max_tokens})")
     if handle.fingerprint != fingerprint:
         raise HandleError(
             f"context_phase_params comes from engine {handle.fingerprint[:16]}, but this "

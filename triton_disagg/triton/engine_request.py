@@ -2,9 +2,13 @@
 and engine results -> protocol ``ENGINE_OUTPUTS``.
 
 Shared by the context and generation models (and any TensorRT-LLM-style
-client calling them directly). Invariant: :func:`from_inputs` either returns a
-request the engine can be given or raises :class:`RequestError` with a message
-naming the input.
+client calling them directly), and by the orchestrator's admission check. Invariant:
+:func:`from_inputs` either returns a request the engine can be given or raises
+:class:`RequestError` with a message naming the input; every input is bounded by its
+shape or value against the engine's limits before anything is built from it (a prompt
+of ``max_context`` tokens or more is refused before its ids are read, a word list by
+:func:`~triton_disagg.engine.words.from_wire`), so a hostile request costs at most the
+engine's limits.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from typing import Sequence
 import numpy as np
 
 from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.engine.spec import EngineSpec
+from triton_disagg.engine.words import from_wire
 from triton_disagg.errors import RequestError, UserError
-from triton_disagg.front.preprocess import parse_word_list
 from triton_disagg.triton.tensors import scalar
 
 # engine input -> SamplingParams field
@@ -33,21 +38,33 @@ class EngineRequest:
     streaming: bool
 
 
-def from_inputs(inputs: dict[str, np.ndarray]) -> EngineRequest:
-    prompt = np.asarray(inputs["input_ids"]).reshape(-1)
+def from_inputs(inputs: dict[str, np.ndarray], spec: EngineSpec) -> EngineRequest:
+    """The request in ``inputs`` (``ENGINE_INPUTS``, batch axis removed), bounded by
+    ``spec``: a prompt under ``max_context`` tokens, ``request_output_len`` and
+    ``min_tokens`` at most ``max_seq_len``, ``runtime_top_k`` at most the vocabulary."""
+    prompt = np.asarray(inputs["input_ids"]).reshape(-1)        # [n] (any shape flattened)
+    if prompt.size >= spec.max_context:
+        raise RequestError(f"input_ids holds {prompt.size} tokens; this engine takes at most "
+                           f"{spec.max_context - 1} (max_seq_len {spec.max_context} in all)")
     length = scalar(inputs, "input_lengths", len(prompt))
     if not 0 < length <= len(prompt):
         raise RequestError(f"input_lengths {length} does not fit input_ids of {len(prompt)} tokens")
     options = {field: scalar(inputs, name) for name, field in _FIELDS.items() if name in inputs}
     if options.get("end_id", 0) < 0:
         options["end_id"] = None     # TensorRT-LLM's "no end id"
+    max_tokens = scalar(inputs, "request_output_len")
+    for name, value, most in (("request_output_len", max_tokens, spec.max_seq_len),
+                              ("min_tokens", options.get("min_tokens", 0), spec.max_seq_len),
+                              ("runtime_top_k", options.get("top_k", 0), spec.shape.vocab_size)):
+        if isinstance(value, (int, np.integer)) and value > most:
+            raise RequestError(f"{name} {value} is over its bound {most} for this engine")
     try:
         params = SamplingParams(
-            max_tokens=int(scalar(inputs, "request_output_len")),
-            stop_words=parse_word_list(inputs.get("stop_words_list")),
-            bad_words=parse_word_list(inputs.get("bad_words_list")),
+            max_tokens=max_tokens,
+            stop_words=from_wire(inputs.get("stop_words_list"), "stop_words_list"),
+            bad_words=from_wire(inputs.get("bad_words_list"), "bad_words_list"),
             return_log_probs=bool(scalar(inputs, "return_log_probs", False)), **options)
-    except UserError as exc:
+    except (UserError, ValueError) as exc:
         raise RequestError(str(exc)) from None
     return EngineRequest(prompt[:length].tolist(), params, bool(scalar(inputs, "streaming", False)))
 

@@ -3,7 +3,8 @@
 A template folder holds ``config.pbtxt`` with ``${placeholders}`` and
 ``1/model.py``. Rendering fills the ``input``/``output`` sections from
 :mod:`triton_disagg.protocol` (the single owner of tensor names), the ensemble's
-steps, the instance group, and one ``settings`` parameter: a JSON object that
+steps and the instance group; beside it goes ``settings.json`` (mode 0600, never in the
+config, which Triton shows any client: :mod:`triton_disagg.config.settings`), which
 the model's ``initialize`` reads (engine path, CPU pinning per instance: see
 :func:`instance_cpus`, KV
 settings; for the orchestrator each role's pool, static ``urls`` or etcd ``discovery``,
@@ -67,9 +68,11 @@ def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None =
         if model == GATE:
             render_gate(repo, GATE_CLOSED_AT_START)
             continue
-        values = _values(model, role, config, token_host, token_bind)
+        values = _values(model, config)
         text = Template((src / "config.pbtxt").read_text()).substitute(values)
         (dst / "config.pbtxt").write_text(text)
+        if model in S.KINDS:
+            S.write(dst, settings(model, role, config, token_host, token_bind))
     return repo
 
 
@@ -124,8 +127,7 @@ def instance_cpus(model: str, role: str, config: DisaggConfig) -> list[list[int]
     return [list(server.instance_cpus(i)) or anywhere for i in range(server.instances)]
 
 
-def _values(model: str, role: str, config: DisaggConfig,
-            token_host: str | None, token_bind: str | None) -> dict[str, str]:
+def _values(model: str, config: DisaggConfig) -> dict[str, str]:
     inputs, outputs = _IO[model]
     ragged = model == "context"   # the dynamic batcher may group prompts of any length
     values = {
@@ -133,9 +135,6 @@ def _values(model: str, role: str, config: DisaggConfig,
         "inputs": _tensors("input", inputs, ragged),
         "outputs": _tensors("output", outputs, False),
     }
-    if model in S.KINDS:
-        values["settings"] = _quote(S.to_json(settings(model, role, config, token_host,
-                                                       token_bind)))
     if model in ("context", "generation"):
         values["instance_group"] = _instance_group(config.server(model))
     if model == "ensemble":

@@ -41,6 +41,7 @@ class TritonPythonModel:
         readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         with self.metrics.closed_on_error():
             engine = make_engine(settings, "context", gpu_index(args))
+            self.spec = engine.spec
             self.side = ContextSide(engine, settings, instance, self.metrics)
 
     def execute(self, requests):
@@ -61,7 +62,7 @@ class TritonPythonModel:
                     responses[i] = self._response(engine_request.outputs([], [], 0.0, ""))
                     continue
                 request_id = request.request_id() or uuid.uuid4().hex
-                batch.append((request_id, engine_request.from_inputs(inputs)))
+                batch.append((request_id, engine_request.from_inputs(inputs, self.spec)))
                 listener = inputs.get(P.KV_LISTENER)
                 listeners.append(listener.tobytes() if listener is not None else b"")
                 slots.append(i)

@@ -44,6 +44,7 @@ class TritonPythonModel:
         self.credential = peers.credential()
         instance = args["model_instance_name"]
         engine = make_engine(settings, "generation", gpu_index(args))
+        self.spec = engine.spec
         self.metrics = Metrics(pb_utils, "generation", instance)
         readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         with self.metrics.closed_on_error():
@@ -68,7 +69,8 @@ class TritonPythonModel:
                     raise RequestError("generation needs the orchestrator's request id as the "
                                        "Triton request id (the stream's events carry it)")
                 inputs = read_inputs(pb_utils, request, P.GENERATION_INPUTS)
-                work = self.side.prepare(request_type, engine_request.from_inputs(inputs), inputs)
+                request = engine_request.from_inputs(inputs, self.spec)
+                work = self.side.prepare(request_type, request, inputs)
             except (RequestError, Unavailable) as exc:
                 responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue

@@ -16,19 +16,22 @@ exactly one response per request, so the ensemble answers plain ``infer()``);
 import asyncio
 import faulthandler
 import logging
+import uuid
 
 import triton_python_backend_utils as pb_utils
 
 from triton_disagg.log_format import Rejections, configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
-from triton_disagg import protocol as P
+from triton_disagg import peers, protocol as P
 from triton_disagg.config.settings import from_model_config
+from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.front.orchestrator import Orchestrator
+from triton_disagg.front.orchestrator_gate import OrchestratorGate, public_message
 from triton_disagg.routing.pools import start_pools
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, scalar
 from triton_disagg.front.token_inbox import TokenInbox
@@ -58,6 +61,7 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,
                                          self.metrics, settings.max_local_prefill_length,
                                          settings.overlap_kv_transfer)
+        self.gate = OrchestratorGate(peers.seal_key(), EngineSpec.load(settings.engine))
         self.decoupled = settings.decoupled
         self.log = logging.getLogger("orchestrator")   # JSON lines with serve --log-format json
         self.rejections = Rejections(self.log)
@@ -90,6 +94,7 @@ class TritonPythonModel:
 
         try:
             inputs = read_inputs(pb_utils, request, P.ORCHESTRATOR_INPUTS)
+            self.gate.check(inputs)
             if scalar(inputs, "stream", False) and not self.decoupled:
                 raise RequestError("stream: true needs a decoupled ensemble; this server runs "
                                    "decoupled_mode: false (send stream: false, or serve with "
@@ -97,12 +102,15 @@ class TritonPythonModel:
             await self.orchestrator.handle(inputs, send, sender.is_cancelled,
                                            request.request_id())
         except (RequestError, EngineError) as exc:
-            self.rejections.rejected(exc.status, str(exc))
-            sender.send(error_response(pb_utils, str(exc), exc.status), flags=FINAL)
-        except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
-            self.log.exception("orchestrator: %s: %s", type(exc).__name__, exc)
-            sender.send(error_response(pb_utils, f"internal error: {type(exc).__name__}: {exc}"),
+            request_id = request.request_id() or uuid.uuid4().hex[:12]
+            self.rejections.rejected(exc.status, f"request {request_id}: {exc}", request_id)
+            sender.send(error_response(pb_utils, public_message(exc, request_id), exc.status),
                         flags=FINAL)
+        except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
+            request_id = request.request_id() or uuid.uuid4().hex[:12]
+            self.log.exception("orchestrator: request %s: %s: %s", request_id,
+                               type(exc).__name__, exc)
+            sender.send(error_response(pb_utils, public_message(exc, request_id)), flags=FINAL)
 
     def finalize(self):
         try:

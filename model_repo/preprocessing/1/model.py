@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 from triton_disagg.log_format import Rejections, configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
-from triton_disagg import protocol as P
+from triton_disagg import peers, protocol as P
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.config.settings import from_model_config
@@ -29,7 +29,7 @@ class TritonPythonModel:
         engine = from_model_config("preprocessing", args).engine
         spec = EngineSpec.load(engine)
         self.pre = Preprocessor(Tokenizer(engine), spec.max_seq_len, spec.eos_token_id,
-                                spec.pad_token_id)
+                                spec.pad_token_id, peers.seal_key())
         self.rejections = Rejections(logging.getLogger("preprocessing"))
 
     def execute(self, requests):
