@@ -57,9 +57,9 @@ def check(parameters: str | dict | None, model: str, expected: str) -> None:
     """Raise :class:`RequestError` unless a request's ``parameters`` (Triton's JSON string
     or a dict) carry ``expected`` (this deployment's :func:`credential`)."""
     params = parameters if isinstance(parameters, dict) else json.loads(parameters or "{}")
-    presented = params.get(PARAMETER)
-    if not isinstance(presented, str) or not hmac.compare_digest(
-            presented.encode(), expected.encode()):
+    presented = params.get(PARAMETER) if isinstance(params, dict) else None
+    if not isinstance(presented, str) or not hmac.compare_digest(   # a lone surrogate too
+            presented.encode("utf-8", "surrogatepass"), expected.encode()):
         raise RequestError(f"the {model} model answers only this deployment's orchestrators "
                            f"(request parameter {PARAMETER!r} missing or wrong: clients call "
                            f"the ensemble; servers of one deployment share {SECRET_ENV})")

@@ -46,3 +46,11 @@ def test_another_deployments_credential_is_refused(monkeypatch, secret):
     assert "7" * 32 not in mine               # derived, not the secret itself
     with pytest.raises(RequestError):
         peers.check({peers.PARAMETER: theirs}, "generation", mine)
+
+
+def test_a_lone_surrogate_or_a_non_object_is_refused_not_raised(secret):
+    mine = peers.credential()
+    with pytest.raises(RequestError, match=peers.PARAMETER):
+        peers.check('{"%s": "\\ud800"}' % peers.PARAMETER, "context", mine)
+    with pytest.raises(RequestError, match=peers.PARAMETER):
+        peers.check("[1, 2]", "generation", mine)
