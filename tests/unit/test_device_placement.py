@@ -110,3 +110,32 @@ def test_a_cuda_pool_is_counted_in_device_bytes_and_too_small_is_one_line():
     assert "\n" not in line and line.startswith("out of memory on cuda:1")
     assert "200 KV blocks" in line and "needs 201" in line
     assert "raise kv_cache.gpu_memory_fraction or kv_cache.max_size" in line
+
+
+@pytest.mark.parametrize("written, device, cap", [
+    ({}, "cuda", None),                               # gpu_memory_fraction alone sizes it
+    ({"max_size": "8GB"}, "cuda", 8 * 10**9),         # a written max_size caps it
+    ({}, "cpu", 2 * 10**9),                           # on CPU the default sizes the pool
+])
+def test_gpu_memory_fraction_sizes_a_cuda_pool_unless_max_size_is_written(
+        demo_engine, monkeypatch, written, device, cap):
+    """The 2 GB default of ``kv_cache.max_size`` no longer caps a GPU pool (it made
+    ``gpu_memory_fraction`` do nothing on an 80-140 GB GPU); a written one still does."""
+    import triton_disagg.engine.llm_engine as llm_engine
+    from triton_disagg.config.disagg import parse_config
+    from triton_disagg.config.settings import from_json, to_json
+    from triton_disagg.engine.capacity import check_kv_capacity, make_engine
+    from triton_disagg.triton.render import settings as model_settings
+
+    config = parse_config({"model": {"engine": str(demo_engine), "runtime": "torch",
+                                     "device": device},
+                           "kv_cache": {**written, "gpu_memory_fraction": 0.8}})
+    assert config.kv_cache.max_size_given == bool(written)
+    check_kv_capacity(config)
+    settings = model_settings("generation", "generation", config)
+    assert from_json("generation", to_json(settings)) == settings     # travels to the model
+    made = {}
+    monkeypatch.setattr(llm_engine, "LLMEngine",
+                        lambda engine, **kw: made.update(kw) or SimpleNamespace(**kw))
+    make_engine(settings, "generation", device_index=0)
+    assert made["kv_max_bytes"] == cap and made["kv_memory_fraction"] == 0.8
