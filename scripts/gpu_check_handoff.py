@@ -1,7 +1,7 @@
 """scripts/gpu_check.py, section "handoff": a sequence prefilled on the device, staged device
--> host -> device into a second engine (what both KV strategies do on CUDA), decodes the
-same greedy tokens as the first engine going on alone. On CPU each runner's KV is cloned
-apart from its host array, so the copies still run.
+-> host rows -> device into a second engine through bounded staging buffers (what both KV
+strategies do on CUDA), decodes the same greedy tokens as the first engine going on alone.
+On CPU each runner's KV is cloned apart from its host array, so the copies still run.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import numpy as np
 
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
+from triton_disagg.kv.device_staging import DeviceStaging
 
 from gpu_check_models import write_tiny_engine
 
 
 def handoff_table(device: str, dtype: str, say) -> list[str]:
-    """A sequence prefilled by one engine on ``device`` and handed to another through the
-    host mirrors (``blocks_to_host``, the bytes a KV connector moves, ``blocks_to_device``)
-    decodes the same greedy tokens as the first engine going on alone."""
+    """A sequence prefilled by one engine on ``device`` and handed to another through staging
+    rows (``to_host``, the bytes a KV connector moves, ``to_device``) decodes the same
+    greedy tokens as the first engine going on alone."""
     lines = ["| architecture | dtype | greedy tokens after the handoff equal | verdict |",
              "|---|---|---:|---|"]
     prompt, n = list(range(3, 40)), 16
@@ -34,9 +35,12 @@ def handoff_table(device: str, dtype: str, say) -> list[str]:
         need = context.pool.geometry.blocks_for(len(prompt) + n)
         src, dst = list(range(need)), list(range(need, 2 * need))
         token = int(np.argmax(context.prefill([(prompt, src)])[0]))
-        context.blocks_to_host(src)
-        generation.pool.array[dst] = context.pool.array[src]     # what a connector moves
-        generation.blocks_to_device(dst)
+        geometry = context.pool.geometry
+        out, into = DeviceStaging(context, geometry, need), DeviceStaging(generation, geometry, need)
+        out_rows, into_rows = out.reserve(src), into.reserve(dst)
+        out.to_host(src)
+        into.array[into_rows] = out.array[out_rows]             # what a connector moves
+        into.to_device(into_rows)
         streams = {"alone": (context, src, [token]), "handed off": (generation, dst, [token])}
         for runner, blocks, out in streams.values():
             for step in range(n - 1):

@@ -71,24 +71,25 @@ def test_out_of_device_memory_at_load_is_one_line_naming_the_settings(monkeypatc
 
 def test_a_connector_stages_kv_that_lives_on_the_device(monkeypatch):
     """On CUDA the runner computes KV in device memory, not in ``pool.array``: the connector
-    is given the runner to stage blocks through the host array (on CPU: nothing to stage,
-    the runner computes in ``pool.array`` itself)."""
+    registers a staging buffer through which the runner copies handed-off blocks (on CPU:
+    nothing to stage, the runner computes in ``pool.array`` itself)."""
     from triton_disagg.kv.connector import connector_for
     from triton_disagg.kv.secret import SECRET_ENV, render_key_id
 
     monkeypatch.setenv(SECRET_ENV, "s" * 64)
     pool = BlockPool(BlockGeometry(2, 4, 8, 16, "float32"), 4)
     settings = SimpleNamespace(kv_strategy="host_memory", kv_key_id=render_key_id(),
-                               kv_lease_seconds=30.0)
+                               kv_lease_seconds=30.0, kv_max_size=2 * 10**9)
     for runtime, staged in ((Runtime("torch", "cuda", "bfloat16", 1), True),
                             (Runtime("torch", "cpu"), False)):
-        engine = SimpleNamespace(pool=pool, spec=SimpleNamespace(fingerprint="f" * 64),
+        engine = SimpleNamespace(pool=pool, spec=SimpleNamespace(fingerprint="f" * 64,
+                                                                 max_context=8),
                                  runtime=runtime, runner=object())
         connector = connector_for(settings, engine, "conntest_0_0", lambda blocks: None)
         try:
-            assert connector.pool.array is pool.array
-            assert (connector.pool.device_kv is engine.runner) == staged
-            assert staged or connector.pool.device_kv is None
+            assert (connector.pool.array is pool.array) != staged
+            assert staged or connector.pool.staging is None
+            assert not staged or connector.pool.staging.device_kv is engine.runner
         finally:
             connector.close()
 

@@ -88,7 +88,8 @@ class LLMEngine:
             num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
         if num_blocks is None:
             num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
-        self.pool = BlockPool(geometry, num_blocks)
+        # On CUDA the runner holds the KV in device memory: no host copy of the pool.
+        self.pool = BlockPool(geometry, num_blocks, host_array=runtime.device == "cpu")
         self.runtime = runtime     # its device is where the KV the runner computes lives
         self.runner = make_runner(runtime, self.spec, weights, self.pool)
         self.sampler = Sampler()

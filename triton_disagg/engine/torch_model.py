@@ -7,10 +7,11 @@ the runner differs. Logits come back as float32 numpy arrays on the host.
 
 KV storage: on CPU the runner computes straight in the pool's numpy array
 (``torch.from_numpy(pool.array)`` shares its memory), so the KV connectors that register
-that array move it in place. On CUDA it owns one device tensor of the pool's shape, and
-the host array is the mirror the connectors move: :meth:`TorchModelRunner.blocks_to_host`
-before an export, :meth:`TorchModelRunner.blocks_to_device` after a fetch
-(:class:`~triton_disagg.kv.connector.DeviceKV`).
+that array move it in place. On CUDA it owns one device tensor of the pool's shape and the
+pool has no host array: the blocks of a handoff pass through a bounded staging buffer
+(:class:`~triton_disagg.kv.device_staging.DeviceStaging`) by
+:meth:`TorchModelRunner.blocks_to_host` before an export and
+:meth:`TorchModelRunner.blocks_to_device` after a fetch.
 
 Invariants (as the numpy runner): a pass writes the K/V of exactly the positions it
 computes (token ``t`` of a sequence at slot ``t % bs`` of its ``t // bs``-th block) and
@@ -106,7 +107,8 @@ class TorchModelRunner:
         if self.device.type == "cpu":
             self.kv = torch.from_numpy(pool.array)     # [N, L, 2, bs, kvh, hd], shares memory
         else:
-            self.kv = torch.zeros(pool.array.shape, dtype=self.dtype, device=self.device)
+            self.kv = torch.zeros((pool.num_total, *g.block_shape), dtype=self.dtype,
+                                  device=self.device)          # [N, L, 2, bs, kvh, hd]
         if not self.gpt2:
             cos, sin = rope_tables(inv_frequencies(s.head_dim, s.rope_theta, s.rope_scaling),
                                    self.max_context)
@@ -160,24 +162,27 @@ class TorchModelRunner:
         hidden = self._forward(tok, pos, attention)                        # [B, 1, H]
         return self._logits(hidden[:, 0])
 
-    # ---- the host mirror (CUDA: the KV connectors move host bytes) -----------------
+    # ---- staging (CUDA: the KV connectors move host bytes) -------------------------
 
     @_on_runner_device
-    def blocks_to_host(self, block_ids: Sequence[int], layers: range | None = None) -> None:
-        """Copy blocks ``block_ids`` of the device KV (only ``layers`` of each, if given) into
-        the same rows of ``pool.array``, in its dtype (a KV connector then exports them)."""
+    def blocks_to_host(self, block_ids: Sequence[int], host: np.ndarray, rows: Sequence[int],
+                       layers: range | None = None) -> None:
+        """Copy device blocks ``block_ids`` (only ``layers`` of each, if given) into rows
+        ``rows`` of ``host`` ``[R, L, 2, bs, kvh, hd]``, in its dtype (a staging buffer,
+        :class:`~triton_disagg.kv.device_staging.DeviceStaging`)."""
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         span = slice(None) if layers is None else slice(layers.start, layers.stop)
-        host = self.kv.index_select(0, ids)[:, span].to("cpu", _torch_dtype(self.pool.array.dtype))
-        self.pool.array[np.asarray(block_ids, dtype=np.int64), span] = host.numpy()  # [m, l, 2, bs, kvh, hd]
+        moved = self.kv.index_select(0, ids)[:, span].to("cpu", _torch_dtype(host.dtype))
+        host[np.asarray(rows, dtype=np.int64), span] = moved.numpy()  # [m, l, 2, bs, kvh, hd]
 
     @_on_runner_device
-    def blocks_to_device(self, block_ids: Sequence[int]) -> None:
-        """Copy rows ``block_ids`` of ``pool.array`` (a KV connector just filled them) into
-        the same blocks of the device KV, in its dtype."""
-        host = torch.from_numpy(self.pool.array[np.asarray(block_ids, dtype=np.int64)])
+    def blocks_to_device(self, block_ids: Sequence[int], host: np.ndarray,
+                         rows: Sequence[int]) -> None:
+        """Copy rows ``rows`` of ``host`` (a KV connector just filled them) into device
+        blocks ``block_ids``, in the device KV's dtype."""
+        moved = torch.from_numpy(host[np.asarray(rows, dtype=np.int64)])  # [m, L, 2, bs, kvh, hd]
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        self.kv.index_copy_(0, ids, host.to(self.device, self.kv.dtype))   # [m, L, 2, bs, kvh, hd]
+        self.kv.index_copy_(0, ids, moved.to(self.device, self.kv.dtype))
 
     # ---- internals -------------------------------------------------------------------
 
