@@ -19,7 +19,8 @@ Sections, one module each (its docstring says what it checks and how):
 5. memory (``gpu_check_memory.py``): placement, a dropped engine freed, the KV pool's
    size, the out-of-memory line;
 6. handoff (``gpu_check_handoff.py``): KV staged device -> host -> device decodes the same
-   greedy tokens.
+   greedy tokens; disaggregated context + generation engines on one device, the KV moved
+   by each strategy's real connector, give the aggregated greedy text.
 
 Invariant: the output file holds the header (device, torch / CUDA / cuDNN versions) from
 the start and each section's table from the moment that section ends, so a crash, a kill
@@ -41,12 +42,8 @@ import torch
 
 from triton_disagg.engine.torch_model import TORCH_DTYPES
 
-from gpu_check_attention import attention_table, environment_lines
-from gpu_check_handoff import handoff_table
-from gpu_check_memory import memory_table, release_device_memory
-from gpu_check_nixl import nixl_table
-from gpu_check_parity import parity_table
-from gpu_check_speed import speed_table
+from gpu_check_attention import environment_lines
+from gpu_check_memory import release_device_memory
 
 Say = Callable[[str], None]
 Section = Callable[[argparse.Namespace, Say], list[str]]
@@ -57,20 +54,49 @@ def _runtime_dtype(args: argparse.Namespace) -> str:
     return "float32" if args.device == "cpu" else args.dtype
 
 
+# Each section imports its module when it runs, so a dependency missing on the device
+# image (the handoff section's msgpack, say) fails that section alone, in its table's place.
+
+def _parity(a: argparse.Namespace, say: Say) -> list[str]:
+    from gpu_check_parity import parity_table
+    return parity_table(a.device, a.dtype, say)
+
+
+def _attention(a: argparse.Namespace, say: Say) -> list[str]:
+    from gpu_check_attention import attention_table
+    return attention_table(a.device, _runtime_dtype(a), say)
+
+
+def _speed(a: argparse.Namespace, say: Say) -> list[str]:
+    from gpu_check_speed import speed_table
+    return speed_table(a.device, _runtime_dtype(a), a.tiny, say)
+
+
+def _nixl(a: argparse.Namespace, say: Say) -> list[str]:
+    from gpu_check_nixl import nixl_table
+    return nixl_table(a.device, (16 << 20) if a.tiny else (1 << 30), 1 if a.tiny else 3, say)
+
+
+def _memory(a: argparse.Namespace, say: Say) -> list[str]:
+    from gpu_check_memory import memory_table
+    return memory_table(a.device, _runtime_dtype(a), say)
+
+
+def _handoff(a: argparse.Namespace, say: Say) -> list[str]:
+    from gpu_check_handoff import handoff_table
+    return handoff_table(a.device, _runtime_dtype(a), say)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {   # name -> (title, table)
     "parity": ("Parity (greedy tokens: float32 vs the numpy runner, low precision vs float32)",
-               lambda a, say: parity_table(a.device, a.dtype, say)),
-    "attention": ("Attention: the SDPA backend each pass ran",
-                  lambda a, say: attention_table(a.device, _runtime_dtype(a), say)),
-    "speed": ("Speed (random weights made on the device)",
-              lambda a, say: speed_table(a.device, _runtime_dtype(a), a.tiny, say)),
-    "nixl": ("NIXL READ between two processes vs a local copy",
-             lambda a, say: nixl_table(a.device, (16 << 20) if a.tiny else (1 << 30),
-                                       1 if a.tiny else 3, say)),
+               _parity),
+    "attention": ("Attention: the SDPA backend each pass ran", _attention),
+    "speed": ("Speed (random weights made on the device)", _speed),
+    "nixl": ("NIXL READ between two processes vs a local copy", _nixl),
     "memory": ("Device memory: placement, freeing, KV pool size, out of memory at load",
-               lambda a, say: memory_table(a.device, _runtime_dtype(a), say)),
-    "handoff": ("KV handoff staged through host memory (device -> host -> device)",
-                lambda a, say: handoff_table(a.device, _runtime_dtype(a), say)),
+               _memory),
+    "handoff": ("KV handoff: staged device -> host -> device, and disaggregated through each "
+                "KV strategy's connector", _handoff),
 }
 
 

@@ -46,6 +46,8 @@ def test_cpu_smoke_run_writes_every_table(tmp_path):
            "unreferenced | ok |" in text
     assert "every section ran" in text
     assert "| llama | float32 | 16/16 | ok |" in text           # the staged handoff
+    assert "| host_memory | 16/16 | ok |" in text               # disaggregated = aggregated
+    assert "| direct_transfer | 16/16 | ok |" in text
 
 
 def test_cuda_without_a_gpu_is_one_line(tmp_path):
