@@ -84,11 +84,13 @@ def test_every_entry_point_enters_the_runner_device_in_the_calling_thread(runner
     monkeypatch.setattr(torch_model, "device_scope", recording_scope)
     runner.prefill([(list(range(3, 9)), [0, 1])])
     worker = threading.Thread(target=runner.decode, args=([4], [6], [[0, 1]]), name="loop")
-    fetch = threading.Thread(target=runner.blocks_to_device, args=([0, 1],), name="fetch")
+    host = np.zeros((2, *runner.pool.geometry.block_shape), runner.pool.array.dtype)
+    fetch = threading.Thread(target=runner.blocks_to_device, args=([0, 1], host, [0, 1]),
+                             name="fetch")
     for thread in (worker, fetch):
         thread.start()
         thread.join()
-    runner.blocks_to_host([0])
+    runner.blocks_to_host([0], host, [1])
     main = threading.current_thread().name
     assert entered == [(main, "cpu"), ("loop", "cpu"), ("fetch", "cpu"), (main, "cpu")]
 
