@@ -132,7 +132,7 @@ def low_precision_runner(engine_dir: Path, device: str, dtype: str, backends
     from triton_disagg.engine.weights import load_engine
 
     spec, weights = load_engine(engine_dir)
-    pool = BlockPool(spec.block_geometry(), 8)
+    pool = BlockPool(spec.block_geometry(), 8, host_array=device == "cpu")
     return TorchModelRunner(spec, weights, pool, device, dtype, sdpa_backends=backends)
 
 

@@ -61,7 +61,7 @@ def runner_speed(shape: ModelShape, weights, device: str, dtype: str, batch: int
     """Best (prefill tok/s of ``batch`` prompts, decode tok/s of ``steps`` batched steps)."""
     spec = make_spec(shape, prompt_len + steps + 1)
     per_seq = spec.block_geometry().blocks_for(prompt_len + steps + 1)
-    pool = BlockPool(spec.block_geometry(), batch * per_seq)
+    pool = BlockPool(spec.block_geometry(), batch * per_seq, host_array=device == "cpu")
     runner = TorchModelRunner(spec, weights, pool, device, dtype)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     prompts = [[(7 * b + i) % shape.vocab_size for i in range(prompt_len)] for b in range(batch)]
