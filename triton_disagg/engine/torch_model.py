@@ -52,6 +52,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # kernels need no per-shape build; math is the fallback of last resort (and CPU's choice
 # where flash does not apply). Pinning was chosen over bucketing shapes: bucketing pads
 # every batch and prompt (wasted FLOPs, a mask again) and still builds one graph per bucket.
+# ``sdpa_kernel`` sets process-wide flags for the pass: one runner per process computes
+# (a serving instance's engine loop; other threads only copy blocks), so none interleave.
 SERVING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                          SDPBackend.MATH)
 
