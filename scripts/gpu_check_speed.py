@@ -1,8 +1,8 @@
 """scripts/gpu_check.py, section "speed": decode tok/s at batch 1, 16, 64 and prefill tok/s of
 a 2000-token prompt for Llama-3.2-1B- and Llama-3-8B-shaped models with random weights made
 on the device, beside transformers (same shapes, same dtype, its own cache) and the weight-
-read limit ``batch / (weight bytes / copy bandwidth)``; logits go to the host every step, as
-the engine samples there.
+read limit (:func:`weight_read_limit`); logits go to the host every step, as the engine
+samples there.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
     return 2 * nbytes / best
 
 
+def weight_read_limit(batch: int, copy_bytes_per_s: float, weight_bytes: int) -> float:
+    """Decode tok/s of ``batch`` sequences if a step took only the time to read every weight
+    once: ``batch / (weight_bytes / copy_bytes_per_s)``. ``copy_bytes_per_s`` is
+    :func:`copy_bandwidth`'s, which already counts a copy's reads and writes: the memory's
+    whole rate, which a weight read (reads only) gets too, so it is not halved."""
+    return batch * copy_bytes_per_s / weight_bytes
+
+
 def device_weights(shape: ModelShape, device: str, dtype: str) -> dict[str, torch.Tensor]:
     torch_dtype = TORCH_DTYPES[dtype]
 
@@ -53,7 +61,7 @@ def runner_speed(shape: ModelShape, weights, device: str, dtype: str, batch: int
     """Best (prefill tok/s of ``batch`` prompts, decode tok/s of ``steps`` batched steps)."""
     spec = make_spec(shape, prompt_len + steps + 1)
     per_seq = spec.block_geometry().blocks_for(prompt_len + steps + 1)
-    pool = BlockPool(spec.block_geometry(), batch * per_seq)
+    pool = BlockPool(spec.block_geometry(), batch * per_seq, host_array=device == "cpu")
     runner = TorchModelRunner(spec, weights, pool, device, dtype)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     prompts = [[(7 * b + i) % shape.vocab_size for i in range(prompt_len)] for b in range(batch)]
@@ -137,8 +145,8 @@ def speed_table(device: str, dtype: str, tiny: bool, say) -> list[str]:
             hf = hf_speed(shape, device, dtype, batch, prompt_len,
                           steps if what == "decode" else 0, repeats)
             theirs = None if hf is None else (hf[0] if what == "prefill" else hf[1])
-            # A copy's traffic is half reads: the read rate is bandwidth / 2.
-            limit = batch * bandwidth / 2 / weight_bytes if what == "decode" else None
+            limit = weight_read_limit(batch, bandwidth, weight_bytes) if what == "decode" \
+                else None
             lines.append(
                 f"| {name} | {what} | {batch} | {ours:,.1f} | "
                 f"{'n/a' if theirs is None else f'{theirs:,.1f}'} | "

@@ -51,8 +51,8 @@ def keys_read(runner, monkeypatch) -> list[int]:
                      ("_paged_batch", lambda out: out.span))
     build = getattr(runner, name)
 
-    def spy(*args):
-        out = build(*args)
+    def spy(*args, **kwargs):
+        out = build(*args, **kwargs)
         spans.append(span_of(out))
         return out
 

@@ -71,24 +71,25 @@ def test_out_of_device_memory_at_load_is_one_line_naming_the_settings(monkeypatc
 
 def test_a_connector_stages_kv_that_lives_on_the_device(monkeypatch):
     """On CUDA the runner computes KV in device memory, not in ``pool.array``: the connector
-    is given the runner to stage blocks through the host array (on CPU: nothing to stage,
-    the runner computes in ``pool.array`` itself)."""
+    registers a staging buffer through which the runner copies handed-off blocks (on CPU:
+    nothing to stage, the runner computes in ``pool.array`` itself)."""
     from triton_disagg.kv.connector import connector_for
     from triton_disagg.kv.secret import SECRET_ENV, render_key_id
 
     monkeypatch.setenv(SECRET_ENV, "s" * 64)
     pool = BlockPool(BlockGeometry(2, 4, 8, 16, "float32"), 4)
     settings = SimpleNamespace(kv_strategy="host_memory", kv_key_id=render_key_id(),
-                               kv_lease_seconds=30.0)
+                               kv_lease_seconds=30.0, kv_max_size=2 * 10**9)
     for runtime, staged in ((Runtime("torch", "cuda", "bfloat16", 1), True),
                             (Runtime("torch", "cpu"), False)):
-        engine = SimpleNamespace(pool=pool, spec=SimpleNamespace(fingerprint="f" * 64),
+        engine = SimpleNamespace(pool=pool, spec=SimpleNamespace(fingerprint="f" * 64,
+                                                                 max_context=8),
                                  runtime=runtime, runner=object())
         connector = connector_for(settings, engine, "conntest_0_0", lambda blocks: None)
         try:
-            assert connector.pool.array is pool.array
-            assert (connector.pool.device_kv is engine.runner) == staged
-            assert staged or connector.pool.device_kv is None
+            assert (connector.pool.array is pool.array) != staged
+            assert staged or connector.pool.staging is None
+            assert not staged or connector.pool.staging.device_kv is engine.runner
         finally:
             connector.close()
 
@@ -110,3 +111,58 @@ def test_a_cuda_pool_is_counted_in_device_bytes_and_too_small_is_one_line():
     assert "\n" not in line and line.startswith("out of memory on cuda:1")
     assert "200 KV blocks" in line and "needs 201" in line
     assert "raise kv_cache.gpu_memory_fraction or kv_cache.max_size" in line
+
+
+@pytest.mark.parametrize("written, device, cap", [
+    ({}, "cuda", None),                               # gpu_memory_fraction alone sizes it
+    ({"max_size": "8GB"}, "cuda", 8 * 10**9),         # a written max_size caps it
+    ({}, "cpu", 2 * 10**9),                           # on CPU the default sizes the pool
+])
+def test_gpu_memory_fraction_sizes_a_cuda_pool_unless_max_size_is_written(
+        demo_engine, monkeypatch, written, device, cap):
+    """The 2 GB default of ``kv_cache.max_size`` no longer caps a GPU pool (it made
+    ``gpu_memory_fraction`` do nothing on an 80-140 GB GPU); a written one still does."""
+    import triton_disagg.engine.llm_engine as llm_engine
+    from triton_disagg.config.disagg import parse_config
+    from triton_disagg.config.settings import from_json, to_json
+    from triton_disagg.engine.capacity import check_kv_capacity, make_engine
+    from triton_disagg.triton.render import settings as model_settings
+
+    config = parse_config({"model": {"engine": str(demo_engine), "runtime": "torch",
+                                     "device": device},
+                           "kv_cache": {**written, "gpu_memory_fraction": 0.8}})
+    assert config.kv_cache.max_size_given == bool(written)
+    check_kv_capacity(config)
+    settings = model_settings("generation", "generation", config)
+    assert from_json("generation", to_json(settings)) == settings     # travels to the model
+    made = {}
+    monkeypatch.setattr(llm_engine, "LLMEngine",
+                        lambda engine, **kw: made.update(kw) or SimpleNamespace(**kw))
+    make_engine(settings, "generation", device_index=0)
+    assert made["kv_max_bytes"] == cap and made["kv_memory_fraction"] == 0.8
+
+
+def test_a_dropped_engine_frees_its_pool_without_waiting_for_the_garbage_collector(demo_engine):
+    """Nothing in an engine refers back to it (the scheduler's first-token hook is a plain
+    function): on CUDA a ``del engine`` then frees the device KV pool and weights at once,
+    not when (if ever) a collection runs. Checked with the collector off."""
+    import gc
+    import weakref
+
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.sampling import SamplingParams
+
+    def engine():
+        made = LLMEngine(demo_engine, num_blocks=16, runtime=Runtime("torch", "cpu"))
+        made.generate([[3, 4, 5]], SamplingParams(max_tokens=3))
+        return made
+
+    engine()                 # first use imports lazily; torch may keep that frame around
+    gc.disable()
+    try:
+        made = engine()
+        pool, kv = weakref.ref(made.pool), weakref.ref(made.runner.kv)
+        del made
+        assert pool() is None and kv() is None
+    finally:
+        gc.enable()

@@ -11,8 +11,10 @@ import pytest
 
 from kv_peers import FP, HD, KEY, KVH, L, CountingPool, make_pool, no_leaked_shm  # noqa: F401
 from triton_disagg.errors import UserError
-from triton_disagg.kv.connector import (STRATEGIES, KVConnector, PoolBuffer, make_connector,
-                                        strategy)
+from triton_disagg.kv.connector import (STRATEGIES, HandoffBusy, KVConnector, PoolBuffer,
+                                        make_connector, strategy)
+from triton_disagg.kv.device_staging import DeviceStaging
+from triton_disagg.kv.layout import BlockGeometry
 from triton_disagg.kv.handle import HandleError
 
 
@@ -52,49 +54,59 @@ def test_strategy_properties_replace_name_comparisons():
 
 
 class FakeDeviceKV:
-    """Stands in for GPU memory (none on this machine): a separate array the "runner" writes,
-    copied to and from the connector's host array as the torch runner does on CUDA."""
+    """Stands in for GPU memory (none on this machine): an array the "runner" writes, copied
+    to and from rows of a staging buffer as the torch runner does on CUDA."""
 
-    def __init__(self, host: np.ndarray):
-        self.host, self.memory, self.calls = host, np.zeros_like(host), []
+    def __init__(self, blocks: int):
+        self.memory, self.calls = np.zeros((blocks, L, 2, 4, KVH, HD), np.float32), []
 
-    def blocks_to_host(self, block_ids, layers=None):
+    def blocks_to_host(self, block_ids, host, rows, layers=None):
         span = slice(None) if layers is None else slice(layers.start, layers.stop)
-        self.calls.append(("to_host", list(block_ids)))
-        self.host[block_ids, span] = self.memory[block_ids, span]
+        self.calls.append(("to_host", list(block_ids), list(rows)))
+        host[rows, span] = self.memory[block_ids, span]
 
-    def blocks_to_device(self, block_ids):
-        self.calls.append(("to_device", list(block_ids)))
-        self.memory[block_ids] = self.host[block_ids]
+    def blocks_to_device(self, block_ids, host, rows):
+        self.calls.append(("to_device", list(block_ids), list(rows)))
+        self.memory[block_ids] = host[rows]
 
 
 @pytest.mark.parametrize("name", ["host_memory", "direct_transfer"])
-def test_kv_in_device_memory_is_staged_through_the_host_array(name):
-    """Context: the exported blocks are copied device -> host before the transport reads
-    them; generation: the fetched blocks are copied host -> device before poll reports the
-    fetch done. The device bytes arrive where the host ones would."""
+def test_kv_in_device_memory_is_staged_through_a_bounded_buffer(name):
+    """Context: the exported blocks are copied device -> staging rows before the transport
+    reads them, and the handoff's end frees rows and device blocks; generation: fetched
+    rows are copied to the device before poll reports the fetch done, then freed. The
+    device bytes arrive where the host ones would; the buffer has 3 rows for 8 blocks."""
     if name == "direct_transfer":
         pytest.importorskip("nixl")
+    geometry = BlockGeometry(L, KVH, HD, 4, "float32")
     blocks = CountingPool()
-    src = FakeDeviceKV(np.zeros((4, L, 2, 4, KVH, HD), np.float32))
+    src = FakeDeviceKV(8)
     src.memory[:] = np.random.default_rng(0).standard_normal(src.memory.shape)
-    context = make_connector(name, PoolBuffer(src.host, src), "conntest_0_0", KEY, FP, 30.0,
-                             blocks.free)
-    dst = FakeDeviceKV(np.zeros((4, L, 2, 4, KVH, HD), np.float32))
-    generation = make_connector(name, PoolBuffer(dst.host, dst), "conntest_0_0", KEY, FP, 30.0)
+    out = DeviceStaging(src, geometry, 3, blocks.free)
+    context = make_connector(name, PoolBuffer(out.array, out), "conntest_0_0", KEY, FP, 30.0,
+                             out.freeing())
+    dst = FakeDeviceKV(8)
+    into = DeviceStaging(dst, geometry, 3)
+    generation = make_connector(name, PoolBuffer(into.array, into), "conntest_0_0", KEY, FP,
+                                30.0)
     try:
-        blocks.take([2, 0])
-        data = context.export([2, 0], 7)
-        assert src.calls == [("to_host", [2, 0])]
-        stats = _finished(generation.start_fetch(generation.decode(data), [1, 3, 2]))
+        blocks.take([6, 0])
+        data = context.export([6, 0], 7)
+        assert src.calls == [("to_host", [6, 0], [0, 1])]
+        stats = _finished(generation.start_fetch(generation.decode(data), [5, 3, 2]))
         assert stats.nbytes == 2 * generation.geometry.block_nbytes
-        assert dst.calls == [("to_device", [1, 3])]
-        assert dst.memory[[1, 3]].tobytes() == src.memory[[2, 0]].tobytes()
-        assert not dst.memory[[0, 2]].any()                    # nothing else written
+        assert dst.calls == [("to_device", [5, 3], [0, 1])]
+        assert dst.memory[[5, 3]].tobytes() == src.memory[[6, 0]].tobytes()
+        assert not dst.memory[[0, 1, 2, 4, 6, 7]].any()        # nothing else written
+        assert into.num_free == 3                               # the fetch's rows are back
         end = time.monotonic() + 10     # NIXL: the context frees on the fetch's notification
         while blocks.state()["used"] and time.monotonic() < end:
             time.sleep(0.01)
-        assert blocks.state()["used"] == 0 and not blocks.errors
+        assert blocks.state()["used"] == 0 and not blocks.errors and out.num_free == 3
+        blocks.take([1, 2, 3, 4])                      # 4 blocks: more than the 3 rows
+        with pytest.raises(HandoffBusy, match="staging buffer has 3 of 3 blocks free"):
+            context.export([1, 2, 3, 4], 13)
+        assert blocks.state()["used"] == 0 and out.num_free == 3   # given back at once
     finally:
         context.close()
         generation.close()

@@ -270,21 +270,24 @@ def test_a_prefill_longer_than_the_lease_keeps_it_while_layers_land(sides, demo_
 
 def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypatch):
     """The torch runner with its KV apart from the host array (device memory on CUDA, faked
-    on the CPU by a clone, as in test_device_kv_staging): each layer is copied to the host
-    array as it lands, before generation hears of it, so the text is the aggregated one."""
+    on the CPU by a clone and a CUDA runtime label, as in test_device_kv_staging): each
+    layer is copied to the staging rows as it lands, before generation hears of it, so the
+    text is the aggregated one."""
     from triton_disagg.engine.runtime import Runtime
 
     engine = LLMEngine(demo_engine, num_blocks=16, runtime=Runtime("torch", "cpu", "float32"))
     engine.runner.kv = engine.runner.kv.clone()          # fake device memory
+    engine.runtime = Runtime("torch", "cuda", "float32")  # so the connector stages it
     context = ContextSide(engine, _settings(demo_engine), "ovctx-dev")
-    context.connector.pool = PoolBuffer(engine.pool.array, engine.runner)
+    assert context.connector.pool.staging is not None
     generation = LLMEngine(demo_engine, num_blocks=16)
     connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen-dev",
                                deployment_key(), generation.spec.fingerprint, 30.0)
     staged: list[range] = []
     to_host = engine.runner.blocks_to_host
     monkeypatch.setattr(engine.runner, "blocks_to_host",
-                        lambda ids, layers=None: staged.append(layers) or to_host(ids, layers))
+                        lambda ids, host, rows, layers=None: staged.append(layers)
+                        or to_host(ids, host, rows, layers))
     try:
         params = SamplingParams(max_tokens=8)
         (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)

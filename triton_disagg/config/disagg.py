@@ -28,8 +28,9 @@ front end's cores, in ``serve all`` too: tritonserver's own threads and the
 preprocessing and orchestrator stubs, which every orchestrator instance shares, so
 they are not split per instance; default :func:`~triton_disagg.config.host.front_cpus`);
 ``kv_cache.lease_seconds``; a ``front:`` section, the HTTP front's admission caps and
-timeouts (:mod:`triton_disagg.config.front_section`); ``kv_cache.gpu_memory_fraction`` (a CUDA pool's share of the device
-memory free after the weights; default 0.9). ``kv_cache.strategy: host_memory`` is refused when the
+timeouts (:mod:`triton_disagg.config.front_section`); ``kv_cache.gpu_memory_fraction`` (a CUDA
+pool's share of the device memory free after the weights; default 0.9; it alone sizes a CUDA
+pool unless ``kv_cache.max_size`` is written, which then caps it). ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
 (:mod:`triton_disagg.config.kubernetes`). TensorRT-LLM's disaggregated config
@@ -133,6 +134,9 @@ class ServerConfig:
 class KVCacheConfig:
     strategy: str = "direct_transfer"
     max_size: int = 2 * 10**9           # bytes, per model instance's block pool
+    # max_size was written in the config: on CUDA it then caps the device pool; else
+    # gpu_memory_fraction alone sizes it (and max_size bounds only the host staging area)
+    max_size_given: bool = False
     lease_seconds: float = 30.0
     gpu_memory_fraction: float = 0.9    # of device memory free after weights (CUDA pools)
     # Generation READs a prompt's KV layer by layer during its prefill (kv.overlap); the
@@ -279,6 +283,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
     strategy = kv_strategy(kv_raw.get("strategy", "direct_transfer")).name
     kv = KVCacheConfig(strategy=strategy,
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
+                       max_size_given="max_size" in kv_raw,
                        lease_seconds=number(kv_raw.get("lease_seconds", 30.0),
                                              "kv_cache.lease_seconds"),
                        gpu_memory_fraction=fraction(kv_raw.get("gpu_memory_fraction", 0.9),

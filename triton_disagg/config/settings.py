@@ -37,7 +37,7 @@ class EngineSettings:
     tokens_per_block: int | None                 # None: the engine's own layout
     kv_dtype: str | None
     kv_strategy: str                             # kv_cache.strategy
-    kv_max_size: int                             # bytes of KV pool per instance
+    kv_max_size: int                             # bytes of KV pool per instance (CPU)
     kv_lease_seconds: float
     stream_interval: int
     kv_key_id: str | None = None                 # names the handle-signing key; None: aggregated
@@ -45,6 +45,7 @@ class EngineSettings:
     device: str | None = None                    # serving host's Runtime.default
     dtype: str | None = None
     kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
+    kv_max_size_given: bool = False              # kv_max_size was set: it caps a CUDA pool too
 
     def __post_init__(self):
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))

@@ -2,7 +2,10 @@
 
 A :class:`BlockPool` owns ONE C-contiguous array ``[num_blocks, L, 2, bs, kvh, hd]``
 (see :class:`triton_disagg.kv.layout.BlockGeometry`), so block ``i`` is one contiguous
-byte range: a KV transfer registers the whole array once and moves whole blocks.
+byte range: a KV transfer registers the whole array once and moves whole blocks. A pool
+whose KV a runner keeps in device memory has no array (``host_array=False``): it only
+counts blocks, and handoffs pass through a bounded staging buffer
+(:mod:`triton_disagg.kv.device_staging`).
 
 Invariants: every block id in ``[0, num_total)`` is either free (reference count 0,
 on the free list exactly once) or used (count >= 1, not on the free list);
@@ -27,13 +30,16 @@ class KVCacheFullError(Exception):
 class BlockPool:
     """Fixed-size KV blocks with reference counts and a LIFO free list."""
 
-    def __init__(self, geometry: BlockGeometry, num_blocks: int):
+    def __init__(self, geometry: BlockGeometry, num_blocks: int, host_array: bool = True):
+        """``host_array`` False: the KV lives elsewhere (a runner's device memory) and
+        :attr:`array` is None; the pool only counts blocks."""
         if num_blocks < 1:
             raise UserError(
                 f"the KV cache needs at least 1 block ({geometry.block_nbytes} bytes); "
                 f"raise kv_cache.max_size")
         self.geometry = geometry
-        self.array = np.zeros((num_blocks, *geometry.block_shape), dtype=geometry.dtype)
+        self.array = (np.zeros((num_blocks, *geometry.block_shape), dtype=geometry.dtype)
+                      if host_array else None)
         self._refs = np.zeros(num_blocks, dtype=np.int64)
         # Popped from the end: low ids first, so a fresh pool hands out 0, 1, 2, ...
         self._free = list(range(num_blocks - 1, -1, -1))

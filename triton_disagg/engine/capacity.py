@@ -6,7 +6,10 @@ so it is a config mistake, reported as one :class:`UserError` line naming
 whole config before Triton starts (cheap: it reads ``engine.json`` only);
 :func:`check_pool` is the same check for one model instance, run by :func:`make_engine`
 (the instance's engine, its pool sized by ``kv_cache.max_size`` and the side's
-``tokens_per_block`` / ``kv_dtype``) from ``initialize``.
+``tokens_per_block`` / ``kv_dtype``) from ``initialize``. On CUDA a ``max_size`` the
+config does not write caps nothing (:func:`pool_cap`): ``kv_cache.gpu_memory_fraction``
+sizes the device pool and :func:`~triton_disagg.engine.runtime.device_pool_blocks` makes
+the same one-longest-sequence check.
 
 Invariant: a pool passes exactly when it holds the KV of the longest sequence the engine
 runs, ``max_context - 1`` tokens (the last generated token's KV is never written).
@@ -54,6 +57,8 @@ def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
     spec = EngineSpec.load(config.engine)
     if roles is None:
         roles = ("generation",) if config.mode == "aggregated" else ("context", "generation")
+    if config.device == "cuda" and not config.kv_cache.max_size_given:
+        return      # gpu_memory_fraction sizes the pools on the device (pool_cap)
     for role in roles:
         server = config.server(role)
         layout = kv_layout(spec, server.tokens_per_block, server.kv_dtype)
@@ -72,7 +77,19 @@ def make_engine(settings: "EngineSettings", role: str,
 
     spec = EngineSpec.load(settings.engine)
     layout = kv_layout(spec, settings.tokens_per_block, settings.kv_dtype)
-    check_pool(spec, layout, settings.kv_max_size, role)
     runtime = Runtime.default(settings.runtime, settings.device, settings.dtype, device_index)
-    return LLMEngine(settings.engine, kv_max_bytes=settings.kv_max_size, kv_layout=layout,
+    max_bytes = pool_cap(settings, runtime)
+    if max_bytes is not None:
+        check_pool(spec, layout, max_bytes, role)
+    return LLMEngine(settings.engine, kv_max_bytes=max_bytes, kv_layout=layout,
                      runtime=runtime, kv_memory_fraction=settings.kv_gpu_memory_fraction)
+
+
+def pool_cap(settings: "EngineSettings", runtime: Runtime) -> int | None:
+    """The bytes that cap an instance's KV pool: ``kv_cache.max_size`` on CPU (default or
+    not); on CUDA only when the config writes it, else None: the pool is then
+    ``kv_cache.gpu_memory_fraction`` of the memory free after the weights, as TensorRT-LLM's
+    ``free_gpu_memory_fraction`` (the 2 GB default would cap an 80-140 GB GPU's pool)."""
+    if runtime.device == "cuda" and not settings.kv_max_size_given:
+        return None
+    return settings.kv_max_size

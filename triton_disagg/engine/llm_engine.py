@@ -26,6 +26,7 @@ to the caller).
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,12 +88,14 @@ class LLMEngine:
             num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
         if num_blocks is None:
             num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
-        self.pool = BlockPool(geometry, num_blocks)
+        # On CUDA the runner holds the KV in device memory: no host copy of the pool.
+        self.pool = BlockPool(geometry, num_blocks, host_array=runtime.device == "cpu")
         self.runtime = runtime     # its device is where the KV the runner computes lives
         self.runner = make_runner(runtime, self.spec, weights, self.pool)
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.pool, self.spec.max_batch_size,
-                                   first_token=self._take_first_token)
+                                   first_token=functools.partial(
+                                       take_first_token, self.spec.shape.vocab_size))
 
     # ---- aggregated serving -----------------------------------------------------------
 
@@ -221,20 +224,9 @@ class LLMEngine:
             raise RequestError(f"request {request_id}: its prompt has {len(seq.prompt_ids)} "
                                f"tokens but the KV to fetch holds {kv.num_tokens}")
         if first_token is not None:
-            self._take_first_token(seq, first_token, first_logprob)
+            take_first_token(self.spec.shape.vocab_size, seq, first_token, first_logprob)
         seq.remote_kv = kv
         self._enqueue(seq)
-
-    def _take_first_token(self, seq: Sequence, token: int, logprob: float) -> None:
-        """Give ``seq`` the first token another instance sampled; RequestError if it is not a
-        token or already finishes the request (the scheduler's ``first_token`` hook)."""
-        if not 0 <= int(token) < self.spec.shape.vocab_size:
-            raise RequestError(f"request {seq.request_id}: first token {token} is outside "
-                               f"the vocabulary [0, {self.spec.shape.vocab_size})")
-        seq.append(int(token), logprob)
-        if seq.finished:
-            raise RequestError(f"request {seq.request_id} already finished at its first token "
-                               f"({seq.finish_reason}); there is nothing to generate")
 
     # ---- internals --------------------------------------------------------------------
 
@@ -297,3 +289,17 @@ class LLMEngine:
                                                  seq.output_ids, seq.seed)
             events.append(seq.append(token, logprob))
         return events
+
+
+def take_first_token(vocab_size: int, seq: Sequence, token: int, logprob: float) -> None:
+    """Give ``seq`` the first token another instance sampled; RequestError if it is not a
+    token of a ``vocab_size`` vocabulary or already finishes the request (the scheduler's
+    ``first_token`` hook: a function of the vocabulary, not a method, so that the scheduler
+    holds no reference back to its engine and a dropped engine is freed at once)."""
+    if not 0 <= int(token) < vocab_size:
+        raise RequestError(f"request {seq.request_id}: first token {token} is outside "
+                           f"the vocabulary [0, {vocab_size})")
+    seq.append(int(token), logprob)
+    if seq.finished:
+        raise RequestError(f"request {seq.request_id} already finished at its first token "
+                           f"({seq.finish_reason}); there is nothing to generate")

@@ -149,7 +149,9 @@ def _cuda_visible() -> bool:
 def make_runner(runtime: Runtime, spec: EngineSpec, weights: dict[str, np.ndarray],
                 pool: BlockPool):
     """The model runner of ``runtime`` over ``pool``; torch on CPU uses as many threads as
-    this process may run on cores (its affinity mask, set by the instance's pinning)."""
+    this process may run on cores (its affinity mask, set by the instance's pinning). On
+    CUDA the instance's device becomes this thread's current one (the runner also enters
+    it on every call, from whichever thread: :func:`~triton_disagg.engine.torch_model.device_scope`)."""
     if runtime.runtime == "numpy":
         from triton_disagg.engine.model import ModelRunner
 
@@ -166,6 +168,8 @@ def make_runner(runtime: Runtime, spec: EngineSpec, weights: dict[str, np.ndarra
                         f"use model.device: cpu or run on a GPU host")
     if runtime.device == "cpu":
         torch.set_num_threads(len(os.sched_getaffinity(0)))
+    else:
+        torch.cuda.set_device(runtime.device_index)
     try:
         return TorchModelRunner(spec, weights, pool, runtime.torch_device, runtime.dtype)
     except torch.OutOfMemoryError:

@@ -7,10 +7,11 @@ the runner differs. Logits come back as float32 numpy arrays on the host.
 
 KV storage: on CPU the runner computes straight in the pool's numpy array
 (``torch.from_numpy(pool.array)`` shares its memory), so the KV connectors that register
-that array move it in place. On CUDA it owns one device tensor of the pool's shape, and
-the host array is the mirror the connectors move: :meth:`TorchModelRunner.blocks_to_host`
-before an export, :meth:`TorchModelRunner.blocks_to_device` after a fetch
-(:class:`~triton_disagg.kv.connector.DeviceKV`).
+that array move it in place. On CUDA it owns one device tensor of the pool's shape and the
+pool has no host array: the blocks of a handoff pass through a bounded staging buffer
+(:class:`~triton_disagg.kv.device_staging.DeviceStaging`) by
+:meth:`TorchModelRunner.blocks_to_host` before an export and
+:meth:`TorchModelRunner.blocks_to_device` after a fetch.
 
 Invariants (as the numpy runner): a pass writes the K/V of exactly the positions it
 computes (token ``t`` of a sequence at slot ``t % bs`` of its ``t // bs``-th block) and
@@ -24,11 +25,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.decode_groups import length_groups
@@ -42,14 +45,49 @@ SINGLE_THREAD_ATTENTION_BYTES = 4 << 20
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# The SDPA backends serving may use: cuDNN is left out. torch >= 2.11 prefers cuDNN
+# attention on sm_90, which builds (and caches) an execution graph per new (batch, length)
+# shape, a stall of tens to hundreds of ms whenever a decode batch or prompt length is new,
+# and raises on a plan it cannot build instead of falling back. Flash / memory-efficient
+# kernels need no per-shape build; math is the fallback of last resort (and CPU's choice
+# where flash does not apply). Pinning was chosen over bucketing shapes: bucketing pads
+# every batch and prompt (wasted FLOPs, a mask again) and still builds one graph per bucket.
+# ``sdpa_kernel`` sets process-wide flags for the pass: one runner per process computes
+# (a serving instance's engine loop; other threads only copy blocks), so none interleave.
+SERVING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                         SDPBackend.MATH)
+
 Batch = Sequence[tuple[Sequence[int], Sequence[int]]]
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current CUDA device of the calling thread for a block (CPU: no-op).
+
+    torch's current device is per thread and starts at GPU 0 in every new thread, so each
+    entry point of a runner on ``cuda:N`` runs in this scope, whichever thread calls it (the
+    engine loop, the KV fetch thread, a Triton request thread): implicit-device calls (a
+    bare ``torch.empty(..., device="cuda")``, ``torch.cuda.synchronize()``, streams, a
+    registration of device memory) then land on the instance's GPU, not on GPU 0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _on_runner_device(method):
+    """Run a runner method in :func:`device_scope` of its device and in inference mode."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with device_scope(self.device), torch.inference_mode():
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 class TorchModelRunner:
     """Runs prefill and decode batches of one engine against one :class:`BlockPool`."""
 
     def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray | torch.Tensor],
-                 pool: BlockPool, device: str = "cpu", dtype: str = "float32"):
+                 pool: BlockPool, device: str = "cpu", dtype: str = "float32",
+                 sdpa_backends: Sequence[SDPBackend] | None = SERVING_SDPA_BACKENDS):
+        """``sdpa_backends``: the attention backends a pass may use (None: torch's own
+        choice, for checks that compare against it)."""
         s = self.shape = spec.shape
         g = pool.geometry
         if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
@@ -59,6 +97,7 @@ class TorchModelRunner:
         self.q_dim, self.kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.max_context = spec.max_context
         self.bs = g.tokens_per_block
+        self.sdpa_backends = None if sdpa_backends is None else list(sdpa_backends)
         to = self._to_device
         self.layers = [{key.split(".", 2)[2]: to(w) for key, w in weights.items()
                         if key.startswith(f"layers.{i}.")} for i in range(s.num_layers)]
@@ -70,7 +109,8 @@ class TorchModelRunner:
         if self.device.type == "cpu":
             self.kv = torch.from_numpy(pool.array)     # [N, L, 2, bs, kvh, hd], shares memory
         else:
-            self.kv = torch.zeros(pool.array.shape, dtype=self.dtype, device=self.device)
+            self.kv = torch.zeros((pool.num_total, *g.block_shape), dtype=self.dtype,
+                                  device=self.device)          # [N, L, 2, bs, kvh, hd]
         if not self.gpt2:
             cos, sin = rope_tables(inv_frequencies(s.head_dim, s.rope_theta, s.rope_scaling),
                                    self.max_context)
@@ -84,7 +124,7 @@ class TorchModelRunner:
 
     # ---- public entry points -------------------------------------------------------
 
-    @torch.inference_mode()
+    @_on_runner_device
     def prefill(self, batch: Batch, on_layer: Any = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
@@ -96,13 +136,13 @@ class TorchModelRunner:
         last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
         return self._logits(last)
 
-    @torch.inference_mode()
+    @_on_runner_device
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
         """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every position of each prompt."""
         hidden, lengths = self._prefill_hidden(batch)
         return [self._logits(hidden[b, :n]) for b, n in enumerate(lengths)]
 
-    @torch.inference_mode()
+    @_on_runner_device
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> np.ndarray:
         """One new token per sequence at ``positions`` (its KV slot); returns logits ``[B, V]``.
@@ -114,31 +154,37 @@ class TorchModelRunner:
         tok = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)         # [B, 1]
         groups = length_groups(np.asarray(positions) // self.bs + 1)       # by blocks read
         if len(groups) == 1:                                               # 0..B-1 in order
-            attention = [(None, self._paged_batch(pos, [1] * len(tokens), block_tables))]
+            attention = [(None, self._paged_batch(pos, [1] * len(tokens), block_tables,
+                                                  fresh=False))]
         else:
             attention = [(torch.from_numpy(index).to(self.device),             # [G]
                           self._paged_batch(pos[torch.from_numpy(index)], [1] * len(index),
-                                            [block_tables[i] for i in index]))
+                                            [block_tables[i] for i in index], fresh=False))
                          for index in groups]
         hidden = self._forward(tok, pos, attention)                        # [B, 1, H]
         return self._logits(hidden[:, 0])
 
-    # ---- the host mirror (CUDA: the KV connectors move host bytes) -----------------
+    # ---- staging (CUDA: the KV connectors move host bytes) -------------------------
 
-    def blocks_to_host(self, block_ids: Sequence[int], layers: range | None = None) -> None:
-        """Copy blocks ``block_ids`` of the device KV (only ``layers`` of each, if given) into
-        the same rows of ``pool.array``, in its dtype (a KV connector then exports them)."""
+    @_on_runner_device
+    def blocks_to_host(self, block_ids: Sequence[int], host: np.ndarray, rows: Sequence[int],
+                       layers: range | None = None) -> None:
+        """Copy device blocks ``block_ids`` (only ``layers`` of each, if given) into rows
+        ``rows`` of ``host`` ``[R, L, 2, bs, kvh, hd]``, in its dtype (a staging buffer,
+        :class:`~triton_disagg.kv.device_staging.DeviceStaging`)."""
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         span = slice(None) if layers is None else slice(layers.start, layers.stop)
-        host = self.kv.index_select(0, ids)[:, span].to("cpu", _torch_dtype(self.pool.array.dtype))
-        self.pool.array[np.asarray(block_ids, dtype=np.int64), span] = host.numpy()  # [m, l, 2, bs, kvh, hd]
+        moved = self.kv.index_select(0, ids)[:, span].to("cpu", _torch_dtype(host.dtype))
+        host[np.asarray(rows, dtype=np.int64), span] = moved.numpy()  # [m, l, 2, bs, kvh, hd]
 
-    def blocks_to_device(self, block_ids: Sequence[int]) -> None:
-        """Copy rows ``block_ids`` of ``pool.array`` (a KV connector just filled them) into
-        the same blocks of the device KV, in its dtype."""
-        host = torch.from_numpy(self.pool.array[np.asarray(block_ids, dtype=np.int64)])
+    @_on_runner_device
+    def blocks_to_device(self, block_ids: Sequence[int], host: np.ndarray,
+                         rows: Sequence[int]) -> None:
+        """Copy rows ``rows`` of ``host`` (a KV connector just filled them) into device
+        blocks ``block_ids``, in the device KV's dtype."""
+        moved = torch.from_numpy(host[np.asarray(rows, dtype=np.int64)])  # [m, L, 2, bs, kvh, hd]
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        self.kv.index_copy_(0, ids, host.to(self.device, self.kv.dtype))   # [m, L, 2, bs, kvh, hd]
+        self.kv.index_copy_(0, ids, moved.to(self.device, self.kv.dtype))
 
     # ---- internals -------------------------------------------------------------------
 
@@ -153,7 +199,7 @@ class TorchModelRunner:
             tok[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
         pos = torch.arange(n_max).expand(len(batch), n_max)               # [B, n]
         pos = torch.minimum(pos, torch.tensor(lengths).unsqueeze(1) - 1)   # padding repeats last
-        paged = self._paged_batch(pos, lengths, [blocks for _, blocks in batch])
+        paged = self._paged_batch(pos, lengths, [blocks for _, blocks in batch], fresh=True)
         return self._forward(tok, pos, [(None, paged)], on_layer), lengths
 
     def _forward(self, tok: torch.Tensor, pos: torch.Tensor,
@@ -164,14 +210,24 @@ class TorchModelRunner:
         row of the batch once (``rows`` None: all of them, in order); each group writes and
         attends through its own :class:`_PagedBatch` (see :meth:`_paged_batch`).
         """
-        s = self.shape
-        b, n = tok.shape
         tok, pos = tok.to(self.device), pos.to(self.device)
         x = self.embed[tok]                                                # [B, n, H]
+        cos = sin = None
         if self.gpt2:
             x = x + self.pos_embed[pos]
         else:
             cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, n, 1, hd/2]
+        with (contextlib.nullcontext() if self.sdpa_backends is None
+              else sdpa_kernel(self.sdpa_backends)):
+            x = self._layers(x, cos, sin, attention, on_layer)
+        return self._norm(x, *self.final_norm)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                attention: list[tuple[torch.Tensor | None, "_PagedBatch"]],
+                on_layer: Any) -> torch.Tensor:
+        """Every decoder layer over ``x`` ``[B, n, H]`` (see :meth:`_forward`)."""
+        s = self.shape
+        b, n = x.shape[:2]
         for li, w in enumerate(self.layers):
             h = self._norm(x, w["attn_norm.weight"], w.get("attn_norm.bias"))
             qkv = F.linear(h, w["qkv.weight"], w.get("qkv.bias"))          # [B, n, Q + 2*KV]
@@ -186,16 +242,24 @@ class TorchModelRunner:
                 on_layer(li)
             x = x + F.linear(o, w["o.weight"], w.get("o.bias"))
             x = x + self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
-        return self._norm(x, *self.final_norm)
+        return x
 
     def _paged_batch(self, pos: torch.Tensor, lengths: Sequence[int],
-                     block_tables: Sequence[Sequence[int]]) -> "_PagedBatch":
+                     block_tables: Sequence[Sequence[int]], fresh: bool) -> "_PagedBatch":
         """Where a pass (or one group of it) writes and reads the pool (layer 0; layer ``l``
-        adds ``l * 2 * bs`` to write rows and ``l * 2`` to read rows), and its attention
-        mask. ``pos`` ``[B, n]`` (host); only the first ``lengths[b]`` tokens of row ``b``
-        are real: only their K/V is written. Every sequence's keys are positions
-        ``0..span-1`` of its blocks, span = the largest position + 1 (rounded up to blocks);
-        padding rows attend like their row's last real token and are discarded."""
+        adds ``l * 2 * bs`` to write rows and ``l * 2`` to read rows), and how it masks.
+        ``pos`` ``[B, n]`` (host); only the first ``lengths[b]`` tokens of row ``b`` are
+        real: only their K/V is written. Every sequence's gathered keys are positions
+        ``0..span-1`` of its blocks, span = the largest position + 1 rounded up to blocks;
+        a query attends the first ``key_len`` = largest position + 1 of them.
+
+        No mask is materialised for ``fresh`` prompts (every row's tokens are at positions
+        ``0..n-1``, no cached prefix): query ``i`` sees keys ``0..i``, which is SDPA's
+        ``is_causal`` over ``n`` keys (padding rows then see padding keys; they are
+        discarded). A decode group whose sequences are all at one position needs none
+        either; one whose positions differ gets a ``[B, 1, 1, key_len]`` key-length mask
+        (``B * key_len`` bytes) until a paged attention kernel reads each sequence's own
+        length."""
         layers, (b, n) = self.shape.num_layers, pos.shape
         nb = -(-(int(pos.max()) + 1) // self.bs)
         table = torch.zeros((b, nb), dtype=torch.int64)                    # [B, nb]; pad: block 0
@@ -212,15 +276,19 @@ class TorchModelRunner:
         # (block * L + l) * 2 + c.
         read_rows = (table[:, None, :] * (layers * 2)
                      + torch.arange(2)[None, :, None]).flatten()           # [B * 2 * nb]
-        key_pos = torch.arange(nb * self.bs)                               # [S]
-        mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)    # [B, 1, n, S]
+        key_len = int(pos.max()) + 1
+        mask = None
+        if not fresh and bool((pos != pos.flatten()[0]).any()):
+            key_pos = torch.arange(key_len)                                # [K]
+            mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)    # [B, 1, n, K]
         small = len(read_rows) * self.bs * self.kv_dim * 4 <= SINGLE_THREAD_ATTENTION_BYTES
         threads = (_OneCpuThread() if self.device.type == "cpu" and small
                    else contextlib.nullcontext())
         dev = self.device
         every = len(write_rows) == b * n        # no padding (decode, equal prompts)
         return _PagedBatch(None if every else tuple(r.to(dev) for r in real), write_rows.to(dev),
-                           read_rows.to(dev), mask.to(dev), nb * self.bs, threads)
+                           read_rows.to(dev), None if mask is None else mask.to(dev),
+                           fresh, nb * self.bs, key_len, threads)
 
     def _grouped_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            attention: list[tuple[torch.Tensor | None, "_PagedBatch"]]
@@ -248,10 +316,11 @@ class TorchModelRunner:
             token_rows.index_copy_(0, k_rows + self.bs, paged.real_rows(v).to(self.kv.dtype))
             cached = block_rows.index_select(0, paged.read_rows + li * 2).to(q.dtype)  # [B*2*nb, bs*KV]
             cached = cached.view(b, 2, paged.span, s.num_kv_heads, s.head_dim)  # [B, 2, S, kvh, hd]
-            keys, vals = cached[:, 0], cached[:, 1]                        # [B, S, kvh, hd] each
+            keys = cached[:, 0, :paged.key_len]                            # [B, K, kvh, hd]
+            vals = cached[:, 1, :paged.key_len]
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=paged.mask, enable_gqa=True)                     # [B, nh, n, hd]
+                attn_mask=paged.mask, is_causal=paged.causal, enable_gqa=True)  # [B, nh, n, hd]
         return o.transpose(1, 2).reshape(b, n, self.q_dim)                 # [B, n, Q]
 
     def _logits(self, hidden: torch.Tensor) -> np.ndarray:
@@ -282,8 +351,10 @@ class _PagedBatch:
                                                       # [R] each; None: every token is real
     write_rows: torch.Tensor                   # [R] token row of each real token's K, layer 0
     read_rows: torch.Tensor                    # [B * 2 * nb] block rows to gather, layer 0
-    mask: torch.Tensor                         # [B, 1, n, S] bool: key visible to query
-    span: int                                  # S = nb * bs keys per sequence
+    mask: torch.Tensor | None                  # [B, 1, n, K] bool: key visible to query
+    causal: bool                               # fresh prompts: key i visible to queries >= i
+    span: int                                  # S = nb * bs keys gathered per sequence
+    key_len: int                               # K <= S keys attended (largest position + 1)
     threads: Any                               # context manager for the attention ops
 
     def real_rows(self, t: torch.Tensor) -> torch.Tensor:

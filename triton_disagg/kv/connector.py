@@ -2,8 +2,9 @@
 by ``kv_cache.strategy``.
 
 A :class:`KVConnector` is one model instance's end over its own pool (:class:`PoolBuffer`:
-the host array it moves, and, when the runner computes the KV in device memory, the
-:class:`DeviceKV` that stages a request's blocks between the two):
+the host array it moves; when the runner computes the KV in device memory, that array is
+a bounded :class:`~triton_disagg.kv.device_staging.DeviceStaging` buffer through which
+only the blocks being handed off pass, and block ids the transports see are its rows):
 
 - context (made with ``free_blocks``): :meth:`~KVConnector.export` turns prefilled blocks
   into signed handle bytes (``context_phase_params``); from that call on the handoff owns
@@ -32,7 +33,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
 
 from triton_disagg.errors import UserError
 from triton_disagg.kv import handle as kvhandle
@@ -42,6 +43,7 @@ from triton_disagg.kv.secret import load_key
 
 if TYPE_CHECKING:
     from triton_disagg.config.settings import EngineSettings
+    from triton_disagg.kv.device_staging import DeviceStaging
 
 FreeBlocks = Callable[[list[int]], None]
 _log = logging.getLogger(__name__)
@@ -59,29 +61,15 @@ class HandoffBusy(ConnectorError):
     """No room to hand off now (back-pressure: retry later); nothing was kept."""
 
 
-class DeviceKV(Protocol):
-    """KV a runner computes in device memory (the torch runner on CUDA), mirrored block for
-    block by the pool's host array, which is what the connectors move: the KV is staged
-    device -> host before an export and host -> device after a fetch (NIXL reading GPU
-    memory in place, without the host copy, is not built)."""
-
-    def blocks_to_host(self, block_ids: Sequence[int], layers: Optional[range] = None) -> None:
-        """Copy those blocks of the device KV (only ``layers`` of each, if given) into the
-        same rows of the host array."""
-
-    def blocks_to_device(self, block_ids: Sequence[int]) -> None:
-        """Copy those rows of the host array into the same blocks of the device KV."""
-
-
 @dataclass(frozen=True)
 class PoolBuffer:
     """An instance's KV pool as a connector registers it: one C-contiguous host array
     ``[num_blocks, L, 2, bs, kvh, hd]`` (block ``i`` at byte offset
-    ``i * geometry.block_nbytes``), and ``device_kv`` when the runner computes the KV
-    elsewhere (None: in ``array`` itself)."""
+    ``i * geometry.block_nbytes``): the pool's own (the runner computes the KV in it), or
+    ``staging``'s rows when the runner computes the KV in device memory."""
 
     array: Any
-    device_kv: Optional[DeviceKV] = None
+    staging: Optional["DeviceStaging"] = None
 
     @property
     def geometry(self) -> BlockGeometry:
@@ -102,6 +90,33 @@ class Transfer(ABC):
     def cancel(self) -> None:
         """The request is gone: a transfer still waiting for its sender may end at once
         (failed); one moving bytes ends by its deadline, as it would have."""
+
+
+class ReleasingTransfer(Transfer):
+    """``inner``, calling ``release`` once when :meth:`poll` first reports its end (stats
+    or an error): the caller polls until then (:class:`Transfer`'s invariant)."""
+
+    def __init__(self, inner: Transfer, release: Callable[[], Any]):
+        self.inner, self._release = inner, release
+        self._released = threading.Event()
+
+    def poll(self) -> Optional[TransferStats]:
+        try:
+            stats = self.inner.poll()
+        except BaseException:
+            self._release_once()
+            raise
+        if stats is not None:
+            self._release_once()
+        return stats
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+    def _release_once(self) -> None:
+        if not self._released.is_set():
+            self._released.set()
+            self._release()
 
 
 class ThreadTransfer(Transfer):
@@ -191,21 +206,23 @@ class KVConnector(ABC):
                prefilling: bool = False) -> bytes:
         """Signed handle bytes for ``block_ids`` (token order, ``num_tokens`` tokens of KV);
         the handoff owns the blocks from this call on, whether it returns or raises
-        (:class:`HandoffBusy` when there is no room now). ``prefilling`` (an overlapped
-        transfer): the blocks are not prefilled yet; the caller restarts the lease as they
-        fill and says when they are final (:meth:`renew`) after copying a device KV to the
-        host array itself (:meth:`stage`); else that copy is made here."""
+        (:class:`HandoffBusy` when there is no room now, in a transport or the staging
+        buffer). ``prefilling`` (an overlapped transfer): the blocks are not prefilled yet;
+        the caller restarts the lease as they fill and says when they are final
+        (:meth:`renew`) after copying a device KV to the host array itself (:meth:`stage`);
+        else that copy is made here."""
         if self.free_blocks is None:
             raise RuntimeError(f"this {self.strategy} connector was made without free_blocks; "
                                f"it cannot export")
         blocks = [int(b) for b in block_ids]
+        rows = blocks if self.pool.staging is None else self.pool.staging.hand_off(blocks)
         if not prefilling:
             try:
                 self.stage(blocks)
             except BaseException:          # the device copy failed: the KV goes back now
-                self.free_blocks(blocks)
+                self.free_blocks(rows)
                 raise
-        handle = self._export(blocks, num_tokens, prefilling)
+        handle = self._export(rows, num_tokens, prefilling)
         try:
             return kvhandle.encode(handle, self.key)
         except kvhandle.HandleError:       # too large to hand out: give the KV back now
@@ -213,10 +230,11 @@ class KVConnector(ABC):
             raise
 
     def stage(self, block_ids: Sequence[int], layers: Optional[range] = None) -> None:
-        """Copy those blocks (``layers`` of each, if given) of a device KV to the host array
-        the transport moves (nothing when the KV is computed in that array)."""
-        if self.pool.device_kv is not None and (layers is None or len(layers)):
-            self.pool.device_kv.blocks_to_host(block_ids, layers)
+        """Copy those exported blocks (``layers`` of each, if given) of a device KV to their
+        staging rows, which the transport moves (nothing when the KV is computed in the
+        array the transport moves)."""
+        if self.pool.staging is not None and (layers is None or len(layers)):
+            self.pool.staging.to_host(block_ids, layers)
 
     def release(self, data: bytes) -> None:
         """Give back the KV of handle bytes ``data`` (checked against the deployment key),
@@ -246,10 +264,16 @@ class KVConnector(ABC):
         ours = self._ours(handle, "generation")
 
         def fetch(deadline: float) -> TransferStats:
-            stats = self._fetch(ours, blocks, deadline)
-            if self.pool.device_kv is not None:
-                self.pool.device_kv.blocks_to_device(blocks)
-            return stats
+            staging = self.pool.staging
+            if staging is None:
+                return self._fetch(ours, blocks, deadline)
+            rows = staging.reserve(blocks)          # one fetch runs at a time per instance
+            try:
+                stats = self._fetch(ours, rows, deadline)
+                staging.to_device(rows)
+                return stats
+            finally:
+                staging.release(rows)
 
         return self.fetcher.submit(fetch, min(self.fetch_timeout_s, handle.lease_seconds),
                                    f"KV lease {handle.lease_id}")
@@ -266,6 +290,21 @@ class KVConnector(ABC):
     def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
         """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
+
+    def staged_pull(self, block_ids: Sequence[int],
+                    start: Callable[[list[int]], Transfer]) -> Transfer:
+        """``start(ids)`` a pull into ``block_ids``: into themselves, or, for a device KV,
+        into staging rows reserved for them (the pull copies them to the device as it ends,
+        through ``staging.to_device``) and freed once the transfer has ended."""
+        staging = self.pool.staging
+        if staging is None:
+            return start([int(b) for b in block_ids])
+        rows = staging.reserve(block_ids)
+        try:
+            return ReleasingTransfer(start(rows), lambda: staging.release(rows))
+        except BaseException:
+            staging.release(rows)
+            raise
 
     def renew(self, data: bytes, prefilling: bool = True) -> None:
         """Context: restart the lease of handle bytes ``data``, its blocks still being filled
@@ -326,8 +365,25 @@ def make_connector(name: str, pool: PoolBuffer, label: str, key: bytes, fingerpr
 def connector_for(settings: "EngineSettings", engine: Any, instance: str,
                   free_blocks: Optional[FreeBlocks] = None) -> KVConnector:
     """The connector a context (``free_blocks`` given) or generation model instance named
-    ``instance`` uses over ``engine``'s pool, as its settings say."""
-    device_kv = engine.runner if engine.runtime.device != "cpu" else None
-    return make_connector(settings.kv_strategy, PoolBuffer(engine.pool.array, device_kv), instance,
-                          load_key(settings.kv_key_id), engine.spec.fingerprint,
-                          settings.kv_lease_seconds, free_blocks)
+    ``instance`` uses over ``engine``'s pool, as its settings say: a CPU pool's own array,
+    or a device pool's bounded staging buffer (:func:`staging_for`)."""
+    pool = PoolBuffer(engine.pool.array)
+    if engine.runtime.device != "cpu":
+        staging = staging_for(settings, engine, free_blocks)
+        pool = PoolBuffer(staging.array, staging)
+        free_blocks = staging.freeing() if free_blocks is not None else None
+    return make_connector(settings.kv_strategy, pool, instance, load_key(settings.kv_key_id),
+                          engine.spec.fingerprint, settings.kv_lease_seconds, free_blocks)
+
+
+def staging_for(settings: "EngineSettings", engine: Any,
+                free_blocks: Optional[FreeBlocks]) -> "DeviceStaging":
+    """The staging buffer of an engine whose runner computes its KV in device memory:
+    ``kv_cache.max_size`` bytes of host blocks in the pool's layout and dtype (at least one
+    longest sequence, at most the device pool), not a host copy of the whole pool."""
+    from triton_disagg.kv.device_staging import DeviceStaging, staging_rows
+
+    geometry = engine.pool.geometry
+    rows = staging_rows(engine.pool.num_total, geometry, settings.kv_max_size,
+                        geometry.blocks_for(engine.spec.max_context - 1))
+    return DeviceStaging(engine.runner, geometry, rows, free_blocks)

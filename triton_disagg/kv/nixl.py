@@ -389,9 +389,9 @@ class NixlConnector(KVConnector):
 
     def listen(self, num_tokens: int) -> tuple[str, bytes]:
         if self._layers is None:
-            device = self.pool.device_kv
+            staging = self.pool.staging
             self._layers = LayerReader(self.endpoint, self.key, self.decode, self.lease_seconds,
-                                       device.blocks_to_device if device is not None else None)
+                                       staging.to_device if staging is not None else None)
         return self._layers.listen(num_tokens)
 
     def renew(self, data: bytes, prefilling: bool = True) -> None:
@@ -399,7 +399,7 @@ class NixlConnector(KVConnector):
         self.endpoint.renew(handle.lease_id, self.lease_seconds, prefilling)
 
     def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
-        return self._layers.start(nonce, block_ids)
+        return self.staged_pull(block_ids, lambda rows: self._layers.start(nonce, rows))
 
     def announcer(self, listener: bytes) -> Announcer:
         return Announcer(self.endpoint, decode_listener(listener, self.key))
