@@ -66,6 +66,11 @@ class ContextBusy(Unavailable):
     """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
 
 
+class ServerBusy(Unavailable):
+    """An orchestrator instance already serves its most requests at once
+    (``scheduler_server.max_concurrent_requests``): one more is refused at once, not queued."""
+
+
 class GenerationLost(Unavailable):
     """The generation server at ``url`` is gone with the request (the orchestrator moves
     the request to another: :mod:`triton_disagg.front.orchestrator`)."""

@@ -79,7 +79,9 @@ ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
                 "http_port", "metrics_port", "front_port", "router"}
-_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "front_port", "instances", "cpus"}
+_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "front_port", "instances", "cpus",
+                   "max_concurrent_requests"}
+MAX_CONCURRENT_REQUESTS = 256        # per orchestrator instance (scheduler_server)
 PLACED_ROLES = ("context", "generation", "scheduler")   # the roles that take cpus
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
 
@@ -113,6 +115,9 @@ class ServerConfig:
     # Prompts of at most this many tokens are prefilled by generation itself, with no
     # handoff (0: never). generation_server only.
     max_local_prefill_length: int = 0
+    # Requests one orchestrator instance serves at once; one more is refused (UNAVAILABLE,
+    # "busy") at once. scheduler_server only.
+    max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS
 
     @property
     def host(self) -> str | None:
@@ -357,10 +362,12 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     if not isinstance(local, int) or isinstance(local, bool) or local < 0:
         raise UserError(f"{key}.max_local_prefill_length: {local!r} must be a whole number of "
                         f"prompt tokens >= 0 (0: every prompt goes to a context server)")
+    cap = count(s.get("max_concurrent_requests", MAX_CONCURRENT_REQUESTS),
+                f"{key}.max_concurrent_requests", " (requests one orchestrator instance serves at once)")
     return ServerConfig(url=url, urls=urls, gpus=gpus, cpus=cpus, instances=instances,
                         tokens_per_block=tpb, kv_dtype=kv_dtype, stream_interval=interval,
                         stall_seconds=stall, router=router, max_local_prefill_length=local,
-                        **ports)
+                        max_concurrent_requests=cap, **ports)
 
 
 def _default_instances(key: str, cpus: tuple[int, ...]) -> int:

@@ -84,6 +84,7 @@ class OrchestratorSettings:
     pools: dict[str, PoolSettings] = field(default_factory=dict)   # role -> its pool
     discovery: DiscoveryConfig | None = None
     overlap_kv_transfer: bool = False  # kv_cache.overlap_transfer: generation first (kv.overlap)
+    max_concurrent_requests: int = 256  # scheduler_server.max_concurrent_requests, per instance
 
     def __post_init__(self):
         object.__setattr__(self, "pools", {

@@ -14,11 +14,14 @@ no internal URL and no exception text.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import numpy as np
 
 from triton_disagg import peers
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.errors import ContextBusy, RequestError, Timeout, Unavailable
+from triton_disagg.errors import ContextBusy, RequestError, ServerBusy, Timeout, Unavailable
 from triton_disagg.front.engine_io import engine_inputs
 from triton_disagg.triton import engine_request
 from triton_disagg.triton.tensors import scalar
@@ -27,7 +30,28 @@ from triton_disagg.triton.tensors import scalar
 # words "timed out", "unavailable" and "busy" are what the HTTP front maps to 504 / 503
 _PUBLIC = ((Timeout, f"a server did not answer in time ({Timeout.MARK})"),
            (ContextBusy, "the context servers are busy; retry later"),
+           (ServerBusy, "this server is busy with its most requests at once; retry later"),
            (Unavailable, "a server this request needs is unavailable now; retry later"))
+
+
+class InFlightCap:
+    """At most ``limit`` requests of one orchestrator instance in flight: a :meth:`slot` past
+    it raises :class:`ServerBusy` at once (nothing queues behind the cap); a slot is held
+    for its ``with`` block, however it ends. One event loop uses it: nothing locks."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_flight = limit, 0
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        if self.in_flight >= self.limit:
+            raise ServerBusy(f"{self.in_flight} requests in flight, the most this orchestrator "
+                             f"instance takes (scheduler_server.max_concurrent_requests)")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
 
 class OrchestratorGate:

@@ -96,6 +96,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
             transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
             max_local_prefill_length=config.generation.max_local_prefill_length,
             overlap_kv_transfer=config.kv_cache.overlap_transfer,
+            max_concurrent_requests=config.scheduler.max_concurrent_requests,
             pools={r: S.PoolSettings(config.server(r).urls, config.server(r).router)
                    for r in ("context", "generation")},
             discovery=config.discovery)

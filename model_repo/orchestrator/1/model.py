@@ -31,7 +31,7 @@ from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.front.orchestrator import Orchestrator
-from triton_disagg.front.orchestrator_gate import OrchestratorGate, public_message
+from triton_disagg.front.orchestrator_gate import InFlightCap, OrchestratorGate, public_message
 from triton_disagg.routing.pools import start_pools
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, scalar
 from triton_disagg.front.token_inbox import TokenInbox
@@ -62,6 +62,7 @@ class TritonPythonModel:
                                          self.metrics, settings.max_local_prefill_length,
                                          settings.overlap_kv_transfer)
         self.gate = OrchestratorGate(peers.seal_key(), EngineSpec.load(settings.engine))
+        self.cap = InFlightCap(settings.max_concurrent_requests)
         self.decoupled = settings.decoupled
         self.log = logging.getLogger("orchestrator")   # JSON lines with serve --log-format json
         self.rejections = Rejections(self.log)
@@ -93,14 +94,15 @@ class TritonPythonModel:
                             flags=FINAL if final else 0)
 
         try:
-            inputs = read_inputs(pb_utils, request, P.ORCHESTRATOR_INPUTS)
-            self.gate.check(inputs)
-            if scalar(inputs, "stream", False) and not self.decoupled:
-                raise RequestError("stream: true needs a decoupled ensemble; this server runs "
-                                   "decoupled_mode: false (send stream: false, or serve with "
-                                   "decoupled_mode: true)")
-            await self.orchestrator.handle(inputs, send, sender.is_cancelled,
-                                           request.request_id())
+            with self.cap.slot():         # past the cap: ServerBusy, before any tensor is read
+                inputs = read_inputs(pb_utils, request, P.ORCHESTRATOR_INPUTS)
+                self.gate.check(inputs)
+                if scalar(inputs, "stream", False) and not self.decoupled:
+                    raise RequestError("stream: true needs a decoupled ensemble; this server "
+                                       "runs decoupled_mode: false (send stream: false, or "
+                                       "serve with decoupled_mode: true)")
+                await self.orchestrator.handle(inputs, send, sender.is_cancelled,
+                                               request.request_id())
         except (RequestError, EngineError) as exc:
             request_id = request.request_id() or uuid.uuid4().hex[:12]
             self.rejections.rejected(exc.status, f"request {request_id}: {exc}", request_id)

@@ -1,0 +1,47 @@
+"""``scheduler_server.max_concurrent_requests`` on a real ``serve all`` (issue 27, item 4):
+with a cap of 2 per orchestrator instance, 6 long streams sent at once through the
+ensemble over gRPC: 2 are served to their end with the offline text, 4 are refused at once
+with one line saying the server is busy, and once the 2 are done a new request is served
+(the slots came back) and no KV block is held."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import servers
+from triton_disagg.routing.scrape import scrape, total
+
+CAP, SENT, LONG = 2, 6, 200
+
+
+def _send(grpc: str) -> tuple[float, str]:
+    begun = time.monotonic()
+    try:
+        return time.monotonic() - begun, "".join(servers.grpc_stream(
+            grpc, "The quick brown fox", LONG, extra={"min_tokens": np.array([[LONG]], dtype=np.int32)}))
+    except RuntimeError as exc:
+        return time.monotonic() - begun, f"error: {exc}"
+
+
+def test_past_the_cap_a_request_is_refused_at_once_and_slots_come_back(demo_engine, tmp_path):
+    config = (f"model: {{engine: {demo_engine}}}\n"
+              f"scheduler_server: {{max_concurrent_requests: {CAP}}}\n")
+    offline = servers.offline_text(demo_engine)
+    with servers.serve_config(config, tmp_path) as served:
+        with ThreadPoolExecutor(SENT) as pool:
+            results = list(pool.map(lambda _: _send(served.grpc), range(SENT)))
+        refused = [(t, r) for t, r in results if r.startswith("error:")]
+        served_texts = [r for _, r in results if not r.startswith("error:")]
+        assert len(served_texts) == CAP and len(refused) == SENT - CAP, results
+        for took, message in refused:
+            assert "busy" in message and "retry later" in message, message
+            assert "\n" not in message.strip() and took < 10, (took, message)
+        assert len({len(text) for text in served_texts}) == 1
+        assert servers.generate(served.http, {"text_input": "The quick brown fox",
+                                              "max_tokens": 8})[1]["text_output"] == \
+            offline("The quick brown fox", 8)
+        servers.wait_until(lambda: total(scrape(f"{served.metrics}/metrics"),
+                                         "disagg_kv_blocks_used") == 0, 30, "every block back")
