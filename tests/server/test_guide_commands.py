@@ -13,7 +13,6 @@ error carries the message and no status (its responses have no status field)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import re
@@ -74,25 +73,6 @@ def _kill(served: servers.Served) -> None:
     wait_until(lambda: not servers.processes_under(served.work_dir), 30, "the killed server gone")
 
 
-def _free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive ports free on loopback now (the guide's 8000-8005
-    may be taken on a shared host)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - count)
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise AssertionError(f"no {count} consecutive free ports on 127.0.0.1")
-
-
 def _the_guides_config_here(base: int) -> str:
     """The guide's disagg_config.yaml on this host: its hosts 127.0.0.1, its ports 8000-8005
     moved to ``base``.. in the same pattern, and, on this host without GPUs, one core per
@@ -114,7 +94,7 @@ def test_the_guides_text_as_written_on_one_host(demo_engine, tmp_path):
     answer the offline engine's text; ports 8000-8005 moved to base..base+5, and the scheme
     checked: context and generation on their urls' ports (base, base+1), the scheduler's
     front on its url's (base+2), its tritonserver's HTTP, gRPC and metrics on base+3..+5."""
-    base = _free_port_run(6)
+    base = servers.free_port_run(6)
     (tmp_path / "disagg_config.yaml").write_text(_the_guides_config_here(base))
 
     def guide(role: str, *extra: str) -> list[str]:
