@@ -55,16 +55,20 @@ def register(subparsers) -> None:
                         "in etcd with discovery (default: the bind address and gRPC port); "
                         "generation's token sockets bind its host")
     p.add_argument("--http-port", type=int,
-                   help="all: default 8000; scheduler: default the port after the "
-                        "deployment's last (README, Ports) (or scheduler_server.http_port); "
-                        "context/generation: the role's http_port, else HTTP off")
+                   help="tritonserver's HTTP port. scheduler: scheduler_server.http_port, else "
+                        "the first of the three ports after the deployment's last (its front's "
+                        "and the roles' urls'; README, Ports); all: 8000 (or as the scheduler "
+                        "with scheduler_server.url); context/generation: the role's http_port, "
+                        "else HTTP off")
     p.add_argument("--grpc-port", type=int,
-                   help="all: default 8001; scheduler: the next (or scheduler_server.grpc_port); "
+                   help="tritonserver's gRPC port. scheduler: scheduler_server.grpc_port, else "
+                        "the second of those three; all: 8001 (or as the scheduler); "
                         "context/generation: the port of the role's url, else 8001")
     p.add_argument("--metrics-port", type=int,
-                   help="all: default 8002; scheduler: the next (or "
-                        "scheduler_server.metrics_port); "
-                        "context/generation: the role's metrics_port, else metrics off")
+                   help="tritonserver's metrics port. scheduler: "
+                        "scheduler_server.metrics_port, else the third of those three; all: "
+                        "8002 (or as the scheduler); context/generation: the role's "
+                        "metrics_port, else metrics off")
     p.add_argument("--front-port", type=int,
                    help="the HTTP front's port: all/scheduler: OpenAI API, /v1/inference, "
                         "/healthz (default scheduler_server.front_port, else the port of "

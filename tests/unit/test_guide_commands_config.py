@@ -102,6 +102,26 @@ def test_the_guides_three_servers_share_one_host_on_its_ports(tmp_path):
         endpoints_for("scheduler", config, PortFlags(host="127.0.0.1", front=65534))
 
 
+def test_the_readmes_port_table_is_what_serve_opens(tmp_path, write):
+    """README "Ports": per server, the front's port and tritonserver's HTTP, gRPC and metrics
+    (the last number of a cell; "off": none) as serve opens them: serve all with a plain
+    config, the three roles with the guide's."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Ports\n", 1)[1].split("\n\n", 1)[0].strip()
+    shown = {}
+    for row in table.splitlines()[2:]:
+        server, *cells = [cell.strip() for cell in row.strip("|").split("|")]
+        shown[server.strip("`").split()[1]] = [
+            int(re.findall(r"\d+", cell)[-1]) if cell != "off" else None for cell in cells]
+    guide, plain = load_config(GUIDE, engine=_engine(tmp_path / "g")), load_config(write(OURS))
+    opened = {}
+    for role in ("all", "scheduler", "context", "generation"):
+        config = plain if role == "all" else guide
+        e = endpoints_for(role, config, PortFlags(host="127.0.0.1"))
+        opened[role] = [front_port(role, config, None), e.http_port, e.grpc_port, e.metrics_port]
+    assert shown == opened
+
+
 def test_served_model_name_from_the_config_or_the_flag(write, tmp_path):
     named = load_config(write(OURS.replace("{engine: engines/demo}",
                                            "{engine: engines/demo, name: deepseek-r1}")))
