@@ -130,6 +130,9 @@ def test_the_guides_text_as_written_on_one_host(demo_engine, tmp_path):
         assert reply.json()["text"] == offline(PROMPT, DEFAULT_MAX_TOKENS), reply.json()
         models = requests.get(f"http://127.0.0.1:{base + 2}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["deepseek-r1"], models
+        unnamed = requests.post(f"http://127.0.0.1:{base + 2}/v1/inference", timeout=60,
+                                json={"prompt": PROMPT, "model": demo_engine.name})
+        assert unnamed.status_code == 404, unnamed.text     # the served name replaced it
         assert "nv_inference_count" in servers.metrics(scheduler.metrics)
 
         status, body = servers.generate(scheduler.http, {"text_input": PROMPT, "max_tokens": 16})
