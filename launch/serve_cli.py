@@ -96,7 +96,7 @@ def register(subparsers) -> None:
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config.disagg import (default_config, load_config, served_model_name,
+    from triton_disagg.config.disagg import (check_model_name, default_config, load_config,
                                              with_overlap)
     from triton_disagg.config.host import check_host, with_gpus_flag
     from triton_disagg.config.values import parse_url
@@ -112,8 +112,8 @@ def load(args: argparse.Namespace):
     else:
         config = load_config(args.config, engine=args.engine)
     if args.served_model_name is not None:
-        config = replace(config, model_name=served_model_name(args.served_model_name,
-                                                              "--served-model-name"))
+        config = replace(config, model_name=check_model_name(args.served_model_name,
+                                                             "--served-model-name"))
     if args.gpus is not None:
         config = with_gpus_flag(config, args.role, args.gpus)
     if args.overlap_kv_transfer:

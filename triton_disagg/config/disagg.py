@@ -12,7 +12,8 @@ The deployment guide's format loads as written, plus the engine path::
 Extensions (all optional): ``model.name`` (the served model name: the id the OpenAI
 front's ``/v1/models`` lists and its ``model`` field must name, as vLLM's and
 trtllm-serve's ``--served-model-name``; default the engine directory's name;
-``serve --served-model-name`` replaces it), ``model.runtime: numpy | torch``, ``model.device: cpu | cuda``,
+``serve --served-model-name`` replaces it), ``model.runtime: numpy | torch``,
+``model.device: cpu | cuda``,
 ``model.dtype: float32 | bfloat16 | float16`` (left out: chosen on the serving host by
 :meth:`triton_disagg.engine.runtime.Runtime.default`; ``device: cuda`` on a host without
 a GPU is refused by :func:`~triton_disagg.config.host.check_host`), ``model.tensor_parallel_size: 1`` (nothing
@@ -30,7 +31,8 @@ before it ends in an error and generation is told to stop it; default 30); a
 for ``serve scheduler`` (``url``: where clients reach it, its HTTP front, the OpenAI API and
 ``/v1/inference``, as the guide's ``scheduler-node:8002``; ``front_port`` moves the front
 alone; ``http_port`` / ``grpc_port`` / ``metrics_port``: tritonserver's own; defaults
-in :mod:`launch.deploy` and :mod:`launch.front_process`; ``instances``: orchestrator instances, in ``serve all`` too; default 1; ``cpus``: the
+in :mod:`launch.deploy` and :mod:`launch.front_process`; ``instances``: orchestrator
+instances, in ``serve all`` too; default 1; ``cpus``: the
 front end's cores, in ``serve all`` too: tritonserver's own threads and the
 preprocessing and orchestrator stubs, which every orchestrator instance shares, so
 they are not split per instance; default :func:`~triton_disagg.config.host.front_cpus`);
@@ -261,14 +263,14 @@ def default_config(engine: str | Path) -> DisaggConfig:
     return parse_config({"model": {"engine": str(engine)}}, source="--engine")
 
 
-def served_model_name(value: Any, key: str) -> str:
+def check_model_name(value: Any, key: str) -> str:
     """``value`` checked as a served model name (``key`` names it in the error): a string of
     1 to ``MAX_MODEL_NAME`` printable characters without spaces, as clients put it in JSON
     and URLs (``/v1/models/{id}``)."""
     if (not isinstance(value, str) or not 0 < len(value) <= MAX_MODEL_NAME
             or not value.isprintable() or any(c.isspace() for c in value)):
-        raise UserError(f"{key}: {repr(value)[:40]} must be a name of 1 to {MAX_MODEL_NAME} printable "
-                        f"characters without spaces, e.g. deepseek-r1")
+        raise UserError(f"{key}: {repr(value)[:40]} must be a name of 1 to {MAX_MODEL_NAME} "
+                        f"printable characters without spaces, e.g. deepseek-r1")
     return value
 
 
@@ -291,7 +293,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
     engine = engine_flag.resolve() if engine_flag is not None else \
         (base_dir / str(model["engine"])).resolve()
     where = "--engine" if engine_flag is not None else "model.engine"
-    name = served_model_name(model["name"], "model.name") if "name" in model else None
+    name = check_model_name(model["name"], "model.name") if "name" in model else None
     if engine_here and not (engine / "engine.json").is_file():
         raise UserError(f"{where}: {engine} has no engine.json; build it with "
                         f"`triton-disagg build --checkpoint HF_CHECKPOINT_DIR --output {engine}` "

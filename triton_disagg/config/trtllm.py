@@ -6,7 +6,7 @@ Detected by its keys (:func:`is_trtllm`: any of ``hostname``, ``port``, ``backen
     hostname: localhost            # -> scheduler_server.url's host
     port: 8000                     # -> scheduler_server.url's port: the HTTP front's (OpenAI API)
     backend: pytorch               # our engine runs as built: a line says it is ignored
-    model: {engine: engines/demo}  # ours, required as in our format
+    model: {engine: engines/demo}  # ours, as in our format (or serve --engine)
     context_servers:    {num_instances: 1, urls: ["ctx-01:8001"]}
     generation_servers: {num_instances: 1, urls: ["gen-01:8002"], router: {type: load_balancing}}
     conditional_disagg_config: {max_local_prefill_length: 64}
@@ -15,7 +15,9 @@ Detected by its keys (:func:`is_trtllm`: any of ``hostname``, ``port``, ``backen
 ``hostname`` and ``port`` name the scheduler's HTTP front, as they name trtllm-serve's OpenAI
 server (``port`` default 8000, trtllm-serve's); its tritonserver's own ports follow the
 deployment's last (:func:`launch.deploy.triton_ports`: 8003-8005 beside context 8001 and
-generation 8002). Per section: ``urls`` (as many as ``num_instances``, as TensorRT-LLM checks) -> ``urls``;
+generation 8002).
+
+Per section: ``urls`` (as many as ``num_instances``, as TensorRT-LLM checks) -> ``urls``;
 ``router.type`` ``round_robin`` -> ``round_robin``, ``load_balancing`` -> ``least_loaded``;
 ``kv_cache_config.tokens_per_block`` -> ``tokens_per_block``; ``tensor_parallel_size`` /
 ``pipeline_parallel_size`` / ``context_parallel_size`` other than 1 are refused (one model
