@@ -5,6 +5,7 @@ given by ``--engine``) on one host: ``--gpus 0,1`` on this GPU-less host is one 
 naming the flag; without it the three serve, and the guide's verification request (``POST
 :8002/v1/inference``, model ``deepseek-r1``) gets the offline engine's text. A healthy start
 (the scheduler after its peers) and stop of the three logs no ERROR line.
+A TensorRT-LLM config's ``port`` is the OpenAI front's, as in trtllm-serve.
 
 Status codes, measured on Triton 2.51: through KServe ``infer`` of a non-decoupled ensemble
 a bad input is gRPC INVALID_ARGUMENT / HTTP 400 and a killed generation server gRPC
@@ -219,3 +220,23 @@ def test_kserve_infer_clients_get_the_status_code(demo_engine, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"{served.front}/v1/models", timeout=10)
         assert missing.value.code == 404
+
+
+def test_a_trtllm_configs_port_is_the_openai_fronts(demo_engine, tmp_path):
+    """TensorRT-LLM's ``hostname`` / ``port`` name the OpenAI server, as in trtllm-serve: ``serve
+    all`` of such a config answers ``/v1/completions`` on ``port``, its tritonserver on the
+    three ports after it."""
+    base = servers.free_port_run(4)
+    config = tmp_path / "disagg_config.yaml"
+    config.write_text(f"hostname: 127.0.0.1\nport: {base}\nbackend: pytorch\n"
+                      f"model: {{engine: {demo_engine}}}\n")
+    cmd = servers.cli_argv(["triton-disagg", "serve", "all", "-c", str(config),
+                            "--work-dir", str(tmp_path / "run")])
+    with servers.serve_command(cmd, tmp_path / "run", f"http://127.0.0.1:{base + 1}",
+                               f"127.0.0.1:{base + 2}") as served:
+        reply = requests.post(f"http://127.0.0.1:{base}/v1/completions", timeout=120, json={
+            "model": demo_engine.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == servers.offline_text(demo_engine)(PROMPT, 8)
+        status, body = servers.generate(served.http, {"text_input": PROMPT, "max_tokens": 8})
+        assert status == 200 and body["text_output"] == reply.json()["choices"][0]["text"]
