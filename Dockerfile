@@ -1,8 +1,10 @@
 # Two targets, the images `triton-disagg launch k8s --image` names (docs/deploy.md):
 #   docker build --target cpu -t triton-disagg:cpu .   embedded Triton from the nvidia-pytriton wheel
 #   docker build --target gpu -t triton-disagg:gpu .   NGC Triton with the TensorRT-LLM backend
-# Both serve the numpy reference engine on the CPU today: the gpu image only swaps in NGC's
-# tritonserver, ready for the TensorRT-LLM engines that builders/ does not produce yet.
+# Which runtime runs the engine is chosen where it serves (triton_disagg/engine/runtime.py,
+# Runtime.default, unless model.runtime/device say): the cpu image has no GPU build of torch
+# and runs it on the CPU (numpy, the CPU default; model.runtime: torch takes [cpu]'s torch);
+# the gpu image runs it with torch on CUDA (bfloat16) when the container sees a GPU.
 # Neither image downloads model weights: the cpu image carries the demo engine (seeded
 # random weights, built here) at /opt/triton-disagg/engines/demo; mount others at run time.
 #
@@ -10,7 +12,8 @@
 # backend keeps about 1 MiB per model instance there, and kv_cache.strategy host_memory
 # stages each context instance's whole KV pool (kv_cache.max_size) there too. Give
 # --shm-size of at least the context instances' max_size together plus 64 MB, e.g.
-#   docker run --rm --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 triton-disagg:cpu
+#   docker run --rm --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 8080:8080 triton-disagg:cpu
+# (8080: the HTTP front, OpenAI API and /v1/inference; README, "Ports")
 # (Kubernetes: the rendered pods mount an emptyDir of medium Memory at /dev/shm, sized so.)
 #
 # Every server role runs `triton-disagg serve ROLE ...` (the pods' command); the default
@@ -22,7 +25,10 @@ COPY . .
 # The official python image ships libpython3.11.so, which Triton's Python-backend stub
 # loads; `doctor` fails the build, with the fix, if the stub cannot start. Installed as a
 # user's `pip install` would (not editable): the model templates come from the package.
-RUN pip install --no-cache-dir . \
+# `.[cpu]`, with torch's CPU build from PyTorch's index first (on PyPI torch==2.13.0 is the
+# CUDA build, ~4 GB of CUDA libraries; README, "What each install pulls").
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+ && pip install --no-cache-dir ".[cpu]" \
  && triton-disagg doctor \
  && triton-disagg demo-checkpoint --output checkpoints/demo \
  && triton-disagg build --checkpoint checkpoints/demo --output engines/demo

@@ -13,6 +13,7 @@ DEMO_ENGINE := engines/demo
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
+FRONT_PORT   ?= 8080
 PYTEST_ARGS ?=
 
 .PHONY: venv install doctor test-tools demo test test-fast bench clean
@@ -65,10 +66,12 @@ $(DEMO_ENGINE)/engine.json: $(STAMP) builders/demo.py
 
 # Build the demo engine, generate once offline, then serve it disaggregated on Triton
 # (context on core 0, generation on core 1) until Ctrl-C. Ports: make demo HTTP_PORT=9000 ...
+# (all four: HTTP_PORT, GRPC_PORT, METRICS_PORT and FRONT_PORT, the OpenAI front's)
 demo: doctor $(DEMO_ENGINE)/engine.json
 	$(BIN)/triton-disagg run --engine $(DEMO_ENGINE) --text "The quick brown fox" --max-tokens 16
 	$(BIN)/triton-disagg serve all -c disagg_config.yaml \
-	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+	    --front-port $(FRONT_PORT)
 
 # Everything: tests/unit, tests/server (real tritonservers) and tests/cluster (root, netns,
 # etcd, Prometheus).

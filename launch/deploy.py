@@ -20,11 +20,18 @@ generation urls (each of a pool must leave from the same local address: the sock
 one), else, with discovery, the route to etcd's host, which every server of the
 deployment reaches too (127.0.0.1 when that peer is loopback).
 
-Ports: ``serve all`` and ``serve scheduler`` default to HTTP 8000, gRPC 8001,
-metrics 8002 (the scheduler's ``url``/``http_port``/``metrics_port`` in the
-config replace those defaults). ``serve context|generation`` takes its gRPC
-port from its ``url`` (that is where the scheduler dials) and opens HTTP and
-metrics only when given a port (flag or config).
+Ports (the scheme, README "Ports"; docs/deploy.md says why): clients call the scheduler's
+HTTP front (:mod:`.front_process`) on the port of ``scheduler_server.url``, 8002 by
+default, the deployment guide's scheduler port. Its tritonserver's own HTTP, gRPC and
+metrics ports (flag, else ``scheduler_server.http_port|grpc_port|metrics_port``) default to
+the three after the deployment's last port (:func:`triton_ports`): the front's and those of
+the context and generation urls, so the guide's three servers (context 8000, generation
+8001, scheduler 8002) share one host as written, its tritonserver on 8003-8005, and so do
+TensorRT-LLM's (front 8000, context 8001, generation 8002). ``serve all`` alone on a host
+keeps Triton's usual 8000 / 8001 / 8002 (tritonclient's and the client CLI's defaults) and
+its front on 8080, unless the config names ``scheduler_server.url``: then the scheduler's
+scheme. ``serve context|generation`` takes its gRPC port from its ``url`` (that is where
+the scheduler dials) and opens HTTP and metrics only when given a port (flag or config).
 """
 
 from __future__ import annotations
@@ -39,12 +46,15 @@ from triton_disagg.config.host import front_cpus
 from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
+from .front_process import front_port
 from .peers_gate import GateControl, check_before_start
 from triton_disagg.triton.render import render
 from triton_disagg.triton.stub_check import check_stub
 from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, server_env
 
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}   # serve all's tritonserver
+TRITON_KINDS = ("http", "grpc", "metrics")      # in the order they follow the last port
+MAX_PORT = 65535
 WILDCARDS = ("0.0.0.0", "::")
 
 
@@ -55,6 +65,21 @@ class PortFlags:
     grpc: int | None = None
     metrics: int | None = None
     advertise: str | None = None        # host:port, checked
+    front: int | None = None            # --front-port
+
+
+def triton_ports(role: str, config: DisaggConfig, front: int) -> dict[str, int]:
+    """Default tritonserver ports of ``serve all|scheduler`` whose HTTP front is on ``front``
+    (module docstring): the three after the last of ``front`` and the context and
+    generation urls' ports; ``DEFAULT_PORTS`` for ``serve all`` without a scheduler url."""
+    if role == "all" and config.scheduler.url is None:
+        return dict(DEFAULT_PORTS)
+    last = max([front, *(int(url.rsplit(":", 1)[1]) for peer in ("context", "generation")
+                         for url in config.server(peer).urls)])
+    if last + len(TRITON_KINDS) > MAX_PORT:
+        raise UserError(f"tritonserver's ports follow port {last}, past {MAX_PORT}; give "
+                        f"--http-port, --grpc-port and --metrics-port")
+    return {kind: last + 1 + i for i, kind in enumerate(TRITON_KINDS)}
 
 
 def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoints:
@@ -62,9 +87,10 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
     server = config.scheduler if front else config.server(role)
     host = flags.host or (_bind_host(server.host, role) if role != "all" and server.url else "127.0.0.1")
     if front:
-        grpc = flags.grpc or server.port or DEFAULT_PORTS["grpc"]
-        http = flags.http or server.http_port or DEFAULT_PORTS["http"]
-        metrics = flags.metrics or server.metrics_port or DEFAULT_PORTS["metrics"]
+        defaults = triton_ports(role, config, front_port(role, config, flags.front))
+        grpc = flags.grpc or server.grpc_port or defaults["grpc"]
+        http = flags.http or server.http_port or defaults["http"]
+        metrics = flags.metrics or server.metrics_port or defaults["metrics"]
     else:
         grpc = flags.grpc or server.port or DEFAULT_PORTS["grpc"]
         http = flags.http or server.http_port

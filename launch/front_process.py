@@ -6,11 +6,14 @@ all|scheduler`` with ``decoupled_mode: false``, since the whole front streams ev
 from the decoupled orchestrator.
 
 Port: ``--front-port``, else the role's ``front_port`` in the config (``scheduler_server`` for
-``serve all``), else ``DEFAULT_FRONT_PORTS``: 8080 for all and the scheduler (the deployment
-guide shows its scheduler on 8002, which here is Triton's metrics port, and 8000/8001 are
-Triton's HTTP and gRPC), 8081 for context and 8082 for generation, so the three roles of one
-host do not collide. It binds where tritonserver binds and calls tritonserver's gRPC port
-on this host. Its admission caps and timeouts are the config's ``front`` section
+``serve all``), else, for all and the scheduler, the port of ``scheduler_server.url`` (where
+clients reach the scheduler: the deployment guide's ``scheduler-node:8002``), else
+``DEFAULT_FRONT_PORTS``: 8002 for the scheduler (the guide's; its tritonserver's own ports
+move out of the way: :func:`launch.deploy.triton_ports`), 8080 for ``serve all`` (its
+tritonserver keeps 8000-8002), 8081 for context and 8082 for generation (their fronts answer
+``/healthz`` alone), so the roles of one host do not collide. It binds where tritonserver
+binds and calls tritonserver's gRPC port on this host.
+Its admission caps and timeouts are the config's ``front`` section
 (:mod:`triton_disagg.config.front_section`), passed as flags.
 
 Invariants: the port is checked free before anything starts (one error line); the process
@@ -32,15 +35,16 @@ from triton_disagg.triton.tritonserver import Endpoints
 
 from .process_group import terminate
 
-DEFAULT_FRONT_PORTS = {"all": 8080, "scheduler": 8080, "context": 8081, "generation": 8082}
-DEFAULT_FRONT_PORT = DEFAULT_FRONT_PORTS["scheduler"]
+DEFAULT_FRONT_PORTS = {"all": 8080, "scheduler": 8002, "context": 8081, "generation": 8082}
 STOP_GRACE_SECONDS = 10.0
 
 
 def front_port(role: str, config: DisaggConfig, flag: int | None) -> int:
-    """The front's port for ``serve role``: the flag, the config's key, the default."""
+    """The front's port for ``serve role``: the flag, the config's key, the scheduler's url
+    (all and scheduler), the default (module docstring)."""
     section = config.scheduler if role == "all" else config.server(role)
-    return flag or section.front_port or DEFAULT_FRONT_PORTS[role]
+    url_port = section.port if role in ("all", "scheduler") else None
+    return flag or section.front_port or url_port or DEFAULT_FRONT_PORTS[role]
 
 
 def health_only(role: str, config: DisaggConfig) -> bool:
@@ -67,10 +71,10 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host
     """Start the front on ``endpoints.host:port``, calling ``grpc_host``'s gRPC port; its log
     goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
     are (the orchestrator always, for the whole front); ``health_only``: its health-only
-    mode, else the whole front, whose model id is the engine directory's name."""
+    mode, else the whole front, whose model id is the config's served model name."""
     log = work_dir / "http_front.log"
     mode = ["--health-only"] if health_only else \
-        ["--engine", str(config.engine), "--model-name", config.engine.name]
+        ["--engine", str(config.engine), "--model-name", config.served_model_name]
     cmd = [sys.executable, "-m", "triton_disagg.front.http_front", *mode,
            "--models", ",".join(models), "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
            "--host", endpoints.host, "--port", str(port), "--log", str(log),

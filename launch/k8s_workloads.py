@@ -36,15 +36,17 @@ from triton_disagg.kv.connector import strategy as kv_strategy
 from triton_disagg.kv.secret import SECRET_ENV
 
 from .drain import DRAIN_SECONDS, NOTICE_SECONDS
-from .front_process import DEFAULT_FRONT_PORT
+from .front_process import DEFAULT_FRONT_PORTS
 from .serve_argv import serve_argv
 from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 
 CONFIG_DIR = "/etc/triton-disagg"
 CONFIG_PATH = f"{CONFIG_DIR}/disagg_config.yaml"
 ENGINES_DIR = "/engines"
-# "front": the role's HTTP front (the scheduler's: the OpenAI API; every role's: /healthz)
-PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002, "front": DEFAULT_FRONT_PORT},
+# "front": the role's HTTP front (the scheduler's: the OpenAI API; every role's: /healthz);
+# the scheduler's pod alone in its network namespace takes serve all's ports
+PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002,
+                       "front": DEFAULT_FRONT_PORTS["all"]},
          "context": {"http": 8010, "grpc": 8011, "metrics": 8012, "front": 8013},
          "generation": {"http": 8020, "grpc": 8021, "metrics": 8022, "front": 8023}}
 SHORT = {"scheduler": "sch", "context": "ctx", "generation": "gen"}
@@ -114,7 +116,8 @@ def pod_config(raw: dict, config: DisaggConfig) -> dict:
     as the device plugin shows them); no ``kubernetes`` section. Everything else as given."""
     k8s = config.kubernetes
     out = {key: value for key, value in raw.items() if key != "kubernetes"}
-    out["model"] = {"engine": f"{ENGINES_DIR}/{k8s.engine_path or config.engine.name}"}
+    out["model"] = {"engine": f"{ENGINES_DIR}/{k8s.engine_path or config.engine.name}",
+                    "name": config.served_model_name}
     for role in ("context", "generation"):
         server = config.server(role)
         section = {k: v for k, v in (raw.get(f"{role}_server") or {}).items() if k not in _PLACED}

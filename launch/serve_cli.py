@@ -45,6 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("role", choices=ROLES)
     p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
     p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id clients send to the OpenAI front and /v1/inference "
+                        "(replaces model.name; default the engine directory's name)")
     p.add_argument("--gpus", metavar="0,1",
                    help="context/generation: the GPUs of the role's instances, one instance "
                         "per GPU (replaces the role's gpus:, cpus: and instances:)")
@@ -54,17 +57,24 @@ def register(subparsers) -> None:
                         "in etcd with discovery (default: the bind address and gRPC port); "
                         "generation's token sockets bind its host")
     p.add_argument("--http-port", type=int,
-                   help="default 8000 for all/scheduler (or scheduler_server.http_port); "
-                        "context/generation: the role's http_port, else HTTP off")
+                   help="tritonserver's HTTP port. scheduler: scheduler_server.http_port, else "
+                        "the first of the three ports after the deployment's last (its front's "
+                        "and the roles' urls'; README, Ports); all: 8000 (or as the scheduler "
+                        "with scheduler_server.url); context/generation: the role's http_port, "
+                        "else HTTP off")
     p.add_argument("--grpc-port", type=int,
-                   help="default 8001 for all/scheduler (or scheduler_server.url's port); "
+                   help="tritonserver's gRPC port. scheduler: scheduler_server.grpc_port, else "
+                        "the second of those three; all: 8001 (or as the scheduler); "
                         "context/generation: the port of the role's url, else 8001")
     p.add_argument("--metrics-port", type=int,
-                   help="default 8002 for all/scheduler (or scheduler_server.metrics_port); "
-                        "context/generation: the role's metrics_port, else metrics off")
+                   help="tritonserver's metrics port. scheduler: "
+                        "scheduler_server.metrics_port, else the third of those three; all: "
+                        "8002 (or as the scheduler); context/generation: the role's "
+                        "metrics_port, else metrics off")
     p.add_argument("--front-port", type=int,
                    help="the HTTP front's port: all/scheduler: OpenAI API, /v1/inference, "
-                        "/healthz (default scheduler_server.front_port, else 8080); "
+                        "/healthz (default scheduler_server.front_port, else the port of "
+                        "scheduler_server.url, else 8080 for all and 8002 for the scheduler); "
                         "context/generation: /healthz (default the role's front_port, else "
                         "8081 / 8082)")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
@@ -88,7 +98,8 @@ def register(subparsers) -> None:
 def load(args: argparse.Namespace):
     from dataclasses import replace
 
-    from triton_disagg.config.disagg import default_config, load_config, with_overlap
+    from triton_disagg.config.disagg import (check_model_name, default_config, load_config,
+                                             with_overlap)
     from triton_disagg.config.host import check_host, with_gpus_flag
     from triton_disagg.config.values import parse_url
     from triton_disagg.engine.capacity import check_kv_capacity
@@ -101,9 +112,10 @@ def load(args: argparse.Namespace):
                             "generation servers (urls, or discovery through etcd)")
         config = default_config(args.engine)
     else:
-        config = load_config(args.config)
-        if args.engine is not None:
-            config = replace(config, engine=default_config(args.engine).engine)
+        config = load_config(args.config, engine=args.engine)
+    if args.served_model_name is not None:
+        config = replace(config, model_name=check_model_name(args.served_model_name,
+                                                             "--served-model-name"))
     if args.gpus is not None:
         config = with_gpus_flag(config, args.role, args.gpus)
     if args.overlap_kv_transfer:
@@ -144,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     config = load(args)
     _log_format(args.log_format, args.role)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,
-                      args.advertise)
+                      args.advertise, args.front_port)
     endpoints = endpoints_for(args.role, config, flags)
     advertised = advertised_url(args.role, config, endpoints, flags)
     token = token_host(args.role, config, advertised)
@@ -308,7 +320,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
         if not health_only(role, config):
             lines.append(f"  curl -s http://{shown}:{front}/v1/completions -H 'Content-Type: "
-                         f"application/json' -d '{{\"model\": \"{config.engine.name}\", "
+                         f"application/json' -d '{{\"model\": \"{config.served_model_name}\", "
                          f"\"prompt\": \"The quick brown fox\", \"max_tokens\": 20}}'")
     elif registration is not None:
         lines.append(f"  advertised {advertised}")

@@ -1,9 +1,11 @@
-"""The deployment guide's three commands, run as written (``triton-disagg serve
-context|generation|scheduler -c disagg_config.yaml``, from the config's folder) against a
-config that names an engine: ``--gpus 0,1`` on this GPU-less host is one error line naming
-the flag; without it the three serve, and the guide's verification prompt, sent through the
-ensemble (until the HTTP front lands), gets the offline engine's text. A healthy start (the
-scheduler after its peers) and stop of the three logs no ERROR line.
+"""The deployment guide's text run as written: its ``disagg_config.yaml``
+(tests/support/guide_disagg_config.yaml), its three commands (``triton-disagg serve
+context|generation|scheduler -c disagg_config.yaml``, from the config's folder, the engine
+given by ``--engine``) on one host: ``--gpus 0,1`` on this GPU-less host is one error line
+naming the flag; without it the three serve, and the guide's verification request (``POST
+:8002/v1/inference``, model ``deepseek-r1``) gets the offline engine's text. A healthy start
+(the scheduler after its peers) and stop of the three logs no ERROR line.
+A TensorRT-LLM config's ``port`` is the OpenAI front's, as in trtllm-serve.
 
 Status codes, measured on Triton 2.51: through KServe ``infer`` of a non-decoupled ensemble
 a bad input is gRPC INVALID_ARGUMENT / HTTP 400 and a killed generation server gRPC
@@ -14,17 +16,23 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 
 import servers
 from config_files import three_roles_config
 from servers import grpc_inputs, wait_until
 
 PROMPT = "Hello, world!"
+GUIDE_CONFIG = Path(__file__).resolve().parents[1] / "support" / "guide_disagg_config.yaml"
+GUIDE_BASE = 8000                # the guide's first port (context); its range is 8000-8005
+DEFAULT_MAX_TOKENS = 16          # /v1/inference's without max_tokens (OpenAI completions')
 
 
 def _stream_error(grpc: str, inputs: dict) -> tuple[str | None, str] | None:
@@ -66,19 +74,33 @@ def _kill(served: servers.Served) -> None:
     wait_until(lambda: not servers.processes_under(served.work_dir), 30, "the killed server gone")
 
 
-def test_the_guides_commands_as_written(demo_engine, tmp_path):
-    ctx, gen, grpc, http, metrics, *fronts = servers.free_ports(8)
-    (tmp_path / "disagg_config.yaml").write_text(
-        f"model: {{engine: {demo_engine}}}\n"
-        f"context_server:    {{url: \"127.0.0.1:{ctx}\", cpus: [0], front_port: {fronts[0]}}}\n"
-        f"generation_server: {{url: \"127.0.0.1:{gen}\", cpus: [1], front_port: {fronts[1]}}}\n"
-        f"scheduler_server:  {{url: \"127.0.0.1:{grpc}\", http_port: {http}, "
-        f"metrics_port: {metrics}, front_port: {fronts[2]}}}\n"
-        "kv_cache: {strategy: direct_transfer, max_size: 64MB}\n")
+def _the_guides_config_here(base: int) -> str:
+    """The guide's disagg_config.yaml on this host: its hosts 127.0.0.1, its ports 8000-8005
+    moved to ``base``.. in the same pattern, and, on this host without GPUs, one core per
+    role in place of its GPUs."""
+    text = "".join(line for line in GUIDE_CONFIG.read_text().splitlines(keepends=True)
+                   if not line.startswith("#"))
+    for host in ("context-server-01", "generation-server-01", "scheduler-node"):
+        text = text.replace(f"{host}:", "127.0.0.1:")
+    text = re.sub(r":(800[0-5])\b", lambda m: f":{base + int(m.group(1)) - GUIDE_BASE}", text)
+    text = text.replace("gpus: [0, 1]", "cpus: [0]").replace("gpus: [2, 3]", "cpus: [1]")
+    assert "800" not in text and "gpus" not in text and "-server-" not in text, text
+    return text
+
+
+def test_the_guides_text_as_written_on_one_host(demo_engine, tmp_path):
+    """The guide's config (tests/support/guide_disagg_config.yaml: no ``model:``, the engine
+    given by ``--engine``), its three ``serve`` commands and its verification request
+    ``POST <scheduler>:8002/v1/inference`` with model ``deepseek-r1`` (the served model name)
+    answer the offline engine's text; ports 8000-8005 moved to base..base+5, and the scheme
+    checked: context and generation on their urls' ports (base, base+1), the scheduler's
+    front on its url's (base+2), its tritonserver's HTTP, gRPC and metrics on base+3..+5."""
+    base = servers.free_port_run(6)
+    (tmp_path / "disagg_config.yaml").write_text(_the_guides_config_here(base))
 
     def guide(role: str, *extra: str) -> list[str]:
         return servers.cli_argv(["triton-disagg", "serve", role, "-c", "disagg_config.yaml",
-                                 *extra])
+                                 "--engine", str(demo_engine), *extra])
 
     refused = subprocess.run(guide("context", "--gpus", "0,1"), cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
@@ -87,15 +109,35 @@ def test_the_guides_commands_as_written(demo_engine, tmp_path):
     assert "--gpus 0,1" in line and "no GPUs" in line, line
 
     offline = servers.offline_text(demo_engine)
-    roles = [("context", f"127.0.0.1:{ctx}", None), ("generation", f"127.0.0.1:{gen}", None),
-             ("scheduler", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}")]
-    commands = [(guide(role), tmp_path / "work" / role, url_http, url_grpc, None)
-                for role, url_grpc, url_http in roles]
+    # the health fronts of context and generation default to 8081 / 8082: free ones here
+    health = servers.free_ports(2)
+    commands = [(guide("context", "--front-port", str(health[0])), tmp_path / "work" / "context",
+                 None, f"127.0.0.1:{base}", None),
+                (guide("generation", "--front-port", str(health[1])),
+                 tmp_path / "work" / "generation", None, f"127.0.0.1:{base + 1}", None),
+                (guide("scheduler", "--served-model-name", "deepseek-r1"),
+                 tmp_path / "work" / "scheduler", f"http://127.0.0.1:{base + 3}",
+                 f"127.0.0.1:{base + 4}", f"http://127.0.0.1:{base + 5}")]
     with servers.serve_commands(commands[:2], cwd=tmp_path) as (context, generation), \
             servers.serve_commands(commands[2:], cwd=tmp_path) as (scheduler,):
+        banner = scheduler.log.read_text()
+        for shown in (f"HTTP     http://127.0.0.1:{base + 3}", f"gRPC     127.0.0.1:{base + 4}",
+                      f"metrics  http://127.0.0.1:{base + 5}/metrics",
+                      f"front    http://127.0.0.1:{base + 2}"):
+            assert shown in banner, banner
+        reply = requests.post(f"http://127.0.0.1:{base + 2}/v1/inference", timeout=120,
+                              json={"prompt": PROMPT, "model": "deepseek-r1"})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["text"] == offline(PROMPT, DEFAULT_MAX_TOKENS), reply.json()
+        models = requests.get(f"http://127.0.0.1:{base + 2}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["deepseek-r1"], models
+        unnamed = requests.post(f"http://127.0.0.1:{base + 2}/v1/inference", timeout=60,
+                                json={"prompt": PROMPT, "model": demo_engine.name})
+        assert unnamed.status_code == 404, unnamed.text     # the served name replaced it
+        assert "nv_inference_count" in servers.metrics(scheduler.metrics)
+
         status, body = servers.generate(scheduler.http, {"text_input": PROMPT, "max_tokens": 16})
         assert status == 200 and body["text_output"] == offline(PROMPT, 16), body
-
         status, body = servers.generate(scheduler.http, {"text_input": PROMPT, "max_tokens": 0})
         assert status == 400 and "max_tokens" in body["error"], (status, body)
         status, message = _stream_error(scheduler.grpc, _inputs(PROMPT, 0))
@@ -178,3 +220,23 @@ def test_kserve_infer_clients_get_the_status_code(demo_engine, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"{served.front}/v1/models", timeout=10)
         assert missing.value.code == 404
+
+
+def test_a_trtllm_configs_port_is_the_openai_fronts(demo_engine, tmp_path):
+    """TensorRT-LLM's ``hostname`` / ``port`` name the OpenAI server, as in trtllm-serve: ``serve
+    all`` of such a config answers ``/v1/completions`` on ``port``, its tritonserver on the
+    three ports after it."""
+    base = servers.free_port_run(4)
+    config = tmp_path / "disagg_config.yaml"
+    config.write_text(f"hostname: 127.0.0.1\nport: {base}\nbackend: pytorch\n"
+                      f"model: {{engine: {demo_engine}}}\n")
+    cmd = servers.cli_argv(["triton-disagg", "serve", "all", "-c", str(config),
+                            "--work-dir", str(tmp_path / "run")])
+    with servers.serve_command(cmd, tmp_path / "run", f"http://127.0.0.1:{base + 1}",
+                               f"127.0.0.1:{base + 2}") as served:
+        reply = requests.post(f"http://127.0.0.1:{base}/v1/completions", timeout=120, json={
+            "model": demo_engine.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == servers.offline_text(demo_engine)(PROMPT, 8)
+        status, body = servers.generate(served.http, {"text_input": PROMPT, "max_tokens": 8})
+        assert status == 200 and body["text_output"] == reply.json()["choices"][0]["text"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,34 +84,51 @@ def _run_front_curls(served: servers.Served, model: str, expected: str) -> None:
             assert json.loads(out.stdout) == {"status": "ok"}
 
 
+def _three_roles_here(base: int, health: list[int]) -> str:
+    """examples/three_roles.yaml with its ports 8000-8002 moved to ``base``.. (its scheduler's
+    tritonserver follows: base+3..+5) and the context's and generation's health fronts
+    (8081 / 8082 by default) on ``health``: fixed ports may be taken on a shared host."""
+    text = (ROOT / "examples" / "three_roles.yaml").read_text()
+    text = re.sub(r"localhost:(800[0-2])", lambda m: f"localhost:{base + int(m.group(1)) - 8000}",
+                  text)
+    for role, port in zip(("context", "generation"), health):
+        text = re.sub(rf"^({role}_server: +{{.*)}}$", rf"\1, front_port: {port}}}", text,
+                      flags=re.M)
+    assert text.count("front_port:") == 2, text
+    return text
+
+
 def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_path):
-    """The README's three commands, run as written from a checkout with engines/demo built
-    (the scheduler on the README's ports 8000/8001), against `serve all`'s text."""
+    """The README's three commands, run as written from a checkout with engines/demo built,
+    against `serve all`'s text; examples/three_roles.yaml's ports (the guide's 8000-8002, the
+    scheduler's tritonserver on 8003-8005) moved to free ones in the same pattern."""
     commands = re.findall(r"^\.venv/bin/triton-disagg (serve \w+ +-c examples/three_roles\.yaml)",
                           README, re.M)
     assert [c.split()[1] for c in commands] == ["context", "generation", "scheduler"]
+    base = servers.free_port_run(6)
     (tmp_path / "examples").mkdir()
-    shutil.copy(ROOT / "examples" / "three_roles.yaml", tmp_path / "examples")
+    (tmp_path / "examples" / "three_roles.yaml").write_text(
+        _three_roles_here(base, servers.free_ports(2)))
     (tmp_path / "engines").mkdir()
     (tmp_path / "engines" / "demo").symlink_to(demo_engine)
     prompts = [PROMPT, servers.PROMPTS[1]]
     with servers.serve("all", ["--engine", str(demo_engine)], tmp_path / "all") as served:
         reference = [servers.generate(served.http, {"text_input": p, "max_tokens": MAX_TOKENS})[1]
                      ["text_output"] for p in prompts]
+    http, grpc = f"http://127.0.0.1:{base + 3}", f"127.0.0.1:{base + 4}"
     with contextlib.ExitStack() as stack:
         for command in commands:
             role = command.split()[1]
             stack.enter_context(servers.serve_command(
                 [sys.executable, "-m", "triton_disagg.cli", *command.split()],
-                tmp_path / "work" / role, "http://127.0.0.1:8000", "127.0.0.1:8001", cwd=tmp_path))
+                tmp_path / "work" / role, http, grpc, cwd=tmp_path))
         for prompt, text in zip(prompts, reference):
-            status, body = servers.generate("http://127.0.0.1:8000",
-                                            {"text_input": prompt, "max_tokens": MAX_TOKENS})
+            status, body = servers.generate(http, {"text_input": prompt, "max_tokens": MAX_TOKENS})
             assert status == 200 and body["text_output"] == text, body
-        deltas = servers.grpc_stream("127.0.0.1:8001", prompts[1], MAX_TOKENS)
+        deltas = servers.grpc_stream(grpc, prompts[1], MAX_TOKENS)
         assert "".join(deltas) == reference[1]
-        # the guide's verification request, on the scheduler's HTTP front (default port)
-        reply = requests.post("http://127.0.0.1:8080/v1/inference", timeout=60, json={
+        # the guide's verification request, on the scheduler's HTTP front (its url's port)
+        reply = requests.post(f"http://127.0.0.1:{base + 2}/v1/inference", timeout=60, json={
             "prompt": PROMPT, "model": demo_engine.name, "max_tokens": MAX_TOKENS})
         assert reply.status_code == 200 and reply.json()["text"] == reference[0], reply.text
 

@@ -117,7 +117,7 @@ def test_advertised_address_and_token_hosts(config):
                                               urls=("127.0.0.1:9002", "localhost:9003")))
     assert token_host("scheduler", pool, None) == "127.0.0.1"        # the same route to each
     args = argparse.Namespace(role="all", config=None, engine=config.engine, advertise="a:1",
-                              gpus=None, overlap_kv_transfer=False)
+                              gpus=None, overlap_kv_transfer=False, served_model_name=None)
     with pytest.raises(UserError, match="--advertise: serve all advertises nothing"):
         serve_cli.load(args)
 
@@ -161,7 +161,7 @@ def test_a_scheduler_without_servers_to_route_to_is_one_line(tmp_path, yaml, wor
     path = tmp_path / "disagg_config.yaml"
     path.write_text(f"model: {{engine: {tmp_path}}}\n{yaml}")
     args = argparse.Namespace(role="scheduler", config=path, engine=None, advertise=None,
-                              gpus=None, overlap_kv_transfer=False)
+                              gpus=None, overlap_kv_transfer=False, served_model_name=None)
     with pytest.raises(UserError) as err:
         serve_cli.load(args)
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value

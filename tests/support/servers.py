@@ -39,6 +39,25 @@ def cli_argv(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "triton_disagg.cli", *argv[1:]]
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive ports free on loopback now, for a deployment's
+    ports moved in their pattern (the guide's 8000-8005 may be taken on a shared host)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - count)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise AssertionError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 @dataclass
 class Served:
     process: subprocess.Popen

@@ -11,8 +11,8 @@ import pytest
 from config_files import assert_one_line_error, config_writer
 from triton_disagg.config.disagg import load_config
 from triton_disagg.errors import UserError
-from triton_disagg.launch.front_process import (DEFAULT_FRONT_PORT, check_front_port, front_port,
-                                                health_only)
+from triton_disagg.launch.deploy import PortFlags, endpoints_for
+from triton_disagg.launch.front_process import check_front_port, front_port, health_only
 from triton_disagg.triton.tritonserver import Endpoints
 
 ENGINE = "model: {engine: engines/demo}\n"
@@ -23,24 +23,39 @@ def write(tmp_path):
     return config_writer(tmp_path, ENGINE)
 
 
-def test_flag_then_config_then_default(write):
+def test_flag_then_config_then_url_then_default(write):
     plain = load_config(write(""))
-    keyed = load_config(write("scheduler_server: {front_port: 9090}\n"))
-    assert front_port("all", plain, None) == DEFAULT_FRONT_PORT == 8080
+    keyed = load_config(write("scheduler_server: {front_port: 9090, url: \"localhost:9191\"}\n"))
+    at_url = load_config(write("scheduler_server: {url: \"localhost:9191\"}\n"))
+    assert front_port("all", plain, None) == 8080          # serve all: Triton keeps 8000-8002
+    assert front_port("scheduler", plain, None) == 8002    # the guide's scheduler port
     assert front_port("scheduler", keyed, None) == 9090
     assert front_port("all", keyed, 7070) == 7070
+    assert front_port("scheduler", at_url, None) == front_port("all", at_url, None) == 9191
+
+
+def test_serve_alls_tritonserver_keeps_its_ports_unless_the_scheduler_has_a_url(write):
+    plain = load_config(write(""))
+    at_url = load_config(write("scheduler_server: {url: \"localhost:9191\"}\n"))
+    assert endpoints_for("all", plain, PortFlags()) == Endpoints("127.0.0.1", 8000, 8001, 8002)
+    assert endpoints_for("scheduler", plain, PortFlags()).http_port == 8003
+    assert endpoints_for("all", at_url, PortFlags()) == Endpoints("127.0.0.1", 9192, 9193, 9194)
+    keyed = load_config(write("scheduler_server: {url: \"localhost:9191\", grpc_port: 7001, "
+                              "http_port: 7000}\n"))
+    assert endpoints_for("scheduler", keyed, PortFlags(metrics=7002)) == \
+        Endpoints("127.0.0.1", 7000, 7001, 7002)
 
 
 def test_every_role_has_a_front_on_ports_that_do_not_collide_on_one_host(write):
     plain = load_config(write(""))
     defaults = {role: front_port(role, plain, None) for role in ("scheduler", "context",
                                                                   "generation")}
-    assert defaults == {"scheduler": 8080, "context": 8081, "generation": 8082}
+    assert defaults == {"scheduler": 8002, "context": 8081, "generation": 8082}
     keyed = load_config(write("context_server: {front_port: 9091}\n"
                               "generation_server: {front_port: 9092}\n"))
     assert front_port("context", keyed, None) == 9091
     assert front_port("generation", keyed, 7070) == 7070
-    assert front_port("all", keyed, None) == DEFAULT_FRONT_PORT     # the scheduler's key
+    assert front_port("all", keyed, None) == 8080     # the scheduler's key, none here
 
 
 def test_health_only_for_context_generation_and_without_decoupled_mode(write):
@@ -51,9 +66,10 @@ def test_health_only_for_context_generation_and_without_decoupled_mode(write):
 
 
 @pytest.mark.parametrize("value", ["0", "70000", "'8080'"])
-def test_bad_front_port_is_one_line(write, value):
-    assert_one_line_error(write(f"scheduler_server: {{front_port: {value}}}\n"),
-                          ["scheduler_server.front_port", "port number"])
+@pytest.mark.parametrize("key", ["front_port", "grpc_port"])
+def test_bad_front_port_is_one_line(write, value, key):
+    assert_one_line_error(write(f"scheduler_server: {{{key}: {value}}}\n"),
+                          [f"scheduler_server.{key}", "port number"])
 
 
 @pytest.mark.parametrize("role", ["context", "generation"])

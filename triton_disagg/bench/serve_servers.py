@@ -85,7 +85,8 @@ def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
         yield Served(mode, f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}",
                      f"http://127.0.0.1:{metrics}", server.log_path, server.process.pid,
                      config.scheduler.cpus,
-                     f"http://127.0.0.1:{front_port}" if openai else None, config.engine.name)
+                     f"http://127.0.0.1:{front_port}" if openai else None,
+                     config.served_model_name)
     finally:
         if proc is not None:
             stop_front(proc)

@@ -7,7 +7,13 @@ The deployment guide's format loads as written, plus the engine path::
     generation_server: {url: "generation-server-01:8001", gpus: [2, 3]}
     kv_cache: {strategy: direct_transfer, max_size: 2GB}
 
-Extensions (all optional): ``model.runtime: numpy | torch``, ``model.device: cpu | cuda``,
+``model.engine`` may be left out when ``serve --engine DIR`` names the engine
+(:func:`load_config`'s ``engine``), so the guide's file loads as written.
+Extensions (all optional): ``model.name`` (the served model name: the id the OpenAI
+front's ``/v1/models`` lists and its ``model`` field must name, as vLLM's and
+trtllm-serve's ``--served-model-name``; default the engine directory's name;
+``serve --served-model-name`` replaces it), ``model.runtime: numpy | torch``,
+``model.device: cpu | cuda``,
 ``model.dtype: float32 | bfloat16 | float16`` (left out: chosen on the serving host by
 :meth:`triton_disagg.engine.runtime.Runtime.default`; ``device: cuda`` on a host without
 a GPU is refused by :func:`~triton_disagg.config.host.check_host`), ``model.tensor_parallel_size: 1`` (nothing
@@ -21,9 +27,12 @@ port of its HTTP front: ``/healthz``; :mod:`launch.front_process`);
 ``generation_server.stream_interval`` (decode steps per streamed response),
 ``generation_server.stall_seconds`` (how long a request's token stream may stay silent
 before it ends in an error and generation is told to stop it; default 30); a
-``scheduler_server: {url, http_port, metrics_port, front_port, instances, cpus}`` for
-``serve scheduler`` (``front_port``: the HTTP front's, the OpenAI API, in ``serve all`` too;
-default 8080; ``instances``: orchestrator instances, in ``serve all`` too; default 1; ``cpus``: the
+``scheduler_server: {url, http_port, grpc_port, metrics_port, front_port, instances, cpus}``
+for ``serve scheduler`` (``url``: where clients reach it, its HTTP front, the OpenAI API and
+``/v1/inference``, as the guide's ``scheduler-node:8002``; ``front_port`` moves the front
+alone; ``http_port`` / ``grpc_port`` / ``metrics_port``: tritonserver's own; defaults
+in :mod:`launch.deploy` and :mod:`launch.front_process`; ``instances``: orchestrator
+instances, in ``serve all`` too; default 1; ``cpus``: the
 front end's cores, in ``serve all`` too: tritonserver's own threads and the
 preprocessing and orchestrator stubs, which every orchestrator instance shares, so
 they are not split per instance; default :func:`~triton_disagg.config.host.front_cpus`);
@@ -79,9 +88,10 @@ ROUTERS = ("least_loaded", "round_robin")      # the first is the default
 KV_DTYPES = ("float32", "float16")
 _SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
                 "http_port", "metrics_port", "front_port", "router"}
-_SCHEDULER_KEYS = {"url", "http_port", "metrics_port", "front_port", "instances", "cpus",
-                   "max_concurrent_requests"}
+_SCHEDULER_KEYS = {"url", "http_port", "grpc_port", "metrics_port", "front_port", "instances",
+                   "cpus", "max_concurrent_requests"}
 MAX_CONCURRENT_REQUESTS = 256        # per orchestrator instance (scheduler_server)
+MAX_MODEL_NAME = 256                # characters of a served model name
 PLACED_ROLES = ("context", "generation", "scheduler")   # the roles that take cpus
 GENERATION_DEFAULT_INSTANCES = 2     # when generation_server.cpus has room for them
 
@@ -92,7 +102,9 @@ class ServerConfig:
     (contiguous chunks); with ``gpus`` there is one instance per GPU. The scheduler's
     ``cpus`` are the front end's and are shared by its instances, never split."""
 
-    url: str | None = None              # "host:port" of the role's gRPC endpoint
+    # "host:port": context/generation: the role's gRPC endpoint (where the scheduler dials);
+    # scheduler: its HTTP front (where clients call)
+    url: str | None = None
     # The static pool, each "host:port"; (url,) when url is given. With one entry, url is it.
     urls: tuple[str, ...] = ()
     gpus: tuple[int, ...] = ()
@@ -101,6 +113,7 @@ class ServerConfig:
     tokens_per_block: int | None = None  # None: the engine's KV layout
     kv_dtype: str | None = None
     http_port: int | None = None
+    grpc_port: int | None = None        # scheduler_server only (the others': their url's)
     metrics_port: int | None = None
     front_port: int | None = None       # the HTTP front (the scheduler's: OpenAI API; all: /healthz)
     # Streaming: a response every this many decode steps (the first token and the last
@@ -165,17 +178,25 @@ class DisaggConfig:
     runtime: str | None = None
     device: str | None = None
     dtype: str | None = None
+    model_name: str | None = None       # model.name / --served-model-name; None: the engine's
     source: str = "<defaults>"          # where it was loaded from, for messages
+
+    @property
+    def served_model_name(self) -> str:
+        """The model id clients send: ``model.name``, else the engine directory's name."""
+        return self.model_name or self.engine.name
 
     def server(self, role: str) -> ServerConfig:
         return {"context": self.context, "generation": self.generation,
                 "scheduler": self.scheduler}[role]
 
 
-def load_config(path: str | Path, engine_here: bool = True) -> DisaggConfig:
+def load_config(path: str | Path, engine_here: bool = True,
+                engine: Path | None = None) -> DisaggConfig:
     """Read and validate a disagg_config.yaml (see the module docstring). ``engine_here``
     False: ``model.engine`` need not exist on this host (``launch k8s`` renders for a
-    cluster whose engine lives in a volume)."""
+    cluster whose engine lives in a volume). ``engine`` (``serve --engine``) replaces
+    ``model.engine``, which the file may then leave out (and ``model:`` with it)."""
     import yaml
 
     path = Path(path)
@@ -188,7 +209,8 @@ def load_config(path: str | Path, engine_here: bool = True) -> DisaggConfig:
         where = f" line {mark.line + 1}" if mark else ""
         raise UserError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
     raw = _from_trtllm_format(raw, str(path))
-    return parse_config(raw, base_dir=path.parent, source=str(path), engine_here=engine_here)
+    return parse_config(raw, base_dir=path.parent, source=str(path), engine_here=engine_here,
+                        engine=engine)
 
 
 def with_overlap(config: DisaggConfig, what: str = "--overlap_kv_transfer") -> DisaggConfig:
@@ -239,10 +261,11 @@ def _from_trtllm_format(raw: Any, source: str) -> Any:
 
 
 def parse_config(raw: Any, base_dir: Path = Path("."), source: str = "<config>",
-                 engine_here: bool = True) -> DisaggConfig:
-    """Validate an already-parsed YAML mapping; messages start with ``source``."""
+                 engine_here: bool = True, engine: Path | None = None) -> DisaggConfig:
+    """Validate an already-parsed YAML mapping; messages start with ``source``; ``engine``:
+    as :func:`load_config` takes it."""
     try:
-        return _parse(raw, base_dir, source, engine_here)
+        return _parse(raw, base_dir, source, engine_here, engine)
     except UserError as exc:
         raise UserError(f"{source}: {exc}") from None
 
@@ -252,24 +275,39 @@ def default_config(engine: str | Path) -> DisaggConfig:
     return parse_config({"model": {"engine": str(engine)}}, source="--engine")
 
 
-def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggConfig:
+def check_model_name(value: Any, key: str) -> str:
+    """``value`` checked as a served model name (``key`` names it in the error): a string of
+    1 to ``MAX_MODEL_NAME`` printable characters without spaces, as clients put it in JSON
+    and URLs (``/v1/models/{id}``)."""
+    if (not isinstance(value, str) or not 0 < len(value) <= MAX_MODEL_NAME
+            or not value.isprintable() or any(c.isspace() for c in value)):
+        raise UserError(f"{key}: {repr(value)[:40]} must be a name of 1 to {MAX_MODEL_NAME} "
+                        f"printable characters without spaces, e.g. deepseek-r1")
+    return value
+
+
+def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
+           engine_flag: Path | None) -> DisaggConfig:
     top = mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
                                       "generation_server", "scheduler_server", "kv_cache",
                                       "discovery", "kubernetes", "front"})
-    model = mapping(top.get("model"), "model", {"engine", "runtime", "device", "dtype",
-                                                "tensor_parallel_size"}, required=True,
+    model = mapping(top.get("model"), "model", {"engine", "name", "runtime", "device", "dtype",
+                                                "tensor_parallel_size"},
                     like="engine: engines/demo")
     check_choice(model.get("runtime"), model.get("device"), model.get("dtype"))
     tp = model.get("tensor_parallel_size", 1)
     if tp != 1:
         raise UserError(f"model.tensor_parallel_size: {tp!r}; only 1 is supported (each "
                         f"instance runs the whole model on one device); remove the key or set 1")
-    if "engine" not in model:
+    if "engine" not in model and engine_flag is None:
         raise UserError("model.engine: missing; add `model: {engine: engines/demo}` "
-                        "(an engine directory from `triton-disagg build`)")
-    engine = (base_dir / str(model["engine"])).resolve()
+                        "(an engine directory from `triton-disagg build`) or pass --engine DIR")
+    engine = engine_flag.resolve() if engine_flag is not None else \
+        (base_dir / str(model["engine"])).resolve()
+    where = "--engine" if engine_flag is not None else "model.engine"
+    name = check_model_name(model["name"], "model.name") if "name" in model else None
     if engine_here and not (engine / "engine.json").is_file():
-        raise UserError(f"model.engine: {engine} has no engine.json; build it with "
+        raise UserError(f"{where}: {engine} has no engine.json; build it with "
                         f"`triton-disagg build --checkpoint HF_CHECKPOINT_DIR --output {engine}` "
                         f"(the demo: `make demo`), or fix the path")
     mode = top.get("mode", "disaggregated")
@@ -301,6 +339,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool) -> DisaggCo
     config = DisaggConfig(
         engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
         runtime=model.get("runtime"), device=model.get("device"), dtype=model.get("dtype"),
+        model_name=name,
         kubernetes=parse_kubernetes(top.get("kubernetes")), source=source,
         front=parse_front(top.get("front")),
         context=_server(top.get("context_server"), "context_server", _SERVER_KEYS),
@@ -348,7 +387,7 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     kv_dtype = s.get("kv_dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise UserError(f"{key}.kv_dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    ports = {k: s.get(k) for k in ("http_port", "metrics_port", "front_port")}
+    ports = {k: s.get(k) for k in ("http_port", "grpc_port", "metrics_port", "front_port")}
     for k, v in ports.items():
         if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")

@@ -3,14 +3,19 @@
 Detected by its keys (:func:`is_trtllm`: any of ``hostname``, ``port``, ``backend``,
 ``context_servers``, ``generation_servers``, ``disagg_cluster``, none of which ours has)::
 
-    hostname: localhost            # -> scheduler_server.url host (gRPC port 8001)
-    port: 8000                     # -> scheduler_server.http_port
+    hostname: localhost            # -> scheduler_server.url's host
+    port: 8000                     # -> scheduler_server.url's port: the HTTP front's (OpenAI API)
     backend: pytorch               # our engine runs as built: a line says it is ignored
-    model: {engine: engines/demo}  # ours, required as in our format
+    model: {engine: engines/demo}  # ours, as in our format (or serve --engine)
     context_servers:    {num_instances: 1, urls: ["ctx-01:8001"]}
     generation_servers: {num_instances: 1, urls: ["gen-01:8002"], router: {type: load_balancing}}
     conditional_disagg_config: {max_local_prefill_length: 64}
     disagg_cluster: {cluster_uri: "etcd://etcd:2379", cluster_name: demo}
+
+``hostname`` and ``port`` name the scheduler's HTTP front, as they name trtllm-serve's OpenAI
+server (``port`` default 8000, trtllm-serve's); its tritonserver's own ports follow the
+deployment's last (:func:`launch.deploy.triton_ports`: 8003-8005 beside context 8001 and
+generation 8002).
 
 Per section: ``urls`` (as many as ``num_instances``, as TensorRT-LLM checks) -> ``urls``;
 ``router.type`` ``round_robin`` -> ``round_robin``, ``load_balancing`` -> ``least_loaded``;
@@ -39,7 +44,7 @@ OURS_PER_ROLE = ("cpus", "gpus", "instances", "kv_dtype", "http_port", "metrics_
                  "stream_interval", "stall_seconds")
 ROUTERS = {"round_robin": "round_robin", "load_balancing": "least_loaded"}
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
-SCHEDULER_GRPC_PORT = 8001       # TensorRT-LLM's port is its HTTP front's; gRPC keeps ours
+DEFAULT_PORT = 8000              # trtllm-serve's, when the config has hostname alone
 
 
 def is_trtllm(raw: Any) -> bool:
@@ -57,9 +62,11 @@ def from_trtllm(raw: dict, say: Callable[[str], None]) -> dict:
             ours[key] = _servers(raw[theirs], theirs, say)
     if "hostname" in raw or "port" in raw:
         scheduler = dict(_any_mapping(ours.get("scheduler_server"), "scheduler_server"))
-        scheduler.setdefault("url", f"{raw.get('hostname', 'localhost')}:{SCHEDULER_GRPC_PORT}")
-        if "port" in raw:
-            scheduler.setdefault("http_port", raw["port"])
+        port = raw.get("port", DEFAULT_PORT)
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise UserError(f"port: {port!r} must be a port number between 1 and 65535 (the "
+                            f"OpenAI front's, as trtllm-serve's)")
+        scheduler.setdefault("url", f"{raw.get('hostname', 'localhost')}:{port}")
         ours["scheduler_server"] = scheduler
     if "conditional_disagg_config" in raw:
         conditional = mapping(raw["conditional_disagg_config"], "conditional_disagg_config",

@@ -1,0 +1,59 @@
+"""`make demo` and the Docker image against what `serve` does: the demo's recipe sets every
+port `serve` opens from a Makefile variable (so `make demo X_PORT=...` moves them all, as the
+README says); the cpu image installs the `[cpu]` extra (no CUDA torch), exposes and publishes
+every port `serve all` opens, the OpenAI front's included; the Dockerfile and docs/deploy.md
+say what engine/runtime.py does on a GPU (torch on CUDA), not that it stays numpy on the CPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from triton_disagg.cli import build_parser
+from triton_disagg.launch.deploy import DEFAULT_PORTS
+from triton_disagg.launch.front_process import DEFAULT_FRONT_PORTS
+
+ROOT = Path(__file__).resolve().parents[2]
+MAKEFILE = (ROOT / "Makefile").read_text()
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+DEPLOY = (ROOT / "docs" / "deploy.md").read_text()
+README = (ROOT / "README.md").read_text()
+SERVE_ALLS_PORTS = {*DEFAULT_PORTS.values(), DEFAULT_FRONT_PORTS["all"]}
+
+
+def _serve_port_flags() -> set[str]:
+    (serve,) = [action.choices["serve"] for action in build_parser()._subparsers._actions
+                if getattr(action, "choices", None) and "serve" in action.choices]
+    return {flag for action in serve._actions for flag in action.option_strings
+            if flag.endswith("-port")}
+
+
+def test_make_demo_sets_every_port_serve_opens():
+    recipe = MAKEFILE.split("\ndemo:", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
+    given = dict(re.findall(r"(--[\w-]+-port) \$\((\w+)\)", recipe))
+    assert set(given) == _serve_port_flags(), recipe
+    defaults = dict(re.findall(r"^(\w+_PORT) +\?= *(\d+)", MAKEFILE, re.M))
+    assert set(given.values()) <= set(defaults), defaults
+    assert {int(defaults[v]) for v in given.values()} == SERVE_ALLS_PORTS
+    (moved,) = re.findall(r"`make\s+demo ([^`]*)` moves the demo's ports", README)
+    assert {word.split("=")[0] for word in moved.split()} == set(given.values()), moved
+
+
+def test_the_cpu_image_installs_the_cpu_extra_and_publishes_every_port():
+    cpu = DOCKERFILE.split("AS cpu", 1)[1].split("\nFROM ", 1)[0]
+    installs = re.findall(r"pip install [^\n]*", cpu)
+    assert any('".[cpu]"' in line or "'.[cpu]'" in line for line in installs), installs
+    assert not any(re.search(r"pip install --no-cache-dir \.(\s|$)", line) for line in installs)
+    (exposed,) = re.findall(r"^EXPOSE (.*)$", cpu, re.M)
+    assert {int(p) for p in exposed.split()} == SERVE_ALLS_PORTS
+    for text in (DOCKERFILE, DEPLOY):
+        (run,) = [line for line in text.splitlines() if "docker run" in line and ":cpu" in line]
+        published = {int(p) for p in re.findall(r"-p (\d+):\d+", run)}
+        assert published == SERVE_ALLS_PORTS, run
+
+
+def test_the_image_and_deploy_docs_say_what_the_runtime_does_on_a_gpu():
+    gpu_section = DEPLOY.split("## What differs on GPU nodes", 1)[1]
+    for text in (DOCKERFILE, gpu_section):
+        assert "torch on CUDA" in text and "Runtime.default" in text
+        assert not re.search(r"numpy (reference )?engine (and runs )?on the CPU", text)
