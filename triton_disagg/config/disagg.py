@@ -402,7 +402,7 @@ def _server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
         raise UserError(f"{key}.max_local_prefill_length: {local!r} must be a whole number of "
                         f"prompt tokens >= 0 (0: every prompt goes to a context server)")
     cap = count(s.get("max_concurrent_requests", MAX_CONCURRENT_REQUESTS),
-                f"{key}.max_concurrent_requests", " (requests one orchestrator instance serves at once)")
+                f"{key}.max_concurrent_requests", " (requests an orchestrator instance serves)")
     return ServerConfig(url=url, urls=urls, gpus=gpus, cpus=cpus, instances=instances,
                         tokens_per_block=tpb, kv_dtype=kv_dtype, stream_interval=interval,
                         stall_seconds=stall, router=router, max_local_prefill_length=local,
