@@ -2,9 +2,7 @@
 
 Binding rule: loopback unless told otherwise. ``--host`` wins; a role served
 alone (context / generation / scheduler) binds the host of its ``url`` in the
-config; everything else binds 127.0.0.1. The model-control API stays off (the
-scheduler's is restricted to serve itself, which loads its readiness gate:
-:mod:`.peers_gate`).
+config; everything else binds 127.0.0.1. The model-control API stays off on every role.
 
 What peers are told (``serve context|generation``): ``--advertise HOST:PORT``, else the
 bind address and gRPC port; a wildcard bind (``0.0.0.0``) names no address, so then the
@@ -39,7 +37,6 @@ from triton_disagg.config.host import front_cpus
 from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
-from .peers_gate import GateControl, check_before_start
 from triton_disagg.triton.render import render
 from triton_disagg.triton.stub_check import check_stub
 from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, server_env
@@ -180,11 +177,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     work_dir.mkdir(parents=True, exist_ok=True)
     repo = render(role, config, work_dir / "model_repository", token,
                   endpoints.host if role == "generation" else None)
-    control = GateControl(tuple(sorted(p.name for p in repo.iterdir()))) \
-        if role == "scheduler" else None
-    if control is not None:
-        check_before_start(config, repo, role)
     server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose,
-                          control=control, cpus=front_cpus(config, role, os.sched_getaffinity(0)))
+                          cpus=front_cpus(config, role, os.sched_getaffinity(0)))
     server.start()
     return server

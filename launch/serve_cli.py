@@ -9,7 +9,7 @@ before it stops (:mod:`.register`). A model's stub
 process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops the
 server at once, so its clients get errors and probes fail, and starts it afresh
 (:mod:`.stub_watch`). The scheduler says "up" once its models are loaded, then "ready" or
-"not ready" as its peers come and go, as ``/v2/health/ready`` does (:mod:`.peers_gate`).
+"not ready" as its peers come and go, as its ``/healthz`` does (:mod:`.peers_gate`).
 Every role's server has an HTTP front beside it (:mod:`.front_process`), so every role
 answers ``GET /healthz``.
 """
@@ -191,7 +191,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     from .deploy import start
     from .drain import drain
     from .front_process import check_front_port, health_only, start_front, stop_front
-    from .peers_gate import start_peers_gate
+    from .peers_gate import check_before_start, gate_file, start_peers_gate
     from .register import start_registration
 
     work_dir = args.work_dir or Path("work") / args.role
@@ -201,13 +201,16 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
     check_front_port(endpoints.host, front, endpoints)
+    gated = args.role == "scheduler"
+    if gated:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
                    token)
-    gate = server.control.gate if server.control else None
-    models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and p.name != gate)
-    every_model = tuple(sorted(p.name for p in server.repo.iterdir() if p.is_dir()))
+    models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir,
-                             every_model, health_only(args.role, config))
+                             tuple(models), health_only(args.role, config),
+                             gate_file(server.work_dir) if gated else None)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
     if args.role in ("all", "scheduler"):
@@ -218,15 +221,11 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     seen: dict[int, Stub] = {}      # every model instance's stub seen since the start, by pid
 
     def see_stubs() -> None:
-        """Remember the stubs running now; the gate's comes and goes as the gate opens and
-        closes, so it is not watched."""
-        seen.update((s.pid, s) for s in model_instance_stubs(server.process.pid)
-                    if gate is None or not s.instance.startswith(f"{gate}_"))
+        """Remember the stubs running now."""
+        seen.update((s.pid, s) for s in model_instance_stubs(server.process.pid))
 
     def on_loaded(model: str) -> None:
         see_stubs()              # its stubs run from here on, before the server is ready
-        if model == gate:        # loaded at start when its peers answered: not a model to count
-            return
         loaded.append(model)
         print(f"  loaded {model} ({len(loaded)}/{len(models)})", flush=True)
 
@@ -240,8 +239,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised)
         _announce(args.role, config, endpoints, advertised, server, registration, front)
-        if server.control is not None:
-            peers_gate = start_peers_gate(config, server, args.role)
+        if gated:
+            peers_gate = start_peers_gate(config, server.work_dir, reason, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
             dead = first_dead(stubs)
             if dead is not None:   # no graceful exit: it would hold streams for the exit timeout
@@ -280,7 +279,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     from .front_process import health_only
 
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
-    state = "up" if server.control is not None else "ready"   # the gate says when it is ready
+    state = "up" if role == "scheduler" else "ready"   # the gate says when it is ready
     lines = [f"triton-disagg serve {role}: {state} ({config.mode}, engine {config.engine})"]
     if endpoints.http_port is not None:
         lines.append(f"  HTTP     http://{shown}:{endpoints.http_port}")
@@ -295,8 +294,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     lines.append(f"  log      {server.log_path}")
     if role == "scheduler":
         lines.append(f"  routes   {_pools(config)}")
-        lines.append("  ready    /healthz and /v2/health/ready answer 200 while every role has a "
-                     "server that answers")
+        lines.append("  ready    /healthz answers 200 while every role has a server that answers")
     if role in ("all", "scheduler") and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
