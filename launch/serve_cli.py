@@ -207,6 +207,11 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
                    token)
+    if not server.private_shm and not restart:
+        print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
+              f"(a mount namespace), so tritonserver's Python-backend regions are in the "
+              f"shared /dev/shm, readable by local users (docs/architecture.md, trust "
+              f"boundaries)", flush=True)
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir,
                              tuple(models), health_only(args.role, config),
