@@ -1,6 +1,7 @@
 """``triton-disagg serve all|context|generation|scheduler``.
 
-Renders the role's model repository into ``--work-dir``, starts tritonserver,
+Renders the role's model repository into its work directory (:mod:`.work_dir`: one per
+server, ``--work-dir`` or ``work/<role>-<address>-<gRPC port>``), starts tritonserver,
 waits until it is ready, prints the endpoints (and, for a role with the
 ensemble, a curl line), then runs until Ctrl-C / SIGTERM or until the server
 dies, and stops the server's whole process group on the way out. With ``discovery`` in
@@ -66,7 +67,9 @@ def register(subparsers) -> None:
                         "context/generation: /healthz (default the role's front_port, else "
                         "8081 / 8082)")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
-    p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
+    p.add_argument("--work-dir", type=Path,
+                   help="where the repository and logs go, one serve at a time (default "
+                        "work/<role>-<address>-<gRPC port>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-format", choices=FORMATS, default="text",
                    help="json: serve's lines and every stub's are JSON objects (time, level, "
@@ -138,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
     from .deploy import PortFlags, advertised_url, endpoints_for, token_host
     from .front_process import front_port
+    from .work_dir import claim, default
 
     config = load(args)
     _log_format(args.log_format, args.role)
@@ -147,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     advertised = advertised_url(args.role, config, endpoints, flags)
     token = token_host(args.role, config, advertised)
     front = front_port(args.role, config, args.front_port)
+    args.work_dir = args.work_dir or default(args.role, endpoints.host, endpoints.grpc_port)
+    lock = claim(args.work_dir)     # held until serve exits
     stop, hurry = threading.Event(), threading.Event()    # the first signal, a second one
     previous = {s: signal.signal(s, lambda *_: (hurry if stop.is_set() else stop).set())
                 for s in (signal.SIGINT, signal.SIGTERM)}
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        lock.close()
 
 
 def _log_format(chosen: str, role: str) -> None:
@@ -194,7 +201,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     from .peers_gate import check_before_start, gate_file, start_peers_gate
     from .register import start_registration
 
-    work_dir = args.work_dir or Path("work") / args.role
+    work_dir = args.work_dir
     if restart:
         kept = work_dir / f"tritonserver.{restart}.log"
         (work_dir / "tritonserver.log").rename(kept)

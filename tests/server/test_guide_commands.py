@@ -89,7 +89,8 @@ def test_the_guides_commands_as_written(demo_engine, tmp_path):
     offline = servers.offline_text(demo_engine)
     roles = [("context", f"127.0.0.1:{ctx}", None), ("generation", f"127.0.0.1:{gen}", None),
              ("scheduler", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{http}")]
-    commands = [(guide(role), tmp_path / "work" / role, url_http, url_grpc, None)
+    commands = [(guide(role), tmp_path / "work" / f"{role}-{url_grpc.replace(':', '-')}",
+                 url_http, url_grpc, None)
                 for role, url_grpc, url_http in roles]
     with servers.serve_commands(commands[:2], cwd=tmp_path) as (context, generation), \
             servers.serve_commands(commands[2:], cwd=tmp_path) as (scheduler,):

@@ -85,6 +85,9 @@ def _run_front_curls(served: servers.Served, model: str, expected: str) -> None:
             assert json.loads(out.stdout) == {"status": "ok"}
 
 
+GRPC_PORTS = {"context": 9001, "generation": 9002, "scheduler": 8001}   # examples/three_roles.yaml
+
+
 def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_path):
     """The README's three commands, run as written from a checkout with engines/demo built
     (the scheduler on the README's ports 8000/8001), against `serve all`'s text."""
@@ -104,7 +107,8 @@ def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_pa
             role = command.split()[1]
             stack.enter_context(servers.serve_command(
                 [sys.executable, "-m", "triton_disagg.cli", *command.split()],
-                tmp_path / "work" / role, "http://127.0.0.1:8000", "127.0.0.1:8001", cwd=tmp_path))
+                tmp_path / "work" / f"{role}-127.0.0.1-{GRPC_PORTS[role]}", "http://127.0.0.1:8000",
+                "127.0.0.1:8001", cwd=tmp_path))
         for prompt, text in zip(prompts, reference):
             status, body = servers.generate("http://127.0.0.1:8000",
                                             {"text_input": prompt, "max_tokens": MAX_TOKENS})
