@@ -164,6 +164,15 @@ def _resolve(host: str, key: str, hint: str = "") -> str:
                         f"fix the url{hint}") from None
 
 
+def ucx_env(host: str) -> dict[str, str]:
+    """UCX (under NIXL, in the stubs) listens on every network interface by default: on
+    a server bound to loopback, on loopback alone (``UCX_NET_DEVICES=lo``), so nothing of it
+    is reachable from another host (below NIXL, UCX's software RMA checks no remote key).
+    A ``UCX_NET_DEVICES`` in serve's environment wins."""
+    return {"UCX_NET_DEVICES": "lo"} \
+        if is_loopback(host) and "UCX_NET_DEVICES" not in os.environ else {}
+
+
 def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           tritonserver: str | None = None, log_verbose: int = 0,
           token: str | None = None) -> TritonServer:
@@ -177,7 +186,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     work_dir.mkdir(parents=True, exist_ok=True)
     repo = render(role, config, work_dir / "model_repository", token,
                   endpoints.host if role == "generation" else None)
-    server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose,
-                          cpus=front_cpus(config, role, os.sched_getaffinity(0)))
+    server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),
+                          log_verbose=log_verbose, cpus=front_cpus(config, role, os.sched_getaffinity(0)))
     server.start()
     return server

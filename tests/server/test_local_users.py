@@ -7,16 +7,19 @@ restricted-API header: Triton's model-load API refuses (poll mode: no load over 
 network), and the shared-memory API cannot open a project entry of the host's
 ``/dev/shm`` (Triton's ``/dev/shm`` is its own). A server's Python-backend regions are
 not in the host's ``/dev/shm`` at all: they are in a private tmpfs of mode 0700, gone with
-the server; the project's KV staging areas are 0600.
+the server; the project's KV staging areas are 0600. ``serve all`` bound to 127.0.0.1
+listens on loopback alone: UCX, under NIXL in the stubs, would listen on every interface.
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import os
 import re
 import signal
+import socket
 import stat
 import urllib.error
 import urllib.request
@@ -110,3 +113,42 @@ def test_python_backend_regions_and_staging_areas_are_private(tmp_path):
     finally:
         area.close()
 
+
+
+def _tcp_listeners(pids: set[int]) -> set[str]:
+    """``address:port`` of every TCP socket in LISTEN state that one of ``pids`` holds."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:             # gone meanwhile
+            continue
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for row in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:          # 0A: LISTEN
+                hexaddr, port = fields[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host order
+                found.add(f"{socket.inet_ntop(family, raw)}:{int(port, 16)}")
+    return found
+
+
+def test_serve_all_on_loopback_listens_on_loopback_alone(demo_engine, tmp_path):
+    with servers.serve_config(f"model: {{engine: {demo_engine}}}\n"
+                              "kv_cache: {strategy: direct_transfer, max_size: 16MB}\n",
+                              tmp_path) as served:
+        status, body = servers.generate(served.http, {"text_input": "The quick", "max_tokens": 4})
+        assert status == 200, body
+        pids = {served.process.pid} | {int(line.split(":")[0])
+                                       for line in servers.processes_under(served.work_dir)}
+        listeners = _tcp_listeners(pids)
+    assert len(listeners) >= 4, listeners        # HTTP, gRPC, metrics, the front, ...
+    elsewhere = {a for a in listeners
+                 if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback
+                 and a.rsplit(":", 1)[0] != "::ffff:127.0.0.1"}
+    assert not elsewhere, f"listening beyond loopback: {sorted(elsewhere)}"
