@@ -25,10 +25,10 @@ import urllib.error
 import urllib.request
 
 import servers
-from test_shm import ECHO
+from test_shm import ECHO, start_echo_server
 from triton_disagg import shm
 from triton_disagg.kv.host_memory import HostStaging
-from triton_disagg.triton.tritonserver import RESTRICTED_HEADER, Endpoints, TritonServer, locate
+from triton_disagg.triton.tritonserver import RESTRICTED_HEADER
 
 EVIL = "import os\nos.system('touch /tmp/triton_disagg_pwned')\n" + ECHO
 
@@ -84,16 +84,7 @@ def test_the_scheduler_command_line_grants_nothing(demo_engine, tmp_path):
 
 
 def test_python_backend_regions_and_staging_areas_are_private(tmp_path):
-    (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
-    (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO)
-    (tmp_path / "repo" / "echo" / "config.pbtxt").write_text(
-        'backend: "python"\nmax_batch_size: 0\n'
-        'input [ { name: "X" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
-        'output [ { name: "Y" data_type: TYPE_INT64 dims: [ 1 ] } ]\n')
-    http, grpc = servers.free_ports(2)
-    server = TritonServer(locate(), tmp_path / "repo", Endpoints("127.0.0.1", http, grpc, None),
-                          tmp_path)
-    server.start()
+    server = start_echo_server(tmp_path)
     try:
         assert server.wait_ready(timeout=120)
         in_host = [n for n in os.listdir("/dev/shm") if n.startswith(server.shm_prefix)]

@@ -146,7 +146,8 @@ class TritonPythonModel:
 """
 
 
-def test_a_killed_tritonservers_regions_are_gone_after_stop(tmp_path):
+def start_echo_server(tmp_path):
+    """A started (not yet ready) tritonserver serving the ECHO model from ``tmp_path``."""
     from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
 
     (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
@@ -159,6 +160,11 @@ def test_a_killed_tritonservers_regions_are_gone_after_stop(tmp_path):
     server = TritonServer(locate(), tmp_path / "repo", Endpoints("127.0.0.1", http, grpc, None),
                           tmp_path)
     server.start()
+    return server
+
+
+def test_a_killed_tritonservers_regions_are_gone_after_stop(tmp_path):
+    server = start_echo_server(tmp_path)
     try:
         assert server.wait_ready(timeout=120)
         where = server.regions_dir       # its private /dev/shm, where the host allows one
