@@ -134,7 +134,7 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
         message = _one_line_error(scheduler.grpc, "The quick brown fox")
         assert "context server" in message and f"127.0.0.1:{ctx_port}" in message, message
         with grpcclient.InferenceServerClient(scheduler.grpc) as client:   # closed to clients
-            with pytest.raises(InferenceServerException, match="restricted"):
+            with pytest.raises(InferenceServerException, match="not allowed"):
                 client.load_model("ensemble")
 
         with servers.serve("context", args, tmp_path / "c", http=False,

@@ -68,7 +68,7 @@ from triton_disagg.triton import private_shm, server_log
 STOP_GRACE_SECONDS = 15.0   # SIGTERM to SIGKILL when a server stops
 
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
-RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
+RESTRICTED_APIS = ("shared-memory", "logging", "trace")
 RESTRICTED_HEADER = "triton-disagg-control"   # over gRPC: triton-grpc-protocol-<this>
 KEEPALIVE_MS = 10_000       # the orchestrators' gRPC keepalive interval (servers allow half)
 
