@@ -187,6 +187,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     repo = render(role, config, work_dir / "model_repository", token,
                   endpoints.host if role == "generation" else None)
     server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),
-                          log_verbose=log_verbose, cpus=front_cpus(config, role, os.sched_getaffinity(0)))
+                          log_verbose=log_verbose,
+                          cpus=front_cpus(config, role, os.sched_getaffinity(0)))
     server.start()
     return server
