@@ -6,9 +6,10 @@ scheduler's tritonserver command line is read and every value on it sent as the
 restricted-API header: Triton's model-load API refuses (model control is off: no load over
 the network; the uploaded model.py never runs), and the shared-memory API cannot open a
 project entry of the host's ``/dev/shm`` (Triton's ``/dev/shm`` is its own). A server's
-Python-backend regions are not in the host's ``/dev/shm`` at all: they are in a private tmpfs of mode 0700, gone with
-the server; the project's KV staging areas are 0600. ``serve all`` bound to 127.0.0.1
-listens on loopback alone: UCX, under NIXL in the stubs, would listen on every interface.
+Python-backend regions are not in the host's ``/dev/shm`` at all: they are in a private
+tmpfs of mode 0700, gone with the server; the project's KV staging areas are 0600.
+``serve all`` bound to 127.0.0.1 listens on loopback alone: UCX, under NIXL in the stubs,
+would listen on every interface.
 """
 
 from __future__ import annotations
