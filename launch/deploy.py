@@ -2,9 +2,7 @@
 
 Binding rule: loopback unless told otherwise. ``--host`` wins; a role served
 alone (context / generation / scheduler) binds the host of its ``url`` in the
-config; everything else binds 127.0.0.1. The model-control API stays off (the
-scheduler's is restricted to serve itself, which loads its readiness gate:
-:mod:`.peers_gate`).
+config; everything else binds 127.0.0.1. The model-control API stays off on every role.
 
 What peers are told (``serve context|generation``): ``--advertise HOST:PORT``, else the
 bind address and gRPC port; a wildcard bind (``0.0.0.0``) names no address, so then the
@@ -47,7 +45,6 @@ from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
 from .front_process import front_port
-from .peers_gate import GateControl, check_before_start
 from triton_disagg.triton.render import render
 from triton_disagg.triton.stub_check import check_stub
 from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, server_env
@@ -193,6 +190,15 @@ def _resolve(host: str, key: str, hint: str = "") -> str:
                         f"fix the url{hint}") from None
 
 
+def ucx_env(host: str) -> dict[str, str]:
+    """UCX (under NIXL, in the stubs) listens on every network interface by default: on
+    a server bound to loopback, on loopback alone (``UCX_NET_DEVICES=lo``), so nothing of it
+    is reachable from another host (below NIXL, UCX's software RMA checks no remote key).
+    A ``UCX_NET_DEVICES`` in serve's environment wins."""
+    return {"UCX_NET_DEVICES": "lo"} \
+        if is_loopback(host) and "UCX_NET_DEVICES" not in os.environ else {}
+
+
 def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           tritonserver: str | None = None, log_verbose: int = 0,
           token: str | None = None) -> TritonServer:
@@ -206,11 +212,8 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     work_dir.mkdir(parents=True, exist_ok=True)
     repo = render(role, config, work_dir / "model_repository", token,
                   endpoints.host if role == "generation" else None)
-    control = GateControl(tuple(sorted(p.name for p in repo.iterdir()))) \
-        if role == "scheduler" else None
-    if control is not None:
-        check_before_start(config, repo, role)
-    server = TritonServer(install, repo, endpoints, work_dir, log_verbose=log_verbose,
-                          control=control, cpus=front_cpus(config, role, os.sched_getaffinity(0)))
+    server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),
+                          log_verbose=log_verbose,
+                          cpus=front_cpus(config, role, os.sched_getaffinity(0)))
     server.start()
     return server

@@ -23,6 +23,7 @@ restarts the whole server when it dies); it exits by itself should serve be kill
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.front_section import front_flags
 from triton_disagg.errors import UserError
+from triton_disagg.front.health import GATE_ENV
 from triton_disagg.triton.tritonserver import Endpoints
 
 from .process_group import terminate
@@ -66,12 +68,13 @@ def check_front_port(host: str, port: int, endpoints: Endpoints) -> None:
 
 
 def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host: str,
-                work_dir: Path, models: tuple[str, ...] = (), health_only: bool = False
-                ) -> subprocess.Popen:
+                work_dir: Path, models: tuple[str, ...] = (), health_only: bool = False,
+                gate: Path | None = None) -> subprocess.Popen:
     """Start the front on ``endpoints.host:port``, calling ``grpc_host``'s gRPC port; its log
     goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
     are (the orchestrator always, for the whole front); ``health_only``: its health-only
-    mode, else the whole front, whose model id is the config's served model name."""
+    mode, else the whole front, whose model id is the config's served model name; ``gate``: a
+    scheduler's peers gate file (:mod:`.peers_gate`), which must say ready too."""
     log = work_dir / "http_front.log"
     mode = ["--health-only"] if health_only else \
         ["--engine", str(config.engine), "--model-name", config.served_model_name]
@@ -81,7 +84,8 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host
            *front_flags(config.front)]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=err)
+                                stderr=err, env={**os.environ, GATE_ENV: str(gate)} if gate
+                                else None)
 
 
 def stop_front(proc: subprocess.Popen) -> None:

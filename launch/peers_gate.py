@@ -1,72 +1,51 @@
-"""``serve scheduler``: Triton's ``/v2/health/ready`` follows the scheduler's peers.
+"""``serve scheduler``: its ``/healthz`` follows the scheduler's peers.
 
 A scheduler can serve only while each role it routes to (context and generation;
-generation alone in aggregated mode) has a server that answers. ``/v2/health/ready`` is
-tritonserver's own endpoint, and Triton 2.51 (``--strict-readiness``, the default) reports
-not ready while any model of the repository is neither READY nor unloaded. The
-scheduler's repository therefore holds a gate model, ``peers_ready`` (``model_repo/``),
-whose load fails with the reason in its config, or succeeds when the reason is empty.
-Every ``CHECK_SECONDS`` :class:`PeersGate` asks each role's members (the config's urls, or
-the servers registered in etcd) for gRPC ``ServerReady``, in url order until one says yes,
-and
+generation alone in aggregated mode) has a server that answers. Every ``CHECK_SECONDS``
+:class:`PeersGate` asks each role's members (the config's urls, or the servers registered
+in etcd) for gRPC ``ServerReady``, in url order until one says yes, and writes the
+answer into the gate file (:func:`gate_file`, in serve's work directory): empty when
+every role has a server that answers, else one line naming the first role that has none.
+The scheduler's HTTP front reads it at each ``GET /healthz``
+(:class:`~triton_disagg.front.health.ServerReadiness`, told where by ``GATE_ENV``): 200
+only while the file is empty and tritonserver and its models are ready.
 
-- opens the gate (loads it) once every role has a server that answers,
-- closes it when a role has none: unloads it, then loads it with the reason, which fails
-  (a READY model whose reload fails would stay READY); the server reports not ready from
-  the unload on (UNLOADING, LOADING, then failed).
+The gate starts as one check before tritonserver starts (:func:`check_before_start`), so
+the scheduler is never ready before a check (no file: not ready).
 
-The gate starts as one check before tritonserver starts finds the peers
-(:func:`check_before_start`): open when they answer, so a healthy start logs no ERROR;
-else closed, and tritonserver (``--exit-on-error=false``) fails its load with the reason.
-The scheduler is never ready before a check.
+Triton's own ``/v2/health/ready`` says whether the scheduler's models are loaded, not
+whether its peers answer: following them there would take loading and unloading a model,
+that is Triton's model-control API, which lets whoever may call it load a model (code);
+it is off (:mod:`triton_disagg.triton.tritonserver`).
 
-Loading models takes ``--model-control-mode=explicit``, whose repository API would let any
-client load a model (``model_repo/`` files included: code). So that API is restricted
-(``--http-restricted-api`` / ``--grpc-restricted-protocol`` on ``model-repository``, with
-the APIs every server restricts: :mod:`triton_disagg.triton.tritonserver`) to a header
-whose value is a secret made at each start, which only serve sends: to clients the
-model-control API stays off, as the design asks. (The secret is on tritonserver's command
-line, which the host's local users can read.)
-
-Invariants: the gate is loaded only when its state changes (the first check starts from
-the state :func:`check_before_start` left); its stub, which comes and goes with it, is
-not among those serve watches; serve prints one line per change of
-state or reason; after :meth:`PeersGate.stop` no check runs and no client is left open.
+Invariants: the file is replaced whole (a reader sees the old or the new line, never
+part); serve prints one line per change of state or reason; after :meth:`PeersGate.stop`
+no check runs and no client is left open.
 """
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass, field
+import os
 from pathlib import Path
 
+from triton_disagg.front.health import GATE_ENV
 from triton_disagg.routing.discovery.periodic import Periodic
 
 from triton_disagg.triton.grpc_channel import channel_args
-from triton_disagg.triton.render import GATE, render_gate
-from triton_disagg.triton.tritonserver import RESTRICTED_HEADER
 
 CHECK_SECONDS = 1.0
 PROBE_TIMEOUT = 1.0         # seconds a member may take to answer ServerReady
 
 
-@dataclass(frozen=True)
-class GateControl:
-    """What tritonserver needs to run with the gate: explicit model control, its API
-    (``restricted_apis``) restricted to ``secret``."""
+def gate_file(work_dir: Path) -> Path:
+    return work_dir / "peers_gate"
 
-    models: tuple[str, ...]                 # every model of the repository, the gate included
-    gate: str = GATE
-    secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
-    restricted_apis: tuple[str, ...] = ("model-repository",)
 
-    def server_args(self) -> list[str]:
-        return ["--model-control-mode=explicit", "--exit-on-error=false",
-                *(f"--load-model={m}" for m in self.models)]
-
-    @property
-    def grpc_headers(self) -> dict[str, str]:
-        return {f"triton-grpc-protocol-{RESTRICTED_HEADER}": self.secret}
+def write_gate(path: Path, reason: str | None) -> None:
+    """The gate file says ``reason`` (None: every role answers), replaced whole."""
+    part = path.with_name(path.name + ".new")
+    part.write_text(reason or "")
+    os.replace(part, path)
 
 
 class Peers:
@@ -113,16 +92,14 @@ class Peers:
 
 
 class PeersGate:
-    """Checks ``peers`` every ``CHECK_SECONDS`` on a thread of its own and sets the gate of the
-    server at ``grpc_url`` (repository ``repo``, run with ``control``); ``say`` prints a line."""
+    """Checks ``peers`` every ``CHECK_SECONDS`` on a thread of its own and writes the answer
+    into the gate file ``path``, whose state ``reason`` is (None: open); ``say`` prints a
+    line."""
 
-    def __init__(self, peers: Peers, repo: Path, grpc_url: str, control: GateControl, say):
-        import tritonclient.grpc as grpcclient
-
-        self.peers, self.repo, self.control, self.say = peers, repo, control, say
-        self._client = grpcclient.InferenceServerClient(grpc_url)
-        self._open: bool | None = None          # None: not checked yet (the first check asks Triton)
-        self._reason: str | None = None
+    def __init__(self, peers: Peers, path: Path, reason: str | None, say):
+        self.peers, self.path, self.say = peers, path, say
+        self._reason: str | None = reason
+        self._said = False
         self._checks = Periodic(self._check, CHECK_SECONDS, "peers-gate")
 
     def start(self) -> "PeersGate":
@@ -134,71 +111,40 @@ class PeersGate:
     def stop(self) -> None:
         self._checks.stop()
         self.peers.close()
-        self._client.close()
 
     def _check(self) -> None:
-        """Set the gate when its state must change, then say so (or say a new reason)."""
-        from tritonclient.utils import InferenceServerException
-
+        """Write the gate when its reason changes, and say so (and say the first)."""
         reason = self.peers.missing()
-        first = self._open is None
-        if first:           # as check_before_start left it: open, or closed
-            self._open = self._gate_ready()
-        changed = self._open != (reason is None)
-        if changed:
+        if reason != self._reason:
             try:
-                self._set(reason)
-            except InferenceServerException as exc:
-                self.say(f"could not set the readiness gate ({exc.message()}); trying again")
+                write_gate(self.path, reason)
+            except OSError as exc:
+                self.say(f"could not write the readiness gate {self.path} ({exc}); trying again")
                 return
-            self._open = reason is None
-        if first or changed or reason != self._reason:
+        if not self._said or reason != self._reason:
             self.say("ready (every role has a server that answers)" if reason is None
                      else f"not ready: {reason}")
-        self._reason = reason
-
-    def _gate_ready(self) -> bool:
-        try:
-            return bool(self._client.is_model_ready(GATE, client_timeout=PROBE_TIMEOUT))
-        except Exception:  # noqa: BLE001 - no answer: treat it as closed, so it gets set
-            return False
-
-    def _set(self, reason: str | None) -> None:
-        from tritonclient.utils import InferenceServerException
-
-        headers = self.control.grpc_headers
-        if reason is None:
-            render_gate(self.repo, "")
-            self._client.load_model(GATE, headers=headers)
-            return
-        self._client.unload_model(GATE, headers=headers)
-        render_gate(self.repo, reason)
-        try:
-            self._client.load_model(GATE, headers=headers)
-        except InferenceServerException as exc:
-            if "not ready:" not in (exc.message() or ""):   # else it failed as it should: closed
-                raise
+        self._said, self._reason = True, reason
 
 
-def start_peers_gate(config, server, role: str) -> PeersGate:
-    """The gate of the started ``server`` (``serve role``), checking the roles the scheduler
-    routes to (generation alone in aggregated mode); it prints as ``serve`` does."""
+def start_peers_gate(config, work_dir: Path, reason: str | None, role: str) -> PeersGate:
+    """The gate of ``serve role`` in ``work_dir``, checking the roles the scheduler routes to
+    (generation alone in aggregated mode), from the state ``reason`` that
+    :func:`check_before_start` wrote; it prints as ``serve`` does."""
     say = lambda line: print(f"triton-disagg serve {role}: {line}", flush=True)  # noqa: E731
-    return PeersGate(_peers(config, role), server.repo, server.grpc_url, server.control,
-                     say).start()
+    return PeersGate(_peers(config, role), gate_file(work_dir), reason, say).start()
 
 
-def check_before_start(config, repo: Path, role: str) -> None:
-    """Render the gate as one check of the peers finds them, before tritonserver starts:
-    open when every role answers, so a healthy start loads it READY and logs no error
-    (a closed gate's load fails, and Triton logs that as an ERROR); else closed, naming
-    the role that does not answer. Either way never open before a check."""
+def check_before_start(config, work_dir: Path, role: str) -> str | None:
+    """One check of the peers, written into the gate file before tritonserver and the front
+    start; returns its reason (None: every role answers)."""
     peers = _peers(config, role).start()
     try:
         reason = peers.missing()
     finally:
         peers.close()
-    render_gate(repo, f"{reason}" if reason is not None else "")
+    write_gate(gate_file(work_dir), reason)
+    return reason
 
 
 def _peers(config, role: str) -> Peers:

@@ -1,6 +1,7 @@
 """``triton-disagg serve all|context|generation|scheduler``.
 
-Renders the role's model repository into ``--work-dir``, starts tritonserver,
+Renders the role's model repository into its work directory (:mod:`.work_dir`: one per
+server, ``--work-dir`` or ``work/<role>-<address>-<gRPC port>``), starts tritonserver,
 waits until it is ready, prints the endpoints (and, for a role with the
 ensemble, a curl line), then runs until Ctrl-C / SIGTERM or until the server
 dies, and stops the server's whole process group on the way out. With ``discovery`` in
@@ -10,8 +11,8 @@ process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops th
 server at once, so its clients get errors and probes fail, and starts it afresh
 (:mod:`.stub_watch`); so does a start that failed for a cause the next start need not
 meet, such as a stub Triton abandoned while the host was busy (:mod:`.stuck_start`). The
-scheduler says "up" once its models are loaded, then "ready" or
-"not ready" as its peers come and go, as ``/v2/health/ready`` does (:mod:`.peers_gate`).
+scheduler says "up" once its models are loaded, then "ready" or "not ready" as its peers
+come and go, as its ``/healthz`` does (:mod:`.peers_gate`).
 Every role's server has an HTTP front beside it (:mod:`.front_process`), so every role
 answers ``GET /healthz``.
 """
@@ -78,7 +79,9 @@ def register(subparsers) -> None:
                         "context/generation: /healthz (default the role's front_port, else "
                         "8081 / 8082)")
     p.add_argument("--tritonserver", help="tritonserver binary (default: the one in nvidia-pytriton)")
-    p.add_argument("--work-dir", type=Path, help="where the repository and log go (default work/<role>)")
+    p.add_argument("--work-dir", type=Path,
+                   help="where the repository and logs go, one serve at a time (default "
+                        "work/<role>-<address>-<gRPC port>)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-format", choices=FORMATS, default="text",
                    help="json: serve's lines and every stub's are JSON objects (time, level, "
@@ -152,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
     from .deploy import PortFlags, advertised_url, endpoints_for, token_host
     from .front_process import front_port
+    from .work_dir import claim, default
 
     config = load(args)
     _log_format(args.log_format, args.role)
@@ -161,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     advertised = advertised_url(args.role, config, endpoints, flags)
     token = token_host(args.role, config, advertised)
     front = front_port(args.role, config, args.front_port)
+    args.work_dir = args.work_dir or default(args.role, endpoints.host, endpoints.grpc_port)
+    lock = claim(args.work_dir)     # held until serve exits
     stop, hurry = threading.Event(), threading.Event()    # the first signal, a second one
     previous = {s: signal.signal(s, lambda *_: (hurry if stop.is_set() else stop).set())
                 for s in (signal.SIGINT, signal.SIGTERM)}
@@ -178,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        lock.close()
 
 
 def _log_format(chosen: str, role: str) -> None:
@@ -205,23 +212,31 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     from .deploy import start
     from .drain import drain
     from .front_process import check_front_port, health_only, start_front, stop_front
-    from .peers_gate import start_peers_gate
+    from .peers_gate import check_before_start, gate_file, start_peers_gate
     from .register import start_registration
 
-    work_dir = args.work_dir or Path("work") / args.role
+    work_dir = args.work_dir
     if restart:
         kept = work_dir / f"tritonserver.{restart}.log"
         (work_dir / "tritonserver.log").rename(kept)
         print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
     check_front_port(endpoints.host, front, endpoints)
+    gated = args.role == "scheduler"
+    if gated:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
                    token)
-    gate = server.control.gate if server.control else None
-    models = sorted(p.name for p in server.repo.iterdir() if p.is_dir() and p.name != gate)
-    every_model = tuple(sorted(p.name for p in server.repo.iterdir() if p.is_dir()))
+    if not server.private_shm and not restart:
+        print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
+              f"(a mount namespace), so tritonserver's Python-backend regions are in the "
+              f"shared /dev/shm, readable by local users (docs/architecture.md, trust "
+              f"boundaries)", flush=True)
+    models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir,
-                             every_model, health_only(args.role, config))
+                             tuple(models), health_only(args.role, config),
+                             gate_file(server.work_dir) if gated else None)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
     if args.role in ("all", "scheduler"):
@@ -232,15 +247,11 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     seen: dict[int, Stub] = {}      # every model instance's stub seen since the start, by pid
 
     def see_stubs() -> None:
-        """Remember the stubs running now; the gate's comes and goes as the gate opens and
-        closes, so it is not watched."""
-        seen.update((s.pid, s) for s in model_instance_stubs(server.process.pid)
-                    if gate is None or not s.instance.startswith(f"{gate}_"))
+        """Remember the stubs running now."""
+        seen.update((s.pid, s) for s in model_instance_stubs(server.process.pid))
 
     def on_loaded(model: str) -> None:
         see_stubs()              # its stubs run from here on, before the server is ready
-        if model == gate:        # loaded at start when its peers answered: not a model to count
-            return
         loaded.append(model)
         print(f"  loaded {model} ({len(loaded)}/{len(models)})", flush=True)
 
@@ -258,8 +269,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised)
         _announce(args.role, config, endpoints, advertised, server, registration, front)
-        if server.control is not None:
-            peers_gate = start_peers_gate(config, server, args.role)
+        if gated:
+            peers_gate = start_peers_gate(config, server.work_dir, reason, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
             dead = first_dead(stubs)
             if dead is not None:   # no graceful exit: it would hold streams for the exit timeout
@@ -298,7 +309,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     from .front_process import health_only
 
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
-    state = "up" if server.control is not None else "ready"   # the gate says when it is ready
+    state = "up" if role == "scheduler" else "ready"   # the gate says when it is ready
     lines = [f"triton-disagg serve {role}: {state} ({config.mode}, engine {config.engine})"]
     if endpoints.http_port is not None:
         lines.append(f"  HTTP     http://{shown}:{endpoints.http_port}")
@@ -313,8 +324,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     lines.append(f"  log      {server.log_path}")
     if role == "scheduler":
         lines.append(f"  routes   {_pools(config)}")
-        lines.append("  ready    /healthz and /v2/health/ready answer 200 while every role has a "
-                     "server that answers")
+        lines.append("  ready    /healthz answers 200 while every role has a server that answers")
     if role in ("all", "scheduler") and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")

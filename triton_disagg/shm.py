@@ -28,7 +28,8 @@ from typing import Optional
 
 from triton_disagg.errors import UserError
 
-SHM_DIR = "/dev/shm"
+DIR_ENV = "TRITON_DISAGG_HOST_SHM"     # set inside a private /dev/shm (triton.private_shm)
+SHM_DIR = os.environ.get(DIR_ENV, "/dev/shm")   # the host's /dev/shm, where entries are shared
 PREFIX = "triton_disagg_"
 _NAME = re.compile(PREFIX + r"([a-z]+)_(\d+)-(\d+)-(\d+)_[A-Za-z0-9_-]*")
 

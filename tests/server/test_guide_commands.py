@@ -111,12 +111,12 @@ def test_the_guides_text_as_written_on_one_host(demo_engine, tmp_path):
     offline = servers.offline_text(demo_engine)
     # the health fronts of context and generation default to 8081 / 8082: free ones here
     health = servers.free_ports(2)
-    commands = [(guide("context", "--front-port", str(health[0])), tmp_path / "work" / "context",
+    commands = [(guide("context", "--front-port", str(health[0])), tmp_path / "work" / f"context-127.0.0.1-{base}",
                  None, f"127.0.0.1:{base}", None),
                 (guide("generation", "--front-port", str(health[1])),
-                 tmp_path / "work" / "generation", None, f"127.0.0.1:{base + 1}", None),
+                 tmp_path / "work" / f"generation-127.0.0.1-{base + 1}", None, f"127.0.0.1:{base + 1}", None),
                 (guide("scheduler", "--served-model-name", "deepseek-r1"),
-                 tmp_path / "work" / "scheduler", f"http://127.0.0.1:{base + 3}",
+                 tmp_path / "work" / f"scheduler-127.0.0.1-{base + 4}", f"http://127.0.0.1:{base + 3}",
                  f"127.0.0.1:{base + 4}", f"http://127.0.0.1:{base + 5}")]
     with servers.serve_commands(commands[:2], cwd=tmp_path) as (context, generation), \
             servers.serve_commands(commands[2:], cwd=tmp_path) as (scheduler,):

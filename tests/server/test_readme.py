@@ -116,12 +116,14 @@ def test_three_role_commands_as_written_give_serve_alls_text(demo_engine, tmp_pa
         reference = [servers.generate(served.http, {"text_input": p, "max_tokens": MAX_TOKENS})[1]
                      ["text_output"] for p in prompts]
     http, grpc = f"http://127.0.0.1:{base + 3}", f"127.0.0.1:{base + 4}"
+    grpc_ports = {"context": base, "generation": base + 1, "scheduler": base + 4}  # work dirs
     with contextlib.ExitStack() as stack:
         for command in commands:
             role = command.split()[1]
             stack.enter_context(servers.serve_command(
                 [sys.executable, "-m", "triton_disagg.cli", *command.split()],
-                tmp_path / "work" / role, http, grpc, cwd=tmp_path))
+                tmp_path / "work" / f"{role}-127.0.0.1-{grpc_ports[role]}", http, grpc,
+                cwd=tmp_path))
         for prompt, text in zip(prompts, reference):
             status, body = servers.generate(http, {"text_input": prompt, "max_tokens": MAX_TOKENS})
             assert status == 200 and body["text_output"] == text, body

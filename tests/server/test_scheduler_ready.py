@@ -1,10 +1,10 @@
-"""The scheduler's ``/v2/health/ready`` follows its peers (launch/peers_gate.py), on real
+"""The scheduler's ``/healthz`` follows its peers (launch/peers_gate.py), on real
 tritonservers: with no context or generation server running it says "up" but answers not
 ready (and a request fails in one line naming the role and the url); once both roles
 answer it turns ready within a few seconds and serves the offline engine's text; when the
 generation server stops it turns not ready again, says why, and a request that got its
 first token from context fails in one line naming generation and its url. The model-control
-API that the gate uses is closed to clients.
+API is closed to clients.
 
 Every role's ``/healthz`` (its HTTP front: the scheduler's whole front, context's and
 generation's health-only one) follows the same: 503 with a reason, 200 ``{"status": "ok"}``
@@ -37,9 +37,9 @@ READY_BOUND = 10.0     # seconds: a check every second, plus a stub start to loa
 DEADLINE = 4
 
 
-def _ready(http: str) -> bool:
+def _ready(front: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{http}/v2/health/ready", timeout=2) as resp:
+        with urllib.request.urlopen(f"{front}/healthz", timeout=2) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -137,9 +137,9 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
     args = ["-c", str(config)]
     with servers.serve("scheduler", args, tmp_path / "s", until="up (") as scheduler:
         said = f"not ready: no context server in context_server.urls answers (127.0.0.1:{ctx_port})"
-        seen = [_ready(scheduler.http) for _ in range(10) if not time.sleep(0.2)]
+        seen = [_ready(scheduler.front) for _ in range(10) if not time.sleep(0.2)]
         wait_until(lambda: said in scheduler.log.read_text(), READY_BOUND, "it says why")
-        seen.append(_ready(scheduler.http))
+        seen.append(_ready(scheduler.front))
         assert not any(seen), "ready with no context or generation server"
         status, body = _healthz(scheduler.front)
         assert status == 503 and "has no server that answers" in body["reason"], body
@@ -149,14 +149,14 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
         detail = _detail(scheduler, message)
         assert "context server" in detail and f"127.0.0.1:{ctx_port}" in detail, detail
         with grpcclient.InferenceServerClient(scheduler.grpc) as client:   # closed to clients
-            with pytest.raises(InferenceServerException, match="restricted"):
-                client.unload_model("peers_ready")
+            with pytest.raises(InferenceServerException, match="not allowed"):
+                client.load_model("ensemble")
 
         with servers.serve("context", args, tmp_path / "c", http=False,
                            grpc_port=ctx_port) as ctx, \
                 servers.serve("generation", args, tmp_path / "g", http=False,
                               grpc_port=gen_port) as gen:
-            took = wait_until(lambda: _ready(scheduler.http), READY_BOUND, "ready once peers answer")
+            took = wait_until(lambda: _ready(scheduler.front), READY_BOUND, "ready once peers answer")
             print(f"ready {took:.1f} s after both peers were")
             wait_until(lambda: "ready (every role has a server that answers)"
                    in scheduler.log.read_text(), 2, "it says so")
@@ -167,7 +167,7 @@ def test_ready_follows_the_peers(demo_engine, tmp_path):
             _every_role_answers_healthz(scheduler, ctx, gen)
             _a_context_past_its_deadline_is_a_timeout(scheduler, ctx, demo_engine.name, offline)
             assert servers.stop(gen) == 0
-            wait_until(lambda: not _ready(scheduler.http), READY_BOUND, "not ready once gen left")
+            wait_until(lambda: not _ready(scheduler.front), READY_BOUND, "not ready once gen left")
             assert _healthz(scheduler.front)[0] == 503
             said = (f"not ready: no generation server in generation_server.urls answers "
                     f"(127.0.0.1:{gen_port})")

@@ -39,7 +39,7 @@ def _load(repo: Path, model: str) -> model_config_pb2.ModelConfig:
 
 @pytest.mark.parametrize("role, models", [
     ("all", {"ensemble", "preprocessing", "orchestrator", "context", "generation"}),
-    ("scheduler", {"ensemble", "preprocessing", "orchestrator", "peers_ready"}),
+    ("scheduler", {"ensemble", "preprocessing", "orchestrator"}),
     ("context", {"context"}), ("generation", {"generation"})])
 def test_render_roles(config, tmp_path, role, models):
     repo = render(role, config, tmp_path / "repo")

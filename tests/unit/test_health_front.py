@@ -10,9 +10,8 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from triton_disagg.front.health import ASK_TIMEOUT_SECONDS, ServerReadiness
+from triton_disagg.front.health import ASK_TIMEOUT_SECONDS, CLOSED, ServerReadiness
 from triton_disagg.front.http_front import make_health_app
-from triton_disagg.triton.render import GATE
 
 
 class FakeTriton:
@@ -34,16 +33,27 @@ class FakeTriton:
 
 
 @pytest.mark.parametrize("triton, words", [
-    (FakeTriton(True, {"context", GATE}), None),
-    (FakeTriton(False, {"context", GATE}), "tritonserver is not ready"),
-    (FakeTriton(False, {GATE}), "the context model is not ready"),
-    (FakeTriton(False, {"context"}), "a role the scheduler routes to has no server that answers"),
+    (FakeTriton(True, {"context"}), None),
+    (FakeTriton(False, {"context"}), "tritonserver is not ready"),
+    (FakeTriton(False, {}), "the context model is not ready"),
     (FakeTriton(TimeoutError("deadline")), "tritonserver does not answer (TimeoutError)"),
 ])
 def test_server_readiness_names_what_is_not_ready(triton, words):
-    reason = asyncio.run(ServerReadiness(triton, ("context", GATE)).ready())
+    reason = asyncio.run(ServerReadiness(triton, ("context",)).ready())
     assert reason == words if words is None else words in reason
     assert triton.timeouts and set(triton.timeouts) == {ASK_TIMEOUT_SECONDS}   # never hangs
+
+
+@pytest.mark.parametrize("gate_text, ready", [(None, False), ("no context server", False),
+                                              ("", True)])
+def test_a_schedulers_readiness_follows_its_peers_gate_file(tmp_path, gate_text, ready):
+    gate = tmp_path / "peers_gate"
+    if gate_text is not None:
+        gate.write_text(gate_text)
+    reason = asyncio.run(ServerReadiness(FakeTriton(True, {"context"}), ("context",),
+                                         gate).ready())
+    assert reason == (None if ready else CLOSED)
+    assert "no context server" not in CLOSED       # a peer's name or address is not public
 
 
 def test_the_health_only_app_answers_healthz_and_health_only():

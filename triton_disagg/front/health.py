@@ -6,9 +6,9 @@ Every role's server answers them: the HTTP front of ``serve all`` / ``serve sche
 all|scheduler``, whose ensemble the front cannot stream), the same process in its
 health-only mode (``--health-only``), which serves these two routes and nothing else.
 
-Invariants: 200 ``{"status": "ok"}`` only when tritonserver says it is ready (for a
-scheduler: every role it routes to has a server that answers, :mod:`launch.peers_gate`) and
-so does each model named; otherwise 503 ``{"status": "unavailable", "reason": ...}`` with a
+Invariants: 200 ``{"status": "ok"}`` only when tritonserver says it is ready, so does each
+model named, and, for a scheduler, its peers gate file (``GATE_ENV``, written by
+:mod:`launch.peers_gate`) is empty: every role it routes to has a server that answers; otherwise 503 ``{"status": "unavailable", "reason": ...}`` with a
 one-line reason. Every question to tritonserver has ``ASK_TIMEOUT_SECONDS``, and the first
 one unanswered ends the check: a tritonserver that does not answer (stopped, hung) is a 503
 within that, not a hung probe (Kubernetes gives a probe 1 s by default).
@@ -16,12 +16,17 @@ within that, not a hung probe (Kubernetes gives a probe 1 s by default).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 
 ASK_TIMEOUT_SECONDS = 0.4     # per question to tritonserver (server ready, each model ready)
 PATHS = ("/healthz", "/health")
+GATE_ENV = "TRITON_DISAGG_PEERS_GATE"   # a scheduler's front: where its peers gate file is
+CLOSED = ("a role the scheduler routes to has no server that answers (serve's log names "
+          "the role)")
 
 
 class Readiness(Protocol):
@@ -34,13 +39,18 @@ READINESS = web.AppKey("readiness", Readiness)
 
 class ServerReadiness:
     """Asks a tritonserver (``client``: a ``tritonclient.grpc.aio`` client) whether it and
-    each of ``models`` are ready; the reason names the models that are not (a scheduler's
-    closed gate, :data:`~triton_disagg.triton.render.GATE`, in words)."""
+    each of ``models`` are ready, after the peers gate file ``gate`` (default: the one
+    ``GATE_ENV`` names, if any): missing or not empty, not ready. The reason names what is
+    not ready, never a peer's address."""
 
-    def __init__(self, client: Any, models: tuple[str, ...]):
+    def __init__(self, client: Any, models: tuple[str, ...], gate: Path | None = None):
         self.client, self.models = client, models
+        named = os.environ.get(GATE_ENV)
+        self.gate = gate or (Path(named) if named else None)
 
     async def ready(self) -> str | None:
+        if self.gate is not None and not _gate_open(self.gate):
+            return CLOSED
         ask = {"client_timeout": ASK_TIMEOUT_SECONDS}
         try:
             server = await self.client.is_server_ready(**ask)
@@ -48,17 +58,15 @@ class ServerReadiness:
         except Exception as exc:  # noqa: BLE001 - any failure to ask means not ready
             return f"tritonserver does not answer ({type(exc).__name__})"
         if missing:
-            return "; ".join(_why(model) for model in missing)
+            return "; ".join(f"the {model} model is not ready" for model in missing)
         return None if server else "tritonserver is not ready"
 
 
-def _why(model: str) -> str:
-    from triton_disagg.triton.render import GATE
-
-    if model == GATE:
-        return ("a role the scheduler routes to has no server that answers (its peers_ready "
-                "gate is closed; serve's log names the role)")
-    return f"the {model} model is not ready"
+def _gate_open(path: Path) -> bool:
+    try:
+        return path.read_text() == ""
+    except OSError:         # not written yet: never ready before the first check
+        return False
 
 
 async def health(request: web.Request) -> web.Response:

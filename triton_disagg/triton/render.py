@@ -12,8 +12,7 @@ with its routing policy).
 
 Roles: ``all`` (every model; the orchestrator calls context and generation
 through BLS), ``scheduler`` (ensemble, preprocessing, an orchestrator that
-reaches the roles over gRPC, and the readiness gate ``peers_ready``, rendered closed:
-:mod:`launch.peers_gate`), ``context``, ``generation``. In aggregated mode no
+reaches the roles over gRPC), ``context``, ``generation``. In aggregated mode no
 context model is rendered and the orchestrator asks generation for
 ``context_and_generation``.
 
@@ -37,8 +36,6 @@ from triton_disagg.config.host import front_cpus
 
 TEMPLATES = Path(model_repo.__file__).resolve().parent   # package data: wheels ship it
 FRONT = ("ensemble", "preprocessing", "orchestrator")
-GATE = "peers_ready"
-GATE_CLOSED_AT_START = "the scheduler has not checked its context and generation servers yet"
 
 _IO = {
     "preprocessing": (P.PREPROCESS_INPUTS, P.PREPROCESS_OUTPUTS),
@@ -51,7 +48,7 @@ _IO = {
 
 def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
     engines = ("generation",) if config.mode == "aggregated" else ("context", "generation")
-    return {"all": FRONT + engines, "scheduler": FRONT + (GATE,),
+    return {"all": FRONT + engines, "scheduler": FRONT,
             "context": ("context",), "generation": ("generation",)}[role]
 
 
@@ -60,28 +57,18 @@ def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None =
     """Write the repository for ``role`` into ``repo`` (replacing it) and return it."""
     if repo.exists():
         shutil.rmtree(repo)
+    repo.mkdir(mode=0o700, parents=True)     # Triton runs what is here: code
     for model in models_for(role, config):
         src, dst = TEMPLATES / model, repo / model
         (dst / "1").mkdir(parents=True)
         if (src / "1" / "model.py").is_file():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
-        if model == GATE:
-            render_gate(repo, GATE_CLOSED_AT_START)
-            continue
         values = _values(model, config)
         text = Template((src / "config.pbtxt").read_text()).substitute(values)
         (dst / "config.pbtxt").write_text(text)
         if model in S.KINDS:
             S.write(dst, settings(model, role, config, token_host, token_bind))
     return repo
-
-
-def render_gate(repo: Path, closed: str) -> None:
-    """Write the gate's config into ``repo``: it loads when ``closed`` is "", else its load
-    fails with ``closed`` as the reason."""
-    text = Template((TEMPLATES / GATE / "config.pbtxt").read_text()).substitute(
-        max_batch_size=str(P.MAX_BATCH_SIZE), closed=_quote(closed))
-    (repo / GATE / "config.pbtxt").write_text(text)
 
 
 def settings(model: str, role: str, config: DisaggConfig, token_host: str | None = None,

@@ -22,16 +22,22 @@ Invariant: the server runs in its own process group (its Python stubs
 included), so :meth:`TritonServer.stop` ends all of it and nothing else; it is
 also SIGTERMed if the process that started it dies. Given cores, the server runs on
 them from its first instruction, and so do the stubs it forks until a stub re-pins
-itself (:mod:`triton_disagg.triton.placement`). Its Python-backend regions
-in ``/dev/shm`` carry a name owned by the process that started it
-(:mod:`triton_disagg.shm`): ``stop`` unlinks them once the server is gone, and
-every start and stop sweeps what killed servers and stubs left behind.
+itself (:mod:`triton_disagg.triton.placement`). Its Python-backend regions live in a
+``/dev/shm`` of its own (:mod:`.private_shm`), where the host allows one: no other local
+user sees them, and they go with the server. Else they are in the host's ``/dev/shm``
+under a name owned by the process that started it (:mod:`triton_disagg.shm`): ``stop``
+unlinks them once the server is gone, and every start and stop sweeps what killed
+servers and stubs left behind.
 
-Triton APIs no client needs are restricted on every server: ``RESTRICTED_APIS``, plus
-model control where a readiness gate uses it (:mod:`launch.peers_gate`), answer only
-requests with the header ``RESTRICTED_HEADER`` set to a secret made at each start, which
-only serve knows (clients get "This API is restricted"; health, metadata, inference and
-statistics stay open). The gRPC endpoint accepts the orchestrators' keepalive pings
+Nothing on the server's command line (which every local user reads in ``ps``) grants
+anything. Model control is off (``none``): Triton refuses load and unload over its API,
+so no client can load a model (a model is code). The APIs no client needs, ``RESTRICTED_APIS``,
+answer only requests with the header ``RESTRICTED_HEADER`` set to a value made at each
+start that nothing keeps (clients get "This API is restricted"; health, metadata,
+inference and statistics stay open): a local user who reads it there can change the log
+and trace levels (not their files: Triton refuses that over the network) and register
+shared memory, which Triton opens in its private ``/dev/shm``, where nothing of ours can
+be named. The gRPC endpoint accepts the orchestrators' keepalive pings
 (:mod:`triton_disagg.front.transports`): every ``KEEPALIVE_MS``, idle calls included.
 """
 
@@ -58,7 +64,7 @@ from triton_disagg import shm
 from triton_disagg.errors import RetryableStart, UserError
 
 from triton_disagg import log_format
-from triton_disagg.triton import server_log
+from triton_disagg.triton import private_shm, server_log
 from triton_disagg.triton.stub_start import STACKS_SIGNAL
 from triton_disagg.triton.stub_watch import Stub
 from triton_disagg.triton.stuck_start import StartWatch
@@ -149,19 +155,18 @@ class TritonServer:
     """One tritonserver process group serving ``repo`` at ``endpoints``."""
 
     def __init__(self, install: TritonInstall, repo: Path, endpoints: Endpoints, work_dir: Path,
-                 env: dict[str, str] | None = None, log_verbose: int = 0, control=None,
+                 env: dict[str, str] | None = None, log_verbose: int = 0,
                  cpus: Sequence[int] = ()):
-        """``control``: None (model control off), or a readiness gate's
-        :class:`~launch.peers_gate.GateControl` (explicit model control, its API restricted
-        with the rest to its secret).
-        ``cpus``: the cores the server process (and what it forks) runs on; () leaves it
+        """``cpus``: the cores the server process (and what it forks) runs on; () leaves it
         on this process's."""
         self.install, self.repo, self.endpoints, self.work_dir = install, repo, endpoints, work_dir
-        self.control = control
-        self.api_secret = control.secret if control else secrets.token_hex(16)
         self.cpus = tuple(cpus)
         self.log_path = work_dir / "tritonserver.log"
         self.env = server_env(install, env)
+        self.private_shm = private_shm.possible()
+        self.host_shm = work_dir / "host-shm"   # the host's /dev/shm, seen from inside
+        if self.private_shm:
+            self.env[shm.DIR_ENV] = str(self.host_shm)
         self.log_verbose = log_verbose
         self.process: subprocess.Popen | None = None
         self.shm_prefix = shm.new_name("tpb") + "_"  # Triton appends a uuid per stub
@@ -170,7 +175,7 @@ class TritonServer:
         e = self.endpoints
         cmd = [str(self.install.binary), f"--model-repository={self.repo}",
                f"--backend-directory={backends}",
-               *(self.control.server_args() if self.control else ["--model-control-mode=none"]),
+               "--model-control-mode=none",
                *self._restricted_args(),
                "--grpc-keepalive-permit-without-calls=true",
                f"--grpc-http2-min-recv-ping-interval-without-data={KEEPALIVE_MS // 2}",
@@ -189,25 +194,27 @@ class TritonServer:
             cmd += [f"--metrics-address={e.host}", f"--metrics-port={e.metrics_port}"]
         return cmd
 
-    def _restricted_args(self) -> list[str]:
-        apis = RESTRICTED_APIS + (self.control.restricted_apis if self.control else ())
-        value = f"{','.join(apis)}:{RESTRICTED_HEADER}={self.api_secret}"
+    @staticmethod
+    def _restricted_args() -> list[str]:
+        value = f"{','.join(RESTRICTED_APIS)}:{RESTRICTED_HEADER}={secrets.token_hex(16)}"
         return [f"--http-restricted-api={value}", f"--grpc-restricted-protocol={value}"]
 
     def start(self) -> None:
         backends = prepare_backends(self.install, self.work_dir)
         shm.sweep()
+        if self.private_shm:
+            self.host_shm.mkdir(mode=0o700, exist_ok=True)
         log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.command(backends), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=self.env, cwd=self.work_dir,
-                                        start_new_session=True,
-                                        preexec_fn=partial(_before_exec, self.cpus))
+        self.process = subprocess.Popen(
+            self.command(backends), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=self.env, cwd=self.work_dir, start_new_session=True,
+            preexec_fn=partial(_before_exec, self.cpus,
+                               str(self.host_shm) if self.private_shm else None))
         log.close()
 
     def wait_ready(self, timeout: float = 300.0, cancel: threading.Event | None = None,
                    on_loaded: Callable[[str], None] | None = None) -> bool:
-        """Block until the server reports ready (True) or ``cancel`` is set (False); with a
-        readiness gate, until every other model is ready (the gate starts closed).
+        """Block until the server reports ready (True) or ``cancel`` is set (False).
 
         ``on_loaded(model)`` is called as each model finishes loading. A failure the log
         reports (a model that cannot load, a stub that cannot start, a port taken), a
@@ -225,7 +232,7 @@ class TritonServer:
             for line in log.new_lines():
                 watch.read(line)
                 cause = server_log.fatal_cause(line)
-                if cause and not (self.control and f"'{self.control.gate}'" in line):
+                if cause:
                     raise self._failure(cause)
                 model = server_log.loaded_model(line)
                 if model and on_loaded:
@@ -235,7 +242,7 @@ class TritonServer:
             stuck = watch.stuck()
             if stuck:
                 raise self._abandoned(stuck, watch.stuck_after, log)
-            if self.is_ready() if self.control is None else self._models_ready():
+            if self.is_ready():
                 return True
             if time.monotonic() > deadline:
                 raise self._failure(f"tritonserver not ready after {timeout:.0f}s")
@@ -294,17 +301,10 @@ class TritonServer:
         except Exception:  # noqa: BLE001 - any failure means "not yet"
             return False
 
-    def _models_ready(self) -> bool:
-        """Every model but the gate is ready (its endpoints answer once the start's loads
-        are done)."""
-        import tritonclient.grpc as grpcclient
-
-        others = [m for m in self.control.models if m != self.control.gate]
-        try:
-            with grpcclient.InferenceServerClient(self.grpc_url) as client:
-                return all(client.is_model_ready(m, client_timeout=2) for m in others)
-        except Exception:  # noqa: BLE001 - any failure means "not yet"
-            return False
+    @property
+    def regions_dir(self) -> str:
+        """Where the running server's Python-backend regions are, seen from this process."""
+        return f"/proc/{self.process.pid}/root/dev/shm" if self.private_shm else shm.SHM_DIR
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -332,16 +332,19 @@ class TritonServer:
         return code
 
 
-def _before_exec(cpus: tuple[int, ...]) -> None:
+def _before_exec(cpus: tuple[int, ...], host_shm: str | None) -> None:
     """In the child before exec: SIGTERM it if the process that started it dies (even by
     SIGKILL), so a killed `triton-disagg serve` never leaves a server behind; put it on
-    ``cpus`` when given (exec and fork keep the mask)."""
+    ``cpus`` when given (exec and fork keep the mask); given ``host_shm``, give it a private
+    ``/dev/shm`` with the host's at ``host_shm`` (:mod:`.private_shm`)."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if cpus:
         os.sched_setaffinity(0, cpus)
+    if host_shm is not None:
+        private_shm.enter(host_shm)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -1,0 +1,79 @@
+"""A ``/dev/shm`` of tritonserver's own, so no other local user reads its Python-backend
+regions (prompts, outputs, the peer credential on the way to a stub).
+
+Triton's Python backend creates its regions with boost.interprocess, which sets their
+mode to 0644 whatever the umask (seen: umask 077 still gives 0644). So tritonserver starts
+in a mount namespace of its own (:func:`enter`, between fork and exec) where ``/dev/shm``
+is a fresh tmpfs of mode 0700, the size of the host's; its stubs, which it forks, share
+it. The host's ``/dev/shm`` stays reachable inside at ``host_dir`` (a bind mount), where
+the project's own entries live (:mod:`triton_disagg.shm` reads ``shm.DIR_ENV``): KV staging
+areas that a generation server of another tritonserver maps by name. The tmpfs goes away
+with the last process of the namespace, so a killed server leaves no region behind.
+
+Making the namespace takes ``CAP_SYS_ADMIN`` (root outside a container), or, for another
+user, an unprivileged user namespace mapping that user to itself (the server keeps its
+uid and gains no capability past exec). :func:`possible` tries the whole sequence once in
+a child process; where neither is allowed (Docker's and Kubernetes' default profiles,
+whose container already has a ``/dev/shm`` of its own) serve runs tritonserver on the
+shared ``/dev/shm`` and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import tempfile
+
+SHM = b"/dev/shm"
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 0x2, 0x4, 0x1000, 0x4000, 0x80000
+
+_libc = ctypes.CDLL(None, use_errno=True)     # loaded before any fork: a child only calls it
+
+
+def enter(host_dir: str) -> None:
+    """In a child before exec: a mount namespace whose ``/dev/shm`` is a private tmpfs, the
+    host's at ``host_dir`` (an existing directory). OSError when the kernel refuses."""
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    st = os.statvfs(SHM)
+    _mount(None, b"/", None, MS_REC | MS_SLAVE)         # nothing of ours reaches the host
+    _mount(SHM, host_dir.encode(), None, MS_BIND | MS_REC)
+    _mount(b"tmpfs", SHM, b"tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=0700,size={st.f_blocks * st.f_frsize}".encode())
+
+
+@functools.lru_cache(maxsize=1)
+def possible() -> bool:
+    """Whether :func:`enter` works here (tried once, in a child that exits)."""
+    with tempfile.TemporaryDirectory(prefix="triton_disagg_shm_probe_") as scratch:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                enter(scratch)
+                code = 0
+            finally:
+                os._exit(code)
+        return os.waitpid(pid, 0)[1] == 0
+
+
+def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int,
+           data: bytes | None = None) -> None:
+    _check(_libc.mount(source, target, fstype, ctypes.c_ulong(flags), data))
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _check(result: int) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
