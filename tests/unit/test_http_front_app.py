@@ -87,6 +87,7 @@ def test_whole_and_streamed_completion(demo_engine):
         assert text == "Hello 世界 🎉"
         assert chunks[-2]["choices"][0]["finish_reason"] == "stop"    # 3 of 4 tokens: the end id
         assert chunks[-1]["usage"]["completion_tokens"] == 3
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1])   # OpenAI's null
         assert len(relay.request_ids[1]) == 32            # none sent: one generated
     run(relay, check, demo_engine)
 
@@ -107,7 +108,8 @@ def test_bad_requests_get_openai_error_json_and_the_server_serves_on(demo_engine
         resp = await client.post("/v1/completions", **send)
         body = await resp.json()
         assert resp.status == status and words in body["error"]["message"], body
-        assert body["error"]["code"] == status
+        assert body["error"]["code"] == ("model_not_found" if status == 404
+                                         else "invalid_request_error")   # OpenAI's strings
         ok = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
         assert ok.status == 200
     run(relay, check, demo_engine)
@@ -118,7 +120,7 @@ def test_unknown_path_and_method_are_openai_errors(demo_engine):
         for resp, status in ((await client.get("/v1/nothing"), 404),
                              (await client.get("/v1/completions"), 405)):
             assert resp.status == status
-            assert (await resp.json())["error"]["code"] == status
+            assert (await resp.json())["error"]["code"] == "invalid_request_error"
     run(ScriptedRelay(WORDS), check, demo_engine)
 
 
@@ -152,7 +154,7 @@ def test_a_timeout_is_504_even_once_the_server_turned_not_ready(demo_engine):
     async def check(client):
         resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
         body = await resp.json()
-        assert resp.status == 504 and body["error"]["code"] == 504
+        assert resp.status == 504 and body["error"]["code"] == "server_error"
         assert "timed out" in body["error"]["message"]
     run(relay, check, demo_engine)
 
@@ -195,3 +197,60 @@ def test_a_client_that_leaves_ends_the_relay_stream(demo_engine, stream):
             task.cancel()
         await relay.until_left()
     run(relay, check, demo_engine)
+
+
+LOGPROB_WORDS = [Delta("Hello", 3, 1, (10,), (-0.5,)), Delta(" world", 3, 3, (11, 12), (-1.0, -2.0))]
+
+
+def test_logprobs_of_completions_and_chat_name_each_token(demo_engine):
+    """The orchestrator's output_ids/output_log_probs as OpenAI's objects, whole or streamed."""
+    preparer = Preparer(demo_engine, "demo")
+    names = [preparer.token_text(i) for i in (10, 11, 12)]
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": "ab", "max_tokens": 3, "logprobs": 2, "echo": False})
+        logprobs = (await resp.json())["choices"][0]["logprobs"]
+        assert logprobs["tokens"] == names
+        assert logprobs["token_logprobs"] == [-0.5, -1.0, -2.0]
+        assert logprobs["top_logprobs"] == [{n: lp} for n, lp in zip(names, [-0.5, -1.0, -2.0])]
+        assert logprobs["text_offset"] == [0, len(names[0]), len(names[0]) + len(names[1])]
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "demo", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 1, "stream": True})
+        chunks = [json.loads(l[len("data: "):]) for l in (await resp.text()).split("\n\n")
+                  if l.startswith("data: {")]
+        content = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                   for e in c["choices"][0]["logprobs"]["content"]]
+        assert [e["token"] for e in content] == names
+        assert [e["logprob"] for e in content] == [-0.5, -1.0, -2.0]
+        assert content[0]["bytes"] == list(names[0].encode())
+        assert content[0]["top_logprobs"] == [{"token": names[0], "logprob": -0.5,
+                                               "bytes": list(names[0].encode())}]
+    run(ScriptedRelay(LOGPROB_WORDS), check, demo_engine)
+
+
+def test_echo_starts_the_text_with_the_prompt(demo_engine):
+    async def check(client):
+        body = {"model": "demo", "prompt": "Say: ", "max_tokens": 3, "echo": True}
+        whole = await (await client.post("/v1/completions", json=body)).json()
+        assert whole["choices"][0]["text"] == "Say: Hello 世界 🎉"
+        resp = await client.post("/v1/completions", json={**body, "stream": True})
+        chunks = [json.loads(l[len("data: "):]) for l in (await resp.text()).split("\n\n")
+                  if l.startswith("data: {")]
+        assert chunks[0]["choices"][0]["text"] == "Say: "
+        assert "".join(c["choices"][0]["text"] for c in chunks) == "Say: Hello 世界 🎉"
+    run(ScriptedRelay(WORDS), check, demo_engine)
+
+
+def test_models_retrieve_and_root(demo_engine):
+    async def check(client):
+        listed = (await (await client.get("/v1/models")).json())["data"]
+        assert [(m["id"], m["root"]) for m in listed] == [("demo", "demo")]
+        one = await client.get("/v1/models/demo")
+        assert one.status == 200 and await one.json() == listed[0]
+        other = await client.get("/v1/models/org/other")
+        body = await other.json()
+        assert other.status == 404 and body["error"]["code"] == "model_not_found"
+        assert body["error"]["param"] == "model"
+    run(ScriptedRelay(WORDS), check, demo_engine)

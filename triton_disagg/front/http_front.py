@@ -47,7 +47,8 @@ from triton_disagg.front.admission import (CappedRunner, RequestCount, StalledCl
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.json_body import MAX_BODY_BYTES, read_json
 from triton_disagg.front.openai_api import ApiError, Generation, parse
-from triton_disagg.front.openai_responses import Reply, StopTrimmer, finish_reason, sse, usage
+from triton_disagg.front.openai_responses import (Logprobs, Reply, StopTrimmer, finish_reason,
+                                                  merge_logprobs, sse, usage)
 from triton_disagg.front.origin_guard import add_origin_guard
 from triton_disagg.front.prepare import Preparer
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
@@ -121,6 +122,8 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     gen = parse(endpoint, body, preparer.limits)
     loop = asyncio.get_running_loop()
     inputs = await loop.run_in_executor(None, preparer.inputs, gen)
+    echo = preparer.prompt(gen) if gen.echo else ""
+    logprobs = None if gen.logprobs is None else Logprobs(gen, preparer.token_text, len(echo))
     max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
     headers = {REQUEST_ID: _request_id(request)}
     async with contextlib.aclosing(relay.stream(inputs, _request_id(request))) as deltas:
@@ -134,10 +137,10 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
             raise _server_error(exc, _request_id(request)) from None
         chained = _chain(first, deltas)
+        answer = _Answer(gen, max_tokens, echo, logprobs)
         if gen.stream:
-            return await _stream(request, gen, preparer.model, chained, max_tokens, headers)
-        return await _whole(gen, preparer.model, chained, max_tokens, headers,
-                            _request_id(request))
+            return await _stream(request, answer, Reply(gen, preparer.model), chained, headers)
+        return await _whole(answer, preparer.model, chained, headers, _request_id(request))
 
 
 async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
@@ -147,30 +150,57 @@ async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
         yield delta
 
 
-async def _whole(gen: Generation, model: str, deltas: AsyncIterator[Delta], max_tokens: int,
-                 headers: dict, request_id: str) -> web.Response:
-    trimmer, text, last = StopTrimmer(gen.stop), "", Delta("", 0, 0)
+class _Answer:
+    """One request's answer as it is made: the text (stop sequences cut, the echoed prompt
+    first), the last counts, and the log-probs when asked for."""
+
+    def __init__(self, gen: Generation, max_tokens: int, echo: str, logprobs: Logprobs | None):
+        self.gen, self.max_tokens, self.echo, self.logprobs = gen, max_tokens, echo, logprobs
+        self.trimmer, self.last = StopTrimmer(gen.stop), Delta("", 0, 0)
+
+    def add(self, delta: Delta) -> tuple[str, dict | None]:
+        """The text safe to send now and the log-probs of ``delta``'s tokens (None unless
+        asked for)."""
+        self.last = delta
+        text = self.trimmer.add(delta.text)
+        if self.logprobs is None:
+            return text, None
+        return text, self.logprobs.of(delta.token_ids, delta.log_probs)
+
+    def finish(self) -> tuple[str, str]:
+        """The text left to send and the finish reason."""
+        return self.trimmer.finish(), finish_reason(self.trimmer, self.last.completion_tokens,
+                                                    self.max_tokens)
+
+
+async def _whole(answer: _Answer, model: str, deltas: AsyncIterator[Delta], headers: dict,
+                 request_id: str) -> web.Response:
+    text, parts = answer.echo, []
     try:
-        async for last in deltas:
-            text += trimmer.add(last.text)
-            if trimmer.stopped:
+        async for delta in deltas:
+            more, logprobs = answer.add(delta)
+            text += more
+            parts += [logprobs] if logprobs is not None else []
+            if answer.trimmer.stopped:
                 break               # leaving the relay's stream cancels the request
     except Exception as exc:  # noqa: BLE001
         raise _server_error(exc, request_id) from None
-    text += trimmer.finish()
-    reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
+    tail, reason = answer.finish()
+    text += tail
+    gen, last = answer.gen, answer.last
     if gen.endpoint == "inference":
         body = {"id": uuid.uuid4().hex, "model": model, "text": text, "finish_reason": reason,
                 "usage": usage(last.prompt_tokens, last.completion_tokens)}
     else:
-        body = Reply(gen, model).whole(text, reason, last.prompt_tokens, last.completion_tokens)
+        logprobs = None if answer.logprobs is None else merge_logprobs(parts, answer.logprobs.chat)
+        body = Reply(gen, model).whole(text, reason, last.prompt_tokens, last.completion_tokens,
+                                       logprobs)
     return web.json_response(body, headers=headers,
                              dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
 
 
-async def _stream(request: web.Request, gen: Generation, model: str,
-                  deltas: AsyncIterator[Delta], max_tokens: int,
-                  headers: dict) -> web.StreamResponse:
+async def _stream(request: web.Request, answer: _Answer, reply: Reply,
+                  deltas: AsyncIterator[Delta], headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     timeout = request.app[FRONT].write_timeout_seconds
@@ -178,28 +208,26 @@ async def _stream(request: web.Request, gen: Generation, model: str,
     async def out(event: dict | str | None) -> None:
         await send(request, response, None if event is None else sse(event), timeout)
 
-    reply, trimmer, last = Reply(gen, model), StopTrimmer(gen.stop), Delta("", 0, 0)
     try:
         await out(None)             # the status line and headers
-        if reply.chat:
-            await out(reply.chunk("", first=True))
+        if reply.chat or answer.echo:
+            await out(reply.chunk(answer.echo, first=True))
         try:
-            async for last in deltas:
-                text = trimmer.add(last.text)
-                if text:
-                    await out(reply.chunk(text))
-                if trimmer.stopped:
+            async for delta in deltas:
+                text, logprobs = answer.add(delta)
+                if text or logprobs:
+                    await out(reply.chunk(text, logprobs=logprobs))
+                if answer.trimmer.stopped:
                     break           # leaving the relay's stream cancels the request
         except (ConnectionResetError, asyncio.CancelledError):
             raise                   # the client left: the relay's stream is cancelled
         except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
             await out(_server_error(exc, _request_id(request)).body())
             return response
-        tail = trimmer.finish()
-        reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
+        tail, reason = answer.finish()
         await out(reply.chunk(tail, reason))
-        if gen.include_usage:
-            await out(reply.usage_chunk(last.prompt_tokens, last.completion_tokens))
+        if answer.gen.include_usage:
+            await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens))
         await out("[DONE]")
     except StalledClient as exc:    # dropped: leaving the relay's stream cancels the request
         log.warning("request %s: %s; dropped", _request_id(request), exc)
@@ -220,11 +248,23 @@ async def inference(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "inference")
 
 
+def _model_card(preparer: Preparer) -> dict:
+    """The served model as OpenAI's (and vLLM's: ``root``, ``max_model_len``) model object."""
+    return {"id": preparer.model, "object": "model", "created": 0, "owned_by": "triton-disagg",
+            "root": preparer.model, "parent": None, "max_model_len": preparer.max_seq_len}
+
+
 async def models(request: web.Request) -> web.Response:
-    preparer = request.app[PREPARER]
-    return web.json_response({"object": "list", "data": [
-        {"id": preparer.model, "object": "model", "created": 0, "owned_by": "triton-disagg",
-         "max_model_len": preparer.max_seq_len}]})
+    return web.json_response({"object": "list", "data": [_model_card(request.app[PREPARER])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served one, else 404."""
+    preparer, name = request.app[PREPARER], request.match_info["model"]
+    if name != preparer.model:
+        raise ApiError(f"model '{name[:100]}' not found; this server serves '{preparer.model}'",
+                       status=404, param="model", kind="not_found_error")
+    return web.json_response(_model_card(preparer))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -254,6 +294,7 @@ def make_app(preparer: Preparer, relay: Relay, front: FrontConfig = FrontConfig(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/inference", inference)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)   # ids may hold "/"
     app.router.add_get("/version", version)
 
     async def close_relay(app: web.Application) -> None:
