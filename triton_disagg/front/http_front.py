@@ -3,10 +3,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; SSE with ``"stream":
 true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's), ``GET
-/v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its models are
+/v1/models`` and ``/v1/models/{id}``, ``GET /metrics`` (the front's own:
+:mod:`.front_metrics`), ``GET /healthz`` and ``/health`` (200 when tritonserver and its models are
 ready, else 503 with the reason: :mod:`.health`), ``GET /version``. With
 ``--health-only`` (``serve context|generation``, and a non-decoupled ``serve all|scheduler``)
-it serves ``/healthz`` and ``/health`` alone and needs no engine. Either way it is ready while
+it serves ``/healthz``, ``/health`` and ``/metrics`` alone and needs no engine. Either way it is ready while
 tritonserver and the models named by ``--models`` (serve names the repository's) are.
 
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
@@ -44,6 +45,7 @@ from triton_disagg import __version__
 from triton_disagg.config.front_section import FrontConfig, add_front_flags, front_from_flags
 from triton_disagg.front.admission import (CappedRunner, RequestCount, StalledClient,
                                            request_gate, send)
+from triton_disagg.front.front_metrics import FrontMetrics, add_metrics_route
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.json_body import MAX_BODY_BYTES, read_json
 from triton_disagg.front.openai_api import ApiError, Generation, parse
@@ -63,6 +65,7 @@ _FAULTS = {500: "internal error", 503: "the service is unavailable now; retry la
 
 PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
 FRONT = web.AppKey("front", FrontConfig)
+METRICS = web.AppKey("metrics", FrontMetrics)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
 ID_KEY = web.RequestKey("request_id", str)
 
@@ -277,9 +280,10 @@ def make_health_app(readiness: Readiness, front: FrontConfig = FrontConfig(),
     OpenAI's error JSON, Origin and Host checked (:mod:`.origin_guard`) for a front that
     listens on ``bound_host``: the health-only front, and what the whole front starts from."""
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
-    app[FRONT] = front
+    app[FRONT], app[METRICS] = front, FrontMetrics()
     add_origin_guard(app, front, bound_host)
     add_health_routes(app, readiness)
+    add_metrics_route(app, app[METRICS])
     return app
 
 
@@ -369,7 +373,8 @@ async def _serve(app: web.Application, host: str, port: int, front: FrontConfig)
     """Serve ``app`` on ``host:port`` until cancelled (aiohttp's ``run_app``, with the
     connection cap of :class:`~triton_disagg.front.admission.CappedRunner` and the idle
     timeout of ``front``)."""
-    runner = CappedRunner(app, front.max_connections, handle_signals=True,
+    runner = CappedRunner(app, front.max_connections, app[METRICS].refused_connection,
+                          handle_signals=True,
                           handler_cancellation=True, access_log=None,
                           keepalive_timeout=front.idle_timeout_seconds,
                           shutdown_timeout=SHUTDOWN_SECONDS)
