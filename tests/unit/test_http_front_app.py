@@ -12,6 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg.front.http_front import MAX_BODY_BYTES, make_app
+from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.prepare import Preparer
 from triton_disagg.front.relay import Delta, OrchestratorError
 
@@ -253,4 +254,45 @@ def test_models_retrieve_and_root(demo_engine):
         body = await other.json()
         assert other.status == 404 and body["error"]["code"] == "model_not_found"
         assert body["error"]["param"] == "model"
+    run(ScriptedRelay(WORDS), check, demo_engine)
+
+
+ACCEPTED = [("completions", {"model": "demo", "prompt": [[5, 6]], "logprobs": 2, "top_k": -1,
+                             "repetition_penalty": 1.0, "n": 1, "stop": ["x"]}),
+            ("chat", {"model": "demo", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "a"}]}], "logprobs": True, "top_logprobs": 3}),
+            ("inference", {"prompt": "Hello, world!", "model": "demo", "top_k": 4})]
+REFUSED = [("completions", {"model": "demo", "prompt": [5, 2**20]}),
+           ("completions", {"model": "demo", "prompt": "a", "min_p": 0.5}),
+           ("completions", {"model": "demo", "prompt": "a", "frobnicate": 1}),
+           ("chat", {"model": "demo", "messages": []}),
+           ("inference", {"model": "demo"})]
+
+
+def test_the_openapi_document_covers_every_route_and_checks_as_parse_does(demo_engine):
+    """GET /openapi.json: every route the app serves is in it, and its body schemas accept
+    what parse accepts and refuse what parse refuses (samples)."""
+    import jsonschema
+
+    from triton_disagg.front.openai_api import parse
+
+    preparer = Preparer(demo_engine, "demo")
+
+    async def check(client):
+        resp = await client.get("/openapi.json")
+        doc = await resp.json()
+        assert resp.status == 200 and doc["openapi"] == "3.1.0"
+        routes = {(r.method.lower(), r.resource.canonical) for r in client.app.router.routes()
+                  if r.method in ("GET", "POST")}
+        documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
+        assert routes == documented
+        schemas = doc["components"]["schemas"]
+        for endpoint, body in ACCEPTED:
+            parse(endpoint, body, preparer.limits)
+            jsonschema.validate(body, schemas[f"{endpoint.capitalize()}Request"])
+        for endpoint, body in REFUSED:
+            with pytest.raises(ApiError):
+                parse(endpoint, body, preparer.limits)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(body, schemas[f"{endpoint.capitalize()}Request"])
     run(ScriptedRelay(WORDS), check, demo_engine)

@@ -4,11 +4,12 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; SSE with ``"stream":
 true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's), ``GET
 /v1/models`` and ``/v1/models/{id}``, ``GET /metrics`` (the front's own:
-:mod:`.front_metrics`), ``GET /healthz`` and ``/health`` (200 when tritonserver and its models are
-ready, else 503 with the reason: :mod:`.health`), ``GET /version``. With
-``--health-only`` (``serve context|generation``, and a non-decoupled ``serve all|scheduler``)
-it serves ``/healthz``, ``/health`` and ``/metrics`` alone and needs no engine. Either way it is ready while
-tritonserver and the models named by ``--models`` (serve names the repository's) are.
+:mod:`.front_metrics`), ``GET /openapi.json`` (:mod:`.openapi`), ``GET /healthz`` and
+``/health`` (200 when tritonserver and its models are ready, else 503 with the reason:
+:mod:`.health`), ``GET /version``. With ``--health-only`` (``serve context|generation``,
+and a non-decoupled ``serve all|scheduler``) it serves ``/healthz``, ``/health`` and
+``/metrics`` alone and needs no engine. Either way it is ready while tritonserver and the
+models named by ``--models`` (serve names the repository's) are.
 
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
 JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a body too slow: 408,
@@ -49,6 +50,7 @@ from triton_disagg.front.front_metrics import FrontMetrics, add_metrics_route
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.json_body import MAX_BODY_BYTES, read_json
 from triton_disagg.front.openai_api import ApiError, Generation, parse
+from triton_disagg.front.openapi import document
 from triton_disagg.front.openai_responses import (Logprobs, Reply, StopTrimmer, finish_reason,
                                                   merge_logprobs, sse, usage)
 from triton_disagg.front.origin_guard import add_origin_guard
@@ -270,6 +272,10 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(_model_card(preparer))
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(document(request.app[PREPARER].limits))
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__, "model": request.app[PREPARER].model})
 
@@ -300,6 +306,7 @@ def make_app(preparer: Preparer, relay: Relay, front: FrontConfig = FrontConfig(
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)   # ids may hold "/"
     app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
 
     async def close_relay(app: web.Application) -> None:
         await app[RELAY].close()

@@ -91,6 +91,16 @@ class Generation:
 
 
 # ---- field checks: (value, name) -> value, or raise ApiError naming the field --------------
+# Each carries the JSON schema of what it accepts (``json_schema``): the OpenAPI document's
+# (:func:`body_schema`), so the document and the checks cannot drift apart.
+
+Check = Callable[[Any, str], Any]
+
+
+def _schema(check: Check, schema: dict) -> Check:
+    check.json_schema = schema  # type: ignore[attr-defined]
+    return check
+
 
 def _bad(name: str, want: str, value: Any) -> ApiError:
     return ApiError(f"'{name}': expected {want}, got {type(value).__name__} {_show(value)}",
@@ -116,7 +126,7 @@ def _bool(value: Any, name: str) -> bool:
     return value
 
 
-def _int(low: int, high: int | None = None, why: str = "") -> Callable[[Any, str], int]:
+def _int(low: int, high: int | None = None, why: str = "") -> Check:
     def check(value: Any, name: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _bad(name, "an integer", value)
@@ -124,10 +134,11 @@ def _int(low: int, high: int | None = None, why: str = "") -> Callable[[Any, str
             bound = f">= {low}" if high is None else f"between {low} and {high}"
             raise ApiError(f"'{name}': {_show(value)} must be {bound}{why}", param=name)
         return value
-    return check
+    bounds = {"minimum": low} | ({"maximum": high} if high is not None else {})
+    return _schema(check, {"type": "integer", **bounds})
 
 
-def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any, str], float]:
+def _number(low: float, high: float, low_open: bool = False) -> Check:
     def check(value: Any, name: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise _bad(name, "a number", value)
@@ -136,7 +147,8 @@ def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any, s
             raise ApiError(f"'{name}': {_show(value)} must be in {left}{low}, {high}]",
                            param=name)
         return float(value)
-    return check
+    return _schema(check, {"type": "number", "exclusiveMinimum" if low_open else "minimum": low,
+                           "maximum": high})
 
 
 def _stop(value: Any, name: str) -> tuple[str, ...]:
@@ -163,7 +175,7 @@ def _stream_options(value: Any, name: str) -> bool:
     return _bool(value.get("include_usage", False), f"{name}.include_usage")
 
 
-def _prompt(limits: EngineLimits) -> Callable[[Any, str], str | tuple[int, ...]]:
+def _prompt(limits: EngineLimits) -> Check:
     """Text, or token ids (OpenAI's four forms: a string, a list of ints, and a list of
     one of either); ids checked against the vocabulary and counted before they are kept."""
     def check(value: Any, name: str) -> str | tuple[int, ...]:
@@ -186,13 +198,24 @@ def _prompt(limits: EngineLimits) -> Callable[[Any, str], str | tuple[int, ...]]
             raise ApiError(f"'{name}': token id {_show(bad)} is not in this model's "
                            f"vocabulary (0 to {limits.vocab_size - 1})", param=name)
         return tuple(value)
-    return check
+    ids = {"type": "array", "minItems": 1, "maxItems": limits.max_seq_len,
+           "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
+    one = {"type": "array", "minItems": 1, "maxItems": 1}
+    return _schema(check, {"oneOf": [{"type": "string"}, ids, {**one, "items": {"type": "string"}},
+                                     {**one, "items": ids}]})
 
 
 _ROLES = ("system", "developer", "user", "assistant")
+_schema(_string, {"type": "string"})
+_schema(_bool, {"type": "boolean"})
+_schema(_stop, {"oneOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                          {"type": "array", "maxItems": MAX_STOP_WORDS,
+                           "items": {"type": "string", "maxLength": MAX_STOP_CHARS}}]})
+_schema(_stream_options, {"type": "object", "additionalProperties": False,
+                          "properties": {"include_usage": {"type": "boolean"}}})
 
 
-def _messages(limit: int) -> Callable[[Any, str], tuple[dict, ...]]:
+def _messages(limit: int) -> Check:
     def check(value: Any, name: str) -> tuple[dict, ...]:
         if not isinstance(value, list) or not value:
             raise _bad(name, "a non-empty list of messages", value)
@@ -200,7 +223,13 @@ def _messages(limit: int) -> Callable[[Any, str], tuple[dict, ...]]:
             raise ApiError(f"'{name}': {len(value)} messages; at most {limit} (this engine's "
                            f"max_seq_len)", param=name)
         return _each_message(value, name)
-    return check
+    part = {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+               "properties": {"role": {"enum": list(_ROLES)}, "name": {"type": "string"},
+                              "content": {"oneOf": [{"type": "string"},
+                                                    {"type": "array", "items": part}]}}}
+    return _schema(check, {"type": "array", "minItems": 1, "maxItems": limit, "items": message})
 
 
 def _each_message(value: list, name: str) -> tuple[dict, ...]:
@@ -236,7 +265,7 @@ def _content(value: Any, name: str) -> str:
     return "".join(texts)
 
 
-def _fields(endpoint: str, limits: EngineLimits) -> dict[str, Callable[[Any, str], Any]]:
+def _fields(endpoint: str, limits: EngineLimits) -> dict[str, Check]:
     """``endpoint``'s fields -> their checks; each returns the value kept under that name."""
     max_tokens = _int(1, limits.max_seq_len - 1,
                       f" (this engine's max_seq_len {limits.max_seq_len} less a prompt token)")
@@ -332,3 +361,16 @@ def _logprobs(endpoint: str, v: dict[str, Any]) -> int | None:
     if "top_logprobs" in v and not v.get("logprobs"):
         raise ApiError("'top_logprobs': only allowed with logprobs true", param="top_logprobs")
     return v.get("top_logprobs", 0) if v.get("logprobs") else None
+
+
+def body_schema(endpoint: str, limits: EngineLimits = EngineLimits()) -> dict:
+    """The JSON schema of ``endpoint``'s body as :func:`parse` checks it, for the OpenAPI
+    document: each field's type and bounds, the required ones, and a field honoured only at
+    its default as the enum of those defaults."""
+    properties = {name: check.json_schema  # type: ignore[attr-defined]
+                  for name, check in _fields(endpoint, limits).items()}
+    if endpoint != "inference":
+        properties |= {name: {"enum": list(fine), "description": why}
+                       for name, (fine, why) in _ONLY_DEFAULT.items()}
+    return {"type": "object", "properties": properties, "required": list(_REQUIRED[endpoint]),
+            "additionalProperties": False}
