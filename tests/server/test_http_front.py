@@ -118,7 +118,7 @@ def test_the_guides_inference_request_prints_text(server, offline):
     (dict(data=b"{oops"), 400, "not valid JSON"),
     (dict(json={"model": MODEL, "prompt": 3}), 400, "'prompt'"),
     (dict(json={"model": MODEL, "prompt": "a", "nonsense": 1}), 400, "'nonsense'"),
-    (dict(json={"model": MODEL, "prompt": "a", "n": 3}), 400, "'n'"),
+    (dict(json={"model": MODEL, "prompt": "a", "n": 9}), 400, "'n'"),
     (dict(json={"model": MODEL, "prompt": "a", "max_tokens": 99999}), 400, "max_seq_len"),
     (dict(json={"model": MODEL, "prompt": ""}), 400, "empty"),
     (dict(json={"model": "gpt-4o", "prompt": "a"}), 404, "not found"),
@@ -352,3 +352,16 @@ def test_echo_models_retrieve_and_usage_null(server, client):
     assert chunks[-1]["usage"]["completion_tokens"] == 3
     metrics = requests.get(f"{server.front}/metrics", timeout=10).text
     assert 'disagg_front_requests_total{route="/v1/completions",status="200"}' in metrics
+
+
+def test_several_prompts_and_n_are_indexed_choices(client, offline, tokenizer):
+    ids = tokenizer.encode(PROMPTS[1])
+    got = client.completions.create(model=MODEL, prompt=[PROMPTS[0], ids], n=2, max_tokens=6,
+                                    temperature=0)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [offline(PROMPTS[0], 6)] * 2 + \
+        [offline(PROMPTS[1], 6)] * 2
+    assert got.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0])) + len(ids)
+    chat = client.chat.completions.create(model=MODEL, n=2, max_tokens=4, temperature=1.0,
+                                          seed=3, messages=[{"role": "user", "content": "hi"}])
+    assert [c.index for c in chat.choices] == [0, 1]

@@ -296,3 +296,32 @@ def test_the_openapi_document_covers_every_route_and_checks_as_parse_does(demo_e
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate(body, schemas[f"{endpoint.capitalize()}Request"])
     run(ScriptedRelay(WORDS), check, demo_engine)
+
+
+def test_several_prompts_and_n_answer_as_indexed_choices(demo_engine):
+    relay = ScriptedRelay(WORDS)
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": [[5, 6], "b"], "n": 2, "max_tokens": 3},
+            headers={"X-Request-Id": "many"})
+        body = await resp.json()
+        assert resp.status == 200, body
+        assert [(c["index"], c["text"]) for c in body["choices"]] == \
+            [(i, "Hello 世界 🎉") for i in range(4)]
+        # each prompt counted once (the relay says 3 prompt tokens), every choice's tokens
+        assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12,
+                                 "total_tokens": 18}
+        assert sorted(relay.request_ids) == [f"many-{i}" for i in range(4)]
+    run(relay, check, demo_engine)
+
+
+def test_a_failing_choice_fails_the_request_and_stops_the_others(demo_engine):
+    relay = ScriptedRelay([Delta("a", 1, 1), OrchestratorError("internal error: x")], pause=0.05)
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": "a", "n": 3, "max_tokens": 3})
+        assert resp.status == 500 and "internal error" in (await resp.json())["error"]["message"]
+        assert len(relay.left_early) == 3        # every stream ended, none left open
+    run(relay, check, demo_engine)

@@ -74,6 +74,13 @@ def test_token_id_prompts_go_to_the_engine_as_sent(demo_engine, prompt):
     assert err.value.param == "prompt"
 
 
+def test_several_prompts_and_n_are_choices_in_openai_order():
+    gen = parse("completions", {"model": "demo", "prompt": [[5, 6], "b"], "n": 2, "seed": 9})
+    assert [(c.prompt, c.n, c.sampling["seed"]) for c in gen.choices()] == \
+        [((5, 6), 1, 9), ((5, 6), 1, 10), ("b", 1, 11), ("b", 1, 12)]
+    assert parse("chat", {**CHAT, "n": 3}).choices()[2].messages == parse("chat", CHAT).messages
+
+
 def test_openai_defaults_temperature_one_and_inference_greedy():
     assert parse("chat", CHAT).sampling == {"temperature": 1.0}
     assert parse("inference", {"prompt": "Hello, world!", "model": "demo"}).sampling == {}
@@ -99,13 +106,16 @@ def test_max_completion_tokens_wins_over_max_tokens():
     ("completions", {"model": "demo", "prompt": "a", "frobnicate": 1}, "'frobnicate': unknown"),
     ("completions", {"model": "demo"}, "'prompt' is required"),
     ("completions", {"model": "demo", "prompt": 5}, "'prompt': expected a string"),
-    ("completions", {"model": "demo", "prompt": ["a", "b"]}, "one prompt per request"),
+    ("completions", {"model": "demo", "prompt": ["a"] * 9}, "'prompt': 9 prompts; at most 8"),
+    ("completions", {"model": "demo", "prompt": ["a", "b"], "n": 5}, "'n': 2 prompts x n 5 is more than 8"),
+    ("completions", {"model": "demo", "prompt": "a", "n": 2, "stream": True}, "'stream': one choice per streamed"),
+    ("completions", {"model": "demo", "prompt": ["a", [1, "x"]]}, "'prompt[1]': expected a list of integer"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": "5"}, "'max_tokens': expected an integer"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": 0}, "'max_tokens': 0 must be between 1 and"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": True}, "'max_tokens': expected an integer"),
     ("completions", {"model": "demo", "prompt": "a", "temperature": 3}, "'temperature': 3 must be in [0.0, 2.0]"),
     ("completions", {"model": "demo", "prompt": "a", "top_p": 0}, "'top_p': 0 must be in (0.0, 1.0]"),
-    ("completions", {"model": "demo", "prompt": "a", "n": 2}, "'n' 2: one choice per request"),
+    ("completions", {"model": "demo", "prompt": "a", "n": 0}, "'n': 0 must be between 1 and 8"),
     ("completions", {"model": "demo", "prompt": "a", "echo": True, "logprobs": 1},
      "'echo' with 'logprobs': the log-probabilities of the prompt's tokens are not computed"),
     ("completions", {"model": "demo", "prompt": "a", "logprobs": 6}, "'logprobs': 6 must be between 0 and 5"),
@@ -116,7 +126,7 @@ def test_max_completion_tokens_wins_over_max_tokens():
     ("completions", {"model": "demo", "prompt": [1, 2**40]}, "'prompt': token id 1099511627776 is not in this model's vocabulary"),
     ("completions", {"model": "demo", "prompt": [1, -1]}, "'prompt': token id -1 is not in"),
     ("completions", {"model": "demo", "prompt": [1, True]}, "'prompt': expected a list of integer token ids"),
-    ("completions", {"model": "demo", "prompt": [[1], [2]]}, "one prompt per request"),
+    ("completions", {"model": "demo", "prompt": [[1], [2, -5]]}, "'prompt[1]': token id -5 is not in"),
     ("completions", {"model": "demo", "prompt": []}, "'prompt': expected a string or a non-empty list"),
     ("chat", {**CHAT, "top_logprobs": 2}, "'top_logprobs': only allowed with logprobs true"),
     ("chat", {**CHAT, "logprobs": True, "top_logprobs": 21}, "'top_logprobs': 21 must be between 0 and 20"),

@@ -125,13 +125,35 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     preparer, relay = request.app[PREPARER], request.app[RELAY]
     body = await read_json(request, request.app[FRONT].body_timeout_seconds)
     gen = parse(endpoint, body, preparer.limits)
-    loop = asyncio.get_running_loop()
-    inputs = await loop.run_in_executor(None, preparer.inputs, gen)
-    echo = preparer.prompt(gen) if gen.echo else ""
-    logprobs = None if gen.logprobs is None else Logprobs(gen, preparer.token_text, len(echo))
-    max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
-    headers = {REQUEST_ID: _request_id(request)}
-    async with contextlib.aclosing(relay.stream(inputs, _request_id(request))) as deltas:
+    loop, request_id = asyncio.get_running_loop(), _request_id(request)
+    choices = gen.choices()
+    inputs = [await loop.run_in_executor(None, preparer.inputs, c) for c in choices]
+    answers = [_Answer(preparer, c, i) for c, i in zip(choices, inputs)]
+    headers = {REQUEST_ID: request_id}
+    if gen.stream:          # one choice (parse refuses several streamed)
+        async with _opened(relay, inputs[0], request_id, request_id) as deltas:
+            return await _stream(request, answers[0], Reply(gen, preparer.model), deltas,
+                                 headers)
+    # Triton request ids: the client's for one choice, with the choice's index for several
+    call_ids = [request_id] if len(choices) == 1 else \
+        [f"{request_id}-{i}" for i in range(len(choices))]
+    tasks = [asyncio.ensure_future(_collect(relay, a, i, c, request_id))
+             for a, i, c in zip(answers, inputs, call_ids)]
+    try:
+        done = await asyncio.gather(*tasks)
+    finally:                # one failed (or the client left): the others stop too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return _whole(gen, preparer.model, done, headers)
+
+
+@contextlib.asynccontextmanager
+async def _opened(relay: Relay, inputs: dict, call_id: str,
+                  request_id: str) -> AsyncIterator[AsyncIterator[Delta]]:
+    """The orchestrator's deltas for ``inputs``, once the first came (an error before it is
+    a plain HTTP error: no byte went out yet); leaving the block cancels the call."""
+    async with contextlib.aclosing(relay.stream(inputs, call_id)) as deltas:
         try:
             first = await anext(deltas, None)
         except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
@@ -140,12 +162,8 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             not_ready = None if timed_out else await relay.ready()
             if not_ready is not None:
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
-            raise _server_error(exc, _request_id(request)) from None
-        chained = _chain(first, deltas)
-        answer = _Answer(gen, max_tokens, echo, logprobs)
-        if gen.stream:
-            return await _stream(request, answer, Reply(gen, preparer.model), chained, headers)
-        return await _whole(answer, preparer.model, chained, headers, _request_id(request))
+            raise _server_error(exc, request_id) from None
+        yield _chain(first, deltas)
 
 
 async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
@@ -156,11 +174,15 @@ async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
 
 
 class _Answer:
-    """One request's answer as it is made: the text (stop sequences cut, the echoed prompt
+    """One choice's answer as it is made: the text (stop sequences cut, the echoed prompt
     first), the last counts, and the log-probs when asked for."""
 
-    def __init__(self, gen: Generation, max_tokens: int, echo: str, logprobs: Logprobs | None):
-        self.gen, self.max_tokens, self.echo, self.logprobs = gen, max_tokens, echo, logprobs
+    def __init__(self, preparer: Preparer, gen: Generation, inputs: dict):
+        self.gen = gen
+        self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
+        self.echo = preparer.prompt(gen) if gen.echo else ""
+        self.logprobs = None if gen.logprobs is None else \
+            Logprobs(gen, preparer.token_text, len(self.echo))
         self.trimmer, self.last = StopTrimmer(gen.stop), Delta("", 0, 0)
 
     def add(self, delta: Delta) -> tuple[str, dict | None]:
@@ -178,28 +200,40 @@ class _Answer:
                                                     self.max_tokens)
 
 
-async def _whole(answer: _Answer, model: str, deltas: AsyncIterator[Delta], headers: dict,
-                 request_id: str) -> web.Response:
-    text, parts = answer.echo, []
-    try:
-        async for delta in deltas:
-            more, logprobs = answer.add(delta)
-            text += more
-            parts += [logprobs] if logprobs is not None else []
-            if answer.trimmer.stopped:
-                break               # leaving the relay's stream cancels the request
-    except Exception as exc:  # noqa: BLE001
-        raise _server_error(exc, request_id) from None
+async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
+                   request_id: str) -> tuple[_Answer, str, str, dict | None]:
+    """One choice, whole: its answer, text, finish reason and log-probs."""
+    async with _opened(relay, inputs, call_id, request_id) as deltas:
+        text, parts = answer.echo, []
+        try:
+            async for delta in deltas:
+                more, logprobs = answer.add(delta)
+                text += more
+                parts += [logprobs] if logprobs is not None else []
+                if answer.trimmer.stopped:
+                    break           # leaving the relay's stream cancels the request
+        except Exception as exc:  # noqa: BLE001
+            raise _server_error(exc, request_id) from None
     tail, reason = answer.finish()
-    text += tail
-    gen, last = answer.gen, answer.last
+    logprobs = None if answer.logprobs is None else merge_logprobs(parts, answer.logprobs.chat)
+    return answer, text + tail, reason, logprobs
+
+
+def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict | None]],
+           headers: dict) -> web.Response:
+    """The non-streamed body of ``done`` choices (one for ``/v1/inference``); usage counts
+    each prompt once and every choice's tokens."""
+    prompt_tokens = sum(a.last.prompt_tokens for a, *_ in done[::gen.n])
+    completion_tokens = sum(a.last.completion_tokens for a, *_ in done)
     if gen.endpoint == "inference":
+        _, text, reason, _ = done[0]
         body = {"id": uuid.uuid4().hex, "model": model, "text": text, "finish_reason": reason,
-                "usage": usage(last.prompt_tokens, last.completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens)}
     else:
-        logprobs = None if answer.logprobs is None else merge_logprobs(parts, answer.logprobs.chat)
-        body = Reply(gen, model).whole(text, reason, last.prompt_tokens, last.completion_tokens,
-                                       logprobs)
+        reply = Reply(gen, model)
+        body = reply.whole([reply.choice(i, text, reason, logprobs)
+                            for i, (_, text, reason, logprobs) in enumerate(done)],
+                           prompt_tokens, completion_tokens)
     return web.json_response(body, headers=headers,
                              dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
 

@@ -4,9 +4,9 @@ the deployment guide's ``/v1/inference``) -> one :class:`Generation`, checked fi
 Invariants: a body this module accepts is a JSON object whose every field is known, of its
 type and in its range, so what reaches the server cannot fail on input; anything else raises
 :class:`ApiError` (status 400, or 404 for a model this server does not serve) whose message
-names the field and the fix. A field OpenAI defines that this server cannot honour (``n`` >
-1, ``echo`` with ``logprobs``, tools, ``min_p``, ...) is accepted only at its default, else
-refused by name, never silently ignored. Defaults are OpenAI's: ``max_tokens`` 16 for
+names the field and the fix. A field OpenAI defines that this server cannot honour
+(``best_of``, ``echo`` with ``logprobs``, tools, ``min_p``, ...) is accepted only at its
+default, else refused by name, never silently ignored. Defaults are OpenAI's: ``max_tokens`` 16 for
 completions, the rest of the engine's ``max_seq_len`` for chat; ``temperature`` 1 (the
 guide's ``/v1/inference``: 0, greedy); ``top_p`` 1. vLLM's and trtllm-serve's extensions
 are taken as they take them: ``ignore_eos`` (``max_tokens`` tokens whatever comes),
@@ -14,8 +14,9 @@ are taken as they take them: ``ignore_eos`` (``max_tokens`` tokens whatever come
 (completions: 0-5; chat: true, with ``top_logprobs`` 0-20) asks for the log-probability of
 each generated token; the engine computes the chosen token's alone, so ``top_logprobs``
 lists that token only (:mod:`.openai_responses`). A prompt is text or token ids (a list of
-ints, or a list holding one such list or one string); token ids must be in the
-vocabulary. Every number is bounded before it is used: ``max_tokens`` and ``min_tokens``
+ints); a list of such prompts is several, and each prompt gets ``n`` choices, at most
+``MAX_CHOICES`` in all, indexed prompt by prompt (:meth:`Generation.choices`), not
+streamed; token ids must be in the vocabulary. Every number is bounded before it is used: ``max_tokens`` and ``min_tokens``
 by the engine's ``max_seq_len`` less one prompt token, ``top_k`` and token ids by its
 vocabulary (:class:`EngineLimits`); ``stop`` holds at most ``MAX_STOP_WORDS`` words of at
 most ``MAX_STOP_CHARS`` characters, ``messages`` at most ``max_seq_len`` messages, a
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 import math
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 5                # OpenAI's limit on completions' ``logprobs``
 MAX_TOP_LOGPROBS = 20           # OpenAI's limit on chat's ``top_logprobs``
+MAX_CHOICES = 8                 # prompts x n of one request: each is one engine request
 MAX_STOP_WORDS = 4              # OpenAI's limit on ``stop``
 MAX_STOP_CHARS = 256            # per stop sequence
 SHOWN_CHARS = 60                # of a value quoted in an error message
@@ -70,15 +72,17 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class Generation:
-    """One request, whichever endpoint it came in on. ``prompt`` is text or token ids (a
-    chat's rendered by the chat template later: ``messages`` set, ``prompt`` empty);
+    """One request, whichever endpoint it came in on. ``prompts``: each text or token ids
+    (a chat's rendered by the chat template later: ``messages`` set, one empty prompt),
+    ``n`` choices each;
     ``max_tokens`` None: the endpoint's default; ``logprobs`` None: none returned, else how
     many alternatives were asked per token; ``echo``: the prompt's text starts the
     completion's; ``sampling``: ensemble input names -> values, only those given."""
 
     endpoint: str                        # "completions" | "chat" | "inference"
     model: str | None
-    prompt: str | tuple[int, ...] = ""
+    prompts: tuple[str | tuple[int, ...], ...] = ("",)
+    n: int = 1
     messages: tuple[dict, ...] = ()
     max_tokens: int | None = None
     stream: bool = False
@@ -88,6 +92,21 @@ class Generation:
     logprobs: int | None = None
     echo: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str | tuple[int, ...]:
+        """The first (a single choice's only) prompt."""
+        return self.prompts[0]
+
+    def choices(self) -> list["Generation"]:
+        """One single-prompt generation per choice, in OpenAI's order of ``index``: each
+        prompt's ``n`` in turn. With a ``seed``, choice ``i`` draws with ``seed + i``, so
+        the choices of a seeded request differ and repeat."""
+        out = []
+        for i, prompt in enumerate(p for p in self.prompts for _ in range(self.n)):
+            seed = {"seed": (self.sampling["seed"] + i) % 2**64} if "seed" in self.sampling else {}
+            out.append(replace(self, prompts=(prompt,), n=1, sampling=self.sampling | seed))
+        return out
 
 
 # ---- field checks: (value, name) -> value, or raise ApiError naming the field --------------
@@ -176,19 +195,23 @@ def _stream_options(value: Any, name: str) -> bool:
 
 
 def _prompt(limits: EngineLimits) -> Check:
-    """Text, or token ids (OpenAI's four forms: a string, a list of ints, and a list of
-    one of either); ids checked against the vocabulary and counted before they are kept."""
-    def check(value: Any, name: str) -> str | tuple[int, ...]:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]                          # one prompt of a batch of one
+    """Prompts (OpenAI's four forms: a string, a list of token ids, and a list of either,
+    at most ``MAX_CHOICES``); ids checked against the vocabulary and counted before they
+    are kept."""
+    def check(value: Any, name: str) -> tuple[str | tuple[int, ...], ...]:
+        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+            if len(value) > MAX_CHOICES:
+                raise ApiError(f"'{name}': {len(value)} prompts; at most {MAX_CHOICES} per "
+                               f"request", param=name)
+            return tuple(one(p, f"{name}[{i}]") for i, p in enumerate(value))
+        return (one(value, name),)
+
+    def one(value: Any, name: str) -> str | tuple[int, ...]:
         if isinstance(value, str):
             return value
         if not isinstance(value, list) or not value:
             raise _bad(name, "a string or a non-empty list of token ids", value)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-            if any(isinstance(p, (str, list)) for p in value):
-                raise ApiError(f"'{name}': one prompt per request (a string, a list of token "
-                               f"ids, or a list of one of either)", param=name)
             raise _bad(name, "a list of integer token ids", value)
         if len(value) > limits.max_seq_len:
             raise ApiError(f"'{name}': {len(value)} token ids; at most {limits.max_seq_len} "
@@ -200,9 +223,10 @@ def _prompt(limits: EngineLimits) -> Check:
         return tuple(value)
     ids = {"type": "array", "minItems": 1, "maxItems": limits.max_seq_len,
            "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
-    one = {"type": "array", "minItems": 1, "maxItems": 1}
-    return _schema(check, {"oneOf": [{"type": "string"}, ids, {**one, "items": {"type": "string"}},
-                                     {**one, "items": ids}]})
+    several = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES}
+    return _schema(check, {"oneOf": [{"type": "string"}, ids,
+                                     {**several, "items": {"type": "string"}},
+                                     {**several, "items": ids}]})
 
 
 _ROLES = ("system", "developer", "user", "assistant")
@@ -278,7 +302,7 @@ def _fields(endpoint: str, limits: EngineLimits) -> dict[str, Check]:
     common = {
         "model": _string, "stream": _bool, "stream_options": _stream_options, "stop": _stop,
         "presence_penalty": _number(-2.0, 2.0), "frequency_penalty": _number(-2.0, 2.0),
-        "user": _string, "max_tokens": max_tokens, **sampling,
+        "user": _string, "max_tokens": max_tokens, "n": _int(1, MAX_CHOICES), **sampling,
         # vLLM's and trtllm-serve's extensions, as they take them in the body
         "ignore_eos": _bool,     # max_tokens tokens, always
         "min_tokens": _int(0, limits.max_seq_len - 1, " (this engine's max_seq_len less one)"),
@@ -294,7 +318,6 @@ def _fields(endpoint: str, limits: EngineLimits) -> dict[str, Check]:
 
 # OpenAI fields this server honours only at their default: field -> (accepted values, why)
 _ONLY_DEFAULT = {
-    "n": ((1, None), "one choice per request; send n 1"),
     "best_of": ((1, None), "best_of is not supported; send best_of 1"),
     "min_p": ((None, 0, 0.0), "min_p is not supported by this engine's sampler; send min_p 0"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
@@ -339,10 +362,18 @@ def parse(endpoint: str, body: Any, limits: EngineLimits = EngineLimits()) -> Ge
     if v.get("echo") and logprobs is not None:
         raise ApiError("'echo' with 'logprobs': the log-probabilities of the prompt's tokens "
                        "are not computed by this engine; send one of them", param="echo")
+    prompts = v.get("prompt", ("",)) if endpoint != "inference" else (v["prompt"],)
+    n = v.get("n", 1)
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(f"'n': {len(prompts)} prompts x n {n} is more than {MAX_CHOICES} "
+                       f"choices per request", param="n")
+    if len(prompts) * n > 1 and v.get("stream"):
+        raise ApiError("'stream': one choice per streamed request (one prompt, n 1); send "
+                       "stream false for several", param="stream")
     if v.get("top_k") == -1:
         v["top_k"] = 0                  # vLLM's "off"; the engine's is 0
     return Generation(
-        endpoint=endpoint, model=v.get("model"), prompt=v.get("prompt", ""),
+        endpoint=endpoint, model=v.get("model"), prompts=prompts, n=n,
         messages=v.get("messages", ()),
         max_tokens=v.get("max_completion_tokens", v.get("max_tokens")),
         stream=v.get("stream", False), include_usage=v.get("stream_options", False),

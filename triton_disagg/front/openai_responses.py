@@ -120,14 +120,15 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
-              logprobs: dict | None = None) -> dict:
+    def choice(self, index: int, text: str, reason: str, logprobs: dict | None = None) -> dict:
+        """One choice of the whole (non-streamed) object."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": reason, "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
-        out = self._envelope(self.whole_object, [choice])
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason, "logprobs": logprobs}
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+
+    def whole(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        out = self._envelope(self.whole_object, choices)
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
 
