@@ -325,3 +325,16 @@ def test_a_failing_choice_fails_the_request_and_stops_the_others(demo_engine):
         assert resp.status == 500 and "internal error" in (await resp.json())["error"]["message"]
         assert len(relay.left_early) == 3        # every stream ended, none left open
     run(relay, check, demo_engine)
+
+
+def test_vllm_bench_serves_completions_body_is_served(demo_engine):
+    """The body `vllm bench serve --backend openai` sends (vllm/benchmarks/lib/
+    endpoint_request_func.py): repetition_penalty 1.0 and logprobs null on every request."""
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": "a b c", "temperature": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": 3, "logprobs": None, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}})
+        text = await resp.text()
+        assert resp.status == 200 and text.endswith("data: [DONE]\n\n"), text
+    run(ScriptedRelay(WORDS), check, demo_engine)

@@ -281,4 +281,8 @@ def test_prepare_refuses_another_model_with_404_and_long_prompts_with_400(demo_e
                                               "max_tokens": preparer.max_seq_len}))
     assert err.value.status == 400 and "max_seq_len" in str(err.value)
     assert err.value.param == "prompt"       # OpenAI's: the field at fault, and a string code
+    with pytest.raises(ApiError, match="max_seq_len") as err:
+        preparer.inputs(parse("chat", {**CHAT, "max_tokens": 4, "messages": [
+            {"role": "user", "content": "word " * preparer.max_seq_len}]}))
+    assert err.value.param == "messages"
     assert err.value.body()["error"]["code"] == "invalid_request_error"
