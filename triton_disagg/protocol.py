@@ -196,7 +196,9 @@ PREPROCESS_OUTPUTS = ENGINE_INPUTS[:3] + (
 ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-2] + (
     _opt(PREPROCESSED, "UINT8", (32,)), _opt(ARRIVAL, "UINT64")) + tuple(
     s for s in SAMPLING_INPUTS if s.name not in ("end_id", "pad_id"))
-ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS     # the orchestrator detokenizes
+# The orchestrator detokenizes; with return_log_probs it also sends each response's token
+# ids (the HTTP front names the tokens its log-probs are of), which the ensemble does not map.
+ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS + (TensorSpec("output_ids", "INT32", (-1, -1)),)
 
 
 def by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:

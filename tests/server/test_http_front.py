@@ -118,7 +118,7 @@ def test_the_guides_inference_request_prints_text(server, offline):
     (dict(data=b"{oops"), 400, "not valid JSON"),
     (dict(json={"model": MODEL, "prompt": 3}), 400, "'prompt'"),
     (dict(json={"model": MODEL, "prompt": "a", "nonsense": 1}), 400, "'nonsense'"),
-    (dict(json={"model": MODEL, "prompt": "a", "n": 3}), 400, "'n'"),
+    (dict(json={"model": MODEL, "prompt": "a", "n": 9}), 400, "'n'"),
     (dict(json={"model": MODEL, "prompt": "a", "max_tokens": 99999}), 400, "max_seq_len"),
     (dict(json={"model": MODEL, "prompt": ""}), 400, "empty"),
     (dict(json={"model": "gpt-4o", "prompt": "a"}), 404, "not found"),
@@ -258,3 +258,110 @@ def test_the_front_exits_when_its_parent_is_killed(server, demo_engine):
         parent.kill()
         if os.path.exists(f"/proc/{front}"):
             os.kill(front, signal.SIGKILL)
+
+
+# ---- what vLLM's and trtllm-serve's clients send (issue 30) ---------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_engine):
+    from triton_disagg.engine.tokenizer import Tokenizer
+
+    return Tokenizer(demo_engine)
+
+
+def test_completion_logprobs_name_the_greedy_tokens(client, offline, tokenizer):
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
+                                    temperature=0, logprobs=3)
+    choice, want = got.choices[0], offline(PROMPTS[0], 12)
+    lp = choice.logprobs
+    assert choice.text == want and len(lp.tokens) == got.usage.completion_tokens
+    whole = [t for t in lp.tokens if "\ufffd" not in t]     # not a part of a character
+    assert whole and all(t in choice.text for t in whole)
+    assert all(x <= 0 for x in lp.token_logprobs) and any(x < 0 for x in lp.token_logprobs)
+    assert [list(t) for t in lp.top_logprobs] == [[t] for t in lp.tokens]  # the chosen alone
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
+                                              temperature=0, logprobs=1, stream=True))
+    assert [x for c in streamed if c.choices[0].logprobs
+            for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == got.choices[0].message.content
+    assert len(content) == got.usage.completion_tokens
+    assert all(c.logprob <= 0 and [t.token for t in c.top_logprobs] == [c.token]
+               for c in content)
+
+
+@pytest.mark.parametrize("wrap", [lambda ids: ids, lambda ids: [ids]])
+def test_token_id_prompts_answer_as_their_text(client, offline, tokenizer, wrap):
+    ids = tokenizer.encode(PROMPTS[1])
+    got = client.completions.create(model=MODEL, prompt=wrap(ids), max_tokens=10, temperature=0)
+    assert got.choices[0].text == offline(PROMPTS[1], 10)
+    assert got.usage.prompt_tokens == len(ids)
+
+
+def test_bad_token_ids_and_refused_fields_are_named(client, tokenizer):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="not in this model's vocabulary") as err:
+        client.completions.create(model=MODEL, prompt=[1, tokenizer.vocab_size], max_tokens=2)
+    assert err.value.param == "prompt" and err.value.code == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        client.completions.create(model=MODEL, prompt="a", extra_body={"min_p": 0.1})
+    with pytest.raises(openai.BadRequestError, match="prompt's tokens are not computed") as err:
+        client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1, echo=True, logprobs=1)
+    assert err.value.param == "echo"
+    with pytest.raises(openai.BadRequestError, match="max_seq_len") as err:
+        client.completions.create(model=MODEL, prompt="a " * 5000, max_tokens=2)
+    assert err.value.param == "prompt"
+
+
+def test_vllm_sampling_fields_in_the_body(client, offline):
+    greedy = offline(PROMPTS[0], 12)
+
+    def text(**extra):
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
+                                        **extra)
+        return got.choices[0].text, got.usage.completion_tokens
+    # vLLM's bench serve sends repetition_penalty 1.0 on every completions request
+    assert text(temperature=0, extra_body={"repetition_penalty": 1.0})[0] == greedy
+    assert text(temperature=0, extra_body={"repetition_penalty": 1.8})[1] > 0   # accepted
+    assert text(temperature=1.0, extra_body={"top_k": 1})[0] == greedy      # top-1 is greedy
+    assert text(temperature=1.0, seed=11, extra_body={"top_k": -1}) == \
+        text(temperature=1.0, seed=11, extra_body={"top_k": -1})
+    assert text(temperature=0, extra_body={"ignore_eos": True})[1] == 12
+    assert text(temperature=0, extra_body={"min_tokens": 12})[1] == 12
+
+
+def test_echo_models_retrieve_and_usage_null(server, client):
+    got = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0,
+                                    echo=True)
+    assert got.choices[0].text.startswith("Once") and len(got.choices[0].text) > 4
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump()["root"] == MODEL
+    resp = requests.post(f"{server.front}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "a", "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    chunks = [json.loads(l[len("data: "):]) for l in resp.text.split("\n\n") if "{" in l]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    metrics = requests.get(f"{server.front}/metrics", timeout=10).text
+    assert 'disagg_front_requests_total{route="/v1/completions",status="200"}' in metrics
+
+
+def test_several_prompts_and_n_are_indexed_choices(client, offline, tokenizer):
+    ids = tokenizer.encode(PROMPTS[1])
+    got = client.completions.create(model=MODEL, prompt=[PROMPTS[0], ids], n=2, max_tokens=6,
+                                    temperature=0)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [offline(PROMPTS[0], 6)] * 2 + \
+        [offline(PROMPTS[1], 6)] * 2
+    assert got.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0])) + len(ids)
+    chat = client.chat.completions.create(model=MODEL, n=2, max_tokens=4, temperature=1.0,
+                                          seed=3, messages=[{"role": "user", "content": "hi"}])
+    assert [c.index for c in chat.choices] == [0, 1]

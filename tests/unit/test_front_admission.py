@@ -88,6 +88,13 @@ def test_requests_past_the_cap_get_429_with_retry_after_at_once(demo_engine):
             assert body["error"]["type"] == "rate_limit_error"
         statuses = [(await client.post("/v1/completions", json=BODY)).status for _ in range(3)]
         assert statuses == [200] * 3                    # the count went back down
+        metrics = await (await client.get("/metrics")).text()     # the front's own
+        for line in ('disagg_front_requests_total{route="/v1/completions",status="200"} 5',
+                     'disagg_front_requests_total{route="/v1/completions",status="429"} 6',
+                     'disagg_front_refusals_total{cap="max_concurrent_requests"} 6',
+                     'disagg_front_refusals_total{cap="max_connections"} 0',
+                     "disagg_front_requests_in_flight 1"):     # the /metrics request itself
+            assert line in metrics.splitlines(), metrics
     run_app(relay, check, demo_engine, FrontConfig(max_concurrent_requests=2))
 
 
@@ -122,6 +129,9 @@ def test_a_connection_past_the_cap_gets_503_and_a_freed_one_is_served(demo_engin
                 async with session.post(f"http://127.0.0.1:{port}/v1/completions",
                                         json=BODY) as resp:
                     assert resp.status == 200
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    metrics = (await resp.text()).splitlines()
+                assert 'disagg_front_refusals_total{cap="max_connections"} 1' in metrics
             held[1][1].close()
     asyncio.run(main())
 
@@ -206,7 +216,7 @@ CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 @pytest.mark.parametrize("endpoint, body, names", [
     ("completions", {**BODY, "max_tokens": 256}, "'max_tokens': 256 must be between 1 and 255"),
     ("chat", {**CHAT, "max_completion_tokens": 2**40}, "'max_completion_tokens'"),
-    ("inference", {"prompt": "a", "top_k": 1001}, "'top_k': 1001 must be between 0 and 1000"),
+    ("inference", {"prompt": "a", "top_k": 1001}, "'top_k': 1001 must be between -1 and 1000"),
     ("completions", {**BODY, "stop": ["x" * 257]}, "at most 256 characters"),
     ("chat", {**CHAT, "messages": CHAT["messages"] * 257}, "257 messages; at most 256"),
 ])

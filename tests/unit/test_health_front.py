@@ -77,5 +77,6 @@ def test_the_health_only_app_answers_healthz_and_health_only():
             assert resp.status == 200 and await resp.json() == {"status": "ok"}
             for resp in (await client.post("/v1/completions", json={}),
                          await client.get("/v1/models")):
-                assert resp.status == 404 and (await resp.json())["error"]["code"] == 404
+                assert resp.status == 404
+                assert (await resp.json())["error"]["code"] == "invalid_request_error"
     asyncio.run(main())

@@ -12,6 +12,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg.front.http_front import MAX_BODY_BYTES, make_app
+from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.prepare import Preparer
 from triton_disagg.front.relay import Delta, OrchestratorError
 
@@ -87,6 +88,7 @@ def test_whole_and_streamed_completion(demo_engine):
         assert text == "Hello 世界 🎉"
         assert chunks[-2]["choices"][0]["finish_reason"] == "stop"    # 3 of 4 tokens: the end id
         assert chunks[-1]["usage"]["completion_tokens"] == 3
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1])   # OpenAI's null
         assert len(relay.request_ids[1]) == 32            # none sent: one generated
     run(relay, check, demo_engine)
 
@@ -107,7 +109,8 @@ def test_bad_requests_get_openai_error_json_and_the_server_serves_on(demo_engine
         resp = await client.post("/v1/completions", **send)
         body = await resp.json()
         assert resp.status == status and words in body["error"]["message"], body
-        assert body["error"]["code"] == status
+        assert body["error"]["code"] == ("model_not_found" if status == 404
+                                         else "invalid_request_error")   # OpenAI's strings
         ok = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
         assert ok.status == 200
     run(relay, check, demo_engine)
@@ -118,7 +121,7 @@ def test_unknown_path_and_method_are_openai_errors(demo_engine):
         for resp, status in ((await client.get("/v1/nothing"), 404),
                              (await client.get("/v1/completions"), 405)):
             assert resp.status == status
-            assert (await resp.json())["error"]["code"] == status
+            assert (await resp.json())["error"]["code"] == "invalid_request_error"
     run(ScriptedRelay(WORDS), check, demo_engine)
 
 
@@ -152,7 +155,7 @@ def test_a_timeout_is_504_even_once_the_server_turned_not_ready(demo_engine):
     async def check(client):
         resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
         body = await resp.json()
-        assert resp.status == 504 and body["error"]["code"] == 504
+        assert resp.status == 504 and body["error"]["code"] == "server_error"
         assert "timed out" in body["error"]["message"]
     run(relay, check, demo_engine)
 
@@ -195,3 +198,143 @@ def test_a_client_that_leaves_ends_the_relay_stream(demo_engine, stream):
             task.cancel()
         await relay.until_left()
     run(relay, check, demo_engine)
+
+
+LOGPROB_WORDS = [Delta("Hello", 3, 1, (10,), (-0.5,)), Delta(" world", 3, 3, (11, 12), (-1.0, -2.0))]
+
+
+def test_logprobs_of_completions_and_chat_name_each_token(demo_engine):
+    """The orchestrator's output_ids/output_log_probs as OpenAI's objects, whole or streamed."""
+    preparer = Preparer(demo_engine, "demo")
+    names = [preparer.token_text(i) for i in (10, 11, 12)]
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": "ab", "max_tokens": 3, "logprobs": 2, "echo": False})
+        logprobs = (await resp.json())["choices"][0]["logprobs"]
+        assert logprobs["tokens"] == names
+        assert logprobs["token_logprobs"] == [-0.5, -1.0, -2.0]
+        assert logprobs["top_logprobs"] == [{n: lp} for n, lp in zip(names, [-0.5, -1.0, -2.0])]
+        assert logprobs["text_offset"] == [0, len(names[0]), len(names[0]) + len(names[1])]
+        resp = await client.post("/v1/chat/completions", json={
+            "model": "demo", "messages": [{"role": "user", "content": "a"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 1, "stream": True})
+        chunks = [json.loads(l[len("data: "):]) for l in (await resp.text()).split("\n\n")
+                  if l.startswith("data: {")]
+        content = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                   for e in c["choices"][0]["logprobs"]["content"]]
+        assert [e["token"] for e in content] == names
+        assert [e["logprob"] for e in content] == [-0.5, -1.0, -2.0]
+        assert content[0]["bytes"] == list(names[0].encode())
+        assert content[0]["top_logprobs"] == [{"token": names[0], "logprob": -0.5,
+                                               "bytes": list(names[0].encode())}]
+    run(ScriptedRelay(LOGPROB_WORDS), check, demo_engine)
+
+
+def test_echo_starts_the_text_with_the_prompt(demo_engine):
+    async def check(client):
+        body = {"model": "demo", "prompt": "Say: ", "max_tokens": 3, "echo": True}
+        whole = await (await client.post("/v1/completions", json=body)).json()
+        assert whole["choices"][0]["text"] == "Say: Hello 世界 🎉"
+        resp = await client.post("/v1/completions", json={**body, "stream": True})
+        chunks = [json.loads(l[len("data: "):]) for l in (await resp.text()).split("\n\n")
+                  if l.startswith("data: {")]
+        assert chunks[0]["choices"][0]["text"] == "Say: "
+        assert "".join(c["choices"][0]["text"] for c in chunks) == "Say: Hello 世界 🎉"
+    run(ScriptedRelay(WORDS), check, demo_engine)
+
+
+def test_models_retrieve_and_root(demo_engine):
+    async def check(client):
+        listed = (await (await client.get("/v1/models")).json())["data"]
+        assert [(m["id"], m["root"]) for m in listed] == [("demo", "demo")]
+        one = await client.get("/v1/models/demo")
+        assert one.status == 200 and await one.json() == listed[0]
+        other = await client.get("/v1/models/org/other")
+        body = await other.json()
+        assert other.status == 404 and body["error"]["code"] == "model_not_found"
+        assert body["error"]["param"] == "model"
+    run(ScriptedRelay(WORDS), check, demo_engine)
+
+
+ACCEPTED = [("completions", {"model": "demo", "prompt": [[5, 6]], "logprobs": 2, "top_k": -1,
+                             "repetition_penalty": 1.0, "n": 1, "stop": ["x"]}),
+            ("chat", {"model": "demo", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "a"}]}], "logprobs": True, "top_logprobs": 3}),
+            ("inference", {"prompt": "Hello, world!", "model": "demo", "top_k": 4})]
+REFUSED = [("completions", {"model": "demo", "prompt": [5, 2**20]}),
+           ("completions", {"model": "demo", "prompt": "a", "min_p": 0.5}),
+           ("completions", {"model": "demo", "prompt": "a", "frobnicate": 1}),
+           ("chat", {"model": "demo", "messages": []}),
+           ("inference", {"model": "demo"})]
+
+
+def test_the_openapi_document_covers_every_route_and_checks_as_parse_does(demo_engine):
+    """GET /openapi.json: every route the app serves is in it, and its body schemas accept
+    what parse accepts and refuse what parse refuses (samples)."""
+    import jsonschema
+
+    from triton_disagg.front.openai_api import parse
+
+    preparer = Preparer(demo_engine, "demo")
+
+    async def check(client):
+        resp = await client.get("/openapi.json")
+        doc = await resp.json()
+        assert resp.status == 200 and doc["openapi"] == "3.1.0"
+        routes = {(r.method.lower(), r.resource.canonical) for r in client.app.router.routes()
+                  if r.method in ("GET", "POST")}
+        documented = {(m, p) for p, ops in doc["paths"].items() for m in ops}
+        assert routes == documented
+        schemas = doc["components"]["schemas"]
+        for endpoint, body in ACCEPTED:
+            parse(endpoint, body, preparer.limits)
+            jsonschema.validate(body, schemas[f"{endpoint.capitalize()}Request"])
+        for endpoint, body in REFUSED:
+            with pytest.raises(ApiError):
+                parse(endpoint, body, preparer.limits)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(body, schemas[f"{endpoint.capitalize()}Request"])
+    run(ScriptedRelay(WORDS), check, demo_engine)
+
+
+def test_several_prompts_and_n_answer_as_indexed_choices(demo_engine):
+    relay = ScriptedRelay(WORDS)
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": [[5, 6], "b"], "n": 2, "max_tokens": 3},
+            headers={"X-Request-Id": "many"})
+        body = await resp.json()
+        assert resp.status == 200, body
+        assert [(c["index"], c["text"]) for c in body["choices"]] == \
+            [(i, "Hello 世界 🎉") for i in range(4)]
+        # each prompt counted once (the relay says 3 prompt tokens), every choice's tokens
+        assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12,
+                                 "total_tokens": 18}
+        assert sorted(relay.request_ids) == [f"many-{i}" for i in range(4)]
+    run(relay, check, demo_engine)
+
+
+def test_a_failing_choice_fails_the_request_and_stops_the_others(demo_engine):
+    relay = ScriptedRelay([Delta("a", 1, 1), OrchestratorError("internal error: x")], pause=0.05)
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": "a", "n": 3, "max_tokens": 3})
+        assert resp.status == 500 and "internal error" in (await resp.json())["error"]["message"]
+        assert len(relay.left_early) == 3        # every stream ended, none left open
+    run(relay, check, demo_engine)
+
+
+def test_vllm_bench_serves_completions_body_is_served(demo_engine):
+    """The body `vllm bench serve --backend openai` sends (vllm/benchmarks/lib/
+    endpoint_request_func.py): repetition_penalty 1.0 and logprobs null on every request."""
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": "a b c", "temperature": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": 3, "logprobs": None, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}})
+        text = await resp.text()
+        assert resp.status == 200 and text.endswith("data: [DONE]\n\n"), text
+    run(ScriptedRelay(WORDS), check, demo_engine)

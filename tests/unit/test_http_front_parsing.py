@@ -26,6 +26,61 @@ def test_completion_body_becomes_a_generation():
     assert gen.sampling == {"temperature": 0.0, "top_p": 0.5, "seed": 3}
 
 
+def test_vllm_sampling_extensions_reach_the_engine_inputs(demo_engine):
+    """vLLM's ``bench serve`` sends repetition_penalty 1.0 on every completions request;
+    top_k (-1: off), min_tokens, seed go to the orchestrator under the ensemble's names."""
+    from triton_disagg.front.prepare import Preparer
+
+    body = {"model": "demo", "prompt": "a", "repetition_penalty": 1.0, "top_k": -1,
+            "min_tokens": 3, "seed": 7, "ignore_eos": False, "min_p": 0.0}
+    gen = parse("completions", body)
+    assert gen.sampling == {"temperature": 1.0, "top_k": 0, "seed": 7, "min_tokens": 3,
+                            "repetition_penalty": 1.0}
+    inputs = Preparer(demo_engine, "demo").inputs(gen)
+    assert {n: inputs[n].item() for n in gen.sampling} == gen.sampling
+    assert "return_log_probs" not in inputs
+    assert parse("chat", {**CHAT, "top_k": 5, "repetition_penalty": 1.3}).sampling["top_k"] == 5
+
+
+def test_logprobs_and_echo_are_parsed_and_ask_the_engine(demo_engine):
+    from triton_disagg.front.prepare import Preparer
+
+    preparer = Preparer(demo_engine, "demo")
+    gen = parse("completions", {"model": "demo", "prompt": "a", "logprobs": 0})
+    assert gen.logprobs == 0 and preparer.inputs(gen)["return_log_probs"].item() is True
+    assert parse("completions", {"model": "demo", "prompt": "a", "echo": True}).echo
+    assert parse("chat", {**CHAT, "logprobs": True}).logprobs == 0
+    assert parse("chat", {**CHAT, "logprobs": True, "top_logprobs": 3}).logprobs == 3
+    assert parse("chat", {**CHAT, "logprobs": False}).logprobs is None
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
+def test_token_id_prompts_go_to_the_engine_as_sent(demo_engine, prompt):
+    from triton_disagg.front.prepare import Preparer
+
+    preparer = Preparer(demo_engine, "demo")
+    gen = parse("completions", {"model": "demo", "prompt": prompt, "max_tokens": 4,
+                                "stop": ["x"]}, preparer.limits)
+    assert gen.prompt == (5, 6, 7)
+    inputs = preparer.inputs(gen)
+    assert inputs["input_ids"].tolist() == [[5, 6, 7]]
+    assert inputs["input_lengths"].tolist() == [[3]]
+    assert inputs["request_output_len"].tolist() == [[4]]
+    assert inputs["stop_words_list"][0, 0, 0] == preparer.tokenizer.encode_word("x")[0]
+    too_long = parse("completions", {"model": "demo", "prompt": [5] * (preparer.max_seq_len - 3),
+                                     "max_tokens": 4}, preparer.limits)
+    with pytest.raises(ApiError, match="exceeds this engine's max_seq_len") as err:
+        preparer.inputs(too_long)
+    assert err.value.param == "prompt"
+
+
+def test_several_prompts_and_n_are_choices_in_openai_order():
+    gen = parse("completions", {"model": "demo", "prompt": [[5, 6], "b"], "n": 2, "seed": 9})
+    assert [(c.prompt, c.n, c.sampling["seed"]) for c in gen.choices()] == \
+        [((5, 6), 1, 9), ((5, 6), 1, 10), ("b", 1, 11), ("b", 1, 12)]
+    assert parse("chat", {**CHAT, "n": 3}).choices()[2].messages == parse("chat", CHAT).messages
+
+
 def test_openai_defaults_temperature_one_and_inference_greedy():
     assert parse("chat", CHAT).sampling == {"temperature": 1.0}
     assert parse("inference", {"prompt": "Hello, world!", "model": "demo"}).sampling == {}
@@ -51,15 +106,31 @@ def test_max_completion_tokens_wins_over_max_tokens():
     ("completions", {"model": "demo", "prompt": "a", "frobnicate": 1}, "'frobnicate': unknown"),
     ("completions", {"model": "demo"}, "'prompt' is required"),
     ("completions", {"model": "demo", "prompt": 5}, "'prompt': expected a string"),
-    ("completions", {"model": "demo", "prompt": ["a", "b"]}, "one prompt per request"),
+    ("completions", {"model": "demo", "prompt": ["a"] * 9}, "'prompt': 9 prompts; at most 8"),
+    ("completions", {"model": "demo", "prompt": ["a", "b"], "n": 5}, "'n': 2 prompts x n 5 is more than 8"),
+    ("completions", {"model": "demo", "prompt": "a", "n": 2, "stream": True}, "'stream': one choice per streamed"),
+    ("completions", {"model": "demo", "prompt": ["a", [1, "x"]]}, "'prompt[1]': expected a list of integer"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": "5"}, "'max_tokens': expected an integer"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": 0}, "'max_tokens': 0 must be between 1 and"),
     ("completions", {"model": "demo", "prompt": "a", "max_tokens": True}, "'max_tokens': expected an integer"),
     ("completions", {"model": "demo", "prompt": "a", "temperature": 3}, "'temperature': 3 must be in [0.0, 2.0]"),
     ("completions", {"model": "demo", "prompt": "a", "top_p": 0}, "'top_p': 0 must be in (0.0, 1.0]"),
-    ("completions", {"model": "demo", "prompt": "a", "n": 2}, "'n' 2: one choice per request"),
-    ("completions", {"model": "demo", "prompt": "a", "echo": True}, "'echo' True"),
-    ("completions", {"model": "demo", "prompt": "a", "logprobs": 2}, "'logprobs' 2"),
+    ("completions", {"model": "demo", "prompt": "a", "n": 0}, "'n': 0 must be between 1 and 8"),
+    ("completions", {"model": "demo", "prompt": "a", "echo": True, "logprobs": 1},
+     "'echo' with 'logprobs': the log-probabilities of the prompt's tokens are not computed"),
+    ("completions", {"model": "demo", "prompt": "a", "logprobs": 6}, "'logprobs': 6 must be between 0 and 5"),
+    ("completions", {"model": "demo", "prompt": "a", "min_p": 0.1}, "'min_p' 0.1: min_p is not supported"),
+    ("completions", {"model": "demo", "prompt": "a", "repetition_penalty": 0}, "'repetition_penalty': 0 must be in (0.0"),
+    ("completions", {"model": "demo", "prompt": "a", "top_k": -2}, "'top_k': -2 must be between -1 and"),
+    ("completions", {"model": "demo", "prompt": "a", "min_tokens": -1}, "'min_tokens': -1 must be between 0 and"),
+    ("completions", {"model": "demo", "prompt": [1, 2**40]}, "'prompt': token id 1099511627776 is not in this model's vocabulary"),
+    ("completions", {"model": "demo", "prompt": [1, -1]}, "'prompt': token id -1 is not in"),
+    ("completions", {"model": "demo", "prompt": [1, True]}, "'prompt': expected a list of integer token ids"),
+    ("completions", {"model": "demo", "prompt": [[1], [2, -5]]}, "'prompt[1]': token id -5 is not in"),
+    ("completions", {"model": "demo", "prompt": []}, "'prompt': expected a string or a non-empty list"),
+    ("chat", {**CHAT, "top_logprobs": 2}, "'top_logprobs': only allowed with logprobs true"),
+    ("chat", {**CHAT, "logprobs": True, "top_logprobs": 21}, "'top_logprobs': 21 must be between 0 and 20"),
+    ("chat", {**CHAT, "echo": True}, "'echo': unknown field"),
     ("completions", {"model": "demo", "prompt": "a", "stop": ["a"] * 5}, "at most 4 stop"),
     ("completions", {"model": "demo", "prompt": "a", "stream_options": {"include_usage": True}},
      "only allowed with stream true"),
@@ -204,7 +275,14 @@ def test_prepare_refuses_another_model_with_404_and_long_prompts_with_400(demo_e
     with pytest.raises(ApiError) as err:
         preparer.inputs(parse("completions", {"model": "gpt-4", "prompt": "a"}))
     assert err.value.status == 404 and "'demo'" in str(err.value)
+    assert err.value.body()["error"]["code"] == "model_not_found"
     with pytest.raises(ApiError) as err:
         preparer.inputs(parse("completions", {"model": "demo", "prompt": "a",
                                               "max_tokens": preparer.max_seq_len}))
     assert err.value.status == 400 and "max_seq_len" in str(err.value)
+    assert err.value.param == "prompt"       # OpenAI's: the field at fault, and a string code
+    with pytest.raises(ApiError, match="max_seq_len") as err:
+        preparer.inputs(parse("chat", {**CHAT, "max_tokens": 4, "messages": [
+            {"role": "user", "content": "word " * preparer.max_seq_len}]}))
+    assert err.value.param == "messages"
+    assert err.value.body()["error"]["code"] == "invalid_request_error"

@@ -146,22 +146,25 @@ class ConnectionCap:
     """A protocol factory: the app's protocol while fewer than ``limit`` connections are
     open, else a refusal."""
 
-    def __init__(self, server: web.Server, limit: int):
-        self.server, self.limit, self.open = server, limit, 0
+    def __init__(self, server: web.Server, limit: int, on_refused: Callable[[], None]):
+        self.server, self.limit, self.open, self.on_refused = server, limit, 0, on_refused
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.limit:
+            self.on_refused()
             return _Refused(self.limit)
         self.open += 1
         return _Counted(self.server(), self)
 
 
 class CappedRunner(web.AppRunner):
-    """aiohttp's ``AppRunner`` whose sites accept at most ``max_connections`` connections."""
+    """aiohttp's ``AppRunner`` whose sites accept at most ``max_connections`` connections;
+    ``on_refused`` is called for each one refused."""
 
-    def __init__(self, app: web.Application, max_connections: int, **kwargs):
+    def __init__(self, app: web.Application, max_connections: int,
+                 on_refused: Callable[[], None] = lambda: None, **kwargs):
         super().__init__(app, **kwargs)
-        self.max_connections = max_connections
+        self.max_connections, self.on_refused = max_connections, on_refused
         self._cap: ConnectionCap | None = None
 
     @property
@@ -170,5 +173,5 @@ class CappedRunner(web.AppRunner):
         if inner is None:
             return None
         if self._cap is None or self._cap.server is not inner:
-            self._cap = ConnectionCap(inner, self.max_connections)
+            self._cap = ConnectionCap(inner, self.max_connections, self.on_refused)
         return self._cap

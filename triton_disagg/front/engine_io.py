@@ -42,7 +42,8 @@ def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 class ResponseBuilder:
     """Turns a request's events into the ensemble's outputs (``text_output`` deltas, counts,
     and log probs only when the request's ``return_log_probs`` asked for them, as
-    TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response)."""
+    TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response; with
+    them ``output_ids``, the ids of the tokens those log probs are of)."""
 
     def __init__(self, inputs: dict[str, np.ndarray], decode: Callable[[Sequence[int]], str]):
         self.decode = decode
@@ -73,8 +74,9 @@ class ResponseBuilder:
         return None
 
     def _flush(self, final: bool) -> dict:
-        window, offset = self.windows.next(self.pending_ids)
-        lps, self.pending_ids, self.pending_lp = self.pending_lp, [], []
+        ids, lps = self.pending_ids, self.pending_lp
+        window, offset = self.windows.next(ids)
+        self.pending_ids, self.pending_lp = [], []
         out = {
             "text_output": [text_delta(self.decode, window, offset, final)],
             "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
@@ -83,4 +85,5 @@ class ResponseBuilder:
         if self.return_log_probs:
             out["cum_log_probs"] = np.array([self.cum_log_prob])
             out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)
+            out["output_ids"] = np.array([ids], dtype=np.int32).reshape(1, -1)   # [beam=1, n]
         return out

@@ -3,11 +3,13 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; SSE with ``"stream":
 true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's), ``GET
-/v1/models``, ``GET /healthz`` and ``/health`` (200 when tritonserver and its models are
-ready, else 503 with the reason: :mod:`.health`), ``GET /version``. With
-``--health-only`` (``serve context|generation``, and a non-decoupled ``serve all|scheduler``)
-it serves ``/healthz`` and ``/health`` alone and needs no engine. Either way it is ready while
-tritonserver and the models named by ``--models`` (serve names the repository's) are.
+/v1/models`` and ``/v1/models/{id}``, ``GET /metrics`` (the front's own:
+:mod:`.front_metrics`), ``GET /openapi.json`` (:mod:`.openapi`), ``GET /healthz`` and
+``/health`` (200 when tritonserver and its models are ready, else 503 with the reason:
+:mod:`.health`), ``GET /version``. With ``--health-only`` (``serve context|generation``,
+and a non-decoupled ``serve all|scheduler``) it serves ``/healthz``, ``/health`` and
+``/metrics`` alone and needs no engine. Either way it is ready while tritonserver and the
+models named by ``--models`` (serve names the repository's) are.
 
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
 JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a body too slow: 408,
@@ -44,10 +46,13 @@ from triton_disagg import __version__
 from triton_disagg.config.front_section import FrontConfig, add_front_flags, front_from_flags
 from triton_disagg.front.admission import (CappedRunner, RequestCount, StalledClient,
                                            request_gate, send)
+from triton_disagg.front.front_metrics import FrontMetrics, add_metrics_route
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.json_body import MAX_BODY_BYTES, read_json
 from triton_disagg.front.openai_api import ApiError, Generation, parse
-from triton_disagg.front.openai_responses import Reply, StopTrimmer, finish_reason, sse, usage
+from triton_disagg.front.openapi import document
+from triton_disagg.front.openai_responses import (Logprobs, Reply, StopTrimmer, finish_reason,
+                                                  merge_logprobs, sse, usage)
 from triton_disagg.front.origin_guard import add_origin_guard
 from triton_disagg.front.prepare import Preparer
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
@@ -63,6 +68,7 @@ _FAULTS = {500: "internal error", 503: "the service is unavailable now; retry la
 
 PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
 FRONT = web.AppKey("front", FrontConfig)
+METRICS = web.AppKey("metrics", FrontMetrics)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
 ID_KEY = web.RequestKey("request_id", str)
 
@@ -120,11 +126,35 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     preparer, relay = request.app[PREPARER], request.app[RELAY]
     body = await read_json(request, request.app[FRONT].body_timeout_seconds)
     gen = parse(endpoint, body, preparer.limits)
-    loop = asyncio.get_running_loop()
-    inputs = await loop.run_in_executor(None, preparer.inputs, gen)
-    max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
-    headers = {REQUEST_ID: _request_id(request)}
-    async with contextlib.aclosing(relay.stream(inputs, _request_id(request))) as deltas:
+    loop, request_id = asyncio.get_running_loop(), _request_id(request)
+    choices = gen.choices()
+    inputs = [await loop.run_in_executor(None, preparer.inputs, c) for c in choices]
+    answers = [_Answer(preparer, c, i) for c, i in zip(choices, inputs)]
+    headers = {REQUEST_ID: request_id}
+    if gen.stream:          # one choice (parse refuses several streamed)
+        async with _opened(relay, inputs[0], request_id, request_id) as deltas:
+            return await _stream(request, answers[0], Reply(gen, preparer.model), deltas,
+                                 headers)
+    # Triton request ids: the client's for one choice, with the choice's index for several
+    call_ids = [request_id] if len(choices) == 1 else \
+        [f"{request_id}-{i}" for i in range(len(choices))]
+    tasks = [asyncio.ensure_future(_collect(relay, a, i, c, request_id))
+             for a, i, c in zip(answers, inputs, call_ids)]
+    try:
+        done = await asyncio.gather(*tasks)
+    finally:                # one failed (or the client left): the others stop too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return _whole(gen, preparer.model, done, headers)
+
+
+@contextlib.asynccontextmanager
+async def _opened(relay: Relay, inputs: dict, call_id: str,
+                  request_id: str) -> AsyncIterator[AsyncIterator[Delta]]:
+    """The orchestrator's deltas for ``inputs``, once the first came (an error before it is
+    a plain HTTP error: no byte went out yet); leaving the block cancels the call."""
+    async with contextlib.aclosing(relay.stream(inputs, call_id)) as deltas:
         try:
             first = await anext(deltas, None)
         except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
@@ -133,12 +163,8 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             not_ready = None if timed_out else await relay.ready()
             if not_ready is not None:
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
-            raise _server_error(exc, _request_id(request)) from None
-        chained = _chain(first, deltas)
-        if gen.stream:
-            return await _stream(request, gen, preparer.model, chained, max_tokens, headers)
-        return await _whole(gen, preparer.model, chained, max_tokens, headers,
-                            _request_id(request))
+            raise _server_error(exc, request_id) from None
+        yield _chain(first, deltas)
 
 
 async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
@@ -148,30 +174,73 @@ async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
         yield delta
 
 
-async def _whole(gen: Generation, model: str, deltas: AsyncIterator[Delta], max_tokens: int,
-                 headers: dict, request_id: str) -> web.Response:
-    trimmer, text, last = StopTrimmer(gen.stop), "", Delta("", 0, 0)
-    try:
-        async for last in deltas:
-            text += trimmer.add(last.text)
-            if trimmer.stopped:
-                break               # leaving the relay's stream cancels the request
-    except Exception as exc:  # noqa: BLE001
-        raise _server_error(exc, request_id) from None
-    text += trimmer.finish()
-    reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
+class _Answer:
+    """One choice's answer as it is made: the text (stop sequences cut, the echoed prompt
+    first), the last counts, and the log-probs when asked for."""
+
+    def __init__(self, preparer: Preparer, gen: Generation, inputs: dict):
+        self.gen = gen
+        self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
+        self.echo = preparer.prompt(gen) if gen.echo else ""
+        self.logprobs = None if gen.logprobs is None else \
+            Logprobs(gen, preparer.token_text, len(self.echo))
+        self.trimmer, self.last = StopTrimmer(gen.stop), Delta("", 0, 0)
+
+    def add(self, delta: Delta) -> tuple[str, dict | None]:
+        """The text safe to send now and the log-probs of ``delta``'s tokens (None unless
+        asked for)."""
+        self.last = delta
+        text = self.trimmer.add(delta.text)
+        if self.logprobs is None:
+            return text, None
+        return text, self.logprobs.of(delta.token_ids, delta.log_probs)
+
+    def finish(self) -> tuple[str, str]:
+        """The text left to send and the finish reason."""
+        return self.trimmer.finish(), finish_reason(self.trimmer, self.last.completion_tokens,
+                                                    self.max_tokens)
+
+
+async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
+                   request_id: str) -> tuple[_Answer, str, str, dict | None]:
+    """One choice, whole: its answer, text, finish reason and log-probs."""
+    async with _opened(relay, inputs, call_id, request_id) as deltas:
+        text, parts = answer.echo, []
+        try:
+            async for delta in deltas:
+                more, logprobs = answer.add(delta)
+                text += more
+                parts += [logprobs] if logprobs is not None else []
+                if answer.trimmer.stopped:
+                    break           # leaving the relay's stream cancels the request
+        except Exception as exc:  # noqa: BLE001
+            raise _server_error(exc, request_id) from None
+    tail, reason = answer.finish()
+    logprobs = None if answer.logprobs is None else merge_logprobs(parts, answer.logprobs.chat)
+    return answer, text + tail, reason, logprobs
+
+
+def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict | None]],
+           headers: dict) -> web.Response:
+    """The non-streamed body of ``done`` choices (one for ``/v1/inference``); usage counts
+    each prompt once and every choice's tokens."""
+    prompt_tokens = sum(a.last.prompt_tokens for a, *_ in done[::gen.n])
+    completion_tokens = sum(a.last.completion_tokens for a, *_ in done)
     if gen.endpoint == "inference":
+        _, text, reason, _ = done[0]
         body = {"id": uuid.uuid4().hex, "model": model, "text": text, "finish_reason": reason,
-                "usage": usage(last.prompt_tokens, last.completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens)}
     else:
-        body = Reply(gen, model).whole(text, reason, last.prompt_tokens, last.completion_tokens)
+        reply = Reply(gen, model)
+        body = reply.whole([reply.choice(i, text, reason, logprobs)
+                            for i, (_, text, reason, logprobs) in enumerate(done)],
+                           prompt_tokens, completion_tokens)
     return web.json_response(body, headers=headers,
                              dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
 
 
-async def _stream(request: web.Request, gen: Generation, model: str,
-                  deltas: AsyncIterator[Delta], max_tokens: int,
-                  headers: dict) -> web.StreamResponse:
+async def _stream(request: web.Request, answer: _Answer, reply: Reply,
+                  deltas: AsyncIterator[Delta], headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     timeout = request.app[FRONT].write_timeout_seconds
@@ -179,28 +248,26 @@ async def _stream(request: web.Request, gen: Generation, model: str,
     async def out(event: dict | str | None) -> None:
         await send(request, response, None if event is None else sse(event), timeout)
 
-    reply, trimmer, last = Reply(gen, model), StopTrimmer(gen.stop), Delta("", 0, 0)
     try:
         await out(None)             # the status line and headers
-        if reply.chat:
-            await out(reply.chunk("", first=True))
+        if reply.chat or answer.echo:
+            await out(reply.chunk(answer.echo, first=True))
         try:
-            async for last in deltas:
-                text = trimmer.add(last.text)
-                if text:
-                    await out(reply.chunk(text))
-                if trimmer.stopped:
+            async for delta in deltas:
+                text, logprobs = answer.add(delta)
+                if text or logprobs:
+                    await out(reply.chunk(text, logprobs=logprobs))
+                if answer.trimmer.stopped:
                     break           # leaving the relay's stream cancels the request
         except (ConnectionResetError, asyncio.CancelledError):
             raise                   # the client left: the relay's stream is cancelled
         except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
             await out(_server_error(exc, _request_id(request)).body())
             return response
-        tail = trimmer.finish()
-        reason = finish_reason(trimmer, last.completion_tokens, max_tokens)
+        tail, reason = answer.finish()
         await out(reply.chunk(tail, reason))
-        if gen.include_usage:
-            await out(reply.usage_chunk(last.prompt_tokens, last.completion_tokens))
+        if answer.gen.include_usage:
+            await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens))
         await out("[DONE]")
     except StalledClient as exc:    # dropped: leaving the relay's stream cancels the request
         log.warning("request %s: %s; dropped", _request_id(request), exc)
@@ -221,11 +288,27 @@ async def inference(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "inference")
 
 
+def _model_card(preparer: Preparer) -> dict:
+    """The served model as OpenAI's (and vLLM's: ``root``, ``max_model_len``) model object."""
+    return {"id": preparer.model, "object": "model", "created": 0, "owned_by": "triton-disagg",
+            "root": preparer.model, "parent": None, "max_model_len": preparer.max_seq_len}
+
+
 async def models(request: web.Request) -> web.Response:
-    preparer = request.app[PREPARER]
-    return web.json_response({"object": "list", "data": [
-        {"id": preparer.model, "object": "model", "created": 0, "owned_by": "triton-disagg",
-         "max_model_len": preparer.max_seq_len}]})
+    return web.json_response({"object": "list", "data": [_model_card(request.app[PREPARER])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served one, else 404."""
+    preparer, name = request.app[PREPARER], request.match_info["model"]
+    if name != preparer.model:
+        raise ApiError(f"model '{name[:100]}' not found; this server serves '{preparer.model}'",
+                       status=404, param="model", kind="not_found_error")
+    return web.json_response(_model_card(preparer))
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(document(request.app[PREPARER].limits))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -238,9 +321,10 @@ def make_health_app(readiness: Readiness, front: FrontConfig = FrontConfig(),
     OpenAI's error JSON, Origin and Host checked (:mod:`.origin_guard`) for a front that
     listens on ``bound_host``: the health-only front, and what the whole front starts from."""
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
-    app[FRONT] = front
+    app[FRONT], app[METRICS] = front, FrontMetrics()
     add_origin_guard(app, front, bound_host)
     add_health_routes(app, readiness)
+    add_metrics_route(app, app[METRICS])
     return app
 
 
@@ -255,7 +339,9 @@ def make_app(preparer: Preparer, relay: Relay, front: FrontConfig = FrontConfig(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/inference", inference)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)   # ids may hold "/"
     app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
 
     async def close_relay(app: web.Application) -> None:
         await app[RELAY].close()
@@ -329,7 +415,8 @@ async def _serve(app: web.Application, host: str, port: int, front: FrontConfig)
     """Serve ``app`` on ``host:port`` until cancelled (aiohttp's ``run_app``, with the
     connection cap of :class:`~triton_disagg.front.admission.CappedRunner` and the idle
     timeout of ``front``)."""
-    runner = CappedRunner(app, front.max_connections, handle_signals=True,
+    runner = CappedRunner(app, front.max_connections, app[METRICS].refused_connection,
+                          handle_signals=True,
                           handler_cancellation=True, access_log=None,
                           keepalive_timeout=front.idle_timeout_seconds,
                           shutdown_timeout=SHUTDOWN_SECONDS)

@@ -5,7 +5,12 @@ Invariants: streamed content concatenates to the non-streamed content; the text 
 before the first stop sequence in it, which is left out (OpenAI's semantics; the engine
 keeps a stop word, as TensorRT-LLM does, and matches it on tokens: :class:`StopTrimmer`
 matches on text); ``finish_reason`` is ``"stop"`` when a stop sequence or the end
-token ended the text, ``"length"`` when ``max_tokens`` did.
+token ended the text, ``"length"`` when ``max_tokens`` did; a chunk of a stream whose
+client asked for ``include_usage`` carries ``"usage": null`` but the last. Log-probs
+(:class:`Logprobs`) are OpenAI's objects for the tokens the engine chose: completions'
+``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``, chat's ``content``; the
+engine computes the chosen token's log-prob alone, so a ``top_logprobs`` entry lists that
+token only (as vLLM does, it is always there), whatever number of alternatives was asked.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+
+from typing import Callable, Sequence
 
 from triton_disagg.front.openai_api import Generation
 
@@ -64,12 +71,47 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+class Logprobs:
+    """One choice's log-probs in OpenAI's form, the completion's text offsets starting at
+    ``offset`` (the echoed prompt's length); ``token_text`` decodes one token id."""
+
+    def __init__(self, gen: Generation, token_text: Callable[[int], str], offset: int = 0):
+        self.chat, self.top = gen.endpoint == "chat", gen.logprobs or 0
+        self.token_text, self.offset = token_text, offset
+
+    def of(self, ids: Sequence[int], log_probs: Sequence[float]) -> dict:
+        """The object for these tokens (the next ones of the choice)."""
+        texts = [self.token_text(i) for i in ids]
+        if self.chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in zip(texts, log_probs)]}
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": list(log_probs),
+                "top_logprobs": [{t: lp} for t, lp in zip(texts, log_probs)],
+                "text_offset": offsets}
+
+    def _chat_entry(self, text: str, log_prob: float) -> dict:
+        entry = {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
+        return {**entry, "top_logprobs": [dict(entry)] if self.top else []}
+
+
+def merge_logprobs(parts: list[dict], chat: bool) -> dict:
+    """Consecutive :meth:`Logprobs.of` objects of one choice as one."""
+    if chat:
+        return {"content": [entry for part in parts for entry in part["content"]]}
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: [item for part in parts for item in part[key]] for key in keys}
+
+
 class Reply:
     """One request's OpenAI objects: an id and creation time shared by all its chunks."""
 
     def __init__(self, gen: Generation, model: str):
         prefix, self.whole_object, self.chunk_object = _OBJECTS[gen.endpoint]
         self.chat = gen.endpoint == "chat"
+        self.usage_null = gen.stream and gen.include_usage
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -78,24 +120,30 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, text: str, reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def choice(self, index: int, text: str, reason: str, logprobs: dict | None = None) -> dict:
+        """One choice of the whole (non-streamed) object."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        out = self._envelope(self.whole_object, [choice])
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason, "logprobs": logprobs}
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+
+    def whole(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+        out = self._envelope(self.whole_object, choices)
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
 
-    def chunk(self, text: str, reason: str | None = None, first: bool = False) -> dict:
+    def chunk(self, text: str, reason: str | None = None, first: bool = False,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": 0, "delta": delta if text or first else {},
-                      "finish_reason": reason, "logprobs": None}
+                      "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return self._envelope(self.chunk_object, [choice])
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+        out = self._envelope(self.chunk_object, [choice])
+        if self.usage_null:
+            out["usage"] = None         # OpenAI's: only the last chunk has the usage
+        return out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         """``stream_options.include_usage``: the last chunk, no choices, the usage."""

@@ -8,7 +8,10 @@ messages rendered by the engine's chat template (:mod:`.chat_template`); the ten
 answer is their concatenation, which the orchestrator guarantees equal to its non-streamed
 text) and ``arrival_ns`` (the orchestrator's time to first token starts here); a prompt
 surely longer than the engine's context is refused before it is tokenized (chat's default
-``max_tokens``, the rest of the context, needs its length: it is bounded first too).
+``max_tokens``, the rest of the context, needs its length: it is bounded first too); a
+prompt of token ids (checked against the vocabulary by :mod:`.openai_api`) goes to the
+engine as sent, bounded like a tokenized one; ``return_log_probs`` is set when the client
+asked for ``logprobs``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from triton_disagg.errors import RequestError
 from triton_disagg.front.chat_template import ChatTemplate
 from triton_disagg.front.openai_api import (COMPLETION_MAX_TOKENS, ApiError, EngineLimits,
                                             Generation)
-from triton_disagg.front.preprocess import Preprocessor
+from triton_disagg.front.preprocess import Preprocessor, word_list
 
 _SPECS = P.by_name(P.ORCHESTRATOR_INPUTS)
 # A prompt of more characters than max_seq_len x this is refused untokenized whatever the
@@ -51,13 +54,19 @@ class Preparer:
                                                        self.tokenizer.max_token_bytes or 0)
 
     def prompt(self, gen: Generation) -> str:
-        """The prompt text: as sent, or the chat's messages rendered."""
+        """The prompt text: as sent (token ids decoded), or the chat's messages rendered."""
+        if isinstance(gen.prompt, tuple):
+            return self.tokenizer.decode(gen.prompt, skip_special_tokens=False)
         if gen.endpoint != "chat":
             return gen.prompt
         if self.chat is None:
             raise ApiError(f"model '{self.model}' has no chat template (tokenizer_config.json "
                            f"chat_template); use /v1/completions")
         return self.chat.render(list(gen.messages))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as log-probs name it (special tokens included)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def inputs(self, gen: Generation) -> dict[str, np.ndarray]:
         """The orchestrator's input arrays (each ``[1, ...]``: batch of one); raises
@@ -67,29 +76,56 @@ class Preparer:
                            f"'{self.model}' (GET /v1/models)", status=404, param="model",
                            kind="not_found_error")
         try:
-            self._check_chars(sum(len(m["content"]) for m in gen.messages))  # before rendering
-            prompt = self.prompt(gen)
-            self._check_chars(len(prompt))
-            max_tokens = gen.max_tokens or self._default_max_tokens(gen, prompt)
-            ensemble = {"text_input": np.array([prompt.encode("utf-8")], dtype=object),
-                        "max_tokens": np.array([max_tokens], dtype=np.int32),
-                        "stop_words": np.array([w.encode("utf-8") for w in gen.stop], dtype=object)}
-            if gen.ignore_eos:
-                ensemble["end_id"] = np.array([-1], dtype=np.int32)    # no end token
-            arrays: dict[str, Any] = self.pre.process(ensemble)
+            if isinstance(gen.prompt, tuple):
+                arrays: dict[str, Any] = self._token_ids(gen)
+            else:
+                arrays = self._text(gen)
         except RequestError as exc:
-            raise ApiError(str(exc)) from None
+            raise ApiError(str(exc), param="messages" if gen.endpoint == "chat"
+                           else "prompt") from None
         arrays.update(gen.sampling)
+        if gen.logprobs is not None:
+            arrays["return_log_probs"] = True
         arrays["stream"] = True
         arrays[P.ARRIVAL] = time.monotonic_ns()
         return {name: _batch_of_one(value, _SPECS[name].numpy_dtype)
                 for name, value in arrays.items()}
 
+    def _text(self, gen: Generation) -> dict[str, Any]:
+        """A text prompt (or chat) through the preprocessing library."""
+        self._check_chars(sum(len(m["content"]) for m in gen.messages))  # before rendering
+        prompt = self.prompt(gen)
+        self._check_chars(len(prompt))
+        max_tokens = gen.max_tokens or self._default_max_tokens(gen, prompt)
+        ensemble = {"text_input": np.array([prompt.encode("utf-8")], dtype=object),
+                    "max_tokens": np.array([max_tokens], dtype=np.int32),
+                    "stop_words": np.array([w.encode("utf-8") for w in gen.stop], dtype=object)}
+        if gen.ignore_eos:
+            ensemble["end_id"] = np.array([-1], dtype=np.int32)    # no end token
+        return self.pre.process(ensemble)
+
+    def _token_ids(self, gen: Generation) -> dict[str, Any]:
+        """A prompt of token ids, as the preprocessing library would have tokenized it."""
+        assert isinstance(gen.prompt, tuple)
+        max_tokens = gen.max_tokens or COMPLETION_MAX_TOKENS
+        if len(gen.prompt) + max_tokens > self.max_seq_len:
+            raise RequestError(f"prompt ({len(gen.prompt)} tokens) + max_tokens ({max_tokens}) "
+                               f"exceeds this engine's max_seq_len {self.max_seq_len}; shorten "
+                               f"the prompt or lower max_tokens")
+        stop = {"stop_words": np.array([w.encode("utf-8") for w in gen.stop], dtype=object)}
+        return {"input_ids": np.array(gen.prompt, dtype=np.int32),
+                "input_lengths": np.array([len(gen.prompt)], dtype=np.int32),
+                "request_output_len": np.array([max_tokens], dtype=np.int32),
+                "stop_words_list": word_list(self.pre.word_ids(stop, "stop_words")),
+                "bad_words_list": word_list([]),
+                "end_id": np.array([-1 if gen.ignore_eos else self.pre.eos_id], dtype=np.int32),
+                "pad_id": np.array([self.pre.pad_id], dtype=np.int32)}
+
     def _check_chars(self, chars: int) -> None:
         if chars > self.max_prompt_chars:
-            raise ApiError(f"the prompt has {chars} characters, more than this engine's "
-                           f"max_seq_len of {self.max_seq_len} tokens can hold "
-                           f"({self.max_prompt_chars}); shorten it")
+            raise RequestError(f"the prompt has {chars} characters, more than this engine's "
+                               f"max_seq_len of {self.max_seq_len} tokens can hold "
+                               f"({self.max_prompt_chars}); shorten it")
 
     def _default_max_tokens(self, gen: Generation, prompt: str) -> int:
         """OpenAI's defaults: 16 for a completion; the rest of the context for chat."""

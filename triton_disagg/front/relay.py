@@ -32,9 +32,14 @@ _UNAVAILABLE = ("lost", "no ", "not ready", "unavailable", "busy", "stall")
 
 @dataclass(frozen=True)
 class Delta:
+    """One orchestrator response: its text, the running counts, and (only when the request
+    asked for log-probs) the ids of its tokens and their log-probs, in step."""
+
     text: str
     prompt_tokens: int
     completion_tokens: int
+    token_ids: tuple[int, ...] = ()
+    log_probs: tuple[float, ...] = ()
 
 
 class OrchestratorError(Exception):
@@ -84,11 +89,7 @@ class Relay:
             async for result, error in responses:
                 if error is not None:
                     raise OrchestratorError(error.message())
-                text = result.as_numpy("text_output")
-                n_in, n_out = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
-                yield Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
-                            int(n_in.reshape(-1)[0]) if n_in is not None else 0,
-                            int(n_out.reshape(-1)[0]) if n_out is not None else 0)
+                yield _delta(result)
             ended = True
         finally:
             if not ended:
@@ -96,6 +97,18 @@ class Relay:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _delta(result) -> Delta:
+    """A tritonclient ``InferResult`` of the orchestrator -> its :class:`Delta`."""
+    text = result.as_numpy("text_output")
+    n_in, n_out = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
+    ids, lps = result.as_numpy("output_ids"), result.as_numpy("output_log_probs")
+    return Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
+                 int(n_in.reshape(-1)[0]) if n_in is not None else 0,
+                 int(n_out.reshape(-1)[0]) if n_out is not None else 0,
+                 tuple(ids.reshape(-1).tolist()) if ids is not None else (),     # [1, 1, n] -> [n]
+                 tuple(lps.reshape(-1).tolist()) if lps is not None else ())
 
 
 def unreachable(exc: Exception) -> bool:

@@ -160,7 +160,7 @@ def _ensemble_steps() -> str:
          {n: f"_{n}" for n in pre_out}),
         ("orchestrator",
          {s.name: (f"_{s.name}" if s.name in pre_out else s.name) for s in P.ORCHESTRATOR_INPUTS},
-         {s.name: s.name for s in P.ORCHESTRATOR_OUTPUTS}),
+         {s.name: s.name for s in P.ENSEMBLE_OUTPUTS}),
     ]
     out = []
     for model, inputs, outputs in steps:
