@@ -29,7 +29,8 @@ from triton_disagg.errors import RequestError
 from triton_disagg.front.chat_template import ChatTemplate
 from triton_disagg.front.openai_api import (COMPLETION_MAX_TOKENS, ApiError, EngineLimits,
                                             Generation)
-from triton_disagg.front.preprocess import Preprocessor, word_list
+from triton_disagg.engine.words import to_wire
+from triton_disagg.front.preprocess import Preprocessor
 
 _SPECS = P.by_name(P.ORCHESTRATOR_INPUTS)
 # A prompt of more characters than max_seq_len x this is refused untokenized whatever the
@@ -113,13 +114,14 @@ class Preparer:
                                f"exceeds this engine's max_seq_len {self.max_seq_len}; shorten "
                                f"the prompt or lower max_tokens")
         stop = {"stop_words": np.array([w.encode("utf-8") for w in gen.stop], dtype=object)}
-        return {"input_ids": np.array(gen.prompt, dtype=np.int32),
-                "input_lengths": np.array([len(gen.prompt)], dtype=np.int32),
-                "request_output_len": np.array([max_tokens], dtype=np.int32),
-                "stop_words_list": word_list(self.pre.word_ids(stop, "stop_words")),
-                "bad_words_list": word_list([]),
-                "end_id": np.array([-1 if gen.ignore_eos else self.pre.eos_id], dtype=np.int32),
-                "pad_id": np.array([self.pre.pad_id], dtype=np.int32)}
+        return self.pre.sealed({
+            "input_ids": np.array(gen.prompt, dtype=np.int32),
+            "input_lengths": np.array([len(gen.prompt)], dtype=np.int32),
+            "request_output_len": np.array([max_tokens], dtype=np.int32),
+            "stop_words_list": to_wire(self.pre.word_ids(stop, "stop_words")),
+            "bad_words_list": to_wire([]),
+            "end_id": np.array([-1 if gen.ignore_eos else self.pre.eos_id], dtype=np.int32),
+            "pad_id": np.array([self.pre.pad_id], dtype=np.int32)})
 
     def _check_chars(self, chars: int) -> None:
         if chars > self.max_prompt_chars:

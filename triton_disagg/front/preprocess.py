@@ -100,6 +100,12 @@ class Preprocessor:
             "end_id": np.array([scalar(inputs, "end_id", self.eos_id)], dtype=np.int32),
             "pad_id": np.array([scalar(inputs, "pad_id", self.pad_id)], dtype=np.int32),
         }
+        return self.sealed(outputs)
+
+    def sealed(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """``outputs`` (the orchestrator's preprocessed tensors) with their seal
+        (``protocol.PREPROCESSED``): only for tensors this process made or checked itself,
+        as :meth:`process` and the HTTP front's token-id prompts do."""
         outputs[P.PREPROCESSED] = peers.seal(outputs, self.seal_key)
         return outputs
 
