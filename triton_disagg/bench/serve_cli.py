@@ -146,6 +146,7 @@ def split_baseline(engine: Path, cores: Sequence[int], serial: list, burst: list
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench import serve_report
     from triton_disagg.bench.affinity import pinned
+    from triton_disagg.bench.extras import require
     from triton_disagg.bench.serve_inproc import InProcessEngine
     from triton_disagg.bench.serve_load import run_load
     from triton_disagg.bench.process_cpu import cpu_delta, server_cpu
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.serve_stats import SLO, Summary, best_index, summarize
     from triton_disagg.engine.tokenizer import Tokenizer
 
+    require("matplotlib", "bench serve plots with matplotlib")
     began = time.monotonic()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
