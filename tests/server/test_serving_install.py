@@ -49,7 +49,7 @@ def test_every_serving_module_imports_without_locust_or_matplotlib():
     assert run.returncode == 0, run.stderr[-3000:]
     names = json.loads(run.stdout)
     assert {"triton_disagg.front.http_front", "triton_disagg.launch.serve_cli",
-            "triton_disagg.clients.stream",
+            "triton_disagg.clients.stream", "triton_disagg.clients.load",
             "triton_disagg.builders.build", "triton_disagg.cli"} <= set(names), names
     assert not [n for n in names if n.startswith("triton_disagg.bench")]
 
