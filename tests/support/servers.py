@@ -26,7 +26,7 @@ from pathlib import Path
 from triton_disagg.clients.stream import array_inputs
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.launch.process_group import terminate
-from waiting import wait_until  # noqa: F401 - the server tests' import of it too
+from waiting import wait_until        # the server tests import it from here too
 
 READY_TIMEOUT = 240.0
 READY_POLL = 0.3               # seconds between looks for a serve command's ready line
