@@ -117,18 +117,11 @@ def test_a_connection_past_the_cap_gets_503_and_a_freed_one_is_served(demo_engin
             assert b"max_connections" in answer
             writer.close()
             held[0][1].close()
-            # the front counts that connection gone once it reads its end: until then a new
-            # one may still be refused
-            deadline = time.monotonic() + 5
+            await asyncio.sleep(0.2)
             async with ClientSession() as session:
-                while True:
-                    async with session.post(f"http://127.0.0.1:{port}/v1/completions",
-                                            json=BODY) as resp:
-                        status = resp.status
-                    if status != 503 or time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(0.02)
-            assert status == 200
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json=BODY) as resp:
+                    assert resp.status == 200
             held[1][1].close()
     asyncio.run(main())
 
