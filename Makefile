@@ -5,7 +5,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# serving: triton-disagg and its dependencies; test: + torch (CPU), transformers, pytest
+# serving: triton-disagg and its dependencies; test: + torch (CPU), pytest and [bench]
+# (transformers, matplotlib, locust: the bench commands and CI's soak)
 STAMP      := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 DEMO_CKPT   := checkpoints/demo
@@ -28,7 +29,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
-	@echo "==> installing the test extra: pytest, torch (CPU build), transformers"
+	@echo "==> installing the test extra: pytest, torch (CPU build), and [bench]: transformers, matplotlib, locust"
 	$(BIN)/pip install --progress-bar off -e ".[test]"
 	touch $(TEST_STAMP)
 

@@ -156,15 +156,22 @@ def read_result(result: Any) -> tuple[str | None, int | None, int | None, bool]:
             final)
 
 
-def grpc_inputs(request: GenerateRequest) -> list:
+def array_inputs(arrays: Mapping[str, np.ndarray]) -> list:
+    """tritonclient gRPC inputs for ``{name: numpy array}``, each typed by its array's dtype
+    (object arrays as BYTES), so a test or the soak can send a tensor of the wrong type."""
     import tritonclient.grpc as grpcclient
 
     inputs = []
-    for name, array in request.tensors().items():
-        tensor = grpcclient.InferInput(name, list(array.shape), _SPECS[name].dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    for name, array in arrays.items():
+        dtype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
+        inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
+        inputs[-1].set_data_from_numpy(array)
     return inputs
+
+
+def grpc_inputs(request: GenerateRequest) -> list:
+    """``request``'s tensors as tritonclient gRPC inputs (their dtypes the ensemble's)."""
+    return array_inputs(request.tensors())
 
 
 async def grpc_generate(client: Any, request: GenerateRequest, model: str = "ensemble",

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import servers
-from triton_disagg.bench.netns import PREFIX
+from triton_disagg.launch.netns import PREFIX
 
 LINK_MBIT = 20       # 64 tokens of the demo engine's KV (256 KiB) take ~0.1 s on it
 ROW = re.compile(r"^\| 20 Mbit/s \| 64 \| (\d+) / (\d+) ms \| (\d+) ms \| (\d+) ms \| "

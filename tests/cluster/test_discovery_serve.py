@@ -5,8 +5,6 @@ clean stop its key is already gone. Mistakes about the advertised address are on
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import etcd_server
@@ -47,8 +45,8 @@ def test_serve_registers_and_deregisters(demo_engine, tmp_path):
             assert load.queued_prompt_tokens is None        # a context server's figure
             stopped = servers.stop(gen)
         assert stopped == 0
-        time.sleep(2 * membership.poll_seconds)        # two polls after serve exited
-        assert membership.members("generation") == ()  # deregistered, not left to lapse
+        wait_until(lambda: membership.members("generation") == (), 2 * membership.poll_seconds,
+                   "deregistered within two polls, not left to lapse (a 3 s lease)")
     finally:
         membership.close()
         etcd.stop()

@@ -18,8 +18,9 @@ import urllib.parse
 import prometheus_server
 import servers
 from servers import PROMPTS
-from triton_disagg.bench.soak_server import pool_blocks
 from triton_disagg.launch.k8s_autoscale import DASHBOARD
+from triton_disagg.routing.scrape import by_label, scrape
+from triton_disagg.triton.metrics import MODEL_INSTANCE
 
 RATE_WINDOW = "30s"          # stands in for Grafana's $__rate_interval (>= 4 scrape intervals)
 SCRAPED_TIMEOUT = 30.0
@@ -62,7 +63,7 @@ def test_prometheus_keeps_the_labels_and_the_dashboard_answers(demo_engine, tmp_
         exported = prom.query('{exported_instance!=""}')
         answers = {t["expr"]: prom.query(t["expr"].replace("$__rate_interval", RATE_WINDOW))
                    for t in _dashboard_targets()}
-        pools = pool_blocks(served.metrics)
+        pools = by_label(scrape(served.metrics), "disagg_kv_blocks_used", MODEL_INSTANCE)
 
     target = urllib.parse.urlsplit(served.metrics).netloc
     assert project and not exported, exported[:3]

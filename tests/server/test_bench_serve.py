@@ -13,7 +13,7 @@ import re
 import pytest
 
 from triton_disagg.bench import serve_cli
-from triton_disagg.bench.serve_load import LoadRun, Outcome, arrival_times
+from triton_disagg.clients.load import LoadRun, Outcome, arrival_times
 from triton_disagg.bench.serve_inproc import InProcessEngine
 from triton_disagg.bench.serve_report import (IN_PROCESS_CONTEXT, Round, SplitBaseline,
                                                overhead_lines)

@@ -27,7 +27,8 @@ import requests
 
 import servers
 from config_files import three_roles_config
-from servers import grpc_inputs, wait_until
+from servers import wait_until
+from triton_disagg.clients.stream import array_inputs
 
 PROMPT = "Hello, world!"
 GUIDE_CONFIG = Path(__file__).resolve().parents[1] / "support" / "guide_disagg_config.yaml"
@@ -43,7 +44,7 @@ def _stream_error(grpc: str, inputs: dict) -> tuple[str | None, str] | None:
     results: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(grpc) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensors = grpc_inputs(inputs)
+        tensors = array_inputs(inputs)
         client.async_stream_infer("ensemble", tensors, enable_empty_final_response=True)
         try:
             while True:
@@ -188,7 +189,7 @@ def _infer_errors(served: servers.Served, max_tokens: int) -> tuple[str | None, 
     grpc_status = http_status = None
     with grpcclient.InferenceServerClient(served.grpc) as client:
         try:
-            client.infer("ensemble", grpc_inputs(arrays), client_timeout=120)
+            client.infer("ensemble", array_inputs(arrays), client_timeout=120)
         except InferenceServerException as exc:
             grpc_status = exc.status()
     body = {"inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES",

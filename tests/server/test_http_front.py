@@ -188,7 +188,7 @@ def test_bench_front_paths_send_the_same_requests(server, demo_engine):
     import math
     import random
 
-    from triton_disagg.bench.serve_load import run_load, run_openai_load
+    from triton_disagg.clients.load import run_load, run_openai_load
     from triton_disagg.clients.stream import GenerateRequest
 
     rng = random.Random(0)

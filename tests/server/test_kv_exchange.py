@@ -12,12 +12,16 @@ import numpy as np
 import pytest
 
 from kv_peers import (FP, HD, KEY, KVH, REUSED, WAIT_S, L, Peer, make_pool,  # noqa: F401
-                      staging_sender, tokens_of, bounded_time, no_leaked_shm, receivers, sender)
+                      staging_sender, tokens_of, no_leaked_shm, receivers, sender)
 from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import check_handle, decode
 from triton_disagg.kv.host_memory import HostStaging, StagingFullError, StagingReader
 from triton_disagg.kv.leases import LeaseExpiredError
 from triton_disagg.kv.nixl import NixlEndpoint, TransferError
+
+# Each exchange takes seconds; a test past 2 minutes is one whose sender died mid-wait
+# (pyproject's 900 s is for the tritonserver tests).
+pytestmark = pytest.mark.timeout(120)
 
 
 # ---- direct_transfer -----------------------------------------------------------------

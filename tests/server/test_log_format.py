@@ -14,7 +14,7 @@ import re
 import numpy as np
 
 import servers
-from servers import grpc_inputs
+from triton_disagg.clients.stream import array_inputs
 from triton_disagg.triton.server_log import is_cpu_noise
 
 REQUEST_ID = "ops-log-probe-7f3a"
@@ -36,7 +36,7 @@ def _stream(grpc: str, text: str, max_tokens: int, request_id: str) -> str | Non
               "stream": np.array([[True]], dtype=bool)}
     with grpcclient.InferenceServerClient(grpc) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensors = grpc_inputs(arrays)
+        tensors = array_inputs(arrays)
         client.async_stream_infer("ensemble", tensors, request_id=request_id,
                                   enable_empty_final_response=True)
         try:

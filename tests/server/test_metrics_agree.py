@@ -17,16 +17,22 @@ import json
 import random
 import re
 import threading
-import time
 
 import servers
-from triton_disagg.bench.serve_load import run_load
+from triton_disagg.clients.load import run_load
 from triton_disagg.routing.scrape import delta, model_times, scrape, total
 from triton_disagg.clients.stream import GenerateRequest
 from triton_disagg.clients.workload import make_prompt
 from triton_disagg.launch.k8s_autoscale import DASHBOARD
 
-REQUESTS, RATE = 16, 4.0
+REQUESTS, RATE, WARM_UP = 16, 4.0, 2
+# The series that count each request once, each counted as its request ends (the KV ones by
+# generation, the others by the orchestrator or Triton): read before and after the load
+# only once all of them have counted every request sent so far.
+PER_REQUEST = (("nv_inference_request_success", {"model": "ensemble"}),
+               ("disagg_requests_total", {"role": "orchestrator", "outcome": "finished"}),
+               ("disagg_kv_transfer_seconds_count", {}), ("disagg_kv_fetch_seconds_count", {}),
+               ("disagg_kv_fetch_hidden_seconds_count", {}))
 
 
 def _requests(tokenizer) -> list[GenerateRequest]:
@@ -46,8 +52,12 @@ def test_server_metrics_agree_with_the_client(demo_engine, tmp_path):
                              spec.kv.dtype)
     requests = _requests(Tokenizer(demo_engine))
     with servers.serve("all", ["--engine", str(demo_engine)], tmp_path) as served:
-        run_load(served.grpc, requests[:2], 0)                       # warm up
-        time.sleep(0.5)
+        def counted(n: int) -> bool:
+            now = scrape(served.metrics)
+            return all(total(now, name, **labels) == n for name, labels in PER_REQUEST)
+
+        run_load(served.grpc, requests[:WARM_UP], 0)                 # warm up
+        servers.wait_until(lambda: counted(WARM_UP), 30, "the warm-up counted", poll=0.1)
         before = scrape(served.metrics)
         peak, stop = [0.0], threading.Event()
 
@@ -62,15 +72,14 @@ def test_server_metrics_agree_with_the_client(demo_engine, tmp_path):
         finally:
             stop.set()
             watcher.join()
-        deadline = time.monotonic() + 10
-        while True:                                                   # gauges settle after the last reply
-            after = scrape(served.metrics)
-            if total(after, "disagg_kv_blocks_used") == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        done = [o.measurement for o in run.outcomes if o.error is None]
+        assert len(done) == REQUESTS, [o.error for o in run.outcomes if o.error]
+        # the gauges are reported every 0.5 s: blocks in use settle after the last reply
+        servers.wait_until(lambda: counted(WARM_UP + REQUESTS) and total(
+            scrape(served.metrics), "disagg_kv_blocks_used") == 0, 30, "the load counted, "
+            "its KV blocks free", poll=0.1)
+        after = scrape(served.metrics)
 
-    done = [o.measurement for o in run.outcomes if o.error is None]
-    assert len(done) == REQUESTS, [o.error for o in run.outcomes if o.error]
     assert delta(before, after, "nv_inference_request_success", model="ensemble") == REQUESTS
     assert delta(before, after, "disagg_requests_total", role="orchestrator",
                  outcome="finished") == REQUESTS

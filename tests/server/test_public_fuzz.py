@@ -237,13 +237,13 @@ def _grpc_error(grpc: str, model: str, arrays: dict[str, np.ndarray]) -> str:
 
     import tritonclient.grpc as grpcclient
 
-    from triton_disagg.bench.soak_clients import grpc_inputs
+    from triton_disagg.clients.stream import array_inputs
 
     answers: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(grpc) as client:
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
         try:
-            client.async_stream_infer(model, grpc_inputs(arrays))
+            client.async_stream_infer(model, array_inputs(arrays))
             _, error = answers.get(timeout=ANSWER_SECONDS)
         finally:
             client.stop_stream(cancel_requests=True)

@@ -1,15 +1,14 @@
 """What the KV tests share: a tiny model's pools, sender processes and their fixtures.
 
 Senders run in ``spawn``-started processes (which import this module by name) and talk
-to the test over queues; every wait has a timeout, and :func:`bounded_time` bounds each
-test. Test modules import the fixtures they use from here.
+to the test over queues; every wait has a timeout (and pytest-timeout bounds each test).
+Test modules import the fixtures they use from here.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import time
 
 import numpy as np
@@ -151,17 +150,6 @@ def no_leaked_shm():
     before = _our_shm()
     yield
     assert _our_shm() == before, f"shared-memory staging segments leaked: {_our_shm() - before}"
-
-
-@pytest.fixture(autouse=True)
-def bounded_time():
-    def expire(*_):
-        raise TimeoutError("test ran past 120 s")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(120)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Hosts on one machine for tests: the network-namespace hosts of
-:mod:`triton_disagg.bench.netns` (namespaces, bridge, addresses, process control, shaping;
+:mod:`triton_disagg.launch.netns` (namespaces, bridge, addresses, process control, shaping;
 read its docstring), plus what tests do on them. :meth:`Hosts.python` runs Python on a
 host with the tests' helpers importable; :func:`grpc_streams` and :func:`scrape` use it
 to reach servers from inside a host (the root namespace has no route to them);
@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from triton_disagg.bench import netns
+from triton_disagg.launch import netns
 
 # Where serve_role's servers listen. Each host has its own network namespace, so every host
 # can use the same ports: the scheduler's gRPC on one, any other role's on another.
@@ -55,7 +55,7 @@ def hosts_fixture(names: tuple[str, ...] | list[str]):
 
 
 class Hosts(netns.Hosts):
-    """:class:`triton_disagg.bench.netns.Hosts` with Python to run on a host."""
+    """:class:`triton_disagg.launch.netns.Hosts` with Python to run on a host."""
 
     def python(self, host: str, code: str, *args: str, timeout: float = 120.0) -> str:
         """Run Python ``code`` on ``host`` with the tests' helpers importable; its stdout

@@ -23,9 +23,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_disagg.bench.soak_clients import grpc_inputs  # noqa: F401 - the tests' helper too
+from triton_disagg.clients.stream import array_inputs
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.launch.process_group import terminate
+from waiting import wait_until        # the server tests import it from here too
 
 READY_TIMEOUT = 240.0
 READY_POLL = 0.3               # seconds between looks for a serve command's ready line
@@ -237,7 +238,7 @@ def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
     results: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(grpc) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        client.async_stream_infer(model, grpc_inputs(inputs), enable_empty_final_response=True)
+        client.async_stream_infer(model, array_inputs(inputs), enable_empty_final_response=True)
         texts = []
         while True:
             result, error = results.get(timeout=timeout)
@@ -280,7 +281,7 @@ def metrics(url: str) -> str:
 
 def orchestrator_inputs(ids, max_tokens, sealed=True):
     """tritonclient gRPC inputs for the orchestrator model: :func:`orchestrator_arrays`."""
-    return grpc_inputs(orchestrator_arrays(ids, max_tokens, sealed))
+    return array_inputs(orchestrator_arrays(ids, max_tokens, sealed))
 
 
 def orchestrator_arrays(ids, max_tokens, sealed=True):
@@ -338,13 +339,3 @@ def cancel_a_stream(grpc: str, metrics_url: str, attempts: int = 3) -> None:
         if outcomes()["cancelled"] > before["cancelled"]:
             return
     raise AssertionError(f"each of {attempts} streams finished before its cancel: {outcomes()}")
-
-
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.01) -> float:
-    """Seconds until ``predicate()`` held (polled every ``poll`` s); fails after ``timeout``."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(poll)
-    return time.monotonic() - start

@@ -17,6 +17,7 @@ import yaml
 from etcd3gw import Etcd3Client
 
 from triton_disagg.config.discovery_section import parse_discovery
+from waiting import wait_until
 from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.errors import UserError
 from triton_disagg.routing.discovery import (Load, MemberRecord, Membership, Registration, etcd,
@@ -157,9 +158,7 @@ def test_a_deeply_nested_value_is_skipped_and_polling_goes_on(monkeypatch, caplo
         try:
             assert [m.grpc_url for m in watcher.members("generation")] == ["good:1"]
             put(client, gen("later:1", 64, 64))           # the poll goes on and sees it
-            deadline = time.monotonic() + 5
-            while len(watcher.members("generation")) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: len(watcher.members("generation")) >= 2, 5, "the later member")
             assert [m.grpc_url for m in watcher.members("generation")] == ["good:1", "later:1"]
         finally:
             watcher.close()
@@ -179,11 +178,11 @@ def test_an_unreadable_range_reply_counts_as_etcd_not_answering(monkeypatch):
     try:
         real_post = client.post
         client.post = lambda url, *a, json=None, **k: {"kvs": [{"value": "e30="}], "count": "1"}
-        time.sleep(0.1)
-        assert not watcher.etcd_reachable and len(watcher.members("generation")) == 1
+        wait_until(lambda: not watcher.etcd_reachable, 10, "etcd reported unreachable")
+        assert len(watcher.members("generation")) == 1          # the last members kept
         client.post = real_post
-        time.sleep(0.1)
-        assert watcher.etcd_reachable and watcher._poller.failures == 0
+        wait_until(lambda: watcher.etcd_reachable and watcher._poller.failures == 0, 10,
+                   "the next good reply read")
     finally:
         watcher.close()
 
@@ -197,14 +196,12 @@ def test_a_keepalive_without_result_does_not_stop_the_heartbeat(monkeypatch):
     beats.beat_seconds = beats._heartbeat.seconds = 0.01
     beats.start()
     try:
-        deadline = time.monotonic() + 5
-        while client.calls.get("lease/grant", 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert client.calls["lease/keepalive"] >= 2 and client.calls["lease/grant"] >= 3
+        wait_until(lambda: client.calls.get("lease/grant", 0) >= 3, 5, "three lease grants")
+        assert client.calls["lease/keepalive"] >= 2
         assert client.kv[beats.key.encode()] == gen("gen:1", 64, 64).to_json()
         client.keepalive_reply = None                       # etcd answers properly again
         grants = client.calls["lease/grant"]
-        time.sleep(0.2)
+        time.sleep(0.2)                     # 20 beats, none of which may grant a new lease
         assert client.calls["lease/grant"] - grants <= 1 and beats.registered
     finally:
         beats._heartbeat.stop()
@@ -220,9 +217,7 @@ def test_periodic_survives_a_raising_tick_and_logs_it_once(caplog):
     with caplog.at_level(logging.ERROR):
         periodic = Periodic(tick, 0.01, "test-tick")
         periodic.start()
-        deadline = time.monotonic() + 5
-        while len(ticks) < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(ticks) >= 5, 5, "five ticks")
         periodic.stop()
     assert len(ticks) >= 5 and periodic.failures == len(ticks)
     assert len([r for r in caplog.records if "test-tick" in r.getMessage()]) == 1

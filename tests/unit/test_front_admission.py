@@ -302,39 +302,3 @@ def test_front_section_parses_and_round_trips_through_flags(tmp_path, demo_engin
                        ({"max_requests": 1}, "unknown key 'max_requests'")):
         with pytest.raises(UserError, match=words):
             parse_front(bad)
-
-
-# ---- the burst benchmark ------------------------------------------------------------------
-
-def test_front_burst_counts_refusals_and_ttft(demo_engine, capsys):
-    """``bench/front_burst.py`` against this app (cap 1) on a thread of its own."""
-    import threading
-
-    from triton_disagg.bench import front_burst
-
-    ports, stopping = [], threading.Event()
-
-    def serve():
-        async def main():
-            app = make_app(Preparer(demo_engine, "demo"), ScriptedRelay(WORDS, pause=0.05),
-                           FrontConfig(max_concurrent_requests=1))
-            async with TestServer(app) as server:
-                ports.append(server.port)
-                while not stopping.is_set():
-                    await asyncio.sleep(0.05)
-        asyncio.run(main())
-    thread = threading.Thread(target=serve)
-    thread.start()
-    try:
-        for _ in range(600):
-            if ports:
-                break
-            time.sleep(0.05)
-        front_burst.main(["--front", f"http://127.0.0.1:{ports[0]}", "--model", "demo",
-                          "--cap", "1", "--burst", "16", "--every", "0.3", "--seconds", "1"])
-    finally:
-        stopping.set()
-        thread.join()
-    report = json.loads(capsys.readouterr().out)
-    assert report["unloaded_ttft"]["n"] > 0 and report["burst_ttft_cap_fillers"]["n"] > 0
-    assert report["burst_refused"]["n"] > 0 and report["other_statuses"] == {}

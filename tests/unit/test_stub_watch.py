@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-
-import pytest
 
 from triton_disagg.triton.stub_watch import (STUB_BINARY, first_dead, model_instance_stubs,
                                              stubs_of)
+from waiting import wait_until
 
-pytestmark = pytest.mark.unit
+# A unit test though it starts processes: each child is trivially a fake stub (this Python,
+# sleeping, under the stub binary's name and argv), nothing of the project runs in it.
 
 
 def _stub(binary, instance: str) -> subprocess.Popen:
@@ -34,18 +33,14 @@ def test_instances_are_listed_and_a_killed_one_is_found_dead(tmp_path):
     binary.symlink_to(sys.executable)
     instance, autocomplete = _stub(binary, "orchestrator_0_0"), _stub(binary, "orchestrator")
     try:
-        deadline = time.monotonic() + 10
-        while len(stubs_of(os.getpid())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(stubs_of(os.getpid())) >= 2, 10, "both stubs listed")
         assert sorted(s.instance for s in stubs_of(os.getpid())) == ["orchestrator",
                                                                      "orchestrator_0_0"]
         listed = model_instance_stubs(os.getpid())
         assert [(s.pid, s.instance) for s in listed] == [(instance.pid, "orchestrator_0_0")]
         assert first_dead(listed) is None
         os.kill(instance.pid, signal.SIGKILL)
-        while _state(instance.pid) != "Z" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _state(instance.pid) == "Z"                    # not reaped: a zombie
+        wait_until(lambda: _state(instance.pid) == "Z", 10, "not reaped: a zombie")
         assert model_instance_stubs(os.getpid()) == []        # no listing names it now
         assert first_dead(listed) == listed[0]                # the earlier listing does
     finally:

@@ -74,9 +74,11 @@ def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Pa
 
 def _run_engine(args: argparse.Namespace) -> int:
     from triton_disagg.bench.engine_bench import default_threads, run_engine_bench
+    from triton_disagg.bench.extras import require
     from triton_disagg.bench.report import replace_section
     from triton_disagg.engine.runtime import RUNTIMES
 
+    require("transformers", "bench engine measures transformers beside the engine")
     batches = number_list(args.batch_sizes, "--batch-sizes", int)
     if args.prompt_len <= 0 or args.new_tokens < 2 or args.repeats < 1:
         raise UserError("--prompt-len must be > 0, --new-tokens >= 2 and --repeats >= 1")

@@ -50,7 +50,7 @@ def add_front_parser(kinds) -> None:
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.affinity import pinned
     from triton_disagg.bench.serve_cli import make_requests
-    from triton_disagg.bench.serve_load import run_load, run_openai_load
+    from triton_disagg.clients.load import run_load, run_openai_load
     from triton_disagg.bench.serve_servers import serving
     from triton_disagg.bench.serve_stats import SLO, best_index, summarize
     from triton_disagg.engine.tokenizer import Tokenizer

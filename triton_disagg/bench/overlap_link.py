@@ -1,12 +1,12 @@
 """`bench overlap --link-mbit N`: the two deployments (without and with
 ``--overlap_kv_transfer``) across two hosts joined by a link of N Mbit/s.
 
-Hosts are network namespaces (:mod:`triton_disagg.bench.netns`): ``context`` runs both
+Hosts are network namespaces (:mod:`triton_disagg.launch.netns`): ``context`` runs both
 deployments' ``serve context``; ``generation`` runs both ``serve generation`` and both
 ``serve scheduler`` (the client's side), each deployment on its own ports, started with the
 guide's commands (:func:`~triton_disagg.launch.serve_argv.serve_argv`, one config per
 deployment whose urls name the two hosts). What the context host sends is shaped to N
-Mbit/s (:meth:`~triton_disagg.bench.netns.Hosts.shape`): generation's NIXL READs ask
+Mbit/s (:meth:`~triton_disagg.launch.netns.Hosts.shape`): generation's NIXL READs ask
 little and the KV comes back from the context, so that direction carries the bytes.
 The client is a :class:`~triton_disagg.bench.second_token.Worker` on the generation host.
 
@@ -36,7 +36,7 @@ METRICS_OFFSET, FRONT_OFFSET, HTTP_OFFSET, MODE_OFFSET = 100, 200, 300, 1000
 
 def refusal() -> str | None:
     """Why this machine cannot run the link mode, in one line; None when it can."""
-    from triton_disagg.bench.netns import unavailable
+    from triton_disagg.launch.netns import unavailable
 
     why = unavailable(("ip", "tc"))
     return f"bench overlap --link-mbit: {why}" if why else None
@@ -78,7 +78,7 @@ def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[s
     :func:`config_text` takes it); yields
     ``({mode: scheduler gRPC url}, client, link)``: the client a
     :class:`~triton_disagg.bench.second_token.Worker` on the generation host."""
-    from triton_disagg.bench.netns import Hosts
+    from triton_disagg.launch.netns import Hosts
     from triton_disagg.bench.second_token import Worker
     from triton_disagg.bench.serve_ready import wait_ready
     from triton_disagg.bench.serve_servers import placement

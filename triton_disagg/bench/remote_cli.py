@@ -63,7 +63,7 @@ def add_remote_parser(kinds) -> None:
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.args import number_list
     from triton_disagg.bench.serve_cli import make_requests
-    from triton_disagg.bench.serve_load import run_load
+    from triton_disagg.clients.load import run_load
     from triton_disagg.bench.serve_servers import serving
     from triton_disagg.engine.tokenizer import Tokenizer
 

@@ -11,7 +11,7 @@ Order of a run (every server on the same cores, one at a time):
    requests; :mod:`serve_sweep`: by default ``--rate-step``, twice that, ... until
    the mode misses its SLO or reaches ``--max-rate``; with ``--rates``, exactly
    those), then ``BEST_OF`` paired rounds: the serial and burst sets in-process,
-   then the same on the server (:mod:`serve_load`), reading each server process's
+   then the same on the server (:mod:`triton_disagg.clients.load`), reading each server process's
    CPU time around its burst (:mod:`process_cpu`); then stop it. The overhead is
    judged on the rounds (:class:`serve_report.Round`): on a shared machine whose
    speed drifts over minutes, only figures taken seconds apart compare;
@@ -146,14 +146,16 @@ def split_baseline(engine: Path, cores: Sequence[int], serial: list, burst: list
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench import serve_report
     from triton_disagg.bench.affinity import pinned
+    from triton_disagg.bench.extras import require
     from triton_disagg.bench.serve_inproc import InProcessEngine
-    from triton_disagg.bench.serve_load import run_load
+    from triton_disagg.clients.load import run_load
     from triton_disagg.bench.process_cpu import cpu_delta, server_cpu
     from triton_disagg.bench.serve_servers import MODES, serving
     from triton_disagg.bench.serve_report import BEST_OF, Round
     from triton_disagg.bench.serve_stats import SLO, Summary, best_index, summarize
     from triton_disagg.engine.tokenizer import Tokenizer
 
+    require("matplotlib", "bench serve plots with matplotlib")
     began = time.monotonic()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from triton_disagg.bench.serve_load import LoadRun, Outcome
+from triton_disagg.clients.load import LoadRun, Outcome
 from triton_disagg.clients.stream import GenerateRequest, Measurement
 
 
@@ -54,7 +54,7 @@ class InProcessEngine:
         return len(ids)
 
     def run(self, requests: Sequence[GenerateRequest], rate: float) -> LoadRun:
-        """``rate`` 0: one request at a time; ``inf``: all at once (see serve_load)."""
+        """``rate`` 0: one request at a time; ``inf``: all at once (see :mod:`triton_disagg.clients.load`)."""
         if rate not in (0, float("inf")):
             raise ValueError("the in-process baseline runs one at a time (0) or all at once (inf)")
         outcomes = [Outcome(r) for r in requests]

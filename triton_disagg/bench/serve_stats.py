@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from triton_disagg.bench.serve_load import LoadRun
+from triton_disagg.clients.load import LoadRun
 from triton_disagg.clients.stream import Measurement
 
 GOODPUT_ATTAINMENT = 0.9     # a swept rate meets the SLO when this share of requests did

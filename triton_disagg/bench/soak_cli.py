@@ -62,10 +62,12 @@ def _say(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.args import number_list
+    from triton_disagg.bench.extras import require
     from triton_disagg.bench.soak_report import markdown
     from triton_disagg.bench.soak_tools import find_genai_perf
     from triton_disagg.kv.connector import STRATEGIES, strategy as kv_strategy
 
+    require("locust", "bench soak runs locust")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or set(strategies) - set(STRATEGIES):
         raise UserError(f"--strategies: {args.strategies!r}; choose from {', '.join(STRATEGIES)}")

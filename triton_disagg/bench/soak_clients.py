@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from triton_disagg.bench.soak_watch import Record, RequestLog, token_count_problem
+from triton_disagg.clients.stream import array_inputs
 
 MODEL = "ensemble"
 BAD_INPUT_PAUSE = 2.0
@@ -72,18 +73,6 @@ def bad_http_bodies(prompt: str) -> list[tuple[str, str, dict]]:
     ]
 
 
-def grpc_inputs(arrays: dict[str, np.ndarray]) -> list:
-    """tritonclient gRPC inputs for ``{name: numpy array}`` (object arrays as BYTES)."""
-    import tritonclient.grpc as grpcclient
-
-    out = []
-    for name, arr in arrays.items():
-        dtype = "BYTES" if arr.dtype == object else grpcclient.np_to_triton_dtype(arr.dtype)
-        out.append(grpcclient.InferInput(name, list(arr.shape), dtype))
-        out[-1].set_data_from_numpy(arr)
-    return out
-
-
 class GrpcStreams:
     """One tritonclient gRPC client; each request gets a stream of its own."""
 
@@ -104,7 +93,7 @@ class GrpcStreams:
         replies: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: replies.put((result, error)))
         try:
-            self.client.async_stream_infer(MODEL, grpc_inputs(arrays),
+            self.client.async_stream_infer(MODEL, array_inputs(arrays),
                                            enable_empty_final_response=True)
             count, n_out = 0, None
             while True:

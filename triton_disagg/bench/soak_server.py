@@ -160,11 +160,10 @@ def _lines(path: Path) -> list[str]:
 
 def pool_blocks(metrics_url: str) -> dict[str, float]:
     """``{model instance: disagg_kv_blocks_used}`` from the metrics endpoint."""
-    from triton_disagg.routing.scrape import scrape
+    from triton_disagg.routing.scrape import by_label, scrape
     from triton_disagg.triton.metrics import MODEL_INSTANCE
 
-    used = scrape(metrics_url).get("disagg_kv_blocks_used", {})
-    return {dict(labels).get(MODEL_INSTANCE, "?"): value for labels, value in used.items()}
+    return by_label(scrape(metrics_url), "disagg_kv_blocks_used", MODEL_INSTANCE)
 
 
 def wait_pools_empty(metrics_url: str, timeout: float) -> tuple[dict[str, float], float]:

@@ -1,7 +1,8 @@
 """The context model's logic: prefill a batch of waiting prompts, hand each one's KV off.
 
 Triton's dynamic batcher gives one ``execute`` every prompt that waited; they
-are prefilled in one engine pass (:meth:`LLMEngine.prefill_only`). Each result
+are prefilled in one engine pass (:meth:`LLMEngine.reserve_prompts` takes their blocks,
+:meth:`LLMEngine.prefill_reserved` fills them). Each result
 is the first token plus ``context_phase_params`` (empty when the first token
 already finished the request: its blocks are freed, nothing is handed off).
 

@@ -8,9 +8,12 @@ Three ways in, so that aggregated and disaggregated serving share one engine:
 - :meth:`LLMEngine.add_request` + :meth:`LLMEngine.step`: aggregated serving. Each step
   either prefills the newly admitted requests (one batched pass) or runs one batched
   decode step over every running sequence; sequences join and leave between steps.
-- :meth:`LLMEngine.prefill_only` (the context side): prefill a batch, sample each first
-  token, and hand the filled KV blocks to the caller, who owns them from then on and
-  frees them with ``engine.pool.free(block_ids)`` once they are transferred.
+- :meth:`LLMEngine.reserve_prompts` + :meth:`LLMEngine.prefill_reserved` (the context
+  side, :mod:`triton_disagg.context.prefill`): take the prompts' blocks, prefill them in one
+  batch, sample each first token, and hand the filled KV blocks to the caller, who owns
+  them from then on and frees them with ``engine.pool.free(block_ids)`` once they are
+  transferred (:meth:`LLMEngine.prefill_only` does both in one call, for tests and
+  scripts that need no lease between the two).
 - :meth:`LLMEngine.add_prefilled` (the generation side): queue a sequence whose prompt KV
   comes from another instance (a :class:`~triton_disagg.engine.sequence.RemoteKV`), plus
   its first token; once admitted it fetches that KV into its blocks, then only decodes.
@@ -20,7 +23,7 @@ Every request waits in the one queue of :class:`~triton_disagg.engine.scheduler.
 could never hold is refused when it is added.
 
 Invariant: once every request has finished or been aborted and every fetch has ended,
-``pool.num_used == 0`` (except blocks handed out by :meth:`prefill_only`, which belong
+``pool.num_used == 0`` (except blocks handed out by :meth:`reserve_prompts`, which belong
 to the caller).
 """
 
@@ -167,8 +170,9 @@ class LLMEngine:
 
     def prefill_only(self, requests: Seq[tuple[str, Seq[int], SamplingParams]],
                      on_layer: Callable[[int], None] | None = None) -> list[PrefillResult]:
-        """Prefill a batch now; the caller owns the returned blocks (context side):
-        :meth:`reserve_prompts` then :meth:`prefill_reserved`."""
+        """Prefill a batch now; the caller owns the returned blocks: :meth:`reserve_prompts`
+        then :meth:`prefill_reserved` in one call (tests, scripts; the context role calls the
+        two itself, leasing the blocks in between)."""
         return self.prefill_reserved(self.reserve_prompts(requests), on_layer)
 
     def reserve_prompts(self, requests: Seq[tuple[str, Seq[int], SamplingParams]]

@@ -41,6 +41,12 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for k, v in samples.get(name, {}).items() if want <= k)
 
 
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """``{value of label: sample}`` of metric ``name`` (``"?"`` for a series without the
+    label), e.g. each model instance's ``disagg_kv_blocks_used``."""
+    return {dict(labels).get(label, "?"): value for labels, value in samples.get(name, {}).items()}
+
+
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return total(after, name, **labels) - total(before, name, **labels)
 

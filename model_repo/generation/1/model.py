@@ -1,5 +1,5 @@
 """generation: decode with continuous batching; tokens leave over ZeroMQ
-(logic: triton_disagg.serving).
+(logic: triton_disagg.generation: decode_loop.py, side.py).
 
 execute() only validates and hands each request to the instance's DecodeLoop, then
 answers it at once with one response: the instance's control address (where stops for

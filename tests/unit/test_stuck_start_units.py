@@ -4,13 +4,9 @@ long enough ago and Triton never reported it loaded."""
 
 from __future__ import annotations
 
-import pytest
-
 from triton_disagg.triton.stub_start import initialized_line
 from triton_disagg.triton.stub_watch import Stub
 from triton_disagg.triton.stuck_start import StartWatch, model_of
-
-pytestmark = pytest.mark.unit
 
 LOADED = 'I1206 03:09:36.587912 10800 model_lifecycle.cc:839] "successfully loaded \'{}\'"'
 

@@ -12,8 +12,6 @@ from triton_disagg.errors import ServerBusy, UserError
 from triton_disagg.front.orchestrator_gate import InFlightCap, public_message
 from triton_disagg.triton.render import settings
 
-pytestmark = pytest.mark.unit
-
 
 def test_one_past_the_cap_is_refused_at_once_and_a_slot_comes_back_on_error():
     cap = InFlightCap(2)

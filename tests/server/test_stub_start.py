@@ -11,12 +11,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from triton_disagg.log_format import FORMAT_ENV, ROLE_ENV
 from triton_disagg.triton.stub_start import initialized_instance
-
-pytestmark = pytest.mark.unit
 
 MODEL = textwrap.dedent("""
     import os, signal, sys, time
