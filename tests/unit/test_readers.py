@@ -245,3 +245,21 @@ def test_dropped_frames_are_logged_once_per_window_and_counted_each(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert dropped.counts == {readers.MALFORMED: 6}
     assert len(lines) == 2 and "dropped 1 frame(s)" in lines[0] and "dropped 5" in lines[1]
+
+
+def test_updates_taken_before_close_are_applied_even_when_the_writer_is_busy(metrics):
+    """``Metrics.close`` applies what it took before: the count a reader reads right after
+    its drops is whole even when the writer thread is still busy (before, every update still
+    queued at close was ignored: this file's counts read 0 under load)."""
+    m = Metrics(FakePbUtils, "test", "test_0_0")
+    m._later(lambda: time.sleep(0.05))           # the writer is busy when the drops arrive
+    for _ in range(10):
+        m.dropped_frame("orchestrator token inbox", readers.MALFORMED)
+    m.close()
+    labels = {"role": "test", "model_instance": "test_0_0",
+              "reader": "orchestrator token inbox", "reason": readers.MALFORMED}
+    assert FakeFamily.series[("disagg_dropped_frames_total",
+                              tuple(sorted(labels.items())))] == [10]
+    m.dropped_frame("orchestrator token inbox", readers.MALFORMED)    # after close: ignored
+    assert FakeFamily.series[("disagg_dropped_frames_total",
+                              tuple(sorted(labels.items())))] == [10]

@@ -135,7 +135,8 @@ class Metrics:
                          for key, (name, doc, kind) in _FAMILIES.items()}
         self._series: dict[tuple, Any] = {}
         self._totals_seen: dict[str, int] = {}
-        self._closed = False
+        self._closed = False      # no update is taken any more
+        self._released = False    # the writer is done: no series is made any more
         self._updates: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name=f"metrics-{role}", daemon=True)
         self._writer.start()
@@ -151,12 +152,14 @@ class Metrics:
             raise
 
     def close(self) -> None:
-        """Release every series, then every family (in that order, as Triton requires);
-        later updates are ignored. Call it from ``finalize`` once no thread updates."""
+        """Apply the updates taken so far, then release every series, then every family (in
+        that order, as Triton requires); later updates are ignored. Call it from
+        ``finalize`` once no thread updates."""
         if not self._closed:
             self._closed = True
             self._updates.put(None)
             self._writer.join(CLOSE_WAIT_SECONDS)
+            self._released = True
         self._series.clear()
         self.families.clear()
 
@@ -172,7 +175,7 @@ class Metrics:
                 _log.exception("metrics update failed")
 
     def _metric(self, key: str, **extra: str) -> Any:
-        if self._closed:
+        if self._released:
             return _IGNORED
         labels = dict(self.labels, **extra)
         ident = (key, tuple(sorted(labels.items())))
