@@ -14,6 +14,7 @@ import contextlib
 import time
 
 import servers
+from triton_disagg.config import settings as settings_file
 from netns_hosts import Hosts, grpc_streams, hosts_fixture, scrape
 from triton_disagg.routing.scrape import parse_metrics, total
 from triton_disagg.launch.serve_argv import serve_argv
@@ -54,8 +55,8 @@ def test_three_roles_on_three_hosts(demo_engine, tmp_path, hosts, monkeypatch):
             stack.enter_context(servers.serve_command(hosts.command(role, cmd), tmp_path / role,
                                                       None, url[role]))
         for role, model in (("scheduler", "orchestrator"), ("generation", "generation")):
-            rendered = tmp_path / role / "model_repository" / model / "config.pbtxt"
-            assert f'\\"token_host\\": \\"{hosts.address(role)}\\"' in rendered.read_text()
+            rendered = settings_file.read(model, tmp_path / role / "model_repository" / model)
+            assert rendered.token_host == hosts.address(role), rendered
         sent = hosts.tx_bytes("context")
         texts = grpc_streams(hosts, "scheduler", url["scheduler"], MAX_TOKENS, prompts)
         assert texts == [offline(p, MAX_TOKENS) for p in prompts]
