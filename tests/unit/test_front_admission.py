@@ -282,6 +282,27 @@ def test_a_fault_body_names_the_request_not_the_internals(demo_engine, error, st
     run_app(ScriptedRelay([WORDS[0], error] if stream else [error]), check, demo_engine)
 
 
+def test_a_request_counts_once_per_choice_against_the_cap(demo_engine):
+    """``n`` choices are ``n`` orchestrator calls: past the cap they are refused at once
+    (429), not sent to an orchestrator instance that would refuse them one by one."""
+    async def check(client):
+        resp = await client.post("/v1/completions", json={**BODY, "n": 3})
+        assert resp.status == 429 and resp.headers.get("Retry-After") == "1", await resp.text()
+        assert "once per choice" in (await resp.json())["error"]["message"]
+        resp = await client.post("/v1/completions", json={**BODY, "n": 2})
+        assert resp.status == 200, await resp.text()
+        assert len((await resp.json())["choices"]) == 2
+    run_app(ScriptedRelay(WORDS), check, demo_engine, FrontConfig(max_concurrent_requests=2))
+
+
+def test_a_busy_or_lost_server_is_a_503_with_retry_after(demo_engine):
+    async def check(client):
+        resp = await client.post("/v1/completions", json=BODY)
+        assert resp.status == 503 and resp.headers.get("Retry-After") == "1", await resp.text()
+    busy = OrchestratorError("this server is busy with its most requests at once; retry later")
+    run_app(ScriptedRelay([busy]), check, demo_engine)
+
+
 # ---- the config section -------------------------------------------------------------------
 
 def test_front_section_parses_and_round_trips_through_flags(tmp_path, demo_engine):

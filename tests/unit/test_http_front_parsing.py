@@ -286,3 +286,16 @@ def test_prepare_refuses_another_model_with_404_and_long_prompts_with_400(demo_e
             {"role": "user", "content": "word " * preparer.max_seq_len}]}))
     assert err.value.param == "messages"
     assert err.value.body()["error"]["code"] == "invalid_request_error"
+
+
+def test_token_ids_are_bounded_by_the_models_rows_when_the_tokenizer_has_more(demo_engine,
+                                                                              monkeypatch):
+    """A tokenizer may add tokens past the model's vocabulary: an id the model has no row for
+    is the client's mistake (400 at the front), not a fault deep in the engine."""
+    from triton_disagg.engine.spec import EngineSpec
+    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.prepare import Preparer
+
+    rows = EngineSpec.load(demo_engine).shape.vocab_size
+    monkeypatch.setattr(Tokenizer, "vocab_size", property(lambda self: rows + 5))
+    assert Preparer(demo_engine, "demo").limits.vocab_size == rows

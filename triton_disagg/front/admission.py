@@ -22,8 +22,9 @@ left, a cancelled handler); a refusal costs no body read, no parsing and no engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 from aiohttp import web
 
@@ -43,10 +44,24 @@ def busy(what: str, status: int) -> ApiError:
 
 
 class RequestCount:
-    """Generation requests in flight, at most ``limit``."""
+    """Orchestrator calls in flight, at most ``limit``: a request holds one from before its
+    body is read (:func:`request_gate`), and one more per extra choice once it is parsed
+    (:meth:`more`), so a request of ``n`` choices counts as the ``n`` calls it makes."""
 
     def __init__(self, limit: int):
         self.limit, self.in_flight = limit, 0
+
+    @contextlib.contextmanager
+    def more(self, calls: int) -> Iterator[None]:
+        """Hold ``calls`` more for the block; 429 at once when they do not fit."""
+        if self.in_flight + calls > self.limit:
+            raise busy(f"{self.limit} concurrent requests (front.max_concurrent_requests; "
+                       f"a request counts once per choice)", 429)
+        self.in_flight += calls
+        try:
+            yield
+        finally:
+            self.in_flight -= calls
 
 
 def request_gate(count: RequestCount):

@@ -44,8 +44,8 @@ from aiohttp import web
 
 from triton_disagg import __version__
 from triton_disagg.config.front_section import FrontConfig, add_front_flags, front_from_flags
-from triton_disagg.front.admission import (CappedRunner, RequestCount, StalledClient,
-                                           request_gate, send)
+from triton_disagg.front.admission import (RETRY_AFTER_SECONDS, CappedRunner, RequestCount,
+                                           StalledClient, request_gate, send)
 from triton_disagg.front.front_metrics import FrontMetrics, add_metrics_route
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.json_body import MAX_BODY_BYTES, read_json
@@ -67,6 +67,7 @@ _FAULTS = {500: "internal error", 503: "the service is unavailable now; retry la
            504: "the request timed out inside the server"}
 
 PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
+CALLS = web.AppKey("calls", RequestCount)
 FRONT = web.AppKey("front", FrontConfig)
 METRICS = web.AppKey("metrics", FrontMetrics)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
@@ -119,15 +120,24 @@ def _server_error(exc: Exception, request_id: str) -> ApiError:
     else:
         status = 500
         log.error("request %s: internal error", request_id, exc_info=exc)
-    return ApiError(f"{_FAULTS[status]} (request id {request_id})", status, kind="server_error")
+    retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
+    return ApiError(f"{_FAULTS[status]} (request id {request_id})", status, kind="server_error",
+                    headers=retry)
 
 
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
-    preparer, relay = request.app[PREPARER], request.app[RELAY]
+    preparer = request.app[PREPARER]
     body = await read_json(request, request.app[FRONT].body_timeout_seconds)
     gen = parse(endpoint, body, preparer.limits)
-    loop, request_id = asyncio.get_running_loop(), _request_id(request)
     choices = gen.choices()
+    with request.app[CALLS].more(len(choices) - 1):   # a call per choice, each counted
+        return await _generate_choices(request, gen, choices)
+
+
+async def _generate_choices(request: web.Request, gen: Generation,
+                            choices: list[Generation]) -> web.StreamResponse:
+    preparer, relay = request.app[PREPARER], request.app[RELAY]
+    loop, request_id = asyncio.get_running_loop(), _request_id(request)
     inputs = [await loop.run_in_executor(None, preparer.inputs, c) for c in choices]
     answers = [_Answer(preparer, c, i) for c, i in zip(choices, inputs)]
     headers = {REQUEST_ID: request_id}
@@ -333,7 +343,8 @@ def make_app(preparer: Preparer, relay: Relay, front: FrontConfig = FrontConfig(
     """The whole front: generation through ``relay``, which also says whether it is ready,
     at most ``front.max_concurrent_requests`` at a time (:mod:`.admission`)."""
     app = make_health_app(relay, front, bound_host)
-    app.middlewares.append(request_gate(RequestCount(front.max_concurrent_requests)))
+    app[CALLS] = RequestCount(front.max_concurrent_requests)
+    app.middlewares.append(request_gate(app[CALLS]))
     app[PREPARER], app[RELAY] = preparer, relay
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -50,7 +50,9 @@ class Preparer:
                                 spec.pad_token_id, peers.seal_key())
         self.chat = ChatTemplate.load(engine_dir)
         self.model = model
-        self.limits = EngineLimits(spec.max_seq_len, self.tokenizer.vocab_size)
+        # ids the tokenizer knows and the model has rows for (a tokenizer may add tokens past them)
+        self.limits = EngineLimits(spec.max_seq_len,
+                                   min(self.tokenizer.vocab_size, spec.shape.vocab_size))
         self.max_prompt_chars = spec.max_seq_len * max(MAX_CHARS_PER_TOKEN,
                                                        self.tokenizer.max_token_bytes or 0)
 
