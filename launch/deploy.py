@@ -84,10 +84,12 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
     server = config.scheduler if front else config.server(role)
     host = flags.host or (_bind_host(server.host, role) if role != "all" and server.url else "127.0.0.1")
     if front:
-        defaults = triton_ports(role, config, front_port(role, config, flags.front))
-        grpc = flags.grpc or server.grpc_port or defaults["grpc"]
-        http = flags.http or server.http_port or defaults["http"]
-        metrics = flags.metrics or server.metrics_port or defaults["metrics"]
+        given = {"grpc": flags.grpc or server.grpc_port, "http": flags.http or server.http_port,
+                 "metrics": flags.metrics or server.metrics_port}
+        if None in given.values():      # the defaults follow the deployment's ports
+            defaults = triton_ports(role, config, front_port(role, config, flags.front))
+            given = {kind: port or defaults[kind] for kind, port in given.items()}
+        grpc, http, metrics = given["grpc"], given["http"], given["metrics"]
     else:
         grpc = flags.grpc or server.port or DEFAULT_PORTS["grpc"]
         http = flags.http or server.http_port

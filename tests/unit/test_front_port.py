@@ -46,6 +46,16 @@ def test_serve_alls_tritonserver_keeps_its_ports_unless_the_scheduler_has_a_url(
         Endpoints("127.0.0.1", 7000, 7001, 7002)
 
 
+def test_ports_all_given_need_no_room_after_the_deployments_last(write):
+    """With Triton's three ports given, none is derived from the deployment's, so a url port
+    near 65535 is no error (it is, one line, when a port must follow it)."""
+    high = load_config(write("scheduler_server: {url: \"localhost:65534\"}\n"))
+    assert endpoints_for("scheduler", high, PortFlags(http=7000, grpc=7001, metrics=7002)) == \
+        Endpoints("127.0.0.1", 7000, 7001, 7002)
+    with pytest.raises(UserError, match="--http-port, --grpc-port and --metrics-port"):
+        endpoints_for("scheduler", high, PortFlags(http=7000, grpc=7001))
+
+
 def test_every_role_has_a_front_on_ports_that_do_not_collide_on_one_host(write):
     plain = load_config(write(""))
     defaults = {role: front_port(role, plain, None) for role in ("scheduler", "context",
