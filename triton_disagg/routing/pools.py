@@ -82,7 +82,7 @@ def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, d
     not yet started, when they come from etcd, else None; ``{role: source}``)."""
     membership = None
     if settings.discovery is not None:
-        from triton_disagg.config.disagg import KV_DTYPES
+        from triton_disagg.kv.layout import KV_DTYPES
         from triton_disagg.engine.spec import EngineSpec, KVLayout
 
         spec = EngineSpec.load(settings.engine)

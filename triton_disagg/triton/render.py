@@ -31,7 +31,8 @@ from string import Template
 
 from triton_disagg import model_repo, protocol as P
 from triton_disagg.config import settings as S
-from triton_disagg.config.disagg import DisaggConfig, ServerConfig
+from triton_disagg.config.disagg import DisaggConfig
+from triton_disagg.config.server_section import ServerConfig
 from triton_disagg.config.host import front_cpus
 
 TEMPLATES = Path(model_repo.__file__).resolve().parent   # package data: wheels ship it
