@@ -1,0 +1,237 @@
+"""The front's generation routes: ``POST /v1/completions``, ``/v1/chat/completions`` and
+``/v1/inference``, a request in and its choices out (:mod:`.http_front` builds the app
+around them and states the invariants every route keeps).
+
+A request is parsed (:mod:`.openai_api`), counted once per choice against the front's cap
+(:mod:`.admission`), prepared per choice (:mod:`.prepare`) and sent to the orchestrator
+(:mod:`.relay`): one choice streamed as SSE or answered whole, several answered whole, in
+OpenAI's order of ``index``; a server fault is answered by :func:`server_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from triton_disagg.config.front_section import FrontConfig
+from triton_disagg.front.admission import RETRY_AFTER_SECONDS, RequestCount, StalledClient, send
+from triton_disagg.front.json_body import read_json
+from triton_disagg.front.openai_api import ApiError, Generation, parse
+from triton_disagg.front.openai_responses import (Logprobs, Reply, StopTrimmer, finish_reason,
+                                                  merge_logprobs, sse, usage)
+from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
+
+REQUEST_ID = "X-Request-Id"
+log = logging.getLogger("triton_disagg.front")
+# What a client reads of a server fault, by status (the log has the cause).
+_FAULTS = {500: "internal error", 503: "the service is unavailable now; retry later",
+           504: "the request timed out inside the server"}
+
+PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
+CALLS = web.AppKey("calls", RequestCount)
+FRONT = web.AppKey("front", FrontConfig)
+ID_KEY = web.RequestKey("request_id", str)
+
+
+def request_id_of(request: web.Request) -> str:
+    if ID_KEY not in request:
+        request[ID_KEY] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+    return request[ID_KEY]
+
+
+def server_error(exc: Exception, request_id: str) -> ApiError:
+    """A server fault as the client sees it: its kind and the request id; the cause is
+    logged under that id."""
+    if isinstance(exc, OrchestratorError):
+        status = exc.status
+        log.warning("request %s: %d: %s", request_id, status, exc)
+    elif unreachable(exc):
+        status = 503
+        log.warning("request %s: tritonserver did not answer: %s: %s", request_id,
+                    type(exc).__name__, exc)
+    else:
+        status = 500
+        log.error("request %s: internal error", request_id, exc_info=exc)
+    retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
+    return ApiError(f"{_FAULTS[status]} (request id {request_id})", status, kind="server_error",
+                    headers=retry)
+
+
+async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
+    preparer = request.app[PREPARER]
+    body = await read_json(request, request.app[FRONT].body_timeout_seconds)
+    gen = parse(endpoint, body, preparer.limits)
+    choices = gen.choices()
+    with request.app[CALLS].more(len(choices) - 1):   # a call per choice, each counted
+        return await _generate_choices(request, gen, choices)
+
+
+async def _generate_choices(request: web.Request, gen: Generation,
+                            choices: list[Generation]) -> web.StreamResponse:
+    preparer, relay = request.app[PREPARER], request.app[RELAY]
+    loop, request_id = asyncio.get_running_loop(), request_id_of(request)
+    inputs = [await loop.run_in_executor(None, preparer.inputs, c) for c in choices]
+    answers = [_Answer(preparer, c, i) for c, i in zip(choices, inputs)]
+    headers = {REQUEST_ID: request_id}
+    if gen.stream:          # one choice (parse refuses several streamed)
+        async with _opened(relay, inputs[0], request_id, request_id) as deltas:
+            return await _stream(request, answers[0], Reply(gen, preparer.model), deltas,
+                                 headers)
+    # Triton request ids: the client's for one choice, with the choice's index for several
+    call_ids = [request_id] if len(choices) == 1 else \
+        [f"{request_id}-{i}" for i in range(len(choices))]
+    tasks = [asyncio.ensure_future(_collect(relay, a, i, c, request_id))
+             for a, i, c in zip(answers, inputs, call_ids)]
+    try:
+        done = await asyncio.gather(*tasks)
+    finally:                # one failed (or the client left): the others stop too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return _whole(gen, preparer.model, done, headers)
+
+
+@contextlib.asynccontextmanager
+async def _opened(relay: Relay, inputs: dict, call_id: str,
+                  request_id: str) -> AsyncIterator[AsyncIterator[Delta]]:
+    """The orchestrator's deltas for ``inputs``, once the first came (an error before it is
+    a plain HTTP error: no byte went out yet); leaving the block cancels the call."""
+    async with contextlib.aclosing(relay.stream(inputs, call_id)) as deltas:
+        try:
+            first = await anext(deltas, None)
+        except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
+            # A timeout stays 504 though the server that let it pass made this one not ready.
+            timed_out = isinstance(exc, OrchestratorError) and exc.status == 504
+            not_ready = None if timed_out else await relay.ready()
+            if not_ready is not None:
+                raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
+            raise server_error(exc, request_id) from None
+        yield _chain(first, deltas)
+
+
+async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
+    if first is not None:
+        yield first
+    async for delta in deltas:
+        yield delta
+
+
+class _Answer:
+    """One choice's answer as it is made: the text (stop sequences cut, the echoed prompt
+    first), the last counts, and the log-probs when asked for."""
+
+    def __init__(self, preparer: Preparer, gen: Generation, inputs: dict):
+        self.gen = gen
+        self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
+        self.echo = preparer.prompt(gen) if gen.echo else ""
+        self.logprobs = None if gen.logprobs is None else \
+            Logprobs(gen, preparer.token_text, len(self.echo))
+        self.trimmer, self.last = StopTrimmer(gen.stop), Delta("", 0, 0)
+
+    def add(self, delta: Delta) -> tuple[str, dict | None]:
+        """The text safe to send now and the log-probs of ``delta``'s tokens (None unless
+        asked for)."""
+        self.last = delta
+        text = self.trimmer.add(delta.text)
+        if self.logprobs is None:
+            return text, None
+        return text, self.logprobs.of(delta.token_ids, delta.log_probs)
+
+    def finish(self) -> tuple[str, str]:
+        """The text left to send and the finish reason."""
+        return self.trimmer.finish(), finish_reason(self.trimmer, self.last.completion_tokens,
+                                                    self.max_tokens)
+
+
+async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
+                   request_id: str) -> tuple[_Answer, str, str, dict | None]:
+    """One choice, whole: its answer, text, finish reason and log-probs."""
+    async with _opened(relay, inputs, call_id, request_id) as deltas:
+        text, parts = answer.echo, []
+        try:
+            async for delta in deltas:
+                more, logprobs = answer.add(delta)
+                text += more
+                parts += [logprobs] if logprobs is not None else []
+                if answer.trimmer.stopped:
+                    break           # leaving the relay's stream cancels the request
+        except Exception as exc:  # noqa: BLE001
+            raise server_error(exc, request_id) from None
+    tail, reason = answer.finish()
+    logprobs = None if answer.logprobs is None else merge_logprobs(parts, answer.logprobs.chat)
+    return answer, text + tail, reason, logprobs
+
+
+def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict | None]],
+           headers: dict) -> web.Response:
+    """The non-streamed body of ``done`` choices (one for ``/v1/inference``); usage counts
+    each prompt once and every choice's tokens."""
+    prompt_tokens = sum(a.last.prompt_tokens for a, *_ in done[::gen.n])
+    completion_tokens = sum(a.last.completion_tokens for a, *_ in done)
+    if gen.endpoint == "inference":
+        _, text, reason, _ = done[0]
+        body = {"id": uuid.uuid4().hex, "model": model, "text": text, "finish_reason": reason,
+                "usage": usage(prompt_tokens, completion_tokens)}
+    else:
+        reply = Reply(gen, model)
+        body = reply.whole([reply.choice(i, text, reason, logprobs)
+                            for i, (_, text, reason, logprobs) in enumerate(done)],
+                           prompt_tokens, completion_tokens)
+    return web.json_response(body, headers=headers,
+                             dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
+
+
+async def _stream(request: web.Request, answer: _Answer, reply: Reply,
+                  deltas: AsyncIterator[Delta], headers: dict) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    timeout = request.app[FRONT].write_timeout_seconds
+
+    async def out(event: dict | str | None) -> None:
+        await send(request, response, None if event is None else sse(event), timeout)
+
+    try:
+        await out(None)             # the status line and headers
+        if reply.chat or answer.echo:
+            await out(reply.chunk(answer.echo, first=True))
+        try:
+            async for delta in deltas:
+                text, logprobs = answer.add(delta)
+                if text or logprobs:
+                    await out(reply.chunk(text, logprobs=logprobs))
+                if answer.trimmer.stopped:
+                    break           # leaving the relay's stream cancels the request
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise                   # the client left: the relay's stream is cancelled
+        except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
+            await out(server_error(exc, request_id_of(request)).body())
+            return response
+        tail, reason = answer.finish()
+        await out(reply.chunk(tail, reason))
+        if answer.gen.include_usage:
+            await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens))
+        await out("[DONE]")
+    except StalledClient as exc:    # dropped: leaving the relay's stream cancels the request
+        log.warning("request %s: %s; dropped", request_id_of(request), exc)
+        return response
+    await response.write_eof()
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def inference(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "inference")
