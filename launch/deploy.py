@@ -216,6 +216,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
                   endpoints.host if role == "generation" else None)
     server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),
                           log_verbose=log_verbose,
-                          cpus=front_cpus(config, role, os.sched_getaffinity(0)))
+                          cpus=front_cpus(config, role, os.sched_getaffinity(0)),
+                          grpc_tls=config.grpc_tls)
     server.start()
     return server

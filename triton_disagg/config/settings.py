@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Union
 
 from triton_disagg.config.discovery_section import DiscoveryConfig
+from triton_disagg.config.tls_section import GrpcTLS
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class OrchestratorSettings:
     discovery: DiscoveryConfig | None = None
     overlap_kv_transfer: bool = False  # kv_cache.overlap_transfer: generation first (kv.overlap)
     max_concurrent_requests: int = 256  # scheduler_server.max_concurrent_requests, per instance
+    grpc_tls: GrpcTLS | None = None     # the config's grpc_tls: calls to the roles over TLS
 
     def __post_init__(self):
         object.__setattr__(self, "pools", {
@@ -92,6 +94,8 @@ class OrchestratorSettings:
             for role, p in self.pools.items()})
         if isinstance(self.discovery, dict):
             object.__setattr__(self, "discovery", DiscoveryConfig(**self.discovery))
+        if isinstance(self.grpc_tls, dict):
+            object.__setattr__(self, "grpc_tls", GrpcTLS(**self.grpc_tls))
 
 
 Settings = Union[PreprocessSettings, ContextSettings, GenerationSettings, OrchestratorSettings]

@@ -21,9 +21,10 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import Timeout
 from triton_disagg.front.health import ServerReadiness
-from triton_disagg.triton.grpc_channel import channel_args
+from triton_disagg.triton.grpc_channel import client_options
 
 ORCHESTRATOR = "orchestrator"
 # Words in an orchestrator error that say the deployment, not the request, is at fault now.
@@ -58,10 +59,11 @@ class Relay:
     """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``); it is
     ready while the server and ``models`` (the orchestrator among them) are."""
 
-    def __init__(self, url: str, models: tuple[str, ...] = (ORCHESTRATOR,)):
+    def __init__(self, url: str, models: tuple[str, ...] = (ORCHESTRATOR,),
+                 tls: GrpcTLS | None = None):
         import tritonclient.grpc.aio as grpcclient
 
-        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
+        self.client = grpcclient.InferenceServerClient(url, **client_options(tls))
         with_orchestrator = tuple(dict.fromkeys((ORCHESTRATOR, *models)))   # once, first
         self.readiness = ServerReadiness(self.client, with_orchestrator)
 

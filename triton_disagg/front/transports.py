@@ -43,11 +43,12 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import peers, protocol as P
+from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoServer,
                                   RequestError, Timeout, Unavailable)
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
-from triton_disagg.triton.grpc_channel import channel_args
+from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -172,10 +173,12 @@ class GrpcTransport:
     """The scheduler's side: ``routers`` per role (:func:`~triton_disagg.routing.pools.start_pools`);
     ``observer`` (optional): ``routed(role, url)`` per call routed, ``retried(role, url)``
     per context call tried again after ``url`` did not answer (:class:`~triton_disagg.triton.metrics.Metrics`).
-    Clients are made on the event loop that uses them, with keepalive on."""
+    Clients are made on the event loop that uses them, with keepalive on, over TLS when
+    ``tls`` (the config's ``grpc_tls``) is given."""
 
-    def __init__(self, routers: dict[str, Router], observer: Any = None):
-        self.routers, self.observer = routers, observer
+    def __init__(self, routers: dict[str, Router], observer: Any = None,
+                 tls: GrpcTLS | None = None):
+        self.routers, self.observer, self.tls = routers, observer, tls
         self.credential = peers.credential()
         self.clients: dict[str, Any] = {}
         self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
@@ -244,7 +247,7 @@ class GrpcTransport:
                 keepalive_time_ms=KEEPALIVE_MS, keepalive_timeout_ms=KEEPALIVE_TIMEOUT_MS,
                 keepalive_permit_without_calls=True, http2_max_pings_without_data=0)
             self.clients[url] = grpcclient.InferenceServerClient(
-                url, channel_args=channel_args(keepalive))
+                url, **client_options(self.tls, keepalive))
         return self.clients[url]
 
     async def _close_departed(self) -> None:

@@ -87,7 +87,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
             max_concurrent_requests=config.scheduler.max_concurrent_requests,
             pools={r: S.PoolSettings(config.server(r).urls, config.server(r).router)
                    for r in ("context", "generation")},
-            discovery=config.discovery)
+            discovery=config.discovery, grpc_tls=config.grpc_tls)
     server = config.server(model)
     common = dict(
         engine=engine, mode=mode, instance_cpus=instance_cpus(model, role, config),

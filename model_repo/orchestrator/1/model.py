@@ -55,7 +55,8 @@ class TritonPythonModel:
                 self.transport = BLSTransport(pb_utils)
             else:
                 self.pools = start_pools(settings, self.metrics)
-                self.transport = GrpcTransport(self.pools.routers, self.metrics)
+                self.transport = GrpcTransport(self.pools.routers, self.metrics,
+                                               settings.grpc_tls)
             decode = Tokenizer(settings.engine).decode
         self.tokens = TokenInbox(settings.token_host, settings.stall_seconds)
         self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,
