@@ -83,23 +83,32 @@ def serving(config: dict, work_dir: Path, ready_timeout: float = 300.0) -> Itera
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     http, grpc, metrics = free_ports(3)
     server_dir, cli_log = work_dir / "server", work_dir / "serve.log"
-    cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", "all", "-c", str(config_path),
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--work-dir", str(server_dir)]
+    args = ["all", "-c", str(config_path), "--http-port", str(http), "--grpc-port", str(grpc),
+            "--metrics-port", str(metrics), "--work-dir", str(server_dir)]
+    with serve_cli(args, cli_log, ready_timeout) as (proc, ready_seconds):
+        yield SoakServer(proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                         f"http://127.0.0.1:{metrics}", server_dir, cli_log, ready_seconds)
+
+
+@contextlib.contextmanager
+def serve_cli(args: list[str], cli_log: Path, ready_timeout: float = 300.0,
+              marker: str = READY_MARKER) -> Iterator[tuple[subprocess.Popen, float]]:
+    """Run ``triton-disagg serve *args`` (its output to ``cli_log``) until the block exits;
+    yields (the process, seconds it took) once the output shows ``marker``. On exit its
+    whole process group is gone."""
     start = time.monotonic()
     with open(cli_log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "triton_disagg.cli", "serve", *args],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while READY_MARKER not in cli_log.read_text(errors="replace"):
+        while marker not in cli_log.read_text(errors="replace"):
             if proc.poll() is not None or time.monotonic() - start > ready_timeout:
                 why = (f"it exited {proc.returncode}" if proc.returncode is not None
                        else f"not ready in {ready_timeout:.0f} s")
                 tail = "\n".join(cli_log.read_text(errors="replace").splitlines()[-15:])
-                raise UserError(f"serve all: {why}; see {cli_log}:\n{tail}")
+                raise UserError(f"serve {args[0]}: {why}; see {cli_log}:\n{tail}")
             time.sleep(0.3)
-        yield SoakServer(proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
-                         f"http://127.0.0.1:{metrics}", server_dir, cli_log,
-                         time.monotonic() - start)
+        yield proc, time.monotonic() - start
     finally:
         stop(proc)
 
