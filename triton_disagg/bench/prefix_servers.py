@@ -17,7 +17,7 @@ from typing import Iterator
 
 import yaml
 
-from triton_disagg.bench.soak_server import serve_cli
+from triton_disagg.bench.serve_servers import serve_cli
 from triton_disagg.launch.deploy import free_ports
 
 CONTEXT_SERVERS = 2

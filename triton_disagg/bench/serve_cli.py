@@ -95,7 +95,7 @@ def add_serve_parser(kinds) -> None:
 
 
 def _sweep(args: argparse.Namespace):
-    from triton_disagg.bench.serve_sweep import Sweep
+    from triton_disagg.bench.serve_stats import Sweep
 
     if args.rates is None:
         return Sweep.stepped(RATE_STEP if args.rate_step is None else args.rate_step,

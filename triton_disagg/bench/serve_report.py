@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from triton_disagg.bench.serve_stats import GOODPUT_ATTAINMENT, SLO, Percentiles, Summary, goodput
-from triton_disagg.bench.serve_sweep import Sweep, verdicts
+from triton_disagg.bench.serve_stats import (GOODPUT_ATTAINMENT, SLO, Percentiles, Summary,
+                                             Sweep, goodput, verdicts)
 
 TTFT_ADDED_MAX = 0.010          # overhead target: at most 10 ms added TTFT at p50
 # and at most this much output throughput lost at saturation: per stream_interval,
