@@ -4,7 +4,7 @@ Rows come from :class:`serve_stats.Summary`; rate 0 is shown as "serial" (one
 request at a time), ``inf`` as "burst" (all at once). Invariant: the verdict
 lines state the target, the measured value and whether it holds, and say where
 each mode first missed its SLO or that its goodput is only a floor
-(:func:`serve_sweep.verdicts`), so the section reads correctly on its own
+(:func:`serve_stats.verdicts`), so the section reads correctly on its own
 whatever the numbers are.
 """
 
