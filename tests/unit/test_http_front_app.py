@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from triton_disagg.front.http_front import MAX_BODY_BYTES, make_app
 from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.prepare import Preparer
+from triton_disagg.errors import ErrorCode
 from triton_disagg.front.relay import Delta, OrchestratorError
 
 
@@ -125,20 +126,39 @@ def test_unknown_path_and_method_are_openai_errors(demo_engine):
     run(ScriptedRelay(WORDS), check, demo_engine)
 
 
+# Each message says something else than its code: the status follows the code.
 @pytest.mark.parametrize("error, status", [
-    (OrchestratorError("generation server 127.0.0.1:1 was lost (gone)"), 503),
-    (OrchestratorError("internal error: ValueError: x"), 500),
+    (OrchestratorError("internal error: ValueError: x", ErrorCode.UNAVAILABLE), 503),
+    (OrchestratorError("no server: lost, not ready, unavailable, busy, stalled",
+                       ErrorCode.INTERNAL), 500),
+    (OrchestratorError("a server this request needs is unavailable now; retry later",
+                       ErrorCode.TIMEOUT), 504),
 ])
-def test_server_faults_are_5xx(demo_engine, error, status):
+def test_server_faults_are_5xx_by_their_code_not_their_words(demo_engine, error, status):
     async def check(client):
         resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
         assert resp.status == status
         assert (await resp.json())["error"]["type"] == "server_error"
+        assert ("Retry-After" in resp.headers) == (status == 503)
     run(ScriptedRelay([error]), check, demo_engine)
 
 
+def test_the_orchestrators_invalid_arg_is_a_400_with_its_message_whatever_it_says(demo_engine):
+    words = "prompt is unavailable: no server timed out, busy (lost)"
+    relay = ScriptedRelay([OrchestratorError(words, ErrorCode.INVALID_ARG)],
+                          ready="tritonserver is not ready")
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        body = await resp.json()
+        assert resp.status == 400 and body["error"]["message"] == words, body
+        assert body["error"]["type"] == "invalid_request_error"
+    run(relay, check, demo_engine)
+
+
 def test_a_request_while_not_ready_is_503_with_the_reason(demo_engine):
-    relay = ScriptedRelay([OrchestratorError("Request for unknown model: 'orchestrator'")],
+    relay = ScriptedRelay([OrchestratorError("Request for unknown model: 'orchestrator'",
+                                             ErrorCode.UNAVAILABLE)],
                           ready="the orchestrator model is not ready")
 
     async def check(client):
@@ -149,7 +169,8 @@ def test_a_request_while_not_ready_is_503_with_the_reason(demo_engine):
 
 
 def test_a_timeout_is_504_even_once_the_server_turned_not_ready(demo_engine):
-    relay = ScriptedRelay([OrchestratorError("context server 127.0.0.1:1 timed out: ...")],
+    relay = ScriptedRelay([OrchestratorError("context server 127.0.0.1:1: ...",
+                                             ErrorCode.TIMEOUT)],
                           ready="tritonserver is not ready")
 
     async def check(client):
@@ -161,7 +182,8 @@ def test_a_timeout_is_504_even_once_the_server_turned_not_ready(demo_engine):
 
 
 def test_a_stream_failing_part_way_ends_with_an_error_not_done(demo_engine):
-    relay = ScriptedRelay([WORDS[0], OrchestratorError("generation server x was lost (gone)")])
+    relay = ScriptedRelay([WORDS[0], OrchestratorError("generation server x was lost (gone)",
+                                                         ErrorCode.UNAVAILABLE)])
 
     async def check(client):
         resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a",
@@ -317,7 +339,9 @@ def test_several_prompts_and_n_answer_as_indexed_choices(demo_engine):
 
 
 def test_a_failing_choice_fails_the_request_and_stops_the_others(demo_engine):
-    relay = ScriptedRelay([Delta("a", 1, 1), OrchestratorError("internal error: x")], pause=0.05)
+    relay = ScriptedRelay([Delta("a", 1, 1), OrchestratorError("internal error: x",
+                                                               ErrorCode.INTERNAL)],
+                          pause=0.05)
 
     async def check(client):
         resp = await client.post("/v1/completions", json={
