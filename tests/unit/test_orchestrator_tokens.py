@@ -84,6 +84,21 @@ def test_a_request_lost_more_often_than_max_migrations_ends_in_one_clear_error()
     generation.close()
 
 
+def test_a_timeout_after_a_move_stays_a_timeout():
+    """gen-0 is lost, the request moves, gen-1 stays silent past the stall: the error says
+    why it moved and keeps its code (TIMEOUT: the front's 504), not UNAVAILABLE."""
+    generation = FakeGeneration(10, [11, 1], silent=True, dying=1)
+
+    async def send(outputs, final):
+        pass
+
+    result = serve_one(generation, send, stall=1.5)
+    assert isinstance(result, Timeout) and result.status is ErrorCode.TIMEOUT, result
+    assert "generation server gen-0 was lost" in str(result), result
+    assert len(generation.calls) == 2
+    generation.close()
+
+
 # ---- the stream's key and sequence -------------------------------------------------------
 
 def test_a_spoofed_event_is_ignored_and_the_real_stream_completes():
