@@ -8,7 +8,8 @@ Two kinds, each one msgpack map with the schema version under ``"v"``:
   ``{"id": request id, "key": the request's key, "seq": int, "tokens": [int, ...]}``
   plus, only when they apply,
   ``"log_probs": [float, ...]`` and ``"cum_log_prob": float`` (the request asked for
-  them), ``"finish": reason`` (its last event) or ``"error": message`` and ``"code"``:
+  them), ``"finish": reason`` (a :data:`~triton_disagg.protocol.FinishReason`; its last
+  event) or ``"error": message`` and ``"code"``:
   its :class:`~triton_disagg.errors.ErrorCode` name (its last event; a frame without a code,
   as older generation sends, or with a name this side does not know, reads as INTERNAL);
 - a stop (orchestrator -> the control address of the generation instance holding the
@@ -38,6 +39,7 @@ from typing import Any
 import msgpack
 
 from triton_disagg.errors import ErrorCode
+from triton_disagg.protocol import FINISH_REASONS, FinishReason
 
 VERSION = 2
 KEY_SEPARATOR = "#"
@@ -59,7 +61,7 @@ class StreamEvent:
     tokens: list[int]
     log_probs: list[float] | None = None     # only when the request asked for them
     cum_log_prob: float | None = None
-    finish_reason: str | None = None         # set on a request's last event
+    finish_reason: FinishReason | None = None   # set on a request's last event
     error: str | None = None                 # or this, instead
     code: ErrorCode = ErrorCode.INTERNAL     # the error's code (sent only with an error)
     seq: int = 0                             # the request's events from generation: 0, 1, ...
@@ -171,6 +173,8 @@ def _event(raw: Any) -> StreamEvent:
             if not isinstance(value, kind):
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
+    if fields.get("finish_reason") not in (None, *FINISH_REASONS):
+        raise WireError(f"token event: 'finish' must be one of {', '.join(FINISH_REASONS)}")
     if "error" in fields:
         fields["code"] = _code(raw.get("code", ErrorCode.INTERNAL.value))
     return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)

@@ -55,7 +55,7 @@ class ScriptedRelay:
         assert self.left_early == [True]
 
 
-WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3)]
+WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3, finish_reason="length")]
 
 
 def run(relay, check, demo_engine):
@@ -87,10 +87,29 @@ def test_whole_and_streamed_completion(demo_engine):
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
         assert text == "Hello 世界 🎉"
-        assert chunks[-2]["choices"][0]["finish_reason"] == "stop"    # 3 of 4 tokens: the end id
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"  # as given, not counted
         assert chunks[-1]["usage"]["completion_tokens"] == 3
         assert all("usage" in c and c["usage"] is None for c in chunks[:-1])   # OpenAI's null
         assert len(relay.request_ids[1]) == 32            # none sent: one generated
+    run(relay, check, demo_engine)
+
+
+@pytest.mark.parametrize("given, tokens, openai", [
+    ("stop", 3, "stop"),             # the end token as the last of max_tokens: not "length"
+    ("length", 2, "length"),         # max_tokens told by the server, not counted here
+    ("stop_word", 3, "stop"),
+    ("cancelled", 1, "abort"),       # generation stopped it (vLLM's word)
+])
+def test_the_finish_reason_is_the_orchestrators_in_openais_words(demo_engine, given, tokens,
+                                                                 openai):
+    relay = ScriptedRelay([Delta("Hello", 3, tokens, finish_reason=given)])
+
+    async def check(client):
+        for stream in (False, True):
+            resp = await client.post("/v1/completions", json={
+                "model": "demo", "prompt": "a", "max_tokens": 3, "stream": stream})
+            text = await resp.text()
+            assert resp.status == 200 and f'"finish_reason": "{openai}"' in text, text
     run(relay, check, demo_engine)
 
 

@@ -80,6 +80,8 @@ def test_an_error_events_code_is_read_from_its_field_not_its_message(extra, code
     (msgpack.packb({"v": 2, "stop": 5}), ["without 'events'"]),
     (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
                                         "error": "x", "code": 3}]}), ["'code'"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
+                                        "finish": "aborted"}]}), ["'finish'", "length"]),
 ])
 def test_frames_that_are_not_this_schema_are_refused(frame, words):
     with pytest.raises(WireError) as err:

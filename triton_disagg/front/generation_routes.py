@@ -86,7 +86,7 @@ async def _generate_choices(request: web.Request, gen: Generation,
     preparer, relay = request.app[PREPARER], request.app[RELAY]
     loop, request_id = asyncio.get_running_loop(), request_id_of(request)
     inputs = [await loop.run_in_executor(None, preparer.inputs, c) for c in choices]
-    answers = [_Answer(preparer, c, i) for c, i in zip(choices, inputs)]
+    answers = [_Answer(preparer, c) for c in choices]
     headers = {REQUEST_ID: request_id}
     if gen.stream:          # one choice (parse refuses several streamed)
         async with _opened(relay, inputs[0], request_id, request_id) as deltas:
@@ -135,11 +135,10 @@ async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
 
 class _Answer:
     """One choice's answer as it is made: the text (stop sequences cut, the echoed prompt
-    first), the last counts, and the log-probs when asked for."""
+    first), the last counts, the finish reason given, and the log-probs when asked for."""
 
-    def __init__(self, preparer: Preparer, gen: Generation, inputs: dict):
+    def __init__(self, preparer: Preparer, gen: Generation):
         self.gen = gen
-        self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
         self.echo = preparer.prompt(gen) if gen.echo else ""
         self.logprobs = None if gen.logprobs is None else \
             Logprobs(gen, preparer.token_text, len(self.echo))
@@ -156,8 +155,7 @@ class _Answer:
 
     def finish(self) -> tuple[str, str]:
         """The text left to send and the finish reason."""
-        return self.trimmer.finish(), finish_reason(self.trimmer, self.last.completion_tokens,
-                                                    self.max_tokens)
+        return self.trimmer.finish(), finish_reason(self.trimmer, self.last.finish_reason)
 
 
 async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,

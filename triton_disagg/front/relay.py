@@ -25,6 +25,7 @@ import numpy as np
 
 from triton_disagg.errors import HTTP_STATUS, ErrorCode, from_grpc_status, without_tag
 from triton_disagg.front.health import ServerReadiness
+from triton_disagg.protocol import FINISH_REASONS, FinishReason
 from triton_disagg.triton.grpc_channel import channel_args
 
 ORCHESTRATOR = "orchestrator"
@@ -35,14 +36,16 @@ GRPC_ERROR_HEADERS = {"triton_grpc_error": "true"}
 
 @dataclass(frozen=True)
 class Delta:
-    """One orchestrator response: its text, the running counts, and (only when the request
-    asked for log-probs) the ids of its tokens and their log-probs, in step."""
+    """One orchestrator response: its text, the running counts, (only when the request
+    asked for log-probs) the ids of its tokens and their log-probs, in step, and (the final
+    response only) why the request ended."""
 
     text: str
     prompt_tokens: int
     completion_tokens: int
     token_ids: tuple[int, ...] = ()
     log_probs: tuple[float, ...] = ()
+    finish_reason: FinishReason | None = None
 
 
 class OrchestratorError(Exception):
@@ -116,11 +119,14 @@ def _delta(result) -> Delta:
     text = result.as_numpy("text_output")
     n_in, n_out = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
     ids, lps = result.as_numpy("output_ids"), result.as_numpy("output_log_probs")
+    reason = result.as_numpy("finish_reason")
+    reason = reason.reshape(-1)[0].decode("utf-8") if reason is not None else None   # [1, 1]
     return Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
                  int(n_in.reshape(-1)[0]) if n_in is not None else 0,
                  int(n_out.reshape(-1)[0]) if n_out is not None else 0,
                  tuple(ids.reshape(-1).tolist()) if ids is not None else (),     # [1, 1, n] -> [n]
-                 tuple(lps.reshape(-1).tolist()) if lps is not None else ())
+                 tuple(lps.reshape(-1).tolist()) if lps is not None else (),
+                 reason if reason in FINISH_REASONS else None)
 
 
 def unreachable(exc: Exception) -> bool:
