@@ -82,6 +82,7 @@ class Relay:
 
     async def stream(self, inputs: dict[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
         """The orchestrator's responses to ``inputs`` (arrays with their batch axis)."""
+        import grpc
         from tritonclient.grpc import InferInput
         from tritonclient.utils import np_to_triton_dtype
 
@@ -92,8 +93,6 @@ class Relay:
 
         async def one_request():
             yield {"model_name": ORCHESTRATOR, "inputs": tensors, "request_id": request_id}
-
-        import grpc
 
         responses = self.client.stream_infer(one_request(), headers=GRPC_ERROR_HEADERS)
         ended = False
