@@ -58,7 +58,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import numpy as np
 
 from triton_disagg import log_format, protocol as P
-from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, Unavailable
+from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, Timeout, Unavailable
 from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.token_wire import StreamEvent
@@ -198,7 +198,8 @@ class _Run:
             except EngineError as exc:
                 if lost is None:
                     raise
-                raise Unavailable(f"{lost}; {exc}") from None     # why it had to move, too
+                moved = Timeout if isinstance(exc, Timeout) else Unavailable   # its code kept
+                raise moved(f"{lost}; {exc}") from None     # why it had to move, too
             self.migrate(lost)
             inputs = self.resumed()
         raise AssertionError("unreachable: the last attempt returns or raises")

@@ -27,8 +27,8 @@ from triton_disagg.triton import engine_request
 from triton_disagg.triton.tensors import scalar
 
 # error class -> what the client is told (the first that the error is an instance of); the
-# words "timed out", "unavailable" and "busy" are what the HTTP front maps to 504 / 503
-_PUBLIC = ((Timeout, f"a server did not answer in time ({Timeout.MARK})"),
+# error's status goes with it (ErrorCode): the HTTP front maps that, not these words
+_PUBLIC = ((Timeout, "a server did not answer in time (timed out)"),
            (ContextBusy, "the context servers are busy; retry later"),
            (ServerBusy, "this server is busy with its most requests at once; retry later"),
            (Unavailable, "a server this request needs is unavailable now; retry later"))

@@ -9,7 +9,9 @@ context and generation answer no one else) and the orchestrator's request id as 
 request id. A generation request also names the orchestrator's token address
 (``token_address``); Triton carries it to generation, whose one response is the control
 address for stops: the tokens themselves arrive over ZeroMQ (:mod:`token_inbox`), never as
-Triton responses. A context error that is back-pressure (``protocol.CONTEXT_BUSY``) is
+Triton responses. A callee's error answer is raised as the error class of its status
+(:class:`~triton_disagg.errors.ErrorCode`: BLS ``TritonError.code()``, gRPC status), never
+by its message. A context error that is back-pressure (``protocol.CONTEXT_BUSY``) is
 raised as :class:`ContextBusy`.
 
 Deadlines: a route's context and generation calls each wait at most its ``timeout`` (the
@@ -44,8 +46,9 @@ import numpy as np
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoServer,
-                                  RequestError, Timeout, Unavailable)
+from triton_disagg.errors import (ContextBusy, ErrorCode, GenerationLost, NoServer, Timeout,
+                                  Unavailable, error_for, from_grpc_status, from_triton,
+                                  without_tag)
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.grpc_channel import client_options
@@ -75,13 +78,21 @@ def _parameters(credential: str, request_type: str,
     return params
 
 
-def _error(model: str, message: str, invalid: bool) -> EngineError | RequestError:
-    """The callee's error answer as ours: ``invalid`` (it said INVALID_ARG) is the request's
-    own mistake, passed on as one; a busy context is :class:`ContextBusy`."""
-    if invalid:
-        return RequestError(message)
-    busy = model == "context" and message.startswith(P.CONTEXT_BUSY)
-    return (ContextBusy if busy else EngineError)(message)
+def _error(model: str, code: ErrorCode, message: str) -> Exception:
+    """The callee's error answer as ours, by its ``code`` (:func:`errors.error_for`: an
+    INVALID_ARG is the request's own mistake, passed on as one); a busy context is
+    :class:`ContextBusy`."""
+    busy = (code is not ErrorCode.INVALID_ARG and model == "context"
+            and message.startswith(P.CONTEXT_BUSY))
+    return ContextBusy(message) if busy else error_for(code, without_tag(message))
+
+
+def _bls_code(pb_utils: Any, error: Any) -> ErrorCode:
+    """The code of a BLS response's ``pb_utils.TritonError`` (by its ``code()``)."""
+    name = next((c.value for c in ErrorCode
+                 if getattr(pb_utils.TritonError, c.value, None) == error.code()),
+                ErrorCode.INTERNAL.value)
+    return from_triton(name, error.message())
 
 
 def _release_inputs(inputs: dict, handle: np.ndarray) -> dict:
@@ -142,7 +153,7 @@ class BLSRoute:
             raise Timeout(f"{model} timed out: no answer within {timeout:g} s") from None
         if response.has_error():
             error = response.error()
-            raise _error(model, error.message(), error.code() == self.pb.TritonError.INVALID_ARG)
+            raise _error(model, _bls_code(self.pb, error), error.message())
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
@@ -229,7 +240,8 @@ class GrpcTransport:
             if exc.status() in UNANSWERED:
                 self.routers[model].unanswered(url)
                 raise Unanswered(model, url, exc.status(), exc.message() or "", timeout) from None
-            error = _error(model, exc.message(), exc.status() == "StatusCode.INVALID_ARGUMENT")
+            message = exc.message() or ""
+            error = _error(model, from_grpc_status(exc.status(), message), message)
             raise type(error)(f"{model} at {url}: {error}") from None
         finally:
             self.calls[url] -= 1
@@ -345,5 +357,5 @@ def _unanswered(failed: list[Unanswered], tail: str) -> Unavailable:
     tried = ", ".join(f"{f.url} ({f.reason})" for f in failed)
     servers = f"context server{'s' if len(failed) > 1 else ''}"
     if all(f.timed_out for f in failed):
-        return Timeout(f"{servers} {Timeout.MARK}: {tried}{tail}")
+        return Timeout(f"{servers} timed out: {tried}{tail}")
     return Unavailable(f"{servers} did not answer: {tried}{tail}")
