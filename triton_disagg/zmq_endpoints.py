@@ -87,11 +87,17 @@ def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    connect(sock, address)
+    return sock
+
+
+def connect(sock: zmq.Socket, address: str) -> None:
+    """Connect ``sock`` to a socket :func:`bind` bound: over tcp as a CURVE client (a fresh
+    keypair of its own, naming the deployment's server key), over ipc as it is."""
     if address.startswith("tcp://"):
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         sock.curve_serverkey = server_keys()[0]
     sock.connect(address)
-    return sock
 
 
 @functools.lru_cache(maxsize=1)
