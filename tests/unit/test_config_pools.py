@@ -46,6 +46,9 @@ def test_routing_keys_and_their_defaults(write):
                             "max_local_prefill_length: 64}\n"))
     assert (cfg.context.router, cfg.generation.router) == ("round_robin", "least_loaded")
     assert cfg.generation.max_local_prefill_length == 64
+    cfg = load_config(write("context_server: {url: 'c:1', router: kv_aware}\n"
+                            "generation_server: {url: 'g:1', router: kv_aware}\n"))
+    assert cfg.context.router == cfg.generation.router == "kv_aware"
 
 
 def test_discovery(write):

@@ -13,7 +13,7 @@ from triton_disagg.config.values import count, int_list, mapping, number, parse_
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import KV_DTYPES
 
-ROUTERS = ("least_loaded", "round_robin")      # the first is the default
+ROUTERS = ("least_loaded", "round_robin", "kv_aware")   # the first is the default
 SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
                "http_port", "metrics_port", "front_port", "router"}
 SCHEDULER_KEYS = {"url", "http_port", "grpc_port", "metrics_port", "front_port", "instances",

@@ -66,7 +66,8 @@ class GenerationSettings(EngineSettings):
 @dataclass(frozen=True)
 class PoolSettings:
     urls: tuple[str, ...]
-    router: str                        # round_robin | least_loaded
+    router: str                        # round_robin | least_loaded | kv_aware
+    kv_dtype: str | None = None        # the role's kv_dtype (None: the engine's): kv_aware's hash
 
     def __post_init__(self):
         object.__setattr__(self, "urls", tuple(self.urls))

@@ -9,9 +9,15 @@
   (one :class:`~triton_disagg.routing.discovery.Membership` polls for both roles; urls in the
   config are then where those servers bind, not the scheduler's pool).
 
+A context pool with ``router: kv_aware`` also gets a :class:`~triton_disagg.routing.kv_feed.KvFeed`:
+its router scores on the KV events of the publishers its members name (their etcd
+records' ``kv_events``; a static url names none, so its picks fall back to least_loaded,
+logged), hashed as the engine names its blocks (the role's ``kv_dtype``).
+
 Invariant: the observer (:class:`~triton_disagg.triton.metrics.Metrics`) hears a role's membership size
 and etcd's reachability once at the start and again whenever one changes, never more
-often (each report is an IPC round trip to Triton).
+often (each report is an IPC round trip to Triton); a feed is synced to its role's
+members, and its batch counts reported, at every report (every membership poll).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from typing import Any
 from triton_disagg.config.settings import OrchestratorSettings
 from triton_disagg.routing.discovery import MemberRecord, Membership
 from triton_disagg.routing.discovery.record import ROLES
-from triton_disagg.routing.router import Member, Router
+from triton_disagg.routing.kv_feed import KvFeed, engine_hasher
+from triton_disagg.routing.router import KV_AWARE, Hasher, KvAwareness, Member, Router
 
 
 class StaticMembers:
@@ -51,12 +58,15 @@ class DiscoveredMembers:
 
 
 def _member(record: MemberRecord) -> Member:
-    return Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total, record.load)
+    return Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total, record.load,
+                  record.kv_events)
 
 
 class Pools:
-    def __init__(self, routers: dict[str, Router], membership: Membership | None, observer: Any):
+    def __init__(self, routers: dict[str, Router], membership: Membership | None, observer: Any,
+                 feeds: dict[str, KvFeed] | None = None):
         self.routers, self.membership, self.observer = routers, membership, observer
+        self.feeds = feeds or {}                 # role -> its kv_aware router's feed
         self._reported: dict[str, object] = {}
 
     def report(self, *_: Any) -> None:
@@ -71,10 +81,15 @@ class Pools:
                     self.observer.etcd_reachable(bool(value))
                 else:
                     self.observer.members(key, int(value))
+        for role, feed in self.feeds.items():
+            feed.sync(self.routers[role].members())
+            feed.report(self.observer)
 
     def close(self) -> None:
         if self.membership is not None:
             self.membership.close()
+        for feed in self.feeds.values():
+            feed.close()
 
 
 def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, dict]:
@@ -98,15 +113,31 @@ def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, d
                         for role in ROLES}
 
 
-def start_pools(settings: OrchestratorSettings, observer: Any) -> Pools:
-    """The routers of ``settings`` (polling etcd from now on when it has discovery)."""
+def start_pools(settings: OrchestratorSettings, observer: Any,
+                hasher: Hasher | None = None) -> Pools:
+    """The routers of ``settings`` (polling etcd from now on when it has discovery);
+    ``hasher``: a kv_aware router's block names (default: the engine's)."""
     membership, sources = member_sources(settings)
-    routers = {role: Router(role, settings.pools[role].router, source)
-               for role, source in sources.items()}
-    pools = Pools(routers, membership, observer)
+    routers, feeds = {}, {}
+    for role, source in sources.items():
+        pool, kv = settings.pools[role], None
+        if pool.router == KV_AWARE and role == "context":     # generation: load (router)
+            import zmq
+
+            feeds[role] = KvFeed(zmq.Context.instance())
+            kv = KvAwareness(feeds[role].index, hasher or _engine_hasher(settings, pool.kv_dtype))
+        routers[role] = Router(role, pool.router, source, kv, observer)
+    pools = Pools(routers, membership, observer, feeds)
     if membership is None:
         pools.report()
     else:
         membership.on_poll = pools.report
         membership.start()
     return pools
+
+
+def _engine_hasher(settings: OrchestratorSettings, kv_dtype: str | None) -> Hasher:
+    from triton_disagg.engine.spec import EngineSpec
+
+    spec = EngineSpec.load(settings.engine)
+    return engine_hasher(spec.fingerprint, kv_dtype or spec.kv.dtype)

@@ -85,7 +85,8 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
             max_local_prefill_length=config.generation.max_local_prefill_length,
             overlap_kv_transfer=config.kv_cache.overlap_transfer,
             max_concurrent_requests=config.scheduler.max_concurrent_requests,
-            pools={r: S.PoolSettings(config.server(r).urls, config.server(r).router)
+            pools={r: S.PoolSettings(config.server(r).urls, config.server(r).router,
+                                     config.server(r).kv_dtype)
                    for r in ("context", "generation")},
             discovery=config.discovery)
     server = config.server(model)
