@@ -121,7 +121,8 @@ def test_kv_aware_follows_the_publishers_etcd_names(demo_engine, tmp_path):
             assignment.release()
         assert [e for e in heard.events if e[0] == "decision"] == [("decision", "context",
                                                                    "overlap")] * 2
-        assert any(e[0] == "batches" and e[2] > 0 for e in heard.events)
+        wait_until(lambda: any(e[0] == "batches" and e[2] > 0 for e in heard.events), 2.0,
+                   "batch counts reported at a membership poll")
         publishers["c2:1"].close()              # its events stop: fall back, then it leaves
         wait_until(lambda: not feed.index.fresh(publishers["c2:1"].address), 6.0, "stale")
         router.take(len(prompt), token_ids=prompt).release()

@@ -229,3 +229,16 @@ def test_a_publisher_whose_subscriber_is_gone_never_blocks(context):
     started = time.monotonic()
     publisher.close()
     assert time.monotonic() - started < 5.0
+
+
+def test_announced_addresses_are_read_back_bounded_and_checked(tmp_path):
+    kv_events.announce(tmp_path, "context_0_1", "tcp://10.0.0.1:5557")
+    kv_events.announce(tmp_path, "context_0_0", "ipc:///run/x/kv-events")
+    kv_events.announce(tmp_path, "../evil", "http://elsewhere")          # not an address
+    kv_events.announce(tmp_path, "long", "tcp://" + "h" * 300)
+    assert kv_events.announced(tmp_path) == ("ipc:///run/x/kv-events", "tcp://10.0.0.1:5557")
+    assert not list(tmp_path.glob("*.address"))          # the name cannot leave the folder
+    assert kv_events.announced(tmp_path / "missing") == ()
+    for i in range(kv_events.MAX_PUBLISHERS + 5):
+        kv_events.announce(tmp_path, f"g{i:03}", f"tcp://h:{i + 1}")
+    assert len(kv_events.announced(tmp_path)) <= kv_events.MAX_PUBLISHERS     # files read

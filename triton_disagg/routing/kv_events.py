@@ -32,6 +32,11 @@ publisher it tracks the last sequence number: a number past the next one is a ga
 a payload that does not decode a gap of one. Payloads are bounded by ``MAX_PAYLOAD_BYTES``
 (ZeroMQ drops a longer message before it is read).
 
+A model instance that publishes names its address to its server's ``serve`` process
+with :func:`announce` (a file in its model's folder of the rendered repository, which
+``serve`` renders afresh at every start); ``serve`` reads them with :func:`announced`
+once the server is ready, for its banner and its etcd record.
+
 Over tcp both ends are CurveZMQ with the deployment's key (:mod:`triton_disagg.zmq_endpoints`),
 like the token sockets; over ipc the socket lives in a directory only its owner can reach.
 """
@@ -39,9 +44,10 @@ like the token sockets; over ipc the socket lives in a directory only its owner 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections import deque
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -56,6 +62,9 @@ MAX_PENDING_EVENTS = 10_000     # events buffered for the sender thread; more ar
 SEND_HIGH_WATER_MARK = 10_000   # batches ZeroMQ queues per subscriber before dropping
 MAX_PAYLOAD_BYTES = 16 << 20    # a longer message is dropped by the subscriber's socket
 POLL_MS = 100                   # the subscriber thread's poll, and its reaction to commands
+ANNOUNCED = "kv_events"         # the folder, in a model's folder, of its instances' addresses
+MAX_PUBLISHERS = 64             # addresses a server names (one per model instance)
+MAX_ADDRESS_CHARS = 256
 _log = logging.getLogger(__name__)
 
 
@@ -301,3 +310,37 @@ class KvEventSubscriber:
             elif before is not None and sequence > before + 1:
                 self.sink.gap(address, sequence - before - 1)
             self.sink.batch(address, batch)
+
+
+def announce(model_dir: Path, instance: str, address: str) -> None:
+    """Name ``instance``'s publisher ``address`` for :func:`announced` (written whole, then
+    renamed, readable by this user alone)."""
+    directory = Path(model_dir) / ANNOUNCED
+    directory.mkdir(mode=0o700, exist_ok=True)
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance)
+    partial = directory / f".{name}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(address)
+    partial.rename(directory / f"{name}.address")
+
+
+def announced(model_dir: Path) -> tuple[str, ...]:
+    """The publisher addresses the model's instances announced, sorted; at most
+    ``MAX_PUBLISHERS``, each :func:`valid_address` (anything else is left out)."""
+    directory = Path(model_dir) / ANNOUNCED
+    if not directory.is_dir():
+        return ()
+    found = []
+    for path in sorted(directory.glob("*.address"))[:MAX_PUBLISHERS]:
+        with open(path, "rb") as f:
+            address = f.read(MAX_ADDRESS_CHARS + 1).decode(errors="replace")
+        if valid_address(address):
+            found.append(address)
+    return tuple(sorted(found))
+
+
+def valid_address(address: object) -> bool:
+    """A ``tcp://`` or ``ipc://`` address of at most ``MAX_ADDRESS_CHARS``."""
+    return (isinstance(address, str) and len(address) <= MAX_ADDRESS_CHARS
+            and address.startswith(("tcp://", "ipc://")))

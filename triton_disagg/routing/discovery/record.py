@@ -16,8 +16,8 @@ type, a count outside ``0..MAX_COUNT``, ``tokens_per_block`` not a power of two 
 figure the server cannot measure is ``None`` (JSON null), never a made-up 0;
 ``token_address`` / ``nixl_address`` are "" until the server knows them. ``kv_events``
 lists the KV event publishers of the server's model instances
-(:mod:`triton_disagg.routing.kv_events`), at most ``MAX_KV_EVENTS`` ``tcp://`` or
-``ipc://`` addresses of at most ``MAX_ADDRESS_CHARS`` each; a record without the key
+(:mod:`triton_disagg.routing.kv_events`), at most ``MAX_PUBLISHERS`` ``tcp://`` or
+``ipc://`` addresses of at most ``MAX_ADDRESS_CHARS`` characters each; a record without the key
 (written before it existed) has none.
 """
 
@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from triton_disagg.routing.kv_events import MAX_ADDRESS_CHARS, MAX_PUBLISHERS, valid_address
+
 ROLES = ("context", "generation")
 VERSION = 1
 MAX_RECORD_BYTES = 16384        # a record is about 500 bytes; longer values are not read
 MAX_COUNT = 2**40               # any count a record may carry (blocks, sequences, tokens)
 MAX_TOKENS_PER_BLOCK = 2**16
-MAX_KV_EVENTS = 64              # publishers a record may name (one per model instance)
-MAX_ADDRESS_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,10 @@ def _str(d: dict, key: str) -> str:
 
 def _addresses(d: dict, key: str) -> tuple[str, ...]:
     value = d.get(key, [])
-    if not isinstance(value, list) or len(value) > MAX_KV_EVENTS:
-        raise ValueError(f"{key} is not a list of at most {MAX_KV_EVENTS} addresses")
+    if not isinstance(value, list) or len(value) > MAX_PUBLISHERS:
+        raise ValueError(f"{key} is not a list of at most {MAX_PUBLISHERS} addresses")
     for address in value:
-        if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS \
-                or not address.startswith(("tcp://", "ipc://")):
+        if not valid_address(address):
             raise ValueError(f"{key}: {str(address)[:80]!r} is not a tcp:// or ipc:// address "
                              f"of at most {MAX_ADDRESS_CHARS} characters")
     return tuple(value)
