@@ -266,9 +266,12 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         # (a zombie has no argv): those seen as their models loaded are watched too.
         see_stubs()
         stubs = list(seen.values())
+        kv_events = _kv_events(args.role, server)
         if config.discovery is not None and advertised is not None:
-            registration = start_registration(args.role, config, endpoints, advertised)
-        _announce(args.role, config, endpoints, advertised, server, registration, front)
+            registration = start_registration(args.role, config, endpoints, advertised,
+                                              kv_events)
+        _announce(args.role, config, endpoints, advertised, server, registration, front,
+                  kv_events)
         if gated:
             peers_gate = start_peers_gate(config, server.work_dir, reason, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
@@ -304,8 +307,15 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         server.stop()
 
 
+def _kv_events(role: str, server) -> tuple[str, ...]:
+    """The KV event publishers the role's model instances announced once loaded."""
+    from triton_disagg.routing.kv_events import announced
+
+    return announced(server.repo / role) if role in ("context", "generation") else ()
+
+
 def _announce(role: str, config, endpoints, advertised: str | None, server,
-              registration, front: int) -> None:
+              registration, front: int, kv_events: tuple[str, ...] = ()) -> None:
     from .front_process import health_only
 
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
@@ -322,6 +332,8 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
         lines.append(f"  front    http://{shown}:{front}  (OpenAI /v1/completions, "
                      f"/v1/chat/completions, /v1/models; /v1/inference; /healthz)")
     lines.append(f"  log      {server.log_path}")
+    if kv_events:
+        lines.append(f"  kv events {', '.join(kv_events)}  (ZeroMQ PUB, vLLM's KV event format)")
     if role == "scheduler":
         lines.append(f"  routes   {_pools(config)}")
         lines.append("  ready    /healthz answers 200 while every role has a server that answers")

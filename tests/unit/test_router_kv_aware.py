@@ -9,6 +9,7 @@ import logging
 from typing import Sequence
 
 import pytest
+from test_router import Source
 
 from triton_disagg.routing.discovery.record import Load
 from triton_disagg.routing.kv_events import BlockStored, KVEventBatch
@@ -24,17 +25,6 @@ def hasher(token_ids: Sequence[int], tokens_per_block: int, salt: str | None) ->
     full = len(token_ids) // tokens_per_block
     return [hash((salt, tuple(token_ids[:(i + 1) * tokens_per_block]))) & (2**64 - 1)
             for i in range(full)]
-
-
-class Source:
-    def __init__(self, *members: Member):
-        self.current = tuple(members)
-
-    def members(self) -> tuple[Member, ...]:
-        return self.current
-
-    def where(self) -> str:
-        return "in the test"
 
 
 class Decisions:
