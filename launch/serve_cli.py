@@ -226,8 +226,10 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)
     reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
+    kv_events_host = advertised.rsplit(":", 1)[0] if advertised is not None \
+        and args.role in ("context", "generation") else None
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
-                   token)
+                   token, kv_events_host)
     if not server.private_shm and not restart:
         print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
               f"(a mount namespace), so tritonserver's Python-backend regions are in the "

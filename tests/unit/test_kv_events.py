@@ -242,3 +242,22 @@ def test_announced_addresses_are_read_back_bounded_and_checked(tmp_path):
     for i in range(kv_events.MAX_PUBLISHERS + 5):
         kv_events.announce(tmp_path, f"g{i:03}", f"tcp://h:{i + 1}")
     assert len(kv_events.announced(tmp_path)) <= kv_events.MAX_PUBLISHERS     # files read
+
+
+def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from triton_disagg.launch import serve_cli
+
+    (tmp_path / "repo" / "context").mkdir(parents=True)      # the model's rendered folder
+    kv_events.announce(tmp_path / "repo" / "context", "context_0_0", "tcp://10.0.0.1:5557")
+    server = SimpleNamespace(repo=tmp_path / "repo", log_path=tmp_path / "log")
+    addresses = serve_cli._kv_events("context", server)
+    assert addresses == ("tcp://10.0.0.1:5557",)
+    assert serve_cli._kv_events("scheduler", server) == ()
+    config = SimpleNamespace(mode="disaggregated", engine="e", decoupled_mode=True,
+                             server=lambda role: SimpleNamespace(url="c:1"))
+    endpoints = SimpleNamespace(host="127.0.0.1", http_port=None, grpc_port=9001,
+                                metrics_port=None)
+    serve_cli._announce("context", config, endpoints, "c:1", server, None, 8081, addresses)
+    assert "  kv events tcp://10.0.0.1:5557" in capsys.readouterr().out

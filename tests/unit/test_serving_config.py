@@ -143,6 +143,22 @@ def test_gpu_memory_fraction_carried_to_the_engine_settings(write):
         assert carried.kv_gpu_memory_fraction == 0.5
 
 
+def test_kv_events_host_reaches_the_engine_settings_and_the_kv_dtype_the_pools(write):
+    from triton_disagg.config.settings import from_json, to_json
+    from triton_disagg.triton.render import settings
+
+    cfg = load_config(write(GUIDE.replace("gpus: [0, 1]}", "gpus: [0, 1], kv_dtype: float32, "
+                                                         "router: kv_aware}")))
+    for model in ("context", "generation"):
+        carried = from_json(model, to_json(settings(model, model, cfg, None, "0.0.0.0",
+                                                    "ctx-01.example")))
+        assert (carried.kv_events_host, carried.kv_events_bind) == ("ctx-01.example", "0.0.0.0")
+        unset = from_json(model, to_json(settings(model, "all", cfg)))
+        assert (unset.kv_events_host, unset.kv_events_bind) == (None, None)     # ipc
+    pools = settings("orchestrator", "scheduler", cfg).pools
+    assert (pools["context"].router, pools["context"].kv_dtype) == ("kv_aware", "float32")
+
+
 def test_cuda_where_no_gpu_exists(write):
     cfg = load_config(write("model: {engine: engines/demo, runtime: torch, device: cuda}\n"))
     with pytest.raises(UserError, match=r"model.device: cuda.*no NVIDIA GPU.*device: cpu"):
