@@ -100,8 +100,9 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def encode(batch: KVEventBatch) -> bytes:
-    return _ENCODER.encode(batch)
+def encode(batch: KVEventBatch, encoder: msgspec.msgpack.Encoder = _ENCODER) -> bytes:
+    """``batch`` as msgpack (a thread that encodes on its own passes its own ``encoder``)."""
+    return encoder.encode(batch)
 
 
 def decode(payload: bytes) -> KVEventBatch:
@@ -109,9 +110,10 @@ def decode(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
-def frames(sequence: int, batch: KVEventBatch) -> list[bytes]:
+def frames(sequence: int, batch: KVEventBatch,
+           encoder: msgspec.msgpack.Encoder = _ENCODER) -> list[bytes]:
     """The multipart message of batch number ``sequence``."""
-    return [TOPIC, sequence.to_bytes(8, "big"), encode(batch)]
+    return [TOPIC, sequence.to_bytes(8, "big"), encode(batch, encoder)]
 
 
 class KvEventPublisher:
@@ -175,17 +177,25 @@ class KvEventPublisher:
         self._wake.set()
 
     def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()          # this thread's own
         last_sent = time.monotonic()
-        while not self._stop.is_set():
-            woken = self._wake.wait(max(0.0, last_sent + HEARTBEAT_SECONDS - time.monotonic()))
-            if woken and not self._stop.is_set():
-                time.sleep(FLUSH_SECONDS)   # gather what the engine adds in the meantime
-            self._wake.clear()              # before taking the buffer: no event is missed
-            self._send(heartbeat=True)      # the events, or a heartbeat when there are none
-            last_sent = time.monotonic()
-        self._send(heartbeat=False)
+        try:
+            while True:
+                woken = self._wake.wait(max(0.0, last_sent + HEARTBEAT_SECONDS
+                                            - time.monotonic()))
+                if self._stop.is_set():
+                    break
+                if woken:
+                    time.sleep(FLUSH_SECONDS)   # gather what the engine adds meanwhile
+                self._wake.clear()              # before taking the buffer: none is missed
+                self._send(encoder, heartbeat=True)   # the events, or else a heartbeat
+                last_sent = time.monotonic()
+            self._send(encoder, heartbeat=False)
+        except zmq.ZMQError as exc:      # the context was terminated under it
+            _log.warning("kv events: the publisher at %s stopped (%s); events are dropped "
+                         "from now on and its subscribers fall back", self.address, exc)
 
-    def _send(self, heartbeat: bool) -> None:
+    def _send(self, encoder: msgspec.msgpack.Encoder, heartbeat: bool) -> None:
         """Send one batch of the buffered events (an empty one only when ``heartbeat``)."""
         with self._lock:
             events, self._pending = self._pending, []
@@ -194,7 +204,7 @@ class KvEventPublisher:
             return
         self._sequence += 1 if skip else 0  # dropped events: subscribers see a gap
         batch = KVEventBatch(time.time(), events, self.data_parallel_rank)
-        self._socket.send_multipart(frames(self._sequence, batch), flags=zmq.NOBLOCK)
+        self._socket.send_multipart(frames(self._sequence, batch, encoder), flags=zmq.NOBLOCK)
         self._sequence += 1
         self.sent += 1
 
