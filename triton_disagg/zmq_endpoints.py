@@ -50,10 +50,10 @@ class Endpoint:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = None
-         ) -> Endpoint:
+def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = None,
+         port: int | None = None) -> Endpoint:
     """Bind ``sock``: ipc (``host`` None) as ``<private dir>/<name>``, else tcp on ``host``
-    (or on ``bind_host``, advertising ``host``)."""
+    (or on ``bind_host``, advertising ``host``), on ``port`` or else a free one."""
     if host is None:
         runtime = _runtime_dir()
         _sweep(runtime)
@@ -68,12 +68,12 @@ def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = 
         return Endpoint(address, directory)
     public, secret = server_keys()
     sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-    if bind_host is not None:
-        port = sock.bind_to_random_port(f"tcp://{bind_host}")
-        return Endpoint(f"tcp://{host}:{port}")
-    ip = socket.gethostbyname(host)
-    port = sock.bind_to_random_port(f"tcp://{ip}")
-    return Endpoint(f"tcp://{ip}:{port}")
+    where = bind_host if bind_host is not None else socket.gethostbyname(host)
+    if port is None:
+        port = sock.bind_to_random_port(f"tcp://{where}")
+    else:
+        sock.bind(f"tcp://{where}:{port}")
+    return Endpoint(f"tcp://{host if bind_host is not None else where}:{port}")
 
 
 def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq.Socket:

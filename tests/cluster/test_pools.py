@@ -138,3 +138,41 @@ def test_kv_aware_follows_the_publishers_etcd_names(demo_engine, tmp_path):
         pools.close()
         publishers["c1:1"].close()
         etcd.stop()
+
+
+def test_kv_aware_over_static_urls_follows_kv_events_port(demo_engine):
+    """A static pool's publishers are where kv_events_port says: instance i of the server at
+    host:port publishes on tcp://host:<kv_events_port + i>."""
+    import zmq
+
+    from triton_disagg.launch.deploy import free_ports
+    from triton_disagg.routing.kv_events import KvEventPublisher
+
+    base = free_ports(1)[0]                           # and base + 1 (a bind error if not)
+    urls = ["127.0.0.1:1", "127.0.0.2:1"]
+    settings = _settings(demo_engine, {"context": urls, "generation": ["g:1"]})
+    settings.pools["context"] = PoolSettings(tuple(urls), "kv_aware", None, 4, base, 2)
+    context = zmq.Context.instance()
+    publishers = [KvEventPublisher(context, host, port=base + i)
+                  for host in ("127.0.0.1", "127.0.0.2") for i in range(2)]
+    heard = Decided()
+    pools = start_pools(settings, heard, hasher=_hasher)
+    router, feed = pools.routers["context"], pools.feeds["context"]
+    prompt = list(range(32))
+    try:
+        assert [m.kv_events for m in router.members()] == [
+            (f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"),
+            (f"tcp://127.0.0.2:{base}", f"tcp://127.0.0.2:{base + 1}")]
+        assert {p.address for p in publishers} == {a for m in router.members()
+                                                   for a in m.kv_events}
+        wait_until(lambda: all(feed.index.fresh(p.address) for p in publishers), 5.0,
+                   "every instance heard")
+        publishers[3].stored(_hasher(prompt, 4, None), None, prompt, 4)   # 127.0.0.2, #1
+        wait_until(lambda: feed.index.blocks(publishers[3].address) == 8, 2.0, "indexed")
+        assert [router.take(32, token_ids=prompt).url for _ in range(2)] == ["127.0.0.2:1"] * 2
+        wait_until(lambda: any(e[0] == "batches" and e[2] > 1 for e in heard.events), 3.0,
+                   "batch counts reported on a timer (no membership polls)")
+    finally:
+        pools.close()
+        for publisher in publishers:
+            publisher.close()

@@ -155,8 +155,15 @@ def test_kv_events_host_reaches_the_engine_settings_and_the_kv_dtype_the_pools(w
         assert (carried.kv_events_host, carried.kv_events_bind) == ("ctx-01.example", "0.0.0.0")
         unset = from_json(model, to_json(settings(model, "all", cfg)))
         assert (unset.kv_events_host, unset.kv_events_bind) == (None, None)     # ipc
-    pools = settings("orchestrator", "scheduler", cfg).pools
+    pools = from_json("orchestrator", to_json(settings("orchestrator", "scheduler", cfg))).pools
     assert (pools["context"].router, pools["context"].kv_dtype) == ("kv_aware", "float32")
+    ported = load_config(write(GUIDE.replace("gpus: [0, 1]}", "gpus: [0, 1], "
+                                                             "kv_events_port: 6000}")))
+    carried = from_json("context", to_json(settings("context", "context", ported, None,
+                                                    "0.0.0.0", "ctx-01")))
+    assert carried.kv_events_port == 6000
+    pool = settings("orchestrator", "scheduler", ported).pools["context"]
+    assert (pool.kv_events_port, pool.instances) == (6000, 2)     # one per GPU
 
 
 def test_cuda_where_no_gpu_exists(write):

@@ -50,6 +50,7 @@ class EngineSettings:
     # else tcp on kv_events_bind (the server's --host), advertising kv_events_host.
     kv_events_host: str | None = None
     kv_events_bind: str | None = None
+    kv_events_port: int | None = None            # instance i binds this + i; None: a free one
 
     def __post_init__(self):
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))
@@ -72,6 +73,11 @@ class PoolSettings:
     urls: tuple[str, ...]
     router: str                        # round_robin | least_loaded | kv_aware
     kv_dtype: str | None = None        # the role's kv_dtype (None: the engine's): kv_aware's hash
+    # kv_aware over static urls: the role's tokens_per_block (None: the engine's), and where
+    # each server's instances publish KV events (kv_events_port + i, i < instances)
+    tokens_per_block: int | None = None
+    kv_events_port: int | None = None
+    instances: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "urls", tuple(self.urls))

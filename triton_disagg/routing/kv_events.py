@@ -119,11 +119,12 @@ def frames(sequence: int, batch: KVEventBatch,
 class KvEventPublisher:
     """A block pool's events listener that publishes on a PUB socket bound as
     :func:`triton_disagg.zmq_endpoints.bind` binds (``host`` None: ipc; else tcp with
-    CurveZMQ). :attr:`address` is what subscribers connect to. Module docstring: invariants."""
+    CurveZMQ, on ``port`` or a free one). :attr:`address` is what subscribers connect to.
+    Module docstring: invariants."""
 
     def __init__(self, context: zmq.Context, host: str | None, name: str = "kv-events",
-                 bind_host: str | None = None, data_parallel_rank: int | None = None,
-                 max_pending: int = MAX_PENDING_EVENTS):
+                 bind_host: str | None = None, port: int | None = None,
+                 data_parallel_rank: int | None = None, max_pending: int = MAX_PENDING_EVENTS):
         self.data_parallel_rank, self.max_pending = data_parallel_rank, max_pending
         self.dropped = 0                 # events dropped because the buffer was full
         self.sent = 0                    # batches sent, heartbeats included
@@ -137,7 +138,7 @@ class KvEventPublisher:
         self._socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
-            self._endpoint = zmq_endpoints.bind(self._socket, host, name, bind_host)
+            self._endpoint = zmq_endpoints.bind(self._socket, host, name, bind_host, port)
         except BaseException:
             self._socket.close()
             raise

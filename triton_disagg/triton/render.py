@@ -87,9 +87,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
             max_local_prefill_length=config.generation.max_local_prefill_length,
             overlap_kv_transfer=config.kv_cache.overlap_transfer,
             max_concurrent_requests=config.scheduler.max_concurrent_requests,
-            pools={r: S.PoolSettings(config.server(r).urls, config.server(r).router,
-                                     config.server(r).kv_dtype)
-                   for r in ("context", "generation")},
+            pools={r: _pool(config.server(r)) for r in ("context", "generation")},
             discovery=config.discovery)
     server = config.server(model)
     common = dict(
@@ -100,7 +98,8 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         kv_gpu_memory_fraction=config.kv_cache.gpu_memory_fraction,
         kv_max_size_given=config.kv_cache.max_size_given,
         runtime=config.runtime, device=config.device, dtype=config.dtype,
-        kv_events_host=kv_events_host, kv_events_bind=token_bind if kv_events_host else None)
+        kv_events_host=kv_events_host, kv_events_bind=token_bind if kv_events_host else None,
+        kv_events_port=server.kv_events_port if kv_events_host else None)
     if mode != "aggregated":   # the key signing KV handles; never the secret itself
         from triton_disagg.kv.secret import render_key_id
 
@@ -109,6 +108,11 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         return S.ContextSettings(**common)
     return S.GenerationSettings(**common, stall_seconds=config.generation.stall_seconds,
                                 token_host=token_host, token_bind=token_bind)
+
+
+def _pool(server) -> S.PoolSettings:
+    return S.PoolSettings(server.urls, server.router, server.kv_dtype, server.tokens_per_block,
+                          server.kv_events_port, server.instances)
 
 
 def instance_cpus(model: str, role: str, config: DisaggConfig) -> list[list[int]]:
