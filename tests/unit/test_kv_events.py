@@ -261,3 +261,24 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
                                 metrics_port=None)
     serve_cli._announce("context", config, endpoints, "c:1", server, None, 8081, addresses)
     assert "  kv events tcp://10.0.0.1:5557" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["ipc", "tcp-port"])
+def test_an_instance_publishes_where_its_settings_say_and_announces_it(tmp_path, where):
+    from types import SimpleNamespace
+
+    from triton_disagg.launch.deploy import free_ports
+
+    base = free_ports(1)[0]
+    settings = SimpleNamespace(kv_events_host=None, kv_events_bind=None, kv_events_port=None) \
+        if where == "ipc" else SimpleNamespace(kv_events_host="127.0.0.1",
+                                               kv_events_bind="127.0.0.1", kv_events_port=base)
+    publisher = kv_events.start_publisher(settings, tmp_path, "context_0_1")
+    try:
+        if where == "ipc":
+            assert publisher.address.startswith("ipc://")
+        else:
+            assert publisher.address == f"tcp://127.0.0.1:{base + 1}"       # instance 1
+        assert kv_events.announced(tmp_path) == (publisher.address,)
+    finally:
+        publisher.close()

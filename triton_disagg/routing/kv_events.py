@@ -48,12 +48,15 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import zmq
 
 from triton_disagg import zmq_endpoints
+
+if TYPE_CHECKING:
+    from triton_disagg.config.settings import EngineSettings
 
 TOPIC = b"kv-events"
 FLUSH_SECONDS = 0.02            # a batch goes out at most this long after its first event
@@ -321,6 +324,22 @@ class KvEventSubscriber:
             elif before is not None and sequence > before + 1:
                 self.sink.gap(address, sequence - before - 1)
             self.sink.batch(address, batch)
+
+
+def start_publisher(settings: "EngineSettings", model_dir: Path, instance: str
+                    ) -> KvEventPublisher:
+    """Model instance ``instance``'s publisher where its ``settings`` say
+    (``kv_events_host`` / ``kv_events_bind``, port ``kv_events_port`` + its index), announced
+    in ``model_dir`` (its model's folder: ``args["model_repository"]``) for ``serve``."""
+    from triton_disagg.triton.placement import instance_index
+
+    port = settings.kv_events_port
+    publisher = KvEventPublisher(zmq.Context.instance(), settings.kv_events_host,
+                                 name=f"kv-events-{instance_index(instance)}",
+                                 bind_host=settings.kv_events_bind,
+                                 port=None if port is None else port + instance_index(instance))
+    announce(model_dir, instance, publisher.address)
+    return publisher
 
 
 def announce(model_dir: Path, instance: str, address: str) -> None:
