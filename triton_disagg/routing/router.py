@@ -70,8 +70,9 @@ there first, its in-flight count being always 0.
 Invariants: a pick only ever returns a current member, never one in ``tried``; each
 assignment adds its tokens once and takes exactly those off once
 (:meth:`Assignment.release` is idempotent), so with nothing in flight
-:attr:`Router.in_flight` is empty; everything runs on one thread (the orchestrator's
-event loop), so nothing here locks.
+:attr:`Router.in_flight` is empty; everything here runs on one thread (the orchestrator's
+event loop), so nothing here locks (the KV index, written by its subscriber's thread,
+locks itself).
 """
 
 from __future__ import annotations
