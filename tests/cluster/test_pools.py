@@ -145,10 +145,10 @@ def test_kv_aware_over_static_urls_follows_kv_events_port(demo_engine):
     host:port publishes on tcp://host:<kv_events_port + i>."""
     import zmq
 
-    from triton_disagg.launch.deploy import free_ports
+    from servers import free_port_run
     from triton_disagg.routing.kv_events import KvEventPublisher
 
-    base = free_ports(1)[0]                           # and base + 1 (a bind error if not)
+    base = free_port_run(2)
     urls = ["127.0.0.1:1", "127.0.0.2:1"]
     settings = _settings(demo_engine, {"context": urls, "generation": ["g:1"]})
     settings.pools["context"] = PoolSettings(tuple(urls), "kv_aware", None, 4, base, 2)

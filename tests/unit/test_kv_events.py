@@ -267,9 +267,9 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
 def test_an_instance_publishes_where_its_settings_say_and_announces_it(tmp_path, where):
     from types import SimpleNamespace
 
-    from triton_disagg.launch.deploy import free_ports
+    from servers import free_port_run
 
-    base = free_ports(1)[0]
+    base = free_port_run(2)
     settings = SimpleNamespace(kv_events_host=None, kv_events_bind=None, kv_events_port=None) \
         if where == "ipc" else SimpleNamespace(kv_events_host="127.0.0.1",
                                                kv_events_bind="127.0.0.1", kv_events_port=base)
