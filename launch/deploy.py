@@ -203,10 +203,11 @@ def ucx_env(host: str) -> dict[str, str]:
 
 def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           tritonserver: str | None = None, log_verbose: int = 0,
-          token: str | None = None, kv_events_host: str | None = None) -> TritonServer:
+          token: str | None = None, kv_events_host: str | None = None,
+          kv_events_port: int | None = None) -> TritonServer:
     """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
     :func:`token_host`; KV events advertised on ``kv_events_host``, bound on the server's
-    host) and start its server (not yet ready), on the front end's cores
+    host, from ``kv_events_port`` on) and start its server (not yet ready), on the front end's cores
     (:func:`~triton_disagg.config.host.front_cpus`)."""
     check_ports_free(endpoints)
     install = locate(tritonserver)
@@ -214,7 +215,8 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     work_dir = work_dir.resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     bind = endpoints.host if role == "generation" or kv_events_host else None
-    repo = render(role, config, work_dir / "model_repository", token, bind, kv_events_host)
+    repo = render(role, config, work_dir / "model_repository", token, bind, kv_events_host,
+                  kv_events_port)
     server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),
                           log_verbose=log_verbose,
                           cpus=front_cpus(config, role, os.sched_getaffinity(0)))

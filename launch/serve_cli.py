@@ -226,10 +226,9 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)
     reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
-    kv_events_host = advertised.rsplit(":", 1)[0] if advertised is not None \
-        and args.role in ("context", "generation") else None
+    kv_events_host, kv_events_port = _kv_events_at(args.role, config, advertised)
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
-                   token, kv_events_host)
+                   token, kv_events_host, kv_events_port)
     if not server.private_shm and not restart:
         print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
               f"(a mount namespace), so tritonserver's Python-backend regions are in the "
@@ -307,6 +306,20 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         if registration is not None:
             registration.close()
         server.stop()
+
+
+def _kv_events_at(role: str, config, advertised: str | None) -> tuple[str | None, int | None]:
+    """Where a context or generation server's KV event publishers bind: tcp on its advertised
+    host, from its first port (:func:`~triton_disagg.routing.kv_events.publisher_ports`;
+    None: free ports); (None, None) for the other roles (ipc)."""
+    from triton_disagg.routing.kv_events import publisher_ports
+
+    if advertised is None or role not in ("context", "generation"):
+        return None, None
+    server = config.server(role)
+    port = None if server.kv_events_port is None else publisher_ports(
+        server.kv_events_port, server.urls, advertised, server.instances)[0]
+    return advertised.rsplit(":", 1)[0], port
 
 
 def _kv_events(role: str, server) -> tuple[str, ...]:

@@ -141,20 +141,20 @@ def test_kv_aware_follows_the_publishers_etcd_names(demo_engine, tmp_path):
 
 
 def test_kv_aware_over_static_urls_follows_kv_events_port(demo_engine):
-    """A static pool's publishers are where kv_events_port says: instance i of the server at
-    host:port publishes on tcp://host:<kv_events_port + i>."""
+    """A static pool's publishers are where kv_events_port says: instance i of the j-th
+    server of urls publishes on tcp://host:<kv_events_port + 2j + i> (2 instances)."""
     import zmq
 
     from servers import free_port_run
     from triton_disagg.routing.kv_events import KvEventPublisher
 
-    base = free_port_run(2)
+    base = free_port_run(4)
     urls = ["127.0.0.1:1", "127.0.0.2:1"]
     settings = _settings(demo_engine, {"context": urls, "generation": ["g:1"]})
     settings.pools["context"] = PoolSettings(tuple(urls), "kv_aware", None, 4, base, 2)
     context = zmq.Context.instance()
-    publishers = [KvEventPublisher(context, host, port=base + i)
-                  for host in ("127.0.0.1", "127.0.0.2") for i in range(2)]
+    publishers = [KvEventPublisher(context, host, port=base + 2 * j + i)
+                  for j, host in enumerate(("127.0.0.1", "127.0.0.2")) for i in range(2)]
     heard = Decided()
     pools = start_pools(settings, heard, hasher=_hasher)
     router, feed = pools.routers["context"], pools.feeds["context"]
@@ -162,7 +162,7 @@ def test_kv_aware_over_static_urls_follows_kv_events_port(demo_engine):
     try:
         assert [m.kv_events for m in router.members()] == [
             (f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"),
-            (f"tcp://127.0.0.2:{base}", f"tcp://127.0.0.2:{base + 1}")]
+            (f"tcp://127.0.0.2:{base + 2}", f"tcp://127.0.0.2:{base + 3}")]
         assert {p.address for p in publishers} == {a for m in router.members()
                                                    for a in m.kv_events}
         wait_until(lambda: all(feed.index.fresh(p.address) for p in publishers), 5.0,

@@ -42,9 +42,10 @@ class ServerConfig:
     grpc_port: int | None = None        # scheduler_server only (the others': their url's)
     metrics_port: int | None = None
     front_port: int | None = None       # the HTTP front (the scheduler's: OpenAI API; all: /healthz)
-    # context/generation: instance i's KV events publisher binds tcp port kv_events_port + i
-    # (vLLM's data-parallel offset), so a static pool's kv_aware router knows where to
-    # subscribe; None: a free port each, named in the etcd record (routing.kv_events).
+    # context/generation: instance i of the j-th server of urls publishes its KV events on
+    # tcp port kv_events_port + j x instances + i (routing.kv_events.publisher_ports; vLLM
+    # offsets its port per data-parallel rank), so a static pool's kv_aware router knows
+    # where to subscribe; None: a free port each, named in the etcd record.
     kv_events_port: int | None = None
     # Streaming: a response every this many decode steps (the first token and the last
     # always go at once). TensorRT-LLM's name; generation_server only.
@@ -103,9 +104,11 @@ def parse_server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     for k, v in ports.items():
         if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")
-    if ports["kv_events_port"] is not None and ports["kv_events_port"] + instances > 65536:
-        raise UserError(f"{key}.kv_events_port: {ports['kv_events_port']} + {instances} "
-                        f"instances runs past port 65535; pick a lower one")
+    publishers = max(1, len(urls)) * instances
+    if ports["kv_events_port"] is not None and ports["kv_events_port"] + publishers > 65536:
+        raise UserError(f"{key}.kv_events_port: {ports['kv_events_port']} + {publishers} "
+                        f"publishers (servers x instances) runs past port 65535; pick a "
+                        f"lower one")
     interval = count(s.get("stream_interval", 1), f"{key}.stream_interval",
                       " (1: a response per token)")
     stall = number(s.get("stall_seconds", 30.0), f"{key}.stall_seconds")

@@ -48,7 +48,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import msgspec
 import zmq
@@ -324,6 +324,15 @@ class KvEventSubscriber:
             elif before is not None and sequence > before + 1:
                 self.sink.gap(address, sequence - before - 1)
             self.sink.batch(address, batch)
+
+
+def publisher_ports(base: int, urls: Sequence[str], url: str, instances: int) -> range:
+    """The tcp ports of the publishers of the server at ``url`` in a pool whose config says
+    ``kv_events_port: base``: ``base + j x instances + i`` for its instance i, j its place
+    in the role's ``urls`` (0 when it is not listed), so servers sharing a host and a
+    config never share a port."""
+    place = list(urls).index(url) if url in urls else 0
+    return range(base + place * instances, base + (place + 1) * instances)
 
 
 def start_publisher(settings: "EngineSettings", model_dir: Path, instance: str

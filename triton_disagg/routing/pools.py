@@ -11,9 +11,10 @@
 
 A context pool with ``router: kv_aware`` also gets a :class:`~triton_disagg.routing.kv_feed.KvFeed`:
 its router scores on the KV events of the publishers its members name: their etcd
-records' ``kv_events``, or for static urls ``tcp://<url's host>:<kv_events_port + i>`` for
-each of the role's ``instances`` (without ``kv_events_port`` a static url names none, so
-its picks fall back to least_loaded, logged), with the role's ``tokens_per_block``; block
+records' ``kv_events``, or for static urls ``tcp://<url's host>:<port>`` for each port
+:func:`~triton_disagg.routing.kv_events.publisher_ports` gives it (without
+``kv_events_port`` a static url names none, so its picks fall back to least_loaded,
+logged), with the role's ``tokens_per_block``; block
 names are hashed as the engine names them (the role's ``kv_dtype``).
 
 Invariant: the observer (:class:`~triton_disagg.triton.metrics.Metrics`) hears a role's membership size
@@ -31,6 +32,7 @@ from triton_disagg.config.settings import OrchestratorSettings
 from triton_disagg.routing.discovery import MemberRecord, Membership
 from triton_disagg.routing.discovery.periodic import Periodic
 from triton_disagg.routing.discovery.record import ROLES
+from triton_disagg.routing.kv_events import publisher_ports
 from triton_disagg.routing.kv_feed import KvFeed, engine_hasher
 from triton_disagg.routing.router import KV_AWARE, Hasher, KvAwareness, Member, Router
 
@@ -46,7 +48,8 @@ class StaticMembers:
         self.role = role
         self._members = tuple(
             Member(url, tokens_per_block, kv_events=() if kv_events_port is None else tuple(
-                f"tcp://{url.rsplit(':', 1)[0]}:{kv_events_port + i}" for i in range(instances)))
+                f"tcp://{url.rsplit(':', 1)[0]}:{port}"
+                for port in publisher_ports(kv_events_port, urls, url, instances)))
             for url in sorted(urls))
 
     def members(self) -> tuple[Member, ...]:

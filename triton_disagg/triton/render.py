@@ -54,10 +54,12 @@ def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
 
 
 def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None = None,
-           token_bind: str | None = None, kv_events_host: str | None = None) -> Path:
+           token_bind: str | None = None, kv_events_host: str | None = None,
+           kv_events_port: int | None = None) -> Path:
     """Write the repository for ``role`` into ``repo`` (replacing it) and return it;
     ``kv_events_host``: what the instances' KV event publishers advertise (bound on
-    ``token_bind``'s host as well; None: ipc)."""
+    ``token_bind``'s host as well; None: ipc), ``kv_events_port``: the first instance's
+    port (None: free ones)."""
     if repo.exists():
         shutil.rmtree(repo)
     repo.mkdir(mode=0o700, parents=True)     # Triton runs what is here: code
@@ -70,12 +72,14 @@ def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None =
         text = Template((src / "config.pbtxt").read_text()).substitute(values)
         (dst / "config.pbtxt").write_text(text)
         if model in S.KINDS:
-            S.write(dst, settings(model, role, config, token_host, token_bind, kv_events_host))
+            S.write(dst, settings(model, role, config, token_host, token_bind, kv_events_host,
+                                  kv_events_port))
     return repo
 
 
 def settings(model: str, role: str, config: DisaggConfig, token_host: str | None = None,
-             token_bind: str | None = None, kv_events_host: str | None = None) -> S.Settings:
+             token_bind: str | None = None, kv_events_host: str | None = None,
+             kv_events_port: int | None = None) -> S.Settings:
     """What ``model``'s ``initialize`` reads back (parameter ``settings``, :mod:`~.settings`)."""
     engine, mode = str(config.engine), config.mode
     if model == "preprocessing":
@@ -99,7 +103,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         kv_max_size_given=config.kv_cache.max_size_given,
         runtime=config.runtime, device=config.device, dtype=config.dtype,
         kv_events_host=kv_events_host, kv_events_bind=token_bind if kv_events_host else None,
-        kv_events_port=server.kv_events_port if kv_events_host else None)
+        kv_events_port=kv_events_port if kv_events_host else None)
     if mode != "aggregated":   # the key signing KV handles; never the secret itself
         from triton_disagg.kv.secret import render_key_id
 
