@@ -56,7 +56,7 @@ and the scheduler watches it (:mod:`triton_disagg.routing.discovery`); with ``ca
 password read from that environment variable) as :class:`DiscoveryConfig` says. With discovery a role
 names at most one url: where that server binds, not a pool; the scheduler routes over
 what etcd holds. Routing (:mod:`triton_disagg.routing.router`): per role ``router:
-least_loaded`` (default) or ``round_robin``; ``generation_server.max_local_prefill_length:
+least_loaded`` (default), ``round_robin`` or ``kv_aware``; ``generation_server.max_local_prefill_length:
 N`` (default 0, off) serves prompts of at most N tokens whole on a generation server
 (``context_and_generation``, no KV handoff), as trtllm-serve and Dynamo do.
 

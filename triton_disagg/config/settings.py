@@ -47,6 +47,11 @@ class EngineSettings:
     dtype: str | None = None
     kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
     kv_max_size_given: bool = False              # kv_max_size was set: it caps a CUDA pool too
+    # Where an instance's KV events publisher binds (routing.kv_events): None: ipc (serve all);
+    # else tcp on kv_events_bind (the server's --host), advertising kv_events_host.
+    kv_events_host: str | None = None
+    kv_events_bind: str | None = None
+    kv_events_port: int | None = None            # instance i binds this + i; None: a free one
 
     def __post_init__(self):
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))
@@ -67,7 +72,13 @@ class GenerationSettings(EngineSettings):
 @dataclass(frozen=True)
 class PoolSettings:
     urls: tuple[str, ...]
-    router: str                        # round_robin | least_loaded
+    router: str                        # round_robin | least_loaded | kv_aware
+    kv_dtype: str | None = None        # the role's kv_dtype (None: the engine's): kv_aware's hash
+    # kv_aware over static urls: the role's tokens_per_block (None: the engine's), and where
+    # each server's instances publish KV events (kv_events_port + i, i < instances)
+    tokens_per_block: int | None = None
+    kv_events_port: int | None = None
+    instances: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "urls", tuple(self.urls))
