@@ -179,13 +179,15 @@ def test_a_sequence_gap_and_a_restart_are_reported(context, monkeypatch):
     try:
         subscriber.subscribe(address)
         batch = KVEventBatch(0.0, [])
-        deadline = time.monotonic() + 10
+        deadline, probe = time.monotonic() + 10, 0
         while not sink.batches and time.monotonic() < deadline:   # until subscribed
-            pub.send_multipart(kv_events.frames(0, batch))
+            pub.send_multipart(kv_events.frames(probe, batch))     # in sequence: no gap
+            probe += 1
             time.sleep(0.05)
-        for sequence in (1, 2, 5, 6):                    # 3 and 4 lost
+        n = probe                           # the probes still in flight arrive in order first
+        for sequence in (n, n + 1, n + 4, n + 5):                   # n+2 and n+3 lost
             pub.send_multipart(kv_events.frames(sequence, batch))
-        pub.send_multipart([kv_events.TOPIC, (7).to_bytes(8, "big"), b"\xc1"])  # garbage
+        pub.send_multipart([kv_events.TOPIC, (n + 6).to_bytes(8, "big"), b"\xc1"])  # garbage
         pub.send_multipart(kv_events.frames(0, batch))   # a new publisher at the address
         assert sink.wait(lambda: len(sink.restarts) == 1)
         assert sink.gaps == [(address, 2), (address, 1)]
