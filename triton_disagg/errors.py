@@ -44,8 +44,8 @@ class EngineError(RuntimeError):
 
 
 class Unavailable(EngineError):
-    """No server can serve the request now: lost, none left, busy, or silent past its
-    deadline (:class:`Timeout`)."""
+    """No server can serve the request now: lost, none left, at its most requests, or
+    silent past its deadline (:class:`Timeout`)."""
 
     status = "UNAVAILABLE"
 
@@ -60,10 +60,6 @@ class Timeout(Unavailable):
 
     def __init__(self, message: str):
         super().__init__(message if self.MARK in message else f"{message} ({self.MARK})")
-
-
-class ContextBusy(Unavailable):
-    """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
 
 
 class ServerBusy(Unavailable):

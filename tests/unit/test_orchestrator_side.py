@@ -1,5 +1,5 @@
 """The orchestrator's control flow without a server: non-streaming and aggregated requests,
-short prompts served whole, busy contexts retried, KV given back, cancels and early exits
+short prompts served whole, a full context's answer awaited (one call), KV given back, cancels and early exits
 that stop generation, and migration off a lost generation server; context and generation
 are a fake transport (:class:`orchestrator_fakes.FakeGeneration`) over real ipc sockets;
 ``serve all``'s BLS route ends a call that passes its deadline in a Timeout."""
@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator_fakes import FakeGeneration, serve_one
 from triton_disagg import protocol as P
-from triton_disagg.errors import ContextBusy, EngineError, Timeout
+from triton_disagg.errors import EngineError, Timeout
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
 
@@ -152,23 +152,24 @@ def test_releases_that_hang_do_not_pile_up(monkeypatch):
     generation.close()
 
 
-def test_a_busy_context_is_retried_until_it_has_room_within_stall_seconds():
+def test_a_full_context_is_called_once_and_its_answer_awaited():
+    """A context whose pool is full keeps the request queued: its answer comes late, and the
+    orchestrator waits for it (one call, no retry); a client that cancels meanwhile ends
+    the request."""
     sends = []
 
     async def send(outputs, final):
         sends.append(final)
 
-    generation = FakeGeneration(10, [11, 1], busy=3)
-    assert serve_one(generation, send) == "finished" and generation.busy == 0 and sends[-1]
-    swamped = FakeGeneration(10, [11, 1], busy=10**6)
+    generation = FakeGeneration(10, [11, 1], queued=0.3)
     started = time.monotonic()
-    result = serve_one(swamped, send, stall=0.3)
-    assert isinstance(result, ContextBusy) and "retried for 0.3 s" in str(result)
-    assert 0.2 < time.monotonic() - started < 3 and swamped.calls == []
+    assert serve_one(generation, send) == "finished" and sends[-1]
+    assert generation.context_calls == 1 and time.monotonic() - started >= 0.3
     sends.clear()
-    cancelled = FakeGeneration(10, [11, 1], busy=10**6)
+    cancelled = FakeGeneration(10, [11, 1], queued=10.0)
     assert serve_one(cancelled, send, cancel=lambda: True) == "cancelled" and sends == [True]
-    for fake in (generation, swamped, cancelled):
+    assert cancelled.context_calls == 1 and cancelled.calls == []
+    for fake in (generation, cancelled):
         fake.close()
 
 

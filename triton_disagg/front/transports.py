@@ -9,13 +9,13 @@ context and generation answer no one else) and the orchestrator's request id as 
 request id. A generation request also names the orchestrator's token address
 (``token_address``); Triton carries it to generation, whose one response is the control
 address for stops: the tokens themselves arrive over ZeroMQ (:mod:`token_inbox`), never as
-Triton responses. A context error that is back-pressure (``protocol.CONTEXT_BUSY``) is
-raised as :class:`ContextBusy`.
+Triton responses.
 
 Deadlines: a route's context and generation calls each wait at most its ``timeout`` (the
 orchestrator's ``generation_server.stall_seconds``), a release at most
 ``RELEASE_TIMEOUT_SECONDS``: over gRPC as the call's deadline, in ``serve all`` as a wait on
-the BLS call. gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
+the BLS call. A context call also carries it as the Triton request's timeout: how long the
+context keeps it queued while its KV pool is full (:mod:`triton_disagg.context.prefill_loop`). gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
 ``KEEPALIVE_TIMEOUT_MS``), so a connection to a server that stopped answering fails its
 calls without waiting for their deadlines.
 
@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoServer,
-                                  RequestError, Timeout, Unavailable)
+from triton_disagg.errors import (EngineError, GenerationLost, NoServer, RequestError, Timeout,
+                                  Unavailable)
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.grpc_channel import channel_args
@@ -74,13 +74,15 @@ def _parameters(credential: str, request_type: str,
     return params
 
 
-def _error(model: str, message: str, invalid: bool) -> EngineError | RequestError:
+def _error(message: str, invalid: bool) -> EngineError | RequestError:
     """The callee's error answer as ours: ``invalid`` (it said INVALID_ARG) is the request's
-    own mistake, passed on as one; a busy context is :class:`ContextBusy`."""
-    if invalid:
-        return RequestError(message)
-    busy = model == "context" and message.startswith(P.CONTEXT_BUSY)
-    return (ContextBusy if busy else EngineError)(message)
+    own mistake, passed on as one."""
+    return RequestError(message) if invalid else EngineError(message)
+
+
+def _microseconds(seconds: float) -> int:
+    """A Triton request timeout (microseconds) of ``seconds``."""
+    return int(seconds * 1e6)
 
 
 def _release_inputs(inputs: dict, handle: np.ndarray) -> dict:
@@ -129,24 +131,26 @@ class BLSRoute:
         self.request_id, self.timeout = request_id, timeout
 
     async def _exec(self, model: str, inputs: dict, parameters: dict[str, str],
-                    timeout: float) -> dict[str, np.ndarray]:
+                    timeout: float, queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
+        """``queue_timeout``: the Triton request's timeout (0: none)."""
         specs, outputs = _SPECS[model]
         tensors = [self.pb.Tensor(n, a) for n, a in to_batched(specs, inputs).items()]
         request = self.pb.InferenceRequest(
             model_name=model, inputs=tensors, request_id=self.request_id,
-            requested_output_names=[s.name for s in outputs], parameters=parameters)
+            requested_output_names=[s.name for s in outputs], parameters=parameters,
+            timeout=_microseconds(queue_timeout))
         try:
             response = await asyncio.wait_for(request.async_exec(), timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"{model} timed out: no answer within {timeout:g} s") from None
         if response.has_error():
             error = response.error()
-            raise _error(model, error.message(), error.code() == self.pb.TritonError.INVALID_ARG)
+            raise _error(error.message(), error.code() == self.pb.TritonError.INVALID_ARG)
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
         return await self._exec("context", inputs, _parameters(self.credential, P.CONTEXT_ONLY),
-                                self.timeout)
+                                self.timeout, queue_timeout=self.timeout)
 
     async def release(self, inputs: dict, handle: np.ndarray) -> None:
         await self._exec("context", _release_inputs(inputs, handle),
@@ -205,9 +209,11 @@ class GrpcTransport:
             return f"liveness probe: {exc.status()}"
 
     async def infer(self, url: str, model: str, request_id: str, inputs: dict,
-                    parameters: dict[str, str], timeout: float) -> dict[str, np.ndarray]:
+                    parameters: dict[str, str], timeout: float,
+                    queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
         """The call's outputs; :class:`Unanswered` when the server failed before it answered
-        or not within ``timeout`` seconds (DEADLINE_EXCEEDED)."""
+        or not within ``timeout`` seconds (DEADLINE_EXCEEDED). ``queue_timeout``: the Triton
+        request's timeout (0: none)."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -221,12 +227,12 @@ class GrpcTransport:
         try:
             result = await self._client(url).infer(
                 model, tensors, request_id=request_id, client_timeout=timeout,
-                parameters=parameters)
+                timeout=_microseconds(queue_timeout), parameters=parameters)
         except InferenceServerException as exc:
             if exc.status() in UNANSWERED:
                 self.routers[model].unanswered(url)
                 raise Unanswered(model, url, exc.status(), exc.message() or "", timeout) from None
-            error = _error(model, exc.message(), exc.status() == "StatusCode.INVALID_ARGUMENT")
+            error = _error(exc.message(), exc.status() == "StatusCode.INVALID_ARGUMENT")
             raise type(error)(f"{model} at {url}: {error}") from None
         finally:
             self.calls[url] -= 1
@@ -286,7 +292,8 @@ class GrpcRoute:
             try:
                 outputs = await self.transport.infer(
                     assignment.url, "context", self.request_id, inputs,
-                    _parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout)
+                    _parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout,
+                    queue_timeout=self.timeout)
             except Unanswered as exc:
                 failed.append(exc)
                 continue
