@@ -238,7 +238,7 @@ def test_a_bls_call_past_its_deadline_is_a_timeout():
             await asyncio.Event().wait()             # never answers
 
     pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
-    route = BLSTransport(pb).route("req-1", timeout=0.2)
+    route = BLSTransport(pb, max_calls=4).route("req-1", timeout=0.2)
     inputs = {"input_ids": np.array([3, 4, 5], np.int32),
               "input_lengths": np.array([3], np.int32),
               "request_output_len": np.array([8], np.int32)}
@@ -246,3 +246,52 @@ def test_a_bls_call_past_its_deadline_is_a_timeout():
     with pytest.raises(Timeout, match=r"^context timed out: no answer within 0.2 s$"):
         asyncio.run(route.context(inputs))
     assert time.monotonic() - started < 2
+
+
+def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_free_it():
+    """``serve all``: the stub's ``async_exec`` holds a thread of the loop's default executor
+    per call until it is answered. Forty context calls waiting in a full context's queue (more
+    than Python's default executor has threads) must not keep out the call that frees its
+    pool (here a release; in serving, generation taking the KV)."""
+    import threading
+    from types import SimpleNamespace
+
+    from triton_disagg.front.transports import BLSTransport
+
+    freed, waiting = threading.Event(), 40
+
+    class Response:
+        def has_error(self):
+            return False
+
+        def output_tensors(self):
+            return []
+
+    class Request:
+        def __init__(self, parameters, **_):
+            self.frees = parameters[P.REQUEST_TYPE] == P.RELEASE_KV
+
+        async def async_exec(self):      # as the stub runs it: the blocking call in a thread
+            return await asyncio.get_running_loop().run_in_executor(None, self.exec)
+
+        def exec(self):
+            if self.frees:
+                freed.set()
+            elif not freed.wait(10):
+                raise AssertionError("the freeing call never ran")
+            return Response()
+
+    pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
+    transport = BLSTransport(pb, max_calls=waiting + 1)
+    inputs = {"input_ids": np.array([3, 4, 5], np.int32),
+              "input_lengths": np.array([3], np.int32),
+              "request_output_len": np.array([8], np.int32)}
+
+    async def main():
+        calls = [transport.route(f"r{i}", timeout=20).context(inputs) for i in range(waiting)]
+        calls.append(transport.route("free", timeout=20).release(inputs, np.zeros(1, np.uint8)))
+        return await asyncio.gather(*calls)
+
+    started = time.monotonic()
+    assert len(asyncio.run(main())) == waiting + 1
+    assert time.monotonic() - started < 5

@@ -38,6 +38,7 @@ naming the role and the url(s) tried, and the router passes that server over for
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -112,9 +113,24 @@ class Unanswered(Unavailable):
 
 
 class BLSTransport:
-    def __init__(self, pb_utils: Any):
+    """``serve all``'s calls, in this server. The stub's ``async_exec`` runs each call in a
+    thread of the event loop's default executor until it is answered, and a context call
+    waits in the context's queue while its pool is full: so that such calls never hold
+    every thread while the generation calls that would free that pool queue behind them,
+    the loop's default executor gets a thread for each of ``max_calls`` calls out at once
+    (made on first use; idle ones cost nothing)."""
+
+    def __init__(self, pb_utils: Any, max_calls: int):
         self.pb = pb_utils
         self.credential = peers.credential()
+        self.max_calls = max_calls
+        self.executors: set[asyncio.AbstractEventLoop] = set()   # loops whose executor is set
+
+    def executor_for(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Give ``loop`` a default executor of ``max_calls`` threads (once per loop)."""
+        if loop not in self.executors:
+            loop.set_default_executor(ThreadPoolExecutor(self.max_calls, "bls-call"))
+            self.executors.add(loop)
 
     def route(self, request_id: str, avoid: frozenset[str] = frozenset(),
               timeout: float = CALL_TIMEOUT_SECONDS) -> "BLSRoute":
@@ -127,7 +143,7 @@ class BLSRoute:
     waited for at most ``timeout`` seconds (a release: ``RELEASE_TIMEOUT_SECONDS``)."""
 
     def __init__(self, transport: BLSTransport, request_id: str, timeout: float):
-        self.pb, self.credential = transport.pb, transport.credential
+        self.transport, self.pb, self.credential = transport, transport.pb, transport.credential
         self.request_id, self.timeout = request_id, timeout
 
     async def _exec(self, model: str, inputs: dict, parameters: dict[str, str],
@@ -139,6 +155,7 @@ class BLSRoute:
             model_name=model, inputs=tensors, request_id=self.request_id,
             requested_output_names=[s.name for s in outputs], parameters=parameters,
             timeout=_microseconds(queue_timeout))
+        self.transport.executor_for(asyncio.get_running_loop())
         try:
             response = await asyncio.wait_for(request.async_exec(), timeout)
         except asyncio.TimeoutError:
