@@ -163,3 +163,36 @@ def test_queued_prompt_tokens_count_waiting_requests_and_are_published(loop):
         loop.release(_handle(answer.result()))
     wait_until(lambda: loop.metrics.queued[-1] == 0 and loop.metrics.used[-1] == 0, 5,
              "0 queued tokens and 0 blocks used published at rest")
+
+
+def test_a_device_kv_waits_for_staging_rows_not_for_an_error(demo_engine):
+    """The torch runner with its KV apart from the host array (device memory on CUDA, faked
+    on the CPU as in test_device_kv_staging) hands off through staging rows: 128 rows (one
+    longest sequence) under a pool of 256 blocks. 32 prompts of 4 blocks take every row;
+    a 33rd, whose pool blocks are free, waits for rows (it used to fail with HandoffBusy)
+    and is prefilled once a handoff gives its rows back."""
+    pytest.importorskip("nixl")
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.runtime import Runtime
+
+    engine = LLMEngine(demo_engine, num_blocks=256, runtime=Runtime("torch", "cpu", "float32"))
+    engine.runner.kv = engine.runner.kv.clone()          # fake device memory
+    engine.runtime = Runtime("torch", "cuda", "float32")  # so the connector stages it
+    settings = ContextSettings(str(demo_engine), "disaggregated", (), None, None,
+                               kv_strategy="direct_transfer", kv_max_size=0,
+                               kv_lease_seconds=30.0, stream_interval=1,
+                               kv_key_id=key_id(deployment_key()))
+    loop = PrefillLoop(engine, settings, "ctxtest_rows")
+    try:
+        assert loop.connector.handoff_room() == 128
+        held = prefill(loop, _batch(*(f"r{i}" for i in range(32))))
+        assert loop.connector.handoff_room() == 0
+        (waiting,) = submit(loop, _batch("last"))
+        assert not waiting.done.wait(STILL_WAITING_S) and engine.pool.num_free >= 4
+        loop.release(_handle(held[0]))
+        assert _handle(waiting.result())
+        for result in held[1:] + [waiting.results[0]]:
+            loop.release(_handle(result))
+        wait_until(lambda: engine.pool.num_used == 0, 10, "every block back in the pool")
+    finally:
+        loop.close()

@@ -128,7 +128,6 @@ class Scheduler:
                 break
             seq.block_table.reserve(self.pool, len(seq.prompt_ids))
             room = None if room is None else room - need
-            seq.status = RUNNING
             admitted.append(self.waiting.popleft())
         return admitted
 
