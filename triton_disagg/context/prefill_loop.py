@@ -57,7 +57,8 @@ from triton_disagg.triton.engine_request import EngineRequest
 DEFAULT_WAIT_SECONDS = 30.0   # a request that names no timeout waits at most this long
 WAIT_GRACE_SECONDS = 1.0      # beyond the caller's own timeout: the caller gives up first
 REPORT_SECONDS = 0.5
-CANCEL_POLL_SECONDS = 0.1     # is_cancelled() is an IPC round trip: asked at most this often
+DEADLINE_POLL_SECONDS = 0.1   # waiting requests' deadlines are looked at this often
+CANCEL_POLL_SECONDS = 0.5     # is_cancelled() is an IPC round trip per request: at most this often
 ROOM_POLL_SECONDS = 0.005     # pace while the head waits only for host staging slots
 _WAKE: tuple = ()              # an inbox item that only wakes the loop (frees, close)
 _log = logging.getLogger(__name__)
@@ -176,13 +177,13 @@ class PrefillLoop:
     def _pause(self) -> float:
         """How long to wait for a message: not at all after a batch (the next may fit now);
         a head that waits for host staging slots (which another process frees) looks again
-        soon; waiting requests' deadlines and cancels are looked at every
-        ``CANCEL_POLL_SECONDS``; an idle loop reports."""
+        soon; waiting requests' deadlines are looked at every ``DEADLINE_POLL_SECONDS``; an
+        idle loop reports."""
         if not self.waiting:
             return REPORT_SECONDS
         if self.admitted:
             return 0.0
-        return ROOM_POLL_SECONDS if self.room_limited else CANCEL_POLL_SECONDS
+        return ROOM_POLL_SECONDS if self.room_limited else DEADLINE_POLL_SECONDS
 
     def _take(self, wait: float) -> None:
         """Queue every new request, first waiting up to ``wait`` seconds for a message."""
@@ -205,6 +206,11 @@ class PrefillLoop:
                                    prompt.request.params)
         except RequestError as exc:
             _send(prompt.request_id, prompt.answer, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a fault: this request fails, the others go on
+            _log.exception("context: queueing request %s failed", prompt.request_id)
+            _send(prompt.request_id, prompt.answer,
+                  EngineError(f"queueing failed: {type(exc).__name__}: {exc}"))
             return
         self.waiting[prompt.request_id] = waiting
 
