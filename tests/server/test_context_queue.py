@@ -3,7 +3,8 @@
 gets its offline text, the context model receives exactly one call per request (Triton's
 own count: no retries, no failed calls), and every block is free at the end. With
 ``host_memory`` the handoff's staging slots run out too (its pool blocks come back at
-once), so a request also waits for staging room."""
+once), so a request also waits for staging room; with ``--overlap_kv_transfer`` generation
+takes each request first and the context announces the KV as it prefills."""
 
 from __future__ import annotations
 
@@ -33,14 +34,16 @@ def short_engine(demo_checkpoint, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("strategy", ["direct_transfer", "host_memory"])
+@pytest.mark.parametrize("strategy, flags", [
+    ("direct_transfer", []), ("host_memory", []),
+    ("direct_transfer", ["--overlap_kv_transfer"])], ids=["direct", "host_memory", "overlap"])
 def test_a_full_context_is_called_once_per_request_and_frees_every_block(
-        short_engine, tmp_path, strategy):
+        short_engine, tmp_path, strategy, flags):
     offline = servers.offline_text(short_engine)
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {short_engine}, runtime: numpy, device: cpu}}\n"
                       f"kv_cache: {{strategy: {strategy}, max_size: 1MB, lease_seconds: 30}}\n")
-    with servers.serve("all", ["-c", str(config)], tmp_path / "run") as served:
+    with servers.serve("all", ["-c", str(config)] + flags, tmp_path / "run") as served:
         with ThreadPoolExecutor(REQUESTS) as pool:
             results = list(pool.map(lambda p: servers.generate(
                 served.http, {"text_input": p, "max_tokens": MAX_TOKENS}), PROMPTS))
