@@ -60,3 +60,48 @@ def test_a_full_context_is_called_once_per_request_and_frees_every_block(
             return len(used) == 2 and not any(used.values()) and not total(
                 samples, "disagg_queued_prompt_tokens")
         wait_until(at_rest, 10, "0 KV blocks used and 0 prompt tokens queued on both roles")
+
+
+def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_path,
+                                                               monkeypatch):
+    """Called as an orchestrator calls it (the peer credential; Triton's request timeout), a
+    context whose pool two unfetched handoffs fill keeps a third request waiting, then
+    answers it with a timeout one second (``WAIT_GRACE_SECONDS``) past its 0.5 s timeout;
+    releasing the two handles empties the pool."""
+    import time
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from triton_disagg import peers, protocol as P
+    from triton_disagg.kv.secret import SECRET_ENV
+
+    monkeypatch.setenv(SECRET_ENV, "test-deployment-secret-" + "7" * 32)
+    config = tmp_path / "disagg_config.yaml"
+    config.write_text(f"model: {{engine: {short_engine}, runtime: numpy, device: cpu}}\n"
+                      f"kv_cache: {{strategy: direct_transfer, max_size: 1MB, "
+                      f"lease_seconds: 60}}\n")
+    ids = list(range(3, 3 + 100))                       # 7 blocks of the pool's 15
+
+    def context(client, request_type=P.CONTEXT_ONLY, handle=None, timeout_us=0):
+        inputs = servers.orchestrator_inputs(ids, MAX_TOKENS)[:3]
+        if handle is not None:
+            inputs += servers.array_inputs({P.CONTEXT_PHASE_PARAMS: handle[None]})
+        return client.infer("context", inputs, timeout=timeout_us, parameters={
+            P.REQUEST_TYPE: request_type, peers.PARAMETER: peers.credential()})
+
+    with servers.serve("all", ["-c", str(config)], tmp_path / "run") as served, \
+            grpcclient.InferenceServerClient(served.grpc) as client:
+        held = [context(client).as_numpy(P.CONTEXT_PHASE_PARAMS)[0] for _ in range(2)]
+        began = time.monotonic()
+        with pytest.raises(InferenceServerException, match="past its deadline") as refused:
+            context(client, timeout_us=500_000)
+        assert 1.5 <= time.monotonic() - began < 10 and "timed out" in refused.value.message()
+        for handle in held:
+            context(client, P.RELEASE_KV, handle)
+
+        def at_rest() -> bool:
+            used = scrape(served.metrics).get("disagg_kv_blocks_used", {})
+            return len(used) == 2 and not any(used.values())
+        wait_until(at_rest, 10, "0 KV blocks used on both roles")
