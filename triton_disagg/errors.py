@@ -121,8 +121,8 @@ class EngineError(RuntimeError):
 
 
 class Unavailable(EngineError):
-    """No server can serve the request now: lost, none left, busy, or silent past its
-    deadline (:class:`Timeout`)."""
+    """No server can serve the request now: lost, none left, at its most requests, or
+    silent past its deadline (:class:`Timeout`)."""
 
     status = ErrorCode.UNAVAILABLE
 
@@ -137,10 +137,6 @@ class Cancelled(EngineError):
     """The request was stopped before it ended (its client went away, or cancelled it)."""
 
     status = ErrorCode.CANCELLED
-
-
-class ContextBusy(Unavailable):
-    """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
 
 
 class ServerBusy(Unavailable):

@@ -65,9 +65,6 @@ RELEASE_KV = "release_kv"
 # Request parameter every orchestrator call to context or generation carries: the
 # deployment's peer credential (triton_disagg.peers); without it both models refuse.
 PEER_CREDENTIAL = "peer_credential"
-# An error message beginning with this is back-pressure, not a failure: the context
-# instance has no KV blocks or staging slots free now; the orchestrator retries it.
-CONTEXT_BUSY = "context busy"
 
 _NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT8": np.uint8,
           "UINT64": np.uint64, "FP16": np.float16, "FP32": np.float32}

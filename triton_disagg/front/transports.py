@@ -11,13 +11,13 @@ request id. A generation request also names the orchestrator's token address
 address for stops: the tokens themselves arrive over ZeroMQ (:mod:`token_inbox`), never as
 Triton responses. A callee's error answer is raised as the error class of its status
 (:class:`~triton_disagg.errors.ErrorCode`: BLS ``TritonError.code()``, gRPC status), never
-by its message. A context error that is back-pressure (``protocol.CONTEXT_BUSY``) is
-raised as :class:`ContextBusy`.
+by its message.
 
 Deadlines: a route's context and generation calls each wait at most its ``timeout`` (the
 orchestrator's ``generation_server.stall_seconds``), a release at most
 ``RELEASE_TIMEOUT_SECONDS``: over gRPC as the call's deadline, in ``serve all`` as a wait on
-the BLS call. gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
+the BLS call. A context call also carries it as the Triton request's timeout: how long the
+context keeps it queued while its KV pool is full (:mod:`triton_disagg.context.prefill_loop`). gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
 ``KEEPALIVE_TIMEOUT_MS``), so a connection to a server that stopped answering fails its
 calls without waiting for their deadlines.
 
@@ -40,15 +40,15 @@ naming the role and the url(s) tried, and the router passes that server over for
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.errors import (ContextBusy, ErrorCode, GenerationLost, NoServer, Timeout,
-                                  Unavailable, error_for, from_grpc_status, from_triton,
-                                  without_tag)
+from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
+                                  error_for, from_grpc_status, from_triton, without_tag)
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.grpc_channel import client_options
@@ -78,13 +78,10 @@ def _parameters(credential: str, request_type: str,
     return params
 
 
-def _error(model: str, code: ErrorCode, message: str) -> Exception:
+def _error(code: ErrorCode, message: str) -> Exception:
     """The callee's error answer as ours, by its ``code`` (:func:`errors.error_for`: an
-    INVALID_ARG is the request's own mistake, passed on as one); a busy context is
-    :class:`ContextBusy`."""
-    busy = (code is not ErrorCode.INVALID_ARG and model == "context"
-            and message.startswith(P.CONTEXT_BUSY))
-    return ContextBusy(message) if busy else error_for(code, without_tag(message))
+    INVALID_ARG is the request's own mistake, passed on as one)."""
+    return error_for(code, without_tag(message))
 
 
 def _bls_code(pb_utils: Any, error: Any) -> ErrorCode:
@@ -93,6 +90,11 @@ def _bls_code(pb_utils: Any, error: Any) -> ErrorCode:
                  if getattr(pb_utils.TritonError, c.value, None) == error.code()),
                 ErrorCode.INTERNAL.value)
     return from_triton(name, error.message())
+
+
+def _microseconds(seconds: float) -> int:
+    """A Triton request timeout (microseconds) of ``seconds``."""
+    return int(seconds * 1e6)
 
 
 def _release_inputs(inputs: dict, handle: np.ndarray) -> dict:
@@ -122,9 +124,24 @@ class Unanswered(Unavailable):
 
 
 class BLSTransport:
-    def __init__(self, pb_utils: Any):
+    """``serve all``'s calls, in this server. The stub's ``async_exec`` runs each call in a
+    thread of the event loop's default executor until it is answered, and a context call
+    waits in the context's queue while its pool is full: so that such calls never hold
+    every thread while the generation calls that would free that pool queue behind them,
+    the loop's default executor gets a thread for each of ``max_calls`` calls out at once
+    (made on first use; idle ones cost nothing)."""
+
+    def __init__(self, pb_utils: Any, max_calls: int):
         self.pb = pb_utils
         self.credential = peers.credential()
+        self.max_calls = max_calls
+        self.executors: set[asyncio.AbstractEventLoop] = set()   # loops whose executor is set
+
+    def executor_for(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Give ``loop`` a default executor of ``max_calls`` threads (once per loop)."""
+        if loop not in self.executors:
+            loop.set_default_executor(ThreadPoolExecutor(self.max_calls, "bls-call"))
+            self.executors.add(loop)
 
     def route(self, request_id: str, avoid: frozenset[str] = frozenset(),
               timeout: float = CALL_TIMEOUT_SECONDS) -> "BLSRoute":
@@ -137,28 +154,31 @@ class BLSRoute:
     waited for at most ``timeout`` seconds (a release: ``RELEASE_TIMEOUT_SECONDS``)."""
 
     def __init__(self, transport: BLSTransport, request_id: str, timeout: float):
-        self.pb, self.credential = transport.pb, transport.credential
+        self.transport, self.pb, self.credential = transport, transport.pb, transport.credential
         self.request_id, self.timeout = request_id, timeout
 
     async def _exec(self, model: str, inputs: dict, parameters: dict[str, str],
-                    timeout: float) -> dict[str, np.ndarray]:
+                    timeout: float, queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
+        """``queue_timeout``: the Triton request's timeout (0: none)."""
         specs, outputs = _SPECS[model]
         tensors = [self.pb.Tensor(n, a) for n, a in to_batched(specs, inputs).items()]
         request = self.pb.InferenceRequest(
             model_name=model, inputs=tensors, request_id=self.request_id,
-            requested_output_names=[s.name for s in outputs], parameters=parameters)
+            requested_output_names=[s.name for s in outputs], parameters=parameters,
+            timeout=_microseconds(queue_timeout))
+        self.transport.executor_for(asyncio.get_running_loop())
         try:
             response = await asyncio.wait_for(request.async_exec(), timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"{model} timed out: no answer within {timeout:g} s") from None
         if response.has_error():
             error = response.error()
-            raise _error(model, _bls_code(self.pb, error), error.message())
+            raise _error(_bls_code(self.pb, error), error.message())
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
         return await self._exec("context", inputs, _parameters(self.credential, P.CONTEXT_ONLY),
-                                self.timeout)
+                                self.timeout, queue_timeout=self.timeout)
 
     async def release(self, inputs: dict, handle: np.ndarray) -> None:
         await self._exec("context", _release_inputs(inputs, handle),
@@ -219,9 +239,11 @@ class GrpcTransport:
             return f"liveness probe: {exc.status()}"
 
     async def infer(self, url: str, model: str, request_id: str, inputs: dict,
-                    parameters: dict[str, str], timeout: float) -> dict[str, np.ndarray]:
+                    parameters: dict[str, str], timeout: float,
+                    queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
         """The call's outputs; :class:`Unanswered` when the server failed before it answered
-        or not within ``timeout`` seconds (DEADLINE_EXCEEDED)."""
+        or not within ``timeout`` seconds (DEADLINE_EXCEEDED). ``queue_timeout``: the Triton
+        request's timeout (0: none)."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -235,13 +257,13 @@ class GrpcTransport:
         try:
             result = await self._client(url).infer(
                 model, tensors, request_id=request_id, client_timeout=timeout,
-                parameters=parameters)
+                timeout=_microseconds(queue_timeout), parameters=parameters)
         except InferenceServerException as exc:
             if exc.status() in UNANSWERED:
                 self.routers[model].unanswered(url)
                 raise Unanswered(model, url, exc.status(), exc.message() or "", timeout) from None
             message = exc.message() or ""
-            error = _error(model, from_grpc_status(exc.status(), message), message)
+            error = _error(from_grpc_status(exc.status(), message), message)
             raise type(error)(f"{model} at {url}: {error}") from None
         finally:
             self.calls[url] -= 1
@@ -301,7 +323,8 @@ class GrpcRoute:
             try:
                 outputs = await self.transport.infer(
                     assignment.url, "context", self.request_id, inputs,
-                    _parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout)
+                    _parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout,
+                    queue_timeout=self.timeout)
             except Unanswered as exc:
                 failed.append(exc)
                 continue
