@@ -108,7 +108,7 @@ def test_a_bls_error_answer_is_raised_by_its_code(code, raised):
             return answer
 
     pb.InferenceRequest = Request
-    route = BLSTransport(pb).route("req-1")
+    route = BLSTransport(pb, max_calls=4).route("req-1")
     with pytest.raises(raised) as err:
         asyncio.run(route.context(INPUTS))
     assert type(err.value) is raised and str(err.value) == "bad"   # the tag is not the words
