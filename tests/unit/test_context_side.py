@@ -10,6 +10,7 @@ import pytest
 
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
+from triton_disagg.engine.prefix_hash import block_hashes
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.kv.secret import deployment_key, key_id
 from triton_disagg.context.prefill import ContextSide
@@ -34,9 +35,39 @@ def side(request, demo_engine):
     side.close()
 
 
-def _prefill(side: ContextSide, *names: str) -> list:
-    return side.prefill([(name, EngineRequest(PROMPT, SamplingParams(max_tokens=8), True))
+def _prefill(side: ContextSide, *names: str, prompt: list[int] | None = None) -> list:
+    """Prefill a request per name; each name's own prompt (no prefix shared), unless given."""
+    return side.prefill([(name, EngineRequest(prompt or [t + ord(name[0]) % 7 for t in PROMPT],
+                                              SamplingParams(max_tokens=8), True))
                          for name in names])
+
+
+def _until(predicate) -> None:
+    deadline = time.monotonic() + 5
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_a_cached_prefix_is_handed_off_whole_and_freed_by_its_last_holder(side):
+    """A hit skips the shared prefix's prefill, the handle names every block of the prompt,
+    and the shared blocks stay held until the last handle holding them is released."""
+    pool = side.engine.pool
+    a, = _prefill(side, "a", prompt=PROMPT)
+    b, = _prefill(side, "b", prompt=PROMPT[:48] + [7] * 12)      # 3 blocks of 16 shared
+    assert pool.cache.hit_tokens == 48 and pool.cache.query_tokens == 2 * len(PROMPT)
+    direct = side.connector.strategy == "direct_transfer"
+    if direct:                  # the blocks stay in the pool, leased to the two handles
+        assert pool.num_used == 5
+        shared = pool.match(block_hashes(PROMPT[:48], 16, side.engine.cache_fingerprint))
+        assert len(shared) == 3 and [pool.refcount(x) for x in shared] == [2, 2, 2]
+    side.release(a[P.CONTEXT_PHASE_PARAMS].tobytes())
+    if direct:
+        _until(lambda: pool.num_used == 4)
+        assert [pool.refcount(x) for x in shared] == [1, 1, 1]
+    side.release(b[P.CONTEXT_PHASE_PARAMS].tobytes())
+    _until(lambda: pool.num_used == 0)
+    assert pool.num_cached == 3             # the full blocks; the partial tails are private
 
 
 def test_a_full_context_answers_busy_at_once_and_a_release_makes_room(side):
@@ -79,24 +110,18 @@ def test_queued_prompt_tokens_count_a_batch_until_it_is_prefilled(side):
         def queued_prompt_tokens(self, tokens):
             self.queued.append(tokens)
 
-        def kv_pool(self, used, total):
+        def kv_pool(self, stats):
             pass
 
         def leases_expired(self, total):
             pass
 
-    def until(predicate):
-        deadline = time.monotonic() + 5
-        while not predicate():
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-
     side.metrics = Gauges()
-    until(lambda: side.metrics.queued)   # a report just went: the next is REPORT_SECONDS away
+    _until(lambda: side.metrics.queued)   # a report just went: the next is REPORT_SECONDS away
     with side.lock:                                 # the engine is busy
         batch = threading.Thread(target=_prefill, args=(side, "a", "b"))
         batch.start()
-        until(lambda: side.queued_tokens == 2 * len(PROMPT))
-        until(lambda: side.metrics.queued[-1] == 2 * len(PROMPT))
+        _until(lambda: side.queued_tokens == 2 * len(PROMPT))
+        _until(lambda: side.metrics.queued[-1] == 2 * len(PROMPT))
     batch.join(10)
     assert side.queued_tokens == 0

@@ -46,6 +46,7 @@ class EngineSettings:
     dtype: str | None = None
     kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
     kv_max_size_given: bool = False              # kv_max_size was set: it caps a CUDA pool too
+    kv_prefix_caching: bool = True               # kv_cache.prefix_caching
 
     def __post_init__(self):
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))

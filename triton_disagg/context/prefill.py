@@ -223,8 +223,8 @@ class ContextSide:
             if self.metrics is not None:
                 self.metrics.queued_prompt_tokens(self.queued_tokens)
                 with self._pool() as pool:
-                    used, total = pool.num_used, pool.num_total
-                self.metrics.kv_pool(used, total)
+                    stats = pool.stats()
+                self.metrics.kv_pool(stats)
                 self.metrics.leases_expired(expired)
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ nothing about models: it stores and copies bytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
@@ -49,6 +50,19 @@ class BlockEvents(Protocol):
 
     def cleared(self) -> None:
         """Every cached block was forgotten."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """One reading of a pool for its gauges and counters (``disagg_kv_blocks_*``,
+    ``disagg_prefix_cache_*``); the last three are running totals since the pool began."""
+
+    used: int                 # held by live requests (0 at rest)
+    total: int
+    cached: int               # holding a cached prefix, held or parked
+    query_tokens: int         # prompt tokens looked up in the cache
+    hit_tokens: int           # of which the cache held the KV
+    evicted_blocks: int
 
 
 class KVCacheFullError(Exception):
@@ -102,6 +116,12 @@ class BlockPool:
     def num_cached(self) -> int:
         """Blocks holding a named prefix (held or parked)."""
         return self.cache.num_cached if self.cache is not None else 0
+
+    def stats(self) -> PoolStats:
+        cache = self.cache
+        return PoolStats(self.num_used, self.num_total, self.num_cached,
+                         cache.query_tokens if cache else 0, cache.hit_tokens if cache else 0,
+                         cache.evicted_blocks if cache else 0)
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each), or raise :class:`KVCacheFullError`.

@@ -96,6 +96,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         kv_lease_seconds=config.kv_cache.lease_seconds, stream_interval=server.stream_interval,
         kv_gpu_memory_fraction=config.kv_cache.gpu_memory_fraction,
         kv_max_size_given=config.kv_cache.max_size_given,
+        kv_prefix_caching=config.kv_cache.prefix_caching,
         runtime=config.runtime, device=config.device, dtype=config.dtype)
     if mode != "aggregated":   # the key signing KV handles; never the secret itself
         from triton_disagg.kv.secret import render_key_id
