@@ -13,7 +13,7 @@ reference.
 Invariants: ``name -> block`` and ``block -> name`` are inverse maps (a name has one block;
 a second block computed for the same name stays private); every parked block is named;
 a listener hears ``stored`` for each name entering, ``removed`` for each evicted one and
-``cleared`` when all are forgotten, in that order, so its view equals :meth:`names`.
+``cleared`` when all are forgotten, in that order, so its view equals the cache's names.
 """
 
 from __future__ import annotations
@@ -47,12 +47,6 @@ class PrefixCache:
     def num_parked(self) -> int:
         """Named blocks no sequence holds: free for an allocation, at the cost of their KV."""
         return len(self._parked)
-
-    def names(self) -> set[int]:
-        return set(self._block_of)
-
-    def name_of(self, block: int) -> int | None:
-        return self._name_of.get(block)
 
     def match(self, names: Sequence[int]) -> list[int]:
         """The blocks of the longest leading run of ``names`` the cache holds."""
