@@ -42,7 +42,7 @@ class GenerateError(RuntimeError):
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    prompt: str
+    prompt: str | tuple[int, ...]     # token ids: only over the HTTP front (openai_body)
     max_tokens: int
     stream: bool = True
     options: Mapping[str, Any] = field(default_factory=dict)   # optional ensemble inputs by name
@@ -248,9 +248,11 @@ def http_generate(url: str, request: GenerateRequest, model: str = "ensemble",
 
 
 def openai_body(request: GenerateRequest, model: str) -> dict[str, Any]:
-    """The ``/v1/completions`` body of ``request``: prompt and ``max_tokens``, greedy,
-    streamed with the usage chunk; of its options only ``end_id`` -1, as ``ignore_eos``."""
-    return {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+    """The ``/v1/completions`` body of ``request``: prompt (text or token ids) and
+    ``max_tokens``, greedy, streamed with the usage chunk; of its options only ``end_id``
+    -1, as ``ignore_eos``."""
+    prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+    return {"model": model, "prompt": prompt, "max_tokens": request.max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": request.options.get("end_id") == -1}
 

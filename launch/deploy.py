@@ -203,19 +203,23 @@ def ucx_env(host: str) -> dict[str, str]:
 
 def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
           tritonserver: str | None = None, log_verbose: int = 0,
-          token: str | None = None) -> TritonServer:
+          token: str | None = None, kv_events_host: str | None = None,
+          kv_events_port: int | None = None) -> TritonServer:
     """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
-    :func:`token_host`) and start its server (not yet ready), on the front end's cores
+    :func:`token_host`; KV events advertised on ``kv_events_host``, bound on the server's
+    host, from ``kv_events_port`` on) and start its server (not yet ready), on the front end's cores
     (:func:`~triton_disagg.config.host.front_cpus`)."""
     check_ports_free(endpoints)
     install = locate(tritonserver)
     check_stub(install.stub_binary, server_env(install))
     work_dir = work_dir.resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    repo = render(role, config, work_dir / "model_repository", token,
-                  endpoints.host if role == "generation" else None)
+    bind = endpoints.host if role == "generation" or kv_events_host else None
+    repo = render(role, config, work_dir / "model_repository", token, bind, kv_events_host,
+                  kv_events_port)
     server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),
                           log_verbose=log_verbose,
-                          cpus=front_cpus(config, role, os.sched_getaffinity(0)))
+                          cpus=front_cpus(config, role, os.sched_getaffinity(0)),
+                          grpc_tls=config.grpc_tls)
     server.start()
     return server

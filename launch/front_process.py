@@ -31,6 +31,7 @@ from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.front_section import front_flags
+from triton_disagg.config.tls_section import tls_flags
 from triton_disagg.errors import UserError
 from triton_disagg.front.health import GATE_ENV
 from triton_disagg.triton.tritonserver import Endpoints
@@ -81,7 +82,7 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host
     cmd = [sys.executable, "-m", "triton_disagg.front.http_front", *mode,
            "--models", ",".join(models), "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
            "--host", endpoints.host, "--port", str(port), "--log", str(log),
-           *front_flags(config.front)]
+           *front_flags(config.front), *tls_flags(config.grpc_tls)]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env={**os.environ, GATE_ENV: str(gate)} if gate

@@ -28,10 +28,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.front.health import GATE_ENV
 from triton_disagg.routing.discovery.periodic import Periodic
 
-from triton_disagg.triton.grpc_channel import channel_args
+from triton_disagg.triton.grpc_channel import client_options
 
 CHECK_SECONDS = 1.0
 PROBE_TIMEOUT = 1.0         # seconds a member may take to answer ServerReady
@@ -49,10 +50,11 @@ def write_gate(path: Path, reason: str | None) -> None:
 
 
 class Peers:
-    """Which role has no server that answers; ``sources`` per role (:mod:`serving.pools`)."""
+    """Which role has no server that answers; ``sources`` per role (:mod:`serving.pools`),
+    probed over TLS when ``tls`` (the config's ``grpc_tls``) is given."""
 
-    def __init__(self, sources: dict, membership=None):
-        self.sources, self.membership = sources, membership
+    def __init__(self, sources: dict, membership=None, tls: GrpcTLS | None = None):
+        self.sources, self.membership, self.tls = sources, membership, tls
         self._clients: dict[str, object] = {}
 
     def start(self) -> "Peers":
@@ -77,7 +79,8 @@ class Peers:
         import tritonclient.grpc as grpcclient
 
         if url not in self._clients:
-            self._clients[url] = grpcclient.InferenceServerClient(url, channel_args=channel_args())
+            self._clients[url] = grpcclient.InferenceServerClient(url,
+                                                                  **client_options(self.tls))
         try:
             return bool(self._clients[url].is_server_ready(client_timeout=PROBE_TIMEOUT))
         except Exception:  # noqa: BLE001 - refused, unreachable, timed out: it does not answer
@@ -156,4 +159,4 @@ def _peers(config, role: str) -> Peers:
     membership, sources = member_sources(settings("orchestrator", role, config))
     if config.mode == "aggregated":
         del sources["context"]
-    return Peers(sources, membership)
+    return Peers(sources, membership, config.grpc_tls)

@@ -3,8 +3,9 @@ registered in etcd while it serves (:class:`~triton_disagg.routing.discovery.Reg
 
 Its record names the gRPC url other hosts dial (:func:`launch.deploy.advertised_url`:
 ``--advertise HOST:PORT``, else the address it binds), the engine's fingerprint, and its capacity from the config: KV
-blocks over the role's model instances and tokens per block. Its load comes from its own
-metrics endpoint; with metrics off the load stays unknown (None).
+blocks over the role's model instances and tokens per block, and the KV event publishers
+its model instances announced (:func:`triton_disagg.routing.kv_events.announced`). Its load
+comes from its own metrics endpoint; with metrics off the load stays unknown (None).
 
 Invariant: a server registers only once it is ready, and is deregistered before it stops.
 """
@@ -16,8 +17,10 @@ from triton_disagg.config.disagg import DisaggConfig
 _ANY = ("0.0.0.0", "::")
 
 
-def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str):
-    """Register the ready server; returns the started Registration (close it to deregister)."""
+def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str,
+                       kv_events: tuple[str, ...] = ()):
+    """Register the ready server, naming its KV event publishers ``kv_events``; returns the
+    started Registration (close it to deregister)."""
     from triton_disagg.routing.discovery import MemberRecord, Registration
     from triton_disagg.routing.discovery.metrics_load import metrics_load
     from triton_disagg.engine.spec import EngineSpec
@@ -30,7 +33,7 @@ def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str
     blocks = BlockPool.blocks_for_budget(spec.block_geometry(layout), config.kv_cache.max_size)
     record = MemberRecord(role=role, grpc_url=grpc_url, fingerprint=spec.fingerprint,
                           kv_blocks_total=blocks * server.instances,
-                          tokens_per_block=layout.tokens_per_block)
+                          tokens_per_block=layout.tokens_per_block, kv_events=kv_events)
     load = None
     if endpoints.metrics_port is not None:
         host = "127.0.0.1" if endpoints.host in _ANY else endpoints.host

@@ -226,8 +226,9 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)
     reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
+    kv_events_host, kv_events_port = _kv_events_at(args.role, config, advertised)
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
-                   token)
+                   token, kv_events_host, kv_events_port)
     if not server.private_shm and not restart:
         print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
               f"(a mount namespace), so tritonserver's Python-backend regions are in the "
@@ -266,9 +267,12 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         # (a zombie has no argv): those seen as their models loaded are watched too.
         see_stubs()
         stubs = list(seen.values())
+        kv_events = _kv_events(args.role, server)
         if config.discovery is not None and advertised is not None:
-            registration = start_registration(args.role, config, endpoints, advertised)
-        _announce(args.role, config, endpoints, advertised, server, registration, front)
+            registration = start_registration(args.role, config, endpoints, advertised,
+                                              kv_events)
+        _announce(args.role, config, endpoints, advertised, server, registration, front,
+                  kv_events)
         if gated:
             peers_gate = start_peers_gate(config, server.work_dir, reason, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
@@ -304,8 +308,29 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         server.stop()
 
 
+def _kv_events_at(role: str, config, advertised: str | None) -> tuple[str | None, int | None]:
+    """Where a context or generation server's KV event publishers bind: tcp on its advertised
+    host, from its first port (:func:`~triton_disagg.routing.kv_events.publisher_ports`;
+    None: free ports); (None, None) for the other roles (ipc)."""
+    from triton_disagg.routing.kv_events import publisher_ports
+
+    if advertised is None or role not in ("context", "generation"):
+        return None, None
+    server = config.server(role)
+    port = None if server.kv_events_port is None else publisher_ports(
+        server.kv_events_port, server.urls, advertised, server.instances)[0]
+    return advertised.rsplit(":", 1)[0], port
+
+
+def _kv_events(role: str, server) -> tuple[str, ...]:
+    """The KV event publishers the role's model instances announced once loaded."""
+    from triton_disagg.routing.kv_events import announced
+
+    return announced(server.repo / role) if role in ("context", "generation") else ()
+
+
 def _announce(role: str, config, endpoints, advertised: str | None, server,
-              registration, front: int) -> None:
+              registration, front: int, kv_events: tuple[str, ...] = ()) -> None:
     from .front_process import health_only
 
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
@@ -322,6 +347,8 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
         lines.append(f"  front    http://{shown}:{front}  (OpenAI /v1/completions, "
                      f"/v1/chat/completions, /v1/models; /v1/inference; /healthz)")
     lines.append(f"  log      {server.log_path}")
+    if kv_events:
+        lines.append(f"  kv events {', '.join(kv_events)}  (ZeroMQ PUB, vLLM's KV event format)")
     if role == "scheduler":
         lines.append(f"  routes   {_pools(config)}")
         lines.append("  ready    /healthz answers 200 while every role has a server that answers")

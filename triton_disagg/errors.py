@@ -9,21 +9,98 @@ layer may raise or catch them without importing another layer.
   (an error answer, back-pressure, a lost or missing server); the orchestrator passes
   the message to the client.
 
-Each class names its Triton status (``status``, a ``pb_utils.TritonError`` code name), so a
-client tells its own mistake (INVALID_ARG: HTTP 400, gRPC INVALID_ARGUMENT) from a server
-that cannot serve now (UNAVAILABLE: 503 / UNAVAILABLE; :class:`Unavailable` and its kinds)
-and a fault (INTERNAL: 500 / INTERNAL). A timeout (:class:`Timeout`) is UNAVAILABLE to Triton
-too, and its message says so in words, which the HTTP front turns into 504.
+Each class names its :class:`ErrorCode` (``status``): the one thing every seam carries and
+maps, never the message. Across Triton it is the error's status (a ``pb_utils.TritonError``
+code, read back from tritonclient's status: :func:`triton_status`, :func:`from_grpc_status`);
+across ZeroMQ a field of the error event (:mod:`triton_disagg.token_wire`); at the HTTP front
+an HTTP status (:data:`HTTP_STATUS`). A client's mistake is INVALID_ARG (HTTP 400, gRPC
+INVALID_ARGUMENT), a server that cannot serve now UNAVAILABLE (503, :class:`Unavailable` and
+its kinds), a deadline that passed TIMEOUT (504, :class:`Timeout`), a fault INTERNAL (500).
 
 Invariant: a message is one line naming what is wrong and, where there is one, the fix;
 it reaches the client unchanged. The KV transfer's own errors live in :mod:`triton_disagg.kv`.
 """
 
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """What kind of failure an error is. The names are Triton's ``pb_utils.TritonError`` codes
+    where Triton has one; TIMEOUT is gRPC's DEADLINE_EXCEEDED, which the python backend cannot
+    raise: it leaves a model as UNAVAILABLE with :data:`TIMEOUT_TAG` before its message
+    (:func:`triton_status`), and only an UNAVAILABLE status so tagged reads back as TIMEOUT
+    (:func:`from_triton`)."""
+
+    INVALID_ARG = "INVALID_ARG"      # the request's own mistake
+    UNAVAILABLE = "UNAVAILABLE"      # no server can serve it now: retry later
+    TIMEOUT = "TIMEOUT"              # a server let its deadline pass
+    CANCELLED = "CANCELLED"          # the client went away or stopped it
+    INTERNAL = "INTERNAL"            # a fault of the server
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# code -> the HTTP status a client is answered with (503 comes with Retry-After); 499 is
+# nginx's "client closed request": nobody reads it, but it is logged and counted as such.
+HTTP_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.UNAVAILABLE: 503, ErrorCode.TIMEOUT: 504,
+               ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500}
+TIMEOUT_TAG = "TIMEOUT: "   # a TIMEOUT's message as a Triton error starts with it (ErrorCode)
+# gRPC status (tritonclient's ``InferenceServerException.status()``: "StatusCode.<NAME>", or
+# ``grpc.StatusCode.<NAME>.name``) -> code; the rest are INTERNAL. NOT_FOUND: the server lacks
+# a model it should serve (not loaded yet, or unloaded), the deployment's fault, not the request's.
+_FROM_GRPC = {"INVALID_ARGUMENT": ErrorCode.INVALID_ARG, "UNAVAILABLE": ErrorCode.UNAVAILABLE,
+              "NOT_FOUND": ErrorCode.UNAVAILABLE, "DEADLINE_EXCEEDED": ErrorCode.TIMEOUT,
+              "CANCELLED": ErrorCode.CANCELLED}
+
+
+def triton_status(code: ErrorCode, message: str) -> tuple[str, str]:
+    """``(pb_utils.TritonError code name, message)`` of an error ``code`` leaving a model.
+    The tag is reserved: a message of another code that starts with it leaves without it."""
+    if code is ErrorCode.TIMEOUT:
+        return ErrorCode.UNAVAILABLE.value, TIMEOUT_TAG + without_tag(message)
+    return code.value, without_tag(message)
+
+
+def from_triton(status: str, message: str) -> ErrorCode:
+    """The code of a Triton error whose ``pb_utils.TritonError`` code is named ``status``
+    (inverse of :func:`triton_status`; a name not in :class:`ErrorCode` is INTERNAL)."""
+    if status == ErrorCode.UNAVAILABLE.value and message.startswith(TIMEOUT_TAG):
+        return ErrorCode.TIMEOUT
+    return ErrorCode.__members__.get(status, ErrorCode.INTERNAL)
+
+
+def from_grpc_status(status: str | None, message: str) -> ErrorCode:
+    """The code of a Triton error read over gRPC: ``status`` as tritonclient gives it
+    ("StatusCode.INVALID_ARGUMENT"; None when the call carried none, as a stream's error
+    without ``triton_grpc_error``: INTERNAL)."""
+    name = (status or "").removeprefix("StatusCode.")
+    code = _FROM_GRPC.get(name, ErrorCode.INTERNAL)
+    return from_triton(code.value, message) if code is ErrorCode.UNAVAILABLE else code
+
+
+def without_tag(message: str) -> str:
+    """A Triton error's message as its model meant it (:data:`TIMEOUT_TAG` dropped)."""
+    return message.removeprefix(TIMEOUT_TAG)
+
+
+def code_of(exc: BaseException) -> ErrorCode:
+    """``exc``'s code: its ``status`` when it is one of this module's, else INTERNAL."""
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, ErrorCode) else ErrorCode.INTERNAL
+
+
+def error_for(code: ErrorCode, message: str) -> Exception:
+    """An error answer with ``code`` as the class of this module that carries it."""
+    return _CLASS_OF[code](message)
+
 
 class UserError(Exception):
     """A mistake in input, config or files, with a message naming what is wrong and the fix."""
 
-    status = "INVALID_ARG"
+    status = ErrorCode.INVALID_ARG
 
 
 class RetryableStart(UserError):
@@ -40,30 +117,26 @@ class RequestError(UserError):
 class EngineError(RuntimeError):
     """Context or generation answered with an error (message passed to the client)."""
 
-    status = "INTERNAL"
+    status = ErrorCode.INTERNAL
 
 
 class Unavailable(EngineError):
-    """No server can serve the request now: lost, none left, busy, or silent past its
-    deadline (:class:`Timeout`)."""
+    """No server can serve the request now: lost, none left, at its most requests, or
+    silent past its deadline (:class:`Timeout`)."""
 
-    status = "UNAVAILABLE"
+    status = ErrorCode.UNAVAILABLE
 
 
 class Timeout(Unavailable):
-    """A server did not answer within its deadline. Triton's python backend has no
-    DEADLINE_EXCEEDED code, so it leaves as UNAVAILABLE, and a gRPC stream's error carries no
-    code at all: what tells a timeout apart is its message, which always holds ``MARK``
-    (added when the words given lack it); the HTTP front answers such a message with 504."""
+    """A server did not answer within its deadline (TIMEOUT: 504 at the HTTP front)."""
 
-    MARK = "timed out"
-
-    def __init__(self, message: str):
-        super().__init__(message if self.MARK in message else f"{message} ({self.MARK})")
+    status = ErrorCode.TIMEOUT
 
 
-class ContextBusy(Unavailable):
-    """The context has no KV blocks or staging slots free now (``protocol.CONTEXT_BUSY``)."""
+class Cancelled(EngineError):
+    """The request was stopped before it ended (its client went away, or cancelled it)."""
+
+    status = ErrorCode.CANCELLED
 
 
 class ServerBusy(Unavailable):
@@ -82,3 +155,8 @@ class GenerationLost(Unavailable):
 
 class NoServer(Unavailable):
     """No member of the role is left to route to (one line, naming the role and urls)."""
+
+
+_CLASS_OF: dict[ErrorCode, type[Exception]] = {
+    ErrorCode.INVALID_ARG: RequestError, ErrorCode.UNAVAILABLE: Unavailable,
+    ErrorCode.TIMEOUT: Timeout, ErrorCode.CANCELLED: Cancelled, ErrorCode.INTERNAL: EngineError}

@@ -43,6 +43,7 @@ batch across requests themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -64,9 +65,6 @@ RELEASE_KV = "release_kv"
 # Request parameter every orchestrator call to context or generation carries: the
 # deployment's peer credential (triton_disagg.peers); without it both models refuse.
 PEER_CREDENTIAL = "peer_credential"
-# An error message beginning with this is back-pressure, not a failure: the context
-# instance has no KV blocks or staging slots free now; the orchestrator retries it.
-CONTEXT_BUSY = "context busy"
 
 _NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT8": np.uint8,
           "UINT64": np.uint64, "FP16": np.float16, "FP32": np.float32}
@@ -121,12 +119,20 @@ ENSEMBLE_INPUTS = (
     _opt("max_tokens", "INT32"),
     _opt("stop_words", "BYTES", (-1,)), _opt("bad_words", "BYTES", (-1,)),
 ) + SAMPLING_INPUTS + UNSUPPORTED_INPUTS
+# Why a request's tokens ended, one vocabulary from generation to every client: the end
+# token (stop), one of the request's stop words (stop_word), its max_tokens (length), or
+# generation stopped it first (cancelled: a stop, a shutdown). It is token_wire's "finish",
+# the engine's and the orchestrator's finish_reason tensor, and what the HTTP front maps to
+# OpenAI's words (openai_responses.finish_reason); nobody works it out again from counts.
+FinishReason = Literal["stop", "stop_word", "length", "cancelled"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 ENSEMBLE_OUTPUTS = (
     TensorSpec("text_output", "BYTES", (-1,)),
     TensorSpec("cum_log_probs", "FP32", (-1,)),
     TensorSpec("output_log_probs", "FP32", (-1, -1)),
     TensorSpec("num_input_tokens", "INT32", (1,)),
     TensorSpec("num_output_tokens", "INT32", (1,)),
+    TensorSpec("finish_reason", "BYTES", (1,)),         # a FinishReason: the final response only
 )
 
 # ---- orchestrator <-> context / generation (TensorRT-LLM's tensorrt_llm model) -----------

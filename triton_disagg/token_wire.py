@@ -8,7 +8,10 @@ Two kinds, each one msgpack map with the schema version under ``"v"``:
   ``{"id": request id, "key": the request's key, "seq": int, "tokens": [int, ...]}``
   plus, only when they apply,
   ``"log_probs": [float, ...]`` and ``"cum_log_prob": float`` (the request asked for
-  them), ``"finish": reason`` (its last event) or ``"error": message`` (its last event);
+  them), ``"finish": reason`` (a :data:`~triton_disagg.protocol.FinishReason`; its last
+  event) or ``"error": message`` and ``"code"``:
+  its :class:`~triton_disagg.errors.ErrorCode` name (its last event; a frame without a code,
+  as older generation sends, or with a name this side does not know, reads as INTERNAL);
 - a stop (orchestrator -> the control address of the generation instance holding the
   request): ``{"v": 2, "stop": request id, "key": the request's key}``.
 
@@ -35,6 +38,9 @@ from typing import Any
 
 import msgpack
 
+from triton_disagg.errors import ErrorCode
+from triton_disagg.protocol import FINISH_REASONS, FinishReason
+
 VERSION = 2
 KEY_SEPARATOR = "#"
 MAX_KEY_CHARS = 64                  # a key is 22 (token_urlsafe(16)); longer is not one
@@ -55,8 +61,9 @@ class StreamEvent:
     tokens: list[int]
     log_probs: list[float] | None = None     # only when the request asked for them
     cum_log_prob: float | None = None
-    finish_reason: str | None = None         # set on a request's last event
+    finish_reason: FinishReason | None = None   # set on a request's last event
     error: str | None = None                 # or this, instead
+    code: ErrorCode = ErrorCode.INTERNAL     # the error's code (sent only with an error)
     seq: int = 0                             # the request's events from generation: 0, 1, ...
     key: str = ""                            # the request's key (module docstring)
 
@@ -131,6 +138,8 @@ def _event_map(event: StreamEvent) -> dict:
         value = getattr(event, name)
         if value is not None:
             out[wire] = value
+    if event.error is not None:
+        out["code"] = event.code.value
     return out
 
 
@@ -164,7 +173,17 @@ def _event(raw: Any) -> StreamEvent:
             if not isinstance(value, kind):
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
+    if fields.get("finish_reason") not in (None, *FINISH_REASONS):
+        raise WireError(f"token event: 'finish' must be one of {', '.join(FINISH_REASONS)}")
+    if "error" in fields:
+        fields["code"] = _code(raw.get("code", ErrorCode.INTERNAL.value))
     return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)
+
+
+def _code(name: Any) -> ErrorCode:
+    if not isinstance(name, str):
+        raise WireError("token event: 'code' must be a string")
+    return ErrorCode.__members__.get(name, ErrorCode.INTERNAL)
 
 
 def _is_key(key: Any) -> bool:

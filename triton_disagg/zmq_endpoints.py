@@ -50,10 +50,10 @@ class Endpoint:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = None
-         ) -> Endpoint:
+def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = None,
+         port: int | None = None) -> Endpoint:
     """Bind ``sock``: ipc (``host`` None) as ``<private dir>/<name>``, else tcp on ``host``
-    (or on ``bind_host``, advertising ``host``)."""
+    (or on ``bind_host``, advertising ``host``), on ``port`` or else a free one."""
     if host is None:
         runtime = _runtime_dir()
         _sweep(runtime)
@@ -68,12 +68,12 @@ def bind(sock: zmq.Socket, host: str | None, name: str, bind_host: str | None = 
         return Endpoint(address, directory)
     public, secret = server_keys()
     sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-    if bind_host is not None:
-        port = sock.bind_to_random_port(f"tcp://{bind_host}")
-        return Endpoint(f"tcp://{host}:{port}")
-    ip = socket.gethostbyname(host)
-    port = sock.bind_to_random_port(f"tcp://{ip}")
-    return Endpoint(f"tcp://{ip}:{port}")
+    where = bind_host if bind_host is not None else socket.gethostbyname(host)
+    if port is None:
+        port = sock.bind_to_random_port(f"tcp://{where}")
+    else:
+        sock.bind(f"tcp://{where}:{port}")
+    return Endpoint(f"tcp://{host if bind_host is not None else where}:{port}")
 
 
 def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq.Socket:
@@ -87,11 +87,17 @@ def push_socket(context: zmq.Context, address: str, high_water_mark: int) -> zmq
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    connect(sock, address)
+    return sock
+
+
+def connect(sock: zmq.Socket, address: str) -> None:
+    """Connect ``sock`` to a socket :func:`bind` bound: over tcp as a CURVE client (a fresh
+    keypair of its own, naming the deployment's server key), over ipc as it is."""
     if address.startswith("tcp://"):
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         sock.curve_serverkey = server_keys()[0]
     sock.connect(address)
-    return sock
 
 
 @functools.lru_cache(maxsize=1)

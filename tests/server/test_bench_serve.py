@@ -18,9 +18,8 @@ from triton_disagg.bench.serve_inproc import InProcessEngine
 from triton_disagg.bench.serve_report import (IN_PROCESS_CONTEXT, Round, SplitBaseline,
                                                overhead_lines)
 from triton_disagg.bench.serve_servers import placement
-from triton_disagg.bench.serve_stats import (SLO, Percentiles, Summary, best_index, goodput,
-                                              summarize)
-from triton_disagg.bench.serve_sweep import Sweep, verdicts
+from triton_disagg.bench.serve_stats import (SLO, Percentiles, Summary, Sweep, best_index,
+                                              goodput, summarize, verdicts)
 from triton_disagg.clients.stream import GenerateRequest, Measurement
 from triton_disagg.errors import UserError
 

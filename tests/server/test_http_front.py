@@ -89,6 +89,28 @@ def test_chat_greedy_equals_offline_on_the_templated_prompt(client, offline, cha
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_the_final_response_says_why_the_request_ended(server, client):
+    """The ensemble's final response carries ``finish_reason`` (``protocol.FinishReason``),
+    and the front passes that on in OpenAI's words."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from triton_disagg.clients.stream import GenerateRequest, grpc_inputs
+
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc) as triton:
+        triton.start_stream(callback=lambda result, error: results.put((result, error)))
+        triton.async_stream_infer("ensemble", grpc_inputs(GenerateRequest(
+            PROMPTS[0], 3, stream=False, options={"end_id": -1})))
+        result, error = results.get(timeout=120)
+        triton.stop_stream()
+    assert error is None and result.as_numpy("finish_reason").reshape(-1).tolist() == [b"length"]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length"
+
+
 def test_stop_sequence_ends_the_text_and_is_left_out(client, offline):
     full = offline(PROMPTS[0], 20)
     stop = full[5:9]

@@ -49,14 +49,16 @@ def _starve_generation_stub(work_dir, delay: float, done: threading.Event) -> No
 
 def _start_starved(demo_engine, work_dir, delay: float) -> tuple[float, str]:
     """Serve with the generation stub starved ``delay`` s into its start: (seconds until
-    ready, serve's output); the server served the offline text once ready."""
+    ready, serve's output); the server served the offline text once ready and starved."""
     starved = threading.Event()
     threading.Thread(target=_starve_generation_stub, args=(work_dir, delay, starved),
                      daemon=True).start()
     started = time.monotonic()
     with servers.serve("all", ["--engine", str(demo_engine)], work_dir) as served:
         ready_after = time.monotonic() - started
-        assert starved.is_set(), "the generation stub was never starved"
+        # A fast start is ready before the starving ends (or begins): wait for it, so that
+        # the server is seen serving after it either way.
+        assert starved.wait(delay + STARVE_FOR + 60), "the generation stub was never starved"
         status, body = servers.generate(served.http, {"text_input": "The quick brown fox",
                                                       "max_tokens": 12})
         assert status == 200, body

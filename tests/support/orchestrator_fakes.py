@@ -14,7 +14,7 @@ import zmq
 from triton_disagg import protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg import token_wire
-from triton_disagg.errors import ContextBusy, EngineError, GenerationLost
+from triton_disagg.errors import EngineError, GenerationLost
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import Accepted, TokenInbox
 from triton_disagg.token_wire import StreamEvent
@@ -32,7 +32,7 @@ class FakeGeneration:
     Generation calls go to servers "gen-0", "gen-1", ... in turn; the first ``dying`` of
     them push ``dies_after`` tokens, then fall silent and are lost."""
 
-    def __init__(self, first: int, rest: list[int], silent: bool = False, busy: int = 0,
+    def __init__(self, first: int, rest: list[int], silent: bool = False, queued: float = 0.0,
                  refuse: bool = False, dying: int = 0, dies_after: int = 0,
                  spoof: bool = False, skip_seq: int | None = None, mute_context: bool = False):
         self.first, self.rest, self.silent = first, rest, silent
@@ -40,7 +40,8 @@ class FakeGeneration:
         self.skip_seq = skip_seq    # the event numbered this one is lost on the way
         self.mute_context = mute_context          # context calls never answer
         self.timeouts: list[float] = []           # each route's deadline per call
-        self.busy, self.refuse = busy, refuse       # context busy this many times; refuse all
+        self.queued, self.refuse = queued, refuse   # seconds a context call waits; refuse all
+        self.context_calls = 0                      # context calls made
         self.dying, self.dies_after = dying, dies_after
         self.output_lens: list[int] = []          # each generation call's request_output_len
         self.avoided: list[frozenset] = []        # each route's servers to avoid
@@ -62,9 +63,8 @@ class FakeGeneration:
     async def context(self, request_id, inputs):
         if self.mute_context:
             await asyncio.Event().wait()
-        if self.busy:
-            self.busy -= 1
-            raise ContextBusy(f"{P.CONTEXT_BUSY}: KV cache full")
+        self.context_calls += 1
+        await asyncio.sleep(self.queued)         # a full context's queue: the call waits
         self.contexts += 1
         self.listeners.append(bytes(inputs.get(P.KV_LISTENER, np.zeros(0, np.uint8))))
         output, done = [self.first] + self.rest, len(inputs["input_ids"]) - 2

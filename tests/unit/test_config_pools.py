@@ -46,6 +46,23 @@ def test_routing_keys_and_their_defaults(write):
                             "max_local_prefill_length: 64}\n"))
     assert (cfg.context.router, cfg.generation.router) == ("round_robin", "least_loaded")
     assert cfg.generation.max_local_prefill_length == 64
+    cfg = load_config(write("context_server: {url: 'c:1', router: kv_aware}\n"
+                            "generation_server: {url: 'g:1', router: kv_aware}\n"))
+    assert cfg.context.router == cfg.generation.router == "kv_aware"
+    cfg = load_config(write("context_server: {urls: ['c:1'], router: kv_aware, "
+                            "kv_events_port: 5557, instances: 2}\n"))
+    assert (cfg.context.kv_events_port, cfg.context.instances) == (5557, 2)
+    assert cfg.generation.kv_events_port is None                  # a free port each
+
+
+@pytest.mark.parametrize("value, words", [
+    ("'5557'", ["context_server.kv_events_port", "port number"]),
+    ("0", ["context_server.kv_events_port", "port number"]),
+    ("65535", ["context_server.kv_events_port", "65535", "lower"]),   # 2 instances
+])
+def test_kv_events_port_mistakes_are_one_line(write, value, words):
+    assert_one_line_error(write(f"context_server: {{url: 'c:1', instances: 2, "
+                                f"kv_events_port: {value}}}\n"), words)
 
 
 def test_discovery(write):

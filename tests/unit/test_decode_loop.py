@@ -13,6 +13,7 @@ import zmq
 from triton_disagg import protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg import token_wire
+from triton_disagg.errors import ErrorCode
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import GenerationSide
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
@@ -294,7 +295,7 @@ def test_a_stop_without_the_requests_key_is_ignored(engine, monkeypatch, caplog)
 def test_token_sockets_stay_bounded_under_many_distinct_addresses(engine):
     """Many one-shot addresses (one request each) leave at most ``max_sockets`` sockets
     open; with every socket's address busy, a request for one more is refused with an
-    error that says why."""
+    error that says why, UNAVAILABLE."""
     side = GenerationSide(engine, None)
     outbox = TokenOutbox(zmq.Context.instance(), max_sockets=2)
     orchestrators = Orchestrators(3)
@@ -320,6 +321,7 @@ def test_token_sockets_stay_bounded_under_many_distinct_addresses(engine):
     loop.close()
     orchestrators.close()
     assert "at most 2 orchestrator addresses" in refused.error
+    assert refused.code is ErrorCode.UNAVAILABLE          # over ZeroMQ: a 503, not a fault
     assert engine.pool.num_used == 0
 
 

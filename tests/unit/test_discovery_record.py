@@ -29,6 +29,7 @@ from triton_disagg.routing.router import Router
 
 RECORD = MemberRecord(role="context", grpc_url="ctx-01:8001", fingerprint="f" * 64,
                       kv_blocks_total=128, tokens_per_block=8, token_address="tcp://ctx-01:5555",
+                      kv_events=("tcp://ctx-01:5557", "tcp://ctx-01:5558"),
                       load=Load(free_kv_blocks=100, live_sequences=None, queued_prompt_tokens=7))
 
 
@@ -37,6 +38,9 @@ def test_round_trip():
     raw = json.loads(RECORD.to_json())
     assert raw["version"] == 1 and raw["load"]["live_sequences"] is None   # unknown, not 0
     assert raw["capacity"] == {"kv_blocks_total": 128, "tokens_per_block": 8}
+    assert raw["kv_events"] == ["tcp://ctx-01:5557", "tcp://ctx-01:5558"]
+    del raw["kv_events"]                            # a record from before the key: none
+    assert MemberRecord.from_json(json.dumps(raw).encode()).kv_events == ()
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -46,6 +50,11 @@ def test_round_trip():
     (lambda d: d["capacity"].update(kv_blocks_total="many"), "kv_blocks_total"),
     (lambda d: d["load"].update(free_kv_blocks=-1), "free_kv_blocks"),
     (lambda d: d.update(load=[]), "load"),
+    (lambda d: d.update(kv_events="tcp://h:1"), "kv_events"),
+    (lambda d: d.update(kv_events=["tcp://h:1"] * 65), "kv_events"),
+    (lambda d: d.update(kv_events=["http://h:1"]), "kv_events"),
+    (lambda d: d.update(kv_events=["tcp://" + "h" * 300]), "kv_events"),
+    (lambda d: d.update(kv_events=[7]), "kv_events"),
 ])
 def test_malformed_records_say_why(change, reason):
     raw = json.loads(RECORD.to_json())

@@ -21,7 +21,7 @@ from test_http_front_app import WORDS, ScriptedRelay
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.config.front_section import (FrontConfig, add_front_flags, front_flags,
                                                 front_from_flags, parse_front)
-from triton_disagg.errors import UserError
+from triton_disagg.errors import ErrorCode, UserError
 from triton_disagg.front.http_front import _serve, make_app
 from triton_disagg.front.openai_api import ApiError, EngineLimits, parse
 from triton_disagg.front.prepare import Preparer
@@ -269,7 +269,8 @@ def test_origin_and_host_are_checked(demo_engine, headers, bound, front, status)
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("error", [
-    OrchestratorError("generation server 10.9.8.7:8001 was lost (UNAVAILABLE: refused)"),
+    OrchestratorError("generation server 10.9.8.7:8001 was lost (UNAVAILABLE: refused)",
+                      ErrorCode.UNAVAILABLE),
     RuntimeError("boom at /srv/secret/path"),
 ])
 def test_a_fault_body_names_the_request_not_the_internals(demo_engine, error, stream):
@@ -299,7 +300,8 @@ def test_a_busy_or_lost_server_is_a_503_with_retry_after(demo_engine):
     async def check(client):
         resp = await client.post("/v1/completions", json=BODY)
         assert resp.status == 503 and resp.headers.get("Retry-After") == "1", await resp.text()
-    busy = OrchestratorError("this server is busy with its most requests at once; retry later")
+    busy = OrchestratorError("this server is busy with its most requests at once; retry later",
+                             ErrorCode.UNAVAILABLE)
     run_app(ScriptedRelay([busy]), check, demo_engine)
 
 

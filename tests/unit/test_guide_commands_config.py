@@ -223,6 +223,15 @@ def test_trtllm_disagg_cluster_becomes_discovery(write):
     assert config.discovery.prefix == "/triton-disagg/prod"
 
 
+@pytest.mark.parametrize("kind", ["kv_cache_aware", "conversation"])
+def test_trtllm_kv_aware_router_types_map_to_kv_aware(write, kind, capsys):
+    config = load_config(write("model: {engine: engines/demo}\n"
+                               f"context_servers: {{urls: [\"c:1\"], router: {{type: {kind}}}}}\n"
+                               "generation_servers: {urls: [\"g:1\"]}\n"))
+    assert config.context.router == "kv_aware"
+    assert "router" not in capsys.readouterr().err      # supported: nothing said
+
+
 @pytest.mark.parametrize("text, words", [
     ("hostname: localhost\ncontext_servers: {urls: [\"c:1\"]}\n", ["model", "engine"]),
     ("model: {engine: engines/demo}\ncontext_servers: {num_instances: 2, urls: [\"c:1\"]}\n",

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from triton_disagg.front.http_front import MAX_BODY_BYTES, make_app
 from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.prepare import Preparer
+from triton_disagg.errors import ErrorCode
 from triton_disagg.front.relay import Delta, OrchestratorError
 
 
@@ -54,7 +55,7 @@ class ScriptedRelay:
         assert self.left_early == [True]
 
 
-WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3)]
+WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3, finish_reason="length")]
 
 
 def run(relay, check, demo_engine):
@@ -86,10 +87,29 @@ def test_whole_and_streamed_completion(demo_engine):
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
         assert text == "Hello 世界 🎉"
-        assert chunks[-2]["choices"][0]["finish_reason"] == "stop"    # 3 of 4 tokens: the end id
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"  # as given, not counted
         assert chunks[-1]["usage"]["completion_tokens"] == 3
         assert all("usage" in c and c["usage"] is None for c in chunks[:-1])   # OpenAI's null
         assert len(relay.request_ids[1]) == 32            # none sent: one generated
+    run(relay, check, demo_engine)
+
+
+@pytest.mark.parametrize("given, tokens, openai", [
+    ("stop", 3, "stop"),             # the end token as the last of max_tokens: not "length"
+    ("length", 2, "length"),         # max_tokens told by the server, not counted here
+    ("stop_word", 3, "stop"),
+    ("cancelled", 1, "abort"),       # generation stopped it (vLLM's word)
+])
+def test_the_finish_reason_is_the_orchestrators_in_openais_words(demo_engine, given, tokens,
+                                                                 openai):
+    relay = ScriptedRelay([Delta("Hello", 3, tokens, finish_reason=given)])
+
+    async def check(client):
+        for stream in (False, True):
+            resp = await client.post("/v1/completions", json={
+                "model": "demo", "prompt": "a", "max_tokens": 3, "stream": stream})
+            text = await resp.text()
+            assert resp.status == 200 and f'"finish_reason": "{openai}"' in text, text
     run(relay, check, demo_engine)
 
 
@@ -125,20 +145,39 @@ def test_unknown_path_and_method_are_openai_errors(demo_engine):
     run(ScriptedRelay(WORDS), check, demo_engine)
 
 
+# Each message says something else than its code: the status follows the code.
 @pytest.mark.parametrize("error, status", [
-    (OrchestratorError("generation server 127.0.0.1:1 was lost (gone)"), 503),
-    (OrchestratorError("internal error: ValueError: x"), 500),
+    (OrchestratorError("internal error: ValueError: x", ErrorCode.UNAVAILABLE), 503),
+    (OrchestratorError("no server: lost, not ready, unavailable, busy, stalled",
+                       ErrorCode.INTERNAL), 500),
+    (OrchestratorError("a server this request needs is unavailable now; retry later",
+                       ErrorCode.TIMEOUT), 504),
 ])
-def test_server_faults_are_5xx(demo_engine, error, status):
+def test_server_faults_are_5xx_by_their_code_not_their_words(demo_engine, error, status):
     async def check(client):
         resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
         assert resp.status == status
         assert (await resp.json())["error"]["type"] == "server_error"
+        assert ("Retry-After" in resp.headers) == (status == 503)
     run(ScriptedRelay([error]), check, demo_engine)
 
 
+def test_the_orchestrators_invalid_arg_is_a_400_with_its_message_whatever_it_says(demo_engine):
+    words = "prompt is unavailable: no server timed out, busy (lost)"
+    relay = ScriptedRelay([OrchestratorError(words, ErrorCode.INVALID_ARG)],
+                          ready="tritonserver is not ready")
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        body = await resp.json()
+        assert resp.status == 400 and body["error"]["message"] == words, body
+        assert body["error"]["type"] == "invalid_request_error"
+    run(relay, check, demo_engine)
+
+
 def test_a_request_while_not_ready_is_503_with_the_reason(demo_engine):
-    relay = ScriptedRelay([OrchestratorError("Request for unknown model: 'orchestrator'")],
+    relay = ScriptedRelay([OrchestratorError("Request for unknown model: 'orchestrator'",
+                                             ErrorCode.UNAVAILABLE)],
                           ready="the orchestrator model is not ready")
 
     async def check(client):
@@ -149,7 +188,8 @@ def test_a_request_while_not_ready_is_503_with_the_reason(demo_engine):
 
 
 def test_a_timeout_is_504_even_once_the_server_turned_not_ready(demo_engine):
-    relay = ScriptedRelay([OrchestratorError("context server 127.0.0.1:1 timed out: ...")],
+    relay = ScriptedRelay([OrchestratorError("context server 127.0.0.1:1: ...",
+                                             ErrorCode.TIMEOUT)],
                           ready="tritonserver is not ready")
 
     async def check(client):
@@ -161,7 +201,8 @@ def test_a_timeout_is_504_even_once_the_server_turned_not_ready(demo_engine):
 
 
 def test_a_stream_failing_part_way_ends_with_an_error_not_done(demo_engine):
-    relay = ScriptedRelay([WORDS[0], OrchestratorError("generation server x was lost (gone)")])
+    relay = ScriptedRelay([WORDS[0], OrchestratorError("generation server x was lost (gone)",
+                                                         ErrorCode.UNAVAILABLE)])
 
     async def check(client):
         resp = await client.post("/v1/completions", json={"model": "demo", "prompt": "a",
@@ -317,7 +358,9 @@ def test_several_prompts_and_n_answer_as_indexed_choices(demo_engine):
 
 
 def test_a_failing_choice_fails_the_request_and_stops_the_others(demo_engine):
-    relay = ScriptedRelay([Delta("a", 1, 1), OrchestratorError("internal error: x")], pause=0.05)
+    relay = ScriptedRelay([Delta("a", 1, 1), OrchestratorError("internal error: x",
+                                                               ErrorCode.INTERNAL)],
+                          pause=0.05)
 
     async def check(client):
         resp = await client.post("/v1/completions", json={

@@ -240,8 +240,9 @@ def test_stop_trimmer_streams_what_the_whole_text_holds(deltas, stop, text, stop
     trimmer = StopTrimmer(stop)
     out = "".join(trimmer.add(d) for d in deltas) + trimmer.finish()
     assert out == text and trimmer.stopped == stopped
-    assert finish_reason(trimmer, 3, 3) == ("stop" if stopped else "length")
-    assert finish_reason(StopTrimmer(()), 2, 3) == "stop"     # the end token came first
+    assert finish_reason(trimmer, "length") == ("stop" if stopped else "length")
+    assert finish_reason(StopTrimmer(()), "stop_word") == "stop"
+    assert finish_reason(StopTrimmer(()), None) == "stop"     # an orchestrator that sent none
 
 
 # ---- prepared tensors ---------------------------------------------------------------------

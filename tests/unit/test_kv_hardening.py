@@ -10,10 +10,12 @@ import time
 import numpy as np
 import pytest
 
+from context_loops import prefill
+
 from kv_peers import FP, CountingPool, make_pool
 from triton_disagg import readers
 from triton_disagg.config.settings import ContextSettings
-from triton_disagg.context.prefill import ContextSide
+from triton_disagg.context.prefill_loop import PrefillLoop
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import EngineError, RequestError
@@ -34,7 +36,7 @@ def _settings(demo_engine, strategy: str) -> ContextSettings:
 def side(request, demo_engine):
     if request.param == "direct_transfer":
         pytest.importorskip("nixl")
-    side = ContextSide(LLMEngine(demo_engine, num_blocks=16),
+    side = PrefillLoop(LLMEngine(demo_engine, num_blocks=16),
                        _settings(demo_engine, request.param), f"hardening_{request.param}")
     yield side
     side.close()
@@ -57,12 +59,12 @@ def test_a_failed_prefill_gives_its_blocks_back(side, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the runner failed")
     monkeypatch.setattr(side.engine.runner, "prefill", broken)
-    answers = side.prefill([("a", _request()), ("b", _request())])
+    answers = prefill(side, [("a", _request()), ("b", _request())])
     assert [str(a) for a in answers] == ["prefill failed: RuntimeError: the runner failed"] * 2
     assert all(isinstance(a, EngineError) for a in answers)
     assert side.engine.pool.num_used == 0
     monkeypatch.undo()
-    (out,) = side.prefill([("c", _request())])             # the instance goes on serving
+    (out,) = prefill(side, [("c", _request())])             # the instance goes on serving
     assert not isinstance(out, Exception)
 
 
@@ -70,9 +72,9 @@ def test_a_handoff_whose_device_copy_fails_gives_its_blocks_back(side, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("device copy failed")
     monkeypatch.setattr(side.connector, "stage", broken)
-    (out,) = side.prefill([("a", _request())])
+    (out,) = prefill(side, [("a", _request())])
     assert isinstance(out, RequestError) and "device copy failed" in str(out)
-    assert side.engine.pool.num_used == 0
+    assert _zero(side.engine)
 
 
 def test_a_failed_overlapped_prefill_ends_the_lease_it_took(demo_engine, monkeypatch):
@@ -81,7 +83,7 @@ def test_a_failed_overlapped_prefill_ends_the_lease_it_took(demo_engine, monkeyp
     pytest.importorskip("nixl")
     from triton_disagg.kv.connector import PoolBuffer, make_connector
 
-    context = ContextSide(LLMEngine(demo_engine, num_blocks=16),
+    context = PrefillLoop(LLMEngine(demo_engine, num_blocks=16),
                           _settings(demo_engine, "direct_transfer"), "hardening_ovctx")
     generation = LLMEngine(demo_engine, num_blocks=16)
     connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array),
@@ -89,26 +91,26 @@ def test_a_failed_overlapped_prefill_ends_the_lease_it_took(demo_engine, monkeyp
                                generation.spec.fingerprint, 30.0)
     try:
         _, listener = connector.listen(len(PROMPT))
-        prefill = context.engine.runner.prefill
+        runner_prefill = context.engine.runner.prefill
 
         def fails_after_a_layer(batch, on_layer=None):
             if on_layer is not None:                   # the overlapped request's batch
                 on_layer(0)
             raise RuntimeError("the runner failed at layer 1")
         monkeypatch.setattr(context.engine.runner, "prefill", fails_after_a_layer)
-        answers = context.prefill([("o", _request()), ("p", _request())], [listener, b""])
+        answers = prefill(context, [("o", _request()), ("p", _request())], [listener, b""])
         assert all("at layer 1" in str(a) for a in answers)
         assert _zero(context.engine) and len(context.connector.endpoint.leases) == 0
-        monkeypatch.setattr(context.engine.runner, "prefill", prefill)
+        monkeypatch.setattr(context.engine.runner, "prefill", runner_prefill)
     finally:
         connector.close()
         context.close()
 
 
 def test_a_request_id_repeated_in_one_batch_is_refused_not_handed_off_twice(side):
-    first, again, other = side.prefill([("a", _request()), ("a", _request()),
-                                        ("b", _request())])
-    assert isinstance(again, RequestError) and "'a' appears more than once" in str(again)
+    first, again, other = prefill(side, [("a", _request()), ("a", _request()),
+                                         ("b", _request())])
+    assert isinstance(again, RequestError) and "'a' is already in use" in str(again)
     handles = [r["context_phase_params"].tobytes() for r in (first, other)]
     assert len(set(handles)) == 2
     for handle in handles:

@@ -10,9 +10,11 @@ import time
 
 import pytest
 
+from context_loops import prefill
+
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
-from triton_disagg.context.prefill import ContextSide
+from triton_disagg.context.prefill_loop import PrefillLoop
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.generation.side import PulledKV
@@ -42,7 +44,7 @@ def lease_seconds():
 
 @pytest.fixture
 def sides(demo_engine, lease_seconds):
-    context = ContextSide(LLMEngine(demo_engine, num_blocks=16),
+    context = PrefillLoop(LLMEngine(demo_engine, num_blocks=16),
                           _settings(demo_engine, lease_seconds), "ovctx")
     generation = LLMEngine(demo_engine, num_blocks=16)
     connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen",
@@ -94,7 +96,7 @@ def _prefill_slowly(sides, params: SamplingParams, read_layers, monkeypatch):
     monkeypatch.setattr(connector.endpoint, "read_layers", read_layers)
     monkeypatch.setattr(Announcer, "layers", slowly)
     listener = _await(generation, connector, "r", params)
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
+    (out,) = prefill(context, [("r", EngineRequest(PROMPT, params, True))], [listener])
     return (out,) + _decode(generation, "r")
 
 
@@ -158,7 +160,7 @@ def test_a_first_token_that_finishes_the_request_ends_the_pull_and_frees_both_po
     context, generation, connector = sides
     params = SamplingParams(max_tokens=1)
     listener = _await(generation, connector, "r", SamplingParams(max_tokens=4))
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
+    (out,) = prefill(context, [("r", EngineRequest(PROMPT, params, True))], [listener])
     assert out["finish_reason"].reshape(-1)[0] in (b"length", "length")
     assert not out[P.CONTEXT_PHASE_PARAMS].size
     _, arrivals = _decode(generation, "r")
@@ -209,7 +211,7 @@ def test_a_context_tried_after_one_that_failed_mid_transfer_is_followed(sides, d
     params = SamplingParams(max_tokens=8)
     (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
     listener = _await(generation, connector, "r", params)
-    first = ContextSide(LLMEngine(demo_engine, num_blocks=16), _settings(demo_engine),
+    first = PrefillLoop(LLMEngine(demo_engine, num_blocks=16), _settings(demo_engine),
                         "ovctx-first")
     try:
         (seq,) = first.engine.reserve_prompts([("r", PROMPT, params)])
@@ -219,7 +221,7 @@ def test_a_context_tried_after_one_that_failed_mid_transfer_is_followed(sides, d
         announcer.handle(stale)
         announcer.layers(1)                          # then it went silent
         time.sleep(0.05)
-        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
+        (out,) = prefill(context, [("r", EngineRequest(PROMPT, params, True))], [listener])
         tokens, arrivals = _decode(generation, "r")
         assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
         assert arrivals[0].error is None
@@ -237,7 +239,7 @@ def test_a_generation_that_cannot_be_reached_leaves_an_ordinary_handoff(sides, d
     params = SamplingParams(max_tokens=6)
     listener = _await(generation, connector, "r", params)
     connector.close()
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
+    (out,) = prefill(context, [("r", EngineRequest(PROMPT, params, True))], [listener])
     assert not isinstance(out, Exception), out
     assert out[P.CONTEXT_PHASE_PARAMS].size and context.engine.pool.num_used
     context.release(out[P.CONTEXT_PHASE_PARAMS].tobytes())
@@ -260,7 +262,7 @@ def test_a_prefill_longer_than_the_lease_keeps_it_while_layers_land(sides, demo_
 
     monkeypatch.setattr(Announcer, "layers", slowly)
     listener = _await(generation, connector, "r", params)
-    (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
+    (out,) = prefill(context, [("r", EngineRequest(PROMPT, params, True))], [listener])
     tokens, arrivals = _decode(generation, "r")
     assert arrivals[0].error is None, arrivals[0].error
     assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
@@ -278,7 +280,7 @@ def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypat
     engine = LLMEngine(demo_engine, num_blocks=16, runtime=Runtime("torch", "cpu", "float32"))
     engine.runner.kv = engine.runner.kv.clone()          # fake device memory
     engine.runtime = Runtime("torch", "cuda", "float32")  # so the connector stages it
-    context = ContextSide(engine, _settings(demo_engine), "ovctx-dev")
+    context = PrefillLoop(engine, _settings(demo_engine), "ovctx-dev")
     assert context.connector.pool.staging is not None
     generation = LLMEngine(demo_engine, num_blocks=16)
     connector = make_connector("direct_transfer", PoolBuffer(generation.pool.array), "ovgen-dev",
@@ -292,7 +294,7 @@ def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypat
         params = SamplingParams(max_tokens=8)
         (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
         listener = _await(generation, connector, "r", params)
-        (out,) = context.prefill([("r", EngineRequest(PROMPT, params, True))], [listener])
+        (out,) = prefill(context, [("r", EngineRequest(PROMPT, params, True))], [listener])
         tokens, arrivals = _decode(generation, "r")
         assert arrivals[0].error is None, arrivals[0].error
         assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids

@@ -1,5 +1,5 @@
 """The orchestrator's control flow without a server: non-streaming and aggregated requests,
-short prompts served whole, busy contexts retried, KV given back, cancels and early exits
+short prompts served whole, a full context's answer awaited (one call), KV given back, cancels and early exits
 that stop generation, and migration off a lost generation server; context and generation
 are a fake transport (:class:`orchestrator_fakes.FakeGeneration`) over real ipc sockets;
 ``serve all``'s BLS route ends a call that passes its deadline in a Timeout."""
@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator_fakes import FakeGeneration, serve_one
 from triton_disagg import protocol as P
-from triton_disagg.errors import ContextBusy, EngineError, Timeout
+from triton_disagg.errors import EngineError, Timeout
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
 
@@ -152,23 +152,24 @@ def test_releases_that_hang_do_not_pile_up(monkeypatch):
     generation.close()
 
 
-def test_a_busy_context_is_retried_until_it_has_room_within_stall_seconds():
+def test_a_full_context_is_called_once_and_its_answer_awaited():
+    """A context whose pool is full keeps the request queued: its answer comes late, and the
+    orchestrator waits for it (one call, no retry); a client that cancels meanwhile ends
+    the request."""
     sends = []
 
     async def send(outputs, final):
         sends.append(final)
 
-    generation = FakeGeneration(10, [11, 1], busy=3)
-    assert serve_one(generation, send) == "finished" and generation.busy == 0 and sends[-1]
-    swamped = FakeGeneration(10, [11, 1], busy=10**6)
+    generation = FakeGeneration(10, [11, 1], queued=0.3)
     started = time.monotonic()
-    result = serve_one(swamped, send, stall=0.3)
-    assert isinstance(result, ContextBusy) and "retried for 0.3 s" in str(result)
-    assert 0.2 < time.monotonic() - started < 3 and swamped.calls == []
+    assert serve_one(generation, send) == "finished" and sends[-1]
+    assert generation.context_calls == 1 and time.monotonic() - started >= 0.3
     sends.clear()
-    cancelled = FakeGeneration(10, [11, 1], busy=10**6)
+    cancelled = FakeGeneration(10, [11, 1], queued=10.0)
     assert serve_one(cancelled, send, cancel=lambda: True) == "cancelled" and sends == [True]
-    for fake in (generation, swamped, cancelled):
+    assert cancelled.context_calls == 1 and cancelled.calls == []
+    for fake in (generation, cancelled):
         fake.close()
 
 
@@ -237,7 +238,7 @@ def test_a_bls_call_past_its_deadline_is_a_timeout():
             await asyncio.Event().wait()             # never answers
 
     pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
-    route = BLSTransport(pb).route("req-1", timeout=0.2)
+    route = BLSTransport(pb, max_calls=4).route("req-1", timeout=0.2)
     inputs = {"input_ids": np.array([3, 4, 5], np.int32),
               "input_lengths": np.array([3], np.int32),
               "request_output_len": np.array([8], np.int32)}
@@ -245,3 +246,52 @@ def test_a_bls_call_past_its_deadline_is_a_timeout():
     with pytest.raises(Timeout, match=r"^context timed out: no answer within 0.2 s$"):
         asyncio.run(route.context(inputs))
     assert time.monotonic() - started < 2
+
+
+def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_free_it():
+    """``serve all``: the stub's ``async_exec`` holds a thread of the loop's default executor
+    per call until it is answered. Forty context calls waiting in a full context's queue (more
+    than Python's default executor has threads) must not keep out the call that frees its
+    pool (here a release; in serving, generation taking the KV)."""
+    import threading
+    from types import SimpleNamespace
+
+    from triton_disagg.front.transports import BLSTransport
+
+    freed, waiting = threading.Event(), 40
+
+    class Response:
+        def has_error(self):
+            return False
+
+        def output_tensors(self):
+            return []
+
+    class Request:
+        def __init__(self, parameters, **_):
+            self.frees = parameters[P.REQUEST_TYPE] == P.RELEASE_KV
+
+        async def async_exec(self):      # as the stub runs it: the blocking call in a thread
+            return await asyncio.get_running_loop().run_in_executor(None, self.exec)
+
+        def exec(self):
+            if self.frees:
+                freed.set()
+            elif not freed.wait(10):
+                raise AssertionError("the freeing call never ran")
+            return Response()
+
+    pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
+    transport = BLSTransport(pb, max_calls=waiting + 1)
+    inputs = {"input_ids": np.array([3, 4, 5], np.int32),
+              "input_lengths": np.array([3], np.int32),
+              "request_output_len": np.array([8], np.int32)}
+
+    async def main():
+        calls = [transport.route(f"r{i}", timeout=20).context(inputs) for i in range(waiting)]
+        calls.append(transport.route("free", timeout=20).release(inputs, np.zeros(1, np.uint8)))
+        return await asyncio.gather(*calls)
+
+    started = time.monotonic()
+    assert len(asyncio.run(main())) == waiting + 1
+    assert time.monotonic() - started < 5

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator_fakes import FakeGeneration, serve_one
 from triton_disagg import protocol as P
-from triton_disagg.errors import EngineError, Timeout
+from triton_disagg.errors import EngineError, ErrorCode, Timeout
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.token_wire import StreamEvent
 
@@ -62,7 +62,7 @@ def test_a_silent_stream_ends_in_a_clear_error_and_stops_generation():
     started = time.monotonic()
     result = serve_one(generation, send, stall=0.3)
     assert isinstance(result, Timeout) and "stall_seconds" in str(result)
-    assert Timeout.MARK in str(result)                      # the HTTP front's 504
+    assert result.status is ErrorCode.TIMEOUT               # the HTTP front's 504
     assert time.monotonic() - started < 5
     assert generation.stops() == generation.request_ids
     generation.close()
@@ -81,6 +81,21 @@ def test_a_request_lost_more_often_than_max_migrations_ends_in_one_clear_error()
     assert isinstance(result, EngineError) and "\n" not in str(result)
     assert f"generation server gen-{MAX_MIGRATIONS} was lost" in str(result), result
     assert len(generation.calls) == MAX_MIGRATIONS + 1
+    generation.close()
+
+
+def test_a_timeout_after_a_move_stays_a_timeout():
+    """gen-0 is lost, the request moves, gen-1 stays silent past the stall: the error says
+    why it moved and keeps its code (TIMEOUT: the front's 504), not UNAVAILABLE."""
+    generation = FakeGeneration(10, [11, 1], silent=True, dying=1)
+
+    async def send(outputs, final):
+        pass
+
+    result = serve_one(generation, send, stall=1.5)
+    assert isinstance(result, Timeout) and result.status is ErrorCode.TIMEOUT, result
+    assert "generation server gen-0 was lost" in str(result), result
+    assert len(generation.calls) == 2
     generation.close()
 
 

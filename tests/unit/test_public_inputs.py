@@ -14,8 +14,7 @@ from engine_limits import limits_spec
 from triton_disagg import peers, protocol as P
 from triton_disagg.engine.sampling import SamplingParams, SamplingParamsError
 from triton_disagg.engine.words import MAX_LIST_TOKENS, from_wire, to_wire
-from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, RequestError,
-                                  Timeout)
+from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout
 from triton_disagg.front.orchestrator_gate import OrchestratorGate, public_message
 from triton_disagg.triton import engine_request
 
@@ -125,7 +124,6 @@ def test_the_orchestrator_admits_only_sealed_requests_within_the_limits():
 @pytest.mark.parametrize("error, words", [
     (GenerationLost("http://10.0.0.7:8001", "UNAVAILABLE: Connection refused"), "unavailable"),
     (Timeout("context server 10.0.0.7:8001 (no answer within 4 s)"), "timed out"),
-    (ContextBusy("context busy: 0 of 512 blocks free at 10.0.0.7"), "busy"),
     (EngineError("prefill failed: ValueError at /opt/engine/x.py"), "internal error"),
     (KeyError("settings"), "internal error"),
 ])

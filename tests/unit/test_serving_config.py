@@ -162,6 +162,42 @@ def test_prefix_caching_on_by_default_and_carried_to_the_engine(write, tiny_engi
         assert engine.pool.cache is None
 
 
+def test_kv_events_host_reaches_the_engine_settings_and_the_kv_dtype_the_pools(write):
+    from triton_disagg.config.settings import from_json, to_json
+    from triton_disagg.triton.render import settings
+
+    cfg = load_config(write(GUIDE.replace("gpus: [0, 1]}", "gpus: [0, 1], kv_dtype: float32, "
+                                                         "router: kv_aware}")))
+    for model in ("context", "generation"):
+        carried = from_json(model, to_json(settings(model, model, cfg, None, "0.0.0.0",
+                                                    "ctx-01.example")))
+        assert (carried.kv_events_host, carried.kv_events_bind) == ("ctx-01.example", "0.0.0.0")
+        unset = from_json(model, to_json(settings(model, "all", cfg)))
+        assert (unset.kv_events_host, unset.kv_events_bind) == (None, None)     # ipc
+    pools = from_json("orchestrator", to_json(settings("orchestrator", "scheduler", cfg))).pools
+    assert (pools["context"].router, pools["context"].kv_dtype) == ("kv_aware", "float32")
+    carried = from_json("context", to_json(settings("context", "context", cfg, None,
+                                                    "0.0.0.0", "ctx-01", 6002)))
+    assert carried.kv_events_port == 6002
+
+
+def test_servers_sharing_a_config_publish_kv_events_on_ports_of_their_own(write):
+    from triton_disagg.launch.serve_cli import _kv_events_at
+    from triton_disagg.routing.kv_events import publisher_ports
+    from triton_disagg.triton.render import settings
+
+    cfg = load_config(write("model: {engine: engines/demo}\n"
+                            "context_server: {urls: ['h:2', 'h:1'], instances: 2, "
+                            "kv_events_port: 6000}\n"))
+    assert _kv_events_at("context", cfg, "h:2") == ("h", 6000)       # first listed
+    assert _kv_events_at("context", cfg, "h:1") == ("h", 6002)       # after h:2's two
+    assert _kv_events_at("context", cfg, "other:9") == ("other", 6000)   # not listed: first
+    assert _kv_events_at("scheduler", cfg, "h:2") == (None, None)
+    assert list(publisher_ports(6000, ["h:2", "h:1"], "h:1", 2)) == [6002, 6003]
+    pool = settings("orchestrator", "scheduler", cfg).pools["context"]
+    assert (pool.urls, pool.kv_events_port, pool.instances) == (("h:2", "h:1"), 6000, 2)
+
+
 def test_cuda_where_no_gpu_exists(write):
     cfg = load_config(write("model: {engine: engines/demo, runtime: torch, device: cuda}\n"))
     with pytest.raises(UserError, match=r"model.device: cuda.*no NVIDIA GPU.*device: cpu"):

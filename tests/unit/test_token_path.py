@@ -14,7 +14,7 @@ import zmq
 from triton_disagg import protocol as P
 from triton_disagg import token_wire
 from triton_disagg.generation.side import read_request_parameters
-from triton_disagg.errors import RequestError
+from triton_disagg.errors import ErrorCode, RequestError
 from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.zmq_endpoints import bind, push_socket
 
@@ -24,9 +24,11 @@ from triton_disagg.zmq_endpoints import bind, push_socket
 def test_messages_round_trip():
     events = [StreamEvent("a", [1, 2], key="ka"),
               StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length", seq=4, key="kb"),
-              StreamEvent("c", [], error="KV handle refused", seq=1, key="kc")]
+              StreamEvent("c", [], error="KV handle refused", seq=1, key="kc"),
+              StreamEvent("d", [], error="timed out, lost", code=ErrorCode.INVALID_ARG,
+                          key="kd")]
     assert token_wire.decode_events(token_wire.encode_events(events)) == events
-    assert [e.final for e in events] == [False, True, True]
+    assert [e.final for e in events] == [False, True, True, True]
     assert token_wire.decode_stop(token_wire.encode_stop("req-1", "k")) == ("req-1", "k")
     assert token_wire.split_key(token_wire.with_key("ipc:///x", "k")) == ("ipc:///x", "k")
 
@@ -36,14 +38,29 @@ def test_the_bytes_are_the_schema():
     them, so a rename in Python must not change a byte."""
     events = [StreamEvent("a", [1, 2], key="ka"),
               StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length", seq=4, key="kb"),
-              StreamEvent("c", [], error="KV handle refused", seq=1, key="kc")]
+              StreamEvent("c", [], error="KV handle refused", code=ErrorCode.UNAVAILABLE,
+                          seq=1, key="kc")]
     assert token_wire.encode_events(events) == msgpack.packb({"v": 2, "events": [
         {"id": "a", "key": "ka", "seq": 0, "tokens": [1, 2]},
         {"id": "b", "key": "kb", "seq": 4, "tokens": [3], "log_probs": [-0.5],
          "cum_log_prob": -1.5, "finish": "length"},
-        {"id": "c", "key": "kc", "seq": 1, "tokens": [], "error": "KV handle refused"}]})
+        {"id": "c", "key": "kc", "seq": 1, "tokens": [], "error": "KV handle refused",
+         "code": "UNAVAILABLE"}]})
     assert token_wire.encode_stop("req-1", "k") == msgpack.packb(
         {"v": 2, "stop": "req-1", "key": "k"})
+
+
+@pytest.mark.parametrize("extra, code", [
+    ({}, ErrorCode.INTERNAL),                           # a generation that sends no code yet
+    ({"code": "INVALID_ARG"}, ErrorCode.INVALID_ARG),
+    ({"code": "DATA_LOSS"}, ErrorCode.INTERNAL),        # a code this side does not know
+])
+def test_an_error_events_code_is_read_from_its_field_not_its_message(extra, code):
+    frame = msgpack.packb({"v": 2, "events": [
+        {"id": "a", "key": "k", "seq": 0, "tokens": [], "error": "unavailable: timed out",
+         **extra}]})
+    assert token_wire.decode_events(frame) == [
+        StreamEvent("a", [], error="unavailable: timed out", code=code, key="k")]
 
 
 @pytest.mark.parametrize("frame, words", [
@@ -61,6 +78,10 @@ def test_the_bytes_are_the_schema():
     (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": "0", "tokens": []}]}),
      ["'seq'"]),
     (msgpack.packb({"v": 2, "stop": 5}), ["without 'events'"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
+                                        "error": "x", "code": 3}]}), ["'code'"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
+                                        "finish": "aborted"}]}), ["'finish'", "length"]),
 ])
 def test_frames_that_are_not_this_schema_are_refused(frame, words):
     with pytest.raises(WireError) as err:

@@ -1,4 +1,4 @@
-"""`triton-disagg bench engine|serve|front|handoff|overlap|remote|soak|stall`: figures kept in
+"""`triton-disagg bench engine|serve|front|handoff|overlap|prefix|remote|soak|stall`: figures kept in
 docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from triton_disagg.bench.args import number_list
 from triton_disagg.bench.front_bench import add_front_parser
 from triton_disagg.bench.handoff import add_handoff_parser
 from triton_disagg.bench.overlap import add_overlap_parser
+from triton_disagg.bench.prefix_cli import add_prefix_parser
 from triton_disagg.bench.remote_cli import add_remote_parser
 from triton_disagg.bench.serve_cli import add_serve_parser
 from triton_disagg.bench.soak_cli import add_soak_parser
@@ -46,6 +47,7 @@ def register(subparsers) -> None:
     add_front_parser(kinds)
     add_handoff_parser(kinds)
     add_overlap_parser(kinds)
+    add_prefix_parser(kinds)
     add_remote_parser(kinds)
     add_soak_parser(kinds)
     add_stall_parser(kinds)

@@ -80,7 +80,7 @@ def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[s
     :class:`~triton_disagg.bench.second_token.Worker` on the generation host."""
     from triton_disagg.launch.netns import Hosts
     from triton_disagg.bench.second_token import Worker
-    from triton_disagg.bench.serve_ready import wait_ready
+    from triton_disagg.bench.serve_servers import wait_ready
     from triton_disagg.bench.serve_servers import placement
     from triton_disagg.kv.secret import SECRET_ENV
 

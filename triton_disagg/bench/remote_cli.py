@@ -139,7 +139,7 @@ target).
 def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[str]:
     """The three roles' `serve` commands (:func:`serve_argv`, as every launcher writes them)
     on loopback, run by this interpreter; yields the scheduler's gRPC url."""
-    from triton_disagg.bench.serve_ready import wait_ready
+    from triton_disagg.bench.serve_servers import wait_ready
     from triton_disagg.bench.serve_servers import placement
     from triton_disagg.launch.deploy import free_ports
     from triton_disagg.launch.serve_argv import serve_argv

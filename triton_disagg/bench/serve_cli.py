@@ -8,7 +8,7 @@ Order of a run (every server on the same cores, one at a time):
    (:func:`split_baseline`);
 2. per mode: start the server, warm it up, then, with the client on the front
    end's cores, one Poisson run per rate of the sweep (``rate x --duration``
-   requests; :mod:`serve_sweep`: by default ``--rate-step``, twice that, ... until
+   requests; :mod:`serve_stats`: by default ``--rate-step``, twice that, ... until
    the mode misses its SLO or reaches ``--max-rate``; with ``--rates``, exactly
    those), then ``BEST_OF`` paired rounds: the serial and burst sets in-process,
    then the same on the server (:mod:`triton_disagg.clients.load`), reading each server process's
@@ -95,7 +95,7 @@ def add_serve_parser(kinds) -> None:
 
 
 def _sweep(args: argparse.Namespace):
-    from triton_disagg.bench.serve_sweep import Sweep
+    from triton_disagg.bench.serve_stats import Sweep
 
     if args.rates is None:
         return Sweep.stepped(RATE_STEP if args.rate_step is None else args.rate_step,

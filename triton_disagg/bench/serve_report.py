@@ -4,7 +4,7 @@ Rows come from :class:`serve_stats.Summary`; rate 0 is shown as "serial" (one
 request at a time), ``inf`` as "burst" (all at once). Invariant: the verdict
 lines state the target, the measured value and whether it holds, and say where
 each mode first missed its SLO or that its goodput is only a floor
-(:func:`serve_sweep.verdicts`), so the section reads correctly on its own
+(:func:`serve_stats.verdicts`), so the section reads correctly on its own
 whatever the numbers are.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from triton_disagg.bench.serve_stats import GOODPUT_ATTAINMENT, SLO, Percentiles, Summary, goodput
-from triton_disagg.bench.serve_sweep import Sweep, verdicts
+from triton_disagg.bench.serve_stats import (GOODPUT_ATTAINMENT, SLO, Percentiles, Summary,
+                                             Sweep, goodput, verdicts)
 
 TTFT_ADDED_MAX = 0.010          # overhead target: at most 10 ms added TTFT at p50
 # and at most this much output throughput lost at saturation: per stream_interval,

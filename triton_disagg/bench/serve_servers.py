@@ -13,18 +13,31 @@ same cores, and only the split differs.
 With ``openai``, the HTTP front (:mod:`triton_disagg.launch.front_process`) runs beside
 it, as ``serve all`` runs it (``Served.openai``: its URL).
 
-Invariant: :func:`serving` yields a ready server on free loopback ports and
-stops its whole process group (and the front) on exit, even when the body raises.
+:func:`serve_cli` runs a ``triton-disagg serve`` command line instead, as a user runs it,
+and :func:`wait_ready` waits for such a command to say it is ready.
+
+Invariant: :func:`serving` and :func:`serve_cli` yield a ready server (on free loopback
+ports) and stop its whole process group (and the front) on exit, even when the body raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from triton_disagg.errors import UserError
 from triton_disagg.launch.deploy import free_ports
+from triton_disagg.launch.process_group import terminate
+
+READY_LINE = "ready ("          # serve's line once its server answers (a scheduler: and its peers)
+TAIL_CHARS = 2000
 
 MODES = ("disaggregated", "aggregated")
 
@@ -91,3 +104,38 @@ def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
         if proc is not None:
             stop_front(proc)
         server.stop()
+
+
+def wait_ready(proc: subprocess.Popen, log: Path, what: str, timeout: float = 300.0,
+               marker: str = READY_LINE) -> float:
+    """Until ``log`` (the command's output) holds ``marker``: the seconds it took; a
+    UserError naming ``what``, with the log's tail, when the command exits first or
+    ``timeout`` s pass."""
+    start = time.monotonic()
+    while marker not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() - start > timeout:
+            tail = log.read_text(errors="replace")[-TAIL_CHARS:]
+            raise UserError(f"{what} did not become ready (see {log}):\n{tail}")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def serve_cli(args: list[str], cli_log: Path, ready_timeout: float = 300.0,
+              marker: str = READY_LINE) -> Iterator[tuple[subprocess.Popen, float]]:
+    """Run ``triton-disagg serve *args`` (its output to ``cli_log``) until the block exits;
+    yields (the process, seconds until its output showed ``marker``)."""
+    with open(cli_log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "triton_disagg.cli", "serve", *args],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc, wait_ready(proc, cli_log, f"serve {args[0]}", ready_timeout, marker)
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM ``serve`` (it stops tritonserver and the stubs), SIGKILL the group if slow."""
+    terminate(proc, timeout)
+    with contextlib.suppress(ProcessLookupError):   # what the group left behind
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -15,23 +15,18 @@ whole process group (``serve``, tritonserver, the stubs) is gone.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from triton_disagg.errors import UserError
-from triton_disagg.launch.process_group import terminate
+from triton_disagg.bench.serve_servers import serve_cli
 from triton_disagg.triton import server_log
 from triton_disagg.triton.server_log import is_cpu_noise
 
-READY_MARKER = "ready ("
 CRASH_MARKERS = ("Fatal Python error", "Segmentation fault")
 STUB_DEATH = "the stub process of"
 _ERROR_ID = re.compile(r"0x[0-9a-f]+|\d+")     # addresses and numbers vary between lines
@@ -83,32 +78,11 @@ def serving(config: dict, work_dir: Path, ready_timeout: float = 300.0) -> Itera
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     http, grpc, metrics = free_ports(3)
     server_dir, cli_log = work_dir / "server", work_dir / "serve.log"
-    cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", "all", "-c", str(config_path),
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--work-dir", str(server_dir)]
-    start = time.monotonic()
-    with open(cli_log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        while READY_MARKER not in cli_log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() - start > ready_timeout:
-                why = (f"it exited {proc.returncode}" if proc.returncode is not None
-                       else f"not ready in {ready_timeout:.0f} s")
-                tail = "\n".join(cli_log.read_text(errors="replace").splitlines()[-15:])
-                raise UserError(f"serve all: {why}; see {cli_log}:\n{tail}")
-            time.sleep(0.3)
+    args = ["all", "-c", str(config_path), "--http-port", str(http), "--grpc-port", str(grpc),
+            "--metrics-port", str(metrics), "--work-dir", str(server_dir)]
+    with serve_cli(args, cli_log, ready_timeout) as (proc, ready_seconds):
         yield SoakServer(proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}",
-                         f"http://127.0.0.1:{metrics}", server_dir, cli_log,
-                         time.monotonic() - start)
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """SIGTERM ``serve`` (it stops tritonserver and the stubs), SIGKILL the group if slow."""
-    terminate(proc, timeout)
-    with contextlib.suppress(ProcessLookupError):   # what the group left behind
-        os.killpg(proc.pid, signal.SIGKILL)
+                         f"http://127.0.0.1:{metrics}", server_dir, cli_log, ready_seconds)
 
 
 # --- afterwards: logs and pools ---------------------------------------------------------

@@ -58,7 +58,7 @@ and the scheduler watches it (:mod:`triton_disagg.routing.discovery`); with ``ca
 password read from that environment variable) as :class:`DiscoveryConfig` says. With discovery a role
 names at most one url: where that server binds, not a pool; the scheduler routes over
 what etcd holds. Routing (:mod:`triton_disagg.routing.router`): per role ``router:
-least_loaded`` (default) or ``round_robin``; ``generation_server.max_local_prefill_length:
+least_loaded`` (default), ``round_robin`` or ``kv_aware``; ``generation_server.max_local_prefill_length:
 N`` (default 0, off) serves prompts of at most N tokens whole on a generation server
 (``context_and_generation``, no KV handoff), as trtllm-serve and Dynamo do.
 
@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_disagg.config.discovery_section import DiscoveryConfig, parse_discovery
+from triton_disagg.config.tls_section import GrpcTLS, parse_grpc_tls
 from triton_disagg.config.front_section import FrontConfig, parse_front
 from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
 from triton_disagg.config.server_section import (SCHEDULER_KEYS, SERVER_KEYS, ServerConfig,
@@ -120,6 +121,7 @@ class DisaggConfig:
     decoupled_mode: bool = True         # False: non-decoupled ensemble, plain infer() works
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)   # launch k8s only
     front: FrontConfig = field(default_factory=FrontConfig)   # the HTTP front's limits
+    grpc_tls: GrpcTLS | None = None     # None: gRPC in clear (config.tls_section)
     # model.runtime / device / dtype; None: chosen on the serving host (Runtime.default)
     runtime: str | None = None
     device: str | None = None
@@ -236,7 +238,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
            engine_flag: Path | None) -> DisaggConfig:
     top = mapping(raw, "top level", {"model", "mode", "decoupled_mode", "context_server",
                                       "generation_server", "scheduler_server", "kv_cache",
-                                      "discovery", "kubernetes", "front"})
+                                      "discovery", "kubernetes", "front", "grpc_tls"})
     model = mapping(top.get("model"), "model", {"engine", "name", "runtime", "device", "dtype",
                                                 "tensor_parallel_size"},
                     like="engine: engines/demo")
@@ -290,6 +292,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
         model_name=name,
         kubernetes=parse_kubernetes(top.get("kubernetes")), source=source,
         front=parse_front(top.get("front")),
+        grpc_tls=parse_grpc_tls(top.get("grpc_tls"), base_dir, files_here=engine_here),
         context=parse_server(top.get("context_server"), "context_server", SERVER_KEYS),
         generation=parse_server(top.get("generation_server"), "generation_server",
                                 SERVER_KEYS | {"stream_interval", "stall_seconds",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from triton_disagg.config.values import mapping, parse_url
+from triton_disagg.config.values import mapping, parse_url, pem_file
 from triton_disagg.errors import UserError
 
 _DISCOVERY_KEYS = {"etcd", "prefix", "ttl_seconds", "ca_file", "cert_file", "key_file",
@@ -77,7 +77,7 @@ def parse_discovery(raw: Any, base_dir: Path, files_here: bool) -> DiscoveryConf
     if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 2:
         raise UserError(f"discovery.ttl_seconds: {ttl!r} must be a whole number of seconds "
                         f">= 2 (etcd leases count whole seconds), e.g. 10")
-    files = {key: _pem_file(d[key], key, base_dir, files_here)
+    files = {key: pem_file(d[key], f"discovery.{key}", base_dir, files_here)
              for key in _DISCOVERY_FILES if key in d}
     if ("cert_file" in files) != ("key_file" in files):
         raise UserError("discovery.cert_file and discovery.key_file: give both (the client "
@@ -95,11 +95,3 @@ def parse_discovery(raw: Any, base_dir: Path, files_here: bool) -> DiscoveryConf
                            username=d.get("username"), password_env=d.get("password_env"),
                            **files)
 
-
-def _pem_file(raw: Any, key: str, base_dir: Path, files_here: bool) -> str:
-    if not isinstance(raw, str) or not raw:
-        raise UserError(f"discovery.{key}: {raw!r} must be a file path (PEM)")
-    path = (base_dir / raw).resolve()
-    if files_here and not path.is_file():
-        raise UserError(f"discovery.{key}: {path} not found; give the PEM file's path")
-    return str(path)

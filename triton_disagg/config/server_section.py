@@ -13,9 +13,9 @@ from triton_disagg.config.values import count, int_list, mapping, number, parse_
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import KV_DTYPES
 
-ROUTERS = ("least_loaded", "round_robin")      # the first is the default
+ROUTERS = ("least_loaded", "round_robin", "kv_aware")   # the first is the default
 SERVER_KEYS = {"url", "urls", "gpus", "cpus", "instances", "tokens_per_block", "kv_dtype",
-               "http_port", "metrics_port", "front_port", "router"}
+               "http_port", "metrics_port", "front_port", "router", "kv_events_port"}
 SCHEDULER_KEYS = {"url", "http_port", "grpc_port", "metrics_port", "front_port", "instances",
                   "cpus", "max_concurrent_requests"}
 MAX_CONCURRENT_REQUESTS = 256        # per orchestrator instance (scheduler_server)
@@ -42,6 +42,11 @@ class ServerConfig:
     grpc_port: int | None = None        # scheduler_server only (the others': their url's)
     metrics_port: int | None = None
     front_port: int | None = None       # the HTTP front (the scheduler's: OpenAI API; all: /healthz)
+    # context/generation: instance i of the j-th server of urls publishes its KV events on
+    # tcp port kv_events_port + j x instances + i (routing.kv_events.publisher_ports; vLLM
+    # offsets its port per data-parallel rank), so a static pool's kv_aware router knows
+    # where to subscribe; None: a free port each, named in the etcd record.
+    kv_events_port: int | None = None
     # Streaming: a response every this many decode steps (the first token and the last
     # always go at once). TensorRT-LLM's name; generation_server only.
     stream_interval: int = 1
@@ -94,10 +99,16 @@ def parse_server(raw: Any, key: str, allowed: set[str]) -> ServerConfig:
     kv_dtype = s.get("kv_dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise UserError(f"{key}.kv_dtype: {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    ports = {k: s.get(k) for k in ("http_port", "grpc_port", "metrics_port", "front_port")}
+    ports = {k: s.get(k) for k in ("http_port", "grpc_port", "metrics_port", "front_port",
+                                   "kv_events_port")}
     for k, v in ports.items():
         if v is not None and (not isinstance(v, int) or not 0 < v < 65536):
             raise UserError(f"{key}.{k}: {v!r} must be a port number between 1 and 65535")
+    publishers = max(1, len(urls)) * instances
+    if ports["kv_events_port"] is not None and ports["kv_events_port"] + publishers > 65536:
+        raise UserError(f"{key}.kv_events_port: {ports['kv_events_port']} + {publishers} "
+                        f"publishers (servers x instances) runs past port 65535; pick a "
+                        f"lower one")
     interval = count(s.get("stream_interval", 1), f"{key}.stream_interval",
                       " (1: a response per token)")
     stall = number(s.get("stall_seconds", 30.0), f"{key}.stall_seconds")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Union
 
 from triton_disagg.config.discovery_section import DiscoveryConfig
+from triton_disagg.config.tls_section import GrpcTLS
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class EngineSettings:
     kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
     kv_max_size_given: bool = False              # kv_max_size was set: it caps a CUDA pool too
     kv_prefix_caching: bool = True               # kv_cache.prefix_caching
+    # Where an instance's KV events publisher binds (routing.kv_events): None: ipc (serve all);
+    # else tcp on kv_events_bind (the server's --host), advertising kv_events_host.
+    kv_events_host: str | None = None
+    kv_events_bind: str | None = None
+    kv_events_port: int | None = None            # instance i binds this + i; None: a free one
 
     def __post_init__(self):
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))
@@ -67,7 +73,13 @@ class GenerationSettings(EngineSettings):
 @dataclass(frozen=True)
 class PoolSettings:
     urls: tuple[str, ...]
-    router: str                        # round_robin | least_loaded
+    router: str                        # round_robin | least_loaded | kv_aware
+    kv_dtype: str | None = None        # the role's kv_dtype (None: the engine's): kv_aware's hash
+    # kv_aware over static urls: the role's tokens_per_block (None: the engine's), and where
+    # each server's instances publish KV events (kv_events_port + i, i < instances)
+    tokens_per_block: int | None = None
+    kv_events_port: int | None = None
+    instances: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "urls", tuple(self.urls))
@@ -86,6 +98,7 @@ class OrchestratorSettings:
     discovery: DiscoveryConfig | None = None
     overlap_kv_transfer: bool = False  # kv_cache.overlap_transfer: generation first (kv.overlap)
     max_concurrent_requests: int = 256  # scheduler_server.max_concurrent_requests, per instance
+    grpc_tls: GrpcTLS | None = None     # the config's grpc_tls: calls to the roles over TLS
 
     def __post_init__(self):
         object.__setattr__(self, "pools", {
@@ -93,6 +106,8 @@ class OrchestratorSettings:
             for role, p in self.pools.items()})
         if isinstance(self.discovery, dict):
             object.__setattr__(self, "discovery", DiscoveryConfig(**self.discovery))
+        if isinstance(self.grpc_tls, dict):
+            object.__setattr__(self, "grpc_tls", GrpcTLS(**self.grpc_tls))
 
 
 Settings = Union[PreprocessSettings, ContextSettings, GenerationSettings, OrchestratorSettings]

@@ -18,7 +18,8 @@ deployment's last (:func:`launch.deploy.triton_ports`: 8003-8005 beside context 
 generation 8002).
 
 Per section: ``urls`` (as many as ``num_instances``, as TensorRT-LLM checks) -> ``urls``;
-``router.type`` ``round_robin`` -> ``round_robin``, ``load_balancing`` -> ``least_loaded``;
+``router.type`` ``round_robin`` -> ``round_robin``, ``load_balancing`` -> ``least_loaded``,
+``kv_cache_aware`` and ``conversation`` -> ``kv_aware`` (:mod:`triton_disagg.routing.router`);
 ``kv_cache_config.tokens_per_block`` -> ``tokens_per_block``; ``kv_cache_config.enable_block_reuse``
 -> ``kv_cache.prefix_caching`` (one value for every role: sections that differ turn it off,
 with a line); ``tensor_parallel_size`` /
@@ -44,7 +45,8 @@ MARKERS = ("hostname", "port", "backend", "context_servers", "generation_servers
 OURS_AT_TOP = ("model", "mode", "decoupled_mode", "kv_cache", "discovery", "scheduler_server")
 OURS_PER_ROLE = ("cpus", "gpus", "instances", "kv_dtype", "http_port", "metrics_port", "front_port",
                  "stream_interval", "stall_seconds")
-ROUTERS = {"round_robin": "round_robin", "load_balancing": "least_loaded"}
+ROUTERS = {"round_robin": "round_robin", "load_balancing": "least_loaded",
+           "kv_cache_aware": "kv_aware", "conversation": "kv_aware"}
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
 DEFAULT_PORT = 8000              # trtllm-serve's, when the config has hostname alone
 

@@ -5,6 +5,7 @@ key (the caller passes its dotted name) and the fix."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from triton_disagg.errors import UserError
@@ -91,3 +92,14 @@ def number(raw: Any, key: str) -> float:
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < float("inf"):
         raise UserError(f"{key}: {raw!r} must be a finite number of seconds > 0, e.g. 30")
     return float(raw)
+
+
+def pem_file(raw: Any, key: str, base_dir: Path, files_here: bool) -> str:
+    """A PEM file's path, absolute (a relative one resolves against ``base_dir``, the
+    config's folder); ``files_here``: it must exist on this host."""
+    if not isinstance(raw, str) or not raw:
+        raise UserError(f"{key}: {raw!r} must be a file path (PEM)")
+    path = (base_dir / raw).resolve()
+    if files_here and not path.is_file():
+        raise UserError(f"{key}: {path} not found; give the PEM file's path")
+    return str(path)

@@ -1,164 +1,81 @@
-"""The context model's logic: prefill a batch of waiting prompts, hand each one's KV off.
+"""The context role's prefill pass: prefill admitted prompts in one engine pass and hand
+each one's KV off.
 
-Triton's dynamic batcher gives one ``execute`` every prompt that waited; they
-are prefilled in one engine pass (:meth:`LLMEngine.reserve_prompts` takes their blocks,
-:meth:`LLMEngine.prefill_reserved` fills them). Each result
-is the first token plus ``context_phase_params`` (empty when the first token
-already finished the request: its blocks are freed, nothing is handed off).
+The instance's loop (:mod:`triton_disagg.context.prefill_loop`) admits waiting prompts from
+the engine's queue once their blocks (and the KV handoff's room) are free, and gives
+:meth:`Prefiller.prefill` the sequences holding them; :meth:`LLMEngine.prefill_reserved`
+fills them. Each result is the first token plus ``context_phase_params`` (empty when the
+first token already finished the request: its blocks are freed, nothing is handed off).
 
-Invariants: one request's mistake fails only that request (the batch is
-retried one by one; a request id met twice in one batch fails its later copies, which
-would otherwise hand off the first one's blocks twice); a prefill that fails gives every
-block it reserved back (or ends the lease that took it), and each request then gets its
-own result or error (a fault: ``EngineError``, INTERNAL), never an exception out of
-:meth:`ContextSide.prefill`;
-``execute`` never waits for memory: a request whose KV
-blocks or staging slots are not free now gets an error starting with
-``protocol.CONTEXT_BUSY`` at once (back-pressure: the orchestrator retries it),
-so the instance goes on serving prompts that fit; every result either carries a
-handle that owns its blocks or has no blocks (the KV connector,
-:mod:`triton_disagg.kv.connector`, frees them exactly once); the pool is only touched
-under ``lock``, since a connector frees handed-off blocks from its own thread, and such a
-free never waits for a prefill (blocks freed while one runs go back when it ends, so the
-connector's thread keeps serving its transport);
-:attr:`ContextSide.queued_tokens` counts the prompt tokens of the batches inside
-:meth:`ContextSide.prefill` (0 when none is), which the reporter publishes as
-``disagg_queued_prompt_tokens`` with the pool gauges.
+Invariants: only the loop's thread calls in here (it owns the engine and its pool, so
+nothing locks); one request's mistake fails only that request (a batch whose prefill fails
+is retried one request at a time); a prefill that fails gives every block it took back (or
+ends the lease that took it), and each request then gets its own result or error (a fault:
+``EngineError``, INTERNAL), never an exception out of :meth:`Prefiller.prefill`; every
+result either carries a handle that owns its blocks or has no blocks (the KV connector,
+:mod:`triton_disagg.kv.connector`, frees them exactly once, as messages to the loop).
 
 An overlapped request (``--overlap_kv_transfer``: it carries generation's ``kv_listener``)
 has its blocks leased before the prefill writes them, and generation hears of the handle,
-of each layer as it lands, and of the first token (:class:`~triton_disagg.kv.overlap.Announcer`);
-one whose announcement fails gives its KV back and fails alone.
+of each layer as it lands, and of the first token (:class:`~triton_disagg.kv.overlap.Announcer`,
+sent from the loop's thread); one whose announcement fails gives its KV back and fails alone.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.config.settings import ContextSettings
-from triton_disagg.engine.block_pool import KVCacheFullError
+from triton_disagg.engine.llm_engine import LLMEngine, PrefillResult
+from triton_disagg.engine.sequence import Sequence
 from triton_disagg.errors import EngineError, RequestError
-from triton_disagg.kv.connector import ConnectorError, HandoffBusy, connector_for
-from triton_disagg.kv.handle import HandleError
+from triton_disagg.kv.connector import ConnectorError, KVConnector
 from triton_disagg.triton import engine_request
-from triton_disagg.triton.engine_request import EngineRequest
 
 _log = logging.getLogger(__name__)
 
-REPORT_SECONDS = 0.5
 
+class Prefiller:
+    """``engine``'s prefill passes and ``connector``'s exports (the loop's thread alone);
+    ``reclaim()`` takes back into the pool the blocks the connector freed meanwhile (the
+    loop's frees queue), so that a failed batch's requests can each take theirs again."""
 
-class ContextSide:
-    def __init__(self, engine: Any, settings: ContextSettings, instance: str,
-                 metrics: Any = None):
-        self.engine, self.metrics = engine, metrics
-        self.lock = threading.Lock()
-        self._freed: list[list[int]] = []        # frees that came while a prefill held the pool
-        self._freed_lock = threading.Lock()
-        self.connector = connector_for(settings, engine, instance, self.free)
-        self.queued_tokens = 0
-        self._queued_lock = threading.Lock()
-        self.closed = threading.Event()
-        self.reporter = threading.Thread(target=self._report_loop, name="context-metrics",
-                                         daemon=True)
-        self.reporter.start()
+    def __init__(self, engine: LLMEngine, connector: KVConnector,
+                 reclaim: Callable[[], None]):
+        self.engine, self.connector, self.reclaim = engine, connector, reclaim
 
-    def prefill(self, batch: list[tuple[str, EngineRequest]],
-                listeners: list[bytes] | None = None) -> list[dict | Exception]:
-        """Engine outputs plus ``context_phase_params`` per request, or that request's error;
-        ``listeners``: generation's ``kv_listener`` of each request (``b""``: not
-        overlapped), in batch order. A request id already met in the batch is refused."""
-        listeners = listeners or [b""] * len(batch)
-        repeated, seen = [], set()
-        for request_id, _ in batch:
-            repeated.append(request_id in seen)
-            seen.add(request_id)
-        unique = [item for item, again in zip(batch, repeated) if not again]
-        overlapped = {rid: listener for (rid, _), listener, again
-                      in zip(batch, listeners, repeated) if listener and not again}
-        tokens = sum(len(request.prompt_ids) for _, request in unique)
-        self._count_queued(tokens)
+    def prefill(self, seqs: list[Sequence], listeners: dict[str, bytes]) -> list[dict | Exception]:
+        """Engine outputs plus ``context_phase_params`` per admitted sequence (in order), or
+        that request's error; ``listeners``: generation's ``kv_listener`` of each overlapped
+        request, by request id."""
         try:
-            answers = iter(self._prefill_and_hand_off(unique, overlapped))
-        finally:
-            self._count_queued(-tokens)
-        return [RequestError(f"request id {rid!r} appears more than once in one batch; "
-                             f"each request needs an id of its own") if again else next(answers)
-                for (rid, _), again in zip(batch, repeated)]
-
-    def _prefill_and_hand_off(self, batch: list[tuple[str, EngineRequest]],
-                              listeners: dict[str, bytes]) -> list:
-        try:
-            results: list = self._prefill(batch, listeners)
+            results: list = self._prefill(seqs, listeners)
         except Exception as exc:  # noqa: BLE001 - the blocks went back; each request tries alone
-            results = ([self._one(item, listeners) for item in batch] if len(batch) > 1
+            results = ([self._one(seq, listeners) for seq in seqs] if len(seqs) > 1
                        else [_refusal(exc)])
         answers = [self._hand_off(r) if not isinstance(r, Exception) else r for r in results]
-        for (request_id, request), answer in zip(batch, answers):   # one line per request
-            done = "handed off" + (" (overlapped)" if request_id in listeners else "")
-            _log.info("prefill of %d prompt tokens: %s", len(request.prompt_ids),
+        for seq, answer in zip(seqs, answers):   # one line per request
+            done = "handed off" + (" (overlapped)" if seq.request_id in listeners else "")
+            _log.info("prefill of %d prompt tokens: %s", len(seq.prompt_ids),
                       answer if isinstance(answer, Exception) else done,
-                      extra={"request_id": request_id})
+                      extra={"request_id": seq.request_id})
         return answers
 
-    def _count_queued(self, tokens: int) -> None:
-        with self._queued_lock:
-            self.queued_tokens += tokens
-
-    def free(self, block_ids: list[int]) -> None:
-        """Return blocks to the pool (the connector's ``free_blocks``; any thread); while a
-        prefill holds the pool they queue, and go back as soon as the pool is free."""
-        with self._freed_lock:
-            self._freed.append(list(block_ids))
-        if self.lock.acquire(blocking=False):
-            try:
-                self._give_back_freed()
-            finally:
-                self.lock.release()
-
-    def _give_back_freed(self) -> None:
-        """Return the queued frees to the pool (holding ``lock``)."""
-        with self._freed_lock:
-            freed, self._freed = self._freed, []
-        for block_ids in freed:
-            self.engine.pool.free(block_ids)
-
-    @contextmanager
-    def _pool(self) -> Iterator[Any]:
-        """The pool, held (frees queued meanwhile go back first and last)."""
-        with self.lock:
-            self._give_back_freed()
-            try:
-                yield self.engine.pool
-            finally:
-                self._give_back_freed()
-
-    def release(self, handle: bytes) -> None:
-        """Give back the KV of a handle that will not be fetched (RequestError if invalid)."""
+    def _one(self, seq: Sequence, listeners: dict[str, bytes]) -> Any:
+        """``seq``'s request alone, in blocks of its own again (its batch's went back)."""
         try:
-            self.connector.release(handle)
-        except (HandleError, ConnectorError) as exc:
-            raise RequestError(f"{P.CONTEXT_PHASE_PARAMS}: cannot release: {exc}") from None
-
-    def _one(self, item: tuple[str, EngineRequest], listeners: dict[str, bytes]) -> Any:
-        try:
-            return self._prefill([item], listeners)[0]
+            self.reclaim()
+            again = self.engine.reserve_prompts([(seq.request_id, seq.prompt_ids, seq.params)])
+            return self._prefill(again, listeners)[0]
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             return _refusal(exc)
 
-    def _prefill(self, batch: list[tuple[str, EngineRequest]],
-                 listeners: dict[str, bytes]) -> list:
-        """Each request's PrefillResult (an overlapped one's as an _Overlapped), or error."""
-        with self._pool():
-            seqs = self.engine.reserve_prompts(
-                [(rid, req.prompt_ids, req.params) for rid, req in batch])
+    def _prefill(self, seqs: list[Sequence], listeners: dict[str, bytes]) -> list:
+        """Each sequence's PrefillResult (an overlapped one's as an _Overlapped), or error."""
         overlapped: dict[str, _Overlapped] = {}
         try:
             for s in seqs:
@@ -173,25 +90,23 @@ class ContextSide:
                 for o in live:
                     o.layers(li + 1)
 
-            with self._pool():
-                results = self.engine.prefill_reserved(kept, on_layer if live else None,
-                                                       frozenset(overlapped))
+            results = self.engine.prefill_reserved(kept, on_layer if live else None,
+                                                   frozenset(overlapped))
         except BaseException as exc:
             self._give_back(seqs, overlapped, exc)
             raise
         done = {r.request_id: (overlapped[r.request_id].landed(r)
                                if r.request_id in overlapped else r) for r in results}
-        return [failed.get(rid) or done[rid] for rid, _ in batch]
+        return [failed.get(s.request_id) or done[s.request_id] for s in seqs]
 
-    def _give_back(self, seqs: list[Any], overlapped: dict[str, "_Overlapped"],
+    def _give_back(self, seqs: list[Sequence], overlapped: dict[str, "_Overlapped"],
                    exc: BaseException) -> None:
         """A prefill failed: free the blocks of ``seqs`` that no handoff owns, and end the
         leases of the overlapped ones that took theirs (those that failed earlier gave
         theirs back then)."""
-        with self._pool():
-            for seq in seqs:
-                if seq.request_id not in overlapped:
-                    seq.block_table.release(self.engine.pool)
+        for seq in seqs:
+            if seq.request_id not in overlapped:
+                seq.block_table.release(self.engine.pool)
         for o in overlapped.values():
             if o.error is None:
                 try:
@@ -208,37 +123,15 @@ class ContextSide:
         if result.block_ids:
             try:
                 handle = self.connector.export(result.block_ids, result.num_tokens)
-            except HandoffBusy as exc:
-                return RequestError(f"{P.CONTEXT_BUSY}: {exc}")
             except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
                 return RequestError(f"KV handoff failed: {exc}")
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         return out
 
-    def _report_loop(self) -> None:
-        """Load gauges and expired leases, also while idle (leases end on other threads). The
-        queue is read before the engine lock, which a prefill holds."""
-        while not self.closed.wait(REPORT_SECONDS):
-            expired = self.connector.expired_total()
-            if self.metrics is not None:
-                self.metrics.queued_prompt_tokens(self.queued_tokens)
-                with self._pool() as pool:
-                    stats = pool.stats()
-                self.metrics.kv_pool(stats)
-                self.metrics.leases_expired(expired)
-
-    def close(self) -> None:
-        self.closed.set()
-        self.reporter.join()
-        self.connector.close()
-
 
 def _refusal(exc: Exception) -> RequestError | EngineError:
-    """A request's error: KV full is back-pressure (:data:`protocol.CONTEXT_BUSY`), a
-    request's mistake is its RequestError, anything else a fault (logged, INTERNAL)."""
-    if isinstance(exc, KVCacheFullError):
-        return RequestError(f"{P.CONTEXT_BUSY}: KV cache full ({exc}); retry later or raise "
-                            f"kv_cache.max_size")
+    """A request's error: its own mistake is its RequestError, anything else a fault
+    (logged, INTERNAL)."""
     if isinstance(exc, RequestError):
         return RequestError(str(exc))
     _log.error("prefill failed", exc_info=exc)
@@ -255,7 +148,7 @@ class _Overlapped:
     ordinary handoff, whose handle the orchestrator holds; a generation server that cannot
     be reached is lost, and the orchestrator moves the request to another."""
 
-    side: ContextSide
+    side: Prefiller
     request_id: str
     blocks: list[int]
     announcer: Any = None
@@ -265,7 +158,7 @@ class _Overlapped:
     staged: int = 0          # layers of a device KV copied to the host array so far
 
     @classmethod
-    def begin(cls, side: ContextSide, seq: Any, listener: bytes) -> "_Overlapped":
+    def begin(cls, side: Prefiller, seq: Sequence, listener: bytes) -> "_Overlapped":
         """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
         blocks = list(seq.block_table.block_ids)
         o = cls(side, seq.request_id, blocks)
@@ -274,13 +167,11 @@ class _Overlapped:
         except ConnectorError as exc:
             o._unheard(exc)
         except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
-            side.free(blocks)
+            side.engine.pool.free(blocks)
             o.error = RequestError(f"kv_listener: {exc}")
             return o
         try:
             o.handle = side.connector.export(blocks, len(seq.prompt_ids), prefilling=True)
-        except HandoffBusy as exc:
-            o._fail(RequestError(f"{P.CONTEXT_BUSY}: {exc}"))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             o._fail(RequestError(f"KV handoff failed: {exc}"))
         else:
@@ -304,7 +195,7 @@ class _Overlapped:
         self.side.connector.stage(self.blocks, range(self.staged, done))
         self.staged = done
 
-    def landed(self, result: Any) -> "_Overlapped | Exception":
+    def landed(self, result: PrefillResult) -> "_Overlapped | Exception":
         """The prefill ended: the first token goes to generation (every layer is in place),
         or, if it finished the request, the KV goes back and generation is told so."""
         self.result = result

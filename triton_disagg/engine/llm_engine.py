@@ -8,11 +8,14 @@ Three ways in, so that aggregated and disaggregated serving share one engine:
 - :meth:`LLMEngine.add_request` + :meth:`LLMEngine.step`: aggregated serving. Each step
   either prefills the newly admitted requests (one batched pass) or runs one batched
   decode step over every running sequence; sequences join and leave between steps.
-- :meth:`LLMEngine.reserve_prompts` + :meth:`LLMEngine.prefill_reserved` (the context
-  side, :mod:`triton_disagg.context.prefill`): take the prompts' blocks, prefill them in one
-  batch, sample each first token, and hand the filled KV blocks to the caller, who owns
-  them from then on and frees them with ``engine.pool.free(block_ids)`` once they are
-  transferred (:meth:`LLMEngine.prefill_only` does both in one call, for tests and
+- :meth:`LLMEngine.add_prompt` + :meth:`LLMEngine.admit_prompts` +
+  :meth:`LLMEngine.prefill_reserved` (the context role's loop,
+  :mod:`triton_disagg.context.prefill_loop`): queue prompts, take the blocks of those at
+  the head once they fit, prefill them in one batch, sample each first token, and hand the
+  filled KV blocks to the caller, who owns them from then on and frees them with
+  ``engine.pool.free(block_ids)`` once they are transferred
+  (:meth:`LLMEngine.reserve_prompts` takes a batch's blocks at once instead;
+  :meth:`LLMEngine.prefill_only` does that and the prefill in one call, for tests and
   scripts that need no lease between the two).
 - :meth:`LLMEngine.add_prefilled` (the generation side): queue a sequence whose prompt KV
   comes from another instance (a :class:`~triton_disagg.engine.sequence.RemoteKV`), plus
@@ -30,8 +33,8 @@ generated tokens once the request finishes (also a request whose prompt KV came 
 another instance). Greedy output is the same with the cache as without it.
 
 Invariant: once every request has finished or been aborted and every fetch has ended,
-``pool.num_used == 0`` (except blocks handed out by :meth:`reserve_prompts`, which belong
-to the caller); cached blocks no one holds are free.
+``pool.num_used == 0`` (except blocks handed out by :meth:`admit_prompts` and
+:meth:`reserve_prompts`, which belong to the caller); cached blocks no one holds are free.
 """
 
 from __future__ import annotations
@@ -193,6 +196,25 @@ class LLMEngine:
         then :meth:`prefill_reserved` in one call (tests, scripts; the context role calls the
         two itself, leasing the blocks in between)."""
         return self.prefill_reserved(self.reserve_prompts(requests), on_layer)
+
+    def add_prompt(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Queue a prompt to prefill (:meth:`admit_prompts` takes its blocks); RequestError if
+        it is invalid, its id is queued already, or its KV could never fit the pool."""
+        seq = self._new_sequence(request_id, prompt_ids, params)
+        if request_id in self.scheduler:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        need = self.pool.geometry.blocks_for(len(seq.prompt_ids))
+        if need > self.pool.num_total:
+            raise RequestError(f"request {request_id}: its prompt needs {need} KV blocks, the "
+                               f"pool has {self.pool.num_total}; shorten it or raise "
+                               f"kv_cache.max_size")
+        self.scheduler.add(seq)
+
+    def admit_prompts(self, room: int | None = None) -> list[Sequence]:
+        """The queued prompts whose blocks are free now, in queue order, holding those blocks
+        (``room``: at most this many blocks in all, the KV handoff's capacity; None: no
+        bound); prefill them with :meth:`prefill_reserved`. The caller owns their blocks."""
+        return self.scheduler.admit_prompts(room)
 
     def reserve_prompts(self, requests: Seq[tuple[str, Seq[int], SamplingParams]]
                         ) -> list[Sequence]:

@@ -13,6 +13,11 @@ and its KV joins ``running`` in queue order while the batch has room
 (``max_batch_size``), passing over those still fetching. A running sequence never
 waits for memory and is never preempted.
 
+The context role uses the same queue for prompts alone (:meth:`Scheduler.admit_prompts`):
+in queue order, each head takes its prompt's blocks once the pool and the KV handoff have
+room for them, and leaves the queue with them for one prefill pass (the caller owns them
+from then on); those behind it wait, as above.
+
 Starting and polling a fetch must not wait on the transfer (the connector copies on its
 own thread): :attr:`Scheduler.steps_blocked_by_transfer` counts the admissions in which
 those calls together took more than ``BLOCKED_SECONDS`` (expected 0; the metric
@@ -110,6 +115,25 @@ class Scheduler:
                 self.running.append(seq)
                 admitted.append(seq)
         return [s for s in admitted if s.needs_prefill]
+
+    def admit_prompts(self, room: int | None) -> list[Sequence]:
+        """Context: take the prompt blocks of the waiting sequences in queue order while the
+        pool has them, ``room`` blocks of KV handoff capacity last (None: no bound) and the
+        batch has room; return them, out of the queue (the caller owns their blocks). The
+        first that does not fit stops the others (FIFO)."""
+        admitted: list[Sequence] = []
+        while self.waiting and len(admitted) < self.max_batch_size:
+            seq = self.waiting[0]
+            need = seq.block_table.blocks_needed(len(seq.prompt_ids))
+            if room is not None and need > room:
+                break
+            try:
+                seq.reserve(self.pool, len(seq.prompt_ids))     # cached prefix first
+            except KVCacheFullError:
+                break
+            room = None if room is None else room - need
+            admitted.append(self.waiting.popleft())
+        return admitted
 
     def _reserve(self) -> int:
         """Reserve in queue order while blocks last; returns how many fetches it started."""

@@ -41,7 +41,8 @@ def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 class ResponseBuilder:
     """Turns a request's events into the ensemble's outputs (``text_output`` deltas, counts,
-    and log probs only when the request's ``return_log_probs`` asked for them, as
+    the final response's ``finish_reason``, and log probs only when the request's
+    ``return_log_probs`` asked for them, as
     TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response; with
     them ``output_ids``, the ids of the tokens those log probs are of)."""
 
@@ -70,10 +71,12 @@ class ResponseBuilder:
         self.pending_ids += ids
         self.pending_lp += lps
         if self.stream or event.final:
-            return self._flush(final=event.final)
+            return self._flush(event.finish_reason if event.final else None)
         return None
 
-    def _flush(self, final: bool) -> dict:
+    def _flush(self, reason: str | None) -> dict:
+        """The outputs of the tokens pending; ``reason``: the final response's (else None)."""
+        final = reason is not None
         ids, lps = self.pending_ids, self.pending_lp
         window, offset = self.windows.next(ids)
         self.pending_ids, self.pending_lp = [], []
@@ -82,6 +85,8 @@ class ResponseBuilder:
             "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
             "num_output_tokens": np.array([self.generated], dtype=np.int32),
         }
+        if final:
+            out["finish_reason"] = [reason]
         if self.return_log_probs:
             out["cum_log_probs"] = np.array([self.cum_log_prob])
             out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
+from triton_disagg.errors import HTTP_STATUS, ErrorCode
 from triton_disagg.front.admission import RETRY_AFTER_SECONDS, RequestCount, StalledClient, send
 from triton_disagg.front.json_body import read_json
 from triton_disagg.front.openai_api import ApiError, Generation, parse
@@ -30,9 +31,11 @@ from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachab
 
 REQUEST_ID = "X-Request-Id"
 log = logging.getLogger("triton_disagg.front")
-# What a client reads of a server fault, by status (the log has the cause).
-_FAULTS = {500: "internal error", 503: "the service is unavailable now; retry later",
-           504: "the request timed out inside the server"}
+# What a client reads of a server fault, by its code (the log has the cause).
+_FAULTS = {ErrorCode.INTERNAL: "internal error",
+           ErrorCode.UNAVAILABLE: "the service is unavailable now; retry later",
+           ErrorCode.TIMEOUT: "the request timed out inside the server",
+           ErrorCode.CANCELLED: "the request was cancelled inside the server"}
 
 PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
 CALLS = web.AppKey("calls", RequestCount)
@@ -47,21 +50,26 @@ def request_id_of(request: web.Request) -> str:
 
 
 def server_error(exc: Exception, request_id: str) -> ApiError:
-    """A server fault as the client sees it: its kind and the request id; the cause is
-    logged under that id."""
+    """What the client is answered for ``exc``, by its code (never its message): the
+    request's own mistake (INVALID_ARG) as the orchestrator named it; a server fault as its
+    kind and the request id, the cause logged under that id (UNAVAILABLE with
+    ``Retry-After``)."""
     if isinstance(exc, OrchestratorError):
-        status = exc.status
-        log.warning("request %s: %d: %s", request_id, status, exc)
+        code = exc.code
+        if code is ErrorCode.INVALID_ARG:
+            return ApiError(str(exc), HTTP_STATUS[code])
+        log.warning("request %s: %s: %s", request_id, code, exc)
     elif unreachable(exc):
-        status = 503
+        code = ErrorCode.UNAVAILABLE
         log.warning("request %s: tritonserver did not answer: %s: %s", request_id,
                     type(exc).__name__, exc)
     else:
-        status = 500
+        code = ErrorCode.INTERNAL
         log.error("request %s: internal error", request_id, exc_info=exc)
-    retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
-    return ApiError(f"{_FAULTS[status]} (request id {request_id})", status, kind="server_error",
-                    headers=retry)
+    retry = ({"Retry-After": str(RETRY_AFTER_SECONDS)} if code is ErrorCode.UNAVAILABLE
+             else None)
+    return ApiError(f"{_FAULTS[code]} (request id {request_id})", HTTP_STATUS[code],
+                    kind="server_error", headers=retry)
 
 
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
@@ -78,7 +86,7 @@ async def _generate_choices(request: web.Request, gen: Generation,
     preparer, relay = request.app[PREPARER], request.app[RELAY]
     loop, request_id = asyncio.get_running_loop(), request_id_of(request)
     inputs = [await loop.run_in_executor(None, preparer.inputs, c) for c in choices]
-    answers = [_Answer(preparer, c, i) for c, i in zip(choices, inputs)]
+    answers = [_Answer(preparer, c) for c in choices]
     headers = {REQUEST_ID: request_id}
     if gen.stream:          # one choice (parse refuses several streamed)
         async with _opened(relay, inputs[0], request_id, request_id) as deltas:
@@ -107,9 +115,11 @@ async def _opened(relay: Relay, inputs: dict, call_id: str,
         try:
             first = await anext(deltas, None)
         except Exception as exc:  # noqa: BLE001 - before any byte went out: a plain HTTP error
-            # A timeout stays 504 though the server that let it pass made this one not ready.
-            timed_out = isinstance(exc, OrchestratorError) and exc.status == 504
-            not_ready = None if timed_out else await relay.ready()
+            # A timeout stays 504 though the server that let it pass made this one not ready;
+            # the request's own mistake stays 400.
+            as_is = (isinstance(exc, OrchestratorError)
+                     and exc.code in (ErrorCode.TIMEOUT, ErrorCode.INVALID_ARG))
+            not_ready = None if as_is else await relay.ready()
             if not_ready is not None:
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
             raise server_error(exc, request_id) from None
@@ -125,11 +135,10 @@ async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
 
 class _Answer:
     """One choice's answer as it is made: the text (stop sequences cut, the echoed prompt
-    first), the last counts, and the log-probs when asked for."""
+    first), the last counts, the finish reason given, and the log-probs when asked for."""
 
-    def __init__(self, preparer: Preparer, gen: Generation, inputs: dict):
+    def __init__(self, preparer: Preparer, gen: Generation):
         self.gen = gen
-        self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
         self.echo = preparer.prompt(gen) if gen.echo else ""
         self.logprobs = None if gen.logprobs is None else \
             Logprobs(gen, preparer.token_text, len(self.echo))
@@ -146,8 +155,7 @@ class _Answer:
 
     def finish(self) -> tuple[str, str]:
         """The text left to send and the finish reason."""
-        return self.trimmer.finish(), finish_reason(self.trimmer, self.last.completion_tokens,
-                                                    self.max_tokens)
+        return self.trimmer.finish(), finish_reason(self.trimmer, self.last.finish_reason)
 
 
 async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,

@@ -41,6 +41,7 @@ from aiohttp import web
 
 from triton_disagg import __version__
 from triton_disagg.config.front_section import FrontConfig, add_front_flags, front_from_flags
+from triton_disagg.config.tls_section import GrpcTLS, add_tls_flags, tls_from_flags
 from triton_disagg.front.admission import CappedRunner, RequestCount, request_gate
 from triton_disagg.front.front_metrics import FrontMetrics, add_metrics_route
 from triton_disagg.front.generation_routes import (CALLS, FRONT, PREPARER, RELAY, REQUEST_ID,
@@ -53,7 +54,7 @@ from triton_disagg.front.openapi import document
 from triton_disagg.front.origin_guard import add_origin_guard
 from triton_disagg.front.prepare import Preparer
 from triton_disagg.front.relay import Relay
-from triton_disagg.triton.grpc_channel import channel_args
+from triton_disagg.triton.grpc_channel import client_options
 
 PARENT_POLL_SECONDS = 1.0
 SHUTDOWN_SECONDS = 5.0
@@ -153,10 +154,10 @@ def make_app(preparer: Preparer, relay: Relay, front: FrontConfig = FrontConfig(
 
 
 def _health_only_app(grpc_url: str, models: tuple[str, ...], front: FrontConfig,
-                     bound_host: str) -> web.Application:
+                     bound_host: str, tls: GrpcTLS | None) -> web.Application:
     import tritonclient.grpc.aio as grpcclient
 
-    client = grpcclient.InferenceServerClient(grpc_url, channel_args=channel_args())  # on its loop
+    client = grpcclient.InferenceServerClient(grpc_url, **client_options(tls))  # on its loop
     app = make_health_app(ServerReadiness(client, models), front, bound_host)
 
     async def close_client(app: web.Application) -> None:
@@ -187,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log", type=Path, help="log file (default: stderr)")
     add_front_flags(p)
+    add_tls_flags(p)
     args = p.parse_args(argv)
     if not args.health_only and (args.engine is None or args.model_name is None):
         p.error("the whole front needs --engine and --model-name (or pass --health-only)")
     logging.basicConfig(filename=args.log, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    front = front_from_flags(args)
+    front, tls = front_from_flags(args), tls_from_flags(args)
     preparer = None if args.health_only else Preparer(args.engine, args.model_name)
     models = tuple(m for m in args.models.split(",") if m)
     parent = os.getppid()
@@ -202,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve() -> None:
         # the gRPC channel needs the loop
-        app = _health_only_app(args.grpc_url, models, front, args.host) if preparer is None \
-            else make_app(preparer, Relay(args.grpc_url, models), front, args.host)
+        app = _health_only_app(args.grpc_url, models, front, args.host, tls) \
+            if preparer is None else make_app(preparer, Relay(args.grpc_url, models, tls), front,
+                                              args.host)
         app.on_startup.append(start_watch)
         await _serve(app, args.host, args.port, front)
 

@@ -4,8 +4,9 @@ chunks), the guide's ``/v1/inference`` JSON, usage and finish reasons.
 Invariants: streamed content concatenates to the non-streamed content; the text ends
 before the first stop sequence in it, which is left out (OpenAI's semantics; the engine
 keeps a stop word, as TensorRT-LLM does, and matches it on tokens: :class:`StopTrimmer`
-matches on text); ``finish_reason`` is ``"stop"`` when a stop sequence or the end
-token ended the text, ``"length"`` when ``max_tokens`` did; a chunk of a stream whose
+matches on text); ``finish_reason`` is ``"stop"`` when a stop sequence cut the text, else
+the orchestrator's reason in OpenAI's words (:func:`finish_reason`), never worked out
+from token counts; a chunk of a stream whose
 client asked for ``include_usage`` carries ``"usage": null`` but the last. Log-probs
 (:class:`Logprobs`) are OpenAI's objects for the tokens the engine chose: completions'
 ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``, chat's ``content``; the
@@ -22,7 +23,11 @@ import uuid
 from typing import Callable, Sequence
 
 from triton_disagg.front.openai_api import Generation
+from triton_disagg.protocol import FinishReason
 
+# The orchestrator's finish reason in OpenAI's words; "abort": as vLLM says of a request the
+# server stopped before it ended.
+OPENAI_FINISH = {"stop": "stop", "stop_word": "stop", "length": "length", "cancelled": "abort"}
 _OBJECTS = {"completions": ("cmpl", "text_completion", "text_completion"),
             "chat": ("chatcmpl", "chat.completion", "chat.completion.chunk")}
 
@@ -62,8 +67,11 @@ class StopTrimmer:
         return out
 
 
-def finish_reason(trimmer: StopTrimmer, completion_tokens: int, max_tokens: int) -> str:
-    return "stop" if trimmer.stopped or completion_tokens < max_tokens else "length"
+def finish_reason(trimmer: StopTrimmer, given: FinishReason | None) -> str:
+    """``"stop"`` when a stop sequence cut the text, else the orchestrator's ``given``
+    reason in OpenAI's words (``"stop"`` when none came: an orchestrator of an older
+    build)."""
+    return "stop" if trimmer.stopped or given is None else OPENAI_FINISH[given]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

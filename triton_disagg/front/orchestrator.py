@@ -21,10 +21,11 @@ Invariants:
 - streamed ``text_output`` deltas concatenate to the non-streamed text, multi-byte
   characters included (:mod:`detokenize`);
 - nothing waits for ever: generation's answer and every token event are awaited at
-  most ``generation_server.stall_seconds``, and a busy context (no KV blocks or staging
-  slots free now: :class:`ContextBusy`) is retried, backing off, for at most as long;
-  every call a route makes has that deadline too (a context server that misses it is
-  tried once more on another: :mod:`transports`), and while the context call is out the
+  most ``generation_server.stall_seconds``, and so is the context's answer (a context
+  without free KV blocks keeps the request in its queue until they are, within that
+  deadline: :mod:`triton_disagg.context.prefill_loop`; it is called once per request);
+  every call a route makes has that deadline (a context server that misses it is tried
+  once more on another: :mod:`transports`), and while the context call is out the
   client's cancel is asked for every ``CANCEL_POLL_SECONDS``: a cancelled request stops
   waiting then (the KV of an answer that comes later goes back with its lease);
 - the context's KV of a request that generation never took (the client left after the
@@ -58,7 +59,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import numpy as np
 
 from triton_disagg import log_format, protocol as P
-from triton_disagg.errors import ContextBusy, EngineError, GenerationLost, Unavailable
+from triton_disagg.errors import EngineError, GenerationLost, Timeout, Unavailable
 from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.token_wire import StreamEvent
@@ -66,7 +67,6 @@ from triton_disagg.triton.tensors import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
-BUSY_FIRST_PAUSE, BUSY_MAX_PAUSE = 0.005, 0.1    # seconds between retries of a busy context
 MAX_MIGRATIONS = 2          # a request leaves a lost generation server at most this often
 MAX_RELEASES = 64           # release_kv calls out at once; beyond that leases reclaim the KV
 _log = logging.getLogger(__name__)
@@ -198,7 +198,8 @@ class _Run:
             except EngineError as exc:
                 if lost is None:
                     raise
-                raise Unavailable(f"{lost}; {exc}") from None     # why it had to move, too
+                moved = Timeout if isinstance(exc, Timeout) else Unavailable   # its code kept
+                raise moved(f"{lost}; {exc}") from None     # why it had to move, too
             self.migrate(lost)
             inputs = self.resumed()
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -258,28 +259,17 @@ class _Run:
 
     async def context(self, inputs: dict[str, np.ndarray],
                       is_cancelled: Callable[[], bool]) -> dict[str, np.ndarray] | None:
-        """The context call, retried while the context is busy (backing off, for at most
-        ``stall_seconds``); None when the client cancelled meanwhile (asked every
-        ``CANCEL_POLL_SECONDS`` while a call is out: the call is then abandoned)."""
-        patience = self.owner.tokens.stall_seconds
-        deadline, pause = time.monotonic() + patience, BUSY_FIRST_PAUSE
-        while True:
-            call = asyncio.ensure_future(self.route.context(inputs))
-            try:
-                while not (await asyncio.wait({call}, timeout=CANCEL_POLL_SECONDS))[0]:
-                    if is_cancelled():
-                        return None
-                return call.result()
-            except ContextBusy as exc:
-                if time.monotonic() + pause > deadline:
-                    raise ContextBusy(f"{exc} (retried for {patience:g} s: "
-                                      f"generation_server.stall_seconds)") from None
-            finally:
-                call.cancel()           # the client left (or this task was cancelled): stop it
-            if is_cancelled():
-                return None
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, BUSY_MAX_PAUSE)
+        """The context call (its answer waits in the context's queue while its pool is full);
+        None when the client cancelled meanwhile (asked every ``CANCEL_POLL_SECONDS`` while
+        the call is out: the call is then abandoned)."""
+        call = asyncio.ensure_future(self.route.context(inputs))
+        try:
+            while not (await asyncio.wait({call}, timeout=CANCEL_POLL_SECONDS))[0]:
+                if is_cancelled():
+                    return None
+            return call.result()
+        finally:
+            call.cancel()           # the client left (or this task was cancelled): stop it
 
     async def overlapped(self, inputs: dict[str, np.ndarray],
                          is_cancelled: Callable[[], bool]) -> str:

@@ -21,15 +21,14 @@ import numpy as np
 
 from triton_disagg import peers
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.errors import ContextBusy, RequestError, ServerBusy, Timeout, Unavailable
+from triton_disagg.errors import RequestError, ServerBusy, Timeout, Unavailable
 from triton_disagg.front.engine_io import engine_inputs
 from triton_disagg.triton import engine_request
 from triton_disagg.triton.tensors import scalar
 
 # error class -> what the client is told (the first that the error is an instance of); the
-# words "timed out", "unavailable" and "busy" are what the HTTP front maps to 504 / 503
-_PUBLIC = ((Timeout, f"a server did not answer in time ({Timeout.MARK})"),
-           (ContextBusy, "the context servers are busy; retry later"),
+# error's status goes with it (ErrorCode): the HTTP front maps that, not these words
+_PUBLIC = ((Timeout, "a server did not answer in time (timed out)"),
            (ServerBusy, "this server is busy with its most requests at once; retry later"),
            (Unavailable, "a server this request needs is unavailable now; retry later"))
 

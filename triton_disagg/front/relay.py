@@ -10,8 +10,10 @@ Invariants: one gRPC stream per request, half-closed once the request is sent, s
 when the orchestrator sends its final response; a stream that ends any other way (the
 caller stops iterating: the HTTP client left, or its task was cancelled) is cancelled, and
 Triton passes that cancel to the orchestrator; an error response raises
-:class:`OrchestratorError` with the orchestrator's message and the HTTP status it means
-(a timeout 504, a server missing 503, else 500).
+:class:`OrchestratorError` with the orchestrator's message and its
+:class:`~triton_disagg.errors.ErrorCode`, read from the stream's gRPC status (the stream
+asks for one with the ``triton_grpc_error`` header; Triton then ends the stream with the
+error's status), never from its message.
 """
 
 from __future__ import annotations
@@ -21,47 +23,57 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from triton_disagg.errors import Timeout
+from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.errors import HTTP_STATUS, ErrorCode, from_grpc_status, without_tag
 from triton_disagg.front.health import ServerReadiness
-from triton_disagg.triton.grpc_channel import channel_args
+from triton_disagg.protocol import FINISH_REASONS, FinishReason
+from triton_disagg.triton.grpc_channel import client_options
 
 ORCHESTRATOR = "orchestrator"
-# Words in an orchestrator error that say the deployment, not the request, is at fault now.
-_UNAVAILABLE = ("lost", "no ", "not ready", "unavailable", "busy", "stall")
+# Triton (2.50+) ends a stream with the error's gRPC status when a client sends this header,
+# instead of an error message on the stream that carries no status.
+GRPC_ERROR_HEADERS = {"triton_grpc_error": "true"}
 
 
 @dataclass(frozen=True)
 class Delta:
-    """One orchestrator response: its text, the running counts, and (only when the request
-    asked for log-probs) the ids of its tokens and their log-probs, in step."""
+    """One orchestrator response: its text, the running counts, (only when the request
+    asked for log-probs) the ids of its tokens and their log-probs, in step, and (the final
+    response only) why the request ended."""
 
     text: str
     prompt_tokens: int
     completion_tokens: int
     token_ids: tuple[int, ...] = ()
     log_probs: tuple[float, ...] = ()
+    finish_reason: FinishReason | None = None
 
 
 class OrchestratorError(Exception):
-    """The orchestrator answered with an error: 504 when a server let its deadline pass
-    (:class:`~triton_disagg.errors.Timeout`: the message says so), 503 when a server is
-    missing or busy, else 500."""
+    """The orchestrator answered with an error of ``code``; ``status``: the HTTP status that
+    code means (:data:`~triton_disagg.errors.HTTP_STATUS`: INVALID_ARG 400, UNAVAILABLE 503,
+    TIMEOUT 504, INTERNAL 500)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, code: ErrorCode):
         super().__init__(message)
-        lowered = message.lower()
-        self.status = (504 if Timeout.MARK in lowered else
-                       503 if any(word in lowered for word in _UNAVAILABLE) else 500)
+        self.code, self.status = code, HTTP_STATUS[code]
+
+    @classmethod
+    def from_status(cls, status: str | None, message: str) -> "OrchestratorError":
+        """The error of a gRPC ``status`` ("StatusCode.UNAVAILABLE", as tritonclient names
+        it; None for an error without one: INTERNAL) and its ``message``."""
+        return cls(without_tag(message), from_grpc_status(status, message))
 
 
 class Relay:
     """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``); it is
     ready while the server and ``models`` (the orchestrator among them) are."""
 
-    def __init__(self, url: str, models: tuple[str, ...] = (ORCHESTRATOR,)):
+    def __init__(self, url: str, models: tuple[str, ...] = (ORCHESTRATOR,),
+                 tls: GrpcTLS | None = None):
         import tritonclient.grpc.aio as grpcclient
 
-        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
+        self.client = grpcclient.InferenceServerClient(url, **client_options(tls))
         with_orchestrator = tuple(dict.fromkeys((ORCHESTRATOR, *models)))   # once, first
         self.readiness = ServerReadiness(self.client, with_orchestrator)
 
@@ -72,6 +84,7 @@ class Relay:
 
     async def stream(self, inputs: dict[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
         """The orchestrator's responses to ``inputs`` (arrays with their batch axis)."""
+        import grpc
         from tritonclient.grpc import InferInput
         from tritonclient.utils import np_to_triton_dtype
 
@@ -83,14 +96,17 @@ class Relay:
         async def one_request():
             yield {"model_name": ORCHESTRATOR, "inputs": tensors, "request_id": request_id}
 
-        responses = self.client.stream_infer(one_request())
+        responses = self.client.stream_infer(one_request(), headers=GRPC_ERROR_HEADERS)
         ended = False
         try:
             async for result, error in responses:
-                if error is not None:
-                    raise OrchestratorError(error.message())
+                if error is not None:          # a server that ignored GRPC_ERROR_HEADERS
+                    raise OrchestratorError.from_status(error.status(), error.message())
                 yield _delta(result)
             ended = True
+        except grpc.aio.AioRpcError as exc:
+            ended = True                        # the server ended the stream with the error
+            raise OrchestratorError.from_status(str(exc.code()), exc.details() or "") from None
         finally:
             if not ended:
                 responses.cancel()
@@ -104,11 +120,14 @@ def _delta(result) -> Delta:
     text = result.as_numpy("text_output")
     n_in, n_out = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
     ids, lps = result.as_numpy("output_ids"), result.as_numpy("output_log_probs")
+    reason = result.as_numpy("finish_reason")
+    reason = reason.reshape(-1)[0].decode("utf-8") if reason is not None else None   # [1, 1]
     return Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
                  int(n_in.reshape(-1)[0]) if n_in is not None else 0,
                  int(n_out.reshape(-1)[0]) if n_out is not None else 0,
                  tuple(ids.reshape(-1).tolist()) if ids is not None else (),     # [1, 1, n] -> [n]
-                 tuple(lps.reshape(-1).tolist()) if lps is not None else ())
+                 tuple(lps.reshape(-1).tolist()) if lps is not None else (),
+                 reason if reason in FINISH_REASONS else None)
 
 
 def unreachable(exc: Exception) -> bool:

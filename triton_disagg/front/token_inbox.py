@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from triton_disagg import token_wire
-from triton_disagg.errors import EngineError, GenerationLost, Timeout
+from triton_disagg.errors import GenerationLost, Timeout, error_for
 from triton_disagg.readers import (BAD_KEY, MALFORMED, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
                                    fail_instance, watch_task)
 from triton_disagg.token_wire import StreamEvent, WireError, same_key
@@ -114,8 +114,9 @@ class TokenStream:
     async def next(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None = None
                    ) -> StreamEvent:
         """The next event merged with every later one already waiting (tokens in order; an
-        error event is never merged, it comes next on its own); EngineError for an error
-        event or ``stall_seconds`` of silence; what ``lost()`` returns (asked after every
+        error event is never merged, it comes next on its own); for an error event the error
+        of its code (:func:`~triton_disagg.errors.error_for`), :class:`Timeout` for
+        ``stall_seconds`` of silence; what ``lost()`` returns (asked after every
         ``PROBE_SECONDS`` of silence) when it is not None."""
         event, self.held = self.held, None
         if event is None:
@@ -128,7 +129,7 @@ class TokenStream:
             event = event.then(later)
         self.ended = event.final
         if event.error is not None:
-            raise EngineError(event.error)
+            raise error_for(event.code, event.error)
         return event
 
     async def _wait(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None

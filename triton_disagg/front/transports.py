@@ -9,13 +9,15 @@ context and generation answer no one else) and the orchestrator's request id as 
 request id. A generation request also names the orchestrator's token address
 (``token_address``); Triton carries it to generation, whose one response is the control
 address for stops: the tokens themselves arrive over ZeroMQ (:mod:`token_inbox`), never as
-Triton responses. A context error that is back-pressure (``protocol.CONTEXT_BUSY``) is
-raised as :class:`ContextBusy`.
+Triton responses. A callee's error answer is raised as the error class of its status
+(:class:`~triton_disagg.errors.ErrorCode`: BLS ``TritonError.code()``, gRPC status), never
+by its message.
 
 Deadlines: a route's context and generation calls each wait at most its ``timeout`` (the
 orchestrator's ``generation_server.stall_seconds``), a release at most
 ``RELEASE_TIMEOUT_SECONDS``: over gRPC as the call's deadline, in ``serve all`` as a wait on
-the BLS call. gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
+the BLS call. A context call also carries it as the Triton request's timeout: how long the
+context keeps it queued while its KV pool is full (:mod:`triton_disagg.context.prefill_loop`). gRPC channels send keepalive pings (``KEEPALIVE_MS``, answered within
 ``KEEPALIVE_TIMEOUT_MS``), so a connection to a server that stopped answering fails its
 calls without waiting for their deadlines.
 
@@ -38,16 +40,18 @@ naming the role and the url(s) tried, and the router passes that server over for
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.errors import (ContextBusy, EngineError, GenerationLost, NoServer,
-                                  RequestError, Timeout, Unavailable)
+from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
+                                  error_for, from_grpc_status, from_triton, without_tag)
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
-from triton_disagg.triton.grpc_channel import channel_args
+from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -74,13 +78,23 @@ def _parameters(credential: str, request_type: str,
     return params
 
 
-def _error(model: str, message: str, invalid: bool) -> EngineError | RequestError:
-    """The callee's error answer as ours: ``invalid`` (it said INVALID_ARG) is the request's
-    own mistake, passed on as one; a busy context is :class:`ContextBusy`."""
-    if invalid:
-        return RequestError(message)
-    busy = model == "context" and message.startswith(P.CONTEXT_BUSY)
-    return (ContextBusy if busy else EngineError)(message)
+def _error(code: ErrorCode, message: str) -> Exception:
+    """The callee's error answer as ours, by its ``code`` (:func:`errors.error_for`: an
+    INVALID_ARG is the request's own mistake, passed on as one)."""
+    return error_for(code, without_tag(message))
+
+
+def _bls_code(pb_utils: Any, error: Any) -> ErrorCode:
+    """The code of a BLS response's ``pb_utils.TritonError`` (by its ``code()``)."""
+    name = next((c.value for c in ErrorCode
+                 if getattr(pb_utils.TritonError, c.value, None) == error.code()),
+                ErrorCode.INTERNAL.value)
+    return from_triton(name, error.message())
+
+
+def _microseconds(seconds: float) -> int:
+    """A Triton request timeout (microseconds) of ``seconds``."""
+    return int(seconds * 1e6)
 
 
 def _release_inputs(inputs: dict, handle: np.ndarray) -> dict:
@@ -110,9 +124,24 @@ class Unanswered(Unavailable):
 
 
 class BLSTransport:
-    def __init__(self, pb_utils: Any):
+    """``serve all``'s calls, in this server. The stub's ``async_exec`` runs each call in a
+    thread of the event loop's default executor until it is answered, and a context call
+    waits in the context's queue while its pool is full: so that such calls never hold
+    every thread while the generation calls that would free that pool queue behind them,
+    the loop's default executor gets a thread for each of ``max_calls`` calls out at once
+    (made on first use; idle ones cost nothing)."""
+
+    def __init__(self, pb_utils: Any, max_calls: int):
         self.pb = pb_utils
         self.credential = peers.credential()
+        self.max_calls = max_calls
+        self.executors: set[asyncio.AbstractEventLoop] = set()   # loops whose executor is set
+
+    def executor_for(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Give ``loop`` a default executor of ``max_calls`` threads (once per loop)."""
+        if loop not in self.executors:
+            loop.set_default_executor(ThreadPoolExecutor(self.max_calls, "bls-call"))
+            self.executors.add(loop)
 
     def route(self, request_id: str, avoid: frozenset[str] = frozenset(),
               timeout: float = CALL_TIMEOUT_SECONDS) -> "BLSRoute":
@@ -125,28 +154,31 @@ class BLSRoute:
     waited for at most ``timeout`` seconds (a release: ``RELEASE_TIMEOUT_SECONDS``)."""
 
     def __init__(self, transport: BLSTransport, request_id: str, timeout: float):
-        self.pb, self.credential = transport.pb, transport.credential
+        self.transport, self.pb, self.credential = transport, transport.pb, transport.credential
         self.request_id, self.timeout = request_id, timeout
 
     async def _exec(self, model: str, inputs: dict, parameters: dict[str, str],
-                    timeout: float) -> dict[str, np.ndarray]:
+                    timeout: float, queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
+        """``queue_timeout``: the Triton request's timeout (0: none)."""
         specs, outputs = _SPECS[model]
         tensors = [self.pb.Tensor(n, a) for n, a in to_batched(specs, inputs).items()]
         request = self.pb.InferenceRequest(
             model_name=model, inputs=tensors, request_id=self.request_id,
-            requested_output_names=[s.name for s in outputs], parameters=parameters)
+            requested_output_names=[s.name for s in outputs], parameters=parameters,
+            timeout=_microseconds(queue_timeout))
+        self.transport.executor_for(asyncio.get_running_loop())
         try:
             response = await asyncio.wait_for(request.async_exec(), timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"{model} timed out: no answer within {timeout:g} s") from None
         if response.has_error():
             error = response.error()
-            raise _error(model, error.message(), error.code() == self.pb.TritonError.INVALID_ARG)
+            raise _error(_bls_code(self.pb, error), error.message())
         return _unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
         return await self._exec("context", inputs, _parameters(self.credential, P.CONTEXT_ONLY),
-                                self.timeout)
+                                self.timeout, queue_timeout=self.timeout)
 
     async def release(self, inputs: dict, handle: np.ndarray) -> None:
         await self._exec("context", _release_inputs(inputs, handle),
@@ -172,10 +204,12 @@ class GrpcTransport:
     """The scheduler's side: ``routers`` per role (:func:`~triton_disagg.routing.pools.start_pools`);
     ``observer`` (optional): ``routed(role, url)`` per call routed, ``retried(role, url)``
     per context call tried again after ``url`` did not answer (:class:`~triton_disagg.triton.metrics.Metrics`).
-    Clients are made on the event loop that uses them, with keepalive on."""
+    Clients are made on the event loop that uses them, with keepalive on, over TLS when
+    ``tls`` (the config's ``grpc_tls``) is given."""
 
-    def __init__(self, routers: dict[str, Router], observer: Any = None):
-        self.routers, self.observer = routers, observer
+    def __init__(self, routers: dict[str, Router], observer: Any = None,
+                 tls: GrpcTLS | None = None):
+        self.routers, self.observer, self.tls = routers, observer, tls
         self.credential = peers.credential()
         self.clients: dict[str, Any] = {}
         self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
@@ -205,9 +239,11 @@ class GrpcTransport:
             return f"liveness probe: {exc.status()}"
 
     async def infer(self, url: str, model: str, request_id: str, inputs: dict,
-                    parameters: dict[str, str], timeout: float) -> dict[str, np.ndarray]:
+                    parameters: dict[str, str], timeout: float,
+                    queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
         """The call's outputs; :class:`Unanswered` when the server failed before it answered
-        or not within ``timeout`` seconds (DEADLINE_EXCEEDED)."""
+        or not within ``timeout`` seconds (DEADLINE_EXCEEDED). ``queue_timeout``: the Triton
+        request's timeout (0: none)."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -221,12 +257,13 @@ class GrpcTransport:
         try:
             result = await self._client(url).infer(
                 model, tensors, request_id=request_id, client_timeout=timeout,
-                parameters=parameters)
+                timeout=_microseconds(queue_timeout), parameters=parameters)
         except InferenceServerException as exc:
             if exc.status() in UNANSWERED:
                 self.routers[model].unanswered(url)
                 raise Unanswered(model, url, exc.status(), exc.message() or "", timeout) from None
-            error = _error(model, exc.message(), exc.status() == "StatusCode.INVALID_ARGUMENT")
+            message = exc.message() or ""
+            error = _error(from_grpc_status(exc.status(), message), message)
             raise type(error)(f"{model} at {url}: {error}") from None
         finally:
             self.calls[url] -= 1
@@ -244,7 +281,7 @@ class GrpcTransport:
                 keepalive_time_ms=KEEPALIVE_MS, keepalive_timeout_ms=KEEPALIVE_TIMEOUT_MS,
                 keepalive_permit_without_calls=True, http2_max_pings_without_data=0)
             self.clients[url] = grpcclient.InferenceServerClient(
-                url, channel_args=channel_args(keepalive))
+                url, **client_options(self.tls, keepalive))
         return self.clients[url]
 
     async def _close_departed(self) -> None:
@@ -286,7 +323,8 @@ class GrpcRoute:
             try:
                 outputs = await self.transport.infer(
                     assignment.url, "context", self.request_id, inputs,
-                    _parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout)
+                    _parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout,
+                    queue_timeout=self.timeout)
             except Unanswered as exc:
                 failed.append(exc)
                 continue
@@ -342,5 +380,5 @@ def _unanswered(failed: list[Unanswered], tail: str) -> Unavailable:
     tried = ", ".join(f"{f.url} ({f.reason})" for f in failed)
     servers = f"context server{'s' if len(failed) > 1 else ''}"
     if all(f.timed_out for f in failed):
-        return Timeout(f"{servers} {Timeout.MARK}: {tried}{tail}")
+        return Timeout(f"{servers} timed out: {tried}{tail}")
     return Unavailable(f"{servers} did not answer: {tried}{tail}")

@@ -50,6 +50,7 @@ from typing import Any
 
 import zmq
 
+from triton_disagg.errors import ErrorCode, code_of
 from triton_disagg.generation.decode_requests import Live, error_event, token_event
 from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.generation.sockets import STOP_READER, send_errors
@@ -132,7 +133,8 @@ class DecodeLoop:
             self._finish(request_id, CANCELLED)
         for request_id in queued:
             self.engine.abort(request_id)
-            self._refuse(request_id, self._pop(request_id), "the server is shutting down")
+            self._refuse(request_id, self._pop(request_id), "the server is shutting down",
+                         ErrorCode.UNAVAILABLE)
         self._flush()
         self.outbox.close()
         if self.stops is not None:
@@ -197,12 +199,12 @@ class DecodeLoop:
         if live.address not in self.addresses and len(self.addresses) >= self.outbox.max_sockets:
             self._refuse(request_id, live, f"generation streams to at most "
                          f"{self.outbox.max_sockets} orchestrator addresses at a time and all "
-                         f"are busy; request refused")
+                         f"are busy; request refused", ErrorCode.UNAVAILABLE)
             return
         try:
             self.side.add(request_id, request)
         except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
-            self._refuse(request_id, live, str(exc))
+            self._refuse(request_id, live, str(exc), code_of(exc))
             return
         self.live[request_id] = live
         self.addresses[live.address] += 1
@@ -222,7 +224,8 @@ class DecodeLoop:
             if arrival.error is None:
                 self.side.kv_arrived(arrival.result, arrival.overlap)
             elif (live := self._pop(arrival.request_id)) is not None:
-                self._refuse(arrival.request_id, live, str(arrival.error))
+                self._refuse(arrival.request_id, live, str(arrival.error),
+                             code_of(arrival.error))
 
     def _on_token(self, event: Any) -> None:
         live = self.live.get(event.request_id)
@@ -245,8 +248,9 @@ class DecodeLoop:
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
         _log.info("generation ended: %s", reason, extra={"request_id": request_id})
 
-    def _refuse(self, request_id: str, live: Live, message: str) -> None:
-        self.outbox.put(live.address, error_event(request_id, live, message))
+    def _refuse(self, request_id: str, live: Live, message: str,
+                code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        self.outbox.put(live.address, error_event(request_id, live, message, code))
         self.side.request_done("error")
         _log.warning("generation refused or failed: %s", message,
                      extra={"request_id": request_id})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from triton_disagg.errors import ErrorCode
 from triton_disagg.token_wire import StreamEvent
 
 
@@ -40,5 +41,8 @@ def token_event(request_id: str, live: Live, reason: str | None) -> StreamEvent:
                        seq=seq, key=live.key)
 
 
-def error_event(request_id: str, live: Live, message: str) -> StreamEvent:
-    return StreamEvent(request_id, [], error=message, seq=live.numbered(), key=live.key)
+def error_event(request_id: str, live: Live, message: str,
+                code: ErrorCode = ErrorCode.INTERNAL) -> StreamEvent:
+    """The final event of a request that failed with ``code``, saying why in ``message``."""
+    return StreamEvent(request_id, [], error=message, code=code, seq=live.numbered(),
+                       key=live.key)

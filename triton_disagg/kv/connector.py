@@ -9,7 +9,9 @@ only the blocks being handed off pass, and block ids the transports see are its 
 - context (made with ``free_blocks``): :meth:`~KVConnector.export` turns prefilled blocks
   into signed handle bytes (``context_phase_params``); from that call on the handoff owns
   the blocks and frees them through ``free_blocks`` exactly once (fetched, released,
-  expired, or at once when the export fails). :meth:`~KVConnector.release` gives back a
+  expired, or at once when the export fails), from any thread: the context's loop takes
+  them back as messages. :meth:`~KVConnector.handoff_room` says how many blocks an export
+  can take now. :meth:`~KVConnector.release` gives back a
   handle nobody will fetch; :meth:`~KVConnector.expired_total` counts leases reclaimed
   unfetched.
 - generation: :meth:`~KVConnector.decode` checks a handle (signature first, then engine,
@@ -58,7 +60,8 @@ class ConnectorError(RuntimeError):
 
 
 class HandoffBusy(ConnectorError):
-    """No room to hand off now (back-pressure: retry later); nothing was kept."""
+    """No room to hand off now; nothing was kept. The context's loop admits a prompt only
+    when :meth:`KVConnector.handoff_room` has room for its blocks, so it waits instead."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,13 @@ class KVConnector(ABC):
         except kvhandle.HandleError:       # too large to hand out: give the KV back now
             self._release(handle)
             raise
+
+    def handoff_room(self) -> Optional[int]:
+        """How many blocks exports can take now without :class:`HandoffBusy` (None: no
+        bound): the free rows of a device KV's staging buffer. Only exports take room, and
+        one thread exports (the context's loop), so the room it saw lasts until it exports."""
+        staging = self.pool.staging
+        return None if staging is None else staging.num_free
 
     def stage(self, block_ids: Sequence[int], layers: Optional[range] = None) -> None:
         """Copy those exported blocks (``layers`` of each, if given) of a device KV to their

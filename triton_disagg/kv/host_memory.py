@@ -90,6 +90,12 @@ class HostMemoryConnector(KVConnector):
         finally:
             self.free_blocks(block_ids)
 
+    def handoff_room(self) -> int | None:
+        """The staging area's free slots (and a device KV's free staging rows)."""
+        free = self.staging.num_slots - self.staging.slots_in_use()
+        rows = super().handoff_room()
+        return free if rows is None else min(free, rows)
+
     def _release(self, handle: KVHandle) -> None:
         if self.staging is not None and handle.shm_name == self.staging.name:
             self.staging.discard(handle)

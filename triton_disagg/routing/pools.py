@@ -9,9 +9,19 @@
   (one :class:`~triton_disagg.routing.discovery.Membership` polls for both roles; urls in the
   config are then where those servers bind, not the scheduler's pool).
 
+A context pool with ``router: kv_aware`` also gets a :class:`~triton_disagg.routing.kv_feed.KvFeed`:
+its router scores on the KV events of the publishers its members name: their etcd
+records' ``kv_events``, or for static urls ``tcp://<url's host>:<port>`` for each port
+:func:`~triton_disagg.routing.kv_events.publisher_ports` gives it (without
+``kv_events_port`` a static url names none, so its picks fall back to least_loaded,
+logged), with the role's ``tokens_per_block``; block
+names are hashed as the engine names them (the role's ``kv_dtype``).
+
 Invariant: the observer (:class:`~triton_disagg.triton.metrics.Metrics`) hears a role's membership size
 and etcd's reachability once at the start and again whenever one changes, never more
-often (each report is an IPC round trip to Triton).
+often (each report is an IPC round trip to Triton); a feed is synced to its role's
+members, and its batch counts reported, at every report (every membership poll, or every
+``REPORT_SECONDS`` for static pools with a feed).
 """
 
 from __future__ import annotations
@@ -20,14 +30,27 @@ from typing import Any
 
 from triton_disagg.config.settings import OrchestratorSettings
 from triton_disagg.routing.discovery import MemberRecord, Membership
+from triton_disagg.routing.discovery.periodic import Periodic
 from triton_disagg.routing.discovery.record import ROLES
-from triton_disagg.routing.router import Member, Router
+from triton_disagg.routing.kv_events import publisher_ports
+from triton_disagg.routing.kv_feed import KvFeed, engine_hasher
+from triton_disagg.routing.router import KV_AWARE, Hasher, KvAwareness, Member, Router
+
+REPORT_SECONDS = 1.0         # how often a static pool's KV event counts are reported
 
 
 class StaticMembers:
-    def __init__(self, role: str, urls: list[str]):
+    """``tokens_per_block`` and ``kv_events_port`` (with the role's ``instances``) are given
+    to a kv_aware pool's members only (module docstring)."""
+
+    def __init__(self, role: str, urls: list[str], tokens_per_block: int | None = None,
+                 kv_events_port: int | None = None, instances: int = 1):
         self.role = role
-        self._members = tuple(Member(url) for url in sorted(urls))
+        self._members = tuple(
+            Member(url, tokens_per_block, kv_events=() if kv_events_port is None else tuple(
+                f"tcp://{url.rsplit(':', 1)[0]}:{port}"
+                for port in publisher_ports(kv_events_port, urls, url, instances)))
+            for url in sorted(urls))
 
     def members(self) -> tuple[Member, ...]:
         return self._members
@@ -51,12 +74,16 @@ class DiscoveredMembers:
 
 
 def _member(record: MemberRecord) -> Member:
-    return Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total, record.load)
+    return Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total, record.load,
+                  record.kv_events)
 
 
 class Pools:
-    def __init__(self, routers: dict[str, Router], membership: Membership | None, observer: Any):
+    def __init__(self, routers: dict[str, Router], membership: Membership | None, observer: Any,
+                 feeds: dict[str, KvFeed] | None = None):
         self.routers, self.membership, self.observer = routers, membership, observer
+        self.feeds = feeds or {}                 # role -> its kv_aware router's feed
+        self.reporter: Periodic | None = None    # static pools with feeds: report()'s timer
         self._reported: dict[str, object] = {}
 
     def report(self, *_: Any) -> None:
@@ -71,10 +98,17 @@ class Pools:
                     self.observer.etcd_reachable(bool(value))
                 else:
                     self.observer.members(key, int(value))
+        for role, feed in self.feeds.items():
+            feed.sync(self.routers[role].members())
+            feed.report(self.observer)
 
     def close(self) -> None:
         if self.membership is not None:
             self.membership.close()
+        if self.reporter is not None:
+            self.reporter.stop()
+        for feed in self.feeds.values():
+            feed.close()
 
 
 def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, dict]:
@@ -98,13 +132,33 @@ def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, d
                         for role in ROLES}
 
 
-def start_pools(settings: OrchestratorSettings, observer: Any) -> Pools:
-    """The routers of ``settings`` (polling etcd from now on when it has discovery)."""
+def start_pools(settings: OrchestratorSettings, observer: Any,
+                hasher: Hasher | None = None) -> Pools:
+    """The routers of ``settings`` (polling etcd from now on when it has discovery);
+    ``hasher``: a kv_aware router's block names (default: the engine's)."""
     membership, sources = member_sources(settings)
-    routers = {role: Router(role, settings.pools[role].router, source)
-               for role, source in sources.items()}
-    pools = Pools(routers, membership, observer)
-    if membership is None:
+    routers, feeds = {}, {}
+    for role, source in sources.items():
+        pool, kv = settings.pools[role], None
+        if pool.router == KV_AWARE and role == "context":     # generation: load (router)
+            import zmq
+
+            from triton_disagg.engine.spec import EngineSpec
+
+            spec = EngineSpec.load(settings.engine)
+            if isinstance(source, StaticMembers):
+                source = StaticMembers(role, list(pool.urls),
+                                       pool.tokens_per_block or spec.kv.tokens_per_block,
+                                       pool.kv_events_port, pool.instances)
+            feeds[role] = KvFeed(zmq.Context.instance())
+            kv = KvAwareness(feeds[role].index, hasher or engine_hasher(
+                spec.fingerprint, pool.kv_dtype or spec.kv.dtype))
+        routers[role] = Router(role, pool.router, source, kv, observer)
+    pools = Pools(routers, membership, observer, feeds)
+    if membership is None and feeds:         # no polls to report at: a timer of its own
+        pools.reporter = Periodic(pools.report, REPORT_SECONDS, "kv-events-report")
+        pools.reporter.start()
+    elif membership is None:
         pools.report()
     else:
         membership.on_poll = pools.report

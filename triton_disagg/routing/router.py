@@ -34,6 +34,30 @@ Policies (``router:`` per role in the config):
   loop holds, those still waiting for their blocks included: these are not in its free
   blocks yet, and every live sequence costs a share of each decode step).
 
+- ``kv_aware``, context (TensorRT-LLM's ``kv_cache_aware`` and ``conversation``): the
+  lowest cost, Dynamo's KvRouter formula (``overlap_score_weight x potential prefill
+  blocks + potential active blocks``, lower wins, temperature 0) with this router's figures::
+
+      cost = OVERLAP_SCORE_WEIGHT x (queued + prompt - overlap x tokens_per_block)
+                                    / tokens_per_block
+             + (kv_blocks_total - free_kv_blocks)
+
+  ``queued`` is least_loaded's figure (``max(own in flight, published
+  queued_prompt_tokens)``), ``overlap`` the leading blocks of the prompt the server holds
+  (its best model instance, from the KV events index:
+  :class:`~triton_disagg.routing.kv_index.KvIndex`; the prompt's chained block hashes
+  come from :class:`KvAwareness`'s hasher), the last term its blocks held by live
+  requests (0 when it publishes none). Load stays in the cost: a server holding the
+  prefix but with far more queued work loses. The decision's mode is counted
+  (``observer.route_decision(role, mode)``): ``overlap`` (the server chosen holds some of
+  the prompt), ``load`` (none holds any), ``fallback``: a pick where some member's
+  overlap cannot be trusted (its events stopped or gapped: :meth:`KvIndex.fresh`; it
+  publishes none; it does not say its tokens_per_block; the request's token ids did not
+  reach the router) is least_loaded's. Each server that turns untrusted is logged once,
+  with the reason, and once when it is trusted again: never silently.
+- ``kv_aware``, generation: least_loaded (decode is load-bound; each pick counts as
+  ``load``).
+
 Ties go round robin: equally loaded servers take turns, so an idle pool spreads
 requests the way ``round_robin`` does. "This scheduler" is one orchestrator model
 instance: with ``scheduler_server.instances: N`` each instance routes with its own counts.
@@ -46,22 +70,41 @@ there first, its in-flight count being always 0.
 Invariants: a pick only ever returns a current member, never one in ``tried``; each
 assignment adds its tokens once and takes exactly those off once
 (:meth:`Assignment.release` is idempotent), so with nothing in flight
-:attr:`Router.in_flight` is empty; everything runs on one thread (the orchestrator's
-event loop), so nothing here locks.
+:attr:`Router.in_flight` is empty; everything here runs on one thread (the orchestrator's
+event loop), so nothing here locks (the KV index, written by its subscriber's thread,
+locks itself).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Protocol
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 from triton_disagg.routing.discovery.record import Load
 from triton_disagg.errors import NoServer
+from triton_disagg.routing.kv_index import KvIndex
 
-ROUND_ROBIN, LEAST_LOADED = "round_robin", "least_loaded"
+ROUND_ROBIN, LEAST_LOADED, KV_AWARE = "round_robin", "least_loaded", "kv_aware"
+POLICIES = (ROUND_ROBIN, LEAST_LOADED, KV_AWARE)
+OVERLAP, LOAD, FALLBACK = "overlap", "load", "fallback"    # a kv_aware decision's mode
 PASS_OVER_SECONDS = 5.0
+OVERLAP_SCORE_WEIGHT = 1.0       # Dynamo's default: a prefill block weighs one active block
+_log = logging.getLogger(__name__)
+
+# (token ids, tokens_per_block, cache_salt) -> the chained hash of each full block
+Hasher = Callable[[Sequence[int], int, "str | None"], list[int]]
+
+
+@dataclass(frozen=True)
+class KvAwareness:
+    """What a ``kv_aware`` router scores with: the index its KV events feed and the hash
+    the servers name their blocks by (the engine's, bound to its fingerprint)."""
+
+    index: KvIndex
+    hasher: Hasher
 
 
 @dataclass(frozen=True)
@@ -72,6 +115,7 @@ class Member:
     tokens_per_block: int | None = None
     kv_blocks_total: int | None = None
     load: Load = field(default_factory=Load)
+    kv_events: tuple[str, ...] = ()        # its model instances' KV event publishers
 
     def kv_tokens(self, tokens: int) -> int:
         """The KV ``tokens`` take in this server's pool: whole blocks, when their size is known."""
@@ -89,19 +133,26 @@ class MemberSource(Protocol):
 
 
 class Router:
-    def __init__(self, role: str, policy: str, source: MemberSource):
-        if policy not in (ROUND_ROBIN, LEAST_LOADED):
+    """``kv`` and ``observer`` (``route_decision(role, mode)``) serve ``kv_aware``."""
+
+    def __init__(self, role: str, policy: str, source: MemberSource,
+                 kv: KvAwareness | None = None, observer: Any = None):
+        if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.role, self.policy, self.source = role, policy, source
+        self.kv, self.observer = kv, observer
         self.in_flight: dict[str, int] = {}     # url -> this scheduler's tokens there (> 0)
         self._passed_over: dict[str, float] = {}   # url -> until when (time.monotonic())
+        self._untrusted: dict[str, str] = {}    # kv_aware: url -> why its overlap is not used
         self._turn = 0
 
     def members(self) -> tuple[Member, ...]:
         return self.source.members()
 
-    def take(self, tokens: int, tried: Collection[str] = ()) -> "Assignment":
-        """Route a request of ``tokens`` to a member not in ``tried``; NoServer when none is."""
+    def take(self, tokens: int, tried: Collection[str] = (),
+             token_ids: Sequence[int] | None = None, salt: str | None = None) -> "Assignment":
+        """Route a request of ``tokens`` to a member not in ``tried``; NoServer when none is.
+        ``token_ids`` (the prompt) and ``salt`` (its ``cache_salt``) serve ``kv_aware``."""
         members = [m for m in self.source.members() if m.url not in tried]
         if not members:
             raise NoServer(self._none_left(tried))
@@ -111,7 +162,14 @@ class Router:
         start = self._turn % len(members)
         self._turn += 1
         turn = members[start:] + members[:start]       # ties: the first in turn wins
-        chosen = turn[0] if self.policy == ROUND_ROBIN else max(turn, key=self._score)
+        if self.policy == ROUND_ROBIN:
+            chosen = turn[0]
+        elif self.policy == KV_AWARE and self.role == "context":
+            chosen = self._kv_pick(turn, tokens, token_ids, salt)
+        else:
+            chosen = max(turn, key=self._score)
+            if self.policy == KV_AWARE:
+                self._decided(LOAD)
         cost = chosen.kv_tokens(tokens) if self.role == "generation" else tokens
         self.in_flight[chosen.url] = self.in_flight.get(chosen.url, 0) + cost
         return Assignment(self, chosen.url, cost)
@@ -119,6 +177,75 @@ class Router:
     def unanswered(self, url: str) -> None:
         """``url`` failed before it answered: pass it over for a while (module docstring)."""
         self._passed_over[url] = time.monotonic() + PASS_OVER_SECONDS
+
+    def _kv_pick(self, turn: list[Member], tokens: int, token_ids: Sequence[int] | None,
+                 salt: str | None) -> Member:
+        """The member of least cost (module docstring), or least_loaded's when some
+        member's overlap cannot be trusted."""
+        if not self._trusted(turn, token_ids):
+            self._decided(FALLBACK)
+            return max(turn, key=self._score)
+        assert self.kv is not None and token_ids is not None     # _trusted checked them
+        hashes: dict[int, list[int]] = {}       # tokens_per_block -> the prompt's hashes
+        overlaps: dict[str, int] = {}
+        for member in turn:
+            tpb = member.tokens_per_block
+            assert tpb is not None
+            if tpb not in hashes:
+                hashes[tpb] = self.kv.hasher(token_ids, tpb, salt)
+            overlaps[member.url] = max(self.kv.index.overlap(address, hashes[tpb])
+                                       for address in member.kv_events)
+        chosen = min(turn, key=lambda m: self._cost(m, tokens, overlaps[m.url]))
+        self._decided(OVERLAP if overlaps[chosen.url] else LOAD)
+        return chosen
+
+    def _cost(self, member: Member, tokens: int, overlap: int) -> float:
+        """Lower is better (module docstring): weighted prefill blocks plus active blocks."""
+        tpb = member.tokens_per_block
+        assert tpb is not None
+        queued = max(self.in_flight.get(member.url, 0), member.load.queued_prompt_tokens or 0)
+        uncached = max(0, tokens - overlap * tpb)
+        active = 0
+        if member.kv_blocks_total is not None and member.load.free_kv_blocks is not None:
+            active = member.kv_blocks_total - member.load.free_kv_blocks
+        return OVERLAP_SCORE_WEIGHT * (queued + uncached) / tpb + active
+
+    def _trusted(self, turn: list[Member], token_ids: Sequence[int] | None) -> bool:
+        """Whether every member's overlap can be used now; logs each member whose trust
+        changes (once each way)."""
+        untrusted = {m.url: why for m in turn if (why := self._distrust(m, token_ids))}
+        for url, why in untrusted.items():
+            if self._untrusted.get(url) != why:
+                _log.warning("kv_aware router (%s): %s: %s; routing least_loaded until it is "
+                             "trusted again", self.role, url, why)
+        for url in [u for u in self._untrusted if u not in untrusted]:
+            if any(m.url == url for m in turn):
+                _log.warning("kv_aware router (%s): %s: KV events trusted again; routing on "
+                             "KV overlap", self.role, url)
+        current = {m.url for m in turn}
+        self._untrusted = {u: w for u, w in self._untrusted.items() if u not in current}
+        self._untrusted.update(untrusted)
+        return not untrusted
+
+    def _distrust(self, member: Member, token_ids: Sequence[int] | None) -> str | None:
+        """Why ``member``'s overlap cannot be used now, or None."""
+        if token_ids is None:
+            return "the request's token ids did not reach the router"
+        if self.kv is None:
+            return "this router has no KV events index"
+        if member.tokens_per_block is None:
+            return "its tokens_per_block is unknown"
+        if not member.kv_events:
+            return "it names no KV events publisher"
+        stale = [a for a in member.kv_events if not self.kv.index.fresh(a)]
+        if stale:
+            return (f"the KV events of {stale[0]} stopped or gapped (none fresh within "
+                    f"{self.kv.index.stale_seconds:g} s)")
+        return None
+
+    def _decided(self, mode: str) -> None:
+        if self.observer is not None:
+            self.observer.route_decision(self.role, mode)
 
     def _score(self, member: Member) -> tuple[int, int]:
         """Higher is less loaded (module docstring): (free KV in tokens or minus the queued

@@ -11,10 +11,15 @@ a channel notices a returning server within about a second; a dead server costs 
 connection attempt a second per channel, nothing more.
 
 Invariant: options are tritonclient's defaults (message sizes unbounded, keepalive as
-given or off) plus the backoff bounds.
+given or off) plus the backoff bounds; with the config's ``grpc_tls`` every such client
+speaks TLS (:func:`client_options`).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from triton_disagg.config.tls_section import GrpcTLS
 
 INITIAL_RECONNECT_BACKOFF_MS = 250
 MAX_RECONNECT_BACKOFF_MS = 1000
@@ -39,3 +44,9 @@ def channel_args(keepalive=None) -> list[tuple[str, int]]:
         ("grpc.min_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
+
+
+def client_options(tls: GrpcTLS | None, keepalive=None) -> dict[str, Any]:
+    """Keyword arguments for ``InferenceServerClient(url, **...)`` (sync or asyncio): the
+    channel options, and TLS when ``tls`` (the config's ``grpc_tls``) is given."""
+    return {"channel_args": channel_args(keepalive), **(tls.client_kwargs() if tls else {})}

@@ -55,6 +55,10 @@ The scheduler's routing (orchestrator over gRPC; :mod:`transports`, :mod:`pools`
 - ``disagg_pool_members`` (gauge, ``server_role`` only): servers in the role's pool.
 - ``disagg_etcd_reachable`` (gauge): 1 while etcd answers the scheduler's polls, else 0
   (only with discovery).
+- ``disagg_route_decisions_total`` (counter, ``server_role`` and ``mode``): a ``kv_aware``
+  router's picks by mode: ``overlap``, ``load``, ``fallback`` (:mod:`triton_disagg.routing.router`).
+- ``disagg_kv_event_batches_total`` (counter, ``publisher`` and ``outcome``: ``received`` /
+  ``missed``): KV event batches from each publisher a ``kv_aware`` router follows.
 
 Every update is applied on the instance's own writer thread, in order: each one is an
 IPC round trip to the Triton process, which the decode loop, the orchestrator's event
@@ -126,6 +130,10 @@ _FAMILIES = {
                    "Requests moved off this generation server because it was lost", "COUNTER"),
     "members": ("disagg_pool_members", "Servers in the role's pool", "GAUGE"),
     "etcd": ("disagg_etcd_reachable", "1 while etcd answers the scheduler, else 0", "GAUGE"),
+    "decisions": ("disagg_route_decisions_total",
+                  "kv_aware routing decisions by mode (overlap, load, fallback)", "COUNTER"),
+    "kv_events": ("disagg_kv_event_batches_total",
+                  "KV event batches received or missed per publisher", "COUNTER"),
 }
 
 
@@ -152,7 +160,7 @@ class Metrics:
         self.families = {key: pb_utils.MetricFamily(name=name, description=doc, kind=kinds[kind])
                          for key, (name, doc, kind) in _FAMILIES.items()}
         self._series: dict[tuple, Any] = {}
-        self._totals_seen: dict[str, int] = {}
+        self._totals_seen: dict[tuple, int] = {}
         self._closed = False      # no update is taken any more
         self._released = False    # the writer is done: no series is made any more
         self._updates: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -235,12 +243,13 @@ class Metrics:
         """``total``: the scheduler's running count; only the increase is added."""
         self._later(lambda: self._add_total("steps_blocked", total))
 
-    def _add_total(self, key: str, total: int) -> None:
-        metric = self._metric(key)                  # the series shows from the start, at 0
-        seen = self._totals_seen.get(key, 0)
+    def _add_total(self, key: str, total: int, **labels: str) -> None:
+        metric = self._metric(key, **labels)        # the series shows from the start, at 0
+        seen_key = (key, *sorted(labels.items()))
+        seen = self._totals_seen.get(seen_key, 0)
         if total > seen:
             metric.increment(total - seen)
-            self._totals_seen[key] = total
+            self._totals_seen[seen_key] = total
 
     def request_done(self, outcome: str) -> None:
         self._later(lambda: self._metric("requests", outcome=outcome).increment(1))
@@ -275,3 +284,12 @@ class Metrics:
 
     def etcd_reachable(self, reachable: bool) -> None:
         self._later(lambda: self._metric("etcd").set(1 if reachable else 0))
+
+    def route_decision(self, role: str, mode: str) -> None:
+        self._later(lambda: self._metric("decisions", server_role=role, mode=mode).increment(1))
+
+    def kv_event_batches(self, publisher: str, received: int, missed: int) -> None:
+        """Running counts of one publisher's batches; only the increases are added."""
+        for outcome, total in (("received", received), ("missed", missed)):
+            self._later(lambda outcome=outcome, total=total: self._add_total(
+                "kv_events", total, publisher=publisher, outcome=outcome))

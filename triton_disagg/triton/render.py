@@ -54,8 +54,12 @@ def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
 
 
 def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None = None,
-           token_bind: str | None = None) -> Path:
-    """Write the repository for ``role`` into ``repo`` (replacing it) and return it."""
+           token_bind: str | None = None, kv_events_host: str | None = None,
+           kv_events_port: int | None = None) -> Path:
+    """Write the repository for ``role`` into ``repo`` (replacing it) and return it;
+    ``kv_events_host``: what the instances' KV event publishers advertise (bound on
+    ``token_bind``'s host as well; None: ipc), ``kv_events_port``: the first instance's
+    port (None: free ones)."""
     if repo.exists():
         shutil.rmtree(repo)
     repo.mkdir(mode=0o700, parents=True)     # Triton runs what is here: code
@@ -68,12 +72,14 @@ def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None =
         text = Template((src / "config.pbtxt").read_text()).substitute(values)
         (dst / "config.pbtxt").write_text(text)
         if model in S.KINDS:
-            S.write(dst, settings(model, role, config, token_host, token_bind))
+            S.write(dst, settings(model, role, config, token_host, token_bind, kv_events_host,
+                                  kv_events_port))
     return repo
 
 
 def settings(model: str, role: str, config: DisaggConfig, token_host: str | None = None,
-             token_bind: str | None = None) -> S.Settings:
+             token_bind: str | None = None, kv_events_host: str | None = None,
+             kv_events_port: int | None = None) -> S.Settings:
     """What ``model``'s ``initialize`` reads back (parameter ``settings``, :mod:`~.settings`)."""
     engine, mode = str(config.engine), config.mode
     if model == "preprocessing":
@@ -85,9 +91,8 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
             max_local_prefill_length=config.generation.max_local_prefill_length,
             overlap_kv_transfer=config.kv_cache.overlap_transfer,
             max_concurrent_requests=config.scheduler.max_concurrent_requests,
-            pools={r: S.PoolSettings(config.server(r).urls, config.server(r).router)
-                   for r in ("context", "generation")},
-            discovery=config.discovery)
+            pools={r: _pool(config.server(r)) for r in ("context", "generation")},
+            discovery=config.discovery, grpc_tls=config.grpc_tls)
     server = config.server(model)
     common = dict(
         engine=engine, mode=mode, instance_cpus=instance_cpus(model, role, config),
@@ -97,7 +102,9 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         kv_gpu_memory_fraction=config.kv_cache.gpu_memory_fraction,
         kv_max_size_given=config.kv_cache.max_size_given,
         kv_prefix_caching=config.kv_cache.prefix_caching,
-        runtime=config.runtime, device=config.device, dtype=config.dtype)
+        runtime=config.runtime, device=config.device, dtype=config.dtype,
+        kv_events_host=kv_events_host, kv_events_bind=token_bind if kv_events_host else None,
+        kv_events_port=kv_events_port if kv_events_host else None)
     if mode != "aggregated":   # the key signing KV handles; never the secret itself
         from triton_disagg.kv.secret import render_key_id
 
@@ -106,6 +113,11 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         return S.ContextSettings(**common)
     return S.GenerationSettings(**common, stall_seconds=config.generation.stall_seconds,
                                 token_host=token_host, token_bind=token_bind)
+
+
+def _pool(server) -> S.PoolSettings:
+    return S.PoolSettings(server.urls, server.router, server.kv_dtype, server.tokens_per_block,
+                          server.kv_events_port, server.instances)
 
 
 def instance_cpus(model: str, role: str, config: DisaggConfig) -> list[list[int]]:

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from triton_disagg.errors import RequestError
+from triton_disagg.errors import ErrorCode, RequestError, triton_status
 from triton_disagg.protocol import TensorSpec
 
 
@@ -67,9 +67,11 @@ def scalar(inputs: dict[str, np.ndarray], name: str, default: Any = None) -> Any
     return value.item() if hasattr(value, "item") else value
 
 
-def error_response(pb_utils: Any, message: str, status: str = "INTERNAL") -> Any:
-    """A response carrying ``message`` with Triton status ``status`` (a ``TritonError`` code
-    name, as :mod:`triton_disagg.errors` classes name theirs): INVALID_ARG reaches the client
-    as HTTP 400 / gRPC INVALID_ARGUMENT, UNAVAILABLE as 503 / UNAVAILABLE, INTERNAL as 500."""
-    error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, status))
+def error_response(pb_utils: Any, message: str, status: ErrorCode = ErrorCode.INTERNAL) -> Any:
+    """A response carrying ``message`` with Triton status ``status`` (an error's
+    :class:`~triton_disagg.errors.ErrorCode`, as :func:`~triton_disagg.errors.triton_status`
+    writes it): INVALID_ARG reaches the client as HTTP 400 / gRPC INVALID_ARGUMENT,
+    UNAVAILABLE and TIMEOUT as 503 / UNAVAILABLE, INTERNAL as 500."""
+    name, text = triton_status(ErrorCode(status), message)
+    error = pb_utils.TritonError(text, getattr(pb_utils.TritonError, name))
     return pb_utils.InferenceResponse(output_tensors=[], error=error)

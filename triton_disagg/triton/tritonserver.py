@@ -61,10 +61,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from triton_disagg import shm
+from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import RetryableStart, UserError
 
 from triton_disagg import log_format
 from triton_disagg.triton import private_shm, server_log
+from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.stub_start import STACKS_SIGNAL
 from triton_disagg.triton.stub_watch import Stub
 from triton_disagg.triton.stuck_start import StartWatch
@@ -156,11 +158,11 @@ class TritonServer:
 
     def __init__(self, install: TritonInstall, repo: Path, endpoints: Endpoints, work_dir: Path,
                  env: dict[str, str] | None = None, log_verbose: int = 0,
-                 cpus: Sequence[int] = ()):
+                 cpus: Sequence[int] = (), grpc_tls: GrpcTLS | None = None):
         """``cpus``: the cores the server process (and what it forks) runs on; () leaves it
-        on this process's."""
+        on this process's. ``grpc_tls``: serve gRPC over TLS (the config's ``grpc_tls``)."""
         self.install, self.repo, self.endpoints, self.work_dir = install, repo, endpoints, work_dir
-        self.cpus = tuple(cpus)
+        self.cpus, self.grpc_tls = tuple(cpus), grpc_tls
         self.log_path = work_dir / "tritonserver.log"
         self.env = server_env(install, env)
         self.private_shm = private_shm.possible()
@@ -181,7 +183,8 @@ class TritonServer:
                f"--grpc-http2-min-recv-ping-interval-without-data={KEEPALIVE_MS // 2}",
                "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-               f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}"]
+               f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}",
+               *(self.grpc_tls.server_args() if self.grpc_tls else [])]
         if self.env.get(log_format.FORMAT_ENV) == "json":   # serve --log-format json
             cmd.append("--log-format=ISO8601")
         if e.http_port is None:
@@ -296,7 +299,8 @@ class TritonServer:
         import tritonclient.grpc as grpcclient
 
         try:
-            with grpcclient.InferenceServerClient(self.grpc_url) as client:
+            with grpcclient.InferenceServerClient(self.grpc_url,
+                                                  **client_options(self.grpc_tls)) as client:
                 return client.is_server_ready(client_timeout=2)
         except Exception:  # noqa: BLE001 - any failure means "not yet"
             return False

@@ -1,8 +1,15 @@
-"""context: prefill of a batch of prompts; first token + context_phase_params
-(logic: triton_disagg.context.prefill). A ``release_kv`` request gives back the KV of
-the ``context_phase_params`` it carries (a client left before generation took it) and
-answers with no tokens. Only the deployment's orchestrators are answered
-(:mod:`triton_disagg.peers`): any other request is refused before its tensors are read."""
+"""context: prefill; first token + context_phase_params (logic: triton_disagg.context:
+prefill_loop.py, prefill.py).
+
+execute() only validates and hands each request to the instance's PrefillLoop, and
+returns None: the loop's thread answers the request through its response sender (one
+response with the final flag: the model keeps Triton's default transaction policy, so the
+orchestrator's BLS and gRPC calls are plain unary calls) once its prefill is done; a
+request waits in the loop's queue while the pool is full, up to its timeout. A
+``release_kv`` request gives back the KV of the ``context_phase_params`` it carries (a
+client left before generation took it) and is answered at once with no tokens. Only the
+deployment's orchestrators are answered (:mod:`triton_disagg.peers`): any other request is
+refused before its tensors are read."""
 
 import faulthandler
 import json
@@ -17,7 +24,7 @@ from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
-from triton_disagg.context.prefill import ContextSide
+from triton_disagg.context.prefill_loop import PrefillLoop, Prompt
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
@@ -42,12 +49,12 @@ class TritonPythonModel:
         with self.metrics.closed_on_error():
             engine = make_engine(settings, "context", gpu_index(args))
             self.spec = engine.spec
-            self.side = ContextSide(engine, settings, instance, self.metrics)
+            self.loop = PrefillLoop(engine, settings, instance, self.metrics)
 
     def execute(self, requests):
-        responses = [None] * len(requests)
-        batch, slots, listeners = [], [], []
-        for i, request in enumerate(requests):
+        prompts = []
+        for request in requests:
+            answer = _Answer(request.get_response_sender())
             try:
                 peers.check(request.parameters(), "context", self.credential)
                 request_type = json.loads(request.parameters() or "{}").get(
@@ -58,30 +65,40 @@ class TritonPythonModel:
                 inputs = read_inputs(pb_utils, request, P.CONTEXT_INPUTS)
                 if request_type == P.RELEASE_KV:
                     handle = inputs.get(P.CONTEXT_PHASE_PARAMS, np.zeros(0, np.uint8))
-                    self.side.release(handle.tobytes())
-                    responses[i] = self._response(engine_request.outputs([], [], 0.0, ""))
+                    self.loop.release(handle.tobytes())
+                    answer.send(engine_request.outputs([], [], 0.0, ""))
                     continue
-                request_id = request.request_id() or uuid.uuid4().hex
-                batch.append((request_id, engine_request.from_inputs(inputs, self.spec)))
                 listener = inputs.get(P.KV_LISTENER)
-                listeners.append(listener.tobytes() if listener is not None else b"")
-                slots.append(i)
+                prompts.append(Prompt(request.request_id() or uuid.uuid4().hex,
+                                      engine_request.from_inputs(inputs, self.spec), answer,
+                                      listener.tobytes() if listener is not None else b"",
+                                      request.timeout() / 1e6))
             except RequestError as exc:
-                responses[i] = error_response(pb_utils, str(exc), exc.status)
-        for i, result in zip(slots, self.side.prefill(batch, listeners) if batch else []):
-            if isinstance(result, Exception):
-                responses[i] = error_response(pb_utils, str(result),
-                                              getattr(result, "status", "INTERNAL"))
-            else:
-                responses[i] = self._response(result)
-        return responses
-
-    @staticmethod
-    def _response(outputs):
-        outputs.setdefault(P.CONTEXT_PHASE_PARAMS, np.zeros(0, np.uint8))
-        tensors = make_tensors(pb_utils, P.CONTEXT_OUTPUTS, outputs)
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+                answer.send(exc)
+        self.loop.submit(prompts)          # the batch queues together: one prefill pass
+        return None
 
     def finalize(self):
-        self.side.close()
+        self.loop.close()
         self.metrics.close()
+
+
+class _Answer:
+    """One request's answer through its response sender (the loop's
+    :class:`~triton_disagg.context.prefill_loop.Answer`): outputs or an error, sent once
+    with the final flag. The request itself is not kept past ``execute``: its sender is."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, result):
+        if isinstance(result, Exception):
+            response = error_response(pb_utils, str(result), getattr(result, "status", "INTERNAL"))
+        else:
+            result.setdefault(P.CONTEXT_PHASE_PARAMS, np.zeros(0, np.uint8))
+            response = pb_utils.InferenceResponse(
+                output_tensors=make_tensors(pb_utils, P.CONTEXT_OUTPUTS, result))
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def cancelled(self):
+        return self.sender.is_cancelled()

@@ -30,7 +30,7 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.errors import EngineError, RequestError
-from triton_disagg.front.orchestrator import Orchestrator
+from triton_disagg.front.orchestrator import MAX_RELEASES, Orchestrator
 from triton_disagg.front.orchestrator_gate import InFlightCap, OrchestratorGate, public_message
 from triton_disagg.routing.pools import start_pools
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, scalar
@@ -52,10 +52,12 @@ class TritonPythonModel:
         self.pools = None
         with self.metrics.closed_on_error():
             if settings.transport == "bls":
-                self.transport = BLSTransport(pb_utils)
+                self.transport = BLSTransport(pb_utils, settings.max_concurrent_requests
+                                              + MAX_RELEASES)
             else:
                 self.pools = start_pools(settings, self.metrics)
-                self.transport = GrpcTransport(self.pools.routers, self.metrics)
+                self.transport = GrpcTransport(self.pools.routers, self.metrics,
+                                               settings.grpc_tls)
             decode = Tokenizer(settings.engine).decode
         self.tokens = TokenInbox(settings.token_host, settings.stall_seconds)
         self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,

@@ -4,6 +4,7 @@ JSON, versioned (``"version": 1``), never pickle::
 
     {"version": 1, "role": "generation", "grpc_url": "gen-01:8001",
      "token_address": "", "nixl_address": "", "fingerprint": "<sha256 hex>",
+     "kv_events": ["tcp://gen-01:5557"],
      "capacity": {"kv_blocks_total": 512, "tokens_per_block": 16},
      "load": {"free_kv_blocks": 500, "live_sequences": null, "queued_prompt_tokens": null}}
 
@@ -13,13 +14,19 @@ raises ValueError, with the reason, on anything else: a value over ``MAX_RECORD_
 type, a count outside ``0..MAX_COUNT``, ``tokens_per_block`` not a power of two up to
 ``MAX_TOKENS_PER_BLOCK``, free KV blocks above the record's own ``kv_blocks_total``. A load
 figure the server cannot measure is ``None`` (JSON null), never a made-up 0;
-``token_address`` / ``nixl_address`` are "" until the server knows them.
+``token_address`` / ``nixl_address`` are "" until the server knows them. ``kv_events``
+lists the KV event publishers of the server's model instances
+(:mod:`triton_disagg.routing.kv_events`), at most ``MAX_PUBLISHERS`` ``tcp://`` or
+``ipc://`` addresses of at most ``MAX_ADDRESS_CHARS`` characters each; a record without the key
+(written before it existed) has none.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+
+from triton_disagg.routing.kv_events import MAX_ADDRESS_CHARS, MAX_PUBLISHERS, valid_address
 
 ROLES = ("context", "generation")
 VERSION = 1
@@ -45,6 +52,7 @@ class MemberRecord:
     token_address: str = ""     # the token channel's ZeroMQ address, if the server has one
     nixl_address: str = ""      # where NIXL reaches its KV pool, if known
     load: Load = field(default_factory=Load)
+    kv_events: tuple[str, ...] = ()   # its model instances' KV event publishers (ZeroMQ)
 
     def capped(self, max_blocks: int) -> "MemberRecord":
         """This record with its capacity and free KV blocks at most ``max_blocks``."""
@@ -58,7 +66,7 @@ class MemberRecord:
         return json.dumps({
             "version": VERSION, "role": self.role, "grpc_url": self.grpc_url,
             "token_address": self.token_address, "nixl_address": self.nixl_address,
-            "fingerprint": self.fingerprint,
+            "fingerprint": self.fingerprint, "kv_events": list(self.kv_events),
             "capacity": {"kv_blocks_total": self.kv_blocks_total,
                          "tokens_per_block": self.tokens_per_block},
             "load": asdict(self.load)}, sort_keys=True).encode()
@@ -81,7 +89,8 @@ class MemberRecord:
                      kv_blocks_total=_int(capacity, "kv_blocks_total"),
                      tokens_per_block=_int(capacity, "tokens_per_block"),
                      token_address=_str(d, "token_address"), nixl_address=_str(d, "nixl_address"),
-                     load=Load(**{k: _int(load, k, optional=True) for k in Load.__dataclass_fields__}))
+                     load=Load(**{k: _int(load, k, optional=True) for k in Load.__dataclass_fields__}),
+                     kv_events=_addresses(d, "kv_events"))
         if record.role not in ROLES:
             raise ValueError(f"role {record.role!r} is not one of {', '.join(ROLES)}")
         tpb = record.tokens_per_block
@@ -104,6 +113,17 @@ def _str(d: dict, key: str) -> str:
     if not isinstance(d.get(key), str):
         raise ValueError(f"{key} is not a string")
     return d[key]
+
+
+def _addresses(d: dict, key: str) -> tuple[str, ...]:
+    value = d.get(key, [])
+    if not isinstance(value, list) or len(value) > MAX_PUBLISHERS:
+        raise ValueError(f"{key} is not a list of at most {MAX_PUBLISHERS} addresses")
+    for address in value:
+        if not valid_address(address):
+            raise ValueError(f"{key}: {str(address)[:80]!r} is not a tcp:// or ipc:// address "
+                             f"of at most {MAX_ADDRESS_CHARS} characters")
+    return tuple(value)
 
 
 def _int(d: dict, key: str, optional: bool = False) -> int | None:

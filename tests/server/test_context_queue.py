@@ -1,0 +1,107 @@
+"""Under KV pressure the context queues requests instead of refusing them (issue 28): a
+`serve all` whose context pool holds two prompts' KV takes eight concurrent requests; each
+gets its offline text, the context model receives exactly one call per request (Triton's
+own count: no retries, no failed calls), and every block is free at the end. With
+``host_memory`` the handoff's staging slots run out too (its pool blocks come back at
+once), so a request also waits for staging room; with ``--overlap_kv_transfer`` generation
+takes each request first and the context announces the KV as it prefills."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import servers
+from triton_disagg.routing.scrape import scrape, total
+from waiting import wait_until
+
+REQUESTS = 8
+MAX_TOKENS = 8
+MAX_SEQ_LEN = 128    # so that a pool of 1 MB (15 KV blocks of 16 tokens, 64 KiB) is allowed
+# ~105 tokens of the demo tokenizer: 7 blocks; the pool holds two such prompts on the
+# context, and two such requests (prompt + MAX_TOKENS) on generation.
+PROMPTS = [f"{i}: " + "The quick brown fox jumps over the lazy dog. " * 9 for i in range(REQUESTS)]
+
+
+@pytest.fixture(scope="module")
+def short_engine(demo_checkpoint, tmp_path_factory):
+    """The demo engine built with ``MAX_SEQ_LEN``."""
+    from triton_disagg.builders.build import build_engine
+
+    path = tmp_path_factory.mktemp("short") / "engine"
+    build_engine(demo_checkpoint, path, max_seq_len=MAX_SEQ_LEN)
+    return path
+
+
+@pytest.mark.parametrize("strategy, flags", [
+    ("direct_transfer", []), ("host_memory", []),
+    ("direct_transfer", ["--overlap_kv_transfer"])], ids=["direct", "host_memory", "overlap"])
+def test_a_full_context_is_called_once_per_request_and_frees_every_block(
+        short_engine, tmp_path, strategy, flags):
+    offline = servers.offline_text(short_engine)
+    config = tmp_path / "disagg_config.yaml"
+    config.write_text(f"model: {{engine: {short_engine}, runtime: numpy, device: cpu}}\n"
+                      f"kv_cache: {{strategy: {strategy}, max_size: 1MB, lease_seconds: 30}}\n")
+    with servers.serve("all", ["-c", str(config)] + flags, tmp_path / "run") as served:
+        with ThreadPoolExecutor(REQUESTS) as pool:
+            results = list(pool.map(lambda p: servers.generate(
+                served.http, {"text_input": p, "max_tokens": MAX_TOKENS}), PROMPTS))
+        for prompt, (status, body) in zip(PROMPTS, results):
+            assert status == 200 and body["text_output"] == offline(prompt, MAX_TOKENS), body
+        samples = scrape(served.metrics)
+        assert total(samples, "nv_inference_request_success", model="context") == REQUESTS
+        assert total(samples, "nv_inference_request_failure", model="context") == 0
+        assert total(samples, "nv_inference_exec_count", model="context") <= REQUESTS
+
+        def at_rest() -> bool:
+            samples = scrape(served.metrics)
+            used = samples.get("disagg_kv_blocks_used", {})
+            return len(used) == 2 and not any(used.values()) and not total(
+                samples, "disagg_queued_prompt_tokens")
+        wait_until(at_rest, 10, "0 KV blocks used and 0 prompt tokens queued on both roles")
+
+
+def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_path,
+                                                               monkeypatch):
+    """Called as an orchestrator calls it (the peer credential; Triton's request timeout), a
+    context whose pool two unfetched handoffs fill keeps a third request waiting, then
+    answers it with a timeout one second (``WAIT_GRACE_SECONDS``) past its 0.5 s timeout;
+    releasing the two handles empties the pool."""
+    import time
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from triton_disagg import peers, protocol as P
+    from triton_disagg.kv.secret import SECRET_ENV
+
+    monkeypatch.setenv(SECRET_ENV, "test-deployment-secret-" + "7" * 32)
+    config = tmp_path / "disagg_config.yaml"
+    config.write_text(f"model: {{engine: {short_engine}, runtime: numpy, device: cpu}}\n"
+                      f"kv_cache: {{strategy: direct_transfer, max_size: 1MB, "
+                      f"lease_seconds: 60}}\n")
+    ids = list(range(3, 3 + 100))                       # 7 blocks of the pool's 15
+
+    def context(client, request_type=P.CONTEXT_ONLY, handle=None, timeout_us=0):
+        inputs = servers.orchestrator_inputs(ids, MAX_TOKENS)[:3]
+        if handle is not None:
+            inputs += servers.array_inputs({P.CONTEXT_PHASE_PARAMS: handle[None]})
+        return client.infer("context", inputs, timeout=timeout_us, parameters={
+            P.REQUEST_TYPE: request_type, peers.PARAMETER: peers.credential()})
+
+    with servers.serve("all", ["-c", str(config)], tmp_path / "run") as served, \
+            grpcclient.InferenceServerClient(served.grpc) as client:
+        held = [context(client).as_numpy(P.CONTEXT_PHASE_PARAMS)[0] for _ in range(2)]
+        began = time.monotonic()
+        with pytest.raises(InferenceServerException, match="past its deadline") as refused:
+            context(client, timeout_us=500_000)
+        assert 1.5 <= time.monotonic() - began < 10 and "timed out" in refused.value.message()
+        for handle in held:
+            context(client, P.RELEASE_KV, handle)
+
+        def at_rest() -> bool:
+            used = scrape(served.metrics).get("disagg_kv_blocks_used", {})
+            return len(used) == 2 and not any(used.values())
+        wait_until(at_rest, 10, "0 KV blocks used on both roles")

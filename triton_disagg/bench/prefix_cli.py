@@ -1,0 +1,196 @@
+"""`triton-disagg bench prefix`: prefix caching and KV-aware routing on shared-prefix, chat
+and unshared traffic (issue 29).
+
+Per mode (a router for the context pool, the context servers' cache on or off), cold
+context servers and a scheduler start (:mod:`.prefix_servers`); each workload
+(:mod:`.prefix_workloads`; a seed of its own, the same in every mode) is sent over the
+scheduler's OpenAI front as token-id completions, streamed and greedy, in waves, each wave
+at ``--rate`` requests/s (Poisson). Then the same again with each context server's pool
+holding about half of the working set (shared and chat, cache modes only).
+
+Figures per run: prompt tokens prefilled (the context servers' own counters: prompt tokens
+queried minus served from cache, summed over both), hit rate against one never-evicting
+cache (:func:`~.prefix_workloads.ideal_hit_tokens`), TTFT p50/p90 measured by the client
+from send to first token (queueing, routing, prefill, KV handoff and the first decode),
+goodput (requests/s that got their first token within ``--slo-ms``), errors, and whether
+the greedy texts equal the first mode's. The table is printed and, with ``--output``,
+kept as the ``prefix`` section of that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from triton_disagg.bench.args import add_engine_arg, bench_engine
+from triton_disagg.bench.prefix_servers import Mode
+from triton_disagg.bench.prefix_workloads import WORKLOADS, Shape
+from triton_disagg.errors import UserError
+
+MODES = {m.name: m for m in (Mode("round_robin", "round_robin", False),
+                             Mode("least_loaded", "least_loaded", False),
+                             Mode("round_robin+cache", "round_robin", True),
+                             Mode("least_loaded+cache", "least_loaded", True),
+                             Mode("kv_aware", "kv_aware", True))}
+QUERIED = "disagg_prefix_cache_queries_total"     # prompt tokens looked up, per instance
+HIT = "disagg_prefix_cache_hits_total"            # of those, served from the cache
+HALF_POOL_WORKLOADS = ("shared", "chat")
+
+
+@dataclass(frozen=True)
+class Run:
+    mode: str
+    workload: str
+    pool: str                  # "full" | "half"
+    prompt_tokens: int
+    prefilled: int             # by the context servers' counters
+    ideal_hits: int
+    ttft: list[float]          # seconds, requests that got a first token
+    goodput: float             # requests/s with TTFT <= the SLO
+    errors: int
+    texts: list[str]
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Tokens served from cache over what one infinite cache would have served."""
+        return (self.prompt_tokens - self.prefilled) / self.ideal_hits if self.ideal_hits \
+            else None
+
+
+def add_prefix_parser(kinds) -> None:
+    p = kinds.add_parser(
+        "prefix", help="prefix caching and KV-aware routing: two context servers, one "
+                       "generation server, shared-prefix / chat / unshared traffic",
+        description=__doc__.split("\n\n")[1])
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, of {', '.join(MODES)} (default all)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--rate", type=float, default=2.0, help="requests/s within a wave (default 2)")
+    p.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
+    p.add_argument("--no-half-pool", action="store_true",
+                   help="skip the runs with half the working set per context pool")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every length of the workloads (e.g. 0.25 for a quick look)")
+    add_engine_arg(p, "work/bench")
+    p.add_argument("--work-dir", type=Path, default=Path("work/prefix"))
+    p.add_argument("--output", type=Path, help="markdown file whose prefix section is replaced")
+    p.set_defaults(func=run)
+
+
+def _say(message: str) -> None:
+    print(f"[bench prefix] {message}", file=sys.stderr, flush=True)
+
+
+def _names(text: str, known, flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or set(names) - set(known):
+        raise UserError(f"{flag}: {text!r}; choose from {', '.join(known)}")
+    return names
+
+
+def scaled(shape: Shape, factor: float) -> Shape:
+    if factor <= 0:
+        raise UserError(f"--scale: {factor} must be more than 0")
+    lengths = ("prefix_len", "suffix_len", "first_len", "answer_len", "message_len",
+               "output_len")
+    return Shape(**{**shape.__dict__, **{k: max(1, round(getattr(shape, k) * factor))
+                                         for k in lengths}})
+
+
+def run(args: argparse.Namespace) -> int:
+    from triton_disagg.bench.prefix_servers import deployment
+    from triton_disagg.bench.report import replace_section
+    from triton_disagg.engine.spec import EngineSpec
+
+    modes = [MODES[n] for n in _names(args.modes, MODES, "--modes")]
+    workloads = _names(args.workloads, WORKLOADS, "--workloads")
+    if args.rate <= 0:
+        raise UserError(f"--rate: {args.rate} must be more than 0 requests/s")
+    engine = bench_engine(args.engine, args.work_dir, _say)
+    spec, shape = EngineSpec.load(engine), scaled(Shape(), args.scale)
+    runs: list[Run] = []
+    with deployment(engine, args.work_dir / "servers", _say) as deployed:
+        for pool in ("full",) if args.no_half_pool else ("full", "half"):
+            for mode in modes:
+                if pool == "half" and not mode.prefix_caching:
+                    continue
+                chosen = [w for w in workloads if pool == "full" or w in HALF_POOL_WORKLOADS]
+                runs += _mode_runs(deployed, mode, pool, chosen, shape, spec, args)
+    table = markdown(runs, args)
+    print(table)
+    if args.output:
+        replace_section(args.output, "prefix", "Prefix caching and KV-aware routing", table)
+        _say(f"kept in {args.output}")
+    return 0
+
+
+def _mode_runs(deployed, mode: Mode, pool: str, workloads: list[str], shape: Shape, spec,
+               args: argparse.Namespace) -> list[Run]:
+    from triton_disagg.bench.prefix_workloads import requests_for, working_set_blocks
+
+    bs, block_bytes = spec.kv.tokens_per_block, spec.block_geometry().block_nbytes
+    streams = {w: requests_for(w, shape, spec.shape.vocab_size, seed=i)
+               for i, w in enumerate(workloads)}
+    largest = max(working_set_blocks(s, bs) for s in streams.values())
+    kv_bytes = (largest // 2 if pool == "half" else 2 * largest) * block_bytes
+    with deployed.mode(mode, kv_bytes) as running:
+        return [_one_run(running, mode, pool, w, streams[w], bs, args) for w in workloads]
+
+
+def _one_run(running, mode: Mode, pool: str, workload: str, requests, bs: int,
+             args: argparse.Namespace) -> Run:
+    from triton_disagg.bench.prefix_workloads import ideal_hit_tokens
+    from triton_disagg.clients.load import run_openai_load
+    from triton_disagg.clients.stream import GenerateRequest
+    from triton_disagg.routing.scrape import delta, scrape
+
+    _say(f"{mode.name}, {workload}, {pool} pool: {len(requests)} requests")
+    before = [scrape(url) for url in running.context_metrics]
+    outcomes, seconds = [], 0.0
+    for wave in sorted({r.wave for r in requests}):
+        sent = [GenerateRequest(r.prompt, r.max_tokens, options={"end_id": -1})
+                for r in requests if r.wave == wave]
+        load = run_openai_load(running.front, running.model, sent, args.rate, seed=wave)
+        outcomes += load.outcomes
+        seconds += load.duration
+    after = [scrape(url) for url in running.context_metrics]
+    queried = sum(delta(b, a, QUERIED) for b, a in zip(before, after))
+    hits = sum(delta(b, a, HIT) for b, a in zip(before, after))
+    ttft = [o.measurement.ttft for o in outcomes if o.measurement and o.measurement.ttft]
+    good = sum(t <= args.slo_ms / 1000 for t in ttft)
+    return Run(mode.name, workload, pool, sum(len(r.prompt) for r in requests),
+               int(queried - hits) if queried else sum(len(r.prompt) for r in requests),
+               sum(ideal_hit_tokens(requests, bs)), ttft, good / seconds if seconds else 0.0,
+               sum(o.error is not None for o in outcomes),
+               ["".join(o.measurement.text) if o.measurement else "" for o in outcomes])
+
+
+def markdown(runs: list[Run], args: argparse.Namespace) -> str:
+    lines = [f"`triton-disagg bench prefix --rate {args.rate:g} --slo-ms {args.slo_ms:g}"
+             f"{f' --scale {args.scale:g}' if args.scale != 1 else ''}`: two context servers "
+             f"and one generation server (the guide's `serve` commands, one host), token-id "
+             f"completions over the scheduler's OpenAI front. TTFT is the client's, send to "
+             f"first token.", ""]
+    for workload in dict.fromkeys(r.workload for r in runs):
+        for pool in dict.fromkeys(r.pool for r in runs if r.workload == workload):
+            rows = [r for r in runs if r.workload == workload and r.pool == pool]
+            base = rows[0]
+            lines += [f"**{workload}**, {pool} context pools ({base.prompt_tokens} prompt "
+                      f"tokens; one infinite cache would serve {base.ideal_hits}):", "",
+                      "| mode | prefilled | x fewer | hit rate | TTFT p50 ms | TTFT p90 ms "
+                      "| goodput req/s | errors | texts = first |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for r in rows:
+                p50, p90 = (np.percentile(r.ttft, [50, 90]) * 1000 if r.ttft
+                            else (float("nan"),) * 2)
+                rate = "-" if r.hit_rate is None else f"{r.hit_rate:.2f}"
+                lines.append(f"| {r.mode} | {r.prefilled} | "
+                             f"{base.prefilled / max(1, r.prefilled):.1f} | {rate} | "
+                             f"{p50:.0f} | {p90:.0f} | {r.goodput:.2f} | {r.errors} | "
+                             f"{'yes' if r.texts == base.texts else 'NO'} |")
+            lines.append("")
+    return "\n".join(lines)

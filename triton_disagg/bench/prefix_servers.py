@@ -1,0 +1,101 @@
+"""The deployment ``bench prefix`` measures: the guide's commands on this host, on free
+loopback ports - two ``serve context`` servers, one ``serve generation``, and ``serve
+scheduler`` routing over them - each from its own config file, so that the context servers'
+cache and pool, the generation server's pool and the scheduler's router are set apart.
+
+Invariant: :meth:`Deployment.mode` yields context servers started cold (nothing cached)
+and a scheduler that is ready (its peers answer), and stops both on exit; the generation
+server lives as long as :func:`deployment`'s block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from triton_disagg.bench.serve_servers import serve_cli
+from triton_disagg.launch.deploy import free_ports
+
+CONTEXT_SERVERS = 2
+GENERATION_KV_BYTES = 512 * 2**20      # generation never limits the runs
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    router: str               # the scheduler's context_server.router
+    prefix_caching: bool      # the context servers' kv_cache.prefix_caching
+
+
+@dataclass(frozen=True)
+class Running:
+    front: str                        # http://127.0.0.1:PORT: the scheduler's OpenAI front
+    model: str                        # the model id it serves (the engine directory's name)
+    context_metrics: tuple[str, ...]  # http://127.0.0.1:PORT per context server
+
+
+class Deployment:
+    def __init__(self, engine: Path, work_dir: Path, say):
+        self.engine, self.work_dir, self.say = engine, work_dir.resolve(), say
+        *self.context_ports, self.generation_port = free_ports(CONTEXT_SERVERS + 1)
+        self.urls = [f"127.0.0.1:{p}" for p in self.context_ports]
+
+    def _config(self, name: str, kv_bytes: int, prefix_caching: bool = True,
+                router: str = "round_robin") -> Path:
+        path = self.work_dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "model": {"engine": str(self.engine)},
+            "context_server": {"urls": self.urls, "router": router},
+            "generation_server": {"url": f"127.0.0.1:{self.generation_port}"},
+            "kv_cache": {"strategy": "direct_transfer", "max_size": kv_bytes,
+                         "prefix_caching": prefix_caching}}, sort_keys=False))
+        return path
+
+    def _serve(self, role: str, config: Path, grpc: int, name: str, marker: str = "ready ("):
+        front, metrics = free_ports(2)
+        args = [role, "-c", str(config), "--host", "127.0.0.1", "--grpc-port", str(grpc),
+                "--front-port", str(front), "--metrics-port", str(metrics),
+                "--work-dir", str(self.work_dir / name)]
+        if role == "scheduler":
+            args += ["--http-port", str(free_ports(1)[0])]
+        return serve_cli(args, self.work_dir / f"{name}.log", marker=marker), front, metrics
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[None]:
+        config = self._config("generation", GENERATION_KV_BYTES)
+        served, _, _ = self._serve("generation", config, self.generation_port, "generation")
+        with served:
+            yield
+
+    @contextlib.contextmanager
+    def mode(self, mode: Mode, context_kv_bytes: int) -> Iterator[Running]:
+        """Cold context servers with ``mode``'s cache and ``context_kv_bytes`` each, and a
+        scheduler with its router, until the block exits."""
+        self.say(f"starting {CONTEXT_SERVERS} context servers (prefix_caching "
+                 f"{mode.prefix_caching}, {context_kv_bytes / 2**20:.0f} MiB of KV each) and "
+                 f"the scheduler ({mode.router})")
+        context = self._config("context", context_kv_bytes, mode.prefix_caching)
+        scheduler = self._config("scheduler", context_kv_bytes, mode.prefix_caching, mode.router)
+        with contextlib.ExitStack() as stack:
+            metrics = []
+            for i, port in enumerate(self.context_ports):
+                served, _, metrics_port = self._serve("context", context, port, f"context-{i}")
+                stack.enter_context(served)
+                metrics.append(f"http://127.0.0.1:{metrics_port}")
+            served, front, _ = self._serve("scheduler", scheduler, free_ports(1)[0], "scheduler")
+            stack.enter_context(served)
+            yield Running(f"http://127.0.0.1:{front}", self.engine.name, tuple(metrics))
+
+
+@contextlib.contextmanager
+def deployment(engine: Path, work_dir: Path, say) -> Iterator[Deployment]:
+    """The generation server up; context servers and scheduler per :meth:`Deployment.mode`."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    deployed = Deployment(engine, work_dir, say)
+    say("starting the generation server")
+    with deployed.generation():
+        yield deployed

@@ -1,0 +1,297 @@
+"""The context model's engine loop: one thread per model instance owns the engine, its
+queue and its KV pool; a request waits in the engine's queue until its blocks are free.
+
+``execute`` only calls :meth:`PrefillLoop.submit` (or :meth:`PrefillLoop.release`) and
+returns; the loop's thread answers each request through its :class:`Answer` when its
+prefill is done (Triton's response sender). Each iteration takes what came (new requests,
+and the blocks the KV connector freed from its own threads: handoffs fetched, released or
+expired), ends the waiting requests whose deadline passed or whose caller cancelled, admits
+the queue's head prompts whose blocks and KV handoff room are free (FIFO, up to the
+engine's ``max_batch_size``: one prefill pass, :class:`~triton_disagg.context.prefill.Prefiller`),
+answers them, and every ``REPORT_SECONDS`` publishes the gauges.
+
+Invariants:
+
+- only the loop's thread touches the engine, the pool and the connector's exports; other
+  threads reach it only through its queues (``inbox``: requests; ``frees``: blocks), so
+  nothing locks the pool;
+- a context without room makes a request wait, never fail or come back: the context
+  receives one call per request. A request waits at most its deadline (its caller's
+  timeout plus ``WAIT_GRACE_SECONDS``, so that a caller gives up first; without one
+  ``DEFAULT_WAIT_SECONDS``), then gets a :class:`~triton_disagg.errors.Timeout`; one whose
+  caller cancelled it is dropped (its cancel is asked at most every
+  ``CANCEL_POLL_SECONDS``); an invalid one, or one whose prompt the pool could never
+  hold, is answered at once;
+- every submitted request gets exactly one answer: its result, its error, its timeout,
+  or, at :meth:`PrefillLoop.close`, that the server is shutting down; an answer that
+  cannot be delivered (its caller left) is logged, the loop goes on;
+- ``queued_tokens`` counts the prompt tokens of the requests waiting or being
+  prefilled (``disagg_queued_prompt_tokens``); once nothing waits and every handoff
+  ended, the next drain leaves ``pool.num_used == 0``;
+- an iteration that raises is logged and the loop goes on; a loop that dies anyway takes
+  the instance down (``on_death``, :func:`~triton_disagg.readers.fail_instance`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from triton_disagg import protocol as P
+from triton_disagg.config.settings import ContextSettings
+from triton_disagg.context.prefill import Prefiller
+from triton_disagg.engine.llm_engine import LLMEngine
+from triton_disagg.engine.sequence import Sequence
+from triton_disagg.errors import EngineError, RequestError, Timeout, Unavailable
+from triton_disagg.kv.connector import ConnectorError, connector_for
+from triton_disagg.kv.handle import HandleError
+from triton_disagg.readers import OnDeath, fail_instance, guarded
+from triton_disagg.triton.engine_request import EngineRequest
+
+DEFAULT_WAIT_SECONDS = 30.0   # a request that names no timeout waits at most this long
+WAIT_GRACE_SECONDS = 1.0      # beyond the caller's own timeout: the caller gives up first
+REPORT_SECONDS = 0.5
+DEADLINE_POLL_SECONDS = 0.1   # waiting requests' deadlines are looked at this often
+CANCEL_POLL_SECONDS = 0.5     # is_cancelled() is an IPC round trip per request: at most this often
+ROOM_POLL_SECONDS = 0.005     # pace while the head waits only for host staging slots
+_WAKE: tuple = ()              # an inbox item that only wakes the loop (frees, close)
+_log = logging.getLogger(__name__)
+
+
+class Answer(Protocol):
+    """Where one request's answer goes (the model's Triton response sender)."""
+
+    def send(self, result: dict[str, np.ndarray] | Exception) -> None:
+        """The request's one answer: its outputs, or its error."""
+
+    def cancelled(self) -> bool:
+        """Has the caller cancelled the request?"""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One context request as ``execute`` hands it over: ``listener`` is generation's
+    ``kv_listener`` (an overlapped request; else b""), ``wait_seconds`` its caller's
+    timeout (0: none given)."""
+
+    request_id: str
+    request: EngineRequest
+    answer: Answer
+    listener: bytes = b""
+    wait_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A request the loop holds, from its arrival to its answer."""
+
+    prompt: Prompt
+    deadline: float            # time.monotonic()
+
+
+class PrefillLoop:
+    """The engine loop of one context model instance over ``engine`` (module docstring);
+    ``metrics`` (optional): ``queued_prompt_tokens``, ``kv_pool`` and ``leases_expired``
+    (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def __init__(self, engine: LLMEngine, settings: ContextSettings, instance: str,
+                 metrics: Any = None, on_death: OnDeath = fail_instance):
+        self.engine, self.metrics = engine, metrics
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.frees: queue.SimpleQueue = queue.SimpleQueue()
+        self.connector = connector_for(settings, engine, instance, self.free)
+        self.prefiller = Prefiller(engine, self.connector, self._reclaim)
+        self.waiting: dict[str, _Waiting] = {}     # in arrival order
+        self.room_limited = False     # the head waits for handoff room, not for blocks
+        self.admitted = False         # the last iteration admitted a batch
+        self.running = True
+        self.reported = self.cancels_asked = 0.0
+        self.thread = threading.Thread(target=guarded("context prefill loop", self._run,
+                                                       on_death),
+                                       name="prefill-loop", daemon=True)
+        self.thread.start()
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(len(w.prompt.request.prompt_ids) for w in list(self.waiting.values()))
+
+    def submit(self, prompts: list[Prompt]) -> None:
+        """Prefill each prompt when its turn and its blocks come, then answer it (any thread).
+        Prompts submitted together are queued together, so they share a prefill pass when
+        their blocks are free."""
+        now = time.monotonic()
+        self.inbox.put([_Waiting(p, now + (p.wait_seconds + WAIT_GRACE_SECONDS
+                                           if p.wait_seconds > 0 else DEFAULT_WAIT_SECONDS))
+                        for p in prompts])
+
+    def free(self, block_ids: list[int]) -> None:
+        """Give blocks back to the pool (the connector's ``free_blocks``; any thread): they
+        go back on the loop's thread."""
+        self.frees.put(list(block_ids))
+        self.inbox.put(_WAKE)
+
+    def release(self, handle: bytes) -> None:
+        """Give back the KV of a handle that will not be fetched (any thread; the blocks
+        come back through :meth:`free`); RequestError if the handle is invalid."""
+        try:
+            self.connector.release(handle)
+        except (HandleError, ConnectorError) as exc:
+            raise RequestError(f"{P.CONTEXT_PHASE_PARAMS}: cannot release: {exc}") from None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Answer what waits (the server is shutting down), end the thread, close the
+        connector (``finalize``)."""
+        self.running = False
+        self.inbox.put(_WAKE)
+        self.thread.join(timeout)
+        self.connector.close()
+
+    def _run(self) -> None:
+        while self.running:
+            try:
+                self._iteration()
+            except Exception:  # noqa: BLE001 - logged; the loop and the other requests go on
+                _log.exception("context prefill loop: an iteration failed")
+                time.sleep(0.01)
+        self._take(0.0)
+        for request_id in list(self.waiting):
+            self._drop(request_id, Unavailable("the context server is shutting down"))
+
+    def _iteration(self) -> None:
+        self._take(self._pause())
+        self._reclaim()
+        self._end_overdue()
+        batch = self._admit()
+        if time.monotonic() - self.reported >= REPORT_SECONDS:
+            self.reported = time.monotonic()
+            self._report()
+        if batch:
+            self._prefill(batch)
+
+    def _pause(self) -> float:
+        """How long to wait for a message: not at all after a batch (the next may fit now);
+        a head that waits for host staging slots (which another process frees) looks again
+        soon; waiting requests' deadlines are looked at every ``DEADLINE_POLL_SECONDS``; an
+        idle loop reports."""
+        if not self.waiting:
+            return REPORT_SECONDS
+        if self.admitted:
+            return 0.0
+        return ROOM_POLL_SECONDS if self.room_limited else DEADLINE_POLL_SECONDS
+
+    def _take(self, wait: float) -> None:
+        """Queue every new request, first waiting up to ``wait`` seconds for a message."""
+        try:
+            item = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            for waiting in item:
+                self._queue(waiting)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _queue(self, waiting: _Waiting) -> None:
+        prompt = waiting.prompt
+        try:
+            self.engine.add_prompt(prompt.request_id, prompt.request.prompt_ids,
+                                   prompt.request.params)
+        except RequestError as exc:
+            _send(prompt.request_id, prompt.answer, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a fault: this request fails, the others go on
+            _log.exception("context: queueing request %s failed", prompt.request_id)
+            _send(prompt.request_id, prompt.answer,
+                  EngineError(f"queueing failed: {type(exc).__name__}: {exc}"))
+            return
+        self.waiting[prompt.request_id] = waiting
+
+    def _reclaim(self) -> None:
+        """Give the blocks the connector freed back to the pool."""
+        while True:
+            try:
+                block_ids = self.frees.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.engine.pool.free(block_ids)
+            except ValueError:  # noqa: BLE001 - a double free changes nothing; say so
+                _log.exception("context: freeing KV blocks %s failed", block_ids)
+
+    def _end_overdue(self) -> None:
+        """Time out the waiting requests past their deadline; drop the cancelled ones."""
+        now = time.monotonic()
+        ask = now - self.cancels_asked >= CANCEL_POLL_SECONDS
+        if ask:
+            self.cancels_asked = now
+        for request_id, waiting in list(self.waiting.items()):
+            if now > waiting.deadline:
+                pool = self.engine.pool
+                self._drop(request_id, Timeout(
+                    f"context: the request waited for KV blocks past its deadline "
+                    f"({pool.num_free} of {pool.num_total} blocks free; the others hold KV "
+                    f"that generation has not fetched yet)"))
+            elif ask and _cancelled(waiting.prompt.answer):
+                self._drop(request_id, Unavailable("the caller cancelled the request while "
+                                                   "it waited for the context"))
+
+    def _drop(self, request_id: str, error: Exception) -> None:
+        """End a request that still waits in the queue, with ``error``."""
+        self.engine.abort(request_id)
+        _send(request_id, self.waiting.pop(request_id).prompt.answer, error)
+
+    def _admit(self) -> list[Sequence]:
+        """The head prompts whose blocks and handoff room are free now (they hold them)."""
+        if not self.engine.scheduler.waiting:
+            self.room_limited = self.admitted = False
+            return []
+        room = self.connector.handoff_room()
+        batch = self.engine.admit_prompts(room)
+        self.admitted = bool(batch)
+        head = self.engine.scheduler.waiting[0] if self.engine.scheduler.waiting else None
+        need = head.block_table.blocks_needed(len(head.prompt_ids)) if head else 0
+        self.room_limited = (head is not None and need <= self.engine.pool.num_free
+                             and room is not None)
+        return batch
+
+    def _prefill(self, batch: list[Sequence]) -> None:
+        listeners = {s.request_id: self.waiting[s.request_id].prompt.listener for s in batch
+                     if self.waiting[s.request_id].prompt.listener}
+        try:
+            answers = self.prefiller.prefill(batch, listeners)
+        except Exception as exc:  # noqa: BLE001 - never raises (its invariant); if it did,
+            _log.exception("context prefill raised")       # each request still gets an answer
+            answers = [EngineError(f"prefill failed: {type(exc).__name__}: {exc}")] * len(batch)
+        for seq, answer in zip(batch, answers):
+            _send(seq.request_id, self.waiting.pop(seq.request_id).prompt.answer, answer)
+
+    def _report(self) -> None:
+        """Load gauges and expired leases (a host staging area counts its own on the way)."""
+        expired = self.connector.expired_total()
+        if self.metrics is not None:
+            self.metrics.queued_prompt_tokens(self.queued_tokens)
+            self.metrics.kv_pool(self.engine.pool.stats())
+            self.metrics.leases_expired(expired)
+
+
+def _send(request_id: str, answer: Answer, result: dict | Exception) -> None:
+    """Deliver one answer; a caller that left is logged, not raised."""
+    try:
+        answer.send(result)
+    except Exception:  # noqa: BLE001 - the loop and the other requests go on
+        _log.exception("context: the answer to request %s could not be sent", request_id)
+
+
+def _cancelled(answer: Answer) -> bool:
+    try:
+        return answer.cancelled()
+    except Exception:  # noqa: BLE001 - a sender that cannot say is taken as still waiting
+        return False
