@@ -45,6 +45,24 @@ def test_nixl_read_moves_exact_bytes_and_notif_releases_lease(sender, receivers)
     assert state["expired"] == 0 and not state["errors"]
 
 
+def test_nixl_handles_sharing_cached_blocks_each_fetch_and_free_their_own(sender, receivers):
+    """Two live leases over the same (prefix-cached) blocks: each handle is fetched, in any
+    order, and each lease frees its own reference once, whichever ends first."""
+    first = decode(sender.ask("export", [5, 2, 9], 10, 30.0), KEY)
+    second = decode(sender.ask("export", [5, 2, 11], 12, 30.0), KEY)
+    endpoint, src = receivers[0], make_pool(1, 16, 4, "float32")
+    endpoint.fetch(second, [0, 1, 2])
+    assert endpoint.pool[[0, 1, 2]].tobytes() == src[[5, 2, 11]].tobytes()
+    state = sender.wait_state(lambda s: s["leases"] == 1)
+    assert state["used"] == 3 and state["freed"][-1] == [2, 5, 11]     # 5 and 2 still held
+    endpoint.fetch(first, [3, 4, 5])
+    assert endpoint.pool[[3, 4, 5]].tobytes() == src[[5, 2, 9]].tobytes()
+    state = sender.wait_state(_released)
+    assert state["used"] == 0 and state["freed"][-1] == [2, 5, 9] and not state["errors"]
+    with pytest.raises(LeaseExpiredError, match="single-use"):
+        receivers[1].fetch(second, [0, 1])
+
+
 def test_nixl_read_converts_tokens_per_block_and_dtype(sender, receivers):
     endpoint = receivers[1]                                  # 8 tokens per block, fp16
     handle = decode(sender.ask("export", [1, 4, 6], 11, 30.0), KEY)

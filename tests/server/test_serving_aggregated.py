@@ -18,6 +18,7 @@ import pytest
 import servers
 
 from servers import PROMPTS
+from triton_disagg.routing.scrape import delta, scrape, total
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,30 @@ def test_concurrent_requests_are_batched_and_each_correct(server, offline):
             server.http, {"text_input": j[0], "max_tokens": j[1]}), jobs))
     for (prompt, n), (status, body) in zip(jobs, results):
         assert status == 200 and body["text_output"] == offline(prompt, n)
+
+
+def test_a_shared_prefix_is_served_from_the_cache_with_the_uncached_text(server, offline):
+    """Prompts sharing a long prefix, over HTTP and gRPC: the later ones
+    hit the generation instance's prefix cache (its counters say so, with the blocks it
+    keeps) and every text is the one computed without the cache."""
+    prefix = "A long system prompt that every turn of the conversation repeats. " * 6
+    before = scrape(server.metrics)
+    for i, suffix in enumerate(["Who are you?", "What is 2 + 2?", "Tell me a story."]):
+        status, body = servers.generate(server.http, {"text_input": prefix + suffix,
+                                                      "max_tokens": 12})
+        assert status == 200 and body["text_output"] == offline(prefix + suffix, 12), body
+    assert "".join(servers.grpc_stream(server.grpc, prefix + "Bye.", 12)) == \
+        offline(prefix + "Bye.", 12)
+
+    def hits() -> float:
+        return delta(before, scrape(server.metrics), "disagg_prefix_cache_hits_total",
+                     role="generation")
+    servers.wait_until(lambda: hits() >= 3 * 32, 10, "the cache's hits counted", poll=0.1)
+    after = scrape(server.metrics)
+    assert delta(before, after, "disagg_prefix_cache_queries_total", role="generation") > hits()
+    assert total(after, "disagg_kv_blocks_cached", role="generation") >= 2
+    servers.wait_until(lambda: total(scrape(server.metrics), "disagg_kv_blocks_used") == 0,
+                       10, "no block held at rest", poll=0.1)
 
 
 def test_outputs_and_options(server, offline):

@@ -257,7 +257,8 @@ def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
 
 def offline_text(engine_dir: Path, kv_layout=None):
     """``(prompt, max_tokens) -> text`` as `triton-disagg run` prints it (greedy, stops at eos),
-    with the engine's KV layout or ``kv_layout`` (a :class:`KVLayout`)."""
+    with the engine's KV layout or ``kv_layout`` (a :class:`KVLayout`), computed without the
+    prefix cache: a server (cache on by default) must give the uncached run's text."""
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.engine.spec import EngineSpec
@@ -265,7 +266,7 @@ def offline_text(engine_dir: Path, kv_layout=None):
 
     spec = EngineSpec.load(engine_dir)
     tokenizer = Tokenizer(engine_dir)
-    engine = LLMEngine(engine_dir, num_blocks=512, kv_layout=kv_layout)
+    engine = LLMEngine(engine_dir, num_blocks=512, kv_layout=kv_layout, prefix_caching=False)
 
     def run(prompt: str, max_tokens: int) -> str:
         params = SamplingParams(max_tokens=max_tokens, end_id=spec.eos_token_id)

@@ -195,6 +195,24 @@ def test_trtllm_format_maps_onto_ours(write, capsys):
                for line in lines), lines
 
 
+@pytest.mark.parametrize("context, generation, ours, said", [
+    ("true", "true", True, []), ("false", None, False, []),
+    ("true", "false", False, ["kv_cache_config.enable_block_reuse differs"]),
+    (None, None, True, [])])
+def test_trtllm_enable_block_reuse_maps_to_prefix_caching(write, capsys, context, generation,
+                                                          ours, said):
+    def section(value):
+        return "" if value is None else f", kv_cache_config: {{enable_block_reuse: {value}}}"
+
+    config = load_config(write(f"model: {{engine: engines/demo}}\n"
+                               f"context_servers: {{urls: [\"c:1\"]{section(context)}}}\n"
+                               f"generation_servers: {{urls: [\"g:1\"]{section(generation)}}}\n"))
+    assert config.kv_cache.prefix_caching is ours
+    lines = capsys.readouterr().err.splitlines()
+    assert [w for w in said if not any(w in line for line in lines)] == [] and \
+        len(lines) == len(said), lines
+
+
 def test_trtllm_disagg_cluster_becomes_discovery(write):
     config = load_config(write("model: {engine: engines/demo}\n"
                                "disagg_cluster: {cluster_uri: \"etcd://etcd-0:2379\", "
@@ -222,6 +240,9 @@ def test_trtllm_kv_aware_router_types_map_to_kv_aware(write, kind, capsys):
      "tensor_parallel_size: 2}\n", ["generation_servers.tensor_parallel_size", "2"]),
     ("model: {engine: engines/demo}\ndisagg_cluster: {cluster_uri: \"http://h:1\"}\n",
      ["disagg_cluster.cluster_uri", "etcd://"]),
+    ("model: {engine: engines/demo}\ncontext_servers: {urls: [\"c:1\"], "
+     "kv_cache_config: {enable_block_reuse: 1}}\n",
+     ["context_servers.kv_cache_config.enable_block_reuse", "true or false"]),
     ("model: {engine: engines/demo}\ncontext_servers: {urls: \"c:1\"}\n",
      ["context_servers.urls", "list"]),
     ("model: {engine: engines/demo}\nport: \"8000\"\n", ["port", "OpenAI front"]),

@@ -41,7 +41,9 @@ def loop(request, demo_engine):
 
 
 def _batch(*names: str) -> list[tuple[str, EngineRequest]]:
-    return [(name, EngineRequest(PROMPT, SamplingParams(max_tokens=8), True)) for name in names]
+    """A request per name, each with a prompt of its own (no prefix the cache could share)."""
+    return [(name, EngineRequest([3 + sum(map(ord, name))] + PROMPT[1:],
+                                 SamplingParams(max_tokens=8), True)) for name in names]
 
 
 def _handle(result) -> bytes:
@@ -146,8 +148,8 @@ def test_queued_prompt_tokens_count_waiting_requests_and_are_published(loop):
         def queued_prompt_tokens(self, tokens):
             self.queued.append(tokens)
 
-        def kv_pool(self, used, total):
-            self.used.append(used)
+        def kv_pool(self, stats):
+            self.used.append(stats.used)
 
         def leases_expired(self, total):
             pass
@@ -196,3 +198,27 @@ def test_a_device_kv_waits_for_staging_rows_not_for_an_error(demo_engine):
         wait_until(lambda: engine.pool.num_used == 0, 10, "every block back in the pool")
     finally:
         loop.close()
+
+
+def test_a_cached_prefix_is_handed_off_whole_and_freed_by_its_last_holder(loop):
+    """A hit skips the shared prefix's prefill, the handle names every block of the prompt,
+    and the shared blocks stay held until the last handle holding them is released."""
+    from triton_disagg.engine.prefix_hash import block_hashes
+
+    pool = loop.engine.pool
+    params = SamplingParams(max_tokens=8)
+    (a,) = prefill(loop, [("a", EngineRequest(PROMPT, params, True))])
+    (b,) = prefill(loop, [("b", EngineRequest(PROMPT[:48] + [7] * 12, params, True))])
+    assert pool.cache.hit_tokens == 48 and pool.cache.query_tokens == 2 * len(PROMPT)
+    direct = loop.connector.strategy == "direct_transfer"
+    if direct:                  # the blocks stay in the pool, leased to the two handles
+        assert pool.num_used == 5
+        shared = pool.match(block_hashes(PROMPT[:48], 16, loop.engine.cache_fingerprint))
+        assert len(shared) == 3 and [pool.refcount(x) for x in shared] == [2, 2, 2]
+    loop.release(_handle(a))
+    if direct:
+        wait_until(lambda: pool.num_used == 4, 5, "a's own block back")
+        assert [pool.refcount(x) for x in shared] == [1, 1, 1]
+    loop.release(_handle(b))
+    wait_until(lambda: pool.num_used == 0, 5, "every block back")
+    assert pool.num_cached == 3             # the full blocks; the partial tails are private

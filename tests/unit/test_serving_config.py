@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from triton_disagg.config.disagg import default_config, load_config
@@ -103,6 +105,8 @@ def test_generation_runs_two_instances_where_its_cores_allow(write, generation, 
      ["kv_cache.overlap_transfer", "context_server.tokens_per_block is 8", "give both the same"]),
     ("model: {engine: engines/demo}\nkv_cache: {overlap_transfer: sometimes}\n",
      ["kv_cache.overlap_transfer", "true or false"]),
+    ("model: {engine: engines/demo}\nkv_cache: {prefix_caching: \"no\"}\n",
+     ["kv_cache.prefix_caching", "true or false"]),
     ("model: {engine: engines/demo}\nkv_cache: {gpu_memory_fraction: 0}\n",
      ["kv_cache.gpu_memory_fraction", "> 0 and <= 1"]),
     ("model: {engine: engines/demo}\nkv_cache: {gpu_memory_fraction: 90%}\n",
@@ -141,6 +145,21 @@ def test_gpu_memory_fraction_carried_to_the_engine_settings(write):
     for model in ("context", "generation"):
         carried = from_json(model, to_json(settings(model, "disaggregated", cfg)))
         assert carried.kv_gpu_memory_fraction == 0.5
+
+
+def test_prefix_caching_on_by_default_and_carried_to_the_engine(write, tiny_engines):
+    from triton_disagg.config.settings import from_json, to_json
+    from triton_disagg.engine.capacity import make_engine
+    from triton_disagg.triton.render import settings
+
+    assert load_config(write(GUIDE)).kv_cache.prefix_caching is True
+    cfg = load_config(write(GUIDE.replace("max_size: 2GB", "max_size: 2GB, prefix_caching: false")))
+    for model in ("context", "generation"):
+        carried = from_json(model, to_json(settings(model, "disaggregated", cfg)))
+        assert carried.kv_prefix_caching is False
+        engine = make_engine(replace(carried, engine=str(tiny_engines["llama"]),
+                                     kv_max_size=2**24), model)
+        assert engine.pool.cache is None
 
 
 def test_kv_events_host_reaches_the_engine_settings_and_the_kv_dtype_the_pools(write):

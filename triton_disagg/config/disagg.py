@@ -39,7 +39,9 @@ they are not split per instance; default :func:`~triton_disagg.config.host.front
 ``kv_cache.lease_seconds``; a ``front:`` section, the HTTP front's admission caps and
 timeouts (:mod:`triton_disagg.config.front_section`); ``kv_cache.gpu_memory_fraction`` (a CUDA
 pool's share of the device memory free after the weights; default 0.9; it alone sizes a CUDA
-pool unless ``kv_cache.max_size`` is written, which then caps it). ``kv_cache.strategy: host_memory`` is refused when the
+pool unless ``kv_cache.max_size`` is written, which then caps it); ``kv_cache.prefix_caching``
+(default true: every instance reuses the KV of cached prompt prefixes).
+``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
 (:mod:`triton_disagg.config.kubernetes`). TensorRT-LLM's disaggregated config
@@ -102,6 +104,9 @@ class KVCacheConfig:
     # Generation READs a prompt's KV layer by layer during its prefill (kv.overlap); the
     # guide's --overlap_kv_transfer. What changes is the scheduler's (orchestrator's) flow.
     overlap_transfer: bool = False
+    # Reuse the KV of cached prompt prefixes (engine.prefix_cache); TensorRT-LLM's
+    # kv_cache_config.enable_block_reuse.
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -262,10 +267,12 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
                         f"(plain infer(), one response per request)")
     kv_raw = mapping(top.get("kv_cache"), "kv_cache",
                      {"strategy", "max_size", "lease_seconds", "overlap_transfer",
-                      "gpu_memory_fraction"})
+                      "gpu_memory_fraction", "prefix_caching"})
     overlap = kv_raw.get("overlap_transfer", False)
-    if not isinstance(overlap, bool):
-        raise UserError(f"kv_cache.overlap_transfer: {overlap!r} must be true or false")
+    prefix_caching = kv_raw.get("prefix_caching", True)
+    for key, value in (("overlap_transfer", overlap), ("prefix_caching", prefix_caching)):
+        if not isinstance(value, bool):
+            raise UserError(f"kv_cache.{key}: {value!r} must be true or false")
     strategy = kv_strategy(kv_raw.get("strategy", "direct_transfer")).name
     kv = KVCacheConfig(strategy=strategy,
                        max_size=parse_size(kv_raw.get("max_size", "2GB"), "kv_cache.max_size"),
@@ -274,7 +281,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
                                              "kv_cache.lease_seconds"),
                        gpu_memory_fraction=fraction(kv_raw.get("gpu_memory_fraction", 0.9),
                                                     "kv_cache.gpu_memory_fraction"),
-                       overlap_transfer=overlap)
+                       overlap_transfer=overlap, prefix_caching=prefix_caching)
     if kv.lease_seconds > MAX_LEASE_SECONDS:
         raise UserError(f"kv_cache.lease_seconds: {kv.lease_seconds:g} is over "
                         f"{MAX_LEASE_SECONDS:g}, the longest lease a KV handle may carry")

@@ -20,7 +20,9 @@ generation 8002).
 Per section: ``urls`` (as many as ``num_instances``, as TensorRT-LLM checks) -> ``urls``;
 ``router.type`` ``round_robin`` -> ``round_robin``, ``load_balancing`` -> ``least_loaded``,
 ``kv_cache_aware`` and ``conversation`` -> ``kv_aware`` (:mod:`triton_disagg.routing.router`);
-``kv_cache_config.tokens_per_block`` -> ``tokens_per_block``; ``tensor_parallel_size`` /
+``kv_cache_config.tokens_per_block`` -> ``tokens_per_block``; ``kv_cache_config.enable_block_reuse``
+-> ``kv_cache.prefix_caching`` (one value for every role: sections that differ turn it off,
+with a line); ``tensor_parallel_size`` /
 ``pipeline_parallel_size`` / ``context_parallel_size`` other than 1 are refused (one model
 instance is one device here); our own per-role keys (``cpus``, ``instances``, ...) pass
 through. ``conditional_disagg_config.max_local_prefill_length`` goes to generation;
@@ -70,6 +72,11 @@ def from_trtllm(raw: dict, say: Callable[[str], None]) -> dict:
                             f"OpenAI front's, as trtllm-serve's)")
         scheduler.setdefault("url", f"{raw.get('hostname', 'localhost')}:{port}")
         ours["scheduler_server"] = scheduler
+    reuse = _block_reuse(raw, [theirs for theirs, _ in roles], say)
+    if reuse is not None:
+        kv_cache = dict(_any_mapping(ours.get("kv_cache"), "kv_cache"))
+        kv_cache.setdefault("prefix_caching", reuse)
+        ours["kv_cache"] = kv_cache
     if "conditional_disagg_config" in raw:
         conditional = mapping(raw["conditional_disagg_config"], "conditional_disagg_config",
                               {"max_local_prefill_length"})
@@ -128,12 +135,32 @@ def _servers(raw: Any, where: str, say: Callable[[str], None]) -> dict:
                 if sub == "free_gpu_memory_fraction":
                     say(f"{where}.kv_cache_config.{sub}: ignored; triton-disagg's is one "
                         f"value for every role: kv_cache.gpu_memory_fraction")
-                elif sub != "tokens_per_block":
+                elif sub not in ("tokens_per_block", "enable_block_reuse"):
                     say(f"{where}.kv_cache_config.{sub}: not supported by triton-disagg; "
                         f"ignored (kv_cache.max_size sizes the block pool)")
         elif key not in known:
             say(f"{where}.{key}: not supported by triton-disagg; ignored")
     return role
+
+
+def _block_reuse(raw: dict, sections: list[str], say: Callable[[str], None]) -> bool | None:
+    """``kv_cache_config.enable_block_reuse`` of the role sections as our one
+    ``kv_cache.prefix_caching`` (None: no section sets it; sections that differ: False)."""
+    given = {}
+    for where in sections:
+        kv_cache = (raw.get(where) or {}).get("kv_cache_config") if isinstance(
+            raw.get(where), dict) else None
+        if isinstance(kv_cache, dict) and "enable_block_reuse" in kv_cache:
+            value = kv_cache["enable_block_reuse"]
+            if not isinstance(value, bool):
+                raise UserError(f"{where}.kv_cache_config.enable_block_reuse: {value!r} must "
+                                f"be true or false")
+            given[where] = value
+    if len(set(given.values())) > 1:
+        say(f"kv_cache_config.enable_block_reuse differs between {' and '.join(given)}; "
+            f"triton-disagg's is one value for every role: kv_cache.prefix_caching: false")
+        return False
+    return next(iter(given.values()), None)
 
 
 def _discovery(raw: Any, say: Callable[[str], None]) -> dict:

@@ -278,7 +278,7 @@ class PrefillLoop:
         expired = self.connector.expired_total()
         if self.metrics is not None:
             self.metrics.queued_prompt_tokens(self.queued_tokens)
-            self.metrics.kv_pool(self.engine.pool.num_used, self.engine.pool.num_total)
+            self.metrics.kv_pool(self.engine.pool.stats())
             self.metrics.leases_expired(expired)
 
 

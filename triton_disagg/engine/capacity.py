@@ -82,7 +82,8 @@ def make_engine(settings: "EngineSettings", role: str,
     if max_bytes is not None:
         check_pool(spec, layout, max_bytes, role)
     return LLMEngine(settings.engine, kv_max_bytes=max_bytes, kv_layout=layout,
-                     runtime=runtime, kv_memory_fraction=settings.kv_gpu_memory_fraction)
+                     runtime=runtime, kv_memory_fraction=settings.kv_gpu_memory_fraction,
+                     prefix_caching=settings.kv_prefix_caching)
 
 
 def pool_cap(settings: "EngineSettings", runtime: Runtime) -> int | None:

@@ -25,9 +25,16 @@ Every request waits in the one queue of :class:`~triton_disagg.engine.scheduler.
 (FIFO, every block a sequence will hold taken before any KV moves); a request the pool
 could never hold is refused when it is added.
 
+Prefix caching (on unless ``prefix_caching=False``; :mod:`triton_disagg.engine.prefix_cache`):
+a prompt prefilled here (aggregated, or the context side) first takes the cached blocks of
+its leading full blocks and is computed only after them (its last token always is); the
+full blocks of every prompt are cached once its prefill wrote them, and those of its
+generated tokens once the request finishes (also a request whose prompt KV came from
+another instance). Greedy output is the same with the cache as without it.
+
 Invariant: once every request has finished or been aborted and every fetch has ended,
 ``pool.num_used == 0`` (except blocks handed out by :meth:`admit_prompts` and
-:meth:`reserve_prompts`, which belong to the caller).
+:meth:`reserve_prompts`, which belong to the caller); cached blocks no one holds are free.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from triton_disagg.engine.runtime import (CUDA_KV_FRACTION, DTYPE_BYTES, Runtime
                                           device_kv_budget, device_pool_blocks, make_runner)
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
-from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
+from triton_disagg.engine.block_pool import BlockEvents, BlockPool, BlockTable, KVCacheFullError
+from triton_disagg.engine.prefix_hash import block_hashes, cache_fingerprint
 from triton_disagg.errors import RequestError
 
 
@@ -56,7 +64,8 @@ class PrefillResult:
     """A prefilled request: its first token and the caller-owned blocks holding its KV.
 
     ``block_ids`` hold the KV of ``num_tokens`` (= prompt length) tokens in position
-    order; they are empty when the first token already finished the request.
+    order (the leading ``num_cached_tokens`` came from the prefix cache, in blocks other
+    holders may share); they are empty when the first token already finished the request.
     """
 
     request_id: str
@@ -65,6 +74,7 @@ class PrefillResult:
     block_ids: list[int]
     num_tokens: int
     finish_reason: FinishReason | None
+    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -75,12 +85,15 @@ class LLMEngine:
     overrides the engine's tokens per block and KV dtype (a serving side's own choice).
     ``runtime`` picks the model runner (default: :meth:`Runtime.default`); on CUDA an
     unsized pool takes :func:`device_kv_budget` (``kv_memory_fraction`` of the device
-    memory free after the weights, capped by ``kv_max_bytes``).
+    memory free after the weights, capped by ``kv_max_bytes``). ``prefix_caching``
+    (``kv_cache.prefix_caching``) reuses cached prompt prefixes; ``kv_events`` hears what
+    enters and leaves the cache.
     """
 
     def __init__(self, engine_dir: str | Path, kv_max_bytes: int | None = None,
                  num_blocks: int | None = None, kv_layout: KVLayout | None = None,
-                 runtime: Runtime | None = None, kv_memory_fraction: float = CUDA_KV_FRACTION):
+                 runtime: Runtime | None = None, kv_memory_fraction: float = CUDA_KV_FRACTION,
+                 prefix_caching: bool = True, kv_events: BlockEvents | None = None):
         self.spec, weights = load_engine(engine_dir)
         runtime = runtime or Runtime.default()
         geometry = self.spec.block_geometry(kv_layout)
@@ -95,7 +108,10 @@ class LLMEngine:
         if num_blocks is None:
             num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
         # On CUDA the runner holds the KV in device memory: no host copy of the pool.
-        self.pool = BlockPool(geometry, num_blocks, host_array=runtime.device == "cpu")
+        self.pool = BlockPool(geometry, num_blocks, host_array=runtime.device == "cpu",
+                              prefix_caching=prefix_caching, events=kv_events)
+        self.cache_fingerprint = cache_fingerprint(self.spec.fingerprint,
+                                                   geometry.tokens_per_block, geometry.dtype)
         self.runtime = runtime     # its device is where the KV the runner computes lives
         self.runner = make_runner(runtime, self.spec, weights, self.pool)
         self.sampler = Sampler()
@@ -135,6 +151,9 @@ class LLMEngine:
         else:
             return []
         self.scheduler.computed(began, self.scheduler.clock())
+        for seq in self.scheduler.running:
+            if seq.finished:
+                self._cache_written(seq)
         self.scheduler.retire_finished()
         return events
 
@@ -203,7 +222,8 @@ class LLMEngine:
         :meth:`prefill_reserved`; the caller owns their blocks from here on.
 
         Raises :class:`KVCacheFullError` (allocating nothing) when the prompts' blocks are
-        not free now, :class:`RequestError` when they could never be.
+        not free now, :class:`RequestError` when they could never be. A prompt's cached
+        prefix is taken, shared, instead of new blocks (``num_cached_tokens``).
         """
         seqs = [self._new_sequence(rid, ids, sp) for rid, ids, sp in requests]
         geometry = self.pool.geometry
@@ -212,11 +232,15 @@ class LLMEngine:
             raise RequestError(f"the prompts need {need} KV blocks, the pool has "
                                f"{self.pool.num_total}; send fewer or shorter prompts per batch "
                                f"or raise kv_cache.max_size")
-        if need > self.pool.num_free:
-            raise KVCacheFullError(f"the prompts need {need} KV blocks, "
-                                   f"{self.pool.num_free} are free")
-        for seq in seqs:
-            seq.block_table.reserve(self.pool, len(seq.prompt_ids))
+        reserved: list[Sequence] = []
+        try:
+            for seq in seqs:
+                seq.reserve(self.pool, len(seq.prompt_ids))
+                reserved.append(seq)
+        except KVCacheFullError as exc:
+            for seq in reserved:
+                seq.block_table.release(self.pool)
+            raise KVCacheFullError(f"the prompts need {need} KV blocks ({exc})") from None
         return seqs
 
     def prefill_reserved(self, seqs: list[Sequence],
@@ -232,7 +256,7 @@ class LLMEngine:
             if seq.finished and seq.request_id not in handed_off:
                 seq.block_table.release(self.pool)
         return [PrefillResult(s.request_id, e.token_id, e.logprob, list(s.block_table.block_ids),
-                              s.block_table.num_tokens, e.finish_reason)
+                              s.block_table.num_tokens, e.finish_reason, s.num_cached_tokens)
                 for s, e in zip(seqs, events)]
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int | None,
@@ -279,9 +303,11 @@ class LLMEngine:
             raise RequestError(f"request {request_id}: end_id / stop_words / bad_words name token "
                                f"{params.max_token_id()}, outside the vocabulary [0, {vocab})")
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        return Sequence(request_id, ids, params, seed,
-                        BlockTable(self.pool.geometry.tokens_per_block),
-                        max_total=self._max_total(len(ids), params))
+        bs = self.pool.geometry.tokens_per_block
+        names = (block_hashes(ids, bs, self.cache_fingerprint, params.cache_salt)
+                 if self.pool.cache is not None else [])
+        return Sequence(request_id, ids, params, seed, BlockTable(bs),
+                        max_total=self._max_total(len(ids), params), block_hashes=names)
 
     def _max_total(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         return min(num_prompt_tokens + params.max_tokens, self.runner.max_context)
@@ -294,11 +320,28 @@ class LLMEngine:
 
     def _prefill(self, seqs: list[Sequence],
                  on_layer: Callable[[int], None] | None = None) -> list[TokenEvent]:
-        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids) for s in seqs],
-                                     on_layer)
+        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids,
+                                       s.block_table.num_tokens) for s in seqs], on_layer)
         for s in seqs:
-            s.block_table.advance(len(s.prompt_ids))
+            s.block_table.advance(len(s.prompt_ids) - s.block_table.num_tokens)
+            self._cache_written(s)
         return self._sample(seqs, logits)
+
+    def _cache_written(self, seq: Sequence) -> None:
+        """Cache the full blocks whose KV ``seq``'s table holds (the tokens of its prompt and
+        of its generated tokens but the newest), naming any not yet named."""
+        if self.pool.cache is None:
+            return
+        bs, table = self.pool.geometry.tokens_per_block, seq.block_table
+        full = table.num_tokens // bs
+        named = len(seq.block_hashes)
+        tokens = seq.prompt_ids + seq.output_ids
+        if full > named:
+            seq.block_hashes += block_hashes(
+                tokens[named * bs:full * bs], bs, self.cache_fingerprint,
+                seq.params.cache_salt, parent=seq.block_hashes[-1] if named else None)
+        self.pool.cache_blocks(table.block_ids[:full], seq.block_hashes[:full], None,
+                               tokens[:full * bs])
 
     def _decode(self, seqs: list[Sequence]) -> list[TokenEvent]:
         positions = [s.block_table.num_tokens for s in seqs]

@@ -5,7 +5,9 @@
 
 Invariants: a forward pass writes the K/V of exactly the positions it computes into
 the pool (token ``t`` of a sequence at slot ``t % bs`` of its ``t // bs``-th block) and
-reads only the blocks the caller names; it never allocates or frees blocks. All math
+reads only the blocks the caller names; it never allocates or frees blocks. A prefill
+after a cached prefix computes only the positions after it (they attend to the prefix's
+KV in the pool), so it never writes a cached block. All math
 is float32 on the weights as loaded (no per-step weight copies).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 
@@ -24,6 +26,19 @@ from triton_disagg.engine.block_pool import BlockPool
 
 Attention = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
 LayerDone = Callable[[int], None]   # prefill hook: layer ``li``'s K/V of every prompt is in the pool
+# One prompt of a prefill: (token_ids, block_ids) or (token_ids, block_ids, num_cached).
+PrefillItem = Union[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int], int]]
+Batch = Sequence[PrefillItem]
+
+
+def prefill_item(item: PrefillItem) -> tuple[Sequence[int], Sequence[int], int]:
+    """``(token_ids, block_ids, num_cached)`` of a prefill batch entry (both runners'):
+    ``num_cached`` tokens of KV are already in the blocks, at least one token is computed."""
+    ids, blocks, cached = (*item, 0) if len(item) == 2 else item
+    if not 0 <= cached < len(ids):
+        raise ValueError(f"a prompt of {len(ids)} tokens cannot start after {cached} cached "
+                         f"tokens; its last token is always computed")
+    return ids, blocks, int(cached)
 
 
 SMALL_BATCH_ROWS = 16
@@ -89,11 +104,13 @@ class ModelRunner:
 
     # ---- public entry points -------------------------------------------------------
 
-    def prefill(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]],
-                on_layer: LayerDone | None = None) -> np.ndarray:
+    def prefill(self, batch: Batch, on_layer: LayerDone | None = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
-        ``batch`` holds ``(token_ids, block_ids)`` per sequence; tokens start at position 0.
+        ``batch`` holds ``(token_ids, block_ids)`` per sequence, tokens from position 0, or
+        ``(token_ids, block_ids, num_cached)``: the KV of the first ``num_cached`` tokens
+        is already in the blocks (a cached prefix; ``num_cached < len(token_ids)``), and
+        only the rest is computed, attending to it.
         ``on_layer(li)`` is called once per layer, in order, as soon as that layer's K/V
         of every prompt is in the pool (before the later layers are computed): the point
         where a layer group's KV can start moving while the prefill goes on.
@@ -101,9 +118,9 @@ class ModelRunner:
         hidden, bounds = self._prefill_hidden(batch, on_layer)
         return _matmul(hidden[[stop - 1 for _, stop in bounds]], self.lm_head)
 
-    def prefill_all_logits(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]
-                           ) -> list[np.ndarray]:
-        """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every position of each prompt."""
+    def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
+        """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every computed position of
+        each prompt (those after its cached prefix)."""
         hidden, bounds = self._prefill_hidden(batch)
         logits = _matmul(hidden, self.lm_head)          # [T, V]
         return [logits[start:stop] for start, stop in bounds]
@@ -129,20 +146,23 @@ class ModelRunner:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _prefill_hidden(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]],
-                        on_layer: LayerDone | None = None
+    def _prefill_hidden(self, batch: Batch, on_layer: LayerDone | None = None
                         ) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """Final-norm hidden states ``[T, H]`` of all prompts concatenated, and each
-        prompt's ``(start, stop)`` rows."""
-        tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in batch])
-        lengths = [len(ids) for ids, _ in batch]
+        """Final-norm hidden states ``[T, H]`` of the computed tokens of all prompts
+        concatenated, and each prompt's ``(start, stop)`` rows."""
+        items = [prefill_item(item) for item in batch]
+        tokens = np.concatenate([np.asarray(ids[cached:], dtype=np.int64)
+                                 for ids, _, cached in items])
+        lengths = [len(ids) - cached for ids, _, cached in items]
         starts = np.cumsum([0] + lengths)
         bounds = list(zip(starts[:-1].tolist(), starts[1:].tolist()))
-        positions = np.concatenate([np.arange(n) for n in lengths])
+        per_prompt = [np.arange(cached, len(ids)) for ids, _, cached in items]
+        positions = np.concatenate(per_prompt)
         bs = self.pool.geometry.tokens_per_block
-        blocks = np.concatenate([np.asarray(ids, dtype=np.int64)[np.arange(n) // bs]
-                                 for n, (_, ids) in zip(lengths, batch)])
-        attend = partial(self._causal_attention, bounds)
+        tables = [np.asarray(blocks, dtype=np.int64) for _, blocks, _ in items]
+        blocks = np.concatenate([table[p // bs] for table, p in zip(tables, per_prompt)])
+        prefixes = [(cached, table) for (_, _, cached), table in zip(items, tables)]
+        attend = partial(self._causal_attention, bounds, prefixes)
         return self._forward(tokens, positions, (blocks, positions % bs), attend,
                              on_layer), bounds
 
@@ -174,21 +194,36 @@ class ModelRunner:
             x += self._mlp(self._norm(x, w["mlp_norm.weight"], w.get("mlp_norm.bias")), w)
         return self._norm(x, *self.final_norm)
 
-    def _causal_attention(self, bounds, li: int, q: np.ndarray, kv: np.ndarray) -> np.ndarray:
-        """Each prompt ``[start, stop)`` attends causally to itself; returns ``[T, Q]``."""
+    def _causal_attention(self, bounds: list[tuple[int, int]],
+                          prefixes: list[tuple[int, np.ndarray]], li: int, q: np.ndarray,
+                          kv: np.ndarray) -> np.ndarray:
+        """Each prompt's rows ``[start, stop)`` attend causally to themselves and to its
+        cached prefix (``prefixes``: ``(num_cached, block table)`` per prompt, the KV of
+        positions ``0..num_cached-1`` read from layer ``li`` of the pool); returns ``[T, Q]``."""
         s = self.shape
         out = np.empty((len(q), self.q_dim), dtype=np.float32)
-        for start, stop in bounds:
+        for (start, stop), (cached, table) in zip(bounds, prefixes):
             n = stop - start
+            keys = kv[start:stop]                               # [n, 2, kvh, hd]
+            if cached:
+                keys = np.concatenate([self._cached_kv(li, table, cached), keys])  # [c+n, ...]
             qs = q[start:stop].reshape(n, s.num_kv_heads, self.group, s.head_dim)  # [n, kvh, g, hd]
             qs = qs.transpose(1, 2, 0, 3) * self.scale          # [kvh, g, n, hd]
-            ks = kv[start:stop, 0].transpose(1, 2, 0)[:, None]  # [kvh, 1, hd, n]
-            vs = kv[start:stop, 1].transpose(1, 0, 2)[:, None]  # [kvh, 1, n, hd]
-            scores = qs @ ks                                    # [kvh, g, n, n]
-            scores += np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
+            ks = keys[:, 0].transpose(1, 2, 0)[:, None]         # [kvh, 1, hd, c+n]
+            vs = keys[:, 1].transpose(1, 0, 2)[:, None]         # [kvh, 1, c+n, hd]
+            scores = qs @ ks                                    # [kvh, g, n, c+n]
+            scores += np.triu(np.full((n, cached + n), -np.inf, dtype=np.float32), cached + 1)
             o = _softmax_(scores) @ vs                          # [kvh, g, n, hd]
             out[start:stop] = o.transpose(2, 0, 1, 3).reshape(n, self.q_dim)  # [n, Q]
         return out
+
+    def _cached_kv(self, li: int, table: np.ndarray, num_cached: int) -> np.ndarray:
+        """Layer ``li``'s K/V of positions ``0..num_cached-1`` of the sequence whose blocks
+        are ``table``, as float32 ``[num_cached, 2, kvh, hd]``."""
+        bs = self.pool.geometry.tokens_per_block
+        positions = np.arange(num_cached)
+        return self.pool.array[table[positions // bs], li, :, positions % bs].astype(
+            np.float32, copy=False)                             # [c, 2, kvh, hd]
 
     def _attention_inputs(self, positions: np.ndarray, used: np.ndarray,
                           block_tables: Sequence[Sequence[int]]

@@ -35,6 +35,9 @@ from triton_disagg.engine.words import (MAX_WORD_TOKENS, BadWords, StopWords, ca
 from triton_disagg.errors import UserError
 
 
+MAX_CACHE_SALT = 256        # characters of a request's cache_salt
+
+
 class SamplingParamsError(UserError):
     """A sampling option outside its valid range."""
 
@@ -82,6 +85,9 @@ class SamplingParams:
     stop_words: tuple[tuple[int, ...], ...] = field(default=())
     bad_words: tuple[tuple[int, ...], ...] = field(default=())
     return_log_probs: bool = False
+    # Salts the names of the request's cached KV blocks (engine.prefix_hash): a prompt
+    # reuses only the cache of requests with the same salt (None: the unsalted cache).
+    cache_salt: str | None = None
     stop_index: StopWords = field(init=False, repr=False, compare=False)
     bad_index: BadWords = field(init=False, repr=False, compare=False)
 
@@ -118,6 +124,10 @@ class SamplingParams:
               f"end_id must be a token id >= 0 or None, got {self.end_id!r}")
         check(isinstance(self.return_log_probs, (bool, np.bool_)),
               f"return_log_probs must be true or false, got {self.return_log_probs!r}")
+        check(self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                          and len(self.cache_salt) <= MAX_CACHE_SALT),
+              f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters or None, "
+              f"got {str(self.cache_salt)[:40]!r}")
         object.__setattr__(self, "stop_words", _word_list("stop_words", self.stop_words))
         object.__setattr__(self, "bad_words", _word_list("bad_words", self.bad_words))
         object.__setattr__(self, "stop_index", StopWords(self.stop_words))

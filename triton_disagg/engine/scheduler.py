@@ -1,8 +1,9 @@
 """Continuous-batching admission over a block pool: an engine instance's one waiting queue.
 
 Policy: FIFO, "guaranteed no evict" (TensorRT-LLM's default capacity policy). The head of
-``waiting`` takes every block it can ever need (``max_total - 1`` tokens of KV) as soon
-as they are free, before any KV moves; those behind it wait, so nobody starves and no
+``waiting`` takes every block it can ever need (``max_total - 1`` tokens of KV; its prompt's
+cached prefix, shared, counts among them: :meth:`Sequence.reserve`) as soon as they are
+free (cached blocks no one holds count as free), before any KV moves; those behind it wait, so nobody starves and no
 queued sequence holds blocks the head needs. A sequence whose prompt KV comes from
 another instance (``remote_kv``, the generation side) then starts its fetch into those
 blocks and waits in the ``waiting_for_remote_kv`` state (vLLM v1's WAITING_FOR_REMOTE_KVS)
@@ -40,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from triton_disagg.engine.block_pool import BlockPool
+from triton_disagg.engine.block_pool import BlockPool, KVCacheFullError
 from triton_disagg.engine.fetch_overlap import ComputeOverlap
 from triton_disagg.engine.sequence import Sequence
 
@@ -124,9 +125,12 @@ class Scheduler:
         while self.waiting and len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             need = seq.block_table.blocks_needed(len(seq.prompt_ids))
-            if need > self.pool.num_free or (room is not None and need > room):
+            if room is not None and need > room:
                 break
-            seq.block_table.reserve(self.pool, len(seq.prompt_ids))
+            try:
+                seq.reserve(self.pool, len(seq.prompt_ids))     # cached prefix first
+            except KVCacheFullError:
+                break
             room = None if room is None else room - need
             admitted.append(self.waiting.popleft())
         return admitted
@@ -138,9 +142,10 @@ class Scheduler:
             table = seq.block_table
             if table.block_ids:
                 continue
-            if table.blocks_needed(self.tokens_to_reserve(seq)) > self.pool.num_free:
+            try:
+                seq.reserve(self.pool, self.tokens_to_reserve(seq))   # cached prefix first
+            except KVCacheFullError:
                 break
-            table.reserve(self.pool, self.tokens_to_reserve(seq))
             if seq.remote_kv is not None:
                 started += 1
                 seq.status = WAITING_FOR_REMOTE_KV

@@ -5,6 +5,10 @@ holds the KV of ``num_tokens - 1`` tokens (all but the newest generated one, whi
 next decode step feeds; a sequence with remote KV gets its first token when queued and
 that KV before it runs); once admitted, its blocks are reserved for ``max_total - 1``
 tokens, so decode never allocates. ``finish_reason`` is set once and never changes.
+``block_hashes`` names the full blocks of ``prompt_ids + output_ids`` in order (as far as
+they are computed: the prompt's from the start when the pool caches prefixes); a sequence
+prefilled here took the cached blocks of its prompt's first ``num_cached_tokens`` tokens
+(whole blocks, never its last token, which is always computed).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.engine.block_pool import BlockTable
+from triton_disagg.engine.block_pool import BlockPool, BlockTable
 
 FinishReason = Literal["length", "stop", "stop_word", "aborted"]
 
@@ -56,6 +60,8 @@ class Sequence:
     transfer: Any = None               # that KV's fetch while in flight
     fetch_overlap: Any = None          # its ComputeOverlap while in flight (scheduler's)
     status: str = "waiting"            # the scheduler's: waiting, waiting_for_remote_kv, running
+    block_hashes: list[int] = field(default_factory=list)   # names of its full blocks
+    num_cached_tokens: int = 0         # prompt tokens whose KV the prefix cache gave it
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +74,19 @@ class Sequence:
     @property
     def needs_prefill(self) -> bool:
         return not self.output_ids
+
+    def reserve(self, pool: BlockPool, num_new_tokens: int) -> None:
+        """Take the blocks of ``num_new_tokens`` more tokens of KV, all or nothing
+        (:class:`~triton_disagg.engine.block_pool.KVCacheFullError`). A sequence to prefill
+        here first takes the cached blocks of its prompt's leading full blocks, all but the
+        last token (``num_cached_tokens``; the lookup counts in the cache's queries/hits)."""
+        table = self.block_table
+        lookup = (pool.cache is not None and self.remote_kv is None and self.needs_prefill
+                  and not table.block_ids)
+        names = self.block_hashes[:(len(self.prompt_ids) - 1) // table.tokens_per_block]
+        self.num_cached_tokens = table.reserve(pool, num_new_tokens, names if lookup else ())
+        if lookup:
+            pool.cache.count_query(len(self.prompt_ids), self.num_cached_tokens)
 
     def append(self, token: int, logprob: float | None) -> TokenEvent:
         """Record a generated token, decide whether the sequence finished, return its event."""

@@ -35,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.decode_groups import length_groups
+from triton_disagg.engine.model import Batch, prefill_item
 from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
 
@@ -56,8 +57,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # (a serving instance's engine loop; other threads only copy blocks), so none interleave.
 SERVING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                          SDPBackend.MATH)
-
-Batch = Sequence[tuple[Sequence[int], Sequence[int]]]
 
 
 def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
@@ -128,7 +127,9 @@ class TorchModelRunner:
     def prefill(self, batch: Batch, on_layer: Any = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
-        ``batch`` holds ``(token_ids, block_ids)`` per sequence; tokens start at position 0.
+        ``batch`` holds ``(token_ids, block_ids)`` per sequence, tokens from position 0, or
+        ``(token_ids, block_ids, num_cached)``: only the tokens after a cached prefix of
+        ``num_cached`` are computed, attending to its KV in the pool (as the numpy runner's).
         ``on_layer(li)``: as the numpy runner's (on CUDA, once the layer's writes are
         issued: a reader of device memory synchronises first).
         """
@@ -138,7 +139,8 @@ class TorchModelRunner:
 
     @_on_runner_device
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
-        """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every position of each prompt."""
+        """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every computed position of
+        each prompt (those after its cached prefix)."""
         hidden, lengths = self._prefill_hidden(batch)
         return [self._logits(hidden[b, :n]) for b, n in enumerate(lengths)]
 
@@ -190,16 +192,21 @@ class TorchModelRunner:
 
     def _prefill_hidden(self, batch: Batch, on_layer: Any = None
                         ) -> tuple[torch.Tensor, list[int]]:
-        """Final-norm hidden states ``[B, n_max, H]`` of the prompts, right-padded, and
-        each prompt's length (rows past it are padding: computed, never written to KV)."""
-        lengths = [len(ids) for ids, _ in batch]
+        """Final-norm hidden states ``[B, n_max, H]`` of the prompts' computed tokens (those
+        after each one's cached prefix), right-padded, and each prompt's count of them (rows
+        past it are padding: computed, never written to KV)."""
+        items = [prefill_item(item) for item in batch]
+        lengths = [len(ids) - cached for ids, _, cached in items]
         n_max = max(lengths)
         tok = torch.zeros((len(batch), n_max), dtype=torch.int64)          # [B, n]
-        for b, (ids, _) in enumerate(batch):
-            tok[b, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        for b, (ids, _, cached) in enumerate(items):
+            tok[b, :lengths[b]] = torch.tensor(ids[cached:], dtype=torch.int64)
         pos = torch.arange(n_max).expand(len(batch), n_max)               # [B, n]
         pos = torch.minimum(pos, torch.tensor(lengths).unsqueeze(1) - 1)   # padding repeats last
-        paged = self._paged_batch(pos, lengths, [blocks for _, blocks in batch], fresh=True)
+        cached = torch.tensor([c for _, _, c in items])                    # [B]
+        pos = pos + cached.unsqueeze(1)                                     # after the prefix
+        paged = self._paged_batch(pos, lengths, [blocks for _, blocks, _ in items],
+                                  fresh=not bool(cached.any()))
         return self._forward(tok, pos, [(None, paged)], on_layer), lengths
 
     def _forward(self, tok: torch.Tensor, pos: torch.Tensor,

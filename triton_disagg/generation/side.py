@@ -176,7 +176,7 @@ class GenerationSide:
         """Load gauges: the pool, and the sequences the decode loop holds; the decode steps
         blocked by a transfer so far (decode-loop thread)."""
         if self.metrics is not None:
-            self.metrics.kv_pool(self.engine.pool.num_used, self.engine.pool.num_total)
+            self.metrics.kv_pool(self.engine.pool.stats())
             self.metrics.live_sequences(live_sequences)
             self.metrics.steps_blocked_by_transfer(
                 self.engine.scheduler.steps_blocked_by_transfer)

@@ -1,7 +1,7 @@
 """``context_phase_params``: the opaque, versioned, signed handle naming a KV handoff.
 
 The context model returns it as ``UINT8 [-1]``; the generation model takes it back
-unchanged. Wire format (version 3)::
+unchanged. Wire format (version 4: per-lease ticket words)::
 
     b"TDKV" | uint16 format version | uint32 header length | header JSON | agent metadata
             | HMAC-SHA256 tag (32 bytes) over every byte before it
@@ -42,7 +42,7 @@ import numpy as np
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import BlockGeometry
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MAX_HANDLE_BYTES = 64 * 1024
 MAX_LEASE_SECONDS = 3600.0        # kv_cache.lease_seconds at most (config/disagg.py)
 MAX_BLOCK_ID = 2**31              # block ids and staging slots are below it
@@ -66,9 +66,9 @@ class KVHandle:
 
     ``direct_transfer`` fills ``agent_name``, ``agent_metadata``, ``pool_addr`` (the
     sender's pool, block ``i`` at ``pool_addr + i * geometry.block_nbytes``),
-    ``block_ids`` (token order), ``ticket_addr`` (the sender's int64 ticket words, block
-    ``i``'s at ``ticket_addr + 8 * i``) and ``ticket`` (the value every one of those words
-    holds until the blocks are freed). ``host_memory`` fills ``shm_name`` and ``slots``
+    ``block_ids`` (token order), ``ticket_addr`` (the lease's int64 ticket words, one per
+    block of the handle in token order, the ``k``-th at ``ticket_addr + 8 * k``) and
+    ``ticket`` (the value every one of those words holds until the lease ends). ``host_memory`` fills ``shm_name`` and ``slots``
     (one staging slot per block, in token order).
 
     ``lease_seconds`` is relative, never a wall-clock time, so that hosts' clocks need not

@@ -3,11 +3,13 @@
 One :class:`NixlEndpoint` per process (per model instance): one NIXL agent
 (:class:`~triton_disagg.kv.nixl_agent.Agent`, UCX: shared memory on one host, TCP/RDMA
 across hosts); a receiver registers its pool (READ destinations, never published), a
-sender keeps one int64 *ticket* word per block and registers nothing up front.
+sender keeps one int64 *ticket* word per block of each lease and registers nothing up
+front.
 
-- Sender (context): :meth:`NixlEndpoint.export` writes a fresh random ticket into the
-  blocks' ticket words, registers exactly those blocks' byte ranges and ticket words
-  (:meth:`~triton_disagg.kv.nixl_agent.Agent.expose`), leases the blocks and returns a
+- Sender (context): :meth:`NixlEndpoint.export` fills a new array of ticket words, one per
+  block of the handle, with a fresh random ticket, registers exactly those blocks' byte
+  ranges and that array (:meth:`~triton_disagg.kv.nixl_agent.Agent.expose`), leases the
+  blocks and returns a
   :class:`KVHandle` naming the agent, the partial metadata of that registration alone,
   the pool and ticket addresses, the block ids and the ticket. A watcher thread reads the
   notifications; ``tdkv-done:<lease id>`` releases the lease, and expired leases are
@@ -15,8 +17,8 @@ sender keeps one int64 *ticket* word per block and registers nothing up front.
   lease of this endpoint is dropped and counted (``NixlEndpoint.dropped``), one whose
   release fails is logged, and neither keeps the others of its pass from their leases; a
   watcher that dies anyway takes the instance down (:mod:`triton_disagg.readers`).
-  Releasing or reaping deregisters the ranges, then zeroes the blocks' ticket words,
-  *before* the blocks go back to the pool. So a handle's holder can name no other block
+  Releasing or reaping deregisters the ranges, then zeroes the lease's ticket words,
+  *before* the lease's references to its blocks go back to the pool. So a handle's holder can name no other block
   to its NIXL, and none of its own once the lease ended (see
   :mod:`~triton_disagg.kv.nixl_agent` for what the transport below NIXL enforces).
 - Receiver (generation): :meth:`NixlEndpoint.fetch` loads the handle's metadata into the
@@ -31,16 +33,18 @@ A lease's time is judged by each side on its own clock (``lease_seconds`` is rel
 the sender reaps at export + ``lease_seconds``, the receiver gives up at most
 ``lease_seconds`` after its fetch began, so clock skew between hosts refuses nothing.
 
-Why this is safe: a ticket word read after the data READ finished and still holding the
-ticket proves the block was not freed before that moment, so it was not reused while it
-was being read (tickets are cleared before a free, and nothing but the lease frees a
-leased block). The notification rides on the ticket READ, so the handle's own fetch
+Why this is safe: ticket words read after the data READ finished and still holding the
+ticket prove the lease was live at that moment, so it still held a reference to each of
+its blocks and none was freed, reused or written while it was being read (tickets are
+cleared before the lease's references go, a block is reused only once no reference is
+left, and a block the prefix cache shares is full and never written). The notification rides on the ticket READ, so the handle's own fetch
 releases the lease only after its check. A handle is therefore single-use: once its
 lease is released (or reaped) every later fetch, from any receiver, sees a cleared or
 newer ticket and raises :class:`LeaseExpiredError`; a receiver also refuses a lease id
 it fetched before, which closes the window until the sender sees the notification.
-A replayed handle never returns another request's KV. Assumes a block is in at most
-one live lease.
+A replayed handle never returns another request's KV. A block may be in several live
+leases at once (a cached prefix shared by several handoffs): each lease has its own
+ticket words and holds its own reference.
 
 :class:`NixlConnector` is this strategy's :class:`~triton_disagg.kv.connector.KVConnector`:
 one endpoint per instance, named ``<label>-<pid>-<random>``; its fetches run on the
@@ -98,10 +102,10 @@ class NixlEndpoint:
                  poll_interval_s: Optional[float] = 0.01, on_death: OnDeath = fail_instance):
         self.pool = pool
         self.geometry = BlockGeometry.of_pool(pool)
-        self._tickets = np.zeros(len(pool), _TICKET)   # [num_blocks]; 0 = not exported
         self._agent = Agent(f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                             [pool] if free_blocks is None else [])
-        self._exposed: dict[tuple[int, ...], object] = {}   # leased block ids -> registration
+        # leased block ids -> (registration, the lease's ticket words [n], token order)
+        self._exposed: dict[tuple[int, ...], tuple[object, np.ndarray]] = {}
         self._exposed_lock = threading.Lock()
         self.name = self._agent.name                    # unique across restarts
         self._free_blocks = free_blocks
@@ -138,25 +142,26 @@ class NixlEndpoint:
             raise ValueError(f"{num_tokens} tokens need {self.geometry.blocks_for(num_tokens)} "
                              f"blocks, got {len(block_ids)}")
         ids, ticket = [int(b) for b in block_ids], secrets.randbits(62) + 1
-        self._tickets[ids] = ticket
-        size, tickets = self.geometry.block_nbytes, self._tickets.ctypes.data
-        own = runs(ids, ids)
+        with self._exposed_lock:
+            if tuple(ids) in self._exposed:
+                raise ValueError(f"KV blocks {ids} are already leased as one handoff")
+        tickets = np.full(len(ids), ticket, _TICKET)          # [n] this lease's, token order
+        size = self.geometry.block_nbytes
         try:
             reg, metadata = self._agent.expose(
-                [(self.pool.ctypes.data + s * size, k * size) for s, _, k in own]
-                + [(tickets + 8 * s, 8 * k) for s, _, k in own])
+                [(self.pool.ctypes.data + s * size, k * size) for s, _, k in runs(ids, ids)]
+                + [(tickets.ctypes.data, tickets.nbytes)])
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
-            self._tickets[ids] = 0
             raise TransferError(f"NIXL cannot register {len(ids)} KV blocks: {exc}") from exc
         with self._exposed_lock:
-            self._exposed[tuple(ids)] = reg
+            self._exposed[tuple(ids)] = (reg, tickets)
         lease = self.leases.grant(ids, ttl_s, filling)
         self._wake.set()
         return KVHandle(
             fingerprint=fingerprint, geometry=self.geometry, num_tokens=num_tokens,
             strategy="direct_transfer", lease_id=lease.lease_id, lease_seconds=ttl_s,
             agent_name=self.name, agent_metadata=metadata,
-            pool_addr=self.pool.ctypes.data, ticket_addr=self._tickets.ctypes.data,
+            pool_addr=self.pool.ctypes.data, ticket_addr=tickets.ctypes.data,
             ticket=ticket, block_ids=tuple(ids))
 
     def release(self, handle: KVHandle) -> None:
@@ -177,15 +182,16 @@ class NixlEndpoint:
             self._wake.set()
 
     def _retire(self, block_ids: list[int]) -> None:
-        """A lease ended: withdraw its ranges from NIXL, clear the tickets, then give the
+        """A lease ended: withdraw its ranges from NIXL, clear its tickets, then give its
         blocks back (LeaseTable callback; the blocks go back even if NIXL fails)."""
         with self._exposed_lock:
-            reg = self._exposed.pop(tuple(block_ids), None)
+            reg, tickets = self._exposed.pop(tuple(block_ids), (None, None))
         try:
             if reg is not None:
                 self._agent.withdraw(reg)
         finally:
-            self._tickets[block_ids] = 0
+            if tickets is not None:
+                tickets[:] = 0
             self._free_blocks(block_ids)
 
     def poll(self) -> int:
@@ -341,10 +347,8 @@ class NixlEndpoint:
         if tickets is None:
             tickets = self._agent.scratch(n * _TICKET.itemsize)[:n * _TICKET.itemsize]
             tickets = tickets.view(_TICKET)                                     # [n]
-        ticket_runs = runs(handle.block_ids, range(n))
-        self._agent.read(peer,
-                         [(tickets.ctypes.data + 8 * d, 8 * k, 0) for _, d, k in ticket_runs],
-                         [(handle.ticket_addr + 8 * s, 8 * k, 0) for s, _, k in ticket_runs],
+        self._agent.read(peer, [(tickets.ctypes.data, 8 * n, 0)],
+                         [(handle.ticket_addr, 8 * n, 0)],
                          NOTIF_PREFIX + handle.lease_id.encode(), deadline,
                          f"KV lease {handle.lease_id} tickets")
         if (tickets != handle.ticket).any():

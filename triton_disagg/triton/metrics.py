@@ -7,7 +7,14 @@ label is not ``instance``: Prometheus gives every scraped series ``instance`` (t
 scrape target, host:port), and a target's own ``instance`` would be stored as
 ``exported_instance``.
 
-- ``disagg_kv_blocks_used`` / ``disagg_kv_blocks_total`` (gauges): the instance's pool.
+- ``disagg_kv_blocks_used`` / ``disagg_kv_blocks_total`` (gauges): the instance's pool;
+  used = held by live requests (0 at rest, whatever the prefix cache keeps).
+- ``disagg_kv_blocks_cached`` (gauge): blocks of the pool holding a cached prompt prefix
+  (held or free to evict).
+- ``disagg_prefix_cache_queries_total`` / ``disagg_prefix_cache_hits_total`` (counters, in
+  tokens): prompt tokens looked up in the prefix cache, and those whose KV it held (hit
+  rate: ``rate(hits) / rate(queries)``); ``disagg_prefix_cache_evictions_total`` (counter):
+  cached blocks given to other KV.
 - ``disagg_live_sequences`` (gauge, generation): sequences the instance's decode loop
   holds, decoding or waiting for their KV blocks.
 - ``disagg_queued_prompt_tokens`` (gauge, context): prompt tokens the instance has taken
@@ -71,7 +78,10 @@ import contextlib
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    from triton_disagg.engine.block_pool import PoolStats
 
 # Fine below 2.5 ms: a one-host KV handoff takes about a millisecond (bench handoff).
 LATENCY_BUCKETS = [0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -79,6 +89,14 @@ LATENCY_BUCKETS = [0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0025, 0.005, 0.01, 0
 _FAMILIES = {
     "kv_blocks_used": ("disagg_kv_blocks_used", "KV blocks in use in this instance's pool", "GAUGE"),
     "kv_blocks_total": ("disagg_kv_blocks_total", "KV blocks in this instance's pool", "GAUGE"),
+    "kv_blocks_cached": ("disagg_kv_blocks_cached",
+                         "KV blocks holding a cached prompt prefix (held or evictable)", "GAUGE"),
+    "prefix_queries": ("disagg_prefix_cache_queries_total",
+                       "Prompt tokens looked up in the prefix cache", "COUNTER"),
+    "prefix_hits": ("disagg_prefix_cache_hits_total",
+                    "Prompt tokens whose KV the prefix cache held", "COUNTER"),
+    "prefix_evictions": ("disagg_prefix_cache_evictions_total",
+                         "Cached KV blocks evicted for other KV", "COUNTER"),
     "live_sequences": ("disagg_live_sequences",
                        "Sequences this generation instance holds (decoding or waiting for KV)",
                        "GAUGE"),
@@ -193,9 +211,15 @@ class Metrics:
             self._series[ident] = self.families[key].Metric(labels=labels, **kwargs)
         return self._series[ident]
 
-    def kv_pool(self, used: int, total: int) -> None:
-        self._later(lambda: (self._metric("kv_blocks_used").set(used),
-                             self._metric("kv_blocks_total").set(total)))
+    def kv_pool(self, stats: "PoolStats") -> None:
+        """The pool's gauges and the prefix cache's counters (running totals: only the
+        increase is added)."""
+        self._later(lambda: (self._metric("kv_blocks_used").set(stats.used),
+                             self._metric("kv_blocks_total").set(stats.total),
+                             self._metric("kv_blocks_cached").set(stats.cached),
+                             self._add_total("prefix_queries", stats.query_tokens),
+                             self._add_total("prefix_hits", stats.hit_tokens),
+                             self._add_total("prefix_evictions", stats.evicted_blocks)))
 
     def live_sequences(self, count: int) -> None:
         self._later(lambda: self._metric("live_sequences").set(count))
