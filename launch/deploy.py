@@ -34,6 +34,7 @@ the scheduler dials) and opens HTTP and metrics only when given a port (flag or 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -176,6 +177,23 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive ports free on ``host`` now (a deployment's ports
+    moved in their pattern, or a pool's ``kv_events_port`` run)."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - count)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return base
+    raise UserError(f"no {count} consecutive free ports on {host}")
 
 
 def _bind_host(host: str, role: str) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from triton_disagg.clients.stream import array_inputs
-from triton_disagg.launch.deploy import free_ports
+from triton_disagg.launch.deploy import free_port_run, free_ports  # noqa: F401 - tests use both
 from triton_disagg.launch.process_group import terminate
 from waiting import wait_until        # the server tests import it from here too
 
@@ -38,25 +38,6 @@ def cli_argv(argv: list[str]) -> list[str]:
     triton_disagg.cli ...``), as the console script would run it."""
     assert argv[0] == "triton-disagg", argv
     return [sys.executable, "-m", "triton_disagg.cli", *argv[1:]]
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive ports free on loopback now, for a deployment's
-    ports moved in their pattern (the guide's 8000-8005 may be taken on a shared host)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - count)
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return base
-    raise AssertionError(f"no {count} consecutive free ports on 127.0.0.1")
 
 
 @dataclass

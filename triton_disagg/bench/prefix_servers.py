@@ -18,7 +18,7 @@ from typing import Iterator
 import yaml
 
 from triton_disagg.bench.serve_servers import serve_cli
-from triton_disagg.launch.deploy import free_ports
+from triton_disagg.launch.deploy import free_port_run, free_ports
 
 CONTEXT_SERVERS = 2
 GENERATION_KV_BYTES = 512 * 2**20      # generation never limits the runs
@@ -43,13 +43,15 @@ class Deployment:
         self.engine, self.work_dir, self.say = engine, work_dir.resolve(), say
         *self.context_ports, self.generation_port = free_ports(CONTEXT_SERVERS + 1)
         self.urls = [f"127.0.0.1:{p}" for p in self.context_ports]
+        self.kv_events_port = free_port_run(CONTEXT_SERVERS)   # one publisher per server
 
     def _config(self, name: str, kv_bytes: int, prefix_caching: bool = True,
                 router: str = "round_robin") -> Path:
         path = self.work_dir / f"{name}.yaml"
         path.write_text(yaml.safe_dump({
             "model": {"engine": str(self.engine)},
-            "context_server": {"urls": self.urls, "router": router},
+            "context_server": {"urls": self.urls, "router": router,
+                               "kv_events_port": self.kv_events_port},
             "generation_server": {"url": f"127.0.0.1:{self.generation_port}"},
             "kv_cache": {"strategy": "direct_transfer", "max_size": kv_bytes,
                          "prefix_caching": prefix_caching}}, sort_keys=False))

@@ -26,6 +26,7 @@ from triton_disagg.engine.block_pool import BlockPool
 
 if TYPE_CHECKING:
     from triton_disagg.config.settings import EngineSettings
+    from triton_disagg.engine.block_pool import BlockEvents
     from triton_disagg.engine.llm_engine import LLMEngine
 
 
@@ -68,11 +69,12 @@ def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
             raise UserError(f"{config.source}: {exc}") from None
 
 
-def make_engine(settings: "EngineSettings", role: str,
-                device_index: int | None = None) -> "LLMEngine":
+def make_engine(settings: "EngineSettings", role: str, device_index: int | None = None,
+                kv_events: "BlockEvents | None" = None) -> "LLMEngine":
     """A context or generation instance's engine (``role`` names it in the capacity error),
     on the runner its settings name (what they leave out: this host's default), on CUDA
-    device ``device_index`` (its Triton instance's GPU) when it runs on CUDA."""
+    device ``device_index`` (its Triton instance's GPU) when it runs on CUDA; its pool tells
+    ``kv_events`` (a KV event publisher) what it caches."""
     from triton_disagg.engine.llm_engine import LLMEngine
 
     spec = EngineSpec.load(settings.engine)
@@ -83,7 +85,7 @@ def make_engine(settings: "EngineSettings", role: str,
         check_pool(spec, layout, max_bytes, role)
     return LLMEngine(settings.engine, kv_max_bytes=max_bytes, kv_layout=layout,
                      runtime=runtime, kv_memory_fraction=settings.kv_gpu_memory_fraction,
-                     prefix_caching=settings.kv_prefix_caching)
+                     prefix_caching=settings.kv_prefix_caching, kv_events=kv_events)
 
 
 def pool_cap(settings: "EngineSettings", runtime: Runtime) -> int | None:

@@ -311,10 +311,10 @@ class GrpcRoute:
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
         router, failed = self.transport.routers["context"], []
-        tokens = int(np.size(inputs["input_ids"]))
+        prompt = np.asarray(inputs["input_ids"]).reshape(-1).tolist()   # [n] token ids
         for _ in range(CONTEXT_ATTEMPTS):
             try:
-                assignment = router.take(tokens, [f.url for f in failed])
+                assignment = router.take(len(prompt), [f.url for f in failed], token_ids=prompt)
             except NoServer as exc:
                 raise _unanswered(failed, f"; {exc}") if failed else exc from None
             if failed:

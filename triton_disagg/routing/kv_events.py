@@ -351,6 +351,14 @@ def start_publisher(settings: "EngineSettings", model_dir: Path, instance: str
     return publisher
 
 
+def kv_events_of(settings: "EngineSettings", args: dict) -> KvEventPublisher | None:
+    """The publisher of the Triton model instance that ``args`` (``initialize``'s) names,
+    or None when its prefix cache is off (it would have nothing to say)."""
+    if not settings.kv_prefix_caching:
+        return None
+    return start_publisher(settings, Path(args["model_repository"]), args["model_instance_name"])
+
+
 def announce(model_dir: Path, instance: str, address: str) -> None:
     """Name ``instance``'s publisher ``address`` for :func:`announced` (written whole, then
     renamed, readable by this user alone)."""

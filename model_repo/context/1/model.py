@@ -26,6 +26,7 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.context.prefill_loop import PrefillLoop, Prompt
 from triton_disagg.engine.capacity import make_engine
+from triton_disagg.routing.kv_events import kv_events_of
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
@@ -47,7 +48,8 @@ class TritonPythonModel:
         self.metrics = Metrics(pb_utils, "context", instance)
         readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         with self.metrics.closed_on_error():
-            engine = make_engine(settings, "context", gpu_index(args))
+            self.kv_events = kv_events_of(settings, args)
+            engine = make_engine(settings, "context", gpu_index(args), self.kv_events)
             self.spec = engine.spec
             self.loop = PrefillLoop(engine, settings, instance, self.metrics)
 
@@ -80,6 +82,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.metrics.close()
 
 

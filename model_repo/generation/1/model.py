@@ -24,6 +24,7 @@ from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import GenerationSide, read_request_parameters
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
+from triton_disagg.routing.kv_events import kv_events_of
 from triton_disagg.kv.connector import connector_for
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
@@ -43,7 +44,8 @@ class TritonPythonModel:
         self.limits = pin(cores_for(settings.instance_cpus, args))
         self.credential = peers.credential()
         instance = args["model_instance_name"]
-        engine = make_engine(settings, "generation", gpu_index(args))
+        self.kv_events = kv_events_of(settings, args)
+        engine = make_engine(settings, "generation", gpu_index(args), self.kv_events)
         self.spec = engine.spec
         self.metrics = Metrics(pb_utils, "generation", instance)
         readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
@@ -84,4 +86,6 @@ class TritonPythonModel:
     def finalize(self):
         self.loop.close()
         self.side.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.metrics.close()
