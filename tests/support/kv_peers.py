@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections import Counter
 import os
+import threading
 import time
 
 import numpy as np
@@ -42,23 +43,27 @@ def tokens_of(pool: np.ndarray, block_ids, n: int) -> np.ndarray:
 
 
 class CountingPool:
-    """Stands in for BlockPool's refcounts: records frees and any double free."""
+    """Stands in for BlockPool's refcounts: records frees and any double free. Thread-safe,
+    as the pool behind a lease table's ``free_blocks`` must be (frees race there)."""
 
     def __init__(self) -> None:
         self.used: Counter[int] = Counter()       # block -> references (a shared block: > 1)
         self.freed: list[list[int]] = []
         self.errors: list[str] = []
+        self._lock = threading.Lock()
 
     def take(self, ids) -> None:
-        self.used.update(ids)
+        with self._lock:
+            self.used.update(ids)
 
     def free(self, ids) -> None:
-        for b in ids:
-            if self.used[b] == 0:
-                self.errors.append(f"double free of block {b}")
-        self.used.subtract(ids)
-        self.used = +self.used                    # drop blocks at zero
-        self.freed.append(sorted(ids))
+        with self._lock:
+            for b in ids:
+                if self.used[b] == 0:
+                    self.errors.append(f"double free of block {b}")
+            self.used.subtract(ids)
+            self.used = +self.used                # drop blocks at zero
+            self.freed.append(sorted(ids))
 
     def state(self, **extra) -> dict:
         return {"used": len(self.used), "freed": self.freed, "errors": self.errors, **extra}
