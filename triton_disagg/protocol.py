@@ -100,6 +100,7 @@ SAMPLING_INPUTS = (  # ensemble name -> same name on preprocessing and orchestra
     _opt("stream", "BOOL"), _opt("return_log_probs", "BOOL"),
     _opt("exclude_input_in_output", "BOOL"), _opt("return_num_input_tokens", "BOOL"),
     _opt("return_num_output_tokens", "BOOL"),
+    _opt("cache_salt", "BYTES"),    # UTF-8; prefixes are shared only among equal salts
 )
 # Accepted so that a request using them gets a clear error instead of "unexpected input".
 UNSUPPORTED_INPUTS = (
@@ -146,7 +147,7 @@ ENGINE_INPUTS = (
     _opt("min_tokens", "INT32"), _opt("repetition_penalty", "FP32"),
     _opt("presence_penalty", "FP32"), _opt("frequency_penalty", "FP32"),
     _opt("stop_words_list", "INT32", (2, -1)), _opt("bad_words_list", "INT32", (2, -1)),
-    _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"),
+    _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"), _opt("cache_salt", "BYTES"),
 )
 CONTEXT_PHASE_PARAMS = "context_phase_params"
 # Generation's signed answer to a GENERATION_AWAITING_CONTEXT request, passed to the context
@@ -177,7 +178,7 @@ SAMPLING_TO_ENGINE = {
     "temperature": "temperature", "seed": "random_seed", "min_tokens": "min_tokens",
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "stream": "streaming",
-    "return_log_probs": "return_log_probs",
+    "return_log_probs": "return_log_probs", "cache_salt": "cache_salt",
 }
 
 # ---- preprocessing -> orchestrator -> client ---------------------------------------------

@@ -387,3 +387,33 @@ def test_several_prompts_and_n_are_indexed_choices(client, offline, tokenizer):
     chat = client.chat.completions.create(model=MODEL, n=2, max_tokens=4, temperature=1.0,
                                           seed=3, messages=[{"role": "user", "content": "hi"}])
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_a_cache_salt_shares_a_prefix_only_within_its_tenant(server, client, offline):
+    """vLLM's ``cache_salt`` through the OpenAI SDK: a long prefix sent twice under one salt
+    is served from the context's prefix cache the second time, under another salt it is
+    prefilled again; the greedy text is the uncached one either way."""
+    from triton_disagg.routing.scrape import delta, scrape
+
+    prompt = "Every tenant repeats this long system prompt before its question. " * 4
+
+    def ask(salt: str) -> float:
+        """The prompt tokens the context served from its cache for this request (read once
+        its lookup is published: the queries and hits counters go out together)."""
+        before = scrape(server.metrics)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                        temperature=0, extra_body={"cache_salt": salt})
+        assert got.choices[0].text == offline(prompt, 6)
+        now = {}
+
+        def published() -> bool:
+            now["samples"] = scrape(server.metrics)
+            return delta(before, now["samples"], "disagg_prefix_cache_queries_total",
+                         role="context") > 0
+        servers.wait_until(published, 10, "the context's lookup published", poll=0.1)
+        return delta(before, now["samples"], "disagg_prefix_cache_hits_total", role="context")
+
+    assert ask("tenant-a") == 0
+    assert ask("tenant-a") >= 32          # at least two blocks of the prefix came from cache
+    assert ask("tenant-b") == 0
+    servers.wait_until(lambda: _blocks_used(server) == 0, 10, "no block held at rest")

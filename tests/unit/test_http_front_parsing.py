@@ -42,6 +42,23 @@ def test_vllm_sampling_extensions_reach_the_engine_inputs(demo_engine):
     assert parse("chat", {**CHAT, "top_k": 5, "repetition_penalty": 1.3}).sampling["top_k"] == 5
 
 
+def test_a_cache_salt_reaches_the_engine_and_its_router_as_utf8(demo_engine):
+    """``cache_salt`` (vLLM's) goes to the orchestrator as UTF-8 BYTES; the engine request
+    and the router read it back, bounded before it is decoded."""
+    from triton_disagg.errors import RequestError
+    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.triton.engine_request import cache_salt
+
+    gen = parse("chat", {**CHAT, "cache_salt": "tenant-\u00e9"})
+    inputs = Preparer(demo_engine, "demo").inputs(gen)
+    assert inputs["cache_salt"].reshape(-1)[0] == "tenant-\u00e9".encode()
+    assert cache_salt({"cache_salt": inputs["cache_salt"][0]}) == "tenant-\u00e9"
+    assert cache_salt({}) is None
+    for raw, words in ((b"x" * 1025, "1025 bytes"), (b"\xff\xfe", "not UTF-8")):
+        with pytest.raises(RequestError, match=words):
+            cache_salt({"cache_salt": np.array([raw], dtype=object)})
+
+
 def test_logprobs_and_echo_are_parsed_and_ask_the_engine(demo_engine):
     from triton_disagg.front.prepare import Preparer
 
@@ -145,6 +162,10 @@ def test_max_completion_tokens_wins_over_max_tokens():
      "'messages[0].tool_calls': not supported"),
     ("inference", {"model": "demo"}, "'prompt' is required"),
     ("inference", {"prompt": "a", "n": 1}, "'n': unknown field"),
+    ("completions", {"model": "demo", "prompt": "a", "cache_salt": ""}, "'cache_salt': expected a non-empty string"),
+    ("chat", {**CHAT, "cache_salt": "x" * 257}, "'cache_salt': expected a non-empty string of at most 256"),
+    ("chat", {**CHAT, "cache_salt": 5}, "'cache_salt': expected a non-empty string"),
+    ("inference", {"prompt": "a", "cache_salt": "t"}, "'cache_salt': unknown field"),
 ])
 def test_bad_bodies_are_400_naming_the_field(endpoint, body, names):
     with pytest.raises(ApiError) as err:

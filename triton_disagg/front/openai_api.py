@@ -10,7 +10,9 @@ default, else refused by name, never silently ignored. Defaults are OpenAI's: ``
 completions, the rest of the engine's ``max_seq_len`` for chat; ``temperature`` 1 (the
 guide's ``/v1/inference``: 0, greedy); ``top_p`` 1. vLLM's and trtllm-serve's extensions
 are taken as they take them: ``ignore_eos`` (``max_tokens`` tokens whatever comes),
-``top_k`` (-1 or 0: off), ``min_tokens``, ``repetition_penalty`` (1: off). ``logprobs``
+``top_k`` (-1 or 0: off), ``min_tokens``, ``repetition_penalty`` (1: off), ``cache_salt``
+(at most ``MAX_CACHE_SALT`` characters: a cached prefix is shared only among requests
+with the same salt, vLLM's per-tenant isolation). ``logprobs``
 (completions: 0-5; chat: true, with ``top_logprobs`` 0-20) asks for the log-probability of
 each generated token; the engine computes the chosen token's alone, so ``top_logprobs``
 lists that token only (:mod:`.openai_responses`). A prompt is text or token ids (a list of
@@ -30,6 +32,8 @@ import math
 import reprlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
+
+from triton_disagg.engine.sampling import MAX_CACHE_SALT
 
 COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 5                # OpenAI's limit on completions' ``logprobs``
@@ -139,6 +143,14 @@ def _string(value: Any, name: str) -> str:
     return value
 
 
+def _salt(value: Any, name: str) -> bytes:
+    """A ``cache_salt``: a non-empty string of at most ``MAX_CACHE_SALT`` characters, as the
+    engine's UTF-8 BYTES input."""
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT:
+        raise _bad(name, f"a non-empty string of at most {MAX_CACHE_SALT} characters", value)
+    return value.encode("utf-8")
+
+
 def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise _bad(name, "true or false", value)
@@ -232,6 +244,7 @@ def _prompt(limits: EngineLimits) -> Check:
 _ROLES = ("system", "developer", "user", "assistant")
 _schema(_string, {"type": "string"})
 _schema(_bool, {"type": "boolean"})
+_schema(_salt, {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT})
 _schema(_stop, {"oneOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
                           {"type": "array", "maxItems": MAX_STOP_WORDS,
                            "items": {"type": "string", "maxLength": MAX_STOP_CHARS}}]})
@@ -307,6 +320,7 @@ def _fields(endpoint: str, limits: EngineLimits) -> dict[str, Check]:
         "ignore_eos": _bool,     # max_tokens tokens, always
         "min_tokens": _int(0, limits.max_seq_len - 1, " (this engine's max_seq_len less one)"),
         "repetition_penalty": _number(0.0, 2.0, low_open=True),
+        "cache_salt": _salt,     # vLLM's: a prefix is reused only under the same salt
     }
     if endpoint == "completions":
         return {**common, "prompt": _prompt(limits), "echo": _bool,
@@ -330,7 +344,7 @@ _ONLY_DEFAULT = {
     "response_format": ((None, {"type": "text"}), "only text responses are supported"),
 }
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-             "min_tokens", "repetition_penalty")
+             "min_tokens", "repetition_penalty", "cache_salt")
 _REQUIRED = {"completions": ("model", "prompt"), "chat": ("model", "messages"),
              "inference": ("prompt",)}
 

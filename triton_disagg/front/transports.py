@@ -51,6 +51,7 @@ from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, 
                                   error_for, from_grpc_status, from_triton, without_tag)
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.routing.router import Router
+from triton_disagg.triton.engine_request import cache_salt
 from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
@@ -314,7 +315,8 @@ class GrpcRoute:
         prompt = np.asarray(inputs["input_ids"]).reshape(-1).tolist()   # [n] token ids
         for _ in range(CONTEXT_ATTEMPTS):
             try:
-                assignment = router.take(len(prompt), [f.url for f in failed], token_ids=prompt)
+                assignment = router.take(len(prompt), [f.url for f in failed], token_ids=prompt,
+                                         salt=cache_salt(inputs))
             except NoServer as exc:
                 raise _unanswered(failed, f"; {exc}") if failed else exc from None
             if failed:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.words import from_wire
 from triton_disagg.errors import RequestError, UserError
@@ -58,6 +58,7 @@ def from_inputs(inputs: dict[str, np.ndarray], spec: EngineSpec) -> EngineReques
                               ("runtime_top_k", options.get("top_k", 0), spec.shape.vocab_size)):
         if isinstance(value, (int, np.integer)) and value > most:
             raise RequestError(f"{name} {value} is over its bound {most} for this engine")
+    options["cache_salt"] = cache_salt(inputs)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -67,6 +68,22 @@ def from_inputs(inputs: dict[str, np.ndarray], spec: EngineSpec) -> EngineReques
     except (UserError, ValueError) as exc:
         raise RequestError(str(exc)) from None
     return EngineRequest(prompt[:length].tolist(), params, bool(scalar(inputs, "streaming", False)))
+
+
+def cache_salt(inputs: dict[str, np.ndarray]) -> str | None:
+    """The request's ``cache_salt`` (UTF-8 BYTES ``[1]``), its size checked before it is
+    decoded; None when absent."""
+    raw = scalar(inputs, "cache_salt")
+    if raw is None:
+        return None
+    raw = raw if isinstance(raw, bytes) else str(raw).encode("utf-8")
+    if len(raw) > 4 * MAX_CACHE_SALT:
+        raise RequestError(f"cache_salt has {len(raw)} bytes; at most {MAX_CACHE_SALT} "
+                           f"characters")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError("cache_salt is not UTF-8 text") from None
 
 
 def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log_prob: float,
