@@ -134,6 +134,7 @@ ENSEMBLE_OUTPUTS = (
     TensorSpec("num_input_tokens", "INT32", (1,)),
     TensorSpec("num_output_tokens", "INT32", (1,)),
     TensorSpec("finish_reason", "BYTES", (1,)),         # a FinishReason: the final response only
+    TensorSpec("num_cached_tokens", "INT32", (1,)),     # of num_input_tokens, served from cache
 )
 
 # ---- orchestrator <-> context / generation (TensorRT-LLM's tensorrt_llm model) -----------
@@ -165,7 +166,10 @@ ENGINE_OUTPUTS = (
     TensorSpec("output_log_probs", "FP32", (-1, -1)),   # [beam=1, new tokens]
     TensorSpec("finish_reason", "BYTES", (-1,)),        # [beam=1] "" while running
 )
-CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),)
+# prompt tokens whose KV came from the context's prefix cache (not prefilled again)
+NUM_CACHED_TOKENS = "num_cached_tokens"
+CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),
+                                    TensorSpec(NUM_CACHED_TOKENS, "INT32", (1,)))
 # Generation's one response per request: where the stops for that request go, and (only for
 # GENERATION_AWAITING_CONTEXT, else empty) the kv_listener for the context.
 CONTROL_ADDRESS = "control_address"

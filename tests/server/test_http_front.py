@@ -391,8 +391,9 @@ def test_several_prompts_and_n_are_indexed_choices(client, offline, tokenizer):
 
 def test_a_cache_salt_shares_a_prefix_only_within_its_tenant(server, client, offline):
     """vLLM's ``cache_salt`` through the OpenAI SDK: a long prefix sent twice under one salt
-    is served from the context's prefix cache the second time, under another salt it is
-    prefilled again; the greedy text is the uncached one either way."""
+    is served from the context's prefix cache the second time (and ``usage`` says how many
+    tokens), under another salt it is prefilled again; the greedy text is the uncached one
+    either way."""
     from triton_disagg.routing.scrape import delta, scrape
 
     prompt = "Every tenant repeats this long system prompt before its question. " * 4
@@ -404,6 +405,7 @@ def test_a_cache_salt_shares_a_prefix_only_within_its_tenant(server, client, off
         got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
                                         temperature=0, extra_body={"cache_salt": salt})
         assert got.choices[0].text == offline(prompt, 6)
+        reported.append(got.usage.prompt_tokens_details.cached_tokens)
         now = {}
 
         def published() -> bool:
@@ -413,7 +415,10 @@ def test_a_cache_salt_shares_a_prefix_only_within_its_tenant(server, client, off
         servers.wait_until(published, 10, "the context's lookup published", poll=0.1)
         return delta(before, now["samples"], "disagg_prefix_cache_hits_total", role="context")
 
+    reported: list[int] = []              # usage.prompt_tokens_details.cached_tokens
     assert ask("tenant-a") == 0
-    assert ask("tenant-a") >= 32          # at least two blocks of the prefix came from cache
+    hit = ask("tenant-a")
+    assert hit >= 32                      # at least two blocks of the prefix came from cache
     assert ask("tenant-b") == 0
+    assert reported == [0, hit, 0]        # the client is told what the context counted
     servers.wait_until(lambda: _blocks_used(server) == 0, 10, "no block held at rest")

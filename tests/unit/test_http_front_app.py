@@ -77,7 +77,8 @@ def test_whole_and_streamed_completion(demo_engine):
         assert resp.status == 200 and resp.headers["X-Request-Id"] == "req-7"
         assert body["choices"][0]["text"] == "Hello 世界 🎉"
         assert body["choices"][0]["finish_reason"] == "length"
-        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         resp = await client.post("/v1/chat/completions", json={
             "model": "demo", "messages": [{"role": "user", "content": "a"}], "max_tokens": 4,
             "stream": True, "stream_options": {"include_usage": True}})
@@ -352,7 +353,7 @@ def test_several_prompts_and_n_answer_as_indexed_choices(demo_engine):
             [(i, "Hello 世界 🎉") for i in range(4)]
         # each prompt counted once (the relay says 3 prompt tokens), every choice's tokens
         assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12,
-                                 "total_tokens": 18}
+                                 "total_tokens": 18, "prompt_tokens_details": {"cached_tokens": 0}}
         assert sorted(relay.request_ids) == [f"many-{i}" for i in range(4)]
     run(relay, check, demo_engine)
 

@@ -126,6 +126,7 @@ class Prefiller:
             except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
                 return RequestError(f"KV handoff failed: {exc}")
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
+        out[P.NUM_CACHED_TOKENS] = np.array([result.num_cached_tokens], dtype=np.int32)
         return out
 
 
@@ -216,6 +217,7 @@ class _Overlapped:
         out = engine_request.outputs([r.token_id], [r.logprob], r.logprob or 0.0, r.finish_reason)
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
+        out[P.NUM_CACHED_TOKENS] = np.array([r.num_cached_tokens], dtype=np.int32)
         return out
 
     def _tell(self, say: Any) -> None:

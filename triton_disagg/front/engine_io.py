@@ -55,9 +55,14 @@ class ResponseBuilder:
         self.windows = DeltaWindows(() if exclude or self.stream else self.prompt)
         self.return_log_probs = bool(scalar(inputs, "return_log_probs", False))
         self.generated = 0
+        self.cached_tokens = 0          # the context's answer says (:meth:`context_answered`)
         self.cum_log_prob = 0.0
         self.pending_ids: list[int] = []
         self.pending_lp: list[float] = []
+
+    def context_answered(self, out: dict[str, np.ndarray]) -> None:
+        """Note how many prompt tokens the context served from its prefix cache."""
+        self.cached_tokens = int(scalar(out, P.NUM_CACHED_TOKENS, 0))
 
     def add(self, event: StreamEvent) -> dict | None:
         """Outputs to send now (streaming) or None (accumulating until the final event, which
@@ -84,6 +89,7 @@ class ResponseBuilder:
             "text_output": [text_delta(self.decode, window, offset, final)],
             "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
             "num_output_tokens": np.array([self.generated], dtype=np.int32),
+            "num_cached_tokens": np.array([self.cached_tokens], dtype=np.int32),
         }
         if final:
             out["finish_reason"] = [reason]

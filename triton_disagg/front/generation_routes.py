@@ -182,16 +182,17 @@ def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict
     """The non-streamed body of ``done`` choices (one for ``/v1/inference``); usage counts
     each prompt once and every choice's tokens."""
     prompt_tokens = sum(a.last.prompt_tokens for a, *_ in done[::gen.n])
+    cached_tokens = sum(a.last.cached_tokens for a, *_ in done[::gen.n])
     completion_tokens = sum(a.last.completion_tokens for a, *_ in done)
     if gen.endpoint == "inference":
         _, text, reason, _ = done[0]
         body = {"id": uuid.uuid4().hex, "model": model, "text": text, "finish_reason": reason,
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     else:
         reply = Reply(gen, model)
         body = reply.whole([reply.choice(i, text, reason, logprobs)
                             for i, (_, text, reason, logprobs) in enumerate(done)],
-                           prompt_tokens, completion_tokens)
+                           prompt_tokens, completion_tokens, cached_tokens)
     return web.json_response(body, headers=headers,
                              dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
 
@@ -224,7 +225,8 @@ async def _stream(request: web.Request, answer: _Answer, reply: Reply,
         tail, reason = answer.finish()
         await out(reply.chunk(tail, reason))
         if answer.gen.include_usage:
-            await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens))
+            await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens,
+                                        answer.last.cached_tokens))
         await out("[DONE]")
     except StalledClient as exc:    # dropped: leaving the relay's stream cancels the request
         log.warning("request %s: %s; dropped", request_id_of(request), exc)

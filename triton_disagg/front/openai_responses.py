@@ -74,9 +74,12 @@ def finish_reason(trimmer: StopTrimmer, given: FinishReason | None) -> str:
     return "stop" if trimmer.stopped or given is None else OPENAI_FINISH[given]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: the prompt tokens served from the prefix
+    cache (``prompt_tokens_details``, as OpenAI and vLLM report them)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Logprobs:
@@ -135,9 +138,10 @@ class Reply:
                     "finish_reason": reason, "logprobs": logprobs}
         return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
-    def whole(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict:
         out = self._envelope(self.whole_object, choices)
-        out["usage"] = usage(prompt_tokens, completion_tokens)
+        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return out
 
     def chunk(self, text: str, reason: str | None = None, first: bool = False,
@@ -153,10 +157,11 @@ class Reply:
             out["usage"] = None         # OpenAI's: only the last chunk has the usage
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int = 0) -> dict:
         """``stream_options.include_usage``: the last chunk, no choices, the usage."""
         out = self._envelope(self.chunk_object, [])
-        out["usage"] = usage(prompt_tokens, completion_tokens)
+        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return out
 
 

@@ -216,6 +216,7 @@ class _Run:
         if ctx is None:
             await self.send(None, True)
             return "cancelled"
+        self.builder.context_answered(ctx)
         first = context_event(self.request_id, ctx)
         if await self.emit(first):
             return "finished"
@@ -284,6 +285,7 @@ class _Run:
             if ctx is None:
                 await self.send(None, True)
                 return "cancelled"
+            self.builder.context_answered(ctx)
             if await self.emit(context_event(self.request_id, ctx)):
                 return "finished"
             self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]

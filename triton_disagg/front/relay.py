@@ -47,6 +47,7 @@ class Delta:
     token_ids: tuple[int, ...] = ()
     log_probs: tuple[float, ...] = ()
     finish_reason: FinishReason | None = None
+    cached_tokens: int = 0            # of prompt_tokens, served from the prefix cache
 
 
 class OrchestratorError(Exception):
@@ -120,6 +121,7 @@ def _delta(result) -> Delta:
     text = result.as_numpy("text_output")
     n_in, n_out = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
     ids, lps = result.as_numpy("output_ids"), result.as_numpy("output_log_probs")
+    cached = result.as_numpy("num_cached_tokens")
     reason = result.as_numpy("finish_reason")
     reason = reason.reshape(-1)[0].decode("utf-8") if reason is not None else None   # [1, 1]
     return Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
@@ -127,7 +129,8 @@ def _delta(result) -> Delta:
                  int(n_out.reshape(-1)[0]) if n_out is not None else 0,
                  tuple(ids.reshape(-1).tolist()) if ids is not None else (),     # [1, 1, n] -> [n]
                  tuple(lps.reshape(-1).tolist()) if lps is not None else (),
-                 reason if reason in FINISH_REASONS else None)
+                 reason if reason in FINISH_REASONS else None,
+                 int(cached.reshape(-1)[0]) if cached is not None else 0)
 
 
 def unreachable(exc: Exception) -> bool:
