@@ -57,3 +57,32 @@ def test_a_failed_report_does_not_strand_the_admitted_batch(demo_engine, monkeyp
         wait_until(lambda: engine.pool.num_used == 0, 5.0, "every block back in the pool")
     finally:
         loop.close()
+
+
+def test_a_handoff_that_fails_in_the_server_is_not_the_clients_mistake(demo_engine):
+    """A KV transport or device copy that fails is a fault (INTERNAL: 500), not an
+    INVALID_ARG (400) the client would take as its own mistake and not retry."""
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.errors import ErrorCode, code_of
+    from triton_disagg.kv.connector import ConnectorError
+
+    engine = LLMEngine(demo_engine, num_blocks=8)
+    settings = ContextSettings(str(demo_engine), "disaggregated", (), None, None,
+                               kv_strategy="host_memory", kv_max_size=0, kv_lease_seconds=30.0,
+                               stream_interval=1, kv_key_id=key_id(deployment_key()))
+    loop = PrefillLoop(engine, settings, "ctxtest_handoff_fault")
+
+    def failing_export(block_ids, num_tokens, prefilling=False):
+        loop.free(block_ids)                   # the export owns the blocks, raise or not
+        raise ConnectorError("NIXL cannot register 4 KV blocks: out of memory keys")
+
+    loop.connector.export = failing_export
+    try:
+        (answer,) = submit(loop, [("a", EngineRequest(list(range(3, 63)),
+                                                      SamplingParams(max_tokens=8), True))])
+        error = answer.result()
+        assert isinstance(error, Exception) and code_of(error) is ErrorCode.INTERNAL, error
+        assert "KV handoff failed" in str(error)
+        wait_until(lambda: engine.pool.num_used == 0, 5.0, "every block back in the pool")
+    finally:
+        loop.close()
