@@ -157,3 +157,47 @@ def _has_nixl() -> bool:
     except ImportError:
         return False
     return True
+
+
+@pytest.mark.parametrize("name", ["direct_transfer"])
+def test_two_live_handoffs_of_a_device_kv_share_a_cached_prefix_block(name):
+    """Prefix caching on a device KV: a second handoff whose prompt reuses a cached block
+    that a first, still unfetched, handoff holds shares that block's staging row (it used
+    to fail as "staged already" and leak its blocks); each handoff's end gives its own
+    reference back, and the row is freed with the last."""
+    pytest.importorskip("nixl")
+    geometry = BlockGeometry(L, KVH, HD, 4, "float32")
+    blocks = CountingPool()
+    src = FakeDeviceKV(8)
+    out = DeviceStaging(src, geometry, 4, blocks.free)
+    context = make_connector(name, PoolBuffer(out.array, out), "conntest_0_0", KEY, FP, 30.0,
+                             out.freeing())
+    try:
+        blocks.take([0, 1])                    # request A: cached prefix block 0, then 1
+        first = context.export([0, 1], 7)
+        blocks.take([0, 2])                    # request B: shares block 0, then 2
+        second = context.export([0, 2], 7)
+        assert out.num_free == 1 and blocks.state()["used"] == 3
+        context.release(first)
+        assert blocks.freed == [[0, 1]] and blocks.used == {0: 1, 2: 1} and out.num_free == 2
+        context.release(second)
+        assert blocks.state()["used"] == 0 and not blocks.errors and out.num_free == 4
+    finally:
+        context.close()
+
+
+def test_a_device_kv_export_that_fails_gives_its_blocks_back():
+    """The export owns its blocks whether it returns or raises: a staging refusal of any
+    kind gives them back at once."""
+    geometry = BlockGeometry(L, KVH, HD, 4, "float32")
+    blocks = CountingPool()
+    out = DeviceStaging(FakeDeviceKV(8), geometry, 2, blocks.free)
+    blocks.take([3, 4, 5])
+    with pytest.raises(HandoffBusy):
+        out.hand_off([3, 4, 5])
+    assert blocks.state()["used"] == 0 and out.num_free == 2
+    blocks.take([3])
+    assert out.hand_off([3]) == [0]
+    with pytest.raises(ValueError, match="staged already"):
+        out.reserve([3])                       # a fetch never shares a row
+    assert out.release([0]) == [3] and out.num_free == 2

@@ -32,8 +32,9 @@ import numpy as np
 from triton_disagg import protocol as P
 from triton_disagg.engine.llm_engine import LLMEngine, PrefillResult
 from triton_disagg.engine.sequence import Sequence
-from triton_disagg.errors import EngineError, RequestError
-from triton_disagg.kv.connector import ConnectorError, KVConnector
+from triton_disagg.errors import EngineError, RequestError, Unavailable
+from triton_disagg.kv.connector import ConnectorError, HandoffBusy, KVConnector
+from triton_disagg.kv.handle import HandleError
 from triton_disagg.triton import engine_request
 
 _log = logging.getLogger(__name__)
@@ -124,10 +125,22 @@ class Prefiller:
             try:
                 handle = self.connector.export(result.block_ids, result.num_tokens)
             except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
-                return RequestError(f"KV handoff failed: {exc}")
+                return _handoff_error(exc)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         out[P.NUM_CACHED_TOKENS] = np.array([result.num_cached_tokens], dtype=np.int32)
         return out
+
+
+def _handoff_error(exc: Exception) -> Exception:
+    """A KV handoff that failed, as the request's error: a handle too large for its prompt
+    is the request's (INVALID_ARG); no room now is UNAVAILABLE; anything else (a transport
+    or a device copy that failed) is a fault of the server (INTERNAL), not the client's."""
+    if isinstance(exc, HandleError):
+        return RequestError(f"KV handoff failed: {exc}")
+    if isinstance(exc, HandoffBusy):
+        return Unavailable(f"KV handoff failed: {exc}")
+    _log.error("KV handoff failed", exc_info=exc)
+    return EngineError(f"KV handoff failed: {type(exc).__name__}: {exc}")
 
 
 def _refusal(exc: Exception) -> RequestError | EngineError:
@@ -174,7 +187,7 @@ class _Overlapped:
         try:
             o.handle = side.connector.export(blocks, len(seq.prompt_ids), prefilling=True)
         except Exception as exc:  # noqa: BLE001 - this request fails alone
-            o._fail(RequestError(f"KV handoff failed: {exc}"))
+            o._fail(_handoff_error(exc))
         else:
             o._tell(lambda a: a.handle(o.handle))
         return o
@@ -187,7 +200,7 @@ class _Overlapped:
             try:
                 self._stage(done)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(RequestError(f"KV handoff failed: {exc}"))
+                self._fail(_handoff_error(exc))
                 return
             self.side.connector.renew(self.handle)
             self._tell(lambda a: a.layers(done))
@@ -207,7 +220,7 @@ class _Overlapped:
                 self._stage(self.side.connector.geometry.num_layers)
                 self.side.connector.renew(self.handle, prefilling=False)   # final: lease from now
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(RequestError(f"KV handoff failed: {exc}"))
+                self._fail(_handoff_error(exc))
             else:
                 self._tell(lambda a: a.first(result.token_id, result.logprob))
         return self.error if self.error is not None else self

@@ -168,11 +168,13 @@ class PrefillLoop:
         self._reclaim()
         self._end_overdue()
         batch = self._admit()
-        if time.monotonic() - self.reported >= REPORT_SECONDS:
-            self.reported = time.monotonic()
-            self._report()
-        if batch:
-            self._prefill(batch)
+        try:
+            if time.monotonic() - self.reported >= REPORT_SECONDS:
+                self.reported = time.monotonic()
+                self._report()
+        finally:      # admitted: it holds its blocks and is out of the queue, so it is served
+            if batch:
+                self._prefill(batch)
 
     def _pause(self) -> float:
         """How long to wait for a message: not at all after a batch (the next may fit now);

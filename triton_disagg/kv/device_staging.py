@@ -9,8 +9,12 @@ take rows. The connector registers :attr:`DeviceStaging.array` as its pool, and 
 ids its transports see (handles, READs, ``free_blocks``) are row ids.
 
 Invariants: a row is free or holds exactly one device block (the map is one-to-one while
-it lasts); a device block has at most one row; every method is thread-safe (exports run
-on request threads, fetches on the fetch thread, lease expiry on a watcher thread).
+it lasts); a device block has at most one row; a context's row is held by every handoff
+whose blocks include its device block (a cached prefix block shared by several live
+handoffs shares its row: :meth:`DeviceStaging.hand_off`) and is freed when the last one
+ends, each ending giving its own reference to the device block back; every method is
+thread-safe (exports run on request threads, fetches on the fetch thread, lease expiry on
+a watcher thread).
 """
 
 from __future__ import annotations
@@ -54,49 +58,62 @@ class DeviceStaging:
         self._free = list(range(rows - 1, -1, -1))     # popped from the end: low rows first
         self._device_of: dict[int, int] = {}           # row -> device block
         self._row_of: dict[int, int] = {}              # device block -> row
+        self._holders: dict[int, int] = {}             # row -> handoffs holding it (>= 1)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def reserve(self, device_blocks: Sequence[int]) -> list[int]:
+    def reserve(self, device_blocks: Sequence[int], share: bool = False) -> list[int]:
         """A row for each device block (in order); :class:`HandoffBusy`, taking nothing,
-        when too few are free now."""
+        when too few are free now. ``share`` (a context's export): a device block staged
+        already (a cached prefix block another live handoff holds) shares its row, which
+        then needs no free row; else such a block is a ValueError."""
         blocks = [int(b) for b in device_blocks]
         with self._lock:
-            if len(blocks) > len(self._free):
-                raise HandoffBusy(f"the KV staging buffer has {len(self._free)} of "
-                                  f"{len(self.array)} blocks free, {len(blocks)} needed; "
-                                  f"retry later or raise kv_cache.max_size")
             taken = [b for b in blocks if b in self._row_of]
-            if taken:
+            if taken and not share:
                 raise ValueError(f"device KV blocks {taken} are staged already")
-            rows = [self._free.pop() for _ in blocks]
-            for row, block in zip(rows, blocks):
-                self._device_of[row], self._row_of[block] = block, row
+            new = len(blocks) - len(taken)
+            if new > len(self._free):
+                raise HandoffBusy(f"the KV staging buffer has {len(self._free)} of "
+                                  f"{len(self.array)} blocks free, {new} needed; "
+                                  f"retry later or raise kv_cache.max_size")
+            rows = []
+            for block in blocks:
+                row = self._row_of.get(block)
+                if row is None:
+                    row = self._free.pop()
+                    self._device_of[row], self._row_of[block] = block, row
+                self._holders[row] = self._holders.get(row, 0) + 1
+                rows.append(row)
         return rows
 
     def hand_off(self, device_blocks: Sequence[int]) -> list[int]:
-        """Context: :meth:`reserve` rows for an export, which owns ``device_blocks`` from
-        this call on: when there is no room they are given back at once, then
-        :class:`HandoffBusy` is raised."""
+        """Context: :meth:`reserve` rows for an export (sharing the rows of blocks other
+        live handoffs staged), which owns ``device_blocks`` from this call on: when that
+        fails they are given back at once, then the error (:class:`HandoffBusy` when there
+        is no room) is raised."""
         try:
-            return self.reserve(device_blocks)
-        except HandoffBusy:
+            return self.reserve(device_blocks, share=True)
+        except Exception:
             self.free_device_blocks([int(b) for b in device_blocks])
             raise
 
     def release(self, rows: Sequence[int]) -> list[int]:
-        """Free ``rows``; the device blocks they held (rows not held are skipped, so a
-        second release of the same rows is a no-op)."""
+        """One handoff holding ``rows`` ended: the device block of each (one reference each,
+        to give back); a row no other handoff holds is freed (rows not held are skipped)."""
         blocks = []
         with self._lock:
             for row in (int(r) for r in rows):
-                block = self._device_of.pop(row, None)
-                if block is not None:
-                    del self._row_of[block]
+                block = self._device_of.get(row)
+                if block is None:
+                    continue
+                blocks.append(block)
+                self._holders[row] -= 1
+                if not self._holders[row]:
+                    del self._holders[row], self._device_of[row], self._row_of[block]
                     self._free.append(row)
-                    blocks.append(block)
         return blocks
 
     def freeing(self) -> Callable[[list[int]], None]:
