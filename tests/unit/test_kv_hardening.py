@@ -73,7 +73,7 @@ def test_a_handoff_whose_device_copy_fails_gives_its_blocks_back(side, monkeypat
         raise RuntimeError("device copy failed")
     monkeypatch.setattr(side.connector, "stage", broken)
     (out,) = prefill(side, [("a", _request())])
-    assert isinstance(out, RequestError) and "device copy failed" in str(out)
+    assert isinstance(out, EngineError) and "device copy failed" in str(out)   # a fault: 500
     assert _zero(side.engine)
 
 
