@@ -23,7 +23,7 @@ from triton_disagg.errors import (HTTP_STATUS, EngineError, ErrorCode, RequestEr
                                   without_tag)
 from triton_disagg.front.relay import OrchestratorError, Relay
 from triton_disagg.front.token_inbox import TokenInbox
-from triton_disagg.front.transports import BLSTransport, GrpcTransport
+from triton_disagg.front.transports import BLSTransport, GrpcTransport, Unanswered
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Router
@@ -163,6 +163,28 @@ def test_a_grpc_error_answer_is_raised_by_its_status(status, raised):
     with pytest.raises((RequestError, EngineError)) as err:
         asyncio.run(main())
     assert type(err.value) is raised, err.value
+
+
+def test_a_server_that_answers_it_timed_out_is_a_timeout_not_a_server_that_did_not_answer():
+    """A context's own queue deadline comes back as UNAVAILABLE tagged TIMEOUT: the server
+    answered, so it is not passed over and the request ends in a Timeout (504)."""
+    async def main():
+        server, url = await _serving(FailingServer(grpc.StatusCode.UNAVAILABLE,
+                                                   "TIMEOUT: context: waited past its deadline"))
+        routers = {"context": Router("context", "round_robin", StaticMembers("context", [url])),
+                   "generation": Router("generation", "round_robin",
+                                        StaticMembers("generation", []))}
+        transport = GrpcTransport(routers)
+        try:
+            with pytest.raises(Timeout) as err:
+                await transport.route("req-1", frozenset(), 5.0).context(INPUTS)
+            assert not isinstance(err.value, Unanswered), err.value
+            assert not routers["context"]._passed_over, "a server that answered was passed over"
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    asyncio.run(main())
 
 
 # ---- a Triton error over gRPC: the HTTP front's stream -------------------------------------

@@ -260,11 +260,12 @@ class GrpcTransport:
                 model, tensors, request_id=request_id, client_timeout=timeout,
                 timeout=_microseconds(queue_timeout), parameters=parameters)
         except InferenceServerException as exc:
-            if exc.status() in UNANSWERED:
-                self.routers[model].unanswered(url)
-                raise Unanswered(model, url, exc.status(), exc.message() or "", timeout) from None
             message = exc.message() or ""
-            error = _error(from_grpc_status(exc.status(), message), message)
+            code = from_grpc_status(exc.status(), message)
+            if exc.status() in UNANSWERED and code is not ErrorCode.TIMEOUT:
+                self.routers[model].unanswered(url)     # a TIMEOUT-tagged one did answer
+                raise Unanswered(model, url, exc.status(), message, timeout) from None
+            error = _error(code, message)
             raise type(error)(f"{model} at {url}: {error}") from None
         finally:
             self.calls[url] -= 1
