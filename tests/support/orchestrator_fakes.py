@@ -127,6 +127,7 @@ class FakeGeneration:
 
 
 class FakeRoute:
+    cancellable = True       # as a gRPC route: a cancelled call stops at the server
     def __init__(self, fake: FakeGeneration, request_id: str):
         self.fake, self.request_id = fake, request_id
         self.server: int | None = None          # the generation call's server, once made

@@ -173,6 +173,42 @@ def test_a_full_context_is_called_once_and_its_answer_awaited():
         fake.close()
 
 
+def test_a_bls_context_call_abandoned_by_its_client_gives_its_kv_back_when_it_answers():
+    """``serve all``: a BLS call cannot be stopped once sent, so when the client leaves while
+    the context still queues it, its late answer's handle is released at once (not left to
+    its lease)."""
+    class BLSLike(FakeGeneration):
+        def route(self, request_id, avoid, timeout):
+            route = super().route(request_id, avoid, timeout)
+            route.cancellable = False
+            return route
+
+    generation = BLSLike(10, [11, 1], queued=0.3)
+    decode = lambda ids: "".join(chr(0x4E00 + i) for i in ids)   # noqa: E731
+
+    async def main():
+        inbox = TokenInbox(None, 5.0)
+        orchestrator = Orchestrator(generation, inbox, "disaggregated", decode)
+        inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
+                  "stream": np.array([True]), "request_output_len": np.array([16], np.int32)}
+
+        async def send(outputs, final):
+            pass
+        try:
+            outcome = await orchestrator.handle(inputs, send, lambda: True)
+            for _ in range(100):               # the late answer, then its release
+                if generation.released:
+                    break
+                await asyncio.sleep(0.01)
+            return outcome
+        finally:
+            inbox.close()
+
+    assert asyncio.run(main()) == "cancelled"
+    assert generation.contexts == 1 and generation.released == [b"handle"]
+    generation.close()
+
+
 @pytest.mark.parametrize("how", ["send fails", "client cancels", "task cancelled"])
 def test_leaving_a_request_early_stops_generation(how, monkeypatch):
     from triton_disagg.front import orchestrator

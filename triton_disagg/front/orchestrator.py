@@ -74,7 +74,10 @@ _log = logging.getLogger(__name__)
 
 class Route(Protocol):
     """One request's calls to context and generation (each transport decides where they go;
-    a release goes to the context server that answered)."""
+    a release goes to the context server that answered). ``cancellable``: cancelling a call
+    stops it at the server (gRPC); a BLS call cannot be stopped once sent."""
+
+    cancellable: bool
 
     async def context(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
@@ -269,8 +272,18 @@ class _Run:
                 if is_cancelled():
                     return None
             return call.result()
-        finally:
-            call.cancel()           # the client left (or this task was cancelled): stop it
+        finally:       # the client left (or this task was cancelled): stop the call
+            if self.route.cancellable or call.done():
+                call.cancel()
+            else:      # a BLS call runs on: the KV it brings back goes back
+                call.add_done_callback(self._late_context)
+
+    def _late_context(self, call: asyncio.Future) -> None:
+        """An abandoned context call answered after all: its handle's KV goes back now,
+        not when its lease expires."""
+        if not call.cancelled() and call.exception() is None:
+            self.unfetched = call.result().get(P.CONTEXT_PHASE_PARAMS)
+            self.owner._give_back(self)
 
     async def overlapped(self, inputs: dict[str, np.ndarray],
                          is_cancelled: Callable[[], bool]) -> str:

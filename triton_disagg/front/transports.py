@@ -154,6 +154,8 @@ class BLSRoute:
     """One request's calls to the context and generation models of this server, each
     waited for at most ``timeout`` seconds (a release: ``RELEASE_TIMEOUT_SECONDS``)."""
 
+    cancellable = False      # the stub's async_exec runs to its answer once sent
+
     def __init__(self, transport: BLSTransport, request_id: str, timeout: float):
         self.transport, self.pb, self.credential = transport, transport.pb, transport.credential
         self.request_id, self.timeout = request_id, timeout
@@ -303,6 +305,8 @@ class GrpcRoute:
     generation call goes to no server in ``avoid``. Each context attempt and the generation
     call have a deadline of ``timeout`` seconds: a context server that misses it counts as
     not answering (tried once more on another)."""
+
+    cancellable = True       # a cancelled call is cancelled at the server (gRPC)
 
     def __init__(self, transport: GrpcTransport, request_id: str, avoid: frozenset[str],
                  timeout: float):
