@@ -57,11 +57,11 @@ class Served:
 
 @contextlib.contextmanager
 def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics: bool = True,
-          grpc_port: int | None = None, until: str = "ready ("):
+          grpc_port: int | None = None, until: str = "ready (", env: dict[str, str] | None = None):
     """Run ``triton-disagg serve role *args`` on free ports (gRPC: ``grpc_port`` when given)
     until the block exits; the block starts once its output shows ``until``. Every role's
     HTTP front (``serve all|scheduler``: the OpenAI API; context and generation: ``/healthz``)
-    gets a free port too."""
+    gets a free port too. ``env``: its environment (default: ours)."""
     http_port, free_grpc, metrics_port, front_port = free_ports(4)
     grpc_port = grpc_port or free_grpc
     cmd = [sys.executable, "-m", "triton_disagg.cli", "serve", role, *args,
@@ -74,7 +74,7 @@ def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics
     with serve_command(cmd, work_dir, f"http://127.0.0.1:{http_port}" if http else None,
                        f"127.0.0.1:{grpc_port}",
                        f"http://127.0.0.1:{metrics_port}" if metrics else None,
-                       until=until) as served:
+                       until=until, env=env) as served:
         served.front = f"http://127.0.0.1:{front_port}"
         yield served
 
