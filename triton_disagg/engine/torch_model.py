@@ -1,7 +1,8 @@
 """The torch forward pass of both families over the paged KV cache (CPU float32, or CUDA).
 
 The same math as :mod:`triton_disagg.engine.model` (the numpy reference) and the same
-entry points (``prefill``, ``prefill_all_logits``, ``decode``, ``max_context``), so the
+entry points (``prefill``, ``prefill_keeping``, ``prefill_all_logits``, ``decode``,
+``max_context``), so the
 engine's control logic (scheduler, block pool, sampling) stays the one copy and only
 the runner differs. Logits come back as float32 numpy arrays on the host.
 
@@ -123,7 +124,6 @@ class TorchModelRunner:
 
     # ---- public entry points -------------------------------------------------------
 
-    @_on_runner_device
     def prefill(self, batch: Batch, on_layer: Any = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
@@ -145,7 +145,6 @@ class TorchModelRunner:
         return self._logits(last), {b: self._logits(hidden[b, :n])
                                     for b, n in enumerate(lengths) if b in keep}
 
-    @_on_runner_device
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
         """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every computed position of
         each prompt (those after its cached prefix)."""
