@@ -117,25 +117,18 @@ class Prefiller:
     def _hand_off(self, result: Any) -> dict | Exception:
         if isinstance(result, _Overlapped):
             return result.outputs()
+        out = engine_request.outputs([result.token_id], [result.logprob], result.logprob or 0.0,
+                                     result.finish_reason)
         handle = b""
         if result.block_ids:
             try:
                 handle = self.connector.export(result.block_ids, result.num_tokens)
             except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
                 return RequestError(f"KV handoff failed: {exc}")
-        return _answer(result, handle)
-
-
-def _answer(result: PrefillResult, handle: bytes) -> dict:
-    """A prefilled request's ``CONTEXT_OUTPUTS``: its first token, the ``handle`` of its KV
-    (empty: nothing handed off), and its prompt's log-probs when it asked."""
-    out = engine_request.outputs([result.token_id], [result.logprob], result.logprob or 0.0,
-                                 result.finish_reason)
-    out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
-    out[P.NUM_CACHED_TOKENS] = np.array([result.num_cached_tokens], dtype=np.int32)
-    if result.prompt_logprobs is not None:
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
+        out[P.NUM_CACHED_TOKENS] = np.array([result.num_cached_tokens], dtype=np.int32)
         out.update(engine_request.prompt_logprob_outputs(result.prompt_logprobs))
-    return out
+        return out
 
 
 def _refusal(exc: Exception) -> RequestError | EngineError:
@@ -221,7 +214,13 @@ class _Overlapped:
         return self.error if self.error is not None else self
 
     def outputs(self) -> dict:
-        return _answer(self.result, self.handle if self.result.finish_reason is None else b"")
+        r = self.result
+        out = engine_request.outputs([r.token_id], [r.logprob], r.logprob or 0.0, r.finish_reason)
+        handle = self.handle if r.finish_reason is None else b""
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
+        out[P.NUM_CACHED_TOKENS] = np.array([r.num_cached_tokens], dtype=np.int32)
+        out.update(engine_request.prompt_logprob_outputs(r.prompt_logprobs))
+        return out
 
     def _tell(self, say: Any) -> None:
         """``say(announcer)``, unless generation was found unreachable before."""

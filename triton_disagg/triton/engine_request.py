@@ -108,9 +108,12 @@ def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log
     return out
 
 
-def prompt_logprob_outputs(logprobs: PromptLogprobs) -> dict[str, np.ndarray]:
+def prompt_logprob_outputs(logprobs: PromptLogprobs | None) -> dict[str, np.ndarray]:
     """A prefill's prompt log-probs as the ``PROMPT_LOGPROBS`` tensors (batch axis added by
-    the caller): a row per prompt position, position 0's empty (NaN, ids -1)."""
+    the caller): a row per prompt position, position 0's empty (NaN, ids -1); none when the
+    request did not ask (``logprobs`` None)."""
+    if logprobs is None:
+        return {}
     k = logprobs.top_ids.shape[1]
     return {"prompt_log_probs": np.concatenate([[np.nan], logprobs.chosen]).astype(np.float32),
             "prompt_top_ids": np.concatenate([np.full((1, k), -1), logprobs.top_ids]
