@@ -101,6 +101,8 @@ SAMPLING_INPUTS = (  # ensemble name -> same name on preprocessing and orchestra
     _opt("exclude_input_in_output", "BOOL"), _opt("return_num_input_tokens", "BOOL"),
     _opt("return_num_output_tokens", "BOOL"),
     _opt("cache_salt", "BYTES"),    # UTF-8; prefixes are shared only among equal salts
+    # k in [0, 20]: the prompt's own log-probs and k alternatives per position (PROMPT_LOGPROBS)
+    _opt("prompt_logprobs", "INT32"),
 )
 # Accepted so that a request using them gets a clear error instead of "unexpected input".
 UNSUPPORTED_INPUTS = (
@@ -149,6 +151,7 @@ ENGINE_INPUTS = (
     _opt("presence_penalty", "FP32"), _opt("frequency_penalty", "FP32"),
     _opt("stop_words_list", "INT32", (2, -1)), _opt("bad_words_list", "INT32", (2, -1)),
     _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"), _opt("cache_salt", "BYTES"),
+    _opt("prompt_logprobs", "INT32"),
 )
 CONTEXT_PHASE_PARAMS = "context_phase_params"
 # Generation's signed answer to a GENERATION_AWAITING_CONTEXT request, passed to the context
@@ -168,8 +171,18 @@ ENGINE_OUTPUTS = (
 )
 # prompt tokens whose KV came from the context's prefix cache (not prefilled again)
 NUM_CACHED_TOKENS = "num_cached_tokens"
+# With prompt_logprobs k, the context's answer (and the orchestrator's first response) carries,
+# for each of the n prompt positions, the log-prob of its token given those before it, and
+# the k most likely tokens there with their log-probs, most likely first; position 0 has none
+# (NaN, ids -1). Computed by the prefill (engine.prompt_logprobs), so a request asking for them
+# is always prefilled by a context, never on generation.
+PROMPT_LOGPROBS = (
+    TensorSpec("prompt_log_probs", "FP32", (-1,)),          # [n]
+    TensorSpec("prompt_top_ids", "INT32", (-1, -1)),        # [n, k]
+    TensorSpec("prompt_top_log_probs", "FP32", (-1, -1)),   # [n, k]
+)
 CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),
-                                    TensorSpec(NUM_CACHED_TOKENS, "INT32", (1,)))
+                                    TensorSpec(NUM_CACHED_TOKENS, "INT32", (1,))) + PROMPT_LOGPROBS
 # Generation's one response per request: where the stops for that request go, and (only for
 # GENERATION_AWAITING_CONTEXT, else empty) the kv_listener for the context.
 CONTROL_ADDRESS = "control_address"
@@ -183,6 +196,7 @@ SAMPLING_TO_ENGINE = {
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "stream": "streaming",
     "return_log_probs": "return_log_probs", "cache_salt": "cache_salt",
+    "prompt_logprobs": "prompt_logprobs",
 }
 
 # ---- preprocessing -> orchestrator -> client ---------------------------------------------
@@ -209,7 +223,9 @@ ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-2] + (
     s for s in SAMPLING_INPUTS if s.name not in ("end_id", "pad_id"))
 # The orchestrator detokenizes; with return_log_probs it also sends each response's token
 # ids (the HTTP front names the tokens its log-probs are of), which the ensemble does not map.
-ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS + (TensorSpec("output_ids", "INT32", (-1, -1)),)
+# With prompt_logprobs, its first response also carries the context's PROMPT_LOGPROBS.
+ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS + (TensorSpec("output_ids", "INT32", (-1, -1)),
+                                           ) + PROMPT_LOGPROBS
 
 
 def by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:

@@ -308,6 +308,37 @@ def test_completion_logprobs_name_the_greedy_tokens(client, offline, tokenizer):
             for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
 
 
+def test_lm_eval_loglikelihood_request_gets_the_prompts_log_probs(server, demo_engine,
+                                                                   tokenizer):
+    """lm-eval ``local-completions``' loglikelihood payload, as it sends it (token ids, two
+    prompts in one request): each choice lists its prompt's tokens (null first) then the one
+    generated, with the log-probs an in-process engine computes, and lm-eval's is_greedy
+    (the prompt token's log-prob is the top one) where the token is the engine's argmax;
+    twice, so that the second reads a prefix the first cached (it must not)."""
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.sampling import SamplingParams
+
+    prompts = [tokenizer.encode(PROMPTS[0]), tokenizer.encode(PROMPTS[1])]
+    engine = LLMEngine(demo_engine, num_blocks=512, prefix_caching=False)
+    want = engine.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    for _ in range(2):
+        resp = requests.post(f"{server.front}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True})
+        assert resp.status_code == 200, resp.text
+        choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+        for choice, prompt, seq in zip(choices, prompts, want):
+            lp = choice["logprobs"]
+            assert len(lp["token_logprobs"]) == len(prompt) + 1 == len(lp["tokens"])
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert lp["token_logprobs"][1:-1] == pytest.approx(
+                seq.prompt_logprobs.chosen.tolist(), abs=1e-3)
+            greedy = [tok == max(top.values()) for tok, top in
+                      zip(lp["token_logprobs"][1:-1], lp["top_logprobs"][1:-1])]
+            assert greedy == (seq.prompt_logprobs.top_ids[:, 0] == prompt[1:]).tolist()
+            assert not all(greedy) and all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
+
+
 def test_chat_logprobs_and_top_logprobs(client):
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                          max_tokens=6, temperature=0, logprobs=True,
@@ -335,9 +366,6 @@ def test_bad_token_ids_and_refused_fields_are_named(client, tokenizer):
     assert err.value.param == "prompt" and err.value.code == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="min_p"):
         client.completions.create(model=MODEL, prompt="a", extra_body={"min_p": 0.1})
-    with pytest.raises(openai.BadRequestError, match="prompt's tokens are not computed") as err:
-        client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1, echo=True, logprobs=1)
-    assert err.value.param == "echo"
     with pytest.raises(openai.BadRequestError, match="max_seq_len") as err:
         client.completions.create(model=MODEL, prompt="a " * 5000, max_tokens=2)
     assert err.value.param == "prompt"

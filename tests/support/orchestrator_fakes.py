@@ -151,8 +151,9 @@ class FakeRoute:
 
 
 def serve_one(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=None,
-         mode="disaggregated", stream=True, local_prefill=0, overlap=False):
-    """Serve one request through a real TokenInbox; returns the outcome or the exception."""
+         mode="disaggregated", stream=True, local_prefill=0, overlap=False, extra=None):
+    """Serve one request (its inputs plus ``extra``) through a real TokenInbox; returns the
+    outcome or the exception."""
     decode = lambda ids: "".join(chr(0x4E00 + i) for i in ids)   # noqa: E731 - one char per id
 
     async def main():
@@ -160,7 +161,8 @@ def serve_one(generation, send, stall=5.0, cancel=lambda: False, cancel_task_aft
         orchestrator = Orchestrator(generation, inbox, mode, decode, local_prefill=local_prefill,
                                     overlap=overlap)
         inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
-                  "stream": np.array([stream]), "request_output_len": np.array([16], np.int32)}
+                  "stream": np.array([stream]), "request_output_len": np.array([16], np.int32),
+                  **(extra or {})}
         task = asyncio.ensure_future(orchestrator.handle(inputs, send, cancel))
         if cancel_task_after is not None:
             await asyncio.sleep(cancel_task_after)

@@ -406,3 +406,25 @@ def test_a_pool_too_small_for_the_working_set_evicts_and_refuses_nothing(engines
         if caching:
             assert engine.pool.cache.evicted_blocks > 0
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_prompt_logprobs_match_hf_log_softmax(family, runtime, engines, tiny_checkpoints):
+    """Prompt log-probs and their top alternatives are HF's log_softmax of each position's
+    logits, for a prompt batched with one that does not ask; a prompt whose prefix is cached
+    still computes every position (it does not read the cache)."""
+    engine = LLMEngine(engines[family], runtime=runtime, prefix_caching=True)
+    prompt, other = prompts_for(engine)[3], prompts_for(engine, seed=1)[2]
+    engine.generate([prompt], SamplingParams(max_tokens=1))     # its blocks are now cached
+    asks = SamplingParams(max_tokens=1, prompt_logprobs=3)
+    seqs = engine.generate([other, prompt], [SamplingParams(max_tokens=1), asks])
+    assert seqs[0].prompt_logprobs is None and seqs[1].num_cached_tokens == 0
+    got = seqs[1].prompt_logprobs
+    import torch
+
+    hf = torch.log_softmax(torch.from_numpy(hf_logits(tiny_checkpoints[family], prompt)[:-1]),
+                           dim=-1).numpy()                        # [n-1, V]
+    np.testing.assert_allclose(got.chosen, hf[np.arange(len(hf)), prompt[1:]], atol=1e-3)
+    np.testing.assert_array_equal(got.top_ids[:, 0], hf.argmax(1))
+    np.testing.assert_allclose(got.top, -np.sort(-hf, axis=1)[:, :3], atol=1e-3)
+    assert got.chosen.shape == (len(prompt) - 1,) and got.top_ids.shape == (len(prompt) - 1, 3)

@@ -273,6 +273,39 @@ def test_logprobs_of_completions_and_chat_name_each_token(demo_engine):
     run(ScriptedRelay(LOGPROB_WORDS), check, demo_engine)
 
 
+def test_echo_with_logprobs_lists_the_prompt_tokens_then_the_generated(demo_engine):
+    """lm-eval's loglikelihood request: the prompt's tokens (null first, each with its
+    alternatives and its own log-prob), then the generated token, offsets running on."""
+    import numpy as np
+
+    from triton_disagg.engine.prompt_logprobs import PromptLogprobs
+
+    preparer = Preparer(demo_engine, "demo")
+    prompt = [5, 6, 7]
+    given = PromptLogprobs(np.array([-1.5, -0.25], np.float32),
+                           np.array([[9, 6], [7, 3]], np.int32),       # [n-1, k]: 6 not the best
+                           np.array([[-0.5, -1.5], [-0.25, -2.0]], np.float32))
+    first = Delta("x", 3, 1, (10,), (-0.75,), finish_reason="length", prompt_logprobs=given)
+    text = [preparer.token_text(i) for i in prompt + [10]]
+    alt = preparer.token_text(9)
+
+    async def check(client):
+        resp = await client.post("/v1/completions", json={
+            "model": "demo", "prompt": [prompt], "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True})
+        logprobs = (await resp.json())["choices"][0]["logprobs"]
+        assert logprobs["tokens"] == text
+        assert logprobs["token_logprobs"] == [None, -1.5, -0.25, -0.75]
+        assert logprobs["top_logprobs"] == [None, {alt: -0.5, text[1]: -1.5}, {text[2]: -0.25},
+                                            {text[3]: -0.75}]
+        assert logprobs["text_offset"] == [sum(len(t) for t in text[:i]) for i in range(4)]
+        # lm-eval's parse_logprobs: greedy where the prompt's token is the most likely
+        greedy = [tok == max(top.values()) for tok, top in
+                  zip(logprobs["token_logprobs"][1:-1], logprobs["top_logprobs"][1:-1])]
+        assert greedy == [False, True]
+    run(ScriptedRelay([first]), check, demo_engine)
+
+
 def test_echo_starts_the_text_with_the_prompt(demo_engine):
     async def check(client):
         body = {"model": "demo", "prompt": "Say: ", "max_tokens": 3, "echo": True}

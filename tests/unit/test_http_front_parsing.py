@@ -66,6 +66,13 @@ def test_logprobs_and_echo_are_parsed_and_ask_the_engine(demo_engine):
     gen = parse("completions", {"model": "demo", "prompt": "a", "logprobs": 0})
     assert gen.logprobs == 0 and preparer.inputs(gen)["return_log_probs"].item() is True
     assert parse("completions", {"model": "demo", "prompt": "a", "echo": True}).echo
+    assert "prompt_logprobs" not in preparer.inputs(gen)
+    # lm-eval's loglikelihood payload: the prompt's own log-probs, with an alternative each
+    lm_eval = parse("completions", {"model": "demo", "prompt": [[5, 6, 7]], "temperature": 0,
+                                    "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True})
+    assert preparer.inputs(lm_eval)["prompt_logprobs"].tolist() == [[1]]
+    echo_0 = parse("completions", {"model": "demo", "prompt": "a", "echo": True, "logprobs": 0})
+    assert echo_0.prompt_logprobs == 0 and preparer.inputs(echo_0)["prompt_logprobs"] == 1
     assert parse("chat", {**CHAT, "logprobs": True}).logprobs == 0
     assert parse("chat", {**CHAT, "logprobs": True, "top_logprobs": 3}).logprobs == 3
     assert parse("chat", {**CHAT, "logprobs": False}).logprobs is None
@@ -133,8 +140,6 @@ def test_max_completion_tokens_wins_over_max_tokens():
     ("completions", {"model": "demo", "prompt": "a", "temperature": 3}, "'temperature': 3 must be in [0.0, 2.0]"),
     ("completions", {"model": "demo", "prompt": "a", "top_p": 0}, "'top_p': 0 must be in (0.0, 1.0]"),
     ("completions", {"model": "demo", "prompt": "a", "n": 0}, "'n': 0 must be between 1 and 8"),
-    ("completions", {"model": "demo", "prompt": "a", "echo": True, "logprobs": 1},
-     "'echo' with 'logprobs': the log-probabilities of the prompt's tokens are not computed"),
     ("completions", {"model": "demo", "prompt": "a", "logprobs": 6}, "'logprobs': 6 must be between 0 and 5"),
     ("completions", {"model": "demo", "prompt": "a", "min_p": 0.1}, "'min_p' 0.1: min_p is not supported"),
     ("completions", {"model": "demo", "prompt": "a", "repetition_penalty": 0}, "'repetition_penalty': 0 must be in (0.0"),

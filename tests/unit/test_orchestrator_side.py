@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator_fakes import FakeGeneration, serve_one
 from triton_disagg import protocol as P
-from triton_disagg.errors import EngineError, Timeout
+from triton_disagg.errors import EngineError, RequestError, Timeout
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
 
@@ -55,6 +55,22 @@ def test_a_prompt_at_or_under_max_local_prefill_length_is_served_whole_by_genera
         assert generation.contexts == 0 and generation.calls == [(P.CONTEXT_AND_GENERATION, [3, 4])]
     else:
         assert generation.contexts == 1 and generation.calls == [(P.GENERATION_ONLY, [3, 4, 10])]
+    generation.close()
+
+
+def test_prompt_logprobs_are_always_prefilled_by_a_context():
+    """Only a context's prefill computes the prompt's log-probs: a short prompt that asks for
+    them skips local prefill, and an aggregated deployment refuses them by name."""
+    asks = {"prompt_logprobs": np.array([1], np.int32)}
+
+    async def send(outputs, final):
+        pass
+
+    generation = FakeGeneration(10, [11, 1])
+    assert serve_one(generation, send, local_prefill=9, extra=asks) == "finished"
+    assert generation.contexts == 1 and generation.calls == [(P.GENERATION_ONLY, [3, 4, 10])]
+    refused = serve_one(generation, send, mode="aggregated", extra=asks)
+    assert isinstance(refused, RequestError) and "prompt_logprobs" in str(refused)
     generation.close()
 
 

@@ -128,6 +128,7 @@ class Prefiller:
                 return _handoff_error(exc)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         out[P.NUM_CACHED_TOKENS] = np.array([result.num_cached_tokens], dtype=np.int32)
+        out.update(engine_request.prompt_logprob_outputs(result.prompt_logprobs))
         return out
 
 
@@ -231,6 +232,7 @@ class _Overlapped:
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         out[P.NUM_CACHED_TOKENS] = np.array([r.num_cached_tokens], dtype=np.int32)
+        out.update(engine_request.prompt_logprob_outputs(r.prompt_logprobs))
         return out
 
     def _tell(self, say: Any) -> None:

@@ -47,6 +47,7 @@ from typing import Callable, Sequence as Seq
 
 import numpy as np
 
+from triton_disagg.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from triton_disagg.engine.sampling import Sampler, SamplingParams
 from triton_disagg.engine.scheduler import KVArrival, Scheduler
 from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, TokenEvent
@@ -75,6 +76,7 @@ class PrefillResult:
     num_tokens: int
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None     # when its params asked
 
 
 class LLMEngine:
@@ -256,7 +258,8 @@ class LLMEngine:
             if seq.finished and seq.request_id not in handed_off:
                 seq.block_table.release(self.pool)
         return [PrefillResult(s.request_id, e.token_id, e.logprob, list(s.block_table.block_ids),
-                              s.block_table.num_tokens, e.finish_reason, s.num_cached_tokens)
+                              s.block_table.num_tokens, e.finish_reason, s.num_cached_tokens,
+                              s.prompt_logprobs)
                 for s, e in zip(seqs, events)]
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int | None,
@@ -320,8 +323,13 @@ class LLMEngine:
 
     def _prefill(self, seqs: list[Sequence],
                  on_layer: Callable[[int], None] | None = None) -> list[TokenEvent]:
-        logits = self.runner.prefill([(s.prompt_ids, s.block_table.block_ids,
-                                       s.block_table.num_tokens) for s in seqs], on_layer)
+        batch = [(s.prompt_ids, s.block_table.block_ids, s.block_table.num_tokens) for s in seqs]
+        keep = {i for i, s in enumerate(seqs) if s.params.prompt_logprobs is not None}
+        logits, every = (self.runner.prefill_keeping(batch, keep, on_layer) if keep
+                         else (self.runner.prefill(batch, on_layer), {}))
+        for i, rows in every.items():        # [n, V]: no cached prefix (Sequence.reserve)
+            seqs[i].prompt_logprobs = prompt_logprobs(rows, seqs[i].prompt_ids,
+                                                      seqs[i].params.prompt_logprobs)
         for s in seqs:
             s.block_table.advance(len(s.prompt_ids) - s.block_table.num_tokens)
             self._cache_written(s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable, Sequence, Union
+from typing import Callable, Collection, Sequence, Union
 
 import numpy as np
 
@@ -115,15 +115,23 @@ class ModelRunner:
         of every prompt is in the pool (before the later layers are computed): the point
         where a layer group's KV can start moving while the prefill goes on.
         """
+        return self.prefill_keeping(batch, (), on_layer)[0]
+
+    def prefill_keeping(self, batch: Batch, keep: Collection[int],
+                        on_layer: LayerDone | None = None
+                        ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """:meth:`prefill`'s logits ``[B, V]``, and for each prompt index in ``keep`` the
+        logits ``[n_b, V]`` of every computed position (those after its cached prefix;
+        ``n_b * V * 4`` bytes each, only for the prompts kept)."""
         hidden, bounds = self._prefill_hidden(batch, on_layer)
-        return _matmul(hidden[[stop - 1 for _, stop in bounds]], self.lm_head)
+        last = _matmul(hidden[[stop - 1 for _, stop in bounds]], self.lm_head)   # [B, V]
+        return last, {b: _matmul(hidden[start:stop], self.lm_head)
+                      for b, (start, stop) in enumerate(bounds) if b in keep}
 
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
         """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every computed position of
         each prompt (those after its cached prefix)."""
-        hidden, bounds = self._prefill_hidden(batch)
-        logits = _matmul(hidden, self.lm_head)          # [T, V]
-        return [logits[start:stop] for start, stop in bounds]
+        return list(self.prefill_keeping(batch, range(len(batch)))[1].values())
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> np.ndarray:

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from triton_disagg.engine.prompt_logprobs import MAX_PROMPT_LOGPROBS
 from triton_disagg.engine.words import (MAX_WORD_TOKENS, BadWords, StopWords, cap_error,
                                         count_error, word_length_error)
 from triton_disagg.errors import UserError
@@ -85,6 +86,9 @@ class SamplingParams:
     stop_words: tuple[tuple[int, ...], ...] = field(default=())
     bad_words: tuple[tuple[int, ...], ...] = field(default=())
     return_log_probs: bool = False
+    # None: off; k: the log-probs of the prompt's own tokens and the k most likely tokens at
+    # each position (engine.prompt_logprobs); such a prompt never reads the prefix cache.
+    prompt_logprobs: int | None = None
     # Salts the names of the request's cached KV blocks (engine.prefix_hash): a prompt
     # reuses only the cache of requests with the same salt (None: the unsalted cache).
     cache_salt: str | None = None
@@ -124,6 +128,11 @@ class SamplingParams:
               f"end_id must be a token id >= 0 or None, got {self.end_id!r}")
         check(isinstance(self.return_log_probs, (bool, np.bool_)),
               f"return_log_probs must be true or false, got {self.return_log_probs!r}")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
+                                               and 0 <= self.prompt_logprobs
+                                               <= MAX_PROMPT_LOGPROBS),
+              f"prompt_logprobs must be None or an integer in [0, {MAX_PROMPT_LOGPROBS}], "
+              f"got {self.prompt_logprobs!r}")
         check(self.cache_salt is None or (isinstance(self.cache_salt, str)
                                           and len(self.cache_salt) <= MAX_CACHE_SALT),
               f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters or None, "

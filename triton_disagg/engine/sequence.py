@@ -8,7 +8,8 @@ tokens, so decode never allocates. ``finish_reason`` is set once and never chang
 ``block_hashes`` names the full blocks of ``prompt_ids + output_ids`` in order (as far as
 they are computed: the prompt's from the start when the pool caches prefixes); a sequence
 prefilled here took the cached blocks of its prompt's first ``num_cached_tokens`` tokens
-(whole blocks, never its last token, which is always computed).
+(whole blocks, never its last token, which is always computed; none when it asks for
+its prompt's log-probs, which need every position computed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.block_pool import BlockPool, BlockTable
 
@@ -62,6 +64,7 @@ class Sequence:
     status: str = "waiting"            # the scheduler's: waiting, waiting_for_remote_kv, running
     block_hashes: list[int] = field(default_factory=list)   # names of its full blocks
     num_cached_tokens: int = 0         # prompt tokens whose KV the prefix cache gave it
+    prompt_logprobs: PromptLogprobs | None = None   # its prefill's, if params asked
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +85,7 @@ class Sequence:
         last token (``num_cached_tokens``; the lookup counts in the cache's queries/hits)."""
         table = self.block_table
         lookup = (pool.cache is not None and self.remote_kv is None and self.needs_prefill
-                  and not table.block_ids)
+                  and not table.block_ids and self.params.prompt_logprobs is None)
         names = self.block_hashes[:(len(self.prompt_ids) - 1) // table.tokens_per_block]
         self.num_cached_tokens = table.reserve(pool, num_new_tokens, names if lookup else ())
         if lookup:

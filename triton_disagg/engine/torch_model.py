@@ -1,7 +1,8 @@
 """The torch forward pass of both families over the paged KV cache (CPU float32, or CUDA).
 
 The same math as :mod:`triton_disagg.engine.model` (the numpy reference) and the same
-entry points (``prefill``, ``prefill_all_logits``, ``decode``, ``max_context``), so the
+entry points (``prefill``, ``prefill_keeping``, ``prefill_all_logits``, ``decode``,
+``max_context``), so the
 engine's control logic (scheduler, block pool, sampling) stays the one copy and only
 the runner differs. Logits come back as float32 numpy arrays on the host.
 
@@ -22,7 +23,7 @@ prompt may continue a sequence whose earlier KV is already cached.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import contextlib
 import functools
@@ -123,7 +124,6 @@ class TorchModelRunner:
 
     # ---- public entry points -------------------------------------------------------
 
-    @_on_runner_device
     def prefill(self, batch: Batch, on_layer: Any = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
@@ -133,16 +133,22 @@ class TorchModelRunner:
         ``on_layer(li)``: as the numpy runner's (on CUDA, once the layer's writes are
         issued: a reader of device memory synchronises first).
         """
-        hidden, lengths = self._prefill_hidden(batch, on_layer)            # [B, n, H]
-        last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
-        return self._logits(last)
+        return self.prefill_keeping(batch, (), on_layer)[0]
 
     @_on_runner_device
+    def prefill_keeping(self, batch: Batch, keep: Collection[int], on_layer: Any = None
+                        ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """:meth:`prefill`'s logits ``[B, V]``, and for each prompt index in ``keep`` the
+        logits ``[n_b, V]`` of every computed position (as the numpy runner's)."""
+        hidden, lengths = self._prefill_hidden(batch, on_layer)            # [B, n, H]
+        last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
+        return self._logits(last), {b: self._logits(hidden[b, :n])
+                                    for b, n in enumerate(lengths) if b in keep}
+
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
         """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every computed position of
         each prompt (those after its cached prefix)."""
-        hidden, lengths = self._prefill_hidden(batch)
-        return [self._logits(hidden[b, :n]) for b, n in enumerate(lengths)]
+        return list(self.prefill_keeping(batch, range(len(batch)))[1].values())
 
     @_on_runner_device
     def decode(self, tokens: Sequence[int], positions: Sequence[int],

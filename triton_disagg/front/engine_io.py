@@ -56,13 +56,16 @@ class ResponseBuilder:
         self.return_log_probs = bool(scalar(inputs, "return_log_probs", False))
         self.generated = 0
         self.cached_tokens = 0          # the context's answer says (:meth:`context_answered`)
+        self.prompt_logprobs: dict[str, np.ndarray] = {}    # until the first response
         self.cum_log_prob = 0.0
         self.pending_ids: list[int] = []
         self.pending_lp: list[float] = []
 
     def context_answered(self, out: dict[str, np.ndarray]) -> None:
-        """Note how many prompt tokens the context served from its prefix cache."""
+        """Note how many prompt tokens the context served from its prefix cache, and the
+        prompt's log-probs when it computed them (they go out with the first response)."""
         self.cached_tokens = int(scalar(out, P.NUM_CACHED_TOKENS, 0))
+        self.prompt_logprobs = {s.name: out[s.name] for s in P.PROMPT_LOGPROBS if s.name in out}
 
     def add(self, event: StreamEvent) -> dict | None:
         """Outputs to send now (streaming) or None (accumulating until the final event, which
@@ -93,6 +96,8 @@ class ResponseBuilder:
         }
         if final:
             out["finish_reason"] = [reason]
+        out.update(self.prompt_logprobs)
+        self.prompt_logprobs = {}
         if self.return_log_probs:
             out["cum_log_probs"] = np.array([self.cum_log_prob])
             out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)

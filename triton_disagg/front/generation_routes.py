@@ -86,7 +86,7 @@ async def _generate_choices(request: web.Request, gen: Generation,
     preparer, relay = request.app[PREPARER], request.app[RELAY]
     loop, request_id = asyncio.get_running_loop(), request_id_of(request)
     inputs = [await loop.run_in_executor(None, preparer.inputs, c) for c in choices]
-    answers = [_Answer(preparer, c) for c in choices]
+    answers = [_Answer(preparer, c, i) for c, i in zip(choices, inputs)]
     headers = {REQUEST_ID: request_id}
     if gen.stream:          # one choice (parse refuses several streamed)
         async with _opened(relay, inputs[0], request_id, request_id) as deltas:
@@ -137,21 +137,26 @@ class _Answer:
     """One choice's answer as it is made: the text (stop sequences cut, the echoed prompt
     first), the last counts, the finish reason given, and the log-probs when asked for."""
 
-    def __init__(self, preparer: Preparer, gen: Generation):
+    def __init__(self, preparer: Preparer, gen: Generation, inputs: dict):
         self.gen = gen
         self.echo = preparer.prompt(gen) if gen.echo else ""
         self.logprobs = None if gen.logprobs is None else \
             Logprobs(gen, preparer.token_text, len(self.echo))
+        self.prompt_ids = inputs["input_ids"].reshape(-1).tolist()     # [1, n] -> [n]
         self.trimmer, self.last = StopTrimmer(gen.stop), Delta("", 0, 0)
 
     def add(self, delta: Delta) -> tuple[str, dict | None]:
         """The text safe to send now and the log-probs of ``delta``'s tokens (None unless
-        asked for)."""
+        asked for), after the echoed prompt's when ``delta`` brings them (the first)."""
         self.last = delta
         text = self.trimmer.add(delta.text)
         if self.logprobs is None:
             return text, None
-        return text, self.logprobs.of(delta.token_ids, delta.log_probs)
+        tokens = self.logprobs.of(delta.token_ids, delta.log_probs)
+        if delta.prompt_logprobs is None:
+            return text, tokens
+        prompt = self.logprobs.prompt(self.prompt_ids, delta.prompt_logprobs)
+        return text, merge_logprobs([prompt, tokens], chat=False)
 
     def finish(self) -> tuple[str, str]:
         """The text left to send and the finish reason."""

@@ -5,7 +5,7 @@ Invariants: a body this module accepts is a JSON object whose every field is kno
 type and in its range, so what reaches the server cannot fail on input; anything else raises
 :class:`ApiError` (status 400, or 404 for a model this server does not serve) whose message
 names the field and the fix. A field OpenAI defines that this server cannot honour
-(``best_of``, ``echo`` with ``logprobs``, tools, ``min_p``, ...) is accepted only at its
+(``best_of``, tools, ``min_p``, ...) is accepted only at its
 default, else refused by name, never silently ignored. Defaults are OpenAI's: ``max_tokens`` 16 for
 completions, the rest of the engine's ``max_seq_len`` for chat; ``temperature`` 1 (the
 guide's ``/v1/inference``: 0, greedy); ``top_p`` 1. vLLM's and trtllm-serve's extensions
@@ -15,7 +15,9 @@ are taken as they take them: ``ignore_eos`` (``max_tokens`` tokens whatever come
 with the same salt, vLLM's per-tenant isolation). ``logprobs``
 (completions: 0-5; chat: true, with ``top_logprobs`` 0-20) asks for the log-probability of
 each generated token; the engine computes the chosen token's alone, so ``top_logprobs``
-lists that token only (:mod:`.openai_responses`). A prompt is text or token ids (a list of
+lists that token only (:mod:`.openai_responses`). ``echo`` with ``logprobs`` N (completions)
+also asks for the prompt's tokens' log-probs with N alternatives each (:attr:`Generation.
+prompt_logprobs`; lm-eval's loglikelihood requests), which a context server computes. A prompt is text or token ids (a list of
 ints); a list of such prompts is several, and each prompt gets ``n`` choices, at most
 ``MAX_CHOICES`` in all, indexed prompt by prompt (:meth:`Generation.choices`), not
 streamed; token ids must be in the vocabulary. Every number is bounded before it is used: ``max_tokens`` and ``min_tokens``
@@ -96,6 +98,12 @@ class Generation:
     logprobs: int | None = None
     echo: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """How many alternatives per prompt token when the prompt's own log-probs are asked
+        for (``echo`` with ``logprobs``), else None."""
+        return self.logprobs if self.echo else None
 
     @property
     def prompt(self) -> str | tuple[int, ...]:
@@ -373,9 +381,6 @@ def parse(endpoint: str, body: Any, limits: EngineLimits = EngineLimits()) -> Ge
     if v.get("stream_options") and not v.get("stream"):
         raise ApiError("'stream_options': only allowed with stream true", param="stream_options")
     logprobs = _logprobs(endpoint, v)
-    if v.get("echo") and logprobs is not None:
-        raise ApiError("'echo' with 'logprobs': the log-probabilities of the prompt's tokens "
-                       "are not computed by this engine; send one of them", param="echo")
     prompts = v.get("prompt", ("",)) if endpoint != "inference" else (v["prompt"],)
     n = v.get("n", 1)
     if len(prompts) * n > MAX_CHOICES:

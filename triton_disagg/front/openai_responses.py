@@ -12,6 +12,8 @@ client asked for ``include_usage`` carries ``"usage": null`` but the last. Log-p
 ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``, chat's ``content``; the
 engine computes the chosen token's log-prob alone, so a ``top_logprobs`` entry lists that
 token only (as vLLM does, it is always there), whatever number of alternatives was asked.
+An echoed prompt's tokens come first (``echo`` with ``logprobs``: :meth:`Logprobs.prompt`),
+with the prompt's own log-probs and real alternatives, as vLLM's ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import uuid
 
 from typing import Callable, Sequence
 
+from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.front.openai_api import Generation
 from triton_disagg.protocol import FinishReason
 
@@ -102,6 +105,24 @@ class Logprobs:
         return {"tokens": texts, "token_logprobs": list(log_probs),
                 "top_logprobs": [{t: lp} for t, lp in zip(texts, log_probs)],
                 "text_offset": offsets}
+
+    def prompt(self, ids: Sequence[int], logprobs: PromptLogprobs) -> dict:
+        """The completions object of the echoed prompt's tokens ``ids`` (text offsets from 0):
+        the first token has no log-prob (null, as OpenAI and vLLM say); each other's
+        ``top_logprobs`` holds the prompt's own and the ``top`` most likely tokens there."""
+        texts = [self.token_text(i) for i in ids]
+        offsets = [0]
+        for text in texts[:-1]:
+            offsets.append(offsets[-1] + len(text))
+        top: list[dict | None] = [None]
+        for text, chosen, alt_ids, alt in zip(texts[1:], logprobs.chosen.tolist(),
+                                              logprobs.top_ids[:, :self.top].tolist(),
+                                              logprobs.top[:, :self.top].tolist()):
+            # an alternative whose text is the prompt token's (two ids, one text) keeps its
+            # own log-prob: the dict's top value stays the most likely token's
+            top.append({text: chosen, **{self.token_text(i): lp for i, lp in zip(alt_ids, alt)}})
+        return {"tokens": texts, "token_logprobs": [None] + logprobs.chosen.tolist(),
+                "top_logprobs": top, "text_offset": offsets}
 
     def _chat_entry(self, text: str, log_prob: float) -> dict:
         entry = {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}

@@ -59,7 +59,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import numpy as np
 
 from triton_disagg import log_format, protocol as P
-from triton_disagg.errors import EngineError, GenerationLost, Timeout, Unavailable
+from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
 from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
 from triton_disagg.front.token_inbox import Accepted
 from triton_disagg.token_wire import StreamEvent
@@ -211,7 +211,13 @@ class _Run:
         """Serve ``inputs``: on generation alone when aggregated or short, else context's
         prefill (its token goes out at once), then generation's decode of the rest."""
         prompt_length = int(np.size(inputs["input_ids"]))
-        if self.owner.mode == "aggregated" or prompt_length <= self.owner.local_prefill:
+        with_prompt_logprobs = P.SAMPLING_TO_ENGINE["prompt_logprobs"] in inputs
+        if self.owner.mode == "aggregated" and with_prompt_logprobs:
+            raise RequestError("prompt_logprobs (echo with logprobs): the log-probs of the "
+                               "prompt's tokens are computed by a context server; this "
+                               "deployment is aggregated (serve it disaggregated)")
+        if self.owner.mode == "aggregated" or (prompt_length <= self.owner.local_prefill
+                                               and not with_prompt_logprobs):
             return await self.generate(inputs, P.CONTEXT_AND_GENERATION, is_cancelled)
         if self.owner.overlap:
             return await self.overlapped(inputs, is_cancelled)

@@ -11,7 +11,7 @@ surely longer than the engine's context is refused before it is tokenized (chat'
 ``max_tokens``, the rest of the context, needs its length: it is bounded first too); a
 prompt of token ids (checked against the vocabulary by :mod:`.openai_api`) goes to the
 engine as sent, bounded like a tokenized one; ``return_log_probs`` is set when the client
-asked for ``logprobs``.
+asked for ``logprobs``, and ``prompt_logprobs`` when it echoes the prompt with them.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ class Preparer:
         arrays.update(gen.sampling)
         if gen.logprobs is not None:
             arrays["return_log_probs"] = True
+        if gen.prompt_logprobs is not None:     # at least one alternative (no empty tensors)
+            arrays["prompt_logprobs"] = max(1, gen.prompt_logprobs)
         arrays["stream"] = True
         arrays[P.ARRIVAL] = time.monotonic_ns()
         return {name: _batch_of_one(value, _SPECS[name].numpy_dtype)

@@ -24,6 +24,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.errors import HTTP_STATUS, ErrorCode, from_grpc_status, without_tag
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.protocol import FINISH_REASONS, FinishReason
@@ -48,6 +49,7 @@ class Delta:
     log_probs: tuple[float, ...] = ()
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0            # of prompt_tokens, served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None   # the first response's, when asked
 
 
 class OrchestratorError(Exception):
@@ -130,7 +132,19 @@ def _delta(result) -> Delta:
                  tuple(ids.reshape(-1).tolist()) if ids is not None else (),     # [1, 1, n] -> [n]
                  tuple(lps.reshape(-1).tolist()) if lps is not None else (),
                  reason if reason in FINISH_REASONS else None,
-                 int(cached.reshape(-1)[0]) if cached is not None else 0)
+                 int(cached.reshape(-1)[0]) if cached is not None else 0,
+                 _prompt_logprobs(result))
+
+
+def _prompt_logprobs(result) -> PromptLogprobs | None:
+    """The ``PROMPT_LOGPROBS`` tensors of a response, position 0's empty row dropped."""
+    chosen = result.as_numpy("prompt_log_probs")
+    ids, top = result.as_numpy("prompt_top_ids"), result.as_numpy("prompt_top_log_probs")
+    if chosen is None or ids is None or top is None:
+        return None
+    k = ids.shape[-1]
+    return PromptLogprobs(chosen.reshape(-1)[1:],                  # [1, n] -> [n-1]
+                          ids.reshape(-1, k)[1:], top.reshape(-1, k)[1:])   # [1, n, k] -> [n-1, k]
 
 
 def unreachable(exc: Exception) -> bool:

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.words import from_wire
@@ -64,7 +65,8 @@ def from_inputs(inputs: dict[str, np.ndarray], spec: EngineSpec) -> EngineReques
             max_tokens=max_tokens,
             stop_words=from_wire(inputs.get("stop_words_list"), "stop_words_list"),
             bad_words=from_wire(inputs.get("bad_words_list"), "bad_words_list"),
-            return_log_probs=bool(scalar(inputs, "return_log_probs", False)), **options)
+            return_log_probs=bool(scalar(inputs, "return_log_probs", False)),
+            prompt_logprobs=scalar(inputs, "prompt_logprobs"), **options)
     except (UserError, ValueError) as exc:
         raise RequestError(str(exc)) from None
     return EngineRequest(prompt[:length].tolist(), params, bool(scalar(inputs, "streaming", False)))
@@ -104,3 +106,17 @@ def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log
     if finish_reason is not None:
         out["finish_reason"] = np.array([finish_reason.encode()], dtype=np.object_)
     return out
+
+
+def prompt_logprob_outputs(logprobs: PromptLogprobs | None) -> dict[str, np.ndarray]:
+    """A prefill's prompt log-probs as the ``PROMPT_LOGPROBS`` tensors (batch axis added by
+    the caller): a row per prompt position, position 0's empty (NaN, ids -1); none when the
+    request did not ask (``logprobs`` None)."""
+    if logprobs is None:
+        return {}
+    k = logprobs.top_ids.shape[1]
+    return {"prompt_log_probs": np.concatenate([[np.nan], logprobs.chosen]).astype(np.float32),
+            "prompt_top_ids": np.concatenate([np.full((1, k), -1), logprobs.top_ids]
+                                             ).astype(np.int32),                  # [n, k]
+            "prompt_top_log_probs": np.concatenate([np.full((1, k), np.nan), logprobs.top]
+                                                   ).astype(np.float32)}          # [n, k]

@@ -1,0 +1,48 @@
+"""The log-probabilities of a prompt's own tokens (OpenAI's ``echo`` with ``logprobs``, vLLM's
+``prompt_logprobs``; lm-eval's loglikelihood tasks read them).
+
+For each prompt position ``i > 0``: ``log_softmax(logits[i - 1])[prompt[i]]``, the log-prob of
+token ``i`` given tokens ``< i`` under the raw model (no sampling options apply to the prompt,
+as in vLLM), and the ``top`` most likely tokens there with their log-probs (most likely first).
+Position 0 has none (nothing precedes it).
+
+Cost: the prefill keeps the logits of every position of such a request, ``n * V * 4`` bytes
+for a prompt of ``n`` tokens (V = vocabulary size); the result is ``(n - 1) * (1 + top)``
+numbers, ``top <= MAX_PROMPT_LOGPROBS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+MAX_PROMPT_LOGPROBS = 20     # alternatives per position (OpenAI: completions 5, chat 20)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """``chosen [n-1]``: the log-prob of prompt tokens ``1..n-1``; ``top_ids``/``top`` ``[n-1,
+    k]``: the ``k`` most likely tokens at each of those positions and their log-probs,
+    most likely first."""
+
+    chosen: np.ndarray
+    top_ids: np.ndarray
+    top: np.ndarray
+
+
+def prompt_logprobs(logits: np.ndarray, prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
+    """From the logits ``[n, V]`` of every position of a prompt of ``n`` tokens."""
+    x = np.asarray(logits[:-1], dtype=np.float64)                     # [n-1, V]: predicts 1..n-1
+    x = x - x.max(axis=1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=1, keepdims=True))                 # log_softmax
+    rows = np.arange(len(x))
+    chosen = x[rows, np.asarray(prompt_ids[1:], dtype=np.int64)]     # [n-1]
+    k = min(k, x.shape[1])
+    ids = np.argpartition(-x, k - 1, axis=1)[:, :k] if k else np.zeros((len(x), 0), np.int64)
+    vals = np.take_along_axis(x, ids, axis=1)                         # [n-1, k] unordered
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return PromptLogprobs(chosen.astype(np.float32),
+                          np.take_along_axis(ids, order, axis=1).astype(np.int32),
+                          np.take_along_axis(vals, order, axis=1).astype(np.float32))
