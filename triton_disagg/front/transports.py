@@ -264,8 +264,9 @@ class GrpcTransport:
         except InferenceServerException as exc:
             message = exc.message() or ""
             code = from_grpc_status(exc.status(), message)
-            if exc.status() in UNANSWERED and code is not ErrorCode.TIMEOUT:
-                self.routers[model].unanswered(url)     # a TIMEOUT-tagged one did answer
+            said_timeout = code is ErrorCode.TIMEOUT and exc.status() != DEADLINE_EXCEEDED
+            if exc.status() in UNANSWERED and not said_timeout:   # a tagged TIMEOUT answered
+                self.routers[model].unanswered(url)
                 raise Unanswered(model, url, exc.status(), message, timeout) from None
             error = _error(code, message)
             raise type(error)(f"{model} at {url}: {error}") from None
