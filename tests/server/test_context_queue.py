@@ -83,10 +83,11 @@ def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_
     config.write_text(f"model: {{engine: {short_engine}, runtime: numpy, device: cpu}}\n"
                       f"kv_cache: {{strategy: direct_transfer, max_size: 1MB, "
                       f"lease_seconds: 60}}\n")
-    ids = list(range(3, 3 + 100))                       # 7 blocks of the pool's 15
+    def ids(n: int) -> list[int]:       # 7 blocks of the pool's 15; prompts share no block
+        return list(range(3 + 100 * n, 3 + 100 * (n + 1)))
 
-    def context(client, request_type=P.CONTEXT_ONLY, handle=None, timeout_us=0):
-        inputs = servers.orchestrator_inputs(ids, MAX_TOKENS)[:3]
+    def context(client, request_type=P.CONTEXT_ONLY, handle=None, timeout_us=0, n=0):
+        inputs = servers.orchestrator_inputs(ids(n), MAX_TOKENS)[:3]
         if handle is not None:
             inputs += servers.array_inputs({P.CONTEXT_PHASE_PARAMS: handle[None]})
         return client.infer("context", inputs, timeout=timeout_us, parameters={
@@ -94,10 +95,10 @@ def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_
 
     with servers.serve("all", ["-c", str(config)], tmp_path / "run") as served, \
             grpcclient.InferenceServerClient(served.grpc) as client:
-        held = [context(client).as_numpy(P.CONTEXT_PHASE_PARAMS)[0] for _ in range(2)]
+        held = [context(client, n=n).as_numpy(P.CONTEXT_PHASE_PARAMS)[0] for n in range(2)]
         began = time.monotonic()
         with pytest.raises(InferenceServerException, match="past its deadline") as refused:
-            context(client, timeout_us=500_000)
+            context(client, timeout_us=500_000, n=2)
         assert 1.5 <= time.monotonic() - began < 10
         error = refused.value
         assert from_grpc_status(error.status(), error.message()) is ErrorCode.TIMEOUT, error

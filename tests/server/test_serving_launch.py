@@ -74,7 +74,8 @@ def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
     scheduler = render("scheduler", config, tmp_path / "s", "10.1.2.3")
     orch = json.loads((scheduler / "orchestrator" / "settings.json").read_text())
     assert orch["transport"] == "grpc" and orch["discovery"] is None
-    assert orch["pools"]["generation"] == {"urls": ["localhost:9002"], "router": "least_loaded"}
+    pool = orch["pools"]["generation"]
+    assert (pool["urls"], pool["router"]) == (["localhost:9002"], "least_loaded")
     assert orch["max_local_prefill_length"] == 0
     assert orch["token_host"] == "10.1.2.3"          # tcp: generation may be on another host
     # the topology stays out of the config Triton shows clients; the file is private
