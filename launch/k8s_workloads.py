@@ -75,6 +75,11 @@ class Unit:
 
 def units(config: DisaggConfig) -> tuple[Unit, ...]:
     """The Deployments of ``config`` (module docstring)."""
+    if config.grpc_tls is not None:
+        raise UserError(f"{config.source}: grpc_tls: launch k8s does not mount certificates "
+                        f"into the pods yet; drop grpc_tls here (the NetworkPolicies keep the "
+                        f"roles' gRPC inside the deployment) or add the Secret and paths to the "
+                        f"manifests yourself")
     if config.mode == "aggregated":
         return Unit("generation", ("generation",)), Unit("scheduler", ("scheduler",))
     if kv_strategy(config.kv_cache.strategy).needs_one_host:

@@ -175,6 +175,19 @@ def test_a_bad_kubernetes_key_is_one_line_naming_it(section, message, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_grpc_tls_is_refused_in_one_line_until_pods_mount_certificates(tmp_path):
+    for name in ("ca.pem", "s.pem", "s.key"):
+        (tmp_path / name).write_text("PEM\n")
+    config = _variant(tmp_path, f"grpc_tls: {{ca_file: {tmp_path}/ca.pem, cert_file: "
+                                f"{tmp_path}/s.pem, key_file: {tmp_path}/s.key}}\n")
+    done = subprocess.run([sys.executable, "-m", "triton_disagg.cli", "launch", "k8s", "-c",
+                           str(config), "--image", IMAGE, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "grpc_tls: launch k8s does not mount certificates" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_host_memory_refuses_scaling_and_out_must_be_empty(tmp_path):
     config = _variant(tmp_path, "kv_cache: {strategy: host_memory}\n"
                                 "kubernetes: {context: {max_replicas: 3}}\n")
