@@ -12,19 +12,30 @@ from triton_disagg.bench.prefix_workloads import (Shape, ideal_hit_tokens, reque
 BS, VOCAB = 16, 2048
 
 
+def _groups(requests, prefix_len):
+    """The requests by their first ``prefix_len`` tokens, in send order."""
+    groups: dict[tuple, list] = {}
+    for r in requests:
+        groups.setdefault(r.prompt[:prefix_len], []).append(r)
+    return groups
+
+
 def test_shared_prefix_groups_are_interleaved_and_share_exactly_their_prefix():
     shape = Shape()
     requests = requests_for("shared", shape, VOCAB, seed=0)
     assert len(requests) == 48 and {r.wave for r in requests} == {0}
     assert all(len(r.prompt) == 1024 + 32 and r.max_tokens == 32 for r in requests)
-    for i, r in enumerate(requests):
-        same_group = requests[i % 8]
-        assert r.prompt[:1024] == same_group.prompt[:1024]
-        assert (r.prompt[1024:] == same_group.prompt[1024:]) == (i < 8)
-    assert requests[0].prompt[:16] != requests[1].prompt[:16]
+    groups = _groups(requests, 1024)
+    assert sorted(len(g) for g in groups.values()) == [6] * 8
+    assert len({r.prompt[1024:] for r in requests}) == 48           # suffixes all differ
+    assert len({r.prompt[:16] for r in requests}) == 8              # no two groups share a block
     assert min(t for r in requests for t in r.prompt) >= 3      # no BOS/EOS/pad id
+    first = {g[0].prompt for g in groups.values()}
+    # interleaved in a random order: not group by group, nor a fixed rotation of the groups
+    order = [list(groups).index(r.prompt[:1024]) for r in requests]
+    assert order != sorted(order) and order[:8] != order[8:16]
     hits = ideal_hit_tokens(requests, BS)
-    assert hits == [0] * 8 + [1024] * 40
+    assert hits == [0 if r.prompt in first else 1024 for r in requests]
 
 
 def test_a_chat_turn_extends_the_conversation_so_far_and_goes_out_in_waves():
@@ -32,14 +43,22 @@ def test_a_chat_turn_extends_the_conversation_so_far_and_goes_out_in_waves():
     requests = requests_for("chat", shape, VOCAB, seed=0)
     assert len(requests) == 40 and [r.wave for r in requests] == [t for t in range(5)
                                                                      for _ in range(8)]
-    for turn in range(1, 5):
-        for c in range(8):
-            earlier, now = requests[(turn - 1) * 8 + c], requests[turn * 8 + c]
+    by_conversation = _groups(requests, 256)
+    assert sorted(len(c) for c in by_conversation.values()) == [5] * 8
+    for turns in by_conversation.values():
+        assert [r.wave for r in turns] == list(range(5))
+        for earlier, now in zip(turns, turns[1:]):
             assert now.prompt[:len(earlier.prompt)] == earlier.prompt
             assert len(now.prompt) == len(earlier.prompt) + 32 + 160
+    waves = [[list(by_conversation).index(r.prompt[:256]) for r in requests[8 * t:8 * t + 8]]
+             for t in range(5)]
+    assert len({tuple(w) for w in waves}) > 1                   # each wave in its own order
+    previous = {r.prompt[:256]: len(r.prompt) for r in requests[:0]}
     hits = ideal_hit_tokens(requests, BS)
-    assert hits[:8] == [0] * 8
-    assert hits[8:] == [len(requests[i - 8].prompt) // BS * BS for i in range(8, 40)]
+    for r, hit in zip(requests, hits):
+        key = r.prompt[:256]
+        assert hit == (previous[key] // BS * BS if key in previous else 0)
+        previous[key] = len(r.prompt)
 
 
 def test_unique_prompts_share_no_block_and_seeds_share_nothing():

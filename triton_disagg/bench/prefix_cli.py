@@ -157,7 +157,8 @@ def _one_run(running, mode: Mode, pool: str, workload: str, requests, bs: int,
         load = run_openai_load(running.front, running.model, sent, args.rate, seed=wave)
         outcomes += load.outcomes
         seconds += load.duration
-    after = [scrape(url) for url in running.context_metrics]
+    after = _settled(running.context_metrics, before, sum(len(r.prompt) for r in requests)
+                     if mode.prefix_caching else 0)
     queried = sum(delta(b, a, QUERIED) for b, a in zip(before, after))
     hits = sum(delta(b, a, HIT) for b, a in zip(before, after))
     ttft = [o.measurement.ttft for o in outcomes if o.measurement and o.measurement.ttft]
@@ -167,6 +168,24 @@ def _one_run(running, mode: Mode, pool: str, workload: str, requests, bs: int,
                sum(ideal_hit_tokens(requests, bs)), ttft, good / seconds if seconds else 0.0,
                sum(o.error is not None for o in outcomes),
                ["".join(o.measurement.text) if o.measurement else "" for o in outcomes])
+
+
+def _settled(urls: tuple[str, ...], before: list, queried: int, timeout: float = 15.0) -> list:
+    """The context servers' metrics once every prompt's lookup (``queried`` tokens; 0: the
+    cache is off, nothing to wait for) is published: their reporters publish every half
+    second, so a read at the last answer could miss the last requests and give them to the
+    next run."""
+    import time
+
+    from triton_disagg.routing.scrape import delta, scrape
+
+    deadline = time.monotonic() + timeout
+    while True:
+        after = [scrape(url) for url in urls]
+        if sum(delta(b, a, QUERIED) for b, a in zip(before, after)) >= queried \
+                or time.monotonic() > deadline:
+            return after
+        time.sleep(0.2)
 
 
 def markdown(runs: list[Run], args: argparse.Namespace) -> str:

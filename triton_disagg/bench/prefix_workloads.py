@@ -3,12 +3,14 @@ prefix cache would save on each.
 
 - ``shared``: ``groups`` x ``per_group`` prompts; the prompts of a group share a
   ``prefix_len``-token prefix and each ends in its own ``suffix_len`` tokens; sent
-  interleaved (the first prompt of every group, then the second, ...), so a cache must
-  keep every group's prefix at once.
+  interleaved in a seeded random order, so a cache must keep every group's prefix at once
+  (a fixed rotation would be a round robin's luck: with 8 groups and 2 servers, group g
+  would always land on server g mod 2).
 - ``chat``: ``conversations`` x ``turns``; each turn's prompt is the whole conversation so
   far (the previous prompt, ``answer_len`` tokens standing for the answer, then the new
   message of ``message_len`` tokens); the turns go out in waves (every conversation's
-  first turn, then every second turn once the first wave has answered).
+  first turn, then every second turn once the first wave has answered), each wave in a
+  seeded random order (for the same reason).
 - ``unique``: prompts that share nothing, as long as ``shared``'s (the control).
 
 Token ids are drawn from ``[first_id, vocab_size)`` so that no special token (BOS, EOS,
@@ -62,16 +64,21 @@ def requests_for(workload: str, shape: Shape, vocab_size: int, seed: int,
 
     if workload == "shared":
         prefixes = [tokens(shape.prefix_len) for _ in range(shape.groups)]
-        return [PrefixRequest(prefixes[g] + tokens(shape.suffix_len), shape.output_len, 0)
-                for _ in range(shape.per_group) for g in range(shape.groups)]
+        out = [PrefixRequest(prefixes[g] + tokens(shape.suffix_len), shape.output_len, 0)
+               for _ in range(shape.per_group) for g in range(shape.groups)]
+        rng.shuffle(out)
+        return out
     if workload == "chat":
         so_far = [tokens(shape.first_len) for _ in range(shape.conversations)]
         out = []
         for turn in range(shape.turns):
+            wave = []
             for c in range(shape.conversations):
                 if turn:
                     so_far[c] += tokens(shape.answer_len) + tokens(shape.message_len)
-                out.append(PrefixRequest(so_far[c], shape.output_len, turn))
+                wave.append(PrefixRequest(so_far[c], shape.output_len, turn))
+            rng.shuffle(wave)
+            out += wave
         return out
     if workload == "unique":
         n = shape.groups * shape.per_group
