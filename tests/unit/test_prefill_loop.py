@@ -16,7 +16,7 @@ from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
 from triton_disagg.context.prefill_loop import PrefillLoop, WAIT_GRACE_SECONDS
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.errors import ErrorCode, RequestError, Timeout, Unavailable
+from triton_disagg.errors import Cancelled, ErrorCode, RequestError, Timeout
 from triton_disagg.kv.secret import deployment_key, key_id
 from triton_disagg.triton.engine_request import EngineRequest
 from waiting import wait_until
@@ -111,7 +111,7 @@ def test_a_cancelled_waiting_request_is_dropped(loop):
     (gone,) = submit(loop, _batch("c"))
     gone.cancel = True
     error = gone.result()
-    assert isinstance(error, Unavailable) and "cancelled" in str(error)
+    assert isinstance(error, Cancelled) and error.status is ErrorCode.CANCELLED, error
     for result in held:
         loop.release(_handle(result))
     wait_until(lambda: loop.engine.pool.num_used == 0, 10, "every block back in the pool")

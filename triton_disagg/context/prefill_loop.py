@@ -48,7 +48,7 @@ from triton_disagg.config.settings import ContextSettings
 from triton_disagg.context.prefill import Prefiller
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sequence import Sequence
-from triton_disagg.errors import EngineError, RequestError, Timeout, Unavailable
+from triton_disagg.errors import Cancelled, EngineError, RequestError, Timeout, Unavailable
 from triton_disagg.kv.connector import ConnectorError, connector_for
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.readers import OnDeath, fail_instance, guarded
@@ -242,8 +242,8 @@ class PrefillLoop:
                     f"({pool.num_free} of {pool.num_total} blocks free; the others hold KV "
                     f"that generation has not fetched yet)"))
             elif ask and _cancelled(waiting.prompt.answer):
-                self._drop(request_id, Unavailable("the caller cancelled the request while "
-                                                   "it waited for the context"))
+                self._drop(request_id, Cancelled("the caller cancelled the request while "
+                                                 "it waited for the context"))
 
     def _drop(self, request_id: str, error: Exception) -> None:
         """End a request that still waits in the queue, with ``error``."""

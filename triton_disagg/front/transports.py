@@ -318,7 +318,8 @@ class GrpcRoute:
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
         router, failed = self.transport.routers["context"], []
-        prompt = np.asarray(inputs["input_ids"]).reshape(-1).tolist()   # [n] token ids
+        prompt = np.asarray(inputs["input_ids"]).reshape(-1)    # [n] token ids, as the engine
+        prompt = prompt[:int(scalar(inputs, "input_lengths", prompt.size))].tolist()  # reads them
         for _ in range(CONTEXT_ATTEMPTS):
             try:
                 assignment = router.take(len(prompt), [f.url for f in failed], token_ids=prompt,

@@ -54,6 +54,7 @@ import msgspec
 import zmq
 
 from triton_disagg import zmq_endpoints
+from triton_disagg.readers import guarded
 
 if TYPE_CHECKING:
     from triton_disagg.config.settings import EngineSettings
@@ -235,8 +236,9 @@ class KvEventSubscriber:
         self._wanted: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-events-subscriber",
-                                        daemon=True)
+        # a reader: should it die anyway, its instance fails loudly (readers.guarded)
+        self._thread = threading.Thread(target=guarded("the KV events subscriber", self._run),
+                                        name="kv-events-subscriber", daemon=True)
         self._thread.start()
 
     def subscribe(self, address: str) -> None:
