@@ -63,6 +63,7 @@ PROBE_TIMEOUT_SECONDS = 1.0   # a generation server that is not live by then is 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
 RELEASE_TIMEOUT_SECONDS = 5.0  # a release not answered by then: the lease reclaims the KV
 KEEPALIVE_TIMEOUT_MS = 5_000   # a ping not answered by then: the channel's calls fail
+RECONNECT_SECONDS = 2.0        # a call its unconnected channel failed is sent again if it connects by then
 _SPECS = {"context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
           "generation": (P.GENERATION_INPUTS, P.GENERATION_OUTPUTS)}
 
@@ -258,24 +259,46 @@ class GrpcTransport:
         await self._close_departed()
         self.calls[url] = self.calls.get(url, 0) + 1
         try:
-            result = await self._client(url).infer(
-                model, tensors, request_id=request_id, client_timeout=timeout,
-                timeout=_microseconds(queue_timeout), parameters=parameters)
-        except InferenceServerException as exc:
-            message = exc.message() or ""
-            code = from_grpc_status(exc.status(), message)
-            said_timeout = code is ErrorCode.TIMEOUT and exc.status() != DEADLINE_EXCEEDED
-            if exc.status() in UNANSWERED and not said_timeout:   # a tagged TIMEOUT answered
-                self.routers[model].unanswered(url)
-                raise Unanswered(model, url, exc.status(), message, timeout) from None
-            error = _error(code, message)
-            raise type(error)(f"{model} at {url}: {error}") from None
+            for attempt in range(2):
+                try:
+                    result = await self._client(url).infer(
+                        model, tensors, request_id=request_id, client_timeout=timeout,
+                        timeout=_microseconds(queue_timeout), parameters=parameters)
+                    break
+                except InferenceServerException as exc:
+                    message = exc.message() or ""
+                    code = from_grpc_status(exc.status(), message)
+                    said_timeout = code is ErrorCode.TIMEOUT and exc.status() != DEADLINE_EXCEEDED
+                    if exc.status() in UNANSWERED and not said_timeout:   # a tagged one answered
+                        if not attempt and exc.status() != DEADLINE_EXCEEDED \
+                                and await self._reconnected(url):
+                            continue              # the call never left: send it again
+                        self.routers[model].unanswered(url)
+                        raise Unanswered(model, url, exc.status(), message, timeout) from None
+                    error = _error(code, message)
+                    raise type(error)(f"{model} at {url}: {error}") from None
         finally:
             self.calls[url] -= 1
             if not self.calls[url]:
                 del self.calls[url]
         arrays = {s.name: result.as_numpy(s.name) for s in outputs}
         return _unbatch({n: a for n, a in arrays.items() if a is not None})
+
+    async def _reconnected(self, url: str) -> bool:
+        """Whether the channel to ``url`` was not connected, so that a call it failed never
+        reached the server, and connects within ``RECONNECT_SECONDS``: a server back from an
+        outage answers its peers' probes while this channel still waits out gRPC's reconnect
+        backoff (up to ``grpc_channel.MAX_RECONNECT_BACKOFF_MS``)."""
+        import grpc
+
+        channel = self._client(url)._channel      # tritonclient's grpc.aio channel
+        if channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return False
+        try:
+            await asyncio.wait_for(channel.channel_ready(), RECONNECT_SECONDS)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _client(self, url: str) -> Any:
         if url not in self.clients:
