@@ -23,7 +23,7 @@ from triton_disagg.launch.deploy import free_ports
 from triton_disagg.errors import HTTP_STATUS, EngineError, NoServer, Timeout
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Member, Router
-from triton_disagg.front.transports import GrpcTransport
+from triton_disagg.front.grpc_transport import GrpcTransport
 
 
 class Source:

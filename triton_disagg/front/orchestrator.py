@@ -25,7 +25,7 @@ Invariants:
   without free KV blocks keeps the request in its queue until they are, within that
   deadline: :mod:`triton_disagg.context.prefill_loop`; it is called once per request);
   every call a route makes has that deadline (a context server that misses it is tried
-  once more on another: :mod:`transports`), and while the context call is out the
+  once more on another: :mod:`grpc_transport`), and while the context call is out the
   client's cancel is asked for every ``CANCEL_POLL_SECONDS``: a cancelled request stops
   waiting then (the KV of an answer that comes later goes back with its lease);
 - the context's KV of a request that generation never took (the client left after the

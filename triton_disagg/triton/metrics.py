@@ -43,7 +43,7 @@ scrape target, host:port), and a target's own ``instance`` would be stored as
   (histograms), measured by the orchestrator; TTFT starts when the request reached
   preprocessing (``protocol.ARRIVAL``) and ends when the first token's response is sent.
 
-The scheduler's routing (orchestrator over gRPC; :mod:`transports`, :mod:`pools`), with
+The scheduler's routing (orchestrator over gRPC; :mod:`grpc_transport`, :mod:`pools`), with
 ``server_role`` (context / generation) and ``server`` (the url) labels:
 
 - ``disagg_routed_requests_total`` (counter): calls routed to each server (a context
@@ -268,7 +268,7 @@ class Metrics:
         if ttft is not None and tokens > 1:
             self._later(lambda: self._metric("tpot").observe((seconds - ttft) / (tokens - 1)))
 
-    # router observer interface (transports.GrpcTransport, pools.Pools)
+    # router observer interface (grpc_transport.GrpcTransport, pools.Pools)
     def routed(self, role: str, url: str) -> None:
         self._later(lambda: self._metric("routed", server_role=role, server=url).increment(1))
 

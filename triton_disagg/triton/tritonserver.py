@@ -38,7 +38,7 @@ inference and statistics stay open): a local user who reads it there can change 
 and trace levels (not their files: Triton refuses that over the network) and register
 shared memory, which Triton opens in its private ``/dev/shm``, where nothing of ours can
 be named. The gRPC endpoint accepts the orchestrators' keepalive pings
-(:mod:`triton_disagg.front.transports`): every ``KEEPALIVE_MS``, idle calls included.
+(:mod:`triton_disagg.front.grpc_transport`): every ``KEEPALIVE_MS``, idle calls included.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ from triton_disagg.front.orchestrator_gate import InFlightCap, OrchestratorGate,
 from triton_disagg.routing.pools import start_pools
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, scalar
 from triton_disagg.front.token_inbox import TokenInbox
-from triton_disagg.front.transports import BLSTransport, GrpcTransport
+from triton_disagg.front.grpc_transport import GrpcTransport
+from triton_disagg.front.transports import BLSTransport
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
