@@ -217,8 +217,11 @@ CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
     ("completions", {**BODY, "max_tokens": 256}, "'max_tokens': 256 must be between 1 and 255"),
     ("chat", {**CHAT, "max_completion_tokens": 2**40}, "'max_completion_tokens'"),
     ("inference", {"prompt": "a", "top_k": 1001}, "'top_k': 1001 must be between -1 and 1000"),
-    ("completions", {**BODY, "stop": ["x" * 257]}, "at most 256 characters"),
-    ("chat", {**CHAT, "messages": CHAT["messages"] * 257}, "257 messages; at most 256"),
+    ("completions", {**BODY, "stop": ["x" * 257]}, "'stop[0]': 257 characters; at most 256"),
+    ("chat", {**CHAT, "messages": CHAT["messages"] * 257}, "'messages': 257 items; at most 256"),
+    # counted before a single id is looked at: the count is named, not the first bad id
+    ("completions", {**BODY, "prompt": [-1] * 257}, "'prompt': 257 items; at most 256"),
+    ("completions", {**BODY, "prompt": [[1]] * 9}, "'prompt': 9 items; at most 8"),
 ])
 def test_fields_are_bounded_by_the_engine(endpoint, body, names):
     with pytest.raises(ApiError) as err:
