@@ -1,6 +1,6 @@
 """The HTTP front's admission control (triton_disagg/front/admission.py, json_body.py,
 origin_guard.py; the ``front`` config section) in this process, its relay scripted
-(test_http_front_app.py's): the request cap answers 429 with Retry-After at once and
+(tests/support/scripted_relay.py): the request cap answers 429 with Retry-After at once and
 counts back down, the connection cap 503, slow clients are cut off (headers, body, a
 reader that never reads), hostile JSON is a 400, a foreign Origin or Host a 403, and a
 server fault's body names no internal address."""
@@ -17,7 +17,7 @@ import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestClient, TestServer
 
-from test_http_front_app import WORDS, ScriptedRelay
+from scripted_relay import WORDS, ScriptedRelay
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.config.front_section import (FrontConfig, add_front_flags, front_flags,
                                                 front_from_flags, parse_front)
