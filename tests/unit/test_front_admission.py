@@ -222,6 +222,7 @@ CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
     # counted before a single id is looked at: the count is named, not the first bad id
     ("completions", {**BODY, "prompt": [-1] * 257}, "'prompt': 257 items; at most 256"),
     ("completions", {**BODY, "prompt": [[1]] * 9}, "'prompt': 9 items; at most 8"),
+    ("inference", {"prompt": [1]}, "'prompt': expected a string"),   # found by schemathesis
 ])
 def test_fields_are_bounded_by_the_engine(endpoint, body, names):
     with pytest.raises(ApiError) as err:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from triton_disagg.front.openai_models import BRANCHES, EngineLimits, request_model, shown
@@ -151,7 +151,7 @@ def _stop_words(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(w for w in words if w)
 
 
-def _refusal(error: dict, endpoint: str, model: type) -> ApiError:
+def _refusal(error: dict, endpoint: str, model: type[BaseModel]) -> ApiError:
     """pydantic's ``error`` -> the 400 naming the field (its path, as ``messages[0].role``)
     and what is wrong; ``param`` the top-level field."""
     path = [p for p in error["loc"] if p not in BRANCHES]

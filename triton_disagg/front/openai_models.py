@@ -21,7 +21,7 @@ token-id prompt at most ``max_seq_len`` ids, prompts x ``n`` at most ``MAX_CHOIC
 import functools
 import reprlib
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag,
                       WithJsonSchema, create_model, model_validator)
@@ -193,6 +193,10 @@ class StreamOptions(_Strict):
 
 
 _ANY_ENGINE = EngineLimits()
+# the engine-bounded fields' types for any engine (request_model narrows them to one)
+MaxTokens, MinTokens = max_tokens_field(_ANY_ENGINE), min_tokens_field(_ANY_ENGINE)
+TopK, Prompt, Messages = top_k_field(_ANY_ENGINE), prompt_field(_ANY_ENGINE), \
+    messages_field(_ANY_ENGINE)
 Stop = Annotated[Annotated[str, Field(max_length=MAX_STOP_CHARS), Tag("one stop")]
                  | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
                              Field(max_length=MAX_STOP_WORDS), Tag("stop words")],
@@ -204,13 +208,15 @@ Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 class _Sampled(_Strict):
     """What every generation endpoint takes."""
 
+    # the fields whose bounds are the served engine's (:func:`request_model` narrows them)
+    ENGINE_BOUNDED: ClassVar[tuple[str, ...]] = ("max_tokens", "top_k")
     model: str | None = None
-    max_tokens: max_tokens_field(_ANY_ENGINE) = None
+    max_tokens: MaxTokens = None
     stop: Stop | None = None
     temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
     top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
     seed: Annotated[int | None, Field(ge=0, le=2**64 - 1)] = None
-    top_k: top_k_field(_ANY_ENGINE) = None
+    top_k: TopK = None
 
     def prompts(self) -> tuple[str | tuple[int, ...], ...]:
         """Each prompt, text or token ids (a chat's: one empty, its messages rendered later)."""
@@ -234,9 +240,29 @@ class InferenceRequest(_Sampled):
         return (self.prompt,)
 
 
-class _OpenAIRequest(_Sampled):
-    """What both of OpenAI's endpoints take, with vLLM's and trtllm-serve's extensions as
-    they take them in the body."""
+# OpenAI's fields this server honours only at their default: field -> (accepted values, why)
+_ONLY_DEFAULT = {
+    "best_of": ((1,), "best_of is not supported; send best_of 1"),
+    "min_p": ((0, 0.0), "min_p is not supported by this engine's sampler; send min_p 0"),
+    "suffix": (("",), "suffix (insertion) is not supported"),
+    "logit_bias": ((), "logit_bias is not supported"),
+    "tools": ((), "tool calls are not supported"),
+    "tool_choice": (("none",), "tool calls are not supported"),
+    "parallel_tool_calls": ((), "tool calls are not supported"),
+    "functions": ((), "function calls are not supported"),
+    "function_call": (("none",), "function calls are not supported"),
+    "response_format": (({"type": "text"},), "only text responses are supported"),
+}
+_AtDefaults = create_model("_AtDefaults", __base__=_Sampled,  # type: ignore[call-overload]
+                           **{name: (only_default(fine, why), None)
+                              for name, (fine, why) in _ONLY_DEFAULT.items()})
+
+
+class _OpenAIRequest(_AtDefaults):
+    """What both of OpenAI's endpoints take (``_ONLY_DEFAULT``'s fields at their default),
+    with vLLM's and trtllm-serve's extensions as they take them in the body."""
+
+    ENGINE_BOUNDED = (*_Sampled.ENGINE_BOUNDED, "min_tokens")
 
     model: str
     stream: bool = False
@@ -246,24 +272,11 @@ class _OpenAIRequest(_Sampled):
     user: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     ignore_eos: bool = False     # max_tokens tokens, always
-    min_tokens: min_tokens_field(_ANY_ENGINE) = None
+    min_tokens: MinTokens = None
     repetition_penalty: Annotated[float | None, Field(gt=0.0, le=2.0)] = None
     cache_salt: Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT,
                                             description="vLLM's: a cached prefix is shared "
                                                         "only among requests of one salt")] = None
-    # OpenAI's fields this server honours only at their default
-    best_of: only_default((1,), "best_of is not supported; send best_of 1") = None
-    min_p: only_default((0, 0.0), "min_p is not supported by this engine's sampler; "
-                                  "send min_p 0") = None
-    suffix: only_default(("",), "suffix (insertion) is not supported") = None
-    logit_bias: only_default((), "logit_bias is not supported") = None
-    tools: only_default((), "tool calls are not supported") = None
-    tool_choice: only_default(("none",), "tool calls are not supported") = None
-    parallel_tool_calls: only_default((), "tool calls are not supported") = None
-    functions: only_default((), "function calls are not supported") = None
-    function_call: only_default(("none",), "function calls are not supported") = None
-    response_format: only_default(({"type": "text"},), "only text responses are "
-                                                        "supported") = None
 
     @model_validator(mode="after")
     def _choices_fit(self) -> "_OpenAIRequest":
@@ -283,7 +296,9 @@ class CompletionRequest(_OpenAIRequest):
     """OpenAI's ``/v1/completions``; ``echo`` with ``logprobs`` also asks for the prompt's
     log-probs (lm-eval's loglikelihood requests)."""
 
-    prompt: prompt_field(_ANY_ENGINE)
+    ENGINE_BOUNDED = (*_OpenAIRequest.ENGINE_BOUNDED, "prompt")
+
+    prompt: Prompt
     echo: bool = False
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
 
@@ -300,8 +315,10 @@ class ChatRequest(_OpenAIRequest):
     """OpenAI's ``/v1/chat/completions``: text messages; ``max_completion_tokens`` wins over
     ``max_tokens``; ``top_logprobs`` only with ``logprobs`` true (OpenAI's rule)."""
 
-    messages: messages_field(_ANY_ENGINE)
-    max_completion_tokens: max_tokens_field(_ANY_ENGINE) = None
+    ENGINE_BOUNDED = (*_OpenAIRequest.ENGINE_BOUNDED, "messages", "max_completion_tokens")
+
+    messages: Messages
+    max_completion_tokens: MaxTokens = None
     logprobs: bool = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
 
@@ -321,8 +338,8 @@ class ChatRequest(_OpenAIRequest):
 
 ENDPOINTS: dict[str, type[_Sampled]] = {
     "completions": CompletionRequest, "chat": ChatRequest, "inference": InferenceRequest}
-# field -> its type for an engine's limits (the classes above declare them for any engine)
-_ENGINE_BOUNDED: dict[str, Callable[[EngineLimits], Any]] = {
+# an ENGINE_BOUNDED field -> its type for an engine's limits (the classes declare any engine's)
+_FIELD_TYPES: dict[str, Callable[[EngineLimits], Any]] = {
     "max_tokens": max_tokens_field, "max_completion_tokens": max_tokens_field,
     "min_tokens": min_tokens_field, "top_k": top_k_field, "prompt": prompt_field,
     "messages": messages_field}
@@ -334,7 +351,6 @@ def request_model(endpoint: str, limits: EngineLimits = _ANY_ENGINE) -> type[_Sa
     base = ENDPOINTS[endpoint]
     if limits == _ANY_ENGINE:
         return base
-    bounded = {name: (field(limits), ... if base.model_fields[name].is_required()
-                      else base.model_fields[name].default)
-               for name, field in _ENGINE_BOUNDED.items() if name in base.model_fields}
+    bounded = {name: (_FIELD_TYPES[name](limits), ... if base.model_fields[name].is_required()
+                      else base.model_fields[name].default) for name in base.ENGINE_BOUNDED}
     return create_model(base.__name__, __base__=base, **bounded)  # type: ignore[call-overload]
