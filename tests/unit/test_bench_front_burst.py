@@ -1,5 +1,5 @@
 """`bench/front_burst.py` against the HTTP front's app in this process, its relay scripted
-(test_http_front_app.py's) and its request cap 1: it counts the refusals and the TTFTs."""
+(tests/support/scripted_relay.py) and its request cap 1: it counts the refusals and the TTFTs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 from aiohttp.test_utils import TestServer
 
 from waiting import wait_until
-from test_http_front_app import WORDS, ScriptedRelay
+from scripted_relay import WORDS, ScriptedRelay
 from triton_disagg.bench import front_burst
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_front import make_app

@@ -1,6 +1,6 @@
 """The HTTP front's admission control (triton_disagg/front/admission.py, json_body.py,
 origin_guard.py; the ``front`` config section) in this process, its relay scripted
-(test_http_front_app.py's): the request cap answers 429 with Retry-After at once and
+(tests/support/scripted_relay.py): the request cap answers 429 with Retry-After at once and
 counts back down, the connection cap 503, slow clients are cut off (headers, body, a
 reader that never reads), hostile JSON is a 400, a foreign Origin or Host a 403, and a
 server fault's body names no internal address."""
@@ -17,7 +17,7 @@ import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestClient, TestServer
 
-from test_http_front_app import WORDS, ScriptedRelay
+from scripted_relay import WORDS, ScriptedRelay
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.config.front_section import (FrontConfig, add_front_flags, front_flags,
                                                 front_from_flags, parse_front)
@@ -217,8 +217,12 @@ CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
     ("completions", {**BODY, "max_tokens": 256}, "'max_tokens': 256 must be between 1 and 255"),
     ("chat", {**CHAT, "max_completion_tokens": 2**40}, "'max_completion_tokens'"),
     ("inference", {"prompt": "a", "top_k": 1001}, "'top_k': 1001 must be between -1 and 1000"),
-    ("completions", {**BODY, "stop": ["x" * 257]}, "at most 256 characters"),
-    ("chat", {**CHAT, "messages": CHAT["messages"] * 257}, "257 messages; at most 256"),
+    ("completions", {**BODY, "stop": ["x" * 257]}, "'stop[0]': 257 characters; at most 256"),
+    ("chat", {**CHAT, "messages": CHAT["messages"] * 257}, "'messages': 257 items; at most 256"),
+    # counted before a single id is looked at: the count is named, not the first bad id
+    ("completions", {**BODY, "prompt": [-1] * 257}, "'prompt': 257 items; at most 256"),
+    ("completions", {**BODY, "prompt": [[1]] * 9}, "'prompt': 9 items; at most 8"),
+    ("inference", {"prompt": [1]}, "'prompt': expected a string"),   # found by schemathesis
 ])
 def test_fields_are_bounded_by_the_engine(endpoint, body, names):
     with pytest.raises(ApiError) as err:

@@ -1,16 +1,18 @@
-"""The HTTP front's OpenAPI 3.1 document (``GET /openapi.json``), built from the same field
-checks that :func:`~triton_disagg.front.openai_api.parse` runs (their ``json_schema``), with
-the served engine's bounds, so the document says exactly what the front accepts.
+"""The HTTP front's OpenAPI 3.1 document (``GET /openapi.json``), built from the pydantic
+models that :func:`~triton_disagg.front.openai_api.parse` validates with (their JSON schema,
+:func:`~triton_disagg.front.openai_models.request_model` with the served engine's bounds),
+so the document says exactly what the front accepts.
 
 Invariant: every route the front serves is in it, every request body is the endpoint's
-:func:`~triton_disagg.front.openai_api.body_schema` (unknown fields refused), and every
-error is OpenAI's error object.
+model's schema (unknown fields refused), and every error is OpenAI's error object.
 """
 
 from __future__ import annotations
 
+from pydantic.json_schema import models_json_schema
+
 from triton_disagg import __version__
-from triton_disagg.front.openai_api import EngineLimits, body_schema
+from triton_disagg.front.openai_models import EngineLimits, request_model
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -20,7 +22,7 @@ _ANY_JSON = {"application/json": {"schema": {"type": "object"}}}
 _ERRORS = {"default": {"description": "OpenAI's error object",
                        "content": {"application/json": {"schema": {"$ref":
                                                                    "#/components/schemas/Error"}}}}}
-_GENERATION = {  # path -> (endpoint for body_schema, summary)
+_GENERATION = {  # path -> (endpoint for request_model, summary)
     "/v1/completions": ("completions", "OpenAI completions (SSE with stream true)"),
     "/v1/chat/completions": ("chat", "OpenAI chat completions (SSE with stream true)"),
     "/v1/inference": ("inference", "the deployment guide's request"),
@@ -38,13 +40,15 @@ _GETS = {  # path -> summary
 
 def document(limits: EngineLimits) -> dict:
     """The OpenAPI document of a front serving an engine of ``limits``."""
+    models = {endpoint: request_model(endpoint, limits) for endpoint, _ in _GENERATION.values()}
+    refs, schemas = models_json_schema([(m, "validation") for m in models.values()],
+                                       ref_template="#/components/schemas/{model}")
     paths: dict[str, dict] = {}
     for path, (endpoint, summary) in _GENERATION.items():
-        name = f"{endpoint.capitalize()}Request"
         paths[path] = {"post": {
             "summary": summary, "operationId": endpoint,
             "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{name}"}}}},
+                "schema": refs[models[endpoint], "validation"]}}},
             "responses": {"200": {"description": "the answer (text/event-stream when "
                                                  "streamed)", "content": _ANY_JSON}, **_ERRORS}}}
     for path, summary in _GETS.items():
@@ -54,8 +58,6 @@ def document(limits: EngineLimits) -> dict:
                                "operationId": "get_" + path.strip("/").replace("/", "_")
                                .replace("{", "").replace("}", "").replace(".", "_"),
                                "responses": {"200": {"description": summary}, **_ERRORS}}}
-    schemas = {f"{endpoint.capitalize()}Request": body_schema(endpoint, limits)
-               for endpoint, _ in _GENERATION.values()}
     return {"openapi": "3.1.0",
             "info": {"title": "triton-disagg HTTP front", "version": __version__},
-            "paths": paths, "components": {"schemas": {**schemas, "Error": _ERROR}}}
+            "paths": paths, "components": {"schemas": {**schemas["$defs"], "Error": _ERROR}}}

@@ -27,8 +27,8 @@ from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import RequestError
 from triton_disagg.front.chat_template import ChatTemplate
-from triton_disagg.front.openai_api import (COMPLETION_MAX_TOKENS, ApiError, EngineLimits,
-                                            Generation)
+from triton_disagg.front.openai_api import ApiError, Generation
+from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits
 from triton_disagg.engine.words import to_wire
 from triton_disagg.front.preprocess import Preprocessor
 

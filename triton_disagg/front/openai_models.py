@@ -1,0 +1,356 @@
+"""The HTTP front's request bodies as pydantic models: OpenAI's ``/v1/completions``
+(:class:`CompletionRequest`) and ``/v1/chat/completions`` (:class:`ChatRequest`), the
+deployment guide's ``/v1/inference`` (:class:`InferenceRequest`); with the served engine's
+bounds, :func:`request_model`. The same models give the OpenAPI document's body schemas
+(:mod:`.openapi`), so the document and the checks cannot drift apart.
+
+Invariants: a body validates only as a JSON object whose every field is known (else
+``extra_forbidden``), of its JSON type (strict: no ``"5"`` for 5, no ``true`` for 1, no NaN)
+and in its range; a field sent as ``null`` is as if not sent. A field OpenAI defines that
+this server cannot honour (``best_of``, tools, ``min_p``, ...) validates only at its default
+(:func:`only_default`). Every number is bounded before it is used and every list before its
+items are looked at (pydantic checks a list's length first): ``max_tokens`` and
+``min_tokens`` by the engine's ``max_seq_len`` less one prompt token, ``top_k`` and token ids
+by its vocabulary (:class:`EngineLimits`); ``stop`` at most ``MAX_STOP_WORDS`` words of at
+most ``MAX_STOP_CHARS`` characters, ``messages`` at most ``max_seq_len`` messages, a
+token-id prompt at most ``max_seq_len`` ids, prompts x ``n`` at most ``MAX_CHOICES``,
+``cache_salt`` at most ``MAX_CACHE_SALT`` characters. A rule between fields fails as a
+``refused`` error whose ``ctx["param"]`` names the field (:func:`refused`).
+"""
+
+import functools
+import reprlib
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, ClassVar, Literal
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag,
+                      WithJsonSchema, create_model, model_validator)
+from pydantic_core import PydanticCustomError
+
+from triton_disagg.engine.sampling import MAX_CACHE_SALT
+
+COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+MAX_LOGPROBS = 5                # OpenAI's limit on completions' ``logprobs``
+MAX_TOP_LOGPROBS = 20           # OpenAI's limit on chat's ``top_logprobs``
+MAX_CHOICES = 8                 # prompts x n of one request: each is one engine request
+MAX_STOP_WORDS = 4              # OpenAI's limit on ``stop``
+MAX_STOP_CHARS = 256            # per stop sequence
+SHOWN_CHARS = 60                # of a value quoted in an error message
+INT32_MAX = 2**31 - 1
+_SHOW = reprlib.Repr()         # Python 3.11's takes no arguments
+_SHOW.maxlevel, _SHOW.maxstring = 2, SHOWN_CHARS
+_SHOW.maxother = _SHOW.maxlong = SHOWN_CHARS
+# The names of union branches (pydantic puts them in an error's ``loc``); none is a field's.
+BRANCHES = frozenset({"one text", "token ids", "several prompts", "one stop", "stop words",
+                      "text parts"})
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine's bounds on a request (:class:`~triton_disagg.front.prepare.Preparer`
+    has the served engine's); the defaults are those of the tensors' INT32."""
+
+    max_seq_len: int = INT32_MAX
+    vocab_size: int = INT32_MAX
+
+
+def shown(value: Any) -> str:
+    """``value``'s repr, never more than ``SHOWN_CHARS`` characters, built without
+    rendering all of a large or deep value."""
+    text = _SHOW.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
+def refused(param: str, message: str) -> PydanticCustomError:
+    """A rule between fields broken, ``param`` the field at fault."""
+    return PydanticCustomError("refused", message, {"param": param})
+
+
+def only_default(fine: tuple, why: str) -> Any:
+    """A field OpenAI defines that this server honours only at one of the values ``fine``
+    (same value and JSON type; the first is the documented one), or absent, else refused
+    with ``why``."""
+    def check(value: Any) -> Any:
+        if not any(value == f and type(value) is type(f) for f in fine):
+            raise PydanticCustomError("not_supported", f"{shown(value)}: {why}")
+        return value
+    return Annotated[Any, AfterValidator(check),
+                     WithJsonSchema({"enum": [*fine[:1], None], "description": why})]
+
+
+def _by_form(forms: dict[type, str], message: str) -> Discriminator:
+    """A union's branch chosen by the JSON type of the value (``forms``: Python type ->
+    branch tag); any other type fails with ``message``."""
+    return Discriminator(lambda v: next((tag for t, tag in forms.items() if isinstance(v, t)),
+                                        None),
+                         custom_error_type="wrong_type", custom_error_message=message)
+
+
+# ---- the fields whose bounds are the engine's (each a function of its limits) ---------------
+
+def max_tokens_field(limits: EngineLimits) -> Any:
+    return Annotated[int | None, Field(ge=1, le=limits.max_seq_len - 1, description=(
+        f"tokens to generate, at most this engine's max_seq_len {limits.max_seq_len} "
+        f"less a prompt token"))]
+
+
+def min_tokens_field(limits: EngineLimits) -> Any:
+    return Annotated[int | None, Field(ge=0, le=limits.max_seq_len - 1, description=(
+        f"vLLM's: tokens generated before an end token counts, at most this engine's "
+        f"max_seq_len {limits.max_seq_len} less one"))]
+
+
+def top_k_field(limits: EngineLimits) -> Any:
+    return Annotated[int | None, Field(ge=-1, le=limits.vocab_size, description=(
+        "vLLM's: sample among the k likeliest tokens; -1 or 0: off"))]
+
+
+def token_ids(limits: EngineLimits) -> Any:
+    """A prompt of token ids: at most ``max_seq_len`` of them (counted before they are
+    looked at), each in the vocabulary."""
+    last = limits.vocab_size - 1
+
+    def in_vocabulary(ids: list[int]) -> list[int]:
+        bad = next((i for i in ids if not 0 <= i <= last), None)
+        if bad is not None:
+            raise PydanticCustomError("not_in_vocabulary", f"token id {shown(bad)} is not in "
+                                      f"this model's vocabulary (0 to {last})")
+        return ids
+    return Annotated[list[int], Field(min_length=1, max_length=limits.max_seq_len),
+                     AfterValidator(in_vocabulary),
+                     WithJsonSchema({"type": "array", "minItems": 1,
+                                     "maxItems": limits.max_seq_len,
+                                     "items": {"type": "integer", "minimum": 0,
+                                               "maximum": last}})]
+
+
+def prompt_field(limits: EngineLimits) -> Any:
+    """OpenAI's four forms: a string, token ids, or a list of at most ``MAX_CHOICES`` of
+    either."""
+    one_form = _by_form({str: "one text", list: "token ids"},
+                        "expected a string or a list of token ids")
+    one = Annotated[Annotated[str, Tag("one text")] | Annotated[token_ids(limits),
+                                                                  Tag("token ids")], one_form]
+
+    def form(value: Any) -> str | None:
+        if isinstance(value, str):
+            return "one text"
+        if isinstance(value, list):
+            return "several prompts" if value and isinstance(value[0], (str, list)) \
+                else "token ids"
+        return None
+    several = Annotated[list[one], Field(min_length=1, max_length=MAX_CHOICES)]
+    return Annotated[Annotated[str, Tag("one text")]
+                     | Annotated[token_ids(limits), Tag("token ids")]
+                     | Annotated[several, Tag("several prompts")],
+                     Discriminator(form, custom_error_type="wrong_type",
+                                   custom_error_message="expected a string, a list of token "
+                                   "ids, or a list of either"),
+                     Field(description=f"at most {MAX_CHOICES} prompts, each text or at most "
+                                       f"this engine's max_seq_len {limits.max_seq_len} ids")]
+
+
+class _Strict(BaseModel):
+    """JSON as sent: known fields only, each of its JSON type; ``null`` is not sent."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) \
+            else data
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    """A chat message of text: a string, or text parts that are joined."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[Annotated[str, Tag("one text")]
+                       | Annotated[list[TextPart], Tag("text parts")],
+                       _by_form({str: "one text", list: "text parts"},
+                                "expected a string or a list of text parts")]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content)
+
+
+def messages_field(limits: EngineLimits) -> Any:
+    return Annotated[list[Message], Field(min_length=1, max_length=limits.max_seq_len,
+                                          description="at most this engine's max_seq_len "
+                                                      f"{limits.max_seq_len} messages")]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+_ANY_ENGINE = EngineLimits()
+# the engine-bounded fields' types for any engine (request_model narrows them to one)
+MaxTokens, MinTokens = max_tokens_field(_ANY_ENGINE), min_tokens_field(_ANY_ENGINE)
+TopK, Prompt, Messages = top_k_field(_ANY_ENGINE), prompt_field(_ANY_ENGINE), \
+    messages_field(_ANY_ENGINE)
+Stop = Annotated[Annotated[str, Field(max_length=MAX_STOP_CHARS), Tag("one stop")]
+                 | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+                             Field(max_length=MAX_STOP_WORDS), Tag("stop words")],
+                 _by_form({str: "one stop", list: "stop words"},
+                          "expected a string or a list of strings")]
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+
+
+class _Sampled(_Strict):
+    """What every generation endpoint takes."""
+
+    # the fields whose bounds are the served engine's (:func:`request_model` narrows them)
+    ENGINE_BOUNDED: ClassVar[tuple[str, ...]] = ("max_tokens", "top_k")
+    model: str | None = None
+    max_tokens: MaxTokens = None
+    stop: Stop | None = None
+    temperature: Annotated[float | None, Field(ge=0.0, le=2.0)] = None
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
+    seed: Annotated[int | None, Field(ge=0, le=2**64 - 1)] = None
+    top_k: TopK = None
+
+    def prompts(self) -> tuple[str | tuple[int, ...], ...]:
+        """Each prompt, text or token ids (a chat's: one empty, its messages rendered later)."""
+        return ("",)
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the request asked for, None for no log-probs."""
+        return None
+
+    def generated_max(self) -> int | None:
+        """``max_tokens`` as asked, None for the endpoint's default."""
+        return self.max_tokens
+
+
+class InferenceRequest(_Sampled):
+    """The deployment guide's ``/v1/inference``: greedy unless a temperature is given."""
+
+    prompt: Annotated[str, Field(description="the prompt's text")]
+
+    def prompts(self) -> tuple[str | tuple[int, ...], ...]:
+        return (self.prompt,)
+
+
+# OpenAI's fields this server honours only at their default: field -> (accepted values, why)
+_ONLY_DEFAULT = {
+    "best_of": ((1,), "best_of is not supported; send best_of 1"),
+    "min_p": ((0, 0.0), "min_p is not supported by this engine's sampler; send min_p 0"),
+    "suffix": (("",), "suffix (insertion) is not supported"),
+    "logit_bias": ((), "logit_bias is not supported"),
+    "tools": ((), "tool calls are not supported"),
+    "tool_choice": (("none",), "tool calls are not supported"),
+    "parallel_tool_calls": ((), "tool calls are not supported"),
+    "functions": ((), "function calls are not supported"),
+    "function_call": (("none",), "function calls are not supported"),
+    "response_format": (({"type": "text"},), "only text responses are supported"),
+}
+_AtDefaults = create_model("_AtDefaults", __base__=_Sampled,  # type: ignore[call-overload]
+                           **{name: (only_default(fine, why), None)
+                              for name, (fine, why) in _ONLY_DEFAULT.items()})
+
+
+class _OpenAIRequest(_AtDefaults):
+    """What both of OpenAI's endpoints take (``_ONLY_DEFAULT``'s fields at their default),
+    with vLLM's and trtllm-serve's extensions as they take them in the body."""
+
+    ENGINE_BOUNDED = (*_Sampled.ENGINE_BOUNDED, "min_tokens")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    user: str | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    ignore_eos: bool = False     # max_tokens tokens, always
+    min_tokens: MinTokens = None
+    repetition_penalty: Annotated[float | None, Field(gt=0.0, le=2.0)] = None
+    cache_salt: Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT,
+                                            description="vLLM's: a cached prefix is shared "
+                                                        "only among requests of one salt")] = None
+
+    @model_validator(mode="after")
+    def _choices_fit(self) -> "_OpenAIRequest":
+        if self.stream_options is not None and not self.stream:
+            raise refused("stream_options", "only allowed with stream true")
+        prompts = len(self.prompts())
+        if prompts * self.n > MAX_CHOICES:
+            raise refused("n", f"{prompts} prompts x n {self.n} is more than {MAX_CHOICES} "
+                               f"choices per request")
+        if prompts * self.n > 1 and self.stream:
+            raise refused("stream", "one choice per streamed request (one prompt, n 1); send "
+                                    "stream false for several")
+        return self
+
+
+class CompletionRequest(_OpenAIRequest):
+    """OpenAI's ``/v1/completions``; ``echo`` with ``logprobs`` also asks for the prompt's
+    log-probs (lm-eval's loglikelihood requests)."""
+
+    ENGINE_BOUNDED = (*_OpenAIRequest.ENGINE_BOUNDED, "prompt")
+
+    prompt: Prompt
+    echo: bool = False
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
+
+    def prompts(self) -> tuple[str | tuple[int, ...], ...]:
+        several = isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list))
+        return tuple(p if isinstance(p, str) else tuple(p)
+                     for p in (self.prompt if several else [self.prompt]))
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+class ChatRequest(_OpenAIRequest):
+    """OpenAI's ``/v1/chat/completions``: text messages; ``max_completion_tokens`` wins over
+    ``max_tokens``; ``top_logprobs`` only with ``logprobs`` true (OpenAI's rule)."""
+
+    ENGINE_BOUNDED = (*_OpenAIRequest.ENGINE_BOUNDED, "messages", "max_completion_tokens")
+
+    messages: Messages
+    max_completion_tokens: MaxTokens = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)] = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> "ChatRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise refused("top_logprobs", "only allowed with logprobs true")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def generated_max(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+ENDPOINTS: dict[str, type[_Sampled]] = {
+    "completions": CompletionRequest, "chat": ChatRequest, "inference": InferenceRequest}
+# an ENGINE_BOUNDED field -> its type for an engine's limits (the classes declare any engine's)
+_FIELD_TYPES: dict[str, Callable[[EngineLimits], Any]] = {
+    "max_tokens": max_tokens_field, "max_completion_tokens": max_tokens_field,
+    "min_tokens": min_tokens_field, "top_k": top_k_field, "prompt": prompt_field,
+    "messages": messages_field}
+
+
+@functools.lru_cache(maxsize=16)
+def request_model(endpoint: str, limits: EngineLimits = _ANY_ENGINE) -> type[_Sampled]:
+    """``endpoint``'s model ("completions", "chat", "inference") with ``limits``' bounds."""
+    base = ENDPOINTS[endpoint]
+    if limits == _ANY_ENGINE:
+        return base
+    bounded = {name: (_FIELD_TYPES[name](limits), ... if base.model_fields[name].is_required()
+                      else base.model_fields[name].default) for name in base.ENGINE_BOUNDED}
+    return create_model(base.__name__, __base__=base, **bounded)  # type: ignore[call-overload]
