@@ -77,7 +77,7 @@ def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Pa
 def _run_engine(args: argparse.Namespace) -> int:
     from triton_disagg.bench.engine_bench import default_threads, run_engine_bench
     from triton_disagg.bench.extras import require
-    from triton_disagg.bench.report import replace_section
+    from triton_disagg.bench.report import publish
     from triton_disagg.engine.runtime import RUNTIMES
 
     require("transformers", "bench engine measures transformers beside the engine")
@@ -101,9 +101,6 @@ def _run_engine(args: argparse.Namespace) -> int:
                              args.work_dir, say)
     report = run_engine_bench(models, runtimes, batches, args.prompt_len, args.new_tokens,
                               threads, args.repeats, say)
-    print(report)
-    if args.output:
-        replace_section(args.output, "engine",
-                        "Engine throughput (numpy and torch runtimes vs transformers)", report)
-        say(f"[bench] table written to {args.output}")
+    publish(report, args.output, "engine",
+            "Engine throughput (numpy and torch runtimes vs transformers)", say)
     return 0

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 
 BEST_OF = 3
@@ -90,12 +91,8 @@ def run(args: argparse.Namespace) -> int:
                         f"{s.ttft.p50 * 1e3:.1f} ms, {s.token_throughput:.0f} tok/s")
     best = {key: ss[best_index(ss)] for key, ss in runs.items()}
     body = report(best, cores, args)
-    print(body)
-    if args.output is not None:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "front", "HTTP front: OpenAI SSE vs gRPC streaming",
-                        body + "\n\n" + HOW)
+    publish(body, args.output, "front", "HTTP front: OpenAI SSE vs gRPC streaming", say,
+            notes=HOW)
     return 0
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
 from triton_disagg.kv.connector import strategy as kv_strategy
@@ -282,10 +283,5 @@ def run(args: argparse.Namespace) -> int:
                                prompts, say)]
     shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
     body = markdown(rows, shown, cores, args.requests)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "handoff", "KV handoff latency and bandwidth", body)
-        say(f"section written to {args.output}")
+    publish(body, args.output, "handoff", "KV handoff latency and bandwidth", say)
     return 0

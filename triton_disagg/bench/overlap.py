@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from triton_disagg.bench.args import number_list
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 
 KV_MAX_SIZE = "160MB"      # per pool: an 8,192-token sequence of the demo engine is 32 MiB
@@ -226,15 +227,10 @@ def run(args: argparse.Namespace) -> int:
             rows = measure(args, prompts, urls, client, say)
     say(f"measured in {time.monotonic() - started:.0f} s")
     body = markdown(rows, args, notes)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        name, title = (("overlap-link", "KV transfer overlapped with the prefill, across a "
-                                        "shaped link") if rates else
-                       ("overlap", "KV transfer overlapped with the prefill"))
-        replace_section(args.output, name, title, body)
-        say(f"section written to {args.output}")
+    name, title = (("overlap-link", "KV transfer overlapped with the prefill, across a "
+                                    "shaped link") if rates else
+                   ("overlap", "KV transfer overlapped with the prefill"))
+    publish(body, args.output, name, title, say)
     return 0
 
 

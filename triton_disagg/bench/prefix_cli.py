@@ -29,6 +29,7 @@ import numpy as np
 from triton_disagg.bench.args import add_engine_arg, bench_engine
 from triton_disagg.bench.prefix_servers import Mode
 from triton_disagg.bench.prefix_workloads import WORKLOADS, Shape
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 
 MODES = {m.name: m for m in (Mode("round_robin", "round_robin", False),
@@ -103,7 +104,6 @@ def scaled(shape: Shape, factor: float) -> Shape:
 
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.prefix_servers import deployment
-    from triton_disagg.bench.report import replace_section
     from triton_disagg.engine.spec import EngineSpec
 
     modes = [MODES[n] for n in _names(args.modes, MODES, "--modes")]
@@ -121,10 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 chosen = [w for w in workloads if pool == "full" or w in HALF_POOL_WORKLOADS]
                 runs += _mode_runs(deployed, mode, pool, chosen, shape, spec, args)
     table = markdown(runs, args)
-    print(table)
-    if args.output:
-        replace_section(args.output, "prefix", "Prefix caching and KV-aware routing", table)
-        _say(f"kept in {args.output}")
+    publish(table, args.output, "prefix", "Prefix caching and KV-aware routing", _say)
     return 0
 
 

@@ -36,6 +36,7 @@ from typing import Iterator
 import numpy as np
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
 
@@ -102,12 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 if name not in best or figures["ttft"] < best[name]["ttft"]:
                     best[name] = figures
     body = markdown(best, args, cores, os.path.relpath(engine), time.monotonic() - began)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "remote", "Remote path: scheduler over gRPC vs serve all", body)
-        say(f"section written to {args.output}")
+    publish(body, args.output, "remote", "Remote path: scheduler over gRPC vs serve all", say)
     return 0
 
 

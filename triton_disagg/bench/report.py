@@ -1,7 +1,8 @@
 """Keep benchmark tables in one markdown file, one marked section per benchmark.
 
 A section is everything between ``<!-- bench:NAME:start -->`` and
-``<!-- bench:NAME:end -->``; rewriting it leaves the rest of the file untouched.
+``<!-- bench:NAME:end -->``; rewriting it leaves the rest of the file untouched. Every
+benchmark ends with :func:`publish`: its table on stdout, then kept in the file.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import re
 from datetime import date
 from pathlib import Path
+from typing import Callable, Optional
 
 
 def replace_section(path: Path, name: str, title: str, body: str) -> None:
@@ -22,3 +24,14 @@ def replace_section(path: Path, name: str, title: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def publish(body: str, output: Optional[Path], name: str, title: str,
+            say: Callable[[str], None], notes: str = "") -> None:
+    """A benchmark's ending: print its table ``body`` on stdout; given ``output``, keep it,
+    followed by ``notes`` (text for the docs alone) if any, as section ``name`` of that
+    markdown file (:func:`replace_section`) and ``say`` so."""
+    print(body)
+    if output:
+        replace_section(output, name, title, body + (f"\n\n{notes}" if notes else ""))
+        say(f"section written to {output}")

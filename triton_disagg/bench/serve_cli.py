@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 
 if TYPE_CHECKING:
@@ -245,14 +246,10 @@ def run(args: argparse.Namespace) -> int:
     doc_dir = (args.output.parent if args.output else Path("."))
     img_dir = args.img_dir or doc_dir / "img" / ("" if section == "serve" else section)
     images = serve_report.plot(summaries, modes, slo, img_dir)
+    say(f"plots written to {img_dir}")
     body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times, rounds,
                                  split)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, section, title, body)
-        say(f"section written to {args.output}, plots to {img_dir}")
+    publish(body, args.output, section, title, say)
     if args.json:
         args.json.write_text(json.dumps({"setup": asdict(setup),
                                          "summaries": [asdict(s) for s in summaries]},

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 
 OVERLAP_SUFFIX = " + overlap"     # the strategy column's name for a run with --overlap
@@ -87,14 +88,9 @@ def run(args: argparse.Namespace) -> int:
     command = f"triton-disagg bench soak --minutes {args.minutes:g} --strategies " \
               f"{','.join(strategies)}" + (" --overlap" if args.overlap else "")
     body = markdown(results, args.minutes, command)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        section, title = (("soak-overlap", "Soak: serve all with --overlap_kv_transfer")
-                          if args.overlap else ("soak", "Soak: serve all under mixed load"))
-        replace_section(args.output, section, title, body)
-        _say(f"section written to {args.output}")
+    section, title = (("soak-overlap", "Soak: serve all with --overlap_kv_transfer")
+                      if args.overlap else ("soak", "Soak: serve all under mixed load"))
+    publish(body, args.output, section, title, _say)
     failed = [r.strategy for r in results if r.failures()]
     _say(f"FAIL: {', '.join(failed)}" if failed else "PASS")
     return 1 if failed else 0

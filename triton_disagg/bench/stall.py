@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.report import publish
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
 
@@ -208,12 +209,7 @@ def run(args: argparse.Namespace) -> int:
     engine = bench_engine(args.engine, args.work_dir, say)
     stall = measure(args, engine, say)
     body = markdown(stall, args)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "stall", "KV handoff stalls of running streams", body)
-        say(f"section written to {args.output}")
+    publish(body, args.output, "stall", "KV handoff stalls of running streams", say)
     return 0
 
 

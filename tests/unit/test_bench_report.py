@@ -1,0 +1,33 @@
+"""Every benchmark's ending (``bench/report.py`` ``publish``): the table on stdout; with
+``--output``, the table (and the notes for the docs) kept as the benchmark's own section of
+the markdown file, rewritten in place on the next run, the rest of the file untouched."""
+
+from __future__ import annotations
+
+from datetime import date
+
+from triton_disagg.bench.report import publish
+
+
+def test_publish_prints_then_keeps_its_section_and_leaves_the_rest(tmp_path, capsys):
+    doc, said = tmp_path / "docs" / "benchmarks.md", []
+    publish("| a | 1 |", doc, "one", "First", said.append)
+    publish("| b | 2 |", doc, "two", "Second", said.append, notes="How it was run.")
+    publish("| a | 3 |", doc, "one", "First again", said.append)
+
+    assert capsys.readouterr().out == "| a | 1 |\n| b | 2 |\n| a | 3 |\n"   # notes: docs only
+    assert said == [f"section written to {doc}"] * 3
+    today = date.today().isoformat()
+    assert doc.read_text() == (
+        "# Benchmarks\n\n"
+        f"<!-- bench:one:start -->\n## First again\n\nMeasured {today}.\n\n| a | 3 |\n"
+        "<!-- bench:one:end -->\n\n"
+        f"<!-- bench:two:start -->\n## Second\n\nMeasured {today}.\n\n| b | 2 |\n\n"
+        "How it was run.\n<!-- bench:two:end -->\n")
+
+
+def test_publish_without_output_only_prints(tmp_path, capsys):
+    said = []
+    publish("| a | 1 |", None, "one", "First", said.append, notes="How it was run.")
+    assert capsys.readouterr().out == "| a | 1 |\n"
+    assert said == [] and list(tmp_path.iterdir()) == []
