@@ -1,12 +1,13 @@
-"""Every benchmark's ending (``bench/report.py`` ``publish``): the table on stdout; with
-``--output``, the table (and the notes for the docs) kept as the benchmark's own section of
-the markdown file, rewritten in place on the next run, the rest of the file untouched."""
+"""What every benchmark tells (``bench/report.py``): progress lines on stderr, named by the
+command (``progress``); at its end (``publish``) the table on stdout and, with ``--output``,
+the table (and the notes for the docs) kept as the benchmark's own section of the markdown
+file, rewritten in place on the next run, the rest of the file untouched."""
 
 from __future__ import annotations
 
 from datetime import date
 
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 
 
 def test_publish_prints_then_keeps_its_section_and_leaves_the_rest(tmp_path, capsys):
@@ -31,3 +32,11 @@ def test_publish_without_output_only_prints(tmp_path, capsys):
     publish("| a | 1 |", None, "one", "First", said.append, notes="How it was run.")
     assert capsys.readouterr().out == "| a | 1 |\n"
     assert said == [] and list(tmp_path.iterdir()) == []
+
+
+def test_progress_says_on_stderr_named_by_the_command(capsys):
+    say = progress("handoff")
+    say("starting")
+    say("done")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "[bench handoff] starting\n[bench handoff] done\n"

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from pathlib import Path
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 BEST_OF = 3
@@ -61,8 +60,7 @@ def run(args: argparse.Namespace) -> int:
     cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
              else sorted(os.sched_getaffinity(0)))
 
-    def say(message: str) -> None:
-        print(f"[bench front] {message}", file=sys.stderr, flush=True)
+    say = progress("front")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer = Tokenizer(engine)

@@ -17,14 +17,13 @@ import contextlib
 import json
 import os
 import random
-import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
 from triton_disagg.kv.connector import strategy as kv_strategy
@@ -271,8 +270,7 @@ def run(args: argparse.Namespace) -> int:
     cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
              else sorted(os.sched_getaffinity(0)))
 
-    def say(message: str) -> None:
-        print(f"[bench handoff] {message}", file=sys.stderr, flush=True)
+    say = progress("handoff")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer, rng = Tokenizer(engine), random.Random(0)

@@ -28,14 +28,13 @@ import argparse
 import contextlib
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from triton_disagg.bench.args import number_list
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 KV_MAX_SIZE = "160MB"      # per pool: an 8,192-token sequence of the demo engine is 32 MiB
@@ -199,8 +198,7 @@ def run(args: argparse.Namespace) -> int:
     if why:
         raise UserError(why)
 
-    def say(message: str) -> None:
-        print(f"[bench overlap] {message}", file=sys.stderr, flush=True)
+    say = progress("overlap")
 
     engine = args.engine.resolve() if args.engine else long_engine(args.work_dir,
                                                                     max(lengths), say)

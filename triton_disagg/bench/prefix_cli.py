@@ -20,7 +20,6 @@ kept as the ``prefix`` section of that file.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import numpy as np
 from triton_disagg.bench.args import add_engine_arg, bench_engine
 from triton_disagg.bench.prefix_servers import Mode
 from triton_disagg.bench.prefix_workloads import WORKLOADS, Shape
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 MODES = {m.name: m for m in (Mode("round_robin", "round_robin", False),
@@ -82,8 +81,7 @@ def add_prefix_parser(kinds) -> None:
     p.set_defaults(func=run)
 
 
-def _say(message: str) -> None:
-    print(f"[bench prefix] {message}", file=sys.stderr, flush=True)
+_say = progress("prefix")
 
 
 def _names(text: str, known, flag: str) -> list[str]:

@@ -36,7 +36,7 @@ from typing import Iterator
 import numpy as np
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
 
@@ -73,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
     cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
              else sorted(os.sched_getaffinity(0)))
 
-    def say(message: str) -> None:
-        print(f"[bench remote] {message}", file=sys.stderr, flush=True)
+    say = progress("remote")
 
     began = time.monotonic()
     engine = bench_engine(args.engine, args.work_dir, say)

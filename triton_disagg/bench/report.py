@@ -1,16 +1,27 @@
-"""Keep benchmark tables in one markdown file, one marked section per benchmark.
+"""What a benchmark tells: its progress on stderr (:func:`progress`), its table on stdout,
+kept in one markdown file, one marked section per benchmark (:func:`publish`).
 
 A section is everything between ``<!-- bench:NAME:start -->`` and
-``<!-- bench:NAME:end -->``; rewriting it leaves the rest of the file untouched. Every
-benchmark ends with :func:`publish`: its table on stdout, then kept in the file.
+``<!-- bench:NAME:end -->``; rewriting it leaves the rest of the file untouched.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from datetime import date
 from pathlib import Path
 from typing import Callable, Optional
+
+
+def progress(command: str) -> Callable[[str], None]:
+    """The ``say`` of ``bench <command>``: each message a line ``[bench <command>] ...`` on
+    stderr, flushed at once (stdout carries the table alone)."""
+
+    def say(message: str) -> None:
+        print(f"[bench {command}] {message}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def replace_section(path: Path, name: str, title: str, body: str) -> None:

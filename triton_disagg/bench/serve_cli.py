@@ -31,14 +31,13 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 if TYPE_CHECKING:
@@ -172,8 +171,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--stream-interval: {args.stream_interval} must be >= 1")
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
 
-    def say(message: str) -> None:
-        print(f"[bench serve] {message}", file=sys.stderr, flush=True)
+    say = progress("serve")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer = Tokenizer(engine)

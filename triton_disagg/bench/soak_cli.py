@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 OVERLAP_SUFFIX = " + overlap"     # the strategy column's name for a run with --overlap
@@ -57,8 +56,7 @@ def add_soak_parser(kinds) -> None:
     p.set_defaults(func=run)
 
 
-def _say(message: str) -> None:
-    print(f"[bench soak] {message}", file=sys.stderr, flush=True)
+_say = progress("soak")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,14 +29,13 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
-from triton_disagg.bench.report import publish
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
 
@@ -203,8 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.arrivals < 1 or args.period <= 0 or args.repeats < 1:
         raise UserError("bench stall: --arrivals and --repeats must be >= 1, --period > 0")
 
-    def say(message: str) -> None:
-        print(f"[bench stall] {message}", file=sys.stderr, flush=True)
+    say = progress("stall")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     stall = measure(args, engine, say)
