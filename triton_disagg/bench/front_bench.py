@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from pathlib import Path
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
@@ -57,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.serial_requests < 1 or args.burst_requests < 1:
         raise UserError("--serial-requests and --burst-requests must be positive")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
 
     say = progress("front")
 

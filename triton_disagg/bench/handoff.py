@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg, number_list
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
@@ -267,8 +267,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = number_list(args.prompt_tokens, "--prompt-tokens", int)
     if args.requests < 1:
         raise UserError(f"--requests: {args.requests} must be >= 1")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
 
     say = progress("handoff")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from triton_disagg.bench.args import number_list
+from triton_disagg.bench.args import cpus_arg, number_list
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.rounds < 1:
         raise UserError("bench overlap: --requests and --rounds must be >= 1")
     lengths = number_list(args.prompt_tokens, "--prompt-tokens", int)
-    cores = number_list(args.cpus, "--cpus", int, allow_zero=True)
+    cores = cpus_arg(args.cpus)
     rates = number_list(args.link_mbit, "--link-mbit") if args.link_mbit else []
     why = refusal() if rates else None
     if why:

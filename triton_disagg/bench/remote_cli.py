@@ -35,7 +35,7 @@ from typing import Iterator
 
 import numpy as np
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
@@ -62,7 +62,6 @@ def add_remote_parser(kinds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from triton_disagg.bench.args import number_list
     from triton_disagg.bench.serve_cli import make_requests
     from triton_disagg.clients.load import run_load
     from triton_disagg.bench.serve_servers import serving
@@ -70,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.requests < 1 or args.runs < 1:
         raise UserError("--requests and --runs must be >= 1")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
 
     say = progress("remote")
 

@@ -36,7 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg, number_list
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
@@ -161,8 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if not modes or set(modes) - set(MODES):
         raise UserError(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
     sweep = _sweep(args)
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
     front = (number_list(args.front_cpus, "--front-cpus", int, allow_zero=True)
              if args.front_cpus is not None else [])
     if args.serial_requests < 1 or args.burst_requests < 1 or args.duration <= 0:

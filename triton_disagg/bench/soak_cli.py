@@ -16,13 +16,12 @@ the logs and the process table only, never on what runs inside the models.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
@@ -60,7 +59,6 @@ _say = progress("soak")
 
 
 def run(args: argparse.Namespace) -> int:
-    from triton_disagg.bench.args import number_list
     from triton_disagg.bench.extras import require
     from triton_disagg.bench.soak_report import markdown
     from triton_disagg.bench.soak_tools import find_genai_perf
@@ -78,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
             or args.cancel_clients < 0 or args.settle < 0:
         raise UserError("--minutes, --generation-instances and --locust-users must be positive, "
                         "--cancel-clients and --settle not negative")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
     genai_perf = find_genai_perf(args.genai_perf)      # fails here, before any server starts
     engine = bench_engine(args.engine, Path("work/bench"), _say)
     results = [soak_one(s, args, engine, genai_perf, cores) for s in strategies]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
@@ -149,7 +149,7 @@ def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
     from triton_disagg.engine.tokenizer import Tokenizer
     from triton_disagg.routing.scrape import scrape
 
-    cores = number_list(args.cpus, "--cpus", int, allow_zero=True)
+    cores = cpus_arg(args.cpus)
     tokenizer, rng = Tokenizer(engine), random.Random(0)
     stream_prompts = [exact_prompt(tokenizer, STREAM_PROMPT_TOKENS, rng) for _ in range(STREAMS)]
     long_prompts = [exact_prompt(tokenizer, args.prompt_tokens, rng)
