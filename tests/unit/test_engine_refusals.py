@@ -1,14 +1,17 @@
 """What the engine refuses, with a message naming what is wrong (empty or out-of-vocabulary
-prompts, lengths past the limits, a request id in use, KV of the wrong length), and that a
-refusal or an abort leaves no block held."""
+prompts, lengths past the limits, a request id in use, KV of the wrong length, a KV pool of
+another model's shape), and that a refusal or an abort leaves no block held."""
 
 import pytest
 
 from hf_reference import engines  # noqa: F401
-from triton_disagg.engine.block_pool import KVCacheFullError
+from triton_disagg.engine.block_pool import BlockPool, KVCacheFullError
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.engine.runtime import Runtime, make_runner
+from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import RequestError
+from triton_disagg.kv.layout import BlockGeometry
 
 
 def test_invalid_requests_raise_clear_errors_and_abort_frees(engines):
@@ -51,3 +54,17 @@ class TwoTokensOfKV:
     """A remote prompt KV of 2 tokens that is never fetched (its request is refused)."""
 
     num_tokens = 2
+
+
+@pytest.mark.parametrize("runtime", ["numpy", "torch"])
+@pytest.mark.parametrize("other", ["num_layers", "num_kv_heads", "head_dim"])
+def test_a_runner_refuses_a_pool_of_another_models_kv(runtime, other, engines):
+    """Layers, KV heads and head size must be the model's; tokens per block and dtype may
+    differ (the pool's layout)."""
+    spec = EngineSpec.load(engines["llama"])
+    own = spec.block_geometry()
+    fits = BlockGeometry(own.num_layers, own.num_kv_heads, own.head_dim, 8, "float16")
+    spec.check_pool(fits)
+    wrong = BlockGeometry(**{**own.__dict__, other: getattr(own, other) + 1})
+    with pytest.raises(ValueError, match="does not match the model shape"):
+        make_runner(Runtime(runtime), spec, {}, BlockPool(wrong, 4))
