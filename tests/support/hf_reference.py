@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from checkpoints import build_engines
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
 
@@ -32,12 +33,8 @@ def runtime(request) -> Runtime:
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
-    from triton_disagg.builders.build import build_engine
-
-    root = tmp_path_factory.mktemp("block4")
-    for family, checkpoint in tiny_checkpoints.items():
-        build_engine(checkpoint, root / family, tokens_per_block=4, max_batch_size=4)
-    return {family: root / family for family in tiny_checkpoints}
+    return build_engines(tiny_checkpoints, tmp_path_factory.mktemp("block4"),
+                         tokens_per_block=4, max_batch_size=4)
 
 
 @functools.lru_cache(maxsize=None)
