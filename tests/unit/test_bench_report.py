@@ -1,13 +1,15 @@
 """What every benchmark tells (``bench/report.py``): progress lines on stderr, named by the
-command (``progress``); at its end (``publish``) the table on stdout and, with ``--output``,
-the table (and the notes for the docs) kept as the benchmark's own section of the markdown
-file, rewritten in place on the next run, the rest of the file untouched."""
+command (``progress``); paths relative to the working directory under it (``shown_path``);
+at its end (``publish``) the table on stdout and, with ``--output``, the table (and the
+notes for the docs) kept as the benchmark's own section of the markdown file, rewritten in
+place on the next run, the rest of the file untouched."""
 
 from __future__ import annotations
 
 from datetime import date
+from pathlib import Path
 
-from triton_disagg.bench.report import progress, publish
+from triton_disagg.bench.report import progress, publish, shown_path
 
 
 def test_publish_prints_then_keeps_its_section_and_leaves_the_rest(tmp_path, capsys):
@@ -40,3 +42,10 @@ def test_progress_says_on_stderr_named_by_the_command(capsys):
     say("done")
     out, err = capsys.readouterr()
     assert out == "" and err == "[bench handoff] starting\n[bench handoff] done\n"
+
+
+def test_shown_path_is_relative_under_the_working_directory_else_as_given(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert shown_path(tmp_path / "work" / "engines" / "demo") == "work/engines/demo"
+    assert shown_path(Path("/opt/engines/demo")) == "/opt/engines/demo"

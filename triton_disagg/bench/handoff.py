@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import urllib.request
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg, number_list
-from triton_disagg.bench.report import progress, publish
+from triton_disagg.bench.report import progress, publish, shown_path
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
 from triton_disagg.kv.connector import strategy as kv_strategy
@@ -278,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [row for strategy in strategies
             for row in measure(strategy, engine, cores, (args.work_dir / "handoff").resolve(),
                                prompts, say)]
-    shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
+    shown = shown_path(engine)
     body = markdown(rows, shown, cores, args.requests)
     publish(body, args.output, "handoff", "KV handoff latency and bandwidth", say)
     return 0

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Iterator
 import numpy as np
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
-from triton_disagg.bench.report import progress, publish
+from triton_disagg.bench.report import progress, publish, shown_path
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
 
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                     f"TPOT p50 {figures['tpot'] * 1e3:.2f} ms")
                 if name not in best or figures["ttft"] < best[name]["ttft"]:
                     best[name] = figures
-    body = markdown(best, args, cores, os.path.relpath(engine), time.monotonic() - began)
+    body = markdown(best, args, cores, shown_path(engine), time.monotonic() - began)
     publish(body, args.output, "remote", "Remote path: scheduler over gRPC vs serve all", say)
     return 0
 

@@ -7,6 +7,7 @@ A section is everything between ``<!-- bench:NAME:start -->`` and
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from datetime import date
@@ -22,6 +23,12 @@ def progress(command: str) -> Callable[[str], None]:
         print(f"[bench {command}] {message}", file=sys.stderr, flush=True)
 
     return say
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a report names it: relative to the working directory when it lies under
+    it (the docs then name no one's home), else as given."""
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def replace_section(path: Path, name: str, title: str, body: str) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg, number_list
-from triton_disagg.bench.report import progress, publish
+from triton_disagg.bench.report import progress, publish, shown_path
 from triton_disagg.errors import UserError
 
 if TYPE_CHECKING:
@@ -231,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     appeared = {m: i for i, m in enumerate(dict.fromkeys(s.mode for s in summaries))}
     summaries.sort(key=lambda s: (appeared[s.mode], s.rate))   # per mode: serial, rates, burst
 
-    shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
+    shown = shown_path(engine)
     setup = serve_report.Setup(shown, tuple(cores), args.prompt_tokens, args.output_tokens,
                                slo, sweep, time.monotonic() - began, args.stream_interval,
                                tuple(front))
