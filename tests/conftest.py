@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import MAKERS, make_llama_checkpoint
+from checkpoints import MAKERS, build_engines, make_llama_checkpoint
 
 
 LAYERS = ("unit", "server", "cluster")   # tests/<layer>/: each test is marked with its folder's
@@ -62,12 +62,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     """family -> float32 engine directory built from ``tiny_checkpoints[family]``."""
-    from triton_disagg.builders.build import build_engine
-
-    root = tmp_path_factory.mktemp("engines")
-    for family, checkpoint in tiny_checkpoints.items():
-        build_engine(checkpoint, root / family)
-    return {family: root / family for family in tiny_checkpoints}
+    return build_engines(tiny_checkpoints, tmp_path_factory.mktemp("engines"))
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ stream through ``sched2`` (ctx2 and gen1). Then:
   once the leases expire, and new requests through ``scheduler`` complete.
 
 gen1 reads each context agent's KV on a thread of that agent's own
-(:class:`triton_disagg.kv.overlap.LayerReader`): the READ stuck on ctx1 holds up only ctx1's
+(:class:`triton_disagg.kv.layer_reader.LayerReader`): the READ stuck on ctx1 holds up only ctx1's
 requests.
 """
 

@@ -89,3 +89,13 @@ def make_gpt2_checkpoint(directory: str | Path, *, seed: int = 0, sharded: bool 
 
 MAKERS = {"llama": make_llama_checkpoint, "qwen2": make_qwen2_checkpoint,
           "mistral": make_mistral_checkpoint, "gpt2": make_gpt2_checkpoint}
+
+
+def build_engines(checkpoints: dict[str, Path], root: Path, **options) -> dict[str, Path]:
+    """family -> the engine built from ``checkpoints[family]`` into ``root / family`` with
+    the builder's ``options`` (``tokens_per_block``, ``max_batch_size``, ...)."""
+    from triton_disagg.builders.build import build_engine
+
+    for family, checkpoint in checkpoints.items():
+        build_engine(checkpoint, root / family, **options)
+    return {family: root / family for family in checkpoints}

@@ -127,7 +127,7 @@ def nixl_context():
     """A NIXL sender over a 16-block pool that the test polls, and a stranger's agent
     connected to it; yields ``(endpoint, blocks, stranger, peer)``."""
     pytest.importorskip("nixl")
-    from triton_disagg.kv.nixl import NixlEndpoint
+    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
     from triton_disagg.kv.nixl_agent import Agent
 
     blocks = CountingPool()
@@ -148,7 +148,7 @@ def _export(endpoint, blocks: CountingPool, ids: list[int]):
 
 
 def test_one_bad_lease_notification_does_not_drop_the_others_of_its_pass(nixl_context):
-    from triton_disagg.kv.nixl import NOTIF_PREFIX
+    from triton_disagg.kv.nixl_endpoint import NOTIF_PREFIX
 
     endpoint, blocks, stranger, peer = nixl_context
     leases = [_export(endpoint, blocks, [b]) for b in (1, 2, 3)]
@@ -215,7 +215,7 @@ def test_a_remote_agent_in_use_is_not_evicted_by_a_small_lru():
     """max_peers 1: a pull open on context A survives a whole fetch from context B (which
     loads B and, unpinned, would evict A), and A's READ then returns A's KV."""
     pytest.importorskip("nixl")
-    from triton_disagg.kv.nixl import NixlEndpoint
+    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
 
     blocks_a, blocks_b = CountingPool(), CountingPool()
     endpoint_a = NixlEndpoint("hardening-ctx-a", make_pool(1, 16, 4, "float32"),

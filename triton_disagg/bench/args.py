@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from triton_disagg.errors import UserError
 
@@ -43,3 +44,11 @@ def number_list(text: str, name: str, kind: type = float, allow_zero: bool = Fal
         raise UserError(f"{name}: expected comma-separated {bound} {kind.__name__} values, "
                         f"got {text!r}")
     return values
+
+
+def cpus_arg(text: Optional[str], name: str = "--cpus") -> list[int]:
+    """The core ids ``--cpus`` lists (:func:`number_list`, 0 allowed); without the flag,
+    every core this process may run on, ascending."""
+    if text is None:
+        return sorted(os.sched_getaffinity(0))
+    return number_list(text, name, int, allow_zero=True)

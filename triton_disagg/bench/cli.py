@@ -4,7 +4,6 @@ docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from triton_disagg.bench.args import number_list
@@ -64,7 +63,7 @@ def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Pa
         if name == "demo":
             write_demo_checkpoint(checkpoint)
         elif name == "gpt2-small":
-            say("[bench] writing a random GPT-2-small-shaped checkpoint ...")
+            say("writing a random GPT-2-small-shaped checkpoint ...")
             write_gpt2_small_checkpoint(checkpoint)
         else:
             raise UserError(f"--models: unknown model {name!r}; choose from demo, gpt2-small")
@@ -77,7 +76,7 @@ def _prepare_models(names: list[str], work_dir: Path, say) -> dict[str, tuple[Pa
 def _run_engine(args: argparse.Namespace) -> int:
     from triton_disagg.bench.engine_bench import default_threads, run_engine_bench
     from triton_disagg.bench.extras import require
-    from triton_disagg.bench.report import replace_section
+    from triton_disagg.bench.report import progress, publish
     from triton_disagg.engine.runtime import RUNTIMES
 
     require("transformers", "bench engine measures transformers beside the engine")
@@ -94,16 +93,12 @@ def _run_engine(args: argparse.Namespace) -> int:
                         f"{', '.join(RUNTIMES)}")
     threads = args.threads or default_threads()
 
-    def say(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+    say = progress("engine")
 
     models = _prepare_models([m.strip() for m in args.models.split(",") if m.strip()],
                              args.work_dir, say)
     report = run_engine_bench(models, runtimes, batches, args.prompt_len, args.new_tokens,
                               threads, args.repeats, say)
-    print(report)
-    if args.output:
-        replace_section(args.output, "engine",
-                        "Engine throughput (numpy and torch runtimes vs transformers)", report)
-        say(f"[bench] table written to {args.output}")
+    publish(report, args.output, "engine",
+            "Engine throughput (numpy and torch runtimes vs transformers)", say)
     return 0

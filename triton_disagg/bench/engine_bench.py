@@ -113,14 +113,14 @@ def bench_model(name: str, checkpoint: Path, engine_dir: Path, runtimes: list[st
     for batch in batches:
         prefill, decode = {}, {}
         for runtime in runtimes:
-            say(f"[bench] {name} batch {batch}: {runtime} ...")
+            say(f"{name} batch {batch}: {runtime} ...")
             prefill[runtime], decode[runtime] = engine_throughput(
                 engine_dir, runtime, batch, prompt_len, new_tokens, threads, repeats)
-        say(f"[bench] {name} batch {batch}: transformers ...")
+        say(f"{name} batch {batch}: transformers ...")
         prefill[HF], decode[HF] = hf_throughput(checkpoint, batch, prompt_len, new_tokens - 1,
                                                 threads, vocab, repeats)
         rows.append(BenchRow(name, batch, prefill, decode))
-        say(f"[bench] {name} batch {batch}: decode tok/s " +
+        say(f"{name} batch {batch}: decode tok/s " +
             ", ".join(f"{k} {v:.0f}" for k, v in decode.items()))
     return rows
 
@@ -212,7 +212,7 @@ def run_engine_bench(models: dict[str, tuple[Path, Path]], runtimes: list[str],
 
     with threadpool_limits(threads):
         bandwidth = measure_matvec_bandwidth()
-    say(f"[bench] matrix-vector bandwidth {bandwidth / 1e9:.1f} GB/s")
+    say(f"matrix-vector bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows, rooflines = [], {}
     for name, (checkpoint, engine_dir) in models.items():
         shape = EngineSpec.load(engine_dir).shape

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from pathlib import Path
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 BEST_OF = 3
@@ -57,11 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.serial_requests < 1 or args.burst_requests < 1:
         raise UserError("--serial-requests and --burst-requests must be positive")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
 
-    def say(message: str) -> None:
-        print(f"[bench front] {message}", file=sys.stderr, flush=True)
+    say = progress("front")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer = Tokenizer(engine)
@@ -90,12 +87,8 @@ def run(args: argparse.Namespace) -> int:
                         f"{s.ttft.p50 * 1e3:.1f} ms, {s.token_throughput:.0f} tok/s")
     best = {key: ss[best_index(ss)] for key, ss in runs.items()}
     body = report(best, cores, args)
-    print(body)
-    if args.output is not None:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "front", "HTTP front: OpenAI SSE vs gRPC streaming",
-                        body + "\n\n" + HOW)
+    publish(body, args.output, "front", "HTTP front: OpenAI SSE vs gRPC streaming", say,
+            notes=HOW)
     return 0
 
 

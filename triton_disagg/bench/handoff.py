@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
-import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg, number_list
+from triton_disagg.bench.report import progress, publish, shown_path
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
 from triton_disagg.kv.connector import strategy as kv_strategy
@@ -267,11 +266,9 @@ def run(args: argparse.Namespace) -> int:
     lengths = number_list(args.prompt_tokens, "--prompt-tokens", int)
     if args.requests < 1:
         raise UserError(f"--requests: {args.requests} must be >= 1")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
 
-    def say(message: str) -> None:
-        print(f"[bench handoff] {message}", file=sys.stderr, flush=True)
+    say = progress("handoff")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer, rng = Tokenizer(engine), random.Random(0)
@@ -280,12 +277,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [row for strategy in strategies
             for row in measure(strategy, engine, cores, (args.work_dir / "handoff").resolve(),
                                prompts, say)]
-    shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
+    shown = shown_path(engine)
     body = markdown(rows, shown, cores, args.requests)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "handoff", "KV handoff latency and bandwidth", body)
-        say(f"section written to {args.output}")
+    publish(body, args.output, "handoff", "KV handoff latency and bandwidth", say)
     return 0

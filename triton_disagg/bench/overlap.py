@@ -28,13 +28,13 @@ import argparse
 import contextlib
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from triton_disagg.bench.args import number_list
+from triton_disagg.bench.args import cpus_arg, number_list
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 KV_MAX_SIZE = "160MB"      # per pool: an 8,192-token sequence of the demo engine is 32 MiB
@@ -192,14 +192,13 @@ def run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.rounds < 1:
         raise UserError("bench overlap: --requests and --rounds must be >= 1")
     lengths = number_list(args.prompt_tokens, "--prompt-tokens", int)
-    cores = number_list(args.cpus, "--cpus", int, allow_zero=True)
+    cores = cpus_arg(args.cpus)
     rates = number_list(args.link_mbit, "--link-mbit") if args.link_mbit else []
     why = refusal() if rates else None
     if why:
         raise UserError(why)
 
-    def say(message: str) -> None:
-        print(f"[bench overlap] {message}", file=sys.stderr, flush=True)
+    say = progress("overlap")
 
     engine = args.engine.resolve() if args.engine else long_engine(args.work_dir,
                                                                     max(lengths), say)
@@ -226,15 +225,10 @@ def run(args: argparse.Namespace) -> int:
             rows = measure(args, prompts, urls, client, say)
     say(f"measured in {time.monotonic() - started:.0f} s")
     body = markdown(rows, args, notes)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        name, title = (("overlap-link", "KV transfer overlapped with the prefill, across a "
-                                        "shaped link") if rates else
-                       ("overlap", "KV transfer overlapped with the prefill"))
-        replace_section(args.output, name, title, body)
-        say(f"section written to {args.output}")
+    name, title = (("overlap-link", "KV transfer overlapped with the prefill, across a "
+                                    "shaped link") if rates else
+                   ("overlap", "KV transfer overlapped with the prefill"))
+    publish(body, args.output, name, title, say)
     return 0
 
 

@@ -20,7 +20,6 @@ kept as the ``prefix`` section of that file.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import numpy as np
 from triton_disagg.bench.args import add_engine_arg, bench_engine
 from triton_disagg.bench.prefix_servers import Mode
 from triton_disagg.bench.prefix_workloads import WORKLOADS, Shape
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 MODES = {m.name: m for m in (Mode("round_robin", "round_robin", False),
@@ -81,8 +81,7 @@ def add_prefix_parser(kinds) -> None:
     p.set_defaults(func=run)
 
 
-def _say(message: str) -> None:
-    print(f"[bench prefix] {message}", file=sys.stderr, flush=True)
+_say = progress("prefix")
 
 
 def _names(text: str, known, flag: str) -> list[str]:
@@ -103,7 +102,6 @@ def scaled(shape: Shape, factor: float) -> Shape:
 
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.prefix_servers import deployment
-    from triton_disagg.bench.report import replace_section
     from triton_disagg.engine.spec import EngineSpec
 
     modes = [MODES[n] for n in _names(args.modes, MODES, "--modes")]
@@ -121,10 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 chosen = [w for w in workloads if pool == "full" or w in HALF_POOL_WORKLOADS]
                 runs += _mode_runs(deployed, mode, pool, chosen, shape, spec, args)
     table = markdown(runs, args)
-    print(table)
-    if args.output:
-        replace_section(args.output, "prefix", "Prefix caching and KV-aware routing", table)
-        _say(f"kept in {args.output}")
+    publish(table, args.output, "prefix", "Prefix caching and KV-aware routing", _say)
     return 0
 
 

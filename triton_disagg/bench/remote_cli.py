@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import subprocess
 import sys
 import time
@@ -35,7 +34,8 @@ from typing import Iterator
 
 import numpy as np
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
+from triton_disagg.bench.report import progress, publish, shown_path
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
 
@@ -61,7 +61,6 @@ def add_remote_parser(kinds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from triton_disagg.bench.args import number_list
     from triton_disagg.bench.serve_cli import make_requests
     from triton_disagg.clients.load import run_load
     from triton_disagg.bench.serve_servers import serving
@@ -69,11 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.requests < 1 or args.runs < 1:
         raise UserError("--requests and --runs must be >= 1")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
 
-    def say(message: str) -> None:
-        print(f"[bench remote] {message}", file=sys.stderr, flush=True)
+    say = progress("remote")
 
     began = time.monotonic()
     engine = bench_engine(args.engine, args.work_dir, say)
@@ -101,13 +98,8 @@ def run(args: argparse.Namespace) -> int:
                     f"TPOT p50 {figures['tpot'] * 1e3:.2f} ms")
                 if name not in best or figures["ttft"] < best[name]["ttft"]:
                     best[name] = figures
-    body = markdown(best, args, cores, os.path.relpath(engine), time.monotonic() - began)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "remote", "Remote path: scheduler over gRPC vs serve all", body)
-        say(f"section written to {args.output}")
+    body = markdown(best, args, cores, shown_path(engine), time.monotonic() - began)
+    publish(body, args.output, "remote", "Remote path: scheduler over gRPC vs serve all", say)
     return 0
 
 

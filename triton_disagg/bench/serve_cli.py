@@ -29,15 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg, number_list
+from triton_disagg.bench.report import progress, publish, shown_path
 from triton_disagg.errors import UserError
 
 if TYPE_CHECKING:
@@ -161,8 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if not modes or set(modes) - set(MODES):
         raise UserError(f"--modes: {args.modes!r}; choose from {', '.join(MODES)}")
     sweep = _sweep(args)
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
     front = (number_list(args.front_cpus, "--front-cpus", int, allow_zero=True)
              if args.front_cpus is not None else [])
     if args.serial_requests < 1 or args.burst_requests < 1 or args.duration <= 0:
@@ -171,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--stream-interval: {args.stream_interval} must be >= 1")
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
 
-    def say(message: str) -> None:
-        print(f"[bench serve] {message}", file=sys.stderr, flush=True)
+    say = progress("serve")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     tokenizer = Tokenizer(engine)
@@ -233,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     appeared = {m: i for i, m in enumerate(dict.fromkeys(s.mode for s in summaries))}
     summaries.sort(key=lambda s: (appeared[s.mode], s.rate))   # per mode: serial, rates, burst
 
-    shown = os.path.relpath(engine) if engine.is_relative_to(Path.cwd()) else str(engine)
+    shown = shown_path(engine)
     setup = serve_report.Setup(shown, tuple(cores), args.prompt_tokens, args.output_tokens,
                                slo, sweep, time.monotonic() - began, args.stream_interval,
                                tuple(front))
@@ -245,14 +242,10 @@ def run(args: argparse.Namespace) -> int:
     doc_dir = (args.output.parent if args.output else Path("."))
     img_dir = args.img_dir or doc_dir / "img" / ("" if section == "serve" else section)
     images = serve_report.plot(summaries, modes, slo, img_dir)
+    say(f"plots written to {img_dir}")
     body = serve_report.markdown(setup, summaries, modes, images, doc_dir, times, rounds,
                                  split)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, section, title, body)
-        say(f"section written to {args.output}, plots to {img_dir}")
+    publish(body, args.output, section, title, say)
     if args.json:
         args.json.write_text(json.dumps({"setup": asdict(setup),
                                          "summaries": [asdict(s) for s in summaries]},

@@ -16,14 +16,13 @@ the logs and the process table only, never on what runs inside the models.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
 OVERLAP_SUFFIX = " + overlap"     # the strategy column's name for a run with --overlap
@@ -56,12 +55,10 @@ def add_soak_parser(kinds) -> None:
     p.set_defaults(func=run)
 
 
-def _say(message: str) -> None:
-    print(f"[bench soak] {message}", file=sys.stderr, flush=True)
+_say = progress("soak")
 
 
 def run(args: argparse.Namespace) -> int:
-    from triton_disagg.bench.args import number_list
     from triton_disagg.bench.extras import require
     from triton_disagg.bench.soak_report import markdown
     from triton_disagg.bench.soak_tools import find_genai_perf
@@ -79,22 +76,16 @@ def run(args: argparse.Namespace) -> int:
             or args.cancel_clients < 0 or args.settle < 0:
         raise UserError("--minutes, --generation-instances and --locust-users must be positive, "
                         "--cancel-clients and --settle not negative")
-    cores = (number_list(args.cpus, "--cpus", int, allow_zero=True) if args.cpus is not None
-             else sorted(os.sched_getaffinity(0)))
+    cores = cpus_arg(args.cpus)
     genai_perf = find_genai_perf(args.genai_perf)      # fails here, before any server starts
     engine = bench_engine(args.engine, Path("work/bench"), _say)
     results = [soak_one(s, args, engine, genai_perf, cores) for s in strategies]
     command = f"triton-disagg bench soak --minutes {args.minutes:g} --strategies " \
               f"{','.join(strategies)}" + (" --overlap" if args.overlap else "")
     body = markdown(results, args.minutes, command)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        section, title = (("soak-overlap", "Soak: serve all with --overlap_kv_transfer")
-                          if args.overlap else ("soak", "Soak: serve all under mixed load"))
-        replace_section(args.output, section, title, body)
-        _say(f"section written to {args.output}")
+    section, title = (("soak-overlap", "Soak: serve all with --overlap_kv_transfer")
+                      if args.overlap else ("soak", "Soak: serve all under mixed load"))
+    publish(body, args.output, section, title, _say)
     failed = [r.strategy for r in results if r.failures()]
     _say(f"FAIL: {', '.join(failed)}" if failed else "PASS")
     return 1 if failed else 0

@@ -29,13 +29,13 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from triton_disagg.bench.args import add_engine_arg, bench_engine, number_list
+from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
+from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import STRATEGIES
 
@@ -149,7 +149,7 @@ def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
     from triton_disagg.engine.tokenizer import Tokenizer
     from triton_disagg.routing.scrape import scrape
 
-    cores = number_list(args.cpus, "--cpus", int, allow_zero=True)
+    cores = cpus_arg(args.cpus)
     tokenizer, rng = Tokenizer(engine), random.Random(0)
     stream_prompts = [exact_prompt(tokenizer, STREAM_PROMPT_TOKENS, rng) for _ in range(STREAMS)]
     long_prompts = [exact_prompt(tokenizer, args.prompt_tokens, rng)
@@ -202,18 +202,12 @@ def run(args: argparse.Namespace) -> int:
     if args.arrivals < 1 or args.period <= 0 or args.repeats < 1:
         raise UserError("bench stall: --arrivals and --repeats must be >= 1, --period > 0")
 
-    def say(message: str) -> None:
-        print(f"[bench stall] {message}", file=sys.stderr, flush=True)
+    say = progress("stall")
 
     engine = bench_engine(args.engine, args.work_dir, say)
     stall = measure(args, engine, say)
     body = markdown(stall, args)
-    print(body)
-    if args.output:
-        from triton_disagg.bench.report import replace_section
-
-        replace_section(args.output, "stall", "KV handoff stalls of running streams", body)
-        say(f"section written to {args.output}")
+    publish(body, args.output, "stall", "KV handoff stalls of running streams", say)
     return 0
 
 

@@ -83,9 +83,7 @@ class ModelRunner:
 
     def __init__(self, spec: EngineSpec, weights: dict[str, np.ndarray], pool: BlockPool):
         s = self.shape = spec.shape
-        g = pool.geometry
-        if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
-            raise ValueError(f"KV pool geometry {g} does not match the model shape")
+        spec.check_pool(pool.geometry)
         self.pool = pool
         self.gpt2 = s.family == "gpt2"
         self.q_dim = s.num_heads * s.head_dim

@@ -109,6 +109,12 @@ class EngineSpec:
         return BlockGeometry(s.num_layers, s.num_kv_heads, s.head_dim, kv.tokens_per_block,
                              kv.dtype)
 
+    def check_pool(self, geometry: BlockGeometry) -> None:
+        """Raise ValueError unless a pool of ``geometry`` holds this model's KV (layers, KV
+        heads, head size; any tokens per block and KV dtype)."""
+        if not geometry.same_model(self.block_geometry()):
+            raise ValueError(f"KV pool geometry {geometry} does not match the model shape")
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 

@@ -90,8 +90,7 @@ class TorchModelRunner:
         choice, for checks that compare against it)."""
         s = self.shape = spec.shape
         g = pool.geometry
-        if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.num_kv_heads, s.head_dim):
-            raise ValueError(f"KV pool geometry {g} does not match the model shape")
+        spec.check_pool(g)
         self.pool, self.device, self.dtype = pool, torch.device(device), TORCH_DTYPES[dtype]
         self.gpt2 = s.family == "gpt2"
         self.q_dim, self.kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
