@@ -11,7 +11,9 @@ surely longer than the engine's context is refused before it is tokenized (chat'
 ``max_tokens``, the rest of the context, needs its length: it is bounded first too); a
 prompt of token ids (checked against the vocabulary by :mod:`.openai_api`) goes to the
 engine as sent, bounded like a tokenized one; ``return_log_probs`` is set when the client
-asked for ``logprobs``, and ``prompt_logprobs`` when it echoes the prompt with them.
+asked for ``logprobs``, ``top_logprobs`` when it asked for alternatives (completions'
+``logprobs`` N, chat's ``top_logprobs`` N > 0), and ``prompt_logprobs`` when it echoes the
+prompt with them.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class Preparer:
         arrays.update(gen.sampling)
         if gen.logprobs is not None:
             arrays["return_log_probs"] = True
+        if gen.logprobs:                        # alternatives per generated token
+            arrays["top_logprobs"] = gen.logprobs
         if gen.prompt_logprobs is not None:     # at least one alternative (no empty tensors)
             arrays["prompt_logprobs"] = max(1, gen.prompt_logprobs)
         arrays["stream"] = True
