@@ -142,7 +142,7 @@ def test_the_guides_inference_request_prints_text(server, offline):
     (dict(json={"model": MODEL, "prompt": "a", "nonsense": 1}), 400, "'nonsense'"),
     (dict(json={"model": MODEL, "prompt": "a", "n": 9}), 400, "'n'"),
     (dict(json={"model": MODEL, "prompt": "a", "max_tokens": 99999}), 400, "max_seq_len"),
-    (dict(json={"model": MODEL, "prompt": ""}), 400, "empty"),
+    (dict(json={"model": MODEL, "prompt": []}), 400, "non-empty"),   # "" is [BOS]: served
     (dict(json={"model": "gpt-4o", "prompt": "a"}), 404, "not found"),
     (dict(data=b"x" * (11 * 2**20)), 413, "over"),
 ])

@@ -119,3 +119,10 @@ def test_chat_top_logprobs_are_the_engines_streamed_or_not(client, expected, dem
     for got, whole_entry in zip(streamed, content):
         assert [t.logprob for t in got.top_logprobs] == pytest.approx(
             [t.logprob for t in whole_entry.top_logprobs], abs=1e-3)
+
+
+def test_an_empty_prompt_is_the_bos_alone_as_in_hugging_face(client, hf_tokenizer):
+    """``""`` tokenizes to the BOS the demo tokenizer adds (vLLM serves it too); a tokenizer
+    that adds nothing leaves it empty, which preprocessing refuses."""
+    got = client.completions.create(model=MODEL, prompt="", max_tokens=2, temperature=0)
+    assert got.usage.prompt_tokens == len(hf_tokenizer("").input_ids) == 1
