@@ -58,6 +58,44 @@ def test_a_malformed_top_is_refused(top):
         token_wire.decode_events(frame)
 
 
+def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
+    """A request served whole by generation (aggregated, or a local prefill): every token's
+    alternatives, the first's included, ride its events, grouped by stream_interval."""
+    import zmq
+
+    from triton_disagg import protocol as P
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.sampling import SamplingParams
+    from triton_disagg.generation.decode_loop import DecodeLoop
+    from triton_disagg.generation.side import GenerationSide
+    from triton_disagg.generation.sockets import TokenOutbox
+    from triton_disagg.zmq_endpoints import bind
+
+    engine = LLMEngine(demo_engine, num_blocks=64)
+    params = SamplingParams(max_tokens=7, return_log_probs=True, top_logprobs=3)
+    side, context = GenerationSide(engine, None), zmq.Context.instance()
+    sock = context.socket(zmq.PULL)
+    endpoint = bind(sock, None, "tokens")
+    loop = DecodeLoop(engine, TokenOutbox(context), side, stream_interval=3)
+    request = engine_request.EngineRequest([5, 6, 7], params, True)
+    loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, request, {}),
+                token_wire.with_key(endpoint.address, "k"))
+    events = []
+    while not (events and events[-1].final):
+        assert sock.poll(60_000)
+        events += token_wire.decode_events(sock.recv())
+    loop.close()
+    sock.close(linger=0)
+    endpoint.release()
+    assert [len(e.tokens) for e in events] == [1, 3, 3]
+    assert all(len(e.top) == len(e.tokens) for e in events)
+    want = []
+    engine.add_request("want", [5, 6, 7], params)
+    while engine.has_unfinished():
+        want += engine.step()
+    assert [t for e in events for t in e.top] == [w.top for w in want]
+
+
 # ---- the orchestrator's tensors ---------------------------------------------------------
 
 def test_the_orchestrator_sends_each_tokens_alternatives_with_its_id():
