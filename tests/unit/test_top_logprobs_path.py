@@ -28,6 +28,24 @@ A, B, C = TopLogprobs([4, 9], [-0.25, -1.5]), TopLogprobs([9, 4], [-0.5, -1.0]),
     TopLogprobs([1, 4], [-0.1, -3.0])
 
 
+# ---- the engine's request ---------------------------------------------------------------
+
+@pytest.mark.parametrize("k, error", [(20, None), (21, "top_logprobs must be an integer in"),
+                                      (-1, "top_logprobs")])
+def test_an_engine_request_bounds_top_logprobs_at_20(demo_engine, k, error):
+    from triton_disagg.engine.spec import EngineSpec
+    from triton_disagg.errors import RequestError
+
+    inputs = {"input_ids": np.array([5, 6]), "request_output_len": np.array([2]),
+              "return_log_probs": np.array([True]), "top_logprobs": np.array([k], np.int32)}
+    if error is None:
+        params = engine_request.from_inputs(inputs, EngineSpec.load(demo_engine)).params
+        assert params.top_logprobs == k
+        return
+    with pytest.raises(RequestError, match=error):
+        engine_request.from_inputs(inputs, EngineSpec.load(demo_engine))
+
+
 # ---- the token wire ---------------------------------------------------------------------
 
 def test_alternatives_cross_the_wire_one_pair_per_token():
