@@ -133,11 +133,13 @@ class Logprobs:
     def _alternatives(self, text: str, log_prob: float, alt_ids: Sequence[int],
                       alt: Sequence[float]) -> dict:
         """A completions ``top_logprobs`` entry: the chosen token's text and its first
-        ``top`` alternatives' -> log-prob. An alternative whose text is the chosen token's
-        (two ids, one text) keeps its own log-prob: the dict's top value stays the most
-        likely token's."""
-        return {text: log_prob, **{self.token_text(i): lp
-                                   for i, lp in zip(alt_ids[:self.top], alt[:self.top])}}
+        ``top`` alternatives' -> log-prob. Where ids share a text, it maps to the most
+        likely one's log-prob, so the entry's largest value stays the most likely token's."""
+        entry = {text: log_prob}
+        for i, lp in zip(alt_ids[:self.top], alt[:self.top]):
+            name = self.token_text(i)
+            entry[name] = max(lp, entry.get(name, lp))
+        return entry
 
     def _chat_entry(self, text: str, log_prob: float, alt: TopLogprobs) -> dict:
         """A chat ``content`` entry; its ``top_logprobs``: the first ``top`` alternatives."""
