@@ -103,6 +103,8 @@ SAMPLING_INPUTS = (  # ensemble name -> same name on preprocessing and orchestra
     _opt("cache_salt", "BYTES"),    # UTF-8; prefixes are shared only among equal salts
     # k in [0, 20]: the prompt's own log-probs and k alternatives per position (PROMPT_LOGPROBS)
     _opt("prompt_logprobs", "INT32"),
+    # k in [0, 20], with return_log_probs: k alternatives per generated token (TOP_LOGPROBS)
+    _opt("top_logprobs", "INT32"),
 )
 # Accepted so that a request using them gets a clear error instead of "unexpected input".
 UNSUPPORTED_INPUTS = (
@@ -151,7 +153,7 @@ ENGINE_INPUTS = (
     _opt("presence_penalty", "FP32"), _opt("frequency_penalty", "FP32"),
     _opt("stop_words_list", "INT32", (2, -1)), _opt("bad_words_list", "INT32", (2, -1)),
     _opt("streaming", "BOOL"), _opt("return_log_probs", "BOOL"), _opt("cache_salt", "BYTES"),
-    _opt("prompt_logprobs", "INT32"),
+    _opt("prompt_logprobs", "INT32"), _opt("top_logprobs", "INT32"),
 )
 CONTEXT_PHASE_PARAMS = "context_phase_params"
 # Generation's signed answer to a GENERATION_AWAITING_CONTEXT request, passed to the context
@@ -181,8 +183,17 @@ PROMPT_LOGPROBS = (
     TensorSpec("prompt_top_ids", "INT32", (-1, -1)),        # [n, k]
     TensorSpec("prompt_top_log_probs", "FP32", (-1, -1)),   # [n, k]
 )
+# With return_log_probs and top_logprobs k, a response carrying generated tokens also carries,
+# for each of its n tokens, the k most likely tokens at that position with their log-probs
+# (the raw model's, engine.logprobs), most likely first: the context's (its first token) and
+# the orchestrator's. Generation's tokens bring theirs over token_wire.
+TOP_LOGPROBS = (
+    TensorSpec("output_top_ids", "INT32", (-1, -1, -1)),         # [beam=1, n, k]
+    TensorSpec("output_top_log_probs", "FP32", (-1, -1, -1)),    # [beam=1, n, k]
+)
 CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),
-                                    TensorSpec(NUM_CACHED_TOKENS, "INT32", (1,))) + PROMPT_LOGPROBS
+                                    TensorSpec(NUM_CACHED_TOKENS, "INT32", (1,))
+                                    ) + PROMPT_LOGPROBS + TOP_LOGPROBS
 # Generation's one response per request: where the stops for that request go, and (only for
 # GENERATION_AWAITING_CONTEXT, else empty) the kv_listener for the context.
 CONTROL_ADDRESS = "control_address"
@@ -196,7 +207,7 @@ SAMPLING_TO_ENGINE = {
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "stream": "streaming",
     "return_log_probs": "return_log_probs", "cache_salt": "cache_salt",
-    "prompt_logprobs": "prompt_logprobs",
+    "prompt_logprobs": "prompt_logprobs", "top_logprobs": "top_logprobs",
 }
 
 # ---- preprocessing -> orchestrator -> client ---------------------------------------------
@@ -223,9 +234,10 @@ ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-2] + (
     s for s in SAMPLING_INPUTS if s.name not in ("end_id", "pad_id"))
 # The orchestrator detokenizes; with return_log_probs it also sends each response's token
 # ids (the HTTP front names the tokens its log-probs are of), which the ensemble does not map.
-# With prompt_logprobs, its first response also carries the context's PROMPT_LOGPROBS.
+# With prompt_logprobs, its first response also carries the context's PROMPT_LOGPROBS; with
+# top_logprobs, each response the TOP_LOGPROBS of its tokens.
 ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS + (TensorSpec("output_ids", "INT32", (-1, -1)),
-                                           ) + PROMPT_LOGPROBS
+                                           ) + PROMPT_LOGPROBS + TOP_LOGPROBS
 
 
 def by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:

@@ -8,7 +8,9 @@ Two kinds, each one msgpack map with the schema version under ``"v"``:
   ``{"id": request id, "key": the request's key, "seq": int, "tokens": [int, ...]}``
   plus, only when they apply,
   ``"log_probs": [float, ...]`` and ``"cum_log_prob": float`` (the request asked for
-  them), ``"finish": reason`` (a :data:`~triton_disagg.protocol.FinishReason`; its last
+  them), ``"top": [[[id, ...], [float, ...]], ...]`` (one pair per token: its ``k <=
+  MAX_LOGPROBS`` most likely alternatives and their log-probs; the request asked for
+  ``top_logprobs``), ``"finish": reason`` (a :data:`~triton_disagg.protocol.FinishReason`; its last
   event) or ``"error": message`` and ``"code"``:
   its :class:`~triton_disagg.errors.ErrorCode` name (its last event; a frame without a code,
   as older generation sends, or with a name this side does not know, reads as INTERNAL);
@@ -38,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from triton_disagg.engine.logprobs import MAX_LOGPROBS, TopLogprobs
 from triton_disagg.errors import ErrorCode
 from triton_disagg.protocol import FINISH_REASONS, FinishReason
 
@@ -66,6 +69,7 @@ class StreamEvent:
     code: ErrorCode = ErrorCode.INTERNAL     # the error's code (sent only with an error)
     seq: int = 0                             # the request's events from generation: 0, 1, ...
     key: str = ""                            # the request's key (module docstring)
+    top: list[TopLogprobs] | None = None     # one per token, when top_logprobs asked
 
     @property
     def final(self) -> bool:
@@ -76,9 +80,10 @@ class StreamEvent:
         final, ``later`` carries no error): tokens in order, ``later``'s end."""
         log_probs = (self.log_probs + later.log_probs
                      if self.log_probs is not None and later.log_probs is not None else None)
+        top = self.top + later.top if self.top is not None and later.top is not None else None
         cum = later.cum_log_prob if later.cum_log_prob is not None else self.cum_log_prob
         return StreamEvent(self.request_id, self.tokens + later.tokens, log_probs, cum,
-                           later.finish_reason, seq=later.seq, key=later.key)
+                           later.finish_reason, seq=later.seq, key=later.key, top=top)
 
 
 _OPTIONAL = (("log_probs", "log_probs", list), ("cum_log_prob", "cum_log_prob", float),
@@ -138,6 +143,8 @@ def _event_map(event: StreamEvent) -> dict:
         value = getattr(event, name)
         if value is not None:
             out[wire] = value
+    if event.top is not None:
+        out["top"] = [[t.ids, t.logprobs] for t in event.top]
     if event.error is not None:
         out["code"] = event.code.value
     return out
@@ -173,11 +180,33 @@ def _event(raw: Any) -> StreamEvent:
             if not isinstance(value, kind):
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
+    if "top" in raw:
+        fields["top"] = _top(raw["top"], len(tokens))
     if fields.get("finish_reason") not in (None, *FINISH_REASONS):
         raise WireError(f"token event: 'finish' must be one of {', '.join(FINISH_REASONS)}")
     if "error" in fields:
         fields["code"] = _code(raw.get("code", ErrorCode.INTERNAL.value))
     return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)
+
+
+def _top(raw: Any, n: int) -> list[TopLogprobs]:
+    """An event's ``top``: one ``[ids, log-probs]`` pair per token of its ``n``, each of the
+    same ``k <= MAX_LOGPROBS`` entries."""
+    def pair(entry: Any) -> TopLogprobs | None:
+        if not isinstance(entry, list) or len(entry) != 2:
+            return None
+        ids, lps = entry
+        if (not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps)
+                or len(ids) > MAX_LOGPROBS or not all(type(i) is int for i in ids)
+                or not all(type(v) in (int, float) for v in lps)):
+            return None
+        return TopLogprobs(ids, [float(v) for v in lps])
+
+    rows = [pair(entry) for entry in raw] if isinstance(raw, list) and len(raw) == n else [None]
+    if None in rows or len({len(r.ids) for r in rows}) > 1:
+        raise WireError(f"token event: 'top' must hold one [ids, log-probs] pair per token, "
+                        f"each of the same length, at most {MAX_LOGPROBS}")
+    return rows
 
 
 def _code(name: Any) -> ErrorCode:

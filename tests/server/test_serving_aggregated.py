@@ -101,7 +101,7 @@ def test_outputs_and_options(server, offline):
         "exclude_input_in_output": False})
     assert status == 200, body
     assert body["text_output"].startswith("The quick brown fox")
-    assert body["num_input_tokens"] == 4 and body["num_output_tokens"] == 5
+    assert body["num_input_tokens"] == 5 and body["num_output_tokens"] == 5     # BOS + 4
     assert len(body["output_log_probs"]) == 5 and all(lp <= 0 for lp in body["output_log_probs"])
     assert body["cum_log_probs"] == pytest.approx(sum(body["output_log_probs"]), rel=1e-5)
     status, body = servers.generate(server.http, {"text_input": "The quick brown fox",

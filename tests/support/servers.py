@@ -237,8 +237,9 @@ def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
 
 
 def offline_text(engine_dir: Path, kv_layout=None):
-    """``(prompt, max_tokens) -> text`` as `triton-disagg run` prints it (greedy, stops at eos),
-    with the engine's KV layout or ``kv_layout`` (a :class:`KVLayout`), computed without the
+    """``(prompt, max_tokens[, add_special_tokens]) -> text`` as `triton-disagg run` prints it
+    (greedy, stops at eos; the prompt with the tokenizer's BOS unless ``add_special_tokens``
+    is False, as a chat's text), with the engine's KV layout or ``kv_layout`` (a :class:`KVLayout`), computed without the
     prefix cache: a server (cache on by default) must give the uncached run's text."""
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
@@ -249,9 +250,9 @@ def offline_text(engine_dir: Path, kv_layout=None):
     tokenizer = Tokenizer(engine_dir)
     engine = LLMEngine(engine_dir, num_blocks=512, kv_layout=kv_layout, prefix_caching=False)
 
-    def run(prompt: str, max_tokens: int) -> str:
+    def run(prompt: str, max_tokens: int, add_special_tokens: bool = True) -> str:
         params = SamplingParams(max_tokens=max_tokens, end_id=spec.eos_token_id)
-        (seq,) = engine.generate([tokenizer.encode(prompt)], params)
+        (seq,) = engine.generate([tokenizer.encode(prompt, add_special_tokens)], params)
         return tokenizer.decode(seq.output_ids)
     return run
 

@@ -291,7 +291,7 @@ def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
     assert int(inputs["request_output_len"][0, 0]) + inputs["input_ids"].shape[1] == \
         preparer.max_seq_len
     assert prompt.endswith("<|assistant|>\n")
-    ids = preparer.tokenizer.encode(prompt)
+    ids = preparer.tokenizer.encode(prompt, add_special_tokens=False)   # the template's text
     assert np.array_equal(inputs["input_ids"][0], ids)
 
 

@@ -41,9 +41,9 @@ class CountingTokenizer:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         self.encoded.append(len(text))
-        return self.inner.encode(text)
+        return self.inner.encode(text, add_special_tokens)
 
     def encode_word(self, text):
         self.encoded.append(len(text))

@@ -44,7 +44,7 @@ def test_torch_runtime_on_cpu_equals_numpy(engine_dir, capsys):
 def test_text_prompt_sampling_options_and_stop_words(engine_dir, capsys):
     tokenizer = Tokenizer(engine_dir)
     prompt = tokenizer.encode("Hello there, world")
-    assert prompt and prompt[0] != 0                # no BOS unless asked
+    assert prompt[0] == EngineSpec.load(engine_dir).bos_token_id    # as the tokenizer says
     argv = ["--engine", str(engine_dir), "--text", "Hello there, world", "--max-tokens", "10",
             "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--seed", "3",
             "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
@@ -70,11 +70,12 @@ def test_plain_output_is_the_text(engine_dir, capsys):
     assert text == Tokenizer(engine_dir).decode(ids) + "\n"
 
 
-def test_add_special_tokens_prepends_the_tokenizers_bos(engine_dir, capsys):
-    out = run_json(capsys, "--engine", str(engine_dir), "--text", "Hi", "--max-tokens", "1",
-                   "--add-special-tokens")
-    assert out["input_ids"] == [EngineSpec.load(engine_dir).bos_token_id,
-                                *Tokenizer(engine_dir).encode("Hi")]
+def test_text_gets_the_tokenizers_bos_unless_told_not_to(engine_dir, capsys):
+    argv = ["--engine", str(engine_dir), "--text", "Hi", "--max-tokens", "1"]
+    plain = run_json(capsys, *argv, "--no-special-tokens")["input_ids"]
+    assert plain == Tokenizer(engine_dir).encode("Hi", add_special_tokens=False)
+    assert run_json(capsys, *argv)["input_ids"] == [EngineSpec.load(engine_dir).bos_token_id,
+                                                    *plain]
 
 
 @pytest.mark.parametrize("argv, message", [

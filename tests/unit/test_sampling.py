@@ -31,10 +31,10 @@ def log_softmax(x):
 
 
 def test_greedy_is_argmax_with_its_log_softmax():
-    token, logprob = draw(SamplingParams(return_log_probs=True))
-    assert token == 0
+    token, logprob, top = draw(SamplingParams(return_log_probs=True))
+    assert token == 0 and top is None                # no alternatives unless asked for
     assert logprob == pytest.approx(np.log(0.5), abs=1e-6)
-    assert draw(SamplingParams()) == (0, None)       # no log-prob unless asked for
+    assert draw(SamplingParams()) == (0, None, None)     # no log-prob unless asked for
     # With a penalty the greedy token comes from the processed logits.
     assert draw(SamplingParams(repetition_penalty=100.0), output=[0])[0] == 1
 
@@ -47,12 +47,20 @@ def test_temperature_sampling_follows_softmax_and_temperature_flattens():
     np.testing.assert_allclose(hot, expected, atol=0.03)
 
 
-def test_sampled_logprob_is_log_softmax_of_processed_logits():
-    params = SamplingParams(temperature=2.0, top_k=2, seed=3, return_log_probs=True)
-    token, logprob = draw(params)
-    processed = LOGITS[:2] / 2.0
-    assert token in (0, 1)
-    assert logprob == pytest.approx(log_softmax(processed)[token], abs=1e-6)
+@pytest.mark.parametrize("options", [
+    {"temperature": 2.0, "top_k": 2, "seed": 3},
+    {"repetition_penalty": 100.0},                   # greedy on processed logits
+    {"bad_words": ((0,),), "presence_penalty": 1.0},
+])
+def test_logprobs_are_the_raw_models_whatever_the_sampling_options(options):
+    """vLLM's default (raw_logprobs): log_softmax of the model's logits, not of the
+    processed ones the token was drawn from; the alternatives are the same distribution's."""
+    params = SamplingParams(return_log_probs=True, top_logprobs=3, **options)
+    token, logprob, top = draw(params, output=[0])
+    raw = log_softmax(LOGITS)
+    assert token in (0, 1, 2, 3) and logprob == pytest.approx(raw[token], abs=1e-6)
+    assert top.ids == [0, 1, 2]                      # most likely first
+    np.testing.assert_allclose(top.logprobs, raw[:3], atol=1e-6)
 
 
 def test_top_k_keeps_the_k_most_likely():
@@ -186,6 +194,8 @@ def test_word_lists_are_normalised_to_tuples():
     ({"bad_words": [[1] * (MAX_WORD_TOKENS + 1)]}, r"bad_words\[0\]: 65 tokens"),
     ({"stop_words": [[1] * 60] * 18}, f"stop_words: 1080 tokens in all, at most {MAX_LIST_TOKENS}"),
     ({"return_log_probs": "yes"}, "return_log_probs"),
+    ({"top_logprobs": 21}, r"top_logprobs must be an integer in \[0, 20\]"),
+    ({"top_logprobs": -1}, "top_logprobs"),
 ])
 def test_invalid_options_raise_a_user_error_naming_the_option(kwargs, message):
     with pytest.raises(SamplingParamsError, match=message) as info:

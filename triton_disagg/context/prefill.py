@@ -118,8 +118,7 @@ class Prefiller:
     def _hand_off(self, result: Any) -> dict | Exception:
         if isinstance(result, _Overlapped):
             return result.outputs()
-        out = engine_request.outputs([result.token_id], [result.logprob], result.logprob or 0.0,
-                                     result.finish_reason)
+        out = engine_request.prefill_outputs(result)
         handle = b""
         if result.block_ids:
             try:
@@ -127,8 +126,6 @@ class Prefiller:
             except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
                 return _handoff_error(exc)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
-        out[P.NUM_CACHED_TOKENS] = np.array([result.num_cached_tokens], dtype=np.int32)
-        out.update(engine_request.prompt_logprob_outputs(result.prompt_logprobs))
         return out
 
 
@@ -228,11 +225,9 @@ class _Overlapped:
 
     def outputs(self) -> dict:
         r = self.result
-        out = engine_request.outputs([r.token_id], [r.logprob], r.logprob or 0.0, r.finish_reason)
+        out = engine_request.prefill_outputs(r)
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
-        out[P.NUM_CACHED_TOKENS] = np.array([r.num_cached_tokens], dtype=np.int32)
-        out.update(engine_request.prompt_logprob_outputs(r.prompt_logprobs))
         return out
 
     def _tell(self, say: Any) -> None:

@@ -47,6 +47,7 @@ from typing import Callable, Sequence as Seq
 
 import numpy as np
 
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from triton_disagg.engine.sampling import Sampler, SamplingParams
 from triton_disagg.engine.scheduler import KVArrival, Scheduler
@@ -77,6 +78,7 @@ class PrefillResult:
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None     # when its params asked
+    top: TopLogprobs | None = None                    # the first token's, when asked
 
 
 class LLMEngine:
@@ -259,7 +261,7 @@ class LLMEngine:
                 seq.block_table.release(self.pool)
         return [PrefillResult(s.request_id, e.token_id, e.logprob, list(s.block_table.block_ids),
                               s.block_table.num_tokens, e.finish_reason, s.num_cached_tokens,
-                              s.prompt_logprobs)
+                              s.prompt_logprobs, e.top)
                 for s, e in zip(seqs, events)]
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int | None,
@@ -362,9 +364,9 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: np.ndarray) -> list[TokenEvent]:
         events = []
         for seq, row in zip(seqs, logits):
-            token, logprob = self.sampler.sample(row, seq.params, seq.prompt_ids,
-                                                 seq.output_ids, seq.seed)
-            events.append(seq.append(token, logprob))
+            token, logprob, top = self.sampler.sample(row, seq.params, seq.prompt_ids,
+                                                      seq.output_ids, seq.seed)
+            events.append(seq.append(token, logprob, top))
         return events
 
 

@@ -2,13 +2,14 @@
 ``prompt_logprobs``; lm-eval's loglikelihood tasks read them).
 
 For each prompt position ``i > 0``: ``log_softmax(logits[i - 1])[prompt[i]]``, the log-prob of
-token ``i`` given tokens ``< i`` under the raw model (no sampling options apply to the prompt,
-as in vLLM), and the ``top`` most likely tokens there with their log-probs (most likely first).
+token ``i`` given tokens ``< i`` under the raw model (:mod:`.logprobs`; no sampling options
+apply to the prompt, as in vLLM), and the ``top`` most likely tokens there with their
+log-probs (most likely first).
 Position 0 has none (nothing precedes it).
 
 Cost: the prefill keeps the logits of every position of such a request, ``n * V * 4`` bytes
 for a prompt of ``n`` tokens (V = vocabulary size); the result is ``(n - 1) * (1 + top)``
-numbers, ``top <= MAX_PROMPT_LOGPROBS``.
+numbers, ``top <= MAX_LOGPROBS``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-MAX_PROMPT_LOGPROBS = 20     # alternatives per position (OpenAI: completions 5, chat 20)
+from triton_disagg.engine.logprobs import log_softmax, top_tokens
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,7 @@ class PromptLogprobs:
 
 def prompt_logprobs(logits: np.ndarray, prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
     """From the logits ``[n, V]`` of every position of a prompt of ``n`` tokens."""
-    x = np.asarray(logits[:-1], dtype=np.float64)                     # [n-1, V]: predicts 1..n-1
-    x = x - x.max(axis=1, keepdims=True)
-    x -= np.log(np.exp(x).sum(axis=1, keepdims=True))                 # log_softmax
-    rows = np.arange(len(x))
-    chosen = x[rows, np.asarray(prompt_ids[1:], dtype=np.int64)]     # [n-1]
-    k = min(k, x.shape[1])
-    ids = np.argpartition(-x, k - 1, axis=1)[:, :k] if k else np.zeros((len(x), 0), np.int64)
-    vals = np.take_along_axis(x, ids, axis=1)                         # [n-1, k] unordered
-    order = np.argsort(-vals, axis=1, kind="stable")
-    return PromptLogprobs(chosen.astype(np.float32),
-                          np.take_along_axis(ids, order, axis=1).astype(np.int32),
-                          np.take_along_axis(vals, order, axis=1).astype(np.float32))
+    x = log_softmax(logits[:-1])                                     # [n-1, V]: predicts 1..n-1
+    chosen = x[np.arange(len(x)), np.asarray(prompt_ids[1:], dtype=np.int64)]    # [n-1]
+    top_ids, top = top_tokens(x, k)                                  # [n-1, k] each
+    return PromptLogprobs(chosen.astype(np.float32), top_ids, top)

@@ -1,6 +1,8 @@
 """`triton-disagg run`: generate from an engine directory in-process (no server).
 
-Greedy by default; stops at the engine's eos id unless ``--end-id -1``. Stop and bad
+Greedy by default; stops at the engine's eos id unless ``--end-id -1``. ``--text`` is
+tokenized as the server tokenizes a completion's prompt (with the special tokens, such as a
+BOS, the tokenizer's configuration adds; ``--no-special-tokens``: without). Stop and bad
 words are text, tokenized with the engine's tokenizer (without special tokens). With
 ``--json`` it prints one object ``{"input_ids", "output_ids" (generated only), "text"}``.
 """
@@ -30,8 +32,9 @@ def _run(args: argparse.Namespace) -> int:
     from triton_disagg.engine.tokenizer import Tokenizer
 
     spec = EngineSpec.load(args.engine)             # fail fast, before loading weights
-    tokenizer = Tokenizer(args.engine, add_special_tokens=args.add_special_tokens)
-    prompt = tokenizer.encode(args.text) if args.text is not None else _token_ids(args.input_ids)
+    tokenizer = Tokenizer(args.engine)
+    prompt = (tokenizer.encode(args.text, not args.no_special_tokens) if args.text is not None
+              else _token_ids(args.input_ids))
     end_id = spec.eos_token_id if args.end_id is None else args.end_id
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -62,8 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prompt = run.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--text", help="prompt text (tokenized with the engine's tokenizer)")
     prompt.add_argument("--input-ids", metavar="IDS", help="prompt token ids, e.g. 1,2,3")
-    run.add_argument("--add-special-tokens", action="store_true",
-                     help="let the tokenizer add its special tokens (e.g. BOS) to --text")
+    run.add_argument("--no-special-tokens", action="store_true",
+                     help="tokenize --text without the special tokens (e.g. BOS) the "
+                          "tokenizer's configuration adds, as a server does a chat's text")
     run.add_argument("--max-tokens", type=int, required=True, metavar="N",
                      help="most tokens to generate")
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -13,10 +13,12 @@ takes the argmax (temperature 0) or draws from the softmax.
   tokens, ``logit -= presence * (count > 0) + frequency * count``.
 - Draws are reproducible regardless of batch composition or of which instance draws:
   the draw for generated token ``i`` uses ``default_rng([seed, i])``.
-- The reported log-prob is ``log_softmax`` of the processed logits (after penalties,
-  temperature and top-k/top-p masking), i.e. of the distribution actually sampled from;
-  under greedy decoding (no temperature) it is that of the penalised logits. It is
-  computed only for requests with ``return_log_probs`` (a pass over the vocabulary).
+- The reported log-probs are those of the raw model (:mod:`.logprobs`): ``log_softmax`` of
+  the logits before penalties, bad words, min_tokens, temperature and top-k/top-p, as vLLM
+  reports them by default; the chosen token's, and with ``top_logprobs`` k the k most likely
+  tokens' (the chosen one may not be among them once options changed the distribution).
+  They are computed only for requests with ``return_log_probs`` (a pass over the
+  vocabulary; the top k one more): a request that does not ask pays nothing.
 - Stop words (TensorRT-LLM semantics): a sequence finishes when its generated tokens end
   with a stop word; the stop word's tokens stay in the output.
 """
@@ -30,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from triton_disagg.engine.prompt_logprobs import MAX_PROMPT_LOGPROBS
+from triton_disagg.engine.logprobs import MAX_LOGPROBS, TopLogprobs, log_softmax, top_of_row
 from triton_disagg.engine.words import (MAX_WORD_TOKENS, BadWords, StopWords, cap_error,
                                         count_error, word_length_error)
 from triton_disagg.errors import UserError
@@ -89,6 +91,9 @@ class SamplingParams:
     # None: off; k: the log-probs of the prompt's own tokens and the k most likely tokens at
     # each position (engine.prompt_logprobs); such a prompt never reads the prefix cache.
     prompt_logprobs: int | None = None
+    # With return_log_probs: the k most likely tokens at each generated position, with their
+    # log-probs (engine.logprobs), k in [0, MAX_LOGPROBS].
+    top_logprobs: int = 0
     # Salts the names of the request's cached KV blocks (engine.prefix_hash): a prompt
     # reuses only the cache of requests with the same salt (None: the unsalted cache).
     cache_salt: str | None = None
@@ -130,9 +135,12 @@ class SamplingParams:
               f"return_log_probs must be true or false, got {self.return_log_probs!r}")
         check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
                                                and 0 <= self.prompt_logprobs
-                                               <= MAX_PROMPT_LOGPROBS),
-              f"prompt_logprobs must be None or an integer in [0, {MAX_PROMPT_LOGPROBS}], "
+                                               <= MAX_LOGPROBS),
+              f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
               f"got {self.prompt_logprobs!r}")
+        check(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_LOGPROBS,
+              f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+              f"got {self.top_logprobs!r}")
         check(self.cache_salt is None or (isinstance(self.cache_salt, str)
                                           and len(self.cache_salt) <= MAX_CACHE_SALT),
               f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters or None, "
@@ -161,27 +169,32 @@ class SamplingParams:
 
 
 class Sampler:
-    """Turns one sequence's next-token logits into ``(token, logprob)``. Stateless."""
+    """Turns one sequence's next-token logits into ``(token, logprob, top)``. Stateless."""
 
     def sample(self, logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
-               output_ids: Sequence[int], seed: int) -> tuple[int, float | None]:
+               output_ids: Sequence[int], seed: int
+               ) -> tuple[int, float | None, TopLogprobs | None]:
         """``logits [V]`` for the token after ``prompt_ids + output_ids`` -> ``(token,
-        logprob)``, the logprob None unless ``params.return_log_probs``; ``seed`` is the
-        request's effective seed (``params.seed`` or one chosen when it was None)."""
-        if params.plain_greedy and not params.return_log_probs:
-            return int(np.argmax(logits)), None      # nothing to process: skip the copy
-        x = self.process(logits, params, prompt_ids, output_ids)
-        if params.greedy:
-            token = int(np.argmax(x))
+        logprob, top)``: the raw model's log-prob of the token, None unless
+        ``params.return_log_probs``, and its ``params.top_logprobs`` most likely
+        alternatives, None unless both asked; ``seed`` is the request's effective seed
+        (``params.seed`` or one chosen when it was None)."""
+        if params.plain_greedy:
+            token = int(np.argmax(logits))           # nothing to process: skip the copy
         else:
-            probs = np.exp(x - x.max())
-            cdf = np.cumsum(probs)
-            u = np.random.default_rng([seed, len(output_ids)]).random() * cdf[-1]
-            token = min(int(np.searchsorted(cdf, u, side="right")), len(x) - 1)
+            x = self.process(logits, params, prompt_ids, output_ids)
+            if params.greedy:
+                token = int(np.argmax(x))
+            else:
+                probs = np.exp(x - x.max())
+                cdf = np.cumsum(probs)
+                u = np.random.default_rng([seed, len(output_ids)]).random() * cdf[-1]
+                token = min(int(np.searchsorted(cdf, u, side="right")), len(x) - 1)
         if not params.return_log_probs:
-            return token, None
-        top = x.max()
-        return token, float(x[token] - top - np.log(np.sum(np.exp(x - top))))
+            return token, None, None
+        raw = log_softmax(logits)                    # [V]
+        top = top_of_row(raw, params.top_logprobs) if params.top_logprobs else None
+        return token, float(raw[token]), top
 
     def process(self, logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
                 output_ids: Sequence[int]) -> np.ndarray:

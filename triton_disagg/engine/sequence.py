@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.block_pool import BlockPool, BlockTable
@@ -33,6 +34,7 @@ class TokenEvent:
     logprob: float | None          # None unless the request asked for log-probs
     finished: bool
     finish_reason: FinishReason | None
+    top: TopLogprobs | None = None  # its top_logprobs alternatives, when asked for
 
 
 class RemoteKV(Protocol):
@@ -91,8 +93,10 @@ class Sequence:
         if lookup:
             pool.cache.count_query(len(self.prompt_ids), self.num_cached_tokens)
 
-    def append(self, token: int, logprob: float | None) -> TokenEvent:
-        """Record a generated token, decide whether the sequence finished, return its event."""
+    def append(self, token: int, logprob: float | None,
+               top: TopLogprobs | None = None) -> TokenEvent:
+        """Record a generated token, decide whether the sequence finished, return its event
+        (log-probs in it only when the request asked for them)."""
         self.output_ids.append(token)
         if token == self.params.end_id:
             self.finish_reason = "stop"
@@ -100,6 +104,6 @@ class Sequence:
             self.finish_reason = "stop_word"
         elif self.num_tokens >= self.max_total:
             self.finish_reason = "length"
-        return TokenEvent(self.request_id, token,
-                          logprob if self.params.return_log_probs else None,
-                          self.finished, self.finish_reason)
+        asked = self.params.return_log_probs
+        return TokenEvent(self.request_id, token, logprob if asked else None,
+                          self.finished, self.finish_reason, top if asked else None)

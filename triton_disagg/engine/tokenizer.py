@@ -1,8 +1,14 @@
 """The engine directory's tokenizer (``tokenizer.json``, via the ``tokenizers`` library).
 
-Special tokens (such as a BOS the tokenizer's post-processor would prepend) are added
-to prompts only when ``add_special_tokens`` is configured, never to stop/bad words.
-Decoding skips special tokens by default.
+A prompt's ids are Hugging Face's ``tokenizer(prompt).input_ids`` (what vLLM sends the model,
+so ``prompt_tokens`` counts agree): with the special tokens, such as a BOS, that
+``tokenizer.json``'s post-processor adds (``add_special_tokens=True``). transformers 5 loads
+that post-processor as it is for a ``tokenizer.json`` that has one, whatever
+``tokenizer_config.json``'s ``add_bos_token``/``add_eos_token`` say
+(tests/unit/test_prompt_tokens_vs_hf.py checks it against transformers). Text that holds its
+special tokens already (a chat template's output) is encoded with
+``add_special_tokens=False``, as vLLM does; stop/bad words never get them. Decoding skips
+special tokens by default.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from triton_disagg.engine.token_bound import max_token_bytes
 
 
 class Tokenizer:
-    def __init__(self, engine_dir: str | Path, add_special_tokens: bool = False):
+    def __init__(self, engine_dir: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(engine_dir) / TOKENIZER_FILE
@@ -27,16 +33,16 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises bare Exception
             raise EngineFormatError(f"{path}: not a valid tokenizer.json ({exc})") from exc
-        self.add_special_tokens = add_special_tokens
         self.max_token_bytes = max_token_bytes(json.loads(path.read_text(encoding="utf-8")))
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt text to token ids (specials only if configured)."""
-        return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Prompt text to token ids, with the special tokens the tokenizer adds (module
+        docstring) unless ``add_special_tokens`` is False."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_word(self, text: str) -> list[int]:
         """A stop or bad word to token ids, never with special tokens."""
@@ -54,3 +60,4 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+

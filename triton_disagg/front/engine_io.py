@@ -14,7 +14,9 @@ import numpy as np
 
 from triton_disagg import protocol as P
 from triton_disagg.front.detokenize import DeltaWindows, text_delta
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.token_wire import StreamEvent
+from triton_disagg.triton.engine_request import top_logprob_outputs
 from triton_disagg.triton.tensors import scalar
 
 
@@ -27,7 +29,21 @@ def context_event(request_id: str, out: dict[str, np.ndarray]) -> StreamEvent:
     reason = out.get("finish_reason")
     reason = np.asarray(reason).reshape(-1)[0] if reason is not None and np.size(reason) else b""
     reason = reason.decode() if isinstance(reason, bytes) else str(reason)
-    return StreamEvent(request_id, ids, log_probs, finish_reason=reason or None)
+    return StreamEvent(request_id, ids, log_probs, finish_reason=reason or None,
+                       top=top_rows(out, len(ids)))
+
+
+def top_rows(out: dict[str, np.ndarray], n: int) -> list[TopLogprobs] | None:
+    """The ``TOP_LOGPROBS`` tensors of a response of ``n`` tokens, one row per token; None
+    when absent (the request did not ask) or not of ``n`` rows."""
+    ids, lps = out.get("output_top_ids"), out.get("output_top_log_probs")
+    if ids is None or lps is None or np.shape(ids) != np.shape(lps) or not np.ndim(ids):
+        return None
+    k = np.shape(ids)[-1]
+    ids, lps = np.reshape(ids, (-1, k)), np.reshape(lps, (-1, k))    # [.., n, k] -> [n, k]
+    if len(ids) != n:
+        return None
+    return [TopLogprobs(i, v) for i, v in zip(ids.tolist(), lps.tolist())]
 
 
 def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -44,7 +60,8 @@ class ResponseBuilder:
     the final response's ``finish_reason``, and log probs only when the request's
     ``return_log_probs`` asked for them, as
     TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response; with
-    them ``output_ids``, the ids of the tokens those log probs are of)."""
+    them ``output_ids``, the ids of the tokens those log probs are of, and the
+    ``TOP_LOGPROBS`` when the request's ``top_logprobs`` asked for alternatives)."""
 
     def __init__(self, inputs: dict[str, np.ndarray], decode: Callable[[Sequence[int]], str]):
         self.decode = decode
@@ -60,6 +77,7 @@ class ResponseBuilder:
         self.cum_log_prob = 0.0
         self.pending_ids: list[int] = []
         self.pending_lp: list[float] = []
+        self.pending_top: list[TopLogprobs] = []
 
     def context_answered(self, out: dict[str, np.ndarray]) -> None:
         """Note how many prompt tokens the context served from its prefix cache, and the
@@ -72,12 +90,14 @@ class ResponseBuilder:
         carries no error: those are raised before they get here)."""
         ids = event.tokens
         lps = event.log_probs if event.log_probs is not None else [0.0] * len(ids)
+        top = event.top or []
         if event.final and ids and ids[-1] == self.end_id:
-            ids, lps = ids[:-1], lps[:-1]      # the end token is not output text
+            ids, lps, top = ids[:-1], lps[:-1], top[:-1]   # the end token is not output text
         self.generated += len(ids)
         self.cum_log_prob += float(sum(lps))
         self.pending_ids += ids
         self.pending_lp += lps
+        self.pending_top += top
         if self.stream or event.final:
             return self._flush(event.finish_reason if event.final else None)
         return None
@@ -85,9 +105,9 @@ class ResponseBuilder:
     def _flush(self, reason: str | None) -> dict:
         """The outputs of the tokens pending; ``reason``: the final response's (else None)."""
         final = reason is not None
-        ids, lps = self.pending_ids, self.pending_lp
+        ids, lps, top = self.pending_ids, self.pending_lp, self.pending_top
         window, offset = self.windows.next(ids)
-        self.pending_ids, self.pending_lp = [], []
+        self.pending_ids, self.pending_lp, self.pending_top = [], [], []
         out = {
             "text_output": [text_delta(self.decode, window, offset, final)],
             "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
@@ -102,4 +122,6 @@ class ResponseBuilder:
             out["cum_log_probs"] = np.array([self.cum_log_prob])
             out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)
             out["output_ids"] = np.array([ids], dtype=np.int32).reshape(1, -1)   # [beam=1, n]
+            if top and len(top) == len(ids):
+                out.update(top_logprob_outputs([t.ids for t in top], [t.logprobs for t in top]))
         return out

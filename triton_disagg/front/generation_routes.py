@@ -152,7 +152,7 @@ class _Answer:
         text = self.trimmer.add(delta.text)
         if self.logprobs is None:
             return text, None
-        tokens = self.logprobs.of(delta.token_ids, delta.log_probs)
+        tokens = self.logprobs.of(delta.token_ids, delta.log_probs, delta.top)
         if delta.prompt_logprobs is None:
             return text, tokens
         prompt = self.logprobs.prompt(self.prompt_ids, delta.prompt_logprobs)

@@ -16,8 +16,8 @@ are taken as they take them: ``ignore_eos`` (``max_tokens`` tokens whatever come
 (a cached prefix is shared only among requests
 with the same salt, vLLM's per-tenant isolation). ``logprobs``
 (completions: 0-5; chat: true, with ``top_logprobs`` 0-20) asks for the log-probability of
-each generated token; the engine computes the chosen token's alone, so ``top_logprobs``
-lists that token only (:mod:`.openai_responses`). ``echo`` with ``logprobs`` N (completions)
+each generated token and of its N most likely alternatives, the raw model's
+(:mod:`.openai_responses`). ``echo`` with ``logprobs`` N (completions)
 also asks for the prompt's tokens' log-probs with N alternatives each (:attr:`Generation.
 prompt_logprobs`; lm-eval's loglikelihood requests), which a context server computes. A
 prompt is text or token ids (a list of ints); a list of such prompts is several, and each

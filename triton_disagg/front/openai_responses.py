@@ -8,10 +8,13 @@ matches on text); ``finish_reason`` is ``"stop"`` when a stop sequence cut the t
 the orchestrator's reason in OpenAI's words (:func:`finish_reason`), never worked out
 from token counts; a chunk of a stream whose
 client asked for ``include_usage`` carries ``"usage": null`` but the last. Log-probs
-(:class:`Logprobs`) are OpenAI's objects for the tokens the engine chose: completions'
-``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``, chat's ``content``; the
-engine computes the chosen token's log-prob alone, so a ``top_logprobs`` entry lists that
-token only (as vLLM does, it is always there), whatever number of alternatives was asked.
+(:class:`Logprobs`) are OpenAI's objects for the tokens the engine chose, the raw model's
+(before temperature and penalties, as vLLM's default; :mod:`~triton_disagg.engine.logprobs`):
+completions' ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``, where a
+``top_logprobs`` entry maps the chosen token's text and those of the N most likely tokens
+(``logprobs`` N) to their log-probs (so up to N + 1 entries, as OpenAI and vLLM); chat's
+``content``, where each entry's ``top_logprobs`` lists the N most likely tokens
+(``top_logprobs`` N), most likely first, as ``{token, logprob, bytes}``.
 An echoed prompt's tokens come first (``echo`` with ``logprobs``: :meth:`Logprobs.prompt`),
 with the prompt's own log-probs and real alternatives, as vLLM's ``prompt_logprobs``.
 """
@@ -24,6 +27,7 @@ import uuid
 
 from typing import Callable, Sequence
 
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.front.openai_api import Generation
 from triton_disagg.protocol import FinishReason
@@ -93,17 +97,22 @@ class Logprobs:
         self.chat, self.top = gen.endpoint == "chat", gen.logprobs or 0
         self.token_text, self.offset = token_text, offset
 
-    def of(self, ids: Sequence[int], log_probs: Sequence[float]) -> dict:
-        """The object for these tokens (the next ones of the choice)."""
+    def of(self, ids: Sequence[int], log_probs: Sequence[float],
+           top: Sequence[TopLogprobs] = ()) -> dict:
+        """The object for these tokens (the next ones of the choice), ``top`` their
+        alternatives (one per token; none when the request asked for none)."""
         texts = [self.token_text(i) for i in ids]
+        tops = list(top) if len(top) == len(ids) else [TopLogprobs([], [])] * len(ids)
         if self.chat:
-            return {"content": [self._chat_entry(t, lp) for t, lp in zip(texts, log_probs)]}
+            return {"content": [self._chat_entry(t, lp, alt)
+                                for t, lp, alt in zip(texts, log_probs, tops)]}
         offsets = []
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": texts, "token_logprobs": list(log_probs),
-                "top_logprobs": [{t: lp} for t, lp in zip(texts, log_probs)],
+                "top_logprobs": [self._alternatives(t, lp, alt.ids, alt.logprobs)
+                                 for t, lp, alt in zip(texts, log_probs, tops)],
                 "text_offset": offsets}
 
     def prompt(self, ids: Sequence[int], logprobs: PromptLogprobs) -> dict:
@@ -116,17 +125,32 @@ class Logprobs:
             offsets.append(offsets[-1] + len(text))
         top: list[dict | None] = [None]
         for text, chosen, alt_ids, alt in zip(texts[1:], logprobs.chosen.tolist(),
-                                              logprobs.top_ids[:, :self.top].tolist(),
-                                              logprobs.top[:, :self.top].tolist()):
-            # an alternative whose text is the prompt token's (two ids, one text) keeps its
-            # own log-prob: the dict's top value stays the most likely token's
-            top.append({text: chosen, **{self.token_text(i): lp for i, lp in zip(alt_ids, alt)}})
+                                              logprobs.top_ids.tolist(), logprobs.top.tolist()):
+            top.append(self._alternatives(text, chosen, alt_ids, alt))
         return {"tokens": texts, "token_logprobs": [None] + logprobs.chosen.tolist(),
                 "top_logprobs": top, "text_offset": offsets}
 
-    def _chat_entry(self, text: str, log_prob: float) -> dict:
-        entry = {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
-        return {**entry, "top_logprobs": [dict(entry)] if self.top else []}
+    def _alternatives(self, text: str, log_prob: float, alt_ids: Sequence[int],
+                      alt: Sequence[float]) -> dict:
+        """A completions ``top_logprobs`` entry: the chosen token's text and its first
+        ``top`` alternatives' -> log-prob. Where ids share a text, it maps to the most
+        likely one's log-prob, so the entry's largest value stays the most likely token's."""
+        entry = {text: log_prob}
+        for i, lp in zip(alt_ids[:self.top], alt[:self.top]):
+            name = self.token_text(i)
+            entry[name] = max(lp, entry.get(name, lp))
+        return entry
+
+    def _chat_entry(self, text: str, log_prob: float, alt: TopLogprobs) -> dict:
+        """A chat ``content`` entry; its ``top_logprobs``: the first ``top`` alternatives."""
+        entry = _chat_token(text, log_prob)
+        entry["top_logprobs"] = [_chat_token(self.token_text(i), lp) for i, lp in
+                                 zip(alt.ids[:self.top], alt.logprobs[:self.top])]
+        return entry
+
+
+def _chat_token(text: str, log_prob: float) -> dict:
+    return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
 
 
 def merge_logprobs(parts: list[dict], chat: bool) -> dict:

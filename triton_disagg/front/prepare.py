@@ -2,8 +2,11 @@
 input tensors, through the ``preprocessing`` model's own library (:mod:`.preprocess`), so
 the HTTP front tokenizes, bounds and defaults a prompt exactly as the ensemble does.
 
-Invariants: the model named must be the one served (else 404); a chat's prompt is its
-messages rendered by the engine's chat template (:mod:`.chat_template`); the tensors carry
+Invariants: the model named must be the one served (else 404); a text prompt's ids are
+Hugging Face's ``tokenizer(prompt)`` (a BOS when the tokenizer's configuration adds one:
+:mod:`~triton_disagg.engine.tokenizer`); a chat's prompt is its messages rendered by the
+engine's chat template (:mod:`.chat_template`), tokenized without added special tokens (the
+template writes its own, as vLLM tokenizes it); the tensors carry
 ``stream`` true whatever the client asked (the front relays deltas, and a non-streamed
 answer is their concatenation, which the orchestrator guarantees equal to its non-streamed
 text) and ``arrival_ns`` (the orchestrator's time to first token starts here); a prompt
@@ -11,7 +14,9 @@ surely longer than the engine's context is refused before it is tokenized (chat'
 ``max_tokens``, the rest of the context, needs its length: it is bounded first too); a
 prompt of token ids (checked against the vocabulary by :mod:`.openai_api`) goes to the
 engine as sent, bounded like a tokenized one; ``return_log_probs`` is set when the client
-asked for ``logprobs``, and ``prompt_logprobs`` when it echoes the prompt with them.
+asked for ``logprobs``, ``top_logprobs`` when it asked for alternatives (completions'
+``logprobs`` N, chat's ``top_logprobs`` N > 0), and ``prompt_logprobs`` when it echoes the
+prompt with them.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class Preparer:
         arrays.update(gen.sampling)
         if gen.logprobs is not None:
             arrays["return_log_probs"] = True
+        if gen.logprobs:                        # alternatives per generated token
+            arrays["top_logprobs"] = gen.logprobs
         if gen.prompt_logprobs is not None:     # at least one alternative (no empty tensors)
             arrays["prompt_logprobs"] = max(1, gen.prompt_logprobs)
         arrays["stream"] = True
@@ -107,7 +114,7 @@ class Preparer:
                     "stop_words": np.array([w.encode("utf-8") for w in gen.stop], dtype=object)}
         if gen.ignore_eos:
             ensemble["end_id"] = np.array([-1], dtype=np.int32)    # no end token
-        return self.pre.process(ensemble)
+        return self.pre.process(ensemble, add_special_tokens=gen.endpoint != "chat")
 
     def _token_ids(self, gen: Generation) -> dict[str, Any]:
         """A prompt of token ids, as the preprocessing library would have tokenized it."""
@@ -142,7 +149,7 @@ class Preparer:
             raise ApiError(f"the prompt (more than {room} tokens) leaves no room to generate "
                            f"in this engine's max_seq_len {self.max_seq_len}; shorten the "
                            f"messages", param="messages")
-        return max(1, self.max_seq_len - len(self.tokenizer.encode(prompt)))
+        return max(1, self.max_seq_len - len(self.tokenizer.encode(prompt, False)))
 
 
 def _batch_of_one(value: Any, dtype: type) -> np.ndarray:

@@ -67,7 +67,12 @@ class Preprocessor:
         self.eos_id = -1 if eos_id is None else eos_id
         self.pad_id = self.eos_id if pad_id is None else pad_id
 
-    def process(self, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    def process(self, inputs: dict[str, np.ndarray],
+                add_special_tokens: bool = True) -> dict[str, Any]:
+        """The orchestrator's sealed inputs for the ensemble inputs ``inputs``; the prompt
+        tokenized as Hugging Face's ``tokenizer(text)`` does (the special tokens, such as a
+        BOS, its configuration adds), or without them (``add_special_tokens`` False: a chat
+        template's output, which holds its own, as vLLM tokenizes it)."""
         self.refuse_unsupported(inputs)
         text = scalar(inputs, "text_input")
         if text is None:
@@ -86,7 +91,7 @@ class Preprocessor:
                                f"engine's max_seq_len {self.max_seq_len}; lower max_tokens")
         if self.tokenizer.surely_more_tokens(text, room):
             raise self._too_long(f"more than {room} tokens", max_tokens)
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text, add_special_tokens)
         if not ids:
             raise RequestError("text_input is empty after tokenization; send a non-empty prompt")
         if len(ids) > room:

@@ -24,10 +24,12 @@ from typing import AsyncIterator
 import numpy as np
 
 from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.errors import HTTP_STATUS, ErrorCode, from_grpc_status, without_tag
+from triton_disagg.front.engine_io import top_rows
 from triton_disagg.front.health import ServerReadiness
-from triton_disagg.protocol import FINISH_REASONS, FinishReason
+from triton_disagg.protocol import FINISH_REASONS, TOP_LOGPROBS, FinishReason
 from triton_disagg.triton.grpc_channel import client_options
 
 ORCHESTRATOR = "orchestrator"
@@ -39,8 +41,9 @@ GRPC_ERROR_HEADERS = {"triton_grpc_error": "true"}
 @dataclass(frozen=True)
 class Delta:
     """One orchestrator response: its text, the running counts, (only when the request
-    asked for log-probs) the ids of its tokens and their log-probs, in step, and (the final
-    response only) why the request ended."""
+    asked for log-probs) the ids of its tokens and their log-probs, in step (and each one's
+    alternatives when it asked for ``top_logprobs``), and (the final response only) why the
+    request ended."""
 
     text: str
     prompt_tokens: int
@@ -50,6 +53,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0            # of prompt_tokens, served from the prefix cache
     prompt_logprobs: PromptLogprobs | None = None   # the first response's, when asked
+    top: tuple[TopLogprobs, ...] = ()                # one per token id, when asked
 
 
 class OrchestratorError(Exception):
@@ -126,14 +130,15 @@ def _delta(result) -> Delta:
     cached = result.as_numpy("num_cached_tokens")
     reason = result.as_numpy("finish_reason")
     reason = reason.reshape(-1)[0].decode("utf-8") if reason is not None else None   # [1, 1]
+    token_ids = tuple(ids.reshape(-1).tolist()) if ids is not None else ()     # [1, 1, n] -> [n]
+    top = top_rows({s.name: result.as_numpy(s.name) for s in TOP_LOGPROBS}, len(token_ids))
     return Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
                  int(n_in.reshape(-1)[0]) if n_in is not None else 0,
                  int(n_out.reshape(-1)[0]) if n_out is not None else 0,
-                 tuple(ids.reshape(-1).tolist()) if ids is not None else (),     # [1, 1, n] -> [n]
-                 tuple(lps.reshape(-1).tolist()) if lps is not None else (),
+                 token_ids, tuple(lps.reshape(-1).tolist()) if lps is not None else (),
                  reason if reason in FINISH_REASONS else None,
                  int(cached.reshape(-1)[0]) if cached is not None else 0,
-                 _prompt_logprobs(result))
+                 _prompt_logprobs(result), tuple(top or ()))
 
 
 def _prompt_logprobs(result) -> PromptLogprobs | None:

@@ -234,11 +234,13 @@ class DecodeLoop:
         live.tokens.append(int(event.token_id))
         live.log_probs.append(float(event.logprob or 0.0))
         live.cum_log_prob += live.log_probs[-1]
+        if event.top is not None:
+            live.top.append(event.top)
         if event.finished:
             self._finish(event.request_id, event.finish_reason)
         elif live.streaming and (not live.emitted or len(live.tokens) >= self.stream_interval):
             self.outbox.put(live.address, token_event(event.request_id, live, None))
-            live.tokens, live.log_probs = [], []
+            live.tokens, live.log_probs, live.top = [], [], []
             live.emitted = True
 
     def _finish(self, request_id: str, reason: str | None) -> None:

@@ -1,7 +1,8 @@
 """The decode loop's per-request state, and the token events it becomes.
 
-Invariants: ``Live.tokens`` / ``Live.log_probs`` hold exactly the tokens made since the
-request's last event (plain ints and floats, ready for msgpack); ``Live.seq`` is the
+Invariants: ``Live.tokens`` / ``Live.log_probs`` (and ``Live.top``, when the request asked
+for alternatives) hold exactly the tokens made since the request's last event (plain ints
+and floats, ready for msgpack); ``Live.seq`` is the
 number of events made for the request so far, so its events carry 0, 1, 2, ... and
 every one carries the request's key.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.errors import ErrorCode
 from triton_disagg.token_wire import StreamEvent
 
@@ -24,6 +26,7 @@ class Live:
     seq: int = 0                    # events made for it so far
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    top: list[TopLogprobs] = field(default_factory=list)
     cum_log_prob: float = 0.0
 
     def numbered(self) -> int:
@@ -33,12 +36,13 @@ class Live:
 
 
 def token_event(request_id: str, live: Live, reason: str | None) -> StreamEvent:
-    """The tokens ``live`` holds (log probs only when asked for), final with ``reason``."""
+    """The tokens ``live`` holds (log probs only when asked for, alternatives when made),
+    final with ``reason``."""
     seq = live.numbered()
     if not live.with_log_probs:
         return StreamEvent(request_id, live.tokens, finish_reason=reason, seq=seq, key=live.key)
     return StreamEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason,
-                       seq=seq, key=live.key)
+                       seq=seq, key=live.key, top=live.top or None)
 
 
 def error_event(request_id: str, live: Live, message: str,

@@ -14,16 +14,21 @@ engine's limits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.words import from_wire
 from triton_disagg.errors import RequestError, UserError
+from triton_disagg.protocol import NUM_CACHED_TOKENS
 from triton_disagg.triton.tensors import scalar
+
+if TYPE_CHECKING:       # the engine (its runners) is not imported where requests are read
+    from triton_disagg.engine.llm_engine import PrefillResult
 
 # engine input -> SamplingParams field
 _FIELDS = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "temperature": "temperature",
@@ -66,7 +71,8 @@ def from_inputs(inputs: dict[str, np.ndarray], spec: EngineSpec) -> EngineReques
             stop_words=from_wire(inputs.get("stop_words_list"), "stop_words_list"),
             bad_words=from_wire(inputs.get("bad_words_list"), "bad_words_list"),
             return_log_probs=bool(scalar(inputs, "return_log_probs", False)),
-            prompt_logprobs=scalar(inputs, "prompt_logprobs"), **options)
+            prompt_logprobs=scalar(inputs, "prompt_logprobs"),
+            top_logprobs=scalar(inputs, "top_logprobs", 0), **options)
     except (UserError, ValueError) as exc:
         raise RequestError(str(exc)) from None
     return EngineRequest(prompt[:length].tolist(), params, bool(scalar(inputs, "streaming", False)))
@@ -89,12 +95,14 @@ def cache_salt(inputs: dict[str, np.ndarray]) -> str | None:
 
 
 def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log_prob: float,
-            finish_reason: str | None, with_log_probs: bool = True) -> dict[str, np.ndarray]:
+            finish_reason: str | None, with_log_probs: bool = True,
+            top: Sequence[TopLogprobs] = ()) -> dict[str, np.ndarray]:
     """One engine response (beam axis of 1 included; batch axis added by the caller).
 
     ``output_ids`` and ``sequence_length`` are always there; ``cum_log_probs`` and
     ``output_log_probs`` only ``with_log_probs`` (the request's ``return_log_probs``, as
-    TensorRT-LLM does); ``finish_reason`` only on a request's final response. Every tensor
+    TensorRT-LLM does), the ``TOP_LOGPROBS`` only with ``top`` (one per token: the request's
+    ``top_logprobs``); ``finish_reason`` only on a request's final response. Every tensor
     costs a shared-memory copy per streamed token, so nothing is sent that nobody asked for.
     """
     out = {"output_ids": np.array([list(token_ids)], dtype=np.int32),
@@ -103,8 +111,21 @@ def outputs(token_ids: Sequence[int], log_probs: Sequence[float | None], cum_log
         lps = [0.0 if lp is None else lp for lp in log_probs]
         out["cum_log_probs"] = np.array([cum_log_prob], dtype=np.float32)
         out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)
+    if with_log_probs and top:
+        out.update(top_logprob_outputs([t.ids for t in top], [t.logprobs for t in top]))
     if finish_reason is not None:
         out["finish_reason"] = np.array([finish_reason.encode()], dtype=np.object_)
+    return out
+
+
+def prefill_outputs(result: PrefillResult) -> dict[str, np.ndarray]:
+    """A prefill's answer but its ``context_phase_params``: the first token with its
+    log-prob (and alternatives, when asked), the prompt tokens served from the prefix cache,
+    the prompt's log-probs when asked."""
+    out = outputs([result.token_id], [result.logprob], result.logprob or 0.0,
+                  result.finish_reason, top=[result.top] if result.top is not None else ())
+    out[NUM_CACHED_TOKENS] = np.array([result.num_cached_tokens], dtype=np.int32)
+    out.update(prompt_logprob_outputs(result.prompt_logprobs))
     return out
 
 
@@ -120,3 +141,12 @@ def prompt_logprob_outputs(logprobs: PromptLogprobs | None) -> dict[str, np.ndar
                                              ).astype(np.int32),                  # [n, k]
             "prompt_top_log_probs": np.concatenate([np.full((1, k), np.nan), logprobs.top]
                                                    ).astype(np.float32)}          # [n, k]
+
+
+def top_logprob_outputs(ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]]
+                        ) -> dict[str, np.ndarray]:
+    """The ``TOP_LOGPROBS`` tensors of ``n`` tokens' alternatives (``n`` rows of ``k``; beam
+    axis of 1 included, batch axis added by the caller)."""
+    k = len(ids[0]) if len(ids) else 0
+    return {"output_top_ids": np.array(ids, dtype=np.int32).reshape(1, -1, k),          # [1, n, k]
+            "output_top_log_probs": np.array(logprobs, dtype=np.float32).reshape(1, -1, k)}
