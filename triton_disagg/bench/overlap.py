@@ -139,10 +139,10 @@ def one_host(engine: Path, cores: Sequence[int], work_dir: Path,
     from triton_disagg.bench.second_token import replies
 
     with contextlib.ExitStack() as stack:
-        urls = {mode: stack.enter_context(serving(
-            "direct_transfer", engine, cores, work_dir, overlap=mode == "with",
+        urls = {kv_overlap: stack.enter_context(serving(
+            "direct_transfer", engine, cores, work_dir, overlap=kv_overlap == "with",
             kv_max_size=KV_MAX_SIZE, stall_seconds=STALL_SECONDS, runtime=runtime))[2]
-                for mode in MODES}
+                for kv_overlap in MODES}
         yield urls, replies
 
 

@@ -18,6 +18,7 @@ from typing import Iterator
 import yaml
 
 from triton_disagg.bench.serve_servers import serve_cli
+from triton_disagg.config.roles import Role
 from triton_disagg.launch.deploy import free_port_run, free_ports
 
 CONTEXT_SERVERS = 2
@@ -62,7 +63,7 @@ class Deployment:
         args = [role, "-c", str(config), "--host", "127.0.0.1", "--grpc-port", str(grpc),
                 "--front-port", str(front), "--metrics-port", str(metrics),
                 "--work-dir", str(self.work_dir / name)]
-        if role == "scheduler":
+        if role == Role.SCHEDULER:
             args += ["--http-port", str(free_ports(1)[0])]
         return serve_cli(args, self.work_dir / f"{name}.log", marker=marker), front, metrics
 

@@ -25,6 +25,7 @@ from triton_disagg.errors import UserError
 from triton_disagg.engine.block_pool import BlockPool
 
 if TYPE_CHECKING:
+    from triton_disagg.config.disagg import DisaggConfig
     from triton_disagg.config.settings import EngineSettings
     from triton_disagg.engine.block_pool import BlockEvents
     from triton_disagg.engine.llm_engine import LLMEngine
@@ -52,12 +53,12 @@ def check_pool(spec: EngineSpec, layout: KVLayout, max_size: int, role: str) -> 
             f"--max-seq-len")
 
 
-def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
+def check_kv_capacity(config: "DisaggConfig", roles: Iterable[str] | None = None) -> None:
     """Check every engine model's pool of a loaded ``DisaggConfig`` (``roles``: default
     the engine models of its mode) before Triton starts."""
     spec = EngineSpec.load(config.engine)
     if roles is None:
-        roles = ("generation",) if config.mode == "aggregated" else ("context", "generation")
+        roles = config.engine_roles
     if config.device == "cuda" and not config.kv_cache.max_size_given:
         return      # gpu_memory_fraction sizes the pools on the device (pool_cap)
     for role in roles:

@@ -59,6 +59,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import numpy as np
 
 from triton_disagg import log_format, protocol as P
+from triton_disagg.config.roles import Mode
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
 from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
 from triton_disagg.front.token_inbox import Accepted
@@ -118,10 +119,10 @@ class Orchestrator:
     ``local_prefill``: prompts of at most this many tokens skip the context; ``overlap``:
     generation takes a request before the context prefills it (module docstring)."""
 
-    def __init__(self, transport: Transport, tokens: Any, mode: str,
+    def __init__(self, transport: Transport, tokens: Any, mode: Mode,
                  decode: Callable[[Sequence[int]], str], observer: Any = None,
                  local_prefill: int = 0, overlap: bool = False):
-        self.transport, self.tokens, self.mode = transport, tokens, mode
+        self.transport, self.tokens, self.mode = transport, tokens, Mode(mode)
         self.decode, self.observer, self.local_prefill = decode, observer, local_prefill
         self.overlap = overlap
         self.releases: set[asyncio.Task] = set()   # release_kv calls in flight (held)
@@ -145,6 +146,11 @@ class Orchestrator:
             run.route.close()
         run.done(outcome)
         return outcome
+
+    @property
+    def aggregated(self) -> bool:
+        """Every request goes to generation whole (``mode: aggregated``)."""
+        return self.mode == Mode.AGGREGATED
 
     def _give_back(self, run: "_Run") -> None:
         """Release the context's KV that generation never took, without delaying the client
@@ -212,11 +218,11 @@ class _Run:
         prefill (its token goes out at once), then generation's decode of the rest."""
         prompt_length = int(np.size(inputs["input_ids"]))
         with_prompt_logprobs = P.SAMPLING_TO_ENGINE["prompt_logprobs"] in inputs
-        if self.owner.mode == "aggregated" and with_prompt_logprobs:
+        if self.owner.aggregated and with_prompt_logprobs:
             raise RequestError("prompt_logprobs (echo with logprobs): the log-probs of the "
                                "prompt's tokens are computed by a context server; this "
                                "deployment is aggregated (serve it disaggregated)")
-        if self.owner.mode == "aggregated" or (prompt_length <= self.owner.local_prefill
+        if self.owner.aggregated or (prompt_length <= self.owner.local_prefill
                                                and not with_prompt_logprobs):
             return await self.generate(inputs, P.CONTEXT_AND_GENERATION, is_cancelled)
         if self.owner.overlap:

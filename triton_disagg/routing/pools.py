@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from triton_disagg.config.roles import ENGINE_ROLES, Role
 from triton_disagg.config.settings import OrchestratorSettings
 from triton_disagg.routing.discovery import MemberRecord, Membership
 from triton_disagg.routing.discovery.periodic import Periodic
-from triton_disagg.routing.discovery.record import ROLES
 from triton_disagg.routing.kv_events import publisher_ports
 from triton_disagg.routing.kv_feed import KvFeed, engine_hasher
 from triton_disagg.routing.router import KV_AWARE, Hasher, KvAwareness, Member, Router
@@ -129,7 +129,7 @@ def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, d
         membership = Membership(settings.discovery, spec.fingerprint, block_nbytes=block_nbytes)
     return membership, {role: DiscoveredMembers(membership, role) if membership is not None
                         else StaticMembers(role, list(settings.pools[role].urls))
-                        for role in ROLES}
+                        for role in ENGINE_ROLES}
 
 
 def start_pools(settings: OrchestratorSettings, observer: Any,
@@ -140,7 +140,7 @@ def start_pools(settings: OrchestratorSettings, observer: Any,
     routers, feeds = {}, {}
     for role, source in sources.items():
         pool, kv = settings.pools[role], None
-        if pool.router == KV_AWARE and role == "context":     # generation: load (router)
+        if pool.router == KV_AWARE and role == Role.CONTEXT:     # generation: load (router)
             import zmq
 
             from triton_disagg.engine.spec import EngineSpec

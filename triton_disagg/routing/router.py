@@ -83,6 +83,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Protocol, Sequence
 
+from triton_disagg.config.roles import Role
 from triton_disagg.routing.discovery.record import Load
 from triton_disagg.errors import NoServer
 from triton_disagg.routing.kv_index import KvIndex
@@ -164,13 +165,13 @@ class Router:
         turn = members[start:] + members[:start]       # ties: the first in turn wins
         if self.policy == ROUND_ROBIN:
             chosen = turn[0]
-        elif self.policy == KV_AWARE and self.role == "context":
+        elif self.policy == KV_AWARE and self.role == Role.CONTEXT:
             chosen = self._kv_pick(turn, tokens, token_ids, salt)
         else:
             chosen = max(turn, key=self._score)
             if self.policy == KV_AWARE:
                 self._decided(LOAD)
-        cost = chosen.kv_tokens(tokens) if self.role == "generation" else tokens
+        cost = chosen.kv_tokens(tokens) if self.role == Role.GENERATION else tokens
         self.in_flight[chosen.url] = self.in_flight.get(chosen.url, 0) + cost
         return Assignment(self, chosen.url, cost)
 
@@ -251,7 +252,7 @@ class Router:
         """Higher is less loaded (module docstring): (free KV in tokens or minus the queued
         prompt tokens, minus the live sequences)."""
         own = self.in_flight.get(member.url, 0)
-        if self.role == "context":
+        if self.role == Role.CONTEXT:
             return -max(own, member.load.queued_prompt_tokens or 0), 0
         live = -(member.load.live_sequences or 0)
         if member.kv_blocks_total is None or member.tokens_per_block is None:

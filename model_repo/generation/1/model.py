@@ -51,7 +51,7 @@ class TritonPythonModel:
         readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         with self.metrics.closed_on_error():
             connector = (connector_for(settings, engine, instance)
-                         if settings.mode != "aggregated" else None)
+                         if not settings.aggregated else None)
             self.side = GenerationSide(engine, connector, self.metrics)
             context = zmq.Context.instance()
             stops = StopInbox(context, settings.token_host, settings.token_bind)
