@@ -53,3 +53,31 @@ def test_the_scan_sees_each_way_of_comparing():
              "y = 'scheduler' != self.owner.role\n"
              "z = mode == Mode.AGGREGATED or model == 'context' or role in ROLES\n")
     assert string_compares(probe) == [1, 2, 3]
+
+
+# Private names of the standard library that the package calls on purpose.
+STDLIB_PRIVATE = {"os._exit"}
+
+
+def private_calls(source: str) -> list[str]:
+    """``obj._name(...)`` calls in ``source`` whose ``obj`` is not ``self`` or ``cls``: one
+    class reaching into another's private method (issue 28, item 3)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr.startswith("_") and not node.func.attr.startswith("__")):
+            owner = ast.unparse(node.func.value)
+            if owner not in ("self", "cls") and f"{owner}.{node.func.attr}" not in STDLIB_PRIVATE:
+                found.append(f"{node.lineno}: {owner}.{node.func.attr}")
+    return found
+
+
+def test_no_class_calls_another_ones_private_method():
+    found = [f"{path.relative_to(ROOT)}:{call}" for path in _sources()
+             for call in private_calls(path.read_text())]
+    assert found == []
+
+
+def test_the_private_scan_sees_an_owner_s_private_method():
+    probe = "self._mine()\nself.owner._give_back(run)\nos._exit(1)\nrun.__len__()\n"
+    assert private_calls(probe) == ["2: self.owner._give_back"]

@@ -111,7 +111,7 @@ class Prefiller:
         for o in overlapped.values():
             if o.error is None:
                 try:
-                    o._fail(RequestError(f"the prefill failed: {type(exc).__name__}: {exc}"))
+                    o.fail(RequestError(f"the prefill failed: {type(exc).__name__}: {exc}"))
                 except Exception:  # noqa: BLE001 - the other leases still end
                     _log.exception("giving back the KV of %s failed", o.request_id)
 
@@ -175,23 +175,28 @@ class _Overlapped:
     @classmethod
     def begin(cls, side: Prefiller, seq: Sequence, listener: bytes) -> "_Overlapped":
         """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
-        blocks = list(seq.block_table.block_ids)
-        o = cls(side, seq.request_id, blocks)
+        overlapped = cls(side, seq.request_id, list(seq.block_table.block_ids))
+        return overlapped.announce(listener, len(seq.prompt_ids))
+
+    def announce(self, listener: bytes, prompt_length: int) -> "_Overlapped":
+        """Reach generation's ``listener``, lease the blocks and send it their handle; a bad
+        listener or a failed export fails this request alone (unreachable generation: an
+        ordinary handoff, see the class docstring)."""
         try:
-            o.announcer = side.connector.announcer(listener)
+            self.announcer = self.side.connector.announcer(listener)
         except ConnectorError as exc:
-            o._unheard(exc)
+            self._unheard(exc)
         except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
-            side.engine.pool.free(blocks)
-            o.error = RequestError(f"kv_listener: {exc}")
-            return o
+            self.side.engine.pool.free(self.blocks)
+            self.error = RequestError(f"kv_listener: {exc}")
+            return self
         try:
-            o.handle = side.connector.export(blocks, len(seq.prompt_ids), prefilling=True)
+            self.handle = self.side.connector.export(self.blocks, prompt_length, prefilling=True)
         except Exception as exc:  # noqa: BLE001 - this request fails alone
-            o._fail(_handoff_error(exc))
+            self.fail(_handoff_error(exc))
         else:
-            o._tell(lambda a: a.handle(o.handle))
-        return o
+            self._tell(lambda a: a.handle(self.handle))
+        return self
 
     def layers(self, done: int) -> None:
         """Layers ``0..done-1`` are final: copy a device KV's new ones to the host array,
@@ -201,7 +206,7 @@ class _Overlapped:
             try:
                 self._stage(done)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(_handoff_error(exc))
+                self.fail(_handoff_error(exc))
                 return
             self.side.connector.renew(self.handle)
             self._tell(lambda a: a.layers(done))
@@ -215,13 +220,13 @@ class _Overlapped:
         or, if it finished the request, the KV goes back and generation is told so."""
         self.result = result
         if self.error is None and result.finish_reason is not None:
-            self._fail(None, f"the request finished at its first token ({result.finish_reason})")
+            self.fail(None, f"the request finished at its first token ({result.finish_reason})")
         elif self.error is None:
             try:
                 self._stage(self.side.connector.geometry.num_layers)
                 self.side.connector.renew(self.handle, prefilling=False)   # final: lease from now
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(_handoff_error(exc))
+                self.fail(_handoff_error(exc))
             else:
                 self._tell(lambda a: a.first(result.token_id, result.logprob))
         return self.error if self.error is not None else self
@@ -249,7 +254,7 @@ class _Overlapped:
                      extra={"request_id": self.request_id})
         self.announcer = None
 
-    def _fail(self, error: Exception | None, reason: str = "") -> None:
+    def fail(self, error: Exception | None, reason: str = "") -> None:
         """Give the KV back (the lease, if it was taken) and tell generation why."""
         self.error = error
         if self.handle:

@@ -142,7 +142,7 @@ class Orchestrator:
             run.done("error")
             raise
         finally:
-            self._give_back(run)
+            self.give_back(run)
             run.route.close()
         run.done(outcome)
         return outcome
@@ -152,9 +152,12 @@ class Orchestrator:
         """Every request goes to generation whole (``mode: aggregated``)."""
         return self.mode == Mode.AGGREGATED
 
-    def _give_back(self, run: "_Run") -> None:
-        """Release the context's KV that generation never took, without delaying the client
-        (the route and handle of now: a migrating request moves on to others)."""
+    def give_back(self, run: "_Run") -> None:
+        """Release the context's KV that generation never took (``run.unfetched``), without
+        delaying the client (the route and handle of now: a migrating request moves on to
+        others); at most ``MAX_RELEASES`` such calls are out, beyond that the lease
+        reclaims the KV. Called when a request ends or leaves a lost server, and when an
+        abandoned context call answers late."""
         if run.unfetched is None or not run.unfetched.size:
             return
         if len(self.releases) >= MAX_RELEASES:
@@ -253,7 +256,7 @@ class _Run:
                      self.request_id, len(self.sent))
         if self.owner.observer is not None:
             self.owner.observer.migrated(lost.url)
-        self.owner._give_back(self)
+        self.owner.give_back(self)
         self.unfetched = None
         self.route.close()
         self.lost |= {lost.url}
@@ -295,7 +298,7 @@ class _Run:
         not when its lease expires."""
         if not call.cancelled() and call.exception() is None:
             self.unfetched = call.result().get(P.CONTEXT_PHASE_PARAMS)
-            self.owner._give_back(self)
+            self.owner.give_back(self)
 
     async def overlapped(self, inputs: dict[str, np.ndarray],
                          is_cancelled: Callable[[], bool]) -> str:

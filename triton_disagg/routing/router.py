@@ -262,7 +262,8 @@ class Router:
             free = min(free, member.load.free_kv_blocks * member.tokens_per_block)
         return free, live
 
-    def _release(self, url: str, cost: int) -> None:
+    def release(self, url: str, cost: int) -> None:
+        """An :class:`Assignment`'s ``cost`` tokens leave ``url``'s in-flight count."""
         left = self.in_flight[url] - cost
         if left:
             self.in_flight[url] = left
@@ -286,4 +287,4 @@ class Assignment:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.router._release(self.url, self.cost)
+            self.router.release(self.url, self.cost)
