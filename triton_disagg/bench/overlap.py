@@ -126,7 +126,7 @@ def long_engine(work_dir: Path, tokens: int, say) -> Path:
 
 
 def timing(replies: Sequence) -> Timing:
-    """Medians of :class:`~triton_disagg.bench.second_token.Reply` times."""
+    """Medians of :class:`~triton_disagg.bench.second_token.TimedReply` times."""
     return Timing(statistics.median(r.first for r in replies),
                   statistics.median(r.second for r in replies))
 

@@ -32,11 +32,11 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
                                   from_grpc_status)
-from triton_disagg.front.token_inbox import Accepted
+from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.front.transports import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
-                                            RELEASE_TIMEOUT_SECONDS, accepted, call_parameters,
-                                            callee_error, microseconds, release_inputs,
-                                            unbatch)
+                                            RELEASE_TIMEOUT_SECONDS, call_parameters,
+                                            callee_error, generation_answer, microseconds,
+                                            release_inputs, unbatch)
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.engine_request import cache_salt
 from triton_disagg.triton.grpc_channel import client_options
@@ -235,7 +235,7 @@ class GrpcRoute:
                                    min(self.timeout, RELEASE_TIMEOUT_SECONDS))
 
     async def generate(self, inputs: dict, request_type: str,
-                       token_address: str) -> Accepted:
+                       token_address: str) -> GenerationAnswer:
         tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
         assignment = self.transport.routers["generation"].take(tokens, self.avoid)
         self.transport.routed("generation", assignment.url)
@@ -251,7 +251,7 @@ class GrpcRoute:
             assignment.release()
             raise
         self.generation = assignment
-        return accepted(outputs)
+        return generation_answer(outputs)
 
     async def lost(self) -> GenerationLost | None:
         if self.generation is None:

@@ -62,7 +62,7 @@ from triton_disagg import log_format, protocol as P
 from triton_disagg.config.roles import Mode
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
 from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
-from triton_disagg.front.token_inbox import Accepted
+from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.tensors import scalar
 
@@ -83,7 +83,7 @@ class Route(Protocol):
     async def context(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     async def generate(self, inputs: dict[str, np.ndarray], request_type: str,
-                       token_address: str) -> Accepted:
+                       token_address: str) -> GenerationAnswer:
         """Send the request; generation's answer (or EngineError)."""
 
     async def release(self, inputs: dict[str, np.ndarray], handle: np.ndarray) -> None:
@@ -134,7 +134,7 @@ class Orchestrator:
         ``client_id``: the Triton request id the client set; the ids of the calls to context
         and generation start with it (else they are generated), so one grep finds the
         request's lines on every server; this task's log lines carry it."""
-        run = _Run(self, inputs, send, client_id)
+        run = ServedRequest(self, inputs, send, client_id)
         log_format.request_id.set(client_id or run.request_id)
         try:
             outcome = await run.serve(is_cancelled)
@@ -152,7 +152,7 @@ class Orchestrator:
         """Every request goes to generation whole (``mode: aggregated``)."""
         return self.mode == Mode.AGGREGATED
 
-    def give_back(self, run: "_Run") -> None:
+    def give_back(self, run: "ServedRequest") -> None:
         """Release the context's KV that generation never took (``run.unfetched``), without
         delaying the client (the route and handle of now: a migrating request moves on to
         others); at most ``MAX_RELEASES`` such calls are out, beyond that the lease
@@ -178,7 +178,7 @@ class Orchestrator:
                          "lease expires instead", request_id, exc)
 
 
-class _Run:
+class ServedRequest:
     """One request's state while the orchestrator serves it."""
 
     def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray], send: Send,
