@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from triton_disagg.errors import EngineError, RequestError, Unavailable
 from triton_disagg.kv.connector import ConnectorError, HandoffBusy, KVConnector
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.triton import engine_request
+
+if TYPE_CHECKING:
+    from triton_disagg.kv.overlap import Announcer
 
 _log = logging.getLogger(__name__)
 
@@ -66,7 +69,8 @@ class Prefiller:
                       extra={"request_id": seq.request_id})
         return answers
 
-    def _one(self, seq: Sequence, listeners: dict[str, bytes]) -> Any:
+    def _one(self, seq: Sequence, listeners: dict[str, bytes]
+             ) -> PrefillResult | _Overlapped | Exception:
         """``seq``'s request alone, in blocks of its own again (its batch's went back)."""
         try:
             self.reclaim()
@@ -75,7 +79,8 @@ class Prefiller:
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             return _refusal(exc)
 
-    def _prefill(self, seqs: list[Sequence], listeners: dict[str, bytes]) -> list:
+    def _prefill(self, seqs: list[Sequence], listeners: dict[str, bytes]
+                 ) -> list[PrefillResult | _Overlapped | Exception]:
         """Each sequence's PrefillResult (an overlapped one's as an _Overlapped), or error."""
         overlapped: dict[str, _Overlapped] = {}
         try:
@@ -115,7 +120,7 @@ class Prefiller:
                 except Exception:  # noqa: BLE001 - the other leases still end
                     _log.exception("giving back the KV of %s failed", o.request_id)
 
-    def _hand_off(self, result: Any) -> dict | Exception:
+    def _hand_off(self, result: PrefillResult | _Overlapped) -> dict | Exception:
         if isinstance(result, _Overlapped):
             return result.outputs()
         out = engine_request.outputs([result.token_id], [result.logprob], result.logprob or 0.0,
@@ -166,10 +171,10 @@ class _Overlapped:
     side: Prefiller
     request_id: str
     blocks: list[int]
-    announcer: Any = None
+    announcer: Announcer | None = None
     handle: bytes = b""
     error: Exception | None = None
-    result: Any = None
+    result: PrefillResult | None = None    # the prefill's, once it landed
     staged: int = 0          # layers of a device KV copied to the host array so far
 
     @classmethod
@@ -232,7 +237,9 @@ class _Overlapped:
         return self.error if self.error is not None else self
 
     def outputs(self) -> dict:
+        """The context's answer (after :meth:`landed`): the first token and the handle."""
         r = self.result
+        assert r is not None, "outputs() follows landed()"
         out = engine_request.outputs([r.token_id], [r.logprob], r.logprob or 0.0, r.finish_reason)
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
@@ -240,7 +247,7 @@ class _Overlapped:
         out.update(engine_request.prompt_logprob_outputs(r.prompt_logprobs))
         return out
 
-    def _tell(self, say: Any) -> None:
+    def _tell(self, say: Callable[[Announcer], None]) -> None:
         """``say(announcer)``, unless generation was found unreachable before."""
         if self.announcer is not None:
             try:

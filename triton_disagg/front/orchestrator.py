@@ -54,7 +54,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ from triton_disagg import log_format, protocol as P
 from triton_disagg.config.roles import Mode
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
 from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
-from triton_disagg.front.token_inbox import GenerationAnswer
+from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox, TokenStream
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.tensors import scalar
 
@@ -104,6 +104,19 @@ class Transport(Protocol):
         ``timeout`` seconds without an answer."""
 
 
+class RequestObserver(Protocol):
+    """Hears each request's milestones (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def first_token(self, seconds: float) -> None:
+        """The time to first token, from the request's arrival."""
+
+    def finished(self, outcome: str, seconds: float, tokens: int, ttft: float | None) -> None:
+        """The request ended (``outcome``: finished, cancelled or error)."""
+
+    def migrated(self, url: str) -> None:
+        """The request left the lost generation server at ``url``."""
+
+
 def _call_id(client_id: str) -> str:
     """The id of one attempt's calls to context and generation (unique: generation keys its
     streams by it): the client's id (its first 64 characters) and a random suffix."""
@@ -112,15 +125,14 @@ def _call_id(client_id: str) -> str:
 
 
 class Orchestrator:
-    """``tokens``: the instance's :class:`~token_inbox.TokenInbox`; ``decode``: token ids ->
-    text; ``observer`` (optional): ``first_token(seconds)`` and
-    ``finished(outcome, seconds, tokens, ttft)``, ``migrated(url)`` (see
-    :class:`~triton_disagg.triton.metrics.Metrics`);
+    """``tokens``: the instance's token inbox; ``decode``: token ids -> text; ``observer``
+    (optional) hears each request's first token, end and migrations;
     ``local_prefill``: prompts of at most this many tokens skip the context; ``overlap``:
     generation takes a request before the context prefills it (module docstring)."""
 
-    def __init__(self, transport: Transport, tokens: Any, mode: Mode,
-                 decode: Callable[[Sequence[int]], str], observer: Any = None,
+    def __init__(self, transport: Transport, tokens: TokenInbox, mode: Mode,
+                 decode: Callable[[Sequence[int]], str],
+                 observer: RequestObserver | None = None,
                  local_prefill: int = 0, overlap: bool = False):
         self.transport, self.tokens, self.mode = transport, tokens, Mode(mode)
         self.decode, self.observer, self.local_prefill = decode, observer, local_prefill
@@ -329,7 +341,7 @@ class ServedRequest:
                                                     stream.token_address))
             return await self.relay(stream, is_cancelled)
 
-    async def relay(self, stream: Any, is_cancelled: Callable[[], bool]) -> str:
+    async def relay(self, stream: TokenStream, is_cancelled: Callable[[], bool]) -> str:
         """Pass generation's tokens on until the final one (the client's cancel asked at
         most every ``CANCEL_POLL_SECONDS``)."""
         asked = 0.0   # when is_cancelled() was last asked

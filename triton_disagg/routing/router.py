@@ -81,7 +81,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 from triton_disagg.config.roles import Role
 from triton_disagg.routing.discovery.record import Load
@@ -133,11 +133,18 @@ class MemberSource(Protocol):
         """Where the members come from, for messages (e.g. "in generation_server.urls")."""
 
 
+class RouteObserver(Protocol):
+    """Hears each kv_aware decision (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def route_decision(self, role: str, mode: str) -> None:
+        """``mode``: why the server was chosen (module docstring: overlap, load, ...)."""
+
+
 class Router:
-    """``kv`` and ``observer`` (``route_decision(role, mode)``) serve ``kv_aware``."""
+    """``kv`` and ``observer`` serve ``kv_aware``."""
 
     def __init__(self, role: str, policy: str, source: MemberSource,
-                 kv: KvAwareness | None = None, observer: Any = None):
+                 kv: KvAwareness | None = None, observer: RouteObserver | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.role, self.policy, self.source = role, policy, source
