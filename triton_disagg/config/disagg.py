@@ -74,6 +74,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.config.discovery_section import DiscoveryConfig, parse_discovery
 from triton_disagg.config.tls_section import GrpcTLS, parse_grpc_tls

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+# Any here: tensor dict values (numpy arrays and scalars of any dtype).
 
 import numpy as np
 

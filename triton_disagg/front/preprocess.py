@@ -17,6 +17,7 @@ are different tokens in a byte-level BPE vocabulary.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+# Any here: tensor dict values (numpy arrays and scalars of any dtype).
 
 import numpy as np
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+# Any here: Triton's pb_utils module and its objects, which have no types.
 
 import numpy as np
 
