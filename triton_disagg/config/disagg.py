@@ -84,7 +84,7 @@ from triton_disagg.config.roles import ENGINE_ROLES, Mode, Role, engine_roles
 from triton_disagg.config.server_section import (SCHEDULER_KEYS, SERVER_KEYS, ServerConfig,
                                                  parse_server)
 from triton_disagg.config.values import fraction, is_loopback, mapping, number, parse_size
-from triton_disagg.engine.runtime import check_choice
+from triton_disagg.engine.runtime import Device, DType, Runner, check_choice
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import strategy as kv_strategy
 from triton_disagg.kv.handle import MAX_LEASE_SECONDS
@@ -123,9 +123,9 @@ class DisaggConfig:
     front: FrontConfig = field(default_factory=FrontConfig)   # the HTTP front's limits
     grpc_tls: GrpcTLS | None = None     # None: gRPC in clear (config.tls_section)
     # model.runtime / device / dtype; None: chosen on the serving host (Runtime.default)
-    runtime: str | None = None
-    device: str | None = None
-    dtype: str | None = None
+    runtime: Runner | None = None
+    device: Device | None = None
+    dtype: DType | None = None
     model_name: str | None = None       # model.name / --served-model-name; None: the engine's
     source: str = "<defaults>"          # where it was loaded from, for messages
 

@@ -59,7 +59,9 @@ def with_gpus_flag(config: DisaggConfig, role: str, spec: str,
         raise UserError(f"--gpus {spec}: asks for {missing}; drop --gpus on a CPU host (the "
                         f"config's cpus:/instances: place the role there)")
     placed = replace(config.server(role), gpus=tuple(gpus), cpus=(), instances=len(gpus))
-    return replace(config, **{role: placed})
+    if role == Role.CONTEXT:
+        return replace(config, context=placed)
+    return replace(config, generation=placed)
 
 
 def front_cpus(config: DisaggConfig, role: str, usable: Collection[int]) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from typing import Union
 from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.config.roles import Mode, Role
 from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.engine.runtime import Device, DType, Runner
 
 
 class _OfAMode:
@@ -57,9 +58,9 @@ class EngineSettings(_OfAMode):
     kv_lease_seconds: float
     stream_interval: int
     kv_key_id: str | None = None                 # names the handle-signing key; None: aggregated
-    runtime: str | None = None                   # model.runtime/device/dtype; None: the
-    device: str | None = None                    # serving host's Runtime.default
-    dtype: str | None = None
+    runtime: Runner | None = None                # model.runtime/device/dtype; None: the
+    device: Device | None = None                 # serving host's Runtime.default
+    dtype: DType | None = None
     kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
     kv_max_size_given: bool = False              # kv_max_size was set: it caps a CUDA pool too
     kv_prefix_caching: bool = True               # kv_cache.prefix_caching

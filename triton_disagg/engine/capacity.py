@@ -94,6 +94,6 @@ def pool_cap(settings: "EngineSettings", runtime: Runtime) -> int | None:
     not); on CUDA only when the config writes it, else None: the pool is then
     ``kv_cache.gpu_memory_fraction`` of the memory free after the weights, as TensorRT-LLM's
     ``free_gpu_memory_fraction`` (the 2 GB default would cap an 80-140 GB GPU's pool)."""
-    if runtime.device == "cuda" and not settings.kv_max_size_given:
+    if runtime.on_cuda and not settings.kv_max_size_given:
         return None
     return settings.kv_max_size

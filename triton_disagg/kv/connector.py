@@ -378,7 +378,7 @@ def connector_for(settings: "EngineSettings", engine: Any, instance: str,
     ``instance`` uses over ``engine``'s pool, as its settings say: a CPU pool's own array,
     or a device pool's bounded staging buffer (:func:`staging_for`)."""
     pool = PoolBuffer(engine.pool.array)
-    if engine.runtime.device != "cpu":
+    if engine.runtime.on_cuda:
         staging = staging_for(settings, engine, free_blocks)
         pool = PoolBuffer(staging.array, staging)
         free_blocks = staging.freeing() if free_blocks is not None else None

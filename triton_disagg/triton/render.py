@@ -28,6 +28,7 @@ import os
 import shutil
 from pathlib import Path
 from string import Template
+from typing import Any
 
 from triton_disagg import model_repo, protocol as P
 from triton_disagg.config import settings as S
@@ -97,7 +98,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
             pools={r: _pool(config.server(r)) for r in ENGINE_ROLES},
             discovery=config.discovery, grpc_tls=config.grpc_tls)
     server = config.server(model)
-    common = dict(
+    common: dict[str, Any] = dict(   # the fields both roles' settings share (of mixed types)
         engine=engine, mode=mode, instance_cpus=instance_cpus(model, role, config),
         tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
         kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
