@@ -26,7 +26,9 @@ GENERATION_KV_BYTES = 512 * 2**20      # generation never limits the runs
 
 
 @dataclass(frozen=True)
-class Mode:
+class RoutingSetup:
+    """One setup the prefix bench compares: the context router and its prefix caching."""
+
     name: str
     router: str               # the scheduler's context_server.router
     prefix_caching: bool      # the context servers' kv_cache.prefix_caching
@@ -75,7 +77,7 @@ class Deployment:
             yield
 
     @contextlib.contextmanager
-    def mode(self, mode: Mode, context_kv_bytes: int) -> Iterator[Running]:
+    def mode(self, mode: RoutingSetup, context_kv_bytes: int) -> Iterator[Running]:
         """Cold context servers with ``mode``'s cache and ``context_kv_bytes`` each, and a
         scheduler with its router, until the block exits."""
         self.say(f"starting {CONTEXT_SERVERS} context servers (prefix_caching "
