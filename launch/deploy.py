@@ -42,6 +42,7 @@ from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.host import front_cpus
+from triton_disagg.config.roles import ENGINE_ROLES, Role
 from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
@@ -70,7 +71,7 @@ def triton_ports(role: str, config: DisaggConfig, front: int) -> dict[str, int]:
     """Default tritonserver ports of ``serve all|scheduler`` whose HTTP front is on ``front``
     (module docstring): the three after the last of ``front`` and the context and
     generation urls' ports; ``DEFAULT_PORTS`` for ``serve all`` without a scheduler url."""
-    if role == "all" and config.scheduler.url is None:
+    if role == Role.ALL and config.scheduler.url is None:
         return dict(DEFAULT_PORTS)
     last = max([front, *(int(url.rsplit(":", 1)[1]) for peer in ("context", "generation")
                          for url in config.server(peer).urls)])
@@ -81,9 +82,10 @@ def triton_ports(role: str, config: DisaggConfig, front: int) -> dict[str, int]:
 
 
 def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoints:
-    front = role in ("all", "scheduler")
+    front = role in (Role.ALL, Role.SCHEDULER)
     server = config.scheduler if front else config.server(role)
-    host = flags.host or (_bind_host(server.host, role) if role != "all" and server.url else "127.0.0.1")
+    host = flags.host or (_bind_host(server.host, role) if role != Role.ALL and server.url
+                          else "127.0.0.1")
     if front:
         given = {"grpc": flags.grpc or server.grpc_port, "http": flags.http or server.http_port,
                  "metrics": flags.metrics or server.metrics_port}
@@ -106,7 +108,7 @@ def advertised_url(role: str, config: DisaggConfig, endpoints: Endpoints,
                    flags: PortFlags) -> str | None:
     """``host:port`` a context or generation server tells its peers (module docstring);
     None for the roles that advertise nothing (all, scheduler)."""
-    if role not in ("context", "generation"):
+    if role not in ENGINE_ROLES:
         return None
     if flags.advertise:
         return flags.advertise
@@ -122,9 +124,9 @@ def advertised_url(role: str, config: DisaggConfig, endpoints: Endpoints,
 def token_host(role: str, config: DisaggConfig, advertised: str | None) -> str | None:
     """Where ``role``'s ZeroMQ sockets bind and what they advertise (None: ipc; module
     docstring). ``advertised``: the generation server's :func:`advertised_url`."""
-    if role == "generation":
+    if role == Role.GENERATION:
         return advertised.rsplit(":", 1)[0]
-    if role != "scheduler":
+    if role != Role.SCHEDULER:
         return None
     if config.generation.urls:
         key = "generation_server.url" + ("s" if len(config.generation.urls) > 1 else "")
@@ -232,7 +234,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     check_stub(install.stub_binary, server_env(install))
     work_dir = work_dir.resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    bind = endpoints.host if role == "generation" or kv_events_host else None
+    bind = endpoints.host if role == Role.GENERATION or kv_events_host else None
     repo = render(role, config, work_dir / "model_repository", token, bind, kv_events_host,
                   kv_events_port)
     server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),

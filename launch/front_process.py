@@ -31,6 +31,7 @@ from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.front_section import front_flags
+from triton_disagg.config.roles import Role
 from triton_disagg.config.tls_section import tls_flags
 from triton_disagg.errors import UserError
 from triton_disagg.front.health import GATE_ENV
@@ -45,14 +46,14 @@ STOP_GRACE_SECONDS = 10.0
 def front_port(role: str, config: DisaggConfig, flag: int | None) -> int:
     """The front's port for ``serve role``: the flag, the config's key, the scheduler's url
     (all and scheduler), the default (module docstring)."""
-    section = config.scheduler if role == "all" else config.server(role)
-    url_port = section.port if role in ("all", "scheduler") else None
+    section = config.scheduler if role == Role.ALL else config.server(role)
+    url_port = section.port if role in (Role.ALL, Role.SCHEDULER) else None
     return flag or section.front_port or url_port or DEFAULT_FRONT_PORTS[role]
 
 
 def health_only(role: str, config: DisaggConfig) -> bool:
     """Whether ``serve role`` runs the front's health-only mode (module docstring)."""
-    return role not in ("all", "scheduler") or not config.decoupled_mode
+    return role not in (Role.ALL, Role.SCHEDULER) or not config.decoupled_mode
 
 
 def check_front_port(host: str, port: int, endpoints: Endpoints) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
+from triton_disagg.config.roles import Role
 
 from .k8s_workloads import SHORT, Unit, labels, metadata, units
 from .k8s_yaml import to_yaml
@@ -54,9 +55,9 @@ def hpa(unit: Unit, config: DisaggConfig) -> dict:
     k8s = config.kubernetes
     scaling = k8s.scale(role)
     name = f"{k8s.name}-{unit.name}"
-    if role == "context":
+    if role == Role.CONTEXT:
         metric = _pods_metric(QUEUED_TOKENS, str(int(scaling.target)))
-    elif role == "generation":
+    elif role == Role.GENERATION:
         metric = _pods_metric(KV_USAGE, f"{round(scaling.target * 1000)}m")
     else:
         metric = {"type": "Resource", "resource": {"name": "cpu", "target": {

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.kubernetes import IN_CLUSTER, KubernetesConfig
+from triton_disagg.config.roles import Role
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import strategy as kv_strategy
 from triton_disagg.kv.secret import SECRET_ENV
@@ -80,8 +81,8 @@ def units(config: DisaggConfig) -> tuple[Unit, ...]:
                         f"into the pods yet; drop grpc_tls here (the NetworkPolicies keep the "
                         f"roles' gRPC inside the deployment) or add the Secret and paths to the "
                         f"manifests yourself")
-    if config.mode == "aggregated":
-        return Unit("generation", ("generation",)), Unit("scheduler", ("scheduler",))
+    if config.aggregated:
+        return Unit(Role.GENERATION, (Role.GENERATION,)), Unit(Role.SCHEDULER, (Role.SCHEDULER,))
     if kv_strategy(config.kv_cache.strategy).needs_one_host:
         for role in ("context", "generation"):
             given = config.kubernetes.scaling.get(role)
@@ -190,12 +191,12 @@ def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
 
 def _container(role: str, config: DisaggConfig, image: str) -> dict:
     ports, short = PORTS[role], SHORT[role]
-    advertise = None if role == "scheduler" else f"$(POD_IP):{ports['grpc']}"
+    advertise = None if role == Role.SCHEDULER else f"$(POD_IP):{ports['grpc']}"
     # The deployment secret signs KV handles and keys the token channel's CURVE encryption
     # (triton_disagg.zmq_endpoints): every server of the deployment needs the same.
     env = [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": {
         "name": config.kubernetes.kv_secret, "key": "secret"}}}]
-    if role != "scheduler":
+    if role != Role.SCHEDULER:
         env += [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "UCX_TLS", "value": "tcp"}]      # pods of one node share no /dev/shm
     if config.discovery is not None and config.discovery.username is not None:

@@ -17,6 +17,8 @@ def _text(dumper: yaml.SafeDumper, value: str):
 
 
 _Dumper.add_representer(str, _text)
+# a str subclass (a Role or Mode: StrEnum) is written as its text
+_Dumper.add_multi_representer(str, lambda dumper, value: _text(dumper, str.__str__(value)))
 
 
 def to_yaml(obj) -> str:

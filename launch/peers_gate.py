@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from triton_disagg.config.roles import Role
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.front.health import GATE_ENV
 from triton_disagg.routing.discovery.periodic import Periodic
 
 from triton_disagg.triton.grpc_channel import client_options
+
+if TYPE_CHECKING:
+    from triton_disagg.config.disagg import DisaggConfig
 
 CHECK_SECONDS = 1.0
 PROBE_TIMEOUT = 1.0         # seconds a member may take to answer ServerReady
@@ -150,13 +155,13 @@ def check_before_start(config, work_dir: Path, role: str) -> str | None:
     return reason
 
 
-def _peers(config, role: str) -> Peers:
+def _peers(config: "DisaggConfig", role: str) -> Peers:
     """The members of the roles the scheduler routes to (generation alone when aggregated)."""
     from triton_disagg.routing.pools import member_sources
 
     from triton_disagg.triton.render import settings
 
     membership, sources = member_sources(settings("orchestrator", role, config))
-    if config.mode == "aggregated":
-        del sources["context"]
+    if config.aggregated:
+        del sources[Role.CONTEXT]
     return Peers(sources, membership, config.grpc_tls)

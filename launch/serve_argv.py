@@ -8,8 +8,9 @@ hosts is, flag for flag, what a pod runs.
 
 from __future__ import annotations
 
+from triton_disagg.config.roles import PLACED_ROLES
+
 PROGRAM = "triton-disagg"
-ROLES = ("context", "generation", "scheduler")
 
 
 def serve_argv(role: str, config: str, host: str, grpc_port: int, metrics_port: int,
@@ -20,8 +21,8 @@ def serve_argv(role: str, config: str, host: str, grpc_port: int, metrics_port: 
     HTTP on context and generation, which otherwise serve gRPC and metrics only;
     ``advertise`` is for context and generation alone (serve refuses it on the scheduler);
     ``front_port``: the HTTP front's (``/healthz``; the role's default when None)."""
-    if role not in ROLES:
-        raise ValueError(f"role {role!r} is not one of {ROLES}")
+    if role not in PLACED_ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(PLACED_ROLES)}")
     argv = [PROGRAM, "serve", role, "-c", config, "--host", host,
             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
     if http_port is not None:

@@ -24,13 +24,12 @@ import signal
 import threading
 from pathlib import Path
 
-from triton_disagg.config.disagg import PLACED_ROLES
+from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role
 from triton_disagg.errors import RetryableStart, UserError
 from triton_disagg.log_format import FORMATS
 
 from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
 
-ROLES = ("all", "context", "generation", "scheduler")
 MAX_RESTARTS = 5            # stub deaths and failed starts survived by restarting, per serve run
 STUB_POLL_SECONDS = 0.5
 
@@ -43,7 +42,7 @@ def register(subparsers) -> None:
                     "in-process); the other roles run one part, the scheduler routing each "
                     "request over the context and generation servers of the config's urls "
                     "or of etcd (discovery), over gRPC.")
-    p.add_argument("role", choices=ROLES)
+    p.add_argument("role", choices=SERVE_ROLES)
     p.add_argument("-c", "--config", type=Path, help="disagg_config.yaml")
     p.add_argument("--engine", type=Path, help="engine directory (replaces model.engine)")
     p.add_argument("--served-model-name", metavar="NAME",
@@ -110,7 +109,7 @@ def load(args: argparse.Namespace):
     if args.config is None:
         if args.engine is None:
             raise UserError("give -c disagg_config.yaml or --engine DIR")
-        if args.role == "scheduler":
+        if args.role == Role.SCHEDULER:
             raise UserError("serve scheduler needs -c disagg_config.yaml naming the context and "
                             "generation servers (urls, or discovery through etcd)")
         config = default_config(args.engine)
@@ -123,21 +122,21 @@ def load(args: argparse.Namespace):
         config = with_gpus_flag(config, args.role, args.gpus)
     if args.overlap_kv_transfer:
         config = with_overlap(config)
-    if args.role == "scheduler" and config.discovery is None:
-        for role in ("generation",) if config.mode == "aggregated" else ("context", "generation"):
+    if args.role == Role.SCHEDULER and config.discovery is None:
+        for role in config.engine_roles:
             if not config.server(role).urls:
                 raise UserError(f"{config.source}: {role}_server.url: missing; the scheduler "
                                 f"routes over the role's servers: give `{role}_server: {{url: "
                                 f"\"HOST:PORT\"}}` or `urls: [...]`, or `discovery: {{etcd: "
                                 f"\"HOST:2379\"}}`")
     if args.advertise is not None:
-        if args.role not in ("context", "generation"):
+        if args.role not in ENGINE_ROLES:
             raise UserError(f"--advertise: serve {args.role} advertises nothing; it is for "
                             f"serve context|generation")
         args.advertise = parse_url(args.advertise, "--advertise")
     check_host(config, roles=_placed_here(args.role))
-    if args.role != "scheduler":
-        check_kv_capacity(config, None if args.role == "all" else (args.role,))
+    if args.role != Role.SCHEDULER:
+        check_kv_capacity(config, None if args.role == Role.ALL else (args.role,))
     return config
 
 
@@ -145,7 +144,9 @@ def _placed_here(role: str) -> tuple[str, ...]:
     """The roles whose placement ``serve role`` checks against this host: the scheduler's
     front end runs where ``serve all`` or ``serve scheduler`` runs; ``serve context`` and
     ``serve generation`` check both of those roles, as they always have."""
-    return {"all": PLACED_ROLES, "scheduler": ("scheduler",)}.get(role, ("context", "generation"))
+    placed: dict[str, tuple[Role, ...]] = {Role.ALL: PLACED_ROLES,
+                                           Role.SCHEDULER: (Role.SCHEDULER,)}
+    return placed.get(role, ENGINE_ROLES)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,7 +223,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
               f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
     check_front_port(endpoints.host, front, endpoints)
-    gated = args.role == "scheduler"
+    gated = args.role == Role.SCHEDULER
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)
     reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
@@ -240,7 +241,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
                              gate_file(server.work_dir) if gated else None)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
-    if args.role in ("all", "scheduler"):
+    if args.role in (Role.ALL, Role.SCHEDULER):
         cores = f"cores {list(server.cpus)}" if server.cpus else "every usable core (not pinned)"
         print(f"  front end (tritonserver, preprocessing, orchestrator) on {cores}", flush=True)
     loaded: list[str] = []
@@ -290,7 +291,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
             if code is not None:
                 print(f"tritonserver exited with code {code}:\n{server.log_tail()}", flush=True)
                 return f"tritonserver was killed by signal {-code}" if code < 0 else 1
-        if args.role in ("context", "generation"):
+        if args.role in ENGINE_ROLES:
             if registration is not None:
                 registration.close()
                 registration = None
@@ -314,7 +315,7 @@ def _kv_events_at(role: str, config, advertised: str | None) -> tuple[str | None
     None: free ports); (None, None) for the other roles (ipc)."""
     from triton_disagg.routing.kv_events import publisher_ports
 
-    if advertised is None or role not in ("context", "generation"):
+    if advertised is None or role not in ENGINE_ROLES:
         return None, None
     server = config.server(role)
     port = None if server.kv_events_port is None else publisher_ports(
@@ -326,7 +327,7 @@ def _kv_events(role: str, server) -> tuple[str, ...]:
     """The KV event publishers the role's model instances announced once loaded."""
     from triton_disagg.routing.kv_events import announced
 
-    return announced(server.repo / role) if role in ("context", "generation") else ()
+    return announced(server.repo / role) if role in ENGINE_ROLES else ()
 
 
 def _announce(role: str, config, endpoints, advertised: str | None, server,
@@ -334,7 +335,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     from .front_process import health_only
 
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
-    state = "up" if role == "scheduler" else "ready"   # the gate says when it is ready
+    state = "up" if role == Role.SCHEDULER else "ready"   # the gate says when it is ready
     lines = [f"triton-disagg serve {role}: {state} ({config.mode}, engine {config.engine})"]
     if endpoints.http_port is not None:
         lines.append(f"  HTTP     http://{shown}:{endpoints.http_port}")
@@ -349,10 +350,10 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     lines.append(f"  log      {server.log_path}")
     if kv_events:
         lines.append(f"  kv events {', '.join(kv_events)}  (ZeroMQ PUB, vLLM's KV event format)")
-    if role == "scheduler":
+    if role == Role.SCHEDULER:
         lines.append(f"  routes   {_pools(config)}")
         lines.append("  ready    /healthz answers 200 while every role has a server that answers")
-    if role in ("all", "scheduler") and endpoints.http_port is not None:
+    if role in (Role.ALL, Role.SCHEDULER) and endpoints.http_port is not None:
         lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
                      f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
         if not health_only(role, config):
@@ -363,7 +364,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
         lines.append(f"  advertised {advertised}")
         lines.append(f"  etcd     {registration.key} on {config.discovery.etcd} (lease "
                      f"{config.discovery.ttl_seconds} s; the scheduler finds it there)")
-    elif role in ("context", "generation"):
+    elif role in ENGINE_ROLES:
         lines.append(f"  advertised {advertised}; the scheduler dials "
                      f"{config.server(role).url or advertised}")
     lines.append("Ctrl-C stops the server.")
@@ -372,7 +373,7 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
 
 def _pools(config) -> str:
     """What the scheduler routes over, per role: "context: 2 urls (least_loaded); ..."."""
-    roles = ("generation",) if config.mode == "aggregated" else ("context", "generation")
+    roles = config.engine_roles
     where = {role: (f"etcd {config.discovery.etcd} {config.discovery.prefix}/{role}/"
                     if config.discovery else f"{len(config.server(role).urls)} url(s)")
              for role in roles}

@@ -23,7 +23,7 @@ import numpy as np
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.generation.side import RemoteKV
+from triton_disagg.generation.side import FetchedKV
 from triton_disagg.kv.connector import STRATEGIES, connector_for
 from triton_disagg.kv.secret import SECRET_ENV, render_key_id
 from triton_disagg.kv.device_staging import DeviceStaging
@@ -93,7 +93,7 @@ def disaggregated_row(engine_dir: Path, runtime: Runtime, strategy: str, prompt:
         (first,) = context.prefill_only([("r", prompt, params)])
         data = sender.export(first.block_ids, first.num_tokens)
         generation.add_prefilled("r", prompt, first.token_id, params,
-                                 RemoteKV(receiver, receiver.decode(data)))
+                                 FetchedKV(receiver, receiver.decode(data)))
         tokens = [first.token_id]
         while generation.has_unfinished():
             tokens += [event.token_id for event in generation.step()]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 from typing import Any
+# Any here: decoded msgpack values, checked field by field.
 
 import msgpack
 

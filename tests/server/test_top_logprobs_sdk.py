@@ -65,9 +65,9 @@ def hf_tokenizer(demo_engine):
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
 def test_completions_top_logprobs_are_the_engines_streamed_or_not(
         client, expected, hf_tokenizer, demo_engine, prompt):
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
-    text = Preparer(demo_engine, MODEL).token_text
+    text = RequestEncoder(demo_engine, MODEL).token_text
     ids = hf_tokenizer(prompt).input_ids
     want_ids, want_lps, want_top = expected(ids, 8, 5)
     whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,

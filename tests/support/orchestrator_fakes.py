@@ -16,7 +16,7 @@ from triton_disagg.triton import engine_request
 from triton_disagg import token_wire
 from triton_disagg.errors import EngineError, GenerationLost
 from triton_disagg.front.orchestrator import Orchestrator
-from triton_disagg.front.token_inbox import Accepted, TokenInbox
+from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
 
@@ -73,7 +73,7 @@ class FakeGeneration:
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
         return out
 
-    async def generate(self, request_id, inputs, request_type, token_address) -> Accepted:
+    async def generate(self, request_id, inputs, request_type, token_address) -> GenerationAnswer:
         """Generation's answer; the server it went to: ``gen-<n>`` for the n-th call."""
         self.request_ids.append(request_id)
         self.calls.append((request_type, inputs["input_ids"].tolist()))
@@ -88,8 +88,8 @@ class FakeGeneration:
             threading.Thread(target=self._push, args=(request_id, token_address, output,
                                                       server >= self.dying)).start()
         awaiting = request_type == P.GENERATION_AWAITING_CONTEXT
-        return Accepted(self.endpoint.address, b"listener-" + request_id.encode() if awaiting
-                        else b"")
+        listener = b"listener-" + request_id.encode() if awaiting else b""
+        return GenerationAnswer(self.endpoint.address, listener)
 
     def lost(self, server: int):
         return GenerationLost(f"gen-{server}", "probe refused") if server < self.dying else None

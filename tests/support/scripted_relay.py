@@ -8,7 +8,7 @@ import asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg.front.http_front import make_app
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta
 
 
@@ -55,7 +55,7 @@ WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3, fini
 def run(relay, check, demo_engine):
     """``check(client)`` against the front of ``demo_engine``, its relay ``relay``."""
     async def main():
-        app = make_app(Preparer(demo_engine, "demo"), relay)
+        app = make_app(RequestEncoder(demo_engine, "demo"), relay)
         async with TestClient(TestServer(app, handler_cancellation=True)) as client:
             await check(client)
     asyncio.run(main())

@@ -14,7 +14,7 @@ from scripted_relay import WORDS, ScriptedRelay
 from triton_disagg.bench import front_burst
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_front import make_app
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.prepare import RequestEncoder
 
 
 def test_front_burst_counts_refusals_and_ttft(demo_engine, capsys):
@@ -23,7 +23,7 @@ def test_front_burst_counts_refusals_and_ttft(demo_engine, capsys):
 
     def serve():
         async def main():
-            app = make_app(Preparer(demo_engine, "demo"), ScriptedRelay(WORDS, pause=0.05),
+            app = make_app(RequestEncoder(demo_engine, "demo"), ScriptedRelay(WORDS, pause=0.05),
                            FrontConfig(max_concurrent_requests=1))
             async with TestServer(app) as server:
                 ports.append(server.port)

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from triton_disagg.bench import overlap, overlap_link
-from triton_disagg.bench.second_token import Reply
+from triton_disagg.bench.second_token import TimedReply
 from triton_disagg.errors import UserError
 
 
@@ -29,12 +29,12 @@ class FakeClient:
         self.calls: list[tuple[str, int, int]] = []
         self.wrong_text_on = wrong_text_on
 
-    def __call__(self, url: str, prompts, max_tokens: int) -> list[Reply]:
+    def __call__(self, url: str, prompts, max_tokens: int) -> list[TimedReply]:
         self.calls.append((url, len(prompts), max_tokens))
         k = len(self.calls)
         wrong = url == "with" and k == self.wrong_text_on
         second = (0.5 if url == "with" else 1.0) / k
-        return [Reply(0.1, 0.1 + second, f"{p[:3]}{'!' if wrong else ''}") for p in prompts]
+        return [TimedReply(0.1, 0.1 + second, f"{p[:3]}{'!' if wrong else ''}") for p in prompts]
 
 
 def test_measure_pairs_each_request_and_keeps_each_deployments_best_round():

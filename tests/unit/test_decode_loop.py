@@ -15,7 +15,7 @@ from triton_disagg.triton import engine_request
 from triton_disagg import token_wire
 from triton_disagg.errors import ErrorCode
 from triton_disagg.generation.decode_loop import DecodeLoop
-from triton_disagg.generation.side import GenerationSide
+from triton_disagg.generation.side import DecodeAdmission
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
@@ -60,7 +60,7 @@ def _request(prompt, max_tokens, streaming=True):
 
 
 def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine):
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(1)
     context = zmq.Context.instance()
     stops = StopInbox(context, None)
@@ -93,7 +93,7 @@ def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine
 
 
 def test_stream_interval_groups_tokens_after_the_first(engine):
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(1)
     loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side, stream_interval=3)
     loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6, 7], 9), {}),
@@ -119,7 +119,7 @@ class BrokenSocket:
 def test_the_loop_survives_a_send_that_raises(engine):
     """Requests for an address whose send raises fail; the loop goes on and the requests
     of another address finish with every token."""
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(1)
     outbox = TokenOutbox(zmq.Context.instance())
     outbox.sockets["ipc:///gone"] = BrokenSocket()
@@ -162,7 +162,7 @@ def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
 
 
 def test_a_stuck_loop_reports_its_stacks_and_fails_its_requests(engine, capfd):
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(1)
     release = threading.Event()
     step = engine.step
@@ -232,7 +232,7 @@ def test_a_dropped_token_socket_fails_every_request_that_streams_to_it(engine):
     are lost with it, then a send fails. Every request of orchestrator 0 ends in an error
     (over a fresh socket), none with a normal end and tokens missing; orchestrator 1's
     request is untouched, and every block is free."""
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(2)
     outbox = StallingOutbox(zmq.Context.instance(), orchestrators.endpoints[0].address)
     done: list[str] = []
@@ -267,7 +267,7 @@ def test_a_dropped_token_socket_fails_every_request_that_streams_to_it(engine):
 def test_a_stop_without_the_requests_key_is_ignored(engine, monkeypatch, caplog):
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), step())[1])  # >= 2 s to its end
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(1)
     context = zmq.Context.instance()
     stops = StopInbox(context, None)
@@ -296,7 +296,7 @@ def test_token_sockets_stay_bounded_under_many_distinct_addresses(engine):
     """Many one-shot addresses (one request each) leave at most ``max_sockets`` sockets
     open; with every socket's address busy, a request for one more is refused with an
     error that says why, UNAVAILABLE."""
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     outbox = TokenOutbox(zmq.Context.instance(), max_sockets=2)
     orchestrators = Orchestrators(3)
     loop = DecodeLoop(engine, outbox, side)
@@ -329,7 +329,7 @@ def test_a_dead_orchestrators_requests_are_aborted_and_their_kv_freed(engine):
     """The orchestrator closes its token socket (it died) while its non-streaming request
     decodes (no event on the way, so no send fails): the loop sees the disconnection,
     aborts the request and frees its blocks instead of decoding to its end."""
-    side = GenerationSide(engine, None)
+    side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(1)
     done: list[str] = []
     side.request_done = done.append

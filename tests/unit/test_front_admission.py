@@ -24,7 +24,7 @@ from triton_disagg.config.front_section import (FrontConfig, add_front_flags, fr
 from triton_disagg.errors import ErrorCode, UserError
 from triton_disagg.front.http_front import _serve, make_app
 from triton_disagg.front.openai_api import ApiError, EngineLimits, parse
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta, OrchestratorError
 from triton_disagg.launch.deploy import free_ports
 
@@ -33,7 +33,7 @@ BODY = {"model": "demo", "prompt": "a", "max_tokens": 3}
 
 def run_app(relay, check, demo_engine, front=FrontConfig(), bound_host="127.0.0.1"):
     async def main():
-        app = make_app(Preparer(demo_engine, "demo"), relay, front, bound_host)
+        app = make_app(RequestEncoder(demo_engine, "demo"), relay, front, bound_host)
         async with TestClient(TestServer(app, handler_cancellation=True)) as client:
             await check(client)
     asyncio.run(main())
@@ -43,7 +43,7 @@ def run_app(relay, check, demo_engine, front=FrontConfig(), bound_host="127.0.0.
 async def served(demo_engine, relay, front: FrontConfig):
     """The front's app served as its process serves it (its runner, caps and timeouts) on a
     free loopback port; yields the port."""
-    app = make_app(Preparer(demo_engine, "demo"), relay, front)
+    app = make_app(RequestEncoder(demo_engine, "demo"), relay, front)
     (port,) = free_ports(1)
     task = asyncio.ensure_future(_serve(app, "127.0.0.1", port, front))
     for _ in range(200):
@@ -231,7 +231,7 @@ def test_fields_are_bounded_by_the_engine(endpoint, body, names):
 
 
 def test_a_huge_chat_prompt_is_refused_before_it_is_tokenized(demo_engine, monkeypatch):
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     encoded = []
     monkeypatch.setattr(preparer.tokenizer, "encode", lambda text: encoded.append(len(text)))
     for content in ("a" * (preparer.max_prompt_chars + 1), "a" * preparer.max_prompt_chars):

@@ -25,7 +25,7 @@ from triton_disagg.engine.spec import KVLayout
 from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.triton.engine_request import EngineRequest
-from triton_disagg.generation.side import GenerationSide, Work
+from triton_disagg.generation.side import DecodeAdmission, PreparedRequest
 from triton_disagg.kv.fetch_worker import FetchWorker
 from triton_disagg.kv.handle import TransferStats
 
@@ -84,7 +84,7 @@ class CopyConnector:
 def sides(demo_engine):
     context = LLMEngine(demo_engine, num_blocks=64, kv_layout=LAYOUT)
     generation = LLMEngine(demo_engine, num_blocks=10, kv_layout=LAYOUT)
-    side = GenerationSide(generation, None)
+    side = DecodeAdmission(generation, None)
     side.connector = CopyConnector(context, generation)
     return context, side
 
@@ -134,11 +134,12 @@ class StopsFor:
 
 
 def handed_off(context, rid, prompt, params):
-    """Prefill ``prompt`` on the context engine: its first token and generation_only Work."""
+    """Prefill ``prompt`` on the context engine: its first token and generation_only
+    PreparedRequest."""
     (result,) = context.prefill_only([(rid, prompt, params)])
     request = EngineRequest(prompt + [result.token_id], params, streaming=False)
     handle = CopyHandle(result.num_tokens, result.block_ids, rid)
-    return result.token_id, Work(P.GENERATION_ONLY, request, handle)
+    return result.token_id, PreparedRequest(P.GENERATION_ONLY, request, handle)
 
 
 def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):

@@ -12,7 +12,7 @@ import pytest
 from scripted_relay import WORDS, ScriptedRelay, run
 from triton_disagg.errors import ErrorCode
 from triton_disagg.front.openai_api import ApiError
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta, OrchestratorError
 
 
@@ -21,7 +21,7 @@ LOGPROB_WORDS = [Delta("Hello", 3, 1, (10,), (-0.5,)), Delta(" world", 3, 3, (11
 
 def test_logprobs_of_completions_and_chat_name_each_token(demo_engine):
     """The orchestrator's output_ids/output_log_probs as OpenAI's objects, whole or streamed."""
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     names = [preparer.token_text(i) for i in (10, 11, 12)]
 
     async def check(client):
@@ -53,7 +53,7 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_then_the_generated(demo_engi
 
     from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     prompt = [5, 6, 7]
     given = PromptLogprobs(np.array([-1.5, -0.25], np.float32),
                            np.array([[9, 6], [7, 3]], np.int32),       # [n-1, k]: 6 not the best
@@ -124,7 +124,7 @@ def test_the_openapi_document_covers_every_route_and_checks_as_parse_does(demo_e
 
     from triton_disagg.front.openai_api import parse
 
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
 
     async def check(client):
         resp = await client.get("/openapi.json")

@@ -29,14 +29,14 @@ def test_completion_body_becomes_a_generation():
 def test_vllm_sampling_extensions_reach_the_engine_inputs(demo_engine):
     """vLLM's ``bench serve`` sends repetition_penalty 1.0 on every completions request;
     top_k (-1: off), min_tokens, seed go to the orchestrator under the ensemble's names."""
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
     body = {"model": "demo", "prompt": "a", "repetition_penalty": 1.0, "top_k": -1,
             "min_tokens": 3, "seed": 7, "ignore_eos": False, "min_p": 0.0}
     gen = parse("completions", body)
     assert gen.sampling == {"temperature": 1.0, "top_k": 0, "seed": 7, "min_tokens": 3,
                             "repetition_penalty": 1.0}
-    inputs = Preparer(demo_engine, "demo").inputs(gen)
+    inputs = RequestEncoder(demo_engine, "demo").inputs(gen)
     assert {n: inputs[n].item() for n in gen.sampling} == gen.sampling
     assert "return_log_probs" not in inputs
     assert parse("chat", {**CHAT, "top_k": 5, "repetition_penalty": 1.3}).sampling["top_k"] == 5
@@ -46,11 +46,11 @@ def test_a_cache_salt_reaches_the_engine_and_its_router_as_utf8(demo_engine):
     """``cache_salt`` (vLLM's) goes to the orchestrator as UTF-8 BYTES; the engine request
     and the router read it back, bounded before it is decoded."""
     from triton_disagg.errors import RequestError
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
     from triton_disagg.triton.engine_request import cache_salt
 
     gen = parse("chat", {**CHAT, "cache_salt": "tenant-\u00e9"})
-    inputs = Preparer(demo_engine, "demo").inputs(gen)
+    inputs = RequestEncoder(demo_engine, "demo").inputs(gen)
     assert inputs["cache_salt"].reshape(-1)[0] == "tenant-\u00e9".encode()
     assert cache_salt({"cache_salt": inputs["cache_salt"][0]}) == "tenant-\u00e9"
     assert cache_salt({}) is None
@@ -60,9 +60,9 @@ def test_a_cache_salt_reaches_the_engine_and_its_router_as_utf8(demo_engine):
 
 
 def test_logprobs_and_echo_are_parsed_and_ask_the_engine(demo_engine):
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     gen = parse("completions", {"model": "demo", "prompt": "a", "logprobs": 0})
     assert gen.logprobs == 0 and preparer.inputs(gen)["return_log_probs"].item() is True
     assert parse("completions", {"model": "demo", "prompt": "a", "echo": True}).echo
@@ -80,9 +80,9 @@ def test_logprobs_and_echo_are_parsed_and_ask_the_engine(demo_engine):
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
 def test_token_id_prompts_go_to_the_engine_as_sent(demo_engine, prompt):
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     gen = parse("completions", {"model": "demo", "prompt": prompt, "max_tokens": 4,
                                 "stop": ["x"]}, preparer.limits)
     assert gen.prompt == (5, 6, 7)
@@ -111,9 +111,9 @@ def test_openai_defaults_temperature_one_and_inference_greedy():
 
 
 def test_ignore_eos_sends_no_end_id(demo_engine):
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     body = {"model": "demo", "prompt": "a"}
     inputs = preparer.inputs(parse("completions", {**body, "ignore_eos": True}))
     assert int(inputs["end_id"][0, 0]) == -1
@@ -275,9 +275,9 @@ def test_stop_trimmer_streams_what_the_whole_text_holds(deltas, stop, text, stop
 
 def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
     from triton_disagg import protocol as P
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     gen = parse("chat", {**CHAT, "stop": ["a", "bc"], "seed": 5})
     inputs, prompt = preparer.inputs(gen), preparer.prompt(gen)
     specs = P.by_name(P.ORCHESTRATOR_INPUTS)
@@ -296,9 +296,9 @@ def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
 
 
 def test_prepare_refuses_another_model_with_404_and_long_prompts_with_400(demo_engine):
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     with pytest.raises(ApiError) as err:
         preparer.inputs(parse("completions", {"model": "gpt-4", "prompt": "a"}))
     assert err.value.status == 404 and "'demo'" in str(err.value)
@@ -321,8 +321,8 @@ def test_token_ids_are_bounded_by_the_models_rows_when_the_tokenizer_has_more(de
     is the client's mistake (400 at the front), not a fault deep in the engine."""
     from triton_disagg.engine.spec import EngineSpec
     from triton_disagg.engine.tokenizer import Tokenizer
-    from triton_disagg.front.prepare import Preparer
+    from triton_disagg.front.prepare import RequestEncoder
 
     rows = EngineSpec.load(demo_engine).shape.vocab_size
     monkeypatch.setattr(Tokenizer, "vocab_size", property(lambda self: rows + 5))
-    assert Preparer(demo_engine, "demo").limits.vocab_size == rows
+    assert RequestEncoder(demo_engine, "demo").limits.vocab_size == rows

@@ -16,7 +16,7 @@ import pytest
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.front.openai_api import parse
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.prepare import RequestEncoder
 
 TEXTS = ["The quick brown fox", "日本語と中文的文字", "emoji 🎉🚀 party", "a", " leading space"]
 
@@ -65,7 +65,7 @@ def test_tokenizer_config_flags_change_the_ids_only_as_in_transformers(
 
 
 def test_a_completion_gets_the_bos_and_a_chat_its_templates_text_only(demo_engine):
-    preparer = Preparer(demo_engine, "demo")
+    preparer = RequestEncoder(demo_engine, "demo")
     completion = preparer.inputs(parse("completions", {"model": "demo", "prompt": TEXTS[0]}))
     assert completion["input_ids"].reshape(-1).tolist() == hf_ids(demo_engine, TEXTS[0])
     chat = parse("chat", {"model": "demo", "messages": [{"role": "user", "content": "hi"}]})

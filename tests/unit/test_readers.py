@@ -155,12 +155,12 @@ def test_a_non_ascii_key_beside_a_valid_stop_in_one_pass_is_dropped_and_the_stop
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.side import GenerationSide
+    from triton_disagg.generation.side import DecodeAdmission
     from triton_disagg.generation.sockets import TokenOutbox
     from triton_disagg.triton.engine_request import EngineRequest
 
     engine = LLMEngine(demo_engine, num_blocks=64)
-    side, context = GenerationSide(engine, None), zmq.Context.instance()
+    side, context = DecodeAdmission(engine, None), zmq.Context.instance()
     orchestrator = context.socket(zmq.PULL)
     endpoint = bind(orchestrator, None, "tokens")
     stops = OneTake([])
@@ -209,14 +209,14 @@ def test_a_token_reader_that_dies_takes_its_instance_down(monkeypatch):
 def test_a_decode_loop_that_dies_takes_its_instance_down(demo_engine, monkeypatch):
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.side import GenerationSide
+    from triton_disagg.generation.side import DecodeAdmission
     from triton_disagg.generation.sockets import TokenOutbox
 
     engine = LLMEngine(demo_engine, num_blocks=16)
     outbox = TokenOutbox(zmq.Context.instance())
     monkeypatch.setattr(outbox, "flush", lambda keep=(): 1 / 0)   # outside an iteration's try
     deaths = []
-    loop = DecodeLoop(engine, outbox, GenerationSide(engine, None),
+    loop = DecodeLoop(engine, outbox, DecodeAdmission(engine, None),
                       on_death=lambda *a: deaths.append(a))
     loop.thread.join(WAIT_S)
     assert not loop.thread.is_alive()

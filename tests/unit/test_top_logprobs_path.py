@@ -19,7 +19,7 @@ from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.front.engine_io import ResponseBuilder, context_event
 from triton_disagg.front.http_front import make_app
 from triton_disagg.front.openai_api import parse
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta
 from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.triton import engine_request
@@ -85,13 +85,13 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.side import GenerationSide
+    from triton_disagg.generation.side import DecodeAdmission
     from triton_disagg.generation.sockets import TokenOutbox
     from triton_disagg.zmq_endpoints import bind
 
     engine = LLMEngine(demo_engine, num_blocks=64)
     params = SamplingParams(max_tokens=7, return_log_probs=True, top_logprobs=3)
-    side, context = GenerationSide(engine, None), zmq.Context.instance()
+    side, context = DecodeAdmission(engine, None), zmq.Context.instance()
     sock = context.socket(zmq.PULL)
     endpoint = bind(sock, None, "tokens")
     loop = DecodeLoop(engine, TokenOutbox(context), side, stream_interval=3)
@@ -144,7 +144,7 @@ def test_the_orchestrator_sends_each_tokens_alternatives_with_its_id():
 ])
 def test_the_front_asks_the_engine_for_the_alternatives_the_client_asked(
         demo_engine, endpoint, body, asked):
-    inputs = Preparer(demo_engine, "demo").inputs(parse(endpoint, {"model": "demo", **body}))
+    inputs = RequestEncoder(demo_engine, "demo").inputs(parse(endpoint, {"model": "demo", **body}))
     assert inputs["return_log_probs"].tolist() == [[True]]
     assert (inputs["top_logprobs"].tolist() == [[asked]] if asked
             else "top_logprobs" not in inputs)
@@ -173,7 +173,7 @@ DELTAS = [Delta("x", 3, 1, (4,), (-0.25,), top=(A,)),
 
 def post(demo_engine, path: str, body: dict):
     async def main():
-        app = make_app(Preparer(demo_engine, "demo"), Relay(DELTAS))
+        app = make_app(RequestEncoder(demo_engine, "demo"), Relay(DELTAS))
         async with TestClient(TestServer(app)) as client:
             resp = await client.post(path, json={"model": "demo", "max_tokens": 3, **body})
             return resp.status, await resp.text()
@@ -182,7 +182,7 @@ def post(demo_engine, path: str, body: dict):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_top_logprobs_map_the_chosen_and_n_most_likely_tokens(demo_engine, stream):
-    text = Preparer(demo_engine, "demo").token_text
+    text = RequestEncoder(demo_engine, "demo").token_text
     status, raw = post(demo_engine, "/v1/completions",
                        {"prompt": "a", "logprobs": 2, "stream": stream})
     assert status == 200
@@ -197,7 +197,7 @@ def test_completions_top_logprobs_map_the_chosen_and_n_most_likely_tokens(demo_e
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_top_logprobs_list_the_n_most_likely_tokens(demo_engine, stream):
-    text = Preparer(demo_engine, "demo").token_text
+    text = RequestEncoder(demo_engine, "demo").token_text
     status, raw = post(demo_engine, "/v1/chat/completions",
                        {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
                         "top_logprobs": 2, "stream": stream})

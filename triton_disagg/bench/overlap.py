@@ -126,7 +126,7 @@ def long_engine(work_dir: Path, tokens: int, say) -> Path:
 
 
 def timing(replies: Sequence) -> Timing:
-    """Medians of :class:`~triton_disagg.bench.second_token.Reply` times."""
+    """Medians of :class:`~triton_disagg.bench.second_token.TimedReply` times."""
     return Timing(statistics.median(r.first for r in replies),
                   statistics.median(r.second for r in replies))
 
@@ -139,10 +139,10 @@ def one_host(engine: Path, cores: Sequence[int], work_dir: Path,
     from triton_disagg.bench.second_token import replies
 
     with contextlib.ExitStack() as stack:
-        urls = {mode: stack.enter_context(serving(
-            "direct_transfer", engine, cores, work_dir, overlap=mode == "with",
+        urls = {kv_overlap: stack.enter_context(serving(
+            "direct_transfer", engine, cores, work_dir, overlap=kv_overlap == "with",
             kv_max_size=KV_MAX_SIZE, stall_seconds=STALL_SECONDS, runtime=runtime))[2]
-                for mode in MODES}
+                for kv_overlap in MODES}
         yield urls, replies
 
 

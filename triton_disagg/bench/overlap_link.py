@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, Role
+
 HOSTS = ("context", "generation")
 HOST_OF = {"context": "context", "generation": "generation", "scheduler": "generation"}
 GRPC_PORT = {"context": 9001, "generation": 9002, "scheduler": 8001}
@@ -46,8 +48,8 @@ def config_text(engine: Path, hosts, offset: int, placed: dict, kv_max_size: str
                 stall_seconds: float, runtime: str) -> str:
     """One deployment's disagg_config.yaml: the roles' urls on the hosts' addresses;
     ``stall_seconds``: every call's deadline between roles; ``runtime``: model.runtime."""
-    url = {role: f"{hosts.address(HOST_OF[role])}:{GRPC_PORT[role] + offset}"
-           for role in ("context", "generation")}
+    url: dict[str, str] = {role: f"{hosts.address(HOST_OF[role])}:{GRPC_PORT[role] + offset}"
+           for role in ENGINE_ROLES}
     return (f"model: {{engine: \"{engine}\", runtime: {runtime}, device: cpu}}\n"
             f"context_server: {{url: \"{url['context']}\", "
             f"cpus: {placed['context_server']['cpus']}}}\n"
@@ -65,7 +67,7 @@ def serve_command(hosts, role: str, config: Path, offset: int, overlap: bool,
     grpc = GRPC_PORT[role] + offset
     argv = serve_argv(role, str(config), hosts.address(HOST_OF[role]), grpc,
                       grpc + METRICS_OFFSET, front_port=grpc + FRONT_OFFSET,
-                      http_port=grpc + HTTP_OFFSET if role == "scheduler" else None)
+                      http_port=grpc + HTTP_OFFSET if role == Role.SCHEDULER else None)
     return [sys.executable, "-m", "triton_disagg.cli", *argv[1:], "--work-dir", str(work_dir),
             *(["--overlap_kv_transfer"] if overlap else [])]
 
@@ -89,20 +91,21 @@ def linked(engine: Path, cores: Sequence[int], work_dir: Path, modes: Sequence[s
     with Hosts(list(HOSTS)) as hosts:
         say(f"hosts {', '.join(f'{h} {hosts.address(h)}' for h in HOSTS)}")
         started, urls = [], {}
-        for i, mode in enumerate(modes):
-            offset, mode_dir = i * MODE_OFFSET, work_dir / f"{mode}-overlap"
-            mode_dir.mkdir(parents=True, exist_ok=True)
-            config = mode_dir / "disagg_config.yaml"
+        for i, kv_overlap in enumerate(modes):
+            offset, folder = i * MODE_OFFSET, work_dir / f"{kv_overlap}-overlap"
+            folder.mkdir(parents=True, exist_ok=True)
+            config = folder / "disagg_config.yaml"
             config.write_text(config_text(engine, hosts, offset, placed, kv_max_size,
                                           stall_seconds, runtime))
-            for role in ("context", "generation", "scheduler"):
-                log = mode_dir / f"{role}.log"
-                cmd = serve_command(hosts, role, config, offset, mode == "with", mode_dir / role)
+            for role in PLACED_ROLES:
+                log = folder / f"{role}.log"
+                cmd = serve_command(hosts, role, config, offset, kv_overlap == "with",
+                                    folder / role)
                 with open(log, "wb") as out:
                     started.append((hosts.popen(HOST_OF[role], cmd, stdout=out,
                                                 stderr=subprocess.STDOUT, env=env), log,
-                                    f"bench overlap: `serve {role}` ({mode} overlap)"))
-            urls[mode] = f"{hosts.address('generation')}:{GRPC_PORT['scheduler'] + offset}"
+                                    f"bench overlap: `serve {role}` ({kv_overlap} overlap)"))
+            urls[kv_overlap] = f"{hosts.address('generation')}:{GRPC_PORT['scheduler'] + offset}"
         for proc, log, what in started:
             wait_ready(proc, log, what)
         say(f"{len(started)} servers ready")

@@ -26,16 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine
-from triton_disagg.bench.prefix_servers import Mode
+from triton_disagg.bench.prefix_servers import RoutingSetup
 from triton_disagg.bench.prefix_workloads import WORKLOADS, Shape
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
 
-MODES = {m.name: m for m in (Mode("round_robin", "round_robin", False),
-                             Mode("least_loaded", "least_loaded", False),
-                             Mode("round_robin+cache", "round_robin", True),
-                             Mode("least_loaded+cache", "least_loaded", True),
-                             Mode("kv_aware", "kv_aware", True))}
+MODES = {m.name: m for m in (RoutingSetup("round_robin", "round_robin", False),
+                             RoutingSetup("least_loaded", "least_loaded", False),
+                             RoutingSetup("round_robin+cache", "round_robin", True),
+                             RoutingSetup("least_loaded+cache", "least_loaded", True),
+                             RoutingSetup("kv_aware", "kv_aware", True))}
 QUERIED = "disagg_prefix_cache_queries_total"     # prompt tokens looked up, per instance
 HIT = "disagg_prefix_cache_hits_total"            # of those, served from the cache
 HALF_POOL_WORKLOADS = ("shared", "chat")
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mode_runs(deployed, mode: Mode, pool: str, workloads: list[str], shape: Shape, spec,
+def _mode_runs(deployed, mode: RoutingSetup, pool: str, workloads: list[str], shape: Shape, spec,
                args: argparse.Namespace) -> list[Run]:
     from triton_disagg.bench.prefix_workloads import requests_for, working_set_blocks
 
@@ -136,7 +136,7 @@ def _mode_runs(deployed, mode: Mode, pool: str, workloads: list[str], shape: Sha
         return [_one_run(running, mode, pool, w, streams[w], bs, args) for w in workloads]
 
 
-def _one_run(running, mode: Mode, pool: str, workload: str, requests, bs: int,
+def _one_run(running, mode: RoutingSetup, pool: str, workload: str, requests, bs: int,
              args: argparse.Namespace) -> Run:
     from triton_disagg.bench.prefix_workloads import ideal_hit_tokens
     from triton_disagg.clients.load import run_openai_load

@@ -18,6 +18,7 @@ from typing import Iterator
 import yaml
 
 from triton_disagg.bench.serve_servers import serve_cli
+from triton_disagg.config.roles import Role
 from triton_disagg.launch.deploy import free_port_run, free_ports
 
 CONTEXT_SERVERS = 2
@@ -25,7 +26,9 @@ GENERATION_KV_BYTES = 512 * 2**20      # generation never limits the runs
 
 
 @dataclass(frozen=True)
-class Mode:
+class RoutingSetup:
+    """One setup the prefix bench compares: the context router and its prefix caching."""
+
     name: str
     router: str               # the scheduler's context_server.router
     prefix_caching: bool      # the context servers' kv_cache.prefix_caching
@@ -62,7 +65,7 @@ class Deployment:
         args = [role, "-c", str(config), "--host", "127.0.0.1", "--grpc-port", str(grpc),
                 "--front-port", str(front), "--metrics-port", str(metrics),
                 "--work-dir", str(self.work_dir / name)]
-        if role == "scheduler":
+        if role == Role.SCHEDULER:
             args += ["--http-port", str(free_ports(1)[0])]
         return serve_cli(args, self.work_dir / f"{name}.log", marker=marker), front, metrics
 
@@ -74,7 +77,7 @@ class Deployment:
             yield
 
     @contextlib.contextmanager
-    def mode(self, mode: Mode, context_kv_bytes: int) -> Iterator[Running]:
+    def mode(self, mode: RoutingSetup, context_kv_bytes: int) -> Iterator[Running]:
         """Cold context servers with ``mode``'s cache and ``context_kv_bytes`` each, and a
         scheduler with its router, until the block exits."""
         self.say(f"starting {CONTEXT_SERVERS} context servers (prefix_caching "

@@ -36,6 +36,7 @@ import numpy as np
 
 from triton_disagg.bench.args import add_engine_arg, bench_engine, cpus_arg
 from triton_disagg.bench.report import progress, publish, shown_path
+from triton_disagg.config.roles import Role
 from triton_disagg.errors import UserError
 from triton_disagg.launch.process_group import terminate
 
@@ -153,7 +154,7 @@ def _three_roles(engine: Path, cores: list[int], work: Path, say) -> Iterator[st
         for role, (grpc, metrics_port) in ports.items():
             log = work / f"{role}.log"
             argv = serve_argv(role, str(config), "127.0.0.1", grpc, metrics_port,
-                              http_port=free_ports(1)[0] if role == "scheduler" else None,
+                              http_port=free_ports(1)[0] if role == Role.SCHEDULER else None,
                               front_port=free_ports(1)[0])
             cmd = [sys.executable, "-m", "triton_disagg.cli", *argv[1:],
                    "--work-dir", str(work / role)]

@@ -24,13 +24,13 @@ from triton_disagg.errors import UserError
 
 
 @dataclass(frozen=True)
-class Reply:
+class TimedReply:
     first: float       # seconds from the send to the first response
     second: float      # ... to the second
     text: str          # every response's text, joined
 
 
-async def _replies(url: str, prompts: Sequence[str], max_tokens: int) -> list[Reply]:
+async def _replies(url: str, prompts: Sequence[str], max_tokens: int) -> list[TimedReply]:
     import tritonclient.grpc.aio as aio
 
     from triton_disagg.clients.stream import GenerateRequest, grpc_generate
@@ -42,11 +42,12 @@ async def _replies(url: str, prompts: Sequence[str], max_tokens: int) -> list[Re
             if len(m.arrivals) < 2:
                 raise UserError("bench overlap: a reply came in one response; the second "
                                 "token is needed (is stream_interval 1?)")
-            out.append(Reply(m.arrivals[0] - m.start, m.arrivals[1] - m.start, "".join(m.text)))
+            out.append(TimedReply(m.arrivals[0] - m.start, m.arrivals[1] - m.start,
+                                  "".join(m.text)))
     return out
 
 
-def replies(url: str, prompts: Sequence[str], max_tokens: int) -> list[Reply]:
+def replies(url: str, prompts: Sequence[str], max_tokens: int) -> list[TimedReply]:
     """Stream ``prompts`` to the ensemble at ``url`` (gRPC host:port), one at a time."""
     return asyncio.run(_replies(url, prompts, max_tokens))
 
@@ -58,7 +59,7 @@ class Worker:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc           # text mode, stdin and stdout pipes
 
-    def __call__(self, url: str, prompts: Sequence[str], max_tokens: int) -> list[Reply]:
+    def __call__(self, url: str, prompts: Sequence[str], max_tokens: int) -> list[TimedReply]:
         self.proc.stdin.write(json.dumps({"url": url, "prompts": list(prompts),
                                           "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
@@ -69,7 +70,7 @@ class Worker:
         answer = json.loads(line)
         if isinstance(answer, dict):
             raise UserError(f"bench overlap: {answer['error']}")
-        return [Reply(**r) for r in answer]
+        return [TimedReply(**r) for r in answer]
 
 
 def main() -> None:

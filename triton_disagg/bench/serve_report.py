@@ -18,6 +18,7 @@ from typing import Sequence
 
 from triton_disagg.bench.serve_stats import (GOODPUT_ATTAINMENT, SLO, Percentiles, Summary,
                                              Sweep, goodput, verdicts)
+from triton_disagg.config.roles import Mode
 
 TTFT_ADDED_MAX = 0.010          # overhead target: at most 10 ms added TTFT at p50
 # and at most this much output throughput lost at saturation: per stream_interval,
@@ -134,7 +135,7 @@ def overhead_lines(summaries: Sequence[Summary], modes: Sequence[str], stream_in
             f"all rounds: " + ", ".join(f"{r.added * 1e3:+.1f} ms / {r.lost:.0%}"
                                         for r in rounds[mode]) + ".")
         serial = _find(summaries, mode, 0)
-        if mode == "disaggregated" and split is not None and serial is not None:
+        if mode == Mode.DISAGGREGATED and split is not None and serial is not None:
             out += split_lines(split, _find(summaries, IN_PROCESS_CONTEXT, 0), serial, b,
                                (1 - lost_max) * b.base_tokens)
     return out or ["No paired rounds in this run."]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from triton_disagg.config.roles import Mode
 from triton_disagg.errors import UserError
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.launch.process_group import terminate
@@ -39,7 +40,7 @@ from triton_disagg.launch.process_group import terminate
 READY_LINE = "ready ("          # serve's line once its server answers (a scheduler: and its peers)
 TAIL_CHARS = 2000
 
-MODES = ("disaggregated", "aggregated")
+MODES = tuple(Mode)    # disaggregated, aggregated
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def placement(mode: str, cores: Sequence[int], stream_interval: int = 1,
     (``scheduler_server.cpus``) in both modes; none given: the context's when
     disaggregated, not pinned when aggregated."""
     cores = list(cores)
-    if mode == "aggregated":
+    if mode == Mode.AGGREGATED:
         out = {"generation_server": {"cpus": cores, "instances": 1,
                                      "stream_interval": stream_interval}}
     else:

@@ -74,22 +74,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.config.discovery_section import DiscoveryConfig, parse_discovery
 from triton_disagg.config.tls_section import GrpcTLS, parse_grpc_tls
 from triton_disagg.config.front_section import FrontConfig, parse_front
 from triton_disagg.config.kubernetes import KubernetesConfig, parse_kubernetes
+from triton_disagg.config.roles import ENGINE_ROLES, Mode, Role, engine_roles
 from triton_disagg.config.server_section import (SCHEDULER_KEYS, SERVER_KEYS, ServerConfig,
                                                  parse_server)
 from triton_disagg.config.values import fraction, is_loopback, mapping, number, parse_size
-from triton_disagg.engine.runtime import check_choice
+from triton_disagg.engine.runtime import Device, DType, Runner, check_choice
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import strategy as kv_strategy
 from triton_disagg.kv.handle import MAX_LEASE_SECONDS
 
-MODES = ("disaggregated", "aggregated")
 MAX_MODEL_NAME = 256                # characters of a served model name
-PLACED_ROLES = ("context", "generation", "scheduler")   # the roles that take cpus
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class KVCacheConfig:
 @dataclass(frozen=True)
 class DisaggConfig:
     engine: Path
-    mode: str = "disaggregated"
+    mode: Mode = Mode.DISAGGREGATED
     context: ServerConfig = field(default_factory=ServerConfig)
     generation: ServerConfig = field(default_factory=ServerConfig)
     scheduler: ServerConfig = field(default_factory=ServerConfig)
@@ -123,9 +123,9 @@ class DisaggConfig:
     front: FrontConfig = field(default_factory=FrontConfig)   # the HTTP front's limits
     grpc_tls: GrpcTLS | None = None     # None: gRPC in clear (config.tls_section)
     # model.runtime / device / dtype; None: chosen on the serving host (Runtime.default)
-    runtime: str | None = None
-    device: str | None = None
-    dtype: str | None = None
+    runtime: Runner | None = None
+    device: Device | None = None
+    dtype: DType | None = None
     model_name: str | None = None       # model.name / --served-model-name; None: the engine's
     source: str = "<defaults>"          # where it was loaded from, for messages
 
@@ -134,9 +134,22 @@ class DisaggConfig:
         """The model id clients send: ``model.name``, else the engine directory's name."""
         return self.model_name or self.engine.name
 
+    @property
+    def aggregated(self) -> bool:
+        """Generation serves every request whole: no context server, no KV handoff."""
+        return self.mode == Mode.AGGREGATED
+
+    @property
+    def engine_roles(self) -> tuple[Role, ...]:
+        """The engine models this deployment runs (generation alone when aggregated)."""
+        return engine_roles(self.mode)
+
     def server(self, role: str) -> ServerConfig:
-        return {"context": self.context, "generation": self.generation,
-                "scheduler": self.scheduler}[role]
+        """The section of ``role`` (context, generation or scheduler)."""
+        sections: dict[str, ServerConfig] = {Role.CONTEXT: self.context,
+                                             Role.GENERATION: self.generation,
+                                             Role.SCHEDULER: self.scheduler}
+        return sections[role]
 
 
 def load_config(path: str | Path, engine_here: bool = True,
@@ -176,7 +189,7 @@ def _checked_overlap(config: DisaggConfig) -> DisaggConfig:
     place, with one KV layout on both roles (a layer range is read as it lies)."""
     if not config.kv_cache.overlap_transfer:
         return config
-    if config.mode == "aggregated":
+    if config.aggregated:
         raise UserError("mode aggregated moves no KV between servers: nothing to overlap; "
                         "drop overlap_transfer or use mode disaggregated")
     if not kv_strategy(config.kv_cache.strategy).reads_peer_memory:
@@ -258,9 +271,9 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
         raise UserError(f"{where}: {engine} has no engine.json; build it with "
                         f"`triton-disagg build --checkpoint HF_CHECKPOINT_DIR --output {engine}` "
                         f"(the demo: `make demo`), or fix the path")
-    mode = top.get("mode", "disaggregated")
-    if mode not in MODES:
-        raise UserError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    mode = top.get("mode", Mode.DISAGGREGATED)
+    if mode not in tuple(Mode):
+        raise UserError(f"mode: {mode!r} is not one of {', '.join(Mode)}")
     decoupled = top.get("decoupled_mode", True)
     if not isinstance(decoupled, bool):
         raise UserError(f"decoupled_mode: {decoupled!r} must be true (streaming) or false "
@@ -287,7 +300,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
                         f"{MAX_LEASE_SECONDS:g}, the longest lease a KV handle may carry")
     discovery = parse_discovery(top.get("discovery"), base_dir, files_here=engine_here)
     config = DisaggConfig(
-        engine=engine, mode=mode, kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
+        engine=engine, mode=Mode(mode), kv_cache=kv, discovery=discovery, decoupled_mode=decoupled,
         runtime=model.get("runtime"), device=model.get("device"), dtype=model.get("dtype"),
         model_name=name,
         kubernetes=parse_kubernetes(top.get("kubernetes")), source=source,
@@ -299,7 +312,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
                                            "max_local_prefill_length"}),
         scheduler=parse_server(top.get("scheduler_server"), "scheduler_server", SCHEDULER_KEYS),
     )
-    for role in ("context", "generation"):
+    for role in ENGINE_ROLES:
         if discovery is not None and len(config.server(role).urls) > 1:
             raise UserError(f"{role}_server.urls: a static pool and discovery both name the "
                             f"servers; drop urls (servers register in etcd) or drop discovery")
@@ -316,17 +329,17 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
 def _kv_budget(config: DisaggConfig) -> dict[str, int]:
     """Role -> the KV bytes one of its servers holds: ``kv_cache.max_size`` per model instance."""
     return {role: config.kv_cache.max_size * config.server(role).instances
-            for role in ("context", "generation")}
+            for role in ENGINE_ROLES}
 
 
 def _check_kv_hosts(config: DisaggConfig) -> None:
     """host_memory stages the KV cache in one host's /dev/shm: refuse context and generation
     urls that name two hosts (two names, neither loopback; names are not resolved, so two
     names of one host are refused too)."""
-    hosts = {u.rsplit(":", 1)[0].lower() for role in ("context", "generation")
+    hosts = {u.rsplit(":", 1)[0].lower() for role in ENGINE_ROLES
              for u in config.server(role).urls}
     remote = sorted(h for h in hosts if not is_loopback(h))
-    if (kv_strategy(config.kv_cache.strategy).needs_one_host and config.mode == "disaggregated"
+    if (kv_strategy(config.kv_cache.strategy).needs_one_host and not config.aggregated
             and config.context.urls and config.generation.urls and len(remote) > 1):
         raise UserError(f"kv_cache.strategy: {config.kv_cache.strategy} needs context and "
                         f"generation on one "

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.config.values import mapping, parse_url, pem_file
 from triton_disagg.errors import UserError

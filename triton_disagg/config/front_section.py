@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 from typing import Any
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.config.values import count, mapping, number
 from triton_disagg.errors import UserError

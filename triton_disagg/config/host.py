@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Collection, Optional, Sequence
 
-from triton_disagg.config.disagg import PLACED_ROLES, DisaggConfig
+from triton_disagg.config.disagg import DisaggConfig
+from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, Role
 from triton_disagg.errors import UserError
 
 
@@ -45,7 +46,7 @@ def with_gpus_flag(config: DisaggConfig, role: str, spec: str,
     """``serve context|generation --gpus 0,1``: the role's instances go one per GPU in
     ``spec``, replacing its ``gpus``, ``cpus`` and ``instances``. GPUs this host lacks are
     one error line naming the flag (:func:`check_host` names the key for a config's own)."""
-    if role not in ("context", "generation"):
+    if role not in ENGINE_ROLES:
         raise UserError(f"--gpus: serve {role} places no model on a GPU by itself; give "
                         f"context_server.gpus / generation_server.gpus in the config, or run "
                         f"serve context|generation --gpus")
@@ -58,7 +59,9 @@ def with_gpus_flag(config: DisaggConfig, role: str, spec: str,
         raise UserError(f"--gpus {spec}: asks for {missing}; drop --gpus on a CPU host (the "
                         f"config's cpus:/instances: place the role there)")
     placed = replace(config.server(role), gpus=tuple(gpus), cpus=(), instances=len(gpus))
-    return replace(config, **{role: placed})
+    if role == Role.CONTEXT:
+        return replace(config, context=placed)
+    return replace(config, generation=placed)
 
 
 def front_cpus(config: DisaggConfig, role: str, usable: Collection[int]) -> tuple[int, ...]:
@@ -73,9 +76,9 @@ def front_cpus(config: DisaggConfig, role: str, usable: Collection[int]) -> tupl
     ``serve generation`` run no front end: their tritonserver is not pinned (their stubs
     pin themselves, :mod:`triton_disagg.triton.placement`).
     """
-    if role not in ("all", "scheduler"):
+    if role not in (Role.ALL, Role.SCHEDULER):
         return ()
-    if config.scheduler.cpus or role == "scheduler":
+    if config.scheduler.cpus or role == Role.SCHEDULER:
         return config.scheduler.cpus
     beside_decode = set(usable) - set(config.generation.cpus)
     return tuple(sorted(beside_decode)) if config.generation.cpus and beside_decode else ()

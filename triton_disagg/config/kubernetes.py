@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.config.values import count, mapping, parse_url
 from triton_disagg.errors import UserError

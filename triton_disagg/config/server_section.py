@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.config.values import count, int_list, mapping, number, parse_url
 from triton_disagg.errors import UserError

@@ -19,21 +19,37 @@ from pathlib import Path
 from typing import Union
 
 from triton_disagg.config.discovery_section import DiscoveryConfig
+from triton_disagg.config.roles import Mode, Role
 from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.engine.runtime import Device, DType, Runner
+
+
+class _OfAMode:
+    """Settings of a deployment's ``mode`` (parsed back into a :class:`Mode` at load)."""
+
+    mode: Mode
+
+    @property
+    def aggregated(self) -> bool:
+        """Generation serves every request whole (``mode: aggregated``): no KV handoff."""
+        return self.mode == Mode.AGGREGATED
 
 
 @dataclass(frozen=True)
-class PreprocessSettings:
+class PreprocessSettings(_OfAMode):
     engine: str                        # engine directory (its tokenizer)
-    mode: str                          # "disaggregated" or "aggregated"
+    mode: Mode
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", Mode(self.mode))      # settings.json holds its text
 
 
 @dataclass(frozen=True)
-class EngineSettings:
+class EngineSettings(_OfAMode):
     """What a context or generation instance needs to build its engine and KV side."""
 
     engine: str
-    mode: str
+    mode: Mode
     instance_cpus: tuple[tuple[int, ...], ...]   # cores per instance index; () = unpinned
     tokens_per_block: int | None                 # None: the engine's own layout
     kv_dtype: str | None
@@ -42,9 +58,9 @@ class EngineSettings:
     kv_lease_seconds: float
     stream_interval: int
     kv_key_id: str | None = None                 # names the handle-signing key; None: aggregated
-    runtime: str | None = None                   # model.runtime/device/dtype; None: the
-    device: str | None = None                    # serving host's Runtime.default
-    dtype: str | None = None
+    runtime: Runner | None = None                # model.runtime/device/dtype; None: the
+    device: Device | None = None                 # serving host's Runtime.default
+    dtype: DType | None = None
     kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
     kv_max_size_given: bool = False              # kv_max_size was set: it caps a CUDA pool too
     kv_prefix_caching: bool = True               # kv_cache.prefix_caching
@@ -55,6 +71,7 @@ class EngineSettings:
     kv_events_port: int | None = None            # instance i binds this + i; None: a free one
 
     def __post_init__(self):
+        object.__setattr__(self, "mode", Mode(self.mode))      # settings.json holds its text
         object.__setattr__(self, "instance_cpus", tuple(tuple(c) for c in self.instance_cpus))
 
 
@@ -86,23 +103,24 @@ class PoolSettings:
 
 
 @dataclass(frozen=True)
-class OrchestratorSettings:
+class OrchestratorSettings(_OfAMode):
     engine: str
-    mode: str
+    mode: Mode
     stall_seconds: float
     token_host: str | None
     transport: str                     # "bls" (serve all) or "grpc" (serve scheduler)
     decoupled: bool
     max_local_prefill_length: int
-    pools: dict[str, PoolSettings] = field(default_factory=dict)   # role -> its pool
+    pools: dict[Role, PoolSettings] = field(default_factory=dict)   # role -> its pool
     discovery: DiscoveryConfig | None = None
     overlap_kv_transfer: bool = False  # kv_cache.overlap_transfer: generation first (kv.overlap)
     max_concurrent_requests: int = 256  # scheduler_server.max_concurrent_requests, per instance
     grpc_tls: GrpcTLS | None = None     # the config's grpc_tls: calls to the roles over TLS
 
     def __post_init__(self):
+        object.__setattr__(self, "mode", Mode(self.mode))      # settings.json holds its text
         object.__setattr__(self, "pools", {
-            role: p if isinstance(p, PoolSettings) else PoolSettings(**p)
+            Role(role): p if isinstance(p, PoolSettings) else PoolSettings(**p)
             for role, p in self.pools.items()})
         if isinstance(self.discovery, dict):
             object.__setattr__(self, "discovery", DiscoveryConfig(**self.discovery))

@@ -24,6 +24,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+# Any here: parsed YAML values and grpc client keyword values.
 
 from triton_disagg.config.values import mapping, pem_file
 from triton_disagg.errors import UserError

@@ -36,6 +36,7 @@ ours is, so a mistake is still one :class:`UserError` line.
 from __future__ import annotations
 
 from typing import Any, Callable
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.config.values import mapping, parse_url
 from triton_disagg.errors import UserError

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+# Any here: parsed YAML values, checked where they are read.
 
 from triton_disagg.errors import UserError
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from triton_disagg.errors import EngineError, RequestError, Unavailable
 from triton_disagg.kv.connector import ConnectorError, HandoffBusy, KVConnector
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.triton import engine_request
+
+if TYPE_CHECKING:
+    from triton_disagg.kv.overlap import Announcer
 
 _log = logging.getLogger(__name__)
 
@@ -66,7 +69,8 @@ class Prefiller:
                       extra={"request_id": seq.request_id})
         return answers
 
-    def _one(self, seq: Sequence, listeners: dict[str, bytes]) -> Any:
+    def _one(self, seq: Sequence, listeners: dict[str, bytes]
+             ) -> PrefillResult | _Overlapped | Exception:
         """``seq``'s request alone, in blocks of its own again (its batch's went back)."""
         try:
             self.reclaim()
@@ -75,7 +79,8 @@ class Prefiller:
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             return _refusal(exc)
 
-    def _prefill(self, seqs: list[Sequence], listeners: dict[str, bytes]) -> list:
+    def _prefill(self, seqs: list[Sequence], listeners: dict[str, bytes]
+                 ) -> list[PrefillResult | _Overlapped | Exception]:
         """Each sequence's PrefillResult (an overlapped one's as an _Overlapped), or error."""
         overlapped: dict[str, _Overlapped] = {}
         try:
@@ -111,11 +116,11 @@ class Prefiller:
         for o in overlapped.values():
             if o.error is None:
                 try:
-                    o._fail(RequestError(f"the prefill failed: {type(exc).__name__}: {exc}"))
+                    o.fail(RequestError(f"the prefill failed: {type(exc).__name__}: {exc}"))
                 except Exception:  # noqa: BLE001 - the other leases still end
                     _log.exception("giving back the KV of %s failed", o.request_id)
 
-    def _hand_off(self, result: Any) -> dict | Exception:
+    def _hand_off(self, result: PrefillResult | _Overlapped) -> dict | Exception:
         if isinstance(result, _Overlapped):
             return result.outputs()
         out = engine_request.prefill_outputs(result)
@@ -163,32 +168,37 @@ class _Overlapped:
     side: Prefiller
     request_id: str
     blocks: list[int]
-    announcer: Any = None
+    announcer: Announcer | None = None
     handle: bytes = b""
     error: Exception | None = None
-    result: Any = None
+    result: PrefillResult | None = None    # the prefill's, once it landed
     staged: int = 0          # layers of a device KV copied to the host array so far
 
     @classmethod
     def begin(cls, side: Prefiller, seq: Sequence, listener: bytes) -> "_Overlapped":
         """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
-        blocks = list(seq.block_table.block_ids)
-        o = cls(side, seq.request_id, blocks)
+        overlapped = cls(side, seq.request_id, list(seq.block_table.block_ids))
+        return overlapped.announce(listener, len(seq.prompt_ids))
+
+    def announce(self, listener: bytes, prompt_length: int) -> "_Overlapped":
+        """Reach generation's ``listener``, lease the blocks and send it their handle; a bad
+        listener or a failed export fails this request alone (unreachable generation: an
+        ordinary handoff, see the class docstring)."""
         try:
-            o.announcer = side.connector.announcer(listener)
+            self.announcer = self.side.connector.announcer(listener)
         except ConnectorError as exc:
-            o._unheard(exc)
+            self._unheard(exc)
         except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
-            side.engine.pool.free(blocks)
-            o.error = RequestError(f"kv_listener: {exc}")
-            return o
+            self.side.engine.pool.free(self.blocks)
+            self.error = RequestError(f"kv_listener: {exc}")
+            return self
         try:
-            o.handle = side.connector.export(blocks, len(seq.prompt_ids), prefilling=True)
+            self.handle = self.side.connector.export(self.blocks, prompt_length, prefilling=True)
         except Exception as exc:  # noqa: BLE001 - this request fails alone
-            o._fail(_handoff_error(exc))
+            self.fail(_handoff_error(exc))
         else:
-            o._tell(lambda a: a.handle(o.handle))
-        return o
+            self._tell(lambda a: a.handle(self.handle))
+        return self
 
     def layers(self, done: int) -> None:
         """Layers ``0..done-1`` are final: copy a device KV's new ones to the host array,
@@ -198,7 +208,7 @@ class _Overlapped:
             try:
                 self._stage(done)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(_handoff_error(exc))
+                self.fail(_handoff_error(exc))
                 return
             self.side.connector.renew(self.handle)
             self._tell(lambda a: a.layers(done))
@@ -212,25 +222,27 @@ class _Overlapped:
         or, if it finished the request, the KV goes back and generation is told so."""
         self.result = result
         if self.error is None and result.finish_reason is not None:
-            self._fail(None, f"the request finished at its first token ({result.finish_reason})")
+            self.fail(None, f"the request finished at its first token ({result.finish_reason})")
         elif self.error is None:
             try:
                 self._stage(self.side.connector.geometry.num_layers)
                 self.side.connector.renew(self.handle, prefilling=False)   # final: lease from now
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._fail(_handoff_error(exc))
+                self.fail(_handoff_error(exc))
             else:
                 self._tell(lambda a: a.first(result.token_id, result.logprob))
         return self.error if self.error is not None else self
 
     def outputs(self) -> dict:
+        """The context's answer (after :meth:`landed`): the first token and the handle."""
         r = self.result
+        assert r is not None, "outputs() follows landed()"
         out = engine_request.prefill_outputs(r)
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         return out
 
-    def _tell(self, say: Any) -> None:
+    def _tell(self, say: Callable[[Announcer], None]) -> None:
         """``say(announcer)``, unless generation was found unreachable before."""
         if self.announcer is not None:
             try:
@@ -244,7 +256,7 @@ class _Overlapped:
                      extra={"request_id": self.request_id})
         self.announcer = None
 
-    def _fail(self, error: Exception | None, reason: str = "") -> None:
+    def fail(self, error: Exception | None, reason: str = "") -> None:
         """Give the KV back (the lease, if it was taken) and tell generation why."""
         self.error = error
         if self.handle:

@@ -39,13 +39,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import ContextSettings
 from triton_disagg.context.prefill import Prefiller
+from triton_disagg.engine.block_pool import PoolStats
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sequence import Sequence
 from triton_disagg.errors import Cancelled, EngineError, RequestError, Timeout, Unavailable
@@ -95,13 +96,23 @@ class _Waiting:
     deadline: float            # time.monotonic()
 
 
-class PrefillLoop:
-    """The engine loop of one context model instance over ``engine`` (module docstring);
-    ``metrics`` (optional): ``queued_prompt_tokens``, ``kv_pool`` and ``leases_expired``
+class ContextObserver(Protocol):
+    """Hears a context instance's queue and pool
     (:class:`~triton_disagg.triton.metrics.Metrics`)."""
 
+    def queued_prompt_tokens(self, tokens: int) -> None: ...
+
+    def kv_pool(self, stats: PoolStats) -> None: ...
+
+    def leases_expired(self, total: int) -> None: ...
+
+
+class PrefillLoop:
+    """The engine loop of one context model instance over ``engine`` (module docstring);
+    ``metrics`` (optional) hears its queued prompt tokens, pool and expired leases."""
+
     def __init__(self, engine: LLMEngine, settings: ContextSettings, instance: str,
-                 metrics: Any = None, on_death: OnDeath = fail_instance):
+                 metrics: ContextObserver | None = None, on_death: OnDeath = fail_instance):
         self.engine, self.metrics = engine, metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.frees: queue.SimpleQueue = queue.SimpleQueue()

@@ -25,6 +25,7 @@ from triton_disagg.errors import UserError
 from triton_disagg.engine.block_pool import BlockPool
 
 if TYPE_CHECKING:
+    from triton_disagg.config.disagg import DisaggConfig
     from triton_disagg.config.settings import EngineSettings
     from triton_disagg.engine.block_pool import BlockEvents
     from triton_disagg.engine.llm_engine import LLMEngine
@@ -52,12 +53,12 @@ def check_pool(spec: EngineSpec, layout: KVLayout, max_size: int, role: str) -> 
             f"--max-seq-len")
 
 
-def check_kv_capacity(config, roles: Iterable[str] | None = None) -> None:
+def check_kv_capacity(config: "DisaggConfig", roles: Iterable[str] | None = None) -> None:
     """Check every engine model's pool of a loaded ``DisaggConfig`` (``roles``: default
     the engine models of its mode) before Triton starts."""
     spec = EngineSpec.load(config.engine)
     if roles is None:
-        roles = ("generation",) if config.mode == "aggregated" else ("context", "generation")
+        roles = config.engine_roles
     if config.device == "cuda" and not config.kv_cache.max_size_given:
         return      # gpu_memory_fraction sizes the pools on the device (pool_cap)
     for role in roles:
@@ -93,6 +94,6 @@ def pool_cap(settings: "EngineSettings", runtime: Runtime) -> int | None:
     not); on CUDA only when the config writes it, else None: the pool is then
     ``kv_cache.gpu_memory_fraction`` of the memory free after the weights, as TensorRT-LLM's
     ``free_gpu_memory_fraction`` (the 2 GB default would cap an 80-140 GB GPU's pool)."""
-    if runtime.device == "cuda" and not settings.kv_max_size_given:
+    if runtime.on_cuda and not settings.kv_max_size_given:
         return None
     return settings.kv_max_size

@@ -101,7 +101,7 @@ class LLMEngine:
         self.spec, weights = load_engine(engine_dir)
         runtime = runtime or Runtime.default()
         geometry = self.spec.block_geometry(kv_layout)
-        if num_blocks is None and runtime.device == "cuda":
+        if num_blocks is None and runtime.on_cuda:
             weight_bytes = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype]
             budget = device_kv_budget(kv_max_bytes, weight_bytes, kv_memory_fraction,
                                       runtime.torch_device)
@@ -112,7 +112,7 @@ class LLMEngine:
         if num_blocks is None:
             num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
         # On CUDA the runner holds the KV in device memory: no host copy of the pool.
-        self.pool = BlockPool(geometry, num_blocks, host_array=runtime.device == "cpu",
+        self.pool = BlockPool(geometry, num_blocks, host_array=not runtime.on_cuda,
                               prefix_caching=prefix_caching, events=kv_events)
         self.cache_fingerprint = cache_fingerprint(self.spec.fingerprint,
                                                    geometry.tokens_per_block, geometry.dtype)

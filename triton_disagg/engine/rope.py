@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+# Any here: values of a checkpoint's JSON rope_scaling.
 
 import numpy as np
 

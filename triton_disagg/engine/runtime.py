@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, Literal, get_args
+# Any here: the config's raw YAML values, checked by check_choice.
 
 import numpy as np
 
@@ -23,13 +25,16 @@ from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import BlockGeometry
 
-RUNTIMES = ("numpy", "torch")
-DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")
+Runner = Literal["numpy", "torch"]
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16"]
+RUNTIMES: tuple[Runner, ...] = get_args(Runner)
+DEVICES: tuple[Device, ...] = get_args(Device)
+DTYPES: tuple[DType, ...] = get_args(DType)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # On CPU numpy is the default: it measured faster than the torch runner at batch 1-8 on
 # this project's benchmark machine (docs/benchmarks.md); torch is the default on CUDA.
-DEFAULT_CPU_RUNTIME = "numpy"
+DEFAULT_CPU_RUNTIME: Runner = "numpy"
 # kv_cache.gpu_memory_fraction's default: the share of the device memory free after the
 # weights that the KV pool takes (the rest: activations, CUDA graphs, the allocator's slack).
 CUDA_KV_FRACTION = 0.9
@@ -39,9 +44,9 @@ CUDA_KV_FRACTION = 0.9
 class Runtime:
     """The runner an engine instance uses."""
 
-    runtime: str = DEFAULT_CPU_RUNTIME
-    device: str = "cpu"
-    dtype: str = "float32"
+    runtime: Runner = DEFAULT_CPU_RUNTIME
+    device: Device = "cpu"
+    dtype: DType = "float32"
     device_index: int = 0     # which CUDA device (the Triton instance's device id)
 
     def __post_init__(self) -> None:
@@ -59,6 +64,11 @@ class Runtime:
                             f"numbered (0, 1, ...)")
 
     @property
+    def on_cuda(self) -> bool:
+        """The runner, its weights and its KV pool live on a CUDA device."""
+        return self.device == "cuda"
+
+    @property
     def torch_device(self) -> str:
         """``cpu`` or ``cuda:N``: where the runner's weights and KV pool live."""
         return f"cuda:{self.device_index}" if self.device == "cuda" else "cpu"
@@ -72,8 +82,8 @@ class Runtime:
         return int(np.prod(geometry.block_shape)) * DTYPE_BYTES[self.dtype]
 
     @classmethod
-    def default(cls, runtime: str | None = None, device: str | None = None,
-                dtype: str | None = None, device_index: int | None = None) -> "Runtime":
+    def default(cls, runtime: Runner | None = None, device: Device | None = None,
+                dtype: DType | None = None, device_index: int | None = None) -> "Runtime":
         """Fill what is not given: torch on CUDA when a GPU is visible, else the CPU default;
         bfloat16 on CUDA, float32 on CPU. ``device_index`` (a Triton GPU instance's device
         id) applies on CUDA and is dropped on CPU."""
@@ -87,7 +97,7 @@ class Runtime:
         return cls(runtime, device, dtype, index)
 
 
-def check_choice(runtime: str | None, device: str | None, dtype: str | None) -> None:
+def check_choice(runtime: Any, device: Any, dtype: Any) -> None:
     """Raise the one-line :class:`UserError` of a bad ``model.runtime/device/dtype``
     (``None``: chosen on the serving host); touches no GPU."""
     for key, value, allowed in (("runtime", runtime, RUNTIMES), ("device", device, DEVICES),

@@ -45,7 +45,8 @@ class RemoteKV(Protocol):
     ``poll()`` is None while in flight, its result once done, and raises if it failed.
     """
 
-    num_tokens: int
+    @property
+    def num_tokens(self) -> int: ...
 
     def start(self, block_ids: list[int]) -> Any: ...
 

@@ -27,6 +27,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+# Any here: values of a checkpoint's JSON config.
 
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import BlockGeometry

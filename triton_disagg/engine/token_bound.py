@@ -25,6 +25,7 @@ stands for one byte, and an added token is its own content.
 from __future__ import annotations
 
 from typing import Any
+# Any here: values of a tokenizer's JSON config.
 
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split"}
 _CHAR_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}

@@ -23,7 +23,7 @@ prompt may continue a sequence whose earlier KV is already cached.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import Collection, Sequence
 
 import contextlib
 import functools
@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.decode_groups import length_groups
-from triton_disagg.engine.model import Batch, prefill_item
+from triton_disagg.engine.model import Batch, LayerDone, prefill_item
 from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
 
@@ -123,7 +123,7 @@ class TorchModelRunner:
 
     # ---- public entry points -------------------------------------------------------
 
-    def prefill(self, batch: Batch, on_layer: Any = None) -> np.ndarray:
+    def prefill(self, batch: Batch, on_layer: LayerDone | None = None) -> np.ndarray:
         """Logits ``[B, V]`` at each prompt's last position; writes the prompts' KV.
 
         ``batch`` holds ``(token_ids, block_ids)`` per sequence, tokens from position 0, or
@@ -135,7 +135,7 @@ class TorchModelRunner:
         return self.prefill_keeping(batch, (), on_layer)[0]
 
     @_on_runner_device
-    def prefill_keeping(self, batch: Batch, keep: Collection[int], on_layer: Any = None
+    def prefill_keeping(self, batch: Batch, keep: Collection[int], on_layer: LayerDone | None = None
                         ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """:meth:`prefill`'s logits ``[B, V]``, and for each prompt index in ``keep`` the
         logits ``[n_b, V]`` of every computed position (as the numpy runner's)."""
@@ -195,7 +195,7 @@ class TorchModelRunner:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _prefill_hidden(self, batch: Batch, on_layer: Any = None
+    def _prefill_hidden(self, batch: Batch, on_layer: LayerDone | None = None
                         ) -> tuple[torch.Tensor, list[int]]:
         """Final-norm hidden states ``[B, n_max, H]`` of the prompts' computed tokens (those
         after each one's cached prefix), right-padded, and each prompt's count of them (rows
@@ -216,7 +216,7 @@ class TorchModelRunner:
 
     def _forward(self, tok: torch.Tensor, pos: torch.Tensor,
                  attention: list[tuple[torch.Tensor | None, "_PagedBatch"]],
-                 on_layer: Any = None) -> torch.Tensor:
+                 on_layer: LayerDone | None = None) -> torch.Tensor:
         """Final-norm hidden states ``[B, n, H]`` of tokens ``tok`` ``[B, n]`` at positions
         ``pos`` ``[B, n]``. ``attention``: ``(rows, paged)`` groups that together hold every
         row of the batch once (``rows`` None: all of them, in order); each group writes and
@@ -236,7 +236,7 @@ class TorchModelRunner:
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 attention: list[tuple[torch.Tensor | None, "_PagedBatch"]],
-                on_layer: Any) -> torch.Tensor:
+                on_layer: LayerDone | None) -> torch.Tensor:
         """Every decoder layer over ``x`` ``[B, n, H]`` (see :meth:`_forward`)."""
         s = self.shape
         b, n = x.shape[:2]
@@ -367,7 +367,7 @@ class _PagedBatch:
     causal: bool                               # fresh prompts: key i visible to queries >= i
     span: int                                  # S = nb * bs keys gathered per sequence
     key_len: int                               # K <= S keys attended (largest position + 1)
-    threads: Any                               # context manager for the attention ops
+    threads: contextlib.AbstractContextManager  # for the attention ops
 
     def real_rows(self, t: torch.Tensor) -> torch.Tensor:
         """The real tokens' rows of ``t`` ``[B, n, heads, hd]`` -> ``[R, heads * hd]``."""

@@ -17,6 +17,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+# Any here: the JSON values a chat template serializes.
 
 from triton_disagg.errors import RequestError
 

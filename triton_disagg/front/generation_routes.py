@@ -24,9 +24,9 @@ from triton_disagg.errors import HTTP_STATUS, ErrorCode
 from triton_disagg.front.admission import RETRY_AFTER_SECONDS, RequestCount, StalledClient, send
 from triton_disagg.front.json_body import read_json
 from triton_disagg.front.openai_api import ApiError, Generation, parse
-from triton_disagg.front.openai_responses import (Logprobs, Reply, StopTrimmer, finish_reason,
-                                                  merge_logprobs, sse, usage)
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.openai_responses import (Logprobs, OpenAIObjects, StopTrimmer,
+                                                  finish_reason, merge_logprobs, sse, usage)
+from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
 
 REQUEST_ID = "X-Request-Id"
@@ -37,7 +37,7 @@ _FAULTS = {ErrorCode.INTERNAL: "internal error",
            ErrorCode.TIMEOUT: "the request timed out inside the server",
            ErrorCode.CANCELLED: "the request was cancelled inside the server"}
 
-PREPARER, RELAY = web.AppKey("preparer", Preparer), web.AppKey("relay", Relay)
+PREPARER, RELAY = web.AppKey("preparer", RequestEncoder), web.AppKey("relay", Relay)
 CALLS = web.AppKey("calls", RequestCount)
 FRONT = web.AppKey("front", FrontConfig)
 ID_KEY = web.RequestKey("request_id", str)
@@ -90,7 +90,7 @@ async def _generate_choices(request: web.Request, gen: Generation,
     headers = {REQUEST_ID: request_id}
     if gen.stream:          # one choice (parse refuses several streamed)
         async with _opened(relay, inputs[0], request_id, request_id) as deltas:
-            return await _stream(request, answers[0], Reply(gen, preparer.model), deltas,
+            return await _stream(request, answers[0], OpenAIObjects(gen, preparer.model), deltas,
                                  headers)
     # Triton request ids: the client's for one choice, with the choice's index for several
     call_ids = [request_id] if len(choices) == 1 else \
@@ -137,7 +137,7 @@ class _Answer:
     """One choice's answer as it is made: the text (stop sequences cut, the echoed prompt
     first), the last counts, the finish reason given, and the log-probs when asked for."""
 
-    def __init__(self, preparer: Preparer, gen: Generation, inputs: dict):
+    def __init__(self, preparer: RequestEncoder, gen: Generation, inputs: dict):
         self.gen = gen
         self.echo = preparer.prompt(gen) if gen.echo else ""
         self.logprobs = None if gen.logprobs is None else \
@@ -194,7 +194,7 @@ def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict
         body = {"id": uuid.uuid4().hex, "model": model, "text": text, "finish_reason": reason,
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     else:
-        reply = Reply(gen, model)
+        reply = OpenAIObjects(gen, model)
         body = reply.whole([reply.choice(i, text, reason, logprobs)
                             for i, (_, text, reason, logprobs) in enumerate(done)],
                            prompt_tokens, completion_tokens, cached_tokens)
@@ -202,7 +202,7 @@ def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict
                              dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
 
 
-async def _stream(request: web.Request, answer: _Answer, reply: Reply,
+async def _stream(request: web.Request, answer: _Answer, reply: OpenAIObjects,
                   deltas: AsyncIterator[Delta], headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})

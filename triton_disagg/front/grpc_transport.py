@@ -24,7 +24,7 @@ calls without waiting for their deadlines.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -32,14 +32,17 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
                                   from_grpc_status)
-from triton_disagg.front.token_inbox import Accepted
+from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.front.transports import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
-                                            RELEASE_TIMEOUT_SECONDS, accepted, call_parameters,
-                                            callee_error, microseconds, release_inputs,
-                                            unbatch)
+                                            RELEASE_TIMEOUT_SECONDS, call_parameters,
+                                            callee_error, generation_answer, microseconds,
+                                            release_inputs, unbatch)
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.engine_request import cache_salt
 from triton_disagg.triton.grpc_channel import client_options
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.aio import InferenceServerClient
 from triton_disagg.triton.tensors import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -66,18 +69,27 @@ class Unanswered(Unavailable):
         super().__init__(f"{role} server {url} did not answer ({self.reason})")
 
 
+class CallObserver(Protocol):
+    """Hears where calls go (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def routed(self, role: str, url: str) -> None:
+        """A call of ``role`` went to ``url``."""
+
+    def retried(self, role: str, url: str) -> None:
+        """A context call is tried again elsewhere: ``url`` did not answer."""
+
+
 class GrpcTransport:
     """The scheduler's side: ``routers`` per role (:func:`~triton_disagg.routing.pools.start_pools`);
-    ``observer`` (optional): ``routed(role, url)`` per call routed, ``retried(role, url)``
-    per context call tried again after ``url`` did not answer (:class:`~triton_disagg.triton.metrics.Metrics`).
+    ``observer`` (optional) hears each call routed and each context call tried again.
     Clients are made on the event loop that uses them, with keepalive on, over TLS when
     ``tls`` (the config's ``grpc_tls``) is given."""
 
-    def __init__(self, routers: dict[str, Router], observer: Any = None,
+    def __init__(self, routers: dict[str, Router], observer: CallObserver | None = None,
                  tls: GrpcTLS | None = None):
         self.routers, self.observer, self.tls = routers, observer, tls
         self.credential = peers.credential()
-        self.clients: dict[str, Any] = {}
+        self.clients: dict[str, InferenceServerClient] = {}
         self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
 
     def route(self, request_id: str, avoid: frozenset[str] = frozenset(),
@@ -162,7 +174,7 @@ class GrpcTransport:
             return False
         return True
 
-    def _client(self, url: str) -> Any:
+    def _client(self, url: str) -> InferenceServerClient:
         if url not in self.clients:
             import tritonclient.grpc as grpc
             import tritonclient.grpc.aio as grpcclient
@@ -235,7 +247,7 @@ class GrpcRoute:
                                    min(self.timeout, RELEASE_TIMEOUT_SECONDS))
 
     async def generate(self, inputs: dict, request_type: str,
-                       token_address: str) -> Accepted:
+                       token_address: str) -> GenerationAnswer:
         tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
         assignment = self.transport.routers["generation"].take(tokens, self.avoid)
         self.transport.routed("generation", assignment.url)
@@ -251,7 +263,7 @@ class GrpcRoute:
             assignment.release()
             raise
         self.generation = assignment
-        return accepted(outputs)
+        return generation_answer(outputs)
 
     async def lost(self) -> GenerationLost | None:
         if self.generation is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from aiohttp import web
 
@@ -37,13 +37,23 @@ class Readiness(Protocol):
 READINESS = web.AppKey("readiness", Readiness)
 
 
+class ReadinessClient(Protocol):
+    """What :class:`ServerReadiness` asks: a ``tritonclient.grpc.aio`` client's calls."""
+
+    async def is_server_ready(self, *, client_timeout: float | None = None) -> bool: ...
+
+    async def is_model_ready(self, model_name: str, *, client_timeout: float | None = None
+                             ) -> bool: ...
+
+
 class ServerReadiness:
     """Asks a tritonserver (``client``: a ``tritonclient.grpc.aio`` client) whether it and
     each of ``models`` are ready, after the peers gate file ``gate`` (default: the one
     ``GATE_ENV`` names, if any): missing or not empty, not ready. The reason names what is
     not ready, never a peer's address."""
 
-    def __init__(self, client: Any, models: tuple[str, ...], gate: Path | None = None):
+    def __init__(self, client: ReadinessClient, models: tuple[str, ...],
+                 gate: Path | None = None):
         self.client, self.models = client, models
         named = os.environ.get(GATE_ENV)
         self.gate = gate or (Path(named) if named else None)

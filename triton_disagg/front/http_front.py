@@ -52,7 +52,7 @@ from triton_disagg.front.json_body import MAX_BODY_BYTES
 from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.openapi import document
 from triton_disagg.front.origin_guard import add_origin_guard
-from triton_disagg.front.prepare import Preparer
+from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Relay
 from triton_disagg.triton.grpc_channel import client_options
 
@@ -91,7 +91,7 @@ def _error(exc: ApiError, request: web.Request) -> web.Response:
                              headers={**exc.headers, REQUEST_ID: request_id_of(request)})
 
 
-def _model_card(preparer: Preparer) -> dict:
+def _model_card(preparer: RequestEncoder) -> dict:
     """The served model as OpenAI's (and vLLM's: ``root``, ``max_model_len``) model object."""
     return {"id": preparer.model, "object": "model", "created": 0, "owned_by": "triton-disagg",
             "root": preparer.model, "parent": None, "max_model_len": preparer.max_seq_len}
@@ -131,7 +131,7 @@ def make_health_app(readiness: Readiness, front: FrontConfig = FrontConfig(),
     return app
 
 
-def make_app(preparer: Preparer, relay: Relay, front: FrontConfig = FrontConfig(),
+def make_app(preparer: RequestEncoder, relay: Relay, front: FrontConfig = FrontConfig(),
              bound_host: str = "127.0.0.1") -> web.Application:
     """The whole front: generation through ``relay``, which also says whether it is ready,
     at most ``front.max_concurrent_requests`` at a time (:mod:`.admission`)."""
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(filename=args.log, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     front, tls = front_from_flags(args), tls_from_flags(args)
-    preparer = None if args.health_only else Preparer(args.engine, args.model_name)
+    preparer = None if args.health_only else RequestEncoder(args.engine, args.model_name)
     models = tuple(m for m in args.models.split(",") if m)
     parent = os.getppid()
 

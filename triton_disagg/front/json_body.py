@@ -15,6 +15,7 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+# Any here: decoded JSON values, checked by whoever reads them.
 
 from aiohttp import web
 

@@ -47,7 +47,7 @@ BRANCHES = frozenset({"one text", "token ids", "several prompts", "one stop", "s
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The engine's bounds on a request (:class:`~triton_disagg.front.prepare.Preparer`
+    """The engine's bounds on a request (:class:`~triton_disagg.front.prepare.RequestEncoder`
     has the served engine's); the defaults are those of the tensors' INT32."""
 
     max_seq_len: int = INT32_MAX

@@ -161,7 +161,7 @@ def merge_logprobs(parts: list[dict], chat: bool) -> dict:
     return {key: [item for part in parts for item in part[key]] for key in keys}
 
 
-class Reply:
+class OpenAIObjects:
     """One request's OpenAI objects: an id and creation time shared by all its chunks."""
 
     def __init__(self, gen: Generation, model: str):

@@ -54,14 +54,15 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
 from triton_disagg import log_format, protocol as P
+from triton_disagg.config.roles import Mode
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
 from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
-from triton_disagg.front.token_inbox import Accepted
+from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox, TokenStream
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.tensors import scalar
 
@@ -82,7 +83,7 @@ class Route(Protocol):
     async def context(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     async def generate(self, inputs: dict[str, np.ndarray], request_type: str,
-                       token_address: str) -> Accepted:
+                       token_address: str) -> GenerationAnswer:
         """Send the request; generation's answer (or EngineError)."""
 
     async def release(self, inputs: dict[str, np.ndarray], handle: np.ndarray) -> None:
@@ -103,6 +104,19 @@ class Transport(Protocol):
         ``timeout`` seconds without an answer."""
 
 
+class RequestObserver(Protocol):
+    """Hears each request's milestones (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def first_token(self, seconds: float) -> None:
+        """The time to first token, from the request's arrival."""
+
+    def finished(self, outcome: str, seconds: float, tokens: int, ttft: float | None) -> None:
+        """The request ended (``outcome``: finished, cancelled or error)."""
+
+    def migrated(self, url: str) -> None:
+        """The request left the lost generation server at ``url``."""
+
+
 def _call_id(client_id: str) -> str:
     """The id of one attempt's calls to context and generation (unique: generation keys its
     streams by it): the client's id (its first 64 characters) and a random suffix."""
@@ -111,17 +125,16 @@ def _call_id(client_id: str) -> str:
 
 
 class Orchestrator:
-    """``tokens``: the instance's :class:`~token_inbox.TokenInbox`; ``decode``: token ids ->
-    text; ``observer`` (optional): ``first_token(seconds)`` and
-    ``finished(outcome, seconds, tokens, ttft)``, ``migrated(url)`` (see
-    :class:`~triton_disagg.triton.metrics.Metrics`);
+    """``tokens``: the instance's token inbox; ``decode``: token ids -> text; ``observer``
+    (optional) hears each request's first token, end and migrations;
     ``local_prefill``: prompts of at most this many tokens skip the context; ``overlap``:
     generation takes a request before the context prefills it (module docstring)."""
 
-    def __init__(self, transport: Transport, tokens: Any, mode: str,
-                 decode: Callable[[Sequence[int]], str], observer: Any = None,
+    def __init__(self, transport: Transport, tokens: TokenInbox, mode: Mode,
+                 decode: Callable[[Sequence[int]], str],
+                 observer: RequestObserver | None = None,
                  local_prefill: int = 0, overlap: bool = False):
-        self.transport, self.tokens, self.mode = transport, tokens, mode
+        self.transport, self.tokens, self.mode = transport, tokens, Mode(mode)
         self.decode, self.observer, self.local_prefill = decode, observer, local_prefill
         self.overlap = overlap
         self.releases: set[asyncio.Task] = set()   # release_kv calls in flight (held)
@@ -133,7 +146,7 @@ class Orchestrator:
         ``client_id``: the Triton request id the client set; the ids of the calls to context
         and generation start with it (else they are generated), so one grep finds the
         request's lines on every server; this task's log lines carry it."""
-        run = _Run(self, inputs, send, client_id)
+        run = ServedRequest(self, inputs, send, client_id)
         log_format.request_id.set(client_id or run.request_id)
         try:
             outcome = await run.serve(is_cancelled)
@@ -141,14 +154,22 @@ class Orchestrator:
             run.done("error")
             raise
         finally:
-            self._give_back(run)
+            self.give_back(run)
             run.route.close()
         run.done(outcome)
         return outcome
 
-    def _give_back(self, run: "_Run") -> None:
-        """Release the context's KV that generation never took, without delaying the client
-        (the route and handle of now: a migrating request moves on to others)."""
+    @property
+    def aggregated(self) -> bool:
+        """Every request goes to generation whole (``mode: aggregated``)."""
+        return self.mode == Mode.AGGREGATED
+
+    def give_back(self, run: "ServedRequest") -> None:
+        """Release the context's KV that generation never took (``run.unfetched``), without
+        delaying the client (the route and handle of now: a migrating request moves on to
+        others); at most ``MAX_RELEASES`` such calls are out, beyond that the lease
+        reclaims the KV. Called when a request ends or leaves a lost server, and when an
+        abandoned context call answers late."""
         if run.unfetched is None or not run.unfetched.size:
             return
         if len(self.releases) >= MAX_RELEASES:
@@ -169,7 +190,7 @@ class Orchestrator:
                          "lease expires instead", request_id, exc)
 
 
-class _Run:
+class ServedRequest:
     """One request's state while the orchestrator serves it."""
 
     def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray], send: Send,
@@ -212,11 +233,11 @@ class _Run:
         prefill (its token goes out at once), then generation's decode of the rest."""
         prompt_length = int(np.size(inputs["input_ids"]))
         with_prompt_logprobs = P.SAMPLING_TO_ENGINE["prompt_logprobs"] in inputs
-        if self.owner.mode == "aggregated" and with_prompt_logprobs:
+        if self.owner.aggregated and with_prompt_logprobs:
             raise RequestError("prompt_logprobs (echo with logprobs): the log-probs of the "
                                "prompt's tokens are computed by a context server; this "
                                "deployment is aggregated (serve it disaggregated)")
-        if self.owner.mode == "aggregated" or (prompt_length <= self.owner.local_prefill
+        if self.owner.aggregated or (prompt_length <= self.owner.local_prefill
                                                and not with_prompt_logprobs):
             return await self.generate(inputs, P.CONTEXT_AND_GENERATION, is_cancelled)
         if self.owner.overlap:
@@ -247,7 +268,7 @@ class _Run:
                      self.request_id, len(self.sent))
         if self.owner.observer is not None:
             self.owner.observer.migrated(lost.url)
-        self.owner._give_back(self)
+        self.owner.give_back(self)
         self.unfetched = None
         self.route.close()
         self.lost |= {lost.url}
@@ -289,7 +310,7 @@ class _Run:
         not when its lease expires."""
         if not call.cancelled() and call.exception() is None:
             self.unfetched = call.result().get(P.CONTEXT_PHASE_PARAMS)
-            self.owner._give_back(self)
+            self.owner.give_back(self)
 
     async def overlapped(self, inputs: dict[str, np.ndarray],
                          is_cancelled: Callable[[], bool]) -> str:
@@ -320,7 +341,7 @@ class _Run:
                                                     stream.token_address))
             return await self.relay(stream, is_cancelled)
 
-    async def relay(self, stream: Any, is_cancelled: Callable[[], bool]) -> str:
+    async def relay(self, stream: TokenStream, is_cancelled: Callable[[], bool]) -> str:
         """Pass generation's tokens on until the final one (the client's cancel asked at
         most every ``CANCEL_POLL_SECONDS``)."""
         asked = 0.0   # when is_cancelled() was last asked

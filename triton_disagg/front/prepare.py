@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+# Any here: tensor dict values (numpy arrays and scalars of any dtype).
 
 import numpy as np
 
@@ -44,8 +45,9 @@ _SPECS = P.by_name(P.ORCHESTRATOR_INPUTS)
 MAX_CHARS_PER_TOKEN = 64
 
 
-class Preparer:
-    """One engine's tokenizer, limits and chat template; ``model``: the name served."""
+class RequestEncoder:
+    """Encodes an OpenAI request into the orchestrator's input tensors with one engine's
+    tokenizer, limits and chat template; ``model``: the name served."""
 
     def __init__(self, engine_dir: str | Path, model: str):
         spec = EngineSpec.load(engine_dir)

@@ -16,7 +16,8 @@ are different tokens in a byte-level BPE vocabulary.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+# Any here: tensor dict values (numpy arrays and scalars of any dtype).
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.engine.words import MAX_WORD_TOKENS, cap_error, count_error, to_wire
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import scalar
+
+if TYPE_CHECKING:
+    from triton_disagg.engine.tokenizer import Tokenizer
 
 MAX_TEXT_BYTES = 10 * 2**20    # a prompt or word at most; the HTTP front's largest body too
 # input -> (value that is fine, why another value is refused)
@@ -44,7 +48,7 @@ _REFUSED_IF_PRESENT = {
 }
 
 
-def _text(value: Any, name: str) -> str:
+def _text(value: bytes | str, name: str) -> str:
     """``value`` (bytes or text) as text, refused over :data:`MAX_TEXT_BYTES` or not UTF-8."""
     if len(value) > MAX_TEXT_BYTES:
         raise RequestError(f"{name} is {len(value)} bytes, more than the {MAX_TEXT_BYTES} "
@@ -61,7 +65,7 @@ class Preprocessor:
     seal_key`, which seals every output (``preprocessed``: the orchestrator takes nothing
     else)."""
 
-    def __init__(self, tokenizer: Any, max_seq_len: int, eos_id: int | None, pad_id: int | None,
+    def __init__(self, tokenizer: Tokenizer, max_seq_len: int, eos_id: int | None, pad_id: int | None,
                  seal_key: bytes):
         self.tokenizer, self.max_seq_len, self.seal_key = tokenizer, max_seq_len, seal_key
         self.eos_id = -1 if eos_id is None else eos_id

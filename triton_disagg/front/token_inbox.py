@@ -56,7 +56,7 @@ _log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Accepted:
+class GenerationAnswer:
     """Generation's answer to a request: where its stops go, and (a request awaiting the
     context, ``--overlap_kv_transfer``) the ``kv_listener`` to hand the context."""
 
@@ -100,7 +100,7 @@ class TokenStream:
         self.expected += 1
         self.events.put_nowait(event)
 
-    async def accept(self, ack: Awaitable[Accepted]) -> Accepted:
+    async def accept(self, ack: Awaitable[GenerationAnswer]) -> GenerationAnswer:
         """Await generation's answer to the request (its control address, kept for stops)."""
         try:
             answer = await asyncio.wait_for(ack, self.inbox.stall_seconds)

@@ -28,12 +28,13 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+# Any here: Triton's pb_utils module and its objects, which have no types.
 
 import numpy as np
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.errors import ErrorCode, Timeout, error_for, from_triton, without_tag
-from triton_disagg.front.token_inbox import Accepted
+from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.triton.tensors import to_batched
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
@@ -77,11 +78,12 @@ def release_inputs(inputs: dict, handle: np.ndarray) -> dict:
     return dict(inputs, **{P.CONTEXT_PHASE_PARAMS: handle})
 
 
-def accepted(outputs: dict[str, np.ndarray]) -> Accepted:
+def generation_answer(outputs: dict[str, np.ndarray]) -> GenerationAnswer:
+    """Generation's answer read from its response tensors."""
     value = np.asarray(outputs[P.CONTROL_ADDRESS]).reshape(-1)[0]     # [1] -> scalar
     listener = outputs.get(P.KV_LISTENER)
-    return Accepted(value.decode() if isinstance(value, bytes) else str(value),
-                    b"" if listener is None else np.asarray(listener, np.uint8).tobytes())
+    return GenerationAnswer(value.decode() if isinstance(value, bytes) else str(value),
+                            b"" if listener is None else np.asarray(listener, np.uint8).tobytes())
 
 
 class BLSTransport:
@@ -149,11 +151,11 @@ class BLSRoute:
                          min(self.timeout, RELEASE_TIMEOUT_SECONDS))
 
     async def generate(self, inputs: dict, request_type: str,
-                       token_address: str) -> Accepted:
+                       token_address: str) -> GenerationAnswer:
         outputs = await self._exec("generation", inputs,
                                    call_parameters(self.credential, request_type, token_address),
                                    self.timeout)
-        return accepted(outputs)
+        return generation_answer(outputs)
 
     async def lost(self) -> None:
         """Generation runs in this server: if it died, so did the orchestrator."""

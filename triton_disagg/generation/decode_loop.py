@@ -46,18 +46,23 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
 from triton_disagg.errors import ErrorCode, code_of
-from triton_disagg.generation.decode_requests import Live, error_event, token_event
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.generation.decode_requests import StreamState, error_event, token_event
 from triton_disagg.generation.sockets import STOP_READER, send_errors
 from triton_disagg.generation.watchdog import Watchdog
 from triton_disagg.readers import (BAD_KEY, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
                                    fail_instance, guarded)
 from triton_disagg.token_wire import StreamEvent, same_key, split_key
+
+if TYPE_CHECKING:
+    from triton_disagg.engine.llm_engine import LLMEngine
+    from triton_disagg.engine.sequence import TokenEvent
+    from triton_disagg.generation.side import DecodeAdmission, PreparedRequest
+    from triton_disagg.generation.sockets import StopInbox, TokenOutbox
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
@@ -81,15 +86,16 @@ class DecodeLoop:
 
     ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""
 
-    def __init__(self, engine: Any, outbox: Any, side: Any, stream_interval: int = 1,
-                 stops: Any = None, stuck_seconds: float = 30.0,
+    def __init__(self, engine: LLMEngine, outbox: TokenOutbox, side: DecodeAdmission,
+                 stream_interval: int = 1, stops: StopInbox | None = None,
+                 stuck_seconds: float = 30.0,
                  on_death: OnDeath = fail_instance):
         self.engine, self.outbox, self.side = engine, outbox, side
         self.stream_interval = stream_interval
         self.stops = stops
         self.dropped = DroppedFrames(STOP_READER)         # stops it cannot obey
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.live: dict[str, Live] = {}           # every request in the engine
+        self.live: dict[str, StreamState] = {}           # every request in the engine
         self.addresses: Counter[str] = Counter()  # live requests per token address
         self.progressed = True                    # the last step made tokens
         self.abandoned: set[str] = set()          # failed by the watchdog (under ``lock``)
@@ -103,11 +109,11 @@ class DecodeLoop:
                                        name="decode-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, request_id: str, request: EngineRequest | Any, token_address: str) -> None:
+    def submit(self, request_id: str, request: PreparedRequest, token_address: str) -> None:
         """Generate for ``request`` and send its events to the orchestrator at
         ``token_address`` (``<address>#<key>``, checked by ``read_request_parameters``)."""
         address, key = split_key(token_address)
-        live = Live(address, key, getattr(request, "streaming", True),
+        live = StreamState(address, key, getattr(request, "streaming", True),
                     getattr(request, "return_log_probs", True))
         self.inbox.put(("add", request_id, request, live))
 
@@ -192,7 +198,7 @@ class DecodeLoop:
         self.engine.abort(request_id)
         self._finish(request_id, CANCELLED)
 
-    def _queue(self, request_id: str, request: Any, live: Live) -> None:
+    def _queue(self, request_id: str, request: PreparedRequest, live: StreamState) -> None:
         if request_id in self.live:
             self._refuse(request_id, live, f"request id {request_id!r} is already generating")
             return
@@ -209,7 +215,7 @@ class DecodeLoop:
         self.live[request_id] = live
         self.addresses[live.address] += 1
 
-    def _pop(self, request_id: str) -> Live | None:
+    def _pop(self, request_id: str) -> StreamState | None:
         """Take ``request_id`` out of the loop's live requests (None when it is not there)."""
         live = self.live.pop(request_id, None)
         if live is not None:
@@ -227,7 +233,7 @@ class DecodeLoop:
                 self._refuse(arrival.request_id, live, str(arrival.error),
                              code_of(arrival.error))
 
-    def _on_token(self, event: Any) -> None:
+    def _on_token(self, event: TokenEvent) -> None:
         live = self.live.get(event.request_id)
         if live is None:
             return
@@ -250,7 +256,7 @@ class DecodeLoop:
         self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
         _log.info("generation ended: %s", reason, extra={"request_id": request_id})
 
-    def _refuse(self, request_id: str, live: Live, message: str,
+    def _refuse(self, request_id: str, live: StreamState, message: str,
                 code: ErrorCode = ErrorCode.INTERNAL) -> None:
         self.outbox.put(live.address, error_event(request_id, live, message, code))
         self.side.request_done("error")

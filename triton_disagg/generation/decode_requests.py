@@ -1,8 +1,8 @@
 """The decode loop's per-request state, and the token events it becomes.
 
-Invariants: ``Live.tokens`` / ``Live.log_probs`` (and ``Live.top``, when the request asked
+Invariants: ``StreamState.tokens`` / ``StreamState.log_probs`` (and ``StreamState.top``, when the request asked
 for alternatives) hold exactly the tokens made since the request's last event (plain ints
-and floats, ready for msgpack); ``Live.seq`` is the
+and floats, ready for msgpack); ``StreamState.seq`` is the
 number of events made for the request so far, so its events carry 0, 1, 2, ... and
 every one carries the request's key.
 """
@@ -17,7 +17,9 @@ from triton_disagg.token_wire import StreamEvent
 
 
 @dataclass
-class Live:
+class StreamState:
+    """One request's token stream to the orchestrator: where it goes and what is pending."""
+
     address: str                    # the orchestrator's token address (without the key)
     key: str                        # the request's key (token_wire)
     streaming: bool
@@ -35,7 +37,7 @@ class Live:
         return self.seq - 1
 
 
-def token_event(request_id: str, live: Live, reason: str | None) -> StreamEvent:
+def token_event(request_id: str, live: StreamState, reason: str | None) -> StreamEvent:
     """The tokens ``live`` holds (log probs only when asked for, alternatives when made),
     final with ``reason``."""
     seq = live.numbered()
@@ -45,7 +47,7 @@ def token_event(request_id: str, live: Live, reason: str | None) -> StreamEvent:
                        seq=seq, key=live.key, top=live.top or None)
 
 
-def error_event(request_id: str, live: Live, message: str,
+def error_event(request_id: str, live: StreamState, message: str,
                 code: ErrorCode = ErrorCode.INTERNAL) -> StreamEvent:
     """The final event of a request that failed with ``code``, saying why in ``message``."""
     return StreamEvent(request_id, [], error=message, code=code, seq=live.numbered(),

@@ -10,11 +10,11 @@ the engine.
   layer by layer while the context prefills, then the first token with the last layer
   (:mod:`triton_disagg.kv.overlap`).
 
-Invariants: :meth:`GenerationSide.prepare` runs in ``execute`` (cheap checks, a
-clear per-request error); :meth:`GenerationSide.add` runs on the decode-loop thread,
+Invariants: :meth:`DecodeAdmission.prepare` runs in ``execute`` (cheap checks, a
+clear per-request error); :meth:`DecodeAdmission.add` runs on the decode-loop thread,
 the only thread that touches the engine, and only queues the request in the engine's
 scheduler, which takes all its blocks (prompt + max_tokens) before any KV moves, then
-starts the prompt's KV fetch (:class:`RemoteKV`) into the first ones and frees them all
+starts the prompt's KV fetch (:class:`FetchedKV`) into the first ones and frees them all
 if the fetch fails.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -34,9 +34,13 @@ from triton_disagg.triton.engine_request import EngineRequest
 from triton_disagg.kv.connector import ConnectorError, KVConnector, Transfer
 from triton_disagg.token_wire import WireError, split_key
 
+if TYPE_CHECKING:
+    from triton_disagg.engine.block_pool import PoolStats
+    from triton_disagg.engine.llm_engine import LLMEngine
+
 
 @dataclass(frozen=True)
-class RemoteKV:
+class FetchedKV:
     """A ``generation_only`` request's prompt KV, as the engine fetches it
     (:class:`triton_disagg.engine.sequence.RemoteKV`)."""
 
@@ -65,7 +69,10 @@ class PulledKV:
 
 
 @dataclass(frozen=True)
-class Work:
+class PreparedRequest:
+    """A generation request checked in ``execute``, ready for the engine: its phase, and the
+    KV it fetches (``handle``) or takes layer by layer (``pulled``)."""
+
     request_type: str
     request: EngineRequest
     handle: KVHandle | None = None       # decoded context_phase_params (generation_only)
@@ -97,17 +104,35 @@ def read_request_parameters(parameters: str | None) -> tuple[str, str]:
     return params.get(P.REQUEST_TYPE, P.CONTEXT_AND_GENERATION), address
 
 
-class GenerationSide:
-    """``connector``: where ``generation_only`` requests' KV comes from; None in aggregated
-    mode, which serves ``context_and_generation`` alone."""
+class GenerationObserver(Protocol):
+    """Hears a generation instance's transfers, requests and load
+    (:class:`~triton_disagg.triton.metrics.Metrics`)."""
 
-    def __init__(self, engine: Any, connector: KVConnector | None, metrics: Any = None):
+    def kv_transfer(self, strategy: str, nbytes: int, seconds: float,
+                    in_flight_seconds: float, hidden_seconds: float) -> None: ...
+
+    def request_done(self, outcome: str) -> None: ...
+
+    def kv_pool(self, stats: PoolStats) -> None: ...
+
+    def live_sequences(self, count: int) -> None: ...
+
+    def steps_blocked_by_transfer(self, total: int) -> None: ...
+
+
+class DecodeAdmission:
+    """Admits generation requests into ``engine`` (module docstring); ``connector``: where
+    ``generation_only`` requests' KV comes from; None in aggregated mode, which serves
+    ``context_and_generation`` alone."""
+
+    def __init__(self, engine: LLMEngine, connector: KVConnector | None,
+                 metrics: GenerationObserver | None = None):
         self.engine, self.connector, self.metrics = engine, connector, metrics
 
     def prepare(self, request_type: str, request: EngineRequest,
-                inputs: dict[str, np.ndarray]) -> Work:
+                inputs: dict[str, np.ndarray]) -> PreparedRequest:
         if request_type == P.CONTEXT_AND_GENERATION:
-            return Work(request_type, request)
+            return PreparedRequest(request_type, request)
         if request_type not in (P.GENERATION_ONLY, P.GENERATION_AWAITING_CONTEXT):
             raise RequestError(f"request_type {request_type!r}: the generation model serves "
                                f"{P.CONTEXT_AND_GENERATION!r}, {P.GENERATION_ONLY!r} and "
@@ -130,9 +155,9 @@ class GenerationSide:
             raise RequestError(f"generation_only: input_ids must be the {handle.num_tokens} "
                                f"prompt tokens of context_phase_params plus the first generated "
                                f"token, got {len(request.prompt_ids)} ids")
-        return Work(request_type, request, handle)
+        return PreparedRequest(request_type, request, handle)
 
-    def _awaiting_context(self, request: EngineRequest) -> Work:
+    def _awaiting_context(self, request: EngineRequest) -> PreparedRequest:
         """Listen for the KV of ``request``'s prompt (refused when the pool could never hold
         the request, before any listener is made)."""
         self.engine.blocks_needed(P.GENERATION_AWAITING_CONTEXT, len(request.prompt_ids),
@@ -143,11 +168,11 @@ class GenerationSide:
             raise RequestError(str(exc)) from None
         except ConnectorError as exc:
             raise Unavailable(str(exc)) from None
-        return Work(P.GENERATION_AWAITING_CONTEXT, request,
+        return PreparedRequest(P.GENERATION_AWAITING_CONTEXT, request,
                     pulled=PulledKV(self.connector, nonce, len(request.prompt_ids)),
                     listener=listener)
 
-    def add(self, request_id: str, work: Work) -> None:
+    def add(self, request_id: str, work: PreparedRequest) -> None:
         """Queue ``work`` in the engine (decode-loop thread); RequestError (naming the sizes
         and the fix) when the pool could never hold it, or when it is invalid."""
         prompt, params = work.request.prompt_ids, work.request.params
@@ -157,12 +182,13 @@ class GenerationSide:
             self.engine.add_request(request_id, prompt, params)
         else:
             self.engine.add_prefilled(request_id, prompt[:-1], prompt[-1], params,
-                                      RemoteKV(self.connector, work.handle))
+                                      FetchedKV(self.connector, work.handle))
 
-    def kv_arrived(self, stats: TransferStats, overlap: ComputeOverlap) -> None:
+    def kv_arrived(self, stats: TransferStats, overlap: ComputeOverlap | None) -> None:
         """A request's KV is in place (decode-loop thread); ``overlap``: the instance's
         compute while it was in flight, of which the part inside ``in_flight_seconds`` was
-        hidden."""
+        hidden (the scheduler sets it on every arrival: never None here)."""
+        assert overlap is not None, "the scheduler sets KVArrival.overlap on every arrival"
         if self.metrics is not None:
             self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds,
                                      stats.in_flight_seconds,

@@ -45,7 +45,9 @@ from triton_disagg.kv.secret import load_key
 
 if TYPE_CHECKING:
     from triton_disagg.config.settings import EngineSettings
+    from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.kv.device_staging import DeviceStaging
+    from triton_disagg.kv.overlap import Announcer
 
 FreeBlocks = Callable[[list[int]], None]
 _log = logging.getLogger(__name__)
@@ -322,7 +324,7 @@ class KVConnector(ABC):
         False, final now."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
 
-    def announcer(self, listener: bytes) -> Any:
+    def announcer(self, listener: bytes) -> "Announcer":
         """Context: the :class:`~triton_disagg.kv.overlap.Announcer` for generation's signed
         ``listener`` (HandleError if it is not one)."""
         raise UserError(f"kv_cache.overlap_transfer needs strategy direct_transfer; this "
@@ -372,13 +374,13 @@ def make_connector(name: str, pool: PoolBuffer, label: str, key: bytes, fingerpr
     return cls(pool, label, key, fingerprint, lease_seconds, free_blocks)
 
 
-def connector_for(settings: "EngineSettings", engine: Any, instance: str,
+def connector_for(settings: "EngineSettings", engine: "LLMEngine", instance: str,
                   free_blocks: Optional[FreeBlocks] = None) -> KVConnector:
     """The connector a context (``free_blocks`` given) or generation model instance named
     ``instance`` uses over ``engine``'s pool, as its settings say: a CPU pool's own array,
     or a device pool's bounded staging buffer (:func:`staging_for`)."""
     pool = PoolBuffer(engine.pool.array)
-    if engine.runtime.device != "cpu":
+    if engine.runtime.on_cuda:
         staging = staging_for(settings, engine, free_blocks)
         pool = PoolBuffer(staging.array, staging)
         free_blocks = staging.freeing() if free_blocks is not None else None
@@ -386,7 +388,7 @@ def connector_for(settings: "EngineSettings", engine: Any, instance: str,
                           engine.spec.fingerprint, settings.kv_lease_seconds, free_blocks)
 
 
-def staging_for(settings: "EngineSettings", engine: Any,
+def staging_for(settings: "EngineSettings", engine: "LLMEngine",
                 free_blocks: Optional[FreeBlocks]) -> "DeviceStaging":
     """The staging buffer of an engine whose runner computes its KV in device memory:
     ``kv_cache.max_size`` bytes of host blocks in the pool's layout and dtype (at least one

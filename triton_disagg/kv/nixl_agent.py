@@ -30,6 +30,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
+# Any here: NIXL's agent and registration objects, which have no types.
 
 import numpy as np
 

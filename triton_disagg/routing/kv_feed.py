@@ -11,13 +11,20 @@ may run on any thread (the membership's poller calls them).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable, Protocol
 
 import zmq
 
 from triton_disagg.routing.kv_events import KvEventSubscriber
 from triton_disagg.routing.kv_index import KvIndex
 from triton_disagg.routing.router import Hasher, Member
+
+
+class KvEventsObserver(Protocol):
+    """Hears each publisher's running batch counts
+    (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def kv_event_batches(self, publisher: str, received: int, missed: int) -> None: ...
 
 
 class KvFeed:
@@ -33,7 +40,8 @@ class KvFeed:
         self._subscriber.set_addresses(set(followed))
         self._followed = followed
 
-    def report(self, observer: Any) -> None:
+    def report(self, observer: KvEventsObserver) -> None:
+        """Tell ``observer`` each followed publisher's received and missed batches."""
         for address in sorted(self._followed):
             observer.kv_event_batches(address, *self.index.counts(address))
 

@@ -26,15 +26,16 @@ members, and its batch counts reported, at every report (every membership poll, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
+from triton_disagg.config.roles import ENGINE_ROLES, Role
 from triton_disagg.config.settings import OrchestratorSettings
 from triton_disagg.routing.discovery import MemberRecord, Membership
 from triton_disagg.routing.discovery.periodic import Periodic
-from triton_disagg.routing.discovery.record import ROLES
 from triton_disagg.routing.kv_events import publisher_ports
-from triton_disagg.routing.kv_feed import KvFeed, engine_hasher
-from triton_disagg.routing.router import KV_AWARE, Hasher, KvAwareness, Member, Router
+from triton_disagg.routing.kv_feed import KvEventsObserver, KvFeed, engine_hasher
+from triton_disagg.routing.router import (KV_AWARE, Hasher, KvAwareness, Member, RouteObserver,
+                                          Router)
 
 REPORT_SECONDS = 1.0         # how often a static pool's KV event counts are reported
 
@@ -78,15 +79,24 @@ def _member(record: MemberRecord) -> Member:
                   record.kv_events)
 
 
+class PoolObserver(RouteObserver, KvEventsObserver, Protocol):
+    """What the pools report (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def members(self, role: str, count: int) -> None: ...
+
+    def etcd_reachable(self, reachable: bool) -> None: ...
+
+
 class Pools:
-    def __init__(self, routers: dict[str, Router], membership: Membership | None, observer: Any,
+    def __init__(self, routers: dict[str, Router], membership: Membership | None,
+                 observer: PoolObserver,
                  feeds: dict[str, KvFeed] | None = None):
         self.routers, self.membership, self.observer = routers, membership, observer
         self.feeds = feeds or {}                 # role -> its kv_aware router's feed
         self.reporter: Periodic | None = None    # static pools with feeds: report()'s timer
         self._reported: dict[str, object] = {}
 
-    def report(self, *_: Any) -> None:
+    def report(self, *_: object) -> None:
         """Tell the observer what changed since the last report (the Membership's on_poll)."""
         now: dict[str, object] = {role: len(r.members()) for role, r in self.routers.items()}
         if self.membership is not None:
@@ -129,10 +139,10 @@ def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, d
         membership = Membership(settings.discovery, spec.fingerprint, block_nbytes=block_nbytes)
     return membership, {role: DiscoveredMembers(membership, role) if membership is not None
                         else StaticMembers(role, list(settings.pools[role].urls))
-                        for role in ROLES}
+                        for role in ENGINE_ROLES}
 
 
-def start_pools(settings: OrchestratorSettings, observer: Any,
+def start_pools(settings: OrchestratorSettings, observer: PoolObserver,
                 hasher: Hasher | None = None) -> Pools:
     """The routers of ``settings`` (polling etcd from now on when it has discovery);
     ``hasher``: a kv_aware router's block names (default: the engine's)."""
@@ -140,7 +150,7 @@ def start_pools(settings: OrchestratorSettings, observer: Any,
     routers, feeds = {}, {}
     for role, source in sources.items():
         pool, kv = settings.pools[role], None
-        if pool.router == KV_AWARE and role == "context":     # generation: load (router)
+        if pool.router == KV_AWARE and role == Role.CONTEXT:     # generation: load (router)
             import zmq
 
             from triton_disagg.engine.spec import EngineSpec

@@ -81,8 +81,9 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
+from triton_disagg.config.roles import Role
 from triton_disagg.routing.discovery.record import Load
 from triton_disagg.errors import NoServer
 from triton_disagg.routing.kv_index import KvIndex
@@ -132,11 +133,18 @@ class MemberSource(Protocol):
         """Where the members come from, for messages (e.g. "in generation_server.urls")."""
 
 
+class RouteObserver(Protocol):
+    """Hears each kv_aware decision (:class:`~triton_disagg.triton.metrics.Metrics`)."""
+
+    def route_decision(self, role: str, mode: str) -> None:
+        """``mode``: why the server was chosen (module docstring: overlap, load, ...)."""
+
+
 class Router:
-    """``kv`` and ``observer`` (``route_decision(role, mode)``) serve ``kv_aware``."""
+    """``kv`` and ``observer`` serve ``kv_aware``."""
 
     def __init__(self, role: str, policy: str, source: MemberSource,
-                 kv: KvAwareness | None = None, observer: Any = None):
+                 kv: KvAwareness | None = None, observer: RouteObserver | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.role, self.policy, self.source = role, policy, source
@@ -164,13 +172,13 @@ class Router:
         turn = members[start:] + members[:start]       # ties: the first in turn wins
         if self.policy == ROUND_ROBIN:
             chosen = turn[0]
-        elif self.policy == KV_AWARE and self.role == "context":
+        elif self.policy == KV_AWARE and self.role == Role.CONTEXT:
             chosen = self._kv_pick(turn, tokens, token_ids, salt)
         else:
             chosen = max(turn, key=self._score)
             if self.policy == KV_AWARE:
                 self._decided(LOAD)
-        cost = chosen.kv_tokens(tokens) if self.role == "generation" else tokens
+        cost = chosen.kv_tokens(tokens) if self.role == Role.GENERATION else tokens
         self.in_flight[chosen.url] = self.in_flight.get(chosen.url, 0) + cost
         return Assignment(self, chosen.url, cost)
 
@@ -251,7 +259,7 @@ class Router:
         """Higher is less loaded (module docstring): (free KV in tokens or minus the queued
         prompt tokens, minus the live sequences)."""
         own = self.in_flight.get(member.url, 0)
-        if self.role == "context":
+        if self.role == Role.CONTEXT:
             return -max(own, member.load.queued_prompt_tokens or 0), 0
         live = -(member.load.live_sequences or 0)
         if member.kv_blocks_total is None or member.tokens_per_block is None:
@@ -261,7 +269,8 @@ class Router:
             free = min(free, member.load.free_kv_blocks * member.tokens_per_block)
         return free, live
 
-    def _release(self, url: str, cost: int) -> None:
+    def release(self, url: str, cost: int) -> None:
+        """An :class:`Assignment`'s ``cost`` tokens leave ``url``'s in-flight count."""
         left = self.in_flight[url] - cost
         if left:
             self.in_flight[url] = left
@@ -285,4 +294,4 @@ class Assignment:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.router._release(self.url, self.cost)
+            self.router.release(self.url, self.cost)

@@ -18,6 +18,7 @@ speaks TLS (:func:`client_options`).
 from __future__ import annotations
 
 from typing import Any
+# Any here: grpc client keyword values (tritonclient's own are untyped).
 
 from triton_disagg.config.tls_section import GrpcTLS
 

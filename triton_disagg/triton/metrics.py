@@ -79,6 +79,7 @@ import logging
 import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
+# Any here: Triton's pb_utils module and its metric objects, which have no types.
 
 if TYPE_CHECKING:
     from triton_disagg.engine.block_pool import PoolStats

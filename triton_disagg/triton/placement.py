@@ -13,7 +13,10 @@ and BLAS uses at most one thread per core; with none, nothing changes.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from threadpoolctl import threadpool_limits
 
 
 def instance_index(model_instance_name: str) -> int:
@@ -37,7 +40,7 @@ def gpu_index(args: dict) -> int | None:
     return int(args["model_instance_device_id"])
 
 
-def pin(cores: Sequence[int]) -> Any:
+def pin(cores: Sequence[int]) -> threadpool_limits | None:
     """Apply the invariant above; returns the threadpoolctl limiter (keep it alive) or None."""
     if not cores:
         return None

@@ -28,12 +28,14 @@ import os
 import shutil
 from pathlib import Path
 from string import Template
+from typing import Any
 
 from triton_disagg import model_repo, protocol as P
 from triton_disagg.config import settings as S
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.server_section import ServerConfig
 from triton_disagg.config.host import front_cpus
+from triton_disagg.config.roles import ENGINE_ROLES, Role
 
 TEMPLATES = Path(model_repo.__file__).resolve().parent   # package data: wheels ship it
 FRONT = ("ensemble", "preprocessing", "orchestrator")
@@ -48,9 +50,11 @@ _IO = {
 
 
 def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
-    engines = ("generation",) if config.mode == "aggregated" else ("context", "generation")
-    return {"all": FRONT + engines, "scheduler": FRONT,
-            "context": ("context",), "generation": ("generation",)}[role]
+    """The models ``serve role`` runs: the front's, the engine models, or one of these."""
+    models: dict[str, tuple[str, ...]] = {
+        Role.ALL: FRONT + config.engine_roles, Role.SCHEDULER: FRONT,
+        Role.CONTEXT: (Role.CONTEXT,), Role.GENERATION: (Role.GENERATION,)}
+    return models[role]
 
 
 def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None = None,
@@ -87,14 +91,14 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
     if model == "orchestrator":
         return S.OrchestratorSettings(
             engine, mode, stall_seconds=config.generation.stall_seconds, token_host=token_host,
-            transport="bls" if role == "all" else "grpc", decoupled=config.decoupled_mode,
+            transport="bls" if role == Role.ALL else "grpc", decoupled=config.decoupled_mode,
             max_local_prefill_length=config.generation.max_local_prefill_length,
             overlap_kv_transfer=config.kv_cache.overlap_transfer,
             max_concurrent_requests=config.scheduler.max_concurrent_requests,
-            pools={r: _pool(config.server(r)) for r in ("context", "generation")},
+            pools={r: _pool(config.server(r)) for r in ENGINE_ROLES},
             discovery=config.discovery, grpc_tls=config.grpc_tls)
     server = config.server(model)
-    common = dict(
+    common: dict[str, Any] = dict(   # the fields both roles' settings share (of mixed types)
         engine=engine, mode=mode, instance_cpus=instance_cpus(model, role, config),
         tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
         kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
@@ -105,7 +109,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         runtime=config.runtime, device=config.device, dtype=config.dtype,
         kv_events_host=kv_events_host, kv_events_bind=token_bind if kv_events_host else None,
         kv_events_port=kv_events_port if kv_events_host else None)
-    if mode != "aggregated":   # the key signing KV handles; never the secret itself
+    if not config.aggregated:   # the key signing KV handles; never the secret itself
         from triton_disagg.kv.secret import render_key_id
 
         common.update(kv_key_id=render_key_id())
@@ -115,7 +119,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
                                 token_host=token_host, token_bind=token_bind)
 
 
-def _pool(server) -> S.PoolSettings:
+def _pool(server: ServerConfig) -> S.PoolSettings:
     return S.PoolSettings(server.urls, server.router, server.kv_dtype, server.tokens_per_block,
                           server.kv_events_port, server.instances)
 

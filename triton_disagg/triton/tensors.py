@@ -12,6 +12,7 @@ the protocol dtype; a request whose batch is not 1 is refused, never sliced.
 from __future__ import annotations
 
 from typing import Any, Iterable
+# Any here: Triton's pb_utils module and its objects, which have no types.
 
 import numpy as np
 

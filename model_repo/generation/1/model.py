@@ -21,7 +21,7 @@ from triton_disagg.triton.stub_start import watched_initialize
 from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.generation.decode_loop import DecodeLoop
-from triton_disagg.generation.side import GenerationSide, read_request_parameters
+from triton_disagg.generation.side import DecodeAdmission, read_request_parameters
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
@@ -51,8 +51,8 @@ class TritonPythonModel:
         readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
         with self.metrics.closed_on_error():
             connector = (connector_for(settings, engine, instance)
-                         if settings.mode != "aggregated" else None)
-            self.side = GenerationSide(engine, connector, self.metrics)
+                         if not settings.aggregated else None)
+            self.side = DecodeAdmission(engine, connector, self.metrics)
             context = zmq.Context.instance()
             stops = StopInbox(context, settings.token_host, settings.token_bind)
             self.control_address = stops.address

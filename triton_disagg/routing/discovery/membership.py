@@ -36,10 +36,11 @@ import logging
 from typing import Callable
 
 from triton_disagg.config.discovery_section import DiscoveryConfig
+from triton_disagg.config.roles import ENGINE_ROLES
 
 from .etcd import connect, member_key, members_prefix
 from .periodic import Periodic
-from .record import ROLES, MemberRecord
+from .record import MemberRecord
 
 _log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25
@@ -56,7 +57,7 @@ class Membership:
         self.refused = 0                # records left out because they did not parse
         self.on_poll: Callable[[Membership], None] | None = None
         self._client = connect(discovery, timeout=REQUEST_TIMEOUT)
-        self._members: dict[str, tuple[MemberRecord, ...]] = {role: () for role in ROLES}
+        self._members: dict[str, tuple[MemberRecord, ...]] = {role: () for role in ENGINE_ROLES}
         self.etcd_reachable = False     # whether the last poll got an answer (metrics gauge)
         self._polled_once = False
         self._logged: set[tuple[str, str]] = set()   # (key, problem) already logged
@@ -89,7 +90,7 @@ class Membership:
                              "(%s)", self.discovery.etcd, type(exc).__name__, self._sizes())
             self.etcd_reachable, self._polled_once = False, True
             return
-        found: dict[str, list[MemberRecord]] = {role: [] for role in ROLES}
+        found: dict[str, list[MemberRecord]] = {role: [] for role in ENGINE_ROLES}
         for value, meta in kvs:
             record = self._accept(meta["key"].decode(errors="replace"), value)
             if record is not None:
@@ -141,4 +142,4 @@ class Membership:
             _log.log(level, message, *args)
 
     def _sizes(self) -> str:
-        return ", ".join(f"{len(self._members[role])} {role}" for role in ROLES)
+        return ", ".join(f"{len(self._members[role])} {role}" for role in ENGINE_ROLES)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from triton_disagg.config.roles import ENGINE_ROLES, Role
 from triton_disagg.routing.kv_events import MAX_ADDRESS_CHARS, MAX_PUBLISHERS, valid_address
 
-ROLES = ("context", "generation")
 VERSION = 1
 MAX_RECORD_BYTES = 16384        # a record is about 500 bytes; longer values are not read
 MAX_COUNT = 2**40               # any count a record may carry (blocks, sequences, tokens)
@@ -44,7 +44,7 @@ class Load:
 
 @dataclass(frozen=True)
 class MemberRecord:
-    role: str                   # one of ROLES
+    role: Role                  # one of ENGINE_ROLES
     grpc_url: str               # "host:port" the scheduler dials
     fingerprint: str            # the engine's fingerprint (engine.json)
     kv_blocks_total: int        # capacity: KV blocks over the server's model instances
@@ -84,15 +84,16 @@ class MemberRecord:
         if not isinstance(d, dict) or d.get("version") != VERSION:
             raise ValueError(f"not a version {VERSION} member record")
         capacity, load = _dict(d, "capacity"), _dict(d, "load")
-        record = cls(role=_str(d, "role"), grpc_url=_str(d, "grpc_url"),
+        role = _str(d, "role")
+        if role not in ENGINE_ROLES:
+            raise ValueError(f"role {role!r} is not one of {', '.join(ENGINE_ROLES)}")
+        record = cls(role=Role(role), grpc_url=_str(d, "grpc_url"),
                      fingerprint=_str(d, "fingerprint"),
                      kv_blocks_total=_int(capacity, "kv_blocks_total"),
                      tokens_per_block=_int(capacity, "tokens_per_block"),
                      token_address=_str(d, "token_address"), nixl_address=_str(d, "nixl_address"),
                      load=Load(**{k: _int(load, k, optional=True) for k in Load.__dataclass_fields__}),
                      kv_events=_addresses(d, "kv_events"))
-        if record.role not in ROLES:
-            raise ValueError(f"role {record.role!r} is not one of {', '.join(ROLES)}")
         tpb = record.tokens_per_block
         if not 0 < tpb <= MAX_TOKENS_PER_BLOCK or tpb & (tpb - 1):
             raise ValueError(f"tokens_per_block {tpb} is not a power of two up to "
