@@ -65,7 +65,10 @@ class CopyConnector:
         self.release.set()
         self.failing: set[str] = set()          # request ids whose fetch raises
 
-    def start_fetch(self, handle: CopyHandle, reserved):
+    def can_skip(self, handle: CopyHandle) -> bool:
+        return False                            # copies every block
+
+    def start_fetch(self, handle: CopyHandle, reserved, cached_blocks=0):
         self.started.append(handle.request_id)
         self.release.wait(WAIT_SECONDS)
         if handle.request_id in self.failing:
@@ -266,7 +269,7 @@ class ThreadedCopyConnector(CopyConnector):
         self.open_ids: set[str] = set()
         self.fetching: set[str] = set()         # requests whose fetch the loop started
 
-    def start_fetch(self, handle: CopyHandle, reserved):
+    def start_fetch(self, handle: CopyHandle, reserved, cached_blocks=0):
         with self.opened:
             self.fetching.add(handle.request_id)
             self.opened.notify_all()

@@ -4,6 +4,7 @@ through the host array around the handoff."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -201,3 +202,41 @@ def test_a_device_kv_export_that_fails_gives_its_blocks_back():
     with pytest.raises(ValueError, match="staged already"):
         out.reserve([3])                       # a fetch never shares a row
     assert out.release([0]) == [3] and out.num_free == 2
+
+
+@pytest.mark.parametrize("name", ["direct_transfer", "host_memory"])
+@pytest.mark.parametrize("cached", [1, 2])
+def test_a_fetch_leaves_out_the_blocks_generation_holds_and_ends_the_whole_handoff(name, cached):
+    """Generation's prefix cache holds the KV of the handle's first ``cached`` blocks: only
+    the rest is copied, into the blocks after them (those are not written), and the handoff
+    ends as a whole: every block the context leased (direct_transfer) or staged (host_memory)
+    is free again. The last block is always fetched (its READ ends the lease)."""
+    if name == "direct_transfer":
+        pytest.importorskip("nixl")
+    src, blocks = make_pool(3, 4, 4, "float32"), CountingPool()
+    context = make_connector(name, PoolBuffer(src), "conntest_0_0", KEY, FP, 30.0, blocks.free)
+    generation = _make(name)
+    try:
+        blocks.take([2, 0, 3])
+        handle = generation.decode(context.export([2, 0, 3], 12))
+        transfer = generation.start_fetch(handle, [1, 3, 2, 0], cached_blocks=cached)
+        stats = _finished(transfer)
+        assert stats.nbytes == (3 - cached) * handle.geometry.block_nbytes
+        dst = generation.pool.array
+        assert not dst[[1, 3][:cached]].any()                         # cached: not written
+        assert dst[[1, 3, 2][cached:]].tobytes() == src[[2, 0, 3][cached:]].tobytes()
+        end = time.monotonic() + 10
+        while blocks.state()["used"] or (name == "host_memory"
+                                         and context.staging.slots_in_use()):
+            assert time.monotonic() < end, f"the handoff never ended: {blocks.state()}"
+            time.sleep(0.005)
+        assert not blocks.errors and context.expired_total() == 0
+        with pytest.raises(ValueError, match="cannot skip"):           # the last block
+            generation.start_fetch(handle, [1, 3, 2], cached_blocks=3)
+        with pytest.raises(ValueError, match="cannot skip"):           # blocks that differ
+            generation.start_fetch(dataclasses.replace(
+                handle, geometry=dataclasses.replace(handle.geometry, tokens_per_block=2),
+                num_tokens=6), [1, 3, 2], cached_blocks=1)
+    finally:
+        generation.close()
+        context.close()

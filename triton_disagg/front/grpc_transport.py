@@ -250,8 +250,12 @@ class GrpcRoute:
         except BaseException:
             assignment.release()
             raise
-        self.generation = assignment
-        return accepted(outputs)
+        answer = accepted(outputs)
+        if answer.declined:           # it holds nothing of the request: nothing in flight
+            assignment.release()
+        else:
+            self.generation = assignment
+        return answer
 
     async def lost(self) -> GenerationLost | None:
         if self.generation is None:
