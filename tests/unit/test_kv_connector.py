@@ -75,8 +75,9 @@ class FakeDeviceKV:
 def test_kv_in_device_memory_is_staged_through_a_bounded_buffer(name):
     """Context: the exported blocks are copied device -> staging rows before the transport
     reads them, and the handoff's end frees rows and device blocks; generation: fetched
-    rows are copied to the device before poll reports the fetch done, then freed. The
-    device bytes arrive where the host ones would; the buffer has 3 rows for 8 blocks."""
+    rows are copied to the device before poll reports the fetch done, then freed (only the
+    rows of the blocks it fetches, when generation's cache holds the first). The device
+    bytes arrive where the host ones would; the buffer has 3 rows for 8 blocks."""
     if name == "direct_transfer":
         pytest.importorskip("nixl")
     geometry = BlockGeometry(L, KVH, HD, 4, "float32")
@@ -104,6 +105,15 @@ def test_kv_in_device_memory_is_staged_through_a_bounded_buffer(name):
         while blocks.state()["used"] and time.monotonic() < end:
             time.sleep(0.01)
         assert blocks.state()["used"] == 0 and not blocks.errors and out.num_free == 3
+        blocks.take([6, 0])                  # again, generation's cache holding block 4's KV
+        data = context.export([6, 0], 7)
+        _finished(generation.start_fetch(generation.decode(data), [4, 7], cached_blocks=1))
+        assert dst.calls[-1][:2] == ("to_device", [7]) and not dst.memory[4].any()
+        assert dst.memory[7].tobytes() == src.memory[0].tobytes() and into.num_free == 3
+        end = time.monotonic() + 10
+        while blocks.state()["used"] and time.monotonic() < end:
+            time.sleep(0.01)
+        assert blocks.state()["used"] == 0 and out.num_free == 3
         blocks.take([1, 2, 3, 4])                      # 4 blocks: more than the 3 rows
         with pytest.raises(HandoffBusy, match="staging buffer has 3 of 3 blocks free"):
             context.export([1, 2, 3, 4], 13)
