@@ -6,12 +6,11 @@ cached prefix, shared, counts among them: :meth:`Sequence.reserve`) as soon as t
 free (cached blocks no one holds count as free), before any KV moves; those behind it wait, so nobody starves and no
 queued sequence holds blocks the head needs. A sequence whose prompt KV comes from
 another instance (``remote_kv``, the generation side) then starts its fetch into those
-blocks (not into the leading ones its prompt's cached prefix gave it) and waits in the
-``waiting_for_remote_kv`` state (vLLM v1's WAITING_FOR_REMOTE_KVS) until the fetch
-polls done; a failed fetch ends that sequence alone, frees its blocks and is reported by
-:meth:`Scheduler.take_kv_arrivals`. A sequence holding its blocks and its KV joins
-``running`` in queue order while the batch has room (``max_batch_size``), passing over
-those still fetching. A running sequence never
+blocks and waits in the ``waiting_for_remote_kv`` state (vLLM v1's WAITING_FOR_REMOTE_KVS)
+until the fetch polls done; a failed fetch ends that sequence alone, frees its blocks
+and is reported by :meth:`Scheduler.take_kv_arrivals`. A sequence holding its blocks
+and its KV joins ``running`` in queue order while the batch has room
+(``max_batch_size``), passing over those still fetching. A running sequence never
 waits for memory and is never preempted.
 
 The context role uses the same queue for prompts alone (:meth:`Scheduler.admit_prompts`):
