@@ -1,7 +1,7 @@
 """Generation's own prefix cache in disaggregated `serve all` (issue 29, item 3), under both KV
-strategies: a conversation's next turn fetches from the context only the KV blocks that the
-generation instance does not hold already, and a turn of which at most
-``max_local_prefill_length`` tokens are not cached there skips the context altogether. The
+strategies and with the overlapped transfer: a conversation's next turn fetches from the
+context only the KV blocks that the generation instance does not hold already, and a turn of
+which at most ``max_local_prefill_length`` tokens are not cached there skips the context. The
 greedy text is the uncached run's, no block is held at rest on either role, and no lease is
 left to expire (the context's handoff ends as a whole even when only part of it is read).
 
@@ -27,15 +27,16 @@ BLOCK = 16                 # the demo engine's tokens per block
 BLOCK_BYTES = 4 * 2 * BLOCK * 4 * 32 * 4    # [L, 2, bs, kvh, hd] float32
 
 
-@pytest.fixture(scope="module", params=["direct_transfer", "host_memory"])
+@pytest.fixture(scope="module", params=["direct_transfer", "host_memory", "overlap"])
 def server(request, demo_engine, tmp_path_factory):
     assert demo_engine.name == MODEL
     work = tmp_path_factory.mktemp(f"serve-reuse-{request.param}")
     config = work / "disagg_config.yaml"
+    strategy = "host_memory" if request.param == "host_memory" else "direct_transfer"
     config.write_text(
         f"model: {{engine: {demo_engine}}}\n"
-        f"kv_cache: {{max_size: 16MB, strategy: {request.param}, "
-        f"lease_seconds: {LEASE_SECONDS}}}\n"
+        f"kv_cache: {{max_size: 16MB, strategy: {strategy}, lease_seconds: {LEASE_SECONDS}, "
+        f"overlap_transfer: {str(request.param == 'overlap').lower()}}}\n"
         f"generation_server: {{max_local_prefill_length: {LOCAL_PREFILL}}}\n")
     with servers.serve("all", ["-c", str(config)], work / "run") as served:
         yield served

@@ -67,10 +67,10 @@ class PulledKV:
     connector: KVConnector
     nonce: str
     num_tokens: int
-    skips_cached = False     # the context's layers land in every block (kv.overlap)
+    skips_cached = True      # an overlapped transfer needs one KV layout on both roles
 
     def start(self, block_ids: list[int], cached_blocks: int = 0) -> Transfer:
-        return self.connector.start_pull(self.nonce, block_ids)
+        return self.connector.start_pull(self.nonce, block_ids, cached_blocks)
 
 
 @dataclass(frozen=True)

@@ -321,8 +321,11 @@ class KVConnector(ABC):
         raise UserError(f"kv_cache.overlap_transfer needs strategy direct_transfer; "
                         f"{self.strategy} cannot read KV while the context prefills it")
 
-    def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
-        """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands."""
+    def start_pull(self, nonce: str, block_ids: Sequence[int],
+                   cached_blocks: int = 0) -> Transfer:
+        """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands,
+        all but the first ``cached_blocks`` (they hold it already, as in :meth:`start_fetch`;
+        never the last block)."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
 
     def staged_pull(self, block_ids: Sequence[int],
