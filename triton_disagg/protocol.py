@@ -57,8 +57,12 @@ CONTEXT_AND_GENERATION = "context_and_generation"
 # --overlap_kv_transfer: generation takes the request (the prompt alone) before the context
 # prefills it, answers with a kv_listener for the context, and reads the KV as it lands.
 GENERATION_AWAITING_CONTEXT = "generation_awaiting_context"
+# generation_server.max_local_prefill_length: generation prefills and decodes the prompt
+# itself when at most that many of its tokens are not in its prefix cache, else it declines
+# (its answer's control address is empty) and the orchestrator goes to the context.
+CONTEXT_AND_GENERATION_IF_CACHED = "context_and_generation_if_cached"
 REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION,
-                 GENERATION_AWAITING_CONTEXT)
+                 GENERATION_AWAITING_CONTEXT, CONTEXT_AND_GENERATION_IF_CACHED)
 # Context only: give back the KV of a ``context_phase_params`` handle that will not be
 # fetched (the client left before generation took it); any context instance takes it.
 RELEASE_KV = "release_kv"
@@ -194,7 +198,8 @@ TOP_LOGPROBS = (
 CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),
                                     TensorSpec(NUM_CACHED_TOKENS, "INT32", (1,))
                                     ) + PROMPT_LOGPROBS + TOP_LOGPROBS
-# Generation's one response per request: where the stops for that request go, and (only for
+# Generation's one response per request: where the stops for that request go (empty: a
+# CONTEXT_AND_GENERATION_IF_CACHED request declined), and (only for
 # GENERATION_AWAITING_CONTEXT, else empty) the kv_listener for the context.
 CONTROL_ADDRESS = "control_address"
 GENERATION_OUTPUTS = (TensorSpec(CONTROL_ADDRESS, "BYTES", (1,)),

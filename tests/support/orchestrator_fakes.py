@@ -34,8 +34,10 @@ class FakeGeneration:
 
     def __init__(self, first: int, rest: list[int], silent: bool = False, queued: float = 0.0,
                  refuse: bool = False, dying: int = 0, dies_after: int = 0,
-                 spoof: bool = False, skip_seq: int | None = None, mute_context: bool = False):
+                 spoof: bool = False, skip_seq: int | None = None, mute_context: bool = False,
+                 holds_prompt: bool = False):
         self.first, self.rest, self.silent = first, rest, silent
+        self.holds_prompt = holds_prompt    # context_and_generation_if_cached: served, else declined
         self.spoof = spoof          # a stranger who knows the request id pushes events too
         self.skip_seq = skip_seq    # the event numbered this one is lost on the way
         self.mute_context = mute_context          # context calls never answer
@@ -80,6 +82,8 @@ class FakeGeneration:
         self.output_lens.append(int(inputs["request_output_len"][0]))
         if self.refuse:
             raise EngineError("generation refused it")
+        if request_type == P.CONTEXT_AND_GENERATION_IF_CACHED and not self.holds_prompt:
+            return GenerationAnswer("")                   # declined: the orchestrator goes on
         server = len(self.calls) - 1
         output = ([self.first] + self.rest)[max(1, len(inputs["input_ids"]) - 2):]
         if server < self.dying:

@@ -20,7 +20,9 @@ class CopiedKV(Transfer):
         self.context, self.generation, self.result = context, generation, result
         self.num_tokens = result.num_tokens
 
-    def start(self, block_ids):
+    skips_cached = False           # copies every block
+
+    def start(self, block_ids, cached_blocks=0):
         from triton_disagg.kv.layout import write_blocks
 
         dst = block_ids[:self.generation.pool.geometry.blocks_for(self.num_tokens)]

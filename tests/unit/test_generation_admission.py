@@ -65,7 +65,10 @@ class CopyConnector:
         self.release.set()
         self.failing: set[str] = set()          # request ids whose fetch raises
 
-    def start_fetch(self, handle: CopyHandle, reserved):
+    def can_skip(self, handle: CopyHandle) -> bool:
+        return False                            # copies every block
+
+    def start_fetch(self, handle: CopyHandle, reserved, cached_blocks=0):
         self.started.append(handle.request_id)
         self.release.wait(WAIT_SECONDS)
         if handle.request_id in self.failing:
@@ -267,7 +270,7 @@ class ThreadedCopyConnector(CopyConnector):
         self.open_ids: set[str] = set()
         self.fetching: set[str] = set()         # requests whose fetch the loop started
 
-    def start_fetch(self, handle: CopyHandle, reserved):
+    def start_fetch(self, handle: CopyHandle, reserved, cached_blocks=0):
         with self.opened:
             self.fetching.add(handle.request_id)
             self.opened.notify_all()
@@ -334,3 +337,57 @@ def test_the_decode_loop_finishes_a_request_while_another_fetch_blocks(sides):
     (ok_in_flight, ok_hidden), (slow_in_flight, slow_hidden) = metrics.fetches
     assert ok_hidden == 0.0                           # nothing else ran while it moved
     assert 0 < slow_hidden <= slow_in_flight          # ok decoded while slow's KV waited
+
+
+class SkippingCopyConnector(CopyConnector):
+    """A copy that leaves out the blocks generation's prefix cache holds, as the real
+    connectors do (``start_fetch``'s ``cached_blocks``); each start's count is recorded."""
+
+    def __init__(self, context: LLMEngine, generation: LLMEngine):
+        super().__init__(context, generation)
+        self.skipped: list[int] = []
+
+    def can_skip(self, handle: CopyHandle) -> bool:
+        return True
+
+    def start_fetch(self, handle: CopyHandle, reserved, cached_blocks=0):
+        self.skipped.append(cached_blocks)
+        blocks = list(reserved[cached_blocks:len(handle.block_ids)])
+        self.generation.pool.write_blocks(
+            blocks, self.context.pool.read_blocks(handle.block_ids[cached_blocks:]))
+        self.context.pool.free(handle.block_ids)        # the handoff ends as a whole
+        return Copied(TransferStats(0, 0.0))
+
+
+def test_a_next_turn_takes_generations_cached_blocks_and_may_skip_the_context(sides):
+    """Generation's prefix cache (issue 29 item 3): after turn 1 (8 prompt tokens, 5 output:
+    3 blocks of 4 tokens of KV cached when it ends), turn 2 (turn 1's prompt and output plus
+    3 tokens) takes those 3 blocks and fetches only the rest, with the uncached run's
+    tokens; context_and_generation_if_cached is served here when at most ``local_prefill``
+    of a prompt's tokens are not cached (turn 2's 4), else declined (None)."""
+    context, side = sides
+    side.connector = SkippingCopyConnector(context, side.engine)
+    params, finals = SamplingParams(max_tokens=5), Finals()      # end_id None: 5 tokens
+    loop = DecodeLoop(side.engine, finals, side)
+    first = list(range(5, 13))
+    try:
+        token, work = handed_off(context, "one", first, params)
+        loop.submit("one", work, "ipc:///orchestrator#k")
+        assert finals.wait(1)
+        second = first + [token] + finals.tokens("one") + [40, 41, 42]     # 16 tokens
+        token, work = handed_off(context, "two", second, params)
+        loop.submit("two", work, "ipc:///orchestrator#k")
+        assert finals.wait(2)
+    finally:
+        loop.close()
+    assert side.connector.skipped == [0, 3]
+    (whole,) = context.generate([second], params)
+    assert [token] + finals.tokens("two") == whole.output_ids
+    assert side.engine.pool.cache.hit_tokens == 12
+    assert side.engine.pool.num_used == 0 and context.pool.num_used == 0
+    request = EngineRequest(second, params, streaming=False)
+    offer = P.CONTEXT_AND_GENERATION_IF_CACHED
+    for local_prefill, served in ((3, False), (4, True)):
+        side.local_prefill = local_prefill
+        work = side.prepare(offer, request, {})
+        assert (work == PreparedRequest(P.CONTEXT_AND_GENERATION, request)) if served else work is None

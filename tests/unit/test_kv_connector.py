@@ -4,6 +4,7 @@ through the host array around the handoff."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -74,8 +75,9 @@ class FakeDeviceKV:
 def test_kv_in_device_memory_is_staged_through_a_bounded_buffer(name):
     """Context: the exported blocks are copied device -> staging rows before the transport
     reads them, and the handoff's end frees rows and device blocks; generation: fetched
-    rows are copied to the device before poll reports the fetch done, then freed. The
-    device bytes arrive where the host ones would; the buffer has 3 rows for 8 blocks."""
+    rows are copied to the device before poll reports the fetch done, then freed (only the
+    rows of the blocks it fetches, when generation's cache holds the first). The device
+    bytes arrive where the host ones would; the buffer has 3 rows for 8 blocks."""
     if name == "direct_transfer":
         pytest.importorskip("nixl")
     geometry = BlockGeometry(L, KVH, HD, 4, "float32")
@@ -103,6 +105,15 @@ def test_kv_in_device_memory_is_staged_through_a_bounded_buffer(name):
         while blocks.state()["used"] and time.monotonic() < end:
             time.sleep(0.01)
         assert blocks.state()["used"] == 0 and not blocks.errors and out.num_free == 3
+        blocks.take([6, 0])                  # again, generation's cache holding block 4's KV
+        data = context.export([6, 0], 7)
+        _finished(generation.start_fetch(generation.decode(data), [4, 7], cached_blocks=1))
+        assert dst.calls[-1][:2] == ("to_device", [7]) and not dst.memory[4].any()
+        assert dst.memory[7].tobytes() == src.memory[0].tobytes() and into.num_free == 3
+        end = time.monotonic() + 10
+        while blocks.state()["used"] and time.monotonic() < end:
+            time.sleep(0.01)
+        assert blocks.state()["used"] == 0 and out.num_free == 3
         blocks.take([1, 2, 3, 4])                      # 4 blocks: more than the 3 rows
         with pytest.raises(HandoffBusy, match="staging buffer has 3 of 3 blocks free"):
             context.export([1, 2, 3, 4], 13)
@@ -201,3 +212,41 @@ def test_a_device_kv_export_that_fails_gives_its_blocks_back():
     with pytest.raises(ValueError, match="staged already"):
         out.reserve([3])                       # a fetch never shares a row
     assert out.release([0]) == [3] and out.num_free == 2
+
+
+@pytest.mark.parametrize("name", ["direct_transfer", "host_memory"])
+@pytest.mark.parametrize("cached", [1, 2])
+def test_a_fetch_leaves_out_the_blocks_generation_holds_and_ends_the_whole_handoff(name, cached):
+    """Generation's prefix cache holds the KV of the handle's first ``cached`` blocks: only
+    the rest is copied, into the blocks after them (those are not written), and the handoff
+    ends as a whole: every block the context leased (direct_transfer) or staged (host_memory)
+    is free again. The last block is always fetched (its READ ends the lease)."""
+    if name == "direct_transfer":
+        pytest.importorskip("nixl")
+    src, blocks = make_pool(3, 4, 4, "float32"), CountingPool()
+    context = make_connector(name, PoolBuffer(src), "conntest_0_0", KEY, FP, 30.0, blocks.free)
+    generation = _make(name)
+    try:
+        blocks.take([2, 0, 3])
+        handle = generation.decode(context.export([2, 0, 3], 12))
+        transfer = generation.start_fetch(handle, [1, 3, 2, 0], cached_blocks=cached)
+        stats = _finished(transfer)
+        assert stats.nbytes == (3 - cached) * handle.geometry.block_nbytes
+        dst = generation.pool.array
+        assert not dst[[1, 3][:cached]].any()                         # cached: not written
+        assert dst[[1, 3, 2][cached:]].tobytes() == src[[2, 0, 3][cached:]].tobytes()
+        end = time.monotonic() + 10
+        while blocks.state()["used"] or (name == "host_memory"
+                                         and context.staging.slots_in_use()):
+            assert time.monotonic() < end, f"the handoff never ended: {blocks.state()}"
+            time.sleep(0.005)
+        assert not blocks.errors and context.expired_total() == 0
+        with pytest.raises(ValueError, match="cannot skip"):           # the last block
+            generation.start_fetch(handle, [1, 3, 2], cached_blocks=3)
+        with pytest.raises(ValueError, match="cannot skip"):           # blocks that differ
+            generation.start_fetch(dataclasses.replace(
+                handle, geometry=dataclasses.replace(handle.geometry, tokens_per_block=2),
+                num_tokens=6), [1, 3, 2], cached_blocks=1)
+    finally:
+        generation.close()
+        context.close()

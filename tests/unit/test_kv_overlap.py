@@ -304,3 +304,37 @@ def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypat
     finally:
         connector.close()
         context.close()
+
+
+def test_a_next_turn_reads_only_the_blocks_generations_cache_lacks(sides, demo_engine,
+                                                                   monkeypatch):
+    """Generation's prefix cache with an overlapped transfer: turn 2 (turn 1's prompt and
+    output plus 4 tokens) takes the blocks turn 1 left cached on generation and READs only
+    the blocks after them, layer by layer as they land; its text is the uncached run's, and
+    the context's lease ends (its pool back to 0) though its first blocks were never read."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=12)
+    read_layers, reads = connector.endpoint.read_layers, []
+
+    def recorded(peer, handle, dst, layers, deadline):
+        reads.append(len(dst))
+        return read_layers(peer, handle, dst, layers, deadline)
+
+    monkeypatch.setattr(connector.endpoint, "read_layers", recorded)
+    texts, prompt = [], PROMPT
+    for turn in range(2):
+        reads.clear()
+        listener = _await(generation, connector, f"t{turn}", params, prompt)
+        (out,) = prefill(context, [(f"t{turn}", EngineRequest(prompt, params, True))],
+                         [listener])
+        tokens, _ = _decode(generation, f"t{turn}")
+        texts.append([int(out["output_ids"].reshape(-1)[0])] + tokens)
+        (whole,) = LLMEngine(demo_engine, prefix_caching=False).generate([prompt], params)
+        assert texts[-1] == whole.output_ids
+        assert _zero(context.engine) and _zero(generation)
+        blocks = generation.pool.geometry.blocks_for(len(prompt))
+        if turn:                     # 60 + 12 - 1 tokens held: 4 blocks of 16 cached
+            assert set(reads) == {blocks - 4} and generation.pool.cache.hit_tokens == 64
+        else:
+            assert set(reads) == {blocks}
+        prompt = prompt + texts[-1] + [7, 8, 9, 10]

@@ -44,17 +44,35 @@ def test_non_streaming_first_token_only_and_aggregated():
 def test_a_prompt_at_or_under_max_local_prefill_length_is_served_whole_by_generation(
         local_prefill, whole):
     """The prompt has 2 tokens: at or under the limit it goes to generation as
-    context_and_generation (no context call, no handoff); over it, disaggregated."""
+    context_and_generation (no context call, no handoff); over it, generation is offered it
+    first if cached (it holds none of it here: declined), then disaggregated."""
     generation, texts = FakeGeneration(10, [11, 1]), []
 
     async def send(outputs, final):
         texts.append(outputs["text_output"][0])
 
     assert serve_one(generation, send, local_prefill=local_prefill) == "finished"
+    offered = [(P.CONTEXT_AND_GENERATION_IF_CACHED, [3, 4])] if local_prefill else []
     if whole:
         assert generation.contexts == 0 and generation.calls == [(P.CONTEXT_AND_GENERATION, [3, 4])]
     else:
-        assert generation.contexts == 1 and generation.calls == [(P.GENERATION_ONLY, [3, 4, 10])]
+        assert generation.contexts == 1
+        assert generation.calls == offered + [(P.GENERATION_ONLY, [3, 4, 10])]
+    assert len(generation.closed) == 1            # one route, closed once
+    generation.close()
+
+
+def test_a_prompt_generation_holds_but_for_a_short_part_skips_the_context():
+    """Over the limit, but generation says its uncached part is short
+    (context_and_generation_if_cached accepted): no context call, the text as ever."""
+    generation, texts = FakeGeneration(10, [11, 1], holds_prompt=True), []
+
+    async def send(outputs, final):
+        texts.append(outputs["text_output"][0])
+
+    assert serve_one(generation, send, local_prefill=1) == "finished"
+    assert generation.contexts == 0
+    assert generation.calls == [(P.CONTEXT_AND_GENERATION_IF_CACHED, [3, 4])]
     generation.close()
 
 

@@ -36,7 +36,9 @@ class ManualKV(Transfer):
         self.src, self.num_tokens = block_ids, num_tokens
         self.outcome = None
 
-    def start(self, block_ids):
+    skips_cached = False           # copies every block
+
+    def start(self, block_ids, cached_blocks=0):
         dst = block_ids[:len(self.src)]
         self.generation.pool.write_blocks(dst, self.context.pool.read_blocks(self.src))
         return self
@@ -138,7 +140,7 @@ def test_a_fetch_that_copies_inside_start_counts_its_step_as_blocked(engines):
     context, generation = engines
 
     class CopiesInStart(ManualKV):
-        def start(self, block_ids):
+        def start(self, block_ids, cached_blocks=0):
             time.sleep(0.02)                     # the copy, on the decode thread
             self.outcome = "stats"
             return super().start(block_ids)
@@ -173,7 +175,7 @@ class ThreadedKV(ManualKV):
         self.worker, self.gate, self.timeout_s = worker, gate, timeout_s
         self.ran = threading.Event()
 
-    def start(self, block_ids):
+    def start(self, block_ids, cached_blocks=0):
         return self.worker.submit(lambda deadline: self._copy(block_ids, deadline),
                                   self.timeout_s, "test fetch")
 

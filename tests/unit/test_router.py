@@ -343,3 +343,50 @@ def test_the_client_of_a_server_that_left_is_closed():
 
     opened, left = asyncio.run(main())
     assert opened == ["127.0.0.1:1", "127.0.0.1:2"] and left == ["127.0.0.1:2"]
+
+
+class GenerationStandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Answers every generation call at once with ``control`` ("": declined, as a generation
+    server answers a context_and_generation_if_cached prompt it does not hold)."""
+
+    def __init__(self, control: str):
+        self.control = control.encode()
+
+    async def ModelInfer(self, request, context):
+        response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+        response.outputs.add(name=P.CONTROL_ADDRESS, datatype="BYTES", shape=[1, 1])
+        response.raw_output_contents.append(len(self.control).to_bytes(4, "little")
+                                            + self.control)
+        response.outputs.add(name=P.KV_LISTENER, datatype="UINT8", shape=[1, 0])
+        response.raw_output_contents.append(b"")
+        return response
+
+
+@pytest.mark.parametrize("control", ["", "ipc:///control"])
+def test_a_declined_generation_call_holds_nothing_in_flight(control):
+    """A generation server that declines (empty control address) took nothing: its
+    assignment is released at once, so the route's later generation call (after the
+    context) is the only one counted; an accepted one counts until the route closes."""
+    (url,) = [f"127.0.0.1:{port}" for port in free_ports(1)]
+
+    async def main():
+        server = grpc.aio.server()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(GenerationStandIn(control),
+                                                                    server)
+        server.add_insecure_port(url)
+        await server.start()
+        transport = _transport([], [url], None)
+        try:
+            route = transport.route("req-1")
+            answer = await route.generate(INPUTS, P.CONTEXT_AND_GENERATION_IF_CACHED,
+                                          "ipc:///tokens#k")
+            held = dict(transport.routers["generation"].in_flight)
+            route.close()
+            return answer, held, transport.routers["generation"].in_flight
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    answer, held, after = asyncio.run(main())
+    assert answer.declined == (not control) and answer.control_address == control
+    assert held == ({} if not control else {url: 11}) and after == {}

@@ -60,14 +60,15 @@ STDLIB_PRIVATE = {"os._exit"}
 
 
 def private_calls(source: str) -> list[str]:
-    """``obj._name(...)`` calls in ``source`` whose ``obj`` is not ``self`` or ``cls``: one
-    class reaching into another's private method (issue 28, item 3)."""
+    """``obj._name(...)`` calls in ``source`` whose ``obj`` is not ``self``, ``cls`` or
+    ``super()`` (a subclass extending its own base): one class reaching into another's
+    private method (issue 28, item 3)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr.startswith("_") and not node.func.attr.startswith("__")):
             owner = ast.unparse(node.func.value)
-            if owner not in ("self", "cls") and f"{owner}.{node.func.attr}" not in STDLIB_PRIVATE:
+            if owner not in ("self", "cls", "super()") and f"{owner}.{node.func.attr}" not in STDLIB_PRIVATE:
                 found.append(f"{node.lineno}: {owner}.{node.func.attr}")
     return found
 
@@ -79,5 +80,5 @@ def test_no_class_calls_another_ones_private_method():
 
 
 def test_the_private_scan_sees_an_owner_s_private_method():
-    probe = "self._mine()\nself.owner._give_back(run)\nos._exit(1)\nrun.__len__()\n"
-    assert private_calls(probe) == ["2: self.owner._give_back"]
+    probe = "self._mine()\nsuper()._base()\nself.owner._give_back(run)\nos._exit(1)\nrun.__len__()\n"
+    assert private_calls(probe) == ["3: self.owner._give_back"]

@@ -59,8 +59,9 @@ password read from that environment variable) as :class:`DiscoveryConfig` says. 
 names at most one url: where that server binds, not a pool; the scheduler routes over
 what etcd holds. Routing (:mod:`triton_disagg.routing.router`): per role ``router:
 least_loaded`` (default), ``round_robin`` or ``kv_aware``; ``generation_server.max_local_prefill_length:
-N`` (default 0, off) serves prompts of at most N tokens whole on a generation server
-(``context_and_generation``, no KV handoff), as trtllm-serve and Dynamo do.
+N`` (default 0, off) serves a prompt whole on a generation server (``context_and_generation``,
+no KV handoff) when at most N of its tokens are not in that instance's prefix cache, as
+trtllm-serve and Dynamo decide it.
 
 Invariants: every value is checked here, so a loaded :class:`DisaggConfig` is
 usable as is; every mistake is one :class:`UserError` line naming the key and

@@ -85,6 +85,7 @@ class GenerationSettings(EngineSettings):
     stall_seconds: float = 30.0
     token_host: str | None = None      # None: ipc:// sockets (one server); else tcp:// on it
     token_bind: str | None = None      # bind here, advertise token_host (behind NAT / netns)
+    max_local_prefill_length: int = 0  # serve a prompt whose uncached part is at most this
 
 
 @dataclass(frozen=True)

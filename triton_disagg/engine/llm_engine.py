@@ -170,6 +170,17 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         return seq is not None and bool(seq.block_table.block_ids)
 
+    def cached_prompt_tokens(self, prompt_ids: Seq[int], cache_salt: str | None) -> int:
+        """How many of the prompt's tokens a prefill here would take from the prefix cache now
+        (its leading cached full blocks, never the one holding its last token). Safe from
+        any thread, as a hint: the loop may evict or add blocks before the prompt arrives."""
+        if self.pool.cache is None:
+            return 0
+        bs = self.pool.geometry.tokens_per_block
+        names = block_hashes(list(prompt_ids)[:(len(prompt_ids) - 1) // bs * bs], bs,
+                             self.cache_fingerprint, cache_salt)
+        return len(self.pool.match(names)) * bs
+
     def take_kv_arrivals(self) -> list[KVArrival]:
         """The remote-KV fetches that ended since the last call (a failed one ended its
         request, whose blocks are free)."""

@@ -151,11 +151,12 @@ class Scheduler:
                 seq.status = WAITING_FOR_REMOTE_KV
                 seq.fetch_overlap = ComputeOverlap(self.clock())
                 try:
-                    seq.transfer = seq.remote_kv.start(list(table.block_ids))
+                    seq.transfer = seq.remote_kv.start(
+                        list(table.block_ids), seq.num_cached_tokens // table.tokens_per_block)
                 except Exception as exc:  # noqa: BLE001 - that request fails alone
                     self._end_fetch(seq, KVArrival(seq.request_id, error=exc))
                     continue
-                table.advance(seq.remote_kv.num_tokens)
+                table.advance(seq.remote_kv.num_tokens - seq.num_cached_tokens)
         return started
 
     def _poll(self) -> int:

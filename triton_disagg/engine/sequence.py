@@ -9,7 +9,8 @@ tokens, so decode never allocates. ``finish_reason`` is set once and never chang
 they are computed: the prompt's from the start when the pool caches prefixes); a sequence
 prefilled here took the cached blocks of its prompt's first ``num_cached_tokens`` tokens
 (whole blocks, never its last token, which is always computed; none when it asks for
-its prompt's log-probs, which need every position computed).
+its prompt's log-probs, which need every position computed); a sequence whose prompt KV
+comes from another instance took them too and fetches only the rest.
 """
 
 from __future__ import annotations
@@ -40,15 +41,18 @@ class TokenEvent:
 class RemoteKV(Protocol):
     """Where a sequence's prompt KV comes from (the generation side's KV connector).
 
-    ``start(block_ids)`` begins moving ``num_tokens`` tokens of KV into the first of
-    ``block_ids`` (the sequence's blocks in position order) and returns a transfer whose
-    ``poll()`` is None while in flight, its result once done, and raises if it failed.
+    ``start(block_ids, cached_blocks)`` begins moving ``num_tokens`` tokens of KV into the
+    first of ``block_ids`` (the sequence's blocks in position order), all but the first
+    ``cached_blocks`` (they hold it already: the pool's prefix cache), and returns a
+    transfer whose ``poll()`` is None while in flight, its result once done, and raises if
+    it failed. ``skips_cached``: whether it may be given ``cached_blocks`` > 0.
     """
 
     @property
     def num_tokens(self) -> int: ...
+    skips_cached: bool
 
-    def start(self, block_ids: list[int]) -> Any: ...
+    def start(self, block_ids: list[int], cached_blocks: int) -> Any: ...
 
 
 @dataclass(eq=False)
@@ -85,10 +89,14 @@ class Sequence:
         """Take the blocks of ``num_new_tokens`` more tokens of KV, all or nothing
         (:class:`~triton_disagg.engine.block_pool.KVCacheFullError`). A sequence to prefill
         here first takes the cached blocks of its prompt's leading full blocks, all but the
-        last token (``num_cached_tokens``; the lookup counts in the cache's queries/hits)."""
+        last token, and so does one whose prompt KV comes from another instance when that
+        fetch can leave blocks out: it fetches the rest, always at least the last token's
+        block, whose READ ends the handoff (``num_cached_tokens``; the lookup counts in the
+        cache's queries/hits)."""
         table = self.block_table
-        lookup = (pool.cache is not None and self.remote_kv is None and self.needs_prefill
-                  and not table.block_ids and self.params.prompt_logprobs is None)
+        lookup = (pool.cache is not None and not table.block_ids
+                  and (self.remote_kv.skips_cached if self.remote_kv is not None
+                       else self.needs_prefill and self.params.prompt_logprobs is None))
         names = self.block_hashes[:(len(self.prompt_ids) - 1) // table.tokens_per_block]
         self.num_cached_tokens = table.reserve(pool, num_new_tokens, names if lookup else ())
         if lookup:

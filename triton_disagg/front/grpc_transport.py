@@ -262,8 +262,12 @@ class GrpcRoute:
         except BaseException:
             assignment.release()
             raise
-        self.generation = assignment
-        return generation_answer(outputs)
+        answer = generation_answer(outputs)
+        if answer.declined:           # it holds nothing of the request: nothing in flight
+            assignment.release()
+        else:
+            self.generation = assignment
+        return answer
 
     async def lost(self) -> GenerationLost | None:
         if self.generation is None:

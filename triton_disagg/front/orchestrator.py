@@ -5,7 +5,10 @@ goes out at once -> ``generation_only`` call carrying ``context_phase_params``
 and this instance's token address -> every later token arrives over ZeroMQ
 (:mod:`token_inbox`), is detokenized here and goes out. Aggregated mode makes one
 ``context_and_generation`` call to generation instead, and so does a prompt of at most
-``local_prefill`` tokens (``generation_server.max_local_prefill_length``; 0: none).
+``local_prefill`` tokens (``generation_server.max_local_prefill_length``; 0: none); a
+longer one is first offered to generation as ``context_and_generation_if_cached``, which
+serves it when at most ``local_prefill`` of its tokens are not in that instance's prefix
+cache and else declines at once (one round trip), and then goes the disaggregated way.
 With ``overlap`` (``--overlap_kv_transfer``) generation is called first
 (``generation_awaiting_context``, the prompt alone): its answer's ``kv_listener`` goes to
 the context with the prompt, generation reads the KV as the context prefills it
@@ -240,6 +243,11 @@ class ServedRequest:
         if self.owner.aggregated or (prompt_length <= self.owner.local_prefill
                                                and not with_prompt_logprobs):
             return await self.generate(inputs, P.CONTEXT_AND_GENERATION, is_cancelled)
+        if self.owner.local_prefill and not with_prompt_logprobs:   # uncached part short?
+            outcome = await self.generate(inputs, P.CONTEXT_AND_GENERATION_IF_CACHED,
+                                          is_cancelled)
+            if outcome is not None:
+                return outcome
         if self.owner.overlap:
             return await self.overlapped(inputs, is_cancelled)
         ctx = await self.context(inputs, is_cancelled)
@@ -332,13 +340,16 @@ class ServedRequest:
             return await self.relay(stream, is_cancelled)
 
     async def generate(self, gen_in: dict[str, np.ndarray], request_type: str,
-                       is_cancelled: Callable[[], bool]) -> str:
+                       is_cancelled: Callable[[], bool]) -> str | None:
         """Send generation the request, then pass its tokens on until the final one; leaving
-        early in any way stops generation (the stream's exit)."""
+        early in any way stops generation (the stream's exit). None: generation declined it
+        (``context_and_generation_if_cached``: its prompt is not cached there)."""
         tokens = self.owner.tokens
         with tokens.open(self.request_id) as stream:
-            await stream.accept(self.route.generate(gen_in, request_type,
-                                                    stream.token_address))
+            answer = await stream.accept(self.route.generate(gen_in, request_type,
+                                                             stream.token_address))
+            if answer.declined:
+                return None
             return await self.relay(stream, is_cancelled)
 
     async def relay(self, stream: TokenStream, is_cancelled: Callable[[], bool]) -> str:

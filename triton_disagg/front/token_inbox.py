@@ -57,11 +57,16 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationAnswer:
-    """Generation's answer to a request: where its stops go, and (a request awaiting the
-    context, ``--overlap_kv_transfer``) the ``kv_listener`` to hand the context."""
+    """Generation's answer to a request: where its stops go (empty: it declined a
+    ``context_and_generation_if_cached`` request and holds nothing of it), and (a request
+    awaiting the context, ``--overlap_kv_transfer``) the ``kv_listener`` to hand the context."""
 
     control_address: str
     kv_listener: bytes = b""
+
+    @property
+    def declined(self) -> bool:
+        return not self.control_address
 
 class TokenStream:
     """One request's token events, in order."""
@@ -104,7 +109,7 @@ class TokenStream:
         """Await generation's answer to the request (its control address, kept for stops)."""
         try:
             answer = await asyncio.wait_for(ack, self.inbox.stall_seconds)
-            self.control = answer.control_address
+            self.control = None if answer.declined else answer.control_address
             return answer
         except asyncio.TimeoutError:
             raise Timeout(f"generation did not accept the request within "

@@ -5,6 +5,9 @@ the engine.
 - ``generation_only`` (disaggregated): the request carries ``context_phase_params``
   and ``input_ids`` = the prompt plus the first token the context model produced;
   the prompt's KV is fetched into this instance's pool and the sequence only decodes.
+- ``context_and_generation_if_cached`` (``max_local_prefill_length``): served as
+  ``context_and_generation`` when at most that many of the prompt's tokens are not in this
+  instance's prefix cache, else declined at once (the orchestrator then calls the context).
 - ``generation_awaiting_context`` (``--overlap_kv_transfer``): ``input_ids`` = the prompt;
   the answer carries a ``kv_listener`` for the context, and the sequence takes the KV
   layer by layer while the context prefills, then the first token with the last layer
@@ -51,8 +54,13 @@ class FetchedKV:
     def num_tokens(self) -> int:
         return self.handle.num_tokens
 
-    def start(self, block_ids: list[int]) -> Transfer:
-        return self.connector.start_fetch(self.handle, block_ids)
+    @property
+    def skips_cached(self) -> bool:
+        """The fetch may leave out the prompt's blocks this instance's prefix cache holds."""
+        return self.connector.can_skip(self.handle)
+
+    def start(self, block_ids: list[int], cached_blocks: int = 0) -> Transfer:
+        return self.connector.start_fetch(self.handle, block_ids, cached_blocks)
 
 
 @dataclass(frozen=True)
@@ -63,9 +71,10 @@ class PulledKV:
     connector: KVConnector
     nonce: str
     num_tokens: int
+    skips_cached = True      # an overlapped transfer needs one KV layout on both roles
 
-    def start(self, block_ids: list[int]) -> Transfer:
-        return self.connector.start_pull(self.nonce, block_ids)
+    def start(self, block_ids: list[int], cached_blocks: int = 0) -> Transfer:
+        return self.connector.start_pull(self.nonce, block_ids, cached_blocks)
 
 
 @dataclass(frozen=True)
@@ -123,21 +132,34 @@ class GenerationObserver(Protocol):
 class DecodeAdmission:
     """Admits generation requests into ``engine`` (module docstring); ``connector``: where
     ``generation_only`` requests' KV comes from; None in aggregated mode, which serves
-    ``context_and_generation`` alone."""
+    ``context_and_generation`` alone. ``local_prefill``
+    (``generation_server.max_local_prefill_length``): a
+    ``context_and_generation_if_cached`` request is served here when at most that many of
+    its prompt's tokens are not in this instance's prefix cache."""
 
     def __init__(self, engine: LLMEngine, connector: KVConnector | None,
-                 metrics: GenerationObserver | None = None):
+                 metrics: GenerationObserver | None = None, local_prefill: int = 0):
         self.engine, self.connector, self.metrics = engine, connector, metrics
+        self.local_prefill = local_prefill
 
     def prepare(self, request_type: str, request: EngineRequest,
-                inputs: dict[str, np.ndarray]) -> PreparedRequest:
+                inputs: dict[str, np.ndarray]) -> PreparedRequest | None:
+        """The request's work, or None: a ``context_and_generation_if_cached`` request
+        declined (more of its prompt than ``local_prefill`` tokens is not cached here)."""
         if request_type == P.CONTEXT_AND_GENERATION:
             return PreparedRequest(request_type, request)
+        if request_type == P.CONTEXT_AND_GENERATION_IF_CACHED:
+            prompt = request.prompt_ids
+            cached = self.engine.cached_prompt_tokens(prompt, request.params.cache_salt)
+            if len(prompt) - cached > self.local_prefill:
+                return None
+            return PreparedRequest(P.CONTEXT_AND_GENERATION, request)
         if request_type not in (P.GENERATION_ONLY, P.GENERATION_AWAITING_CONTEXT):
             raise RequestError(f"request_type {request_type!r}: the generation model serves "
-                               f"{P.CONTEXT_AND_GENERATION!r}, {P.GENERATION_ONLY!r} and "
-                               f"{P.GENERATION_AWAITING_CONTEXT!r}; send {P.CONTEXT_ONLY!r} to "
-                               f"the context model")
+                               f"{P.CONTEXT_AND_GENERATION!r}, "
+                               f"{P.CONTEXT_AND_GENERATION_IF_CACHED!r}, {P.GENERATION_ONLY!r} "
+                               f"and {P.GENERATION_AWAITING_CONTEXT!r}; send "
+                               f"{P.CONTEXT_ONLY!r} to the context model")
         if self.connector is None:
             raise RequestError(f"{request_type}: this server runs in aggregated mode; send "
                                f"context_and_generation")

@@ -267,21 +267,31 @@ class KVConnector(ABC):
         kvhandle.check_handle(handle, self.fingerprint, self.geometry, pool_tokens)
         return self._ours(handle, "generation")
 
-    def start_fetch(self, handle: KVHandle, block_ids: Sequence[int]) -> Transfer:
+    def start_fetch(self, handle: KVHandle, block_ids: Sequence[int],
+                    cached_blocks: int = 0) -> Transfer:
         """Start filling the first ``blocks_for(handle.num_tokens)`` of ``block_ids`` (a
         sequence's blocks in position order, owned by the caller) with the handle's KV, on
         the fetch thread; returns at once. The fetch fails ``fetch_timeout_s`` after it
-        starts running, or at the end of the handle's lease, whichever comes first."""
+        starts running, or at the end of the handle's lease, whichever comes first.
+
+        ``cached_blocks``: the first that many of ``block_ids`` already hold the KV of the
+        handle's first blocks (this instance's prefix cache; only when :meth:`can_skip` the
+        handle, and never its last block): only the blocks after them are fetched, and the
+        handoff ends as a whole (the context frees every block it leased or staged)."""
         blocks = [int(b) for b in block_ids[:self.geometry.blocks_for(handle.num_tokens)]]
         ours = self._ours(handle, "generation")
+        if cached_blocks and not (self.can_skip(ours) and cached_blocks < len(blocks)):
+            raise ValueError(f"a handle of {len(blocks)} blocks of "
+                             f"{ours.geometry.tokens_per_block} tokens cannot skip "
+                             f"{cached_blocks} blocks of {self.geometry.tokens_per_block}")
 
         def fetch(deadline: float) -> TransferStats:
-            staging = self.pool.staging
+            staging, rest = self.pool.staging, blocks[cached_blocks:]
             if staging is None:
-                return self._fetch(ours, blocks, deadline)
-            rows = staging.reserve(blocks)          # one fetch runs at a time per instance
+                return self._fetch_after(ours, cached_blocks, rest, deadline)
+            rows = staging.reserve(rest)            # one fetch runs at a time per instance
             try:
-                stats = self._fetch(ours, rows, deadline)
+                stats = self._fetch_after(ours, cached_blocks, rows, deadline)
                 staging.to_device(rows)
                 return stats
             finally:
@@ -289,6 +299,20 @@ class KVConnector(ABC):
 
         return self.fetcher.submit(fetch, min(self.fetch_timeout_s, handle.lease_seconds),
                                    f"KV lease {handle.lease_id}")
+
+    def can_skip(self, handle: KVHandle) -> bool:
+        """Whether a fetch of ``handle`` may leave out leading blocks this pool holds: its
+        blocks start where this pool's do (the same tokens per block)."""
+        return handle.geometry.tokens_per_block == self.geometry.tokens_per_block
+
+    def _fetch_after(self, handle: KVHandle, skip: int, block_ids: list[int],
+                     deadline: float) -> TransferStats:
+        """Move the KV of the handle's blocks after its first ``skip`` (at least one is
+        left) into ``block_ids`` and end the whole handoff (fetch thread). Here the fetch of
+        the rest ends it (``direct_transfer``: its ticket READ names the lease, which frees
+        every block); a strategy that frees a handoff's blocks one by one overrides this."""
+        return self._fetch(kvhandle.tail(handle, skip) if skip else handle, block_ids,
+                           deadline)
 
     # ---- --overlap_kv_transfer (strategies that can READ layer ranges as they land) -----
 
@@ -299,8 +323,11 @@ class KVConnector(ABC):
         raise UserError(f"kv_cache.overlap_transfer needs strategy direct_transfer; "
                         f"{self.strategy} cannot read KV while the context prefills it")
 
-    def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
-        """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands."""
+    def start_pull(self, nonce: str, block_ids: Sequence[int],
+                   cached_blocks: int = 0) -> Transfer:
+        """Generation: READ the listened-for KV into the first of ``block_ids`` as it lands,
+        all but the first ``cached_blocks`` (they hold it already, as in :meth:`start_fetch`;
+        never the last block)."""
         raise UserError("kv_cache.overlap_transfer needs strategy direct_transfer")
 
     def staged_pull(self, block_ids: Sequence[int],

@@ -142,6 +142,19 @@ class TransferStats:
     first_logprob: float = 0.0
 
 
+def tail(handle: KVHandle, skip: int) -> KVHandle:
+    """The handle naming only what follows the first ``skip`` of ``handle``'s blocks (a
+    receiver whose prefix cache holds the KV of those): the same lease, its later blocks,
+    tickets and staging slots, and the tokens they hold (``skip`` leaves at least one)."""
+    blocks = handle.geometry.blocks_for(handle.num_tokens)
+    if not 0 <= skip < blocks:
+        raise ValueError(f"cannot skip {skip} of the handle's {blocks} blocks")
+    return dataclasses.replace(
+        handle, num_tokens=handle.num_tokens - skip * handle.geometry.tokens_per_block,
+        block_ids=handle.block_ids[skip:], slots=handle.slots[skip:],
+        ticket_addr=handle.ticket_addr + 8 * skip if handle.ticket_addr else 0)
+
+
 def encode(handle: KVHandle, key: bytes) -> bytes:
     """Serialise and sign a handle; :class:`HandleError` if it exceeds ``MAX_HANDLE_BYTES``."""
     fields = dataclasses.asdict(handle)

@@ -109,6 +109,15 @@ class HostMemoryConnector(KVConnector):
     def _fetch(self, handle: KVHandle, block_ids: list[int], deadline: float) -> TransferStats:
         return self.peers.fetch(handle, self.pool.array, block_ids)   # local: bounded copy
 
+    def _fetch_after(self, handle: KVHandle, skip: int, block_ids: list[int],
+                     deadline: float) -> TransferStats:
+        """Each slot is freed on its own: after the rest is taken, the slots of the blocks
+        left out are marked done too (a discard leaves the taken ones as they are)."""
+        stats = super()._fetch_after(handle, skip, block_ids, deadline)
+        if skip:
+            self._release(handle)
+        return stats
+
     def _close(self) -> None:
         self.peers.close()
         if self.staging is not None:

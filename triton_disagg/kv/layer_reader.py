@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
-from triton_disagg.kv import overlap_wire as wire
+from triton_disagg.kv import handle as kvhandle, overlap_wire as wire
 from triton_disagg.kv.connector import (ConnectorError, ThreadTransfer, Transfer,
                                         lower_thread_priority)
 from triton_disagg.kv.handle import KVHandle, TransferStats
@@ -64,6 +64,7 @@ class _Pull:
     began: float                                # listened (monotonic)
     started: float = 0.0                        # the sequence had its blocks
     blocks: Optional[list[int]] = None          # the sequence's blocks, once it has them
+    skip: int = 0                               # leading blocks generation's cache holds
     transfer: Optional[PulledTransfer] = None
     handle: Optional[KVHandle] = None
     peer: str = ""
@@ -121,9 +122,11 @@ class LayerReader:
         self._wake.set()
         return listener.nonce, wire.encode_listener(listener, self.key)
 
-    def start(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
+    def start(self, nonce: str, block_ids: Sequence[int], skip: int = 0) -> Transfer:
         """The sequence holds its blocks: READ into the first of ``block_ids`` as layers are
-        announced. A pull that has ended already is a failed transfer."""
+        announced, the handle's blocks after its first ``skip`` (generation's prefix cache
+        holds those; ``block_ids`` start after them). A pull that has ended already is a
+        failed transfer."""
         transfer = PulledTransfer()
         with self._lock:
             pull = self._pulls.get(nonce)
@@ -132,8 +135,9 @@ class LayerReader:
                                                   "context ended before the sequence had "
                                                   "blocks (its deadline passed)"))
                 return transfer
-            pull.blocks = list(block_ids[:self.endpoint.geometry.blocks_for(pull.num_tokens)])
-            pull.transfer, pull.started = transfer, time.monotonic()
+            pull.blocks = list(block_ids[:self.endpoint.geometry.blocks_for(pull.num_tokens)
+                                         - skip])
+            pull.transfer, pull.started, pull.skip = transfer, time.monotonic(), skip
         self._wake.set()
         return transfer
 
@@ -293,12 +297,13 @@ class LayerReader:
         first = pull.first
         ready, began = self._ready(pull, first), time.monotonic()
         try:
+            handle = kvhandle.tail(pull.handle, pull.skip) if pull.skip else pull.handle
             if ready > pull.read:
-                pull.nbytes += self.endpoint.read_layers(pull.peer, pull.handle, pull.blocks,
+                pull.nbytes += self.endpoint.read_layers(pull.peer, handle, pull.blocks,
                                                          range(pull.read, ready), pull.deadline)
                 pull.read = ready
             if first is not None:
-                self.endpoint.confirm(pull.peer, pull.handle, pull.deadline, tickets)
+                self.endpoint.confirm(pull.peer, handle, pull.deadline, tickets)
                 if self.staged is not None:
                     self.staged(pull.blocks)
         except Exception as exc:  # noqa: BLE001 - that request fails alone

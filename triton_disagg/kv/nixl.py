@@ -52,8 +52,10 @@ class NixlConnector(KVConnector):
         handle = self._ours(kvhandle.decode(data, self.key), "context")
         self.endpoint.renew(handle.lease_id, self.lease_seconds, prefilling)
 
-    def start_pull(self, nonce: str, block_ids: Sequence[int]) -> Transfer:
-        return self.staged_pull(block_ids, lambda rows: self._layers.start(nonce, rows))
+    def start_pull(self, nonce: str, block_ids: Sequence[int],
+                   cached_blocks: int = 0) -> Transfer:
+        return self.staged_pull(block_ids[cached_blocks:],
+                                lambda rows: self._layers.start(nonce, rows, cached_blocks))
 
     def announcer(self, listener: bytes) -> Announcer:
         return Announcer(self.endpoint, decode_listener(listener, self.key))

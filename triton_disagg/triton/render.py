@@ -116,7 +116,8 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
     if model == "context":
         return S.ContextSettings(**common)
     return S.GenerationSettings(**common, stall_seconds=config.generation.stall_seconds,
-                                token_host=token_host, token_bind=token_bind)
+                                token_host=token_host, token_bind=token_bind,
+                                max_local_prefill_length=config.generation.max_local_prefill_length)
 
 
 def _pool(server: ServerConfig) -> S.PoolSettings:

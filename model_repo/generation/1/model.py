@@ -3,7 +3,8 @@
 
 execute() only validates and hands each request to the instance's DecodeLoop, then
 answers it at once with one response: the instance's control address (where stops for
-that request go), or an error. The loop's thread runs the engine and sends the tokens
+that request go; empty: a ``context_and_generation_if_cached`` request declined), or an
+error. The loop's thread runs the engine and sends the tokens
 to the orchestrator address the request names (request parameter ``token_address``).
 Only the deployment's orchestrators are answered (:mod:`triton_disagg.peers`): any other
 request is refused before its tensors are read.
@@ -52,7 +53,8 @@ class TritonPythonModel:
         with self.metrics.closed_on_error():
             connector = (connector_for(settings, engine, instance)
                          if not settings.aggregated else None)
-            self.side = DecodeAdmission(engine, connector, self.metrics)
+            self.side = DecodeAdmission(engine, connector, self.metrics,
+                                         settings.max_local_prefill_length)
             context = zmq.Context.instance()
             stops = StopInbox(context, settings.token_host, settings.token_bind)
             self.control_address = stops.address
@@ -76,10 +78,13 @@ class TritonPythonModel:
             except (RequestError, Unavailable) as exc:
                 responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue
-            self.loop.submit(request_id, work, address)
-            ack = make_tensors(pb_utils, P.GENERATION_OUTPUTS,
-                               {P.CONTROL_ADDRESS: [self.control_address],
-                                P.KV_LISTENER: np.frombuffer(work.listener, np.uint8)})
+            if work is None:               # declined: its prompt is not cached here
+                answer = {P.CONTROL_ADDRESS: [""], P.KV_LISTENER: np.zeros(0, np.uint8)}
+            else:
+                self.loop.submit(request_id, work, address)
+                answer = {P.CONTROL_ADDRESS: [self.control_address],
+                          P.KV_LISTENER: np.frombuffer(work.listener, np.uint8)}
+            ack = make_tensors(pb_utils, P.GENERATION_OUTPUTS, answer)
             responses.append(pb_utils.InferenceResponse(output_tensors=ack))
         return responses
 
