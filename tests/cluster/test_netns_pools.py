@@ -19,6 +19,7 @@ own, started with the commands a user runs (one config: ``discovery`` and no url
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -48,6 +49,7 @@ import json, os, sys
 from concurrent.futures import ThreadPoolExecutor
 import servers
 url, stop, prompt, expected, workers, max_tokens = sys.argv[1:7]
+expected = json.loads(expected)     # JSON: a text may hold a NUL, which argv cannot
 def worker(_):
     wrong = []
     while not os.path.exists(stop):
@@ -121,7 +123,7 @@ def _start_load(hosts: Hosts, offline, stop_file, workers: int,
     prompt = servers.PROMPTS[0]
     return hosts.popen("scheduler", [sys.executable, "-c", LOAD,
                                      f"{hosts.address('scheduler')}:{SCHEDULER_GRPC_PORT}",
-                                     str(stop_file), prompt, offline(prompt, max_tokens),
+                                     str(stop_file), prompt, json.dumps(offline(prompt, max_tokens)),
                                      str(workers), str(max_tokens)],
                        stdout=subprocess.PIPE, text=True,
                        env={**os.environ, "PYTHONPATH": str(SUPPORT)})
