@@ -19,19 +19,17 @@ import queue
 import re
 import signal
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 
 import servers
-from config_files import three_roles_config
+from config_files import guide_config_on_cpus, three_roles_config
 from servers import wait_until
 from triton_disagg.clients.stream import array_inputs
 
 PROMPT = "Hello, world!"
-GUIDE_CONFIG = Path(__file__).resolve().parents[1] / "support" / "guide_disagg_config.yaml"
 GUIDE_BASE = 8000                # the guide's first port (context); its range is 8000-8005
 DEFAULT_MAX_TOKENS = 16          # /v1/inference's without max_tokens (OpenAI completions')
 
@@ -79,12 +77,10 @@ def _the_guides_config_here(base: int) -> str:
     """The guide's disagg_config.yaml on this host: its hosts 127.0.0.1, its ports 8000-8005
     moved to ``base``.. in the same pattern, and, on this host without GPUs, one core per
     role in place of its GPUs."""
-    text = "".join(line for line in GUIDE_CONFIG.read_text().splitlines(keepends=True)
-                   if not line.startswith("#"))
+    text = guide_config_on_cpus()
     for host in ("context-server-01", "generation-server-01", "scheduler-node"):
         text = text.replace(f"{host}:", "127.0.0.1:")
     text = re.sub(r":(800[0-5])\b", lambda m: f":{base + int(m.group(1)) - GUIDE_BASE}", text)
-    text = text.replace("gpus: [0, 1]", "cpus: [0]").replace("gpus: [2, 3]", "cpus: [1]")
     assert "800" not in text and "gpus" not in text and "-server-" not in text, text
     return text
 

@@ -1,6 +1,6 @@
-"""The README's examples work as written: its Python snippets run against a real
-`serve all` of the demo engine (the plain ``infer()`` one against a server with
-``decoupled_mode: false``) and print the offline engine's text; the three-role
+"""The README's examples work as written: its Python snippets and docs/clients.md's run
+against a real `serve all` of the demo engine (the plain ``infer()`` one against a server
+with ``decoupled_mode: false``) and print the offline engine's text; the three-role
 commands run as written with examples/three_roles.yaml and give `serve all`'s text;
 the example disagg_config.yaml at the repository root loads."""
 
@@ -18,6 +18,7 @@ import servers
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+CLIENTS_DOC = (ROOT / "docs" / "clients.md").read_text()     # the Triton clients' examples
 PROMPT, MAX_TOKENS = "The quick brown fox", 20
 
 
@@ -46,9 +47,10 @@ def _run_snippets(snippets: list[str], served: servers.Served, expected: str,
 
 
 def test_readme_examples_print_the_offline_text(demo_engine, tmp_path):
-    """Its Python snippets (tritonclient, requests, the openai SDK against the HTTP front)
-    print the offline text; its curl lines against the front answer as they should."""
-    snippets = re.findall(r"```python\n(.*?)```", README, re.S)
+    """Its Python snippets and docs/clients.md's (tritonclient, requests, the openai SDK
+    against the HTTP front) print the offline text; its curl lines against the front answer
+    as they should."""
+    snippets = re.findall(r"```python\n(.*?)```", README + CLIENTS_DOC, re.S)
     plain = [code for code in snippets if _plain_infer(code)]
     assert len(snippets) - len(plain) >= 4 and plain, "the README lost its client examples"
     assert any("from openai import OpenAI" in code for code in snippets)

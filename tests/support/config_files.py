@@ -1,7 +1,8 @@
 """What the config tests share: a ``disagg_config.yaml`` beside a stand-in engine
 directory (``engines/demo`` with an ``engine.json``: the config checks the path, not
-the weights), the check that a mistake is one line naming what is wrong, and the
-three-role config the served tests start ``serve context|generation|scheduler`` from."""
+the weights), the check that a mistake is one line naming what is wrong, the
+three-role config the served tests start ``serve context|generation|scheduler`` from, and
+the deployment guide's config on a host without GPUs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 from triton_disagg.config.disagg import load_config
 from triton_disagg.errors import UserError
+
+GUIDE_CONFIG = Path(__file__).resolve().parent / "guide_disagg_config.yaml"
 
 
 def config_writer(tmp_path: Path, prefix: str = "") -> Callable[[str], Path]:
@@ -48,3 +51,19 @@ def three_roles_config(tmp_path: Path, engine: Path, ctx_port: int, gen_port: in
                     f"{generation}}}\n"
                     f"kv_cache: {{strategy: direct_transfer, max_size: 64MB}}\n{extra}")
     return path
+
+
+def guide_config_as_written() -> str:
+    """The deployment guide's ``disagg_config.yaml`` (:data:`GUIDE_CONFIG`) without its
+    comments."""
+    return "".join(line for line in GUIDE_CONFIG.read_text().splitlines(keepends=True)
+                   if not line.startswith("#"))
+
+
+def guide_config_on_cpus() -> str:
+    """:func:`guide_config_as_written` but for its GPUs, which a host without any has not:
+    one core per role in their place (context core 0, generation core 1)."""
+    placed = guide_config_as_written().replace("gpus: [0, 1]", "cpus: [0]")
+    placed = placed.replace("gpus: [2, 3]", "cpus: [1]")
+    assert "gpus" not in placed, placed
+    return placed

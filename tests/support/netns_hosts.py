@@ -3,13 +3,16 @@
 read its docstring), plus what tests do on them. :meth:`Hosts.python` runs Python on a
 host with the tests' helpers importable; :func:`grpc_streams` and :func:`scrape` use it
 to reach servers from inside a host (the root namespace has no route to them);
-:func:`serve_role` writes a role's ``serve`` command for a host.
+:func:`serve_role` writes a role's ``serve`` command for a host; :func:`named_hosts` lets
+every host reach the others by their names, as a deployment's DNS would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +39,8 @@ def stream(prompt):
 with ThreadPoolExecutor(len(prompts)) as pool:
     print(json.dumps(list(pool.map(stream, prompts))))
 """
+# `ip netns exec NS` bind-mounts every file in /etc/netns/NS/ over its namesake in /etc/
+ETC_NETNS = Path("/etc/netns")
 SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
 
 
@@ -63,6 +68,33 @@ class Hosts(netns.Hosts):
         out = self.run(host, [sys.executable, "-c", code, *args], timeout=timeout, env=_tests_env())
         assert out.returncode == 0, out.stderr
         return out.stdout
+
+
+@contextlib.contextmanager
+def named_hosts(hosts: Hosts):
+    """Within the block, a command run on any of ``hosts`` resolves every host's name to its
+    address (an ``/etc/hosts`` of this machine's plus one line per host, which ``ip netns
+    exec`` mounts over ``/etc/hosts`` from ``/etc/netns/<namespace>/hosts``); removed after,
+    with those a dead test run left (namespaces of an owner process gone)."""
+    lines = "".join(f"{hosts.address(name)} {name}\n" for name in hosts.names)
+    table = Path("/etc/hosts").read_text() + "\n" + lines
+    _sweep_names()
+    made = [ETC_NETNS / hosts.namespace(name) for name in hosts.names]
+    try:
+        for folder in made:
+            folder.mkdir(parents=True)
+            (folder / "hosts").write_text(table)
+        yield
+    finally:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep_names() -> None:
+    for folder in ETC_NETNS.glob(f"{netns.PREFIX}*-*") if ETC_NETNS.is_dir() else ():
+        owner = folder.name[len(netns.PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _tests_env() -> dict[str, str]:
