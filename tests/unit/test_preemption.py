@@ -50,6 +50,13 @@ def hf_greedy(checkpoint: Path, prompt: tuple[int, ...], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def step_until_preempted(engine: LLMEngine) -> None:
+    """Step until the scheduler preempted a sequence; fails if every request ends first."""
+    while engine.scheduler.preemptions == 0:
+        assert engine.has_unfinished(), "no request was preempted"
+        engine.step()
+
+
 def run(engine: LLMEngine, params: SamplingParams, add=None) -> dict[str, list[int]]:
     """Step ``engine`` to the end; each request's tokens, checking that every token event
     comes once (none after its request's final one). ``add(engine)`` queues the requests
@@ -82,8 +89,7 @@ def test_small_pool_admits_both_requests_and_preempts_the_newest(engine_dirs, pr
     engine.step()                                  # one prefill of both
     assert [s.request_id for s in engine.scheduler.running] == ["r0", "r1"]
     oldest, newest = engine.scheduler.running
-    while engine.scheduler.preemptions == 0:
-        engine.step()
+    step_until_preempted(engine)
     assert newest.preemptions == 1 and newest.block_table.block_ids == []
     assert list(engine.scheduler.waiting) == [newest] and oldest.preemptions == 0
     assert engine.scheduler.running == [oldest]
@@ -128,8 +134,7 @@ def test_abort_of_a_preempted_request_frees_nothing_twice(engine_dirs):
     engine = LLMEngine(engine_dirs["llama"], num_blocks=SMALL_POOL)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
-    while engine.scheduler.preemptions == 0:
-        engine.step()
+    step_until_preempted(engine)
     assert engine.admitted("r0") and not engine.admitted("r1")
     assert engine.abort("r1") and "r1" not in engine.scheduler
     while engine.has_unfinished():
