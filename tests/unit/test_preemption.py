@@ -250,6 +250,50 @@ def test_preemptions_reach_the_metric(engine_dirs):
 
 
 
+
+def test_decode_loop_streams_a_preempted_request_with_no_gap_or_repeat(engine_dirs):
+    """Through the generation decode loop and real ZeroMQ: each request's events, numbered
+    0, 1, 2, ... without a gap, carry the tokens of a run on a big pool, each once."""
+    import zmq
+
+    from triton_disagg import protocol as P
+    from triton_disagg import token_wire
+    from triton_disagg.generation.decode_loop import DecodeLoop
+    from triton_disagg.generation.side import GenerationSide
+    from triton_disagg.generation.sockets import TokenOutbox
+    from triton_disagg.triton.engine_request import EngineRequest
+    from triton_disagg.zmq_endpoints import bind
+
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = run(LLMEngine(engine_dirs["llama"]), params)
+    engine = LLMEngine(engine_dirs["llama"], num_blocks=SMALL_POOL)
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.PULL)
+    endpoint = bind(sock, None, "tokens")
+    side = GenerationSide(engine, None)
+    loop = DecodeLoop(engine, TokenOutbox(context), side)
+    for i, prompt in enumerate(PROMPTS):
+        work = side.prepare(P.CONTEXT_AND_GENERATION, EngineRequest(prompt, params, True), {})
+        loop.submit(f"r{i}", work, token_wire.with_key(endpoint.address, "k"))
+    tokens: dict[str, list[int]] = {rid: [] for rid in expected}
+    numbers: dict[str, list[int]] = {rid: [] for rid in expected}
+    finals = 0
+    try:
+        while finals < len(PROMPTS):
+            assert sock.poll(60_000), tokens
+            for event in token_wire.decode_events(sock.recv()):
+                assert event.error is None, event.error
+                tokens[event.request_id] += event.tokens
+                numbers[event.request_id].append(event.seq)
+                finals += event.final
+    finally:
+        loop.close()
+        sock.close(linger=0)
+        endpoint.release()
+    assert tokens == expected
+    assert all(n == list(range(len(n))) for n in numbers.values())
+    assert engine.scheduler.preemptions >= 1 and engine.pool.num_used == 0
+
 GUIDE = """\
 model: {engine: engines/demo}
 kv_cache: {strategy: direct_transfer, max_size: 2GB%s}
