@@ -137,8 +137,9 @@ class LLMEngine:
 
     def blocks_needed(self, request_id: str, num_prompt_tokens: int,
                       params: SamplingParams) -> int:
-        """Blocks a sequence holds from admission to its end (the KV of all but the last of
-        prompt + max_tokens, capped at max_seq_len); RequestError if the pool is smaller."""
+        """The most blocks a sequence can hold (the KV of all but the last of prompt +
+        max_tokens, capped at max_seq_len; all of them from admission under
+        ``GUARANTEED_NO_EVICT``); RequestError if the pool is smaller."""
         tokens = self._max_total(num_prompt_tokens, params) - 1
         bs, total = self.pool.geometry.tokens_per_block, self.pool.num_total
         need = self.pool.geometry.blocks_for(tokens)
