@@ -117,6 +117,29 @@ def test_seeded_sampling_is_the_same_with_preemption(engine_dirs):
     assert got == run(LLMEngine(engine_dirs["llama"]), params)
 
 
+def test_a_preempted_request_whose_kv_stayed_cached_decodes_on_without_a_prefill(engine_dirs):
+    """Preempted when its written KV fills whole blocks, with a pool that keeps them cached,
+    a request takes them all back and decodes on: no prefill pass, the same tokens."""
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = run(LLMEngine(engine_dirs["llama"]), params)["r0"]
+    engine = LLMEngine(engine_dirs["llama"])
+    engine.add_request("r0", PROMPTS[0], params)
+    tokens = [e.token_id for e in engine.step()]
+    (seq,) = engine.scheduler.running
+    while seq.block_table.num_tokens % BLOCK:
+        tokens += [e.token_id for e in engine.step()]
+    engine.scheduler.preempt(seq)
+    written = seq.num_tokens - 1
+    prefills = []
+    engine.runner.prefill = lambda *args: prefills.append(args)   # must not be called
+    tokens += [e.token_id for e in engine.step()]
+    assert seq.num_cached_tokens == written and engine.scheduler.running == [seq]
+    while engine.has_unfinished():
+        tokens += [e.token_id for e in engine.step()]
+    assert tokens == expected and not prefills and seq.preemptions == 1
+    assert engine.pool.num_used == 0
+
+
 def test_guaranteed_no_evict_admits_one_and_never_preempts(engine_dirs):
     engine = LLMEngine(engine_dirs["llama"], num_blocks=SMALL_POOL,
                        capacity_policy=CapacityPolicy.GUARANTEED_NO_EVICT)
