@@ -40,7 +40,11 @@ they are not split per instance; default :func:`~triton_disagg.config.host.front
 timeouts (:mod:`triton_disagg.config.front_section`); ``kv_cache.gpu_memory_fraction`` (a CUDA
 pool's share of the device memory free after the weights; default 0.9; it alone sizes a CUDA
 pool unless ``kv_cache.max_size`` is written, which then caps it); ``kv_cache.prefix_caching``
-(default true: every instance reuses the KV of cached prompt prefixes).
+(default true: every instance reuses the KV of cached prompt prefixes);
+``kv_cache.capacity_scheduler_policy`` (TensorRT-LLM's name: ``MAX_UTILIZATION``, the
+default, takes a request's KV as it grows and preempts the newest request when the pool
+runs out; ``GUARANTEED_NO_EVICT`` takes its whole prompt + max_tokens at admission;
+:mod:`triton_disagg.engine.scheduler`).
 ``kv_cache.strategy: host_memory`` is refused when the
 context and generation urls name two hosts (see :func:`_check_kv_hosts`). A
 ``kubernetes:`` section is read by ``launch k8s`` alone
@@ -86,6 +90,7 @@ from triton_disagg.config.server_section import (SCHEDULER_KEYS, SERVER_KEYS, Se
                                                  parse_server)
 from triton_disagg.config.values import fraction, is_loopback, mapping, number, parse_size
 from triton_disagg.engine.runtime import Device, DType, Runner, check_choice
+from triton_disagg.engine.scheduler import CapacityPolicy
 from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import strategy as kv_strategy
 from triton_disagg.kv.handle import MAX_LEASE_SECONDS
@@ -108,6 +113,8 @@ class KVCacheConfig:
     # Reuse the KV of cached prompt prefixes (engine.prefix_cache); TensorRT-LLM's
     # kv_cache_config.enable_block_reuse.
     prefix_caching: bool = True
+    # How much KV a request takes at admission (engine.scheduler.CapacityPolicy).
+    capacity_scheduler_policy: str = "MAX_UTILIZATION"
 
 
 @dataclass(frozen=True)
@@ -281,7 +288,7 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
                         f"(plain infer(), one response per request)")
     kv_raw = mapping(top.get("kv_cache"), "kv_cache",
                      {"strategy", "max_size", "lease_seconds", "overlap_transfer",
-                      "gpu_memory_fraction", "prefix_caching"})
+                      "gpu_memory_fraction", "prefix_caching", "capacity_scheduler_policy"})
     overlap = kv_raw.get("overlap_transfer", False)
     prefix_caching = kv_raw.get("prefix_caching", True)
     for key, value in (("overlap_transfer", overlap), ("prefix_caching", prefix_caching)):
@@ -295,7 +302,9 @@ def _parse(raw: Any, base_dir: Path, source: str, engine_here: bool,
                                              "kv_cache.lease_seconds"),
                        gpu_memory_fraction=fraction(kv_raw.get("gpu_memory_fraction", 0.9),
                                                     "kv_cache.gpu_memory_fraction"),
-                       overlap_transfer=overlap, prefix_caching=prefix_caching)
+                       overlap_transfer=overlap, prefix_caching=prefix_caching,
+                       capacity_scheduler_policy=capacity_policy(
+                           kv_raw.get("capacity_scheduler_policy", "MAX_UTILIZATION")))
     if kv.lease_seconds > MAX_LEASE_SECONDS:
         raise UserError(f"kv_cache.lease_seconds: {kv.lease_seconds:g} is over "
                         f"{MAX_LEASE_SECONDS:g}, the longest lease a KV handle may carry")
@@ -331,6 +340,15 @@ def _kv_budget(config: DisaggConfig) -> dict[str, int]:
     """Role -> the KV bytes one of its servers holds: ``kv_cache.max_size`` per model instance."""
     return {role: config.kv_cache.max_size * config.server(role).instances
             for role in ENGINE_ROLES}
+
+
+def capacity_policy(value: Any) -> str:
+    """``kv_cache.capacity_scheduler_policy``, checked (one of :class:`CapacityPolicy`)."""
+    allowed = [p.value for p in CapacityPolicy]
+    if value not in allowed:
+        raise UserError(f"kv_cache.capacity_scheduler_policy: {value!r} is not one of "
+                        f"{', '.join(allowed)}")
+    return value
 
 
 def _check_kv_hosts(config: DisaggConfig) -> None:

@@ -64,6 +64,7 @@ class EngineSettings(_OfAMode):
     kv_gpu_memory_fraction: float = 0.9          # kv_cache.gpu_memory_fraction (CUDA pools)
     kv_max_size_given: bool = False              # kv_max_size was set: it caps a CUDA pool too
     kv_prefix_caching: bool = True               # kv_cache.prefix_caching
+    kv_capacity_policy: str = "MAX_UTILIZATION"  # kv_cache.capacity_scheduler_policy
     # Where an instance's KV events publisher binds (routing.kv_events): None: ipc (serve all);
     # else tcp on kv_events_bind (the server's --host), advertising kv_events_host.
     kv_events_host: str | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from triton_disagg.engine.runtime import Runtime
+from triton_disagg.engine.scheduler import CapacityPolicy
 from triton_disagg.engine.spec import EngineSpec, KVLayout
 from triton_disagg.errors import UserError
 from triton_disagg.engine.block_pool import BlockPool
@@ -86,7 +87,8 @@ def make_engine(settings: "EngineSettings", role: str, device_index: int | None 
         check_pool(spec, layout, max_bytes, role)
     return LLMEngine(settings.engine, kv_max_bytes=max_bytes, kv_layout=layout,
                      runtime=runtime, kv_memory_fraction=settings.kv_gpu_memory_fraction,
-                     prefix_caching=settings.kv_prefix_caching, kv_events=kv_events)
+                     prefix_caching=settings.kv_prefix_caching, kv_events=kv_events,
+                     capacity_policy=CapacityPolicy(settings.kv_capacity_policy))
 
 
 def pool_cap(settings: "EngineSettings", runtime: Runtime) -> int | None:

@@ -22,15 +22,18 @@ Three ways in, so that aggregated and disaggregated serving share one engine:
   its first token; once admitted it fetches that KV into its blocks, then only decodes.
 
 Every request waits in the one queue of :class:`~triton_disagg.engine.scheduler.Scheduler`
-(FIFO, every block a sequence will hold taken before any KV moves); a request the pool
-could never hold is refused when it is added.
+(FIFO; ``capacity_policy`` says how much KV a sequence takes at admission: its tokens and
+a block of room, grown as it decodes, the newest running sequence preempted and later
+recomputed here when the pool runs out; or every block it will ever hold); a request the
+pool could never hold is refused when it is added.
 
 Prefix caching (on unless ``prefix_caching=False``; :mod:`triton_disagg.engine.prefix_cache`):
 a prompt prefilled here (aggregated, or the context side) first takes the cached blocks of
 its leading full blocks and is computed only after them (its last token always is); the
 full blocks of every prompt are cached once its prefill wrote them, and those of its
-generated tokens once the request finishes (also a request whose prompt KV came from
-another instance). Greedy output is the same with the cache as without it.
+generated tokens once the request finishes or is preempted (also a request whose prompt KV
+came from another instance). Greedy output is the same with the cache as without it, and
+with preemption as without it (a preempted sequence's draws keep their indexes).
 
 Invariant: once every request has finished or been aborted and every fetch has ended,
 ``pool.num_used == 0`` (except blocks handed out by :meth:`admit_prompts` and
@@ -50,7 +53,7 @@ import numpy as np
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from triton_disagg.engine.sampling import Sampler, SamplingParams
-from triton_disagg.engine.scheduler import KVArrival, Scheduler
+from triton_disagg.engine.scheduler import CapacityPolicy, KVArrival, Scheduler
 from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, TokenEvent
 from triton_disagg.engine.runtime import (CUDA_KV_FRACTION, DTYPE_BYTES, Runtime,
                                           device_kv_budget, device_pool_blocks, make_runner)
@@ -91,13 +94,15 @@ class LLMEngine:
     unsized pool takes :func:`device_kv_budget` (``kv_memory_fraction`` of the device
     memory free after the weights, capped by ``kv_max_bytes``). ``prefix_caching``
     (``kv_cache.prefix_caching``) reuses cached prompt prefixes; ``kv_events`` hears what
-    enters and leaves the cache.
+    enters and leaves the cache; ``capacity_policy`` (``kv_cache.capacity_scheduler_policy``)
+    is the scheduler's.
     """
 
     def __init__(self, engine_dir: str | Path, kv_max_bytes: int | None = None,
                  num_blocks: int | None = None, kv_layout: KVLayout | None = None,
                  runtime: Runtime | None = None, kv_memory_fraction: float = CUDA_KV_FRACTION,
-                 prefix_caching: bool = True, kv_events: BlockEvents | None = None):
+                 prefix_caching: bool = True, kv_events: BlockEvents | None = None,
+                 capacity_policy: CapacityPolicy = CapacityPolicy.MAX_UTILIZATION):
         self.spec, weights = load_engine(engine_dir)
         runtime = runtime or Runtime.default()
         geometry = self.spec.block_geometry(kv_layout)
@@ -121,7 +126,10 @@ class LLMEngine:
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.pool, self.spec.max_batch_size,
                                    first_token=functools.partial(
-                                       take_first_token, self.spec.shape.vocab_size))
+                                       take_first_token, self.spec.shape.vocab_size),
+                                   policy=capacity_policy,
+                                   on_preempt=functools.partial(
+                                       cache_written, self.pool, self.cache_fingerprint))
 
     # ---- aggregated serving -----------------------------------------------------------
 
@@ -131,8 +139,9 @@ class LLMEngine:
 
     def blocks_needed(self, request_id: str, num_prompt_tokens: int,
                       params: SamplingParams) -> int:
-        """Blocks a sequence holds from admission to its end (the KV of all but the last of
-        prompt + max_tokens, capped at max_seq_len); RequestError if the pool is smaller."""
+        """The most blocks a sequence can hold (the KV of all but the last of prompt +
+        max_tokens, capped at max_seq_len; all of them from admission under
+        ``GUARANTEED_NO_EVICT``); RequestError if the pool is smaller."""
         tokens = self._max_total(num_prompt_tokens, params) - 1
         bs, total = self.pool.geometry.tokens_per_block, self.pool.num_total
         need = self.pool.geometry.blocks_for(tokens)
@@ -150,14 +159,14 @@ class LLMEngine:
         began = self.scheduler.clock()
         if new:
             events = self._prefill(new)
-        elif self.scheduler.running:
+        elif self.scheduler.running and self.scheduler.grow():
             events = self._decode(self.scheduler.running)
         else:
             return []
         self.scheduler.computed(began, self.scheduler.clock())
         for seq in self.scheduler.running:
             if seq.finished:
-                self._cache_written(seq)
+                cache_written(self.pool, self.cache_fingerprint, seq)
         self.scheduler.retire_finished()
         return events
 
@@ -166,7 +175,8 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def admitted(self, request_id: str) -> bool:
-        """Does the request hold its blocks (running, or waiting for its KV or a batch slot)?"""
+        """Does the request hold its blocks (running, or waiting for its KV or a batch slot)?
+        A preempted one does not, until it is admitted again."""
         seq = self.scheduler.find(request_id)
         return seq is not None and bool(seq.block_table.block_ids)
 
@@ -336,33 +346,18 @@ class LLMEngine:
 
     def _prefill(self, seqs: list[Sequence],
                  on_layer: Callable[[int], None] | None = None) -> list[TokenEvent]:
-        batch = [(s.prompt_ids, s.block_table.block_ids, s.block_table.num_tokens) for s in seqs]
-        keep = {i for i, s in enumerate(seqs) if s.params.prompt_logprobs is not None}
+        batch = [(s.token_ids, s.block_table.block_ids, s.block_table.num_tokens) for s in seqs]
+        keep = {i for i, s in enumerate(seqs)       # not again when recomputed
+                if s.params.prompt_logprobs is not None and s.prompt_logprobs is None}
         logits, every = (self.runner.prefill_keeping(batch, keep, on_layer) if keep
                          else (self.runner.prefill(batch, on_layer), {}))
         for i, rows in every.items():        # [n, V]: no cached prefix (Sequence.reserve)
             seqs[i].prompt_logprobs = prompt_logprobs(rows, seqs[i].prompt_ids,
                                                       seqs[i].params.prompt_logprobs)
         for s in seqs:
-            s.block_table.advance(len(s.prompt_ids) - s.block_table.num_tokens)
-            self._cache_written(s)
+            s.block_table.advance(s.num_tokens - s.block_table.num_tokens)
+            cache_written(self.pool, self.cache_fingerprint, s)
         return self._sample(seqs, logits)
-
-    def _cache_written(self, seq: Sequence) -> None:
-        """Cache the full blocks whose KV ``seq``'s table holds (the tokens of its prompt and
-        of its generated tokens but the newest), naming any not yet named."""
-        if self.pool.cache is None:
-            return
-        bs, table = self.pool.geometry.tokens_per_block, seq.block_table
-        full = table.num_tokens // bs
-        named = len(seq.block_hashes)
-        tokens = seq.prompt_ids + seq.output_ids
-        if full > named:
-            seq.block_hashes += block_hashes(
-                tokens[named * bs:full * bs], bs, self.cache_fingerprint,
-                seq.params.cache_salt, parent=seq.block_hashes[-1] if named else None)
-        self.pool.cache_blocks(table.block_ids[:full], seq.block_hashes[:full], None,
-                               tokens[:full * bs])
 
     def _decode(self, seqs: list[Sequence]) -> list[TokenEvent]:
         positions = [s.block_table.num_tokens for s in seqs]
@@ -379,6 +374,23 @@ class LLMEngine:
                                                       seq.output_ids, seq.seed)
             events.append(seq.append(token, logprob, top))
         return events
+
+
+def cache_written(pool: BlockPool, fingerprint: bytes, seq: Sequence) -> None:
+    """Cache the full blocks whose KV ``seq``'s table holds (the tokens of its prompt and of
+    its generated tokens but the newest), naming any not yet named (``fingerprint``: the
+    engine's :func:`cache_fingerprint`; the scheduler's ``on_preempt`` hook too)."""
+    if pool.cache is None:
+        return
+    bs, table = pool.geometry.tokens_per_block, seq.block_table
+    full = table.num_tokens // bs
+    named = len(seq.block_hashes)
+    tokens = seq.token_ids
+    if full > named:
+        seq.block_hashes += block_hashes(
+            tokens[named * bs:full * bs], bs, fingerprint, seq.params.cache_salt,
+            parent=seq.block_hashes[-1] if named else None)
+    pool.cache_blocks(table.block_ids[:full], seq.block_hashes[:full], None, tokens[:full * bs])
 
 
 def take_first_token(vocab_size: int, seq: Sequence, token: int, logprob: float) -> None:

@@ -1,17 +1,31 @@
 """Continuous-batching admission over a block pool: an engine instance's one waiting queue.
 
-Policy: FIFO, "guaranteed no evict" (TensorRT-LLM's default capacity policy). The head of
-``waiting`` takes every block it can ever need (``max_total - 1`` tokens of KV; its prompt's
-cached prefix, shared, counts among them: :meth:`Sequence.reserve`) as soon as they are
-free (cached blocks no one holds count as free), before any KV moves; those behind it wait, so nobody starves and no
-queued sequence holds blocks the head needs. A sequence whose prompt KV comes from
+Admission is FIFO: the head of ``waiting`` takes its blocks as soon as they are free
+(cached blocks no one holds count as free), before any KV moves; those behind it wait,
+so nobody starves and no queued sequence holds blocks the head needs. How many blocks it
+takes is the capacity policy (TensorRT-LLM's ``capacity_scheduler_policy``; the config's
+``kv_cache.capacity_scheduler_policy``):
+
+- ``MAX_UTILIZATION`` (the default; vLLM v1's and nano-vllm's): the KV of its tokens so
+  far plus one block of room (``tokens_per_block`` tokens; never past ``max_total - 1``).
+  A running sequence takes one more block when its next decode step needs it
+  (:meth:`Scheduler.grow`), oldest first; when the pool has none left, the most recently
+  admitted running sequence is preempted (:meth:`Scheduler.preempt`): its written full
+  blocks are named in the prefix cache (``on_preempt``), its blocks freed (the cache may
+  keep them, parked), its remote KV forgotten, and it goes back to the front of the
+  queue, where its next admission recomputes the KV of its prompt and generated tokens
+  here with one prefill (the cache's blocks first) and samples its next token.
+- ``GUARANTEED_NO_EVICT``: every block it can ever need (``max_total - 1`` tokens of
+  KV), so a running sequence never waits for memory and is never preempted.
+
+Either way a sequence's cached prefix, shared, counts among its blocks
+(:meth:`Sequence.reserve`). A sequence whose prompt KV comes from
 another instance (``remote_kv``, the generation side) then starts its fetch into those
 blocks and waits in the ``waiting_for_remote_kv`` state (vLLM v1's WAITING_FOR_REMOTE_KVS)
 until the fetch polls done; a failed fetch ends that sequence alone, frees its blocks
 and is reported by :meth:`Scheduler.take_kv_arrivals`. A sequence holding its blocks
 and its KV joins ``running`` in queue order while the batch has room
-(``max_batch_size``), passing over those still fetching. A running sequence never
-waits for memory and is never preempted.
+(``max_batch_size``), passing over those still fetching.
 
 The context role uses the same queue for prompts alone (:meth:`Scheduler.admit_prompts`):
 in queue order, each head takes its prompt's blocks once the pool and the KV handoff have
@@ -27,19 +41,23 @@ of its time in flight the instance spent computing for others (``KVArrival.overl
 ``disagg_kv_fetch_hidden_seconds``).
 
 Invariants: a sequence is in at most one of ``waiting`` / ``running``; in ``waiting``
-the sequences holding their reservation come before those without; every running
-sequence holds its full reservation and its KV; a finished or aborted sequence holds no
-blocks, except that the blocks of a fetch in flight are freed only once it polls done
-or failed (an aborted one waits in ``draining`` until then).
+the sequences holding their blocks come before those without (a preempted sequence goes
+first among those without); ``running`` is in admission order; every running sequence
+holds its KV (after :meth:`Scheduler.grow`, room for its next token's too); a finished,
+aborted or preempted sequence holds no blocks, except that the blocks of a fetch in
+flight are freed only once it polls done or failed (an aborted one waits in
+``draining`` until then); only a running sequence is preempted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from triton_disagg.engine.block_pool import BlockPool, KVCacheFullError
 from triton_disagg.engine.fetch_overlap import ComputeOverlap
@@ -47,6 +65,14 @@ from triton_disagg.engine.sequence import Sequence
 
 WAITING, WAITING_FOR_REMOTE_KV, RUNNING = "waiting", "waiting_for_remote_kv", "running"
 BLOCKED_SECONDS = 0.001    # an admission's fetch starts + polls past this blocked its step
+_log = logging.getLogger(__name__)
+
+
+class CapacityPolicy(str, enum.Enum):
+    """How much KV a sequence takes at admission (TensorRT-LLM's names and values)."""
+
+    MAX_UTILIZATION = "MAX_UTILIZATION"          # its tokens + a block; grown; preemptible
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"  # prompt + max_tokens; never preempted
 
 
 @dataclass(frozen=True)
@@ -65,14 +91,21 @@ class Scheduler:
     """``clock``: the monotonic clock of fetch starts and :meth:`computed` intervals (the
     fetch thread's ``in_flight_seconds`` is measured on ``time.monotonic`` too).
     ``first_token(seq, token, logprob)``: gives a sequence the first token its fetch's result
-    brought (``result.first_token`` not None: an overlapped transfer); raising fails it."""
+    brought (``result.first_token`` not None: an overlapped transfer); raising fails it.
+    ``on_preempt(seq)``: called before a preempted sequence's blocks are freed (the engine
+    names its written full blocks in the prefix cache). :attr:`preemptions` counts them
+    (``disagg_preemptions_total``)."""
 
     def __init__(self, pool: BlockPool, max_batch_size: int, clock=time.monotonic,
-                 first_token=None):
+                 first_token=None, policy: CapacityPolicy = CapacityPolicy.MAX_UTILIZATION,
+                 on_preempt: Callable[[Sequence], None] | None = None):
         self.pool = pool
         self.first_token = first_token
         self.clock = clock
         self.max_batch_size = max_batch_size
+        self.policy = CapacityPolicy(policy)
+        self.on_preempt = on_preempt
+        self.preemptions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.draining: list[Sequence] = []     # aborted while fetching: blocks still lent
@@ -89,10 +122,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.draining)
 
-    @staticmethod
-    def tokens_to_reserve(seq: Sequence) -> int:
-        """Tokens of KV beyond what the block table already holds, for the sequence's life."""
-        return seq.max_total - 1 - seq.block_table.num_tokens
+    def tokens_to_reserve(self, seq: Sequence) -> int:
+        """Tokens of KV beyond what the block table already holds, taken at admission: for
+        the sequence's life, or (``MAX_UTILIZATION``) its tokens so far and a block more."""
+        tokens = seq.max_total - 1
+        if self.policy is CapacityPolicy.MAX_UTILIZATION:
+            tokens = min(tokens, seq.num_tokens + self.pool.geometry.tokens_per_block)
+        return tokens - seq.block_table.num_tokens
 
     def add(self, seq: Sequence) -> None:
         seq.status = WAITING
@@ -134,6 +170,42 @@ class Scheduler:
             room = None if room is None else room - need
             admitted.append(self.waiting.popleft())
         return admitted
+
+    def grow(self) -> list[Sequence]:
+        """Give every running sequence the block its next decode step writes into, oldest
+        first, preempting the newest running ones while the pool has none (a sequence
+        that is itself the newest is preempted then); return those still running, in
+        order. A no-op under ``GUARANTEED_NO_EVICT`` (their blocks are all taken)."""
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue                                # preempted for an older one
+            while True:
+                try:
+                    seq.block_table.reserve(self.pool, 1)   # nothing unless a block is full
+                    break
+                except KVCacheFullError:
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+        return self.running
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence's blocks back (module docstring): it waits first among
+        the sequences without blocks, to be recomputed once its blocks are free."""
+        self.running.remove(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
+        seq.block_table.release(self.pool)
+        seq.remote_kv = None                            # its handle is spent: recompute here
+        seq.status = WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        holding = sum(1 for s in self.waiting if s.block_table.block_ids)
+        self.waiting.insert(holding, seq)
+        _log.debug("preempted %s after %d tokens (%d time(s)); %d of %d KV blocks free",
+                   seq.request_id, len(seq.output_ids), seq.preemptions, self.pool.num_free,
+                   self.pool.num_total, extra={"request_id": seq.request_id})
 
     def _reserve(self) -> int:
         """Reserve in queue order while blocks last; returns how many fetches it started."""

@@ -3,14 +3,17 @@
 Invariants of a :class:`Sequence`: once running with a generated token, its block table
 holds the KV of ``num_tokens - 1`` tokens (all but the newest generated one, which the
 next decode step feeds; a sequence with remote KV gets its first token when queued and
-that KV before it runs); once admitted, its blocks are reserved for ``max_total - 1``
-tokens, so decode never allocates. ``finish_reason`` is set once and never changes.
-``block_hashes`` names the full blocks of ``prompt_ids + output_ids`` in order (as far as
-they are computed: the prompt's from the start when the pool caches prefixes); a sequence
-prefilled here took the cached blocks of its prompt's first ``num_cached_tokens`` tokens
-(whole blocks, never its last token, which is always computed; none when it asks for
-its prompt's log-probs, which need every position computed); a sequence whose prompt KV
-comes from another instance took them too and fetches only the rest.
+that KV before it runs); how far ahead its blocks are reserved is the scheduler's
+capacity policy (:mod:`triton_disagg.engine.scheduler`). A preempted sequence holds no
+blocks and keeps its tokens; its next prefill recomputes the KV of ``token_ids`` (prompt
+and generated tokens) and samples its next token, so no token is lost or repeated.
+``finish_reason`` is set once and never changes. ``block_hashes`` names the full blocks of
+``token_ids`` in order (as far as they are computed: the prompt's from the start when the
+pool caches prefixes); a sequence prefilled here took the cached blocks of its first
+``num_cached_tokens`` tokens (whole blocks, never its last token, which is always
+computed; none when it asks for its prompt's log-probs and has not had them yet, as they
+need every position computed). A sequence whose prompt KV comes
+from another instance takes the cached blocks of its prompt too and fetches only the rest.
 """
 
 from __future__ import annotations
@@ -72,10 +75,16 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)   # names of its full blocks
     num_cached_tokens: int = 0         # prompt tokens whose KV the prefix cache gave it
     prompt_logprobs: PromptLogprobs | None = None   # its prefill's, if params asked
+    preemptions: int = 0               # times the scheduler took its blocks back
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt and the generated tokens: what a prefill (or recompute) feeds."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def finished(self) -> bool:
@@ -83,24 +92,29 @@ class Sequence:
 
     @property
     def needs_prefill(self) -> bool:
-        return not self.output_ids
+        """Its table lacks KV the next decode step reads: a new prompt, or a sequence
+        preempted after generating (recomputed, :meth:`Scheduler.preempt`)."""
+        return not self.output_ids or self.block_table.num_tokens < self.num_tokens - 1
 
     def reserve(self, pool: BlockPool, num_new_tokens: int) -> None:
         """Take the blocks of ``num_new_tokens`` more tokens of KV, all or nothing
         (:class:`~triton_disagg.engine.block_pool.KVCacheFullError`). A sequence to prefill
-        here first takes the cached blocks of its prompt's leading full blocks, all but the
-        last token, and so does one whose prompt KV comes from another instance when that
-        fetch can leave blocks out: it fetches the rest, always at least the last token's
-        block, whose READ ends the handoff (``num_cached_tokens``; the lookup counts in the
-        cache's queries/hits)."""
+        here first takes the cached blocks of its leading full blocks of ``token_ids``, all
+        but the last token, and so does one whose prompt KV comes from another instance when
+        that fetch can leave blocks out (of its prompt, all but the prompt's last token): it
+        fetches the rest, always at least the last prompt token's block, whose READ ends the
+        handoff (``num_cached_tokens``; the lookup counts in the cache's queries/hits)."""
         table = self.block_table
+        remote = self.remote_kv is not None
         lookup = (pool.cache is not None and not table.block_ids
                   and (self.remote_kv.skips_cached if self.remote_kv is not None
-                       else self.needs_prefill and self.params.prompt_logprobs is None))
-        names = self.block_hashes[:(len(self.prompt_ids) - 1) // table.tokens_per_block]
+                       else self.needs_prefill and (self.params.prompt_logprobs is None
+                                                    or self.prompt_logprobs is not None)))
+        upto = len(self.prompt_ids) if remote else self.num_tokens
+        names = self.block_hashes[:(upto - 1) // table.tokens_per_block]
         self.num_cached_tokens = table.reserve(pool, num_new_tokens, names if lookup else ())
         if lookup:
-            pool.cache.count_query(len(self.prompt_ids), self.num_cached_tokens)
+            pool.cache.count_query(upto, self.num_cached_tokens)
 
     def append(self, token: int, logprob: float | None,
                top: TopLogprobs | None = None) -> TokenEvent:

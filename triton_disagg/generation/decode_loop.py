@@ -11,9 +11,10 @@ with all of its events (``outbox``). Stops arrive on the instance's control sock
 Invariants:
 
 - only the loop thread touches the engine and the loop's sockets;
-- admission is the engine scheduler's alone (one FIFO queue, every block a request
-  will hold taken before any KV moves, :mod:`triton_disagg.engine.scheduler`); a
-  request the pool could never hold is refused when it arrives, and a request whose
+- admission is the engine scheduler's alone (one FIFO queue, a request's blocks taken
+  before any KV moves, grown as it decodes; a preempted request goes silent until it is
+  recomputed, then streams on from its next token: :mod:`triton_disagg.engine.scheduler`);
+  a request the pool could never hold is refused when it arrives, and a request whose
   KV fetch fails fails alone;
 - every submitted request gets exactly one final event: its last token (with
   ``finish_reason``), a cancellation (finish_reason ``cancelled``), or an error;

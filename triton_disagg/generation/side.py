@@ -16,9 +16,10 @@ the engine.
 Invariants: :meth:`DecodeAdmission.prepare` runs in ``execute`` (cheap checks, a
 clear per-request error); :meth:`DecodeAdmission.add` runs on the decode-loop thread,
 the only thread that touches the engine, and only queues the request in the engine's
-scheduler, which takes all its blocks (prompt + max_tokens) before any KV moves, then
+scheduler, which takes its blocks (its capacity policy's share) before any KV moves, then
 starts the prompt's KV fetch (:class:`FetchedKV`) into the first ones and frees them all
-if the fetch fails.
+if the fetch fails. A sequence preempted after its fetch is recomputed on this instance
+(prefill of prompt + generated tokens), never fetched again: the handle is spent.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class GenerationObserver(Protocol):
 
     def steps_blocked_by_transfer(self, total: int) -> None: ...
 
+    def preemptions(self, total: int) -> None: ...
+
 
 class DecodeAdmission:
     """Admits generation requests into ``engine`` (module docstring); ``connector``: where
@@ -222,12 +225,13 @@ class DecodeAdmission:
 
     def report(self, live_sequences: int) -> None:
         """Load gauges: the pool, and the sequences the decode loop holds; the decode steps
-        blocked by a transfer so far (decode-loop thread)."""
+        blocked by a transfer and the preemptions so far (decode-loop thread)."""
         if self.metrics is not None:
             self.metrics.kv_pool(self.engine.pool.stats())
             self.metrics.live_sequences(live_sequences)
             self.metrics.steps_blocked_by_transfer(
                 self.engine.scheduler.steps_blocked_by_transfer)
+            self.metrics.preemptions(self.engine.scheduler.preemptions)
 
     def close(self) -> None:
         if self.connector is not None:

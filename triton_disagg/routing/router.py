@@ -8,8 +8,8 @@ own in-flight accounting per server, in tokens: an :class:`Assignment` (what
 routed there and takes them off when it is released.
 
 - context: an assignment holds the prompt's tokens from the call until context answers;
-- generation: an assignment holds prompt + max_tokens (the KV the server reserves for the
-  whole request, rounded up to whole blocks of its ``tokens_per_block`` when known) from
+- generation: an assignment holds prompt + max_tokens (the most KV the request can hold
+  on the server, rounded up to whole blocks of its ``tokens_per_block`` when known) from
   the call until the request ends.
 
 Policies (``router:`` per role in the config):
@@ -22,10 +22,12 @@ Policies (``router:`` per role in the config):
   what this scheduler knows is there.
 - ``least_loaded``, generation: the most free KV, in tokens, so that servers with other
   ``tokens_per_block`` compare fairly: ``min(kv_blocks_total x tokens_per_block - own
-  in flight, free_kv_blocks x tokens_per_block)``. A generation server reserves a
-  request's whole prompt + max_tokens when it admits it, so free blocks already net out
-  every live sequence. With one scheduler the first term is exact and the second (about
-  a second old) can only be larger; with several, the second brings in the others' work
+  in flight, free_kv_blocks x tokens_per_block)``. A generation server's free blocks net
+  out what its live sequences hold now (all their prompt + max_tokens under
+  ``GUARANTEED_NO_EVICT``; under ``MAX_UTILIZATION`` what they have grown to, so the first
+  term, which counts each request's most, is the stricter one). With one scheduler the
+  first term is exact and the second (about a second old) can be larger; with several,
+  the second brings in the others' work
   (taking this scheduler's requests to be among the blocks a server reports used, as for
   context: the used figure is ``max(own, published)``, never the sum).
   Without a capacity (static urls publish none; the config gives every server of a

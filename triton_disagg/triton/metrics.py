@@ -33,6 +33,8 @@ scrape target, host:port), and a target's own ``instance`` would be stored as
 - ``disagg_decode_steps_blocked_by_transfer_total`` (counter, generation): decode steps
   whose admission waited on a KV transfer (more than 1 ms in fetch starts and polls;
   expected 0: fetches run on their own thread).
+- ``disagg_preemptions_total`` (counter, generation): running sequences whose KV blocks
+  the scheduler took back for an older one (``MAX_UTILIZATION``), to be recomputed here.
 - ``disagg_kv_leases_expired_total`` (counter): handoffs never fetched, reclaimed.
 - ``disagg_requests_total`` (counter): finished requests by ``outcome``
   (finished / cancelled / error).
@@ -114,6 +116,9 @@ _FAMILIES = {
                         "compute", "HISTOGRAM"),
     "steps_blocked": ("disagg_decode_steps_blocked_by_transfer_total",
                       "Decode steps that waited on a KV transfer", "COUNTER"),
+    "preemptions": ("disagg_preemptions_total",
+                    "Running sequences preempted (KV freed, recomputed later) when the pool "
+                    "ran out", "COUNTER"),
     "leases_expired": ("disagg_kv_leases_expired_total",
                        "KV handoffs reclaimed because their lease expired", "COUNTER"),
     "requests": ("disagg_requests_total", "Requests by outcome", "COUNTER"),
@@ -243,6 +248,10 @@ class Metrics:
     def steps_blocked_by_transfer(self, total: int) -> None:
         """``total``: the scheduler's running count; only the increase is added."""
         self._later(lambda: self._add_total("steps_blocked", total))
+
+    def preemptions(self, total: int) -> None:
+        """``total``: the scheduler's running count; only the increase is added."""
+        self._later(lambda: self._add_total("preemptions", total))
 
     def _add_total(self, key: str, total: int, **labels: str) -> None:
         metric = self._metric(key, **labels)        # the series shows from the start, at 0

@@ -106,6 +106,7 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
         kv_gpu_memory_fraction=config.kv_cache.gpu_memory_fraction,
         kv_max_size_given=config.kv_cache.max_size_given,
         kv_prefix_caching=config.kv_cache.prefix_caching,
+        kv_capacity_policy=config.kv_cache.capacity_scheduler_policy,
         runtime=config.runtime, device=config.device, dtype=config.dtype,
         kv_events_host=kv_events_host, kv_events_bind=token_bind if kv_events_host else None,
         kv_events_port=kv_events_port if kv_events_host else None)
