@@ -43,13 +43,6 @@ def server(request, demo_engine, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server.front}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def offline(demo_engine):
     """``(prompt ids, max_tokens) -> output ids``: greedy, stops at eos, no prefix cache."""
     from triton_disagg.engine.llm_engine import LLMEngine

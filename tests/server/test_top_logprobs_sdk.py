@@ -3,32 +3,15 @@ first token from the context, the rest from generation over the token wire) and 
 official ``openai`` SDK, whole and streamed, against an in-process engine on the same prompt
 ids; and ``usage.prompt_tokens`` as Hugging Face's tokenizer counts the prompt (its BOS
 included for a completion, the chat template's text as it is for a chat). One server for
-the module."""
+the module (tests/server/conftest.py's `server` and `client`)."""
 
 from __future__ import annotations
 
 import pytest
 
-import servers
 from servers import PROMPTS
 
 MODEL = "engine"                 # the model id: the engine directory's name (conftest's)
-
-
-@pytest.fixture(scope="module")
-def server(demo_engine, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-top-logprobs")
-    config = work / "disagg_config.yaml"
-    config.write_text(f"model: {{engine: {demo_engine}}}\nkv_cache: {{max_size: 16MB}}\n")
-    with servers.serve("all", ["-c", str(config)], work / "run") as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server.front}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
