@@ -16,11 +16,17 @@
 # (8080: the HTTP front, OpenAI API and /v1/inference; README, "Ports")
 # (Kubernetes: the rendered pods mount an emptyDir of medium Memory at /dev/shm, sized so.)
 #
+# Docker's and Kubernetes' default profiles allow tritonserver no /dev/shm of its own, and
+# serve refuses the shared one unless TRITON_DISAGG_ALLOW_SHARED_SHM=1: both images set it,
+# as the container's /dev/shm is its own (docs/architecture.md, trust boundaries, says what
+# a host user who reads the container's command lines can still do there).
+#
 # Every server role runs `triton-disagg serve ROLE ...` (the pods' command); the default
 # command serves every model in one server on 0.0.0.0 with the demo engine.
 
 FROM python:3.11-slim AS cpu
 WORKDIR /opt/triton-disagg
+ENV TRITON_DISAGG_ALLOW_SHARED_SHM=1
 COPY . .
 # The official python image ships libpython3.11.so, which Triton's Python-backend stub
 # loads; `doctor` fails the build, with the fix, if the stub cannot start. Installed as a
@@ -40,7 +46,8 @@ WORKDIR /opt/triton-disagg
 COPY . .
 # serve finds NGC's tritonserver through this variable (triton_disagg/triton/tritonserver.py), not the
 # nvidia-pytriton wheel's; `doctor` checks that its Python-backend stub loads this Python.
-ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver
+ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver \
+    TRITON_DISAGG_ALLOW_SHARED_SHM=1
 RUN pip install --no-cache-dir . \
  && triton-disagg doctor
 EXPOSE 8000 8001 8002 8080

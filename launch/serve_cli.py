@@ -20,6 +20,7 @@ answers ``GET /healthz``.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
@@ -28,6 +29,7 @@ from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, 
 from triton_disagg.errors import RetryableStart, UserError
 from triton_disagg.log_format import FORMATS
 
+from triton_disagg.triton import private_shm
 from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
 
 MAX_RESTARTS = 5            # stub deaths and failed starts survived by restarting, per serve run
@@ -159,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
     from .work_dir import claim, default
 
     config = load(args)
+    refusal = private_shm.shared_refusal(private_shm.possible(), os.environ)
+    if refusal:
+        raise UserError(refusal)
     _log_format(args.log_format, args.role)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,
                       args.advertise, args.front_port)
@@ -232,9 +237,10 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
                    token, kv_events_host, kv_events_port)
     if not server.private_shm and not restart:
         print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
-              f"(a mount namespace), so tritonserver's Python-backend regions are in the "
-              f"shared /dev/shm, readable by local users (docs/architecture.md, trust "
-              f"boundaries)", flush=True)
+              f"(a mount namespace) and {private_shm.ALLOW_SHARED_ENV}=1 serves on the shared "
+              f"one: local users can read tritonserver's Python-backend regions and, with "
+              f"the header value on its command line, have its shared-memory API write into "
+              f"this user's /dev/shm (docs/architecture.md, trust boundaries)", flush=True)
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir,
                              tuple(models), health_only(args.role, config),

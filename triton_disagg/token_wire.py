@@ -181,6 +181,8 @@ def _event(raw: Any) -> StreamEvent:
             if not isinstance(value, kind):
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
+    if "log_probs" in fields:
+        fields["log_probs"] = _log_probs(fields["log_probs"])
     if "top" in raw:
         fields["top"] = _top(raw["top"], len(tokens))
     if fields.get("finish_reason") not in (None, *FINISH_REASONS):
@@ -188,6 +190,13 @@ def _event(raw: Any) -> StreamEvent:
     if "error" in fields:
         fields["code"] = _code(raw.get("code", ErrorCode.INTERNAL.value))
     return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)
+
+
+def _log_probs(raw: list) -> list[float]:
+    """An event's ``log_probs``, each a number (an integer read as a float)."""
+    if not all(type(v) in (int, float) for v in raw):
+        raise WireError("token event: 'log_probs' must be a list of numbers")
+    return [float(v) for v in raw]
 
 
 def _top(raw: Any, n: int) -> list[TopLogprobs]:

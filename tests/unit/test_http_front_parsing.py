@@ -179,6 +179,13 @@ def test_bad_bodies_are_400_naming_the_field(endpoint, body, names):
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_an_unknown_fields_name_is_shown_bounded():
+    with pytest.raises(ApiError) as err:
+        parse("completions", {"model": "demo", "prompt": "a", "x" * 100_000: 1})
+    assert err.value.status == 400 and "unknown field" in str(err.value)
+    assert len(str(err.value)) < 200
+
+
 def test_chat_content_parts_are_joined():
     gen = parse("chat", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
@@ -303,6 +310,9 @@ def test_prepare_refuses_another_model_with_404_and_long_prompts_with_400(demo_e
         preparer.inputs(parse("completions", {"model": "gpt-4", "prompt": "a"}))
     assert err.value.status == 404 and "'demo'" in str(err.value)
     assert err.value.body()["error"]["code"] == "model_not_found"
+    with pytest.raises(ApiError) as err:        # the name is the client's: shown bounded
+        preparer.inputs(parse("completions", {"model": "m" * 100_000, "prompt": "a"}))
+    assert err.value.status == 404 and len(str(err.value)) < 200
     with pytest.raises(ApiError) as err:
         preparer.inputs(parse("completions", {"model": "demo", "prompt": "a",
                                               "max_tokens": preparer.max_seq_len}))

@@ -77,6 +77,8 @@ def test_an_error_events_code_is_read_from_its_field_not_its_message(extra, code
     (msgpack.packb({"v": 2, "events": [{"id": "a", "tokens": []}]}), ["'key'", "'seq'"]),
     (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": "0", "tokens": []}]}),
      ["'seq'"]),
+    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [1],
+                                        "log_probs": ["a"]}]}), ["'log_probs'", "numbers"]),
     (msgpack.packb({"v": 2, "stop": 5}), ["without 'events'"]),
     (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
                                         "error": "x", "code": 3}]}), ["'code'"]),

@@ -116,6 +116,14 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
 
 # ---- the orchestrator's tensors ---------------------------------------------------------
 
+def test_top_tensors_of_no_alternatives_are_no_rows():
+    from triton_disagg.front.engine_io import top_rows
+
+    empty = {"output_top_ids": np.zeros((1, 0, 0), np.int32),          # [1, n=0, k=0]
+             "output_top_log_probs": np.zeros((1, 0, 0), np.float32)}
+    assert top_rows(empty, 0) == []
+
+
 def test_the_orchestrator_sends_each_tokens_alternatives_with_its_id():
     inputs = {"input_ids": np.array([3, 4]), "end_id": np.array([1]),
               "stream": np.array([True]), "return_log_probs": np.array([True])}

@@ -35,11 +35,14 @@ def context_event(request_id: str, out: dict[str, np.ndarray]) -> StreamEvent:
 
 def top_rows(out: dict[str, np.ndarray], n: int) -> list[TopLogprobs] | None:
     """The ``TOP_LOGPROBS`` tensors of a response of ``n`` tokens, one row per token; None
-    when absent (the request did not ask) or not of ``n`` rows."""
+    when absent (the request did not ask) or not of ``n`` rows; empty when they hold no
+    alternatives (``k`` = 0)."""
     ids, lps = out.get("output_top_ids"), out.get("output_top_log_probs")
     if ids is None or lps is None or np.shape(ids) != np.shape(lps) or not np.ndim(ids):
         return None
     k = np.shape(ids)[-1]
+    if k == 0:          # no alternatives: no rows (a reshape of 0 elements to [-1, 0] fails)
+        return []
     ids, lps = np.reshape(ids, (-1, k)), np.reshape(lps, (-1, k))    # [.., n, k] -> [n, k]
     if len(ids) != n:
         return None

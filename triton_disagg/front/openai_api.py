@@ -158,13 +158,14 @@ def _refusal(error: dict, endpoint: str, model: type[BaseModel]) -> ApiError:
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
     kind, ctx, value = error["type"], error.get("ctx") or {}, error["input"]
     param = ctx.get("param") or (path[0] if path else None)
+    named = shown(where or param)     # quoted; bounded: an unknown field's name is the client's
     if kind == "model_type" and not path:
         return ApiError(f"the body must be a JSON object, got {type(value).__name__}")
     if kind == "missing":
-        return ApiError(f"'{where}' is required", param=param)
+        return ApiError(f"{named} is required", param=param)
     if kind == "extra_forbidden":
         route = "/v1/" + endpoint.replace("chat", "chat/completions")
-        return ApiError(f"'{where}': unknown field" + ("" if len(path) > 1 else f" for {route}"),
+        return ApiError(f"{named}: unknown field" + ("" if len(path) > 1 else f" for {route}"),
                         param=param)
     field = model.model_fields.get(param) if isinstance(param, str) and len(path) == 1 else None
     if kind in _EXPECTED:
@@ -184,7 +185,7 @@ def _refusal(error: dict, endpoint: str, model: type[BaseModel]) -> ApiError:
         what = error["msg"]
     why = f" ({field.description})" if field is not None and field.description and \
         (kind in _BOUNDS or kind in _LENGTHS) else ""
-    return ApiError(f"'{where or param}': {what}{why}", param=param)
+    return ApiError(f"{named}: {what}{why}", param=param)
 
 
 def _range(field: FieldInfo | None) -> str | None:

@@ -34,7 +34,7 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import RequestError
 from triton_disagg.front.chat_template import ChatTemplate
 from triton_disagg.front.openai_api import ApiError, Generation
-from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits
+from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits, shown
 from triton_disagg.engine.words import to_wire
 from triton_disagg.front.preprocess import Preprocessor
 
@@ -82,7 +82,7 @@ class RequestEncoder:
         """The orchestrator's input arrays (each ``[1, ...]``: batch of one); raises
         :class:`ApiError` for a model not served or a prompt the engine refuses."""
         if gen.model is not None and gen.model != self.model:
-            raise ApiError(f"model '{gen.model}' not found; this server serves "
+            raise ApiError(f"model {shown(gen.model)} not found; this server serves "
                            f"'{self.model}' (GET /v1/models)", status=404, param="model",
                            kind="not_found_error")
         try:

@@ -15,7 +15,10 @@ user, an unprivileged user namespace mapping that user to itself (the server kee
 uid and gains no capability past exec). :func:`possible` tries the whole sequence once in
 a child process; where neither is allowed (Docker's and Kubernetes' default profiles,
 whose container already has a ``/dev/shm`` of its own) serve runs tritonserver on the
-shared ``/dev/shm`` and says so.
+shared ``/dev/shm`` only when the user opts in (:func:`shared_refusal`): there a local user
+who reads the restricted-API header value on tritonserver's command line can register a
+shared-memory region by name and have Triton, as the serving user, write into this user's
+``/dev/shm`` entries (KV staging areas, Python-backend regions).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import ctypes
 import functools
 import os
 import tempfile
+from collections.abc import Mapping
 
 SHM = b"/dev/shm"
+ALLOW_SHARED_ENV = "TRITON_DISAGG_ALLOW_SHARED_SHM"    # "1": serve on the shared /dev/shm
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 0x2, 0x4, 0x1000, 0x4000, 0x80000
 
@@ -61,6 +66,19 @@ def possible() -> bool:
             finally:
                 os._exit(code)
         return os.waitpid(pid, 0)[1] == 0
+
+
+def shared_refusal(private: bool, environ: Mapping[str, str]) -> str | None:
+    """Why serve must not start tritonserver (one line), or None: it may. It may where the
+    server gets a ``/dev/shm`` of its own (``private``, :func:`possible`), or where the user
+    opted in to the shared one with ``ALLOW_SHARED_ENV=1`` in ``environ``."""
+    if private or environ.get(ALLOW_SHARED_ENV) == "1":
+        return None
+    return ("this host allows tritonserver no private /dev/shm (no mount or user namespace), "
+            "and there a local user who reads its command line can make Triton's "
+            "shared-memory API write into this user's /dev/shm (KV staging areas, "
+            f"Python-backend regions); set {ALLOW_SHARED_ENV}=1 to serve anyway, accepting "
+            "that (docs/architecture.md, trust boundaries)")
 
 
 def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int,

@@ -37,7 +37,8 @@ start that nothing keeps (clients get "This API is restricted"; health, metadata
 inference and statistics stay open): a local user who reads it there can change the log
 and trace levels (not their files: Triton refuses that over the network) and register
 shared memory, which Triton opens in its private ``/dev/shm``, where nothing of ours can
-be named. The gRPC endpoint accepts the orchestrators' keepalive pings
+be named (without one, serve refuses to start unless the user opts in:
+:func:`.private_shm.shared_refusal`). The gRPC endpoint accepts the orchestrators' keepalive pings
 (:mod:`triton_disagg.front.grpc_transport`): every ``KEEPALIVE_MS``, idle calls included.
 """
 

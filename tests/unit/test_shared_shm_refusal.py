@@ -1,0 +1,39 @@
+"""serve on a host that allows tritonserver no ``/dev/shm`` of its own
+(:func:`triton_disagg.triton.private_shm.shared_refusal`): there a local user who reads the
+restricted-API header value on tritonserver's command line can register a shared-memory
+region by name and have Triton write into this user's ``/dev/shm``, so serve refuses
+unless the user opts in. The fallback is simulated (this host may allow the namespace)."""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_disagg import cli
+from triton_disagg.triton import private_shm
+from triton_disagg.triton.private_shm import ALLOW_SHARED_ENV, shared_refusal
+
+
+@pytest.mark.parametrize("private, environ, refused", [
+    (True, {}, False),                          # a private /dev/shm: nothing to opt in to
+    (False, {}, True),
+    (False, {ALLOW_SHARED_ENV: "1"}, False),    # the user accepted the shared one
+    (False, {ALLOW_SHARED_ENV: "0"}, True),
+    (False, {ALLOW_SHARED_ENV: "yes"}, True),   # only "1" opts in
+])
+def test_the_shared_dev_shm_takes_an_explicit_opt_in(private, environ, refused):
+    reason = shared_refusal(private, environ)
+    assert (reason is not None) == refused
+    if refused:
+        assert f"{ALLOW_SHARED_ENV}=1" in reason and "shared-memory API" in reason
+        assert "\n" not in reason
+
+
+def test_serve_refuses_the_shared_dev_shm_before_it_starts_anything(demo_engine, tmp_path,
+                                                                     monkeypatch, capsys):
+    monkeypatch.setattr(private_shm, "possible", lambda: False)
+    monkeypatch.delenv(ALLOW_SHARED_ENV, raising=False)
+    work_dir = tmp_path / "work"
+    code = cli.main(["serve", "all", "--engine", str(demo_engine), "--work-dir", str(work_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{ALLOW_SHARED_ENV}=1" in err and "/dev/shm" in err
+    assert not work_dir.exists()        # refused before claiming a work dir or a port
