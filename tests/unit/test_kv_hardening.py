@@ -276,3 +276,29 @@ def test_remote_agents_pinned_wait_for_their_last_unpin():
     assert nixl.loaded == {"c"}
     remotes.unpin("c")
     assert nixl.loaded == {"c"} and len(remotes) == 1
+
+
+def test_a_tail_fetch_reads_past_a_descriptor_that_starts_inside_its_run():
+    """The receiver loaded lease one (block 3 alone), then fetches only the last block of
+    lease two (blocks 1-4, one run: its prefix cache holds the first three). NIXL looks a
+    READ's remote range up in the one loaded descriptor with the greatest start at or before
+    it: lease one's block 3, which does not cover block 4 (NIXL_ERR_NOT_FOUND, a 500 the
+    OpenAPI fuzz test met once in a few runs). The fetch loads lease two's metadata afresh
+    and READs again, and gets lease two's block."""
+    pytest.importorskip("nixl")
+    from triton_disagg.kv.handle import tail
+    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+
+    blocks = CountingPool()
+    sender = NixlEndpoint("hardening-tail-ctx", make_pool(1, 16, 4, "float32"), blocks.free,
+                          poll_interval_s=0.002)
+    receiver = NixlEndpoint("hardening-tail-gen", make_pool(3, 16, 4, "float32"))
+    try:
+        receiver.fetch(_export(sender, blocks, [3]), [0])
+        receiver.fetch(tail(_export(sender, blocks, [1, 2, 3, 4]), 3), [5])
+        np.testing.assert_array_equal(receiver.pool[5], sender.pool[4])
+        receiver.fetch(tail(_export(sender, blocks, [1, 2, 3, 4, 5]), 4), [6])  # as reloaded
+        np.testing.assert_array_equal(receiver.pool[6], sender.pool[5])
+    finally:
+        receiver.close()
+        sender.close()
