@@ -245,21 +245,26 @@ def test_a_remote_agent_in_use_is_not_evicted_by_a_small_lru():
         endpoint_a.close()
 
 
+class FakeNixl:
+    """The remote-agent calls of a ``nixl_agent``: metadata is the agent's name."""
+
+    def __init__(self):
+        self.loaded: set[str] = set()
+        self.removed = 0
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.loaded.add(metadata.decode())
+        return metadata
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.loaded.remove(name)
+        self.removed += 1
+
+
 def test_remote_agents_pinned_wait_for_their_last_unpin():
     from triton_disagg.kv.nixl_agent import RemoteAgents
 
-    class Nixl:
-        def __init__(self):
-            self.loaded: set[str] = set()
-
-        def add_remote_agent(self, metadata: bytes) -> bytes:
-            self.loaded.add(metadata.decode())
-            return metadata
-
-        def remove_remote_agent(self, name: str) -> None:
-            self.loaded.remove(name)
-
-    now, nixl = [0.0], Nixl()
+    now, nixl = [0.0], FakeNixl()
     remotes = RemoteAgents(nixl, max_peers=1, idle_s=10, max_loads=2, clock=lambda: now[0])
     remotes.load("a", b"a", pin=True)
     remotes.load("a", b"a", pin=True)                   # two fetches from a
@@ -302,3 +307,17 @@ def test_a_tail_fetch_reads_past_a_descriptor_that_starts_inside_its_run():
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_remote_agent_is_reloaded_only_while_no_other_fetch_pins_it():
+    from triton_disagg.kv.nixl_agent import RemoteAgents
+
+    nixl = FakeNixl()
+    remotes = RemoteAgents(nixl)
+    remotes.load("a", b"a", pin=True)
+    remotes.load("a", b"a", pin=True)                   # a second fetch from a
+    assert not remotes.reload("a", b"a") and nixl.removed == 0   # its READ may be in flight
+    remotes.unpin("a")
+    assert remotes.reload("a", b"a") and nixl.removed == 1 and nixl.loaded == {"a"}
+    remotes.unpin("a")                                  # the reload kept the caller's pin
+    assert not remotes.reload("b", b"b")                # never loaded: nothing to drop
