@@ -57,8 +57,10 @@ def test_generated_requests_get_no_5xx_and_openai_errors(server, document, mode)
             served(case.body)
         response = case.call(base_url=server.front, session=session, timeout=ANSWER_SECONDS)
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
-        assert response.status_code < 500, \
-            f"{case.method} {case.path} {case.body!r:.300} -> {response.text[:300]}"
+        if response.status_code >= 500:
+            request_id = response.headers.get("X-Request-Id", "")
+            raise AssertionError(f"{case.method} {case.path} {case.body!r:.300} -> "
+                                 f"{response.text[:300]}\n{server.why(request_id)}")
         if response.status_code >= 400:
             jsonschema.validate(response.json(), error_schema)
 

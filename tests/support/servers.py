@@ -54,6 +54,18 @@ class Served:
         path = self.work_dir / "tritonserver.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def why(self, request_id: str, tail: int = 40) -> str:
+        """What the logs say of ``request_id`` (a front answered it a 5xx): the lines of
+        every log under the work dir (the CLI's output, the HTTP front's, tritonserver's)
+        that carry it, then the last ``tail`` lines of tritonserver's log (a crash, or a
+        fault logged without the id)."""
+        logs = sorted({self.log, *self.work_dir.glob("*.log")})
+        lines = [line for path in logs for line in path.read_text(errors="replace").splitlines()]
+        server = self.server_log().splitlines()
+        carrying = [line for line in lines if request_id and request_id in line]
+        return "\n".join([f"--- log lines of request {request_id} ---", *carrying,
+                          "--- tritonserver.log tail ---", *server[-tail:]])
+
 
 @contextlib.contextmanager
 def serve(role: str, args: list[str], work_dir: Path, http: bool = True, metrics: bool = True,

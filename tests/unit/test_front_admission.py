@@ -196,6 +196,10 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_ended(d
     (b'{"model": "demo", "prompt": "a", "top_p": ' + b"[" * 900 + b"]" * 900 + b"}", {},
      "'top_p'"),
     (b"not gzip", {"Content-Encoding": "gzip"}, "Content-Encoding"),
+    # a lone surrogate (found by a fuzzer: 500 when the prompt was encoded), in a value or a key
+    (b'{"model": "demo", "prompt": "a\\ud800b", "max_tokens": 2}', {}, "'\\ud800'"),
+    (b'{"model": "demo", "prompt": "a", "stop": ["\\udfff"]}', {}, "lone UTF-16 surrogate"),
+    (b'{"model": "demo", "prompt": "a", "\\udbff\\ud800": 1}', {}, "'\\udbff'"),
 ])
 def test_hostile_json_is_a_400_naming_the_problem(demo_engine, raw_body, headers, words):
     async def check(client):

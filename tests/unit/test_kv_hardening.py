@@ -245,21 +245,26 @@ def test_a_remote_agent_in_use_is_not_evicted_by_a_small_lru():
         endpoint_a.close()
 
 
+class FakeNixl:
+    """The remote-agent calls of a ``nixl_agent``: metadata is the agent's name."""
+
+    def __init__(self):
+        self.loaded: set[str] = set()
+        self.removed = 0
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.loaded.add(metadata.decode())
+        return metadata
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.loaded.remove(name)
+        self.removed += 1
+
+
 def test_remote_agents_pinned_wait_for_their_last_unpin():
     from triton_disagg.kv.nixl_agent import RemoteAgents
 
-    class Nixl:
-        def __init__(self):
-            self.loaded: set[str] = set()
-
-        def add_remote_agent(self, metadata: bytes) -> bytes:
-            self.loaded.add(metadata.decode())
-            return metadata
-
-        def remove_remote_agent(self, name: str) -> None:
-            self.loaded.remove(name)
-
-    now, nixl = [0.0], Nixl()
+    now, nixl = [0.0], FakeNixl()
     remotes = RemoteAgents(nixl, max_peers=1, idle_s=10, max_loads=2, clock=lambda: now[0])
     remotes.load("a", b"a", pin=True)
     remotes.load("a", b"a", pin=True)                   # two fetches from a
@@ -276,3 +281,43 @@ def test_remote_agents_pinned_wait_for_their_last_unpin():
     assert nixl.loaded == {"c"}
     remotes.unpin("c")
     assert nixl.loaded == {"c"} and len(remotes) == 1
+
+
+def test_a_tail_fetch_reads_past_a_descriptor_that_starts_inside_its_run():
+    """The receiver loaded lease one (block 3 alone), then fetches only the last block of
+    lease two (blocks 1-4, one run: its prefix cache holds the first three). NIXL looks a
+    READ's remote range up in the one loaded descriptor with the greatest start at or before
+    it: lease one's block 3, which does not cover block 4 (NIXL_ERR_NOT_FOUND, a 500 the
+    OpenAPI fuzz test met once in a few runs). The fetch loads lease two's metadata afresh
+    and READs again, and gets lease two's block."""
+    pytest.importorskip("nixl")
+    from triton_disagg.kv.handle import tail
+    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+
+    blocks = CountingPool()
+    sender = NixlEndpoint("hardening-tail-ctx", make_pool(1, 16, 4, "float32"), blocks.free,
+                          poll_interval_s=0.002)
+    receiver = NixlEndpoint("hardening-tail-gen", make_pool(3, 16, 4, "float32"))
+    try:
+        receiver.fetch(_export(sender, blocks, [3]), [0])
+        receiver.fetch(tail(_export(sender, blocks, [1, 2, 3, 4]), 3), [5])
+        np.testing.assert_array_equal(receiver.pool[5], sender.pool[4])
+        receiver.fetch(tail(_export(sender, blocks, [1, 2, 3, 4, 5]), 4), [6])  # as reloaded
+        np.testing.assert_array_equal(receiver.pool[6], sender.pool[5])
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_remote_agent_is_reloaded_only_while_no_other_fetch_pins_it():
+    from triton_disagg.kv.nixl_agent import RemoteAgents
+
+    nixl = FakeNixl()
+    remotes = RemoteAgents(nixl)
+    remotes.load("a", b"a", pin=True)
+    remotes.load("a", b"a", pin=True)                   # a second fetch from a
+    assert not remotes.reload("a", b"a") and nixl.removed == 0   # its READ may be in flight
+    remotes.unpin("a")
+    assert remotes.reload("a", b"a") and nixl.removed == 1 and nixl.loaded == {"a"}
+    remotes.unpin("a")                                  # the reload kept the caller's pin
+    assert not remotes.reload("b", b"b")                # never loaded: nothing to drop

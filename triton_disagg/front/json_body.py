@@ -1,11 +1,13 @@
 """A request's JSON body, read and parsed within bounds: at most ``MAX_BODY_BYTES`` (aiohttp's
-``client_max_size``: 413), arriving within ``body_timeout_seconds`` (else 408), framed and encoded as its headers say,
-UTF-8, and
-JSON that Python's parser takes (else 400 naming the problem: not JSON, nested deeper than
-the parser's recursion limit, an integer of more than ``sys.get_int_max_str_digits()``
-digits). A body over ``OFF_LOOP_BYTES`` is decoded and parsed on ``PARSER``, one thread,
-so a large body neither stalls the event loop's other clients nor has more than one
-parse's worth of objects alive at a time.
+``client_max_size``: 413), arriving within ``body_timeout_seconds`` (else 408), framed and
+encoded as its headers say, UTF-8, and JSON that Python's parser takes (else 400 naming the
+problem: not JSON, nested deeper than the parser's recursion limit, an integer of more than
+``sys.get_int_max_str_digits()`` digits, a string with a lone surrogate: a ``\\uD800``-
+``\\uDFFF`` escape not paired into one character, which JSON's grammar allows and UTF-8
+cannot encode, so no string of a parsed body fails to encode later). A body over
+``OFF_LOOP_BYTES`` is decoded and parsed on ``PARSER``, one thread, so a large body neither
+stalls the event loop's other clients nor has more than one parse's worth of objects alive
+at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
 def decode(raw: bytes) -> Any:
     """``raw`` as a JSON value, or :class:`ApiError` (400) saying why not."""
     try:
-        return json.loads(raw.decode("utf-8"))
+        value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ApiError("the body is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
@@ -40,6 +42,30 @@ def decode(raw: bytes) -> Any:
     except ValueError:      # int('9' * 5000): the str -> int digit limit
         raise ApiError(f"the body has an integer of more than {sys.get_int_max_str_digits()} "
                        f"digits; no field of this API takes one") from None
+    _refuse_lone_surrogates(value)
+    return value
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    """:class:`ApiError` (400) when a string of ``value`` (a key or a value, at any depth)
+    holds a lone surrogate. Walked with a stack: the parser's nesting limit is about the
+    interpreter's recursion limit, which a recursive walk would pass."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ApiError(f"the body has a string with a lone UTF-16 surrogate "
+                               f"({ascii(exc.object[exc.start])}): not a Unicode character; "
+                               f"escape a character beyond U+FFFF as a surrogate pair") \
+                    from None
 
 
 async def read_json(request: web.Request, timeout: float) -> Any:

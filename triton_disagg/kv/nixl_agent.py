@@ -116,6 +116,17 @@ class RemoteAgents:
             self._doomed.discard(peer)
             self._agent.remove_remote_agent(peer)
 
+    def reload(self, peer: str, metadata: bytes) -> bool:
+        """Load ``peer`` afresh from ``metadata`` alone, dropping the descriptors every
+        earlier handle loaded (:meth:`Agent.read` says why), its pins kept; False, and
+        nothing done, while another fetch pins it too (a READ of its may be in flight)."""
+        if self._pins[peer] > 1 or peer not in self._peers:
+            return False
+        self._peers.pop(peer)
+        self._agent.remove_remote_agent(peer)
+        self.load(peer, metadata)
+        return True
+
     def clear(self) -> None:
         """Remove every peer, pinned or not (the agent is closing)."""
         self._pins.clear()
@@ -233,20 +244,30 @@ class Agent:
         return self._scratch
 
     def read(self, peer: str, local: list, remote: list, notif: bytes, deadline: float,
-             what: str) -> None:
+             what: str, metadata: bytes | None = None) -> None:
         """READ ``remote`` ``(addr, len, 0)`` ranges of ``peer`` into ``local`` ones; the
         peer gets ``notif`` (if any) after its memory was read. :class:`TransferError`
         unless done by ``deadline`` (``time.monotonic()``); a failed READ also forgets the
-        peer, whose next handle loads it afresh."""
+        peer, whose next handle loads it afresh.
+
+        ``metadata``: the (partial) metadata that exposed ``remote``. NIXL looks each
+        remote range up in the one loaded descriptor of ``peer`` with the greatest start at
+        or before it, so a range that starts inside a descriptor (a handle's tail) is
+        refused when an earlier handle's descriptor starts between the two and ends before
+        the range does. A refused READ is then tried once more with ``peer`` loaded afresh
+        from ``metadata`` alone (:meth:`RemoteAgents.reload`)."""
         with self._lock:
             try:
-                xfer = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local, "DRAM"),
-                    self._agent.get_xfer_descs(remote, "DRAM"), peer, notif)
+                xfer = self._initialize(peer, local, remote, notif)
             except Exception as exc:  # noqa: BLE001 - e.g. addresses the peer never exposed
-                self._remotes.forget(peer)
-                raise TransferError(f"NIXL refused the READ of {what} from {peer}: "
-                                    f"{exc}") from exc
+                try:
+                    if metadata is None or not self._remotes.reload(peer, metadata):
+                        raise
+                    xfer = self._initialize(peer, local, remote, notif)
+                except Exception:  # noqa: BLE001 - refused again, or not reloaded
+                    self._remotes.forget(peer)
+                    raise TransferError(f"NIXL refused the READ of {what} from {peer}: "
+                                        f"{exc}") from exc
             state = self._agent.transfer(xfer)
         pause = 0.0     # then 50 us doubling to 250 us: the sender's watcher polls every 0.5 ms
         while state == "PROC" and time.monotonic() < deadline:
@@ -263,6 +284,12 @@ class Agent:
             self.forget(peer)
             result = "did not finish in time" if state == "PROC" else "failed"
             raise TransferError(f"NIXL READ of {what} from {peer} {result} (state {state})")
+
+    def _initialize(self, peer: str, local: list, remote: list, notif: bytes) -> Any:
+        """A READ's NIXL transfer handle (NIXL raises when it refuses one); under the lock."""
+        return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
+                                           self._agent.get_xfer_descs(remote, "DRAM"), peer,
+                                           notif)
 
     def notify(self, peer: str, message: bytes) -> None:
         """Send ``peer`` (connected) a notification on its own, not bound to a READ."""

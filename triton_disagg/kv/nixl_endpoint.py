@@ -328,7 +328,7 @@ class NixlEndpoint:
             offset = layers.start * step
         self._agent.read(peer, [(base + d * size + offset, n, 0) for _, d, n in pairs],
                          [(handle.pool_addr + s * size + offset, n, 0) for s, _, n in pairs],
-                         b"", deadline, f"KV lease {handle.lease_id}")
+                         b"", deadline, f"KV lease {handle.lease_id}", handle.agent_metadata)
 
     def _confirm(self, peer: str, handle: KVHandle, deadline: float,
                  tickets: Optional[np.ndarray] = None) -> None:
@@ -344,7 +344,7 @@ class NixlEndpoint:
         self._agent.read(peer, [(tickets.ctypes.data, 8 * n, 0)],
                          [(handle.ticket_addr, 8 * n, 0)],
                          NOTIF_PREFIX + handle.lease_id.encode(), deadline,
-                         f"KV lease {handle.lease_id} tickets")
+                         f"KV lease {handle.lease_id} tickets", handle.agent_metadata)
         if (tickets != handle.ticket).any():
             raise LeaseExpiredError(f"KV blocks of lease {handle.lease_id} were already "
                                     f"fetched, or the lease expired and the context "
