@@ -3,9 +3,10 @@
 UTF-8, and
 JSON that Python's parser takes (else 400 naming the problem: not JSON, nested deeper than
 the parser's recursion limit, an integer of more than ``sys.get_int_max_str_digits()``
-digits). A body over ``OFF_LOOP_BYTES`` is decoded and parsed on ``PARSER``, one thread,
-so a large body neither stalls the event loop's other clients nor has more than one
-parse's worth of objects alive at a time.
+digits). The value is then checked by the caller's ``check`` (a request model's
+validation). A body over ``OFF_LOOP_BYTES`` is decoded and checked on ``PARSER``, one
+thread, so a large body neither stalls the event loop's other clients (streams,
+``/healthz``) nor has more than one parse's worth of objects alive at a time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, TypeVar
 # Any here: decoded JSON values, checked by whoever reads them.
 
 from aiohttp import web
@@ -24,6 +25,7 @@ from triton_disagg.front.openai_api import ApiError
 MAX_BODY_BYTES = 10 * 2**20     # a larger body is refused with 413
 OFF_LOOP_BYTES = 64 * 2**10     # a larger body is parsed on PARSER, not the event loop
 PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
+Checked = TypeVar("Checked")
 
 
 def decode(raw: bytes) -> Any:
@@ -42,8 +44,9 @@ def decode(raw: bytes) -> Any:
                        f"digits; no field of this API takes one") from None
 
 
-async def read_json(request: web.Request, timeout: float) -> Any:
-    """The request's body as a JSON value (module docstring)."""
+async def read_json(request: web.Request, timeout: float,
+                    check: Callable[[Any], Checked]) -> Checked:
+    """``check`` of the request's body as a JSON value (module docstring)."""
     try:
         async with asyncio.timeout(timeout):
             raw = await request.read()
@@ -54,5 +57,6 @@ async def read_json(request: web.Request, timeout: float) -> Any:
         raise ApiError("the body could not be read as sent: its Content-Encoding or chunked "
                        "framing is broken") from None
     if len(raw) <= OFF_LOOP_BYTES:
-        return decode(raw)
-    return await asyncio.get_running_loop().run_in_executor(PARSER, decode, raw)
+        return check(decode(raw))
+    return await asyncio.get_running_loop().run_in_executor(PARSER,
+                                                            lambda: check(decode(raw)))
