@@ -113,6 +113,8 @@ HOSTILE_BODIES = [
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 100_000}).encode(),
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a " * 2_000_000}]}).encode(),
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}).encode(),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [1] * 2_000_000}]}).encode(),
+    json.dumps({"model": MODEL, "prompt": "a", **{f"k{i}": 1 for i in range(500_000)}}).encode(),
     json.dumps({"model": MODEL, "prompt": "a", "logit_bias": {str(i): 1 for i in range(50_000)}}).encode(),
     b"x" * (11 * MiB),
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import uuid
@@ -74,8 +75,8 @@ def server_error(exc: Exception, request_id: str) -> ApiError:
 
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     preparer = request.app[PREPARER]
-    body = await read_json(request, request.app[FRONT].body_timeout_seconds)
-    gen = parse(endpoint, body, preparer.limits)
+    gen = await read_json(request, request.app[FRONT].body_timeout_seconds,
+                          functools.partial(parse, endpoint, limits=preparer.limits))
     choices = gen.choices()
     with request.app[CALLS].more(len(choices) - 1):   # a call per choice, each counted
         return await _generate_choices(request, gen, choices)

@@ -4,10 +4,11 @@ encoded as its headers say, UTF-8, and JSON that Python's parser takes (else 400
 problem: not JSON, nested deeper than the parser's recursion limit, an integer of more than
 ``sys.get_int_max_str_digits()`` digits, a string with a lone surrogate: a ``\\uD800``-
 ``\\uDFFF`` escape not paired into one character, which JSON's grammar allows and UTF-8
-cannot encode, so no string of a parsed body fails to encode later). A body over
-``OFF_LOOP_BYTES`` is decoded and parsed on ``PARSER``, one thread, so a large body neither
-stalls the event loop's other clients nor has more than one parse's worth of objects alive
-at a time.
+cannot encode, so no string of a parsed body fails to encode later). The value is then
+checked by the caller's ``check`` (a request model's validation). A body over
+``OFF_LOOP_BYTES`` is decoded and checked on ``PARSER``, one thread, so a large body neither
+stalls the event loop's other clients (streams, ``/healthz``) nor has more than one parse's
+worth of objects alive at a time.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable, TypeVar
 # Any here: decoded JSON values, checked by whoever reads them.
 
 from aiohttp import web
@@ -26,6 +27,7 @@ from triton_disagg.front.openai_api import ApiError
 MAX_BODY_BYTES = 10 * 2**20     # a larger body is refused with 413
 OFF_LOOP_BYTES = 64 * 2**10     # a larger body is parsed on PARSER, not the event loop
 PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
+Checked = TypeVar("Checked")
 
 
 def decode(raw: bytes) -> Any:
@@ -68,8 +70,9 @@ def _refuse_lone_surrogates(value: Any) -> None:
                     from None
 
 
-async def read_json(request: web.Request, timeout: float) -> Any:
-    """The request's body as a JSON value (module docstring)."""
+async def read_json(request: web.Request, timeout: float,
+                    check: Callable[[Any], Checked]) -> Checked:
+    """``check`` of the request's body as a JSON value (module docstring)."""
     try:
         async with asyncio.timeout(timeout):
             raw = await request.read()
@@ -80,5 +83,6 @@ async def read_json(request: web.Request, timeout: float) -> Any:
         raise ApiError("the body could not be read as sent: its Content-Encoding or chunked "
                        "framing is broken") from None
     if len(raw) <= OFF_LOOP_BYTES:
-        return decode(raw)
-    return await asyncio.get_running_loop().run_in_executor(PARSER, decode, raw)
+        return check(decode(raw))
+    return await asyncio.get_running_loop().run_in_executor(PARSER,
+                                                            lambda: check(decode(raw)))

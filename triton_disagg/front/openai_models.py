@@ -12,10 +12,14 @@ this server cannot honour (``best_of``, tools, ``min_p``, ...) validates only at
 items are looked at (pydantic checks a list's length first): ``max_tokens`` and
 ``min_tokens`` by the engine's ``max_seq_len`` less one prompt token, ``top_k`` and token ids
 by its vocabulary (:class:`EngineLimits`); ``stop`` at most ``MAX_STOP_WORDS`` words of at
-most ``MAX_STOP_CHARS`` characters, ``messages`` at most ``max_seq_len`` messages, a
-token-id prompt at most ``max_seq_len`` ids, prompts x ``n`` at most ``MAX_CHOICES``,
-``cache_salt`` at most ``MAX_CACHE_SALT`` characters. A rule between fields fails as a
-``refused`` error whose ``ctx["param"]`` names the field (:func:`refused`).
+most ``MAX_STOP_CHARS`` characters, ``messages`` at most ``max_seq_len`` messages of at most
+``MAX_TEXT_PARTS`` text parts each and ``MAX_TEXT_PARTS_TOTAL`` in all (counted on the raw
+JSON before any message is looked at), a token-id prompt at most ``max_seq_len`` ids,
+prompts x ``n`` at most ``MAX_CHOICES``, ``cache_salt`` at most ``MAX_CACHE_SALT``
+characters. A rule between fields fails as a ``refused`` error whose ``ctx["param"]`` names
+the field (:func:`refused`). A list as long as the engine allows, or of content parts,
+stops at its first bad item (:func:`bounded_list`), so a refused body has a few errors,
+never one per item.
 """
 
 import functools
@@ -23,9 +27,9 @@ import reprlib
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag,
-                      WithJsonSchema, create_model, model_validator)
-from pydantic_core import PydanticCustomError
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator,
+                      Field, Tag, WithJsonSchema, create_model, model_validator)
+from pydantic_core import PydanticCustomError, PydanticKnownError
 
 from triton_disagg.engine.sampling import MAX_CACHE_SALT
 
@@ -35,6 +39,8 @@ MAX_TOP_LOGPROBS = 20           # OpenAI's limit on chat's ``top_logprobs``
 MAX_CHOICES = 8                 # prompts x n of one request: each is one engine request
 MAX_STOP_WORDS = 4              # OpenAI's limit on ``stop``
 MAX_STOP_CHARS = 256            # per stop sequence
+MAX_TEXT_PARTS = 256            # a chat message's content parts
+MAX_TEXT_PARTS_TOTAL = 1024     # content parts of all of a chat's messages
 SHOWN_CHARS = 60                # of a value quoted in an error message
 INT32_MAX = 2**31 - 1
 _SHOW = reprlib.Repr()         # Python 3.11's takes no arguments
@@ -86,6 +92,23 @@ def _by_form(forms: dict[type, str], message: str) -> Discriminator:
                          custom_error_type="wrong_type", custom_error_message=message)
 
 
+def bounded_list(item: Any, max_length: int, *then: BeforeValidator,
+                 min_length: int = 0) -> Any:
+    """A list of ``min_length`` to ``max_length`` ``item``s: its length checked before
+    anything else (pydantic's own check comes after the first item with ``fail_fast``), then
+    the validators ``then`` on the raw list, then its items up to the first bad one (its
+    only error: a refused list costs one error, not one per item)."""
+    def length_fits(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > max_length:
+            raise PydanticKnownError("too_long", {"field_type": "List", "max_length": max_length,
+                                                  "actual_length": len(value)})
+        return value
+    # the last of Annotated's validators runs first
+    return Annotated[list[item], Field(min_length=min_length, max_length=max_length,
+                                       fail_fast=True), *reversed(then),
+                     BeforeValidator(length_fits)]
+
+
 # ---- the fields whose bounds are the engine's (each a function of its limits) ---------------
 
 def max_tokens_field(limits: EngineLimits) -> Any:
@@ -116,7 +139,7 @@ def token_ids(limits: EngineLimits) -> Any:
             raise PydanticCustomError("not_in_vocabulary", f"token id {shown(bad)} is not in "
                                       f"this model's vocabulary (0 to {last})")
         return ids
-    return Annotated[list[int], Field(min_length=1, max_length=limits.max_seq_len),
+    return Annotated[bounded_list(int, limits.max_seq_len, min_length=1),
                      AfterValidator(in_vocabulary),
                      WithJsonSchema({"type": "array", "minItems": 1,
                                      "maxItems": limits.max_seq_len,
@@ -158,8 +181,14 @@ class _Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) \
-            else data
+        """``data`` less its ``null`` fields and all its unknown fields but the first (one
+        ``extra_forbidden`` error, not one per unknown field of a hostile body)."""
+        if not isinstance(data, dict):
+            return data
+        unknown = next((k for k, v in data.items() if k not in cls.model_fields
+                        and v is not None), None)
+        return {k: v for k, v in data.items()
+                if v is not None and (k in cls.model_fields or k == unknown)}
 
 
 class TextPart(_Strict):
@@ -168,11 +197,12 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    """A chat message of text: a string, or text parts that are joined."""
+    """A chat message of text: a string, or at most ``MAX_TEXT_PARTS`` text parts that are
+    joined."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[Annotated[str, Tag("one text")]
-                       | Annotated[list[TextPart], Tag("text parts")],
+                       | Annotated[bounded_list(TextPart, MAX_TEXT_PARTS), Tag("text parts")],
                        _by_form({str: "one text", list: "text parts"},
                                 "expected a string or a list of text parts")]
     name: str | None = None
@@ -182,10 +212,30 @@ class Message(_Strict):
             "".join(part.text for part in self.content)
 
 
+def _parts_fit(messages: Any) -> Any:
+    """The raw ``messages`` list, if its messages have at most ``MAX_TEXT_PARTS_TOTAL``
+    content parts in all (counted without looking at a part, a message's at most
+    ``MAX_TEXT_PARTS``: one with more is refused by its own length check; anything else is
+    left for the model's checks)."""
+    if isinstance(messages, list):
+        parts = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            parts += min(len(content), MAX_TEXT_PARTS) if isinstance(content, list) else 0
+            if parts > MAX_TEXT_PARTS_TOTAL:
+                raise refused("messages", f"more than {MAX_TEXT_PARTS_TOTAL} content parts "
+                                          f"in all messages")
+    return messages
+
+
 def messages_field(limits: EngineLimits) -> Any:
-    return Annotated[list[Message], Field(min_length=1, max_length=limits.max_seq_len,
-                                          description="at most this engine's max_seq_len "
-                                                      f"{limits.max_seq_len} messages")]
+    # the messages counted, then their parts, then each message looked at
+    return Annotated[bounded_list(Message, limits.max_seq_len, BeforeValidator(_parts_fit),
+                                  min_length=1),
+                     Field(description=f"at most this engine's max_seq_len "
+                                       f"{limits.max_seq_len} messages of at most "
+                                       f"{MAX_TEXT_PARTS} content parts, "
+                                       f"{MAX_TEXT_PARTS_TOTAL} in all")]
 
 
 class StreamOptions(_Strict):
