@@ -351,7 +351,7 @@ class LLMEngine:
                 if s.params.prompt_logprobs is not None and s.prompt_logprobs is None}
         logits, every = (self.runner.prefill_keeping(batch, keep, on_layer) if keep
                          else (self.runner.prefill(batch, on_layer), {}))
-        for i, rows in every.items():        # [n, V]: no cached prefix (Sequence.reserve)
+        for i, rows in every.items():        # n rows: no cached prefix (Sequence.reserve)
             seqs[i].prompt_logprobs = prompt_logprobs(rows, seqs[i].prompt_ids,
                                                       seqs[i].params.prompt_logprobs)
         for s in seqs:

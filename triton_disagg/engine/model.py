@@ -14,6 +14,7 @@ is float32 on the weights as loaded (no per-step weight copies).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Collection, Sequence, Union
 
@@ -29,6 +30,22 @@ LayerDone = Callable[[int], None]   # prefill hook: layer ``li``'s K/V of every 
 # One prompt of a prefill: (token_ids, block_ids) or (token_ids, block_ids, num_cached).
 PrefillItem = Union[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int], int]]
 Batch = Sequence[PrefillItem]
+
+
+@dataclass(frozen=True)
+class LogitRows:
+    """The logits of ``num_rows`` positions of one prompt, made on demand: ``rows(start,
+    stop)`` -> float32 ``[stop - start, vocab_size]``. Holds only the prompt's final hidden
+    states (``num_rows * H``, H << V), so a reader that takes a few rows at a time never has
+    the ``[num_rows, V]`` array (``engine.prompt_logprobs``)."""
+
+    num_rows: int
+    vocab_size: int
+    rows: Callable[[int, int], np.ndarray]
+
+    def all(self) -> np.ndarray:
+        """Every row at once, ``[num_rows, V]`` (tests; a request path reads chunks)."""
+        return self.rows(0, self.num_rows)
 
 
 def prefill_item(item: PrefillItem) -> tuple[Sequence[int], Sequence[int], int]:
@@ -117,19 +134,20 @@ class ModelRunner:
 
     def prefill_keeping(self, batch: Batch, keep: Collection[int],
                         on_layer: LayerDone | None = None
-                        ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+                        ) -> tuple[np.ndarray, dict[int, LogitRows]]:
         """:meth:`prefill`'s logits ``[B, V]``, and for each prompt index in ``keep`` the
-        logits ``[n_b, V]`` of every computed position (those after its cached prefix;
-        ``n_b * V * 4`` bytes each, only for the prompts kept)."""
+        logits ``[n_b, V]`` of every computed position (those after its cached prefix),
+        made a chunk of rows at a time on demand (:class:`LogitRows`)."""
         hidden, bounds = self._prefill_hidden(batch, on_layer)
         last = _matmul(hidden[[stop - 1 for _, stop in bounds]], self.lm_head)   # [B, V]
-        return last, {b: _matmul(hidden[start:stop], self.lm_head)
+        return last, {b: LogitRows(stop - start, len(self.lm_head),
+                                   partial(self._logit_rows, hidden[start:stop]))
                       for b, (start, stop) in enumerate(bounds) if b in keep}
 
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
         """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every computed position of
         each prompt (those after its cached prefix)."""
-        return list(self.prefill_keeping(batch, range(len(batch)))[1].values())
+        return [rows.all() for rows in self.prefill_keeping(batch, range(len(batch)))[1].values()]
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> np.ndarray:
@@ -151,6 +169,10 @@ class ModelRunner:
         return _matmul(hidden, self.lm_head)
 
     # ---- internals -------------------------------------------------------------------
+
+    def _logit_rows(self, hidden: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Logits ``[stop - start, V]`` of rows ``start:stop`` of one prompt's ``hidden [n, H]``."""
+        return _matmul(hidden[start:stop], self.lm_head)
 
     def _prefill_hidden(self, batch: Batch, on_layer: LayerDone | None = None
                         ) -> tuple[np.ndarray, list[tuple[int, int]]]:

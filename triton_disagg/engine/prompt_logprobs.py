@@ -7,9 +7,12 @@ apply to the prompt, as in vLLM), and the ``top`` most likely tokens there with 
 log-probs (most likely first).
 Position 0 has none (nothing precedes it).
 
-Cost: the prefill keeps the logits of every position of such a request, ``n * V * 4`` bytes
-for a prompt of ``n`` tokens (V = vocabulary size); the result is ``(n - 1) * (1 + top)``
-numbers, ``top <= MAX_LOGPROBS``.
+Cost: a prompt of ``n`` tokens is read ``CHUNK_ELEMENTS // V`` rows at a time (V =
+vocabulary size): the runner makes that chunk's logits from the prompt's hidden states
+(:class:`~triton_disagg.engine.model.LogitRows`) and the chunk is dropped once its
+log-probs are taken, so the extra memory is about ``40 * CHUNK_ELEMENTS`` bytes (float32
+logits, float64 log-probs and their temporaries) whatever ``n`` is; no ``[n, V]`` array
+exists. The result is ``(n - 1) * (1 + top)`` numbers, ``top <= MAX_LOGPROBS``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from typing import Sequence
 import numpy as np
 
 from triton_disagg.engine.logprobs import log_softmax, top_tokens
+from triton_disagg.engine.model import LogitRows
+
+CHUNK_ELEMENTS = 1 << 21     # logits per chunk (rows * V): 8 MiB float32, ~80 MiB at peak
 
 
 @dataclass(frozen=True)
@@ -33,9 +39,19 @@ class PromptLogprobs:
     top: np.ndarray
 
 
-def prompt_logprobs(logits: np.ndarray, prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
-    """From the logits ``[n, V]`` of every position of a prompt of ``n`` tokens."""
-    x = log_softmax(logits[:-1])                                     # [n-1, V]: predicts 1..n-1
-    chosen = x[np.arange(len(x)), np.asarray(prompt_ids[1:], dtype=np.int64)]    # [n-1]
-    top_ids, top = top_tokens(x, k)                                  # [n-1, k] each
-    return PromptLogprobs(chosen.astype(np.float32), top_ids, top)
+def prompt_logprobs(logits: LogitRows, prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
+    """From the logits ``[n, V]`` of every position of a prompt of ``n`` tokens, read a chunk
+    of rows at a time (each row independently: the same numbers as all rows at once)."""
+    n = logits.num_rows - 1                           # rows 0..n-1 predict tokens 1..n
+    targets = np.asarray(prompt_ids[1:], dtype=np.int64)                 # [n]
+    width = min(k, logits.vocab_size)
+    chosen = np.empty(n, np.float32)
+    top_ids = np.empty((n, width), np.int32)
+    top = np.empty((n, width), np.float32)
+    step = max(1, CHUNK_ELEMENTS // logits.vocab_size)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        x = log_softmax(logits.rows(start, stop))                        # [stop-start, V]
+        chosen[start:stop] = x[np.arange(stop - start), targets[start:stop]]
+        top_ids[start:stop], top[start:stop] = top_tokens(x, k)          # [stop-start, k] each
+    return PromptLogprobs(chosen, top_ids, top)

@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.decode_groups import length_groups
-from triton_disagg.engine.model import Batch, LayerDone, prefill_item
+from triton_disagg.engine.model import Batch, LayerDone, LogitRows, prefill_item
 from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
 
@@ -136,18 +136,26 @@ class TorchModelRunner:
 
     @_on_runner_device
     def prefill_keeping(self, batch: Batch, keep: Collection[int], on_layer: LayerDone | None = None
-                        ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+                        ) -> tuple[np.ndarray, dict[int, LogitRows]]:
         """:meth:`prefill`'s logits ``[B, V]``, and for each prompt index in ``keep`` the
-        logits ``[n_b, V]`` of every computed position (as the numpy runner's)."""
+        logits of every computed position, made on demand (as the numpy runner's; the
+        hidden states they are made from stay on the device until dropped)."""
         hidden, lengths = self._prefill_hidden(batch, on_layer)            # [B, n, H]
         last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
-        return self._logits(last), {b: self._logits(hidden[b, :n])
+        return self._logits(last), {b: LogitRows(n, len(self.lm_head),
+                                                 functools.partial(self._logit_rows, hidden[b, :n]))
                                     for b, n in enumerate(lengths) if b in keep}
 
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:
         """Like :meth:`prefill`, but the logits ``[n_i, V]`` of every computed position of
         each prompt (those after its cached prefix)."""
-        return list(self.prefill_keeping(batch, range(len(batch)))[1].values())
+        return [rows.all() for rows in self.prefill_keeping(batch, range(len(batch)))[1].values()]
+
+    @_on_runner_device
+    def _logit_rows(self, hidden: torch.Tensor, start: int, stop: int) -> np.ndarray:
+        """Float32 host logits ``[stop - start, V]`` of rows ``start:stop`` of one prompt's
+        ``hidden [n, H]``."""
+        return self._logits(hidden[start:stop])
 
     @_on_runner_device
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
