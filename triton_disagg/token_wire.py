@@ -35,6 +35,7 @@ final exactly when it carries ``finish`` or ``error``; keys are compared with
 from __future__ import annotations
 
 import hmac
+import math
 from dataclasses import dataclass
 from typing import Any
 # Any here: decoded msgpack values, checked field by field.
@@ -182,7 +183,7 @@ def _event(raw: Any) -> StreamEvent:
                 raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
             fields[name] = value
     if "log_probs" in fields:
-        fields["log_probs"] = _log_probs(fields["log_probs"])
+        fields["log_probs"] = _log_probs(fields["log_probs"], len(tokens))
     if "top" in raw:
         fields["top"] = _top(raw["top"], len(tokens))
     if fields.get("finish_reason") not in (None, *FINISH_REASONS):
@@ -192,11 +193,15 @@ def _event(raw: Any) -> StreamEvent:
     return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)
 
 
-def _log_probs(raw: list) -> list[float]:
-    """An event's ``log_probs``, each a number (an integer read as a float)."""
-    if not all(type(v) in (int, float) for v in raw):
-        raise WireError("token event: 'log_probs' must be a list of numbers")
-    return [float(v) for v in raw]
+def _log_probs(raw: list, n: int) -> list[float]:
+    """An event's ``log_probs``: one number per token of its ``n`` (an integer read as a
+    float), none NaN or +inf (a log-probability is at most 0; -inf is one)."""
+    if len(raw) != n or not all(type(v) in (int, float) for v in raw):
+        raise WireError(f"token event: 'log_probs' must be a list of {n} numbers, one per token")
+    values = [float(v) for v in raw]
+    if any(math.isnan(v) or v == math.inf for v in values):
+        raise WireError("token event: 'log_probs' holds NaN or +inf")
+    return values
 
 
 def _top(raw: Any, n: int) -> list[TopLogprobs]:

@@ -11,6 +11,7 @@ on a big pool (HF's greedy ones), each token sent once; no block is left in use 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -190,12 +191,15 @@ class CopiedKV:
         return self.num_tokens
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching, prompt_logprobs", [(True, None), (False, None),
+                                                             (True, 1)])
 def test_preempted_disaggregated_request_is_recomputed_on_the_generation_side(
-        engine_dirs, tiny_checkpoints, prefix_caching):
+        engine_dirs, tiny_checkpoints, prefix_caching, prompt_logprobs):
     """The generation side received the prompt's KV from a context; preempted, it prefills
     prompt + its tokens so far itself (the handle is not fetched twice) and its stream goes
-    on: first token from the context, then the rest, as HF's greedy run."""
+    on: first token from the context, then the rest, as HF's greedy run. A request that
+    asked for its prompt's log-probs (echo + logprobs: the context made them) does not
+    make them again in that recompute."""
     context = LLMEngine(engine_dirs["llama"])
     generation = LLMEngine(engine_dirs["llama"], num_blocks=SMALL_POOL,
                            prefix_caching=prefix_caching)
@@ -205,7 +209,8 @@ def test_preempted_disaggregated_request_is_recomputed_on_the_generation_side(
 
     def add(engine):
         for prompt, result, kv in zip(PROMPTS, results, kvs):
-            engine.add_prefilled(result.request_id, prompt, result.token_id, params, kv)
+            engine.add_prefilled(result.request_id, prompt, result.token_id,
+                                 replace(params, prompt_logprobs=prompt_logprobs), kv)
 
     got = run(generation, params, add)
     assert generation.scheduler.preemptions >= 1 and [kv.started for kv in kvs] == [1, 1]

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence as Seq
 
@@ -294,8 +294,10 @@ class LLMEngine:
         already finish the request (see ``PrefillResult``). ``first_token`` None: the
         fetch's result brings it (``first_token`` of its stats: the context announces it with
         the last layer of an overlapped transfer) and the sequence takes it as the KV lands.
+        The prompt's log-probs, if asked for, are the instance's that prefilled it: this
+        sequence never makes them, not even when recomputed after a preemption.
         """
-        seq = self._new_sequence(request_id, prompt_ids, params)
+        seq = self._new_sequence(request_id, prompt_ids, replace(params, prompt_logprobs=None))
         if kv.num_tokens != len(seq.prompt_ids):
             raise RequestError(f"request {request_id}: its prompt has {len(seq.prompt_ids)} "
                                f"tokens but the KV to fetch holds {kv.num_tokens}")

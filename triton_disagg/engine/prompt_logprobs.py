@@ -41,7 +41,10 @@ class PromptLogprobs:
 
 def prompt_logprobs(logits: LogitRows, prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
     """From the logits ``[n, V]`` of every position of a prompt of ``n`` tokens, read a chunk
-    of rows at a time (each row independently: the same numbers as all rows at once)."""
+    of rows at a time (each row independently). ``logits`` has a row per prompt token."""
+    if logits.num_rows != len(prompt_ids):
+        raise ValueError(f"{logits.num_rows} rows of logits for a prompt of {len(prompt_ids)} "
+                         f"tokens")
     n = logits.num_rows - 1                           # rows 0..n-1 predict tokens 1..n
     targets = np.asarray(prompt_ids[1:], dtype=np.int64)                 # [n]
     width = min(k, logits.vocab_size)

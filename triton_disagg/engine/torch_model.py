@@ -138,12 +138,13 @@ class TorchModelRunner:
     def prefill_keeping(self, batch: Batch, keep: Collection[int], on_layer: LayerDone | None = None
                         ) -> tuple[np.ndarray, dict[int, LogitRows]]:
         """:meth:`prefill`'s logits ``[B, V]``, and for each prompt index in ``keep`` the
-        logits of every computed position, made on demand (as the numpy runner's; the
-        hidden states they are made from stay on the device until dropped)."""
+        logits of every computed position, made on demand (as the numpy runner's; each kept
+        prompt's hidden states ``[n, H]`` are copied out of the batch's, so the batch's
+        padded ``[B, n_max, H]`` is freed with the step, and stay on the device until dropped)."""
         hidden, lengths = self._prefill_hidden(batch, on_layer)            # [B, n, H]
         last = hidden[torch.arange(len(lengths)), torch.tensor(lengths) - 1]  # [B, H]
         return self._logits(last), {b: LogitRows(n, len(self.lm_head),
-                                                 functools.partial(self._logit_rows, hidden[b, :n]))
+                                                 functools.partial(self._logit_rows, hidden[b, :n].clone()))
                                     for b, n in enumerate(lengths) if b in keep}
 
     def prefill_all_logits(self, batch: Batch) -> list[np.ndarray]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -26,6 +27,7 @@ from triton_disagg.front.openai_api import ApiError
 
 MAX_BODY_BYTES = 10 * 2**20     # a larger body is refused with 413
 OFF_LOOP_BYTES = 64 * 2**10     # a larger body is parsed on PARSER, not the event loop
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # \uD800-\uDFFF, either case
 PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
 Checked = TypeVar("Checked")
 
@@ -44,7 +46,8 @@ def decode(raw: bytes) -> Any:
     except ValueError:      # int('9' * 5000): the str -> int digit limit
         raise ApiError(f"the body has an integer of more than {sys.get_int_max_str_digits()} "
                        f"digits; no field of this API takes one") from None
-    _refuse_lone_surrogates(value)
+    if _SURROGATE_ESCAPE.search(raw):       # the walk only where one may be (UTF-8 has none)
+        _refuse_lone_surrogates(value)
     return value
 
 
