@@ -64,7 +64,7 @@ def test_a_cuda_engine_keeps_no_host_copy_of_its_pool(engine_dir, monkeypatch):
     float32 mirror's bytes per block), not a float32 mirror of every block."""
     import triton_disagg.engine.llm_engine as llm_engine
     from triton_disagg.engine.spec import KVLayout
-    from triton_disagg.kv.connector import connector_for
+    from triton_disagg.kv.connector_factory import connector_for
     from triton_disagg.kv.secret import SECRET_ENV, render_key_id
 
     monkeypatch.setattr(llm_engine, "device_kv_budget", lambda *a: 1 << 30)   # 1 GiB free

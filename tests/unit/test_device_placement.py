@@ -73,7 +73,7 @@ def test_a_connector_stages_kv_that_lives_on_the_device(monkeypatch):
     """On CUDA the runner computes KV in device memory, not in ``pool.array``: the connector
     registers a staging buffer through which the runner copies handed-off blocks (on CPU:
     nothing to stage, the runner computes in ``pool.array`` itself)."""
-    from triton_disagg.kv.connector import connector_for
+    from triton_disagg.kv.connector_factory import connector_for
     from triton_disagg.kv.secret import SECRET_ENV, render_key_id
 
     monkeypatch.setenv(SECRET_ENV, "s" * 64)

@@ -12,8 +12,8 @@ import pytest
 
 from kv_peers import FP, HD, KEY, KVH, L, CountingPool, make_pool, no_leaked_shm  # noqa: F401
 from triton_disagg.errors import UserError
-from triton_disagg.kv.connector import (STRATEGIES, HandoffBusy, KVConnector, PoolBuffer,
-                                        make_connector, strategy)
+from triton_disagg.kv.connector import STRATEGIES, HandoffBusy, KVConnector, PoolBuffer, strategy
+from triton_disagg.kv.connector_factory import make_connector
 from triton_disagg.kv.device_staging import DeviceStaging
 from triton_disagg.kv.layout import BlockGeometry
 from triton_disagg.kv.handle import HandleError

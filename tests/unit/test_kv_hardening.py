@@ -81,7 +81,8 @@ def test_a_failed_overlapped_prefill_ends_the_lease_it_took(demo_engine, monkeyp
     """The overlapped request's blocks belong to a lease once announced: a prefill failing
     after its first layer ends that lease (blocks back at once, generation told)."""
     pytest.importorskip("nixl")
-    from triton_disagg.kv.connector import PoolBuffer, make_connector
+    from triton_disagg.kv.connector import PoolBuffer
+    from triton_disagg.kv.connector_factory import make_connector
 
     context = PrefillLoop(LLMEngine(demo_engine, num_blocks=16),
                           _settings(demo_engine, "direct_transfer"), "hardening_ovctx")
@@ -181,7 +182,8 @@ def test_one_bad_overlap_notification_does_not_drop_the_others_of_its_pass(demo_
     notification in the same pass still reaches its pull."""
     pytest.importorskip("nixl")
     from triton_disagg.kv import overlap_wire as wire
-    from triton_disagg.kv.connector import PoolBuffer, make_connector
+    from triton_disagg.kv.connector import PoolBuffer
+    from triton_disagg.kv.connector_factory import make_connector
     from triton_disagg.kv.handle import KVHandle, encode
 
     generation = LLMEngine(demo_engine, num_blocks=16)

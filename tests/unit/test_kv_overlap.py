@@ -19,7 +19,8 @@ from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.generation.side import PulledKV
 from triton_disagg.kv import overlap_wire as wire
-from triton_disagg.kv.connector import make_connector, PoolBuffer
+from triton_disagg.kv.connector import PoolBuffer
+from triton_disagg.kv.connector_factory import make_connector
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.kv.overlap import Announcer
 from triton_disagg.kv.secret import deployment_key, key_id

@@ -50,7 +50,8 @@ from triton_disagg.engine.block_pool import PoolStats
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sequence import Sequence
 from triton_disagg.errors import Cancelled, EngineError, RequestError, Timeout, Unavailable
-from triton_disagg.kv.connector import ConnectorError, connector_for
+from triton_disagg.kv.connector import ConnectorError
+from triton_disagg.kv.connector_factory import connector_for
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.readers import OnDeath, fail_instance, guarded
 from triton_disagg.triton.engine_request import EngineRequest

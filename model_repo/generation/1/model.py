@@ -26,7 +26,7 @@ from triton_disagg.generation.side import DecodeAdmission, read_request_paramete
 from triton_disagg.generation.sockets import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
-from triton_disagg.kv.connector import connector_for
+from triton_disagg.kv.connector_factory import connector_for
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
