@@ -57,3 +57,21 @@ def test_the_image_and_deploy_docs_say_what_the_runtime_does_on_a_gpu():
     for text in (DOCKERFILE, gpu_section):
         assert "torch on CUDA" in text and "Runtime.default" in text
         assert not re.search(r"numpy (reference )?engine (and runs )?on the CPU", text)
+
+
+def test_each_image_installs_the_extra_the_readme_gives_its_host():
+    """The README's install table: `[cpu]` for a host without a GPU, `[gpu]` for a CUDA host;
+    the gpu image is the CUDA host's."""
+    table = README.split("### What each install pulls", 1)[1].split("\n\n", 2)[1]
+    assert re.search(r'`pip install "\.\[gpu\]"`[^|]*\| a CUDA host', table), table
+    gpu = DOCKERFILE.split("AS gpu", 1)[1]
+    installs = re.findall(r"pip install [^\n]*", gpu)
+    assert installs and all('".[gpu]"' in line for line in installs), installs
+
+
+def test_the_images_opt_in_to_a_shared_dev_shm_only_off_the_hosts_ipc():
+    from triton_disagg.triton.private_shm import ALLOW_SHARED_ENV, CONTAINER_ONLY
+
+    settings = re.findall(rf"{ALLOW_SHARED_ENV}=(\w+)", DOCKERFILE.split("\nFROM ", 1)[1])
+    assert settings == [CONTAINER_ONLY, CONTAINER_ONLY], settings      # cpu and gpu targets
+    assert "--ipc=host" in DEPLOY and f"{ALLOW_SHARED_ENV}={CONTAINER_ONLY}" in DEPLOY
