@@ -75,3 +75,20 @@ def test_the_images_opt_in_to_a_shared_dev_shm_only_off_the_hosts_ipc():
     settings = re.findall(rf"{ALLOW_SHARED_ENV}=(\w+)", DOCKERFILE.split("\nFROM ", 1)[1])
     assert settings == [CONTAINER_ONLY, CONTAINER_ONLY], settings      # cpu and gpu targets
     assert "--ipc=host" in DEPLOY and f"{ALLOW_SHARED_ENV}={CONTAINER_ONLY}" in DEPLOY
+
+
+def test_make_and_the_cpu_image_take_cpu_torch_from_pytorchs_cpu_index():
+    """On public PyPI ``[cpu]``'s torch pin is the CUDA build: `make` (the venv every make
+    target uses) and the cpu image install that pin from PyTorch's CPU index first."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (pin,) = [d for d in extras["cpu"] if d.startswith("torch")]
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    assert re.search(rf"^TORCH_CPU\s+:= {re.escape(pin)}$", MAKEFILE, re.M)
+    assert re.search(rf"^TORCH_CPU_INDEX \?= {re.escape(cpu_index)}$", MAKEFILE, re.M)
+    venv = MAKEFILE.split("\n$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    assert venv.index("--index-url $(TORCH_CPU_INDEX)") < venv.index('-e ".[cpu]"'), venv
+    cpu = DOCKERFILE.split("AS cpu", 1)[1].split("\nFROM ", 1)[0]
+    assert f"--index-url {cpu_index} {pin}" in cpu
