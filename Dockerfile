@@ -51,8 +51,9 @@ COPY . .
 # nvidia-pytriton wheel's; `doctor` checks that its Python-backend stub loads this Python.
 ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver \
     TRITON_DISAGG_ALLOW_SHARED_SHM=container
-# `.[gpu]` (README, "What each install pulls"): torch's CUDA build, 2.5 or newer, for
-# model.device: cuda (the image's own torch stays where it is new enough).
+# `.[gpu]` (README, "What each install pulls"): torch's CUDA build, 2.5 or newer, which
+# model.device: cuda needs (SDPA's enable_gqa); pip keeps the NGC image's torch if it is
+# that new, else installs PyPI's newest CUDA build over it.
 RUN pip install --no-cache-dir ".[gpu]" \
  && triton-disagg doctor
 EXPOSE 8000 8001 8002 8080
