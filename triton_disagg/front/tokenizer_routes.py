@@ -60,7 +60,8 @@ def tokenizer_info(engine_dir: str | Path, chat: ChatTemplate | None,
 
 
 class TokenizeRequest(_Strict):
-    """vLLM's completion form of ``/tokenize`` (its chat form, ``messages``, is not served)."""
+    """vLLM's completion form of ``/tokenize`` (its chat form, ``messages``, is not served);
+    unbounded here: the routes validate with :func:`tokenizer_posts`' bounded models."""
 
     model: str | None = None
     prompt: str
@@ -68,6 +69,8 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``; bounded as :class:`TokenizeRequest` is."""
+
     model: str | None = None
     tokens: list[int]
 
@@ -96,6 +99,7 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
                            functools.partial(_checked, model, request.app[PREPARER]))
 
 
+@functools.lru_cache(maxsize=4)     # per served engine: built once, not per /openapi.json
 def tokenizer_posts(preparer: RequestEncoder) -> dict[str, tuple[str, type[BaseModel], str]]:
     """``/tokenize`` and ``/detokenize`` -> (operation id, body model with the served
     engine's bounds, summary), as :func:`~triton_disagg.front.openapi.document` takes them: a
