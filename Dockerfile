@@ -17,16 +17,19 @@
 # (Kubernetes: the rendered pods mount an emptyDir of medium Memory at /dev/shm, sized so.)
 #
 # Docker's and Kubernetes' default profiles allow tritonserver no /dev/shm of its own, and
-# serve refuses the shared one unless TRITON_DISAGG_ALLOW_SHARED_SHM=1: both images set it,
-# as the container's /dev/shm is its own (docs/architecture.md, trust boundaries, says what
-# a host user who reads the container's command lines can still do there).
+# serve refuses the shared one unless TRITON_DISAGG_ALLOW_SHARED_SHM says otherwise: both
+# images set it to `container`, which allows the container's own /dev/shm and refuses, in one
+# line, a container that shares the host's IPC namespace (docker run --ipc=host, Kubernetes
+# hostIPC: true), whose /dev/shm is the host's, every user's. `-e TRITON_DISAGG_ALLOW_SHARED_SHM=1`
+# serves there anyway (docs/deploy.md, Docker; docs/architecture.md, trust boundaries, says
+# what a host user who reads the container's command lines can still do).
 #
 # Every server role runs `triton-disagg serve ROLE ...` (the pods' command); the default
 # command serves every model in one server on 0.0.0.0 with the demo engine.
 
 FROM python:3.11-slim AS cpu
 WORKDIR /opt/triton-disagg
-ENV TRITON_DISAGG_ALLOW_SHARED_SHM=1
+ENV TRITON_DISAGG_ALLOW_SHARED_SHM=container
 COPY . .
 # The official python image ships libpython3.11.so, which Triton's Python-backend stub
 # loads; `doctor` fails the build, with the fix, if the stub cannot start. Installed as a
@@ -47,8 +50,11 @@ COPY . .
 # serve finds NGC's tritonserver through this variable (triton_disagg/triton/tritonserver.py), not the
 # nvidia-pytriton wheel's; `doctor` checks that its Python-backend stub loads this Python.
 ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver \
-    TRITON_DISAGG_ALLOW_SHARED_SHM=1
-RUN pip install --no-cache-dir . \
+    TRITON_DISAGG_ALLOW_SHARED_SHM=container
+# `.[gpu]` (README, "What each install pulls"): torch's CUDA build, 2.5 or newer, which
+# model.device: cuda needs (SDPA's enable_gqa); pip keeps the NGC image's torch if it is
+# that new, else installs PyPI's newest CUDA build over it.
+RUN pip install --no-cache-dir ".[gpu]" \
  && triton-disagg doctor
 EXPOSE 8000 8001 8002 8080
 CMD ["triton-disagg", "--help"]

@@ -8,6 +8,10 @@ BIN    := $(VENV)/bin
 # serving: triton-disagg and its dependencies; test: + torch (CPU), pytest and [bench]
 # (transformers, matplotlib, locust: the bench commands and CI's soak)
 STAMP      := $(VENV)/.installed
+# [cpu]'s torch pin, from PyTorch's CPU index first: on public PyPI torch==2.13.0 is the CUDA
+# build (about 4 GB of CUDA libraries; README, "What each install pulls"), as in the Dockerfile
+TORCH_CPU       := torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TEST_STAMP := $(VENV)/.installed-test
 DEMO_CKPT   := checkpoints/demo
 DEMO_ENGINE := engines/demo
@@ -25,6 +29,9 @@ $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) with $(PYTHON) and installing triton-disagg (first time: a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar off --upgrade pip
+	$(BIN)/pip install --progress-bar off --timeout 10 --retries 0 \
+	    --index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)" || \
+	    echo "==> $(TORCH_CPU_INDEX) unreachable: torch from pip's configured index"
 	$(BIN)/pip install --progress-bar off -e ".[cpu]"   # CPU torch: no CUDA libraries (README)
 	touch $(STAMP)
 

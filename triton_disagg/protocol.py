@@ -135,6 +135,24 @@ ENSEMBLE_INPUTS = (
 # OpenAI's words (openai_responses.finish_reason); nobody works it out again from counts.
 FinishReason = Literal["stop", "stop_word", "length", "cancelled"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+# With prompt_logprobs k, the context's answer (and the orchestrator's first response) carries,
+# for each of the n prompt positions, the log-prob of its token given those before it, and
+# the k most likely tokens there with their log-probs, most likely first; position 0 has none
+# (NaN, ids -1). Computed by the prefill (engine.prompt_logprobs), so a request asking for them
+# is always prefilled by a context, never on generation.
+PROMPT_LOGPROBS = (
+    TensorSpec("prompt_log_probs", "FP32", (-1,)),          # [n]
+    TensorSpec("prompt_top_ids", "INT32", (-1, -1)),        # [n, k]
+    TensorSpec("prompt_top_log_probs", "FP32", (-1, -1)),   # [n, k]
+)
+# With return_log_probs and top_logprobs k, a response carrying generated tokens also carries,
+# for each of its n tokens, the k most likely tokens at that position with their log-probs
+# (the raw model's, engine.logprobs), most likely first: the context's (its first token) and
+# the orchestrator's. Generation's tokens bring theirs over token_wire.
+TOP_LOGPROBS = (
+    TensorSpec("output_top_ids", "INT32", (-1, -1, -1)),         # [beam=1, n, k]
+    TensorSpec("output_top_log_probs", "FP32", (-1, -1, -1)),    # [beam=1, n, k]
+)
 ENSEMBLE_OUTPUTS = (
     TensorSpec("text_output", "BYTES", (-1,)),
     TensorSpec("cum_log_probs", "FP32", (-1,)),
@@ -143,7 +161,9 @@ ENSEMBLE_OUTPUTS = (
     TensorSpec("num_output_tokens", "INT32", (1,)),
     TensorSpec("finish_reason", "BYTES", (1,)),         # a FinishReason: the final response only
     TensorSpec("num_cached_tokens", "INT32", (1,)),     # of num_input_tokens, served from cache
-)
+    # only when asked (top_logprobs, prompt_logprobs; TensorRT-LLM's ensemble has neither): the
+    # alternatives beside output_log_probs, and the prompt's log-probs, as defined above
+) + TOP_LOGPROBS + PROMPT_LOGPROBS
 
 # ---- orchestrator <-> context / generation (TensorRT-LLM's tensorrt_llm model) -----------
 
@@ -177,24 +197,6 @@ ENGINE_OUTPUTS = (
 )
 # prompt tokens whose KV came from the context's prefix cache (not prefilled again)
 NUM_CACHED_TOKENS = "num_cached_tokens"
-# With prompt_logprobs k, the context's answer (and the orchestrator's first response) carries,
-# for each of the n prompt positions, the log-prob of its token given those before it, and
-# the k most likely tokens there with their log-probs, most likely first; position 0 has none
-# (NaN, ids -1). Computed by the prefill (engine.prompt_logprobs), so a request asking for them
-# is always prefilled by a context, never on generation.
-PROMPT_LOGPROBS = (
-    TensorSpec("prompt_log_probs", "FP32", (-1,)),          # [n]
-    TensorSpec("prompt_top_ids", "INT32", (-1, -1)),        # [n, k]
-    TensorSpec("prompt_top_log_probs", "FP32", (-1, -1)),   # [n, k]
-)
-# With return_log_probs and top_logprobs k, a response carrying generated tokens also carries,
-# for each of its n tokens, the k most likely tokens at that position with their log-probs
-# (the raw model's, engine.logprobs), most likely first: the context's (its first token) and
-# the orchestrator's. Generation's tokens bring theirs over token_wire.
-TOP_LOGPROBS = (
-    TensorSpec("output_top_ids", "INT32", (-1, -1, -1)),         # [beam=1, n, k]
-    TensorSpec("output_top_log_probs", "FP32", (-1, -1, -1)),    # [beam=1, n, k]
-)
 CONTEXT_OUTPUTS = ENGINE_OUTPUTS + (TensorSpec(CONTEXT_PHASE_PARAMS, "UINT8", (-1,)),
                                     TensorSpec(NUM_CACHED_TOKENS, "INT32", (1,))
                                     ) + PROMPT_LOGPROBS + TOP_LOGPROBS
@@ -241,8 +243,7 @@ ORCHESTRATOR_INPUTS = PREPROCESS_OUTPUTS[:-2] + (
 # ids (the HTTP front names the tokens its log-probs are of), which the ensemble does not map.
 # With prompt_logprobs, its first response also carries the context's PROMPT_LOGPROBS; with
 # top_logprobs, each response the TOP_LOGPROBS of its tokens.
-ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS + (TensorSpec("output_ids", "INT32", (-1, -1)),
-                                           ) + PROMPT_LOGPROBS + TOP_LOGPROBS
+ORCHESTRATOR_OUTPUTS = ENSEMBLE_OUTPUTS + (TensorSpec("output_ids", "INT32", (-1, -1)),)
 
 
 def by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:

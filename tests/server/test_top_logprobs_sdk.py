@@ -109,3 +109,55 @@ def test_an_empty_prompt_is_the_bos_alone_as_in_hugging_face(client, hf_tokenize
     that adds nothing leaves it empty, which preprocessing refuses."""
     got = client.completions.create(model=MODEL, prompt="", max_tokens=2, temperature=0)
     assert got.usage.prompt_tokens == len(hf_tokenizer("").input_ids) == 1
+
+
+def _ensemble_stream(grpc: str, inputs: dict) -> list:
+    """The ``ensemble``'s responses to one gRPC streaming request (tritonclient), up to the
+    final one."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from triton_disagg.clients.stream import array_inputs
+
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(grpc) as triton:
+        triton.start_stream(callback=lambda result, error: results.put((result, error)))
+        triton.async_stream_infer("ensemble", array_inputs(inputs),
+                                  enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = results.get(timeout=120)
+            assert error is None, error
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        triton.stop_stream()
+    return responses
+
+
+def test_ensemble_top_logprobs_are_the_engines_over_tritonclient(server, expected, hf_tokenizer):
+    """The ensemble's ``top_logprobs`` k: each streamed response carries, beside
+    ``output_log_probs`` [1, n], ``output_top_ids`` and ``output_top_log_probs`` [1, n, k]:
+    the engine's own alternatives for the same prompt ids; without it, neither."""
+    import numpy as np
+
+    prompt, k = "The quick brown fox", 3
+    want_ids, want_lps, want_top = expected(hf_tokenizer(prompt).input_ids, 6, k)
+    base = {"text_input": np.array([[prompt.encode()]], dtype=object),
+            "max_tokens": np.array([[6]], dtype=np.int32),
+            "stream": np.array([[True]], dtype=bool),
+            "temperature": np.array([[0.0]], dtype=np.float32),
+            "return_log_probs": np.array([[True]], dtype=bool)}
+    responses = _ensemble_stream(server.grpc, {**base, "top_logprobs": np.array([[k]], np.int32)})
+    carrying = [r for r in responses if r.as_numpy("output_log_probs") is not None]
+    lps = np.concatenate([r.as_numpy("output_log_probs")[0, 0] for r in carrying])
+    ids = np.concatenate([r.as_numpy("output_top_ids")[0, 0] for r in carrying])   # [n, k]
+    top = np.concatenate([r.as_numpy("output_top_log_probs")[0, 0] for r in carrying])
+    assert ids.shape == top.shape == (len(want_ids), k)
+    assert lps == pytest.approx(want_lps, abs=1e-3)
+    assert ids.tolist() == [t.ids for t in want_top]
+    np.testing.assert_allclose(top, [t.logprobs for t in want_top], atol=1e-3)
+    plain = _ensemble_stream(server.grpc, base)
+    assert all(r.as_numpy("output_top_ids") is None for r in plain)
+    assert any(r.as_numpy("output_log_probs") is not None for r in plain)

@@ -57,3 +57,38 @@ def test_the_image_and_deploy_docs_say_what_the_runtime_does_on_a_gpu():
     for text in (DOCKERFILE, gpu_section):
         assert "torch on CUDA" in text and "Runtime.default" in text
         assert not re.search(r"numpy (reference )?engine (and runs )?on the CPU", text)
+
+
+def test_each_image_installs_the_extra_the_readme_gives_its_host():
+    """The README's install table: `[cpu]` for a host without a GPU, `[gpu]` for a CUDA host;
+    the gpu image is the CUDA host's."""
+    table = README.split("### What each install pulls", 1)[1].split("\n\n", 2)[1]
+    assert re.search(r'`pip install "\.\[gpu\]"`[^|]*\| a CUDA host', table), table
+    gpu = DOCKERFILE.split("AS gpu", 1)[1]
+    installs = re.findall(r"pip install [^\n]*", gpu)
+    assert installs and all('".[gpu]"' in line for line in installs), installs
+
+
+def test_the_images_opt_in_to_a_shared_dev_shm_only_off_the_hosts_ipc():
+    from triton_disagg.triton.private_shm import ALLOW_SHARED_ENV, CONTAINER_ONLY
+
+    settings = re.findall(rf"{ALLOW_SHARED_ENV}=(\w+)", DOCKERFILE.split("\nFROM ", 1)[1])
+    assert settings == [CONTAINER_ONLY, CONTAINER_ONLY], settings      # cpu and gpu targets
+    assert "--ipc=host" in DEPLOY and f"{ALLOW_SHARED_ENV}={CONTAINER_ONLY}" in DEPLOY
+
+
+def test_make_and_the_cpu_image_take_cpu_torch_from_pytorchs_cpu_index():
+    """On public PyPI ``[cpu]``'s torch pin is the CUDA build: `make` (the venv every make
+    target uses) and the cpu image install that pin from PyTorch's CPU index first."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (pin,) = [d for d in extras["cpu"] if d.startswith("torch")]
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    assert re.search(rf"^TORCH_CPU\s+:= {re.escape(pin)}$", MAKEFILE, re.M)
+    assert re.search(rf"^TORCH_CPU_INDEX \?= {re.escape(cpu_index)}$", MAKEFILE, re.M)
+    venv = MAKEFILE.split("\n$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    assert venv.index("--index-url $(TORCH_CPU_INDEX)") < venv.index('-e ".[cpu]"'), venv
+    cpu = DOCKERFILE.split("AS cpu", 1)[1].split("\nFROM ", 1)[0]
+    assert f"--index-url {cpu_index} {pin}" in cpu

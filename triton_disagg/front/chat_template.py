@@ -26,6 +26,18 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_toke
                    "cls_token", "mask_token")
 
 
+def special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """A tokenizer config's special tokens (``bos_token``, ...) that it names, as text."""
+    tokens = {}
+    for name in _SPECIAL_TOKENS:
+        value = config.get(name)
+        if isinstance(value, dict):   # AddedToken serialised: {"content": ...}
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
 class ChatTemplate:
     def __init__(self, template: str, special_tokens: dict[str, str]):
         from jinja2.ext import loopcontrols
@@ -45,7 +57,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(template)
-        self.special_tokens = special_tokens
+        self.source, self.special_tokens = template, special_tokens
 
     @classmethod
     def load(cls, engine_dir: str | Path) -> "ChatTemplate | None":
@@ -59,14 +71,7 @@ class ChatTemplate:
             template = {t.get("name"): t.get("template") for t in template}.get("default")
         if not isinstance(template, str):
             return None
-        tokens = {}
-        for name in _SPECIAL_TOKENS:
-            value = config.get(name)
-            if isinstance(value, dict):   # AddedToken serialised: {"content": ...}
-                value = value.get("content")
-            if isinstance(value, str):
-                tokens[name] = value
-        return cls(template, tokens)
+        return cls(template, special_tokens(config))
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (each ``{"role", "content"}``, content a string)."""

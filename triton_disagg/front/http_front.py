@@ -7,7 +7,8 @@ true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's
 /v1/models`` and ``/v1/models/{id}``, ``GET /metrics`` (the front's own:
 :mod:`.front_metrics`), ``GET /openapi.json`` (:mod:`.openapi`), ``GET /healthz`` and
 ``/health`` (200 when tritonserver and its models are ready, else 503 with the reason:
-:mod:`.health`), ``GET /version``. With ``--health-only`` (``serve context|generation``,
+:mod:`.health`), ``GET /version``, vLLM's ``GET /tokenizer_info``, ``POST /tokenize`` and
+``/detokenize`` (:mod:`.tokenizer_routes`). With ``--health-only`` (``serve context|generation``,
 and a non-decoupled ``serve all|scheduler``) it serves ``/healthz``, ``/health`` and
 ``/metrics`` alone and needs no engine. Either way it is ready while tritonserver and the
 models named by ``--models`` (serve names the repository's) are.
@@ -54,6 +55,7 @@ from triton_disagg.front.openapi import document
 from triton_disagg.front.origin_guard import add_origin_guard
 from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Relay
+from triton_disagg.front.tokenizer_routes import add_tokenizer_routes, tokenizer_posts
 from triton_disagg.triton.grpc_channel import client_options
 
 PARENT_POLL_SECONDS = 1.0
@@ -111,7 +113,8 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(document(request.app[PREPARER].limits))
+    preparer = request.app[PREPARER]
+    return web.json_response(document(preparer.limits, tokenizer_posts(preparer)))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -146,6 +149,7 @@ def make_app(preparer: RequestEncoder, relay: Relay, front: FrontConfig = FrontC
     app.router.add_get("/v1/models/{model:.+}", model)   # ids may hold "/"
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)
+    add_tokenizer_routes(app, preparer)
 
     async def close_relay(app: web.Application) -> None:
         await app[RELAY].close()

@@ -128,9 +128,9 @@ def top_k_field(limits: EngineLimits) -> Any:
         "vLLM's: sample among the k likeliest tokens; -1 or 0: off"))]
 
 
-def token_ids(limits: EngineLimits) -> Any:
-    """A prompt of token ids: at most ``max_seq_len`` of them (counted before they are
-    looked at), each in the vocabulary."""
+def token_ids(limits: EngineLimits, min_length: int = 1) -> Any:
+    """A prompt of token ids: ``min_length`` to ``max_seq_len`` of them (counted before they
+    are looked at), each in the vocabulary."""
     last = limits.vocab_size - 1
 
     def in_vocabulary(ids: list[int]) -> list[int]:
@@ -139,9 +139,9 @@ def token_ids(limits: EngineLimits) -> Any:
             raise PydanticCustomError("not_in_vocabulary", f"token id {shown(bad)} is not in "
                                       f"this model's vocabulary (0 to {last})")
         return ids
-    return Annotated[bounded_list(int, limits.max_seq_len, min_length=1),
+    return Annotated[bounded_list(int, limits.max_seq_len, min_length=min_length),
                      AfterValidator(in_vocabulary),
-                     WithJsonSchema({"type": "array", "minItems": 1,
+                     WithJsonSchema({"type": "array", "minItems": min_length,
                                      "maxItems": limits.max_seq_len,
                                      "items": {"type": "integer", "minimum": 0,
                                                "maximum": last}})]

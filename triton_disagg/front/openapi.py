@@ -9,6 +9,9 @@ model's schema (unknown fields refused), and every error is OpenAI's error objec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from triton_disagg import __version__
@@ -35,20 +38,24 @@ _GETS = {  # path -> summary
     "/metrics": "the front's own metrics (Prometheus text)",
     "/version": "this server's version and model",
     "/openapi.json": "this document",
+    "/tokenizer_info": "vLLM's: the tokenizer's configuration (special tokens, chat template)",
 }
 
 
-def document(limits: EngineLimits) -> dict:
-    """The OpenAPI document of a front serving an engine of ``limits``."""
-    models = {endpoint: request_model(endpoint, limits) for endpoint, _ in _GENERATION.values()}
-    refs, schemas = models_json_schema([(m, "validation") for m in models.values()],
+def document(limits: EngineLimits,
+             posts: Mapping[str, tuple[str, type[BaseModel], str]] = {}) -> dict:
+    """The OpenAPI document of a front serving an engine of ``limits``, with the further POST
+    routes ``posts`` (path -> operation id, body model, summary)."""
+    bodies = {path: (endpoint, request_model(endpoint, limits), summary)
+              for path, (endpoint, summary) in _GENERATION.items()} | dict(posts)
+    refs, schemas = models_json_schema([(m, "validation") for _, m, _ in bodies.values()],
                                        ref_template="#/components/schemas/{model}")
     paths: dict[str, dict] = {}
-    for path, (endpoint, summary) in _GENERATION.items():
+    for path, (operation, model, summary) in bodies.items():
         paths[path] = {"post": {
-            "summary": summary, "operationId": endpoint,
+            "summary": summary, "operationId": operation,
             "requestBody": {"required": True, "content": {"application/json": {
-                "schema": refs[models[endpoint], "validation"]}}},
+                "schema": refs[model, "validation"]}}},
             "responses": {"200": {"description": "the answer (text/event-stream when "
                                                  "streamed)", "content": _ANY_JSON}, **_ERRORS}}}
     for path, summary in _GETS.items():

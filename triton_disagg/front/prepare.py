@@ -51,6 +51,7 @@ class RequestEncoder:
 
     def __init__(self, engine_dir: str | Path, model: str):
         spec = EngineSpec.load(engine_dir)
+        self.engine_dir = Path(engine_dir)
         self.tokenizer = Tokenizer(engine_dir)
         self.max_seq_len = spec.max_seq_len
         self.pre = Preprocessor(self.tokenizer, spec.max_seq_len, spec.eos_token_id,

@@ -18,7 +18,11 @@ whose container already has a ``/dev/shm`` of its own) serve runs tritonserver o
 shared ``/dev/shm`` only when the user opts in (:func:`shared_refusal`): there a local user
 who reads the restricted-API header value on tritonserver's command line can register a
 shared-memory region by name and have Triton, as the serving user, write into this user's
-``/dev/shm`` entries (KV staging areas, Python-backend regions).
+``/dev/shm`` entries (KV staging areas, Python-backend regions). The images opt in only for
+a container's own ``/dev/shm`` (``ALLOW_SHARED_ENV=container``): a process in the host's IPC
+namespace (``docker run --ipc=host``, Kubernetes ``hostIPC: true``) sees the host's
+``/dev/shm``, shared with every user of the host, and is refused
+(:func:`in_host_ipc_namespace`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,14 @@ import ctypes
 import functools
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 SHM = b"/dev/shm"
 ALLOW_SHARED_ENV = "TRITON_DISAGG_ALLOW_SHARED_SHM"    # "1": serve on the shared /dev/shm
+CONTAINER_ONLY = "container"    # ALLOW_SHARED_ENV's value in the images: unless in the host's IPC
+# The inode of the kernel's initial IPC namespace (PROC_IPC_INIT_INO, include/linux/proc_ns.h):
+# /proc/self/ns/ipc has it in the host's namespace, and in a container that shares it.
+HOST_IPC_NS_INODE = 0xEFFFFFFF
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 0x2, 0x4, 0x1000, 0x4000, 0x80000
 
@@ -68,12 +76,35 @@ def possible() -> bool:
         return os.waitpid(pid, 0)[1] == 0
 
 
-def shared_refusal(private: bool, environ: Mapping[str, str]) -> str | None:
+def in_host_ipc_namespace(ns_path: str = "/proc/self/ns/ipc") -> bool:
+    """Whether this process is in the host's initial IPC namespace, where a container's
+    ``/dev/shm`` is the host's (Docker and Kubernetes mount it so with the host's IPC); True
+    when ``ns_path`` cannot be read (unknown counts as shared)."""
+    try:
+        return os.stat(ns_path).st_ino == HOST_IPC_NS_INODE
+    except OSError:
+        return True
+
+
+def shared_refusal(private: bool, environ: Mapping[str, str],
+                   host_ipc: Callable[[], bool] = in_host_ipc_namespace) -> str | None:
     """Why serve must not start tritonserver (one line), or None: it may. It may where the
-    server gets a ``/dev/shm`` of its own (``private``, :func:`possible`), or where the user
-    opted in to the shared one with ``ALLOW_SHARED_ENV=1`` in ``environ``."""
-    if private or environ.get(ALLOW_SHARED_ENV) == "1":
+    server gets a ``/dev/shm`` of its own (``private``, :func:`possible`), where the user
+    opted in to the shared one with ``ALLOW_SHARED_ENV=1`` in ``environ``, or, with
+    ``ALLOW_SHARED_ENV=container`` (the images'), where ``host_ipc()`` says the ``/dev/shm``
+    is not the host's."""
+    opted_in = environ.get(ALLOW_SHARED_ENV)
+    if private or opted_in == "1":
         return None
+    if opted_in == CONTAINER_ONLY:
+        if not host_ipc():
+            return None
+        return (f"{ALLOW_SHARED_ENV}={CONTAINER_ONLY} allows a container's own /dev/shm, but "
+                "this process shares the host's IPC namespace (docker run --ipc=host, "
+                "Kubernetes hostIPC: true), so /dev/shm is the host's, shared with every local "
+                "user, who could make Triton's shared-memory API write into this user's "
+                f"/dev/shm; run without the host's IPC, or set {ALLOW_SHARED_ENV}=1 to serve "
+                "anyway, accepting that (docs/deploy.md, Docker)")
     return ("this host allows tritonserver no private /dev/shm (no mount or user namespace), "
             "and there a local user who reads its command line can make Triton's "
             "shared-memory API write into this user's /dev/shm (KV staging areas, "
