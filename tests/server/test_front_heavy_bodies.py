@@ -1,5 +1,5 @@
 """The HTTP front against bodies that are cheap to send and dear to check
-(triton_disagg/front/openai_models.py, json_body.py), its relay scripted
+(triton_disagg/front/openai_models.py, openai_api.py), its relay scripted
 (tests/support/scripted_relay.py): millions of chat content parts are refused at the list's
 length, in well under a second and without GiBs of memory, thousands of unknown fields are
 one error, and a large body's check runs off the event loop, so ``/healthz`` is answered
@@ -24,7 +24,7 @@ import triton_disagg.front.generation_routes as generation_routes
 from scripted_relay import WORDS, ScriptedRelay
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_front import make_app
-from triton_disagg.front.json_body import OFF_LOOP_BYTES
+from triton_disagg.front.openai_api import OFF_LOOP_BYTES
 from triton_disagg.front.openai_models import MAX_TEXT_PARTS, MAX_TEXT_PARTS_TOTAL, ChatRequest
 from triton_disagg.front.prepare import RequestEncoder
 

@@ -5,8 +5,8 @@ result."""
 import numpy as np
 import pytest
 
-from triton_disagg.engine import decode_groups
-from triton_disagg.engine.decode_groups import PADDING_LIMIT, length_groups
+from triton_disagg.engine import model as numpy_model
+from triton_disagg.engine.model import PADDING_LIMIT, length_groups
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.sampling import SamplingParams
@@ -74,7 +74,7 @@ def test_grouped_decode_equals_one_padded_batch(engine, monkeypatch):
     spans = keys_read(engine.runner, monkeypatch)
     grouped = engine.runner.decode(tokens, positions, tables)
     assert sorted(spans) == [8, 92]        # short ones read 2 blocks of 4, the long one 23
-    monkeypatch.setattr(decode_groups, "PADDING_LIMIT", 10 ** 9)   # one group, padded to 90
+    monkeypatch.setattr(numpy_model, "PADDING_LIMIT", 10 ** 9)   # one group, padded to 90
     spans.clear()
     padded = engine.runner.decode(tokens, positions, tables)
     assert spans == [92]

@@ -63,11 +63,12 @@ def test_a_cuda_engine_keeps_no_host_copy_of_its_pool(engine_dir, monkeypatch):
     buffer of kv_cache.max_size bytes in the pool's layout dtype (here float16: half a
     float32 mirror's bytes per block), not a float32 mirror of every block."""
     import triton_disagg.engine.llm_engine as llm_engine
+    import triton_disagg.engine.runtime as runtime
     from triton_disagg.engine.spec import KVLayout
     from triton_disagg.kv.connector_factory import connector_for
     from triton_disagg.kv.secret import SECRET_ENV, render_key_id
 
-    monkeypatch.setattr(llm_engine, "device_kv_budget", lambda *a: 1 << 30)   # 1 GiB free
+    monkeypatch.setattr(runtime, "device_kv_budget", lambda *a: 1 << 30)      # 1 GiB free
     monkeypatch.setattr(llm_engine, "make_runner",                            # GPU boundary
                         lambda runtime, spec, weights, pool: SimpleNamespace(
                             max_context=spec.max_context))

@@ -4,35 +4,11 @@ too) and decoded there (``add_prefilled``) gives the tokens of one engine doing 
 
 import pytest
 
+from copied_kv import CopiedKV
 from hf_reference import engines, prompts_for, runtime  # noqa: F401
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.spec import KVLayout
-from triton_disagg.kv.connector import Transfer
-
-
-class CopiedKV(Transfer):
-    """A prefill's KV as the generation engine fetches it (the KV handoff): copied and
-    converted into the blocks the scheduler reserved when it starts, then the context's
-    blocks are freed; done at once."""
-
-    def __init__(self, context: LLMEngine, generation: LLMEngine, result):
-        self.context, self.generation, self.result = context, generation, result
-        self.num_tokens = result.num_tokens
-
-    skips_cached = False           # copies every block
-
-    def start(self, block_ids, cached_blocks=0):
-        from triton_disagg.kv.layout import write_blocks
-
-        dst = block_ids[:self.generation.pool.geometry.blocks_for(self.num_tokens)]
-        write_blocks(self.context.pool.read_blocks(self.result.block_ids), self.num_tokens,
-                     self.generation.pool.array, dst)
-        self.context.pool.free(self.result.block_ids)
-        return self
-
-    def poll(self):
-        return self.num_tokens
 
 
 @pytest.mark.parametrize("family, generation_block", [("llama", 4), ("gpt2", 4), ("llama", 8)])

@@ -24,7 +24,7 @@ from triton_disagg.errors import (HTTP_STATUS, EngineError, ErrorCode, RequestEr
 from triton_disagg.front.relay import OrchestratorError, Relay
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport, Unanswered
-from triton_disagg.front.transports import BLSTransport
+from triton_disagg.front.engine_calls import BLSTransport
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Router

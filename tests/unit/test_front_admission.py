@@ -1,5 +1,5 @@
-"""The HTTP front's admission control (triton_disagg/front/admission.py, json_body.py,
-origin_guard.py; the ``front`` config section) in this process, its relay scripted
+"""The HTTP front's admission control (triton_disagg/front/http_gates.py, openai_api.py's
+read_json; the ``front`` config section) in this process, its relay scripted
 (tests/support/scripted_relay.py): the request cap answers 429 with Retry-After at once and
 counts back down, the connection cap 503, slow clients are cut off (headers, body, a
 reader that never reads), hostile JSON is a 400, a foreign Origin or Host a 403, and a

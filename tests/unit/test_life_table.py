@@ -26,3 +26,4 @@ def test_every_row_names_a_file_of_the_checkout():
 def test_the_stated_counts_are_the_tables():
     listed = life_table.files_by_path()
     assert life_table.stated_counts() == {path: len(listed[path]) for path in PATHS}
+

@@ -298,7 +298,7 @@ def test_a_bls_call_past_its_deadline_is_a_timeout():
     """``serve all``: a context model that does not answer in time (a BLS call still out)."""
     from types import SimpleNamespace
 
-    from triton_disagg.front.transports import BLSTransport
+    from triton_disagg.front.engine_calls import BLSTransport
 
     class Request:
         def __init__(self, **_):
@@ -326,7 +326,7 @@ def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_fr
     import threading
     from types import SimpleNamespace
 
-    from triton_disagg.front.transports import BLSTransport
+    from triton_disagg.front.engine_calls import BLSTransport
 
     freed, waiting = threading.Event(), 40
 

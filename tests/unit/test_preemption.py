@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from copied_kv import CopiedKV
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.sampling import SamplingParams
@@ -164,31 +165,6 @@ def test_abort_of_a_preempted_request_frees_nothing_twice(engine_dirs):
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.num_used == 0
-
-
-class CopiedKV:
-    """A context prefill's KV as the generation engine fetches it (same layout): copied
-    into the blocks the scheduler gives it, the context's blocks freed; done at once. The
-    handle is single use: a second ``start`` fails the test."""
-
-    def __init__(self, context: LLMEngine, generation: LLMEngine, result):
-        self.context, self.generation, self.result = context, generation, result
-        self.num_tokens = result.num_tokens
-        self.started = 0
-
-    skips_cached = False           # copies every block
-
-    def start(self, block_ids, cached_blocks=0):
-        self.started += 1
-        assert self.started == 1, "a spent KV handle was fetched again"
-        src = self.result.block_ids
-        self.generation.pool.write_blocks(block_ids[:len(src)],
-                                          self.context.pool.read_blocks(src))
-        self.context.pool.free(src)
-        return self
-
-    def poll(self):
-        return self.num_tokens
 
 
 @pytest.mark.parametrize("prefix_caching, prompt_logprobs", [(True, None), (False, None),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from triton_disagg.engine.token_bound import max_token_bytes
-from triton_disagg.engine.words import MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS
+from triton_disagg.engine.sampling import MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS
 from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.errors import RequestError
 

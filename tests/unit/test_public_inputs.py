@@ -12,8 +12,8 @@ import pytest
 
 from engine_limits import limits_spec
 from triton_disagg import peers, protocol as P
-from triton_disagg.engine.sampling import SamplingParams, SamplingParamsError
-from triton_disagg.engine.words import MAX_LIST_TOKENS, from_wire, to_wire
+from triton_disagg.engine.sampling import (MAX_LIST_TOKENS, SamplingParams, SamplingParamsError,
+                                           from_wire, to_wire)
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout
 from triton_disagg.front.orchestrator_gate import OrchestratorGate, public_message
 from triton_disagg.triton import engine_request

@@ -278,7 +278,7 @@ def test_a_cancel_while_the_thread_fetches_frees_the_blocks_once_it_ends(engines
     assert generation.pool.num_used == 0 and generation.take_kv_arrivals() == []
 
 
-# ---- the part of a fetch's time in flight hidden behind compute (engine/fetch_overlap.py) --
+# ---- the part of a fetch's time in flight hidden behind compute (engine/scheduler.py) ------
 
 STEP_S = 0.010
 
@@ -347,7 +347,7 @@ def test_a_fetch_on_an_idle_instance_hides_nothing(engines):
 
 
 def test_the_hidden_part_never_exceeds_the_time_in_flight():
-    from triton_disagg.engine.fetch_overlap import ComputeOverlap
+    from triton_disagg.engine.scheduler import ComputeOverlap
     overlap = ComputeOverlap(began=10.0)
     overlap.add(9.0, 10.5)                      # a pass that began before the fetch
     overlap.add(10.6, 11.0)

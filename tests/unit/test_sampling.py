@@ -5,9 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from triton_disagg.engine.sampling import Sampler, SamplingParams, SamplingParamsError
 from triton_disagg.engine.sequence import Sequence
-from triton_disagg.engine.words import MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS, StopWords
+from triton_disagg.engine.sampling import (MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS, Sampler,
+                                           SamplingParams, SamplingParamsError, StopWords)
 from triton_disagg.errors import UserError
 from triton_disagg.engine.block_pool import BlockTable
 

@@ -10,8 +10,8 @@ import pytest
 
 from triton_disagg import protocol as P
 from triton_disagg.triton import engine_request
-from triton_disagg.front.detokenize import DeltaWindows, text_delta
-from triton_disagg.engine.words import from_wire, to_wire
+from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
+from triton_disagg.engine.sampling import from_wire, to_wire
 from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import to_batched

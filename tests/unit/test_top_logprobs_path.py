@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg import token_wire
 from triton_disagg.engine.logprobs import TopLogprobs
-from triton_disagg.front.engine_io import ResponseBuilder, context_event
+from triton_disagg.front.engine_calls import ResponseBuilder, context_event
 from triton_disagg.front.http_front import make_app
 from triton_disagg.front.openai_api import parse
 from triton_disagg.front.prepare import RequestEncoder
@@ -117,7 +117,7 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
 # ---- the orchestrator's tensors ---------------------------------------------------------
 
 def test_top_tensors_of_no_alternatives_are_no_rows():
-    from triton_disagg.front.engine_io import top_rows
+    from triton_disagg.front.engine_calls import top_rows
 
     empty = {"output_top_ids": np.zeros((1, 0, 0), np.int32),          # [1, n=0, k=0]
              "output_top_log_probs": np.zeros((1, 0, 0), np.float32)}

@@ -55,8 +55,7 @@ from triton_disagg.engine.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from triton_disagg.engine.sampling import Sampler, SamplingParams
 from triton_disagg.engine.scheduler import CapacityPolicy, KVArrival, Scheduler
 from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, TokenEvent
-from triton_disagg.engine.runtime import (CUDA_KV_FRACTION, DTYPE_BYTES, Runtime,
-                                          device_kv_budget, device_pool_blocks, make_runner)
+from triton_disagg.engine.runtime import CUDA_KV_FRACTION, Runtime, make_runner, pool_blocks
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockEvents, BlockPool, BlockTable, KVCacheFullError
@@ -87,15 +86,13 @@ class PrefillResult:
 class LLMEngine:
     """Loads an engine directory and serves requests from one block pool.
 
-    ``kv_max_bytes`` (``kv_cache.max_size``) or ``num_blocks`` sizes the pool; by default
-    it holds ``max_batch_size`` sequences of the longest allowed length. ``kv_layout``
-    overrides the engine's tokens per block and KV dtype (a serving side's own choice).
-    ``runtime`` picks the model runner (default: :meth:`Runtime.default`); on CUDA an
-    unsized pool takes :func:`device_kv_budget` (``kv_memory_fraction`` of the device
-    memory free after the weights, capped by ``kv_max_bytes``). ``prefix_caching``
-    (``kv_cache.prefix_caching``) reuses cached prompt prefixes; ``kv_events`` hears what
-    enters and leaves the cache; ``capacity_policy`` (``kv_cache.capacity_scheduler_policy``)
-    is the scheduler's.
+    ``kv_max_bytes`` (``kv_cache.max_size``), ``num_blocks`` or on CUDA
+    ``kv_memory_fraction`` sizes the pool (:func:`~triton_disagg.engine.runtime.pool_blocks`).
+    ``kv_layout`` overrides the engine's tokens per block and KV dtype (a serving side's own
+    choice). ``runtime`` picks the model runner (default: :meth:`Runtime.default`).
+    ``prefix_caching`` (``kv_cache.prefix_caching``) reuses cached prompt prefixes;
+    ``kv_events`` hears what enters and leaves the cache; ``capacity_policy``
+    (``kv_cache.capacity_scheduler_policy``) is the scheduler's.
     """
 
     def __init__(self, engine_dir: str | Path, kv_max_bytes: int | None = None,
@@ -106,16 +103,8 @@ class LLMEngine:
         self.spec, weights = load_engine(engine_dir)
         runtime = runtime or Runtime.default()
         geometry = self.spec.block_geometry(kv_layout)
-        if num_blocks is None and runtime.on_cuda:
-            weight_bytes = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype]
-            budget = device_kv_budget(kv_max_bytes, weight_bytes, kv_memory_fraction,
-                                      runtime.torch_device)
-            num_blocks = device_pool_blocks(runtime, geometry, budget, kv_memory_fraction,
-                                            geometry.blocks_for(self.spec.max_context - 1))
-        if num_blocks is None and kv_max_bytes is not None:
-            num_blocks = BlockPool.blocks_for_budget(geometry, kv_max_bytes)
-        if num_blocks is None:
-            num_blocks = self.spec.max_batch_size * geometry.blocks_for(self.spec.max_seq_len)
+        num_blocks = pool_blocks(runtime, self.spec, geometry, weights, num_blocks, kv_max_bytes,
+                                 kv_memory_fraction)
         # On CUDA the runner holds the KV in device memory: no host copy of the pool.
         self.pool = BlockPool(geometry, num_blocks, host_array=not runtime.on_cuda,
                               prefix_caching=prefix_caching, events=kv_events)

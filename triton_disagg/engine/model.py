@@ -9,6 +9,13 @@ reads only the blocks the caller names; it never allocates or frees blocks. A pr
 after a cached prefix computes only the positions after it (they attend to the prefix's
 KV in the pool), so it never writes a cached block. All math
 is float32 on the weights as loaded (no per-step weight copies).
+
+Decode batches are split into length groups (:func:`length_groups`, the torch runner's
+too): a decode step pads every sequence of an attention call to the longest one's blocks.
+One long prompt joining short streams would make every stream read its length; grouping the
+batch by blocks used bounds that padding (``PADDING_LIMIT``) at the cost of one attention
+call per group. Rotary tables come from :mod:`.rope` (Hugging Face's); :func:`apply_rope`
+rotates by them here (the torch runner has its own).
 """
 
 from __future__ import annotations
@@ -20,8 +27,7 @@ from typing import Callable, Collection, Sequence, Union
 
 import numpy as np
 
-from triton_disagg.engine.decode_groups import length_groups
-from triton_disagg.engine.rope import apply_rope, inv_frequencies, rope_tables
+from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.block_pool import BlockPool
 
@@ -30,6 +36,7 @@ LayerDone = Callable[[int], None]   # prefill hook: layer ``li``'s K/V of every 
 # One prompt of a prefill: (token_ids, block_ids) or (token_ids, block_ids, num_cached).
 PrefillItem = Union[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int], int]]
 Batch = Sequence[PrefillItem]
+PADDING_LIMIT = 2   # a decode group reads at most this many times the blocks its sequences use
 
 
 @dataclass(frozen=True)
@@ -335,3 +342,32 @@ class ModelRunner:
         act *= gate                                             # silu(gate) = gate * sigmoid(gate)
         act *= up
         return _matmul(act, w["down.weight"])
+
+
+def length_groups(used: np.ndarray) -> list[np.ndarray]:
+    """Batch indices grouped by ``used`` (blocks each sequence reads) so that padding every
+    sequence of a group to its longest reads at most ``PADDING_LIMIT`` times the blocks
+    they use: one long prompt joining short streams is attended on its own instead of
+    making every stream read its length. Every index is in exactly one group; each group's
+    indices ascend (so a single group is ``0..B-1`` in order)."""
+    order = np.argsort(used, kind="stable")
+    groups, start, total = [], 0, 0
+    for end, i in enumerate(order):
+        total += int(used[i])
+        if (end + 1 - start) * int(used[i]) > PADDING_LIMIT * total and end > start:
+            groups.append(np.sort(order[start:end]))
+            start, total = end, int(used[i])
+    groups.append(np.sort(order[start:]))
+    return groups
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate ``x`` ``[T, heads, hd]`` in place; ``cos``/``sin`` are ``[T, hd/2]`` (HF's
+    rotate_half convention, :mod:`.rope`)."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]        # [T, 1, hd/2]
+    x1, x2 = x[..., :half], x[..., half:]          # views [T, heads, hd/2]
+    rotated_first = x1 * c - x2 * s
+    x2 *= c
+    x2 += x1 * s
+    x1[...] = rotated_first

@@ -1,4 +1,6 @@
-"""Rotary position embeddings, computed the way Hugging Face transformers computes them.
+"""Rotary position embedding tables, computed the way Hugging Face transformers computes them
+(each runner rotates by them: :func:`~triton_disagg.engine.model.apply_rope`, the torch
+runner's ``_rope``).
 
 Convention: HF Llama's non-interleaved "rotate_half": channel ``j < hd/2`` pairs with
 channel ``j + hd/2``, both rotated by angle ``position * inv_freq[j]``. Tables are
@@ -51,14 +53,3 @@ def rope_tables(inv_freq: np.ndarray, num_positions: int) -> tuple[np.ndarray, n
     """``(cos, sin)``, each ``[num_positions, hd/2]`` float32."""
     angles = np.outer(np.arange(num_positions, dtype=np.float32), inv_freq)  # [P, hd/2]
     return np.cos(angles), np.sin(angles)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-    """Rotate ``x`` ``[T, heads, hd]`` in place; ``cos``/``sin`` are ``[T, hd/2]``."""
-    half = x.shape[-1] // 2
-    c, s = cos[:, None, :], sin[:, None, :]        # [T, 1, hd/2]
-    x1, x2 = x[..., :half], x[..., half:]          # views [T, heads, hd/2]
-    rotated_first = x1 * c - x2 * s
-    x2 *= c
-    x2 += x1 * s
-    x1[...] = rotated_first

@@ -144,6 +144,25 @@ def device_pool_blocks(runtime: Runtime, geometry: BlockGeometry, budget: int,
     return blocks
 
 
+def pool_blocks(runtime: Runtime, spec: EngineSpec, geometry: BlockGeometry,
+                weights: dict[str, np.ndarray], num_blocks: int | None,
+                kv_max_bytes: int | None, fraction: float) -> int:
+    """An engine's pool size in blocks: ``num_blocks`` when given; on CUDA, ``fraction`` of
+    the device memory free after the weights, capped by ``kv_max_bytes``
+    (:func:`device_kv_budget`, :func:`device_pool_blocks`); else ``kv_max_bytes`` worth of
+    blocks; else ``max_batch_size`` sequences of ``max_seq_len`` tokens."""
+    if num_blocks is not None:
+        return num_blocks
+    if runtime.on_cuda:
+        weight_bytes = sum(w.size for w in weights.values()) * DTYPE_BYTES[runtime.dtype]
+        budget = device_kv_budget(kv_max_bytes, weight_bytes, fraction, runtime.torch_device)
+        return device_pool_blocks(runtime, geometry, budget, fraction,
+                                  geometry.blocks_for(spec.max_context - 1))
+    if kv_max_bytes is not None:
+        return BlockPool.blocks_for_budget(geometry, kv_max_bytes)
+    return spec.max_batch_size * geometry.blocks_for(spec.max_seq_len)
+
+
 def _cuda_visible() -> bool:
     """Is a CUDA GPU visible to torch (False without torch, or without an NVIDIA device
     node: then torch is not even imported)?"""

@@ -38,7 +38,13 @@ those calls together took more than ``BLOCKED_SECONDS`` (expected 0; the metric
 ``disagg_decode_steps_blocked_by_transfer_total``). While a fetch is in flight the engine
 reports each compute pass to :meth:`Scheduler.computed`, so that its arrival tells how much
 of its time in flight the instance spent computing for others (``KVArrival.overlap``;
-``disagg_kv_fetch_hidden_seconds``).
+``disagg_kv_fetch_hidden_seconds``): a fetch is *hidden* while the engine runs prefill or
+decode passes for the other sequences; time in flight with nothing to compute (an idle
+instance) hides nothing but stalls nothing. The scheduler starts a :class:`ComputeOverlap`
+when it starts a fetch and adds every pass's compute interval to it (O(1)); when the fetch
+polls done, :meth:`ComputeOverlap.hidden_seconds` trims the part of the last pass that ran
+after the fetch had ended: 0 <= ``hidden_seconds(in_flight)`` <= ``in_flight``, given that
+the fetch is polled before every pass (so only the last pass added can reach past its end).
 
 Invariants: a sequence is in at most one of ``waiting`` / ``running``; in ``waiting``
 the sequences holding their blocks come before those without (a preempted sequence goes
@@ -60,7 +66,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from triton_disagg.engine.block_pool import BlockPool, KVCacheFullError
-from triton_disagg.engine.fetch_overlap import ComputeOverlap
 from triton_disagg.engine.sequence import Sequence
 
 WAITING, WAITING_FOR_REMOTE_KV, RUNNING = "waiting", "waiting_for_remote_kv", "running"
@@ -73,6 +78,29 @@ class CapacityPolicy(str, enum.Enum):
 
     MAX_UTILIZATION = "MAX_UTILIZATION"          # its tokens + a block; grown; preemptible
     GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"  # prompt + max_tokens; never preempted
+
+
+@dataclass
+class ComputeOverlap:
+    """Compute time since ``began`` (the fetch's start; readings of one monotonic clock)."""
+
+    began: float
+    total: float = 0.0            # compute seconds after ``began``, last pass included
+    last_start: float = 0.0       # the last pass added, clipped to start at ``began``
+    last_end: float = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        """The instance computed from ``start`` to ``end`` while the fetch was in flight."""
+        start = max(start, self.began)
+        if end > start:
+            self.total += end - start
+            self.last_start, self.last_end = start, end
+
+    def hidden_seconds(self, in_flight_seconds: float) -> float:
+        """Compute time inside [``began``, ``began + in_flight_seconds``]."""
+        ended = self.began + in_flight_seconds
+        after_end = max(0.0, self.last_end - max(ended, self.last_start))
+        return min(max(0.0, self.total - after_end), in_flight_seconds)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from triton_disagg.engine.block_pool import BlockPool
-from triton_disagg.engine.decode_groups import length_groups
-from triton_disagg.engine.model import Batch, LayerDone, LogitRows, prefill_item
+from triton_disagg.engine.model import Batch, LayerDone, LogitRows, length_groups, prefill_item
 from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
 

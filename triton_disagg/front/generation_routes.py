@@ -3,7 +3,7 @@
 around them and states the invariants every route keeps).
 
 A request is parsed (:mod:`.openai_api`), counted once per choice against the front's cap
-(:mod:`.admission`), prepared per choice (:mod:`.prepare`) and sent to the orchestrator
+(:mod:`.http_gates`), prepared per choice (:mod:`.prepare`) and sent to the orchestrator
 (:mod:`.relay`): one choice streamed as SSE or answered whole, several answered whole, in
 OpenAI's order of ``index``; a server fault is answered by :func:`server_error`.
 """
@@ -22,9 +22,8 @@ from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.errors import HTTP_STATUS, ErrorCode
-from triton_disagg.front.admission import RETRY_AFTER_SECONDS, RequestCount, StalledClient, send
-from triton_disagg.front.json_body import read_json
-from triton_disagg.front.openai_api import ApiError, Generation, parse
+from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, RequestCount, StalledClient, send
+from triton_disagg.front.openai_api import ApiError, Generation, parse, read_json
 from triton_disagg.front.openai_responses import (Logprobs, OpenAIObjects, StopTrimmer,
                                                   finish_reason, merge_logprobs, sse, usage)
 from triton_disagg.front.prepare import RequestEncoder

@@ -1,5 +1,5 @@
 """The orchestrator's gRPC transport (``serve scheduler``): tritonclient calls to the context
-and generation servers its routers pick (what both transports share: :mod:`.transports`).
+and generation servers its routers pick (what both transports share: :mod:`.engine_calls`).
 
 Over gRPC each call goes to the server its role's
 :class:`~triton_disagg.routing.router.Router` picks, through one ``tritonclient.grpc.aio`` client per url (made on first use; closed
@@ -33,7 +33,7 @@ from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
                                   from_grpc_status)
 from triton_disagg.front.token_inbox import GenerationAnswer
-from triton_disagg.front.transports import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
+from triton_disagg.front.engine_calls import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
                                             RELEASE_TIMEOUT_SECONDS, call_parameters,
                                             callee_error, generation_answer, microseconds,
                                             release_inputs, unbatch)

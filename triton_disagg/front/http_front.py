@@ -5,7 +5,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; SSE wit
 true``, ending ``data: [DONE]``), ``POST /v1/inference`` (the deployment guide's; these three:
 :mod:`.generation_routes`), ``GET
 /v1/models`` and ``/v1/models/{id}``, ``GET /metrics`` (the front's own:
-:mod:`.front_metrics`), ``GET /openapi.json`` (:mod:`.openapi`), ``GET /healthz`` and
+:mod:`.http_gates`), ``GET /openapi.json`` (:mod:`.openapi`), ``GET /healthz`` and
 ``/health`` (200 when tritonserver and its models are ready, else 503 with the reason:
 :mod:`.health`), ``GET /version``, vLLM's ``GET /tokenizer_info``, ``POST /tokenize`` and
 ``/detokenize`` (:mod:`.tokenizer_routes`). With ``--health-only`` (``serve context|generation``,
@@ -15,11 +15,11 @@ models named by ``--models`` (serve names the repository's) are.
 
 Invariants: every error is OpenAI's error JSON with a 4xx for the request's mistakes (bad
 JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a body too slow: 408,
-a model not served: 404, a foreign Origin or Host: 403, :mod:`.origin_guard`) and 5xx for
+a model not served: 404, a foreign Origin or Host: 403, :mod:`.http_gates`) and 5xx for
 the server's (503 when a role is missing or the server is not ready); a timeout is 504
 (:class:`~triton_disagg.front.relay.OrchestratorError`); a 5xx body says what kind of
 fault and the request id, never an internal address or exception text (the front's log
-has those, with the request id); past a cap (:mod:`.admission`) a request is 429 and a
+has those, with the request id); past a cap (:mod:`.http_gates`) a request is 429 and a
 connection 503, both with ``Retry-After``; a request that fails leaves the process
 serving; the client's ``X-Request-Id`` (or a new one) is the Triton request id of the
 orchestrator call and comes back in the response header; a
@@ -43,16 +43,14 @@ from aiohttp import web
 from triton_disagg import __version__
 from triton_disagg.config.front_section import FrontConfig, add_front_flags, front_from_flags
 from triton_disagg.config.tls_section import GrpcTLS, add_tls_flags, tls_from_flags
-from triton_disagg.front.admission import CappedRunner, RequestCount, request_gate
-from triton_disagg.front.front_metrics import FrontMetrics, add_metrics_route
+from triton_disagg.front.http_gates import (CappedRunner, FrontMetrics, RequestCount,
+                                           add_metrics_route, add_origin_guard, request_gate)
 from triton_disagg.front.generation_routes import (CALLS, FRONT, PREPARER, RELAY, REQUEST_ID,
                                                    chat_completions, completions, inference,
                                                    request_id_of, server_error)
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
-from triton_disagg.front.json_body import MAX_BODY_BYTES
-from triton_disagg.front.openai_api import ApiError
+from triton_disagg.front.openai_api import MAX_BODY_BYTES, ApiError
 from triton_disagg.front.openapi import document
-from triton_disagg.front.origin_guard import add_origin_guard
 from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Relay
 from triton_disagg.front.tokenizer_routes import add_tokenizer_routes, tokenizer_posts
@@ -124,7 +122,7 @@ async def version(request: web.Request) -> web.Response:
 def make_health_app(readiness: Readiness, front: FrontConfig = FrontConfig(),
                     bound_host: str = "127.0.0.1") -> web.Application:
     """``/healthz`` and ``/health`` answered by ``readiness`` (:mod:`.health`), errors as
-    OpenAI's error JSON, Origin and Host checked (:mod:`.origin_guard`) for a front that
+    OpenAI's error JSON, Origin and Host checked (:mod:`.http_gates`) for a front that
     listens on ``bound_host``: the health-only front, and what the whole front starts from."""
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
     app[FRONT], app[METRICS] = front, FrontMetrics()
@@ -137,7 +135,7 @@ def make_health_app(readiness: Readiness, front: FrontConfig = FrontConfig(),
 def make_app(preparer: RequestEncoder, relay: Relay, front: FrontConfig = FrontConfig(),
              bound_host: str = "127.0.0.1") -> web.Application:
     """The whole front: generation through ``relay``, which also says whether it is ready,
-    at most ``front.max_concurrent_requests`` at a time (:mod:`.admission`)."""
+    at most ``front.max_concurrent_requests`` at a time (:mod:`.http_gates`)."""
     app = make_health_app(relay, front, bound_host)
     app[CALLS] = RequestCount(front.max_concurrent_requests)
     app.middlewares.append(request_gate(app[CALLS]))
@@ -223,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(app: web.Application, host: str, port: int, front: FrontConfig) -> None:
     """Serve ``app`` on ``host:port`` until cancelled (aiohttp's ``run_app``, with the
-    connection cap of :class:`~triton_disagg.front.admission.CappedRunner` and the idle
+    connection cap of :class:`~triton_disagg.front.http_gates.CappedRunner` and the idle
     timeout of ``front``)."""
     runner = CappedRunner(app, front.max_connections, app[METRICS].refused_connection,
                           handle_signals=True,

@@ -173,7 +173,7 @@ def prompt_field(limits: EngineLimits) -> Any:
                                        f"this engine's max_seq_len {limits.max_seq_len} ids")]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """JSON as sent: known fields only, each of its JSON type; ``null`` is not sent."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
@@ -191,12 +191,12 @@ class _Strict(BaseModel):
                 if v is not None and (k in cls.model_fields or k == unknown)}
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class Message(_Strict):
+class Message(StrictModel):
     """A chat message of text: a string, or at most ``MAX_TEXT_PARTS`` text parts that are
     joined."""
 
@@ -238,7 +238,7 @@ def messages_field(limits: EngineLimits) -> Any:
                                        f"{MAX_TEXT_PARTS_TOTAL} in all")]
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -255,7 +255,7 @@ Stop = Annotated[Annotated[str, Field(max_length=MAX_STOP_CHARS), Tag("one stop"
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 
 
-class _Sampled(_Strict):
+class _Sampled(StrictModel):
     """What every generation endpoint takes."""
 
     # the fields whose bounds are the served engine's (:func:`request_model` narrows them)

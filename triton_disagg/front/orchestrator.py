@@ -22,7 +22,7 @@ Invariants:
   demands that), a streaming one gets one per token event, or one for all the events
   that queued while its previous response was being sent (:mod:`token_inbox`);
 - streamed ``text_output`` deltas concatenate to the non-streamed text, multi-byte
-  characters included (:mod:`detokenize`);
+  characters included (:func:`~triton_disagg.engine.tokenizer.text_delta`);
 - nothing waits for ever: generation's answer and every token event are awaited at
   most ``generation_server.stall_seconds``, and so is the context's answer (a context
   without free KV blocks keeps the request in its queue until they are, within that
@@ -64,7 +64,7 @@ import numpy as np
 from triton_disagg import log_format, protocol as P
 from triton_disagg.config.roles import Mode
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
-from triton_disagg.front.engine_io import ResponseBuilder, context_event, engine_inputs
+from triton_disagg.front.engine_calls import ResponseBuilder, context_event, engine_inputs
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox, TokenStream
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.tensors import scalar

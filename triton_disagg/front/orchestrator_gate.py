@@ -22,7 +22,7 @@ import numpy as np
 from triton_disagg import peers
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import RequestError, ServerBusy, Timeout, Unavailable
-from triton_disagg.front.engine_io import engine_inputs
+from triton_disagg.front.engine_calls import engine_inputs
 from triton_disagg.triton import engine_request
 from triton_disagg.triton.tensors import scalar
 

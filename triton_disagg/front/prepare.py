@@ -35,7 +35,7 @@ from triton_disagg.errors import RequestError
 from triton_disagg.front.chat_template import ChatTemplate
 from triton_disagg.front.openai_api import ApiError, Generation
 from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits, shown
-from triton_disagg.engine.words import to_wire
+from triton_disagg.engine.sampling import to_wire
 from triton_disagg.front.preprocess import Preprocessor
 
 _SPECS = P.by_name(P.ORCHESTRATOR_INPUTS)

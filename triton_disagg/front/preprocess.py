@@ -2,7 +2,7 @@
 
 Invariants: a request it accepts fits the engine (prompt + ``max_tokens`` <=
 ``max_seq_len``, at least one prompt token, ``max_tokens`` >= 1) and its stop/bad word
-lists fit the caps of :mod:`triton_disagg.engine.words`; a prompt or word that is surely
+lists fit the caps of :mod:`triton_disagg.engine.sampling`; a prompt or word that is surely
 too long is refused before it is tokenized, so a huge input costs one pass over its bytes,
 not a tokenization, and one over :data:`MAX_TEXT_BYTES` is refused by its length alone
 (whatever the tokenizer); an input the serving stack cannot honour (beam search, several
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.engine.words import MAX_WORD_TOKENS, cap_error, count_error, to_wire
+from triton_disagg.engine.sampling import MAX_WORD_TOKENS, cap_error, count_error, to_wire
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import scalar
 

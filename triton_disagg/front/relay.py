@@ -27,7 +27,7 @@ from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.errors import HTTP_STATUS, ErrorCode, from_grpc_status, without_tag
-from triton_disagg.front.engine_io import top_rows
+from triton_disagg.front.engine_calls import top_rows
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.protocol import FINISH_REASONS, TOP_LOGPROBS, FinishReason
 from triton_disagg.triton.grpc_channel import client_options

@@ -32,9 +32,8 @@ from pydantic import BaseModel, Field, ValidationError, create_model
 
 from triton_disagg.front.chat_template import TOKENIZER_CONFIG, ChatTemplate, special_tokens
 from triton_disagg.front.generation_routes import FRONT, PREPARER
-from triton_disagg.front.json_body import read_json
-from triton_disagg.front.openai_api import ApiError
-from triton_disagg.front.openai_models import _Strict, shown, token_ids
+from triton_disagg.front.openai_api import ApiError, read_json
+from triton_disagg.front.openai_models import StrictModel, shown, token_ids
 from triton_disagg.front.prepare import RequestEncoder
 
 # tokenizer_config.json's fields /tokenizer_info answers (besides the special tokens' text)
@@ -59,7 +58,7 @@ def tokenizer_info(engine_dir: str | Path, chat: ChatTemplate | None,
     return info
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """vLLM's completion form of ``/tokenize`` (its chat form, ``messages``, is not served);
     unbounded here: the routes validate with :func:`tokenizer_posts`' bounded models."""
 
@@ -68,7 +67,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """vLLM's ``/detokenize``; bounded as :class:`TokenizeRequest` is."""
 
     model: str | None = None

@@ -23,7 +23,8 @@ Invariants:
   that address ends as an error (aborted, its KV freed, counted), and its error event
   goes out over a fresh socket: the orchestrator hears of the loss, never a short
   stream with a normal end;
-- every event carries its request's key and sequence number (:mod:`decode_requests`);
+- every event carries its request's key and sequence number (:class:`StreamState`: the
+  tokens made since its last event, its events numbered 0, 1, 2, ...);
   a stop is obeyed only with the request's key; a stop for a request the loop does not
   hold, or without its key, is dropped and counted (``dropped``);
 - requests stream to at most ``outbox.max_sockets`` distinct addresses at a time; a
@@ -47,12 +48,13 @@ import queue
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
 
+from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.errors import ErrorCode, code_of
-from triton_disagg.generation.decode_requests import StreamState, error_event, token_event
 from triton_disagg.generation.sockets import STOP_READER, send_errors
 from triton_disagg.generation.watchdog import Watchdog
 from triton_disagg.readers import (BAD_KEY, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
@@ -69,6 +71,48 @@ CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
 FETCH_POLL_SECONDS = 0.001     # pace of an iteration that only waits for KV fetches
 _log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamState:
+    """One request's token stream to the orchestrator: where it goes and what is pending.
+    Invariants: ``tokens`` / ``log_probs`` (and ``top``, when the request asked for
+    alternatives) hold exactly the tokens made since the request's last event (plain ints
+    and floats, ready for msgpack); ``seq`` is the number of events made for the request so
+    far, so its events carry 0, 1, 2, ... and every one carries the request's key."""
+
+    address: str                    # the orchestrator's token address (without the key)
+    key: str                        # the request's key (token_wire)
+    streaming: bool
+    with_log_probs: bool = True
+    emitted: bool = False           # has the first token gone out
+    seq: int = 0                    # events made for it so far
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    top: list[TopLogprobs] = field(default_factory=list)
+    cum_log_prob: float = 0.0
+
+    def numbered(self) -> int:
+        """The next event's sequence number (counted as made)."""
+        self.seq += 1
+        return self.seq - 1
+
+
+def token_event(request_id: str, live: StreamState, reason: str | None) -> StreamEvent:
+    """The tokens ``live`` holds (log probs only when asked for, alternatives when made),
+    final with ``reason``."""
+    seq = live.numbered()
+    if not live.with_log_probs:
+        return StreamEvent(request_id, live.tokens, finish_reason=reason, seq=seq, key=live.key)
+    return StreamEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason,
+                       seq=seq, key=live.key, top=live.top or None)
+
+
+def error_event(request_id: str, live: StreamState, message: str,
+                code: ErrorCode = ErrorCode.INTERNAL) -> StreamEvent:
+    """The final event of a request that failed with ``code``, saying why in ``message``."""
+    return StreamEvent(request_id, [], error=message, code=code, seq=live.numbered(),
+                       key=live.key)
 
 
 class DecodeLoop:

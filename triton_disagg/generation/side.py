@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.engine.fetch_overlap import ComputeOverlap
+from triton_disagg.engine.scheduler import ComputeOverlap
 from triton_disagg.errors import RequestError, Unavailable, UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.triton.engine_request import EngineRequest

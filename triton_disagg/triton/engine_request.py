@@ -7,7 +7,7 @@ client calling them directly), and by the orchestrator's admission check. Invari
 :class:`RequestError` with a message naming the input; every input is bounded by its
 shape or value against the engine's limits before anything is built from it (a prompt
 of ``max_context`` tokens or more is refused before its ids are read, a word list by
-:func:`~triton_disagg.engine.words.from_wire`), so a hostile request costs at most the
+:func:`~triton_disagg.engine.sampling.from_wire`), so a hostile request costs at most the
 engine's limits.
 """
 
@@ -20,9 +20,8 @@ import numpy as np
 
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
-from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams
+from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams, from_wire
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.engine.words import from_wire
 from triton_disagg.errors import RequestError, UserError
 from triton_disagg.protocol import NUM_CACHED_TOKENS
 from triton_disagg.triton.tensors import scalar

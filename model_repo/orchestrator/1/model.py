@@ -36,7 +36,7 @@ from triton_disagg.routing.pools import start_pools
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, scalar
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport
-from triton_disagg.front.transports import BLSTransport
+from triton_disagg.front.engine_calls import BLSTransport
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 

@@ -1,6 +1,8 @@
-"""Admission control of the HTTP front: how many connections and generation requests it
-holds at once, and how long it waits on a client (the config's ``front`` section,
-:class:`~triton_disagg.config.front_section.FrontConfig`).
+"""Every gate a request to the HTTP front passes before its handler, and the counts they
+keep (the config's ``front`` section, :class:`~triton_disagg.config.front_section.FrontConfig`).
+
+Admission: how many connections and generation requests the front holds at once, and how
+long it waits on a client.
 
 - Connections: :class:`CappedRunner` serves an app like aiohttp's ``AppRunner``, but a
   connection past ``max_connections`` open ones is answered ``503`` with ``Retry-After``
@@ -13,10 +15,32 @@ holds at once, and how long it waits on a client (the config's ``front`` section
   (the caller ends the request, which cancels its generation and frees its KV blocks).
   Headers and the idle time between requests are bounded by aiohttp's keep-alive timer
   (``idle_timeout_seconds``: aiohttp 3.14 arms it when a connection opens), a request's
-  body by :mod:`.json_body`.
+  body by :func:`~triton_disagg.front.openai_api.read_json`.
 
 Invariants: the counts go back down on every way out (a response, an error, a client that
 left, a cancelled handler); a refusal costs no body read, no parsing and no engine call.
+
+Browsers (:func:`add_origin_guard`): a web page must not be able to call a front on the
+user's machine or network (a cross-site ``fetch``, or DNS rebinding, where a name the page
+controls resolves to 127.0.0.1). The rule, for every path:
+
+- a request carrying an ``Origin`` header (browsers send one on every cross-origin request
+  and on every POST) is refused with 403 unless that origin is in
+  ``front.allowed_origins`` (exact ``scheme://host[:port]``, or ``"*"``); an allowed one gets
+  ``Access-Control-Allow-Origin`` back. API clients (the OpenAI SDK, curl, requests) send
+  no ``Origin`` and are not affected;
+- when the front listens on a loopback address, or ``front.allowed_hosts`` is set, the
+  ``Host`` header's name must be a loopback one (``localhost``, 127.0.0.0/8, ``::1``) or in
+  ``front.allowed_hosts``, else 403: a rebound name never matches. A front on a routable
+  address with no ``allowed_hosts`` accepts any Host (it is reached under names it cannot
+  know).
+
+Metrics (:class:`FrontMetrics`): the front's own ``GET /metrics``, in Prometheus' text
+format (0.0.4), beside Triton's on its metrics port: requests by route and status, requests
+in flight, and refusals by the admission caps. Every label value comes from a bounded set
+(a route's pattern, never its path: an unknown path counts as ``unmatched``; an HTTP status;
+a cap's name), so no client can grow the exposition; a request counts once, when it ends,
+``client_closed`` when the client left first; in flight goes back down on every way out.
 """
 
 from __future__ import annotations
@@ -24,10 +48,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter
 from typing import Awaitable, Callable, Iterator
 
 from aiohttp import web
 
+from triton_disagg.config.front_section import FrontConfig
+from triton_disagg.config.values import is_loopback
 from triton_disagg.front.openai_api import ApiError
 
 GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/inference"})
@@ -190,3 +217,111 @@ class CappedRunner(web.AppRunner):
         if self._cap is None or self._cap.server is not inner:
             self._cap = ConnectionCap(inner, self.max_connections, self.on_refused)
         return self._cap
+
+
+# ---- browsers: Origin and Host
+
+ALLOWED_ORIGIN = web.RequestKey("allowed_origin", str)
+
+
+def host_name(host_header: str) -> str:
+    """``Host``'s name without its port: ``[::1]:80`` -> ``::1``, ``a.b:80`` -> ``a.b``."""
+    if host_header.startswith("["):
+        return host_header[1:].split("]", 1)[0]
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+
+
+def add_origin_guard(app: web.Application, config: FrontConfig, bound_host: str) -> None:
+    """Enforce the module's rule on ``app`` (a front listening on ``bound_host``): a
+    middleware after those ``app`` has, and the allowed origin echoed on every response."""
+    origins = set(config.allowed_origins)
+    hosts = {h.lower() for h in config.allowed_hosts}
+    check_host = bool(hosts) or is_loopback(bound_host)
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if origin is not None and origin not in origins and "*" not in origins:
+            raise ApiError(f"requests from origin {origin[:100]!r} are refused; add it to "
+                           f"front.allowed_origins to allow it", 403, kind="permission_error")
+        host = request.headers.get("Host")
+        if check_host and host is not None:
+            name = host_name(host).lower()
+            if not is_loopback(name) and name not in hosts:
+                raise ApiError(f"Host {host[:100]!r} is not a name of this server; add it to "
+                               f"front.allowed_hosts to allow it", 403, kind="permission_error")
+        if origin is not None:
+            request[ALLOWED_ORIGIN] = origin
+        return await handler(request)
+
+    async def allow_origin(request: web.Request, response: web.StreamResponse) -> None:
+        if ALLOWED_ORIGIN in request:
+            response.headers["Access-Control-Allow-Origin"] = request[ALLOWED_ORIGIN]
+            response.headers["Vary"] = "Origin"
+
+    app.middlewares.append(guard)
+    app.on_response_prepare.append(allow_origin)
+
+
+# ---- the front's metrics
+
+PREFIX = "disagg_front"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REQUEST_CAP, CONNECTION_CAP = "max_concurrent_requests", "max_connections"
+
+
+class FrontMetrics:
+    """The counts, and the middleware that keeps them."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, str]] = Counter()     # (route, status) -> ended
+        self.refusals: Counter[str] = Counter({REQUEST_CAP: 0, CONNECTION_CAP: 0})
+        self.in_flight = 0
+
+    def refused_connection(self) -> None:
+        """A connection past ``front.max_connections`` (the runner's hook)."""
+        self.refusals[CONNECTION_CAP] += 1
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        self.in_flight += 1
+        status = "client_closed"
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        except web.HTTPException as exc:
+            status = str(exc.status)
+            raise
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        finally:
+            self.in_flight -= 1
+            self.requests[(route, status)] += 1
+            if status == "429":
+                self.refusals[REQUEST_CAP] += 1
+
+    def exposition(self) -> str:
+        lines = [f"# HELP {PREFIX}_requests_total HTTP requests the front answered, by route "
+                 f"and status", f"# TYPE {PREFIX}_requests_total counter"]
+        lines += [f'{PREFIX}_requests_total{{route="{route}",status="{status}"}} {n}'
+                  for (route, status), n in sorted(self.requests.items())]
+        lines += [f"# HELP {PREFIX}_requests_in_flight HTTP requests being answered now",
+                  f"# TYPE {PREFIX}_requests_in_flight gauge",
+                  f"{PREFIX}_requests_in_flight {self.in_flight}",
+                  f"# HELP {PREFIX}_refusals_total requests (429) and connections (503) "
+                  f"refused by an admission cap", f"# TYPE {PREFIX}_refusals_total counter"]
+        lines += [f'{PREFIX}_refusals_total{{cap="{cap}"}} {n}'
+                  for cap, n in sorted(self.refusals.items())]
+        return "\n".join(lines) + "\n"
+
+
+def add_metrics_route(app: web.Application, metrics: FrontMetrics) -> None:
+    """``GET /metrics`` on ``app``, and the counting middleware outermost."""
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition().encode(),
+                            headers={"Content-Type": CONTENT_TYPE})
+    app.middlewares.insert(0, metrics.middleware)
+    app.router.add_get("/metrics", serve)
