@@ -47,6 +47,7 @@ from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
 from .front_process import front_port
+from triton_disagg.triton import private_shm
 from triton_disagg.triton.render import render
 from triton_disagg.triton.stub_check import check_stub
 from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, server_env
@@ -228,7 +229,10 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
     :func:`token_host`; KV events advertised on ``kv_events_host``, bound on the server's
     host, from ``kv_events_port`` on) and start its server (not yet ready), on the front end's cores
-    (:func:`~triton_disagg.config.host.front_cpus`)."""
+    (:func:`~triton_disagg.config.host.front_cpus`). Refused, before anything is written
+    or started, where tritonserver would get the shared ``/dev/shm`` without the user's
+    opt-in (:func:`~triton_disagg.triton.private_shm.refuse_shared`)."""
+    private_shm.refuse_shared()
     check_ports_free(endpoints)
     install = locate(tritonserver)
     check_stub(install.stub_binary, server_env(install))

@@ -161,9 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from .work_dir import claim, default
 
     config = load(args)
-    refusal = private_shm.shared_refusal(private_shm.possible(), os.environ)
-    if refusal:
-        raise UserError(refusal)
+    private_shm.refuse_shared()
     _log_format(args.log_format, args.role)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,
                       args.advertise, args.front_port)

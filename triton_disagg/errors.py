@@ -11,8 +11,9 @@ layer may raise or catch them without importing another layer.
 
 Each class names its :class:`ErrorCode` (``status``): the one thing every seam carries and
 maps, never the message. Across Triton it is the error's status (a ``pb_utils.TritonError``
-code, read back from tritonclient's status: :func:`triton_status`, :func:`from_grpc_status`);
-across ZeroMQ a field of the error event (:mod:`triton_disagg.token_wire`); at the HTTP front
+code, read back from tritonclient's status: :func:`triton_status`, :func:`from_grpc_status`;
+on the HTTP front's stream, whose errors carry no status, a ``[CODE] `` tag it asked for:
+:func:`with_code`); across ZeroMQ a field of the error event (:mod:`triton_disagg.token_wire`); at the HTTP front
 an HTTP status (:data:`HTTP_STATUS`). A client's mistake is INVALID_ARG (HTTP 400, gRPC
 INVALID_ARGUMENT), a server that cannot serve now UNAVAILABLE (503, :class:`Unavailable` and
 its kinds), a deadline that passed TIMEOUT (504, :class:`Timeout`), a fault INTERNAL (500).
@@ -48,6 +49,8 @@ class ErrorCode(str, Enum):
 HTTP_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.UNAVAILABLE: 503, ErrorCode.TIMEOUT: 504,
                ErrorCode.CANCELLED: 499, ErrorCode.INTERNAL: 500}
 TIMEOUT_TAG = "TIMEOUT: "   # a TIMEOUT's message as a Triton error starts with it (ErrorCode)
+# A request parameter (true): answer an error with its code in the message (with_code).
+CODE_IN_MESSAGE = "disagg_code_in_message"   # not triton_*: Triton reserves it
 # gRPC status (tritonclient's ``InferenceServerException.status()``: "StatusCode.<NAME>", or
 # ``grpc.StatusCode.<NAME>.name``) -> code; the rest are INTERNAL. NOT_FOUND: the server lacks
 # a model it should serve (not loaded yet, or unloaded), the deployment's fault, not the request's.
@@ -84,6 +87,23 @@ def from_grpc_status(status: str | None, message: str) -> ErrorCode:
 def without_tag(message: str) -> str:
     """A Triton error's message as its model meant it (:data:`TIMEOUT_TAG` dropped)."""
     return message.removeprefix(TIMEOUT_TAG)
+
+
+def with_code(code: ErrorCode, message: str) -> str:
+    """``[CODE] message``: an error's code carried in its message, for a caller that asked
+    for it (:data:`CODE_IN_MESSAGE`) because the error reaches it without a status (a
+    Triton stream's error message); :func:`code_in` reads it back."""
+    return f"[{code.value}] {message}"
+
+
+def code_in(message: str) -> tuple[ErrorCode, str]:
+    """``(code, message)`` of a message :func:`with_code` wrote, a :data:`TIMEOUT_TAG`
+    before it dropped (:func:`without_tag`); one without a code is INTERNAL."""
+    message = without_tag(message)
+    name, sep, rest = message.partition("] ")
+    if name.startswith("[") and sep and name[1:] in ErrorCode.__members__:
+        return ErrorCode[name[1:]], rest
+    return ErrorCode.INTERNAL, message
 
 
 def code_of(exc: BaseException) -> ErrorCode:

@@ -9,7 +9,9 @@ tests/server/test_openai_extensions.py."""
 from __future__ import annotations
 
 import json
+import time
 
+import numpy as np
 import pytest
 import requests
 
@@ -128,6 +130,43 @@ def test_bad_inputs_get_4xx_openai_errors_and_the_server_serves_on(server, clien
     assert words in resp.json()["error"]["message"]
     assert resp.headers["X-Request-Id"] == "bad-1"
     assert client.completions.create(model=MODEL, prompt="a", max_tokens=2).choices
+
+
+def test_an_orchestrator_error_reaches_the_front_in_its_stream(server):
+    """The orchestrator refuses an unsealed request (as it does a direct client's): the
+    front's relay gets the code in the stream's error message and the stream ends as usual.
+    Not Triton's ``triton_grpc_error`` mode, for which tritonserver 2.51 logs
+    "HandleCancellation called even when the context was not cancelled" at each error and
+    once crashed after it (front/relay.py); then the server serves on."""
+    import asyncio
+
+    from triton_disagg.errors import ErrorCode
+    from triton_disagg.front.relay import OrchestratorError, Relay
+
+    unsealed = {name: np.array(value, np.int32) for name, value in (   # [1, ...] each
+        ("input_ids", [[5, 6, 7]]), ("input_lengths", [[3]]), ("request_output_len", [[2]]),
+        ("stop_words_list", [[[0], [-1]]]), ("bad_words_list", [[[0], [-1]]]),
+        ("end_id", [[-1]]), ("pad_id", [[0]]))}
+
+    async def refused() -> OrchestratorError:
+        relay = Relay(server.grpc)
+        try:
+            with pytest.raises(OrchestratorError) as err:
+                async for _ in relay.stream(unsealed, "unsealed-1"):
+                    pass
+            return err.value
+        finally:
+            await relay.close()
+
+    before = server.server_log().count("HandleCancellation called")
+    for _ in range(3):
+        error = asyncio.run(refused())
+        assert error.code is ErrorCode.INVALID_ARG and "prepared" in str(error), error
+        assert not str(error).startswith("[")                  # the code left the message
+    time.sleep(2)                          # the server's notification of the stream's end
+    assert server.server_log().count("HandleCancellation called") == before
+    assert requests.post(f"{server.front}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
 
 
 def test_sdk_raises_the_openai_error(client):

@@ -14,7 +14,7 @@ import pytest
 from kv_peers import (FP, HD, KEY, KVH, REUSED, WAIT_S, L, Peer, make_pool,  # noqa: F401
                       staging_sender, tokens_of, no_leaked_shm, receivers, sender)
 from triton_disagg.errors import UserError
-from triton_disagg.kv.handle import check_handle, decode
+from triton_disagg.kv.handle import check_handle, decode, tail
 from triton_disagg.kv.host_memory import HostStaging, StagingFullError, StagingReader
 from triton_disagg.kv.leases import LeaseExpiredError
 from triton_disagg.kv.nixl_endpoint import NixlEndpoint, TransferError
@@ -131,27 +131,32 @@ def test_nixl_read_of_consecutive_blocks_in_one_descriptor(sender, receivers):
 def test_a_handle_reads_its_own_blocks_only_and_only_once(sender):
     """A peer holding a valid handle cannot READ a neighbouring block, the whole pool from
     its base, or the ticket words of other blocks, nor WRITE another block: the handle's
-    metadata names its own blocks alone. Its own blocks it reads once; after that every receiver is refused."""
+    metadata names its own blocks alone, under its lease's device id (its own block under
+    another id is refused too). Its own blocks it reads once; after that every receiver is
+    refused."""
     probe = NixlEndpoint("gen-probe", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
     late = NixlEndpoint("gen-late", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
     try:
         handle = decode(sender.ask("export", [6], 3, 30.0), KEY)
         size, agent = handle.geometry.block_nbytes, probe._agent
         dst = agent.scratch(16 * size).ctypes.data
-        for addr, nbytes in ((handle.pool_addr + 7 * size, size),    # the next block
-                             (handle.pool_addr + 5 * size, 2 * size),  # straddling its own
-                             (handle.pool_addr, 16 * size),            # the whole pool
-                             (handle.ticket_addr, 16 * 8)):            # every ticket word
+        lease = handle.ticket                                         # its device id
+        for addr, nbytes, dev in ((handle.pool_addr + 7 * size, size, lease),  # next block
+                                  (handle.pool_addr + 5 * size, 2 * size, lease),  # straddling
+                                  (handle.pool_addr, 16 * size, lease),    # the whole pool
+                                  (handle.ticket_addr, 16 * 8, lease),     # every ticket word
+                                  (handle.pool_addr + 6 * size, size, 0)):  # its own, id 0
             peer = agent.connect(handle.agent_name, handle.agent_metadata)
             with pytest.raises(TransferError, match="refused"):
-                agent.read(peer, [(dst, nbytes, 0)], [(addr, nbytes, 0)], b"",
+                agent.read(peer, [(dst, nbytes, 0)], [(addr, nbytes, dev)], b"",
                            time.monotonic() + 10, "a probe")
         nixl = agent._agent                                           # a WRITE, too
         agent.connect(handle.agent_name, handle.agent_metadata)
         with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
             nixl.initialize_xfer("WRITE", nixl.get_xfer_descs([(dst, size, 0)], "DRAM"),
-                                 nixl.get_xfer_descs([(handle.pool_addr + 7 * size, size, 0)],
-                                                     "DRAM"), handle.agent_name, b"")
+                                 nixl.get_xfer_descs([(handle.pool_addr + 7 * size, size,
+                                                        lease)], "DRAM"),
+                                 handle.agent_name, b"")
         probe.fetch(handle, [2])
         assert probe.pool[2].tobytes() == make_pool(1, 16, 4, "float32")[6].tobytes()
         sender.wait_state(_released)
@@ -163,6 +168,40 @@ def test_a_handle_reads_its_own_blocks_only_and_only_once(sender):
         late.close()
     state = sender.wait_state(_released)
     assert state["used"] == 0 and not state["errors"]
+
+
+def test_reexported_blocks_read_right_while_another_fetch_pins_the_peer(sender):
+    """Block 3 is exported and fetched (its lease ends, its descriptor stays loaded in the
+    receiver's NIXL), then re-exported in a new lease over blocks 1-4, whose last block
+    alone the receiver READs (its prefix cache holds the rest) while another fetch from
+    the same context is in flight. NIXL looks a range up in the loaded descriptor that
+    starts last at or before it: without a device id per lease that was the ended
+    lease's block 3, which does not cover block 4 (refused, and no reload could help
+    while the other fetch pinned the peer)."""
+    receiver = NixlEndpoint("gen-relet", np.zeros((16, L, 2, 4, KVH, HD), np.float32))
+    regions = receiver.agent.registered
+    try:
+        receiver.fetch(decode(sender.ask("export", [3], 4, 30.0), KEY), [0])
+        sender.wait_state(_released)
+        other = decode(sender.ask("export", [7], 4, 30.0), KEY)
+        relet = decode(sender.ask("reuse", [1, 2, 3, 4], 16, 30.0), KEY)
+        peer = receiver.open_pull(other, time.monotonic())       # in flight, pinned
+        deadline = time.monotonic() + WAIT_S
+        receiver.read_layers(peer, other, [1], range(0, 1), deadline)
+        receiver.fetch(tail(relet, 3), [5])
+        assert (receiver.pool[5] == REUSED).all()
+        tickets = np.zeros(1, np.int64)                           # [1] the other's word
+        reg = receiver.agent.register(tickets)
+        receiver.read_layers(peer, other, [1], range(1, L), deadline)
+        receiver.confirm(peer, other, deadline, tickets)
+        receiver.agent.unregister(reg)
+        receiver.agent.unpin(peer)
+        assert receiver.pool[1].tobytes() == make_pool(1, 16, 4, "float32")[7].tobytes()
+        assert receiver.agent.registered == regions             # the tickets' went again
+    finally:
+        receiver.close()
+    state = sender.wait_state(_released)
+    assert state["used"] == 0 and state["exposed"] == 0 and not state["errors"]
 
 
 @pytest.mark.parametrize("skew_s", [3600.0, -3600.0])

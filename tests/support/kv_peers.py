@@ -89,7 +89,8 @@ def nixl_sender(cmds, out) -> None:
             endpoint.release(decode(args[0], KEY))
             out.put("released")
         elif cmd == "state":
-            out.put(blocks.state(expired=leases.expired_total, leases=len(leases)))
+            out.put(blocks.state(expired=leases.expired_total, leases=len(leases),
+                                   exposed=endpoint.agent.exposed))
         else:
             endpoint.close()
             out.put("bye")

@@ -18,9 +18,9 @@ import zmq
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from triton_disagg import token_wire
-from triton_disagg.errors import (HTTP_STATUS, EngineError, ErrorCode, RequestError, Timeout,
-                                  Unavailable, from_grpc_status, from_triton, triton_status,
-                                  without_tag)
+from triton_disagg.errors import (CODE_IN_MESSAGE, HTTP_STATUS, EngineError, ErrorCode,
+                                  RequestError, Timeout, Unavailable, code_in, from_grpc_status,
+                                  from_triton, triton_status, with_code, without_tag)
 from triton_disagg.front.relay import OrchestratorError, Relay
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport, Unanswered
@@ -118,23 +118,27 @@ def test_a_bls_error_answer_is_raised_by_its_code(code, raised):
 # ---- a Triton error over gRPC: the orchestrator's calls ------------------------------------
 
 class FailingServer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """A Triton stand-in whose every call fails with ``code`` and ``details``; a stream
-    fails so for a client that sent ``triton_grpc_error: true`` (as Triton 2.50+ does), else
-    (or when not ``streams_status``, as older Triton) it answers with an error message that
-    carries no status."""
+    """A Triton stand-in whose every call fails with ``code`` and ``details``: a unary call
+    ends with that status; a stream answers as Triton does without ``triton_grpc_error``
+    (an error message without a status, then the stream ends as usual), the code in the
+    message when the request asked for it (``errors.CODE_IN_MESSAGE``) and
+    ``code_in_message``, as the orchestrator does. ``headers``: each stream's metadata."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, streams_status: bool = True):
-        self.code, self.details, self.streams_status = code, details, streams_status
+    def __init__(self, code: grpc.StatusCode, details: str, code_in_message: bool = True):
+        self.code, self.details, self.code_in_message = code, details, code_in_message
+        self.headers: list[dict] = []
 
     async def ModelInfer(self, request, context):
         await context.abort(self.code, self.details)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        asked = dict(context.invocation_metadata()).get("triton_grpc_error") == "true"
-        async for _ in request_iterator:
-            if asked and self.streams_status:
-                await context.abort(self.code, self.details)
-            yield service_pb2.ModelStreamInferResponse(error_message=self.details)
+        self.headers.append(dict(context.invocation_metadata()))
+        async for request in request_iterator:
+            asked = request.parameters[CODE_IN_MESSAGE].bool_param and self.code_in_message
+            code = from_grpc_status(f"StatusCode.{self.code.name}", self.details)
+            yield service_pb2.ModelStreamInferResponse(
+                error_message=with_code(code, without_tag(self.details)) if asked
+                else self.details)
 
 
 async def _serving(servicer) -> tuple[grpc.aio.Server, str]:
@@ -195,16 +199,31 @@ def test_a_server_that_answers_it_timed_out_is_a_timeout_not_a_server_that_did_n
     (grpc.StatusCode.UNAVAILABLE, ErrorCode.TIMEOUT),        # MISLEADING has the TIMEOUT tag
     (grpc.StatusCode.INTERNAL, ErrorCode.INTERNAL),
 ])
-def test_the_fronts_stream_reads_the_orchestrators_status(status, code):
-    error = _streamed(FailingServer(status, MISLEADING))
+def test_the_fronts_stream_reads_the_orchestrators_code_from_its_message(status, code):
+    """The code rides in the error message the front asked for; not Triton's
+    ``triton_grpc_error`` mode (its 2.51 closes the stream from the callback thread: see
+    front/relay.py), and the stream ends as usual, not cancelled."""
+    servicer = FailingServer(status, MISLEADING)
+    error = _streamed(servicer)
     assert error.code is code and error.status == HTTP_STATUS[code]
+    assert str(error) == MISLEADING.removeprefix("TIMEOUT: ")
+    assert [h.get("triton_grpc_error") for h in servicer.headers] == [None]
+
+
+def test_a_stream_error_without_a_code_is_internal_whatever_it_says():
+    """A server that ignores ``errors.CODE_IN_MESSAGE``: its error message names no code."""
+    error = _streamed(FailingServer(grpc.StatusCode.INVALID_ARGUMENT, MISLEADING, False))
+    assert error.code is ErrorCode.INTERNAL and error.status == 500
     assert str(error) == MISLEADING.removeprefix("TIMEOUT: ")
 
 
-def test_a_stream_error_without_a_status_is_internal_whatever_it_says():
-    """A server that ignores ``triton_grpc_error``: its error message has no status."""
-    error = _streamed(FailingServer(grpc.StatusCode.INVALID_ARGUMENT, MISLEADING, False))
-    assert error.code is ErrorCode.INTERNAL and error.status == 500
+def test_a_code_in_a_message_reads_back_and_a_bare_bracket_is_no_code():
+    for code in ErrorCode:
+        assert code_in(with_code(code, "[x] y")) == (code, "[x] y")
+    assert code_in("TIMEOUT: " + with_code(ErrorCode.TIMEOUT, "late")) == (ErrorCode.TIMEOUT,
+                                                                         "late")
+    for bare in ("[BOGUS] x", "[INVALID_ARG]x", "INVALID_ARG x", ""):
+        assert code_in(bare) == (ErrorCode.INTERNAL, bare)
 
 
 def _streamed(servicer) -> OrchestratorError:

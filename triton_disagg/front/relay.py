@@ -11,9 +11,14 @@ when the orchestrator sends its final response; a stream that ends any other way
 caller stops iterating: the HTTP client left, or its task was cancelled) is cancelled, and
 Triton passes that cancel to the orchestrator; an error response raises
 :class:`OrchestratorError` with the orchestrator's message and its
-:class:`~triton_disagg.errors.ErrorCode`, read from the stream's gRPC status (the stream
-asks for one with the ``triton_grpc_error`` header; Triton then ends the stream with the
-error's status), never from its message.
+:class:`~triton_disagg.errors.ErrorCode`, once the stream has ended as usual. A Triton
+stream's error message carries no status, so the request asks the orchestrator for the code
+in the message (the request parameter :data:`~triton_disagg.errors.CODE_IN_MESSAGE`; read
+back by :func:`~triton_disagg.errors.code_in`). Not Triton's ``triton_grpc_error`` header,
+which ends the stream with the error's status instead: in Triton 2.51 that path closes the
+stream from the response callback's thread, logs "HandleCancellation called even when the
+context was not cancelled" for each error, and once crashed tritonserver (SIGSEGV) right
+after it; Triton fixed a use-after-free of that mode later (server PR #8708).
 """
 
 from __future__ import annotations
@@ -26,16 +31,14 @@ import numpy as np
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
-from triton_disagg.errors import HTTP_STATUS, ErrorCode, from_grpc_status, without_tag
+from triton_disagg.errors import CODE_IN_MESSAGE, HTTP_STATUS, ErrorCode, code_in, \
+    from_grpc_status, without_tag
 from triton_disagg.front.engine_calls import top_rows
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.protocol import FINISH_REASONS, TOP_LOGPROBS, FinishReason
 from triton_disagg.triton.grpc_channel import client_options
 
 ORCHESTRATOR = "orchestrator"
-# Triton (2.50+) ends a stream with the error's gRPC status when a client sends this header,
-# instead of an error message on the stream that carries no status.
-GRPC_ERROR_HEADERS = {"triton_grpc_error": "true"}
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,17 @@ class OrchestratorError(Exception):
         self.code, self.status = code, HTTP_STATUS[code]
 
     @classmethod
-    def from_status(cls, status: str | None, message: str) -> "OrchestratorError":
+    def from_status(cls, status: str, message: str) -> "OrchestratorError":
         """The error of a gRPC ``status`` ("StatusCode.UNAVAILABLE", as tritonclient names
-        it; None for an error without one: INTERNAL) and its ``message``."""
+        it) and its ``message``: a stream Triton itself ended (e.g. no such model)."""
         return cls(without_tag(message), from_grpc_status(status, message))
+
+    @classmethod
+    def from_message(cls, message: str) -> "OrchestratorError":
+        """The error of a stream's error ``message``, its code in it
+        (:func:`~triton_disagg.errors.code_in`; none: INTERNAL)."""
+        code, text = code_in(message)
+        return cls(text, code)
 
 
 class Relay:
@@ -101,22 +111,26 @@ class Relay:
             tensors[-1].set_data_from_numpy(array)
 
         async def one_request():
-            yield {"model_name": ORCHESTRATOR, "inputs": tensors, "request_id": request_id}
+            yield {"model_name": ORCHESTRATOR, "inputs": tensors, "request_id": request_id,
+                   "parameters": {CODE_IN_MESSAGE: True}}
 
-        responses = self.client.stream_infer(one_request(), headers=GRPC_ERROR_HEADERS)
-        ended = False
+        responses = self.client.stream_infer(one_request())
+        ended, failed = False, None      # failed: the stream's error, raised once it ended
         try:
             async for result, error in responses:
-                if error is not None:          # a server that ignored GRPC_ERROR_HEADERS
-                    raise OrchestratorError.from_status(error.status(), error.message())
-                yield _delta(result)
+                if error is not None:          # the final response: the stream ends next
+                    failed = failed or OrchestratorError.from_message(error.message())
+                elif failed is None:
+                    yield _delta(result)
             ended = True
         except grpc.aio.AioRpcError as exc:
-            ended = True                        # the server ended the stream with the error
+            ended = True                        # Triton ended the stream with a status
             raise OrchestratorError.from_status(str(exc.code()), exc.details() or "") from None
         finally:
             if not ended:
                 responses.cancel()
+        if failed is not None:
+            raise failed
 
     async def close(self) -> None:
         await self.client.close()

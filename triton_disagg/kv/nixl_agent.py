@@ -11,17 +11,28 @@ none holding more than ``MAX_LOADS`` handles' descriptors, none after a failed R
 remote agent pinned by a fetch in progress (:meth:`Agent.connect` with ``pin``, until
 :meth:`Agent.unpin`) is never removed under it: those bounds wait for its last unpin.
 
+Each :meth:`Agent.expose` registers its ranges under a device id of its own (the
+caller's: a lease's ticket), and a READ names the ranges with that id. NIXL orders a remote
+agent's descriptors by device id, then address, and looks a READ's range up in the one that
+starts last at or before it with the same device id: so a READ is resolved against the
+descriptors of its own exposure alone, and another's (an ended lease's, still loaded: NIXL
+cannot unload a part of a remote agent) can neither hide a live range nor stand in for it.
+Without it, a lease's tail (a range starting inside its descriptor) was refused whenever an
+ended lease's descriptor started in between (``NIXL_ERR_NOT_FOUND``), and two live leases
+over the same cached blocks registered equal descriptors, which NIXL finds by value: a
+handle could carry the other lease's remote key, and a withdrawal deregister the other's.
+
 What NIXL enforces and what it does not: NIXL registers memory with no read-only mode,
 so a holder may READ or WRITE the ranges it was given (its own blocks and ticket words:
 it can spoil only its own handoff); its NIXL refuses a READ or WRITE anywhere else
 (``NIXL_ERR_NOT_FOUND``). A receiver's NIXL keeps the descriptors of every handle it
 loaded until the peer is reloaded or forgotten, so to it an ended lease's blocks stay
-nameable. Below NIXL, an RDMA NIC enforces the registration (and its withdrawal), but
-within one host UCX copies with ``process_vm_readv``/``writev`` (CMA) and across hosts
-over TCP with software RMA, neither of which checks the remote key: a peer that patches
-its NIXL/UCX can still read or write any address of the sender process. The lease
-tickets, not the registration, are what keep an honest reader from ever returning
-reused blocks.
+nameable under that lease's device id. Below NIXL, an RDMA NIC enforces the registration
+(and its withdrawal), but within one host UCX copies with ``process_vm_readv``/``writev``
+(CMA) and across hosts over TCP with software RMA, neither of which checks the remote key:
+a peer that patches its NIXL/UCX can still read or write any address of the sender
+process. The lease tickets, not the registration, are what keep an honest reader from ever
+returning reused blocks.
 """
 
 from __future__ import annotations
@@ -116,17 +127,6 @@ class RemoteAgents:
             self._doomed.discard(peer)
             self._agent.remove_remote_agent(peer)
 
-    def reload(self, peer: str, metadata: bytes) -> bool:
-        """Load ``peer`` afresh from ``metadata`` alone, dropping the descriptors every
-        earlier handle loaded (:meth:`Agent.read` says why), its pins kept; False, and
-        nothing done, while another fetch pins it too (a READ of its may be in flight)."""
-        if self._pins[peer] > 1 or peer not in self._peers:
-            return False
-        self._peers.pop(peer)
-        self._agent.remove_remote_agent(peer)
-        self.load(peer, metadata)
-        return True
-
     def clear(self) -> None:
         """Remove every peer, pinned or not (the agent is closing)."""
         self._pins.clear()
@@ -171,12 +171,26 @@ class Agent:
         self._scratch = np.empty(0, np.uint8)
         self._scratch_reg = None
 
-    def expose(self, ranges: Sequence[tuple[int, int]]) -> tuple[Any, bytes]:
-        """Register ``ranges`` ``(addr, nbytes)`` of this process; returns the registration
-        (for :meth:`withdraw`) and the metadata a peer needs to READ exactly those ranges:
-        connection info plus their remote keys, nothing else."""
+    @property
+    def exposed(self) -> int:
+        """Registrations :meth:`expose` made and :meth:`withdraw` has not undone."""
+        return len(self._exposed)
+
+    @property
+    def registered(self) -> int:
+        """This agent's own READ destinations registered (:meth:`register` and the
+        ``regions`` it was made with), the scratch buffer not counted."""
+        return len(self._regs)
+
+    def expose(self, ranges: Sequence[tuple[int, int]], dev_id: int) -> tuple[Any, bytes]:
+        """Register ``ranges`` ``(addr, nbytes)`` of this process under device id ``dev_id``
+        (in ``[1, 2**63)``, unique among this agent's exposures: a peer's READs name it, see
+        the module docstring); returns the registration (for :meth:`withdraw`) and the
+        metadata a peer needs to READ exactly those ranges: connection info plus their
+        remote keys, nothing else."""
         with self._lock:
-            reg = self._agent.register_memory([(a, n, 0, "") for a, n in ranges], "DRAM")
+            reg = self._agent.register_memory([(a, n, dev_id, "") for a, n in ranges],
+                                              "DRAM")
             try:
                 metadata = self._agent.get_partial_agent_metadata(reg, True, ["UCX"])
             except Exception:
@@ -244,30 +258,21 @@ class Agent:
         return self._scratch
 
     def read(self, peer: str, local: list, remote: list, notif: bytes, deadline: float,
-             what: str, metadata: bytes | None = None) -> None:
-        """READ ``remote`` ``(addr, len, 0)`` ranges of ``peer`` into ``local`` ones; the
+             what: str) -> None:
+        """READ ``remote`` ``(addr, len, dev_id)`` ranges of ``peer`` (``dev_id``: the one
+        the peer's :meth:`expose` of them used) into ``local`` ``(addr, len, 0)`` ones; the
         peer gets ``notif`` (if any) after its memory was read. :class:`TransferError`
         unless done by ``deadline`` (``time.monotonic()``); a failed READ also forgets the
-        peer, whose next handle loads it afresh.
-
-        ``metadata``: the (partial) metadata that exposed ``remote``. NIXL looks each
-        remote range up in the one loaded descriptor of ``peer`` with the greatest start at
-        or before it, so a range that starts inside a descriptor (a handle's tail) is
-        refused when an earlier handle's descriptor starts between the two and ends before
-        the range does. A refused READ is then tried once more with ``peer`` loaded afresh
-        from ``metadata`` alone (:meth:`RemoteAgents.reload`)."""
+        peer, whose next handle loads it afresh."""
         with self._lock:
             try:
-                xfer = self._initialize(peer, local, remote, notif)
+                xfer = self._agent.initialize_xfer(
+                    "READ", self._agent.get_xfer_descs(local, "DRAM"),
+                    self._agent.get_xfer_descs(remote, "DRAM"), peer, notif)
             except Exception as exc:  # noqa: BLE001 - e.g. addresses the peer never exposed
-                try:
-                    if metadata is None or not self._remotes.reload(peer, metadata):
-                        raise
-                    xfer = self._initialize(peer, local, remote, notif)
-                except Exception:  # noqa: BLE001 - refused again, or not reloaded
-                    self._remotes.forget(peer)
-                    raise TransferError(f"NIXL refused the READ of {what} from {peer}: "
-                                        f"{exc}") from exc
+                self._remotes.forget(peer)
+                raise TransferError(f"NIXL refused the READ of {what} from {peer}: "
+                                    f"{exc}") from exc
             state = self._agent.transfer(xfer)
         pause = 0.0     # then 50 us doubling to 250 us: the sender's watcher polls every 0.5 ms
         while state == "PROC" and time.monotonic() < deadline:
@@ -284,12 +289,6 @@ class Agent:
             self.forget(peer)
             result = "did not finish in time" if state == "PROC" else "failed"
             raise TransferError(f"NIXL READ of {what} from {peer} {result} (state {state})")
-
-    def _initialize(self, peer: str, local: list, remote: list, notif: bytes) -> Any:
-        """A READ's NIXL transfer handle (NIXL raises when it refuses one); under the lock."""
-        return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
-                                           self._agent.get_xfer_descs(remote, "DRAM"), peer,
-                                           notif)
 
     def notify(self, peer: str, message: bytes) -> None:
         """Send ``peer`` (connected) a notification on its own, not bound to a READ."""

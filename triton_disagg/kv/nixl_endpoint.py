@@ -9,7 +9,9 @@ front.
 
 - Sender (context): :meth:`NixlEndpoint.export` fills a new array of ticket words, one per
   block of the handle, with a fresh random ticket, registers exactly those blocks' byte
-  ranges and that array (:meth:`~triton_disagg.kv.nixl_agent.Agent.expose`), leases the
+  ranges and that array under the ticket as NIXL device id
+  (:meth:`~triton_disagg.kv.nixl_agent.Agent.expose`: a namespace per lease, so no other
+  lease's descriptor, live or ended, ever resolves a READ of this one), leases the
   blocks and returns a
   :class:`KVHandle` naming the agent, the partial metadata of that registration alone,
   the pool and ticket addresses, the block ids and the ticket. A watcher thread reads the
@@ -25,7 +27,8 @@ front.
 - Receiver (generation): :meth:`NixlEndpoint.fetch` loads the handle's metadata into the
   peer's remote agent, READs the blocks (straight into the pool's blocks when the layouts
   match, otherwise into scratch memory followed by :func:`layout.write_blocks`), *then*
-  READs the blocks' ticket words, naming the lease in that second READ's notification,
+  READs the blocks' ticket words (every READ names the handle's ticket as device id),
+  naming the lease in that second READ's notification,
   and accepts the data only if every word still holds the handle's ticket. Each READ has
   one descriptor per run of consecutive block ids (usually one: pools hand out ascending
   ids).
@@ -144,7 +147,7 @@ class NixlEndpoint:
         try:
             reg, metadata = self._agent.expose(
                 [(self.pool.ctypes.data + s * size, k * size) for s, _, k in runs(ids, ids)]
-                + [(tickets.ctypes.data, tickets.nbytes)])
+                + [(tickets.ctypes.data, tickets.nbytes)], ticket)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
             raise TransferError(f"NIXL cannot register {len(ids)} KV blocks: {exc}") from exc
         with self._exposed_lock:
@@ -327,8 +330,9 @@ class NixlEndpoint:
             pairs = [(s, d, len(layers) * step) for s, d in zip(handle.block_ids, dst)]
             offset = layers.start * step
         self._agent.read(peer, [(base + d * size + offset, n, 0) for _, d, n in pairs],
-                         [(handle.pool_addr + s * size + offset, n, 0) for s, _, n in pairs],
-                         b"", deadline, f"KV lease {handle.lease_id}", handle.agent_metadata)
+                         [(handle.pool_addr + s * size + offset, n, handle.ticket)
+                          for s, _, n in pairs],
+                         b"", deadline, f"KV lease {handle.lease_id}")
 
     def _confirm(self, peer: str, handle: KVHandle, deadline: float,
                  tickets: Optional[np.ndarray] = None) -> None:
@@ -342,9 +346,9 @@ class NixlEndpoint:
             tickets = self._agent.scratch(n * _TICKET.itemsize)[:n * _TICKET.itemsize]
             tickets = tickets.view(_TICKET)                                     # [n]
         self._agent.read(peer, [(tickets.ctypes.data, 8 * n, 0)],
-                         [(handle.ticket_addr, 8 * n, 0)],
+                         [(handle.ticket_addr, 8 * n, handle.ticket)],
                          NOTIF_PREFIX + handle.lease_id.encode(), deadline,
-                         f"KV lease {handle.lease_id} tickets", handle.agent_metadata)
+                         f"KV lease {handle.lease_id} tickets")
         if (tickets != handle.ticket).any():
             raise LeaseExpiredError(f"KV blocks of lease {handle.lease_id} were already "
                                     f"fetched, or the lease expired and the context "

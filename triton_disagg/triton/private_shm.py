@@ -33,6 +33,8 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 
+from triton_disagg.errors import UserError
+
 SHM = b"/dev/shm"
 ALLOW_SHARED_ENV = "TRITON_DISAGG_ALLOW_SHARED_SHM"    # "1": serve on the shared /dev/shm
 CONTAINER_ONLY = "container"    # ALLOW_SHARED_ENV's value in the images: unless in the host's IPC
@@ -110,6 +112,15 @@ def shared_refusal(private: bool, environ: Mapping[str, str],
             "shared-memory API write into this user's /dev/shm (KV staging areas, "
             f"Python-backend regions); set {ALLOW_SHARED_ENV}=1 to serve anyway, accepting "
             "that (docs/architecture.md, trust boundaries)")
+
+
+def refuse_shared(environ: Mapping[str, str] = os.environ) -> None:
+    """:class:`UserError` with :func:`shared_refusal`'s line where tritonserver must not
+    start here: the one check every start goes through (``launch.deploy.start``, which
+    serve and the bench call; serve also calls it before it claims a work dir or port)."""
+    refusal = shared_refusal(possible(), environ)
+    if refusal:
+        raise UserError(refusal)
 
 
 def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int,

@@ -11,6 +11,7 @@ the protocol dtype; a request whose batch is not 1 is refused, never sliced.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable
 # Any here: Triton's pb_utils module and its objects, which have no types.
 
@@ -66,6 +67,16 @@ def scalar(inputs: dict[str, np.ndarray], name: str, default: Any = None) -> Any
         raise RequestError(f"input '{name}' must hold one value, got {arr.size}")
     value = arr[0]
     return value.item() if hasattr(value, "item") else value
+
+
+def asks(request: Any, parameter: str) -> bool:
+    """Whether ``request`` (a ``pb_utils.InferenceRequest``) sets the request parameter
+    ``parameter`` to true (Triton's per-request ``parameters``, which its stub gives as
+    JSON)."""
+    try:
+        return json.loads(request.parameters() or "{}").get(parameter) is True
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def error_response(pb_utils: Any, message: str, status: ErrorCode = ErrorCode.INTERNAL) -> Any:

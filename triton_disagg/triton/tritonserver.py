@@ -38,7 +38,7 @@ inference and statistics stay open): a local user who reads it there can change 
 and trace levels (not their files: Triton refuses that over the network) and register
 shared memory, which Triton opens in its private ``/dev/shm``, where nothing of ours can
 be named (without one, serve refuses to start unless the user opts in:
-:func:`.private_shm.shared_refusal`). The gRPC endpoint accepts the orchestrators' keepalive pings
+:func:`.private_shm.refuse_shared`). The gRPC endpoint accepts the orchestrators' keepalive pings
 (:mod:`triton_disagg.front.grpc_transport`): every ``KEEPALIVE_MS``, idle calls included.
 """
 

@@ -29,11 +29,13 @@ from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
-from triton_disagg.errors import EngineError, RequestError
+from triton_disagg.errors import CODE_IN_MESSAGE, EngineError, ErrorCode, RequestError, \
+    with_code
 from triton_disagg.front.orchestrator import MAX_RELEASES, Orchestrator
 from triton_disagg.front.orchestrator_gate import InFlightCap, OrchestratorGate, public_message
 from triton_disagg.routing.pools import start_pools
-from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, scalar
+from triton_disagg.triton.tensors import asks, error_response, make_tensors, read_inputs, \
+    scalar
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport
 from triton_disagg.front.engine_calls import BLSTransport
@@ -109,13 +111,14 @@ class TritonPythonModel:
         except (RequestError, EngineError) as exc:
             request_id = request.request_id() or uuid.uuid4().hex[:12]
             self.rejections.rejected(exc.status, f"request {request_id}: {exc}", request_id)
-            sender.send(error_response(pb_utils, public_message(exc, request_id), exc.status),
+            sender.send(_error(request, public_message(exc, request_id), exc.status),
                         flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - never leave a request without its final response
             request_id = request.request_id() or uuid.uuid4().hex[:12]
             self.log.exception("orchestrator: request %s: %s: %s", request_id,
                                type(exc).__name__, exc)
-            sender.send(error_response(pb_utils, public_message(exc, request_id)), flags=FINAL)
+            sender.send(_error(request, public_message(exc, request_id), ErrorCode.INTERNAL),
+                        flags=FINAL)
 
     def finalize(self):
         try:
@@ -124,3 +127,12 @@ class TritonPythonModel:
                 self.pools.close()
         finally:
             self.metrics.close()
+
+
+def _error(request: "pb_utils.InferenceRequest", message: str,
+           code: ErrorCode) -> "pb_utils.InferenceResponse":
+    """The error response to ``request``: its code in the message too when the caller asked
+    (:data:`~triton_disagg.errors.CODE_IN_MESSAGE`: the HTTP front, whose stream error
+    carries no status, see :mod:`triton_disagg.front.relay`)."""
+    return error_response(pb_utils, with_code(code, message)
+                          if asks(request, CODE_IN_MESSAGE) else message, code)
