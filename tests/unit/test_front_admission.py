@@ -333,3 +333,30 @@ def test_front_section_parses_and_round_trips_through_flags(tmp_path, demo_engin
                        ({"max_requests": 1}, "unknown key 'max_requests'")):
         with pytest.raises(UserError, match=words):
             parse_front(bad)
+
+
+def test_a_whole_answer_the_client_never_reads_gives_its_connection_back(demo_engine):
+    """A non-streamed answer is written within ``write_timeout_seconds`` too: a client that
+    never reads it (issue 27 re-review F1) is dropped, and its connection is free again."""
+    relay = ScriptedRelay([Delta("x" * 2**20, 1, i + 1) for i in range(8)]
+                          + [Delta("", 1, 9, finish_reason="length")])   # 8 MiB of text
+
+    async def main():
+        front = FrontConfig(max_connections=1, write_timeout_seconds=0.5)
+        async with served(demo_engine, relay, front) as port:
+            await asyncio.sleep(0.5)                    # served's probe connection is gone
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            body = json.dumps(BODY).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await asyncio.sleep(3.0)                    # it never read a byte
+            assert sock.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"   # answered, unread
+            reader, writer = await raw(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = await asyncio.wait_for(reader.readline(), 5)
+            assert head.startswith(b"HTTP/1.1 200"), head   # not 503: the slot came back
+            writer.close()
+            sock.close()
+    asyncio.run(main())
