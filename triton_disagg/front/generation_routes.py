@@ -166,6 +166,15 @@ class _Answer:
         return self.trimmer.finish(), finish_reason(self.trimmer, self.last.finish_reason)
 
 
+async def _added(answer: _Answer, delta: Delta) -> tuple[str, dict | None]:
+    """``answer.add(delta)``, off the loop when ``delta`` brings the prompt's log-probs the
+    answer shows (a token decode per prompt token and per alternative: seconds for a long
+    prompt, which the loop's other clients would wait out)."""
+    if delta.prompt_logprobs is None or answer.logprobs is None:
+        return answer.add(delta)
+    return await asyncio.get_running_loop().run_in_executor(None, answer.add, delta)
+
+
 async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
                    request_id: str) -> tuple[_Answer, str, str, dict | None]:
     """One choice, whole: its answer, text, finish reason and log-probs."""
@@ -173,7 +182,7 @@ async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
         text, parts = answer.echo, []
         try:
             async for delta in deltas:
-                more, logprobs = answer.add(delta)
+                more, logprobs = await _added(answer, delta)
                 text += more
                 parts += [logprobs] if logprobs is not None else []
                 if answer.trimmer.stopped:
@@ -240,7 +249,7 @@ async def _stream(request: web.Request, answer: _Answer, reply: OpenAIObjects,
             await out(reply.chunk(answer.echo, first=True))
         try:
             async for delta in deltas:
-                text, logprobs = answer.add(delta)
+                text, logprobs = await _added(answer, delta)
                 if text or logprobs:
                     await out(reply.chunk(text, logprobs=logprobs))
                 if answer.trimmer.stopped:
