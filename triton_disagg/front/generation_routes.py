@@ -162,7 +162,12 @@ class _Answer:
         return text, merge_logprobs([prompt, tokens], chat=False)
 
     def finish(self) -> tuple[str, str]:
-        """The text left to send and the finish reason."""
+        """The text left to send and the finish reason; :class:`OrchestratorError` when the
+        orchestrator's stream ended without its final answer (no finish reason) and no stop
+        sequence cut it here: a short text is never passed off as a whole one."""
+        if self.last.finish_reason is None and not self.trimmer.stopped:
+            raise OrchestratorError("the orchestrator's stream ended without its final answer",
+                                    ErrorCode.INTERNAL)
         return self.trimmer.finish(), finish_reason(self.trimmer, self.last.finish_reason)
 
 
@@ -254,12 +259,12 @@ async def _stream(request: web.Request, answer: _Answer, reply: OpenAIObjects,
                     await out(reply.chunk(text, logprobs=logprobs))
                 if answer.trimmer.stopped:
                     break           # leaving the relay's stream cancels the request
+            tail, reason = answer.finish()
         except (ConnectionResetError, asyncio.CancelledError):
             raise                   # the client left: the relay's stream is cancelled
         except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
             await out(server_error(exc, request_id_of(request)).body())
             return response
-        tail, reason = answer.finish()
         await out(reply.chunk(tail, reason))
         if answer.gen.include_usage:
             await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens,
