@@ -1,7 +1,7 @@
 """The HTTP front keeps its event loop for I/O: the prompt's log-probs of an ``echo`` with
 ``logprobs`` (a tokenizer decode per prompt token and per alternative: seconds for a long
 prompt and 8 choices) are turned into OpenAI's objects off the loop (issue 27 re-review
-F2), so /healthz and the other streams go on meanwhile."""
+F2), so /healthz and the other streams go on meanwhile; the OpenAPI document is made once."""
 
 from __future__ import annotations
 
@@ -53,3 +53,22 @@ def test_prompt_logprobs_are_made_off_the_loop(demo_engine, stream):
     prompt_decodes = len(PROMPT) + rows              # each token's text and its alternative's
     assert len(decoded_on) >= prompt_decodes
     assert loop_thread not in decoded_on[:prompt_decodes], "prompt log-probs made on the loop"
+
+
+def test_the_openapi_document_is_made_once(demo_engine, monkeypatch):
+    """``GET /openapi.json`` is public and ungated: its schema (5 ms of pydantic on the loop)
+    is made once, not per request (issue 27 re-review: a GET flood cost 50x a /v1/models)."""
+    from triton_disagg.front import http_front
+
+    made = []
+    monkeypatch.setattr(http_front, "document", lambda limits: made.append(limits) or {"a": 1})
+    relay = ScriptedRelay([])
+
+    async def main():
+        app = make_app(RequestEncoder(demo_engine, "demo"), relay)
+        async with TestClient(TestServer(app)) as client:
+            for _ in range(3):
+                resp = await client.get("/openapi.json")
+                assert resp.status == 200 and await resp.json() == {"a": 1}
+    asyncio.run(main())
+    assert len(made) == 1

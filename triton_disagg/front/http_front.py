@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -61,6 +62,7 @@ SHUTDOWN_SECONDS = 5.0
 log = logging.getLogger("triton_disagg.front")
 
 METRICS = web.AppKey("metrics", FrontMetrics)
+OPENAPI = web.AppKey("openapi", bytes)    # the document, made once (pydantic: ~5 ms)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
 
 
@@ -111,7 +113,7 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(document(request.app[PREPARER].limits))
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
 
 async def version(request: web.Request) -> web.Response:
@@ -139,6 +141,7 @@ def make_app(preparer: RequestEncoder, relay: Relay, front: FrontConfig = FrontC
     app[CALLS] = RequestCount(front.max_concurrent_requests)
     app.middlewares.append(request_gate(app[CALLS]))
     app[PREPARER], app[RELAY] = preparer, relay
+    app[OPENAPI] = json.dumps(document(preparer.limits)).encode()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/inference", inference)
