@@ -225,7 +225,7 @@ async def _serve(app: web.Application, host: str, port: int, front: FrontConfig)
     connection cap of :class:`~triton_disagg.front.admission.CappedRunner` and the idle
     timeout of ``front``)."""
     runner = CappedRunner(app, front.max_connections, app[METRICS].refused_connection,
-                          handle_signals=True,
+                          handle_signals=True, auto_decompress=False,   # json_body: 415
                           handler_cancellation=True, access_log=None,
                           keepalive_timeout=front.idle_timeout_seconds,
                           shutdown_timeout=SHUTDOWN_SECONDS)
