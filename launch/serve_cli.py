@@ -23,7 +23,10 @@ import argparse
 import os
 import signal
 import threading
+import time
+from collections import deque
 from pathlib import Path
+from typing import Callable
 
 from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role
 from triton_disagg.errors import RetryableStart, UserError
@@ -32,8 +35,28 @@ from triton_disagg.log_format import FORMATS
 from triton_disagg.triton import private_shm
 from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
 
-MAX_RESTARTS = 5            # stub deaths and failed starts survived by restarting, per serve run
+MAX_RESTARTS = 5            # stub deaths and failed starts survived by restarting, within
+RESTART_WINDOW_SECONDS = 600.0    # this long: a crash loop ends, rare deaths never add up
 STUB_POLL_SECONDS = 0.5
+
+
+class RestartBudget:
+    """At most ``MAX_RESTARTS`` restarts within any ``RESTART_WINDOW_SECONDS`` (``clock``:
+    ``time.monotonic``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.spent: deque[float] = deque()      # when the restarts of the window were
+
+    def spend(self) -> bool:
+        """Take one restart now; False when the window already holds ``MAX_RESTARTS``."""
+        now = self.clock()
+        while self.spent and now - self.spent[0] >= RESTART_WINDOW_SECONDS:
+            self.spent.popleft()
+        if len(self.spent) >= MAX_RESTARTS:
+            return False
+        self.spent.append(now)
+        return True
 
 
 def register(subparsers) -> None:
@@ -155,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM. A stub process that dies restarts the whole server
     (Triton 2.51 does not restart it and keeps reporting ready), and so does a tritonserver
     killed by a signal (a stub dying mid-exchange can abort it), up to ``MAX_RESTARTS``
-    times; with ``--no-restart`` serve exits 1 instead, for a supervisor to restart."""
+    times within ``RESTART_WINDOW_SECONDS`` (:class:`RestartBudget`); with ``--no-restart``
+    serve exits 1 instead, for a supervisor to restart."""
     from .deploy import PortFlags, advertised_url, endpoints_for, token_host
     from .front_process import front_port
     from .work_dir import claim, default
@@ -174,8 +198,9 @@ def run(args: argparse.Namespace) -> int:
     stop, hurry = threading.Event(), threading.Event()    # the first signal, a second one
     previous = {s: signal.signal(s, lambda *_: (hurry if stop.is_set() else stop).set())
                 for s in (signal.SIGINT, signal.SIGTERM)}
+    budget, restart = RestartBudget(), 0
     try:
-        for restart in range(MAX_RESTARTS + 1):
+        while True:
             outcome = _serve_once(args, config, endpoints, advertised, token, front, stop,
                                   hurry, restart)
             if isinstance(outcome, int):
@@ -183,12 +208,24 @@ def run(args: argparse.Namespace) -> int:
             print(f"triton-disagg serve {args.role}: {outcome}", flush=True)
             if args.no_restart:
                 return 1
-        print(f"triton-disagg serve {args.role}: {MAX_RESTARTS} restarts; giving up", flush=True)
-        return 1
+            if not budget.spend():
+                print(f"triton-disagg serve {args.role}: {MAX_RESTARTS} restarts within "
+                      f"{RESTART_WINDOW_SECONDS / 60:g} min; giving up", flush=True)
+                return 1
+            restart += 1
+            print(f"triton-disagg serve {args.role}: restarting tritonserver "
+                  f"({len(budget.spent)} of at most {MAX_RESTARTS} in "
+                  f"{RESTART_WINDOW_SECONDS / 60:g} min); the stopped server's log is "
+                  f"{_kept_log(args.work_dir, restart)}", flush=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         lock.close()
+
+
+def _kept_log(work_dir: Path, restart: int) -> Path:
+    """Where the log of the server stopped before restart ``restart`` (1, 2, ...) is kept."""
+    return work_dir / f"tritonserver.{restart}.log"
 
 
 def _log_format(chosen: str, role: str) -> None:
@@ -221,10 +258,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
 
     work_dir = args.work_dir
     if restart:
-        kept = work_dir / f"tritonserver.{restart}.log"
-        (work_dir / "tritonserver.log").rename(kept)
-        print(f"triton-disagg serve {args.role}: restarting tritonserver ({restart} of at most "
-              f"{MAX_RESTARTS}); the stopped server's log is {kept}", flush=True)
+        (work_dir / "tritonserver.log").rename(_kept_log(work_dir, restart))
     check_front_port(endpoints.host, front, endpoints)
     gated = args.role == Role.SCHEDULER
     if gated:

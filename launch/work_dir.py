@@ -6,13 +6,19 @@ one directory each get their own.
 Invariant: one ``serve`` at a time uses a work directory. :func:`claim` locks it (an
 ``flock`` on ``serve.lock`` inside, held while serve runs and released by the kernel when
 it exits, however it exits); a second ``serve`` given the same directory refuses in one
-line naming ``--work-dir``.
+line naming ``--work-dir``. Tritonserver runs the model repository rendered there as this
+user, so :func:`claim` also refuses a directory that another local user could change
+(:func:`replaceable_by_others`): one of its path's directories, or a link on the way,
+owned by another user than this one or root, or one that every user may write without
+the sticky bit (``/tmp`` is sticky: others cannot rename what is not theirs); and the
+lock is never opened through a link.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -29,7 +35,17 @@ def claim(work_dir: Path) -> IO[str]:
     """Lock ``work_dir`` (created if need be) for this process; keep the returned file open
     while serving. UserError when another live ``serve`` holds it."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(work_dir / LOCK, "a+")
+    unsafe = replaceable_by_others(work_dir)
+    if unsafe is not None:
+        raise UserError(f"work directory {work_dir}: {unsafe}, so another user could change "
+                        f"what tritonserver runs as you; give serve one of your own with "
+                        f"--work-dir DIR")
+    try:
+        lock = os.fdopen(os.open(work_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_APPEND
+                                 | os.O_NOFOLLOW, 0o644), "a+")
+    except OSError as exc:              # ELOOP: a link planted in the lock's place
+        raise UserError(f"work directory {work_dir}: cannot open {LOCK} ({exc.strerror}); "
+                        f"remove it or give serve another --work-dir DIR") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -43,3 +59,20 @@ def claim(work_dir: Path) -> IO[str]:
     lock.write(str(os.getpid()))
     lock.flush()
     return lock
+
+
+def replaceable_by_others(path: Path) -> str | None:
+    """Why a local user other than this one (and root) could rename or replace ``path`` or
+    an entry in it, else None: a directory of its path, or a link on the way (its own path
+    and the one it resolves to, each from the root), owned by another user, or one every
+    user may write without the sticky bit. Group write is left to the group's members."""
+    me = os.geteuid()
+    for one in (path.absolute(), path.resolve()):
+        for node in (one, *one.parents):
+            st = os.lstat(node)
+            if st.st_uid not in (me, 0):
+                return f"{node} belongs to user {st.st_uid}"
+            if (not stat.S_ISLNK(st.st_mode) and st.st_mode & stat.S_IWOTH
+                    and not st.st_mode & stat.S_ISVTX):
+                return f"every user may write {node}"
+    return None

@@ -195,7 +195,6 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_ended(d
      "'max_tokens'"),
     (b'{"model": "demo", "prompt": "a", "top_p": ' + b"[" * 900 + b"]" * 900 + b"}", {},
      "'top_p'"),
-    (b"not gzip", {"Content-Encoding": "gzip"}, "Content-Encoding"),
     # a lone surrogate (found by a fuzzer: 500 when the prompt was encoded), in a value or a key
     (b'{"model": "demo", "prompt": "a\\ud800b", "max_tokens": 2}', {}, "'\\ud800'"),
     (b'{"model": "demo", "prompt": "a", "stop": ["\\udfff"]}', {}, "lone UTF-16 surrogate"),
@@ -333,3 +332,54 @@ def test_front_section_parses_and_round_trips_through_flags(tmp_path, demo_engin
                        ({"max_requests": 1}, "unknown key 'max_requests'")):
         with pytest.raises(UserError, match=words):
             parse_front(bad)
+
+
+def test_a_whole_answer_the_client_never_reads_gives_its_connection_back(demo_engine):
+    """A non-streamed answer is written within ``write_timeout_seconds`` too: a client that
+    never reads it (issue 27 re-review F1) is dropped, and its connection is free again."""
+    relay = ScriptedRelay([Delta("x" * 2**20, 1, i + 1) for i in range(8)]
+                          + [Delta("", 1, 9, finish_reason="length")])   # 8 MiB of text
+
+    async def main():
+        front = FrontConfig(max_connections=1, write_timeout_seconds=0.5)
+        async with served(demo_engine, relay, front) as port:
+            await asyncio.sleep(0.5)                    # served's probe connection is gone
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            body = json.dumps(BODY).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await asyncio.sleep(3.0)                    # it never read a byte
+            assert sock.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"   # answered, unread
+            reader, writer = await raw(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = await asyncio.wait_for(reader.readline(), 5)
+            assert head.startswith(b"HTTP/1.1 200"), head   # not 503: the slot came back
+            writer.close()
+            sock.close()
+    asyncio.run(main())
+
+
+def test_a_compressed_body_is_refused_unread(demo_engine):
+    """A ``Content-Encoding`` body is a 415 before it is read: the front takes JSON as sent,
+    and aiohttp would inflate a gzip bomb on the event loop (issue 27 re-review: 2 MB of
+    gzip, 2 GiB inflated, took 0.6 s of loop and ~100 MiB each before its 413)."""
+    import zlib
+
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)            # gzip framing
+    zeros = b"\0" * 2**24
+    bomb = b"".join(deflate.compress(zeros) for _ in range(128)) + deflate.flush()
+
+    async def main():
+        async with served(demo_engine, ScriptedRelay(WORDS), FrontConfig()) as port:
+            async with ClientSession(auto_decompress=False) as session:
+                for body in (bomb, b"not gzip"):
+                    began = time.monotonic()
+                    async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                            data=body, headers={"Content-Encoding": "gzip"}
+                                            ) as resp:
+                        error = (await resp.json())["error"]["message"]
+                    assert resp.status == 415 and "Content-Encoding" in error, error
+                    assert time.monotonic() - began < 2.0
+    asyncio.run(main())

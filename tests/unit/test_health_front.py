@@ -80,3 +80,26 @@ def test_the_health_only_app_answers_healthz_and_health_only():
                 assert resp.status == 404
                 assert (await resp.json())["error"]["code"] == "invalid_request_error"
     asyncio.run(main())
+
+
+def test_probes_at_once_share_one_question_to_tritonserver():
+    """``/healthz`` is public and ungated: probes that arrive together share one check, so a
+    flood of them costs tritonserver one round of questions at a time, not one per probe
+    (issue 27 re-review), and a probe that leaves does not cancel the others' check."""
+    class Slow(FakeTriton):
+        async def is_server_ready(self, client_timeout=None):
+            await asyncio.sleep(0.05)
+            return await super().is_server_ready(client_timeout)
+
+    triton = Slow(True, {"context"})
+
+    async def main():
+        readiness = ServerReadiness(triton, ("context",))
+        leaver = asyncio.ensure_future(readiness.ready())
+        await asyncio.sleep(0)
+        leaver.cancel()
+        answers = await asyncio.gather(*[readiness.ready() for _ in range(50)])
+        assert answers == [None] * 50
+        assert await readiness.ready() is None          # a later probe asks afresh
+    asyncio.run(main())
+    assert len(triton.timeouts) == 2 * 2                 # two rounds: server + one model

@@ -16,7 +16,8 @@ from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta, OrchestratorError
 
 
-LOGPROB_WORDS = [Delta("Hello", 3, 1, (10,), (-0.5,)), Delta(" world", 3, 3, (11, 12), (-1.0, -2.0))]
+LOGPROB_WORDS = [Delta("Hello", 3, 1, (10,), (-0.5,)),
+                 Delta(" world", 3, 3, (11, 12), (-1.0, -2.0), finish_reason="length")]
 
 
 def test_logprobs_of_completions_and_chat_name_each_token(demo_engine):

@@ -22,7 +22,8 @@ from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.errors import HTTP_STATUS, ErrorCode
-from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, RequestCount, StalledClient, send
+from triton_disagg.front.http_gates import (RETRY_AFTER_SECONDS, RequestCount, StalledClient,
+                                           send, send_eof)
 from triton_disagg.front.openai_api import ApiError, Generation, parse, read_json
 from triton_disagg.front.openai_responses import (Logprobs, OpenAIObjects, StopTrimmer,
                                                   finish_reason, merge_logprobs, sse, usage)
@@ -30,6 +31,7 @@ from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
 
 REQUEST_ID = "X-Request-Id"
+WHOLE_CHUNK = 64 * 2**10        # a whole answer's bytes per write (aiohttp drains past this)
 log = logging.getLogger("triton_disagg.front")
 # What a client reads of a server fault, by its code (the log has the cause).
 _FAULTS = {ErrorCode.INTERNAL: "internal error",
@@ -103,7 +105,7 @@ async def _generate_choices(request: web.Request, gen: Generation,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return _whole(gen, preparer.model, done, headers)
+    return await _send_whole(request, _whole(gen, preparer.model, done), headers)
 
 
 @contextlib.asynccontextmanager
@@ -159,8 +161,22 @@ class _Answer:
         return text, merge_logprobs([prompt, tokens], chat=False)
 
     def finish(self) -> tuple[str, str]:
-        """The text left to send and the finish reason."""
+        """The text left to send and the finish reason; :class:`OrchestratorError` when the
+        orchestrator's stream ended without its final answer (no finish reason) and no stop
+        sequence cut it here: a short text is never passed off as a whole one."""
+        if self.last.finish_reason is None and not self.trimmer.stopped:
+            raise OrchestratorError("the orchestrator's stream ended without its final answer",
+                                    ErrorCode.INTERNAL)
         return self.trimmer.finish(), finish_reason(self.trimmer, self.last.finish_reason)
+
+
+async def _added(answer: _Answer, delta: Delta) -> tuple[str, dict | None]:
+    """``answer.add(delta)``, off the loop when ``delta`` brings the prompt's log-probs the
+    answer shows (a token decode per prompt token and per alternative: seconds for a long
+    prompt, which the loop's other clients would wait out)."""
+    if delta.prompt_logprobs is None or answer.logprobs is None:
+        return answer.add(delta)
+    return await asyncio.get_running_loop().run_in_executor(None, answer.add, delta)
 
 
 async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
@@ -170,7 +186,7 @@ async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
         text, parts = answer.echo, []
         try:
             async for delta in deltas:
-                more, logprobs = answer.add(delta)
+                more, logprobs = await _added(answer, delta)
                 text += more
                 parts += [logprobs] if logprobs is not None else []
                 if answer.trimmer.stopped:
@@ -182,8 +198,8 @@ async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
     return answer, text + tail, reason, logprobs
 
 
-def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict | None]],
-           headers: dict) -> web.Response:
+def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict | None]]
+           ) -> dict:
     """The non-streamed body of ``done`` choices (one for ``/v1/inference``); usage counts
     each prompt once and every choice's tokens."""
     prompt_tokens = sum(a.last.prompt_tokens for a, *_ in done[::gen.n])
@@ -198,8 +214,28 @@ def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict
         body = reply.whole([reply.choice(i, text, reason, logprobs)
                             for i, (_, text, reason, logprobs) in enumerate(done)],
                            prompt_tokens, completion_tokens, cached_tokens)
-    return web.json_response(body, headers=headers,
-                             dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
+    return body
+
+
+async def _send_whole(request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
+    """``body`` as JSON (made off the loop: an answer with log-probs runs to megabytes),
+    written ``WHOLE_CHUNK`` bytes at a time as a stream is: a client that reads nothing of
+    it for ``write_timeout_seconds`` is dropped, so an answer nobody reads holds no
+    connection (and no memory) for longer than that."""
+    data = (await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(json.dumps, body, ensure_ascii=False))).encode("utf-8")
+    response = web.StreamResponse(headers={**headers,
+                                           "Content-Type": "application/json; charset=utf-8"})
+    response.content_length = len(data)
+    timeout = request.app[FRONT].write_timeout_seconds
+    try:
+        await send(request, response, None, timeout)
+        for start in range(0, len(data), WHOLE_CHUNK):
+            await send(request, response, data[start:start + WHOLE_CHUNK], timeout)
+        await send_eof(request, response, timeout)
+    except StalledClient as exc:
+        log.warning("request %s: %s; dropped", request_id_of(request), exc)
+    return response
 
 
 async def _stream(request: web.Request, answer: _Answer, reply: OpenAIObjects,
@@ -217,26 +253,25 @@ async def _stream(request: web.Request, answer: _Answer, reply: OpenAIObjects,
             await out(reply.chunk(answer.echo, first=True))
         try:
             async for delta in deltas:
-                text, logprobs = answer.add(delta)
+                text, logprobs = await _added(answer, delta)
                 if text or logprobs:
                     await out(reply.chunk(text, logprobs=logprobs))
                 if answer.trimmer.stopped:
                     break           # leaving the relay's stream cancels the request
+            tail, reason = answer.finish()
         except (ConnectionResetError, asyncio.CancelledError):
             raise                   # the client left: the relay's stream is cancelled
         except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
             await out(server_error(exc, request_id_of(request)).body())
             return response
-        tail, reason = answer.finish()
         await out(reply.chunk(tail, reason))
         if answer.gen.include_usage:
             await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens,
                                         answer.last.cached_tokens))
         await out("[DONE]")
+        await send_eof(request, response, timeout)
     except StalledClient as exc:    # dropped: leaving the relay's stream cancels the request
         log.warning("request %s: %s; dropped", request_id_of(request), exc)
-        return response
-    await response.write_eof()
     return response
 
 

@@ -16,6 +16,7 @@ within that, not a hung probe (Kubernetes gives a probe 1 s by default).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Protocol
@@ -57,8 +58,21 @@ class ServerReadiness:
         self.client, self.models = client, models
         named = os.environ.get(GATE_ENV)
         self.gate = gate or (Path(named) if named else None)
+        self._asking: asyncio.Future[str | None] | None = None
 
     async def ready(self) -> str | None:
+        """Callers at once share one check (probes are public and ungated: a flood of them
+        costs tritonserver one round of questions at a time); one that leaves does not
+        cancel it for the others."""
+        if self._asking is None:
+            self._asking = asyncio.ensure_future(self._ask())
+            self._asking.add_done_callback(self._asked)
+        return await asyncio.shield(self._asking)
+
+    def _asked(self, _: asyncio.Future) -> None:
+        self._asking = None
+
+    async def _ask(self) -> str | None:
         if self.gate is not None and not _gate_open(self.gate):
             return CLOSED
         ask = {"client_timeout": ASK_TIMEOUT_SECONDS}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -61,6 +62,7 @@ SHUTDOWN_SECONDS = 5.0
 log = logging.getLogger("triton_disagg.front")
 
 METRICS = web.AppKey("metrics", FrontMetrics)
+OPENAPI = web.AppKey("openapi", bytes)    # the document, made once (pydantic: ~5 ms)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
 
 
@@ -111,8 +113,7 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    preparer = request.app[PREPARER]
-    return web.json_response(document(preparer.limits, tokenizer_posts(preparer)))
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
 
 async def version(request: web.Request) -> web.Response:
@@ -140,6 +141,7 @@ def make_app(preparer: RequestEncoder, relay: Relay, front: FrontConfig = FrontC
     app[CALLS] = RequestCount(front.max_concurrent_requests)
     app.middlewares.append(request_gate(app[CALLS]))
     app[PREPARER], app[RELAY] = preparer, relay
+    app[OPENAPI] = json.dumps(document(preparer.limits, tokenizer_posts(preparer))).encode()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/inference", inference)
@@ -224,7 +226,7 @@ async def _serve(app: web.Application, host: str, port: int, front: FrontConfig)
     connection cap of :class:`~triton_disagg.front.http_gates.CappedRunner` and the idle
     timeout of ``front``)."""
     runner = CappedRunner(app, front.max_connections, app[METRICS].refused_connection,
-                          handle_signals=True,
+                          handle_signals=True, auto_decompress=False,   # read_json: 415
                           handler_cancellation=True, access_log=None,
                           keepalive_timeout=front.idle_timeout_seconds,
                           shutdown_timeout=SHUTDOWN_SECONDS)

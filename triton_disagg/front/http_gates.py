@@ -10,9 +10,11 @@ long it waits on a client.
 - Requests: :func:`request_gate` lets ``max_concurrent_requests`` generation requests
   (``GATED_PATHS``) in at once, from before their body is read to their last byte out; one
   more is answered ``429`` with ``Retry-After`` at once, never queued.
-- Slow clients: :func:`send` writes a response chunk or, when the client reads nothing for
-  ``write_timeout_seconds``, drops the connection and raises :class:`StalledClient`
-  (the caller ends the request, which cancels its generation and frees its KV blocks).
+- Slow clients: :func:`send` writes a response chunk (:func:`send_eof` its end) or, when
+  the client reads nothing for ``write_timeout_seconds``, drops the connection and raises
+  :class:`StalledClient` (the caller ends the request, which cancels its generation and
+  frees its KV blocks); a whole answer is written so too, so an answer nobody reads holds
+  no connection.
   Headers and the idle time between requests are bounded by aiohttp's keep-alive timer
   (``idle_timeout_seconds``: aiohttp 3.14 arms it when a connection opens), a request's
   body by :func:`~triton_disagg.front.openai_api.read_json`.
@@ -116,12 +118,20 @@ async def send(request: web.Request, response: web.StreamResponse, data: bytes |
                timeout: float) -> None:
     """``response.write(data)`` (``None``: ``prepare`` it) within ``timeout`` s, else drop
     the connection and raise :class:`StalledClient`."""
+    await _within(request, timeout,
+                  response.prepare(request) if data is None else response.write(data))
+
+
+async def send_eof(request: web.Request, response: web.StreamResponse, timeout: float) -> None:
+    """``response.write_eof()`` (what is still buffered goes out) within ``timeout`` s, as
+    :func:`send`."""
+    await _within(request, timeout, response.write_eof())
+
+
+async def _within(request: web.Request, timeout: float, write: Awaitable[object]) -> None:
     try:
         async with asyncio.timeout(timeout):
-            if data is None:
-                await response.prepare(request)
-            else:
-                await response.write(data)
+            await write
     except TimeoutError:
         if request.transport is not None:
             request.transport.abort()

@@ -5,8 +5,10 @@ within bounds (:func:`read_json`), then validated by the pydantic models of
 
 Reading (:func:`read_json`): a request's JSON body, read and parsed within bounds: at most
 ``MAX_BODY_BYTES`` (aiohttp's ``client_max_size``: 413), arriving within
-``body_timeout_seconds`` (else 408), framed and encoded as its headers say, UTF-8, and JSON
-that Python's parser takes (else 400 naming the problem: not JSON, nested deeper than the
+``body_timeout_seconds`` (else 408), framed as its headers say, not compressed (a
+``Content-Encoding`` is a 415, refused unread: the front's runner leaves bodies as sent,
+``auto_decompress`` off, so no gzip bomb is inflated), UTF-8, and JSON that Python's parser
+takes (else 400 naming the problem: not JSON, nested deeper than the
 parser's recursion limit, an integer of more than ``sys.get_int_max_str_digits()`` digits, a
 string with a lone surrogate: a ``\\uD800``-``\\uDFFF`` escape not paired into one
 character, which JSON's grammar allows and UTF-8 cannot encode, so no string of a parsed
@@ -274,15 +276,19 @@ def _refuse_lone_surrogates(value: Any) -> None:
 async def read_json(request: web.Request, timeout: float,
                     check: Callable[[Any], Checked]) -> Checked:
     """``check`` of the request's body as a JSON value (module docstring)."""
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise ApiError(f"Content-Encoding {coding[:40]!r}: this API takes the body as sent, "
+                       f"uncompressed", 415)
     try:
         async with asyncio.timeout(timeout):
             raw = await request.read()
     except TimeoutError:
         raise ApiError(f"the body did not arrive within {timeout:g} s "
                        f"(front.body_timeout_seconds)", 408) from None
-    except web.RequestPayloadError:     # e.g. Content-Encoding: gzip on a body that is not
-        raise ApiError("the body could not be read as sent: its Content-Encoding or chunked "
-                       "framing is broken") from None
+    except web.RequestPayloadError:     # e.g. a broken chunked framing
+        raise ApiError("the body could not be read as sent: its chunked framing is "
+                       "broken") from None
     if len(raw) <= OFF_LOOP_BYTES:
         return check(decode(raw))
     return await asyncio.get_running_loop().run_in_executor(PARSER,

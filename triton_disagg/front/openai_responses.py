@@ -75,9 +75,8 @@ class StopTrimmer:
 
 
 def finish_reason(trimmer: StopTrimmer, given: FinishReason | None) -> str:
-    """``"stop"`` when a stop sequence cut the text, else the orchestrator's ``given``
-    reason in OpenAI's words (``"stop"`` when none came: an orchestrator of an older
-    build)."""
+    """``"stop"`` when a stop sequence cut the text (``given`` may then be None: the stream
+    was left before its end), else the orchestrator's ``given`` reason in OpenAI's words."""
     return "stop" if trimmer.stopped or given is None else OPENAI_FINISH[given]
 
 

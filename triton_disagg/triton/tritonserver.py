@@ -40,6 +40,10 @@ shared memory, which Triton opens in its private ``/dev/shm``, where nothing of 
 be named (without one, serve refuses to start unless the user opts in:
 :func:`.private_shm.refuse_shared`). The gRPC endpoint accepts the orchestrators' keepalive pings
 (:mod:`triton_disagg.front.grpc_transport`): every ``KEEPALIVE_MS``, idle calls included.
+Triton bounds no request's size (up to 2 GiB over gRPC) and by default keeps up to 8
+request objects for reuse, each holding the capacity of the largest message it carried,
+so a run of large requests, even refused ones, would ratchet its memory up: it keeps none
+(``--grpc-infer-allocation-pool-size=0``).
 """
 
 from __future__ import annotations
@@ -183,6 +187,7 @@ class TritonServer:
                "--grpc-keepalive-permit-without-calls=true",
                f"--grpc-http2-min-recv-ping-interval-without-data={KEEPALIVE_MS // 2}",
                "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
+               "--grpc-infer-allocation-pool-size=0",   # keeps no large request's memory
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
                f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}",
                *(self.grpc_tls.server_args() if self.grpc_tls else [])]
