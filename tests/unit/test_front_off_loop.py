@@ -61,7 +61,7 @@ def test_the_openapi_document_is_made_once(demo_engine, monkeypatch):
     from triton_disagg.front import http_front
 
     made = []
-    monkeypatch.setattr(http_front, "document", lambda limits: made.append(limits) or {"a": 1})
+    monkeypatch.setattr(http_front, "document", lambda limits, *posts: made.append(limits) or {"a": 1})
     relay = ScriptedRelay([])
 
     async def main():
