@@ -98,6 +98,25 @@ def test_requests_past_the_cap_get_429_with_retry_after_at_once(demo_engine):
     run_app(relay, check, demo_engine, FrontConfig(max_concurrent_requests=2))
 
 
+def test_tokenizer_routes_count_against_the_cap(demo_engine):
+    """``/tokenize`` and ``/detokenize`` read a body and tokenize it: a slot each, like a
+    completion (past the cap 429 at once), so a flood of them cannot starve generation."""
+    relay = ScriptedRelay(WORDS, pause=0.3)
+
+    async def check(client):
+        held = asyncio.ensure_future(client.post("/v1/completions", json=BODY))
+        while not relay.request_ids:                    # the completion holds the slot
+            await asyncio.sleep(0.01)
+        for path, body in (("/tokenize", {"model": "demo", "prompt": "hello"}),
+                           ("/detokenize", {"model": "demo", "tokens": [1, 2]})):
+            resp = await client.post(path, json=body)
+            assert resp.status == 429 and resp.headers.get("Retry-After") == "1", path
+        assert (await held).status == 200
+        resp = await client.post("/tokenize", json={"model": "demo", "prompt": "hello"})
+        assert resp.status == 200 and (await resp.json())["count"] >= 1
+    run_app(relay, check, demo_engine, FrontConfig(max_concurrent_requests=1))
+
+
 def test_a_client_that_leaves_gives_its_slot_back(demo_engine):
     relay = ScriptedRelay(WORDS * 50, pause=0.05)
 

@@ -105,7 +105,7 @@ async def _generate_choices(request: web.Request, gen: Generation,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return await _send_whole(request, _whole(gen, preparer.model, done), headers)
+    return await send_whole(request, _whole(gen, preparer.model, done), headers)
 
 
 @contextlib.asynccontextmanager
@@ -217,7 +217,7 @@ def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict
     return body
 
 
-async def _send_whole(request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
+async def send_whole(request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
     """``body`` as JSON (made off the loop: an answer with log-probs runs to megabytes),
     written ``WHOLE_CHUNK`` bytes at a time as a stream is: a client that reads nothing of
     it for ``write_timeout_seconds`` is dropped, so an answer nobody reads holds no

@@ -59,7 +59,8 @@ from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.values import is_loopback
 from triton_disagg.front.openai_api import ApiError
 
-GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/inference"})
+GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/inference",
+                         "/tokenize", "/detokenize"})   # each reads a body, then works on it
 RETRY_AFTER_SECONDS = 1
 REFUSAL_LINGER_SECONDS = 2.0     # a refused connection's request is waited for this long
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -31,7 +31,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError, create_model
 
 from triton_disagg.front.chat_template import TOKENIZER_CONFIG, ChatTemplate, special_tokens
-from triton_disagg.front.generation_routes import FRONT, PREPARER
+from triton_disagg.front.generation_routes import FRONT, PREPARER, send_whole
 from triton_disagg.front.openai_api import ApiError, read_json
 from triton_disagg.front.openai_models import StrictModel, shown, token_ids
 from triton_disagg.front.prepare import RequestEncoder
@@ -120,19 +120,20 @@ def add_tokenizer_routes(app: web.Application, preparer: RequestEncoder) -> None
     posts = tokenizer_posts(preparer)
     tokenize_model, detokenize_model = posts["/tokenize"][1], posts["/detokenize"][1]
 
-    async def get_info(request: web.Request) -> web.Response:
-        return web.json_response(info)
+    async def get_info(request: web.Request) -> web.StreamResponse:
+        return await send_whole(request, info, {})
 
-    async def tokenize(request: web.Request) -> web.Response:
+    async def tokenize(request: web.Request) -> web.StreamResponse:
         body = await _body(request, tokenize_model)
         ids = await _off_loop(preparer.tokenizer.encode, body.prompt, body.add_special_tokens)
-        return web.json_response({"count": len(ids), "max_model_len": preparer.max_seq_len,
-                                  "tokens": ids, "token_strs": None})
+        return await send_whole(request, {"count": len(ids), "max_model_len":
+                                          preparer.max_seq_len, "tokens": ids,
+                                          "token_strs": None}, {})
 
-    async def detokenize(request: web.Request) -> web.Response:
+    async def detokenize(request: web.Request) -> web.StreamResponse:
         body = await _body(request, detokenize_model)
         text = await _off_loop(preparer.tokenizer.decode, body.tokens, False)
-        return web.json_response({"prompt": text})
+        return await send_whole(request, {"prompt": text}, {})
 
     app.router.add_get("/tokenizer_info", get_info)
     app.router.add_post("/tokenize", tokenize)
