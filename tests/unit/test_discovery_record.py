@@ -155,16 +155,22 @@ def gen(url: str, blocks: int, free: int) -> MemberRecord:
                         load=Load(free_kv_blocks=free))
 
 
+def fast_watcher(polls: list[Membership]) -> Membership:
+    """A scheduler's membership of PREFIX, not started, polling every 10 ms into ``polls``."""
+    watcher = Membership(DiscoveryConfig(etcd="fake:1", prefix=PREFIX), "f" * 64,
+                         poll_seconds=0.01)
+    watcher.on_poll = polls.append
+    return watcher
+
+
 def test_a_deeply_nested_value_is_skipped_and_polling_goes_on(monkeypatch, caplog):
     """A nested [[[... once raised RecursionError out of the poll and ended it for good."""
     client = fake(monkeypatch, FakeEtcd())
     put(client, gen("good:1", 64, 64))
     client.kv[f"{PREFIX}/generation/deep:1".encode()] = b"[" * 5000 + b"]" * 5000
     client.kv[f"{PREFIX}/generation/huge:1".encode()] = b" " * 10**6 + b"{}"
-    polls = []
-    watcher = Membership(DiscoveryConfig(etcd="fake:1", prefix=PREFIX), "f" * 64,
-                         poll_seconds=0.01)
-    watcher.on_poll = polls.append
+    polls: list[Membership] = []
+    watcher = fast_watcher(polls)
     with caplog.at_level(logging.WARNING):
         watcher.start()
         try:
@@ -188,10 +194,8 @@ def test_a_flood_of_records_is_read_at_most_members_per_role_each_poll(monkeypat
     for i in range(300):
         put(client, gen(f"gen-{i:03d}:1", 64, 64))
     limit = membership.MEMBERS_PER_ROLE
-    polls = []
-    watcher = Membership(DiscoveryConfig(etcd="fake:1", prefix=PREFIX), "f" * 64,
-                         poll_seconds=0.01)
-    watcher.on_poll = polls.append
+    polls: list[Membership] = []
+    watcher = fast_watcher(polls)
     with caplog.at_level(logging.WARNING):
         watcher.start()
         try:
