@@ -26,6 +26,13 @@
 #
 # Every server role runs `triton-disagg serve ROLE ...` (the pods' command); the default
 # command serves every model in one server on 0.0.0.0 with the demo engine.
+#
+# Both images run as the user triton-disagg (uid and gid 10001, launch/k8s_workloads.py's
+# RUN_AS, which the rendered pods ask for), never root. It owns only the work directory
+# (/opt/triton-disagg/work, where serve writes: the model repository, logs, the peers
+# gate) and its home (caches); the code and the demo engine stay root's, read-only to it.
+# It also writes /tmp and /dev/shm. Not being root, serve gets no private /dev/shm
+# (no user namespace under the default profiles), hence TRITON_DISAGG_ALLOW_SHARED_SHM.
 
 FROM python:3.11-slim AS cpu
 WORKDIR /opt/triton-disagg
@@ -41,6 +48,10 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
  && triton-disagg doctor \
  && triton-disagg demo-checkpoint --output checkpoints/demo \
  && triton-disagg build --checkpoint checkpoints/demo --output engines/demo
+RUN groupadd --gid 10001 triton-disagg \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin triton-disagg \
+ && install -d -o 10001 -g 10001 work
+USER 10001:10001
 EXPOSE 8000 8001 8002 8080
 CMD ["triton-disagg", "serve", "all", "--engine", "engines/demo", "--host", "0.0.0.0"]
 
@@ -56,5 +67,9 @@ ENV TRITON_DISAGG_TRITONSERVER=/opt/tritonserver/bin/tritonserver \
 # that new, else installs PyPI's newest CUDA build over it.
 RUN pip install --no-cache-dir ".[gpu]" \
  && triton-disagg doctor
+RUN groupadd --gid 10001 triton-disagg \
+ && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin triton-disagg \
+ && install -d -o 10001 -g 10001 work
+USER 10001:10001
 EXPOSE 8000 8001 8002 8080
 CMD ["triton-disagg", "--help"]

@@ -19,6 +19,17 @@ client certificate), ``server.crt`` / ``server.key`` (the in-cluster etcd's), ``
 config as rewritten by :func:`pod_config` from a ConfigMap at ``CONFIG_PATH``, and the
 engine from a PVC mounted read-only at ``ENGINES_DIR``.
 
+The server pods run as the images' user (``RUN_AS``, the Dockerfile's ``USER``), never
+root, and meet the "restricted" Pod Security Standard: :data:`POD_SECURITY` (non-root,
+``fsGroup`` so the etcd Secret's files, mode 0440, are readable, the default seccomp
+profile) and :data:`CONTAINER_SECURITY` (no privilege escalation, every capability
+dropped). The root filesystem stays writable: serve writes its work directory
+(``work/`` under the image's ``/opt/triton-disagg``, owned by that user) and Python and
+Triton write temporary files. Without a user namespace or ``CAP_SYS_ADMIN``
+tritonserver gets no private ``/dev/shm`` (:mod:`triton_disagg.triton.private_shm`);
+the images' ``TRITON_DISAGG_ALLOW_SHARED_SHM=container`` lets it serve on the pod's own
+(the ``dshm`` emptyDir), and ``hostIPC`` is never set.
+
 Invariants: ports are distinct across roles (two roles can share a pod) and their names
 are ``<short role>-<kind>``; every object carries ``labels(k8s)`` and each Deployment
 selects its pods by unit; nothing here depends on which namespace the objects land in.
@@ -26,6 +37,7 @@ selects its pods by unit; nothing here depends on which namespace the objects la
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -62,6 +74,11 @@ ETCD_FILES = {"ca_file": "ca.crt", "cert_file": "tls.crt", "key_file": "tls.key"
 # a stopping server drains (notice + at most DRAIN_SECONDS), then gives tritonserver its
 # stop grace, plus a margin: Kubernetes' default of 30 s would cut the drain short
 TERMINATION_GRACE_SECONDS = math.ceil(NOTICE_SECONDS + DRAIN_SECONDS + STOP_GRACE_SECONDS) + 5
+RUN_AS = 10001                # uid and gid of the images' user (Dockerfile: USER)
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                "fsGroup": RUN_AS, "fsGroupChangePolicy": "OnRootMismatch",
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 _PLACED = {"url", "urls", "gpus", "cpus", "instances", "http_port", "metrics_port", "front_port"}
 
 
@@ -171,6 +188,7 @@ def deployment(unit: Unit, config: DisaggConfig, image: str) -> dict:
     pod = {
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "securityContext": copy.deepcopy(POD_SECURITY),
         "containers": [_container(role, config, image) for role in unit.roles],
         "volumes": [
             {"name": "config", "configMap": {"name": f"{k8s.name}-config"}},
@@ -215,6 +233,7 @@ def _container(role: str, config: DisaggConfig, image: str) -> dict:
         "livenessProbe": _probe(LIVE_PATH, http, period=10, failures=3),
         "startupProbe": _probe(LIVE_PATH, http, period=5, failures=60),   # 5 min to start
         "resources": _resources(role, config),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": "engines", "mountPath": ENGINES_DIR, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"},

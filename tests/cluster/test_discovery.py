@@ -3,7 +3,8 @@ registers is seen within 2 s, one that dies is dropped once its lease lapses, on
 closes is dropped at once; with etcd killed the scheduler keeps the last set and says so,
 and when etcd comes back (same data dir, or its data lost) the registrations come back;
 a server with another engine fingerprint is refused, loudly and once; over TLS with client
-certificates and user/password auth, members register and are seen, strangers are refused."""
+certificates and user/password auth, members register and are seen, strangers are refused;
+a role with more records than a poll reads is read up to the limit, the rest counted."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import pytest
 import etcd_server
 from servers import wait_until
 from triton_disagg.config.discovery_section import DiscoveryConfig
-from triton_disagg.routing.discovery import Load, MemberRecord, Membership, Registration
+from triton_disagg.routing.discovery import (Load, MemberRecord, Membership, Registration,
+                                             membership as membership_module)
 from triton_disagg.routing.discovery.etcd import ETCD_ERRORS, connect
 
 MEMBER = Path(__file__).resolve().parents[1] / "support" / "discovery_member.py"   # a registrant
@@ -136,6 +138,24 @@ def test_another_engine_is_refused_loudly_once(etcd, prefix, caplog):
     finally:
         ours.close()
         theirs.close()
+        membership.close()
+
+
+def test_a_poll_reads_at_most_the_limit_per_role_from_a_real_etcd(etcd, prefix, monkeypatch):
+    """etcd's own range limit and count (through its JSON gateway): with the limit at 3,
+    5 generation records are read as their first 3 in key order, 2 counted unread."""
+    monkeypatch.setattr(membership_module, "MEMBERS_PER_ROLE", 3)
+    discovery = etcd.discovery(prefix, TTL)
+    client = connect(discovery, timeout=2)
+    for i in range(5):
+        client.put(f"{prefix}/generation/gen-{i}:8001", record(f"gen-{i}:8001").to_json())
+    client.put(f"{prefix}/context/ctx-0:8001", record("ctx-0:8001", role="context").to_json())
+    membership = Membership(discovery, OURS).start()
+    try:
+        assert urls(membership) == ["gen-0:8001", "gen-1:8001", "gen-2:8001"]
+        assert urls(membership, "context") == ["ctx-0:8001"]
+        assert membership.unread == {"context": 0, "generation": 2}
+    finally:
         membership.close()
 
 

@@ -11,6 +11,9 @@ commands (the pods themselves run in tests/cluster/test_k8s_commands.py).
   it; its readiness probe names its HTTP front (`/healthz`) and its liveness probes its
   HTTP port, which the command opens; the Deployment selects its
   pods; the HPA targets a Deployment of the render and a metric the adapter rules serve.
+- Every server pod runs as the images' non-root user (launch k8s's RUN_AS) under the
+  "restricted" Pod Security Standard's settings: runAsNonRoot, fsGroup, the runtime's
+  seccomp profile, no privilege escalation, every capability dropped, no host IPC.
 - The pods' config loads and keeps the user's settings.
 - A bad ``kubernetes:`` key is one error line naming it.
 - NetworkPolicies: context and generation pods admit the scheduler's pods (context: on its
@@ -36,8 +39,9 @@ from k8s_manifests import CRD_KINDS, IMAGE, of_kind, render, schema_errors
 from triton_disagg.cli import build_parser
 from triton_disagg.config.disagg import parse_config
 from triton_disagg.launch.drain import DRAIN_SECONDS, NOTICE_SECONDS
-from triton_disagg.launch.k8s_workloads import (CONFIG_PATH, ETCD_PASSWORD_ENV, ETCD_TLS_DIR,
-                                                PORTS, READY_PATH, LIVE_PATH)
+from triton_disagg.launch.k8s_workloads import (CONFIG_PATH, CONTAINER_SECURITY, ETCD_PASSWORD_ENV,
+                                                ETCD_TLS_DIR, POD_SECURITY, PORTS, READY_PATH,
+                                                LIVE_PATH, RUN_AS)
 from triton_disagg.launch.serve_argv import serve_argv
 from triton_disagg.triton.tritonserver import STOP_GRACE_SECONDS
 
@@ -81,6 +85,8 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
         pod = deployment["spec"]["template"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         assert pod["spec"]["restartPolicy"] == "Always"
+        assert pod["spec"]["securityContext"] == POD_SECURITY and "hostIPC" not in pod["spec"]
+        assert POD_SECURITY["runAsUser"] == RUN_AS > 0 and POD_SECURITY["runAsNonRoot"]
         # a stopping server drains, then stops tritonserver: the kubelet must not kill it first
         assert pod["spec"]["terminationGracePeriodSeconds"] > (
             NOTICE_SECONDS + DRAIN_SECONDS + STOP_GRACE_SECONDS)
@@ -90,6 +96,8 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
             assert container["command"] == serve_argv(role, CONFIG_PATH, "0.0.0.0", ports["grpc"],
                                                       ports["metrics"], ports["http"], advertise,
                                                       ports["front"])
+            assert container["securityContext"] == CONTAINER_SECURITY == {
+                "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
             args = serve.parse_args(container["command"][1:])
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert sorted(declared.values()) == sorted([args.http_port, args.grpc_port,

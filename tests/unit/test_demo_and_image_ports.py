@@ -2,7 +2,9 @@
 port `serve` opens from a Makefile variable (so `make demo X_PORT=...` moves them all, as the
 README says); the cpu image installs the `[cpu]` extra (no CUDA torch), exposes and publishes
 every port `serve all` opens, the OpenAI front's included; the Dockerfile and docs/deploy.md
-say what engine/runtime.py does on a GPU (torch on CUDA), not that it stays numpy on the CPU."""
+say what engine/runtime.py does on a GPU (torch on CUDA), not that it stays numpy on the CPU;
+both images end as the non-root user the Kubernetes pods ask for (launch k8s's RUN_AS), who
+owns the work directory serve writes."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from pathlib import Path
 from triton_disagg.cli import build_parser
 from triton_disagg.launch.deploy import DEFAULT_PORTS
 from triton_disagg.launch.front_process import DEFAULT_FRONT_PORTS
+from triton_disagg.launch.k8s_workloads import POD_SECURITY, RUN_AS
+from triton_disagg.launch.work_dir import default as default_work_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 MAKEFILE = (ROOT / "Makefile").read_text()
@@ -92,3 +96,16 @@ def test_make_and_the_cpu_image_take_cpu_torch_from_pytorchs_cpu_index():
     assert venv.index("--index-url $(TORCH_CPU_INDEX)") < venv.index('-e ".[cpu]"'), venv
     cpu = DOCKERFILE.split("AS cpu", 1)[1].split("\nFROM ", 1)[0]
     assert f"--index-url {cpu_index} {pin}" in cpu
+
+
+def test_both_images_run_as_the_pods_non_root_user_who_owns_the_work_dir():
+    """The images once had no USER: serve ran as root in them and in the pods."""
+    assert RUN_AS != 0 and POD_SECURITY["runAsNonRoot"] is True
+    assert POD_SECURITY["runAsUser"] == POD_SECURITY["runAsGroup"] == POD_SECURITY["fsGroup"] == RUN_AS
+    work = default_work_dir("all", "0.0.0.0", 8001).parts[0]     # serve's, under WORKDIR
+    for stage in DOCKERFILE.split("\nFROM ")[1:]:
+        instructions = re.findall(r"^([A-Z]+) ", stage, re.M)
+        assert instructions[-3:] == ["USER", "EXPOSE", "CMD"], stage   # no RUN after USER
+        assert re.findall(r"^USER (.*)$", stage, re.M) == [f"{RUN_AS}:{RUN_AS}"]
+        assert f"--uid {RUN_AS} --gid {RUN_AS}" in stage and f"groupadd --gid {RUN_AS}" in stage
+        assert f"install -d -o {RUN_AS} -g {RUN_AS} {work}\n" in stage

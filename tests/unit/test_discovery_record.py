@@ -116,6 +116,7 @@ class FakeEtcd(Etcd3Client):
         self.kv: dict[bytes, bytes] = {}
         self.calls: dict[str, int] = {}
         self.keepalive_reply = keepalive_reply
+        self.largest_reply = 0              # the most records one range reply carried
 
     def post(self, url, *args, json=None, **kwargs):
         path = url.split("/v3/", 1)[1]
@@ -128,11 +129,13 @@ class FakeEtcd(Etcd3Client):
         if path == "kv/put":
             self.kv[base64.b64decode(json["key"])] = base64.b64decode(json["value"])
             return {}
-        if path == "kv/range":
-            start = base64.b64decode(json["key"])
+        if path == "kv/range":                  # etcd's: [key, range_end), the first limit
+            start, end = (base64.b64decode(json[k]) for k in ("key", "range_end"))
             kvs = [{"key": base64.b64encode(k).decode(), "value": base64.b64encode(v).decode()}
-                   for k, v in sorted(self.kv.items()) if k.startswith(start)]
-            return {"kvs": kvs, "count": str(len(kvs))}
+                   for k, v in sorted(self.kv.items()) if start <= k < end]
+            served = kvs[:json["limit"]] if json.get("limit") else kvs
+            self.largest_reply = max(self.largest_reply, len(served))
+            return {"kvs": served, "count": str(len(kvs)), "more": len(served) < len(kvs)}
         raise AssertionError(f"the fake etcd has no {path}")
 
 
@@ -152,16 +155,22 @@ def gen(url: str, blocks: int, free: int) -> MemberRecord:
                         load=Load(free_kv_blocks=free))
 
 
+def fast_watcher(polls: list[Membership]) -> Membership:
+    """A scheduler's membership of PREFIX, not started, polling every 10 ms into ``polls``."""
+    watcher = Membership(DiscoveryConfig(etcd="fake:1", prefix=PREFIX), "f" * 64,
+                         poll_seconds=0.01)
+    watcher.on_poll = polls.append
+    return watcher
+
+
 def test_a_deeply_nested_value_is_skipped_and_polling_goes_on(monkeypatch, caplog):
     """A nested [[[... once raised RecursionError out of the poll and ended it for good."""
     client = fake(monkeypatch, FakeEtcd())
     put(client, gen("good:1", 64, 64))
     client.kv[f"{PREFIX}/generation/deep:1".encode()] = b"[" * 5000 + b"]" * 5000
     client.kv[f"{PREFIX}/generation/huge:1".encode()] = b" " * 10**6 + b"{}"
-    polls = []
-    watcher = Membership(DiscoveryConfig(etcd="fake:1", prefix=PREFIX), "f" * 64,
-                         poll_seconds=0.01)
-    watcher.on_poll = polls.append
+    polls: list[Membership] = []
+    watcher = fast_watcher(polls)
     with caplog.at_level(logging.WARNING):
         watcher.start()
         try:
@@ -175,6 +184,33 @@ def test_a_deeply_nested_value_is_skipped_and_polling_goes_on(monkeypatch, caplo
     ignored = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
     assert len(ignored) == 2                                # once per key and reason
     assert "nested too deep" in " ".join(ignored) and "over the 16384" in " ".join(ignored)
+
+
+def test_a_flood_of_records_is_read_at_most_members_per_role_each_poll(monkeypatch, caplog):
+    """300 generation records: a poll once read (and parsed) every record under the prefix,
+    however many; now at most MEMBERS_PER_ROLE per role, the rest counted and logged once."""
+    client = fake(monkeypatch, FakeEtcd())
+    put(client, RECORD)                                     # the one context server
+    for i in range(300):
+        put(client, gen(f"gen-{i:03d}:1", 64, 64))
+    limit = membership.MEMBERS_PER_ROLE
+    polls: list[Membership] = []
+    watcher = fast_watcher(polls)
+    with caplog.at_level(logging.WARNING):
+        watcher.start()
+        try:
+            wait_until(lambda: len(polls) >= 3, 5, "three polls")
+        finally:
+            watcher.close()
+    assert client.largest_reply == limit == 256
+    assert [m.grpc_url for m in watcher.members("context")] == ["ctx-01:8001"]
+    assert [m.grpc_url for m in watcher.members("generation")] == [
+        f"gen-{i:03d}:1" for i in range(limit)]             # the first in key order
+    assert watcher.unread == {"context": 0, "generation": 300 - limit}
+    floods = [r.getMessage() for r in caplog.records if "more than the" in r.getMessage()]
+    assert floods == [f"etcd: 300 generation records under {PREFIX}/generation/, more than "
+                      f"the {limit} a poll reads; reading the first {limit} in key order "
+                      "(a writer to etcd filled it?)"]
 
 
 def test_an_unreadable_range_reply_counts_as_etcd_not_answering(monkeypatch):

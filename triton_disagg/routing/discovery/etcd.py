@@ -26,6 +26,7 @@ restarted at the same address overwrites its own key.
 
 from __future__ import annotations
 
+import base64
 import os
 
 import requests
@@ -95,7 +96,26 @@ def member_key(prefix: str, role: str, grpc_url: str) -> str:
     return f"{prefix}/{role}/{grpc_url}"
 
 
-def members_prefix(prefix: str) -> str:
-    """The range every member key of ``prefix`` lies in (the trailing ``/`` keeps
-    ``/a`` from matching ``/ab/...``)."""
-    return f"{prefix}/"
+def role_prefix(prefix: str, role: str) -> str:
+    """The range every member key of ``role`` under ``prefix`` lies in (the trailing ``/``
+    keeps ``/a`` from matching ``/ab/...``)."""
+    return f"{prefix}/{role}/"
+
+
+def read_prefix(client: Etcd3Client, key_prefix: str,
+                limit: int) -> tuple[list[tuple[str, bytes]], int]:
+    """The first ``limit`` keys under ``key_prefix`` (etcd's key order) with their values,
+    and how many keys lie under it in all (etcd's ``count``, the ones read included).
+
+    One range request through etcd's JSON gateway, sent with the client's :meth:`post`
+    (so TLS and :class:`AuthClient`'s token apply): etcd3gw's ``get`` takes ``limit`` but
+    drops ``count``. ``key_prefix`` ends in ``/``, so its range ends at the same text with
+    that last byte + 1. A reply that cannot be read raises (KeyError, ValueError, ...)."""
+    start = key_prefix.encode()
+    end = start[:-1] + bytes([start[-1] + 1])
+    reply = client.post(client.get_url("/kv/range"), json={
+        "key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode(),
+        "limit": limit})
+    kvs = [(base64.b64decode(kv["key"]).decode(errors="replace"),
+            base64.b64decode(kv.get("value", ""))) for kv in reply.get("kvs", ())]
+    return kvs, int(reply.get("count", 0))          # the gateway leaves out a count of 0

@@ -1,9 +1,10 @@
 """The scheduler's view of the servers registered under a prefix, per role.
 
-It polls one range request over ``{prefix}/`` every ``poll_seconds`` (0.25 s) rather
-than watching (etcd3gw's watch cannot report that etcd went away; see :mod:`.etcd`).
-Each poll returns the whole current set, so nothing needs reconciling after a gap, and
-a failed poll means exactly "etcd does not answer". A server that registers is seen at
+It polls one range request per role over ``{prefix}/{role}/`` every ``poll_seconds``
+(0.25 s) rather than watching (etcd3gw's watch cannot report that etcd went away; see
+:mod:`.etcd`). Each poll returns the whole current set (up to
+:data:`MEMBERS_PER_ROLE`), so nothing needs reconciling after a gap, and a failed poll
+means exactly "etcd does not answer". A server that registers is seen at
 the next poll; one whose lease lapses is gone at the first poll after etcd deletes its
 key (etcd sweeps expired leases every 0.5 s).
 
@@ -21,6 +22,13 @@ Invariants:
   ``block_nbytes`` (the fewest bytes a KV block of ``tokens_per_block`` tokens takes in
   this engine), its ``kv_blocks_total`` and free blocks are capped at what that budget
   holds (logged once per key), so an inflated record cannot draw every least_loaded pick.
+- A poll reads at most :data:`MEMBERS_PER_ROLE` (256) records per role, the first in
+  key order (etcd's range ``limit``): a writer to etcd that puts 100k records under the
+  prefix costs each poll 256 records per role, not 100k. The records past it are counted
+  in :attr:`unread` (per role, last poll) and logged once each time a role starts
+  overflowing. Such a writer can crowd real servers out of the 256, as it could delete
+  their keys: etcd's auth is what keeps it out (docs/deploy.md). A value is at most
+  etcd's ``--max-request-bytes`` (1.5 MiB by default), so a reply is bounded too.
 - An exception out of a poll never ends polling (:class:`.periodic.Periodic`).
 - While etcd does not answer (or answers what cannot be read), :meth:`members` is the
   last set read and
@@ -38,7 +46,7 @@ from typing import Callable
 from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.config.roles import ENGINE_ROLES
 
-from .etcd import connect, member_key, members_prefix
+from .etcd import connect, member_key, read_prefix, role_prefix
 from .periodic import Periodic
 from .record import MemberRecord
 
@@ -46,6 +54,8 @@ _log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25
 REQUEST_TIMEOUT = 1.0
 LOGGED_MAX = 4096            # (key, problem) pairs remembered as logged
+MEMBERS_PER_ROLE = 256      # records read per role and poll; more servers than this per
+                            # role are not seen (module docstring)
 
 
 class Membership:
@@ -55,6 +65,7 @@ class Membership:
         self.discovery, self.fingerprint, self.poll_seconds = discovery, fingerprint, poll_seconds
         self.block_nbytes = block_nbytes
         self.refused = 0                # records left out because they did not parse
+        self.unread = {role: 0 for role in ENGINE_ROLES}   # past MEMBERS_PER_ROLE, last poll
         self.on_poll: Callable[[Membership], None] | None = None
         self._client = connect(discovery, timeout=REQUEST_TIMEOUT)
         self._members: dict[str, tuple[MemberRecord, ...]] = {role: () for role in ENGINE_ROLES}
@@ -83,7 +94,8 @@ class Membership:
 
     def _read(self) -> None:
         try:
-            kvs = self._client.get_prefix(members_prefix(self.discovery.prefix))
+            ranges = {role: read_prefix(self._client, role_prefix(self.discovery.prefix, role),
+                                        MEMBERS_PER_ROLE) for role in ENGINE_ROLES}
         except Exception as exc:       # down, refusing, or a reply etcd3gw cannot read
             if self.etcd_reachable or not self._polled_once:
                 _log.warning("etcd at %s does not answer (%s); keeping the last known members "
@@ -91,16 +103,27 @@ class Membership:
             self.etcd_reachable, self._polled_once = False, True
             return
         found: dict[str, list[MemberRecord]] = {role: [] for role in ENGINE_ROLES}
-        for value, meta in kvs:
-            record = self._accept(meta["key"].decode(errors="replace"), value)
-            if record is not None:
-                found[record.role].append(record)
+        for role, (kvs, count) in ranges.items():
+            self._count_unread(role, count - len(kvs))
+            for key, value in kvs:
+                record = self._accept(key, value)
+                if record is not None:
+                    found[record.role].append(record)
         self._members = {role: tuple(sorted(records, key=lambda r: r.grpc_url))
                          for role, records in found.items()}
         if not self.etcd_reachable and self._polled_once:
             _log.warning("etcd at %s answers again; members: %s", self.discovery.etcd,
                          self._sizes())
         self.etcd_reachable, self._polled_once = True, True
+
+    def _count_unread(self, role: str, unread: int) -> None:
+        """Note the ``unread`` records of ``role`` past the limit; logged when they start."""
+        if unread > 0 and self.unread[role] == 0:
+            _log.warning("etcd: %d %s records under %s, more than the %d a poll reads; "
+                         "reading the first %d in key order (a writer to etcd filled it?)",
+                         unread + MEMBERS_PER_ROLE, role, role_prefix(self.discovery.prefix, role),
+                         MEMBERS_PER_ROLE, MEMBERS_PER_ROLE)
+        self.unread[role] = max(unread, 0)
 
     def _accept(self, key: str, value: bytes) -> MemberRecord | None:
         """The record at ``key``, or None (logged once) when it is refused."""
