@@ -87,7 +87,7 @@ test: $(TEST_STAMP) doctor test-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The fast lane: tests/unit only, which start no process (no tritonserver, so no doctor
-# and no test-tools); under 2 minutes.
+# and no test-tools); 1 to 3 minutes on 2 cores (README, Testing).
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
