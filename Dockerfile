@@ -21,7 +21,7 @@
 # images set it to `container`, which allows the container's own /dev/shm and refuses, in one
 # line, a container that shares the host's IPC namespace (docker run --ipc=host, Kubernetes
 # hostIPC: true), whose /dev/shm is the host's, every user's. `-e TRITON_DISAGG_ALLOW_SHARED_SHM=1`
-# serves there anyway (docs/deploy.md, Docker; docs/architecture.md, trust boundaries, says
+# serves there anyway (docs/deploy.md, "The image"; docs/architecture.md, trust boundaries, says
 # what a host user who reads the container's command lines can still do).
 #
 # Every server role runs `triton-disagg serve ROLE ...` (the pods' command); the default

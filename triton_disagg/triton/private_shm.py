@@ -106,7 +106,7 @@ def shared_refusal(private: bool, environ: Mapping[str, str],
                 "Kubernetes hostIPC: true), so /dev/shm is the host's, shared with every local "
                 "user, who could make Triton's shared-memory API write into this user's "
                 f"/dev/shm; run without the host's IPC, or set {ALLOW_SHARED_ENV}=1 to serve "
-                "anyway, accepting that (docs/deploy.md, Docker)")
+                "anyway, accepting that (docs/deploy.md, 'The image')")
     return ("this host allows tritonserver no private /dev/shm (no mount or user namespace), "
             "and there a local user who reads its command line can make Triton's "
             "shared-memory API write into this user's /dev/shm (KV staging areas, "
