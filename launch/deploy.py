@@ -47,6 +47,7 @@ from triton_disagg.config.values import is_loopback
 from triton_disagg.errors import UserError
 
 from .front_process import front_port
+from .work_dir import refuse_replaceable
 from triton_disagg.triton import private_shm
 from triton_disagg.triton.render import render
 from triton_disagg.triton.stub_check import check_stub
@@ -229,15 +230,17 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     """Render ``role``'s repository under ``work_dir`` (ZeroMQ on ``token``, see
     :func:`token_host`; KV events advertised on ``kv_events_host``, bound on the server's
     host, from ``kv_events_port`` on) and start its server (not yet ready), on the front end's cores
-    (:func:`~triton_disagg.config.host.front_cpus`). Refused, before anything is written
+    (:func:`~triton_disagg.config.host.front_cpus`). Refused, before anything is rendered
     or started, where tritonserver would get the shared ``/dev/shm`` without the user's
-    opt-in (:func:`~triton_disagg.triton.private_shm.refuse_shared`)."""
+    opt-in (:func:`~triton_disagg.triton.private_shm.refuse_shared`), or where another
+    local user could change ``work_dir`` (:func:`.work_dir.refuse_replaceable`)."""
     private_shm.refuse_shared()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    refuse_replaceable(work_dir)
     check_ports_free(endpoints)
     install = locate(tritonserver)
     check_stub(install.stub_binary, server_env(install))
     work_dir = work_dir.resolve()
-    work_dir.mkdir(parents=True, exist_ok=True)
     bind = endpoints.host if role == Role.GENERATION or kv_events_host else None
     repo = render(role, config, work_dir / "model_repository", token, bind, kv_events_host,
                   kv_events_port)

@@ -228,6 +228,15 @@ def _kept_log(work_dir: Path, restart: int) -> Path:
     return work_dir / f"tritonserver.{restart}.log"
 
 
+def _keep_log(work_dir: Path, restart: int) -> None:
+    """Keep the stopped server's log for restart ``restart`` (:func:`_kept_log`); only the
+    last ``MAX_RESTARTS`` kept logs stay, so a server restarted now and then over a long
+    life does not fill its work directory with them."""
+    (work_dir / "tritonserver.log").rename(_kept_log(work_dir, restart))
+    if restart > MAX_RESTARTS:
+        _kept_log(work_dir, restart - MAX_RESTARTS).unlink(missing_ok=True)
+
+
 def _log_format(chosen: str, role: str) -> None:
     """``--log-format json``: serve's stdout becomes JSON lines, and tritonserver and its
     stubs (which inherit this environment) are told so (:mod:`triton_disagg.log_format`)."""
@@ -258,7 +267,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
 
     work_dir = args.work_dir
     if restart:
-        (work_dir / "tritonserver.log").rename(_kept_log(work_dir, restart))
+        _keep_log(work_dir, restart)
     check_front_port(endpoints.host, front, endpoints)
     gated = args.role == Role.SCHEDULER
     if gated:

@@ -35,11 +35,7 @@ def claim(work_dir: Path) -> IO[str]:
     """Lock ``work_dir`` (created if need be) for this process; keep the returned file open
     while serving. UserError when another live ``serve`` holds it."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    unsafe = replaceable_by_others(work_dir)
-    if unsafe is not None:
-        raise UserError(f"work directory {work_dir}: {unsafe}, so another user could change "
-                        f"what tritonserver runs as you; give serve one of your own with "
-                        f"--work-dir DIR")
+    refuse_replaceable(work_dir)
     try:
         lock = os.fdopen(os.open(work_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_APPEND
                                  | os.O_NOFOLLOW, 0o644), "a+")
@@ -59,6 +55,18 @@ def claim(work_dir: Path) -> IO[str]:
     lock.write(str(os.getpid()))
     lock.flush()
     return lock
+
+
+def refuse_replaceable(work_dir: Path) -> None:
+    """UserError, in one line naming ``--work-dir``, when another local user could change
+    ``work_dir`` (an existing directory; :func:`replaceable_by_others`): what tritonserver
+    runs from it would not be this user's alone. :func:`claim` and every start of
+    tritonserver (``launch.deploy.start``: serve, ``bench serve``, ``bench soak``) check it."""
+    unsafe = replaceable_by_others(work_dir)
+    if unsafe is not None:
+        raise UserError(f"work directory {work_dir}: {unsafe}, so another user could change "
+                        f"what tritonserver runs as you; give it one of your own with "
+                        f"--work-dir DIR")
 
 
 def replaceable_by_others(path: Path) -> str | None:

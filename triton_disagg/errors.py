@@ -77,8 +77,8 @@ def from_triton(status: str, message: str) -> ErrorCode:
 
 def from_grpc_status(status: str | None, message: str) -> ErrorCode:
     """The code of a Triton error read over gRPC: ``status`` as tritonclient gives it
-    ("StatusCode.INVALID_ARGUMENT"; None when the call carried none, as a stream's error
-    without ``triton_grpc_error``: INTERNAL)."""
+    ("StatusCode.INVALID_ARGUMENT"; None, an exception tritonclient made without one:
+    INTERNAL)."""
     name = (status or "").removeprefix("StatusCode.")
     code = _FROM_GRPC.get(name, ErrorCode.INTERNAL)
     return from_triton(code.value, message) if code is ErrorCode.UNAVAILABLE else code

@@ -170,3 +170,27 @@ def test_remote_agents_of_restarted_contexts_do_not_pile_up():
     remotes.forget("ctx-5")                            # after a failed READ
     remotes.forget("ctx-5")
     assert not nixl.loads and len(remotes) == 0
+
+
+def test_a_remote_agent_pinned_without_end_stops_growing_at_twice_max_loads():
+    """Review item 4: every handle adds descriptors (a device id per lease) and the reload at
+    ``max_loads`` waits for the last unpin; under fetches that always overlap, none comes.
+    At ``2 * max_loads`` loads a pinned agent takes no new one until its fetches end, and
+    the next load after that reloads it."""
+    from triton_disagg.kv.nixl_agent import RemoteAgents, TransferError
+    nixl = FakeNixl()
+    remotes = RemoteAgents(nixl, max_peers=2, idle_s=10, max_loads=2, clock=lambda: 0.0)
+    for _ in range(4):                                 # each fetch starts before one ends
+        remotes.load("ctx", b"ctx:md", pin=True)
+    assert nixl.loads["ctx"] == 4 and not nixl.removed
+    for pin in (True, False):
+        with pytest.raises(TransferError, match="no new one until they end"):
+            remotes.load("ctx", b"ctx:md", pin=pin)
+    assert nixl.loads["ctx"] == 4
+    for _ in range(3):
+        remotes.unpin("ctx")
+    with pytest.raises(TransferError):                 # one fetch still reads from it
+        remotes.load("ctx", b"ctx:md", pin=True)
+    remotes.unpin("ctx")                               # drained: the next load reloads
+    remotes.load("ctx", b"ctx:md", pin=True)
+    assert nixl.loads["ctx"] == 1 and nixl.removed == ["ctx"]

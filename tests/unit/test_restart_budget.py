@@ -5,7 +5,7 @@ re-review: the count was per serve run, so the sixth stub death in a month stopp
 
 from __future__ import annotations
 
-from launch.serve_cli import MAX_RESTARTS, RESTART_WINDOW_SECONDS, RestartBudget
+from launch.serve_cli import MAX_RESTARTS, RESTART_WINDOW_SECONDS, RestartBudget, _keep_log
 
 
 def test_a_crash_loop_runs_out_of_restarts():
@@ -23,3 +23,16 @@ def test_deaths_spread_over_a_long_life_are_each_restarted():
     for _ in range(10 * MAX_RESTARTS):
         assert budget.spend()
         now[0] += RESTART_WINDOW_SECONDS / MAX_RESTARTS + 1.0
+
+
+def test_only_the_last_restarts_logs_are_kept(tmp_path):
+    """Review item 6: with the budget a window, restarts never stop counting; the stopped
+    servers' logs (tritonserver.N.log) stay at ``MAX_RESTARTS``, the newest."""
+    restarts = 3 * MAX_RESTARTS
+    for restart in range(1, restarts + 1):
+        (tmp_path / "tritonserver.log").write_text(f"server {restart - 1}")
+        _keep_log(tmp_path, restart)
+    kept = sorted(tmp_path.iterdir(), key=lambda p: int(p.name.split(".")[1]))
+    assert [p.name for p in kept] == [f"tritonserver.{n}.log" for n in
+                                      range(restarts - MAX_RESTARTS + 1, restarts + 1)]
+    assert kept[-1].read_text() == f"server {restarts - 1}"

@@ -9,7 +9,10 @@ published); :meth:`Agent.withdraw` deregisters them. Remote agents are bounded
 (:class:`RemoteAgents`): at most ``MAX_PEERS``, none idle longer than ``PEER_IDLE_S``,
 none holding more than ``MAX_LOADS`` handles' descriptors, none after a failed READ; a
 remote agent pinned by a fetch in progress (:meth:`Agent.connect` with ``pin``, until
-:meth:`Agent.unpin`) is never removed under it: those bounds wait for its last unpin.
+:meth:`Agent.unpin`) is never removed under it: those bounds wait for its last unpin. So
+that fetches which overlap without end cannot hold that reload off for ever (every handle
+adds descriptors, see below), a remote agent at ``2 * MAX_LOADS`` loads takes no new pin
+(:class:`TransferError`) until its fetches in progress end and it is loaded afresh.
 
 Each :meth:`Agent.expose` registers its ranges under a device id of its own (the
 caller's: a lease's ticket), and a READ names the ranges with that id. NIXL orders a remote
@@ -66,8 +69,9 @@ class RemoteAgents:
     removed and loaded afresh, so that the descriptors of handles long done do not pile
     up. A pinned agent (:meth:`pin`, once per fetch that uses it) is neither evicted,
     expired nor reloaded; one forgotten while pinned goes at its last :meth:`unpin`, and
-    the table may hold more than ``max_peers`` while pins keep it so. Callers hold the
-    agent's lock."""
+    the table may hold more than ``max_peers`` while pins keep it so. A pinned agent's
+    loads stay under ``2 * max_loads``: at that many, a load is refused until its last
+    unpin (the next load then reloads it). Callers hold the agent's lock."""
 
     def __init__(self, agent: Any, max_peers: int = MAX_PEERS, idle_s: float = PEER_IDLE_S,
                  max_loads: int = MAX_LOADS, clock: Callable[[], float] = time.monotonic):
@@ -79,14 +83,18 @@ class RemoteAgents:
 
     def load(self, peer: str, metadata: bytes, pin: bool = False) -> None:
         """Load ``metadata`` of agent ``peer`` (and :meth:`pin` it); TransferError if it
-        names another agent."""
+        names another agent, or if ``peer`` is pinned with ``2 * max_loads`` loads."""
         now = self._clock()
         for name in [n for n, (used, _) in self._peers.items()
                      if now - used > self.idle_s and n not in self._pins]:
             self.forget(name)
-        if peer in self._peers and self._peers[peer][1] >= self.max_loads \
-                and peer not in self._pins:
+        loads = self._peers[peer][1] if peer in self._peers else 0
+        if loads >= self.max_loads and peer not in self._pins:
             self.forget(peer)
+        elif loads >= 2 * self.max_loads:
+            raise TransferError(f"NIXL agent {peer} holds the descriptors of {loads} handles "
+                                f"and {self._pins[peer]} fetches still read from it: no new "
+                                f"one until they end and it is loaded afresh; retry")
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types

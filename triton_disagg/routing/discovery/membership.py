@@ -27,8 +27,13 @@ Invariants:
   prefix costs each poll 256 records per role, not 100k. The records past it are counted
   in :attr:`unread` (per role, last poll) and logged once each time a role starts
   overflowing. Such a writer can crowd real servers out of the 256, as it could delete
-  their keys: etcd's auth is what keeps it out (docs/deploy.md). A value is at most
-  etcd's ``--max-request-bytes`` (1.5 MiB by default), so a reply is bounded too.
+  their keys: etcd's auth is what keeps it out (docs/deploy.md). The limit counts
+  records, not bytes: a real record is about 500 bytes (one over
+  :data:`.record.MAX_RECORD_BYTES` is refused once read), but etcd takes values up to
+  its ``--max-request-bytes`` (1.5 MiB by default), so such a writer can make a reply
+  ~384 MiB per role (more as base64 in JSON); one that does not arrive within
+  ``REQUEST_TIMEOUT`` is a poll etcd did not answer (the last set read stays). More than
+  256 real servers of one role: the scheduler routes over the first 256 in key order.
 - An exception out of a poll never ends polling (:class:`.periodic.Periodic`).
 - While etcd does not answer (or answers what cannot be read), :meth:`members` is the
   last set read and
