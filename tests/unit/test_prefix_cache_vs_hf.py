@@ -68,6 +68,7 @@ def test_greedy_with_the_prefix_cache_equals_hf(family, runtime, engines, tiny_c
     cache = engine.pool.cache
     assert cache.hit_tokens == PREFIX_LEN + 16 + 28 + 16
     assert cache.query_tokens == 2 * len(first) + len(turn) + 4 * len(second)
+    assert cache.prefilled_tokens == cache.query_tokens - cache.hit_tokens   # all computed here
     assert engine.pool.num_used == 0 and engine.pool.num_cached > 0
 
 
