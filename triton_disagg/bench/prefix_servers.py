@@ -72,13 +72,24 @@ class Deployment:
                          "prefix_caching": prefix_caching}}, sort_keys=False))
         return path
 
+    def _ports(self, n: int) -> list[int]:
+        """``n`` free ports none of which the deployment keeps for a server it has not
+        started yet (the servers' gRPC ports and the KV events run are fixed across modes,
+        and each is free until its server binds it)."""
+        kept = {*self.context_ports, self.generation_port,
+                *range(self.kv_events_port, self.kv_events_port + CONTEXT_SERVERS)}
+        while True:
+            ports = free_ports(n)
+            if not kept & set(ports):
+                return ports
+
     def _serve(self, role: str, config: Path, grpc: int, name: str, marker: str = "ready ("):
-        front, metrics = free_ports(2)
+        front, metrics = self._ports(2)
         args = [role, "-c", str(config), "--host", "127.0.0.1", "--grpc-port", str(grpc),
                 "--front-port", str(front), "--metrics-port", str(metrics),
                 "--work-dir", str(self.work_dir / name)]
         if role == Role.SCHEDULER:
-            args += ["--http-port", str(free_ports(1)[0])]
+            args += ["--http-port", str(self._ports(1)[0])]
         return serve_cli(args, self.work_dir / f"{name}.log", marker=marker), front, metrics
 
     @contextlib.contextmanager
@@ -100,7 +111,7 @@ class Deployment:
                 served, _, metrics_port = self._serve("context", context, port, f"context-{i}")
                 stack.enter_context(served)
                 metrics.append(f"http://127.0.0.1:{metrics_port}")
-            served, front, _ = self._serve("scheduler", scheduler, free_ports(1)[0], "scheduler")
+            served, front, _ = self._serve("scheduler", scheduler, self._ports(1)[0], "scheduler")
             stack.enter_context(served)
             yield Running(f"http://127.0.0.1:{front}", self.engine.name, tuple(metrics),
                           f"http://127.0.0.1:{generation_metrics}")
