@@ -339,3 +339,8 @@ def test_a_next_turn_reads_only_the_blocks_generations_cache_lacks(sides, demo_e
         else:
             assert set(reads) == {blocks}
         prompt = prompt + texts[-1] + [7, 8, 9, 10]
+    # what each side prefilled (disagg_prefix_cache_prefilled_total): generation fetched
+    # every token its cache lacked and prefilled none; the context all it did not hold
+    gen, ctx = generation.pool.cache, context.engine.pool.cache
+    assert gen.query_tokens > gen.hit_tokens and gen.prefilled_tokens == 0
+    assert ctx.prefilled_tokens == ctx.query_tokens - ctx.hit_tokens > 0

@@ -44,6 +44,25 @@ def test_prefill_after_a_cached_prefix_matches_hf_logits(family, runtime, engine
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_attention_in_row_chunks_matches_hf_logits(family, engines, tiny_checkpoints,
+                                                           monkeypatch):
+    """A prompt's attention goes in chunks of rows, each against only the keys it sees:
+    with chunks of a few rows (boundaries inside and across blocks) every position's logits
+    are still HF's, cold and after a cached prefix."""
+    from triton_disagg.engine import model
+
+    monkeypatch.setattr(model, "ATTENTION_CHUNK_BYTES", 1500)   # ~3 rows of a short prompt
+    engine = LLMEngine(engines[family])
+    prompt = prompts_for(engine)[3]
+    expected = hf_logits(tiny_checkpoints[family], prompt)
+    blocks = engine.pool.allocate(engine.pool.geometry.blocks_for(len(prompt)))
+    (cold,) = engine.runner.prefill_all_logits([(prompt, blocks, 0)])
+    np.testing.assert_allclose(cold, expected, atol=1e-3, rtol=0)
+    (after,) = engine.runner.prefill_all_logits([(prompt, blocks, 8)])
+    np.testing.assert_allclose(after, expected[8:], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_with_the_prefix_cache_equals_hf(family, runtime, engines, tiny_checkpoints):
     """A second prompt sharing 3 blocks, a wholly cached prompt, the next turn of a
     conversation (its generated blocks cached too) and a salted request: each one's greedy
@@ -68,6 +87,7 @@ def test_greedy_with_the_prefix_cache_equals_hf(family, runtime, engines, tiny_c
     cache = engine.pool.cache
     assert cache.hit_tokens == PREFIX_LEN + 16 + 28 + 16
     assert cache.query_tokens == 2 * len(first) + len(turn) + 4 * len(second)
+    assert cache.prefilled_tokens == cache.query_tokens - cache.hit_tokens   # all computed here
     assert engine.pool.num_used == 0 and engine.pool.num_cached > 0
 
 

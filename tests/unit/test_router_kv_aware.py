@@ -76,6 +76,25 @@ def test_the_server_holding_the_prefix_wins_at_equal_load():
     assert router.in_flight == {}
 
 
+def test_a_cache_hit_counts_only_its_uncached_tokens_in_flight():
+    """A hit queues little prefill where it lands: the next cold prompt goes there, not
+    behind the other server's real prefill (counting the hit's whole prompt did)."""
+    a, b = member("a:1"), member("b:1")
+    router, index, _ = router_over(a, b)
+    holds(index, a, PROMPT)                               # all 16 blocks
+    hit = router.take(len(PROMPT) + 1, token_ids=PROMPT + [64])
+    assert (hit.url, router.in_flight["a:1"]) == ("a:1", 1)
+    cold = [1000 + i for i in range(40)]
+    elsewhere = router.take(len(cold), token_ids=cold)
+    assert elsewhere.url == "b:1"                         # a holds 1 token of work, b none
+    second = [2000 + i for i in range(40)]
+    assert router.take(len(second), token_ids=second).url == "a:1"   # 1 < 40 queued on b
+    whole = router.take(len(PROMPT), token_ids=PROMPT)    # wholly cached: its last token
+    assert whole.url == "a:1" and whole.cost == 1
+    hit.release()
+    whole.release()
+
+
 def test_a_salt_names_other_blocks():
     a, b = member("a:1"), member("b:1")
     router, index, _ = router_over(a, b)

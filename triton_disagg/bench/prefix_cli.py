@@ -1,15 +1,18 @@
 """`triton-disagg bench prefix`: prefix caching and KV-aware routing on shared-prefix, chat
 and unshared traffic (issue 29).
 
-Per mode (a router for the context pool, the context servers' cache on or off), cold
-context servers and a scheduler start (:mod:`.prefix_servers`); each workload
+Per mode (a router for the context pool, every server's cache on or off), cold
+servers and a scheduler start (:mod:`.prefix_servers`); each workload
 (:mod:`.prefix_workloads`; a seed of its own, the same in every mode) is sent over the
 scheduler's OpenAI front as token-id completions, streamed and greedy, in waves, each wave
 at ``--rate`` requests/s (Poisson). Then the same again with each context server's pool
 holding about half of the working set (shared and chat, cache modes only).
 
-Figures per run: prompt tokens prefilled (the context servers' own counters: prompt tokens
-queried minus served from cache, summed over both), hit rate against one never-evicting
+Figures per run: prompt tokens prefilled (with the cache on, the servers' own counters,
+``disagg_prefix_cache_prefilled_total`` summed over the context servers and generation,
+which prefills a conversation's next turn itself when at most ``--max-local-prefill`` of
+its tokens are not in its cache; with the cache off, every prompt token once), hit rate
+against one never-evicting
 cache (:func:`~.prefix_workloads.ideal_hit_tokens`), TTFT p50/p90 measured by the client
 from send to first token (queueing, routing, prefill, KV handoff and the first decode),
 goodput (requests/s that got their first token within ``--slo-ms``), errors, and whether
@@ -36,8 +39,9 @@ MODES = {m.name: m for m in (RoutingSetup("round_robin", "round_robin", False),
                              RoutingSetup("round_robin+cache", "round_robin", True),
                              RoutingSetup("least_loaded+cache", "least_loaded", True),
                              RoutingSetup("kv_aware", "kv_aware", True))}
-QUERIED = "disagg_prefix_cache_queries_total"     # prompt tokens looked up, per instance
-HIT = "disagg_prefix_cache_hits_total"            # of those, served from the cache
+PREFILLED = "disagg_prefix_cache_prefilled_total"  # prompt tokens computed, per instance
+QUERIED = "disagg_prefix_cache_queries_total"     # prompt tokens looked up (fetched ones too)
+MAX_LOCAL_PREFILL = 256    # generation_server.max_local_prefill_length: a chat turn's delta
 HALF_POOL_WORKLOADS = ("shared", "chat")
 
 
@@ -73,8 +77,14 @@ def add_prefix_parser(kinds) -> None:
     p.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
     p.add_argument("--no-half-pool", action="store_true",
                    help="skip the runs with half the working set per context pool")
+    p.add_argument("--max-local-prefill", type=int, default=MAX_LOCAL_PREFILL,
+                   help="generation_server.max_local_prefill_length: a prompt with at most "
+                        "this many tokens not in generation's cache is prefilled there, "
+                        f"without a context (default {MAX_LOCAL_PREFILL}: a chat turn's "
+                        "answer and next message; 0: never)")
     p.add_argument("--scale", type=float, default=1.0,
-                   help="multiply every length of the workloads (e.g. 0.25 for a quick look)")
+                   help="multiply every length of the workloads and --max-local-prefill "
+                        "(e.g. 0.25 for a quick look)")
     add_engine_arg(p, "work/bench")
     p.add_argument("--work-dir", type=Path, default=Path("work/prefix"))
     p.add_argument("--output", type=Path, help="markdown file whose prefix section is replaced")
@@ -108,16 +118,19 @@ def run(args: argparse.Namespace) -> int:
     workloads = _names(args.workloads, WORKLOADS, "--workloads")
     if args.rate <= 0:
         raise UserError(f"--rate: {args.rate} must be more than 0 requests/s")
+    if args.max_local_prefill < 0:
+        raise UserError(f"--max-local-prefill: {args.max_local_prefill} must be 0 or more")
     engine = bench_engine(args.engine, args.work_dir, _say)
     spec, shape = EngineSpec.load(engine), scaled(Shape(), args.scale)
     runs: list[Run] = []
-    with deployment(engine, args.work_dir / "servers", _say) as deployed:
-        for pool in ("full",) if args.no_half_pool else ("full", "half"):
-            for mode in modes:
-                if pool == "half" and not mode.prefix_caching:
-                    continue
-                chosen = [w for w in workloads if pool == "full" or w in HALF_POOL_WORKLOADS]
-                runs += _mode_runs(deployed, mode, pool, chosen, shape, spec, args)
+    deployed = deployment(engine, args.work_dir / "servers", _say,
+                          round(args.max_local_prefill * args.scale))
+    for pool in ("full",) if args.no_half_pool else ("full", "half"):
+        for mode in modes:
+            if pool == "half" and not mode.prefix_caching:
+                continue
+            chosen = [w for w in workloads if pool == "full" or w in HALF_POOL_WORKLOADS]
+            runs += _mode_runs(deployed, mode, pool, chosen, shape, spec, args)
     table = markdown(runs, args)
     publish(table, args.output, "prefix", "Prefix caching and KV-aware routing", _say)
     return 0
@@ -144,7 +157,7 @@ def _one_run(running, mode: RoutingSetup, pool: str, workload: str, requests, bs
     from triton_disagg.routing.scrape import delta, scrape
 
     _say(f"{mode.name}, {workload}, {pool} pool: {len(requests)} requests")
-    before = [scrape(url) for url in running.context_metrics]
+    before = [scrape(url) for url in running.metrics]
     outcomes, seconds = [], 0.0
     for wave in sorted({r.wave for r in requests}):
         sent = [GenerateRequest(r.prompt, r.max_tokens, options={"end_id": -1})
@@ -152,43 +165,52 @@ def _one_run(running, mode: RoutingSetup, pool: str, workload: str, requests, bs
         load = run_openai_load(running.front, running.model, sent, args.rate, seed=wave)
         outcomes += load.outcomes
         seconds += load.duration
-    after = _settled(running.context_metrics, before, sum(len(r.prompt) for r in requests)
-                     if mode.prefix_caching else 0)
-    queried = sum(delta(b, a, QUERIED) for b, a in zip(before, after))
-    hits = sum(delta(b, a, HIT) for b, a in zip(before, after))
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    prefilled = prompt_tokens
+    if mode.prefix_caching:
+        after = _settled(running.metrics)
+        prefilled = int(sum(delta(b, a, PREFILLED) for b, a in zip(before, after)))
     ttft = [o.measurement.ttft for o in outcomes if o.measurement and o.measurement.ttft]
     good = sum(t <= args.slo_ms / 1000 for t in ttft)
-    return Run(mode.name, workload, pool, sum(len(r.prompt) for r in requests),
-               int(queried - hits) if queried else sum(len(r.prompt) for r in requests),
+    return Run(mode.name, workload, pool, prompt_tokens, prefilled,
                sum(ideal_hit_tokens(requests, bs)), ttft, good / seconds if seconds else 0.0,
                sum(o.error is not None for o in outcomes),
                ["".join(o.measurement.text) if o.measurement else "" for o in outcomes])
 
 
-def _settled(urls: tuple[str, ...], before: list, queried: int, timeout: float = 15.0) -> list:
-    """The context servers' metrics once every prompt's lookup (``queried`` tokens; 0: the
-    cache is off, nothing to wait for) is published: their reporters publish every half
-    second, so a read at the last answer could miss the last requests and give them to the
-    next run."""
+def _settled(urls: tuple[str, ...], period: float = 1.0, timeout: float = 15.0) -> list:
+    """The servers' metrics once their prefix counters stop moving: every request has
+    answered, so its lookups are made, but the servers publish them every half second, and
+    a read at the last answer could miss the last requests and give them to the next run.
+    Settled: two reads ``period`` (two publishing intervals) apart that agree."""
     import time
 
-    from triton_disagg.routing.scrape import delta, scrape
+    from triton_disagg.routing.scrape import scrape, total
+
+    def counts(samples: list) -> list[float]:
+        return [total(s, name) for s in samples for name in (PREFILLED, QUERIED)]
 
     deadline = time.monotonic() + timeout
+    last = [scrape(url) for url in urls]
     while True:
+        time.sleep(period)
         after = [scrape(url) for url in urls]
-        if sum(delta(b, a, QUERIED) for b, a in zip(before, after)) >= queried \
-                or time.monotonic() > deadline:
+        if counts(after) == counts(last) or time.monotonic() > deadline:
             return after
-        time.sleep(0.2)
+        last = after
 
 
 def markdown(runs: list[Run], args: argparse.Namespace) -> str:
-    lines = [f"`triton-disagg bench prefix --rate {args.rate:g} --slo-ms {args.slo_ms:g}"
+    lines = [f"`triton-disagg bench prefix --rate {args.rate:g} --slo-ms {args.slo_ms:g} "
+             f"--max-local-prefill {args.max_local_prefill}"
              f"{f' --scale {args.scale:g}' if args.scale != 1 else ''}`: two context servers "
              f"and one generation server (the guide's `serve` commands, one host), token-id "
-             f"completions over the scheduler's OpenAI front. TTFT is the client's, send to "
-             f"first token.", ""]
+             f"completions over the scheduler's OpenAI front. Every server's prefix cache is "
+             f"the mode's; generation prefills a prompt itself when at most "
+             f"{round(args.max_local_prefill * args.scale)} of its tokens are not in its cache "
+             f"(`generation_server.max_local_prefill_length`). Prefilled: every prompt token "
+             f"computed, by the context servers and generation (their "
+             f"`{PREFILLED}`). TTFT is the client's, send to first token.", ""]
     for workload in dict.fromkeys(r.workload for r in runs):
         for pool in dict.fromkeys(r.pool for r in runs if r.workload == workload):
             rows = [r for r in runs if r.workload == workload and r.pool == pool]

@@ -55,7 +55,7 @@ class BlockEvents(Protocol):
 @dataclass(frozen=True)
 class PoolStats:
     """One reading of a pool for its gauges and counters (``disagg_kv_blocks_*``,
-    ``disagg_prefix_cache_*``); the last three are running totals since the pool began."""
+    ``disagg_prefix_cache_*``); the last four are running totals since the pool began."""
 
     used: int                 # held by live requests (0 at rest)
     total: int
@@ -63,6 +63,7 @@ class PoolStats:
     query_tokens: int         # prompt tokens looked up in the cache
     hit_tokens: int           # of which the cache held the KV
     evicted_blocks: int
+    prefilled_tokens: int     # of the looked-up tokens not held, those computed here (not fetched)
 
 
 class KVCacheFullError(Exception):
@@ -121,7 +122,8 @@ class BlockPool:
         cache = self.cache
         return PoolStats(self.num_used, self.num_total, self.num_cached,
                          cache.query_tokens if cache else 0, cache.hit_tokens if cache else 0,
-                         cache.evicted_blocks if cache else 0)
+                         cache.evicted_blocks if cache else 0,
+                         cache.prefilled_tokens if cache else 0)
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each), or raise :class:`KVCacheFullError`.

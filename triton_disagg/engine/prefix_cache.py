@@ -36,6 +36,7 @@ class PrefixCache:
         self._parked: OrderedDict[int, None] = OrderedDict()   # unheld named blocks, oldest first
         self.query_tokens = 0       # prompt tokens looked up (disagg_prefix_cache_queries_total)
         self.hit_tokens = 0         # of which the cache held the KV (..._hits_total)
+        self.prefilled_tokens = 0   # of the others, those computed here, not fetched (..._prefilled_total)
         self.evicted_blocks = 0     # named blocks given to other KV (..._evictions_total)
 
     @property
@@ -58,9 +59,13 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
-    def count_query(self, prompt_tokens: int, hit_tokens: int) -> None:
+    def count_query(self, prompt_tokens: int, hit_tokens: int, fetched: bool = False) -> None:
+        """A lookup of ``prompt_tokens`` of which the cache held ``hit_tokens``; the rest
+        are prefilled here, or ``fetched`` from the instance that prefilled them."""
         self.query_tokens += prompt_tokens
         self.hit_tokens += hit_tokens
+        if not fetched:
+            self.prefilled_tokens += prompt_tokens - hit_tokens
 
     def store(self, blocks: Sequence[int], names: Sequence[int], parent: int | None,
               token_ids: Sequence[int]) -> None:

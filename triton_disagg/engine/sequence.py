@@ -114,7 +114,7 @@ class Sequence:
         names = self.block_hashes[:(upto - 1) // table.tokens_per_block]
         self.num_cached_tokens = table.reserve(pool, num_new_tokens, names if lookup else ())
         if lookup:
-            pool.cache.count_query(upto, self.num_cached_tokens)
+            pool.cache.count_query(upto, self.num_cached_tokens, fetched=remote)
 
     def append(self, token: int, logprob: float | None,
                top: TopLogprobs | None = None) -> TokenEvent:

@@ -7,7 +7,10 @@ own in-flight accounting per server, in tokens: an :class:`Assignment` (what
 :meth:`Router.take` returns) adds a request's tokens to its server when the request is
 routed there and takes them off when it is released.
 
-- context: an assignment holds the prompt's tokens from the call until context answers;
+- context: an assignment holds the prompt's tokens from the call until context answers
+  (``kv_aware``: those the chosen server would prefill, the prompt less the blocks its
+  cache holds, at least one: a cache hit queues little work there, and counting its whole
+  prompt would send the next cold prompt behind a real prefill on the other server);
 - generation: an assignment holds prompt + max_tokens (the most KV the request can hold
   on the server, rounded up to whole blocks of its ``tokens_per_block`` when known) from
   the call until the request ends.
@@ -172,15 +175,17 @@ class Router:
         start = self._turn % len(members)
         self._turn += 1
         turn = members[start:] + members[:start]       # ties: the first in turn wins
+        cost = tokens
         if self.policy == ROUND_ROBIN:
             chosen = turn[0]
         elif self.policy == KV_AWARE and self.role == Role.CONTEXT:
-            chosen = self._kv_pick(turn, tokens, token_ids, salt)
+            chosen, cost = self._kv_pick(turn, tokens, token_ids, salt)
         else:
             chosen = max(turn, key=self._score)
             if self.policy == KV_AWARE:
                 self._decided(LOAD)
-        cost = chosen.kv_tokens(tokens) if self.role == Role.GENERATION else tokens
+        if self.role == Role.GENERATION:
+            cost = chosen.kv_tokens(tokens)
         self.in_flight[chosen.url] = self.in_flight.get(chosen.url, 0) + cost
         return Assignment(self, chosen.url, cost)
 
@@ -189,12 +194,12 @@ class Router:
         self._passed_over[url] = time.monotonic() + PASS_OVER_SECONDS
 
     def _kv_pick(self, turn: list[Member], tokens: int, token_ids: Sequence[int] | None,
-                 salt: str | None) -> Member:
+                 salt: str | None) -> tuple[Member, int]:
         """The member of least cost (module docstring), or least_loaded's when some
-        member's overlap cannot be trusted."""
+        member's overlap cannot be trusted; with the tokens it would prefill."""
         if not self._trusted(turn, token_ids):
             self._decided(FALLBACK)
-            return max(turn, key=self._score)
+            return max(turn, key=self._score), tokens
         assert self.kv is not None and token_ids is not None     # _trusted checked them
         hashes: dict[int, list[int]] = {}       # tokens_per_block -> the prompt's hashes
         overlaps: dict[str, int] = {}
@@ -207,14 +212,14 @@ class Router:
                                        for address in member.kv_events)
         chosen = min(turn, key=lambda m: self._cost(m, tokens, overlaps[m.url]))
         self._decided(OVERLAP if overlaps[chosen.url] else LOAD)
-        return chosen
+        return chosen, _uncached(chosen, tokens, overlaps[chosen.url])
 
     def _cost(self, member: Member, tokens: int, overlap: int) -> float:
         """Lower is better (module docstring): weighted prefill blocks plus active blocks."""
         tpb = member.tokens_per_block
         assert tpb is not None
         queued = max(self.in_flight.get(member.url, 0), member.load.queued_prompt_tokens or 0)
-        uncached = max(0, tokens - overlap * tpb)
+        uncached = _uncached(member, tokens, overlap)
         active = 0
         if member.kv_blocks_total is not None and member.load.free_kv_blocks is not None:
             active = member.kv_blocks_total - member.load.free_kv_blocks
@@ -283,6 +288,14 @@ class Router:
         if tried:
             return f"no other {self.role} server to try ({self.source.where()})"
         return f"no {self.role} server {self.source.where()}"
+
+
+def _uncached(member: Member, tokens: int, overlap: int) -> int:
+    """The tokens of a ``tokens``-token prompt that ``member`` would prefill when its cache
+    holds the prompt's first ``overlap`` blocks: at least one (the last token is always
+    computed)."""
+    assert member.tokens_per_block is not None
+    return max(1, tokens - overlap * member.tokens_per_block)
 
 
 class Assignment:

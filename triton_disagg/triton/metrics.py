@@ -13,8 +13,10 @@ scrape target, host:port), and a target's own ``instance`` would be stored as
   (held or free to evict).
 - ``disagg_prefix_cache_queries_total`` / ``disagg_prefix_cache_hits_total`` (counters, in
   tokens): prompt tokens looked up in the prefix cache, and those whose KV it held (hit
-  rate: ``rate(hits) / rate(queries)``); ``disagg_prefix_cache_evictions_total`` (counter):
-  cached blocks given to other KV.
+  rate: ``rate(hits) / rate(queries)``); ``disagg_prefix_cache_prefilled_total`` (counter,
+  tokens): of the looked-up tokens the cache did not hold, those the instance computed
+  (on generation the rest were fetched from a context); ``disagg_prefix_cache_evictions_total``
+  (counter): cached blocks given to other KV.
 - ``disagg_live_sequences`` (gauge, generation): sequences the instance's decode loop
   holds, decoding or waiting for their KV blocks.
 - ``disagg_queued_prompt_tokens`` (gauge, context): prompt tokens the instance has taken
@@ -98,6 +100,9 @@ _FAMILIES = {
                        "Prompt tokens looked up in the prefix cache", "COUNTER"),
     "prefix_hits": ("disagg_prefix_cache_hits_total",
                     "Prompt tokens whose KV the prefix cache held", "COUNTER"),
+    "prefix_prefilled": ("disagg_prefix_cache_prefilled_total",
+                         "Looked-up prompt tokens not in the prefix cache that this instance "
+                         "prefilled (not fetched)", "COUNTER"),
     "prefix_evictions": ("disagg_prefix_cache_evictions_total",
                          "Cached KV blocks evicted for other KV", "COUNTER"),
     "live_sequences": ("disagg_live_sequences",
@@ -225,6 +230,7 @@ class Metrics:
                              self._metric("kv_blocks_cached").set(stats.cached),
                              self._add_total("prefix_queries", stats.query_tokens),
                              self._add_total("prefix_hits", stats.hit_tokens),
+                             self._add_total("prefix_prefilled", stats.prefilled_tokens),
                              self._add_total("prefix_evictions", stats.evicted_blocks)))
 
     def live_sequences(self, count: int) -> None:
