@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -31,6 +32,11 @@ from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
 
 REQUEST_ID = "X-Request-Id"
+# The prompt's log-probs are made on these threads, not the loop's shared default executor:
+# at most PROMPT_LOGPROBS_THREADS at once, so a burst (or clients that left: a queued one is
+# dropped when its request is cancelled, a running one runs out) holds no more.
+PROMPT_LOGPROBS_THREADS = 2
+PROMPT_LOGPROBS = ThreadPoolExecutor(PROMPT_LOGPROBS_THREADS, thread_name_prefix="prompt-logprobs")
 WHOLE_CHUNK = 64 * 2**10        # a whole answer's bytes per write (aiohttp drains past this)
 log = logging.getLogger("triton_disagg.front")
 # What a client reads of a server fault, by its code (the log has the cause).
@@ -171,12 +177,12 @@ class _Answer:
 
 
 async def _added(answer: _Answer, delta: Delta) -> tuple[str, dict | None]:
-    """``answer.add(delta)``, off the loop when ``delta`` brings the prompt's log-probs the
-    answer shows (a token decode per prompt token and per alternative: seconds for a long
-    prompt, which the loop's other clients would wait out)."""
+    """``answer.add(delta)``, on ``PROMPT_LOGPROBS`` when ``delta`` brings the prompt's
+    log-probs the answer shows (a token decode per prompt token and per alternative: seconds
+    for a long prompt, which the loop's other clients would wait out)."""
     if delta.prompt_logprobs is None or answer.logprobs is None:
         return answer.add(delta)
-    return await asyncio.get_running_loop().run_in_executor(None, answer.add, delta)
+    return await asyncio.get_running_loop().run_in_executor(PROMPT_LOGPROBS, answer.add, delta)
 
 
 async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
