@@ -96,14 +96,14 @@ def with_code(code: ErrorCode, message: str) -> str:
     return f"[{code.value}] {message}"
 
 
-def code_in(message: str) -> tuple[ErrorCode, str]:
+def code_in(message: str) -> tuple[ErrorCode | None, str]:
     """``(code, message)`` of a message :func:`with_code` wrote, a :data:`TIMEOUT_TAG`
-    before it dropped (:func:`without_tag`); one without a code is INTERNAL."""
+    before it dropped (:func:`without_tag`); one without a code: ``(None, message)``."""
     message = without_tag(message)
     name, sep, rest = message.partition("] ")
     if name.startswith("[") and sep and name[1:] in ErrorCode.__members__:
         return ErrorCode[name[1:]], rest
-    return ErrorCode.INTERNAL, message
+    return None, message
 
 
 def code_of(exc: BaseException) -> ErrorCode:

@@ -169,6 +169,32 @@ def test_an_orchestrator_error_reaches_the_front_in_its_stream(server):
         "model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
 
 
+def test_tritons_own_stream_error_for_a_model_not_ready_is_unavailable(server, monkeypatch):
+    """An error Triton itself puts on the stream (the model unknown: no ``[CODE] `` tag, no
+    gRPC status) while the model is not ready is UNAVAILABLE (503 + Retry-After at the
+    front), not INTERNAL: the relay asks Triton, never reads the message's words."""
+    import asyncio
+
+    from triton_disagg.errors import ErrorCode
+    from triton_disagg.front import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "ORCHESTRATOR", "no_such_model")
+
+    async def refused() -> relay_module.OrchestratorError:
+        relay = relay_module.Relay(server.grpc)
+        try:
+            with pytest.raises(relay_module.OrchestratorError) as err:
+                async for _ in relay.stream({"input_ids": np.array([[5]], np.int32)}, "r-1"):
+                    pass
+            return err.value
+        finally:
+            await relay.close()
+
+    error = asyncio.run(refused())
+    assert error.code is ErrorCode.UNAVAILABLE and error.status == 503, error
+    assert "no_such_model" in str(error) and not str(error).startswith("[")
+
+
 def test_sdk_raises_the_openai_error(client):
     import openai
 

@@ -122,11 +122,20 @@ class FailingServer(service_pb2_grpc.GRPCInferenceServiceServicer):
     ends with that status; a stream answers as Triton does without ``triton_grpc_error``
     (an error message without a status, then the stream ends as usual), the code in the
     message when the request asked for it (``errors.CODE_IN_MESSAGE``) and
-    ``code_in_message``, as the orchestrator does. ``headers``: each stream's metadata."""
+    ``code_in_message``, as the orchestrator does. It and its models are ``ready`` or not.
+    ``headers``: each stream's metadata."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, code_in_message: bool = True):
+    def __init__(self, code: grpc.StatusCode, details: str, code_in_message: bool = True,
+                 ready: bool = True):
         self.code, self.details, self.code_in_message = code, details, code_in_message
+        self.ready = ready
         self.headers: list[dict] = []
+
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=self.ready)
+
+    async def ModelReady(self, request, context):
+        return service_pb2.ModelReadyResponse(ready=self.ready)
 
     async def ModelInfer(self, request, context):
         await context.abort(self.code, self.details)
@@ -217,13 +226,24 @@ def test_a_stream_error_without_a_code_is_internal_whatever_it_says():
     assert str(error) == MISLEADING.removeprefix("TIMEOUT: ")
 
 
+@pytest.mark.parametrize("details", ["Request for unknown model: 'orchestrator' is not found",
+                                     MISLEADING])
+def test_tritons_own_stream_error_while_not_ready_is_unavailable(details):
+    """An untagged error is Triton's own (the orchestrator unknown, not loaded, unloading):
+    with the models not ready it is a 503 (with Retry-After at the front), not a 500,
+    whatever its message says."""
+    error = _streamed(FailingServer(grpc.StatusCode.INTERNAL, details, False, ready=False))
+    assert error.code is ErrorCode.UNAVAILABLE and error.status == 503
+    assert str(error) == details.removeprefix("TIMEOUT: ")
+
+
 def test_a_code_in_a_message_reads_back_and_a_bare_bracket_is_no_code():
     for code in ErrorCode:
         assert code_in(with_code(code, "[x] y")) == (code, "[x] y")
     assert code_in("TIMEOUT: " + with_code(ErrorCode.TIMEOUT, "late")) == (ErrorCode.TIMEOUT,
                                                                          "late")
     for bare in ("[BOGUS] x", "[INVALID_ARG]x", "INVALID_ARG x", ""):
-        assert code_in(bare) == (ErrorCode.INTERNAL, bare)
+        assert code_in(bare) == (None, bare)
 
 
 def _streamed(servicer) -> OrchestratorError:

@@ -380,6 +380,33 @@ def test_a_whole_answer_the_client_never_reads_gives_its_connection_back(demo_en
     asyncio.run(main())
 
 
+def test_pipelined_gets_never_read_are_dropped_at_the_write_timeout(demo_engine):
+    """Every route's answer is bounded by ``write_timeout_seconds``, not only generation's
+    (review item 0): a socket that pipelines ~1 MB of ``GET /openapi.json`` and never reads
+    is dropped (counted in /metrics), and its connection slot serves the next client."""
+    async def main():
+        front = FrontConfig(max_connections=1, write_timeout_seconds=0.5)
+        async with served(demo_engine, ScriptedRelay(WORDS), front) as port:
+            await asyncio.sleep(0.5)                    # served's probe connection is gone
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.setblocking(False)
+            request = b"GET /openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 10
+            with contextlib.suppress(BlockingIOError):
+                for _ in range(2000):
+                    sock.send(request)
+            await asyncio.sleep(3.0)                    # it never read a byte
+            reader, writer = await raw(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                              b"Connection: close\r\n\r\n")
+            text = (await asyncio.wait_for(reader.read(), 5)).decode()
+            assert text.startswith("HTTP/1.1 200"), text    # not 503: the slot came back
+            assert "disagg_front_stalled_connections_total 1" in text, text
+            writer.close()
+            sock.close()
+    asyncio.run(main())
+
+
 def test_a_compressed_body_is_refused_unread(demo_engine):
     """A ``Content-Encoding`` body is a 415 before it is read: the front takes JSON as sent,
     and aiohttp would inflate a gzip bomb on the event loop (issue 27 re-review: 2 MB of

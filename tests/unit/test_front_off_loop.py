@@ -53,6 +53,8 @@ def test_prompt_logprobs_are_made_off_the_loop(demo_engine, stream):
     prompt_decodes = len(PROMPT) + rows              # each token's text and its alternative's
     assert len(decoded_on) >= prompt_decodes
     assert loop_thread not in decoded_on[:prompt_decodes], "prompt log-probs made on the loop"
+    made_on = {thread.name.rsplit("_", 1)[0] for thread in decoded_on[:prompt_decodes]}
+    assert made_on == {"prompt-logprobs"}, made_on     # its bounded pool, not the shared one
 
 
 def test_the_openapi_document_is_made_once(demo_engine, monkeypatch):

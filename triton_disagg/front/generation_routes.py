@@ -16,14 +16,14 @@ import functools
 import json
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.errors import HTTP_STATUS, ErrorCode
-from triton_disagg.front.http_gates import (RETRY_AFTER_SECONDS, RequestCount, StalledClient,
-                                           send, send_eof)
+from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, RequestCount
 from triton_disagg.front.openai_api import ApiError, Generation, parse, read_json
 from triton_disagg.front.openai_responses import (Logprobs, OpenAIObjects, StopTrimmer,
                                                   finish_reason, merge_logprobs, sse, usage)
@@ -31,6 +31,11 @@ from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
 
 REQUEST_ID = "X-Request-Id"
+# The prompt's log-probs are made on these threads, not the loop's shared default executor:
+# at most PROMPT_LOGPROBS_THREADS at once, so a burst (or clients that left: a queued one is
+# dropped when its request is cancelled, a running one runs out) holds no more.
+PROMPT_LOGPROBS_THREADS = 2
+PROMPT_LOGPROBS = ThreadPoolExecutor(PROMPT_LOGPROBS_THREADS, thread_name_prefix="prompt-logprobs")
 WHOLE_CHUNK = 64 * 2**10        # a whole answer's bytes per write (aiohttp drains past this)
 log = logging.getLogger("triton_disagg.front")
 # What a client reads of a server fault, by its code (the log has the cause).
@@ -171,12 +176,12 @@ class _Answer:
 
 
 async def _added(answer: _Answer, delta: Delta) -> tuple[str, dict | None]:
-    """``answer.add(delta)``, off the loop when ``delta`` brings the prompt's log-probs the
-    answer shows (a token decode per prompt token and per alternative: seconds for a long
-    prompt, which the loop's other clients would wait out)."""
+    """``answer.add(delta)``, on ``PROMPT_LOGPROBS`` when ``delta`` brings the prompt's
+    log-probs the answer shows (a token decode per prompt token and per alternative: seconds
+    for a long prompt, which the loop's other clients would wait out)."""
     if delta.prompt_logprobs is None or answer.logprobs is None:
         return answer.add(delta)
-    return await asyncio.get_running_loop().run_in_executor(None, answer.add, delta)
+    return await asyncio.get_running_loop().run_in_executor(PROMPT_LOGPROBS, answer.add, delta)
 
 
 async def _collect(relay: Relay, answer: _Answer, inputs: dict, call_id: str,
@@ -219,22 +224,19 @@ def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict
 
 async def send_whole(request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
     """``body`` as JSON (made off the loop: an answer with log-probs runs to megabytes),
-    written ``WHOLE_CHUNK`` bytes at a time as a stream is: a client that reads nothing of
-    it for ``write_timeout_seconds`` is dropped, so an answer nobody reads holds no
-    connection (and no memory) for longer than that."""
+    written ``WHOLE_CHUNK`` bytes at a time as a stream is (each write waits for the client
+    to take in the last: a client that reads nothing for ``write_timeout_seconds`` is
+    dropped, :mod:`.http_gates`), so an answer nobody reads holds no connection (and no
+    memory) for longer than that."""
     data = (await asyncio.get_running_loop().run_in_executor(
         None, functools.partial(json.dumps, body, ensure_ascii=False))).encode("utf-8")
     response = web.StreamResponse(headers={**headers,
                                            "Content-Type": "application/json; charset=utf-8"})
     response.content_length = len(data)
-    timeout = request.app[FRONT].write_timeout_seconds
-    try:
-        await send(request, response, None, timeout)
-        for start in range(0, len(data), WHOLE_CHUNK):
-            await send(request, response, data[start:start + WHOLE_CHUNK], timeout)
-        await send_eof(request, response, timeout)
-    except StalledClient as exc:
-        log.warning("request %s: %s; dropped", request_id_of(request), exc)
+    await response.prepare(request)
+    for start in range(0, len(data), WHOLE_CHUNK):
+        await response.write(data[start:start + WHOLE_CHUNK])
+    await response.write_eof()
     return response
 
 
@@ -242,36 +244,32 @@ async def _stream(request: web.Request, answer: _Answer, reply: OpenAIObjects,
                   deltas: AsyncIterator[Delta], headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-    timeout = request.app[FRONT].write_timeout_seconds
 
-    async def out(event: dict | str | None) -> None:
-        await send(request, response, None if event is None else sse(event), timeout)
+    async def out(event: dict | str) -> None:
+        await response.write(sse(event))   # waits while the client is behind (http_gates)
 
+    await response.prepare(request)         # the status line and headers
+    if reply.chat or answer.echo:
+        await out(reply.chunk(answer.echo, first=True))
     try:
-        await out(None)             # the status line and headers
-        if reply.chat or answer.echo:
-            await out(reply.chunk(answer.echo, first=True))
-        try:
-            async for delta in deltas:
-                text, logprobs = await _added(answer, delta)
-                if text or logprobs:
-                    await out(reply.chunk(text, logprobs=logprobs))
-                if answer.trimmer.stopped:
-                    break           # leaving the relay's stream cancels the request
-            tail, reason = answer.finish()
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise                   # the client left: the relay's stream is cancelled
-        except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
-            await out(server_error(exc, request_id_of(request)).body())
-            return response
-        await out(reply.chunk(tail, reason))
-        if answer.gen.include_usage:
-            await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens,
-                                        answer.last.cached_tokens))
-        await out("[DONE]")
-        await send_eof(request, response, timeout)
-    except StalledClient as exc:    # dropped: leaving the relay's stream cancels the request
-        log.warning("request %s: %s; dropped", request_id_of(request), exc)
+        async for delta in deltas:
+            text, logprobs = await _added(answer, delta)
+            if text or logprobs:
+                await out(reply.chunk(text, logprobs=logprobs))
+            if answer.trimmer.stopped:
+                break               # leaving the relay's stream cancels the request
+        tail, reason = answer.finish()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise                       # the client left: the relay's stream is cancelled
+    except Exception as exc:  # noqa: BLE001 - the status line went out: an error event
+        await out(server_error(exc, request_id_of(request)).body())
+        return response
+    await out(reply.chunk(tail, reason))
+    if answer.gen.include_usage:
+        await out(reply.usage_chunk(answer.last.prompt_tokens, answer.last.completion_tokens,
+                                    answer.last.cached_tokens))
+    await out("[DONE]")
+    await response.write_eof()
     return response
 
 

@@ -223,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(app: web.Application, host: str, port: int, front: FrontConfig) -> None:
     """Serve ``app`` on ``host:port`` until cancelled (aiohttp's ``run_app``, with the
-    connection cap of :class:`~triton_disagg.front.http_gates.CappedRunner` and the idle
-    timeout of ``front``)."""
-    runner = CappedRunner(app, front.max_connections, app[METRICS].refused_connection,
+    connection cap and write timeout of
+    :class:`~triton_disagg.front.http_gates.CappedRunner` and the idle timeout of
+    ``front``)."""
+    runner = CappedRunner(app, front.max_connections, front.write_timeout_seconds,
+                          app[METRICS].refused_connection, app[METRICS].stalled_connection,
                           handle_signals=True, auto_decompress=False,   # read_json: 415
                           handler_cancellation=True, access_log=None,
                           keepalive_timeout=front.idle_timeout_seconds,

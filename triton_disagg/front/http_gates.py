@@ -10,11 +10,11 @@ long it waits on a client.
 - Requests: :func:`request_gate` lets ``max_concurrent_requests`` generation requests
   (``GATED_PATHS``) in at once, from before their body is read to their last byte out; one
   more is answered ``429`` with ``Retry-After`` at once, never queued.
-- Slow clients: :func:`send` writes a response chunk (:func:`send_eof` its end) or, when
-  the client reads nothing for ``write_timeout_seconds``, drops the connection and raises
-  :class:`StalledClient` (the caller ends the request, which cancels its generation and
-  frees its KV blocks); a whole answer is written so too, so an answer nobody reads holds
-  no connection.
+- Slow clients: a connection whose client reads nothing for ``write_timeout_seconds``
+  while its answer waits to go out is dropped (:class:`_Counted`), whatever the route:
+  a generation's stream or whole answer, ``/openapi.json``, an error, pipelined requests
+  nobody reads. Its handler is cancelled, which ends the request, cancels its generation
+  and frees its KV blocks; an answer nobody reads holds no connection.
   Headers and the idle time between requests are bounded by aiohttp's keep-alive timer
   (``idle_timeout_seconds``: aiohttp 3.14 arms it when a connection opens), a request's
   body by :func:`~triton_disagg.front.openai_api.read_json`.
@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections import Counter
 from typing import Awaitable, Callable, Iterator
 
@@ -64,6 +65,7 @@ GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/inferen
 RETRY_AFTER_SECONDS = 1
 REFUSAL_LINGER_SECONDS = 2.0     # a refused connection's request is waited for this long
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger("triton_disagg.front")
 
 
 def busy(what: str, status: int) -> ApiError:
@@ -111,41 +113,24 @@ def request_gate(count: RequestCount):
     return gate
 
 
-class StalledClient(ConnectionResetError):
-    """A client that read nothing of its response for ``write_timeout_seconds``."""
-
-
-async def send(request: web.Request, response: web.StreamResponse, data: bytes | None,
-               timeout: float) -> None:
-    """``response.write(data)`` (``None``: ``prepare`` it) within ``timeout`` s, else drop
-    the connection and raise :class:`StalledClient`."""
-    await _within(request, timeout,
-                  response.prepare(request) if data is None else response.write(data))
-
-
-async def send_eof(request: web.Request, response: web.StreamResponse, timeout: float) -> None:
-    """``response.write_eof()`` (what is still buffered goes out) within ``timeout`` s, as
-    :func:`send`."""
-    await _within(request, timeout, response.write_eof())
-
-
-async def _within(request: web.Request, timeout: float, write: Awaitable[object]) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            await write
-    except TimeoutError:
-        if request.transport is not None:
-            request.transport.abort()
-        raise StalledClient(f"the client read nothing for {timeout:g} s") from None
-
-
 class _Counted(asyncio.Protocol):
-    """The app's protocol for one connection, counted open until its connection is lost."""
+    """The app's protocol for one connection, counted open until its connection is lost,
+    and dropped when its client reads nothing for ``cap.write_timeout`` seconds.
+
+    The transport pauses writing (:meth:`pause_writing`) once its buffer passes its high
+    water mark, and resumes when the client has read it down: a connection paused for
+    ``cap.write_timeout`` s is aborted (``cap.on_stalled`` counts it), whatever route wrote
+    (a generation's stream, ``/openapi.json``, an error, pipelined requests nobody reads).
+    aiohttp's handler sees its write fail and, with ``handler_cancellation``, is cancelled.
+    """
 
     def __init__(self, inner: asyncio.Protocol, cap: "ConnectionCap"):
         self.inner, self.cap = inner, cap
+        self.transport: asyncio.Transport | None = None
+        self.stall: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport   # type: ignore[assignment]
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -156,11 +141,28 @@ class _Counted(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.inner.pause_writing()
+        self.stall = asyncio.get_running_loop().call_later(self.cap.write_timeout, self._drop)
 
     def resume_writing(self) -> None:
+        self._unarm()
         self.inner.resume_writing()
 
+    def _drop(self) -> None:
+        self.stall = None
+        if self.transport is not None and not self.transport.is_closing():
+            log.warning("a client read nothing for %g s; its connection dropped",
+                        self.cap.write_timeout)
+            self.cap.on_stalled()
+            self.transport.abort()
+
+    def _unarm(self) -> None:
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._unarm()
+        self.transport = None
         self.cap.open -= 1
         self.inner.connection_lost(exc)
 
@@ -197,10 +199,13 @@ class _Refused(asyncio.Protocol):
 
 class ConnectionCap:
     """A protocol factory: the app's protocol while fewer than ``limit`` connections are
-    open, else a refusal."""
+    open (each dropped when its client reads nothing for ``write_timeout`` s), else a
+    refusal."""
 
-    def __init__(self, server: web.Server, limit: int, on_refused: Callable[[], None]):
-        self.server, self.limit, self.open, self.on_refused = server, limit, 0, on_refused
+    def __init__(self, server: web.Server, limit: int, write_timeout: float,
+                 on_refused: Callable[[], None], on_stalled: Callable[[], None]):
+        self.server, self.limit, self.open, self.write_timeout = server, limit, 0, write_timeout
+        self.on_refused, self.on_stalled = on_refused, on_stalled
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.limit:
@@ -211,13 +216,16 @@ class ConnectionCap:
 
 
 class CappedRunner(web.AppRunner):
-    """aiohttp's ``AppRunner`` whose sites accept at most ``max_connections`` connections;
-    ``on_refused`` is called for each one refused."""
+    """aiohttp's ``AppRunner`` whose sites accept at most ``max_connections`` connections
+    and drop one whose client reads nothing for ``write_timeout`` s; ``on_refused`` is
+    called for each connection refused, ``on_stalled`` for each dropped."""
 
-    def __init__(self, app: web.Application, max_connections: int,
-                 on_refused: Callable[[], None] = lambda: None, **kwargs):
+    def __init__(self, app: web.Application, max_connections: int, write_timeout: float,
+                 on_refused: Callable[[], None] = lambda: None,
+                 on_stalled: Callable[[], None] = lambda: None, **kwargs):
         super().__init__(app, **kwargs)
-        self.max_connections, self.on_refused = max_connections, on_refused
+        self.max_connections, self.write_timeout = max_connections, write_timeout
+        self.on_refused, self.on_stalled = on_refused, on_stalled
         self._cap: ConnectionCap | None = None
 
     @property
@@ -226,7 +234,8 @@ class CappedRunner(web.AppRunner):
         if inner is None:
             return None
         if self._cap is None or self._cap.server is not inner:
-            self._cap = ConnectionCap(inner, self.max_connections, self.on_refused)
+            self._cap = ConnectionCap(inner, self.max_connections, self.write_timeout,
+                                      self.on_refused, self.on_stalled)
         return self._cap
 
 
@@ -288,10 +297,15 @@ class FrontMetrics:
         self.requests: Counter[tuple[str, str]] = Counter()     # (route, status) -> ended
         self.refusals: Counter[str] = Counter({REQUEST_CAP: 0, CONNECTION_CAP: 0})
         self.in_flight = 0
+        self.stalled = 0                                          # connections dropped
 
     def refused_connection(self) -> None:
         """A connection past ``front.max_connections`` (the runner's hook)."""
         self.refusals[CONNECTION_CAP] += 1
+
+    def stalled_connection(self) -> None:
+        """A connection dropped past ``front.write_timeout_seconds`` (the runner's hook)."""
+        self.stalled += 1
 
     @web.middleware
     async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -326,6 +340,10 @@ class FrontMetrics:
                   f"refused by an admission cap", f"# TYPE {PREFIX}_refusals_total counter"]
         lines += [f'{PREFIX}_refusals_total{{cap="{cap}"}} {n}'
                   for cap, n in sorted(self.refusals.items())]
+        lines += [f"# HELP {PREFIX}_stalled_connections_total connections dropped because "
+                  f"their client read nothing for front.write_timeout_seconds",
+                  f"# TYPE {PREFIX}_stalled_connections_total counter",
+                  f"{PREFIX}_stalled_connections_total {self.stalled}"]
         return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,10 @@ Triton passes that cancel to the orchestrator; an error response raises
 :class:`~triton_disagg.errors.ErrorCode`, once the stream has ended as usual. A Triton
 stream's error message carries no status, so the request asks the orchestrator for the code
 in the message (the request parameter :data:`~triton_disagg.errors.CODE_IN_MESSAGE`; read
-back by :func:`~triton_disagg.errors.code_in`). Not Triton's ``triton_grpc_error`` header,
+back by :func:`~triton_disagg.errors.code_in`). An error without that tag is Triton's own
+(the orchestrator tags every one it sends: e.g. the orchestrator model unknown, not loaded
+or unloading): UNAVAILABLE when Triton then says the models are not ready, else INTERNAL
+(a malformed request is this front's fault). Not Triton's ``triton_grpc_error`` header,
 which ends the stream with the error's status instead: in Triton 2.51 that path closes the
 stream from the response callback's thread, logs "HandleCancellation called even when the
 context was not cancelled" for each error, and once crashed tritonserver (SIGSEGV) right
@@ -74,13 +77,6 @@ class OrchestratorError(Exception):
         it) and its ``message``: a stream Triton itself ended (e.g. no such model)."""
         return cls(without_tag(message), from_grpc_status(status, message))
 
-    @classmethod
-    def from_message(cls, message: str) -> "OrchestratorError":
-        """The error of a stream's error ``message``, its code in it
-        (:func:`~triton_disagg.errors.code_in`; none: INTERNAL)."""
-        code, text = code_in(message)
-        return cls(text, code)
-
 
 class Relay:
     """A tritonclient asyncio gRPC client to the server at ``url`` (``host:port``); it is
@@ -119,7 +115,7 @@ class Relay:
         try:
             async for result, error in responses:
                 if error is not None:          # the final response: the stream ends next
-                    failed = failed or OrchestratorError.from_message(error.message())
+                    failed = failed or await self._failure(error.message())
                 elif failed is None:
                     yield _delta(result)
             ended = True
@@ -131,6 +127,15 @@ class Relay:
                 responses.cancel()
         if failed is not None:
             raise failed
+
+    async def _failure(self, message: str) -> OrchestratorError:
+        """The error of a stream's error ``message``: its code tagged in it
+        (:func:`~triton_disagg.errors.code_in`), else Triton's own error, UNAVAILABLE while
+        the models are not ready and INTERNAL when they are."""
+        code, text = code_in(message)
+        if code is None:
+            code = ErrorCode.INTERNAL if await self.ready() is None else ErrorCode.UNAVAILABLE
+        return OrchestratorError(text, code)
 
     async def close(self) -> None:
         await self.client.close()
