@@ -220,10 +220,10 @@ def test_a_generation_server_stopped_cleanly_under_load_fails_no_request(
 REGISTERED = """
 import sys
 from triton_disagg.config.discovery_section import DiscoveryConfig
-from triton_disagg.routing.discovery.etcd import connect, members_prefix
+from triton_disagg.routing.discovery.etcd import connect
 etcd, prefix = sys.argv[1:3]
 client = connect(DiscoveryConfig(etcd=etcd, prefix=prefix, ttl_seconds=5), timeout=2)
-print(" ".join(sorted(meta["key"].decode() for _, meta in client.get_prefix(members_prefix(prefix)))))
+print(" ".join(sorted(meta["key"].decode() for _, meta in client.get_prefix(prefix + "/"))))
 """
 
 
