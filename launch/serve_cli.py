@@ -23,10 +23,7 @@ import argparse
 import os
 import signal
 import threading
-import time
-from collections import deque
 from pathlib import Path
-from typing import Callable
 
 from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role
 from triton_disagg.errors import RetryableStart, UserError
@@ -35,28 +32,9 @@ from triton_disagg.log_format import FORMATS
 from triton_disagg.triton import private_shm
 from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
 
-MAX_RESTARTS = 5            # stub deaths and failed starts survived by restarting, within
-RESTART_WINDOW_SECONDS = 600.0    # this long: a crash loop ends, rare deaths never add up
+from .restarts import MAX_RESTARTS, RESTART_WINDOW_SECONDS, RestartBudget, keep_log, kept_log
+
 STUB_POLL_SECONDS = 0.5
-
-
-class RestartBudget:
-    """At most ``MAX_RESTARTS`` restarts within any ``RESTART_WINDOW_SECONDS`` (``clock``:
-    ``time.monotonic``)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self.spent: deque[float] = deque()      # when the restarts of the window were
-
-    def spend(self) -> bool:
-        """Take one restart now; False when the window already holds ``MAX_RESTARTS``."""
-        now = self.clock()
-        while self.spent and now - self.spent[0] >= RESTART_WINDOW_SECONDS:
-            self.spent.popleft()
-        if len(self.spent) >= MAX_RESTARTS:
-            return False
-        self.spent.append(now)
-        return True
 
 
 def register(subparsers) -> None:
@@ -216,31 +194,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"triton-disagg serve {args.role}: restarting tritonserver "
                   f"({len(budget.spent)} of at most {MAX_RESTARTS} in "
                   f"{RESTART_WINDOW_SECONDS / 60:g} min); the stopped server's log is "
-                  f"{_kept_log(args.work_dir, restart)}", flush=True)
+                  f"{kept_log(args.work_dir, restart)}", flush=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         lock.close()
 
 
-def _kept_log(work_dir: Path, restart: int) -> Path:
-    """Where the log of the server stopped before restart ``restart`` (1, 2, ...) is kept."""
-    return work_dir / f"tritonserver.{restart}.log"
-
-
-def _keep_log(work_dir: Path, restart: int) -> None:
-    """Keep the stopped server's log for restart ``restart`` (:func:`_kept_log`); only the
-    last ``MAX_RESTARTS`` kept logs stay, so a server restarted now and then over a long
-    life does not fill its work directory with them."""
-    (work_dir / "tritonserver.log").rename(_kept_log(work_dir, restart))
-    if restart > MAX_RESTARTS:
-        _kept_log(work_dir, restart - MAX_RESTARTS).unlink(missing_ok=True)
-
-
 def _log_format(chosen: str, role: str) -> None:
     """``--log-format json``: serve's stdout becomes JSON lines, and tritonserver and its
     stubs (which inherit this environment) are told so (:mod:`triton_disagg.log_format`)."""
-    import os
     import sys
 
     from triton_disagg.log_format import FORMAT_ENV, ROLE_ENV, JsonLines
@@ -267,7 +230,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
 
     work_dir = args.work_dir
     if restart:
-        _keep_log(work_dir, restart)
+        keep_log(work_dir, restart)
     check_front_port(endpoints.host, front, endpoints)
     gated = args.role == Role.SCHEDULER
     if gated:

@@ -5,7 +5,7 @@ re-review: the count was per serve run, so the sixth stub death in a month stopp
 
 from __future__ import annotations
 
-from launch.serve_cli import MAX_RESTARTS, RESTART_WINDOW_SECONDS, RestartBudget, _keep_log
+from launch.restarts import MAX_RESTARTS, RESTART_WINDOW_SECONDS, RestartBudget, keep_log
 
 
 def test_a_crash_loop_runs_out_of_restarts():
@@ -31,7 +31,7 @@ def test_only_the_last_restarts_logs_are_kept(tmp_path):
     restarts = 3 * MAX_RESTARTS
     for restart in range(1, restarts + 1):
         (tmp_path / "tritonserver.log").write_text(f"server {restart - 1}")
-        _keep_log(tmp_path, restart)
+        keep_log(tmp_path, restart)
     kept = sorted(tmp_path.iterdir(), key=lambda p: int(p.name.split(".")[1]))
     assert [p.name for p in kept] == [f"tritonserver.{n}.log" for n in
                                       range(restarts - MAX_RESTARTS + 1, restarts + 1)]
