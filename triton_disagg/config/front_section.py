@@ -9,7 +9,7 @@ dataclass, its parser, and the command-line flags that carry it to the front's p
       max_connections: 512           # open connections; past it: 503 + Retry-After, closed
       idle_timeout_seconds: 30       # request headers must arrive within (and keep-alive idle)
       body_timeout_seconds: 30       # a request's body must arrive within (else 408)
-      write_timeout_seconds: 30      # a response write the client does not read (then dropped)
+      write_timeout_seconds: 30      # what is written must be taken by the client within it
       allowed_origins: []            # browser origins let through, e.g. ["https://ui.example"]
       allowed_hosts: []              # Host names accepted besides loopback ones
 

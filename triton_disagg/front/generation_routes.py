@@ -225,7 +225,7 @@ def _whole(gen: Generation, model: str, done: list[tuple[_Answer, str, str, dict
 async def send_whole(request: web.Request, body: dict, headers: dict) -> web.StreamResponse:
     """``body`` as JSON (made off the loop: an answer with log-probs runs to megabytes),
     written ``WHOLE_CHUNK`` bytes at a time as a stream is (each write waits for the client
-    to take in the last: a client that reads nothing for ``write_timeout_seconds`` is
+    to take in the last: a client that takes nothing more for ``write_timeout_seconds`` is
     dropped, :mod:`.http_gates`), so an answer nobody reads holds no connection (and no
     memory) for longer than that."""
     data = (await asyncio.get_running_loop().run_in_executor(

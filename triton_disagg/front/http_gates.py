@@ -10,7 +10,7 @@ long it waits on a client.
 - Requests: :func:`request_gate` lets ``max_concurrent_requests`` generation requests
   (``GATED_PATHS``) in at once, from before their body is read to their last byte out; one
   more is answered ``429`` with ``Retry-After`` at once, never queued.
-- Slow clients: a connection whose client reads nothing for ``write_timeout_seconds``
+- Slow clients: a connection whose client takes nothing more for ``write_timeout_seconds``
   while its answer waits to go out is dropped (:class:`_Counted`), whatever the route:
   a generation's stream or whole answer, ``/openapi.json``, an error, pipelined requests
   nobody reads. Its handler is cancelled, which ends the request, cancels its generation
@@ -115,12 +115,16 @@ def request_gate(count: RequestCount):
 
 class _Counted(asyncio.Protocol):
     """The app's protocol for one connection, counted open until its connection is lost,
-    and dropped when its client reads nothing for ``cap.write_timeout`` seconds.
+    and dropped when what it wrote is not all taken by its client within
+    ``cap.write_timeout`` seconds.
 
-    The transport pauses writing (:meth:`pause_writing`) once its buffer passes its high
-    water mark, and resumes when the client has read it down: a connection paused for
+    The transport's high water mark is 0, so it pauses writing (:meth:`pause_writing`) as
+    soon as a byte stays in its buffer (the kernel's socket buffer is full: the client is
+    not reading) and resumes when the buffer is empty again: a connection paused for
     ``cap.write_timeout`` s is aborted (``cap.on_stalled`` counts it), whatever route wrote
-    (a generation's stream, ``/openapi.json``, an error, pipelined requests nobody reads).
+    (a generation's stream, ``/openapi.json``, an error, pipelined requests nobody reads)
+    and also while it is closing (a ``Connection: close`` answer or a keep-alive timeout
+    whose last bytes nobody takes: asyncio would otherwise wait for ever to send them).
     aiohttp's handler sees its write fail and, with ``handler_cancellation``, is cancelled.
     """
 
@@ -132,6 +136,7 @@ class _Counted(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport   # type: ignore[assignment]
         self.inner.connection_made(transport)
+        self.transport.set_write_buffer_limits(high=0)    # paused while a byte waits
 
     def data_received(self, data: bytes) -> None:
         self.inner.data_received(data)
@@ -149,9 +154,9 @@ class _Counted(asyncio.Protocol):
 
     def _drop(self) -> None:
         self.stall = None
-        if self.transport is not None and not self.transport.is_closing():
-            log.warning("a client read nothing for %g s; its connection dropped",
-                        self.cap.write_timeout)
+        if self.transport is not None:                   # closing too: its tail unsent
+            log.warning("a client took nothing of its answer for %g s; its connection "
+                        "dropped", self.cap.write_timeout)
             self.cap.on_stalled()
             self.transport.abort()
 
@@ -199,8 +204,8 @@ class _Refused(asyncio.Protocol):
 
 class ConnectionCap:
     """A protocol factory: the app's protocol while fewer than ``limit`` connections are
-    open (each dropped when its client reads nothing for ``write_timeout`` s), else a
-    refusal."""
+    open (each dropped when its client does not take what was written within
+    ``write_timeout`` s), else a refusal."""
 
     def __init__(self, server: web.Server, limit: int, write_timeout: float,
                  on_refused: Callable[[], None], on_stalled: Callable[[], None]):
@@ -217,8 +222,8 @@ class ConnectionCap:
 
 class CappedRunner(web.AppRunner):
     """aiohttp's ``AppRunner`` whose sites accept at most ``max_connections`` connections
-    and drop one whose client reads nothing for ``write_timeout`` s; ``on_refused`` is
-    called for each connection refused, ``on_stalled`` for each dropped."""
+    and drop one whose client does not take what was written within ``write_timeout`` s;
+    ``on_refused`` is called for each connection refused, ``on_stalled`` for each dropped."""
 
     def __init__(self, app: web.Application, max_connections: int, write_timeout: float,
                  on_refused: Callable[[], None] = lambda: None,
@@ -341,7 +346,8 @@ class FrontMetrics:
         lines += [f'{PREFIX}_refusals_total{{cap="{cap}"}} {n}'
                   for cap, n in sorted(self.refusals.items())]
         lines += [f"# HELP {PREFIX}_stalled_connections_total connections dropped because "
-                  f"their client read nothing for front.write_timeout_seconds",
+                  f"their client did not take what was written within "
+                  f"front.write_timeout_seconds",
                   f"# TYPE {PREFIX}_stalled_connections_total counter",
                   f"{PREFIX}_stalled_connections_total {self.stalled}"]
         return "\n".join(lines) + "\n"
