@@ -247,6 +247,33 @@ def test_a_remote_agent_in_use_is_not_evicted_by_a_small_lru():
         endpoint_a.close()
 
 
+def test_a_load_refused_at_the_bound_leaves_the_handle_fetchable():
+    """A pinned peer at ``2 * max_loads`` refuses the next load (TransferError, "retry"):
+    the handle that load was for is not marked fetched, so once the pin ends it is read
+    (before: LeaseExpiredError, its blocks held until the lease ran out)."""
+    pytest.importorskip("nixl")
+    from triton_disagg.kv.nixl_agent import TransferError
+    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+
+    blocks = CountingPool()
+    sender = NixlEndpoint("hardening-bound-ctx", make_pool(1, 16, 4, "float32"), blocks.free,
+                          poll_interval_s=0.002)
+    receiver = NixlEndpoint("hardening-bound-gen", make_pool(3, 16, 4, "float32"))
+    receiver.agent._remotes.max_loads = 1
+    try:
+        first, second, third = (_export(sender, blocks, [b]) for b in (4, 5, 6))
+        peer = receiver.open_pull(first, time.monotonic())        # pinned, 1 load
+        receiver.fetch(second, [0])                                # 2 loads while pinned
+        with pytest.raises(TransferError, match="retry"):
+            receiver.fetch(third, [1])
+        receiver.agent.unpin(peer)
+        receiver.fetch(third, [1])                                 # the retry reads it
+        np.testing.assert_array_equal(receiver.pool[1], sender.pool[6])
+    finally:
+        receiver.close()
+        sender.close()
+
+
 class FakeNixl:
     """The remote-agent calls of a ``nixl_agent``: metadata is the agent's name."""
 

@@ -287,9 +287,16 @@ class NixlEndpoint:
     def open_pull(self, handle: KVHandle, now: float) -> str:
         """Claim the handle's lease for this receiver (:meth:`_claim`) and connect to its
         sender, pinned (the caller calls ``agent.unpin(peer)`` once its READs are done);
-        returns the peer's name for :meth:`read_layers` and :meth:`confirm`."""
+        returns the peer's name for :meth:`read_layers` and :meth:`confirm`. A connect that
+        fails (e.g. the peer's loads at their bound) gives the claim back: nothing was read,
+        so the handle may be tried again."""
         self._claim(handle, now)
-        return self._agent.connect(handle.agent_name, handle.agent_metadata, pin=True)
+        try:
+            return self._agent.connect(handle.agent_name, handle.agent_metadata, pin=True)
+        except Exception:
+            with self._fetch_lock:
+                self._fetched.pop(handle.lease_id, None)
+            raise
 
     def read_layers(self, peer: str, handle: KVHandle, dst_block_ids: Sequence[int],
                     layers: range, deadline: float) -> int:
