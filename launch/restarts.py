@@ -39,9 +39,19 @@ def kept_log(work_dir: Path, restart: int) -> Path:
 
 
 def keep_log(work_dir: Path, restart: int) -> None:
-    """Keep the stopped server's log for restart ``restart`` (:func:`kept_log`); only the
-    last ``MAX_RESTARTS`` kept logs stay, so a server restarted now and then over a long
-    life does not fill its work directory with them."""
-    (work_dir / "tritonserver.log").rename(kept_log(work_dir, restart))
-    if restart > MAX_RESTARTS:
-        kept_log(work_dir, restart - MAX_RESTARTS).unlink(missing_ok=True)
+    """Keep the stopped server's log for restart ``restart`` (:func:`kept_log`; a start
+    that failed before tritonserver wrote its log leaves none to keep); only the newest
+    ``MAX_RESTARTS`` kept logs stay, this run's or an earlier run's in the same work
+    directory, so a server restarted now and then over a long life does not fill it."""
+    log = work_dir / "tritonserver.log"
+    if log.exists():
+        log.replace(kept_log(work_dir, restart))
+    kept = sorted(work_dir.glob("tritonserver.*.log"), key=_age)
+    for old in kept[:-MAX_RESTARTS]:
+        old.unlink(missing_ok=True)
+
+
+def _age(log: Path) -> tuple[int, int]:
+    """Oldest first: last written, then restart number (file times are coarse)."""
+    number = log.name.split(".")[1]
+    return log.stat().st_mtime_ns, int(number) if number.isdigit() else 0
