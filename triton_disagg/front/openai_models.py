@@ -174,9 +174,11 @@ def prompt_field(limits: EngineLimits) -> Any:
 
 
 class StrictModel(BaseModel):
-    """JSON as sent: known fields only, each of its JSON type; ``null`` is not sent."""
+    """JSON as sent: known fields only, each of its JSON type; ``null`` is not sent (a field
+    whose value is ``null``, known or not, counts as absent: what the schema says too)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True,
+                              json_schema_extra={"additionalProperties": {"type": "null"}})
 
     @model_validator(mode="before")
     @classmethod

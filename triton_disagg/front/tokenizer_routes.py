@@ -64,7 +64,7 @@ class TokenizeRequest(StrictModel):
 
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None      # absent or null: True, as vLLM's default
 
 
 class DetokenizeRequest(StrictModel):
@@ -125,7 +125,8 @@ def add_tokenizer_routes(app: web.Application, preparer: RequestEncoder) -> None
 
     async def tokenize(request: web.Request) -> web.StreamResponse:
         body = await _body(request, tokenize_model)
-        ids = await _off_loop(preparer.tokenizer.encode, body.prompt, body.add_special_tokens)
+        ids = await _off_loop(preparer.tokenizer.encode, body.prompt,
+                              body.add_special_tokens is not False)
         return await send_whole(request, {"count": len(ids), "max_model_len":
                                           preparer.max_seq_len, "tokens": ids,
                                           "token_strs": None}, {})
