@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from triton_disagg.engine.torch_model import TORCH_DTYPES
+from triton_disagg.engine.torch_device import TORCH_DTYPES
 
 from gpu_check_attention import environment_lines
 from gpu_check_memory import release_device_memory

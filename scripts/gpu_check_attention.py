@@ -1,6 +1,6 @@
 """scripts/gpu_check.py, section "attention": which SDPA backend (flash, efficient, cuDNN,
 math) each kind of attention pass of the torch runner ran, with the backends serving allows
-(:data:`~triton_disagg.engine.torch_model.SERVING_SDPA_BACKENDS`: no cuDNN) and with torch's
+(:data:`~triton_disagg.engine.torch_device.SERVING_SDPA_BACKENDS`: no cuDNN) and with torch's
 own choice; and the versions the header names (CUDA, cuDNN). The backend is read from the
 profiler: the aten op each SDPA call dispatched to.
 """
@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
-from triton_disagg.engine.torch_model import SERVING_SDPA_BACKENDS
+from triton_disagg.engine.torch_device import SERVING_SDPA_BACKENDS
 
 from gpu_check_models import write_tiny_engine
 

@@ -13,7 +13,8 @@ import torch
 
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.spec import ModelShape
-from triton_disagg.engine.torch_model import TORCH_DTYPES, TorchModelRunner
+from triton_disagg.engine.torch_device import TORCH_DTYPES
+from triton_disagg.engine.torch_model import TorchModelRunner
 
 from gpu_check_models import LLAMA_SHAPES, TINY_LLAMA_SHAPES, make_shape, make_spec, random_weights
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import triton_disagg.engine.torch_device as torch_device
 import triton_disagg.engine.torch_model as torch_model
 from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.llm_engine import LLMEngine
@@ -81,7 +82,7 @@ def test_every_entry_point_enters_the_runner_device_in_the_calling_thread(runner
         entered.append((threading.current_thread().name, str(device)))
         yield
 
-    monkeypatch.setattr(torch_model, "device_scope", recording_scope)
+    monkeypatch.setattr(torch_device, "device_scope", recording_scope)
     runner.prefill([(list(range(3, 9)), [0, 1])])
     worker = threading.Thread(target=runner.decode, args=([4], [6], [[0, 1]]), name="loop")
     host = np.zeros((2, *runner.pool.geometry.block_shape), runner.pool.array.dtype)
@@ -104,9 +105,9 @@ def test_device_scope_makes_the_cuda_device_current(monkeypatch):
             super().__init__()
 
     monkeypatch.setattr(torch.cuda, "device", FakeCudaDevice)
-    with torch_model.device_scope(torch.device("cuda", 2)):
+    with torch_device.device_scope(torch.device("cuda", 2)):
         pass
-    with torch_model.device_scope(torch.device("cpu")):
+    with torch_device.device_scope(torch.device("cpu")):
         pass
     assert made == ["cuda:2"]
 

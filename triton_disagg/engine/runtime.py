@@ -180,7 +180,7 @@ def make_runner(runtime: Runtime, spec: EngineSpec, weights: dict[str, np.ndarra
     """The model runner of ``runtime`` over ``pool``; torch on CPU uses as many threads as
     this process may run on cores (its affinity mask, set by the instance's pinning). On
     CUDA the instance's device becomes this thread's current one (the runner also enters
-    it on every call, from whichever thread: :func:`~triton_disagg.engine.torch_model.device_scope`)."""
+    it on every call, from whichever thread: :func:`~triton_disagg.engine.torch_device.device_scope`)."""
     if runtime.runtime == "numpy":
         from triton_disagg.engine.model import ModelRunner
 

@@ -38,45 +38,9 @@ from triton_disagg.engine.block_pool import BlockPool
 from triton_disagg.engine.model import Batch, LayerDone, LogitRows, length_groups, prefill_item
 from triton_disagg.engine.rope import inv_frequencies, rope_tables
 from triton_disagg.engine.spec import EngineSpec
-
-# Attention whose gathered KV is at most this many bytes runs on one CPU thread: split
-# over threads, such small ops cost more in thread wake-ups than they save (measured on
-# 2 busy cores: gather + SDPA of one decode token 0.5 ms on one thread, 3.5 ms on two).
-SINGLE_THREAD_ATTENTION_BYTES = 4 << 20
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# The SDPA backends serving may use: cuDNN is left out. torch >= 2.11 prefers cuDNN
-# attention on sm_90, which builds (and caches) an execution graph per new (batch, length)
-# shape, a stall of tens to hundreds of ms whenever a decode batch or prompt length is new,
-# and raises on a plan it cannot build instead of falling back. Flash / memory-efficient
-# kernels need no per-shape build; math is the fallback of last resort (and CPU's choice
-# where flash does not apply). Pinning was chosen over bucketing shapes: bucketing pads
-# every batch and prompt (wasted FLOPs, a mask again) and still builds one graph per bucket.
-# ``sdpa_kernel`` sets process-wide flags for the pass: one runner per process computes
-# (a serving instance's engine loop; other threads only copy blocks), so none interleave.
-SERVING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                         SDPBackend.MATH)
-
-
-def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
-    """Make ``device`` the current CUDA device of the calling thread for a block (CPU: no-op).
-
-    torch's current device is per thread and starts at GPU 0 in every new thread, so each
-    entry point of a runner on ``cuda:N`` runs in this scope, whichever thread calls it (the
-    engine loop, the KV fetch thread, a Triton request thread): implicit-device calls (a
-    bare ``torch.empty(..., device="cuda")``, ``torch.cuda.synchronize()``, streams, a
-    registration of device memory) then land on the instance's GPU, not on GPU 0."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _on_runner_device(method):
-    """Run a runner method in :func:`device_scope` of its device and in inference mode."""
-    @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):
-        with device_scope(self.device), torch.inference_mode():
-            return method(self, *args, **kwargs)
-    return wrapped
+from triton_disagg.engine.torch_device import (SERVING_SDPA_BACKENDS,
+                                               SINGLE_THREAD_ATTENTION_BYTES, TORCH_DTYPES,
+                                               OneCpuThread, on_runner_device, torch_dtype)
 
 
 class TorchModelRunner:
@@ -133,7 +97,7 @@ class TorchModelRunner:
         """
         return self.prefill_keeping(batch, (), on_layer)[0]
 
-    @_on_runner_device
+    @on_runner_device
     def prefill_keeping(self, batch: Batch, keep: Collection[int], on_layer: LayerDone | None = None
                         ) -> tuple[np.ndarray, dict[int, LogitRows]]:
         """:meth:`prefill`'s logits ``[B, V]``, and for each prompt index in ``keep`` the
@@ -151,13 +115,13 @@ class TorchModelRunner:
         each prompt (those after its cached prefix)."""
         return [rows.all() for rows in self.prefill_keeping(batch, range(len(batch)))[1].values()]
 
-    @_on_runner_device
+    @on_runner_device
     def _logit_rows(self, hidden: torch.Tensor, start: int, stop: int) -> np.ndarray:
         """Float32 host logits ``[stop - start, V]`` of rows ``start:stop`` of one prompt's
         ``hidden [n, H]``."""
         return self._logits(hidden[start:stop])
 
-    @_on_runner_device
+    @on_runner_device
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]]) -> np.ndarray:
         """One new token per sequence at ``positions`` (its KV slot); returns logits ``[B, V]``.
@@ -181,7 +145,7 @@ class TorchModelRunner:
 
     # ---- staging (CUDA: the KV connectors move host bytes) -------------------------
 
-    @_on_runner_device
+    @on_runner_device
     def blocks_to_host(self, block_ids: Sequence[int], host: np.ndarray, rows: Sequence[int],
                        layers: range | None = None) -> None:
         """Copy device blocks ``block_ids`` (only ``layers`` of each, if given) into rows
@@ -189,10 +153,10 @@ class TorchModelRunner:
         :class:`~triton_disagg.kv.device_staging.DeviceStaging`)."""
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         span = slice(None) if layers is None else slice(layers.start, layers.stop)
-        moved = self.kv.index_select(0, ids)[:, span].to("cpu", _torch_dtype(host.dtype))
+        moved = self.kv.index_select(0, ids)[:, span].to("cpu", torch_dtype(host.dtype))
         host[np.asarray(rows, dtype=np.int64), span] = moved.numpy()  # [m, l, 2, bs, kvh, hd]
 
-    @_on_runner_device
+    @on_runner_device
     def blocks_to_device(self, block_ids: Sequence[int], host: np.ndarray,
                          rows: Sequence[int]) -> None:
         """Copy rows ``rows`` of ``host`` (a KV connector just filled them) into device
@@ -302,7 +266,7 @@ class TorchModelRunner:
             key_pos = torch.arange(key_len)                                # [K]
             mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)    # [B, 1, n, K]
         small = len(read_rows) * self.bs * self.kv_dim * 4 <= SINGLE_THREAD_ATTENTION_BYTES
-        threads = (_OneCpuThread() if self.device.type == "cpu" and small
+        threads = (OneCpuThread() if self.device.type == "cpu" and small
                    else contextlib.nullcontext())
         dev = self.device
         every = len(write_rows) == b * n        # no padding (decode, equal prompts)
@@ -381,22 +345,6 @@ class _PagedBatch:
         """The real tokens' rows of ``t`` ``[B, n, heads, hd]`` -> ``[R, heads * hd]``."""
         rows = t if self.real is None else t[self.real]                    # [B, n | R, ...]
         return rows.reshape(-1, t.shape[2] * t.shape[3])                   # [R, heads*hd]
-
-
-class _OneCpuThread:
-    """A reusable context: its block runs on one intra-op thread, then the count returns."""
-
-    def __enter__(self) -> None:
-        self.threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(self.threads)
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype of a KV pool's numpy dtype (float32 or float16)."""
-    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
