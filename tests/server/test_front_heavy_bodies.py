@@ -17,16 +17,11 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from aiohttp.test_utils import TestClient, TestServer
-
 import scripted_relay
 import triton_disagg.front.generation_routes as generation_routes
-from scripted_relay import WORDS, ScriptedRelay
-from triton_disagg.config.front_section import FrontConfig
-from triton_disagg.front.http_front import make_app
+from scripted_relay import WORDS, ScriptedRelay, run
 from triton_disagg.front.openai_api import OFF_LOOP_BYTES
 from triton_disagg.front.openai_models import MAX_TEXT_PARTS, MAX_TEXT_PARTS_TOTAL, ChatRequest
-from triton_disagg.front.prepare import RequestEncoder
 
 # One chat body of ``parts`` content parts (2,000,000: 5.7 MiB) sent to a front in a fresh
 # process, so its peak RSS is its own; prints the answer, the seconds and the RSS growth.
@@ -93,7 +88,7 @@ def test_content_parts_are_bounded_per_message_and_in_all(demo_engine):
                 assert answer.status == 400 and \
                     (await answer.json())["error"]["message"] == refusal
 
-    _run_app(demo_engine, check)
+    run(ScriptedRelay(WORDS), check, demo_engine)
 
 
 def test_unknown_fields_are_one_error_not_one_each():
@@ -126,13 +121,4 @@ def test_a_large_body_is_checked_off_the_event_loop(demo_engine, monkeypatch):
         assert health.status == 200 and waited < 0.3 + 0.5, waited
         assert (await heavy).status == 200
 
-    _run_app(demo_engine, check)
-
-
-def _run_app(demo_engine, check) -> None:
-    async def main():
-        app = make_app(RequestEncoder(demo_engine, "demo"), ScriptedRelay(WORDS), FrontConfig(),
-                       "127.0.0.1")
-        async with TestClient(TestServer(app, handler_cancellation=True)) as client:
-            await check(client)
-    asyncio.run(main())
+    run(ScriptedRelay(WORDS), check, demo_engine)

@@ -1,15 +1,21 @@
 """A relay of the HTTP front scripted in the test (no tritonserver), and the front's aiohttp
-app run around it in this process: what the unit tests of the front use."""
+app run around it in this process, behind a test client (:func:`run`) or served on a
+loopback port as its process serves it (:func:`served`, with its runner's caps and
+timeouts): what the unit tests of the front use."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from triton_disagg.front.http_front import make_app
+from triton_disagg.config.front_section import FrontConfig
+from triton_disagg.front.http_front import _serve, make_app
 from triton_disagg.front.prepare import RequestEncoder
 from triton_disagg.front.relay import Delta
+from triton_disagg.launch.deploy import free_ports
 
 
 class ScriptedRelay:
@@ -49,13 +55,43 @@ class ScriptedRelay:
         assert self.left_early == [True]
 
 
+BODY = {"model": "demo", "prompt": "a", "max_tokens": 3}   # a completion for the demo front
 WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3, finish_reason="length")]
 
 
-def run(relay, check, demo_engine):
+def run(relay, check, demo_engine, front: FrontConfig = FrontConfig(),
+        bound_host: str = "127.0.0.1"):
     """``check(client)`` against the front of ``demo_engine``, its relay ``relay``."""
     async def main():
-        app = make_app(RequestEncoder(demo_engine, "demo"), relay)
+        app = make_app(RequestEncoder(demo_engine, "demo"), relay, front, bound_host)
         async with TestClient(TestServer(app, handler_cancellation=True)) as client:
             await check(client)
     asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def served(demo_engine, relay, front: FrontConfig):
+    """The front's app served as its process serves it (its runner, caps and timeouts) on a
+    free loopback port; yields the port."""
+    app = make_app(RequestEncoder(demo_engine, "demo"), relay, front)
+    (port,) = free_ports(1)
+    task = asyncio.ensure_future(_serve(app, "127.0.0.1", port, front))
+    for _ in range(200):
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+            break
+        await asyncio.sleep(0.02)
+    try:
+        yield port
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def raw(port: int, data: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A plain connection to ``port``, ``data`` sent on it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if data:
+        writer.write(data)
+        await writer.drain()
+    return reader, writer
