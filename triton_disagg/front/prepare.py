@@ -34,7 +34,8 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import RequestError
 from triton_disagg.front.chat_template import ChatTemplate
 from triton_disagg.front.openai_api import ApiError, Generation
-from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits, shown
+from triton_disagg.front.openai_fields import EngineLimits, shown
+from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS
 from triton_disagg.engine.sampling import to_wire
 from triton_disagg.front.preprocess import Preprocessor
 
