@@ -56,6 +56,7 @@ from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, s
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}   # serve all's tritonserver
 TRITON_KINDS = ("http", "grpc", "metrics")      # in the order they follow the last port
 MAX_PORT = 65535
+LOWEST_PICKED_PORT = 20000      # free_port_run picks from here up to the ephemeral range
 WILDCARDS = ("0.0.0.0", "::")
 
 
@@ -171,25 +172,28 @@ def check_ports_free(endpoints: Endpoints) -> None:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports the OS reports free on ``host`` right now (for tests and benches
-    that start servers; a port can still be taken before the server binds it)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """``n`` distinct ports free on ``host`` right now, below the kernel's ephemeral range
+    (:func:`free_port_run`; for tests and benches that start servers: a port can still be
+    taken before the server binds it, but not by a socket the kernel numbers itself)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port_run(1, host)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     """The first of ``count`` consecutive ports free on ``host`` now (a deployment's ports
-    moved in their pattern, or a pool's ``kv_events_port`` run)."""
+    moved in their pattern, or a pool's ``kv_events_port`` run), picked at random below the
+    kernel's ephemeral range: the ports it gives sockets bound to port 0 and outgoing
+    connections (UCX's listeners in the stubs of a server starting beside this one took a
+    port picked there before its tritonserver bound it)."""
     import random
 
+    first, stop = LOWEST_PICKED_PORT, max(_ephemeral_start(), LOWEST_PICKED_PORT + 1024)
     for _ in range(200):
-        base = random.randrange(20000, 60000 - count)
+        base = random.randrange(first, stop - count)
         with contextlib.ExitStack() as stack:
             try:
                 for port in range(base, base + count):
@@ -198,6 +202,14 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
                 continue
             return base
     raise UserError(f"no {count} consecutive free ports on {host}")
+
+
+def _ephemeral_start(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when unknown)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _bind_host(host: str, role: str) -> str:
