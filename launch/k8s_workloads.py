@@ -278,14 +278,17 @@ def etcd_objects(config: DisaggConfig) -> list[dict]:
     0.0.0.0. With discovery's TLS it serves https with the etcd Secret's ``server.crt`` /
     ``server.key``, and with a client certificate configured it demands one signed by
     ``ca.crt`` (``--client-cert-auth``); its readiness probe is then a TCP connect. Auth
-    (users, ``auth enable``) is etcd's own state: docs/deploy.md gives the commands."""
+    (users, ``auth enable``) is etcd's own state: docs/deploy.md gives the commands.
+    It runs as the servers' pods do (``POD_SECURITY``, ``CONTAINER_SECURITY``: non-root,
+    no privilege escalation, no capabilities), its data in a directory it makes itself
+    (0700) inside the emptyDir, which ``fsGroup`` lets it write."""
     k8s = config.kubernetes
     if k8s.etcd != IN_CLUSTER:
         return []
     found, unit = config.discovery, Unit("etcd", ())
     scheme = "https" if found is not None and found.tls else "http"
     name, peer = f"{k8s.name}-etcd", "http://127.0.0.1:2380"
-    command = ["etcd", "--name", "etcd-0", "--data-dir", "/var/lib/etcd",
+    command = ["etcd", "--name", "etcd-0", "--data-dir", "/var/lib/etcd/data",
                "--listen-client-urls",
                f"{scheme}://$(POD_IP):{ETCD_PORT},{scheme}://127.0.0.1:{ETCD_PORT}",
                "--advertise-client-urls", f"{scheme}://{name}:{ETCD_PORT}",
@@ -304,6 +307,7 @@ def etcd_objects(config: DisaggConfig) -> list[dict]:
                      "fieldPath": "status.podIP"}}}],
                  "ports": [{"name": "client", "containerPort": ETCD_PORT, "protocol": "TCP"}],
                  "readinessProbe": {**probe, "periodSeconds": 5},
+                 "securityContext": copy.deepcopy(CONTAINER_SECURITY),
                  "volumeMounts": mounts}
     return [
         {"apiVersion": "v1", "kind": "Service", "metadata": metadata(k8s, name, unit),
@@ -314,7 +318,8 @@ def etcd_objects(config: DisaggConfig) -> list[dict]:
          "spec": {"serviceName": name, "replicas": 1,
                   "selector": {"matchLabels": labels(k8s, unit)},
                   "template": {"metadata": {"labels": labels(k8s, unit)},
-                               "spec": {"containers": [container],
+                               "spec": {"securityContext": copy.deepcopy(POD_SECURITY),
+                                        "containers": [container],
                                         "volumes": [{"name": "data", "emptyDir": {}},
                                                     *_etcd_secret_volume(config)]}}}},
     ]

@@ -34,6 +34,7 @@ def default(role: str, host: str, grpc_port: int) -> Path:
 def claim(work_dir: Path) -> IO[str]:
     """Lock ``work_dir`` (created if need be) for this process; keep the returned file open
     while serving. UserError when another live ``serve`` holds it."""
+    refuse_replaceable(_nearest_existing(work_dir))     # before creating anything there
     work_dir.mkdir(parents=True, exist_ok=True)
     refuse_replaceable(work_dir)
     try:
@@ -55,6 +56,14 @@ def claim(work_dir: Path) -> IO[str]:
     lock.write(str(os.getpid()))
     lock.flush()
     return lock
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (links not followed)."""
+    path = path.absolute()
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 def refuse_replaceable(work_dir: Path) -> None:

@@ -283,6 +283,9 @@ def test_network_policies_let_only_the_scheduler_reach_the_servers(which, tmp_pa
         assert rule["ports"] == [{"protocol": "TCP", "port": "client"}]
         command = " ".join(pods[etcd[0]]["spec"]["containers"][0]["command"])
         assert "0.0.0.0" not in command and "://$(POD_IP):2379" in command
+        # the restricted profile, as the servers' pods: non-root, nothing escalates
+        assert pods[etcd[0]]["spec"]["securityContext"] == POD_SECURITY
+        assert pods[etcd[0]]["spec"]["containers"][0]["securityContext"] == CONTAINER_SECURITY
     else:
         assert which == "aggregated"
 

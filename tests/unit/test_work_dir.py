@@ -40,6 +40,7 @@ def test_a_work_dir_another_user_can_replace_is_refused(tmp_path):
         claim(shared / "work" / "all-127.0.0.1-8001")
     (line,) = str(refused.value).splitlines()
     assert str(shared) in line and "--work-dir" in line, line
+    assert list(shared.iterdir()) == []           # refused before anything was made there
     shared.chmod(0o1777)                          # sticky, as /tmp: others cannot rename
     claim(shared / "w").close()
 

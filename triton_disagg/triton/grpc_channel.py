@@ -10,9 +10,14 @@ returned, issue 27). Reconnection here backs off at most ``MAX_RECONNECT_BACKOFF
 a channel notices a returning server within about a second; a dead server costs a
 connection attempt a second per channel, nothing more.
 
-Invariant: options are tritonclient's defaults (message sizes unbounded, keepalive as
-given or off) plus the backoff bounds; with the config's ``grpc_tls`` every such client
-speaks TLS (:func:`client_options`).
+Messages either way are bounded at ``MAX_MESSAGE_BYTES`` (tritonclient's default is
+2 GiB): the largest this deployment sends or answers is a prompt's log-probs with their
+top-20 alternatives (ids and values) at a 128k-token ``max_context``, about 40 MB, and a
+peer that answers more is refused by gRPC (RESOURCE_EXHAUSTED) before it is held in memory.
+
+Invariant: options are tritonclient's defaults (keepalive as given or off) plus the message
+bound and the backoff bounds; with the config's ``grpc_tls`` every such client speaks TLS
+(:func:`client_options`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from triton_disagg.config.tls_section import GrpcTLS
 
 INITIAL_RECONNECT_BACKOFF_MS = 250
 MAX_RECONNECT_BACKOFF_MS = 1000
-_UNBOUNDED_MESSAGE = 2**31 - 1          # tritonclient's MAX_GRPC_MESSAGE_SIZE
+MAX_MESSAGE_BYTES = 256 * 2**20        # sent or received, per message (module docstring)
 
 
 def channel_args(keepalive=None) -> list[tuple[str, int]]:
@@ -35,8 +40,8 @@ def channel_args(keepalive=None) -> list[tuple[str, int]]:
 
     keepalive = keepalive or KeepAliveOptions()
     return [
-        ("grpc.max_send_message_length", _UNBOUNDED_MESSAGE),
-        ("grpc.max_receive_message_length", _UNBOUNDED_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
