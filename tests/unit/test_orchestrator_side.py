@@ -365,3 +365,15 @@ def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_fr
     started = time.monotonic()
     assert len(asyncio.run(main())) == waiting + 1
     assert time.monotonic() - started < 5
+
+
+def test_a_forged_arrival_stamp_moves_the_request_clock_by_at_most_its_bound():
+    """The arrival stamp is not sealed: one from the future, from long ago or absent starts
+    the clock now; a plausible one (preprocessing's) is kept."""
+    from triton_disagg.front.orchestrator import MAX_ARRIVAL_AGE_SECONDS, request_start
+
+    now = 1000.0
+    assert request_start(int((now - 0.25) * 1e9), now) == pytest.approx(now - 0.25)
+    for forged in (0, int((now + 5) * 1e9), int((now - MAX_ARRIVAL_AGE_SECONDS - 1) * 1e9),
+                   2**64 - 1, None):
+        assert request_start(forged, now) == now

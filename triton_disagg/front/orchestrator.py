@@ -73,6 +73,7 @@ Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
 MAX_MIGRATIONS = 2          # a request leaves a lost generation server at most this often
 MAX_RELEASES = 64           # release_kv calls out at once; beyond that leases reclaim the KV
+MAX_ARRIVAL_AGE_SECONDS = 60.0   # an arrival stamp older than this is not believed (request_start)
 _log = logging.getLogger(__name__)
 
 
@@ -193,6 +194,17 @@ class Orchestrator:
                          "lease expires instead", request_id, exc)
 
 
+def request_start(arrival_ns: int | None, now: float) -> float:
+    """When a request's clock (its TTFT and latency metrics) starts, in ``time.monotonic()``
+    seconds: preprocessing's ``arrival_ns`` stamp (same clock) when it is plausible, not
+    after ``now`` and at most ``MAX_ARRIVAL_AGE_SECONDS`` before it, else ``now``. The stamp
+    is not sealed (a client calling the models itself could write any), so a forged one
+    moves a metric by at most that much."""
+    if arrival_ns is None or not now - MAX_ARRIVAL_AGE_SECONDS <= arrival_ns / 1e9 <= now:
+        return now
+    return arrival_ns / 1e9
+
+
 class ServedRequest:
     """One request's state while the orchestrator serves it."""
 
@@ -206,8 +218,7 @@ class ServedRequest:
                                            owner.tokens.stall_seconds)
         self.sent: list[int] = []           # every token id passed on to the client so far
         self.lost: frozenset[str] = frozenset()   # generation servers lost with this request
-        arrival = scalar(inputs, P.ARRIVAL)    # stamped by preprocessing, same clock
-        self.start = arrival / 1e9 if arrival is not None else time.monotonic()
+        self.start = request_start(scalar(inputs, P.ARRIVAL), time.monotonic())
         self.ttft: float | None = None
         self.unfetched: np.ndarray | None = None   # the handle, until generation sends a token
 
