@@ -9,7 +9,9 @@ project entry of the host's ``/dev/shm`` (Triton's ``/dev/shm`` is its own). A s
 Python-backend regions are not in the host's ``/dev/shm`` at all: they are in a private
 tmpfs of mode 0700, gone with the server; the project's KV staging areas are 0600.
 ``serve all`` bound to 127.0.0.1 listens on loopback alone: UCX, under NIXL in the stubs,
-would listen on every interface.
+would listen on every interface. The restricted-API header's name holds a ``:``, so no
+client can send it (raw HTTP/2 included): the value on the command line opens nothing, not
+even Triton's own Python-backend regions, whose names the stubs' command lines show.
 """
 
 from __future__ import annotations
@@ -44,13 +46,62 @@ def _post(url: str, body: dict, headers: dict[str, str]) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
+def _argv(pid: int) -> list[str]:
+    return open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+
+
 def _command_line_headers(pid: int) -> set[tuple[str, str]]:
-    """Every header a local user may make of ``pid``'s command line: ``RESTRICTED_HEADER``
-    set to each word of it (split at ``= : ,`` too), and each ``name=value`` in it."""
-    argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+    """Every header a local user may make of ``pid``'s command line and send: the part of
+    ``RESTRICTED_HEADER``'s name a client can send (up to its ``:``) set to each word of it
+    (split at ``= : ,`` too) and to the rest of the name joined to each word, and each
+    ``name=value`` in it."""
+    argv = _argv(pid)
     words = {word for arg in argv for word in re.split(r"[=:,]", arg) + [arg] if word}
     pairs = {m.groups() for arg in argv for m in re.finditer(r"([\w-]+)=([^,:=\s]+)", arg)}
-    return {(RESTRICTED_HEADER, word) for word in words if word.isprintable()} | pairs
+    head, _, tail = RESTRICTED_HEADER.partition(":")
+    made = {(head, value) for word in words if word.isprintable()
+            for value in (word, f"{tail}={word}", f"{tail}:{word}")}
+    return made | pairs
+
+
+def _python_backend_regions(work_dir) -> set[str]:
+    """The shared-memory regions Triton's Python-backend stubs under ``work_dir`` name on
+    their command lines (``triton_python_backend_stub MODEL REGION ...``), as ``ps`` shows."""
+    stubs = [_argv(int(line.split(":")[0])) for line in servers.processes_under(work_dir)]
+    return {argv[2] for argv in stubs if argv[0].endswith("triton_python_backend_stub")}
+
+
+def _raw_grpc_status(port: int, key: str, value: str) -> str:
+    """What tritonserver's gRPC endpoint says to a SystemSharedMemoryStatus call carrying
+    the metadata ``key`` as a raw HTTP/2 client sends it (no gRPC library, which would refuse
+    the key itself): its grpc-status, or how the stream or connection ended."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                              (":path", "/inference.GRPCInferenceService/SystemSharedMemoryStatus"),
+                              ("content-type", "application/grpc"), ("te", "trailers"),
+                              (key, value)])
+        conn.send_data(1, b"\0\0\0\0\0", end_stream=True)      # one empty message
+        sock.sendall(conn.data_to_send())
+        status = "no answer"
+        while data := sock.recv(65536):
+            for event in conn.receive_data(data):
+                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    status = dict(event.headers).get(b"grpc-status", b"?").decode()
+                elif isinstance(event, h2.events.StreamReset):
+                    return "reset"
+                elif isinstance(event, h2.events.ConnectionTerminated):
+                    return "goaway"
+                elif isinstance(event, h2.events.StreamEnded):
+                    return status
+            sock.sendall(conn.data_to_send())
+    return status
 
 
 def test_the_scheduler_command_line_grants_nothing(demo_engine, tmp_path):
@@ -65,8 +116,14 @@ def test_the_scheduler_command_line_grants_nothing(demo_engine, tmp_path):
     try:
         with servers.serve("scheduler", ["-c", str(config)], tmp_path / "s",
                            until="up (") as scheduler:
-            headers = _command_line_headers(servers.tritonserver_pid(scheduler.work_dir))
+            triton = servers.tritonserver_pid(scheduler.work_dir)
+            headers = _command_line_headers(triton)
             assert len(headers) > 20, headers
+            # Triton's own Python-backend regions, named on the stubs' command lines: with a
+            # restricted-API header sendable from what ps shows, a local user registered one
+            # and read and wrote every request's tensors through inference (issue 27 rev27b)
+            regions = _python_backend_regions(scheduler.work_dir)
+            assert regions, servers.processes_under(scheduler.work_dir)
             model = {"parameters": {"config": json.dumps({"backend": "python"}),
                                     "file:1/model.py": base64.b64encode(EVIL.encode()).decode()}}
             shm_region = {"key": probe, "offset": 0, "byte_size": 4096}
@@ -78,6 +135,17 @@ def test_the_scheduler_command_line_grants_nothing(demo_engine, tmp_path):
                     f"{scheduler.http}/v2/systemsharedmemory/region/probe/register",
                     shm_region, {name: value})
                 assert status != 200, (name, value, body)
+                for region in regions:
+                    status, body = _post(
+                        f"{scheduler.http}/v2/systemsharedmemory/region/r/register",
+                        {"key": region, "offset": 0, "byte_size": 4096}, {name: value})
+                    assert status != 200, (name, value, region, body)
+            # over gRPC, the whole name as a raw HTTP/2 client can put it: refused
+            value = _argv(triton)[[a.startswith("--grpc-restricted-protocol=")
+                                   for a in _argv(triton)].index(True)].rsplit("=", 1)[1]
+            grpc_port = int(scheduler.grpc.rsplit(":", 1)[1])
+            assert _raw_grpc_status(grpc_port, f"triton-grpc-protocol-{RESTRICTED_HEADER}",
+                                    value) != "0"
             assert not os.path.exists("/tmp/triton_disagg_pwned")
             assert not (scheduler.work_dir / "model_repository" / "evil").exists()
     finally:

@@ -31,14 +31,15 @@ servers and stubs left behind.
 
 Nothing on the server's command line (which every local user reads in ``ps``) grants
 anything. Model control is off (``none``): Triton refuses load and unload over its API,
-so no client can load a model (a model is code). The APIs no client needs, ``RESTRICTED_APIS``,
-answer only requests with the header ``RESTRICTED_HEADER`` set to a value made at each
-start that nothing keeps (clients get "This API is restricted"; health, metadata,
-inference and statistics stay open): a local user who reads it there can change the log
-and trace levels (not their files: Triton refuses that over the network) and register
-shared memory, which Triton opens in its private ``/dev/shm``, where nothing of ours can
-be named (without one, serve refuses to start unless the user opts in:
-:func:`.private_shm.refuse_shared`). The gRPC endpoint accepts the orchestrators' keepalive pings
+so no client can load a model (a model is code). The APIs no client needs, ``RESTRICTED_APIS``
+(shared memory, logging, trace), answer only requests that carry the header
+``RESTRICTED_HEADER``, a name no client can send: an HTTP header name ends at its first
+``:`` and gRPC refuses a metadata key holding one, so they answer no one ("This API is
+restricted"; health, metadata, inference and statistics stay open). A value of a sendable
+header would be on the command line, and with it a local user could register Triton's
+own Python-backend regions (their names are on the stubs' command lines) as shared memory
+and read or write every request's tensors through inference
+(``tests/server/test_local_users.py``). The gRPC endpoint accepts the orchestrators' keepalive pings
 (:mod:`triton_disagg.front.grpc_transport`): every ``KEEPALIVE_MS``, idle calls included.
 Triton bounds no request's size (up to 2 GiB over gRPC) and by default keeps up to 8
 request objects for reuse, each holding the capacity of the largest message it carried,
@@ -81,7 +82,7 @@ STACKS_WAIT_SECONDS = 1.0   # for a stuck stub to write its stacks (stub_start.S
 
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
 RESTRICTED_APIS = ("shared-memory", "logging", "trace")
-RESTRICTED_HEADER = "triton-disagg-control"   # over gRPC: triton-grpc-protocol-<this>
+RESTRICTED_HEADER = "triton-disagg:closed"   # unsendable (module docstring)
 KEEPALIVE_MS = 10_000       # the orchestrators' gRPC keepalive interval (servers allow half)
 
 
