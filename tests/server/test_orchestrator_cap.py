@@ -45,3 +45,39 @@ def test_past_the_cap_a_request_is_refused_at_once_and_slots_come_back(demo_engi
             offline("The quick brown fox", 8)
         servers.wait_until(lambda: total(scrape(f"{served.metrics}/metrics"),
                                          "disagg_kv_blocks_used") == 0, 30, "every block back")
+
+
+def _preprocess(http: str, text: str) -> tuple[int, str]:
+    """Preprocessing called straight over Triton's HTTP, as a client of the public ports may."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": [text]},
+                       {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [1]}]}
+    request = urllib.request.Request(f"{http}/v2/models/preprocessing/infer",
+                                     json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_preprocessing_queues_at_most_the_cap(demo_engine, tmp_path):
+    """Issue 27 re-review (medium): preprocessing's one instance tokenizes every request it
+    is given before any cap, and Triton queued them without bound, so a flood of direct calls
+    made every ensemble request wait behind it. Its queue holds the orchestrators' cap: past
+    it a call is UNAVAILABLE at once, and the server serves again once the flood is gone."""
+    config = (f"model: {{engine: {demo_engine}}}\n"
+              f"scheduler_server: {{max_concurrent_requests: {CAP}}}\n")
+    flood, text = 48, "The quick brown fox " * 3000          # 60 KB each, tokenized whole
+    with servers.serve_config(config, tmp_path) as served:
+        with ThreadPoolExecutor(flood) as pool:
+            answers = list(pool.map(lambda _: _preprocess(served.http, text), range(flood)))
+        refused = [body for status, body in answers if status == 503]
+        assert refused and all("queue" in body for body in refused), answers[:3]
+        assert {status for status, _ in answers} <= {200, 400, 503}, answers[:3]
+        assert servers.generate(served.http, {"text_input": "The quick brown fox",
+                                              "max_tokens": 8})[1]["text_output"] == \
+            servers.offline_text(demo_engine)("The quick brown fox", 8)

@@ -148,6 +148,9 @@ def _values(model: str, config: DisaggConfig) -> dict[str, str]:
         values["instance_group"] = _instance_group(config.server(model))
     if model == "ensemble":
         values["steps"] = _ensemble_steps()
+    if model == "preprocessing":    # its one instance tokenizes before any cap: bound its queue
+        values["max_queue_size"] = str(config.scheduler.max_concurrent_requests
+                                       * config.scheduler.instances)
     if model == "orchestrator":
         values["decoupled"] = "true" if config.decoupled_mode else "false"
         values["instances"] = str(config.scheduler.instances)
