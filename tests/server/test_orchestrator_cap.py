@@ -1,7 +1,8 @@
 """``scheduler_server.max_concurrent_requests`` on a real ``serve all`` (issue 27, item 4):
 with a cap of 2 per orchestrator instance, 6 long streams sent at once through the
 ensemble over gRPC: 2 are served to their end with the offline text, 4 are refused at once
-with one line saying the server is busy, and once the 2 are done a new request is served
+with one line saying the server is busy (or, in a burst, that preprocessing's queue, which
+holds the cap, is full), and once the 2 are done a new request is served
 (the slots came back) and no KV block is held."""
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def test_past_the_cap_a_request_is_refused_at_once_and_slots_come_back(demo_engi
         refused = [(t, r) for t, r in results if r.startswith("error:")]
         served_texts = [r for _, r in results if not r.startswith("error:")]
         assert len(served_texts) == CAP and len(refused) == SENT - CAP, results
-        for took, message in refused:
-            assert "busy" in message and "retry later" in message, message
+        for took, message in refused:   # by the orchestrator, or preprocessing's queue first
+            assert ("busy" in message and "retry later" in message
+                    or "Exceeds maximum queue size" in message), message
             assert "\n" not in message.strip() and took < 10, (took, message)
         assert len({len(text) for text in served_texts}) == 1
         assert servers.generate(served.http, {"text_input": "The quick brown fox",
