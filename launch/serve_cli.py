@@ -163,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     from .work_dir import claim, default
 
     config = load(args)
+    os.umask(0o077)     # what serve, tritonserver and the front write is this user's alone:
+    # logs carry request ids, errors and internal addresses; the work dir holds the repository
     private_shm.refuse_shared()
     _log_format(args.log_format, args.role)
     flags = PortFlags(args.host, args.http_port, args.grpc_port, args.metrics_port,

@@ -147,6 +147,12 @@ def test_the_scheduler_command_line_grants_nothing(demo_engine, tmp_path):
             assert _raw_grpc_status(grpc_port, f"triton-grpc-protocol-{RESTRICTED_HEADER}",
                                     value) != "0"
             assert not os.path.exists("/tmp/triton_disagg_pwned")
+            # serve's umask: the logs it, tritonserver and the front write (request ids, errors,
+            # internal addresses) are its user's alone (the test made serve-cli.log itself)
+            logs = [p for p in scheduler.work_dir.rglob("*.log") if p != scheduler.log]
+            assert len(logs) >= 2, logs
+            readable = [(str(p), oct(p.stat().st_mode)) for p in logs if p.stat().st_mode & 0o077]
+            assert readable == [], readable
             assert not (scheduler.work_dir / "model_repository" / "evil").exists()
     finally:
         os.unlink(os.path.join(shm.SHM_DIR, probe))
