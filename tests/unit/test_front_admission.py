@@ -89,7 +89,8 @@ def test_a_connection_past_the_cap_gets_503_and_a_freed_one_is_served(demo_engin
     async def main():
         front = FrontConfig(max_connections=2)
         async with served(demo_engine, ScriptedRelay(WORDS), front) as port:
-            held = [await raw(port) for _ in range(2)]
+            held = [await raw(port, b"GET /hea") for _ in range(2)]    # requests under way
+            await asyncio.sleep(0.1)
             reader, writer = await raw(port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             answer = await asyncio.wait_for(reader.read(), 5)
             assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer
@@ -105,6 +106,28 @@ def test_a_connection_past_the_cap_gets_503_and_a_freed_one_is_served(demo_engin
                     metrics = (await resp.text()).splitlines()
                 assert 'disagg_front_refusals_total{cap="max_connections"} 1' in metrics
             held[1][1].close()
+    asyncio.run(main())
+
+
+def test_connections_that_say_nothing_make_room_for_a_new_one(demo_engine):
+    """Issue 27 re-review (low): one client opening every connection and sending nothing held
+    the cap until the idle timeout, again and again. At the cap a new connection takes the
+    place of the oldest silent one, which is closed; a connection under way is kept."""
+    async def main():
+        front = FrontConfig(max_connections=3)
+        async with served(demo_engine, ScriptedRelay(WORDS), front) as port:
+            busy = await raw(port, b"GET /hea")
+            silent = [await raw(port) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            newer = [await raw(port, b"GET /hea") for _ in range(2)]   # each past the cap
+            for reader, _ in silent:                  # both evicted: closed, nothing sent
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            for reader, writer in [busy, *newer]:     # each served, none refused
+                writer.write(b"lthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                answer = await asyncio.wait_for(reader.read(), 5)
+                assert answer.startswith(b"HTTP/1.1 ") and not answer.startswith(
+                    b"HTTP/1.1 503"), answer[:200]
+                writer.close()
     asyncio.run(main())
 
 

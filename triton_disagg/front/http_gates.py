@@ -132,14 +132,26 @@ class _Counted(asyncio.Protocol):
         self.inner, self.cap = inner, cap
         self.transport: asyncio.Transport | None = None
         self.stall: asyncio.TimerHandle | None = None
+        self.counted = True          # in cap.open; False once evicted (counted off then)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport   # type: ignore[assignment]
         self.inner.connection_made(transport)
         self.transport.set_write_buffer_limits(high=0)    # paused while a byte waits
+        if not self.counted:         # evicted before it was made
+            self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        self.cap.silent.pop(self, None)
         self.inner.data_received(data)
+
+    def evict(self) -> None:
+        """Close this connection, which has sent nothing yet, to make room for a new one."""
+        self.cap.silent.pop(self, None)
+        self.counted = False
+        self.cap.open -= 1
+        if self.transport is not None:
+            self.transport.abort()
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received()
@@ -168,7 +180,9 @@ class _Counted(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._unarm()
         self.transport = None
-        self.cap.open -= 1
+        self.cap.silent.pop(self, None)
+        if self.counted:
+            self.cap.open -= 1
         self.inner.connection_lost(exc)
 
 
@@ -205,19 +219,30 @@ class _Refused(asyncio.Protocol):
 class ConnectionCap:
     """A protocol factory: the app's protocol while fewer than ``limit`` connections are
     open (each dropped when its client does not take what was written within
-    ``write_timeout`` s), else a refusal."""
+    ``write_timeout`` s), else a refusal. At the cap, a new connection first takes the place
+    of the oldest open one that has sent nothing yet (``silent``), so clients that open
+    connections and say nothing cannot hold every place; only connections with a request
+    under way (or kept alive after one, until ``idle_timeout_seconds``) make a refusal.
+
+    Invariant: ``open`` counts the connections admitted and neither lost nor evicted, at
+    most ``limit``; ``silent`` holds, oldest first, those of them that have received no byte."""
 
     def __init__(self, server: web.Server, limit: int, write_timeout: float,
                  on_refused: Callable[[], None], on_stalled: Callable[[], None]):
         self.server, self.limit, self.open, self.write_timeout = server, limit, 0, write_timeout
         self.on_refused, self.on_stalled = on_refused, on_stalled
+        self.silent: dict[_Counted, None] = {}       # insertion order: oldest first
 
     def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.limit and self.silent:
+            next(iter(self.silent)).evict()
         if self.open >= self.limit:
             self.on_refused()
             return _Refused(self.limit)
         self.open += 1
-        return _Counted(self.server(), self)
+        admitted = _Counted(self.server(), self)
+        self.silent[admitted] = None
+        return admitted
 
 
 class CappedRunner(web.AppRunner):
