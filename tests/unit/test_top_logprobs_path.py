@@ -19,8 +19,7 @@ from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.front.engine_calls import ResponseBuilder, context_event
 from triton_disagg.front.http_front import make_app
 from triton_disagg.front.openai_api import parse
-from triton_disagg.front.prepare import RequestEncoder
-from triton_disagg.front.relay import Delta
+from triton_disagg.front.orchestrator_call import Delta, RequestEncoder
 from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.triton import engine_request
 

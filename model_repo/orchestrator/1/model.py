@@ -133,6 +133,6 @@ def _error(request: "pb_utils.InferenceRequest", message: str,
            code: ErrorCode) -> "pb_utils.InferenceResponse":
     """The error response to ``request``: its code in the message too when the caller asked
     (:data:`~triton_disagg.errors.CODE_IN_MESSAGE`: the HTTP front, whose stream error
-    carries no status, see :mod:`triton_disagg.front.relay`)."""
+    carries no status, see :mod:`triton_disagg.front.orchestrator_call`)."""
     return error_response(pb_utils, with_code(code, message)
                           if asks(request, CODE_IN_MESSAGE) else message, code)
