@@ -85,7 +85,7 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.side import DecodeAdmission
-    from triton_disagg.generation.sockets import TokenOutbox
+    from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.zmq_endpoints import bind
 
     engine = LLMEngine(demo_engine, num_blocks=64)

@@ -23,7 +23,7 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import DecodeAdmission, read_request_parameters
-from triton_disagg.generation.sockets import StopInbox, TokenOutbox
+from triton_disagg.token_wire import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
 from triton_disagg.kv.connector_factory import connector_for
