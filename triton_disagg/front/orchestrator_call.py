@@ -9,38 +9,37 @@ must see it to stop generation and free the request's KV blocks. Preprocessing r
 front itself, on the ``preprocessing`` model's own library (:mod:`.preprocess`), so the
 HTTP front tokenizes, bounds and defaults a prompt exactly as the ensemble does.
 
-Invariants of the inputs: the model named must be the one served (else 404); a text
-prompt's ids are Hugging Face's ``tokenizer(prompt)`` (a BOS when the tokenizer's
-configuration adds one: :mod:`~triton_disagg.engine.tokenizer`); a chat's prompt is its messages rendered by the
-engine's chat template (:mod:`.chat_template`), tokenized without added special tokens (the
-template writes its own, as vLLM tokenizes it); the tensors carry
-``stream`` true whatever the client asked (the front relays deltas, and a non-streamed
-answer is their concatenation, which the orchestrator guarantees equal to its non-streamed
-text) and ``arrival_ns`` (the orchestrator's time to first token starts here); a prompt
-surely longer than the engine's context is refused before it is tokenized (chat's default
-``max_tokens``, the rest of the context, needs its length: it is bounded first too); a
-prompt of token ids (checked against the vocabulary by :mod:`.openai_api`) goes to the
-engine as sent, bounded like a tokenized one; ``return_log_probs`` is set when the client
-asked for ``logprobs``, ``top_logprobs`` when it asked for alternatives (completions'
-``logprobs`` N, chat's ``top_logprobs`` N > 0), and ``prompt_logprobs`` when it echoes the
-prompt with them.
+Invariants of the inputs: the model named must be the one served (else 404); a text prompt's
+ids are Hugging Face's ``tokenizer(prompt)`` (a BOS when the tokenizer's configuration adds
+one: :mod:`~triton_disagg.engine.tokenizer`); a chat's prompt is its messages rendered by
+the engine's chat template (:mod:`.chat_template`), tokenized without added special tokens
+(the template writes its own, as vLLM tokenizes it); the tensors carry ``stream`` true
+whatever the client asked (the front relays deltas, and a non-streamed answer is their
+concatenation, which the orchestrator guarantees equal to its non-streamed text) and
+``arrival_ns`` (the orchestrator's time to first token starts here); a prompt surely longer
+than the engine's context is refused before it is tokenized (chat's default ``max_tokens``,
+the rest of the context, needs its length: it is bounded first too); a prompt of token ids
+(checked against the vocabulary by :mod:`.openai_api`) goes to the engine as sent, bounded
+like a tokenized one; ``return_log_probs`` is set when the client asked for ``logprobs``,
+``top_logprobs`` when it asked for alternatives (completions' ``logprobs`` N, chat's
+``top_logprobs`` N > 0), and ``prompt_logprobs`` when it echoes the prompt with them.
 
 Invariants of the call: one gRPC stream per request, half-closed once the request is sent,
-so it ends when the orchestrator sends its final response; a stream that ends any other way (the
-caller stops iterating: the HTTP client left, or its task was cancelled) is cancelled, and
-Triton passes that cancel to the orchestrator; an error response raises
+so it ends when the orchestrator sends its final response; a stream that ends any other way
+(the caller stops iterating: the HTTP client left, or its task was cancelled) is cancelled,
+and Triton passes that cancel to the orchestrator; an error response raises
 :class:`OrchestratorError` with the orchestrator's message and its
 :class:`~triton_disagg.errors.ErrorCode`, once the stream has ended as usual. A Triton
 stream's error message carries no status, so the request asks the orchestrator for the code
 in the message (the request parameter :data:`~triton_disagg.errors.CODE_IN_MESSAGE`; read
 back by :func:`~triton_disagg.errors.code_in`). An error without that tag is Triton's own
 (the orchestrator tags every one it sends: e.g. the orchestrator model unknown, not loaded
-or unloading): UNAVAILABLE when Triton then says the models are not ready, else INTERNAL
-(a malformed request is this front's fault). Not Triton's ``triton_grpc_error`` header,
-which ends the stream with the error's status instead: in Triton 2.51 that path closes the
-stream from the response callback's thread, logs "HandleCancellation called even when the
-context was not cancelled" for each error, and once crashed tritonserver (SIGSEGV) right
-after it; Triton fixed a use-after-free of that mode later (server PR #8708).
+or unloading): UNAVAILABLE when Triton then says the models are not ready, else INTERNAL (a
+malformed request is this front's fault). Not Triton's ``triton_grpc_error`` header, which
+ends the stream with the error's status instead: in Triton 2.51 that path closes the stream
+from the response callback's thread, logs "HandleCancellation called even when the context
+was not cancelled" for each error, and once crashed tritonserver (SIGSEGV) right after it;
+Triton fixed a use-after-free of that mode later (server PR #8708).
 """
 
 from __future__ import annotations
