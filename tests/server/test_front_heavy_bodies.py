@@ -32,7 +32,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from scripted_relay import ScriptedRelay
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_front import make_app
-from triton_disagg.front.prepare import RequestEncoder
+from triton_disagg.front.orchestrator_call import RequestEncoder
 
 async def main(engine, parts):
     body = json.dumps({"model": "demo",

@@ -137,11 +137,11 @@ def test_an_orchestrator_error_reaches_the_front_in_its_stream(server):
     front's relay gets the code in the stream's error message and the stream ends as usual.
     Not Triton's ``triton_grpc_error`` mode, for which tritonserver 2.51 logs
     "HandleCancellation called even when the context was not cancelled" at each error and
-    once crashed after it (front/relay.py); then the server serves on."""
+    once crashed after it (front/orchestrator_call.py); then the server serves on."""
     import asyncio
 
     from triton_disagg.errors import ErrorCode
-    from triton_disagg.front.relay import OrchestratorError, Relay
+    from triton_disagg.front.orchestrator_call import OrchestratorError, Relay
 
     unsealed = {name: np.array(value, np.int32) for name, value in (   # [1, ...] each
         ("input_ids", [[5, 6, 7]]), ("input_lengths", [[3]]), ("request_output_len", [[2]]),
@@ -176,14 +176,14 @@ def test_tritons_own_stream_error_for_a_model_not_ready_is_unavailable(server, m
     import asyncio
 
     from triton_disagg.errors import ErrorCode
-    from triton_disagg.front import relay as relay_module
+    from triton_disagg.front import orchestrator_call
 
-    monkeypatch.setattr(relay_module, "ORCHESTRATOR", "no_such_model")
+    monkeypatch.setattr(orchestrator_call, "ORCHESTRATOR", "no_such_model")
 
-    async def refused() -> relay_module.OrchestratorError:
-        relay = relay_module.Relay(server.grpc)
+    async def refused() -> orchestrator_call.OrchestratorError:
+        relay = orchestrator_call.Relay(server.grpc)
         try:
-            with pytest.raises(relay_module.OrchestratorError) as err:
+            with pytest.raises(orchestrator_call.OrchestratorError) as err:
                 async for _ in relay.stream({"input_ids": np.array([[5]], np.int32)}, "r-1"):
                     pass
             return err.value

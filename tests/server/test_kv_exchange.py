@@ -16,7 +16,7 @@ from kv_peers import (FP, HD, KEY, KVH, REUSED, WAIT_S, L, Peer, make_pool,  # n
 from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import check_handle, decode, tail
 from triton_disagg.kv.host_memory import HostStaging, StagingFullError, StagingReader
-from triton_disagg.kv.leases import LeaseExpiredError
+from triton_disagg.kv.handle import LeaseExpiredError
 from triton_disagg.kv.nixl_endpoint import NixlEndpoint, TransferError
 
 # Each exchange takes seconds; a test past 2 minutes is one whose sender died mid-wait

@@ -48,7 +48,7 @@ def hf_tokenizer(demo_engine):
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
 def test_completions_top_logprobs_are_the_engines_streamed_or_not(
         client, expected, hf_tokenizer, demo_engine, prompt):
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     text = RequestEncoder(demo_engine, MODEL).token_text
     ids = hf_tokenizer(prompt).input_ids

@@ -13,8 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_front import _serve, make_app
-from triton_disagg.front.prepare import RequestEncoder
-from triton_disagg.front.relay import Delta
+from triton_disagg.front.orchestrator_call import Delta, RequestEncoder
 from triton_disagg.launch.deploy import free_ports
 
 

@@ -14,7 +14,7 @@ from scripted_relay import WORDS, ScriptedRelay
 from triton_disagg.bench import front_burst
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_front import make_app
-from triton_disagg.front.prepare import RequestEncoder
+from triton_disagg.front.orchestrator_call import RequestEncoder
 
 
 def test_front_burst_counts_refusals_and_ttft(demo_engine, capsys):

@@ -16,8 +16,7 @@ from triton_disagg import token_wire
 from triton_disagg.errors import ErrorCode
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import DecodeAdmission
-from triton_disagg.generation.sockets import StopInbox, TokenOutbox
-from triton_disagg.token_wire import StreamEvent
+from triton_disagg.token_wire import StopInbox, StreamEvent, TokenOutbox
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
@@ -143,8 +142,6 @@ def test_the_loop_survives_a_send_that_raises(engine):
 
 
 def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
-    from triton_disagg.generation import sockets as generation_sockets
-
     orchestrators, outbox = Orchestrators(1), TokenOutbox(zmq.Context.instance())
     outbox.sockets["ipc:///gone"] = BrokenSocket()
     address = orchestrators.endpoints[0].address
@@ -155,7 +152,7 @@ def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
     assert list(outbox.sockets) == [address]
     assert orchestrators.socks[0].poll(2000)
     assert token_wire.decode_events(orchestrators.socks[0].recv()) == [StreamEvent("b", [2])]
-    monkeypatch.setattr(generation_sockets, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(token_wire, "IDLE_SECONDS", 0.0)
     assert outbox.flush() == {} and outbox.sockets == {}        # nothing sent: idle, closed
     outbox.close()
     orchestrators.close()

@@ -21,7 +21,7 @@ from triton_disagg import token_wire
 from triton_disagg.errors import (CODE_IN_MESSAGE, HTTP_STATUS, EngineError, ErrorCode,
                                   RequestError, Timeout, Unavailable, code_in, from_grpc_status,
                                   from_triton, triton_status, with_code, without_tag)
-from triton_disagg.front.relay import OrchestratorError, Relay
+from triton_disagg.front.orchestrator_call import OrchestratorError, Relay
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport, Unanswered
 from triton_disagg.front.engine_calls import BLSTransport
@@ -29,7 +29,7 @@ from triton_disagg.launch.deploy import free_ports
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Router
 from triton_disagg.token_wire import StreamEvent
-from triton_disagg.triton.tensors import error_response
+from triton_disagg.protocol import error_response
 from triton_disagg.zmq_endpoints import push_socket
 
 MISLEADING = "TIMEOUT: no server: unavailable, busy, lost, not ready, timed out"
@@ -211,7 +211,7 @@ def test_a_server_that_answers_it_timed_out_is_a_timeout_not_a_server_that_did_n
 def test_the_fronts_stream_reads_the_orchestrators_code_from_its_message(status, code):
     """The code rides in the error message the front asked for; not Triton's
     ``triton_grpc_error`` mode (its 2.51 closes the stream from the callback thread: see
-    front/relay.py), and the stream ends as usual, not cancelled."""
+    front/orchestrator_call.py), and the stream ends as usual, not cancelled."""
     servicer = FailingServer(status, MISLEADING)
     error = _streamed(servicer)
     assert error.code is code and error.status == HTTP_STATUS[code]

@@ -17,7 +17,7 @@ from triton_disagg.config.disagg import parse_config
 from triton_disagg.config.front_section import (FrontConfig, add_front_flags, front_flags,
                                                 front_from_flags, parse_front)
 from triton_disagg.errors import ErrorCode, UserError
-from triton_disagg.front.relay import OrchestratorError
+from triton_disagg.front.orchestrator_call import OrchestratorError
 
 
 # ---- the request cap ----------------------------------------------------------------------

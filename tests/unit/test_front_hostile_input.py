@@ -14,7 +14,7 @@ from aiohttp import ClientSession
 from scripted_relay import BODY, WORDS, ScriptedRelay, run, served
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.openai_api import ApiError, EngineLimits, parse
-from triton_disagg.front.prepare import RequestEncoder
+from triton_disagg.front.orchestrator_call import RequestEncoder
 
 
 # ---- hostile JSON and bounded fields ------------------------------------------------------

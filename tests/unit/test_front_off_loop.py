@@ -15,8 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from scripted_relay import ScriptedRelay
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.front.http_front import make_app
-from triton_disagg.front.prepare import RequestEncoder
-from triton_disagg.front.relay import Delta
+from triton_disagg.front.orchestrator_call import Delta, RequestEncoder
 
 PROMPT = [5, 6, 7, 8]
 

@@ -6,7 +6,7 @@ F6): the client cannot tell a short text from a whole one otherwise."""
 from __future__ import annotations
 
 from scripted_relay import ScriptedRelay, run
-from triton_disagg.front.relay import Delta
+from triton_disagg.front.orchestrator_call import Delta
 
 
 def test_a_stream_without_its_final_answer_is_an_error(demo_engine):

@@ -18,7 +18,7 @@ from aiohttp import web
 from scripted_relay import BODY, WORDS, ScriptedRelay, raw, served
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_gates import CappedRunner
-from triton_disagg.front.relay import Delta
+from triton_disagg.front.orchestrator_call import Delta
 
 
 def test_trickled_headers_are_cut_off_at_the_idle_timeout(demo_engine):

@@ -14,7 +14,7 @@ import pytest
 from scripted_relay import WORDS, ScriptedRelay, run
 from triton_disagg.errors import ErrorCode
 from triton_disagg.front.http_front import MAX_BODY_BYTES
-from triton_disagg.front.relay import Delta, OrchestratorError
+from triton_disagg.front.orchestrator_call import Delta, OrchestratorError
 
 
 def test_whole_and_streamed_completion(demo_engine):

@@ -12,8 +12,7 @@ import pytest
 from scripted_relay import WORDS, ScriptedRelay, run
 from triton_disagg.errors import ErrorCode
 from triton_disagg.front.openai_api import ApiError
-from triton_disagg.front.prepare import RequestEncoder
-from triton_disagg.front.relay import Delta, OrchestratorError
+from triton_disagg.front.orchestrator_call import Delta, OrchestratorError, RequestEncoder
 
 
 LOGPROB_WORDS = [Delta("Hello", 3, 1, (10,), (-0.5,)),

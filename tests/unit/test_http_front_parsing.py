@@ -1,6 +1,6 @@
 """The HTTP front's request checks (:mod:`triton_disagg.front.openai_api`), its chat
 template against transformers' ``apply_chat_template``, stop-sequence trimming, and the
-orchestrator tensors it prepares (:mod:`triton_disagg.front.prepare`)."""
+orchestrator tensors it prepares (:mod:`triton_disagg.front.orchestrator_call`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_completion_body_becomes_a_generation():
 def test_vllm_sampling_extensions_reach_the_engine_inputs(demo_engine):
     """vLLM's ``bench serve`` sends repetition_penalty 1.0 on every completions request;
     top_k (-1: off), min_tokens, seed go to the orchestrator under the ensemble's names."""
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     body = {"model": "demo", "prompt": "a", "repetition_penalty": 1.0, "top_k": -1,
             "min_tokens": 3, "seed": 7, "ignore_eos": False, "min_p": 0.0}
@@ -46,7 +46,7 @@ def test_a_cache_salt_reaches_the_engine_and_its_router_as_utf8(demo_engine):
     """``cache_salt`` (vLLM's) goes to the orchestrator as UTF-8 BYTES; the engine request
     and the router read it back, bounded before it is decoded."""
     from triton_disagg.errors import RequestError
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
     from triton_disagg.triton.engine_request import cache_salt
 
     gen = parse("chat", {**CHAT, "cache_salt": "tenant-\u00e9"})
@@ -60,7 +60,7 @@ def test_a_cache_salt_reaches_the_engine_and_its_router_as_utf8(demo_engine):
 
 
 def test_logprobs_and_echo_are_parsed_and_ask_the_engine(demo_engine):
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     preparer = RequestEncoder(demo_engine, "demo")
     gen = parse("completions", {"model": "demo", "prompt": "a", "logprobs": 0})
@@ -80,7 +80,7 @@ def test_logprobs_and_echo_are_parsed_and_ask_the_engine(demo_engine):
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
 def test_token_id_prompts_go_to_the_engine_as_sent(demo_engine, prompt):
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     preparer = RequestEncoder(demo_engine, "demo")
     gen = parse("completions", {"model": "demo", "prompt": prompt, "max_tokens": 4,
@@ -111,7 +111,7 @@ def test_openai_defaults_temperature_one_and_inference_greedy():
 
 
 def test_ignore_eos_sends_no_end_id(demo_engine):
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     preparer = RequestEncoder(demo_engine, "demo")
     body = {"model": "demo", "prompt": "a"}
@@ -282,7 +282,7 @@ def test_stop_trimmer_streams_what_the_whole_text_holds(deltas, stop, text, stop
 
 def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
     from triton_disagg import protocol as P
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     preparer = RequestEncoder(demo_engine, "demo")
     gen = parse("chat", {**CHAT, "stop": ["a", "bc"], "seed": 5})
@@ -303,7 +303,7 @@ def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
 
 
 def test_prepare_refuses_another_model_with_404_and_long_prompts_with_400(demo_engine):
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     preparer = RequestEncoder(demo_engine, "demo")
     with pytest.raises(ApiError) as err:
@@ -331,7 +331,7 @@ def test_token_ids_are_bounded_by_the_models_rows_when_the_tokenizer_has_more(de
     is the client's mistake (400 at the front), not a fault deep in the engine."""
     from triton_disagg.engine.spec import EngineSpec
     from triton_disagg.engine.tokenizer import Tokenizer
-    from triton_disagg.front.prepare import RequestEncoder
+    from triton_disagg.front.orchestrator_call import RequestEncoder
 
     rows = EngineSpec.load(demo_engine).shape.vocab_size
     monkeypatch.setattr(Tokenizer, "vocab_size", property(lambda self: rows + 5))

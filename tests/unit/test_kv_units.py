@@ -15,7 +15,7 @@ from kv_peers import FP, KEY, KVH, HD, L, WAIT_S, CountingPool, make_pool, token
 from triton_disagg.kv.handle import (FORMAT_VERSION, HandleError, KVHandle, check_handle,
                                      decode, encode, to_tensor)
 from triton_disagg.kv.layout import BlockGeometry, convert_blocks, write_blocks
-from triton_disagg.kv.leases import LeaseTable
+from triton_disagg.kv.handle import LeaseTable
 
 
 # ---- handles -------------------------------------------------------------------------

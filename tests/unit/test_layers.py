@@ -78,7 +78,7 @@ def test_only_the_bench_imports_the_bench():
 
 def test_the_scan_sees_every_kind_of_import(tmp_path):
     source = tmp_path / "probe.py"
-    source.write_text("import os\nfrom triton_disagg.front.relay import Relay\n"
+    source.write_text("import os\nfrom triton_disagg.front.orchestrator_call import Relay\n"
                       "def f():\n    import triton_disagg.context.prefill\n"
                       "    from . import sibling\n")
     assert _imported_layers(source) == {"front", "context"}

@@ -268,7 +268,7 @@ def test_decode_loop_streams_a_preempted_request_with_no_gap_or_repeat(engine_di
     from triton_disagg import token_wire
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.side import DecodeAdmission
-    from triton_disagg.generation.sockets import TokenOutbox
+    from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.triton.engine_request import EngineRequest
     from triton_disagg.zmq_endpoints import bind
 

@@ -1,11 +1,11 @@
-"""The prefix cache's parts without a model: block names (prefix_hash), the pool's sharing,
+"""The prefix cache's parts without a model: block names (prefix_cache), the pool's sharing,
 parking and eviction (block_pool + prefix_cache), and the events it announces."""
 
 import numpy as np
 import pytest
 
 from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
-from triton_disagg.engine.prefix_hash import block_hashes, cache_fingerprint, hash_block
+from triton_disagg.engine.prefix_cache import block_hashes, cache_fingerprint, hash_block
 from triton_disagg.kv.layout import BlockGeometry
 
 GEOMETRY = BlockGeometry(num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4,

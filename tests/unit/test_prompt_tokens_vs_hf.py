@@ -16,7 +16,7 @@ import pytest
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.front.openai_api import parse
-from triton_disagg.front.prepare import RequestEncoder
+from triton_disagg.front.orchestrator_call import RequestEncoder
 
 TEXTS = ["The quick brown fox", "日本語と中文的文字", "emoji 🎉🚀 party", "a", " leading space"]
 

@@ -15,8 +15,7 @@ import zmq
 
 from triton_disagg import readers, token_wire
 from triton_disagg.front.token_inbox import TokenInbox
-from triton_disagg.generation.sockets import StopInbox
-from triton_disagg.token_wire import StreamEvent
+from triton_disagg.token_wire import StopInbox, StreamEvent
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.zmq_endpoints import bind, push_socket
 
@@ -156,7 +155,7 @@ def test_a_non_ascii_key_beside_a_valid_stop_in_one_pass_is_dropped_and_the_stop
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.side import DecodeAdmission
-    from triton_disagg.generation.sockets import TokenOutbox
+    from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.triton.engine_request import EngineRequest
 
     engine = LLMEngine(demo_engine, num_blocks=64)
@@ -210,7 +209,7 @@ def test_a_decode_loop_that_dies_takes_its_instance_down(demo_engine, monkeypatc
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.side import DecodeAdmission
-    from triton_disagg.generation.sockets import TokenOutbox
+    from triton_disagg.token_wire import TokenOutbox
 
     engine = LLMEngine(demo_engine, num_blocks=16)
     outbox = TokenOutbox(zmq.Context.instance())

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from scripted_relay import ScriptedRelay, run
-from triton_disagg.front.prepare import MAX_CHARS_PER_TOKEN
+from triton_disagg.front.orchestrator_call import MAX_CHARS_PER_TOKEN
 
 MAX_SEQ_LEN = 2048                  # the demo engine's
 

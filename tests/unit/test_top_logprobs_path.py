@@ -19,8 +19,7 @@ from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.front.engine_calls import ResponseBuilder, context_event
 from triton_disagg.front.http_front import make_app
 from triton_disagg.front.openai_api import parse
-from triton_disagg.front.prepare import RequestEncoder
-from triton_disagg.front.relay import Delta
+from triton_disagg.front.orchestrator_call import Delta, RequestEncoder
 from triton_disagg.token_wire import StreamEvent, WireError
 from triton_disagg.triton import engine_request
 
@@ -86,7 +85,7 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.side import DecodeAdmission
-    from triton_disagg.generation.sockets import TokenOutbox
+    from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.zmq_endpoints import bind
 
     engine = LLMEngine(demo_engine, num_blocks=64)

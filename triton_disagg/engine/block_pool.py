@@ -9,7 +9,7 @@ counts blocks, and handoffs pass through a bounded staging buffer
 
 With prefix caching (the default; ``kv_cache.prefix_caching``) full blocks whose KV is
 written are named (:meth:`BlockPool.cache_blocks`, names from
-:mod:`triton_disagg.engine.prefix_hash`) and shared by reference count: a new sequence takes
+:mod:`triton_disagg.engine.prefix_cache`) and shared by reference count: a new sequence takes
 the blocks of its cached prefix (:meth:`BlockPool.take`) instead of computing them. A named
 block no one holds is parked on the cache's LRU list (:mod:`triton_disagg.engine.prefix_cache`)
 and counts as free: an allocation takes never-cached free blocks first and evicts parked

@@ -59,7 +59,7 @@ from triton_disagg.engine.runtime import CUDA_KV_FRACTION, Runtime, make_runner,
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockEvents, BlockPool, BlockTable, KVCacheFullError
-from triton_disagg.engine.prefix_hash import block_hashes, cache_fingerprint
+from triton_disagg.engine.prefix_cache import block_hashes, cache_fingerprint
 from triton_disagg.errors import RequestError
 
 

@@ -45,7 +45,7 @@ from triton_disagg.errors import ErrorCode, Timeout, error_for, from_triton, wit
 from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.token_wire import StreamEvent
 from triton_disagg.triton.engine_request import top_logprob_outputs
-from triton_disagg.triton.tensors import scalar, to_batched
+from triton_disagg.protocol import scalar, to_batched
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
 RELEASE_TIMEOUT_SECONDS = 5.0  # a release not answered by then: the lease reclaims the KV

@@ -27,8 +27,8 @@ from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, RequestCount
 from triton_disagg.front.openai_api import ApiError, Generation, parse, read_json
 from triton_disagg.front.openai_responses import (Logprobs, OpenAIObjects, StopTrimmer,
                                                   finish_reason, merge_logprobs, sse, usage)
-from triton_disagg.front.prepare import RequestEncoder
-from triton_disagg.front.relay import Delta, OrchestratorError, Relay, unreachable
+from triton_disagg.front.orchestrator_call import (Delta, OrchestratorError, Relay,
+                                                  RequestEncoder, unreachable)
 
 REQUEST_ID = "X-Request-Id"
 # The prompt's log-probs are made on these threads, not the loop's shared default executor:

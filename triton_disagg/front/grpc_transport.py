@@ -43,7 +43,7 @@ from triton_disagg.triton.grpc_channel import client_options
 
 if TYPE_CHECKING:
     from tritonclient.grpc.aio import InferenceServerClient
-from triton_disagg.triton.tensors import scalar, to_batched
+from triton_disagg.protocol import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
 DEADLINE_EXCEEDED = "StatusCode.DEADLINE_EXCEEDED"

@@ -17,7 +17,7 @@ Invariants: every error is OpenAI's error JSON with a 4xx for the request's mist
 JSON, wrong types, unknown fields, a body over ``MAX_BODY_BYTES``: 413, a body too slow: 408,
 a model not served: 404, a foreign Origin or Host: 403, :mod:`.http_gates`) and 5xx for
 the server's (503 when a role is missing or the server is not ready); a timeout is 504
-(:class:`~triton_disagg.front.relay.OrchestratorError`); a 5xx body says what kind of
+(:class:`~triton_disagg.front.orchestrator_call.OrchestratorError`); a 5xx body says what kind of
 fault and the request id, never an internal address or exception text (the front's log
 has those, with the request id); past a cap (:mod:`.http_gates`) a request is 429 and a
 connection 503, both with ``Retry-After``; a request that fails leaves the process
@@ -52,8 +52,7 @@ from triton_disagg.front.generation_routes import (CALLS, FRONT, PREPARER, RELAY
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.openai_api import MAX_BODY_BYTES, ApiError
 from triton_disagg.front.openapi import document
-from triton_disagg.front.prepare import RequestEncoder
-from triton_disagg.front.relay import Relay
+from triton_disagg.front.orchestrator_call import Relay, RequestEncoder
 from triton_disagg.front.tokenizer_routes import add_tokenizer_routes, tokenizer_posts
 from triton_disagg.triton.grpc_channel import client_options
 

@@ -39,8 +39,9 @@ BRANCHES = frozenset({"one text", "token ids", "several prompts", "one stop", "s
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The engine's bounds on a request (:class:`~triton_disagg.front.prepare.RequestEncoder`
-    has the served engine's); the defaults are those of the tensors' INT32."""
+    """The engine's bounds on a request
+    (:class:`~triton_disagg.front.orchestrator_call.RequestEncoder` has the served engine's);
+    the defaults are those of the tensors' INT32."""
 
     max_seq_len: int = INT32_MAX
     vocab_size: int = INT32_MAX

@@ -67,7 +67,7 @@ from triton_disagg.errors import EngineError, GenerationLost, RequestError, Time
 from triton_disagg.front.engine_calls import ResponseBuilder, context_event, engine_inputs
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox, TokenStream
 from triton_disagg.token_wire import StreamEvent
-from triton_disagg.triton.tensors import scalar
+from triton_disagg.protocol import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often

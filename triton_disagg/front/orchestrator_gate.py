@@ -24,7 +24,7 @@ from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import RequestError, ServerBusy, Timeout, Unavailable
 from triton_disagg.front.engine_calls import engine_inputs
 from triton_disagg.triton import engine_request
-from triton_disagg.triton.tensors import scalar
+from triton_disagg.protocol import scalar
 
 # error class -> what the client is told (the first that the error is an instance of); the
 # error's status goes with it (ErrorCode): the HTTP front maps that, not these words

@@ -34,7 +34,7 @@ from triton_disagg.front.chat_template import TOKENIZER_CONFIG, ChatTemplate, sp
 from triton_disagg.front.generation_routes import FRONT, PREPARER, send_whole
 from triton_disagg.front.openai_api import ApiError, read_json
 from triton_disagg.front.openai_fields import StrictModel, shown, token_ids
-from triton_disagg.front.prepare import RequestEncoder
+from triton_disagg.front.orchestrator_call import RequestEncoder
 
 # tokenizer_config.json's fields /tokenizer_info answers (besides the special tokens' text)
 INFO_FIELDS = ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",

@@ -55,17 +55,16 @@ import zmq
 
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.errors import ErrorCode, code_of
-from triton_disagg.generation.sockets import STOP_READER, send_errors
 from triton_disagg.generation.watchdog import Watchdog
 from triton_disagg.readers import (BAD_KEY, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
                                    fail_instance, guarded)
-from triton_disagg.token_wire import StreamEvent, same_key, split_key
+from triton_disagg.token_wire import STOP_READER, StopInbox, StreamEvent, TokenOutbox, \
+    same_key, send_errors, split_key
 
 if TYPE_CHECKING:
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sequence import TokenEvent
     from triton_disagg.generation.side import DecodeAdmission, PreparedRequest
-    from triton_disagg.generation.sockets import StopInbox, TokenOutbox
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
@@ -124,9 +123,10 @@ class DecodeLoop:
     ``REPORT_SECONDS``: the requests the loop holds, admitted or queued).
 
     ``outbox``: ``put(address, event)``, ``flush(keep) -> {dropped address: failed
-    events}`` and ``max_sockets`` (:class:`~sockets.TokenOutbox`); ``stops``:
-    ``take() -> [(request id, key)]`` (:class:`~sockets.StopInbox`) or None. The loop
-    closes both when it ends. ``on_death(reader, exc)``: called if the loop's thread ends
+    events}`` and ``max_sockets`` (:class:`~triton_disagg.token_wire.TokenOutbox`);
+    ``stops``: ``take() -> [(request id, key)]``
+    (:class:`~triton_disagg.token_wire.StopInbox`) or None. The loop closes both when it
+    ends. ``on_death(reader, exc)``: called if the loop's thread ends
     by an exception.
 
     ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""

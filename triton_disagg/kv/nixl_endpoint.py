@@ -70,7 +70,7 @@ import numpy as np
 
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
-from triton_disagg.kv.leases import LeaseExpiredError, LeaseTable
+from triton_disagg.kv.handle import LeaseExpiredError, LeaseTable
 from triton_disagg.kv.nixl_agent import Agent, TransferError
 from triton_disagg.readers import MALFORMED, UNKNOWN_REQUEST, DroppedFrames, OnDeath, \
     fail_instance, guarded

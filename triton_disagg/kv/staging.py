@@ -54,7 +54,7 @@ from triton_disagg.errors import UserError
 from triton_disagg.kv.connector import ConnectorError, HandoffBusy
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.kv.layout import BlockGeometry, runs, write_blocks
-from triton_disagg.kv.leases import LeaseExpiredError
+from triton_disagg.kv.handle import LeaseExpiredError
 
 _MAGIC = 0x3147_5453_564B_4454  # b"TDKVSTG1" little-endian
 _VERSION = 1

@@ -23,7 +23,7 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import DecodeAdmission, read_request_parameters
-from triton_disagg.generation.sockets import StopInbox, TokenOutbox
+from triton_disagg.token_wire import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
 from triton_disagg.kv.connector_factory import connector_for
@@ -32,7 +32,7 @@ from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, gpu_index, pin
 from triton_disagg.errors import RequestError, Unavailable
-from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
+from triton_disagg.protocol import error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 

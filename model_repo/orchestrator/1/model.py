@@ -34,7 +34,7 @@ from triton_disagg.errors import CODE_IN_MESSAGE, EngineError, ErrorCode, Reques
 from triton_disagg.front.orchestrator import MAX_RELEASES, Orchestrator
 from triton_disagg.front.orchestrator_gate import InFlightCap, OrchestratorGate, public_message
 from triton_disagg.routing.pools import start_pools
-from triton_disagg.triton.tensors import asks, error_response, make_tensors, read_inputs, \
+from triton_disagg.protocol import asks, error_response, make_tensors, read_inputs, \
     scalar
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport
@@ -133,6 +133,6 @@ def _error(request: "pb_utils.InferenceRequest", message: str,
            code: ErrorCode) -> "pb_utils.InferenceResponse":
     """The error response to ``request``: its code in the message too when the caller asked
     (:data:`~triton_disagg.errors.CODE_IN_MESSAGE`: the HTTP front, whose stream error
-    carries no status, see :mod:`triton_disagg.front.relay`)."""
+    carries no status, see :mod:`triton_disagg.front.orchestrator_call`)."""
     return error_response(pb_utils, with_code(code, message)
                           if asks(request, CODE_IN_MESSAGE) else message, code)
