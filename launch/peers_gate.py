@@ -70,7 +70,8 @@ class Peers:
 
     def missing(self) -> str | None:
         """One line naming the first role without a server that answers, else None."""
-        urls = {role: [m.url for m in source.members()] for role, source in self.sources.items()}
+        urls = {role: list(dict.fromkeys(m.url for m in source.members()))   # a server once,
+                for role, source in self.sources.items()}             # whatever its members
         current = {url for role_urls in urls.values() for url in role_urls}
         for url in set(self._clients) - current:          # members that left
             self._clients.pop(url).close()
