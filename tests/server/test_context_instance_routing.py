@@ -86,3 +86,20 @@ def test_repeats_of_a_prefix_hit_the_instance_that_holds_it(demo_engine, tmp_pat
             # the whole prefix came from the holder's cache; only the suffix was computed
             assert hit[holder] >= first[holder] // 2 and sum(computed.values()) < \
                 first[holder] // 2, (i, holder, hit, computed, first)
+
+
+def test_serve_all_spreads_its_context_calls_over_the_instance_models(demo_engine, tmp_path):
+    """``serve all`` (BLS, no router) takes its context instances' models in turn, as Triton
+    spread calls over one model's instances, each request's text the offline engine's."""
+    config = (f"model: {{engine: {demo_engine}}}\n"
+              "context_server: {instances: 2}\ngeneration_server: {instances: 1}\n"
+              "kv_cache: {max_size: 32MB}\n")
+    offline = servers.offline_text(demo_engine)
+    with servers.serve_config(config, tmp_path) as served:
+        for prompt in servers.PROMPTS:
+            assert "".join(servers.grpc_stream(served.grpc, prompt, MAX_TOKENS)) == \
+                offline(prompt, MAX_TOKENS)
+        samples = parse_metrics(servers.metrics(served.metrics))
+        calls = {model: total(samples, "nv_inference_request_success", model=model)
+                 for model in ("context", "context_1")}
+        assert calls == {"context": 2, "context_1": 2}, calls
