@@ -179,6 +179,15 @@ class ContextStandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+async def _stand_in(url: str, mute: bool = False) -> tuple[grpc.aio.Server, ContextStandIn]:
+    """A started stand-in context server at ``url``."""
+    server, standin = grpc.aio.server(), ContextStandIn(mute)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(standin, server)
+    server.add_insecure_port(url)
+    await server.start()
+    return server, standin
+
+
 INPUTS = {"input_ids": np.array([3, 4, 5], np.int32), "input_lengths": np.array([3], np.int32),
           "request_output_len": np.array([8], np.int32)}
 
@@ -197,10 +206,7 @@ def test_a_context_server_that_does_not_answer_is_tried_once_on_another():
     observed = Observed()
 
     async def main():
-        server, standin = grpc.aio.server(), ContextStandIn()
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(standin, server)
-        server.add_insecure_port(live)
-        await server.start()
+        server, standin = await _stand_in(live)
         transport = _transport([dead, live], [], observed)
         try:
             route = transport.route("req-1")
@@ -227,10 +233,7 @@ def test_each_context_call_and_its_release_name_the_instance_model_the_router_ch
     observed = Observed()
 
     async def main():
-        server, standin = grpc.aio.server(), ContextStandIn()
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(standin, server)
-        server.add_insecure_port(live)
-        await server.start()
+        server, standin = await _stand_in(live)
         transport = _transport([dead, live], [], observed, context_instances=2)
         try:
             routes = []
