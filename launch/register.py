@@ -5,8 +5,9 @@ Its record names the gRPC url other hosts dial (:func:`launch.deploy.advertised_
 ``--advertise HOST:PORT``, else the address it binds), the engine's fingerprint, and its capacity from the config: KV
 blocks over the role's model instances and tokens per block, and the KV event publishers
 its model instances announced (:func:`triton_disagg.routing.kv_events.announced`), per model
-it is called by (a context server: one per instance). Its load
-comes from its own metrics endpoint; with metrics off the load stays unknown (None).
+it is called by (a context server: one per instance). Its load, and
+each model's, comes from its own metrics endpoint; with metrics off the load stays unknown
+(None).
 
 Invariant: a server registers only once it is ready, and is deregistered before it stops.
 """
@@ -44,5 +45,6 @@ def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str
     load = None
     if endpoints.metrics_port is not None:
         host = "127.0.0.1" if endpoints.host in _ANY else endpoints.host
-        load = metrics_load(f"http://{host}:{endpoints.metrics_port}", role)
+        load = metrics_load(f"http://{host}:{endpoints.metrics_port}", role,
+                            tuple(m.model for m in models))
     return Registration(config.discovery, record, load).start()

@@ -67,15 +67,16 @@ def _record(role: Role = Role.CONTEXT, **fields) -> MemberRecord:
 
 
 def test_a_discovered_server_is_a_member_per_model_its_record_names():
-    record = _record(load=Load(free_kv_blocks=80, queued_prompt_tokens=31),
+    busy, idle = Load(free_kv_blocks=20, queued_prompt_tokens=31), Load(free_kv_blocks=50)
+    record = _record(load=Load(free_kv_blocks=70, queued_prompt_tokens=31),
                      kv_events=("tcp://c:1", "tcp://c:2"),
-                     models=(ModelRecord("context", ("tcp://c:1",)),
-                             ModelRecord("context_1", ("tcp://c:2",))))
+                     models=(ModelRecord("context", ("tcp://c:1",), busy),
+                             ModelRecord("context_1", ("tcp://c:2",), idle)))
     assert MemberRecord.from_json(record.to_json()) == record
     members = _members(MemberRecord.from_json(record.to_json()))
-    assert [(m.key, m.model, m.kv_events, m.kv_blocks_total) for m in members] == [
-        ("c:1", None, ("tcp://c:1",), 50), ("c:1/context_1", "context_1", ("tcp://c:2",), 50)]
-    assert members[0].load == Load(free_kv_blocks=40, queued_prompt_tokens=15)   # its share
+    assert [(m.key, m.model, m.kv_events, m.kv_blocks_total, m.load) for m in members] == [
+        ("c:1", None, ("tcp://c:1",), 50, busy),
+        ("c:1/context_1", "context_1", ("tcp://c:2",), 50, idle)]
     old = json.loads(_record(kv_events=("tcp://c:1",)).to_json())
     del old["models"]                                      # a record from before the key
     assert [(m.key, m.kv_events) for m in _members(MemberRecord.from_json(
@@ -89,6 +90,9 @@ def test_a_discovered_server_is_a_member_per_model_its_record_names():
     (["context"], "something other than an object"),
     ({"model": "context"}, "not a list"),
     ([{"model": "context", "kv_events": ["http://x"]}], "not a tcp:// or ipc://"),
+    ([{"model": "context", "load": {"free_kv_blocks": 101}}], "over its own kv_blocks_total"),
+    ([{"model": "context", "load": {"live_sequences": -1}}], "not a whole number"),
+    ([{"model": "context", "load": []}], "load is not an object"),
     ([{"model": "context" if i == 0 else f"context_{i}"} for i in range(65)], "at most 64"),
     ([{"model": "context" if i == 0 else f"context_{i}",
        "kv_events": [f"tcp://h:{j}" for j in range(9)]} for i in range(8)], "more than 64"),
@@ -145,3 +149,18 @@ def test_kv_aware_falls_back_when_one_instance_of_a_server_goes_quiet():
     index.gap(other.kv_events[0], 1)              # instance 1's events gapped
     assert router.take(8, token_ids=list(range(8))).url == "a:1"
     assert decisions.modes[-1] == ("context", "fallback")
+
+
+def test_each_models_load_is_read_from_its_instances_series():
+    from triton_disagg.routing.discovery.metrics_load import _load
+    from triton_disagg.routing.scrape import parse_metrics
+
+    samples = parse_metrics("\n".join(
+        f'disagg_{name}{{model_instance="{instance}",role="context"}} {value}'
+        for instance, values in (("context_0_0", (40, 64, 10)), ("context_1_0_0", (4, 64, 0)))
+        for name, value in zip(("kv_blocks_used", "kv_blocks_total", "queued_prompt_tokens"),
+                               values)))
+    assert _load(samples, "context", "context") == Load(24, None, 10)
+    assert _load(samples, "context", "context_1") == Load(60, None, 0)
+    assert _load(samples, "context", None) == Load(84, None, 10)        # the server's
+    assert _load(samples, "context", "context_2") == Load()             # no such series

@@ -30,12 +30,11 @@ members, and its batch counts reported, at every report (every membership poll, 
 
 from __future__ import annotations
 
-from dataclasses import astuple
 from typing import Protocol
 
 from triton_disagg.config.roles import ENGINE_ROLES, Role, instance_models
 from triton_disagg.config.settings import OrchestratorSettings
-from triton_disagg.routing.discovery import Load, MemberRecord, Membership
+from triton_disagg.routing.discovery import MemberRecord, Membership
 from triton_disagg.routing.discovery.periodic import Periodic
 from triton_disagg.routing.kv_events import publisher_ports
 from triton_disagg.routing.kv_feed import KvEventsObserver, KvFeed, engine_hasher
@@ -89,15 +88,14 @@ class DiscoveredMembers:
 
 def _members(record: MemberRecord) -> list[Member]:
     """The record's server as members: one per model it names (each with its own KV event
-    publishers, and an even share of the server's capacity and published load: the record
-    publishes them per server), or one for the role's own model (a record naming none)."""
+    publishers and published load, and an even share of the server's capacity: its
+    instances' pools are alike), or one for the role's own model (a record naming none)."""
     if not record.models:
         return [Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total,
                        record.load, record.kv_events)]
-    n = len(record.models)
-    load = Load(*(None if v is None else v // n for v in astuple(record.load)))
-    return [Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total // n, load,
-                   m.kv_events, _own(record.role, m.model)) for m in record.models]
+    share = record.kv_blocks_total // len(record.models)
+    return [Member(record.grpc_url, record.tokens_per_block, share, m.load, m.kv_events,
+                   _own(record.role, m.model)) for m in record.models]
 
 
 def _own(role: str, model: str) -> str | None:

@@ -10,7 +10,7 @@ Routing over the members is not here (the scheduler's router uses :class:`Member
 """
 
 from .membership import Membership
-from .record import Load, MemberRecord, ModelRecord
+from .record import Load, Loads, MemberRecord, ModelRecord
 from .registration import Registration
 
-__all__ = ["Load", "MemberRecord", "Membership", "ModelRecord", "Registration"]
+__all__ = ["Load", "Loads", "MemberRecord", "Membership", "ModelRecord", "Registration"]

@@ -5,7 +5,9 @@ JSON, versioned (``"version": 1``), never pickle::
     {"version": 1, "role": "generation", "grpc_url": "gen-01:8001",
      "token_address": "", "nixl_address": "", "fingerprint": "<sha256 hex>",
      "kv_events": ["tcp://gen-01:5557"],
-     "models": [{"model": "generation", "kv_events": ["tcp://gen-01:5557"]}],
+     "models": [{"model": "generation", "kv_events": ["tcp://gen-01:5557"],
+                 "load": {"free_kv_blocks": 500, "live_sequences": null,
+                          "queued_prompt_tokens": null}}],
      "capacity": {"kv_blocks_total": 512, "tokens_per_block": 16},
      "load": {"free_kv_blocks": 500, "live_sequences": null, "queued_prompt_tokens": null}}
 
@@ -25,7 +27,8 @@ N, exactly :func:`~triton_disagg.config.roles.instance_models`'s (``context``,
 ``context_1``, ...: a record cannot make a scheduler call any other model), at most
 ``MAX_PUBLISHERS`` with ``MAX_PUBLISHERS`` addresses over them all; a record without the
 key (written before it existed) or with an empty list is its role's one model, with the
-record's ``kv_events``.
+record's ``kv_events``. A model's ``load`` is its instances' (the record's ``load`` is the
+server's, over them all), each figure checked as the server's.
 """
 
 from __future__ import annotations
@@ -50,11 +53,21 @@ class Load:
 
 
 @dataclass(frozen=True)
+class Loads:
+    """A server's load as read now: its own, and each of its record's ``models``' in order
+    (() : the models keep theirs)."""
+
+    server: Load
+    models: tuple[Load, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelRecord:
     """One model of a server that a scheduler calls on its own (a context instance)."""
 
     model: str                        # its Triton model name
     kv_events: tuple[str, ...] = ()   # its model instances' KV event publishers (ZeroMQ)
+    load: Load = field(default_factory=Load)   # its model instances' (the server's: summed)
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,12 @@ class MemberRecord:
     kv_events: tuple[str, ...] = ()   # its model instances' KV event publishers (ZeroMQ)
     models: tuple[ModelRecord, ...] = ()   # the models it is called by; (): the role's own
 
+    def with_loads(self, loads: Loads) -> "MemberRecord":
+        """This record carrying ``loads``."""
+        models = self.models if not loads.models else tuple(
+            replace(m, load=load) for m, load in zip(self.models, loads.models, strict=True))
+        return replace(self, load=loads.server, models=models)
+
     def capped(self, max_blocks: int) -> "MemberRecord":
         """This record with its capacity and free KV blocks at most ``max_blocks``."""
         if self.kv_blocks_total <= max_blocks:
@@ -83,7 +102,8 @@ class MemberRecord:
             "version": VERSION, "role": self.role, "grpc_url": self.grpc_url,
             "token_address": self.token_address, "nixl_address": self.nixl_address,
             "fingerprint": self.fingerprint, "kv_events": list(self.kv_events),
-            "models": [{"model": m.model, "kv_events": list(m.kv_events)} for m in self.models],
+            "models": [{"model": m.model, "kv_events": list(m.kv_events), "load": asdict(m.load)}
+                       for m in self.models],
             "capacity": {"kv_blocks_total": self.kv_blocks_total,
                          "tokens_per_block": self.tokens_per_block},
             "load": asdict(self.load)}, sort_keys=True).encode()
@@ -109,15 +129,16 @@ class MemberRecord:
                      kv_blocks_total=_int(capacity, "kv_blocks_total"),
                      tokens_per_block=_int(capacity, "tokens_per_block"),
                      token_address=_str(d, "token_address"), nixl_address=_str(d, "nixl_address"),
-                     load=Load(**{k: _int(load, k, optional=True) for k in Load.__dataclass_fields__}),
-                     kv_events=_addresses(d, "kv_events"), models=_models(d, Role(role)))
+                     load=_load(load), kv_events=_addresses(d, "kv_events"),
+                     models=_models(d, Role(role)))
         tpb = record.tokens_per_block
         if not 0 < tpb <= MAX_TOKENS_PER_BLOCK or tpb & (tpb - 1):
             raise ValueError(f"tokens_per_block {tpb} is not a power of two up to "
                              f"{MAX_TOKENS_PER_BLOCK}")
-        if (record.load.free_kv_blocks or 0) > record.kv_blocks_total:
-            raise ValueError(f"free_kv_blocks {record.load.free_kv_blocks} is over its own "
-                             f"kv_blocks_total {record.kv_blocks_total}")
+        for load in (record.load, *(m.load for m in record.models)):
+            if (load.free_kv_blocks or 0) > record.kv_blocks_total:
+                raise ValueError(f"free_kv_blocks {load.free_kv_blocks} is over its own "
+                                 f"kv_blocks_total {record.kv_blocks_total}")
         return record
 
 
@@ -155,10 +176,17 @@ def _models(d: dict, role: Role) -> tuple[ModelRecord, ...]:
     if value and names != list(instance_models(role, len(value))):
         raise ValueError(f"models names {str(names)[:120]}, not the models of a {role} "
                          f"server of {len(value)} instances")
-    models = tuple(ModelRecord(name, _addresses(m, "kv_events")) for name, m in zip(names, value))
+    models = tuple(ModelRecord(name, _addresses(m, "kv_events"), _load(m.get("load", {})))
+                   for name, m in zip(names, value))
     if sum(len(m.kv_events) for m in models) > MAX_PUBLISHERS:
         raise ValueError(f"models name more than {MAX_PUBLISHERS} KV event publishers")
     return models
+
+
+def _load(d: object) -> Load:
+    if not isinstance(d, dict):
+        raise ValueError("load is not an object")
+    return Load(**{k: _int(d, k, optional=True) for k in Load.__dataclass_fields__})
 
 
 def _int(d: dict, key: str, optional: bool = False) -> int | None:
