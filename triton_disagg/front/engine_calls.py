@@ -117,6 +117,7 @@ class BLSTransport:
         self._context_models = itertools.cycle(context_models)
 
     def next_context_model(self) -> str:
+        """The context model a request's context call goes to: each in turn."""
         return next(self._context_models)
 
     def executor_for(self, loop: asyncio.AbstractEventLoop) -> None:
