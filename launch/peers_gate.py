@@ -2,8 +2,11 @@
 
 A scheduler can serve only while each role it routes to (context and generation;
 generation alone in aggregated mode) has a server that answers. Every ``CHECK_SECONDS``
-:class:`PeersGate` asks each role's members (the config's urls, or the servers registered
-in etcd) for gRPC ``ServerReady``, in url order until one says yes, and writes the
+:class:`PeersGate` asks each role's servers (the config's urls, or the servers registered
+in etcd) for gRPC ``ServerReady``, and for ``ModelReady`` of each model the scheduler
+calls there when it calls more than the role's own (a context server's instance models:
+a static pool placing more context instances than a server runs would call models it
+lacks), in url order until one says yes, and writes the
 answer into the gate file (:func:`gate_file`, in serve's work directory): empty when
 every role has a server that answers, else one line naming the first role that has none.
 The scheduler's HTTP front reads it at each ``GET /healthz``
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from triton_disagg.config.roles import Role
 from triton_disagg.config.tls_section import GrpcTLS
@@ -70,26 +73,40 @@ class Peers:
 
     def missing(self) -> str | None:
         """One line naming the first role without a server that answers, else None."""
-        urls = {role: [m.url for m in source.members()] for role, source in self.sources.items()}
-        current = {url for role_urls in urls.values() for url in role_urls}
+        servers: dict[str, dict[str, list[str]]] = {}    # role -> url -> models called there
+        for role, source in self.sources.items():
+            servers[role] = {}
+            for m in source.members():
+                servers[role].setdefault(m.url, []).extend([m.model] if m.model else [])
+        current = {url for role_urls in servers.values() for url in role_urls}
         for url in set(self._clients) - current:          # members that left
             self._clients.pop(url).close()
         for role, source in self.sources.items():
-            if not any(self._answers(url) for url in urls[role]):
-                who = f" answers ({', '.join(urls[role])})" if urls[role] else ""
+            said = []
+            for url, models in servers[role].items():
+                lacking = self._lacking(url, models)
+                if lacking is None:
+                    break
+                said.append(f"{url} without model {', '.join(lacking)}" if lacking else url)
+            else:
+                who = f" answers ({', '.join(said)})" if said else ""
                 return f"no {role} server {source.where()}{who}"
         return None
 
-    def _answers(self, url: str) -> bool:
+    def _lacking(self, url: str, models: list[str]) -> list[str] | None:
+        """None when the server at ``url`` is ready with each of ``models``, else those it
+        lacks ready ([]: the server itself is not ready or does not answer)."""
         import tritonclient.grpc as grpcclient
 
         if url not in self._clients:
             self._clients[url] = grpcclient.InferenceServerClient(url,
                                                                   **client_options(self.tls))
-        try:
-            return bool(self._clients[url].is_server_ready(client_timeout=PROBE_TIMEOUT))
-        except Exception:  # noqa: BLE001 - refused, unreachable, timed out: it does not answer
-            return False
+        client = self._clients[url]
+        if not _asked(lambda: client.is_server_ready(client_timeout=PROBE_TIMEOUT)):
+            return []
+        lacking = [m for m in models
+                   if not _asked(lambda: client.is_model_ready(m, client_timeout=PROBE_TIMEOUT))]
+        return lacking or None
 
     def close(self) -> None:
         if self.membership is not None:
@@ -97,6 +114,15 @@ class Peers:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+
+
+def _asked(ready: Callable[[], bool]) -> bool:
+    """What a readiness probe says; False when it fails (refused, unreachable, timed out,
+    an unknown model)."""
+    try:
+        return bool(ready())
+    except Exception:  # noqa: BLE001 - any failure: not ready
+        return False
 
 
 class PeersGate:

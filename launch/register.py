@@ -4,23 +4,30 @@ registered in etcd while it serves (:class:`~triton_disagg.routing.discovery.Reg
 Its record names the gRPC url other hosts dial (:func:`launch.deploy.advertised_url`:
 ``--advertise HOST:PORT``, else the address it binds), the engine's fingerprint, and its capacity from the config: KV
 blocks over the role's model instances and tokens per block, and the KV event publishers
-its model instances announced (:func:`triton_disagg.routing.kv_events.announced`). Its load
-comes from its own metrics endpoint; with metrics off the load stays unknown (None).
+its model instances announced (:func:`triton_disagg.routing.kv_events.announced`), per model
+it is called by (a context server: one per instance). Its load, and
+each model's, comes from its own metrics endpoint; with metrics off the load stays unknown
+(None).
 
 Invariant: a server registers only once it is ready, and is deregistered before it stops.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from triton_disagg.config.disagg import DisaggConfig
+
+if TYPE_CHECKING:
+    from triton_disagg.routing.discovery import ModelRecord
 
 _ANY = ("0.0.0.0", "::")
 
 
 def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str,
-                       kv_events: tuple[str, ...] = ()):
-    """Register the ready server, naming its KV event publishers ``kv_events``; returns the
-    started Registration (close it to deregister)."""
+                       models: tuple[ModelRecord, ...] = ()):
+    """Register the ready server, naming the ``models`` it is called by, with their KV event
+    publishers; returns the started Registration (close it to deregister)."""
     from triton_disagg.routing.discovery import MemberRecord, Registration
     from triton_disagg.routing.discovery.metrics_load import metrics_load
     from triton_disagg.engine.spec import EngineSpec
@@ -33,9 +40,11 @@ def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str
     blocks = BlockPool.blocks_for_budget(spec.block_geometry(layout), config.kv_cache.max_size)
     record = MemberRecord(role=role, grpc_url=grpc_url, fingerprint=spec.fingerprint,
                           kv_blocks_total=blocks * server.instances,
-                          tokens_per_block=layout.tokens_per_block, kv_events=kv_events)
+                          tokens_per_block=layout.tokens_per_block,
+                          kv_events=tuple(a for m in models for a in m.kv_events), models=models)
     load = None
     if endpoints.metrics_port is not None:
         host = "127.0.0.1" if endpoints.host in _ANY else endpoints.host
-        load = metrics_load(f"http://{host}:{endpoints.metrics_port}", role)
+        load = metrics_load(f"http://{host}:{endpoints.metrics_port}", role,
+                            tuple(m.model for m in models))
     return Registration(config.discovery, record, load).start()

@@ -24,13 +24,17 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role
+from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role, instance_models
 from triton_disagg.errors import RetryableStart, UserError
 from triton_disagg.log_format import FORMATS
 
 from triton_disagg.triton import private_shm
 from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
+
+if TYPE_CHECKING:
+    from triton_disagg.routing.discovery import ModelRecord
 
 from .restarts import MAX_RESTARTS, RESTART_WINDOW_SECONDS, RestartBudget, keep_log, kept_log
 
@@ -280,12 +284,12 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         # (a zombie has no argv): those seen as their models loaded are watched too.
         see_stubs()
         stubs = list(seen.values())
-        kv_events = _kv_events(args.role, server)
+        served = _served_models(args.role, config, server)
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised,
-                                              kv_events)
+                                              served)
         _announce(args.role, config, endpoints, advertised, server, registration, front,
-                  kv_events)
+                  tuple(a for m in served for a in m.kv_events))
         if gated:
             peers_gate = start_peers_gate(config, server.work_dir, reason, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
@@ -335,11 +339,17 @@ def _kv_events_at(role: str, config, advertised: str | None) -> tuple[str | None
     return advertised.rsplit(":", 1)[0], port
 
 
-def _kv_events(role: str, server) -> tuple[str, ...]:
-    """The KV event publishers the role's model instances announced once loaded."""
+def _served_models(role: str, config, server) -> tuple[ModelRecord, ...]:
+    """The models a scheduler calls this context or generation server by
+    (:func:`~triton_disagg.config.roles.instance_models`), each with the KV event publishers
+    its model instances announced once loaded; () for the other roles."""
+    from triton_disagg.routing.discovery import ModelRecord
     from triton_disagg.routing.kv_events import announced
 
-    return announced(server.repo / role) if role in ENGINE_ROLES else ()
+    if role not in ENGINE_ROLES:
+        return ()
+    return tuple(ModelRecord(name, announced(server.repo / name))
+                 for name in instance_models(Role(role), config.server(role).instances))
 
 
 def _announce(role: str, config, endpoints, advertised: str | None, server,

@@ -22,7 +22,7 @@ import pytest
 import etcd_server
 from servers import wait_until
 from triton_disagg.config.discovery_section import DiscoveryConfig
-from triton_disagg.routing.discovery import (Load, MemberRecord, Membership, Registration,
+from triton_disagg.routing.discovery import (Load, Loads, MemberRecord, Membership, Registration,
                                              membership as membership_module)
 from triton_disagg.routing.discovery.etcd import ETCD_ERRORS, connect
 
@@ -69,7 +69,7 @@ def test_join_is_seen_within_2s_with_its_record_and_load(etcd, prefix):
     try:
         assert membership.etcd_reachable and urls(membership) == []
         registration = Registration(discovery, record("gen-01:8001"),
-                                    load=lambda: Load(free_kv_blocks=next(loads))).start()
+                                    load=lambda: Loads(Load(free_kv_blocks=next(loads)))).start()
         joined = wait_until(lambda: urls(membership) == ["gen-01:8001"], JOIN_BOUND, "join seen")
         seen = membership.members("generation")[0]
         assert (seen.fingerprint, seen.kv_blocks_total, seen.tokens_per_block) == (OURS, 64, 16)

@@ -142,7 +142,8 @@ def test_kv_aware_follows_the_publishers_etcd_names(demo_engine, tmp_path):
 
 def test_kv_aware_over_static_urls_follows_kv_events_port(demo_engine):
     """A static pool's publishers are where kv_events_port says: instance i of the j-th
-    server of urls publishes on tcp://host:<kv_events_port + 2j + i> (2 instances)."""
+    server of urls publishes on tcp://host:<kv_events_port + 2j + i> (2 instances), each
+    instance a member of its own, called by its model."""
     import zmq
 
     from servers import free_port_run
@@ -161,15 +162,16 @@ def test_kv_aware_over_static_urls_follows_kv_events_port(demo_engine):
     prompt = list(range(32))
     try:
         assert [m.kv_events for m in router.members()] == [
-            (f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"),
-            (f"tcp://127.0.0.2:{base + 2}", f"tcp://127.0.0.2:{base + 3}")]
+            (f"tcp://127.0.0.1:{base}",), (f"tcp://127.0.0.1:{base + 1}",),
+            (f"tcp://127.0.0.2:{base + 2}",), (f"tcp://127.0.0.2:{base + 3}",)]
         assert {p.address for p in publishers} == {a for m in router.members()
                                                    for a in m.kv_events}
         wait_until(lambda: all(feed.index.fresh(p.address) for p in publishers), 5.0,
                    "every instance heard")
         publishers[3].stored(_hasher(prompt, 4, None), None, prompt, 4)   # 127.0.0.2, #1
         wait_until(lambda: feed.index.blocks(publishers[3].address) == 8, 2.0, "indexed")
-        assert [router.take(32, token_ids=prompt).url for _ in range(2)] == ["127.0.0.2:1"] * 2
+        assert [(a.url, a.model) for a in (router.take(32, token_ids=prompt) for _ in range(2))
+                ] == [("127.0.0.2:1", "context_1")] * 2
         wait_until(lambda: any(e[0] == "batches" and e[2] > 1 for e in heard.events), 3.0,
                    "batch counts reported on a timer (no membership polls)")
     finally:

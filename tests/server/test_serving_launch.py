@@ -38,9 +38,9 @@ def _load(repo: Path, model: str) -> model_config_pb2.ModelConfig:
 
 
 @pytest.mark.parametrize("role, models", [
-    ("all", {"ensemble", "preprocessing", "orchestrator", "context", "generation"}),
+    ("all", {"ensemble", "preprocessing", "orchestrator", "context", "context_1", "generation"}),
     ("scheduler", {"ensemble", "preprocessing", "orchestrator"}),
-    ("context", {"context"}), ("generation", {"generation"})])
+    ("context", {"context", "context_1"}), ("generation", {"generation"})])
 def test_render_roles(config, tmp_path, role, models):
     repo = render(role, config, tmp_path / "repo")
     assert {p.name for p in repo.iterdir()} == models
@@ -60,9 +60,11 @@ def test_rendered_tensors_and_settings_come_from_protocol(config, tmp_path):
     assert {s.name for s in P.ENSEMBLE_OUTPUTS} <= produced
     ctx = _load(repo, "context")
     assert ctx.input[0].allow_ragged_batch and ctx.dynamic_batching is not None
-    assert ctx.instance_group[0].count == 2
+    # one model per context instance (a router's pick is the model it calls), each on its cores
+    assert [_load(repo, m).instance_group[0].count for m in ("context", "context_1")] == [1, 1]
     settings = json.loads((repo / "context" / "settings.json").read_text())
-    assert settings["instance_cpus"] == [[0], [1]] and settings["kv_strategy"] == "host_memory"
+    assert settings["instance_cpus"] == [[0]] and settings["kv_strategy"] == "host_memory"
+    assert json.loads((repo / "context_1" / "settings.json").read_text())["instance_cpus"] == [[1]]
     assert not _load(repo, "generation").model_transaction_policy.decoupled   # one ack each
     orch = json.loads((repo / "orchestrator" / "settings.json").read_text())
     assert orch["transport"] == "bls" and orch["token_host"] is None      # ipc on one host

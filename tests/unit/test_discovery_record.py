@@ -20,8 +20,8 @@ from triton_disagg.config.discovery_section import parse_discovery
 from waiting import wait_until
 from triton_disagg.config.discovery_section import DiscoveryConfig
 from triton_disagg.errors import UserError
-from triton_disagg.routing.discovery import (Load, MemberRecord, Membership, Registration, etcd,
-                                             membership, registration)
+from triton_disagg.routing.discovery import (Load, Loads, MemberRecord, Membership, Registration,
+                                             etcd, membership, registration)
 from triton_disagg.routing.discovery.metrics_load import metrics_load
 from triton_disagg.routing.discovery.periodic import Periodic
 from triton_disagg.routing.pools import DiscoveredMembers
@@ -92,8 +92,9 @@ def test_load_from_the_metrics_endpoint():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         read = metrics_load(f"http://127.0.0.1:{server.server_port}", "generation")
-        assert read() == Load(free_kv_blocks=64 + 64 - 3 - 5)     # other roles left out
-        assert metrics_load(f"http://127.0.0.1:{server.server_port}", "context")() == Load()
+        assert read() == Loads(Load(free_kv_blocks=64 + 64 - 3 - 5))   # other roles left out
+        assert metrics_load(f"http://127.0.0.1:{server.server_port}", "context")() == \
+            Loads(Load())
     finally:
         server.shutdown()
         server.server_close()

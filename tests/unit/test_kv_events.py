@@ -251,18 +251,21 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
 
     from triton_disagg.launch import serve_cli
 
-    (tmp_path / "repo" / "context").mkdir(parents=True)      # the model's rendered folder
-    kv_events.announce(tmp_path / "repo" / "context", "context_0_0", "tcp://10.0.0.1:5557")
+    for model, address in (("context", "tcp://10.0.0.1:5557"), ("context_1", "tcp://10.0.0.1:5558")):
+        (tmp_path / "repo" / model).mkdir(parents=True)      # each instance's model folder
+        kv_events.announce(tmp_path / "repo" / model, f"{model}_0_0", address)
     server = SimpleNamespace(repo=tmp_path / "repo", log_path=tmp_path / "log")
-    addresses = serve_cli._kv_events("context", server)
-    assert addresses == ("tcp://10.0.0.1:5557",)
-    assert serve_cli._kv_events("scheduler", server) == ()
     config = SimpleNamespace(mode="disaggregated", engine="e", decoupled_mode=True,
-                             server=lambda role: SimpleNamespace(url="c:1"))
+                             server=lambda role: SimpleNamespace(url="c:1", instances=2))
+    served = serve_cli._served_models("context", config, server)
+    assert [(m.model, m.kv_events) for m in served] == [
+        ("context", ("tcp://10.0.0.1:5557",)), ("context_1", ("tcp://10.0.0.1:5558",))]
+    assert serve_cli._served_models("scheduler", config, server) == ()
+    addresses = ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
     endpoints = SimpleNamespace(host="127.0.0.1", http_port=None, grpc_port=9001,
                                 metrics_port=None)
     serve_cli._announce("context", config, endpoints, "c:1", server, None, 8081, addresses)
-    assert "  kv events tcp://10.0.0.1:5557" in capsys.readouterr().out
+    assert "  kv events tcp://10.0.0.1:5557, tcp://10.0.0.1:5558" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["ipc", "tcp-port"])

@@ -164,10 +164,12 @@ class ContextStandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, mute: bool = False):
         self.request_ids: list[str] = []
         self.credentials: list[str] = []          # each call's peer_credential parameter
+        self.calls: list[tuple[str, str]] = []    # (model called, request_type) of each call
         self.mute = mute
 
     async def ModelInfer(self, request, context):
         self.request_ids.append(request.id)
+        self.calls.append((request.model_name, request.parameters[P.REQUEST_TYPE].string_param))
         self.credentials.append(request.parameters[peers.PARAMETER].string_param)
         if self.mute:
             await asyncio.Event().wait()
@@ -177,12 +179,22 @@ class ContextStandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+async def _stand_in(url: str, mute: bool = False) -> tuple[grpc.aio.Server, ContextStandIn]:
+    """A started stand-in context server at ``url``."""
+    server, standin = grpc.aio.server(), ContextStandIn(mute)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(standin, server)
+    server.add_insecure_port(url)
+    await server.start()
+    return server, standin
+
+
 INPUTS = {"input_ids": np.array([3, 4, 5], np.int32), "input_lengths": np.array([3], np.int32),
           "request_output_len": np.array([8], np.int32)}
 
 
-def _transport(context_urls, generation_urls, observer):
-    routers = {"context": Router("context", "round_robin", StaticMembers("context", context_urls)),
+def _transport(context_urls, generation_urls, observer, context_instances=1):
+    routers = {"context": Router("context", "round_robin", StaticMembers(
+                   "context", context_urls, instances=context_instances)),
                "generation": Router("generation", "round_robin",
                                     StaticMembers("generation", generation_urls))}
     return GrpcTransport(routers, observer)
@@ -194,10 +206,7 @@ def test_a_context_server_that_does_not_answer_is_tried_once_on_another():
     observed = Observed()
 
     async def main():
-        server, standin = grpc.aio.server(), ContextStandIn()
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(standin, server)
-        server.add_insecure_port(live)
-        await server.start()
+        server, standin = await _stand_in(live)
         transport = _transport([dead, live], [], observed)
         try:
             route = transport.route("req-1")
@@ -212,6 +221,39 @@ def test_a_context_server_that_does_not_answer_is_tried_once_on_another():
     assert route.context_url == live                  # the release would go there
     assert observed.events == [("routed", "context", dead), ("retried", "context", dead),
                                ("routed", "context", live)]
+    assert transport.routers["context"].in_flight == {}
+
+
+def test_each_context_call_and_its_release_name_the_instance_model_the_router_chose():
+    """A context server of 2 instances is 2 members, each its own Triton model: the call
+    goes to the model picked (round robin: one, then the other) and the release to the
+    model that holds the request's KV; a server that does not answer is left whole (its
+    other instance is not tried: the retry goes to another server)."""
+    dead, live = sorted(f"127.0.0.1:{port}" for port in free_ports(2))   # round robin: dead first
+    observed = Observed()
+
+    async def main():
+        server, standin = await _stand_in(live)
+        transport = _transport([dead, live], [], observed, context_instances=2)
+        try:
+            routes = []
+            for i in range(3):
+                routes.append(transport.route(f"req-{i}"))
+                await routes[-1].context(INPUTS)
+                await routes[-1].release(INPUTS, np.zeros(4, np.uint8))
+            return standin.calls, routes, transport
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    calls, routes, transport = asyncio.run(main())
+    assert [(r.context_url, r.context_model) for r in routes] == [
+        (live, "context_1"), (live, None), (live, "context_1")]
+    assert calls == [("context_1", P.CONTEXT_ONLY), ("context_1", P.RELEASE_KV),
+                     ("context", P.CONTEXT_ONLY), ("context", P.RELEASE_KV),
+                     ("context_1", P.CONTEXT_ONLY), ("context_1", P.RELEASE_KV)]
+    assert observed.events[:3] == [("routed", "context", dead), ("retried", "context", dead),
+                                   ("routed", "context", live)]
     assert transport.routers["context"].in_flight == {}
 
 

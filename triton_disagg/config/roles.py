@@ -41,3 +41,15 @@ SERVE_ROLES = (Role.ALL, *PLACED_ROLES)             # what ``serve`` takes
 def engine_roles(mode: Mode) -> tuple[Role, ...]:
     """The engine models a deployment of ``mode`` runs: generation alone when aggregated."""
     return (Role.GENERATION,) if mode == Mode.AGGREGATED else ENGINE_ROLES
+
+
+def instance_models(role: Role, instances: int) -> tuple[str, ...]:
+    """The Triton models that serve ``role``'s ``instances`` model instances, each reachable
+    on its own. Context renders one model per instance, ``context`` for instance 0 (what a
+    one-instance server has always been called) and ``context_<i>`` for instance i, so a
+    router's choice of instance (the one whose prefix cache holds a prompt) is the model it
+    calls: Triton has no per-instance addressing. Generation is one model of ``instances``
+    instances (its routing is by load; its instances share the server's token path)."""
+    if role != Role.CONTEXT:
+        return (role.value,)
+    return tuple(role.value if i == 0 else f"{role.value}_{i}" for i in range(instances))

@@ -32,6 +32,7 @@ gRPC one (``serve scheduler``) is :mod:`.grpc_transport`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 # Any here: Triton's pb_utils module and its objects, which have no types.
@@ -102,13 +103,22 @@ class BLSTransport:
     waits in the context's queue while its pool is full: so that such calls never hold
     every thread while the generation calls that would free that pool queue behind them,
     the loop's default executor gets a thread for each of ``max_calls`` calls out at once
-    (made on first use; idle ones cost nothing)."""
+    (made on first use; idle ones cost nothing). Context calls take ``context_models`` (one
+    per context instance: :func:`~triton_disagg.config.roles.instance_models`) in turn, as
+    Triton spread them over one model's instances; a request's release goes to the model
+    that holds its KV."""
 
-    def __init__(self, pb_utils: Any, max_calls: int):
+    def __init__(self, pb_utils: Any, max_calls: int,
+                 context_models: tuple[str, ...] = ("context",)):
         self.pb = pb_utils
         self.credential = peers.credential()
         self.max_calls = max_calls
         self.executors: set[asyncio.AbstractEventLoop] = set()   # loops whose executor is set
+        self._context_models = itertools.cycle(context_models)
+
+    def next_context_model(self) -> str:
+        """The context model a request's context call goes to: each in turn."""
+        return next(self._context_models)
 
     def executor_for(self, loop: asyncio.AbstractEventLoop) -> None:
         """Give ``loop`` a default executor of ``max_calls`` threads (once per loop)."""
@@ -131,11 +141,15 @@ class BLSRoute:
     def __init__(self, transport: BLSTransport, request_id: str, timeout: float):
         self.transport, self.pb, self.credential = transport, transport.pb, transport.credential
         self.request_id, self.timeout = request_id, timeout
+        self.context_model = "context"      # the model its context call went to
 
-    async def _exec(self, model: str, inputs: dict, parameters: dict[str, str],
-                    timeout: float, queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
-        """``queue_timeout``: the Triton request's timeout (0: none)."""
-        specs, outputs = CALL_SPECS[model]
+    async def _exec(self, role: str, inputs: dict, parameters: dict[str, str],
+                    timeout: float, queue_timeout: float = 0.0,
+                    model: str | None = None) -> dict[str, np.ndarray]:
+        """A call of ``role`` to ``model`` (None: the role's own); ``queue_timeout``: the
+        Triton request's timeout (0: none)."""
+        specs, outputs = CALL_SPECS[role]
+        model = model or role
         tensors = [self.pb.Tensor(n, a) for n, a in to_batched(specs, inputs).items()]
         request = self.pb.InferenceRequest(
             model_name=model, inputs=tensors, request_id=self.request_id,
@@ -152,13 +166,14 @@ class BLSRoute:
         return unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
+        self.context_model = self.transport.next_context_model()
         return await self._exec("context", inputs, call_parameters(self.credential, P.CONTEXT_ONLY),
-                                self.timeout, queue_timeout=self.timeout)
+                                self.timeout, queue_timeout=self.timeout, model=self.context_model)
 
     async def release(self, inputs: dict, handle: np.ndarray) -> None:
         await self._exec("context", release_inputs(inputs, handle),
                          call_parameters(self.credential, P.RELEASE_KV),
-                         min(self.timeout, RELEASE_TIMEOUT_SECONDS))
+                         min(self.timeout, RELEASE_TIMEOUT_SECONDS), model=self.context_model)
 
     async def generate(self, inputs: dict, request_type: str,
                        token_address: str) -> GenerationAnswer:

@@ -116,16 +116,20 @@ class GrpcTransport:
         except InferenceServerException as exc:
             return f"liveness probe: {exc.status()}"
 
-    async def infer(self, url: str, model: str, request_id: str, inputs: dict,
+    async def infer(self, url: str, role: str, request_id: str, inputs: dict,
                     parameters: dict[str, str], timeout: float,
-                    queue_timeout: float = 0.0) -> dict[str, np.ndarray]:
-        """The call's outputs; :class:`Unanswered` when the server failed before it answered
-        or not within ``timeout`` seconds (DEADLINE_EXCEEDED). ``queue_timeout``: the Triton
-        request's timeout (0: none)."""
+                    queue_timeout: float = 0.0, model: str | None = None
+                    ) -> dict[str, np.ndarray]:
+        """The outputs of a call of ``role`` to ``model`` (None: the role's own; a context
+        instance's model: :attr:`~triton_disagg.routing.router.Member.model`);
+        :class:`Unanswered` when the server failed before it answered or not within
+        ``timeout`` seconds (DEADLINE_EXCEEDED). ``queue_timeout``: the Triton request's
+        timeout (0: none)."""
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        specs, outputs = CALL_SPECS[model]
+        specs, outputs = CALL_SPECS[role]
+        model = model or role
         tensors = []
         for name, arr in to_batched(specs, inputs).items():
             tensors.append(grpcclient.InferInput(name, list(arr.shape), P.by_name(specs)[name].dtype))
@@ -147,8 +151,8 @@ class GrpcTransport:
                         if not attempt and exc.status() != DEADLINE_EXCEEDED \
                                 and await self._reconnected(url):
                             continue              # the call never left: send it again
-                        self.routers[model].unanswered(url)
-                        raise Unanswered(model, url, exc.status(), message, timeout) from None
+                        self.routers[role].unanswered(url)
+                        raise Unanswered(role, url, exc.status(), message, timeout) from None
                     error = callee_error(code, message)
                     raise type(error)(f"{model} at {url}: {error}") from None
         finally:
@@ -210,7 +214,8 @@ class GrpcRoute:
                  timeout: float):
         self.transport, self.request_id, self.avoid = transport, request_id, avoid
         self.timeout = timeout
-        self.context_url: str | None = None     # the server that holds the request's KV
+        self.context_url: str | None = None     # the server that holds the request's KV,
+        self.context_model: str | None = None   # in this model (None: "context")
         self.generation = None                  # its generation Assignment, once accepted
 
     async def context(self, inputs: dict) -> dict[str, np.ndarray]:
@@ -230,13 +235,13 @@ class GrpcRoute:
                 outputs = await self.transport.infer(
                     assignment.url, "context", self.request_id, inputs,
                     call_parameters(self.transport.credential, P.CONTEXT_ONLY), self.timeout,
-                    queue_timeout=self.timeout)
+                    queue_timeout=self.timeout, model=assignment.model)
             except Unanswered as exc:
                 failed.append(exc)
                 continue
             finally:
                 assignment.release()
-            self.context_url = assignment.url
+            self.context_url, self.context_model = assignment.url, assignment.model
             return outputs
         raise _unanswered(failed, "")
 
@@ -244,7 +249,8 @@ class GrpcRoute:
         await self.transport.infer(self.context_url, "context", self.request_id,
                                    release_inputs(inputs, handle),
                                    call_parameters(self.transport.credential, P.RELEASE_KV),
-                                   min(self.timeout, RELEASE_TIMEOUT_SECONDS))
+                                   min(self.timeout, RELEASE_TIMEOUT_SECONDS),
+                                   model=self.context_model)
 
     async def generate(self, inputs: dict, request_type: str,
                        token_address: str) -> GenerationAnswer:

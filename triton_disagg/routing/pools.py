@@ -9,6 +9,10 @@
   (one :class:`~triton_disagg.routing.discovery.Membership` polls for both roles; urls in the
   config are then where those servers bind, not the scheduler's pool).
 
+A context server of several model instances is a member per instance (each its own Triton
+model: :func:`~triton_disagg.config.roles.instance_models`): static urls by the role's
+``instances``, a discovered server by the models its record names.
+
 A context pool with ``router: kv_aware`` also gets a :class:`~triton_disagg.routing.kv_feed.KvFeed`:
 its router scores on the KV events of the publishers its members name: their etcd
 records' ``kv_events``, or for static urls ``tcp://<url's host>:<port>`` for each port
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from triton_disagg.config.roles import ENGINE_ROLES, Role
+from triton_disagg.config.roles import ENGINE_ROLES, Role, instance_models
 from triton_disagg.config.settings import OrchestratorSettings
 from triton_disagg.routing.discovery import MemberRecord, Membership
 from triton_disagg.routing.discovery.periodic import Periodic
@@ -41,17 +45,25 @@ REPORT_SECONDS = 1.0         # how often a static pool's KV event counts are rep
 
 
 class StaticMembers:
-    """``tokens_per_block`` and ``kv_events_port`` (with the role's ``instances``) are given
-    to a kv_aware pool's members only (module docstring)."""
+    """Each url's members: one per model of its ``instances``
+    (:func:`~triton_disagg.config.roles.instance_models`: a context server's instances are
+    a member each), each naming the publishers of its own instances. ``tokens_per_block``
+    and ``kv_events_port`` are given to a kv_aware pool's members only (module docstring)."""
 
     def __init__(self, role: str, urls: list[str], tokens_per_block: int | None = None,
                  kv_events_port: int | None = None, instances: int = 1):
         self.role = role
-        self._members = tuple(
-            Member(url, tokens_per_block, kv_events=() if kv_events_port is None else tuple(
-                f"tcp://{url.rsplit(':', 1)[0]}:{port}"
-                for port in publisher_ports(kv_events_port, urls, url, instances)))
-            for url in sorted(urls))
+        models = instance_models(Role(role), instances)
+        share = instances // len(models)              # model instances per model
+        members = []
+        for url in sorted(urls):
+            host = url.rsplit(":", 1)[0]
+            ports = () if kv_events_port is None else tuple(
+                publisher_ports(kv_events_port, urls, url, instances))
+            members += [Member(url, tokens_per_block, model=_own(role, model), kv_events=tuple(
+                f"tcp://{host}:{port}" for port in ports[i * share:(i + 1) * share]))
+                for i, model in enumerate(models)]
+        self._members = tuple(members)
 
     def members(self) -> tuple[Member, ...]:
         return self._members
@@ -65,7 +77,7 @@ class DiscoveredMembers:
         self.membership, self.role = membership, role
 
     def members(self) -> tuple[Member, ...]:
-        return tuple(_member(r) for r in self.membership.members(self.role))
+        return tuple(m for r in self.membership.members(self.role) for m in _members(r))
 
     def where(self) -> str:
         discovery = self.membership.discovery
@@ -74,9 +86,21 @@ class DiscoveredMembers:
                 f"{discovery.etcd}{state}")
 
 
-def _member(record: MemberRecord) -> Member:
-    return Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total, record.load,
-                  record.kv_events)
+def _members(record: MemberRecord) -> list[Member]:
+    """The record's server as members: one per model it names (each with its own KV event
+    publishers and published load, and an even share of the server's capacity: its
+    instances' pools are alike), or one for the role's own model (a record naming none)."""
+    if not record.models:
+        return [Member(record.grpc_url, record.tokens_per_block, record.kv_blocks_total,
+                       record.load, record.kv_events)]
+    share = record.kv_blocks_total // len(record.models)
+    return [Member(record.grpc_url, record.tokens_per_block, share, m.load, m.kv_events,
+                   _own(record.role, m.model)) for m in record.models]
+
+
+def _own(role: str, model: str) -> str | None:
+    """``model`` as :attr:`Member.model`: None when it is the role's own."""
+    return None if model == role else model
 
 
 class PoolObserver(RouteObserver, KvEventsObserver, Protocol):
@@ -138,7 +162,8 @@ def member_sources(settings: OrchestratorSettings) -> tuple[Membership | None, d
 
         membership = Membership(settings.discovery, spec.fingerprint, block_nbytes=block_nbytes)
     return membership, {role: DiscoveredMembers(membership, role) if membership is not None
-                        else StaticMembers(role, list(settings.pools[role].urls))
+                        else StaticMembers(role, list(settings.pools[role].urls),
+                                           instances=settings.pools[role].instances)
                         for role in ENGINE_ROLES}
 
 

@@ -2,10 +2,15 @@
 
 One :class:`Router` per role routes over that role's members, read afresh at every
 pick from a :class:`MemberSource` (the config's static ``urls``, or the servers
-registered in etcd: :mod:`triton_disagg.routing.pools`). It also keeps this scheduler's
-own in-flight accounting per server, in tokens: an :class:`Assignment` (what
-:meth:`Router.take` returns) adds a request's tokens to its server when the request is
-routed there and takes them off when it is released.
+registered in etcd: :mod:`triton_disagg.routing.pools`). A member is a server, or, for a
+context server of several model instances, one of its instances: each is a Triton model
+of its own (``context``, ``context_1``, ...) that the call names, so every policy below
+picks an instance, and "server" below reads "member" (its :attr:`Member.key`). It also
+keeps this scheduler's own in-flight accounting per member, in tokens: an
+:class:`Assignment` (what :meth:`Router.take` returns) adds a request's tokens to its
+member when the request is routed there and takes them off when it is released. What
+did not answer is a server (its url): ``tried`` and :meth:`Router.unanswered` leave out
+every member of it.
 
 - context: an assignment holds the prompt's tokens from the call until context answers
   (``kv_aware``: those the chosen server would prefill, the prompt less the blocks its
@@ -48,8 +53,9 @@ Policies (``router:`` per role in the config):
              + (kv_blocks_total - free_kv_blocks)
 
   ``queued`` is least_loaded's figure (``max(own in flight, published
-  queued_prompt_tokens)``), ``overlap`` the leading blocks of the prompt the server holds
-  (its best model instance, from the KV events index:
+  queued_prompt_tokens)``), ``overlap`` the leading blocks of the prompt the member holds
+  (the best of its model instances' publishers, one for a context instance's member; from
+  the KV events index:
   :class:`~triton_disagg.routing.kv_index.KvIndex`; the prompt's chained block hashes
   come from :class:`KvAwareness`'s hasher), the last term its blocks held by live
   requests (0 when it publishes none). Load stays in the cost: a server holding the
@@ -115,13 +121,24 @@ class KvAwareness:
 
 @dataclass(frozen=True)
 class Member:
-    """A server the router may pick; capacity and load are None where unknown."""
+    """What the router may pick: a server, or one model of it that is one model instance
+    (a context server of several instances is one member per instance, each its own
+    Triton model: :func:`~triton_disagg.config.roles.instance_models`, so the pick is the
+    instance whose cache holds the prompt); capacity and load, this member's, are None
+    where unknown."""
 
-    url: str                                # "host:port" of its gRPC endpoint
+    url: str                                # "host:port" of its server's gRPC endpoint
     tokens_per_block: int | None = None
     kv_blocks_total: int | None = None
     load: Load = field(default_factory=Load)
-    kv_events: tuple[str, ...] = ()        # its model instances' KV event publishers
+    kv_events: tuple[str, ...] = ()        # the KV event publishers of its model instances
+    model: str | None = None               # the model to call; None: the role's own
+
+    @property
+    def key(self) -> str:
+        """What names this member in the router's counts and logs: its url, or
+        ``url/model`` for another model of that server."""
+        return self.url if self.model is None else f"{self.url}/{self.model}"
 
     def kv_tokens(self, tokens: int) -> int:
         """The KV ``tokens`` take in this server's pool: whole blocks, when their size is known."""
@@ -154,9 +171,9 @@ class Router:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.role, self.policy, self.source = role, policy, source
         self.kv, self.observer = kv, observer
-        self.in_flight: dict[str, int] = {}     # url -> this scheduler's tokens there (> 0)
+        self.in_flight: dict[str, int] = {}     # member key -> this scheduler's tokens there (> 0)
         self._passed_over: dict[str, float] = {}   # url -> until when (time.monotonic())
-        self._untrusted: dict[str, str] = {}    # kv_aware: url -> why its overlap is not used
+        self._untrusted: dict[str, str] = {}    # kv_aware: member key -> why its overlap is not used
         self._turn = 0
 
     def members(self) -> tuple[Member, ...]:
@@ -164,8 +181,9 @@ class Router:
 
     def take(self, tokens: int, tried: Collection[str] = (),
              token_ids: Sequence[int] | None = None, salt: str | None = None) -> "Assignment":
-        """Route a request of ``tokens`` to a member not in ``tried``; NoServer when none is.
-        ``token_ids`` (the prompt) and ``salt`` (its ``cache_salt``) serve ``kv_aware``."""
+        """Route a request of ``tokens`` to a member whose server is not in ``tried`` (urls);
+        NoServer when none is. ``token_ids`` (the prompt) and ``salt`` (its ``cache_salt``)
+        serve ``kv_aware``."""
         members = [m for m in self.source.members() if m.url not in tried]
         if not members:
             raise NoServer(self._none_left(tried))
@@ -186,11 +204,12 @@ class Router:
                 self._decided(LOAD)
         if self.role == Role.GENERATION:
             cost = chosen.kv_tokens(tokens)
-        self.in_flight[chosen.url] = self.in_flight.get(chosen.url, 0) + cost
-        return Assignment(self, chosen.url, cost)
+        self.in_flight[chosen.key] = self.in_flight.get(chosen.key, 0) + cost
+        return Assignment(self, chosen, cost)
 
     def unanswered(self, url: str) -> None:
-        """``url`` failed before it answered: pass it over for a while (module docstring)."""
+        """The server at ``url`` failed before it answered: pass it over, every member of
+        it, for a while (module docstring)."""
         self._passed_over[url] = time.monotonic() + PASS_OVER_SECONDS
 
     def _kv_pick(self, turn: list[Member], tokens: int, token_ids: Sequence[int] | None,
@@ -202,23 +221,23 @@ class Router:
             return max(turn, key=self._score), tokens
         assert self.kv is not None and token_ids is not None     # _trusted checked them
         hashes: dict[int, list[int]] = {}       # tokens_per_block -> the prompt's hashes
-        overlaps: dict[str, int] = {}
+        overlaps: dict[str, int] = {}           # member key -> the prompt's blocks it holds
         for member in turn:
             tpb = member.tokens_per_block
             assert tpb is not None
             if tpb not in hashes:
                 hashes[tpb] = self.kv.hasher(token_ids, tpb, salt)
-            overlaps[member.url] = max(self.kv.index.overlap(address, hashes[tpb])
+            overlaps[member.key] = max(self.kv.index.overlap(address, hashes[tpb])
                                        for address in member.kv_events)
-        chosen = min(turn, key=lambda m: self._cost(m, tokens, overlaps[m.url]))
-        self._decided(OVERLAP if overlaps[chosen.url] else LOAD)
-        return chosen, _uncached(chosen, tokens, overlaps[chosen.url])
+        chosen = min(turn, key=lambda m: self._cost(m, tokens, overlaps[m.key]))
+        self._decided(OVERLAP if overlaps[chosen.key] else LOAD)
+        return chosen, _uncached(chosen, tokens, overlaps[chosen.key])
 
     def _cost(self, member: Member, tokens: int, overlap: int) -> float:
         """Lower is better (module docstring): weighted prefill blocks plus active blocks."""
         tpb = member.tokens_per_block
         assert tpb is not None
-        queued = max(self.in_flight.get(member.url, 0), member.load.queued_prompt_tokens or 0)
+        queued = max(self.in_flight.get(member.key, 0), member.load.queued_prompt_tokens or 0)
         uncached = _uncached(member, tokens, overlap)
         active = 0
         if member.kv_blocks_total is not None and member.load.free_kv_blocks is not None:
@@ -228,16 +247,16 @@ class Router:
     def _trusted(self, turn: list[Member], token_ids: Sequence[int] | None) -> bool:
         """Whether every member's overlap can be used now; logs each member whose trust
         changes (once each way)."""
-        untrusted = {m.url: why for m in turn if (why := self._distrust(m, token_ids))}
-        for url, why in untrusted.items():
-            if self._untrusted.get(url) != why:
+        untrusted = {m.key: why for m in turn if (why := self._distrust(m, token_ids))}
+        for key, why in untrusted.items():
+            if self._untrusted.get(key) != why:
                 _log.warning("kv_aware router (%s): %s: %s; routing least_loaded until it is "
-                             "trusted again", self.role, url, why)
-        for url in [u for u in self._untrusted if u not in untrusted]:
-            if any(m.url == url for m in turn):
+                             "trusted again", self.role, key, why)
+        for key in [k for k in self._untrusted if k not in untrusted]:
+            if any(m.key == key for m in turn):
                 _log.warning("kv_aware router (%s): %s: KV events trusted again; routing on "
-                             "KV overlap", self.role, url)
-        current = {m.url for m in turn}
+                             "KV overlap", self.role, key)
+        current = {m.key for m in turn}
         self._untrusted = {u: w for u, w in self._untrusted.items() if u not in current}
         self._untrusted.update(untrusted)
         return not untrusted
@@ -265,7 +284,7 @@ class Router:
     def _score(self, member: Member) -> tuple[int, int]:
         """Higher is less loaded (module docstring): (free KV in tokens or minus the queued
         prompt tokens, minus the live sequences)."""
-        own = self.in_flight.get(member.url, 0)
+        own = self.in_flight.get(member.key, 0)
         if self.role == Role.CONTEXT:
             return -max(own, member.load.queued_prompt_tokens or 0), 0
         live = -(member.load.live_sequences or 0)
@@ -276,13 +295,13 @@ class Router:
             free = min(free, member.load.free_kv_blocks * member.tokens_per_block)
         return free, live
 
-    def release(self, url: str, cost: int) -> None:
-        """An :class:`Assignment`'s ``cost`` tokens leave ``url``'s in-flight count."""
-        left = self.in_flight[url] - cost
+    def release(self, key: str, cost: int) -> None:
+        """An :class:`Assignment`'s ``cost`` tokens leave member ``key``'s in-flight count."""
+        left = self.in_flight[key] - cost
         if left:
-            self.in_flight[url] = left
+            self.in_flight[key] = left
         else:
-            del self.in_flight[url]
+            del self.in_flight[key]
 
     def _none_left(self, tried: Collection[str]) -> str:
         if tried:
@@ -299,14 +318,16 @@ def _uncached(member: Member, tokens: int, overlap: int) -> int:
 
 
 class Assignment:
-    """A request routed to the server at ``url``: its ``cost`` in tokens counts in that
-    server's :attr:`Router.in_flight` until :meth:`release`."""
+    """A request routed to ``member``: its ``cost`` in tokens counts in that member's
+    :attr:`Router.in_flight` until :meth:`release`. Its call goes to :attr:`url`'s
+    :attr:`model` (None: the role's own)."""
 
-    def __init__(self, router: Router, url: str, cost: int):
-        self.router, self.url, self.cost = router, url, cost
+    def __init__(self, router: Router, member: Member, cost: int):
+        self.router, self.member, self.cost = router, member, cost
+        self.url, self.model = member.url, member.model
         self.released = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.router.release(self.url, self.cost)
+            self.router.release(self.member.key, self.cost)

@@ -35,7 +35,7 @@ from triton_disagg.config import settings as S
 from triton_disagg.config.disagg import DisaggConfig
 from triton_disagg.config.server_section import ServerConfig
 from triton_disagg.config.host import front_cpus
-from triton_disagg.config.roles import ENGINE_ROLES, Role
+from triton_disagg.config.roles import ENGINE_ROLES, Role, instance_models
 
 TEMPLATES = Path(model_repo.__file__).resolve().parent   # package data: wheels ship it
 FRONT = ("ensemble", "preprocessing", "orchestrator")
@@ -50,11 +50,25 @@ _IO = {
 
 
 def models_for(role: str, config: DisaggConfig) -> tuple[str, ...]:
-    """The models ``serve role`` runs: the front's, the engine models, or one of these."""
-    models: dict[str, tuple[str, ...]] = {
+    """The models ``serve role`` runs: the front's, the engine models, or one of these; a
+    context server's one model per instance (:func:`~triton_disagg.config.roles.instance_models`)."""
+    return tuple(name for name, _, _ in _rendered(role, config))
+
+
+def _rendered(role: str, config: DisaggConfig) -> list[tuple[str, str, int | None]]:
+    """(model name, its template in ``model_repo/``, the one instance it serves or None for
+    all of its role's) for each model of ``role``'s repository."""
+    roles: dict[str, tuple[str, ...]] = {
         Role.ALL: FRONT + config.engine_roles, Role.SCHEDULER: FRONT,
         Role.CONTEXT: (Role.CONTEXT,), Role.GENERATION: (Role.GENERATION,)}
-    return models[role]
+    out: list[tuple[str, str, int | None]] = []
+    for template in roles[role]:
+        if template != Role.CONTEXT:
+            out.append((template, template, None))
+            continue
+        names = instance_models(Role.CONTEXT, config.server(template).instances)
+        out += [(name, template, i) for i, name in enumerate(names)]
+    return out
 
 
 def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None = None,
@@ -67,24 +81,26 @@ def render(role: str, config: DisaggConfig, repo: Path, token_host: str | None =
     if repo.exists():
         shutil.rmtree(repo)
     repo.mkdir(mode=0o700, parents=True)     # Triton runs what is here: code
-    for model in models_for(role, config):
-        src, dst = TEMPLATES / model, repo / model
+    for model, template, instance in _rendered(role, config):
+        src, dst = TEMPLATES / template, repo / model
         (dst / "1").mkdir(parents=True)
         if (src / "1" / "model.py").is_file():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
-        values = _values(model, config)
+        values = _values(template, config, instance)
         text = Template((src / "config.pbtxt").read_text()).substitute(values)
         (dst / "config.pbtxt").write_text(text)
-        if model in S.KINDS:
-            S.write(dst, settings(model, role, config, token_host, token_bind, kv_events_host,
-                                  kv_events_port))
+        if template in S.KINDS:
+            S.write(dst, settings(template, role, config, token_host, token_bind,
+                                  kv_events_host, kv_events_port, instance))
     return repo
 
 
 def settings(model: str, role: str, config: DisaggConfig, token_host: str | None = None,
              token_bind: str | None = None, kv_events_host: str | None = None,
-             kv_events_port: int | None = None) -> S.Settings:
-    """What ``model``'s ``initialize`` reads back (parameter ``settings``, :mod:`~.settings`)."""
+             kv_events_port: int | None = None, instance: int | None = None) -> S.Settings:
+    """What ``model``'s ``initialize`` reads back (parameter ``settings``, :mod:`~.settings`);
+    ``instance``: the one instance of its role this model serves (its cores, its KV events
+    port ``kv_events_port + instance``), None: every instance (cores by instance index)."""
     engine, mode = str(config.engine), config.mode
     if model == "preprocessing":
         return S.PreprocessSettings(engine, mode)
@@ -98,8 +114,12 @@ def settings(model: str, role: str, config: DisaggConfig, token_host: str | None
             pools={r: _pool(config.server(r)) for r in ENGINE_ROLES},
             discovery=config.discovery, grpc_tls=config.grpc_tls)
     server = config.server(model)
+    cpus = instance_cpus(model, role, config)
+    if instance is not None:
+        cpus = cpus[instance:instance + 1]
+        kv_events_port = None if kv_events_port is None else kv_events_port + instance
     common: dict[str, Any] = dict(   # the fields both roles' settings share (of mixed types)
-        engine=engine, mode=mode, instance_cpus=instance_cpus(model, role, config),
+        engine=engine, mode=mode, instance_cpus=cpus,
         tokens_per_block=server.tokens_per_block, kv_dtype=server.kv_dtype,
         kv_strategy=config.kv_cache.strategy, kv_max_size=config.kv_cache.max_size,
         kv_lease_seconds=config.kv_cache.lease_seconds, stream_interval=server.stream_interval,
@@ -136,7 +156,7 @@ def instance_cpus(model: str, role: str, config: DisaggConfig) -> list[list[int]
     return [list(server.instance_cpus(i)) or anywhere for i in range(server.instances)]
 
 
-def _values(model: str, config: DisaggConfig) -> dict[str, str]:
+def _values(model: str, config: DisaggConfig, instance: int | None = None) -> dict[str, str]:
     inputs, outputs = _IO[model]
     ragged = model == "context"   # the dynamic batcher may group prompts of any length
     values = {
@@ -145,7 +165,7 @@ def _values(model: str, config: DisaggConfig) -> dict[str, str]:
         "outputs": _tensors("output", outputs, False),
     }
     if model in ("context", "generation"):
-        values["instance_group"] = _instance_group(config.server(model))
+        values["instance_group"] = _instance_group(config.server(model), instance)
     if model == "ensemble":
         values["steps"] = _ensemble_steps()
     if model == "preprocessing":    # its one instance tokenizes before any cap: bound its queue
@@ -157,11 +177,14 @@ def _values(model: str, config: DisaggConfig) -> dict[str, str]:
     return values
 
 
-def _instance_group(server: ServerConfig) -> str:
+def _instance_group(server: ServerConfig, instance: int | None) -> str:
+    """Every instance of ``server`` (one per GPU with ``gpus``), or the one ``instance``."""
     if server.gpus:
-        gpus = ", ".join(str(g) for g in server.gpus)
+        chosen = server.gpus if instance is None else server.gpus[instance:instance + 1]
+        gpus = ", ".join(str(g) for g in chosen)
         return f"instance_group [ {{ count: 1 kind: KIND_GPU gpus: [ {gpus} ] }} ]"
-    return f"instance_group [ {{ count: {server.instances} kind: KIND_CPU }} ]"
+    count = server.instances if instance is None else 1
+    return f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]"
 
 
 def _tensors(kind: str, specs: tuple[P.TensorSpec, ...], ragged: bool) -> str:

@@ -24,6 +24,7 @@ from triton_disagg.log_format import Rejections, configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import peers, protocol as P
+from triton_disagg.config.roles import Role, instance_models
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
@@ -55,8 +56,9 @@ class TritonPythonModel:
         self.pools = None
         with self.metrics.closed_on_error():
             if settings.transport == "bls":
-                self.transport = BLSTransport(pb_utils, settings.max_concurrent_requests
-                                              + MAX_RELEASES)
+                self.transport = BLSTransport(
+                    pb_utils, settings.max_concurrent_requests + MAX_RELEASES,
+                    instance_models(Role.CONTEXT, settings.pools[Role.CONTEXT].instances))
             else:
                 self.pools = start_pools(settings, self.metrics)
                 self.transport = GrpcTransport(self.pools.routers, self.metrics,

@@ -2,7 +2,8 @@
 
 :meth:`Registration.start` grants a lease of ``ttl_seconds`` and puts the server's
 :class:`~.record.MemberRecord` at ``{prefix}/{role}/{grpc_url}`` under it. Every beat
-(``min(1 s, ttl / 3)``) the thread refreshes the lease, reads the load callable and puts
+(``min(1 s, ttl / 3)``) the thread refreshes the lease, reads the load callable (the server's
+load and each of its models': :class:`~.record.Loads`) and puts
 the record again when it changed, so the load in etcd is at most about a second old.
 
 Invariants:
@@ -33,21 +34,21 @@ from triton_disagg.config.discovery_section import DiscoveryConfig
 
 from .etcd import ETCD_ERRORS, UNREACHABLE, connect, member_key
 from .periodic import Periodic
-from .record import Load, MemberRecord
+from .record import Loads, MemberRecord
 
 _log = logging.getLogger(__name__)
 
 
 class Registration:
     def __init__(self, discovery: DiscoveryConfig, record: MemberRecord,
-                 load: Callable[[], Load] | None = None):
+                 load: Callable[[], Loads] | None = None):
         self.discovery, self.record = discovery, record
         self.key = member_key(discovery.prefix, record.role, record.grpc_url)
         self.beat_seconds = min(1.0, discovery.ttl_seconds / 3)
         # A request may take at most one beat, so a slow etcd cannot stall the lease.
         self._client = connect(discovery, timeout=self.beat_seconds)
         self._load = load
-        self._last_load = record.load
+        self._last_load = Loads(record.load, tuple(m.load for m in record.models))
         self._lease = None              # etcd3gw Lease currently held, or None
         self._published: MemberRecord | None = None   # what etcd holds under self._lease
         self._etcd_down = False
@@ -87,7 +88,7 @@ class Registration:
                 self._lease = None
             if self._lease is None:
                 self._lease, self._published = self._client.lease(self.discovery.ttl_seconds), None
-            record = replace(self.record, load=self._read_load())
+            record = self.record.with_loads(self._read_load())
             if record != self._published:
                 self._client.put(self.key, record.to_json(), lease=self._lease)
                 self._published = record
@@ -112,9 +113,9 @@ class Registration:
                          self.key)
         self._etcd_down = False
 
-    def _read_load(self) -> Load:
+    def _read_load(self) -> Loads:
         if self._load is None:
-            return self.record.load
+            return self._last_load
         try:
             load = self._load()
         except Exception as exc:       # the server's own endpoint, e.g. restarting
