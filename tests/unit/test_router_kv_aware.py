@@ -132,6 +132,19 @@ def test_a_modest_queue_does_not_outweigh_a_long_cached_prefix():
     assert router.take(400, token_ids=prompt).url == "a:1"   # 10 + 0 < 0 + 100
 
 
+def test_a_prompt_no_server_holds_is_routed_as_least_loaded_routes_it():
+    """Issue 29 (c): traffic that shares nothing must cost nothing against least_loaded. A
+    context server's active blocks (handoffs not yet fetched) are no prefill work, so with
+    no overlap anywhere they do not move the pick: the fewest queued tokens win."""
+    leased = Load(free_kv_blocks=100, queued_prompt_tokens=32)    # 900 blocks handed off
+    a, b = member("a:1", leased), member("b:1", Load(free_kv_blocks=1000, queued_prompt_tokens=64))
+    router, _, decisions = router_over(a, b)
+    least = Router("context", "least_loaded", Source(a, b))
+    for cold in ([1000 + i for i in range(40)], [2000 + i for i in range(8)]):
+        assert router.take(len(cold), token_ids=cold).url == least.take(len(cold)).url == "a:1"
+    assert decisions.modes == [("context", LOAD)] * 2
+
+
 @pytest.mark.parametrize("why", ["stale", "gap", "no publisher", "no token ids"])
 def test_untrusted_overlaps_fall_back_to_least_loaded_logged_once(why, caplog):
     busy = member("a:1", Load(queued_prompt_tokens=1000))

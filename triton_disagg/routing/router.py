@@ -61,7 +61,10 @@ Policies (``router:`` per role in the config):
   requests (0 when it publishes none). Load stays in the cost: a server holding the
   prefix but with far more queued work loses. The decision's mode is counted
   (``observer.route_decision(role, mode)``): ``overlap`` (the server chosen holds some of
-  the prompt), ``load`` (none holds any), ``fallback``: a pick where some member's
+  the prompt), ``load`` (it holds none; when no member holds any, the pick is
+  least_loaded's, so traffic that shares no prefix is routed exactly as least_loaded
+  routes it: the cost's active-blocks term, for a context server the blocks its
+  handoffs hold until fetched, is no prefill work), ``fallback``: a pick where some member's
   overlap cannot be trusted (its events stopped or gapped: :meth:`KvIndex.fresh`; it
   publishes none; it does not say its tokens_per_block; the request's token ids did not
   reach the router) is least_loaded's. Each server that turns untrusted is logged once,
@@ -215,7 +218,8 @@ class Router:
     def _kv_pick(self, turn: list[Member], tokens: int, token_ids: Sequence[int] | None,
                  salt: str | None) -> tuple[Member, int]:
         """The member of least cost (module docstring), or least_loaded's when some
-        member's overlap cannot be trusted; with the tokens it would prefill."""
+        member's overlap cannot be trusted or none holds any of the prompt; with the
+        tokens it would prefill."""
         if not self._trusted(turn, token_ids):
             self._decided(FALLBACK)
             return max(turn, key=self._score), tokens
@@ -229,6 +233,9 @@ class Router:
                 hashes[tpb] = self.kv.hasher(token_ids, tpb, salt)
             overlaps[member.key] = max(self.kv.index.overlap(address, hashes[tpb])
                                        for address in member.kv_events)
+        if not any(overlaps.values()):          # nothing to trade against load
+            self._decided(LOAD)
+            return max(turn, key=self._score), tokens
         chosen = min(turn, key=lambda m: self._cost(m, tokens, overlaps[m.key]))
         self._decided(OVERLAP if overlaps[chosen.key] else LOAD)
         return chosen, _uncached(chosen, tokens, overlaps[chosen.key])
