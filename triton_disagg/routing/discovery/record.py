@@ -19,8 +19,8 @@ type, a count outside ``0..MAX_COUNT``, ``tokens_per_block`` not a power of two 
 figure the server cannot measure is ``None`` (JSON null), never a made-up 0;
 ``token_address`` / ``nixl_address`` are "" until the server knows them. ``kv_events``
 lists the KV event publishers of the server's model instances
-(:mod:`triton_disagg.routing.kv_events`), at most ``MAX_PUBLISHERS`` ``tcp://`` or
-``ipc://`` addresses of at most ``MAX_ADDRESS_CHARS`` characters each; a record without the key
+(:mod:`triton_disagg.routing.kv_events`), at most ``MAX_PUBLISHERS`` ``tcp://``
+addresses (an ``ipc://`` one would skip CurveZMQ) of at most ``MAX_ADDRESS_CHARS`` characters each; a record without the key
 (written before it existed) has none. ``models`` lists the Triton models the scheduler calls
 on their own, each with its instances' publishers: a context server of N instances names
 N, exactly :func:`~triton_disagg.config.roles.instance_models`'s (``context``,
