@@ -3,7 +3,8 @@
 one ``triton-disagg serve all`` (demo engine unless ``--engine``), the same serial request
 set (one at a time, nothing queues) sent by tritonclient gRPC streams to the ensemble
 through the door (the public gRPC port) and straight to tritonserver's own loopback port,
-in turn, after ``WARMUP`` requests each; ``--runs`` runs, each path's figures those of its
+after ``WARMUP`` requests each, the two paths taking turns every ``CHUNK`` requests (so a
+busy moment of the host falls on both); ``--runs`` runs, each path's figures those of its
 run with the best (lowest) p50 TTFT, as ``bench remote`` keeps them.
 
     .venv/bin/python scripts/door_cost.py [--engine DIR] [--requests 32] [--runs 3]
@@ -28,6 +29,7 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.launch.deploy import free_ports
 
 WARMUP = 4
+CHUNK = 16
 
 
 def _inner_grpc(work_dir: Path) -> str:
@@ -43,15 +45,22 @@ def _inner_grpc(work_dir: Path) -> str:
     raise SystemExit(f"no tritonserver under {work_dir}")
 
 
-def _figures(url: str, requests: list) -> dict[str, float]:
-    load = run_load(url, requests, 0)
-    errors = [o.error for o in load.outcomes if o.error]
-    if errors:
-        raise SystemExit(f"{url}: {len(errors)} request(s) failed: {errors[0]}")
-    done = [o.measurement for o in load.outcomes]
-    return {"ttft": float(np.median([m.ttft for m in done])),
-            "tpot": float(np.median([m.tpot for m in done if m.tpot is not None])),
-            "tokens_s": sum(m.output_tokens for m in done) / load.duration}
+def _one_run(urls: dict[str, str], requests: list) -> dict[str, dict[str, float]]:
+    """Each path's p50 TTFT and per-token time and its tokens/s over ``requests``."""
+    done: dict[str, list] = {name: [] for name in urls}
+    seconds = dict.fromkeys(urls, 0.0)
+    for first in range(0, len(requests), CHUNK):
+        for name, url in urls.items():
+            load = run_load(url, requests[first:first + CHUNK], 0)
+            errors = [o.error for o in load.outcomes if o.error]
+            if errors:
+                raise SystemExit(f"{name}: {len(errors)} request(s) failed: {errors[0]}")
+            done[name] += [o.measurement for o in load.outcomes]
+            seconds[name] += load.duration
+    return {name: {"ttft": float(np.median([m.ttft for m in ms])),
+                   "tpot": float(np.median([m.tpot for m in ms if m.tpot is not None])),
+                   "tokens_s": sum(m.output_tokens for m in ms) / seconds[name]}
+            for name, ms in done.items()}
 
 
 def main() -> int:
@@ -77,8 +86,7 @@ def main() -> int:
         for url in urls.values():
             run_load(url, make_requests(WARMUP, args, tokenizer, -1), math.inf)
         for run in range(args.runs):
-            for name, url in urls.items():
-                f = _figures(url, requests)
+            for name, f in _one_run(urls, requests).items():
                 print(f"run {run + 1}/{args.runs} {name}: TTFT p50 {f['ttft'] * 1e3:.2f} ms, "
                       f"per token p50 {f['tpot'] * 1e3:.3f} ms, {f['tokens_s']:.0f} tokens/s",
                       flush=True)
