@@ -9,6 +9,7 @@ before: streamed tokens, a client's cancel, health, the restricted APIs' header.
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import re
 import time
@@ -101,13 +102,30 @@ def test_a_large_http_body_is_refused_at_the_door_before_it_is_sent(served):
         conn.close()
 
 
+def test_a_chunked_or_compressed_body_is_refused_at_the_door(served):
+    def chunks():
+        for _ in range(MAX_BODY_BYTES // 2**20 + 2):
+            yield b"a" * 2**20
+
+    chunked = urllib.request.Request(served.http + "/v2/models/ensemble/generate",
+                                     data=chunks(), headers={"Transfer-Encoding": "chunked"})
+    with pytest.raises(urllib.error.HTTPError, match="413"):
+        urllib.request.urlopen(chunked, timeout=30)
+    gzipped = urllib.request.Request(served.http + "/v2/models/ensemble/generate",
+                                     data=gzip.compress(b"{}"),
+                                     headers={"Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError, match="415"):
+        urllib.request.urlopen(gzipped, timeout=30)
+
+
 def test_streamed_tokens_through_the_door_are_tritonservers_own(served):
     through_door = servers.grpc_stream(served.grpc, "The quick brown fox", 12)
-    assert len(through_door) == 12
-    assert through_door == servers.grpc_stream(_inner_grpc(served), "The quick brown fox", 12)
+    assert len(through_door) > 1, through_door          # streamed, not one piece
+    text = "".join(through_door)         # (deltas of tokens that came together are one)
+    assert text == "".join(servers.grpc_stream(_inner_grpc(served), "The quick brown fox", 12))
     events = servers.generate_stream(served.http, {"text_input": "The quick brown fox",
                                                    "max_tokens": 12})
-    assert "".join(e["text_output"] for e in events) == "".join(through_door)
+    assert "".join(e["text_output"] for e in events) == text
 
 
 def test_a_cancel_through_the_door_ends_the_request_and_frees_its_blocks(served):

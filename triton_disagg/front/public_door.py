@@ -18,8 +18,9 @@ back as it comes (Triton's ``generate_stream`` events included).
 Invariants: a gRPC message over ``max_bytes`` is refused by grpcio from its length prefix
 (RESOURCE_EXHAUSTED) before it is read; an HTTP body over ``max_bytes`` is refused (413)
 from its ``Content-Length`` before it is read, or, chunked, once ``max_bytes`` have come;
-a body slower than ``body_timeout`` is 408; so tritonserver never receives more than
-``max_bytes`` in one message. At most ``max_calls`` gRPC calls run at once
+a body slower than ``body_timeout`` is 408; a compressed HTTP body (``Content-Encoding``) is
+415, since Triton would inflate it unbounded (grpcio bounds an inflated gRPC message
+itself); so tritonserver never receives more than ``max_bytes`` in one message. At most ``max_calls`` gRPC calls run at once
 (grpcio refuses more with RESOURCE_EXHAUSTED) and ``max_calls`` HTTP requests (429), over
 at most ``front.max_connections`` HTTP connections. With ``tls`` (the config's
 ``grpc_tls``) the public gRPC port speaks TLS (mutual: clients need a certificate); the
@@ -176,6 +177,9 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int,
     async def forward(request: web.Request) -> web.StreamResponse:
         if (request.content_length or 0) > max_bytes:
             return _error(413, f"the body is over {max_bytes} bytes")
+        if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+            return _error(415, "a compressed body is not taken (Triton would inflate it "
+                               "unbounded); send it as is")
         if request.app[IN_FLIGHT][0] >= max_calls:
             return _error(429, f"over {max_calls} requests in flight; retry later")
         request.app[IN_FLIGHT][0] += 1
