@@ -29,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
@@ -101,6 +102,25 @@ def door_flags(endpoints: Endpoints) -> list[str]:
     if endpoints.http_port is not None:
         flags += ["--door-http", f"{endpoints.http_port}:{endpoints.inner_http_port}"]
     return flags
+
+
+def wait_door(proc: subprocess.Popen, host: str, endpoints: Endpoints, timeout: float) -> None:
+    """Return once the front's public door (if ``endpoints`` has one) accepts connections
+    on ``host`` at every public port, so "ready" means reachable; a front that exits or
+    ``timeout`` s raises :class:`UserError`."""
+    if not endpoints.behind_door:
+        return
+    deadline = time.monotonic() + timeout
+    for port in (endpoints.grpc_port, endpoints.http_port):
+        while port is not None:
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise UserError(f"the HTTP front's public door did not open port {port}; "
+                                    f"see its log (http_front.log in the work directory)")
+                time.sleep(0.1)
 
 
 def stop_front(proc: subprocess.Popen) -> None:

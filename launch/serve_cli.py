@@ -224,7 +224,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     (:mod:`.drain`; a second signal cuts that short)."""
     from .deploy import behind_door, start
     from .drain import drain
-    from .front_process import check_front_port, health_only, start_front, stop_front
+    from .front_process import check_front_port, health_only, start_front, stop_front, wait_door
     from .peers_gate import check_before_start, gate_file, start_peers_gate
     from .register import start_registration
 
@@ -275,6 +275,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         except RetryableStart as exc:     # a start that may succeed if tried again
             server.stop(grace=0)
             return f"tritonserver did not start: {exc}"
+        wait_door(front_proc, server.local_host, endpoints, args.ready_timeout)
         # A stub killed between the server's readiness and this listing is no longer listed
         # (a zombie has no argv): those seen as their models loaded are watched too.
         see_stubs()
