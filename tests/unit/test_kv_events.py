@@ -250,6 +250,7 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
     from types import SimpleNamespace
 
     from triton_disagg.launch import serve_cli
+    from triton_disagg.triton.tritonserver import Endpoints
 
     (tmp_path / "repo" / "context").mkdir(parents=True)      # the model's rendered folder
     kv_events.announce(tmp_path / "repo" / "context", "context_0_0", "tcp://10.0.0.1:5557")
@@ -259,8 +260,7 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
     assert serve_cli._kv_events("scheduler", server) == ()
     config = SimpleNamespace(mode="disaggregated", engine="e", decoupled_mode=True,
                              server=lambda role: SimpleNamespace(url="c:1"))
-    endpoints = SimpleNamespace(host="127.0.0.1", http_port=None, grpc_port=9001,
-                                metrics_port=None)
+    endpoints = Endpoints(host="127.0.0.1", http_port=None, grpc_port=9001, metrics_port=None)
     serve_cli._announce("context", config, endpoints, "c:1", server, None, 8081, addresses)
     assert "  kv events tcp://10.0.0.1:5557" in capsys.readouterr().out
 
