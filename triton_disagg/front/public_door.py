@@ -213,7 +213,7 @@ async def _forward(request: web.Request, max_bytes: int,
     except TimeoutError:
         return _error(408, f"the body did not arrive within {body_timeout:g} s")
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-    url = f"http://{request.app[INNER]}{request.raw_path}"
+    url = f"http://{request.app[INNER]}{request.rel_url.raw_path_qs}"   # origin-form only
     try:
         upstream = await request.app[SESSION].request(
             request.method, url, headers=headers, data=body or None, allow_redirects=False,
