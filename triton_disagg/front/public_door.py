@@ -20,12 +20,12 @@ Invariants: a gRPC message over ``max_bytes`` is refused by grpcio from its leng
 from its ``Content-Length`` before it is read, or, chunked, once ``max_bytes`` have come;
 a body slower than ``body_timeout`` is 408; a compressed HTTP body (``Content-Encoding``) is
 415, since Triton would inflate it unbounded (grpcio bounds an inflated gRPC message
-itself); so tritonserver never receives more than ``max_bytes`` in one message. At most ``max_calls`` gRPC calls run at once
-(grpcio refuses more with RESOURCE_EXHAUSTED) and ``max_calls`` HTTP requests (429), over
-at most ``front.max_connections`` HTTP connections. With ``tls`` (the config's
-``grpc_tls``) the public gRPC port speaks TLS (mutual: clients need a certificate); the
-hop to tritonserver is plain, on loopback. An unreachable tritonserver is UNAVAILABLE
-(gRPC) or 502 (HTTP).
+itself); so tritonserver never receives more than ``max_bytes`` in one message. At most
+``max_calls`` gRPC calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED) and
+``max_calls`` HTTP requests (429), over at most ``front.max_connections`` HTTP
+connections. With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
+(mutual: clients need a certificate); the hop to tritonserver is plain, on loopback. An
+unreachable tritonserver is UNAVAILABLE (gRPC) or 502 (HTTP).
 """
 
 from __future__ import annotations

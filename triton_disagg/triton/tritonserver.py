@@ -121,12 +121,16 @@ class Endpoints:
     @property
     def server_grpc(self) -> tuple[str, int]:
         """(address, port) tritonserver's gRPC binds."""
-        return (LOOPBACK, self.inner_grpc_port) if self.behind_door else (self.host, self.grpc_port)
+        if self.behind_door:
+            return LOOPBACK, self.inner_grpc_port
+        return self.host, self.grpc_port
 
     @property
     def server_http(self) -> tuple[str, int | None]:
         """(address, port) tritonserver's HTTP binds (port None: HTTP off)."""
-        return (LOOPBACK, self.inner_http_port) if self.behind_door else (self.host, self.http_port)
+        if self.behind_door:
+            return LOOPBACK, self.inner_http_port
+        return self.host, self.http_port
 
 
 def locate(override: str | os.PathLike | None = None) -> TritonInstall:
