@@ -30,6 +30,12 @@ keeps Triton's usual 8000 / 8001 / 8002 (tritonclient's and the client CLI's def
 its front on 8080, unless the config names ``scheduler_server.url``: then the scheduler's
 scheme. ``serve context|generation`` takes its gRPC port from its ``url`` (that is where
 the scheduler dials) and opens HTTP and metrics only when given a port (flag or config).
+
+The public door: on ``serve all|scheduler`` Triton's gRPC and HTTP ports are the clients',
+so the HTTP front's process answers them (:mod:`triton_disagg.front.public_door`, bounding
+every message) and tritonserver listens on loopback on two ports picked free
+(:func:`behind_door`); its metrics port stays where it is. Context and generation keep
+tritonserver on their ports: only their peers reach them.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
@@ -105,6 +111,17 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
         raise UserError(f"ports collide (http {http}, grpc {grpc}, metrics {metrics}); "
                         f"pick distinct --http-port/--grpc-port/--metrics-port")
     return Endpoints(host=host, http_port=http, grpc_port=grpc, metrics_port=metrics)
+
+
+def behind_door(role: str, endpoints: Endpoints) -> Endpoints:
+    """``endpoints`` with tritonserver's gRPC and HTTP moved to loopback ports picked free,
+    behind the public door, for the roles whose Triton ports are public (all, scheduler);
+    as they are for the others (module docstring)."""
+    if role not in (Role.ALL, Role.SCHEDULER):
+        return endpoints
+    grpc, http = free_ports(2)
+    return replace(endpoints, inner_grpc_port=grpc,
+                   inner_http_port=None if endpoints.http_port is None else http)
 
 
 def advertised_url(role: str, config: DisaggConfig, endpoints: Endpoints,

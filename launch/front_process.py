@@ -12,7 +12,9 @@ clients reach the scheduler: the deployment guide's ``scheduler-node:8002``), el
 move out of the way: :func:`launch.deploy.triton_ports`), 8080 for ``serve all`` (its
 tritonserver keeps 8000-8002), 8081 for context and 8082 for generation (their fronts answer
 ``/healthz`` alone), so the roles of one host do not collide. It binds where tritonserver
-binds and calls tritonserver's gRPC port on this host.
+binds and calls tritonserver's gRPC port on this host. For ``serve all|scheduler`` it also
+answers Triton's public gRPC and HTTP ports, the public door
+(:mod:`triton_disagg.front.public_door`), forwarding to tritonserver on loopback.
 Its admission caps and timeouts are the config's ``front`` section
 (:mod:`triton_disagg.config.front_section`), passed as flags.
 
@@ -27,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from triton_disagg.config.disagg import DisaggConfig
@@ -69,10 +72,11 @@ def check_front_port(host: str, port: int, endpoints: Endpoints) -> None:
                             f"what uses it or pass --front-port") from None
 
 
-def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host: str,
+def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_url: str,
                 work_dir: Path, models: tuple[str, ...] = (), health_only: bool = False,
                 gate: Path | None = None) -> subprocess.Popen:
-    """Start the front on ``endpoints.host:port``, calling ``grpc_host``'s gRPC port; its log
+    """Start the front on ``endpoints.host:port``, calling tritonserver at ``grpc_url``
+    (and, ``endpoints`` behind the door, answering its public ports: :func:`door_flags`); its log
     goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
     are (the orchestrator always, for the whole front); ``health_only``: its health-only
     mode, else the whole front, whose model id is the config's served model name; ``gate``: a
@@ -81,13 +85,42 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_host
     mode = ["--health-only"] if health_only else \
         ["--engine", str(config.engine), "--model-name", config.served_model_name]
     cmd = [sys.executable, "-m", "triton_disagg.front.http_front", *mode,
-           "--models", ",".join(models), "--grpc-url", f"{grpc_host}:{endpoints.grpc_port}",
+           "--models", ",".join(models), "--grpc-url", grpc_url,
            "--host", endpoints.host, "--port", str(port), "--log", str(log),
-           *front_flags(config.front), *tls_flags(config.grpc_tls)]
+           *door_flags(endpoints), *front_flags(config.front), *tls_flags(config.grpc_tls)]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env={**os.environ, GATE_ENV: str(gate)} if gate
                                 else None)
+
+
+def door_flags(endpoints: Endpoints) -> list[str]:
+    """The front's flags for the public door of ``endpoints`` ([] when not behind one)."""
+    if not endpoints.behind_door:
+        return []
+    flags = ["--door-grpc", f"{endpoints.grpc_port}:{endpoints.inner_grpc_port}"]
+    if endpoints.http_port is not None:
+        flags += ["--door-http", f"{endpoints.http_port}:{endpoints.inner_http_port}"]
+    return flags
+
+
+def wait_door(proc: subprocess.Popen, host: str, endpoints: Endpoints, timeout: float) -> None:
+    """Return once the front's public door (if ``endpoints`` has one) accepts connections
+    on ``host`` at every public port, so "ready" means reachable; a front that exits or
+    ``timeout`` s raises :class:`UserError`."""
+    if not endpoints.behind_door:
+        return
+    deadline = time.monotonic() + timeout
+    for port in (endpoints.grpc_port, endpoints.http_port):
+        while port is not None:
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise UserError(f"the HTTP front's public door did not open port {port}; "
+                                    f"see its log (http_front.log in the work directory)")
+                time.sleep(0.1)
 
 
 def stop_front(proc: subprocess.Popen) -> None:

@@ -228,9 +228,9 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     stub died, or tritonserver was killed by a signal; it is stopped and deregistered by
     then). A context or generation server stopped by a signal deregisters, then drains
     (:mod:`.drain`; a second signal cuts that short)."""
-    from .deploy import start
+    from .deploy import behind_door, start
     from .drain import drain
-    from .front_process import check_front_port, health_only, start_front, stop_front
+    from .front_process import check_front_port, health_only, start_front, stop_front, wait_door
     from .peers_gate import check_before_start, gate_file, start_peers_gate
     from .register import start_registration
 
@@ -238,6 +238,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if restart:
         keep_log(work_dir, restart)
     check_front_port(endpoints.host, front, endpoints)
+    endpoints = behind_door(args.role, endpoints)     # picked afresh at each start
     gated = args.role == Role.SCHEDULER
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -252,7 +253,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
               f"the header value on its command line, have its shared-memory API write into "
               f"this user's /dev/shm (docs/architecture.md, trust boundaries)", flush=True)
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
-    front_proc = start_front(config, endpoints, front, server.local_host, server.work_dir,
+    front_proc = start_front(config, endpoints, front, server.grpc_url, server.work_dir,
                              tuple(models), health_only(args.role, config),
                              gate_file(server.work_dir) if gated else None)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
@@ -280,6 +281,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         except RetryableStart as exc:     # a start that may succeed if tried again
             server.stop(grace=0)
             return f"tritonserver did not start: {exc}"
+        wait_door(front_proc, server.local_host, endpoints, args.ready_timeout)
         # A stub killed between the server's readiness and this listing is no longer listed
         # (a zombie has no argv): those seen as their models loaded are watched too.
         see_stubs()
@@ -354,6 +356,8 @@ def _served_models(role: str, config, server) -> tuple[ModelRecord, ...]:
 
 def _announce(role: str, config, endpoints, advertised: str | None, server,
               registration, front: int, kv_events: tuple[str, ...] = ()) -> None:
+    from triton_disagg.front.openai_api import MAX_BODY_BYTES
+
     from .front_process import health_only
 
     shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
@@ -362,6 +366,9 @@ def _announce(role: str, config, endpoints, advertised: str | None, server,
     if endpoints.http_port is not None:
         lines.append(f"  HTTP     http://{shown}:{endpoints.http_port}")
     lines.append(f"  gRPC     {shown}:{endpoints.grpc_port}")
+    if endpoints.behind_door:
+        lines.append(f"  (the public door: messages over {MAX_BODY_BYTES // 2**20} MiB refused; "
+                     f"tritonserver itself on {server.grpc_url})")
     if endpoints.metrics_port is not None:
         lines.append(f"  metrics  http://{shown}:{endpoints.metrics_port}/metrics")
     if health_only(role, config):

@@ -3,8 +3,9 @@ tritonserver of the deployment serves gRPC over TLS and every call this project 
 (the scheduler's to context and generation, its peer probes, the HTTP front's relay, the
 readiness checks) speaks it. Here the three roles run with ``mutual: true`` from
 certificates ``openssl`` makes for the test: the guide's request through the scheduler's
-front gets the offline engine's text, and the context's gRPC port refuses a client in clear,
-one without a client certificate, and one whose certificate another CA signed."""
+front gets the offline engine's text, and the context's gRPC port, and the scheduler's (its
+public door, :mod:`triton_disagg.front.public_door`), refuse a client in clear, one without
+a client certificate, and one whose certificate another CA signed."""
 
 from __future__ import annotations
 
@@ -74,13 +75,14 @@ def test_the_roles_speak_mutual_tls_and_refuse_clients_without_it(demo_engine, t
         assert reply.json()["choices"][0]["text"] == servers.offline_text(demo_engine)(PROMPT, 8)
 
         ca = str(pki / "ca.pem")
-        assert _ready(ctx.grpc, ssl=True, root_certificates=ca,
-                      private_key=str(pki / "server.key"),
-                      certificate_chain=str(pki / "server.pem"))
-        assert not _ready(ctx.grpc), "a client in clear was served"
-        assert not _ready(ctx.grpc, ssl=True, root_certificates=ca), \
-            "a client without a certificate was served"
-        assert not _ready(ctx.grpc, ssl=True, root_certificates=ca,
-                          private_key=str(pki / "rogue.key"),
-                          certificate_chain=str(pki / "rogue.pem")), \
-            "a client certified by another CA was served"
+        for grpc in (ctx.grpc, scheduler.grpc):
+            assert _ready(grpc, ssl=True, root_certificates=ca,
+                          private_key=str(pki / "server.key"),
+                          certificate_chain=str(pki / "server.pem")), grpc
+            assert not _ready(grpc), f"{grpc}: a client in clear was served"
+            assert not _ready(grpc, ssl=True, root_certificates=ca), \
+                f"{grpc}: a client without a certificate was served"
+            assert not _ready(grpc, ssl=True, root_certificates=ca,
+                              private_key=str(pki / "rogue.key"),
+                              certificate_chain=str(pki / "rogue.pem")), \
+                f"{grpc}: a client certified by another CA was served"

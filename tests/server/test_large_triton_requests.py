@@ -1,53 +1,154 @@
-"""Large requests on Triton's own public gRPC port (issue 27 re-review F5): Triton 2.51 takes
-a message of up to 2 GiB before any model runs, and refuses nothing by size. A client may
-send them; what tritonserver keeps of them afterwards must stay bounded: by default Triton
-keeps up to 8 request objects for reuse, each holding the capacity of the largest message
-it carried, so a stream of large requests ratcheted its memory up (200 MiB requests:
-+1.7 GiB after 11, still climbing). Serve starts it with
-``--grpc-infer-allocation-pool-size=0``. Measured here: tritonserver's resident memory
-after ``REQUESTS`` refused requests of ``SIZE`` bytes each stays under ``BOUND`` x ``SIZE``
-above what it was before them."""
+"""Triton's public ports of ``serve all`` go through the public door (issue 27 re-review F5,
+:mod:`triton_disagg.front.public_door`): Triton 2.51 takes a message of up to 2 GiB and
+holds it several times over while a model refuses it, so tritonserver listens on loopback
+and the door, on the public ports, refuses a message over the front's body bound before
+it is read. Measured: tritonserver's peak resident memory (``VmHWM``) around a refused
+``SIZE`` message, at the door (it must not move) and at tritonserver's own port (it grows
+by more than ``SIZE``: what the door spares it). Through the door everything else works as
+before: streamed tokens, a client's cancel, health, the restricted APIs' header."""
 
 from __future__ import annotations
 
+import gzip
+import http.client
+import re
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import servers
+from front_server import blocks_used
+from triton_disagg.front.openai_api import MAX_BODY_BYTES
+from triton_disagg.triton.tritonserver import RESTRICTED_HEADER
 
-SIZE = 128 * 2**20
-REQUESTS = 8
-BOUND = 4
-
-
-def _tritonserver_rss(work_dir: Path) -> int:
-    """Resident bytes of the server's tritonserver process."""
-    for line in servers.processes_under(work_dir):
-        pid = line.split(":", 1)[0]
-        if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver":
-            status = Path(f"/proc/{pid}/status").read_text()
-            return int(next(l.split()[1] for l in status.splitlines()
-                            if l.startswith("VmRSS:"))) * 1024
-    raise AssertionError("no tritonserver process under the work directory")
+SIZE = 64 * 2**20
+REFUSED_WITHIN_SECONDS = 5.0
+UNMOVED_BYTES = 16 * 2**20      # tritonserver's peak may move this much for other reasons
 
 
-def test_large_refused_requests_leave_tritonserver_memory_bounded(demo_engine, tmp_path):
+@pytest.fixture(scope="module")
+def served(demo_engine, tmp_path_factory):
+    with servers.serve_config(f"model: {{engine: {demo_engine}}}\nkv_cache: {{max_size: 16MB}}\n",
+                              tmp_path_factory.mktemp("door")) as served:
+        yield served
+
+
+def _argv(served) -> list[str]:
+    pid = servers.tritonserver_pid(served.work_dir)
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def _flag(served, name: str) -> str:
+    return next(a.split("=", 1)[1] for a in _argv(served) if a.startswith(f"--{name}="))
+
+
+def _inner_grpc(served) -> str:
+    return f"{_flag(served, 'grpc-address')}:{_flag(served, 'grpc-port')}"
+
+
+def _peak_rss(served) -> int:
+    """tritonserver's peak resident bytes so far."""
+    status = Path(f"/proc/{servers.tritonserver_pid(served.work_dir)}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def _infer_large(grpc: str) -> tuple[object, float]:
+    """Send a ``SIZE`` text to preprocessing (the ensemble's first step; the ensemble itself
+    takes streams alone) over gRPC: (the error, seconds until it came)."""
     import tritonclient.grpc as grpcclient
 
-    with servers.serve_config(f"model: {{engine: {demo_engine}}}\n"
-                              "kv_cache: {max_size: 16MB}\n", tmp_path) as served:
-        before = _tritonserver_rss(served.work_dir)
-        text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-        text.set_data_from_numpy(np.array([[b"a" * SIZE]], dtype=object))
-        max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
-        max_tokens.set_data_from_numpy(np.array([[4]], np.int32))
-        with grpcclient.InferenceServerClient(served.grpc) as client:
-            for _ in range(REQUESTS):
-                try:
-                    client.infer("preprocessing", [text, max_tokens])
-                    raise AssertionError("a text of 128 MiB was taken")
-                except grpcclient.InferenceServerException as exc:
-                    assert "more than the" in exc.message(), exc.message()
-        grown = _tritonserver_rss(served.work_dir) - before
-        assert grown < BOUND * SIZE, f"tritonserver kept {grown / 2**20:.0f} MiB"
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"a" * SIZE]], dtype=object))
+    max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([[4]], np.int32))
+    with grpcclient.InferenceServerClient(grpc) as client:
+        start = time.monotonic()
+        with pytest.raises(grpcclient.InferenceServerException) as refused:
+            client.infer("preprocessing", [text, max_tokens])
+        return refused.value, time.monotonic() - start
+
+
+def test_a_large_grpc_message_is_refused_at_the_door_before_tritonserver(served):
+    assert _flag(served, "grpc-address") == "127.0.0.1"
+    assert _flag(served, "grpc-port") != served.grpc.rsplit(":", 1)[1]
+    before = _peak_rss(served)
+    error, seconds = _infer_large(served.grpc)
+    assert error.status() == "StatusCode.RESOURCE_EXHAUSTED", error
+    assert str(MAX_BODY_BYTES) in error.message(), error.message()
+    assert seconds < REFUSED_WITHIN_SECONDS
+    with pytest.raises(RuntimeError, match=f"larger than max .* vs. {MAX_BODY_BYTES}"):
+        servers.grpc_stream(served.grpc, "a" * SIZE, 4)       # the ensemble's stream too
+    assert _peak_rss(served) - before < UNMOVED_BYTES
+    error, _ = _infer_large(_inner_grpc(served))         # what the door spares tritonserver
+    assert "more than the" in error.message(), error.message()
+    assert _peak_rss(served) - before > SIZE
+
+
+def test_a_large_http_body_is_refused_at_the_door_before_it_is_sent(served):
+    host, port = served.http.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:                # the headers alone: the door answers without waiting for the body
+        conn.putrequest("POST", "/v2/models/ensemble/generate")
+        conn.putheader("Content-Length", str(SIZE))
+        conn.endheaders()
+        response = conn.getresponse()
+        assert response.status == 413, response.read()
+        assert str(MAX_BODY_BYTES) in response.read().decode()
+    finally:
+        conn.close()
+
+
+def test_a_chunked_or_compressed_body_is_refused_at_the_door(served):
+    def chunks():
+        for _ in range(MAX_BODY_BYTES // 2**20 + 2):
+            yield b"a" * 2**20
+
+    chunked = urllib.request.Request(served.http + "/v2/models/ensemble/generate",
+                                     data=chunks(), headers={"Transfer-Encoding": "chunked"})
+    with pytest.raises(urllib.error.HTTPError, match="413"):
+        urllib.request.urlopen(chunked, timeout=30)
+    gzipped = urllib.request.Request(served.http + "/v2/models/ensemble/generate",
+                                     data=gzip.compress(b"{}"),
+                                     headers={"Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError, match="415"):
+        urllib.request.urlopen(gzipped, timeout=30)
+
+
+def test_streamed_tokens_through_the_door_are_tritonservers_own(served):
+    through_door = servers.grpc_stream(served.grpc, "The quick brown fox", 12)
+    assert len(through_door) > 1, through_door          # streamed, not one piece
+    text = "".join(through_door)         # (deltas of tokens that came together are one)
+    assert text == "".join(servers.grpc_stream(_inner_grpc(served), "The quick brown fox", 12))
+    events = servers.generate_stream(served.http, {"text_input": "The quick brown fox",
+                                                   "max_tokens": 12})
+    assert "".join(e["text_output"] for e in events) == text
+
+
+def test_a_cancel_through_the_door_ends_the_request_and_frees_its_blocks(served):
+    servers.cancel_a_stream(served.grpc, served.metrics)
+    servers.wait_until(lambda: blocks_used(served) == 0, 30, "the KV blocks freed")
+
+
+def test_health_and_the_restricted_apis_header_pass_the_door(served):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    with urllib.request.urlopen(served.http + "/v2/health/ready", timeout=10) as resp:
+        assert resp.status == 200
+    restricted = _flag(served, "http-restricted-api").rsplit("=", 1)[1]
+    logging = urllib.request.Request(served.http + "/v2/logging")
+    with pytest.raises(urllib.error.HTTPError, match="403"):
+        urllib.request.urlopen(logging, timeout=10)
+    logging.add_header(RESTRICTED_HEADER, restricted)
+    with urllib.request.urlopen(logging, timeout=10) as resp:
+        assert resp.status == 200
+    with grpcclient.InferenceServerClient(served.grpc) as client:
+        assert client.is_server_ready()
+        with pytest.raises(InferenceServerException, match="restricted"):
+            client.get_log_settings()
+        header = {f"triton-grpc-protocol-{RESTRICTED_HEADER}": restricted}
+        assert client.get_log_settings(headers=header, as_json=True)["settings"]

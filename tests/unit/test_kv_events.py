@@ -250,6 +250,7 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
     from types import SimpleNamespace
 
     from triton_disagg.launch import serve_cli
+    from triton_disagg.triton.tritonserver import Endpoints
 
     for model, address in (("context", "tcp://10.0.0.1:5557"), ("context_1", "tcp://10.0.0.1:5558")):
         (tmp_path / "repo" / model).mkdir(parents=True)      # each instance's model folder
@@ -262,8 +263,7 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
         ("context", ("tcp://10.0.0.1:5557",)), ("context_1", ("tcp://10.0.0.1:5558",))]
     assert serve_cli._served_models("scheduler", config, server) == ()
     addresses = ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
-    endpoints = SimpleNamespace(host="127.0.0.1", http_port=None, grpc_port=9001,
-                                metrics_port=None)
+    endpoints = Endpoints(host="127.0.0.1", http_port=None, grpc_port=9001, metrics_port=None)
     serve_cli._announce("context", config, endpoints, "c:1", server, None, 8081, addresses)
     assert "  kv events tcp://10.0.0.1:5557, tcp://10.0.0.1:5558" in capsys.readouterr().out
 

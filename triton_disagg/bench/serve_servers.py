@@ -92,7 +92,7 @@ def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
     http, grpc, metrics, front_port = free_ports(4)
     endpoints = Endpoints("127.0.0.1", http, grpc, metrics)
     server = start("all", config, endpoints, work_dir / mode)
-    proc = start_front(config, endpoints, front_port, "127.0.0.1", server.work_dir) \
+    proc = start_front(config, endpoints, front_port, server.grpc_url, server.work_dir) \
         if openai else None
     try:
         server.wait_ready(ready_timeout)

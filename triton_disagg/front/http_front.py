@@ -27,6 +27,11 @@ client that disconnects cancels its handler (``handler_cancellation``), which ca
 gRPC stream, which the orchestrator sees and stops generation, freeing the KV blocks; a
 stream that fails part-way ends with an error event and no ``[DONE]``, never a normal
 finish. The process exits when its parent (``serve``) is gone.
+
+With ``--door-grpc PORT:INNER`` (and ``--door-http PORT:INNER``) it also answers Triton's
+public gRPC (and HTTP) port on ``--host`` and forwards to tritonserver's on loopback,
+bounding every message to ``MAX_BODY_BYTES`` (:mod:`.public_door`); then the ``--grpc-*``
+TLS flags are the door's, and ``--grpc-url`` (loopback) is dialled in clear.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from triton_disagg.front.health import Readiness, ServerReadiness, add_health_ro
 from triton_disagg.front.openai_api import MAX_BODY_BYTES, ApiError
 from triton_disagg.front.openapi import document
 from triton_disagg.front.orchestrator_call import Relay, RequestEncoder
+from triton_disagg.front.public_door import DoorPorts, open_door
 from triton_disagg.front.tokenizer_routes import add_tokenizer_routes, tokenizer_posts
 from triton_disagg.triton.grpc_channel import client_options
 
@@ -190,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--log", type=Path, help="log file (default: stderr)")
+    p.add_argument("--door-grpc", metavar="PORT:INNER", type=_port_pair,
+                   help="answer Triton's gRPC on --host:PORT, forwarding to 127.0.0.1:INNER")
+    p.add_argument("--door-http", metavar="PORT:INNER", type=_port_pair,
+                   help="answer Triton's HTTP on --host:PORT, forwarding to 127.0.0.1:INNER")
     add_front_flags(p)
     add_tls_flags(p)
     args = p.parse_args(argv)
@@ -198,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(filename=args.log, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     front, tls = front_from_flags(args), tls_from_flags(args)
+    door = None if args.door_grpc is None else DoorPorts(
+        args.host, *args.door_grpc, *(args.door_http or (None, None)))
+    inner_tls = None if door else tls       # behind the door tritonserver speaks in clear
     preparer = None if args.health_only else RequestEncoder(args.engine, args.model_name)
     models = tuple(m for m in args.models.split(",") if m)
     parent = os.getppid()
@@ -207,11 +220,18 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve() -> None:
         # the gRPC channel needs the loop
-        app = _health_only_app(args.grpc_url, models, front, args.host, tls) \
-            if preparer is None else make_app(preparer, Relay(args.grpc_url, models, tls), front,
-                                              args.host)
+        app = _health_only_app(args.grpc_url, models, front, args.host, inner_tls) \
+            if preparer is None else make_app(preparer, Relay(args.grpc_url, models, inner_tls),
+                                              front, args.host)
         app.on_startup.append(start_watch)
-        await _serve(app, args.host, args.port, front)
+        close_door = None if door is None else await open_door(
+            door, MAX_BODY_BYTES, front, tls, lambda door_app: _runner(door_app, front,
+                                                                       app[METRICS]))
+        try:
+            await _serve(app, args.host, args.port, front)
+        finally:
+            if close_door is not None:
+                await close_door()
 
     try:
         asyncio.run(serve())
@@ -220,17 +240,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _port_pair(text: str) -> tuple[int, int]:
+    """``PORT:INNER`` -> (PORT, INNER)."""
+    public, inner = text.split(":")
+    return int(public), int(inner)
+
+
+def _runner(app: web.Application, front: FrontConfig, metrics: FrontMetrics,
+            handle_signals: bool = False) -> CappedRunner:
+    """A runner for ``app`` with the connection cap and write timeout of
+    :class:`~triton_disagg.front.http_gates.CappedRunner` and the idle timeout of ``front``,
+    its refusals counted in ``metrics``."""
+    return CappedRunner(app, front.max_connections, front.write_timeout_seconds,
+                        metrics.refused_connection, metrics.stalled_connection,
+                        handle_signals=handle_signals, auto_decompress=False,  # read_json: 415
+                        handler_cancellation=True, access_log=None,
+                        keepalive_timeout=front.idle_timeout_seconds,
+                        shutdown_timeout=SHUTDOWN_SECONDS)
+
+
 async def _serve(app: web.Application, host: str, port: int, front: FrontConfig) -> None:
-    """Serve ``app`` on ``host:port`` until cancelled (aiohttp's ``run_app``, with the
-    connection cap and write timeout of
-    :class:`~triton_disagg.front.http_gates.CappedRunner` and the idle timeout of
-    ``front``)."""
-    runner = CappedRunner(app, front.max_connections, front.write_timeout_seconds,
-                          app[METRICS].refused_connection, app[METRICS].stalled_connection,
-                          handle_signals=True, auto_decompress=False,   # read_json: 415
-                          handler_cancellation=True, access_log=None,
-                          keepalive_timeout=front.idle_timeout_seconds,
-                          shutdown_timeout=SHUTDOWN_SECONDS)
+    """Serve ``app`` on ``host:port`` until cancelled (aiohttp's ``run_app``, with
+    :func:`_runner`)."""
+    runner = _runner(app, front, app[METRICS], handle_signals=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

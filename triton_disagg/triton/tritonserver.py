@@ -41,10 +41,12 @@ own Python-backend regions (their names are on the stubs' command lines) as shar
 and read or write every request's tensors through inference
 (``tests/server/test_local_users.py``). The gRPC endpoint accepts the orchestrators' keepalive pings
 (:mod:`triton_disagg.front.grpc_transport`): every ``KEEPALIVE_MS``, idle calls included.
-Triton bounds no request's size (up to 2 GiB over gRPC) and by default keeps up to 8
-request objects for reuse, each holding the capacity of the largest message it carried,
-so a run of large requests, even refused ones, would ratchet its memory up: it keeps none
-(``--grpc-infer-allocation-pool-size=0``).
+Triton 2.51 bounds no request's size (up to 2 GiB over gRPC): where its ports are public
+(:class:`Endpoints` with inner ports: ``serve all|scheduler``) it listens on loopback on
+those, in clear, behind the door (:mod:`triton_disagg.front.public_door`), which bounds
+every message. By default Triton keeps up to 8 request objects for reuse, each holding
+the capacity of the largest message it carried, so a run of large requests would ratchet
+its memory up: it keeps none (``--grpc-infer-allocation-pool-size=0``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ STACKS_WAIT_SECONDS = 1.0   # for a stuck stub to write its stacks (stub_start.S
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
 RESTRICTED_APIS = ("shared-memory", "logging", "trace")
 RESTRICTED_HEADER = "triton-disagg:closed"   # unsendable (module docstring)
+LOOPBACK = "127.0.0.1"
 KEEPALIVE_MS = 10_000       # the orchestrators' gRPC keepalive interval (servers allow half)
 
 
@@ -102,10 +105,33 @@ class TritonInstall:
 
 @dataclass(frozen=True)
 class Endpoints:
+    """Where clients reach the server; with inner ports, its gRPC and HTTP are behind the
+    public door (:mod:`triton_disagg.front.public_door`): the door answers ``host`` at
+    ``grpc_port`` / ``http_port`` and tritonserver listens on ``LOOPBACK`` at the inner ones."""
     host: str                   # bind address
     http_port: int | None       # None: HTTP off
     grpc_port: int
     metrics_port: int | None    # None: metrics off
+    inner_grpc_port: int | None = None      # None: no door, tritonserver on grpc_port
+    inner_http_port: int | None = None      # set when behind the door with HTTP on
+
+    @property
+    def behind_door(self) -> bool:
+        return self.inner_grpc_port is not None
+
+    @property
+    def server_grpc(self) -> tuple[str, int]:
+        """(address, port) tritonserver's gRPC binds."""
+        if self.behind_door:
+            return LOOPBACK, self.inner_grpc_port
+        return self.host, self.grpc_port
+
+    @property
+    def server_http(self) -> tuple[str, int | None]:
+        """(address, port) tritonserver's HTTP binds (port None: HTTP off)."""
+        if self.behind_door:
+            return LOOPBACK, self.inner_http_port
+        return self.host, self.http_port
 
 
 def locate(override: str | os.PathLike | None = None) -> TritonInstall:
@@ -168,7 +194,8 @@ class TritonServer:
         """``cpus``: the cores the server process (and what it forks) runs on; () leaves it
         on this process's. ``grpc_tls``: serve gRPC over TLS (the config's ``grpc_tls``)."""
         self.install, self.repo, self.endpoints, self.work_dir = install, repo, endpoints, work_dir
-        self.cpus, self.grpc_tls = tuple(cpus), grpc_tls
+        self.cpus = tuple(cpus)
+        self.grpc_tls = None if endpoints.behind_door else grpc_tls     # the door's TLS then
         self.log_path = work_dir / "tritonserver.log"
         self.env = server_env(install, env)
         self.private_shm = private_shm.possible()
@@ -190,14 +217,14 @@ class TritonServer:
                "--exit-timeout-secs=10", f"--log-verbose={self.log_verbose}",
                "--grpc-infer-allocation-pool-size=0",   # keeps no large request's memory
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-               f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}",
+               f"--grpc-address={e.server_grpc[0]}", f"--grpc-port={e.server_grpc[1]}",
                *(self.grpc_tls.server_args() if self.grpc_tls else [])]
         if self.env.get(log_format.FORMAT_ENV) == "json":   # serve --log-format json
             cmd.append("--log-format=ISO8601")
         if e.http_port is None:
             cmd.append("--allow-http=false")
         else:
-            cmd += [f"--http-address={e.host}", f"--http-port={e.http_port}"]
+            cmd += [f"--http-address={e.server_http[0]}", f"--http-port={e.server_http[1]}"]
         if e.metrics_port is None:
             cmd.append("--allow-metrics=false")
         else:
@@ -289,16 +316,19 @@ class TritonServer:
     @property
     def local_host(self) -> str:
         """Where this host reaches the server's endpoints."""
-        return "127.0.0.1" if self.endpoints.host in ("0.0.0.0", "::") else self.endpoints.host
+        return _reachable(self.endpoints.host)
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.local_host}:{self.endpoints.grpc_port}"
+        """Where this host reaches tritonserver's own gRPC (behind the door: loopback)."""
+        host, port = self.endpoints.server_grpc
+        return f"{_reachable(host)}:{port}"
 
     def is_ready(self) -> bool:
-        if self.endpoints.http_port is not None:
+        host, port = self.endpoints.server_http
+        if port is not None:
             try:
-                url = f"http://{self.local_host}:{self.endpoints.http_port}/v2/health/ready"
+                url = f"http://{_reachable(host)}:{port}/v2/health/ready"
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     return resp.status == 200
             except OSError:
@@ -341,6 +371,11 @@ class TritonServer:
                 os.unlink(os.path.join(shm.SHM_DIR, name))
         shm.sweep()
         return code
+
+
+def _reachable(host: str) -> str:
+    """Where this host reaches a socket bound to ``host``."""
+    return LOOPBACK if host in ("0.0.0.0", "::") else host
 
 
 def _before_exec(cpus: tuple[int, ...], host_shm: str | None) -> None:
