@@ -5,7 +5,7 @@ and the door, on the public ports, refuses a message over the front's body bound
 it is read. Measured: tritonserver's peak resident memory (``VmHWM``) around a refused
 ``SIZE`` message, at the door (it must not move) and at tritonserver's own port (it grows
 by more than ``SIZE``: what the door spares it). Through the door everything else works as
-before: streamed tokens, a client's cancel, health, the restricted APIs' header."""
+before: streamed tokens, a client's cancel, health; the restricted APIs stay closed."""
 
 from __future__ import annotations
 
