@@ -34,9 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 from triton_disagg.config.roles import Role
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.front.health import GATE_ENV
 from triton_disagg.routing.discovery.periodic import Periodic
-
 from triton_disagg.triton.grpc_channel import client_options
 
 if TYPE_CHECKING:
