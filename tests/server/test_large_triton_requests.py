@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import os
 import re
 import time
 import urllib.error
@@ -151,3 +152,29 @@ def test_health_passes_the_door_and_the_restricted_apis_stay_closed(served):
         assert client.is_server_ready()
         with pytest.raises(InferenceServerException, match="restricted"):
             client.get_log_settings(headers={f"triton-grpc-protocol-{head}": f"{tail}={value}"})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to listen as another user")
+def test_a_port_another_user_listens_on_is_not_the_doors_to_forward_to(tmp_path):
+    """rev27c: the inner ports are on tritonserver's command line, and a local user who
+    binds one first would have received what the door forwards. The door forwards only to
+    ports whose every listener is this user's."""
+    import socket
+    import subprocess
+    import sys
+
+    from triton_disagg.front.public_door import InnerOwner
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    squatter = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+         f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen();"
+         f" print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        assert not InnerOwner((port,)).ours()
+    finally:
+        squatter.kill()
+        squatter.wait()

@@ -41,6 +41,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the whole front needs --engine and --model-name (or pass --health-only)")
     logging.basicConfig(filename=args.log, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _open_files_to_the_hard_limit()
     front, tls = front_from_flags(args), tls_from_flags(args)
     door = None if args.door_grpc is None else DoorPorts(
         args.host, *args.door_grpc, *(args.door_http or (None, None)))
@@ -238,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     except (web.GracefulExit, KeyboardInterrupt):     # SIGTERM / SIGINT: stopped cleanly
         pass
     return 0
+
+
+def _open_files_to_the_hard_limit() -> None:
+    """Raise this process's soft limit on open files to the hard one: the front's and the
+    door's connections share it, and a common soft default (1024) would let a client's idle
+    connections take the descriptors every other route needs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _port_pair(text: str) -> tuple[int, int]:

@@ -22,15 +22,25 @@ a body slower than ``body_timeout`` is 408; a compressed HTTP body (``Content-En
 415, since Triton would inflate it unbounded (grpcio bounds an inflated gRPC message
 itself); so tritonserver never receives more than ``max_bytes`` in one message. At most
 ``max_calls`` gRPC calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED) and
-``max_calls`` HTTP requests (429), over at most ``front.max_connections`` HTTP
-connections. With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
-(mutual: clients need a certificate); the hop to tritonserver is plain, on loopback. An
-unreachable tritonserver is UNAVAILABLE (gRPC) or 502 (HTTP).
+``max_calls`` HTTP requests (429 with ``Retry-After``), over at most
+``front.max_connections`` HTTP connections; ``/v2/health/*`` (Kubernetes' liveness probe)
+is never refused by the request cap. A gRPC stream with no message either way for
+``idle_seconds`` is ended (DEADLINE_EXCEEDED) and a gRPC connection with no call for as
+long is closed, so idle clients cannot hold the call cap or the process's descriptors for
+ever. The HTTP door checks ``Origin`` and ``Host`` as the front does (a web page cannot
+drive it). With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
+(mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
+Nothing is forwarded unless every socket listening on an inner port is this user's
+(:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
+command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE (gRPC, its
+details not naming the inner port) or 502 (HTTP).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
@@ -41,6 +51,8 @@ from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
+from triton_disagg.front.openai_api import ApiError
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
 SERVICE = "inference.GRPCInferenceService"
@@ -50,6 +62,40 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
                         "host", "content-length"})
 CONNECT_SECONDS = 5.0       # to reach tritonserver's HTTP port
+HEALTH = "/v2/health/"      # probes: never refused by the request cap
+OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
+UNREACHABLE = "tritonserver is not reachable"
+
+
+class InnerOwner:
+    """Whether every TCP socket listening on the inner ``ports`` (any address: a wildcard
+    listener would take loopback's connections) belongs to this process's user, from
+    ``/proc/net/tcp`` and ``tcp6``; at least one must listen on each port. Asked at most
+    once a ``OWNER_CHECK_SECONDS``."""
+
+    def __init__(self, ports: tuple[int, ...]):
+        self.ports, self.uid = ports, os.geteuid()
+        self._checked, self._ours = -OWNER_CHECK_SECONDS, False
+
+    def ours(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked >= OWNER_CHECK_SECONDS:
+            self._checked, self._ours = now, self._check()
+        return self._ours
+
+    def _check(self) -> bool:
+        owners: dict[int, set[int]] = {port: set() for port in self.ports}
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                rows = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                fields = row.split()        # sl local rem st ... uid (7)
+                port = int(fields[1].rsplit(":", 1)[1], 16)
+                if fields[3] == "0A" and port in owners:        # 0A: LISTEN
+                    owners[port].add(int(fields[7]))
+        return all(uids == {self.uid} for uids in owners.values())
 
 
 @dataclass(frozen=True)
@@ -79,20 +125,27 @@ def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, st
 
 
 async def _relay_failure(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:
-    """End the caller's call as tritonserver ended ours (raises grpc's AbortError)."""
-    await context.abort(exc.code(), exc.details() or "", exc.trailing_metadata() or ())
+    """End the caller's call as tritonserver ended ours (raises grpc's AbortError); a
+    failure to reach it is said without its address."""
+    details = exc.details() or ""
+    if exc.code() is grpc.StatusCode.UNAVAILABLE and LOOPBACK in details:
+        details = UNREACHABLE
+    await context.abort(exc.code(), details, exc.trailing_metadata() or ())
 
 
 class GrpcDoor:
     """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``."""
 
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int,
-                 tls: GrpcTLS | None = None):
-        self.address, self.inner = f"{host}:{port}", inner
+                 tls: GrpcTLS | None = None, idle_seconds: float = 30.0,
+                 owner: InnerOwner | None = None):
+        self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
+        self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.keepalive_permit_without_calls", 1),       # as tritonserver allows
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+            ("grpc.max_connection_idle_ms", int(idle_seconds * 1000)),
             ("grpc.so_reuseport", 0)])     # a port taken is an error, never shared
         self.channel = grpc.aio.insecure_channel(inner, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
@@ -117,6 +170,7 @@ class GrpcDoor:
         method = self.channel.unary_unary(path)     # no (de)serializer: bytes as they come
 
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            await self._check_owner(context)
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
             try:
@@ -134,17 +188,47 @@ class GrpcDoor:
 
         async def forward(requests: AsyncIterator[bytes],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            call = method(requests, metadata=forwarded_metadata(context),
+            await self._check_owner(context)
+            last = [time.monotonic()]              # a message either way
+
+            async def counted() -> AsyncIterator[bytes]:
+                async for request in requests:
+                    last[0] = time.monotonic()
+                    yield request
+
+            call = method(counted(), metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
+            idle = asyncio.get_running_loop().create_task(self._idle_watch(call, last))
             try:
                 async for response in call:
+                    last[0] = time.monotonic()
                     yield response
                 context.set_trailing_metadata(await call.trailing_metadata() or ())
             except grpc.aio.AioRpcError as exc:
                 await _relay_failure(context, exc)
+            except asyncio.CancelledError:
+                if not idle.done() or idle.result() is not True:
+                    raise                          # the caller cancelled or left
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no message either way for {self.idle_seconds:g} s")
             finally:
+                idle.cancel()
                 call.cancel()                      # the caller cancelled or left: so do we
         return forward
+
+    async def _idle_watch(self, call: grpc.aio.StreamStreamCall, last: list[float]) -> bool:
+        """Cancel ``call`` once no message has passed for ``idle_seconds``; True then."""
+        while True:
+            left = last[0] + self.idle_seconds - time.monotonic()
+            if left <= 0:
+                call.cancel()
+                return True
+            await asyncio.sleep(left)
+
+    async def _check_owner(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.owner.ours():
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{UNREACHABLE} (its port is not this server's)")
 
     async def start(self) -> None:
         await self.server.start()
@@ -170,18 +254,24 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def make_http_door(inner: str, max_bytes: int, max_calls: int,
-                   body_timeout: float) -> web.Application:
+def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: float,
+                   owner: InnerOwner | None = None) -> web.Application:
     """An aiohttp app forwarding every request to ``http://inner`` (module docstring)."""
+    owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
 
     async def forward(request: web.Request) -> web.StreamResponse:
         if (request.content_length or 0) > max_bytes:
             return _error(413, f"the body is over {max_bytes} bytes")
-        if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+        encodings = request.headers.getall("Content-Encoding", [])
+        if [e.strip().lower() for e in encodings] not in ([], ["identity"]):
             return _error(415, "a compressed body is not taken (Triton would inflate it "
                                "unbounded); send it as is")
-        if request.app[IN_FLIGHT][0] >= max_calls:
-            return _error(429, f"over {max_calls} requests in flight; retry later")
+        if not owner.ours():
+            return _error(503, f"{UNREACHABLE} (its port is not this server's)")
+        if request.app[IN_FLIGHT][0] >= max_calls and not request.path.startswith(HEALTH):
+            busy = _error(429, f"over {max_calls} requests in flight; retry later")
+            busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            return busy
         request.app[IN_FLIGHT][0] += 1
         try:
             return await _forward(request, max_bytes, body_timeout)
@@ -195,7 +285,17 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int,
     async def close_session(app: web.Application) -> None:
         await app[SESSION].close()
 
-    app = web.Application(client_max_size=max_bytes)
+    @web.middleware
+    async def triton_errors(request: web.Request, handler) -> web.StreamResponse:
+        """A refusal of the gates added after this one (the origin guard), as Triton's body."""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            refused = _error(exc.status, str(exc))
+            refused.headers.update(exc.headers)
+            return refused
+
+    app = web.Application(client_max_size=max_bytes, middlewares=[triton_errors])
     app[INNER], app[IN_FLIGHT] = inner, [0]
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
@@ -219,7 +319,7 @@ async def _forward(request: web.Request, max_bytes: int,
             request.method, url, headers=headers, data=body or None, allow_redirects=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"))
     except aiohttp.ClientError:
-        return _error(502, "tritonserver is not reachable")
+        return _error(502, UNREACHABLE)
     async with upstream:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend((k, v) for k, v in upstream.headers.items()
@@ -237,14 +337,18 @@ async def open_door(ports: DoorPorts, max_bytes: int, front: FrontConfig,
                     ) -> Callable[[], Awaitable[None]]:
     """Start the gRPC door and, with an HTTP pair, the HTTP one (served by
     ``http_runner(app)``, the front's capped runner); returns what stops both."""
+    owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
+                             if p is not None))
     grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",
-                         max_bytes, front.max_concurrent_requests, tls)
+                         max_bytes, front.max_concurrent_requests, tls,
+                         front.idle_timeout_seconds, owner)
     await grpc_door.start()
     runner = None
     if ports.http_port is not None:
-        runner = http_runner(make_http_door(f"{LOOPBACK}:{ports.inner_http_port}", max_bytes,
-                                            front.max_concurrent_requests,
-                                            front.body_timeout_seconds))
+        app = make_http_door(f"{LOOPBACK}:{ports.inner_http_port}", max_bytes,
+                             front.max_concurrent_requests, front.body_timeout_seconds, owner)
+        add_origin_guard(app, front, ports.host)
+        runner = http_runner(app)
         await runner.setup()
         await web.TCPSite(runner, ports.host, ports.http_port).start()
 

@@ -1,0 +1,120 @@
+"""The public door's gates (issue 27 re-review rev27c), in process: an idle gRPC stream is
+ended so idle clients cannot hold the call cap; health probes pass the HTTP door's request
+cap and a refusal says when to retry; the HTTP door checks ``Origin`` as the front does; and
+nothing is forwarded to an inner port with no listener of this user (:class:`InnerOwner`).
+The inner tritonserver is an in-process stand-in (gRPC echo, aiohttp app)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import grpc
+import pytest
+from aiohttp import ClientSession, web
+
+from triton_disagg.config.front_section import FrontConfig
+from triton_disagg.front.http_gates import add_origin_guard
+from triton_disagg.front.public_door import (SERVICE, GrpcDoor, InnerOwner, IN_FLIGHT,
+                                             make_http_door)
+
+STREAM = f"/{SERVICE}/ModelStreamInfer"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _echo_server() -> tuple[grpc.aio.Server, int]:
+    async def echo(requests, context):
+        async for request in requests:
+            yield request
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(echo)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def test_an_idle_stream_is_ended_and_a_busy_one_is_not():
+    async def main():
+        inner, inner_port = await _echo_server()
+        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
+                        idle_seconds=0.5)
+        await door.start()
+        try:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                call = channel.stream_stream(STREAM)()
+                begun = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await call.read()                       # nothing sent, nothing back
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert time.monotonic() - begun < 5
+                busy = channel.stream_stream(STREAM)()
+                for i in range(6):                          # 1.2 s, a message every 0.2 s
+                    await busy.write(b"x%d" % i)
+                    assert await busy.read() == b"x%d" % i
+                    await asyncio.sleep(0.2)
+                await busy.done_writing()
+        finally:
+            await door.stop(0)
+            await inner.stop(0)
+    asyncio.run(main())
+
+
+def test_inner_owner_needs_a_listener_of_this_user_on_every_port():
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert InnerOwner((port,)).ours()
+        assert not InnerOwner((port, _free_port())).ours()  # one port with no listener
+    assert not InnerOwner((port,)).ours()                 # closed: nobody's
+
+
+async def _inner_http() -> tuple[web.AppRunner, int]:
+    async def ok(request: web.Request) -> web.Response:
+        await asyncio.sleep(float(request.query.get("hold", "0")))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/{path:.*}", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+def test_health_passes_the_request_cap_a_refusal_says_when_to_retry_origin_is_checked():
+    async def main():
+        inner, inner_port = await _inner_http()
+        app = make_http_door(f"127.0.0.1:{inner_port}", 1 << 20, 1, 5.0)
+        add_origin_guard(app, FrontConfig(), "127.0.0.1")
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with ClientSession() as session:
+                held = asyncio.create_task(session.get(f"{url}/v2/models/m?hold=1"))
+                while app[IN_FLIGHT][0] < 1:
+                    await asyncio.sleep(0.01)
+                async with session.get(f"{url}/v2/models/m") as busy:
+                    assert busy.status == 429 and busy.headers["Retry-After"] == "1"
+                async with session.get(f"{url}/v2/health/live") as live:
+                    assert live.status == 200               # the probe is never refused
+                async with session.get(f"{url}/v2/health/ready",
+                                       headers={"Origin": "http://evil.example"}) as foreign:
+                    assert foreign.status == 403 and "origin" in (await foreign.json())["error"]
+                (await held).release()
+        finally:
+            await runner.cleanup()
+            await inner.cleanup()
+    asyncio.run(main())
