@@ -8,7 +8,7 @@ scheduler does not pair a context server with the generation server of its own p
 
 Every container runs :func:`launch.serve_argv.serve_argv`: bound to ``0.0.0.0`` on the
 role's ``PORTS``, with Triton's HTTP and the role's HTTP front open for the probes (readiness
-the front's ``/healthz``, liveness and startup Triton's ``/v2/health/live``), context and generation advertising ``$(POD_IP)``, which
+the front's ``/healthz``, liveness and startup tritonserver's ``/metrics`` on its metrics port), context and generation advertising ``$(POD_IP)``, which
 the kubelet expands from the downward API, and every server reads the deployment secret
 (``TRITON_DISAGG_KV_SECRET``) from the Secret ``kubernetes.kv_secret``, which the user
 creates: it signs KV handles and keys the token channel's encryption. When ``discovery``
@@ -63,7 +63,9 @@ PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002,
          "context": {"http": 8010, "grpc": 8011, "metrics": 8012, "front": 8013},
          "generation": {"http": 8020, "grpc": 8021, "metrics": 8022, "front": 8023}}
 SHORT = {"scheduler": "sch", "context": "ctx", "generation": "gen"}
-READY_PATH, LIVE_PATH = "/healthz", "/v2/health/live"   # on the front, on Triton's HTTP
+# ready: the role's front; live: tritonserver's own metrics port, which no public door or
+# cap stands before (a scheduler's Triton HTTP port is the door's, which a client can fill)
+READY_PATH, LIVE_PATH = "/healthz", "/metrics"
 SHM_BASE = 64 * 2**20        # Triton's Python-backend regions (Docker's default /dev/shm)
 ETCD_PORT = 2379
 DEFAULT_TTL_SECONDS = 10
@@ -220,7 +222,7 @@ def _container(role: str, config: DisaggConfig, image: str) -> dict:
     if config.discovery is not None and config.discovery.username is not None:
         env.append({"name": ETCD_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
             "name": config.kubernetes.etcd_secret, "key": "password"}}})
-    http, front = f"{short}-http", f"{short}-front"
+    metrics, front = f"{short}-metrics", f"{short}-front"
     return {
         "name": role, "image": image,
         "command": serve_argv(role, CONFIG_PATH, "0.0.0.0", ports["grpc"], ports["metrics"],
@@ -230,8 +232,8 @@ def _container(role: str, config: DisaggConfig, image: str) -> dict:
         "ports": [{"name": f"{short}-{kind}", "containerPort": port, "protocol": "TCP"}
                   for kind, port in ports.items()],
         "readinessProbe": _probe(READY_PATH, front, period=5, failures=2),
-        "livenessProbe": _probe(LIVE_PATH, http, period=10, failures=3),
-        "startupProbe": _probe(LIVE_PATH, http, period=5, failures=60),   # 5 min to start
+        "livenessProbe": _probe(LIVE_PATH, metrics, period=10, failures=3),
+        "startupProbe": _probe(LIVE_PATH, metrics, period=5, failures=60),   # 5 min to start
         "resources": _resources(role, config),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},

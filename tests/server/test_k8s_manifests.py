@@ -102,10 +102,10 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert sorted(declared.values()) == sorted([args.http_port, args.grpc_port,
                                                         args.metrics_port, args.front_port])
-            # ready: the role's HTTP front's /healthz; live: Triton's own HTTP
+            # ready: the role's HTTP front's /healthz; live: tritonserver's own metrics port
             for probe, path, port in (("readinessProbe", READY_PATH, args.front_port),
-                                      ("livenessProbe", LIVE_PATH, args.http_port),
-                                      ("startupProbe", LIVE_PATH, args.http_port)):
+                                      ("livenessProbe", LIVE_PATH, args.metrics_port),
+                                      ("startupProbe", LIVE_PATH, args.metrics_port)):
                 get = container[probe]["httpGet"]
                 assert get["path"] == path and declared[get["port"]] == port
             if advertise:

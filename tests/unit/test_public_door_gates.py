@@ -67,14 +67,42 @@ def test_an_idle_stream_is_ended_and_a_busy_one_is_not():
     asyncio.run(main())
 
 
-def test_inner_owner_needs_a_listener_of_this_user_on_every_port():
+def test_a_unary_call_that_sends_nothing_is_ended_too():
+    """rev27d: grpc.aio counts a unary call against the cap from its headers and its
+    handler waited for the message without a deadline; every method is a stream now."""
+    async def main():
+        inner, inner_port = await _echo_server()
+        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 1,
+                        idle_seconds=0.5)
+        await door.start()
+        try:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                held = channel.stream_stream(f"/{SERVICE}/ServerLive")()   # never writes
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await held.read()
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            await door.stop(0)
+            await inner.stop(0)
+    asyncio.run(main())
+
+
+def test_inner_owner_needs_a_listener_of_this_user_where_loopback_lands():
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         port = listening.getsockname()[1]
         assert InnerOwner((port,)).ours()
         assert not InnerOwner((port, _free_port())).ours()  # one port with no listener
+        with socket.socket() as aside:                    # 127.0.0.2 takes none of 127.0.0.1's
+            aside.bind(("127.0.0.2", port))
+            aside.listen()
+            assert InnerOwner((port,)).ours()
     assert not InnerOwner((port,)).ours()                 # closed: nobody's
+    with socket.socket() as aside:
+        aside.bind(("127.0.0.2", port))
+        aside.listen()
+        assert not InnerOwner((port,)).ours()             # none where loopback lands
 
 
 async def _inner_http() -> tuple[web.AppRunner, int]:
@@ -110,6 +138,8 @@ def test_health_passes_the_request_cap_a_refusal_says_when_to_retry_origin_is_ch
                     assert busy.status == 429 and busy.headers["Retry-After"] == "1"
                 async with session.get(f"{url}/v2/health/live") as live:
                     assert live.status == 200               # the probe is never refused
+                async with session.post(f"{url}/v2/health/live", data=b"x" * 1024) as bodied:
+                    assert bodied.status == 429             # a body is no probe's
                 async with session.get(f"{url}/v2/health/ready",
                                        headers={"Origin": "http://evil.example"}) as foreign:
                     assert foreign.status == 403 and "origin" in (await foreign.json())["error"]

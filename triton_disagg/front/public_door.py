@@ -23,11 +23,12 @@ a body slower than ``body_timeout`` is 408; a compressed HTTP body (``Content-En
 itself); so tritonserver never receives more than ``max_bytes`` in one message. At most
 ``max_calls`` gRPC calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED) and
 ``max_calls`` HTTP requests (429 with ``Retry-After``), over at most
-``front.max_connections`` HTTP connections; ``/v2/health/*`` (Kubernetes' liveness probe)
-is never refused by the request cap. A gRPC stream with no message either way for
-``idle_seconds`` is ended (DEADLINE_EXCEEDED) and a gRPC connection with no call for as
-long is closed, so idle clients cannot hold the call cap or the process's descriptors for
-ever. The HTTP door checks ``Origin`` and ``Host`` as the front does (a web page cannot
+``front.max_connections`` HTTP connections; a bodiless ``GET /v2/health/live`` or
+``/ready`` is never refused by the request cap. Every gRPC call, unary ones included (all
+are served as streams), with no message either way for ``idle_seconds``
+(``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
+gRPC connection with no call for as long is closed, so idle clients cannot hold the call
+cap or the process's descriptors for ever. The HTTP door checks ``Origin`` and ``Host`` as the front does (a web page cannot
 drive it). With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
 (mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
 Nothing is forwarded unless every socket listening on an inner port is this user's
@@ -62,16 +63,22 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
                         "host", "content-length"})
 CONNECT_SECONDS = 5.0       # to reach tritonserver's HTTP port
-HEALTH = "/v2/health/"      # probes: never refused by the request cap
+PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})   # a bodiless GET: never capped
 OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
+STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long ends (Envoy's)
 UNREACHABLE = "tritonserver is not reachable"
+# /proc/net/tcp{,6} local addresses a connection to 127.0.0.1 can reach: itself, IPv4's
+# wildcard, IPv6's wildcard (dual stack) and IPv6's v4-mapped loopback
+REACHING_LOOPBACK = frozenset({"0100007F", "00000000", "0" * 32,
+                               "0000000000000000FFFF00000100007F"})
 
 
 class InnerOwner:
-    """Whether every TCP socket listening on the inner ``ports`` (any address: a wildcard
-    listener would take loopback's connections) belongs to this process's user, from
-    ``/proc/net/tcp`` and ``tcp6``; at least one must listen on each port. Asked at most
-    once a ``OWNER_CHECK_SECONDS``."""
+    """Whether every TCP socket listening on the inner ``ports`` where a connection to
+    127.0.0.1 could land (``REACHING_LOOPBACK``: a listener on another address, e.g.
+    127.0.0.2, takes none of it) belongs to this process's user, from ``/proc/net/tcp`` and
+    ``tcp6``; at least one must listen on each port. Asked at most once a
+    ``OWNER_CHECK_SECONDS``."""
 
     def __init__(self, ports: tuple[int, ...]):
         self.ports, self.uid = ports, os.geteuid()
@@ -92,9 +99,10 @@ class InnerOwner:
                 continue
             for row in rows:
                 fields = row.split()        # sl local rem st ... uid (7)
-                port = int(fields[1].rsplit(":", 1)[1], 16)
-                if fields[3] == "0A" and port in owners:        # 0A: LISTEN
-                    owners[port].add(int(fields[7]))
+                address, port_hex = fields[1].rsplit(":", 1)
+                port = int(port_hex, 16)
+                if fields[3] == "0A" and port in owners and address in REACHING_LOOPBACK:
+                    owners[port].add(int(fields[7]))                # 0A: LISTEN
         return all(uids == {self.uid} for uids in owners.values())
 
 
@@ -137,7 +145,7 @@ class GrpcDoor:
     """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``."""
 
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int,
-                 tls: GrpcTLS | None = None, idle_seconds: float = 30.0,
+                 tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
                  owner: InnerOwner | None = None):
         self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
@@ -159,18 +167,30 @@ class GrpcDoor:
 
     def _handler(self, name: str, client_streams: bool,
                  server_streams: bool) -> grpc.RpcMethodHandler:
+        """Every method is served as a stream (the wire is the same), so its handler, and
+        the idle watch, start when the call does: a unary handler would wait for its one
+        message, without a deadline, holding a place under the call cap."""
         path = f"/{SERVICE}/{name}"
         if client_streams and server_streams:
             return grpc.stream_stream_rpc_method_handler(self._streams(path))
         if client_streams or server_streams:
             raise ValueError(f"{path}: a streaming kind the door does not forward")
-        return grpc.unary_unary_rpc_method_handler(self._unary(path))
+        return grpc.stream_stream_rpc_method_handler(self._unary(path))
 
-    def _unary(self, path: str) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    def _unary(self, path: str) -> Callable[..., AsyncIterator[bytes]]:
         method = self.channel.unary_unary(path)     # no (de)serializer: bytes as they come
 
-        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def forward(requests: AsyncIterator[bytes],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             await self._check_owner(context)
+            try:
+                async with asyncio.timeout(self.idle_seconds):
+                    request = await anext(aiter(requests), None)
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no request within {self.idle_seconds:g} s")
+            if request is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
             try:
@@ -180,7 +200,7 @@ class GrpcDoor:
             finally:
                 call.cancel()                      # no-op once done; else the caller left
             context.set_trailing_metadata(await call.trailing_metadata() or ())
-            return response
+            yield response
         return forward
 
     def _streams(self, path: str) -> Callable[..., AsyncIterator[bytes]]:
@@ -268,7 +288,8 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
                                "unbounded); send it as is")
         if not owner.ours():
             return _error(503, f"{UNREACHABLE} (its port is not this server's)")
-        if request.app[IN_FLIGHT][0] >= max_calls and not request.path.startswith(HEALTH):
+        probe = request.method == "GET" and request.path in PROBES and not request.body_exists
+        if request.app[IN_FLIGHT][0] >= max_calls and not probe:
             busy = _error(429, f"over {max_calls} requests in flight; retry later")
             busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
             return busy
@@ -340,8 +361,7 @@ async def open_door(ports: DoorPorts, max_bytes: int, front: FrontConfig,
     owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
                              if p is not None))
     grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",
-                         max_bytes, front.max_concurrent_requests, tls,
-                         front.idle_timeout_seconds, owner)
+                         max_bytes, front.max_concurrent_requests, tls, owner=owner)
     await grpc_door.start()
     runner = None
     if ports.http_port is not None:
