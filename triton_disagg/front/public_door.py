@@ -28,7 +28,8 @@ itself); so tritonserver never receives more than ``max_bytes`` in one message. 
 are served as streams), with no message either way for ``idle_seconds``
 (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
 gRPC connection with no call for as long is closed, so idle clients cannot hold the call
-cap or the process's descriptors for ever. The HTTP door checks ``Origin`` and ``Host`` as the front does (a web page cannot
+cap or the process's descriptors for ever; past ``front.max_connections`` gRPC
+connections a new one is closed at once. The HTTP door checks ``Origin`` and ``Host`` as the front does (a web page cannot
 drive it). With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
 (mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
 Nothing is forwarded unless every socket listening on an inner port is this user's
@@ -146,7 +147,7 @@ class GrpcDoor:
 
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int,
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
-                 owner: InnerOwner | None = None):
+                 owner: InnerOwner | None = None, max_connections: int = 512):
         self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls, options=[
@@ -154,6 +155,7 @@ class GrpcDoor:
             ("grpc.keepalive_permit_without_calls", 1),       # as tritonserver allows
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
             ("grpc.max_connection_idle_ms", int(idle_seconds * 1000)),
+            ("grpc.max_allowed_incoming_connections", max_connections),   # more: closed
             ("grpc.so_reuseport", 0)])     # a port taken is an error, never shared
         self.channel = grpc.aio.insecure_channel(inner, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
@@ -361,7 +363,8 @@ async def open_door(ports: DoorPorts, max_bytes: int, front: FrontConfig,
     owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
                              if p is not None))
     grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",
-                         max_bytes, front.max_concurrent_requests, tls, owner=owner)
+                         max_bytes, front.max_concurrent_requests, tls, owner=owner,
+                         max_connections=front.max_connections)
     await grpc_door.start()
     runner = None
     if ports.http_port is not None:
