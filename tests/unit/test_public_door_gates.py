@@ -109,22 +109,24 @@ def test_grpc_connections_past_the_cap_are_closed_at_once():
     asyncio.run(main())
 
 
-def test_inner_owner_needs_a_listener_of_this_user_where_loopback_lands():
+def test_inner_owner_needs_this_users_listener_on_127_0_0_1():
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         port = listening.getsockname()[1]
         assert InnerOwner((port,)).ours()
         assert not InnerOwner((port, _free_port())).ours()  # one port with no listener
-        with socket.socket() as aside:                    # 127.0.0.2 takes none of 127.0.0.1's
-            aside.bind(("127.0.0.2", port))
+        with socket.socket(socket.AF_INET6) as aside:     # a v6-only wildcard beside it
+            aside.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            aside.bind(("::", port))
             aside.listen()
-            assert InnerOwner((port,)).ours()
+            assert InnerOwner((port,)).ours()             # takes none of 127.0.0.1's
     assert not InnerOwner((port,)).ours()                 # closed: nobody's
-    with socket.socket() as aside:
-        aside.bind(("127.0.0.2", port))
-        aside.listen()
-        assert not InnerOwner((port,)).ours()             # none where loopback lands
+    for elsewhere in ("127.0.0.2", "0.0.0.0"):
+        with socket.socket() as aside:
+            aside.bind((elsewhere, port))
+            aside.listen()
+            assert not InnerOwner((port,)).ours(), elsewhere   # not the exact listener
 
 
 async def _inner_http() -> tuple[web.AppRunner, int]:

@@ -32,7 +32,7 @@ cap or the process's descriptors for ever; past ``front.max_connections`` gRPC
 connections a new one is closed at once. The HTTP door checks ``Origin`` and ``Host`` as the front does (a web page cannot
 drive it). With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
 (mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
-Nothing is forwarded unless every socket listening on an inner port is this user's
+Nothing is forwarded unless a socket of this user listens on 127.0.0.1 on each inner port
 (:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
 command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE (gRPC, its
 details not naming the inner port) or 502 (HTTP).
@@ -68,18 +68,18 @@ PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})   # a bodiless GET: 
 OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
 STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long ends (Envoy's)
 UNREACHABLE = "tritonserver is not reachable"
-# /proc/net/tcp{,6} local addresses a connection to 127.0.0.1 can reach: itself, IPv4's
-# wildcard, IPv6's wildcard (dual stack) and IPv6's v4-mapped loopback
-REACHING_LOOPBACK = frozenset({"0100007F", "00000000", "0" * 32,
-                               "0000000000000000FFFF00000100007F"})
+# 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes ::ffff:127.0.0.1 (how grpc core
+# binds "127.0.0.1" where IPv6 is up)
+LOOPBACK_HEX = {"/proc/net/tcp": "0100007F", "/proc/net/tcp6": "0000000000000000FFFF00000100007F"}
 
 
 class InnerOwner:
-    """Whether every TCP socket listening on the inner ``ports`` where a connection to
-    127.0.0.1 could land (``REACHING_LOOPBACK``: a listener on another address, e.g.
-    127.0.0.2, takes none of it) belongs to this process's user, from ``/proc/net/tcp`` and
-    ``tcp6``; at least one must listen on each port. Asked at most once a
-    ``OWNER_CHECK_SECONDS``."""
+    """Whether a socket of this process's user listens on 127.0.0.1 (or ::ffff:127.0.0.1)
+    on each inner port, from ``/proc/net/tcp`` and ``tcp6``. Linux gives a connection to 127.0.0.1:P to that exact listener before
+    any wildcard one, and while it listens no other user can bind 127.0.0.1:P (nor join it:
+    SO_REUSEPORT is shared within one uid), so then the port is tritonserver's; listeners
+    of others elsewhere (0.0.0.0, ::, 127.0.0.2) take none of the door's connections and
+    are ignored. Asked at most once a ``OWNER_CHECK_SECONDS``."""
 
     def __init__(self, ports: tuple[int, ...]):
         self.ports, self.uid = ports, os.geteuid()
@@ -92,8 +92,8 @@ class InnerOwner:
         return self._ours
 
     def _check(self) -> bool:
-        owners: dict[int, set[int]] = {port: set() for port in self.ports}
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        mine: set[int] = set()
+        for table, loopback in LOOPBACK_HEX.items():
             try:
                 rows = Path(table).read_text().splitlines()[1:]
             except OSError:
@@ -101,10 +101,10 @@ class InnerOwner:
             for row in rows:
                 fields = row.split()        # sl local rem st ... uid (7)
                 address, port_hex = fields[1].rsplit(":", 1)
-                port = int(port_hex, 16)
-                if fields[3] == "0A" and port in owners and address in REACHING_LOOPBACK:
-                    owners[port].add(int(fields[7]))                # 0A: LISTEN
-        return all(uids == {self.uid} for uids in owners.values())
+                if (fields[3] == "0A" and address == loopback      # 0A: LISTEN
+                        and int(fields[7]) == self.uid):
+                    mine.add(int(port_hex, 16))
+        return set(self.ports) <= mine
 
 
 @dataclass(frozen=True)
