@@ -8,7 +8,7 @@ reaches it, with grpcio's and aiohttp's own machinery, not a protocol of ours.
 
 gRPC (``grpc.aio``): every method of ``inference.GRPCInferenceService`` (tritonclient's
 service descriptor names them, with their streaming kind) is forwarded as raw bytes, never
-parsed: request metadata (the restricted-API header, request ids; not the transport's own
+parsed: request metadata (request ids and the like; not the transport's own
 ``grpc-*``, ``user-agent``, ``content-type``, ``te``) and the deadline go with it; the
 status, details and trailing metadata come back unchanged; a client that cancels (or
 disconnects) cancels the call to tritonserver. HTTP (aiohttp): method, path and query as
@@ -29,8 +29,8 @@ are served as streams), with no message either way for ``idle_seconds``
 (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
 gRPC connection with no call for as long is closed, so idle clients cannot hold the call
 cap or the process's descriptors for ever; past ``front.max_connections`` gRPC
-connections a new one is closed at once. The HTTP door checks ``Origin`` and ``Host`` as the front does (a web page cannot
-drive it). With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
+connections a new one is closed at once. The HTTP door checks ``Origin`` and ``Host`` as
+the front does (a web page cannot drive it). With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
 (mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
 Nothing is forwarded unless a socket of this user listens on 127.0.0.1 on each inner port
 (:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
