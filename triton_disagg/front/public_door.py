@@ -18,8 +18,8 @@ back as it comes (Triton's ``generate_stream`` events included).
 Invariants: a gRPC message over ``max_bytes`` is refused by grpcio from its length prefix
 (RESOURCE_EXHAUSTED) before it is read; an HTTP body over ``max_bytes`` is refused (413)
 from its ``Content-Length`` before it is read, or, chunked, once ``max_bytes`` have come;
-a body slower than ``body_timeout`` is 408; a compressed HTTP body (``Content-Encoding``) is
-415, since Triton would inflate it unbounded (grpcio bounds an inflated gRPC message
+a body slower than ``body_timeout`` is 408; a compressed HTTP body (``Content-Encoding``)
+is 415, since Triton would inflate it unbounded (grpcio bounds an inflated gRPC message
 itself); so tritonserver never receives more than ``max_bytes`` in one message. At most
 ``max_calls`` gRPC calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED) and
 ``max_calls`` HTTP requests (429 with ``Retry-After``), over at most
@@ -28,14 +28,14 @@ itself); so tritonserver never receives more than ``max_bytes`` in one message. 
 are served as streams), with no message either way for ``idle_seconds``
 (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
 gRPC connection with no call for as long is closed, so idle clients cannot hold the call
-cap or the process's descriptors for ever; past ``front.max_connections`` gRPC
-connections a new one is closed at once. The HTTP door checks ``Origin`` and ``Host`` as
-the front does (a web page cannot drive it). With ``tls`` (the config's ``grpc_tls``) the public gRPC port speaks TLS
-(mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
-Nothing is forwarded unless a socket of this user listens on 127.0.0.1 on each inner port
-(:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
-command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE (gRPC, its
-details not naming the inner port) or 502 (HTTP).
+cap or the process's descriptors for ever; past ``front.max_connections`` gRPC connections
+a new one is closed at once. The HTTP door checks ``Origin`` and ``Host`` as the front
+does (a web page cannot drive it). With ``tls`` (the config's ``grpc_tls``) the public
+gRPC port speaks TLS (mutual: clients need a certificate); the hop to tritonserver is
+plain, on loopback. Nothing is forwarded unless a socket of this user listens on 127.0.0.1
+on each inner port (:class:`InnerOwner`): a port another local user took first (it is on
+tritonserver's command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE
+(gRPC, its details not naming the inner port) or 502 (HTTP).
 """
 
 from __future__ import annotations
@@ -74,12 +74,13 @@ LOOPBACK_HEX = {"/proc/net/tcp": "0100007F", "/proc/net/tcp6": "0000000000000000
 
 
 class InnerOwner:
-    """Whether a socket of this process's user listens on 127.0.0.1 (or ::ffff:127.0.0.1)
-    on each inner port, from ``/proc/net/tcp`` and ``tcp6``. Linux gives a connection to 127.0.0.1:P to that exact listener before
-    any wildcard one, and while it listens no other user can bind 127.0.0.1:P (nor join it:
-    SO_REUSEPORT is shared within one uid), so then the port is tritonserver's; listeners
-    of others elsewhere (0.0.0.0, ::, 127.0.0.2) take none of the door's connections and
-    are ignored. Asked at most once a ``OWNER_CHECK_SECONDS``."""
+    """Whether a socket of this process's user listens on 127.0.0.1 (or ::ffff:127.0.0.1) on
+    each inner port, from ``/proc/net/tcp`` and ``tcp6``. Linux gives a connection to
+    127.0.0.1:P to that exact listener before any wildcard one, and while it listens no
+    other user can bind 127.0.0.1:P (nor join it: SO_REUSEPORT is shared within one
+    uid), so then the port is tritonserver's; listeners of others elsewhere (0.0.0.0,
+    ::, 127.0.0.2) take none of the door's connections and are ignored. Asked at most
+    once a ``OWNER_CHECK_SECONDS``."""
 
     def __init__(self, ports: tuple[int, ...]):
         self.ports, self.uid = ports, os.geteuid()
