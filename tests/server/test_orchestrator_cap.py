@@ -1,6 +1,7 @@
 """``scheduler_server.max_concurrent_requests`` on a real ``serve all`` (issue 27, item 4):
 with a cap of 2 per orchestrator instance, 6 long streams sent at once through the
-ensemble over gRPC: 2 are served to their end with the offline text, 4 are refused at once
+ensemble over gRPC (each seconds of decode, so a loaded machine's spread of the sends
+cannot let a third in): 2 are served to their end with the offline text, 4 are refused at once
 with one line saying the server is busy (or, in a burst, that preprocessing's queue, which
 holds the cap, is full), and once the 2 are done a new request is served
 (the slots came back) and no KV block is held."""
@@ -15,7 +16,7 @@ import numpy as np
 import servers
 from triton_disagg.routing.scrape import scrape, total
 
-CAP, SENT, LONG = 2, 6, 200
+CAP, SENT, LONG = 2, 6, 1500     # LONG: seconds of decode, far longer than the sends' spread
 
 
 def _send(grpc: str) -> tuple[float, str]:
