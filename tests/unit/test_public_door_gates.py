@@ -7,6 +7,7 @@ The inner tritonserver is an in-process stand-in (gRPC echo, aiohttp app)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -41,13 +42,23 @@ async def _echo_server() -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
+@contextlib.asynccontextmanager
+async def _door(max_calls: int = 4, **kwargs):
+    """A started door in front of a started echo server; both stopped after."""
+    inner, inner_port = await _echo_server()
+    door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, max_calls,
+                    **kwargs)
+    await door.start()
+    try:
+        yield door
+    finally:
+        await door.stop(0)
+        await inner.stop(0)
+
+
 def test_an_idle_stream_is_ended_and_a_busy_one_is_not():
     async def main():
-        inner, inner_port = await _echo_server()
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
-                        idle_seconds=0.5)
-        await door.start()
-        try:
+        async with _door(idle_seconds=0.5) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 call = channel.stream_stream(STREAM)()
                 begun = time.monotonic()
@@ -61,9 +72,6 @@ def test_an_idle_stream_is_ended_and_a_busy_one_is_not():
                     assert await busy.read() == b"x%d" % i
                     await asyncio.sleep(0.2)
                 await busy.done_writing()
-        finally:
-            await door.stop(0)
-            await inner.stop(0)
     asyncio.run(main())
 
 
@@ -71,19 +79,12 @@ def test_a_unary_call_that_sends_nothing_is_ended_too():
     """rev27d: grpc.aio counts a unary call against the cap from its headers and its
     handler waited for the message without a deadline; every method is a stream now."""
     async def main():
-        inner, inner_port = await _echo_server()
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 1,
-                        idle_seconds=0.5)
-        await door.start()
-        try:
+        async with _door(1, idle_seconds=0.5) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 held = channel.stream_stream(f"/{SERVICE}/ServerLive")()   # never writes
                 with pytest.raises(grpc.aio.AioRpcError) as ended:
                     await held.read()
                 assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        finally:
-            await door.stop(0)
-            await inner.stop(0)
     asyncio.run(main())
 
 
@@ -91,21 +92,16 @@ def test_grpc_connections_past_the_cap_are_closed_at_once():
     """rev27d: the gRPC door had no connection cap, and idle connections could take the
     descriptors the front's other routes need."""
     async def main():
-        inner, inner_port = await _echo_server()
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
-                        max_connections=2)
-        await door.start()
-        host, port = door.address.rsplit(":", 1)
-        held = [socket.create_connection((host, int(port))) for _ in range(3)]
-        try:
-            await asyncio.sleep(0.5)
-            first = [await asyncio.to_thread(s.recv, 9) for s in held]
-            assert [len(b) > 0 for b in first] == [True, True, False]  # SETTINGS, SETTINGS, EOF
-        finally:
-            for s in held:
-                s.close()
-            await door.stop(0)
-            await inner.stop(0)
+        async with _door(max_connections=2) as door:
+            host, port = door.address.rsplit(":", 1)
+            held = [socket.create_connection((host, int(port))) for _ in range(3)]
+            try:
+                await asyncio.sleep(0.5)
+                first = [await asyncio.to_thread(s.recv, 9) for s in held]
+                assert [len(b) > 0 for b in first] == [True, True, False]  # SETTINGS x2, EOF
+            finally:
+                for s in held:
+                    s.close()
     asyncio.run(main())
 
 
