@@ -249,9 +249,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if not server.private_shm and not restart:
         print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
               f"(a mount namespace) and {private_shm.ALLOW_SHARED_ENV}=1 serves on the shared "
-              f"one: local users can read tritonserver's Python-backend regions and, with "
-              f"the header value on its command line, have its shared-memory API write into "
-              f"this user's /dev/shm (docs/architecture.md, trust boundaries)", flush=True)
+              f"one: local users can read tritonserver's Python-backend regions, prompts and "
+              f"outputs included (docs/architecture.md, trust boundaries)", flush=True)
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     front_proc = start_front(config, endpoints, front, server.grpc_url, server.work_dir,
                              tuple(models), health_only(args.role, config),

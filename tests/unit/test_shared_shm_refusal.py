@@ -1,8 +1,7 @@
 """serve on a host that allows tritonserver no ``/dev/shm`` of its own
-(:func:`triton_disagg.triton.private_shm.shared_refusal`): there a local user who reads the
-restricted-API header value on tritonserver's command line can register a shared-memory
-region by name and have Triton write into this user's ``/dev/shm``, so serve refuses
-unless the user opts in. The fallback is simulated (this host may allow the namespace)."""
+(:func:`triton_disagg.triton.private_shm.shared_refusal`): there every local user can read
+tritonserver's Python-backend regions (mode 0644), so serve refuses unless the user opts
+in. The fallback is simulated (this host may allow the namespace)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def test_the_shared_dev_shm_takes_an_explicit_opt_in(private, environ, refused):
     reason = shared_refusal(private, environ)
     assert (reason is not None) == refused
     if refused:
-        assert f"{ALLOW_SHARED_ENV}=1" in reason and "shared-memory API" in reason
+        assert f"{ALLOW_SHARED_ENV}=1" in reason and "Python-backend regions" in reason
         assert "\n" not in reason
 
 

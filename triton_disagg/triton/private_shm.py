@@ -15,10 +15,9 @@ user, an unprivileged user namespace mapping that user to itself (the server kee
 uid and gains no capability past exec). :func:`possible` tries the whole sequence once in
 a child process; where neither is allowed (Docker's and Kubernetes' default profiles,
 whose container already has a ``/dev/shm`` of its own) serve runs tritonserver on the
-shared ``/dev/shm`` only when the user opts in (:func:`shared_refusal`): there a local user
-who reads the restricted-API header value on tritonserver's command line can register a
-shared-memory region by name and have Triton, as the serving user, write into this user's
-``/dev/shm`` entries (KV staging areas, Python-backend regions). The images opt in only for
+shared ``/dev/shm`` only when the user opts in (:func:`shared_refusal`): there Triton's
+Python-backend regions, which carry every request's tensors, are readable by every local
+user (boost.interprocess makes them 0644 whatever the umask). The images opt in only for
 a container's own ``/dev/shm`` (``ALLOW_SHARED_ENV=container``): a process in the host's IPC
 namespace (``docker run --ipc=host``, Kubernetes ``hostIPC: true``) sees the host's
 ``/dev/shm``, shared with every user of the host, and is refused
@@ -104,13 +103,12 @@ def shared_refusal(private: bool, environ: Mapping[str, str],
         return (f"{ALLOW_SHARED_ENV}={CONTAINER_ONLY} allows a container's own /dev/shm, but "
                 "this process shares the host's IPC namespace (docker run --ipc=host, "
                 "Kubernetes hostIPC: true), so /dev/shm is the host's, shared with every local "
-                "user, who could make Triton's shared-memory API write into this user's "
-                f"/dev/shm; run without the host's IPC, or set {ALLOW_SHARED_ENV}=1 to serve "
+                "user, who could read tritonserver's Python-backend regions (prompts and "
+                f"outputs); run without the host's IPC, or set {ALLOW_SHARED_ENV}=1 to serve "
                 "anyway, accepting that (docs/deploy.md, 'The image')")
     return ("this host allows tritonserver no private /dev/shm (no mount or user namespace), "
-            "and there a local user who reads its command line can make Triton's "
-            "shared-memory API write into this user's /dev/shm (KV staging areas, "
-            f"Python-backend regions); set {ALLOW_SHARED_ENV}=1 to serve anyway, accepting "
+            "and on the shared one every local user can read tritonserver's Python-backend "
+            f"regions (prompts and outputs); set {ALLOW_SHARED_ENV}=1 to serve anyway, accepting "
             "that (docs/architecture.md, trust boundaries)")
 
 
