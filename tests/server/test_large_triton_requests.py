@@ -38,13 +38,8 @@ def served(demo_engine, tmp_path_factory):
         yield served
 
 
-def _argv(served) -> list[str]:
-    pid = servers.tritonserver_pid(served.work_dir)
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-
-
 def _flag(served, name: str) -> str:
-    return next(a.split("=", 1)[1] for a in _argv(served) if a.startswith(f"--{name}="))
+    return servers.tritonserver_flag(served.work_dir, name)
 
 
 def _inner_grpc(served) -> str:

@@ -46,16 +46,12 @@ def _post(url: str, body: dict, headers: dict[str, str]) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
-def _argv(pid: int) -> list[str]:
-    return open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
-
-
 def _command_line_headers(pid: int) -> set[tuple[str, str]]:
     """Every header a local user may make of ``pid``'s command line and send: the part of
     ``RESTRICTED_HEADER``'s name a client can send (up to its ``:``) set to each word of it
     (split at ``= : ,`` too) and to the rest of the name joined to each word, and each
     ``name=value`` in it."""
-    argv = _argv(pid)
+    argv = servers.argv(pid)
     words = {word for arg in argv for word in re.split(r"[=:,]", arg) + [arg] if word}
     pairs = {m.groups() for arg in argv for m in re.finditer(r"([\w-]+)=([^,:=\s]+)", arg)}
     head, _, tail = RESTRICTED_HEADER.partition(":")
@@ -67,7 +63,7 @@ def _command_line_headers(pid: int) -> set[tuple[str, str]]:
 def _python_backend_regions(work_dir) -> set[str]:
     """The shared-memory regions Triton's Python-backend stubs under ``work_dir`` name on
     their command lines (``triton_python_backend_stub MODEL REGION ...``), as ``ps`` shows."""
-    stubs = [_argv(int(line.split(":")[0])) for line in servers.processes_under(work_dir)]
+    stubs = [servers.argv(int(line.split(":")[0])) for line in servers.processes_under(work_dir)]
     return {argv[2] for argv in stubs if argv[0].endswith("triton_python_backend_stub")}
 
 
@@ -141,8 +137,8 @@ def test_the_scheduler_command_line_grants_nothing(demo_engine, tmp_path):
                         {"key": region, "offset": 0, "byte_size": 4096}, {name: value})
                     assert status != 200, (name, value, region, body)
             # over gRPC, the whole name as a raw HTTP/2 client can put it: refused
-            value = _argv(triton)[[a.startswith("--grpc-restricted-protocol=")
-                                   for a in _argv(triton)].index(True)].rsplit("=", 1)[1]
+            value = servers.tritonserver_flag(scheduler.work_dir,
+                                              "grpc-restricted-protocol").rsplit("=", 1)[1]
             grpc_port = int(scheduler.grpc.rsplit(":", 1)[1])
             assert _raw_grpc_status(grpc_port, f"triton-grpc-protocol-{RESTRICTED_HEADER}",
                                     value) != "0"

@@ -160,6 +160,17 @@ def tritonserver_pid(work_dir: Path) -> int:
     raise AssertionError(f"no tritonserver under {work_dir}")
 
 
+def argv(pid: int) -> list[str]:
+    """Process ``pid``'s command line, as every local user reads it (``/proc`` is 0444)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def tritonserver_flag(work_dir: Path, name: str) -> str:
+    """The value of ``--name=...`` on the command line of the tritonserver under ``work_dir``."""
+    return next(a.split("=", 1)[1] for a in argv(tritonserver_pid(work_dir))
+                if a.startswith(f"--{name}="))
+
+
 def processes_under(work_dir: Path) -> list[str]:
     """Command lines of live processes that mention ``work_dir`` (tritonserver, its stubs)."""
     found = []
