@@ -9,6 +9,9 @@ it is called by (a context server: one per instance). Its load, and
 each model's, comes from its own metrics endpoint; with metrics off the load stays unknown
 (None).
 
+:func:`served_models` says which models a server is called by, with their publishers: what
+its record names and its banner shows.
+
 Invariant: a server registers only once it is ready, and is deregistered before it stops.
 """
 
@@ -17,11 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from triton_disagg.config.disagg import DisaggConfig
+from triton_disagg.config.roles import ENGINE_ROLES, Role, instance_models
 
 if TYPE_CHECKING:
     from triton_disagg.routing.discovery import ModelRecord
-
-_ANY = ("0.0.0.0", "::")
 
 
 def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str,
@@ -31,6 +33,7 @@ def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str
     from triton_disagg.routing.discovery import MemberRecord, Registration
     from triton_disagg.routing.discovery.metrics_load import metrics_load
     from triton_disagg.engine.spec import EngineSpec
+    from triton_disagg.triton.tritonserver import reachable
     from triton_disagg.engine.block_pool import BlockPool
     from triton_disagg.engine.capacity import kv_layout
 
@@ -44,7 +47,19 @@ def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str
                           kv_events=tuple(a for m in models for a in m.kv_events), models=models)
     load = None
     if endpoints.metrics_port is not None:
-        host = "127.0.0.1" if endpoints.host in _ANY else endpoints.host
-        load = metrics_load(f"http://{host}:{endpoints.metrics_port}", role,
+        load = metrics_load(f"http://{reachable(endpoints.host)}:{endpoints.metrics_port}", role,
                             tuple(m.model for m in models))
     return Registration(config.discovery, record, load).start()
+
+
+def served_models(role: str, config, server) -> tuple[ModelRecord, ...]:
+    """The models a scheduler calls this context or generation server by
+    (:func:`~triton_disagg.config.roles.instance_models`), each with the KV event publishers
+    its model instances announced once loaded; () for the other roles."""
+    from triton_disagg.routing.discovery import ModelRecord
+    from triton_disagg.routing.kv_events import announced
+
+    if role not in ENGINE_ROLES:
+        return ()
+    return tuple(ModelRecord(name, announced(server.repo / name))
+                 for name in instance_models(Role(role), config.server(role).instances))

@@ -2,7 +2,7 @@
 
 Renders the role's model repository into its work directory (:mod:`.work_dir`: one per
 server, ``--work-dir`` or ``work/<role>-<address>-<gRPC port>``), starts tritonserver,
-waits until it is ready, prints the endpoints (and, for a role with the
+waits until it is ready, prints the endpoints (:mod:`.serve_banner`; for a role with the
 ensemble, a curl line), then runs until Ctrl-C / SIGTERM or until the server
 dies, and stops the server's whole process group on the way out. With ``discovery`` in
 the config, a context or generation server registers in etcd once ready and deregisters
@@ -24,17 +24,13 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role, instance_models
+from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role
 from triton_disagg.errors import RetryableStart, UserError
 from triton_disagg.log_format import FORMATS
 
 from triton_disagg.triton import private_shm
 from triton_disagg.triton.stub_watch import Stub, first_dead, model_instance_stubs
-
-if TYPE_CHECKING:
-    from triton_disagg.routing.discovery import ModelRecord
 
 from .restarts import MAX_RESTARTS, RESTART_WINDOW_SECONDS, RestartBudget, keep_log, kept_log
 
@@ -232,7 +228,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     from .drain import drain
     from .front_process import check_front_port, health_only, start_front, stop_front, wait_door
     from .peers_gate import check_before_start, gate_file, start_peers_gate
-    from .register import start_registration
+    from .register import served_models, start_registration
+    from .serve_banner import announce
 
     work_dir = args.work_dir
     if restart:
@@ -285,11 +282,11 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         # (a zombie has no argv): those seen as their models loaded are watched too.
         see_stubs()
         stubs = list(seen.values())
-        served = _served_models(args.role, config, server)
+        served = served_models(args.role, config, server)
         if config.discovery is not None and advertised is not None:
             registration = start_registration(args.role, config, endpoints, advertised,
                                               served)
-        _announce(args.role, config, endpoints, advertised, server, registration, front,
+        announce(args.role, config, endpoints, advertised, server, registration, front,
                   tuple(a for m in served for a in m.kv_events))
         if gated:
             peers_gate = start_peers_gate(config, server.work_dir, reason, args.role)
@@ -338,71 +335,3 @@ def _kv_events_at(role: str, config, advertised: str | None) -> tuple[str | None
     port = None if server.kv_events_port is None else publisher_ports(
         server.kv_events_port, server.urls, advertised, server.instances)[0]
     return advertised.rsplit(":", 1)[0], port
-
-
-def _served_models(role: str, config, server) -> tuple[ModelRecord, ...]:
-    """The models a scheduler calls this context or generation server by
-    (:func:`~triton_disagg.config.roles.instance_models`), each with the KV event publishers
-    its model instances announced once loaded; () for the other roles."""
-    from triton_disagg.routing.discovery import ModelRecord
-    from triton_disagg.routing.kv_events import announced
-
-    if role not in ENGINE_ROLES:
-        return ()
-    return tuple(ModelRecord(name, announced(server.repo / name))
-                 for name in instance_models(Role(role), config.server(role).instances))
-
-
-def _announce(role: str, config, endpoints, advertised: str | None, server,
-              registration, front: int, kv_events: tuple[str, ...] = ()) -> None:
-    from triton_disagg.front.openai_api import MAX_BODY_BYTES
-
-    from .front_process import health_only
-
-    shown = "127.0.0.1" if endpoints.host in ("0.0.0.0", "::") else endpoints.host
-    state = "up" if role == Role.SCHEDULER else "ready"   # the gate says when it is ready
-    lines = [f"triton-disagg serve {role}: {state} ({config.mode}, engine {config.engine})"]
-    if endpoints.http_port is not None:
-        lines.append(f"  HTTP     http://{shown}:{endpoints.http_port}")
-    lines.append(f"  gRPC     {shown}:{endpoints.grpc_port}")
-    if endpoints.behind_door:
-        lines.append(f"  (the public door: messages over {MAX_BODY_BYTES // 2**20} MiB refused; "
-                     f"tritonserver itself on {server.grpc_url})")
-    if endpoints.metrics_port is not None:
-        lines.append(f"  metrics  http://{shown}:{endpoints.metrics_port}/metrics")
-    if health_only(role, config):
-        lines.append(f"  health   http://{shown}:{front}/healthz")
-    else:
-        lines.append(f"  front    http://{shown}:{front}  (OpenAI /v1/completions, "
-                     f"/v1/chat/completions, /v1/models; /v1/inference; /healthz)")
-    lines.append(f"  log      {server.log_path}")
-    if kv_events:
-        lines.append(f"  kv events {', '.join(kv_events)}  (ZeroMQ PUB, vLLM's KV event format)")
-    if role == Role.SCHEDULER:
-        lines.append(f"  routes   {_pools(config)}")
-        lines.append("  ready    /healthz answers 200 while every role has a server that answers")
-    if role in (Role.ALL, Role.SCHEDULER) and endpoints.http_port is not None:
-        lines.append(f"try:\n  curl -s -X POST http://{shown}:{endpoints.http_port}/v2/models/ensemble/"
-                     f"generate -d '{{\"text_input\": \"The quick brown fox\", \"max_tokens\": 20}}'")
-        if not health_only(role, config):
-            lines.append(f"  curl -s http://{shown}:{front}/v1/completions -H 'Content-Type: "
-                         f"application/json' -d '{{\"model\": \"{config.served_model_name}\", "
-                         f"\"prompt\": \"The quick brown fox\", \"max_tokens\": 20}}'")
-    elif registration is not None:
-        lines.append(f"  advertised {advertised}")
-        lines.append(f"  etcd     {registration.key} on {config.discovery.etcd} (lease "
-                     f"{config.discovery.ttl_seconds} s; the scheduler finds it there)")
-    elif role in ENGINE_ROLES:
-        lines.append(f"  advertised {advertised}; the scheduler dials "
-                     f"{config.server(role).url or advertised}")
-    lines.append("Ctrl-C stops the server.")
-    print("\n".join(lines), flush=True)
-
-
-def _pools(config) -> str:
-    """What the scheduler routes over, per role: "context: 2 urls (least_loaded); ..."."""
-    roles = config.engine_roles
-    where = {role: (f"etcd {config.discovery.etcd} {config.discovery.prefix}/{role}/"
-                    if config.discovery else f"{len(config.server(role).urls)} url(s)")
-             for role in roles}
-    return "; ".join(f"{role}: {where[role]} ({config.server(role).router})" for role in roles)

@@ -249,7 +249,8 @@ def test_announced_addresses_are_read_back_bounded_and_checked(tmp_path):
 def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from triton_disagg.launch import serve_cli
+    from triton_disagg.launch.register import served_models
+    from triton_disagg.launch.serve_banner import announce
     from triton_disagg.triton.tritonserver import Endpoints
 
     for model, address in (("context", "tcp://10.0.0.1:5557"), ("context_1", "tcp://10.0.0.1:5558")):
@@ -258,13 +259,13 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
     server = SimpleNamespace(repo=tmp_path / "repo", log_path=tmp_path / "log")
     config = SimpleNamespace(mode="disaggregated", engine="e", decoupled_mode=True,
                              server=lambda role: SimpleNamespace(url="c:1", instances=2))
-    served = serve_cli._served_models("context", config, server)
+    served = served_models("context", config, server)
     assert [(m.model, m.kv_events) for m in served] == [
         ("context", ("tcp://10.0.0.1:5557",)), ("context_1", ("tcp://10.0.0.1:5558",))]
-    assert serve_cli._served_models("scheduler", config, server) == ()
+    assert served_models("scheduler", config, server) == ()
     addresses = ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
     endpoints = Endpoints(host="127.0.0.1", http_port=None, grpc_port=9001, metrics_port=None)
-    serve_cli._announce("context", config, endpoints, "c:1", server, None, 8081, addresses)
+    announce("context", config, endpoints, "c:1", server, None, 8081, addresses)
     assert "  kv events tcp://10.0.0.1:5557, tcp://10.0.0.1:5558" in capsys.readouterr().out
 
 

@@ -55,10 +55,9 @@ from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
 from triton_disagg.front.openai_api import ApiError
-from triton_disagg.triton.tritonserver import KEEPALIVE_MS
+from triton_disagg.triton.tritonserver import KEEPALIVE_MS, LOOPBACK
 
 SERVICE = "inference.GRPCInferenceService"
-LOOPBACK = "127.0.0.1"
 DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",

@@ -316,19 +316,19 @@ class TritonServer:
     @property
     def local_host(self) -> str:
         """Where this host reaches the server's endpoints."""
-        return _reachable(self.endpoints.host)
+        return reachable(self.endpoints.host)
 
     @property
     def grpc_url(self) -> str:
         """Where this host reaches tritonserver's own gRPC (behind the door: loopback)."""
         host, port = self.endpoints.server_grpc
-        return f"{_reachable(host)}:{port}"
+        return f"{reachable(host)}:{port}"
 
     def is_ready(self) -> bool:
         host, port = self.endpoints.server_http
         if port is not None:
             try:
-                url = f"http://{_reachable(host)}:{port}/v2/health/ready"
+                url = f"http://{reachable(host)}:{port}/v2/health/ready"
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     return resp.status == 200
             except OSError:
@@ -373,8 +373,8 @@ class TritonServer:
         return code
 
 
-def _reachable(host: str) -> str:
-    """Where this host reaches a socket bound to ``host``."""
+def reachable(host: str) -> str:
+    """Where this host reaches a socket bound to ``host`` (a wildcard: loopback)."""
     return LOOPBACK if host in ("0.0.0.0", "::") else host
 
 
