@@ -331,8 +331,15 @@ class Assignment:
 
     def __init__(self, router: Router, member: Member, cost: int):
         self.router, self.member, self.cost = router, member, cost
-        self.url, self.model = member.url, member.model
         self.released = False
+
+    @property
+    def url(self) -> str:
+        return self.member.url
+
+    @property
+    def model(self) -> str | None:
+        return self.member.model
 
     def release(self) -> None:
         if not self.released:
