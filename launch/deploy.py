@@ -31,11 +31,13 @@ its front on 8080, unless the config names ``scheduler_server.url``: then the sc
 scheme. ``serve context|generation`` takes its gRPC port from its ``url`` (that is where
 the scheduler dials) and opens HTTP and metrics only when given a port (flag or config).
 
-The public door: on ``serve all|scheduler`` Triton's gRPC and HTTP ports are the clients',
+The doors: on ``serve all|scheduler`` Triton's gRPC and HTTP ports are the clients',
 so the HTTP front's process answers them (:mod:`triton_disagg.front.public_door`, bounding
-every message) and tritonserver listens on loopback on two ports picked free
-(:func:`behind_door`); its metrics port stays where it is. Context and generation keep
-tritonserver on their ports: only their peers reach them.
+every message) and tritonserver listens on loopback on ports picked free
+(:func:`behind_door`). On every role the metrics port (Prometheus scrapes it, Kubernetes
+probes it) is the front's metrics door (:mod:`triton_disagg.front.metrics_door`: a GET,
+no body), tritonserver's metrics on loopback behind it. Context and generation keep
+tritonserver's gRPC and HTTP on their ports: only their peers reach them.
 """
 
 from __future__ import annotations
@@ -114,13 +116,15 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
 
 
 def behind_door(role: str, endpoints: Endpoints) -> Endpoints:
-    """``endpoints`` with tritonserver's gRPC and HTTP moved to loopback ports picked free,
-    behind the public door, for the roles whose Triton ports are public (all, scheduler);
-    as they are for the others (module docstring)."""
+    """``endpoints`` with tritonserver's metrics (every role that has them) and, for the
+    roles whose Triton ports are public (all, scheduler), its gRPC and HTTP moved to
+    loopback ports picked free, behind the doors (module docstring)."""
+    grpc, http, metrics = free_ports(3)
+    moved = replace(endpoints, inner_metrics_port=None if endpoints.metrics_port is None
+                    else metrics)
     if role not in (Role.ALL, Role.SCHEDULER):
-        return endpoints
-    grpc, http = free_ports(2)
-    return replace(endpoints, inner_grpc_port=grpc,
+        return moved
+    return replace(moved, inner_grpc_port=grpc,
                    inner_http_port=None if endpoints.http_port is None else http)
 
 

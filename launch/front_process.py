@@ -14,7 +14,8 @@ tritonserver keeps 8000-8002), 8081 for context and 8082 for generation (their f
 ``/healthz`` alone), so the roles of one host do not collide. It binds where tritonserver
 binds and calls tritonserver's gRPC port on this host. For ``serve all|scheduler`` it also
 answers Triton's public gRPC and HTTP ports, the public door
-(:mod:`triton_disagg.front.public_door`), forwarding to tritonserver on loopback.
+(:mod:`triton_disagg.front.public_door`), forwarding to tritonserver on loopback; on every
+role it answers the metrics port, the metrics door (:mod:`triton_disagg.front.metrics_door`).
 Its admission caps and timeouts are the config's ``front`` section
 (:mod:`triton_disagg.config.front_section`), passed as flags.
 
@@ -76,7 +77,7 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_url:
                 work_dir: Path, models: tuple[str, ...] = (), health_only: bool = False,
                 gate: Path | None = None) -> subprocess.Popen:
     """Start the front on ``endpoints.host:port``, calling tritonserver at ``grpc_url``
-    (and, ``endpoints`` behind the door, answering its public ports: :func:`door_flags`); its log
+    (and, ``endpoints`` behind doors, answering their public ports: :func:`door_flags`); its log
     goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
     are (the orchestrator always, for the whole front); ``health_only``: its health-only
     mode, else the whole front, whose model id is the config's served model name; ``gate``: a
@@ -95,30 +96,38 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_url:
 
 
 def door_flags(endpoints: Endpoints) -> list[str]:
-    """The front's flags for the public door of ``endpoints`` ([] when not behind one)."""
-    if not endpoints.behind_door:
-        return []
-    flags = ["--door-grpc", f"{endpoints.grpc_port}:{endpoints.inner_grpc_port}"]
-    if endpoints.http_port is not None:
-        flags += ["--door-http", f"{endpoints.http_port}:{endpoints.inner_http_port}"]
+    """The front's flags for the doors of ``endpoints`` ([] when behind none)."""
+    flags = []
+    if endpoints.behind_door:
+        flags += ["--door-grpc", f"{endpoints.grpc_port}:{endpoints.inner_grpc_port}"]
+        if endpoints.http_port is not None:
+            flags += ["--door-http", f"{endpoints.http_port}:{endpoints.inner_http_port}"]
+    if endpoints.inner_metrics_port is not None:
+        flags += ["--door-metrics", f"{endpoints.metrics_port}:{endpoints.inner_metrics_port}"]
     return flags
 
 
+def door_ports(endpoints: Endpoints) -> tuple[int, ...]:
+    """The public ports of ``endpoints`` that the front's doors answer."""
+    behind = ((endpoints.grpc_port, endpoints.behind_door),
+              (endpoints.http_port, endpoints.behind_door),
+              (endpoints.metrics_port, endpoints.inner_metrics_port is not None))
+    return tuple(port for port, doored in behind if doored and port is not None)
+
+
 def wait_door(proc: subprocess.Popen, host: str, endpoints: Endpoints, timeout: float) -> None:
-    """Return once the front's public door (if ``endpoints`` has one) accepts connections
-    on ``host`` at every public port, so "ready" means reachable; a front that exits or
-    ``timeout`` s raises :class:`UserError`."""
-    if not endpoints.behind_door:
-        return
+    """Return once the front's doors (if ``endpoints`` has any) accept connections on
+    ``host`` at every public port they answer, so "ready" means reachable; a front that
+    exits or ``timeout`` s raises :class:`UserError`."""
     deadline = time.monotonic() + timeout
-    for port in (endpoints.grpc_port, endpoints.http_port):
-        while port is not None:
+    for port in door_ports(endpoints):
+        while True:
             try:
                 socket.create_connection((host, port), timeout=1).close()
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise UserError(f"the HTTP front's public door did not open port {port}; "
+                    raise UserError(f"the HTTP front's door did not open port {port}; "
                                     f"see its log (http_front.log in the work directory)")
                 time.sleep(0.1)
 

@@ -8,7 +8,8 @@ scheduler does not pair a context server with the generation server of its own p
 
 Every container runs :func:`launch.serve_argv.serve_argv`: bound to ``0.0.0.0`` on the
 role's ``PORTS``, with Triton's HTTP and the role's HTTP front open for the probes (readiness
-the front's ``/healthz``, liveness and startup tritonserver's ``/metrics`` on its metrics port), context and generation advertising ``$(POD_IP)``, which
+the front's ``/healthz``, liveness and startup ``/metrics`` on the metrics port: the front's
+metrics door, forwarding to tritonserver's), context and generation advertising ``$(POD_IP)``, which
 the kubelet expands from the downward API, and every server reads the deployment secret
 (``TRITON_DISAGG_KV_SECRET``) from the Secret ``kubernetes.kv_secret``, which the user
 creates: it signs KV handles and keys the token channel's encryption. When ``discovery``
@@ -63,8 +64,8 @@ PORTS = {"scheduler": {"http": 8000, "grpc": 8001, "metrics": 8002,
          "context": {"http": 8010, "grpc": 8011, "metrics": 8012, "front": 8013},
          "generation": {"http": 8020, "grpc": 8021, "metrics": 8022, "front": 8023}}
 SHORT = {"scheduler": "sch", "context": "ctx", "generation": "gen"}
-# ready: the role's front; live: tritonserver's own metrics port, which no public door or
-# cap stands before (a scheduler's Triton HTTP port is the door's, which a client can fill)
+# ready: the role's front; live: the metrics port (the front's metrics door, forwarding to
+# tritonserver's: both alive), which has no request cap (the public door's HTTP port has one)
 READY_PATH, LIVE_PATH = "/healthz", "/metrics"
 SHM_BASE = 64 * 2**20        # Triton's Python-backend regions (Docker's default /dev/shm)
 ETCD_PORT = 2379

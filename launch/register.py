@@ -33,7 +33,6 @@ def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str
     from triton_disagg.routing.discovery import MemberRecord, Registration
     from triton_disagg.routing.discovery.metrics_load import metrics_load
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.triton.tritonserver import reachable
     from triton_disagg.engine.block_pool import BlockPool
     from triton_disagg.engine.capacity import kv_layout
 
@@ -46,9 +45,8 @@ def start_registration(role: str, config: DisaggConfig, endpoints, grpc_url: str
                           tokens_per_block=layout.tokens_per_block,
                           kv_events=tuple(a for m in models for a in m.kv_events), models=models)
     load = None
-    if endpoints.metrics_port is not None:
-        load = metrics_load(f"http://{reachable(endpoints.host)}:{endpoints.metrics_port}", role,
-                            tuple(m.model for m in models))
+    if endpoints.server_metrics_url is not None:
+        load = metrics_load(endpoints.server_metrics_url, role, tuple(m.model for m in models))
     return Registration(config.discovery, record, load).start()
 
 

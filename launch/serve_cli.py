@@ -309,8 +309,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
             if registration is not None:
                 registration.close()
                 registration = None
-            metrics = endpoints.metrics_port
-            drain(f"http://{server.local_host}:{metrics}" if metrics else None, args.role, hurry,
+            drain(endpoints.server_metrics_url, args.role, hurry,
                   lambda line: print(f"triton-disagg serve {args.role}: {line}", flush=True))
         print("stopping tritonserver ...", flush=True)
         return 0

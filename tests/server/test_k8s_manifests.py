@@ -102,7 +102,7 @@ def test_every_object_validates_and_runs_the_serve_command(which, tmp_path):
             declared = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert sorted(declared.values()) == sorted([args.http_port, args.grpc_port,
                                                         args.metrics_port, args.front_port])
-            # ready: the role's HTTP front's /healthz; live: tritonserver's own metrics port
+            # ready: the role's HTTP front's /healthz; live: the metrics port (its door)
             for probe, path, port in (("readinessProbe", READY_PATH, args.front_port),
                                       ("livenessProbe", LIVE_PATH, args.metrics_port),
                                       ("startupProbe", LIVE_PATH, args.metrics_port)):

@@ -5,7 +5,9 @@ and the door, on the public ports, refuses a message over the front's body bound
 it is read. Measured: tritonserver's peak resident memory (``VmHWM``) around a refused
 ``SIZE`` message, at the door (it must not move) and at tritonserver's own port (it grows
 by more than ``SIZE``: what the door spares it). Through the door everything else works as
-before: streamed tokens, a client's cancel, health; the restricted APIs stay closed."""
+before: streamed tokens, a client's cancel, health; the restricted APIs stay closed. The
+metrics port of every role is the metrics door's (GET alone), and a form POST that killed
+Triton 2.51's metrics server no longer reaches it."""
 
 from __future__ import annotations
 
@@ -173,3 +175,52 @@ def test_a_port_another_user_listens_on_is_not_the_doors_to_forward_to(tmp_path)
     finally:
         squatter.kill()
         squatter.wait()
+
+
+METRICS_POST_BYTES = 16 * 10**6     # Triton 2.51's metrics server died on a form this large
+
+
+def _post_metrics(metrics: str, body: bytes) -> int | None:
+    """POST ``body`` as a form (curl's ``--data-binary`` default) to ``metrics``'s
+    ``/metrics``: the status, or None when the server closed the connection instead."""
+    host, port = metrics.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", "/metrics", body=body,
+                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (ConnectionError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def _forms_refused_at_the_metrics_door(served) -> None:
+    """Large form POSTs to ``served``'s metrics port are refused and its tritonserver, whose
+    metrics listen on loopback behind the door, lives on and still answers a scrape."""
+    assert _flag(served, "metrics-address") == "127.0.0.1"
+    assert _flag(served, "metrics-port") != served.metrics.rsplit(":", 1)[1]
+    pid = servers.tritonserver_pid(served.work_dir)
+    for _ in range(3):
+        assert _post_metrics(served.metrics, bytes(METRICS_POST_BYTES)) in (405, 413, None)
+    assert _post_metrics(served.metrics, b"a" * 10) == 405
+    time.sleep(1)                       # a crash takes the process down within this
+    assert servers.tritonserver_pid(served.work_dir) == pid
+    text = servers.metrics(served.metrics)
+    assert "nv_inference_request_success" in text and "disagg_kv_blocks_used" in text
+
+
+def test_a_large_post_to_metrics_is_refused_at_the_door_and_tritonserver_lives(served):
+    """rev27e: tritonserver 2.51's metrics server segfaulted on a ~16 MB form POST to
+    /metrics (failed before the metrics door: the second POST found nobody listening), a
+    port Prometheus scrapes on every role. The door answers a bodiless GET alone."""
+    _forms_refused_at_the_metrics_door(served)
+
+
+def test_a_context_servers_metrics_are_behind_the_door_too(demo_engine, tmp_path):
+    config = tmp_path / "disagg_config.yaml"
+    config.write_text(f"model: {{engine: {demo_engine}}}\nkv_cache: {{max_size: 16MB}}\n")
+    with servers.serve("context", ["-c", str(config)], tmp_path / "c", http=False) as context:
+        _forms_refused_at_the_metrics_door(context)

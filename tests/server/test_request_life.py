@@ -54,9 +54,13 @@ SENDERS = {"OpenAI": _openai_stream, "ensemble": _grpc_stream}
 
 
 def _pools_free(served) -> None:
+    """Wait for the request's blocks to be freed, read from tritonserver's own metrics (the
+    metrics door's code, which a scrape of the public port runs, is the test's, not the
+    request's)."""
     from triton_disagg.routing.scrape import scrape, total
 
-    servers.wait_until(lambda: total(scrape(served.metrics), "disagg_kv_blocks_used") == 0,
+    inner = f"http://127.0.0.1:{servers.tritonserver_flag(served.work_dir, 'metrics-port')}"
+    servers.wait_until(lambda: total(scrape(inner), "disagg_kv_blocks_used") == 0,
                        30, "the request's KV blocks freed")
 
 

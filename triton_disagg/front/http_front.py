@@ -31,7 +31,9 @@ finish. The process exits when its parent (``serve``) is gone.
 With ``--door-grpc PORT:INNER`` (and ``--door-http PORT:INNER``) it also answers Triton's
 public gRPC (and HTTP) port on ``--host`` and forwards to tritonserver's on loopback,
 bounding every message to ``MAX_BODY_BYTES`` (:mod:`.public_door`); then the ``--grpc-*``
-TLS flags are the door's, and ``--grpc-url`` (loopback) is dialled in clear.
+TLS flags are the door's, and ``--grpc-url`` (loopback) is dialled in clear. With
+``--door-metrics PORT:INNER`` (every role whose tritonserver has metrics) it answers ``GET
+/metrics`` on the metrics port from tritonserver's on loopback (:mod:`.metrics_door`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import os
 import resource
 import sys
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -59,6 +62,7 @@ from triton_disagg.front.health import Readiness, ServerReadiness, add_health_ro
 from triton_disagg.front.openai_api import MAX_BODY_BYTES, ApiError
 from triton_disagg.front.openapi import document
 from triton_disagg.front.orchestrator_call import Relay, RequestEncoder
+from triton_disagg.front.metrics_door import make_metrics_door
 from triton_disagg.front.public_door import DoorPorts, open_door
 from triton_disagg.front.tokenizer_routes import add_tokenizer_routes, tokenizer_posts
 from triton_disagg.triton.grpc_channel import client_options
@@ -201,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer Triton's gRPC on --host:PORT, forwarding to 127.0.0.1:INNER")
     p.add_argument("--door-http", metavar="PORT:INNER", type=_port_pair,
                    help="answer Triton's HTTP on --host:PORT, forwarding to 127.0.0.1:INNER")
+    p.add_argument("--door-metrics", metavar="PORT:INNER", type=_port_pair,
+                   help="answer GET /metrics on --host:PORT from tritonserver's metrics on "
+                        "127.0.0.1:INNER")
     add_front_flags(p)
     add_tls_flags(p)
     args = p.parse_args(argv)
@@ -226,20 +233,35 @@ def main(argv: list[str] | None = None) -> int:
             if preparer is None else make_app(preparer, Relay(args.grpc_url, models, inner_tls),
                                               front, args.host)
         app.on_startup.append(start_watch)
-        close_door = None if door is None else await open_door(
-            door, MAX_BODY_BYTES, front, tls, lambda door_app: _runner(door_app, front,
-                                                                       app[METRICS]))
+        def runner(door_app: web.Application) -> web.AppRunner:
+            return _runner(door_app, front, app[METRICS])
+
+        closers = [] if door is None else [await open_door(door, MAX_BODY_BYTES, front, tls,
+                                                           runner)]
+        if args.door_metrics is not None:
+            closers.append(await _open_metrics_door(args.host, *args.door_metrics, runner))
         try:
             await _serve(app, args.host, args.port, front)
         finally:
-            if close_door is not None:
-                await close_door()
+            for close in closers:
+                await close()
 
     try:
         asyncio.run(serve())
     except (web.GracefulExit, KeyboardInterrupt):     # SIGTERM / SIGINT: stopped cleanly
         pass
     return 0
+
+
+async def _open_metrics_door(host: str, port: int, inner: int,
+                             runner: Callable[[web.Application], web.AppRunner]
+                             ) -> Callable[[], Awaitable[None]]:
+    """Serve the metrics door (:mod:`.metrics_door`) on ``host:port`` with ``runner``;
+    returns what stops it."""
+    served = runner(make_metrics_door(inner))
+    await served.setup()
+    await web.TCPSite(served, host, port).start()
+    return served.cleanup
 
 
 def _open_files_to_the_hard_limit() -> None:

@@ -106,14 +106,16 @@ class TritonInstall:
 @dataclass(frozen=True)
 class Endpoints:
     """Where clients reach the server; with inner ports, its gRPC and HTTP are behind the
-    public door (:mod:`triton_disagg.front.public_door`): the door answers ``host`` at
-    ``grpc_port`` / ``http_port`` and tritonserver listens on ``LOOPBACK`` at the inner ones."""
+    public door (:mod:`triton_disagg.front.public_door`) and its metrics behind the metrics
+    door (:mod:`triton_disagg.front.metrics_door`): a door answers ``host`` at the public
+    port and tritonserver listens on ``LOOPBACK`` at the inner one."""
     host: str                   # bind address
     http_port: int | None       # None: HTTP off
     grpc_port: int
     metrics_port: int | None    # None: metrics off
     inner_grpc_port: int | None = None      # None: no door, tritonserver on grpc_port
     inner_http_port: int | None = None      # set when behind the door with HTTP on
+    inner_metrics_port: int | None = None   # None: tritonserver's metrics on metrics_port
 
     @property
     def behind_door(self) -> bool:
@@ -132,6 +134,20 @@ class Endpoints:
         if self.behind_door:
             return LOOPBACK, self.inner_http_port
         return self.host, self.http_port
+
+    @property
+    def server_metrics(self) -> tuple[str, int | None]:
+        """(address, port) tritonserver's metrics bind (port None: metrics off)."""
+        if self.inner_metrics_port is not None:
+            return LOOPBACK, self.inner_metrics_port
+        return self.host, self.metrics_port
+
+    @property
+    def server_metrics_url(self) -> str | None:
+        """tritonserver's own metrics, as this host reaches them (None: metrics off): for
+        this server's own reads, which no door's cap should stand in the way of."""
+        address, port = self.server_metrics
+        return None if port is None else f"http://{reachable(address)}:{port}"
 
 
 def locate(override: str | os.PathLike | None = None) -> TritonInstall:
@@ -228,7 +244,8 @@ class TritonServer:
         if e.metrics_port is None:
             cmd.append("--allow-metrics=false")
         else:
-            cmd += [f"--metrics-address={e.host}", f"--metrics-port={e.metrics_port}"]
+            cmd += [f"--metrics-address={e.server_metrics[0]}",
+                    f"--metrics-port={e.server_metrics[1]}"]
         return cmd
 
     @staticmethod

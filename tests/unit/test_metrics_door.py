@@ -1,0 +1,73 @@
+"""The metrics door (:mod:`triton_disagg.front.metrics_door`, issue 27 rev27e), in process:
+a bodiless ``GET /metrics`` is tritonserver's answer; a POST (what killed Triton 2.51's
+metrics server), a body or another path never reaches the inner server; an inner server
+that is down is 502. The inner metrics server is an in-process aiohttp stand-in that
+counts what reaches it (tests/server/test_large_triton_requests.py has the real one)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from aiohttp import ClientSession, web
+
+from triton_disagg.front.metrics_door import make_metrics_door
+
+TEXT = "# TYPE nv_inference_count counter\nnv_inference_count 3\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+def _inner(seen: list[tuple[str, str, int]]) -> web.Application:
+    async def metrics(request: web.Request) -> web.Response:
+        body = await request.read()
+        seen.append((request.method, request.path_qs, len(body)))
+        return web.Response(text=TEXT, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", metrics)
+    return app
+
+
+def test_a_bodiless_get_is_forwarded_and_nothing_else_reaches_the_inner_server():
+    async def main():
+        seen: list[tuple[str, str, int]] = []
+        inner, inner_port = await _serve(_inner(seen))
+        door, port = await _serve(make_metrics_door(inner_port))
+        url = f"http://127.0.0.1:{port}"
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        try:
+            async with ClientSession() as session:
+                async with session.get(f"{url}/metrics?x=1", headers={"X-A": "b"}) as scraped:
+                    assert scraped.status == 200 and await scraped.text() == TEXT
+                    assert scraped.headers["Content-Type"].startswith("text/plain")
+                async with session.head(f"{url}/metrics") as head:
+                    assert head.status == 200
+                async with session.post(f"{url}/metrics", data=b"a" * 2**20,
+                                        headers=form) as posted:
+                    assert posted.status == 405
+                async with session.get(f"{url}/metrics", data=b"a" * 1024) as bodied:
+                    assert bodied.status == 400 and "no body" in await bodied.text()
+                async with session.get(f"{url}/v2/health/ready") as other:
+                    assert other.status == 404
+            assert seen == [("GET", "/metrics", 0), ("GET", "/metrics", 0)]
+            await inner.cleanup()
+            async with ClientSession() as session:
+                async with session.get(f"{url}/metrics") as down:
+                    assert down.status in (502, 503)      # refused, or no owner listening
+        finally:
+            await door.cleanup()
+            await inner.cleanup()
+    asyncio.run(main())
