@@ -18,7 +18,9 @@ back as it comes (Triton's ``generate_stream`` events included).
 Invariants: a gRPC message over ``max_bytes`` is refused by grpcio from its length prefix
 (RESOURCE_EXHAUSTED) before it is read; an HTTP body over ``max_bytes`` is refused (413)
 from its ``Content-Length`` before it is read, or, chunked, once ``max_bytes`` have come;
-a body slower than ``body_timeout`` is 408; a compressed HTTP body (``Content-Encoding``)
+a body slower than ``body_timeout`` is 408; a ``Content-Type`` other than Triton's (JSON,
+octet stream) is not forwarded (a large form body kills Triton 2.51's HTTP server); a
+compressed HTTP body (``Content-Encoding``)
 is 415, since Triton would inflate it unbounded (grpcio bounds an inflated gRPC message
 itself); so tritonserver never receives more than ``max_bytes`` in one message. At most
 ``max_calls`` gRPC calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED) and
@@ -62,6 +64,7 @@ DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # an
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
                         "host", "content-length"})
+PASSED_MEDIA_TYPES = frozenset({"application/json", "application/octet-stream"})
 CONNECT_SECONDS = 5.0       # to reach tritonserver's HTTP port
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})   # a bodiless GET: never capped
 OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
@@ -335,7 +338,9 @@ async def _forward(request: web.Request, max_bytes: int,
         return _error(413, f"the body is over {max_bytes} bytes")
     except TimeoutError:
         return _error(408, f"the body did not arrive within {body_timeout:g} s")
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+    headers = [(k, v) for k, v in request.headers.items()
+               if k.lower() not in HOP_BY_HOP and (k.lower() != "content-type"
+                                                    or _passed_media_type(v))]
     url = f"http://{request.app[INNER]}{request.rel_url.raw_path_qs}"   # origin-form only
     try:
         upstream = await request.app[SESSION].request(
@@ -352,6 +357,14 @@ async def _forward(request: web.Request, max_bytes: int,
             await response.write(chunk)
         await response.write_eof()
         return response
+
+
+def _passed_media_type(content_type: str) -> bool:
+    """Whether a ``Content-Type`` goes on to tritonserver: Triton's own (JSON, its binary
+    extension's octet stream); any other is dropped, the body forwarded as is, since Triton
+    2.51's HTTP server dies on a large ``application/x-www-form-urlencoded`` body (curl's
+    ``-d`` default, so a JSON body sent that way still works)."""
+    return content_type.split(";", 1)[0].strip().lower() in PASSED_MEDIA_TYPES
 
 
 async def open_door(ports: DoorPorts, max_bytes: int, front: FrontConfig,
