@@ -258,3 +258,23 @@ def test_a_large_form_post_through_the_http_door_leaves_tritonserver_serving(ser
     status, answer = _post_form(served.http, "/v2/models/ensemble/generate",
                                 b'{"text_input": "The quick brown fox", "max_tokens": 4}')
     assert status == 200, answer
+
+
+def test_a_message_of_millions_of_strings_is_refused_at_the_door(served):
+    """rev27f H2: a 10 MiB ``stop_words`` of 3 million empty strings took tritonserver
+    ~200 MB per queued message (its protobuf's objects); the door refuses it unread by
+    tritonserver, whose peak memory does not move."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="ensemble")
+    words = request.inputs.add(name="stop_words", datatype="BYTES", shape=[1, 3_000_000])
+    words.contents.bytes_contents.extend([b""] * 3_000_000)
+    before = _peak_rss(served)
+    with grpc.insecure_channel(served.grpc) as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stream(iter([request.SerializeToString()] * 4), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    assert "at most" in refused.value.details()
+    assert _peak_rss(served) - before < UNMOVED_BYTES

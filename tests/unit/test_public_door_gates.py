@@ -17,8 +17,8 @@ from aiohttp import ClientSession, web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_gates import add_origin_guard
-from triton_disagg.front.public_door import (SERVICE, GrpcDoor, InnerOwner, IN_FLIGHT,
-                                             make_http_door)
+from triton_disagg.front.http_door import IN_FLIGHT, make_http_door
+from triton_disagg.front.public_door import MAX_ENTRIES, SERVICE, GrpcDoor, InnerOwner
 
 STREAM = f"/{SERVICE}/ModelStreamInfer"
 
@@ -167,4 +167,86 @@ def test_health_passes_the_request_cap_a_refusal_says_when_to_retry_origin_is_ch
         finally:
             await runner.cleanup()
             await inner.cleanup()
+    asyncio.run(main())
+
+
+def _infer_request(strings: int, name: str = "ensemble") -> bytes:
+    """A serialized ModelInferRequest with one BYTES input of ``strings`` empty strings."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=name)
+    words = request.inputs.add(name="stop_words", datatype="BYTES", shape=[1, strings])
+    words.contents.bytes_contents.extend([b""] * strings)
+    return request.SerializeToString()
+
+
+def test_an_inference_request_of_too_many_strings_is_refused_before_tritonserver():
+    """rev27f H2: Triton's protobuf holds each string of a request as an object (a 10 MiB
+    message of empty strings took ~200 MB of tritonserver); the door counts them first."""
+    async def main():
+        async with _door(4) as door:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                call = channel.stream_stream(STREAM)()
+                small = _infer_request(64)
+                await call.write(small)
+                assert await call.read() == small              # forwarded, echoed
+                await call.write(_infer_request(MAX_ENTRIES + 1))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call.read()
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"at most {MAX_ENTRIES}" in refused.value.details()
+                unary = channel.stream_stream(f"/{SERVICE}/ModelInfer")()
+                await unary.write(b"\xff\xff")
+                with pytest.raises(grpc.aio.AioRpcError) as garbled:
+                    await unary.read()
+                assert "not an inference request" in garbled.value.details()
+    asyncio.run(main())
+
+
+def test_unanswered_messages_hold_at_most_the_doors_byte_budget():
+    """rev27f H2: one stream queued 24 messages at tritonserver (4.7 GB); a message past
+    the door's budget of unanswered bytes waits until a response frees room."""
+    async def main():
+        arrived: list[bytes] = []
+        answer = asyncio.Event()
+
+        async def hold(requests, context):
+            async def read():
+                async for request in requests:
+                    arrived.append(request)
+            reader = asyncio.ensure_future(read())
+            await answer.wait()
+            yield b"answered"
+            await reader
+
+        inner = grpc.aio.server()
+        inner.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(hold)})])
+        inner_port = inner.add_insecure_port("127.0.0.1:0")
+        await inner.start()
+        message = _infer_request(1, name="m" * 90)
+        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
+                        max_outstanding=int(2.5 * len(message)))
+        await door.start()
+        try:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                call = channel.stream_stream(STREAM)()
+                for _ in range(3):
+                    await call.write(message)
+                servers_wait = time.monotonic() + 5
+                while len(arrived) < 2 and time.monotonic() < servers_wait:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                assert len(arrived) == 2 and door.budget.held == 2 * len(message)
+                answer.set()
+                assert await call.read() == b"answered"
+                while len(arrived) < 3 and time.monotonic() < servers_wait:
+                    await asyncio.sleep(0.05)
+                assert len(arrived) == 3                      # the room a response freed
+                await call.done_writing()
+                call.cancel()
+        finally:
+            await door.stop(0)
+            await inner.stop(0)
+        assert door.budget.held == 0                          # a stream's end gives it all
     asyncio.run(main())

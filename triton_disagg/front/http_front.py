@@ -63,7 +63,7 @@ from triton_disagg.front.openai_api import MAX_BODY_BYTES, ApiError
 from triton_disagg.front.openapi import document
 from triton_disagg.front.orchestrator_call import Relay, RequestEncoder
 from triton_disagg.front.metrics_door import make_metrics_door
-from triton_disagg.front.public_door import DoorPorts, open_door
+from triton_disagg.front.http_door import DoorPorts, open_doors
 from triton_disagg.front.tokenizer_routes import add_tokenizer_routes, tokenizer_posts
 from triton_disagg.triton.grpc_channel import client_options
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         def runner(door_app: web.Application) -> web.AppRunner:
             return _runner(door_app, front, app[METRICS])
 
-        closers = [] if door is None else [await open_door(door, MAX_BODY_BYTES, front, tls,
+        closers = [] if door is None else [await open_doors(door, MAX_BODY_BYTES, front, tls,
                                                            runner)]
         if args.door_metrics is not None:
             closers.append(await _open_metrics_door(args.host, *args.door_metrics, runner))

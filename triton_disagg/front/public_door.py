@@ -1,43 +1,41 @@
-"""The public door: Triton's gRPC and HTTP ports of ``serve all`` and ``serve scheduler``,
-answered in the HTTP front's process (:mod:`.http_front`) and forwarded to tritonserver,
-which listens on loopback on ports of its own (:func:`launch.deploy.behind_door`).
+"""The public door: Triton's gRPC port of ``serve all`` and ``serve scheduler``, answered
+in the HTTP front's process (:mod:`.http_front`) and forwarded to tritonserver, which
+listens on loopback on ports of its own (:func:`launch.deploy.behind_door`); its HTTP port
+is :mod:`.http_door`'s, and both doors are opened by :func:`.http_door.open_doors`.
 
 Why: Triton 2.51 takes any message up to 2 GiB on either port and holds several copies
 of it while a model refuses it; it has no size bound of its own. The door bounds what
-reaches it, with grpcio's and aiohttp's own machinery, not a protocol of ours.
+reaches it, with grpcio's own machinery, not a protocol of ours.
 
 gRPC (``grpc.aio``): every method of ``inference.GRPCInferenceService`` (tritonclient's
-service descriptor names them, with their streaming kind) is forwarded as raw bytes, never
-parsed: request metadata (request ids and the like; not the transport's own
-``grpc-*``, ``user-agent``, ``content-type``, ``te``) and the deadline go with it; the
-status, details and trailing metadata come back unchanged; a client that cancels (or
-disconnects) cancels the call to tritonserver. HTTP (aiohttp): method, path and query as
-sent, headers less the hop-by-hop ones, and the body are forwarded; the answer streams
-back as it comes (Triton's ``generate_stream`` events included).
+service descriptor names them, with their streaming kind) is forwarded as raw bytes:
+request metadata (request ids and the like; not the transport's own ``grpc-*``,
+``user-agent``, ``content-type``, ``te``) and the deadline go with it; the status, details
+and trailing metadata come back unchanged; a client that cancels (or disconnects) cancels
+the call to tritonserver.
 
-Invariants: a gRPC message over ``max_bytes`` is refused by grpcio from its length prefix
-(RESOURCE_EXHAUSTED) before it is read; an HTTP body over ``max_bytes`` is refused (413)
-from its ``Content-Length`` before it is read, or, chunked, once ``max_bytes`` have come;
-a body slower than ``body_timeout`` is 408; a ``Content-Type`` other than Triton's (JSON,
-octet stream) is not forwarded (a large form body kills Triton 2.51's HTTP server); a
-compressed HTTP body (``Content-Encoding``)
-is 415, since Triton would inflate it unbounded (grpcio bounds an inflated gRPC message
-itself); so tritonserver never receives more than ``max_bytes`` in one message. At most
-``max_calls`` gRPC calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED) and
-``max_calls`` HTTP requests (429 with ``Retry-After``), over at most
-``front.max_connections`` HTTP connections; a bodiless ``GET /v2/health/live`` or
-``/ready`` is never refused by the request cap. Every gRPC call, unary ones included (all
-are served as streams), with no message either way for ``idle_seconds``
+Invariants: a message over ``max_bytes`` is refused by grpcio from its length prefix
+(RESOURCE_EXHAUSTED) before it is read (grpcio bounds an inflated message itself), so
+tritonserver never receives more than ``max_bytes`` in one message. An inference request
+(``ModelInfer``, each ``ModelStreamInfer`` message) is parsed (tritonclient's protobuf
+types) and refused (INVALID_ARGUMENT) past ``MAX_ENTRIES`` strings, tensors and parameters
+(:func:`request_entries`): Triton's protobuf holds each as an object, tens of bytes for a
+one-byte entry, for as long as the request lives (a 10 MiB message of empty strings took
+~200 MB). Request messages forwarded and not yet answered (a unary call's until it ends, a
+stream's until a response follows each) hold at most ``max_outstanding`` bytes door-wide
+(:class:`ByteBudget`); a message past it waits, so a client cannot queue Triton gigabytes
+(a stream of 24 such messages took 4.7 GB). At most ``max_calls`` calls run at once
+(grpcio refuses more with RESOURCE_EXHAUSTED). Every call, unary ones included (all are
+served as streams), with no message either way for ``idle_seconds``
 (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
-gRPC connection with no call for as long is closed, so idle clients cannot hold the call
-cap or the process's descriptors for ever; past ``front.max_connections`` gRPC connections
-a new one is closed at once. The HTTP door checks ``Origin`` and ``Host`` as the front
-does (a web page cannot drive it). With ``tls`` (the config's ``grpc_tls``) the public
-gRPC port speaks TLS (mutual: clients need a certificate); the hop to tritonserver is
-plain, on loopback. Nothing is forwarded unless a socket of this user listens on 127.0.0.1
-on each inner port (:class:`InnerOwner`): a port another local user took first (it is on
-tritonserver's command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE
-(gRPC, its details not naming the inner port) or 502 (HTTP).
+connection with no call for as long is closed, so idle clients cannot hold the call cap or
+the process's descriptors for ever; past ``front.max_connections`` connections a new one is
+closed at once. With ``tls`` (the config's ``grpc_tls``) the public port speaks TLS
+(mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
+Nothing is forwarded unless a socket of this user listens on 127.0.0.1 on each inner port
+(:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
+command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE (its details not
+naming the inner port).
 """
 
 from __future__ import annotations
@@ -45,31 +43,23 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass
+import collections
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Callable
 
-import aiohttp
 import grpc
-from aiohttp import web
 
-from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
-from triton_disagg.front.openai_api import ApiError
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS, LOOPBACK
 
 SERVICE = "inference.GRPCInferenceService"
 DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                        "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
-                        "host", "content-length"})
-PASSED_MEDIA_TYPES = frozenset({"application/json", "application/octet-stream"})
-CONNECT_SECONDS = 5.0       # to reach tritonserver's HTTP port
-PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})   # a bodiless GET: never capped
 OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
 STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long ends (Envoy's)
 UNREACHABLE = "tritonserver is not reachable"
+INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages: checked
+MAX_ENTRIES = 65_536        # strings, tensors and parameters of one inference request
+OUTSTANDING_MESSAGES = 8    # max_outstanding, in messages of max_bytes
 # 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes ::ffff:127.0.0.1 (how grpc core
 # binds "127.0.0.1" where IPv6 is up)
 LOOPBACK_HEX = {"/proc/net/tcp": "0100007F", "/proc/net/tcp6": "0000000000000000FFFF00000100007F"}
@@ -110,18 +100,6 @@ class InnerOwner:
         return set(self.ports) <= mine
 
 
-@dataclass(frozen=True)
-class DoorPorts:
-    """Where the door listens (``host``, the public ports) and where tritonserver does
-    (loopback, ``inner_*``); an HTTP pair of None: no HTTP door."""
-
-    host: str
-    grpc_port: int
-    inner_grpc_port: int
-    http_port: int | None = None
-    inner_http_port: int | None = None
-
-
 def service_methods() -> dict[str, tuple[bool, bool]]:
     """Every method of Triton's gRPC service: name -> (client streams, server streams)."""
     from tritonclient.grpc import service_pb2
@@ -145,13 +123,64 @@ async def _relay_failure(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpc
     await context.abort(exc.code(), details, exc.trailing_metadata() or ())
 
 
+def request_entries(request: bytes) -> int:
+    """The strings, tensors and parameters of a serialized ``ModelInferRequest``: what
+    Triton's protobuf holds as one object each (a numeric tensor's numbers are packed, not
+    counted). Raises :class:`ValueError` for bytes that are not one."""
+    from google.protobuf.message import DecodeError
+    from tritonclient.grpc import service_pb2
+
+    try:
+        parsed = service_pb2.ModelInferRequest.FromString(request)
+    except DecodeError:
+        raise ValueError("the message is not an inference request") from None
+    entries = len(parsed.parameters) + len(parsed.raw_input_contents)
+    for tensor in (*parsed.inputs, *parsed.outputs):
+        entries += 1 + len(tensor.parameters)
+    return entries + sum(len(t.contents.bytes_contents) for t in parsed.inputs)
+
+
+def refusal(request: bytes) -> str | None:
+    """Why the door refuses the inference request ``request`` (None: it does not)."""
+    try:
+        entries = request_entries(request)
+    except ValueError as exc:
+        return str(exc)
+    if entries > MAX_ENTRIES:
+        return (f"the request has {entries} strings, tensors and parameters; at most "
+                f"{MAX_ENTRIES} (send a long tensor as raw_input_contents)")
+    return None
+
+
+class ByteBudget:
+    """Bytes of request messages forwarded and not yet answered, door-wide: :meth:`take`
+    waits while taking ``n`` more would pass ``limit`` (unless nothing is held), so at most
+    ``limit`` (or one message) is held; every :meth:`take` is matched by one :meth:`give`."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._given = asyncio.Event()
+
+    async def take(self, n: int) -> None:
+        while self.held and self.held + n > self.limit:
+            self._given.clear()
+            await self._given.wait()
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        self._given.set()
+
+
 class GrpcDoor:
     """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``."""
 
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int,
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
-                 owner: InnerOwner | None = None, max_connections: int = 512):
+                 owner: InnerOwner | None = None, max_connections: int = 512,
+                 max_outstanding: int | None = None):
         self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
+        self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls, options=[
             ("grpc.max_receive_message_length", max_bytes),
@@ -176,13 +205,14 @@ class GrpcDoor:
         the idle watch, start when the call does: a unary handler would wait for its one
         message, without a deadline, holding a place under the call cap."""
         path = f"/{SERVICE}/{name}"
+        checked = name in INFER_METHODS
         if client_streams and server_streams:
-            return grpc.stream_stream_rpc_method_handler(self._streams(path))
+            return grpc.stream_stream_rpc_method_handler(self._streams(path, checked))
         if client_streams or server_streams:
             raise ValueError(f"{path}: a streaming kind the door does not forward")
-        return grpc.stream_stream_rpc_method_handler(self._unary(path))
+        return grpc.stream_stream_rpc_method_handler(self._unary(path, checked))
 
-    def _unary(self, path: str) -> Callable[..., AsyncIterator[bytes]]:
+    def _unary(self, path: str, checked: bool) -> Callable[..., AsyncIterator[bytes]]:
         method = self.channel.unary_unary(path)     # no (de)serializer: bytes as they come
 
         async def forward(requests: AsyncIterator[bytes],
@@ -196,6 +226,10 @@ class GrpcDoor:
                                     f"no request within {self.idle_seconds:g} s")
             if request is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+            refused = refusal(request) if checked else None
+            if refused is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
+            await self.budget.take(len(request))
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
             try:
@@ -204,39 +238,57 @@ class GrpcDoor:
                 await _relay_failure(context, exc)
             finally:
                 call.cancel()                      # no-op once done; else the caller left
+                self.budget.give(len(request))
             context.set_trailing_metadata(await call.trailing_metadata() or ())
             yield response
         return forward
 
-    def _streams(self, path: str) -> Callable[..., AsyncIterator[bytes]]:
+    def _streams(self, path: str, checked: bool) -> Callable[..., AsyncIterator[bytes]]:
         method = self.channel.stream_stream(path)
 
         async def forward(requests: AsyncIterator[bytes],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             await self._check_owner(context)
             last = [time.monotonic()]              # a message either way
+            held: collections.deque[int] = collections.deque()   # unanswered messages' bytes
+            refused: list[str] = []
+            calls: list[grpc.aio.StreamStreamCall] = []
 
             async def counted() -> AsyncIterator[bytes]:
                 async for request in requests:
                     last[0] = time.monotonic()
+                    why = refusal(request) if checked else None
+                    if why is not None:
+                        refused.append(why)
+                        calls[0].cancel()
+                        return
+                    await self.budget.take(len(request))
+                    held.append(len(request))
                     yield request
 
             call = method(counted(), metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
+            calls.append(call)
             idle = asyncio.get_running_loop().create_task(self._idle_watch(call, last))
             try:
                 async for response in call:
                     last[0] = time.monotonic()
+                    if held:                       # a response follows the oldest message
+                        self.budget.give(held.popleft())
                     yield response
                 context.set_trailing_metadata(await call.trailing_metadata() or ())
             except grpc.aio.AioRpcError as exc:
                 await _relay_failure(context, exc)
             except asyncio.CancelledError:
+                if refused:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0])
                 if not idle.done() or idle.result() is not True:
                     raise                          # the caller cancelled or left
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"no message either way for {self.idle_seconds:g} s")
             finally:
+                while held:
+                    self.budget.give(held.popleft())
                 idle.cancel()
                 call.cancel()                      # the caller cancelled or left: so do we
         return forward
@@ -267,129 +319,3 @@ def _server_credentials(tls: GrpcTLS) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
         root_certificates=Path(tls.ca_file).read_bytes(), require_client_auth=tls.mutual)
-
-
-INNER = web.AppKey("inner", str)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-IN_FLIGHT = web.AppKey("in_flight", list)       # [count]: requests being forwarded
-
-
-def _error(status: int, message: str) -> web.Response:
-    """Triton's HTTP error body: ``{"error": "..."}``."""
-    return web.json_response({"error": message}, status=status)
-
-
-def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: float,
-                   owner: InnerOwner | None = None) -> web.Application:
-    """An aiohttp app forwarding every request to ``http://inner`` (module docstring)."""
-    owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
-
-    async def forward(request: web.Request) -> web.StreamResponse:
-        if (request.content_length or 0) > max_bytes:
-            return _error(413, f"the body is over {max_bytes} bytes")
-        encodings = request.headers.getall("Content-Encoding", [])
-        if [e.strip().lower() for e in encodings] not in ([], ["identity"]):
-            return _error(415, "a compressed body is not taken (Triton would inflate it "
-                               "unbounded); send it as is")
-        if not owner.ours():
-            return _error(503, f"{UNREACHABLE} (its port is not this server's)")
-        probe = request.method == "GET" and request.path in PROBES and not request.body_exists
-        if request.app[IN_FLIGHT][0] >= max_calls and not probe:
-            busy = _error(429, f"over {max_calls} requests in flight; retry later")
-            busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
-            return busy
-        request.app[IN_FLIGHT][0] += 1
-        try:
-            return await _forward(request, max_bytes, body_timeout)
-        finally:
-            request.app[IN_FLIGHT][0] -= 1
-
-    async def open_session(app: web.Application) -> None:
-        app[SESSION] = aiohttp.ClientSession(
-            auto_decompress=False, timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_SECONDS))
-
-    async def close_session(app: web.Application) -> None:
-        await app[SESSION].close()
-
-    @web.middleware
-    async def triton_errors(request: web.Request, handler) -> web.StreamResponse:
-        """A refusal of the gates added after this one (the origin guard), as Triton's body."""
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            refused = _error(exc.status, str(exc))
-            refused.headers.update(exc.headers)
-            return refused
-
-    app = web.Application(client_max_size=max_bytes, middlewares=[triton_errors])
-    app[INNER], app[IN_FLIGHT] = inner, [0]
-    app.on_startup.append(open_session)
-    app.on_cleanup.append(close_session)
-    app.router.add_route("*", "/{path:.*}", forward)
-    return app
-
-
-async def _forward(request: web.Request, max_bytes: int,
-                   body_timeout: float) -> web.StreamResponse:
-    try:
-        async with asyncio.timeout(body_timeout):
-            body = await request.read()         # at most client_max_size, else 413
-    except web.HTTPRequestEntityTooLarge:
-        return _error(413, f"the body is over {max_bytes} bytes")
-    except TimeoutError:
-        return _error(408, f"the body did not arrive within {body_timeout:g} s")
-    headers = [(k, v) for k, v in request.headers.items()
-               if k.lower() not in HOP_BY_HOP and (k.lower() != "content-type"
-                                                    or _passed_media_type(v))]
-    url = f"http://{request.app[INNER]}{request.rel_url.raw_path_qs}"   # origin-form only
-    try:
-        upstream = await request.app[SESSION].request(
-            request.method, url, headers=headers, data=body or None, allow_redirects=False,
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"))
-    except aiohttp.ClientError:
-        return _error(502, UNREACHABLE)
-    async with upstream:
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend((k, v) for k, v in upstream.headers.items()
-                                if k.lower() not in HOP_BY_HOP - {"content-length"})
-        await response.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-        await response.write_eof()
-        return response
-
-
-def _passed_media_type(content_type: str) -> bool:
-    """Whether a ``Content-Type`` goes on to tritonserver: Triton's own (JSON, its binary
-    extension's octet stream); any other is dropped, the body forwarded as is, since Triton
-    2.51's HTTP server dies on a large ``application/x-www-form-urlencoded`` body (curl's
-    ``-d`` default, so a JSON body sent that way still works)."""
-    return content_type.split(";", 1)[0].strip().lower() in PASSED_MEDIA_TYPES
-
-
-async def open_door(ports: DoorPorts, max_bytes: int, front: FrontConfig,
-                    tls: GrpcTLS | None,
-                    http_runner: Callable[[web.Application], web.AppRunner]
-                    ) -> Callable[[], Awaitable[None]]:
-    """Start the gRPC door and, with an HTTP pair, the HTTP one (served by
-    ``http_runner(app)``, the front's capped runner); returns what stops both."""
-    owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
-                             if p is not None))
-    grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",
-                         max_bytes, front.max_concurrent_requests, tls, owner=owner,
-                         max_connections=front.max_connections)
-    await grpc_door.start()
-    runner = None
-    if ports.http_port is not None:
-        app = make_http_door(f"{LOOPBACK}:{ports.inner_http_port}", max_bytes,
-                             front.max_concurrent_requests, front.body_timeout_seconds, owner)
-        add_origin_guard(app, front, ports.host)
-        runner = http_runner(app)
-        await runner.setup()
-        await web.TCPSite(runner, ports.host, ports.http_port).start()
-
-    async def close() -> None:
-        if runner is not None:
-            await runner.cleanup()
-        await grpc_door.stop(grace=1.0)
-    return close
