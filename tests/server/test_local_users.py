@@ -164,6 +164,9 @@ def test_python_backend_regions_and_staging_areas_are_private(tmp_path):
         assert regions, "no Python-backend region found"
         # boost.interprocess makes each region 0644 whatever the umask; the folder is 0700
         assert stat.S_IMODE(os.stat(server.regions_dir).st_mode) == 0o700
+        # rev27f L1: UCX's SysV segments (0660) live in the server's own IPC namespace
+        assert os.readlink(f"/proc/{server.process.pid}/ns/ipc") != \
+            os.readlink("/proc/self/ns/ipc")
         os.killpg(server.process.pid, signal.SIGKILL)   # tritonserver and its stubs
         server.process.wait(60)
     finally:

@@ -8,7 +8,9 @@ is a fresh tmpfs of mode 0700, the size of the host's; its stubs, which it forks
 it. The host's ``/dev/shm`` stays reachable inside at ``host_dir`` (a bind mount), where
 the project's own entries live (:mod:`triton_disagg.shm` reads ``shm.DIR_ENV``): KV staging
 areas that a generation server of another tritonserver maps by name. The tmpfs goes away
-with the last process of the namespace, so a killed server leaves no region behind.
+with the last process of the namespace, so a killed server leaves no region behind. The
+server gets an IPC namespace of its own too, so the SysV segments UCX makes (mode 0660)
+are its own and its stubs' alone.
 
 Making the namespace takes ``CAP_SYS_ADMIN`` (root outside a container), or, for another
 user, an unprivileged user namespace mapping that user to itself (the server keeps its
@@ -40,7 +42,7 @@ CONTAINER_ONLY = "container"    # ALLOW_SHARED_ENV's value in the images: unless
 # The inode of the kernel's initial IPC namespace (PROC_IPC_INIT_INO, include/linux/proc_ns.h):
 # /proc/self/ns/ipc has it in the host's namespace, and in a container that shares it.
 HOST_IPC_NS_INODE = 0xEFFFFFFF
-CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWIPC = 0x00020000, 0x10000000, 0x08000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 0x2, 0x4, 0x1000, 0x4000, 0x80000
 
 _libc = ctypes.CDLL(None, use_errno=True)     # loaded before any fork: a child only calls it
@@ -48,10 +50,12 @@ _libc = ctypes.CDLL(None, use_errno=True)     # loaded before any fork: a child 
 
 def enter(host_dir: str) -> None:
     """In a child before exec: a mount namespace whose ``/dev/shm`` is a private tmpfs, the
-    host's at ``host_dir`` (an existing directory). OSError when the kernel refuses."""
+    host's at ``host_dir`` (an existing directory), and an IPC namespace of its own (UCX's
+    SysV segments, mode 0660, are then out of reach of the user's group). OSError when the
+    kernel refuses."""
     uid, gid = os.getuid(), os.getgid()
-    if _libc.unshare(CLONE_NEWNS) != 0:
-        _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))
+    if _libc.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0:
+        _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC))
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
