@@ -29,14 +29,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _echo_server() -> tuple[grpc.aio.Server, int]:
+async def _stream_server(handler=None) -> tuple[grpc.aio.Server, int]:
+    """A started stand-in tritonserver whose ``ModelStreamInfer`` is ``handler`` (default:
+    an echo)."""
     async def echo(requests, context):
         async for request in requests:
             yield request
 
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(echo)})])
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(handler or echo)})])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
@@ -45,7 +47,7 @@ async def _echo_server() -> tuple[grpc.aio.Server, int]:
 @contextlib.asynccontextmanager
 async def _door(max_calls: int = 4, **kwargs):
     """A started door in front of a started echo server; both stopped after."""
-    inner, inner_port = await _echo_server()
+    inner, inner_port = await _stream_server()
     door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, max_calls,
                     **kwargs)
     await door.start()
@@ -219,11 +221,7 @@ def test_unanswered_messages_hold_at_most_the_doors_byte_budget():
             yield b"answered"
             await reader
 
-        inner = grpc.aio.server()
-        inner.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(hold)})])
-        inner_port = inner.add_insecure_port("127.0.0.1:0")
-        await inner.start()
+        inner, inner_port = await _stream_server(hold)
         message = _infer_request(1, name="m" * 90)
         door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
                         max_outstanding=int(2.5 * len(message)))
