@@ -121,3 +121,24 @@ def test_scale_shrinks_every_length_and_refuses_nonsense():
     assert len(rehearsed("chat", small, VOCAB, 1, _model)[-1][0].prompt) == 256 + 5 * 40 + 4 * 8
     with pytest.raises(Exception, match="--scale"):
         scaled(Shape(), 0)
+
+
+def test_the_table_says_who_prefilled_and_when_a_mode_sent_other_prompts():
+    """A mode whose answers differed sent other chat prompts: the table says so (never
+    compares it silently); generation's own prefill shows apart, cache off unknown."""
+    import argparse
+
+    from triton_disagg.bench.prefix_cli import Run, markdown
+
+    def run(mode, prefilled, by_generation, prompts):
+        return Run(mode, "chat", "full", 400, prefilled, by_generation, 300, [0.1, 0.2], 1.0,
+                   0, ["a", "b"], prompts)
+
+    args = argparse.Namespace(rate=2.0, slo_ms=1000.0, max_local_prefill=256, scale=1.0)
+    table = markdown([run("round_robin", 400, None, [(1, 2), (1, 2, 3)]),
+                      run("kv_aware", 100, 60, [(1, 2), (1, 2, 3)]),
+                      run("least_loaded+cache", 100, 60, [(1, 2), (1, 2, 4)])], args)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()
+            if line.startswith("| ") and "---" not in line and "mode" not in line}
+    assert rows["round_robin"][2] == "-" and rows["kv_aware"][1:4] == ["100", "60", "4.0"]
+    assert rows["kv_aware"][-1] == "yes |" and rows["least_loaded+cache"][-1] == "NO |"

@@ -12,14 +12,14 @@ cache modes only).
 
 Figures per run: prompt tokens prefilled (with the cache on, the servers' own counters,
 ``disagg_prefix_cache_prefilled_total`` summed over the context servers and generation,
-which prefills a conversation's next turn itself when at most ``--max-local-prefill`` of
-its tokens are not in its cache; with the cache off, every prompt token once), hit rate
-against one never-evicting
+and generation's apart: it prefills a prompt itself when at most ``--max-local-prefill`` of
+its tokens are not in its cache, so the context router never sees it; with the cache off,
+every prompt token once), hit rate against one never-evicting
 cache (:func:`~.prefix_workloads.ideal_hit_tokens`), TTFT p50/p90 measured by the client
 from send to first token (queueing, routing, prefill, KV handoff and the first decode),
 goodput (requests/s that got their first token within ``--slo-ms``), errors, and whether
-the greedy texts, and the prompts sent (chat's hold the answers), equal the first mode's. The table is printed and, with ``--output``,
-kept as the ``prefix`` section of that file.
+the greedy texts, and the prompts sent (chat's hold the answers), equal the first mode's.
+The table is printed and, with ``--output``, kept as the ``prefix`` section of that file.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class Run:
     workload: str
     pool: str                  # "full" | "half"
     prompt_tokens: int
-    prefilled: int             # by the context servers' counters
+    prefilled: int             # by the servers' counters (cache off: every prompt token)
+    by_generation: int | None  # of which generation prefilled itself; None: cache off
     ideal_hits: int
     ttft: list[float]          # seconds, requests that got a first token
     goodput: float             # requests/s with TTFT <= the SLO
@@ -182,13 +183,14 @@ def _one_run(running, mode: RoutingSetup, pool: str, workload: str, shape: Shape
         seconds += load.duration
         k += 1
     prompt_tokens = sum(len(r.prompt) for r, _ in answered)
-    prefilled = prompt_tokens
+    prefilled, by_generation = prompt_tokens, None
     if mode.prefix_caching:
         after = _settled(running.metrics)
-        prefilled = int(sum(delta(b, a, PREFILLED) for b, a in zip(before, after)))
+        counted = [int(delta(b, a, PREFILLED)) for b, a in zip(before, after)]
+        prefilled, by_generation = sum(counted), counted[-1]   # generation's: the last
     ttft = [o.measurement.ttft for o in outcomes if o.measurement and o.measurement.ttft]
     good = sum(t <= args.slo_ms / 1000 for t in ttft)
-    return Run(mode.name, workload, pool, prompt_tokens, prefilled,
+    return Run(mode.name, workload, pool, prompt_tokens, prefilled, by_generation,
                sum(ideal_hit_tokens(answered, bs)), ttft, good / seconds if seconds else 0.0,
                sum(o.error is not None for o in outcomes),
                ["".join(o.measurement.text) if o.measurement else "" for o in outcomes],
@@ -227,7 +229,8 @@ def markdown(runs: list[Run], args: argparse.Namespace) -> str:
              f"{round(args.max_local_prefill * args.scale)} of its tokens are not in its cache "
              f"(`generation_server.max_local_prefill_length`). Prefilled: every prompt token "
              f"computed, by the context servers and generation (their "
-             f"`{PREFILLED}`). TTFT is the client's, send to first token. A chat turn's prompt "
+             f"`{PREFILLED}`); by generation: those it prefilled itself, which no context "
+             f"router saw (cache off: not counted). TTFT is the client's, send to first token. A chat turn's prompt "
              f"holds the ids the server answered the turn before: prompts = first says the "
              f"mode sent the first mode's prompts (its answers were the same).", ""]
     for workload in dict.fromkeys(r.workload for r in runs):
@@ -236,14 +239,16 @@ def markdown(runs: list[Run], args: argparse.Namespace) -> str:
             base = rows[0]
             lines += [f"**{workload}**, {pool} context pools ({base.prompt_tokens} prompt "
                       f"tokens; one infinite cache would serve {base.ideal_hits}):", "",
-                      "| mode | prefilled | x fewer | hit rate | TTFT p50 ms | TTFT p90 ms "
+                      "| mode | prefilled | by generation | x fewer | hit rate | TTFT p50 ms "
+                      "| TTFT p90 ms "
                       "| goodput req/s | errors | texts = first | prompts = first |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in rows:
                 p50, p90 = (np.percentile(r.ttft, [50, 90]) * 1000 if r.ttft
                             else (float("nan"),) * 2)
                 rate = "-" if r.hit_rate is None else f"{r.hit_rate:.2f}"
-                lines.append(f"| {r.mode} | {r.prefilled} | "
+                own = "-" if r.by_generation is None else r.by_generation
+                lines.append(f"| {r.mode} | {r.prefilled} | {own} | "
                              f"{base.prefilled / max(1, r.prefilled):.1f} | {rate} | "
                              f"{p50:.0f} | {p90:.0f} | {r.goodput:.2f} | {r.errors} | "
                              f"{'yes' if r.texts == base.texts else 'NO'} | "
