@@ -12,7 +12,9 @@ any of the ensemble's optional inputs by their tensor names (``temperature``,
   ``/infer`` over HTTP refuses decoupled models (501), hence ``generate``;
 - the HTTP front's OpenAI API (:func:`openai_generate`): ``/v1/completions``, streamed
   with ``stream_options.include_usage`` (the token counts), greedy, ``ignore_eos`` when
-  the request's ``end_id`` is -1.
+  the request's ``end_id`` is -1; with ``token_ids``, also the generated tokens' ids
+  (``logprobs`` 0 with vLLM's ``return_tokens_as_token_ids``: each token named
+  ``token_id:N``), kept in :attr:`Measurement.token_ids`.
 
 Every response is fed to a :class:`Measurement`. Invariants: ``arrivals`` has
 one entry per response that carried output, in arrival order; the token
@@ -46,6 +48,7 @@ class GenerateRequest:
     max_tokens: int
     stream: bool = True
     options: Mapping[str, Any] = field(default_factory=dict)   # optional ensemble inputs by name
+    token_ids: bool = False          # HTTP front only: ask for the generated tokens' ids
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.options) - set(_SPECS))
@@ -83,6 +86,7 @@ class Measurement:
     text: list[str] = field(default_factory=list)
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    token_ids: list[int] = field(default_factory=list)   # generated, when the request asked
 
     def on_response(self, text: str, n_in: int | None, n_out: int | None,
                     at: float | None = None) -> None:
@@ -250,11 +254,12 @@ def http_generate(url: str, request: GenerateRequest, model: str = "ensemble",
 def openai_body(request: GenerateRequest, model: str) -> dict[str, Any]:
     """The ``/v1/completions`` body of ``request``: prompt (text or token ids) and
     ``max_tokens``, greedy, streamed with the usage chunk; of its options only ``end_id``
-    -1, as ``ignore_eos``."""
+    -1, as ``ignore_eos``; ``token_ids``: the tokens named by id in ``logprobs``."""
     prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+    ids = {"logprobs": 0, "return_tokens_as_token_ids": True} if request.token_ids else {}
     return {"model": model, "prompt": prompt, "max_tokens": request.max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": request.options.get("end_id") == -1}
+            "ignore_eos": request.options.get("end_id") == -1, **ids}
 
 
 def on_openai_line(measurement: Measurement, raw: bytes | str) -> bool:
@@ -271,9 +276,21 @@ def on_openai_line(measurement: Measurement, raw: bytes | str) -> bool:
     if chunk.get("usage"):
         measurement.num_input_tokens = chunk["usage"]["prompt_tokens"]
         measurement.num_output_tokens = chunk["usage"]["completion_tokens"]
-    elif chunk["choices"] and chunk["choices"][0]["text"]:
-        measurement.on_response(chunk["choices"][0]["text"], None, None)
+    elif chunk["choices"]:
+        choice = chunk["choices"][0]
+        if choice.get("logprobs"):
+            measurement.token_ids += [_token_id(t) for t in choice["logprobs"]["tokens"]]
+        if choice["text"]:
+            measurement.on_response(choice["text"], None, None)
     return False
+
+
+def _token_id(name: str) -> int:
+    """The id in a token's ``token_id:N`` name (``return_tokens_as_token_ids``)."""
+    prefix, _, number = name.partition(":")
+    if prefix != "token_id" or not number.isdigit():
+        raise GenerateError(f"log-probs name a token {name[:40]!r}, not token_id:N")
+    return int(number)
 
 
 def openai_generate(front: str, request: GenerateRequest, model: str, session: Any = None,

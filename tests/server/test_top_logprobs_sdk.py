@@ -104,6 +104,27 @@ def test_chat_top_logprobs_are_the_engines_streamed_or_not(client, expected, dem
             [t.logprob for t in whole_entry.top_logprobs], abs=1e-3)
 
 
+def test_return_tokens_as_token_ids_names_the_engines_ids(client, server, expected,
+                                                         hf_tokenizer):
+    """vLLM's ``return_tokens_as_token_ids``: log-probs name each token ``token_id:N``, the
+    engine's greedy ids (a byte of a character has no text of its own), over completions
+    and chat; the bench's client reads them back (what ``bench prefix``'s chat resends)."""
+    from triton_disagg.clients.stream import GenerateRequest, openai_generate
+
+    ids = hf_tokenizer(PROMPTS[0]).input_ids
+    want_ids, _, _ = expected(ids, 8, 0)
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                      logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    assert whole.choices[0].logprobs.tokens == [f"token_id:{i}" for i in want_ids]
+    streamed = openai_generate(server.front, GenerateRequest(tuple(ids), 8, token_ids=True),
+                               MODEL)
+    assert streamed.token_ids == want_ids
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)
+
+
 def test_an_empty_prompt_is_the_bos_alone_as_in_hugging_face(client, hf_tokenizer):
     """``""`` tokenizes to the BOS the demo tokenizer adds (vLLM serves it too); a tokenizer
     that adds nothing leaves it empty, which preprocessing refuses."""

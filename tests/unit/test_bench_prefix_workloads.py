@@ -6,10 +6,20 @@ from __future__ import annotations
 import pytest
 
 from triton_disagg.bench.prefix_cli import scaled
-from triton_disagg.bench.prefix_workloads import (Shape, ideal_hit_tokens, requests_for,
+from triton_disagg.bench.prefix_workloads import (Shape, ideal_hit_tokens, rehearsed, wave,
                                                   working_set_blocks)
 
 BS, VOCAB = 16, 2048
+
+
+def _model(request):
+    """A stand-in for the server: greedy, so its answer is a function of the prompt."""
+    return tuple(3 + (sum(request.prompt) * 31 + i) % (VOCAB - 3)
+                 for i in range(request.max_tokens))
+
+
+def _unanswered(requests):
+    return [(r, ()) for r in requests]
 
 
 def _groups(requests, prefix_len):
@@ -22,7 +32,8 @@ def _groups(requests, prefix_len):
 
 def test_shared_prefix_groups_are_interleaved_and_share_exactly_their_prefix():
     shape = Shape()
-    requests = requests_for("shared", shape, VOCAB, seed=0)
+    requests = wave("shared", shape, VOCAB, 0, 0)
+    assert wave("shared", shape, VOCAB, 0, 1, _unanswered(requests)) == []   # one wave
     assert len(requests) == 48 and {r.wave for r in requests} == {0}
     assert all(len(r.prompt) == 1024 + 32 and r.max_tokens == 32 for r in requests)
     groups = _groups(requests, 1024)
@@ -34,52 +45,100 @@ def test_shared_prefix_groups_are_interleaved_and_share_exactly_their_prefix():
     # interleaved in a random order: not group by group, nor a fixed rotation of the groups
     order = [list(groups).index(r.prompt[:1024]) for r in requests]
     assert order != sorted(order) and order[:8] != order[8:16]
-    hits = ideal_hit_tokens(requests, BS)
+    hits = ideal_hit_tokens(_unanswered(requests), BS)
     assert hits == [0 if r.prompt in first else 1024 for r in requests]
 
 
-def test_a_chat_turn_extends_the_conversation_so_far_and_goes_out_in_waves():
-    shape = Shape()
-    requests = requests_for("chat", shape, VOCAB, seed=0)
+def test_chat_turns_share_a_system_prompt_and_resend_the_servers_answers():
+    """Every conversation opens with the one system prompt; turn k+1's prompt is turn k's,
+    then exactly what the server answered it, then a new message; in waves."""
+    answered = rehearsed("chat", Shape(), VOCAB, 1, _model)
+    requests = [r for r, _ in answered]
     assert len(requests) == 40 and [r.wave for r in requests] == [t for t in range(5)
                                                                      for _ in range(8)]
-    by_conversation = _groups(requests, 256)
-    assert sorted(len(c) for c in by_conversation.values()) == [5] * 8
-    for turns in by_conversation.values():
-        assert [r.wave for r in turns] == list(range(5))
-        for earlier, now in zip(turns, turns[1:]):
-            assert now.prompt[:len(earlier.prompt)] == earlier.prompt
+    first_wave = requests[:8]
+    assert len({r.prompt[:1024] for r in first_wave}) == 1              # the system prompt
+    assert len({r.prompt[1024:1040] for r in first_wave}) == 8          # then its own message
+    assert all(len(r.prompt) == 1024 + 160 for r in first_wave)
+    turns: dict[int, list] = {}
+    for r, answer in answered:
+        turns.setdefault(r.conversation, []).append((r, answer))
+    assert sorted(turns) == list(range(8))
+    for conversation in turns.values():
+        assert [r.wave for r, _ in conversation] == list(range(5))
+        for (earlier, answer), (now, _) in zip(conversation, conversation[1:]):
+            assert answer == _model(earlier) and len(answer) == 32
+            assert now.prompt[:len(earlier.prompt) + 32] == earlier.prompt + answer
             assert len(now.prompt) == len(earlier.prompt) + 32 + 160
-    waves = [[list(by_conversation).index(r.prompt[:256]) for r in requests[8 * t:8 * t + 8]]
-             for t in range(5)]
-    assert len({tuple(w) for w in waves}) > 1                   # each wave in its own order
-    previous = {r.prompt[:256]: len(r.prompt) for r in requests[:0]}
-    hits = ideal_hit_tokens(requests, BS)
-    for r, hit in zip(requests, hits):
-        key = r.prompt[:256]
-        assert hit == (previous[key] // BS * BS if key in previous else 0)
-        previous[key] = len(r.prompt)
+    orders = [[r.conversation for r in requests[8 * t:8 * t + 8]] for t in range(5)]
+    assert len({tuple(o) for o in orders}) > 1                  # each wave in its own order
+
+
+def test_chat_ideal_hits_count_the_system_prompt_and_the_answers_the_prompts_hold():
+    answered = rehearsed("chat", Shape(), VOCAB, 1, _model)
+    hits = ideal_hit_tokens(answered, BS)
+    assert hits[0] == 0 and hits[1:8] == [1024] * 7        # the system prompt, once computed
+    previous = {r.conversation: len(r.prompt) for r, _ in answered[:8]}
+    for (r, _), hit in zip(answered[8:], hits[8:]):
+        # the previous prompt and its answer but the last token: computed, so cached
+        assert hit == (previous[r.conversation] + 32 - 1) // BS * BS
+        previous[r.conversation] = len(r.prompt)
+    # on the prompts sent: other answers make other prompts, and the ideal follows them
+    other = rehearsed("chat", Shape(), VOCAB, 1, lambda r: _model(r)[::-1])
+    assert [r.prompt for r, _ in other][8:] != [r.prompt for r, _ in answered][8:]
+    assert ideal_hit_tokens([(r, a) for (r, _), (_, a) in zip(answered, other)], BS) != hits
+
+
+def test_a_chat_wave_needs_every_conversation_answered_once():
+    first = wave("chat", Shape(), VOCAB, 1, 0)
+    with pytest.raises(ValueError, match="each of 8 conversations once"):
+        wave("chat", Shape(), VOCAB, 1, 1, [(r, _model(r)) for r in first[:7]])
+    assert wave("chat", Shape(), VOCAB, 1, 5, [(r, _model(r)) for r in first]) == []
 
 
 def test_unique_prompts_share_no_block_and_seeds_share_nothing():
-    unique = requests_for("unique", Shape(), VOCAB, seed=0)
-    assert len(unique) == 48 and sum(ideal_hit_tokens(unique, BS)) == 0
+    unique = wave("unique", Shape(), VOCAB, 0, 0)
+    assert len(unique) == 48 and sum(ideal_hit_tokens(_unanswered(unique), BS)) == 0
     assert working_set_blocks(unique, BS) == 48 * 66
-    again, other = (requests_for("shared", Shape(), VOCAB, seed=s) for s in (0, 1))
-    assert again == requests_for("shared", Shape(), VOCAB, seed=0)
-    assert sum(ideal_hit_tokens(again + other, BS)[48:]) == sum(ideal_hit_tokens(other, BS))
+    again, other = (wave("shared", Shape(), VOCAB, s, 0) for s in (0, 1))
+    assert again == wave("shared", Shape(), VOCAB, 0, 0)
+    assert sum(ideal_hit_tokens(_unanswered(again + other), BS)[48:]) == \
+        sum(ideal_hit_tokens(_unanswered(other), BS))
 
 
 def test_the_last_token_is_never_a_hit():
     shape = Shape(groups=1, per_group=2, prefix_len=32, suffix_len=0)
-    requests = requests_for("shared", shape, VOCAB, seed=0)
+    requests = wave("shared", shape, VOCAB, 0, 0)
     assert requests[0].prompt == requests[1].prompt
-    assert ideal_hit_tokens(requests, BS) == [0, 16]     # a whole-cached prompt: 1 block kept
+    assert ideal_hit_tokens(_unanswered(requests), BS) == [0, 16]   # whole-cached: 1 block kept
 
 
 def test_scale_shrinks_every_length_and_refuses_nonsense():
     small = scaled(Shape(), 0.25)
     assert (small.prefix_len, small.suffix_len, small.output_len) == (256, 8, 8)
-    assert small.groups == 8
+    assert (small.system_len, small.message_len) == (256, 40)
+    assert small.groups == 8 and small.conversations == 8
+    assert len(rehearsed("chat", small, VOCAB, 1, _model)[-1][0].prompt) == 256 + 5 * 40 + 4 * 8
     with pytest.raises(Exception, match="--scale"):
         scaled(Shape(), 0)
+
+
+def test_the_table_says_who_prefilled_and_when_a_mode_sent_other_prompts():
+    """A mode whose answers differed sent other chat prompts: the table says so (never
+    compares it silently); generation's own prefill shows apart, cache off unknown."""
+    import argparse
+
+    from triton_disagg.bench.prefix_cli import Run, markdown
+
+    def run(mode, prefilled, by_generation, prompts):
+        return Run(mode, "chat", "full", 400, prefilled, by_generation, 300, [0.1, 0.2], 1.0,
+                   0, ["a", "b"], prompts)
+
+    args = argparse.Namespace(rate=2.0, slo_ms=1000.0, max_local_prefill=256, scale=1.0)
+    table = markdown([run("round_robin", 400, None, [(1, 2), (1, 2, 3)]),
+                      run("kv_aware", 100, 60, [(1, 2), (1, 2, 3)]),
+                      run("least_loaded+cache", 100, 60, [(1, 2), (1, 2, 4)])], args)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines()
+            if line.startswith("| ") and "---" not in line and "mode" not in line}
+    assert rows["round_robin"][2] == "-" and rows["kv_aware"][1:4] == ["100", "60", "4.0"]
+    assert rows["kv_aware"][-1] == "yes |" and rows["least_loaded+cache"][-1] == "NO |"

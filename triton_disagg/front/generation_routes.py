@@ -148,7 +148,8 @@ class _Answer:
         self.gen = gen
         self.echo = preparer.prompt(gen) if gen.echo else ""
         self.logprobs = None if gen.logprobs is None else \
-            Logprobs(gen, preparer.token_text, len(self.echo))
+            Logprobs(gen, token_id_name if gen.tokens_as_ids else preparer.token_text,
+                     len(self.echo))
         self.prompt_ids = inputs["input_ids"].reshape(-1).tolist()     # [1, n] -> [n]
         self.trimmer, self.last = StopTrimmer(gen.stop), Delta("", 0, 0)
 
@@ -173,6 +174,11 @@ class _Answer:
             raise OrchestratorError("the orchestrator's stream ended without its final answer",
                                     ErrorCode.INTERNAL)
         return self.trimmer.finish(), finish_reason(self.trimmer, self.last.finish_reason)
+
+
+def token_id_name(token_id: int) -> str:
+    """vLLM's name of a token in log-probs with ``return_tokens_as_token_ids``."""
+    return f"token_id:{token_id}"
 
 
 async def _added(answer: _Answer, delta: Delta) -> tuple[str, dict | None]:

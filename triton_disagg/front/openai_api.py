@@ -34,7 +34,9 @@ are taken as they take them: ``ignore_eos`` (``max_tokens`` tokens whatever come
 with the same salt, vLLM's per-tenant isolation). ``logprobs``
 (completions: 0-5; chat: true, with ``top_logprobs`` 0-20) asks for the log-probability of
 each generated token and of its N most likely alternatives, the raw model's
-(:mod:`.openai_responses`). ``echo`` with ``logprobs`` N (completions)
+(:mod:`.openai_responses`); with vLLM's ``return_tokens_as_token_ids`` they name each token
+``token_id:N`` instead of its text (a client that needs the ids: a byte of a character has
+no text of its own). ``echo`` with ``logprobs`` N (completions)
 also asks for the prompt's tokens' log-probs with N alternatives each (:attr:`Generation.
 prompt_logprobs`; lm-eval's loglikelihood requests), which a context server computes. A
 prompt is text or token ids (a list of ints); a list of such prompts is several, and each
@@ -99,6 +101,7 @@ class Generation:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    tokens_as_ids: bool = False          # log-probs name tokens "token_id:N", not their text
     echo: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -168,6 +171,7 @@ def parse(endpoint: str, body: Any, limits: EngineLimits = EngineLimits()) -> Ge
         include_usage=options is not None and options.include_usage,
         stop=_stop_words(request.stop), ignore_eos=getattr(request, "ignore_eos", False),
         logprobs=request.logprobs_asked(), echo=getattr(request, "echo", False),
+        tokens_as_ids=getattr(request, "return_tokens_as_token_ids", False),
         sampling=sampling)
 
 

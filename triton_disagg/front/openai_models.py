@@ -120,6 +120,7 @@ class _OpenAIRequest(_AtDefaults):
     cache_salt: Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT,
                                             description="vLLM's: a cached prefix is shared "
                                                         "only among requests of one salt")] = None
+    return_tokens_as_token_ids: bool = False    # vLLM's: log-probs name tokens "token_id:N"
 
     @model_validator(mode="after")
     def _choices_fit(self) -> "_OpenAIRequest":
