@@ -4,19 +4,20 @@ and generation's sockets.
 The messages: two kinds, each one msgpack map with the schema version under ``"v"``:
 
 - a token message (generation -> an orchestrator's token address): every event
-  (:class:`StreamEvent`) of one decode step for that address,
-  ``{"v": 2, "events": [event, ...]}``, where an event is
-  ``{"id": request id, "key": the request's key, "seq": int, "tokens": [int, ...]}``
-  plus, only when they apply,
-  ``"log_probs": [float, ...]`` and ``"cum_log_prob": float`` (the request asked for
-  them), ``"top": [[[id, ...], [float, ...]], ...]`` (one pair per token: its ``k <=
-  MAX_LOGPROBS`` most likely alternatives and their log-probs; the request asked for
-  ``top_logprobs``), ``"finish": reason`` (a :data:`~triton_disagg.protocol.FinishReason`; its last
-  event) or ``"error": message`` and ``"code"``:
-  its :class:`~triton_disagg.errors.ErrorCode` name (its last event; a frame without a code,
-  as older generation sends, or with a name this side does not know, reads as INTERNAL);
+  (:class:`~triton_disagg.engine.sequence.TokenEvent`) of one decode step for that address,
+  ``{"v": 3, "events": [event, ...]}``, where an event is the event itself, packed as it is:
+  a map of its fields by their names, ``{"request_id": str, "key": the request's key,
+  "seq": int, "tokens": [int, ...]}`` plus, only when they are not at their default,
+  ``"log_probs": [float, ...]`` (the request asked for them), ``"top": [[[id, ...],
+  [float, ...]], ...]`` (one :class:`~triton_disagg.engine.logprobs.TopLogprobs` per token,
+  its fields in order: its ``k <= MAX_LOGPROBS`` most likely alternatives and their
+  log-probs; the request asked for ``top_logprobs``), ``"finish_reason"`` (a
+  :data:`~triton_disagg.protocol.FinishReason`; its last event) or ``"error": message``
+  and ``"code"``: its :class:`~triton_disagg.errors.ErrorCode` name (its last event; left
+  out for INTERNAL, and a name this side does not know reads as INTERNAL too). The
+  response fields (``text`` and the counts) are the orchestrator's and never travel here;
 - a stop (orchestrator -> the control address of the generation instance holding the
-  request): ``{"v": 2, "stop": request id, "key": the request's key}``.
+  request): ``{"v": 3, "stop": request id, "key": the request's key}``.
 
 A request's key is a random string the orchestrator makes for it and sends generation
 inside the token address (``<address>#<key>``, :func:`with_key`); knowing a request id
@@ -63,7 +64,6 @@ import hmac
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, Collection
 # Any here: decoded msgpack values, checked field by field.
 
@@ -71,12 +71,13 @@ import msgpack
 import zmq
 
 from triton_disagg.engine.logprobs import MAX_LOGPROBS, TopLogprobs
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.errors import ErrorCode
-from triton_disagg.protocol import FINISH_REASONS, FinishReason
+from triton_disagg.protocol import FINISH_REASONS
 from triton_disagg.readers import MALFORMED, DroppedFrames
 from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
-VERSION = 2
+VERSION = 3
 KEY_SEPARATOR = "#"
 MAX_KEY_CHARS = 64                  # a key is 22 (token_urlsafe(16)); longer is not one
 MAX_TOKEN_FRAME_BYTES = 64 << 20    # a token message: one step's events for one address
@@ -93,46 +94,18 @@ class WireError(ValueError):
     """A frame that is not a message of this schema version."""
 
 
-@dataclass(frozen=True)
-class StreamEvent:
-    """One request's tokens made since its previous event, in order; what the orchestrator
-    turns into the client's next response (the context's first token is one, too)."""
-
-    request_id: str
-    tokens: list[int]
-    log_probs: list[float] | None = None     # only when the request asked for them
-    cum_log_prob: float | None = None
-    finish_reason: FinishReason | None = None   # set on a request's last event
-    error: str | None = None                 # or this, instead
-    code: ErrorCode = ErrorCode.INTERNAL     # the error's code (sent only with an error)
-    seq: int = 0                             # the request's events from generation: 0, 1, ...
-    key: str = ""                            # the request's key (module docstring)
-    top: list[TopLogprobs] | None = None     # one per token, when top_logprobs asked
-
-    @property
-    def final(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def then(self, later: "StreamEvent") -> "StreamEvent":
-        """This event and the same request's ``later`` one as one event (this one is not
-        final, ``later`` carries no error): tokens in order, ``later``'s end."""
-        log_probs = (self.log_probs + later.log_probs
-                     if self.log_probs is not None and later.log_probs is not None else None)
-        top = self.top + later.top if self.top is not None and later.top is not None else None
-        cum = later.cum_log_prob if later.cum_log_prob is not None else self.cum_log_prob
-        return StreamEvent(self.request_id, self.tokens + later.tokens, log_probs, cum,
-                           later.finish_reason, seq=later.seq, key=later.key, top=top)
+_ALWAYS = ("request_id", "key", "seq", "tokens")     # an event's fields on the wire
+_UNLESS_DEFAULT = (("log_probs", None), ("finish_reason", None), ("error", None),
+                   ("code", ErrorCode.INTERNAL), ("top", None))   # (field, its default)
+_OPTIONAL = (("log_probs", list), ("finish_reason", str), ("error", str))   # (field, type)
 
 
-_OPTIONAL = (("log_probs", "log_probs", list), ("cum_log_prob", "cum_log_prob", float),
-             ("finish", "finish_reason", str), ("error", "error", str))   # wire, field, type
+def encode_events(events: list[TokenEvent]) -> bytes:
+    return msgpack.packb({"v": VERSION, "events": [_packed(e) for e in events]},
+                         default=_top_fields)
 
 
-def encode_events(events: list[StreamEvent]) -> bytes:
-    return msgpack.packb({"v": VERSION, "events": [_event_map(e) for e in events]})
-
-
-def decode_events(frame: bytes) -> list[StreamEvent]:
+def decode_events(frame: bytes) -> list[TokenEvent]:
     events = _message(frame, "events")["events"]
     if not isinstance(events, list):
         raise WireError("token message: 'events' must be a list")
@@ -174,18 +147,21 @@ def split_key(token_address: str) -> tuple[str, str]:
     return address, key
 
 
-def _event_map(event: StreamEvent) -> dict:
-    out: dict[str, Any] = {"id": event.request_id, "key": event.key, "seq": event.seq,
-                           "tokens": event.tokens}
-    for wire, name, _ in _OPTIONAL:
+def _packed(event: TokenEvent) -> dict[str, Any]:
+    """``event`` as it goes on the wire: its fields by name, those at their default left out."""
+    out = {name: getattr(event, name) for name in _ALWAYS}
+    for name, default in _UNLESS_DEFAULT:
         value = getattr(event, name)
-        if value is not None:
-            out[wire] = value
-    if event.top is not None:
-        out["top"] = [[t.ids, t.logprobs] for t in event.top]
-    if event.error is not None:
-        out["code"] = event.code.value
+        if value != default:
+            out[name] = value
     return out
+
+
+def _top_fields(value: Any) -> list:
+    """msgpack's ``default``: a :class:`TopLogprobs` as its fields, in order."""
+    if isinstance(value, TopLogprobs):
+        return [value.ids, value.logprobs]
+    raise TypeError(f"cannot put a {type(value).__name__} on the token wire")
 
 
 def _message(frame: bytes, key: str) -> Any:
@@ -202,9 +178,9 @@ def _message(frame: bytes, key: str) -> Any:
     return message
 
 
-def _event(raw: Any) -> StreamEvent:
-    if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
-        raise WireError("token event: expected a map with a request id under 'id'")
+def _event(raw: Any) -> TokenEvent:
+    if not isinstance(raw, dict) or not isinstance(raw.get("request_id"), str):
+        raise WireError("token event: expected a map with a request id under 'request_id'")
     if not _is_key(raw.get("key")) or type(raw.get("seq")) is not int:
         raise WireError("token event: expected the request's key (ASCII) under 'key' and "
                         "its sequence number under 'seq'")
@@ -212,21 +188,21 @@ def _event(raw: Any) -> StreamEvent:
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise WireError("token event: 'tokens' must be a list of integers")
     fields: dict[str, Any] = {}
-    for wire, name, kind in _OPTIONAL:
-        if wire in raw:
-            value = float(raw[wire]) if kind is float and type(raw[wire]) is int else raw[wire]
-            if not isinstance(value, kind):
-                raise WireError(f"token event: {wire!r} must be a {kind.__name__}")
-            fields[name] = value
+    for name, kind in _OPTIONAL:
+        if name in raw:
+            if not isinstance(raw[name], kind):
+                raise WireError(f"token event: {name!r} must be a {kind.__name__}")
+            fields[name] = raw[name]
     if "log_probs" in fields:
         fields["log_probs"] = _log_probs(fields["log_probs"], len(tokens))
     if "top" in raw:
         fields["top"] = _top(raw["top"], len(tokens))
     if fields.get("finish_reason") not in (None, *FINISH_REASONS):
-        raise WireError(f"token event: 'finish' must be one of {', '.join(FINISH_REASONS)}")
+        raise WireError(f"token event: 'finish_reason' must be one of "
+                        f"{', '.join(FINISH_REASONS)}")
     if "error" in fields:
         fields["code"] = _code(raw.get("code", ErrorCode.INTERNAL.value))
-    return StreamEvent(raw["id"], tokens, seq=raw["seq"], key=raw["key"], **fields)
+    return TokenEvent(raw["request_id"], tokens, seq=raw["seq"], key=raw["key"], **fields)
 
 
 def _log_probs(raw: list, n: int) -> list[float]:
@@ -277,18 +253,18 @@ class TokenOutbox:
         self.sockets: dict[str, zmq.Socket] = {}      # least recently used first
         self.monitors: dict[str, zmq.Socket] = {}     # each socket's disconnection events
         self.last_sent: dict[str, float] = {}
-        self.pending: dict[str, list[StreamEvent]] = {}
+        self.pending: dict[str, list[TokenEvent]] = {}
         self.swept = time.monotonic()
 
-    def put(self, address: str, event: StreamEvent) -> None:
+    def put(self, address: str, event: TokenEvent) -> None:
         self.pending.setdefault(address, []).append(event)
 
-    def flush(self, keep: Collection[str] = ()) -> dict[str, list[StreamEvent]]:
+    def flush(self, keep: Collection[str] = ()) -> dict[str, list[TokenEvent]]:
         """Send what was put since the last flush. Returns the addresses whose socket was
         dropped, each with the events of its failed message that were not errors; sockets
         beyond ``max_sockets`` whose address is not in ``keep`` are closed."""
         pending, self.pending = self.pending, {}
-        dropped: dict[str, list[StreamEvent]] = {}
+        dropped: dict[str, list[TokenEvent]] = {}
         now = time.monotonic()
         for address in [a for a, monitor in self.monitors.items() if _disconnected(monitor)]:
             _log.warning("generation: the orchestrator at %s disconnected; its socket is "
@@ -347,7 +323,7 @@ def _disconnected(monitor: zmq.Socket) -> bool:
         seen = True
 
 
-def send_errors(context: zmq.Context, events: list[tuple[str, StreamEvent]]) -> None:
+def send_errors(context: zmq.Context, events: list[tuple[str, TokenEvent]]) -> None:
     """Send ``(address, error event)`` pairs over sockets of the caller's own (for a thread
     other than the loop's), given a second to leave."""
     outbox = TokenOutbox(context)

@@ -16,7 +16,7 @@ PROCESS = textwrap.dedent("""
     import zmq
     from triton_disagg import token_wire
     from triton_disagg.front.token_inbox import TokenInbox, TokenStream
-    from triton_disagg.token_wire import StreamEvent
+    from triton_disagg.engine.sequence import TokenEvent
     from triton_disagg.zmq_endpoints import push_socket
 
     logging.basicConfig()
@@ -29,7 +29,7 @@ PROCESS = textwrap.dedent("""
         inbox = TokenInbox(None, 30.0)
         with inbox.open("r") as stream:
             push = push_socket(zmq.Context.instance(), inbox.address, 10)
-            push.send(token_wire.encode_events([StreamEvent("r", [5], key=stream.key)]))
+            push.send(token_wire.encode_events([TokenEvent("r", [5], key=stream.key)]))
             await asyncio.sleep(30)
     asyncio.run(main())
 """)

@@ -31,10 +31,10 @@ def expected(demo_engine):
             max_tokens=max_tokens, end_id=eos, return_log_probs=True, top_logprobs=k))
         while engine.has_unfinished():
             events += engine.step()
-        if events[-1].token_id == eos:
+        if events[-1].tokens[0] == eos:
             events = events[:-1]           # the end token is not output
-        return ([e.token_id for e in events], [e.logprob for e in events],
-                [e.top for e in events])
+        return ([e.tokens[0] for e in events], [e.log_probs[0] for e in events],
+                [e.top[0] for e in events])
     return run
 
 

@@ -17,7 +17,7 @@ from triton_disagg import token_wire
 from triton_disagg.errors import EngineError, GenerationLost
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox
-from triton_disagg.token_wire import StreamEvent
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
@@ -107,10 +107,10 @@ class FakeGeneration:
             reason = "stop" if ends and i == len(output) - 1 else None
             if self.spoof:      # right id and sequence, a guessed key: a token, then an end
                 push.send(token_wire.encode_events([
-                    StreamEvent(request_id, [99], seq=i, key="guess"),
-                    StreamEvent(request_id, [], finish_reason="stop", seq=i, key="")]))
+                    TokenEvent(request_id, [99], seq=i, key="guess"),
+                    TokenEvent(request_id, [], finish_reason="stop", seq=i, key="")]))
             if i != self.skip_seq:
-                push.send(token_wire.encode_events([StreamEvent(
+                push.send(token_wire.encode_events([TokenEvent(
                     request_id, [token], finish_reason=reason, seq=i, key=key)]))
             time.sleep(gap)
         push.close(linger=1000)

@@ -13,12 +13,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_front import _serve, make_app
-from triton_disagg.front.orchestrator_call import Delta, RequestEncoder
+from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.front.orchestrator_call import RequestEncoder
 from triton_disagg.launch.deploy import free_ports
 
 
 class ScriptedRelay:
-    """Answers every request with ``deltas`` (a Delta, or an exception to raise there),
+    """Answers every request with ``deltas`` (a :func:`response`, or an exception to raise there),
     one every ``pause`` s; records the request ids and whether each stream was left early."""
 
     def __init__(self, deltas, pause: float = 0.0, ready: str | None = None):
@@ -54,8 +55,18 @@ class ScriptedRelay:
         assert self.left_early == [True]
 
 
+def response(text: str, prompt_tokens: int, completion_tokens: int, token_ids=(), log_probs=(),
+             finish_reason=None, top=(), **fields) -> TokenEvent:
+    """An orchestrator response as the HTTP front reads it (:func:`protocol.response_event`):
+    ``text``, the counts and (when the request asked for log-probs) its tokens' ids and
+    log-probs, their alternatives in ``top``; ``fields``: the event's other fields."""
+    return TokenEvent("", list(token_ids), list(log_probs) if log_probs else None,
+                      finish_reason, top=list(top) if top else None, text=text,
+                      prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, **fields)
+
+
 BODY = {"model": "demo", "prompt": "a", "max_tokens": 3}   # a completion for the demo front
-WORDS = [Delta("Hello", 3, 1), Delta(" 世界", 3, 2), Delta(" 🎉", 3, 3, finish_reason="length")]
+WORDS = [response("Hello", 3, 1), response(" 世界", 3, 2), response(" 🎉", 3, 3, finish_reason="length")]
 
 
 def run(relay, check, demo_engine, front: FrontConfig = FrontConfig(),

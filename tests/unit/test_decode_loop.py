@@ -16,7 +16,8 @@ from triton_disagg import token_wire
 from triton_disagg.errors import ErrorCode
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.side import DecodeAdmission
-from triton_disagg.token_wire import StopInbox, StreamEvent, TokenOutbox
+from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.token_wire import StopInbox, TokenOutbox
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
@@ -39,7 +40,7 @@ class Orchestrators:
         """Orchestrator ``i``'s token address for a request with ``key``."""
         return token_wire.with_key(self.endpoints[i].address, key)
 
-    def messages(self, i: int, finals: int, timeout: float = 60.0) -> list[list[StreamEvent]]:
+    def messages(self, i: int, finals: int, timeout: float = 60.0) -> list[list[TokenEvent]]:
         got, deadline = [], time.monotonic() + timeout
         while sum(e.final for m in got for e in m) < finals:
             assert self.socks[i].poll(max(1, int(1000 * (deadline - time.monotonic())))), got
@@ -145,13 +146,13 @@ def test_the_outbox_closes_a_failed_socket_and_idle_ones(monkeypatch):
     orchestrators, outbox = Orchestrators(1), TokenOutbox(zmq.Context.instance())
     outbox.sockets["ipc:///gone"] = BrokenSocket()
     address = orchestrators.endpoints[0].address
-    outbox.put("ipc:///gone", StreamEvent("a", [1]))
-    outbox.put("ipc:///gone", StreamEvent("e", [], error="x"))
-    outbox.put(address, StreamEvent("b", [2]))
-    assert outbox.flush() == {"ipc:///gone": [StreamEvent("a", [1])]}   # errors not reported
+    outbox.put("ipc:///gone", TokenEvent("a", [1]))
+    outbox.put("ipc:///gone", TokenEvent("e", [], error="x"))
+    outbox.put(address, TokenEvent("b", [2]))
+    assert outbox.flush() == {"ipc:///gone": [TokenEvent("a", [1])]}   # errors not reported
     assert list(outbox.sockets) == [address]
     assert orchestrators.socks[0].poll(2000)
-    assert token_wire.decode_events(orchestrators.socks[0].recv()) == [StreamEvent("b", [2])]
+    assert token_wire.decode_events(orchestrators.socks[0].recv()) == [TokenEvent("b", [2])]
     monkeypatch.setattr(token_wire, "IDLE_SECONDS", 0.0)
     assert outbox.flush() == {} and outbox.sockets == {}        # nothing sent: idle, closed
     outbox.close()
@@ -195,7 +196,7 @@ class StallingOutbox(TokenOutbox):
     def __init__(self, context, address):
         super().__init__(context)
         self.address, self.swallow = address, None
-        self.swallowed: list[list[StreamEvent]] = []
+        self.swallowed: list[list[TokenEvent]] = []
 
     def stall(self, messages: int) -> None:
         self.swallow = messages

@@ -30,7 +30,7 @@ def test_prefill_only_then_add_prefilled_equals_aggregated(family, generation_bl
     got = {r.request_id: [r.token_id] for r in results}
     while generation.has_unfinished():
         for event in generation.step():
-            got[event.request_id].append(event.token_id)
+            got[event.request_id].append(event.tokens[0])
     assert [got[r.request_id] for r in results] == expected
     assert context.pool.num_used == 0
     assert generation.pool.num_used == 0

@@ -53,8 +53,8 @@ def test_mixed_batch_with_continuous_batching_matches_hf(family, runtime, engine
         waited |= bool(engine.scheduler.waiting and engine.scheduler.running)
         for event in engine.step():
             assert event.request_id not in finished
-            tokens[event.request_id].append(event.token_id)
-            if event.finished:
+            tokens[event.request_id].append(event.tokens[0])
+            if event.final:
                 finished.add(event.request_id)
         steps += 1
     assert waited and finished == set(tokens)

@@ -28,7 +28,7 @@ from triton_disagg.front.engine_calls import BLSTransport
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Router
-from triton_disagg.token_wire import StreamEvent
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.protocol import error_response
 from triton_disagg.zmq_endpoints import push_socket
 
@@ -271,7 +271,7 @@ def test_a_token_error_event_is_raised_by_its_code(code, raised):
         with inbox.open("req-1") as stream:
             context = zmq.Context()
             sock = push_socket(context, inbox.address, 10)
-            sock.send(token_wire.encode_events([StreamEvent(
+            sock.send(token_wire.encode_events([TokenEvent(
                 "req-1", [], error=MISLEADING, code=code, key=stream.key)]))
             try:
                 await stream.next()

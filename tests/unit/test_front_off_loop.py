@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from scripted_relay import ScriptedRelay
+from scripted_relay import ScriptedRelay, response
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.front.http_front import make_app
-from triton_disagg.front.orchestrator_call import Delta, RequestEncoder
+from triton_disagg.front.orchestrator_call import RequestEncoder
 
 PROMPT = [5, 6, 7, 8]
 
@@ -25,9 +25,9 @@ def test_prompt_logprobs_are_made_off_the_loop(demo_engine, stream):
     rows = len(PROMPT) - 1
     prompt = PromptLogprobs(np.full(rows, -1.0, np.float32), np.full((rows, 1), 9, np.int32),
                             np.full((rows, 1), -0.5, np.float32))
-    relay = ScriptedRelay([Delta("x", 4, 1, token_ids=(3,), log_probs=(-0.1,),
+    relay = ScriptedRelay([response("x", 4, 1, token_ids=(3,), log_probs=(-0.1,),
                                  prompt_logprobs=prompt),
-                           Delta("y", 4, 2, token_ids=(4,), log_probs=(-0.2,),
+                           response("y", 4, 2, token_ids=(4,), log_probs=(-0.2,),
                                  finish_reason="length")])
     encoder = RequestEncoder(demo_engine, "demo")
     decoded_on: list[threading.Thread] = []

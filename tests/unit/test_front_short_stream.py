@@ -5,12 +5,11 @@ F6): the client cannot tell a short text from a whole one otherwise."""
 
 from __future__ import annotations
 
-from scripted_relay import ScriptedRelay, run
-from triton_disagg.front.orchestrator_call import Delta
+from scripted_relay import ScriptedRelay, response, run
 
 
 def test_a_stream_without_its_final_answer_is_an_error(demo_engine):
-    relay = ScriptedRelay([Delta("Hello", 3, 1)])           # no finish_reason: cut short
+    relay = ScriptedRelay([response("Hello", 3, 1)])           # no finish_reason: cut short
 
     async def check(client):
         body = {"model": "demo", "prompt": "a", "max_tokens": 3}
@@ -24,7 +23,7 @@ def test_a_stream_without_its_final_answer_is_an_error(demo_engine):
 
 
 def test_a_stop_sequence_still_ends_a_stream_the_front_cut(demo_engine):
-    relay = ScriptedRelay([Delta("Hello world", 3, 2), Delta(" more", 3, 3)])
+    relay = ScriptedRelay([response("Hello world", 3, 2), response(" more", 3, 3)])
 
     async def check(client):
         resp = await client.post("/v1/completions", json={

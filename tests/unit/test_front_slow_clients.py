@@ -15,10 +15,9 @@ import time
 import pytest
 from aiohttp import web
 
-from scripted_relay import BODY, WORDS, ScriptedRelay, raw, served
+from scripted_relay import BODY, WORDS, ScriptedRelay, raw, response, served
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_gates import CappedRunner
-from triton_disagg.front.orchestrator_call import Delta
 
 
 def test_trickled_headers_are_cut_off_at_the_idle_timeout(demo_engine):
@@ -54,7 +53,7 @@ def test_a_trickled_body_gets_408_at_the_body_timeout(demo_engine):
 
 
 def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_ended(demo_engine):
-    relay = ScriptedRelay([Delta("x" * 2**16, 1, 1)] * 2000)     # up to 128 MiB of text
+    relay = ScriptedRelay([response("x" * 2**16, 1, 1)] * 2000)     # up to 128 MiB of text
 
     async def main():
         async with served(demo_engine, relay, FrontConfig(write_timeout_seconds=0.5)) as port:
@@ -72,8 +71,8 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_ended(d
 def test_a_whole_answer_the_client_never_reads_gives_its_connection_back(demo_engine):
     """A non-streamed answer is written within ``write_timeout_seconds`` too: a client that
     never reads it (issue 27 re-review F1) is dropped, and its connection is free again."""
-    relay = ScriptedRelay([Delta("x" * 2**20, 1, i + 1) for i in range(8)]
-                          + [Delta("", 1, 9, finish_reason="length")])   # 8 MiB of text
+    relay = ScriptedRelay([response("x" * 2**20, 1, i + 1) for i in range(8)]
+                          + [response("", 1, 9, finish_reason="length")])   # 8 MiB of text
 
     async def main():
         front = FrontConfig(max_connections=1, write_timeout_seconds=0.5)

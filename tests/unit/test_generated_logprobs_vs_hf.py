@@ -78,9 +78,9 @@ def test_generated_top_logprobs_are_hfs_raw_log_softmax(family, options, runtime
         for event in engine.step():
             events[event.request_id].append(event)
     for prompt, mine in zip(prompts, events.values()):
-        assert len(mine) == 6 and all(len(e.top.ids) == TOP for e in mine)
-        assert_match_hf(tiny_checkpoints[family], prompt, [e.token_id for e in mine],
-                        [e.logprob for e in mine], [e.top for e in mine])
+        assert len(mine) == 6 and all(len(e.top[0].ids) == TOP for e in mine)
+        assert_match_hf(tiny_checkpoints[family], prompt, [e.tokens[0] for e in mine],
+                        [e.log_probs[0] for e in mine], [e.top[0] for e in mine])
     assert engine.pool.num_used == 0
 
 

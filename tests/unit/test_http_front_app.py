@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from scripted_relay import WORDS, ScriptedRelay, run
+from scripted_relay import WORDS, ScriptedRelay, response, run
 from triton_disagg.errors import ErrorCode
 from triton_disagg.front.http_front import MAX_BODY_BYTES
-from triton_disagg.front.orchestrator_call import Delta, OrchestratorError
+from triton_disagg.front.orchestrator_call import OrchestratorError
 
 
 def test_whole_and_streamed_completion(demo_engine):
@@ -54,7 +54,7 @@ def test_whole_and_streamed_completion(demo_engine):
 ])
 def test_the_finish_reason_is_the_orchestrators_in_openais_words(demo_engine, given, tokens,
                                                                  openai):
-    relay = ScriptedRelay([Delta("Hello", 3, tokens, finish_reason=given)])
+    relay = ScriptedRelay([response("Hello", 3, tokens, finish_reason=given)])
 
     async def check(client):
         for stream in (False, True):

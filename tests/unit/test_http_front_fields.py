@@ -9,14 +9,14 @@ import json
 
 import pytest
 
-from scripted_relay import WORDS, ScriptedRelay, run
+from scripted_relay import WORDS, ScriptedRelay, response, run
 from triton_disagg.errors import ErrorCode
 from triton_disagg.front.openai_api import ApiError
-from triton_disagg.front.orchestrator_call import Delta, OrchestratorError, RequestEncoder
+from triton_disagg.front.orchestrator_call import OrchestratorError, RequestEncoder
 
 
-LOGPROB_WORDS = [Delta("Hello", 3, 1, (10,), (-0.5,)),
-                 Delta(" world", 3, 3, (11, 12), (-1.0, -2.0), finish_reason="length")]
+LOGPROB_WORDS = [response("Hello", 3, 1, (10,), (-0.5,)),
+                 response(" world", 3, 3, (11, 12), (-1.0, -2.0), finish_reason="length")]
 
 
 def test_logprobs_of_completions_and_chat_name_each_token(demo_engine):
@@ -58,7 +58,7 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_then_the_generated(demo_engi
     given = PromptLogprobs(np.array([-1.5, -0.25], np.float32),
                            np.array([[9, 6], [7, 3]], np.int32),       # [n-1, k]: 6 not the best
                            np.array([[-0.5, -1.5], [-0.25, -2.0]], np.float32))
-    first = Delta("x", 3, 1, (10,), (-0.75,), finish_reason="length", prompt_logprobs=given)
+    first = response("x", 3, 1, (10,), (-0.75,), finish_reason="length", prompt_logprobs=given)
     text = [preparer.token_text(i) for i in prompt + [10]]
     alt = preparer.token_text(9)
 
@@ -168,7 +168,7 @@ def test_several_prompts_and_n_answer_as_indexed_choices(demo_engine):
 
 
 def test_a_failing_choice_fails_the_request_and_stops_the_others(demo_engine):
-    relay = ScriptedRelay([Delta("a", 1, 1), OrchestratorError("internal error: x",
+    relay = ScriptedRelay([response("a", 1, 1), OrchestratorError("internal error: x",
                                                                ErrorCode.INTERNAL)],
                           pause=0.05)
 

@@ -69,7 +69,7 @@ def _await(generation: LLMEngine, connector, rid: str, params: SamplingParams,
 def _decode(generation: LLMEngine, rid: str) -> tuple[list[int], list]:
     tokens, arrivals, deadline = [], [], time.monotonic() + WAIT_S
     while generation.has_unfinished() and time.monotonic() < deadline:
-        tokens += [e.token_id for e in generation.step() if e.request_id == rid]
+        tokens += [e.tokens[0] for e in generation.step() if e.request_id == rid]
         arrivals += generation.take_kv_arrivals()
         time.sleep(0.001)
     assert not generation.has_unfinished(), "generation never finished"

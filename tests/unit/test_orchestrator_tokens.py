@@ -13,7 +13,7 @@ from orchestrator_fakes import FakeGeneration, serve_one
 from triton_disagg import protocol as P
 from triton_disagg.errors import EngineError, ErrorCode, Timeout
 from triton_disagg.front.token_inbox import TokenInbox
-from triton_disagg.token_wire import StreamEvent
+from triton_disagg.engine.sequence import TokenEvent
 
 
 def test_tokens_arrive_over_zeromq_and_are_detokenized():
@@ -37,16 +37,20 @@ def test_events_that_queued_are_taken_as_one_but_an_error_comes_on_its_own():
     async def main():
         stream = TokenStream(TokenInbox(None, 1.0), "r")
         lp = [-0.1]
-        for event in (StreamEvent("r", [5], lp, -0.1), StreamEvent("r", [6], lp, -0.2),
-                      StreamEvent("r", [7, 8], lp * 2, -0.4, finish_reason="length")):
+        for event in (TokenEvent("r", [5], lp), TokenEvent("r", [6], lp),
+                      TokenEvent("r", [7, 8], lp * 2, finish_reason="length")):
             stream.events.put_nowait(event)
         merged = await stream.next()
-        assert merged == StreamEvent("r", [5, 6, 7, 8], lp * 4, -0.4, "length") and stream.ended
+        assert merged == TokenEvent("r", [5, 6, 7, 8], lp * 4, "length") and stream.ended
+        stream = TokenStream(TokenInbox(None, 1.0), "c")   # a stop's final event: no tokens,
+        for event in (TokenEvent("c", [5], lp), TokenEvent("c", [], finish_reason="cancelled")):
+            stream.events.put_nowait(event)                # so no log-probs to join
+        assert await stream.next() == TokenEvent("c", [5], lp, "cancelled")
         stream = TokenStream(TokenInbox(None, 1.0), "s")
-        for event in (StreamEvent("s", [5]), StreamEvent("s", [6]),
-                      StreamEvent("s", [], error="boom"), StreamEvent("s", [9])):
+        for event in (TokenEvent("s", [5]), TokenEvent("s", [6]),
+                      TokenEvent("s", [], error="boom"), TokenEvent("s", [9])):
             stream.events.put_nowait(event)
-        assert await stream.next() == StreamEvent("s", [5, 6]) and not stream.ended
+        assert await stream.next() == TokenEvent("s", [5, 6]) and not stream.ended
         with pytest.raises(EngineError, match="boom"):
             await stream.next()
         assert stream.ended

@@ -73,8 +73,8 @@ def run(engine: LLMEngine, params: SamplingParams, add=None) -> dict[str, list[i
     while engine.has_unfinished():
         for event in engine.step():
             assert event.request_id not in finished
-            tokens.setdefault(event.request_id, []).append(event.token_id)
-            if event.finished:
+            tokens.setdefault(event.request_id, []).append(event.tokens[0])
+            if event.final:
                 finished.add(event.request_id)
     assert finished == set(tokens)
     assert engine.pool.num_used == 0
@@ -126,18 +126,18 @@ def test_a_preempted_request_whose_kv_stayed_cached_decodes_on_without_a_prefill
     expected = run(LLMEngine(engine_dirs["llama"]), params)["r0"]
     engine = LLMEngine(engine_dirs["llama"])
     engine.add_request("r0", PROMPTS[0], params)
-    tokens = [e.token_id for e in engine.step()]
+    tokens = [e.tokens[0] for e in engine.step()]
     (seq,) = engine.scheduler.running
     while seq.block_table.num_tokens % BLOCK:
-        tokens += [e.token_id for e in engine.step()]
+        tokens += [e.tokens[0] for e in engine.step()]
     engine.scheduler.preempt(seq)
     written = seq.num_tokens - 1
     prefills = []
     engine.runner.prefill = lambda *args: prefills.append(args)   # must not be called
-    tokens += [e.token_id for e in engine.step()]
+    tokens += [e.tokens[0] for e in engine.step()]
     assert seq.num_cached_tokens == written and engine.scheduler.running == [seq]
     while engine.has_unfinished():
-        tokens += [e.token_id for e in engine.step()]
+        tokens += [e.tokens[0] for e in engine.step()]
     assert tokens == expected and not prefills and seq.preemptions == 1
     assert engine.pool.num_used == 0
 

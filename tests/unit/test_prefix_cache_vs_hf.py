@@ -103,11 +103,11 @@ def test_cached_prefix_is_shared_by_a_running_sequence_and_output_unchanged(engi
         tokens = {"a": [], "b": []}
         for _ in range(3):
             for e in engine.step():
-                tokens[e.request_id].append(e.token_id)
+                tokens[e.request_id].append(e.tokens[0])
         engine.add_request("b", second, SamplingParams(max_tokens=12))
         shared = list(engine.scheduler.find("a").block_table.block_ids[:3])
         for e in engine.step():                              # b's prefill
-            tokens[e.request_id].append(e.token_id)
+            tokens[e.request_id].append(e.tokens[0])
         b = engine.scheduler.find("b")
         assert b.num_cached_tokens == (PREFIX_LEN if caching else 0)
         if caching:
@@ -115,7 +115,7 @@ def test_cached_prefix_is_shared_by_a_running_sequence_and_output_unchanged(engi
             assert [engine.pool.refcount(x) for x in shared] == [2, 2, 2]
         while engine.has_unfinished():
             for e in engine.step():
-                tokens[e.request_id].append(e.token_id)
+                tokens[e.request_id].append(e.tokens[0])
         assert tokens["a"] == hf_greedy(tiny_checkpoints["llama"], tuple(first), 12)
         assert tokens["b"] == hf_greedy(tiny_checkpoints["llama"], tuple(second), 12)
         assert engine.pool.num_used == 0 and (engine.pool.num_cached > 0) == caching

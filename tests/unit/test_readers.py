@@ -15,7 +15,8 @@ import zmq
 
 from triton_disagg import readers, token_wire
 from triton_disagg.front.token_inbox import TokenInbox
-from triton_disagg.token_wire import StopInbox, StreamEvent
+from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.token_wire import StopInbox
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.zmq_endpoints import bind, push_socket
 
@@ -24,14 +25,14 @@ WAIT_S = 10.0
 
 def hostile_frames(request_id: str) -> list[bytes]:
     """One of each kind of malformed token frame, all for ``request_id``."""
-    event = {"id": request_id, "key": "k", "seq": 0, "tokens": [1]}
+    event = {"request_id": request_id, "key": "k", "seq": 0, "tokens": [1]}
     return [b"\xc1 not msgpack", b"", msgpack.packb([1, 2]),                # bad msgpack, type
             msgpack.packb({"v": 1, "events": [event]}),                      # wrong version
-            msgpack.packb({"v": 2, "events": "x" * 10}),                     # wrong type
-            msgpack.packb({"v": 2, "events": [{**event, "key": "schl\u00fcssel"}]}),  # key
-            msgpack.packb({"v": 2, "events": [{**event, "tokens": [1.5]}]}),  # wrong type
-            msgpack.packb({"v": 2, "events": [{**event, "seq": "0"}]}),
-            msgpack.packb({"v": 2, "events": [{**event, "id": 7}]})]
+            msgpack.packb({"v": 3, "events": "x" * 10}),                     # wrong type
+            msgpack.packb({"v": 3, "events": [{**event, "key": "schl\u00fcssel"}]}),  # key
+            msgpack.packb({"v": 3, "events": [{**event, "tokens": [1.5]}]}),  # wrong type
+            msgpack.packb({"v": 3, "events": [{**event, "seq": "0"}]}),
+            msgpack.packb({"v": 3, "events": [{**event, "request_id": 7}]})]
 
 
 class FakeFamily:
@@ -88,11 +89,11 @@ def test_the_token_reader_survives_hostile_frames_and_a_valid_event_still_arrive
             frames = hostile_frames("r")
             for frame in frames:
                 hostile.send(frame)
-            hostile.send(token_wire.encode_events([StreamEvent("r", [9], seq=0,
+            hostile.send(token_wire.encode_events([TokenEvent("r", [9], seq=0,
                                                                key="wr\u00f6ng")]))  # non-ASCII
-            hostile.send(token_wire.encode_events([StreamEvent("r", [9], seq=0, key="wrong")]))
-            hostile.send(token_wire.encode_events([StreamEvent("nobody", [9], seq=0, key="k")]))
-            hostile.send(token_wire.encode_events([StreamEvent("r", [5], seq=0,
+            hostile.send(token_wire.encode_events([TokenEvent("r", [9], seq=0, key="wrong")]))
+            hostile.send(token_wire.encode_events([TokenEvent("nobody", [9], seq=0, key="k")]))
+            hostile.send(token_wire.encode_events([TokenEvent("r", [5], seq=0,
                                                                key=stream.key)]))
             event = await asyncio.wait_for(stream.next(), WAIT_S)
             hostile.close(linger=0)
@@ -112,10 +113,10 @@ def test_the_stop_inbox_survives_hostile_frames_and_a_valid_stop_still_gets_thro
     context = zmq.Context.instance()
     stops = StopInbox(context, None)
     hostile = push_socket(context, stops.address, 100)
-    frames = [b"\xc1", b"", msgpack.packb({"v": 2}), msgpack.packb({"v": 3, "stop": "r"}),
-              msgpack.packb({"v": 2, "stop": 5, "key": "k"}),
-              msgpack.packb({"v": 2, "stop": "r", "key": "cl\u00e9"}),      # non-ASCII key
-              msgpack.packb({"v": 2, "stop": "r", "key": b"k"})]
+    frames = [b"\xc1", b"", msgpack.packb({"v": 3}), msgpack.packb({"v": 3, "stop": "r"}),
+              msgpack.packb({"v": 3, "stop": 5, "key": "k"}),
+              msgpack.packb({"v": 3, "stop": "r", "key": "cl\u00e9"}),      # non-ASCII key
+              msgpack.packb({"v": 3, "stop": "r", "key": b"k"})]
     for frame in frames:
         hostile.send(frame)
     hostile.send(token_wire.encode_stop("r", "k" * 65))                    # too long a key
@@ -194,7 +195,7 @@ def test_a_token_reader_that_dies_takes_its_instance_down(monkeypatch):
         inbox = TokenInbox(None, WAIT_S, on_death=lambda *a: deaths.append(a))
         with inbox.open("r") as stream:
             push = push_socket(zmq.Context.instance(), inbox.address, 10)
-            push.send(token_wire.encode_events([StreamEvent("r", [5], key=stream.key)]))
+            push.send(token_wire.encode_events([TokenEvent("r", [5], key=stream.key)]))
             deadline = time.monotonic() + WAIT_S
             while not deaths and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)

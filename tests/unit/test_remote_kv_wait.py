@@ -66,7 +66,7 @@ def run(generation, steps: int) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     for _ in range(steps):
         for event in generation.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
+            tokens.setdefault(event.request_id, []).append(event.tokens[0])
     return tokens
 
 

@@ -121,7 +121,7 @@ def test_stop_words_finish_the_sequence_and_stay_in_the_output():
     params = SamplingParams(max_tokens=10, stop_words=[[5, 6]], end_id=1)
     seq = Sequence("r", [3], params, 0, BlockTable(4), max_total=11)
     events = [seq.append(t, 0.0) for t in (5, 7, 5, 6)]
-    assert [e.finished for e in events] == [False, False, False, True]
+    assert [e.final for e in events] == [False, False, False, True]
     assert seq.finish_reason == "stop_word" and seq.output_ids == [5, 7, 5, 6]
     seq = Sequence("r", [3], params, 0, BlockTable(4), max_total=3)
     assert seq.append(1, 0.0).finish_reason == "stop"
@@ -159,9 +159,9 @@ def test_indexed_word_matching_equals_the_full_scan():
 
 def test_logprobs_are_reported_only_when_asked():
     seq = Sequence("r", [3], SamplingParams(return_log_probs=True), 0, BlockTable(4), 10)
-    assert seq.append(1, -0.5).logprob == -0.5
+    assert seq.append(1, -0.5).log_probs == [-0.5]
     seq = Sequence("r", [3], SamplingParams(), 0, BlockTable(4), 10)
-    assert seq.append(1, -0.5).logprob is None
+    assert seq.append(1, -0.5).log_probs is None
 
 
 def test_word_lists_are_normalised_to_tuples():

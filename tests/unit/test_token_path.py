@@ -15,17 +15,19 @@ from triton_disagg import protocol as P
 from triton_disagg import token_wire
 from triton_disagg.generation.side import read_request_parameters
 from triton_disagg.errors import ErrorCode, RequestError
-from triton_disagg.token_wire import StreamEvent, WireError
+from triton_disagg.engine.logprobs import TopLogprobs
+from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.token_wire import WireError
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
 # ---- the schema ------------------------------------------------------------------------
 
 def test_messages_round_trip():
-    events = [StreamEvent("a", [1, 2], key="ka"),
-              StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length", seq=4, key="kb"),
-              StreamEvent("c", [], error="KV handle refused", seq=1, key="kc"),
-              StreamEvent("d", [], error="timed out, lost", code=ErrorCode.INVALID_ARG,
+    events = [TokenEvent("a", [1, 2], key="ka"),
+              TokenEvent("b", [3], [-0.5], finish_reason="length", seq=4, key="kb"),
+              TokenEvent("c", [], error="KV handle refused", seq=1, key="kc"),
+              TokenEvent("d", [], error="timed out, lost", code=ErrorCode.INVALID_ARG,
                           key="kd")]
     assert token_wire.decode_events(token_wire.encode_events(events)) == events
     assert [e.final for e in events] == [False, True, True, True]
@@ -34,20 +36,27 @@ def test_messages_round_trip():
 
 
 def test_the_bytes_are_the_schema():
-    """Field names, their order and the version are the wire: peers of another build read
-    them, so a rename in Python must not change a byte."""
-    events = [StreamEvent("a", [1, 2], key="ka"),
-              StreamEvent("b", [3], [-0.5], -1.5, finish_reason="length", seq=4, key="kb"),
-              StreamEvent("c", [], error="KV handle refused", code=ErrorCode.UNAVAILABLE,
-                          seq=1, key="kc")]
-    assert token_wire.encode_events(events) == msgpack.packb({"v": 2, "events": [
-        {"id": "a", "key": "ka", "seq": 0, "tokens": [1, 2]},
-        {"id": "b", "key": "kb", "seq": 4, "tokens": [3], "log_probs": [-0.5],
-         "cum_log_prob": -1.5, "finish": "length"},
-        {"id": "c", "key": "kc", "seq": 1, "tokens": [], "error": "KV handle refused",
-         "code": "UNAVAILABLE"}]})
+    """The wire is the event packed as it is: its fields by their names, in this order,
+    those at their default left out, and the version. Peers of another build read them, so
+    a renamed or reordered field changes these bytes and fails here (then bump VERSION)."""
+    events = [TokenEvent("a", [1, 2], key="ka"),
+              TokenEvent("b", [3], [-0.5], finish_reason="length", seq=4, key="kb",
+                         top=[TopLogprobs([3, 7], [-0.5, -2.0])]),
+              TokenEvent("c", [], error="KV handle refused", code=ErrorCode.UNAVAILABLE,
+                         seq=1, key="kc"),
+              TokenEvent("d", [], error="engine step failed", seq=2, key="kd")]
+    assert token_wire.encode_events(events) == msgpack.packb({"v": 3, "events": [
+        {"request_id": "a", "key": "ka", "seq": 0, "tokens": [1, 2]},
+        {"request_id": "b", "key": "kb", "seq": 4, "tokens": [3], "log_probs": [-0.5],
+         "finish_reason": "length", "top": [[[3, 7], [-0.5, -2.0]]]},
+        {"request_id": "c", "key": "kc", "seq": 1, "tokens": [], "error": "KV handle refused",
+         "code": "UNAVAILABLE"},
+        {"request_id": "d", "key": "kd", "seq": 2, "tokens": [],
+         "error": "engine step failed"}]})                 # INTERNAL: the default, left out
     assert token_wire.encode_stop("req-1", "k") == msgpack.packb(
-        {"v": 2, "stop": "req-1", "key": "k"})
+        {"v": 3, "stop": "req-1", "key": "k"})
+    with pytest.raises(TypeError):          # nothing but the event's own values is packed
+        token_wire.encode_events([TokenEvent("e", [1], key="ke", top=[object()])])
 
 
 @pytest.mark.parametrize("extra, code", [
@@ -56,38 +65,38 @@ def test_the_bytes_are_the_schema():
     ({"code": "DATA_LOSS"}, ErrorCode.INTERNAL),        # a code this side does not know
 ])
 def test_an_error_events_code_is_read_from_its_field_not_its_message(extra, code):
-    frame = msgpack.packb({"v": 2, "events": [
-        {"id": "a", "key": "k", "seq": 0, "tokens": [], "error": "unavailable: timed out",
+    frame = msgpack.packb({"v": 3, "events": [
+        {"request_id": "a", "key": "k", "seq": 0, "tokens": [], "error": "unavailable: timed out",
          **extra}]})
     assert token_wire.decode_events(frame) == [
-        StreamEvent("a", [], error="unavailable: timed out", code=code, key="k")]
+        TokenEvent("a", [], error="unavailable: timed out", code=code, key="k")]
 
 
 @pytest.mark.parametrize("frame, words", [
-    (msgpack.packb({"v": 1, "events": []}), ["version 1", "speaks 2"]),
+    (msgpack.packb({"v": 1, "events": []}), ["version 1", "speaks 3"]),
     (msgpack.packb({"events": []}), ["version None"]),
-    (pickle.dumps({"v": 2, "events": []}), ["not a msgpack message"]),
-    (pickle.dumps(StreamEvent("a", [1])), ["not a msgpack message"]),
+    (pickle.dumps({"v": 3, "events": []}), ["not a msgpack message"]),
+    (pickle.dumps(TokenEvent("a", [1])), ["not a msgpack message"]),
     (b"\x00garbage\xff", ["not"]),
     (msgpack.packb([1, 2]), ["msgpack map"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": ["x"]}]}),
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0, "tokens": ["x"]}]}),
      ["list of integers"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
-                                        "finish": 3}]}), ["'finish'"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "tokens": []}]}), ["'key'", "'seq'"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": "0", "tokens": []}]}),
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0, "tokens": [],
+                                        "finish_reason": 3}]}), ["'finish_reason'"]),
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "tokens": []}]}), ["'key'", "'seq'"]),
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": "0", "tokens": []}]}),
      ["'seq'"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [1],
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0, "tokens": [1],
                                         "log_probs": ["a"]}]}), ["'log_probs'", "numbers"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [1, 2],
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0, "tokens": [1, 2],
                                         "log_probs": [-0.5]}]}), ["'log_probs'", "one per token"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [1],
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0, "tokens": [1],
                                         "log_probs": [float("nan")]}]}), ["'log_probs'", "NaN"]),
-    (msgpack.packb({"v": 2, "stop": 5}), ["without 'events'"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
+    (msgpack.packb({"v": 3, "stop": 5}), ["without 'events'"]),
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0, "tokens": [],
                                         "error": "x", "code": 3}]}), ["'code'"]),
-    (msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0, "tokens": [],
-                                        "finish": "aborted"}]}), ["'finish'", "length"]),
+    (msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0, "tokens": [],
+                                        "finish_reason": "aborted"}]}), ["'finish_reason'", "length"]),
 ])
 def test_frames_that_are_not_this_schema_are_refused(frame, words):
     with pytest.raises(WireError) as err:

@@ -16,11 +16,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg import token_wire
 from triton_disagg.engine.logprobs import TopLogprobs
-from triton_disagg.front.engine_calls import ResponseBuilder, context_event
+from triton_disagg import protocol as P
+from triton_disagg.front.engine_calls import ResponseBuilder
 from triton_disagg.front.http_front import make_app
 from triton_disagg.front.openai_api import parse
-from triton_disagg.front.orchestrator_call import Delta, RequestEncoder
-from triton_disagg.token_wire import StreamEvent, WireError
+from triton_disagg.front.orchestrator_call import RequestEncoder
+from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.token_wire import WireError
 from triton_disagg.triton import engine_request
 
 A, B, C = TopLogprobs([4, 9], [-0.25, -1.5]), TopLogprobs([9, 4], [-0.5, -1.0]), \
@@ -48,14 +50,15 @@ def test_an_engine_request_bounds_top_logprobs_at_20(demo_engine, k, error):
 # ---- the token wire ---------------------------------------------------------------------
 
 def test_alternatives_cross_the_wire_one_pair_per_token():
-    events = [StreamEvent("a", [4, 9], [-0.25, -0.5], -0.75, seq=1, key="k", top=[A, B]),
-              StreamEvent("b", [5], [-1.0], -1.0, key="k")]       # asked for none
+    events = [TokenEvent("a", [4, 9], [-0.25, -0.5], seq=1, key="k", top=[A, B]),
+              TokenEvent("b", [5], [-1.0], key="k")]       # asked for none
     frame = token_wire.encode_events(events)
     assert msgpack.unpackb(frame)["events"][0]["top"] == [[[4, 9], [-0.25, -1.5]],
                                                           [[9, 4], [-0.5, -1.0]]]
     assert "top" not in msgpack.unpackb(frame)["events"][1]
     assert token_wire.decode_events(frame) == events
-    merged = events[0].then(StreamEvent("a", [1], [-0.1], -0.85, "length", key="k", top=[C]))
+    merged = TokenEvent.joined([events[0],
+                                TokenEvent("a", [1], [-0.1], "length", key="k", top=[C])])
     assert merged.top == [A, B, C] and merged.tokens == [4, 9, 1]
 
 
@@ -69,7 +72,7 @@ def test_alternatives_cross_the_wire_one_pair_per_token():
     "top",
 ])
 def test_a_malformed_top_is_refused(top):
-    frame = msgpack.packb({"v": 2, "events": [{"id": "a", "key": "k", "seq": 0,
+    frame = msgpack.packb({"v": 3, "events": [{"request_id": "a", "key": "k", "seq": 0,
                                                "tokens": [4, 5], "top": top}]})
     with pytest.raises(WireError, match="'top'"):
         token_wire.decode_events(frame)
@@ -110,13 +113,13 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
     engine.add_request("want", [5, 6, 7], params)
     while engine.has_unfinished():
         want += engine.step()
-    assert [t for e in events for t in e.top] == [w.top for w in want]
+    assert [t for e in events for t in e.top] == [t for w in want for t in w.top]
 
 
 # ---- the orchestrator's tensors ---------------------------------------------------------
 
 def test_top_tensors_of_no_alternatives_are_no_rows():
-    from triton_disagg.front.engine_calls import top_rows
+    from triton_disagg.protocol import top_rows
 
     empty = {"output_top_ids": np.zeros((1, 0, 0), np.int32),          # [1, n=0, k=0]
              "output_top_log_probs": np.zeros((1, 0, 0), np.float32)}
@@ -126,18 +129,18 @@ def test_top_tensors_of_no_alternatives_are_no_rows():
 def test_the_orchestrator_sends_each_tokens_alternatives_with_its_id():
     inputs = {"input_ids": np.array([3, 4]), "end_id": np.array([1]),
               "stream": np.array([True]), "return_log_probs": np.array([True])}
-    first = context_event("r", engine_request.outputs([4], [-0.25], -0.25, None, top=[A]))
+    first = P.engine_event("r", engine_request.outputs([4], [-0.25], -0.25, None, top=[A]))
     assert first.top == [A]
     builder = ResponseBuilder(inputs, lambda ids: "".join(chr(97 + i % 26) for i in ids))
     out = builder.add(first)
     assert out["output_top_ids"].tolist() == [[[4, 9]]]                        # [1, n, k]
-    out = builder.add(StreamEvent("r", [9, 1], [-0.5, -0.1], finish_reason="stop",
+    out = builder.add(TokenEvent("r", [9, 1], [-0.5, -0.1], finish_reason="stop",
                                   top=[B, C]))
     assert out["output_ids"].tolist() == [[9]]         # the end token is not output, nor its row
     assert out["output_top_ids"].tolist() == [[[9, 4]]]
     np.testing.assert_allclose(out["output_top_log_probs"], [[[-0.5, -1.0]]])
     quiet = ResponseBuilder({**inputs, "return_log_probs": np.array([False])}, str)
-    assert "output_top_ids" not in quiet.add(StreamEvent("r", [9], [-0.5], top=[B]))
+    assert "output_top_ids" not in quiet.add(TokenEvent("r", [9], [-0.5], top=[B]))
 
 
 # ---- the front --------------------------------------------------------------------------
@@ -174,8 +177,9 @@ class Relay:
         pass
 
 
-DELTAS = [Delta("x", 3, 1, (4,), (-0.25,), top=(A,)),
-          Delta("y", 3, 3, (9, 1), (-0.5, -0.1), finish_reason="length", top=(B, C))]
+DELTAS = [TokenEvent("", [4], [-0.25], top=[A], text="x", prompt_tokens=3, completion_tokens=1),
+          TokenEvent("", [9, 1], [-0.5, -0.1], "length", top=[B, C], text="y",
+                     prompt_tokens=3, completion_tokens=3)]
 
 
 def post(demo_engine, path: str, body: dict):

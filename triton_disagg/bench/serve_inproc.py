@@ -92,8 +92,8 @@ class InProcessEngine:
         while self.engine.has_unfinished():
             for event in self.engine.step():
                 counts[event.request_id] += 1
-                text = self.tokenizer.decode([event.token_id])
+                text = self.tokenizer.decode(event.tokens)
                 live[event.request_id].measurement.on_response(
                     text, prompt_lens[event.request_id], counts[event.request_id])
-                if event.finished:
+                if event.final:
                     live[event.request_id].measurement.finish()

@@ -269,10 +269,11 @@ class LLMEngine:
         for seq in seqs:
             if seq.finished and seq.request_id not in handed_off:
                 seq.block_table.release(self.pool)
-        return [PrefillResult(s.request_id, e.token_id, e.logprob, list(s.block_table.block_ids),
-                              s.block_table.num_tokens, e.finish_reason, s.num_cached_tokens,
-                              s.prompt_logprobs, e.top)
-                for s, e in zip(seqs, events)]
+        return [PrefillResult(s.request_id, e.tokens[0], e.log_probs and e.log_probs[0],
+                              list(s.block_table.block_ids), s.block_table.num_tokens,
+                              s.finish_reason, s.num_cached_tokens, s.prompt_logprobs,
+                              e.top and e.top[0])
+                for s, e in zip(seqs, events)]   # one event (one token) per sequence
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int | None,
                       params: SamplingParams, kv: RemoteKV, first_logprob: float = 0.0) -> None:

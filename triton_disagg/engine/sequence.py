@@ -19,26 +19,88 @@ from another instance takes the cached blocks of its prompt too and fetches only
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.block_pool import BlockPool, BlockTable
+from triton_disagg.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from triton_disagg.protocol import FinishReason as EventFinish   # the clients' reasons
 
 FinishReason = Literal["length", "stop", "stop_word", "aborted"]
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token of one request; the last event of a request has ``finished``."""
+class TokenEvent(NamedTuple):
+    """One request's tokens made since its previous event, in order: the one form a token
+    takes from the engine's step to the HTTP front (issue 28), each stage filling in its part:
+
+    - the engine's step makes one per token (:meth:`Sequence.append`), neither numbered nor
+      keyed;
+    - generation's decode loop joins a request's events since its last one (:meth:`joined`),
+      numbers and keys them and puts them as they are on ZeroMQ
+      (:mod:`triton_disagg.token_wire`); the orchestrator reads them back into this type;
+    - the orchestrator's response builder adds the text and the counts (the fields after
+      ``top``) and hands them to Triton as the response tensors, which the HTTP front reads
+      back into this type (:mod:`triton_disagg.protocol`).
+
+    Invariants: ``log_probs`` and ``top``, when set, hold one entry per token (set exactly
+    when the request asked for log-probs, and for alternatives); an event is final exactly
+    when it carries ``finish_reason`` or ``error`` (then ``code``); ``seq`` numbers a
+    request's events from generation 0, 1, 2, ... and ``key`` is the request's key
+    (:mod:`triton_disagg.token_wire`). The lists are plain ints and floats (msgpack's).
+    Immutable; a ``NamedTuple`` rather than a frozen dataclass because several are made per
+    token on the way (one a quarter of the cost: a frozen dataclass sets each field through
+    ``object.__setattr__``)."""
 
     request_id: str
-    token_id: int
-    logprob: float | None          # None unless the request asked for log-probs
-    finished: bool
-    finish_reason: FinishReason | None
-    top: TopLogprobs | None = None  # its top_logprobs alternatives, when asked for
+    tokens: list[int]
+    log_probs: list[float] | None = None     # only when the request asked for them
+    finish_reason: EventFinish | None = None  # set on a request's last event
+    error: str | None = None                 # or this, instead
+    code: ErrorCode = ErrorCode.INTERNAL     # the error's code (only with an error)
+    seq: int = 0                             # the request's events from generation: 0, 1, ...
+    key: str = ""                            # the request's key
+    top: list[TopLogprobs] | None = None     # one per token, when top_logprobs asked
+    # the orchestrator's response (the response builder's; never on ZeroMQ)
+    text: str = ""                           # these tokens' text
+    prompt_tokens: int = 0
+    completion_tokens: int = 0               # the request's tokens so far
+    cached_tokens: int = 0                   # of prompt_tokens, served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None   # the first response's, when asked
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def sent(self, finish_reason: EventFinish | None, seq: int, key: str) -> TokenEvent:
+        """This event's tokens as its request's event ``seq`` with ``key``, final with
+        ``finish_reason`` (when not None): what the decode loop sends."""
+        return TokenEvent(self.request_id, self.tokens, self.log_probs, finish_reason,
+                          seq=seq, key=key, top=self.top)
+
+    def without_last(self) -> TokenEvent:
+        """This event without its last token (and that token's log-prob and alternatives)."""
+        return self._replace(tokens=self.tokens[:-1],
+                             log_probs=None if self.log_probs is None else self.log_probs[:-1],
+                             top=None if self.top is None else self.top[:-1])
+
+    @staticmethod
+    def joined(events: list[TokenEvent]) -> TokenEvent:
+        """One request's consecutive ``events`` (none final but the last, none an error) as
+        one: their tokens in order, their log-probs and alternatives when every event with
+        tokens has them, the last one's end, number and key. One event is returned as it is."""
+        if len(events) == 1:
+            return events[0]
+        last, made = events[-1], [e for e in events if e.tokens]
+        log_probs = ([lp for e in made for lp in e.log_probs]
+                     if all(e.log_probs is not None for e in made) else None)
+        top = [t for e in made for t in e.top] if all(e.top is not None for e in made) \
+            else None
+        return TokenEvent(last.request_id, [t for e in events for t in e.tokens], log_probs,
+                          last.finish_reason, seq=last.seq, key=last.key, top=top)
 
 
 class RemoteKV(Protocol):
@@ -118,8 +180,9 @@ class Sequence:
 
     def append(self, token: int, logprob: float | None,
                top: TopLogprobs | None = None) -> TokenEvent:
-        """Record a generated token, decide whether the sequence finished, return its event
-        (log-probs in it only when the request asked for them)."""
+        """Record a generated token, decide whether the sequence finished, return its event:
+        one token (an int), its log-prob (0.0 when none was computed) and alternatives only
+        when the request asked for them; the sequence's finish reason when it finished."""
         self.output_ids.append(token)
         if token == self.params.end_id:
             self.finish_reason = "stop"
@@ -127,6 +190,7 @@ class Sequence:
             self.finish_reason = "stop_word"
         elif self.num_tokens >= self.max_total:
             self.finish_reason = "length"
-        asked = self.params.return_log_probs
-        return TokenEvent(self.request_id, token, logprob if asked else None,
-                          self.finished, self.finish_reason, top if asked else None)
+        if not self.params.return_log_probs:
+            return TokenEvent(self.request_id, [int(token)], finish_reason=self.finish_reason)
+        return TokenEvent(self.request_id, [int(token)], [float(logprob or 0.0)],
+                          self.finish_reason, top=None if top is None else [top])

@@ -1,8 +1,9 @@
 """The orchestrator's calls to its engines (the context and generation models): what a
 request's calls carry (:func:`engine_inputs`), how they travel (in-process BLS here,
 tritonclient gRPC in :mod:`.grpc_transport`), their answers read back (the context's as the
-request's first token event, :func:`context_event`; generation's, :func:`generation_answer`),
-and token events turned into the ensemble's outputs (:class:`ResponseBuilder`; its
+request's first token event, :func:`~triton_disagg.protocol.engine_event`; generation's,
+:func:`generation_answer`), and token events turned into the ensemble's outputs
+(:class:`ResponseBuilder`; its
 invariant: streamed ``text_output`` deltas concatenate to the non-streamed text,
 multi-byte characters included, :func:`~triton_disagg.engine.tokenizer.text_delta`).
 
@@ -40,12 +41,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.engine.logprobs import TopLogprobs
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
 from triton_disagg.errors import ErrorCode, Timeout, error_for, from_triton, without_tag
 from triton_disagg.front.token_inbox import GenerationAnswer
-from triton_disagg.token_wire import StreamEvent
-from triton_disagg.triton.engine_request import top_logprob_outputs
 from triton_disagg.protocol import scalar, to_batched
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
@@ -192,35 +191,6 @@ class BLSRoute:
 
 # ---- what the calls carry, and their answers as the ensemble's outputs
 
-def context_event(request_id: str, out: dict[str, np.ndarray]) -> StreamEvent:
-    """The context model's response tensors as the request's first event (final when its
-    ``finish_reason`` is set and not empty)."""
-    ids = np.asarray(out["output_ids"]).reshape(-1).tolist()        # [beam=1, n] -> [n]
-    lp = out.get("output_log_probs")
-    log_probs = np.asarray(lp).reshape(-1).tolist() if lp is not None else None
-    reason = out.get("finish_reason")
-    reason = np.asarray(reason).reshape(-1)[0] if reason is not None and np.size(reason) else b""
-    reason = reason.decode() if isinstance(reason, bytes) else str(reason)
-    return StreamEvent(request_id, ids, log_probs, finish_reason=reason or None,
-                       top=top_rows(out, len(ids)))
-
-
-def top_rows(out: dict[str, np.ndarray], n: int) -> list[TopLogprobs] | None:
-    """The ``TOP_LOGPROBS`` tensors of a response of ``n`` tokens, one row per token; None
-    when absent (the request did not ask) or not of ``n`` rows; empty when they hold no
-    alternatives (``k`` = 0)."""
-    ids, lps = out.get("output_top_ids"), out.get("output_top_log_probs")
-    if ids is None or lps is None or np.shape(ids) != np.shape(lps) or not np.ndim(ids):
-        return None
-    k = np.shape(ids)[-1]
-    if k == 0:          # no alternatives: no rows (a reshape of 0 elements to [-1, 0] fails)
-        return []
-    ids, lps = np.reshape(ids, (-1, k)), np.reshape(lps, (-1, k))    # [.., n, k] -> [n, k]
-    if len(ids) != n:
-        return None
-    return [TopLogprobs(i, v) for i, v in zip(ids.tolist(), lps.tolist())]
-
-
 def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Orchestrator inputs -> the ``ENGINE_INPUTS`` of context/generation (present ones only)."""
     names = {s.name for s in P.ENGINE_INPUTS}
@@ -231,12 +201,12 @@ def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class ResponseBuilder:
-    """Turns a request's events into the ensemble's outputs (``text_output`` deltas, counts,
-    the final response's ``finish_reason``, and log probs only when the request's
-    ``return_log_probs`` asked for them, as
-    TensorRT-LLM does: each tensor costs the stub a shared-memory copy per response; with
-    them ``output_ids``, the ids of the tokens those log probs are of, and the
-    ``TOP_LOGPROBS`` when the request's ``top_logprobs`` asked for alternatives)."""
+    """Turns a request's events into the orchestrator's responses: events with their text
+    (``text_output`` deltas), the counts and, on the final one, ``finish_reason``; log-probs
+    only when the request's ``return_log_probs`` asked for them, as TensorRT-LLM does (each
+    tensor costs the stub a shared-memory copy per response), and with them the tokens'
+    ids and (the request's ``top_logprobs``) their alternatives. Out as tensors by
+    :func:`~triton_disagg.protocol.response_outputs`."""
 
     def __init__(self, inputs: dict[str, np.ndarray], decode: Callable[[Sequence[int]], str]):
         self.decode = decode
@@ -250,53 +220,43 @@ class ResponseBuilder:
         self.cached_tokens = 0          # the context's answer says (:meth:`context_answered`)
         self.prompt_logprobs: dict[str, np.ndarray] = {}    # until the first response
         self.cum_log_prob = 0.0
-        self.pending_ids: list[int] = []
-        self.pending_lp: list[float] = []
-        self.pending_top: list[TopLogprobs] = []
+        self.pending: list[TokenEvent] = []     # events not yet in a response
 
     def context_answered(self, out: dict[str, np.ndarray]) -> None:
         """Note how many prompt tokens the context served from its prefix cache, and the
-        prompt's log-probs when it computed them (they go out with the first response)."""
+        prompt's log-probs when it computed them (they go out with the first response, the
+        context's tensors as they came)."""
         self.cached_tokens = int(scalar(out, P.NUM_CACHED_TOKENS, 0))
         self.prompt_logprobs = {s.name: out[s.name] for s in P.PROMPT_LOGPROBS if s.name in out}
 
-    def add(self, event: StreamEvent) -> dict | None:
+    def add(self, event: TokenEvent) -> dict | None:
         """Outputs to send now (streaming) or None (accumulating until the final event, which
         carries no error: those are raised before they get here)."""
-        ids = event.tokens
-        lps = event.log_probs if event.log_probs is not None else [0.0] * len(ids)
-        top = event.top or []
-        if event.final and ids and ids[-1] == self.end_id:
-            ids, lps, top = ids[:-1], lps[:-1], top[:-1]   # the end token is not output text
-        self.generated += len(ids)
-        self.cum_log_prob += float(sum(lps))
-        self.pending_ids += ids
-        self.pending_lp += lps
-        self.pending_top += top
-        if self.stream or event.final:
-            return self._flush(event.finish_reason if event.final else None)
-        return None
+        if event.final and event.tokens and event.tokens[-1] == self.end_id:
+            event = event.without_last()        # the end token is not output text
+        self.generated += len(event.tokens)
+        self.cum_log_prob += float(sum(event.log_probs or ()))
+        if not (self.stream or event.final):
+            self.pending.append(event)
+            return None
+        if self.pending:
+            event = TokenEvent.joined(self.pending + [event])
+            self.pending = []
+        return self._outputs(event)
 
-    def _flush(self, reason: str | None) -> dict:
-        """The outputs of the tokens pending; ``reason``: the final response's (else None)."""
-        final = reason is not None
-        ids, lps, top = self.pending_ids, self.pending_lp, self.pending_top
+    def _outputs(self, event: TokenEvent) -> dict:
+        """The outputs of ``event``'s tokens (its finish reason: the final response's)."""
+        ids, top, final = event.tokens, event.top, event.final
         window, offset = self.windows.next(ids)
-        self.pending_ids, self.pending_lp, self.pending_top = [], [], []
-        out = {
-            "text_output": [text_delta(self.decode, window, offset, final)],
-            "num_input_tokens": np.array([len(self.prompt)], dtype=np.int32),
-            "num_output_tokens": np.array([self.generated], dtype=np.int32),
-            "num_cached_tokens": np.array([self.cached_tokens], dtype=np.int32),
-        }
-        if final:
-            out["finish_reason"] = [reason]
+        log_probs = None
+        if self.return_log_probs:
+            log_probs = event.log_probs if event.log_probs is not None else [0.0] * len(ids)
+        out = P.response_outputs(TokenEvent(
+            event.request_id, ids, log_probs, event.finish_reason,
+            top=top if log_probs is not None and top and len(top) == len(ids) else None,
+            text=text_delta(self.decode, window, offset, final),
+            prompt_tokens=len(self.prompt), completion_tokens=self.generated,
+            cached_tokens=self.cached_tokens), self.cum_log_prob)
         out.update(self.prompt_logprobs)
         self.prompt_logprobs = {}
-        if self.return_log_probs:
-            out["cum_log_probs"] = np.array([self.cum_log_prob])
-            out["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, -1)
-            out["output_ids"] = np.array([ids], dtype=np.int32).reshape(1, -1)   # [beam=1, n]
-            if top and len(top) == len(ids):
-                out.update(top_logprob_outputs([t.ids for t in top], [t.logprobs for t in top]))
         return out

@@ -27,8 +27,9 @@ from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, RequestCount
 from triton_disagg.front.openai_api import ApiError, Generation, parse, read_json
 from triton_disagg.front.openai_responses import (Logprobs, OpenAIObjects, StopTrimmer,
                                                   finish_reason, merge_logprobs, sse, usage)
-from triton_disagg.front.orchestrator_call import (Delta, OrchestratorError, Relay,
-                                                  RequestEncoder, unreachable)
+from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.front.orchestrator_call import OrchestratorError, Relay, RequestEncoder, \
+    unreachable
 
 REQUEST_ID = "X-Request-Id"
 # The prompt's log-probs are made on these threads, not the loop's shared default executor:
@@ -115,7 +116,7 @@ async def _generate_choices(request: web.Request, gen: Generation,
 
 @contextlib.asynccontextmanager
 async def _opened(relay: Relay, inputs: dict, call_id: str,
-                  request_id: str) -> AsyncIterator[AsyncIterator[Delta]]:
+                  request_id: str) -> AsyncIterator[AsyncIterator[TokenEvent]]:
     """The orchestrator's deltas for ``inputs``, once the first came (an error before it is
     a plain HTTP error: no byte went out yet); leaving the block cancels the call."""
     async with contextlib.aclosing(relay.stream(inputs, call_id)) as deltas:
@@ -133,7 +134,7 @@ async def _opened(relay: Relay, inputs: dict, call_id: str,
         yield _chain(first, deltas)
 
 
-async def _chain(first: Delta | None, deltas) -> AsyncIterator[Delta]:
+async def _chain(first: TokenEvent | None, deltas) -> AsyncIterator[TokenEvent]:
     if first is not None:
         yield first
     async for delta in deltas:
@@ -151,16 +152,16 @@ class _Answer:
             Logprobs(gen, token_id_name if gen.tokens_as_ids else preparer.token_text,
                      len(self.echo))
         self.prompt_ids = inputs["input_ids"].reshape(-1).tolist()     # [1, n] -> [n]
-        self.trimmer, self.last = StopTrimmer(gen.stop), Delta("", 0, 0)
+        self.trimmer, self.last = StopTrimmer(gen.stop), TokenEvent("", [])
 
-    def add(self, delta: Delta) -> tuple[str, dict | None]:
+    def add(self, delta: TokenEvent) -> tuple[str, dict | None]:
         """The text safe to send now and the log-probs of ``delta``'s tokens (None unless
         asked for), after the echoed prompt's when ``delta`` brings them (the first)."""
         self.last = delta
         text = self.trimmer.add(delta.text)
         if self.logprobs is None:
             return text, None
-        tokens = self.logprobs.of(delta.token_ids, delta.log_probs, delta.top)
+        tokens = self.logprobs.of(delta.tokens, delta.log_probs or (), delta.top or ())
         if delta.prompt_logprobs is None:
             return text, tokens
         prompt = self.logprobs.prompt(self.prompt_ids, delta.prompt_logprobs)
@@ -181,7 +182,7 @@ def token_id_name(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-async def _added(answer: _Answer, delta: Delta) -> tuple[str, dict | None]:
+async def _added(answer: _Answer, delta: TokenEvent) -> tuple[str, dict | None]:
     """``answer.add(delta)``, on ``PROMPT_LOGPROBS`` when ``delta`` brings the prompt's
     log-probs the answer shows (a token decode per prompt token and per alternative: seconds
     for a long prompt, which the loop's other clients would wait out)."""
@@ -247,7 +248,7 @@ async def send_whole(request: web.Request, body: dict, headers: dict) -> web.Str
 
 
 async def _stream(request: web.Request, answer: _Answer, reply: OpenAIObjects,
-                  deltas: AsyncIterator[Delta], headers: dict) -> web.StreamResponse:
+                  deltas: AsyncIterator[TokenEvent], headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
 

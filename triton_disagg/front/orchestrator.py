@@ -63,10 +63,10 @@ import numpy as np
 
 from triton_disagg import log_format, protocol as P
 from triton_disagg.config.roles import Mode
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
-from triton_disagg.front.engine_calls import ResponseBuilder, context_event, engine_inputs
+from triton_disagg.front.engine_calls import ResponseBuilder, engine_inputs
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox, TokenStream
-from triton_disagg.token_wire import StreamEvent
 from triton_disagg.protocol import scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
@@ -266,7 +266,7 @@ class ServedRequest:
             await self.send(None, True)
             return "cancelled"
         self.builder.context_answered(ctx)
-        first = context_event(self.request_id, ctx)
+        first = P.engine_event(self.request_id, ctx)
         if await self.emit(first):
             return "finished"
         self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
@@ -345,7 +345,7 @@ class ServedRequest:
                 await self.send(None, True)
                 return "cancelled"
             self.builder.context_answered(ctx)
-            if await self.emit(context_event(self.request_id, ctx)):
+            if await self.emit(P.engine_event(self.request_id, ctx)):
                 return "finished"
             self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
             return await self.relay(stream, is_cancelled)
@@ -378,7 +378,7 @@ class ServedRequest:
             if await self.emit(event):
                 return "cancelled" if event.finish_reason == "cancelled" else "finished"
 
-    async def emit(self, event: StreamEvent) -> bool:
+    async def emit(self, event: TokenEvent) -> bool:
         """Pass an event on; True when it was the last. The first event ends the time to first
         token (from the request's arrival at preprocessing, or here without that stamp)."""
         self.sent += event.tokens

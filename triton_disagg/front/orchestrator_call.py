@@ -1,7 +1,9 @@
 """The HTTP front's one call to the ``orchestrator`` model: a checked
 :class:`~triton_disagg.front.openai_api.Generation` -> the orchestrator's input tensors
 (:class:`RequestEncoder`), sent over Triton's gRPC streaming (tritonclient's asyncio client,
-:class:`Relay`), its responses back as text deltas (:class:`Delta`).
+:class:`Relay`), its responses back as token events with their text and counts
+(:class:`~triton_disagg.engine.sequence.TokenEvent`, read by
+:func:`~triton_disagg.protocol.response_event`).
 
 Why the orchestrator and not the ensemble: a client's cancel reaches a decoupled model it
 calls directly, but not the steps inside an ensemble (Triton 2.51), and the orchestrator
@@ -45,7 +47,6 @@ Triton fixed a use-after-free of that mode later (server PR #8708).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 # Any here: tensor dict values (numpy arrays and scalars of any dtype).
@@ -54,15 +55,13 @@ import numpy as np
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.engine.logprobs import TopLogprobs
-from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import to_wire
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import CODE_IN_MESSAGE, HTTP_STATUS, ErrorCode, RequestError, \
     code_in, from_grpc_status, without_tag
 from triton_disagg.front.chat_template import ChatTemplate
-from triton_disagg.front.engine_calls import top_rows
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.front.openai_api import ApiError, Generation
 from triton_disagg.front.openai_fields import EngineLimits, shown
@@ -197,24 +196,6 @@ def _batch_of_one(value: Any, dtype: type) -> np.ndarray:
 
 
 
-@dataclass(frozen=True)
-class Delta:
-    """One orchestrator response: its text, the running counts, (only when the request
-    asked for log-probs) the ids of its tokens and their log-probs, in step (and each one's
-    alternatives when it asked for ``top_logprobs``), and (the final response only) why the
-    request ended."""
-
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    token_ids: tuple[int, ...] = ()
-    log_probs: tuple[float, ...] = ()
-    finish_reason: P.FinishReason | None = None
-    cached_tokens: int = 0            # of prompt_tokens, served from the prefix cache
-    prompt_logprobs: PromptLogprobs | None = None   # the first response's, when asked
-    top: tuple[TopLogprobs, ...] = ()                # one per token id, when asked
-
-
 class OrchestratorError(Exception):
     """The orchestrator answered with an error of ``code``; ``status``: the HTTP status that
     code means (:data:`~triton_disagg.errors.HTTP_STATUS`: INVALID_ARG 400, UNAVAILABLE 503,
@@ -248,7 +229,8 @@ class Relay:
         (:class:`~triton_disagg.front.health.ServerReadiness`)."""
         return await self.readiness.ready()
 
-    async def stream(self, inputs: dict[str, np.ndarray], request_id: str) -> AsyncIterator[Delta]:
+    async def stream(self, inputs: dict[str, np.ndarray],
+                     request_id: str) -> AsyncIterator[TokenEvent]:
         """The orchestrator's responses to ``inputs`` (arrays with their batch axis)."""
         import grpc
         from tritonclient.grpc import InferInput
@@ -270,7 +252,7 @@ class Relay:
                 if error is not None:          # the final response: the stream ends next
                     failed = failed or await self._failure(error.message())
                 elif failed is None:
-                    yield _delta(result)
+                    yield P.response_event(request_id, result.as_numpy)
             ended = True
         except grpc.aio.AioRpcError as exc:
             ended = True                        # Triton ended the stream with a status
@@ -292,36 +274,6 @@ class Relay:
 
     async def close(self) -> None:
         await self.client.close()
-
-
-def _delta(result) -> Delta:
-    """A tritonclient ``InferResult`` of the orchestrator -> its :class:`Delta`."""
-    text = result.as_numpy("text_output")
-    n_in, n_out = result.as_numpy("num_input_tokens"), result.as_numpy("num_output_tokens")
-    ids, lps = result.as_numpy("output_ids"), result.as_numpy("output_log_probs")
-    cached = result.as_numpy("num_cached_tokens")
-    reason = result.as_numpy("finish_reason")
-    reason = reason.reshape(-1)[0].decode("utf-8") if reason is not None else None   # [1, 1]
-    token_ids = tuple(ids.reshape(-1).tolist()) if ids is not None else ()     # [1, 1, n] -> [n]
-    top = top_rows({s.name: result.as_numpy(s.name) for s in P.TOP_LOGPROBS}, len(token_ids))
-    return Delta(text.reshape(-1)[0].decode("utf-8") if text is not None else "",
-                 int(n_in.reshape(-1)[0]) if n_in is not None else 0,
-                 int(n_out.reshape(-1)[0]) if n_out is not None else 0,
-                 token_ids, tuple(lps.reshape(-1).tolist()) if lps is not None else (),
-                 reason if reason in P.FINISH_REASONS else None,
-                 int(cached.reshape(-1)[0]) if cached is not None else 0,
-                 _prompt_logprobs(result), tuple(top or ()))
-
-
-def _prompt_logprobs(result) -> PromptLogprobs | None:
-    """The ``PROMPT_LOGPROBS`` tensors of a response, position 0's empty row dropped."""
-    chosen = result.as_numpy("prompt_log_probs")
-    ids, top = result.as_numpy("prompt_top_ids"), result.as_numpy("prompt_top_log_probs")
-    if chosen is None or ids is None or top is None:
-        return None
-    k = ids.shape[-1]
-    return PromptLogprobs(chosen.reshape(-1)[1:],                  # [1, n] -> [n-1]
-                          ids.reshape(-1, k)[1:], top.reshape(-1, k)[1:])   # [1, n, k] -> [n-1, k]
 
 
 def unreachable(exc: Exception) -> bool:

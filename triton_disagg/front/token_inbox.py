@@ -41,10 +41,11 @@ import zmq
 import zmq.asyncio
 
 from triton_disagg import token_wire
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.errors import GenerationLost, Timeout, error_for
 from triton_disagg.readers import (BAD_KEY, MALFORMED, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
                                    fail_instance, watch_task)
-from triton_disagg.token_wire import StreamEvent, WireError, same_key
+from triton_disagg.token_wire import WireError, same_key
 from triton_disagg.zmq_endpoints import Endpoint, bind, push_socket
 
 STOP_HIGH_WATER_MARK = 100
@@ -76,17 +77,17 @@ class TokenStream:
         self.key = secrets.token_urlsafe(16)
         self.expected = 0                   # the sequence number of the next event
         self.broken = False                 # an event was lost: nothing more is taken
-        self.events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.control: str | None = None     # the generation instance's control address
         self.ended = False                  # generation sent the final event
-        self.held: StreamEvent | None = None  # an error event taken while merging, next up
+        self.held: TokenEvent | None = None  # an error event taken while merging, next up
 
     @property
     def token_address(self) -> str:
         """What generation is told to stream to: the inbox's address and this stream's key."""
         return token_wire.with_key(self.inbox.address, self.key)
 
-    def deliver(self, event: StreamEvent) -> None:
+    def deliver(self, event: TokenEvent) -> None:
         """Queue ``event`` when it carries this stream's key and the next sequence number;
         the first out of order queues an error instead, and ends what is taken."""
         if not same_key(event.key, self.key):
@@ -96,7 +97,7 @@ class TokenStream:
         if self.broken:
             return
         if event.seq != self.expected:
-            self.events.put_nowait(StreamEvent(self.request_id, [], error=(
+            self.events.put_nowait(TokenEvent(self.request_id, [], error=(
                 f"token events of request {self.request_id} were lost on the way from "
                 f"generation (expected event {self.expected}, got {event.seq}); request "
                 f"failed")))
@@ -117,7 +118,7 @@ class TokenStream:
                               ) from None
 
     async def next(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None = None
-                   ) -> StreamEvent:
+                   ) -> TokenEvent:
         """The next event merged with every later one already waiting (tokens in order; an
         error event is never merged, it comes next on its own); for an error event the error
         of its code (:func:`~triton_disagg.errors.error_for`), :class:`Timeout` for
@@ -126,19 +127,21 @@ class TokenStream:
         event, self.held = self.held, None
         if event is None:
             event = await self._wait(lost)
-        while not event.final and not self.events.empty():
+        taken = [event]
+        while not taken[-1].final and not self.events.empty():
             later = self.events.get_nowait()
             if later.error is not None:
                 self.held = later
                 break
-            event = event.then(later)
+            taken.append(later)
+        event = TokenEvent.joined(taken)
         self.ended = event.final
         if event.error is not None:
             raise error_for(event.code, event.error)
         return event
 
     async def _wait(self, lost: Callable[[], Awaitable[GenerationLost | None]] | None
-                    ) -> StreamEvent:
+                    ) -> TokenEvent:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.inbox.stall_seconds
         while True:

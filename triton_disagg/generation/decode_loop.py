@@ -3,8 +3,9 @@
 ``execute`` only calls :meth:`DecodeLoop.submit` and returns; one thread owns the
 engine. Each iteration takes new work and stops, runs ``engine.step()`` (admission, KV
 fetches polled, every running sequence of the instance in one decode batch, new prompts
-prefilled as they arrive), turns each token into a :class:`~token_wire.StreamEvent` for
-its request's orchestrator address and, once per step, sends every address one message
+prefilled as they arrive), gathers each request's token events
+(:class:`~triton_disagg.engine.sequence.TokenEvent`) for its orchestrator address and, once
+per step, sends every address one message
 with all of its events (``outbox``). Stops arrive on the instance's control socket
 (``stops``).
 
@@ -24,7 +25,8 @@ Invariants:
   goes out over a fresh socket: the orchestrator hears of the loss, never a short
   stream with a normal end;
 - every event carries its request's key and sequence number (:class:`StreamState`: the
-  tokens made since its last event, its events numbered 0, 1, 2, ...);
+  engine's events since its last event, one token each, joined when it goes out; its
+  events numbered 0, 1, 2, ...);
   a stop is obeyed only with the request's key; a stop for a request the loop does not
   hold, or without its key, is dropped and counted (``dropped``);
 - requests stream to at most ``outbox.max_sockets`` distinct addresses at a time; a
@@ -53,17 +55,16 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from triton_disagg.engine.logprobs import TopLogprobs
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.errors import ErrorCode, code_of
 from triton_disagg.generation.watchdog import Watchdog
 from triton_disagg.readers import (BAD_KEY, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
                                    fail_instance, guarded)
-from triton_disagg.token_wire import STOP_READER, StopInbox, StreamEvent, TokenOutbox, \
-    same_key, send_errors, split_key
+from triton_disagg.token_wire import STOP_READER, StopInbox, TokenOutbox, same_key, \
+    send_errors, split_key
 
 if TYPE_CHECKING:
     from triton_disagg.engine.llm_engine import LLMEngine
-    from triton_disagg.engine.sequence import TokenEvent
     from triton_disagg.generation.side import DecodeAdmission, PreparedRequest
 
 CANCELLED = "cancelled"
@@ -75,21 +76,17 @@ _log = logging.getLogger(__name__)
 @dataclass
 class StreamState:
     """One request's token stream to the orchestrator: where it goes and what is pending.
-    Invariants: ``tokens`` / ``log_probs`` (and ``top``, when the request asked for
-    alternatives) hold exactly the tokens made since the request's last event (plain ints
-    and floats, ready for msgpack); ``seq`` is the number of events made for the request so
-    far, so its events carry 0, 1, 2, ... and every one carries the request's key."""
+    Invariants: ``pending`` holds exactly the engine's events for the request since its
+    last event went out (one token each, in order); ``seq`` is the number of events made
+    for the request so far, so its events carry 0, 1, 2, ... and every one carries the
+    request's key."""
 
     address: str                    # the orchestrator's token address (without the key)
     key: str                        # the request's key (token_wire)
     streaming: bool
-    with_log_probs: bool = True
     emitted: bool = False           # has the first token gone out
     seq: int = 0                    # events made for it so far
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    top: list[TopLogprobs] = field(default_factory=list)
-    cum_log_prob: float = 0.0
+    pending: list[TokenEvent] = field(default_factory=list)
 
     def numbered(self) -> int:
         """The next event's sequence number (counted as made)."""
@@ -97,21 +94,19 @@ class StreamState:
         return self.seq - 1
 
 
-def token_event(request_id: str, live: StreamState, reason: str | None) -> StreamEvent:
-    """The tokens ``live`` holds (log probs only when asked for, alternatives when made),
-    final with ``reason``."""
-    seq = live.numbered()
-    if not live.with_log_probs:
-        return StreamEvent(request_id, live.tokens, finish_reason=reason, seq=seq, key=live.key)
-    return StreamEvent(request_id, live.tokens, live.log_probs, live.cum_log_prob, reason,
-                       seq=seq, key=live.key, top=live.top or None)
+def token_event(request_id: str, live: StreamState, reason: str | None) -> TokenEvent:
+    """The events ``live`` holds as one (none: no tokens), numbered and keyed, final with
+    ``reason``; ``live`` holds none after."""
+    pending, live.pending = live.pending, []
+    joined = TokenEvent.joined(pending) if pending else TokenEvent(request_id, [])
+    return joined.sent(reason, live.numbered(), live.key)
 
 
 def error_event(request_id: str, live: StreamState, message: str,
-                code: ErrorCode = ErrorCode.INTERNAL) -> StreamEvent:
+                code: ErrorCode = ErrorCode.INTERNAL) -> TokenEvent:
     """The final event of a request that failed with ``code``, saying why in ``message``."""
-    return StreamEvent(request_id, [], error=message, code=code, seq=live.numbered(),
-                       key=live.key)
+    return TokenEvent(request_id, [], error=message, code=code, seq=live.numbered(),
+                      key=live.key)
 
 
 class DecodeLoop:
@@ -158,8 +153,7 @@ class DecodeLoop:
         """Generate for ``request`` and send its events to the orchestrator at
         ``token_address`` (``<address>#<key>``, checked by ``read_request_parameters``)."""
         address, key = split_key(token_address)
-        live = StreamState(address, key, getattr(request, "streaming", True),
-                    getattr(request, "return_log_probs", True))
+        live = StreamState(address, key, getattr(request, "streaming", True))
         self.inbox.put(("add", request_id, request, live))
 
     def close(self, timeout: float = 10.0) -> None:
@@ -282,16 +276,11 @@ class DecodeLoop:
         live = self.live.get(event.request_id)
         if live is None:
             return
-        live.tokens.append(int(event.token_id))
-        live.log_probs.append(float(event.logprob or 0.0))
-        live.cum_log_prob += live.log_probs[-1]
-        if event.top is not None:
-            live.top.append(event.top)
-        if event.finished:
+        live.pending.append(event)
+        if event.final:
             self._finish(event.request_id, event.finish_reason)
-        elif live.streaming and (not live.emitted or len(live.tokens) >= self.stream_interval):
+        elif live.streaming and (not live.emitted or len(live.pending) >= self.stream_interval):
             self.outbox.put(live.address, token_event(event.request_id, live, None))
-            live.tokens, live.log_probs, live.top = [], [], []
             live.emitted = True
 
     def _finish(self, request_id: str, reason: str | None) -> None:
@@ -326,8 +315,8 @@ class DecodeLoop:
             for request_id in [rid for rid, live in self.live.items() if live.address == address]:
                 self._fail(request_id, message)
             for event in [e for e in failed if e.final]:   # the others' requests: failed above
-                self.outbox.put(address, StreamEvent(event.request_id, [], error=message,
-                                                     seq=event.seq, key=event.key))
+                self.outbox.put(address, TokenEvent(event.request_id, [], error=message,
+                                                    seq=event.seq, key=event.key))
         if dropped:
             self.outbox.flush(self.addresses)
 

@@ -23,7 +23,7 @@ from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams, from_wire
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import RequestError, UserError
-from triton_disagg.protocol import NUM_CACHED_TOKENS, scalar
+from triton_disagg.protocol import NUM_CACHED_TOKENS, scalar, top_logprob_outputs
 
 if TYPE_CHECKING:       # the engine (its runners) is not imported where requests are read
     from triton_disagg.engine.llm_engine import PrefillResult
@@ -139,12 +139,3 @@ def prompt_logprob_outputs(logprobs: PromptLogprobs | None) -> dict[str, np.ndar
                                              ).astype(np.int32),                  # [n, k]
             "prompt_top_log_probs": np.concatenate([np.full((1, k), np.nan), logprobs.top]
                                                    ).astype(np.float32)}          # [n, k]
-
-
-def top_logprob_outputs(ids: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]]
-                        ) -> dict[str, np.ndarray]:
-    """The ``TOP_LOGPROBS`` tensors of ``n`` tokens' alternatives (``n`` rows of ``k``; beam
-    axis of 1 included, batch axis added by the caller)."""
-    k = len(ids[0]) if len(ids) else 0
-    return {"output_top_ids": np.array(ids, dtype=np.int32).reshape(1, -1, k),          # [1, n, k]
-            "output_top_log_probs": np.array(logprobs, dtype=np.float32).reshape(1, -1, k)}
