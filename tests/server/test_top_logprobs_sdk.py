@@ -34,7 +34,7 @@ def expected(demo_engine):
         if events[-1].tokens[0] == eos:
             events = events[:-1]           # the end token is not output
         return ([e.tokens[0] for e in events], [e.log_probs[0] for e in events],
-                [e.top[0] for e in events])
+                [e.top[0] if e.top else [] for e in events])
     return run
 
 
