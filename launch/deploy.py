@@ -31,13 +31,13 @@ its front on 8080, unless the config names ``scheduler_server.url``: then the sc
 scheme. ``serve context|generation`` takes its gRPC port from its ``url`` (that is where
 the scheduler dials) and opens HTTP and metrics only when given a port (flag or config).
 
-The doors: on ``serve all|scheduler`` Triton's gRPC and HTTP ports are the clients',
-so the HTTP front's process answers them (:mod:`triton_disagg.front.public_door`, bounding
-every message) and tritonserver listens on loopback on ports picked free
-(:func:`behind_door`). On every role the metrics port (Prometheus scrapes it, Kubernetes
-probes it) is the front's metrics door (:mod:`triton_disagg.front.metrics_door`: a GET,
-no body), tritonserver's metrics on loopback behind it. Context and generation keep
-tritonserver's gRPC and HTTP on their ports: only their peers reach them.
+The doors: on every role the HTTP front's process answers Triton's gRPC and HTTP ports
+(:mod:`triton_disagg.front.public_door`, bounding every message: on ``serve all|scheduler``
+they are the clients', on ``serve context|generation`` their peers', where Triton would
+read a whole message before a model checks the peer credential) and the metrics port
+(Prometheus scrapes it, Kubernetes probes it: the metrics door,
+:mod:`triton_disagg.front.metrics_door`, a GET with no body); tritonserver listens on
+loopback on ports picked free (:func:`behind_door`).
 """
 
 from __future__ import annotations
@@ -115,17 +115,13 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
     return Endpoints(host=host, http_port=http, grpc_port=grpc, metrics_port=metrics)
 
 
-def behind_door(role: str, endpoints: Endpoints) -> Endpoints:
-    """``endpoints`` with tritonserver's metrics (every role that has them) and, for the
-    roles whose Triton ports are public (all, scheduler), its gRPC and HTTP moved to
-    loopback ports picked free, behind the doors (module docstring)."""
+def behind_door(endpoints: Endpoints) -> Endpoints:
+    """``endpoints`` with tritonserver's gRPC, HTTP and metrics moved to loopback ports
+    picked free, behind the doors (module docstring)."""
     grpc, http, metrics = free_ports(3)
-    moved = replace(endpoints, inner_metrics_port=None if endpoints.metrics_port is None
-                    else metrics)
-    if role not in (Role.ALL, Role.SCHEDULER):
-        return moved
-    return replace(moved, inner_grpc_port=grpc,
-                   inner_http_port=None if endpoints.http_port is None else http)
+    return replace(endpoints, inner_grpc_port=grpc,
+                   inner_http_port=None if endpoints.http_port is None else http,
+                   inner_metrics_port=None if endpoints.metrics_port is None else metrics)
 
 
 def advertised_url(role: str, config: DisaggConfig, endpoints: Endpoints,

@@ -1,6 +1,6 @@
 """The HTTP front's process (:mod:`triton_disagg.front.http_front`), run by every ``serve``
-beside tritonserver: the whole front (OpenAI API, ``/v1/inference``, ``/healthz``) for ``serve
-all`` and ``serve scheduler``; for ``serve context|generation`` its health-only mode
+beside tritonserver, answering tritonserver's ports (its doors, below): the whole front
+(OpenAI API, ``/v1/inference``, ``/healthz``) for ``serve all`` and ``serve scheduler``; for ``serve context|generation`` its health-only mode
 (``/healthz`` and ``/health``: :mod:`triton_disagg.front.health`), and so for ``serve
 all|scheduler`` with ``decoupled_mode: false``, since the whole front streams every request
 from the decoupled orchestrator.
@@ -12,10 +12,11 @@ clients reach the scheduler: the deployment guide's ``scheduler-node:8002``), el
 move out of the way: :func:`launch.deploy.triton_ports`), 8080 for ``serve all`` (its
 tritonserver keeps 8000-8002), 8081 for context and 8082 for generation (their fronts answer
 ``/healthz`` alone), so the roles of one host do not collide. It binds where tritonserver
-binds and calls tritonserver's gRPC port on this host. For ``serve all|scheduler`` it also
-answers Triton's public gRPC and HTTP ports, the public door
-(:mod:`triton_disagg.front.public_door`), forwarding to tritonserver on loopback; on every
-role it answers the metrics port, the metrics door (:mod:`triton_disagg.front.metrics_door`).
+binds and calls tritonserver's gRPC port on this host. On every role it also answers
+Triton's gRPC and HTTP ports, the public door (:mod:`triton_disagg.front.public_door`;
+context's and generation's face their peers and cap no calls), and the metrics port, the
+metrics door (:mod:`triton_disagg.front.metrics_door`), forwarding to tritonserver on
+loopback.
 Its admission caps and timeouts are the config's ``front`` section
 (:mod:`triton_disagg.config.front_section`), passed as flags.
 
@@ -75,31 +76,36 @@ def check_front_port(host: str, port: int, endpoints: Endpoints) -> None:
 
 def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_url: str,
                 work_dir: Path, models: tuple[str, ...] = (), health_only: bool = False,
-                gate: Path | None = None) -> subprocess.Popen:
+                gate: Path | None = None, peers: bool = False) -> subprocess.Popen:
     """Start the front on ``endpoints.host:port``, calling tritonserver at ``grpc_url``
     (and, ``endpoints`` behind doors, answering their public ports: :func:`door_flags`); its log
     goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
     are (the orchestrator always, for the whole front); ``health_only``: its health-only
     mode, else the whole front, whose model id is the config's served model name; ``gate``: a
-    scheduler's peers gate file (:mod:`.peers_gate`), which must say ready too."""
+    scheduler's peers gate file (:mod:`.peers_gate`), which must say ready too; ``peers``:
+    the gRPC door faces the deployment's orchestrators (context, generation), so it caps no
+    calls (they cap their own)."""
     log = work_dir / "http_front.log"
     mode = ["--health-only"] if health_only else \
         ["--engine", str(config.engine), "--model-name", config.served_model_name]
     cmd = [sys.executable, "-m", "triton_disagg.front.http_front", *mode,
            "--models", ",".join(models), "--grpc-url", grpc_url,
            "--host", endpoints.host, "--port", str(port), "--log", str(log),
-           *door_flags(endpoints), *front_flags(config.front), *tls_flags(config.grpc_tls)]
+           *door_flags(endpoints, peers), *front_flags(config.front),
+           *tls_flags(config.grpc_tls)]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env={**os.environ, GATE_ENV: str(gate)} if gate
                                 else None)
 
 
-def door_flags(endpoints: Endpoints) -> list[str]:
-    """The front's flags for the doors of ``endpoints`` ([] when behind none)."""
+def door_flags(endpoints: Endpoints, peers: bool = False) -> list[str]:
+    """The front's flags for the doors of ``endpoints`` ([] when behind none); ``peers``:
+    its gRPC door faces peers and caps no calls."""
     flags = []
     if endpoints.behind_door:
-        flags += ["--door-grpc", f"{endpoints.grpc_port}:{endpoints.inner_grpc_port}"]
+        flags += ["--door-grpc", f"{endpoints.grpc_port}:{endpoints.inner_grpc_port}",
+                  *(["--door-peers"] if peers else [])]
         if endpoints.http_port is not None:
             flags += ["--door-http", f"{endpoints.http_port}:{endpoints.inner_http_port}"]
     if endpoints.inner_metrics_port is not None:

@@ -235,7 +235,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if restart:
         keep_log(work_dir, restart)
     check_front_port(endpoints.host, front, endpoints)
-    endpoints = behind_door(args.role, endpoints)     # picked afresh at each start
+    endpoints = behind_door(endpoints)     # picked afresh at each start
     gated = args.role == Role.SCHEDULER
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -251,7 +251,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     models = sorted(p.name for p in server.repo.iterdir() if p.is_dir())
     front_proc = start_front(config, endpoints, front, server.grpc_url, server.work_dir,
                              tuple(models), health_only(args.role, config),
-                             gate_file(server.work_dir) if gated else None)
+                             gate_file(server.work_dir) if gated else None,
+                             peers=args.role in ENGINE_ROLES)
     print(f"triton-disagg serve {args.role}: tritonserver started, loading {len(models)} models "
           f"({', '.join(models)}); log {server.log_path}", flush=True)
     if args.role in (Role.ALL, Role.SCHEDULER):

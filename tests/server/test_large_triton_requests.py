@@ -219,10 +219,20 @@ def test_a_large_post_to_metrics_is_refused_at_the_door_and_tritonserver_lives(s
     _forms_refused_at_the_metrics_door(served)
 
 
-def test_a_context_servers_metrics_are_behind_the_door_too(demo_engine, tmp_path):
+def test_a_context_servers_ports_are_behind_the_doors_too(demo_engine, tmp_path):
+    """rev27f M1: Triton read a whole message (50 MB: 1.5 GB of tritonserver) on a context's
+    or generation's port before the model checked the peer credential; their gRPC port is
+    the door's now (no call cap: their callers cap their own), and their metrics too."""
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\nkv_cache: {{max_size: 16MB}}\n")
     with servers.serve("context", ["-c", str(config)], tmp_path / "c", http=False) as context:
+        assert _flag(context, "grpc-address") == "127.0.0.1"
+        assert _flag(context, "grpc-port") != context.grpc.rsplit(":", 1)[1]
+        before = _peak_rss(context)
+        error, seconds = _infer_large(context.grpc)
+        assert error.status() == "StatusCode.RESOURCE_EXHAUSTED", error
+        assert seconds < REFUSED_WITHIN_SECONDS
+        assert _peak_rss(context) - before < UNMOVED_BYTES
         _forms_refused_at_the_metrics_door(context)
 
 

@@ -99,34 +99,28 @@ def test_a_taken_or_colliding_port_is_refused():
             check_front_port("127.0.0.1", taken.getsockname()[1], endpoints)
 
 
-def test_the_public_roles_tritonserver_moves_behind_the_door_on_loopback():
+def test_every_roles_tritonserver_moves_behind_the_doors_on_loopback():
     from triton_disagg.launch.deploy import LOWEST_PICKED_PORT, behind_door
     from triton_disagg.launch.front_process import door_flags, door_ports
 
     public = Endpoints("0.0.0.0", 8000, 8001, 8002)
-    for role in ("context", "generation"):       # their metrics alone go behind a door
-        moved = behind_door(role, public)
-        assert moved.inner_metrics_port >= LOWEST_PICKED_PORT
-        assert door_flags(moved) == ["--door-metrics", f"8002:{moved.inner_metrics_port}"]
-        assert door_ports(moved) == (8002,)
-        assert (moved.server_grpc, moved.server_http, moved.server_metrics) == \
-            (("0.0.0.0", 8001), ("0.0.0.0", 8000), ("127.0.0.1", moved.inner_metrics_port))
-        assert moved.server_metrics_url == f"http://127.0.0.1:{moved.inner_metrics_port}"
-    for role in ("all", "scheduler"):
-        door = behind_door(role, public)
-        assert (door.host, door.http_port, door.grpc_port, door.metrics_port) == \
-            ("0.0.0.0", 8000, 8001, 8002)
-        inner = (door.inner_grpc_port, door.inner_http_port, door.inner_metrics_port)
-        assert len(set(inner)) == 3 and min(inner) >= LOWEST_PICKED_PORT
-        assert door_flags(door) == ["--door-grpc", f"8001:{door.inner_grpc_port}",
-                                    "--door-http", f"8000:{door.inner_http_port}",
-                                    "--door-metrics", f"8002:{door.inner_metrics_port}"]
-        assert door_ports(door) == (8001, 8000, 8002)
-        assert (door.server_grpc, door.server_http) == \
-            (("127.0.0.1", door.inner_grpc_port), ("127.0.0.1", door.inner_http_port))
-    no_http = behind_door("scheduler", Endpoints("127.0.0.1", None, 8001, None))
-    assert no_http.inner_http_port is None and no_http.inner_metrics_port is None
-    assert door_flags(no_http) == ["--door-grpc", f"8001:{no_http.inner_grpc_port}"]
-    assert no_http.server_metrics_url is None
-    bare = Endpoints("127.0.0.1", None, 8001, None)       # no door: nothing to wait for
-    assert door_flags(bare) == [] and door_ports(bare) == ()
+    assert door_flags(public) == [] and door_ports(public) == ()
+    door = behind_door(public)
+    assert (door.host, door.http_port, door.grpc_port, door.metrics_port) == \
+        ("0.0.0.0", 8000, 8001, 8002)
+    inner = (door.inner_grpc_port, door.inner_http_port, door.inner_metrics_port)
+    assert len(set(inner)) == 3 and min(inner) >= LOWEST_PICKED_PORT
+    assert door_flags(door) == ["--door-grpc", f"8001:{door.inner_grpc_port}",
+                                "--door-http", f"8000:{door.inner_http_port}",
+                                "--door-metrics", f"8002:{door.inner_metrics_port}"]
+    assert door_flags(door, peers=True)[:3] == ["--door-grpc", f"8001:{door.inner_grpc_port}",
+                                                "--door-peers"]     # context, generation
+    assert door_ports(door) == (8001, 8000, 8002)
+    assert (door.server_grpc, door.server_http, door.server_metrics) == \
+        (("127.0.0.1", door.inner_grpc_port), ("127.0.0.1", door.inner_http_port),
+         ("127.0.0.1", door.inner_metrics_port))
+    assert door.server_metrics_url == f"http://127.0.0.1:{door.inner_metrics_port}"
+    grpc_only = behind_door(Endpoints("127.0.0.1", None, 8001, None))
+    assert grpc_only.inner_http_port is None and grpc_only.inner_metrics_port is None
+    assert door_flags(grpc_only) == ["--door-grpc", f"8001:{grpc_only.inner_grpc_port}"]
+    assert grpc_only.server_metrics_url is None and door_ports(grpc_only) == (8001,)

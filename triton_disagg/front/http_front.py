@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer Triton's gRPC on --host:PORT, forwarding to 127.0.0.1:INNER")
     p.add_argument("--door-http", metavar="PORT:INNER", type=_port_pair,
                    help="answer Triton's HTTP on --host:PORT, forwarding to 127.0.0.1:INNER")
+    p.add_argument("--door-peers", action="store_true",
+                   help="the gRPC door faces the deployment's orchestrators (context, "
+                        "generation): no cap on calls")
     p.add_argument("--door-metrics", metavar="PORT:INNER", type=_port_pair,
                    help="answer GET /metrics on --host:PORT from tritonserver's metrics on "
                         "127.0.0.1:INNER")
@@ -236,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         def runner(door_app: web.Application) -> web.AppRunner:
             return _runner(door_app, front, app[METRICS])
 
-        closers = [] if door is None else [await open_doors(door, MAX_BODY_BYTES, front, tls,
-                                                           runner)]
+        closers = [] if door is None else [await open_doors(
+            door, MAX_BODY_BYTES, front, tls, runner, capped=not args.door_peers)]
         if args.door_metrics is not None:
             closers.append(await _open_metrics_door(args.host, *args.door_metrics, runner))
         try:

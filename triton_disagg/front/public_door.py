@@ -1,10 +1,12 @@
-"""The public door: Triton's gRPC port of ``serve all`` and ``serve scheduler``, answered
-in the HTTP front's process (:mod:`.http_front`) and forwarded to tritonserver, which
-listens on loopback on ports of its own (:func:`launch.deploy.behind_door`); its HTTP port
-is :mod:`.http_door`'s, and both doors are opened by :func:`.http_door.open_doors`.
+"""The public door: Triton's gRPC port of every role (``serve all|scheduler``: the
+clients'; ``serve context|generation``: their peers'), answered in the HTTP front's process
+(:mod:`.http_front`) and forwarded to tritonserver, which listens on loopback on ports of
+its own (:func:`launch.deploy.behind_door`); its HTTP port is :mod:`.http_door`'s, and both
+doors are opened by :func:`.http_door.open_doors`.
 
 Why: Triton 2.51 takes any message up to 2 GiB on either port and holds several copies
-of it while a model refuses it; it has no size bound of its own. The door bounds what
+of it while a model refuses it (on context and generation, before the model checks the
+peer credential); it has no size bound of its own. The door bounds what
 reaches it, with grpcio's own machinery, not a protocol of ours.
 
 gRPC (``grpc.aio``): every method of ``inference.GRPCInferenceService`` (tritonclient's
@@ -25,7 +27,8 @@ one-byte entry, for as long as the request lives (a 10 MiB message of empty stri
 stream's until a response follows each) hold at most ``max_outstanding`` bytes door-wide
 (:class:`ByteBudget`); a message past it waits, so a client cannot queue Triton gigabytes
 (a stream of 24 such messages took 4.7 GB). At most ``max_calls`` calls run at once
-(grpcio refuses more with RESOURCE_EXHAUSTED). Every call, unary ones included (all are
+(grpcio refuses more with RESOURCE_EXHAUSTED; None: no cap, a peers' door, whose callers
+cap their own). Every call, unary ones included (all are
 served as streams), with no message either way for ``idle_seconds``
 (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
 connection with no call for as long is closed, so idle clients cannot hold the call cap or
@@ -175,7 +178,7 @@ class ByteBudget:
 class GrpcDoor:
     """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``."""
 
-    def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int,
+    def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int | None,
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
                  owner: InnerOwner | None = None, max_connections: int = 512,
                  max_outstanding: int | None = None):
