@@ -243,13 +243,21 @@ def _resolve(host: str, key: str, hint: str = "") -> str:
                         f"fix the url{hint}") from None
 
 
-def ucx_env(host: str) -> dict[str, str]:
-    """UCX (under NIXL, in the stubs) listens on every network interface by default: on
-    a server bound to loopback, on loopback alone (``UCX_NET_DEVICES=lo``), so nothing of it
-    is reachable from another host (below NIXL, UCX's software RMA checks no remote key).
-    A ``UCX_NET_DEVICES`` in serve's environment wins."""
-    return {"UCX_NET_DEVICES": "lo"} \
-        if is_loopback(host) and "UCX_NET_DEVICES" not in os.environ else {}
+def ucx_env(role: str, host: str) -> dict[str, str]:
+    """UCX (under NIXL, in the stubs) listens on every network interface by default, and
+    below NIXL its software RMA checks no remote key. ``serve all``, whose NIXL peers are
+    all stubs of its one tritonserver, uses shared memory alone (``UCX_TLS=self,sm``: no
+    socket at all, where a TCP listener on 127.0.0.1 would take any local user; the agents
+    then make endpoints without a peer failure handler, which shared memory lacks:
+    :func:`triton_disagg.kv.nixl_agent.error_handling_mode`). A server bound to loopback
+    listens on loopback alone (``UCX_NET_DEVICES=lo``), so nothing of it is reachable from
+    another host. A ``UCX_TLS`` or ``UCX_NET_DEVICES`` in serve's environment wins."""
+    env = {}
+    if role == Role.ALL and "UCX_TLS" not in os.environ:
+        env["UCX_TLS"] = "self,sm"
+    if is_loopback(host) and "UCX_NET_DEVICES" not in os.environ:
+        env["UCX_NET_DEVICES"] = "lo"
+    return env
 
 
 def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
@@ -273,7 +281,7 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     bind = endpoints.host if role == Role.GENERATION or kv_events_host else None
     repo = render(role, config, work_dir / "model_repository", token, bind, kv_events_host,
                   kv_events_port)
-    server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(endpoints.host),
+    server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(role, endpoints.host),
                           log_verbose=log_verbose,
                           cpus=front_cpus(config, role, os.sched_getaffinity(0)),
                           grpc_tls=config.grpc_tls)

@@ -124,3 +124,21 @@ def test_every_roles_tritonserver_moves_behind_the_doors_on_loopback():
     assert grpc_only.inner_http_port is None and grpc_only.inner_metrics_port is None
     assert door_flags(grpc_only) == ["--door-grpc", f"8001:{grpc_only.inner_grpc_port}"]
     assert grpc_only.server_metrics_url is None and door_ports(grpc_only) == (8001,)
+
+
+def test_serve_all_keeps_ucx_on_shared_memory_and_agents_match_it(monkeypatch):
+    """rev27f M2: serve all's NIXL peers are stubs of one tritonserver: UCX on shared memory
+    alone (no TCP listener), whose endpoints have no peer failure handler."""
+    from triton_disagg.kv.nixl_agent import error_handling_mode
+    from triton_disagg.launch.deploy import ucx_env
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    assert ucx_env("all", "127.0.0.1") == {"UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo"}
+    assert ucx_env("context", "127.0.0.1") == {"UCX_NET_DEVICES": "lo"}
+    assert ucx_env("context", "10.0.0.2") == {}
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    assert ucx_env("all", "127.0.0.1") == {"UCX_NET_DEVICES": "lo"}   # the user's TLS wins
+    assert [error_handling_mode(t) for t in ("self,sm", "sm,cma", None, "tcp", "self,sm,tcp",
+                                             "^tcp")] == ["none", "none", "peer", "peer",
+                                                          "peer", "peer"]

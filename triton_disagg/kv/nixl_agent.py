@@ -40,6 +40,7 @@ returning reused blocks.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -53,10 +54,23 @@ from triton_disagg.log_format import adopt_logger
 from triton_disagg.kv.connector import ConnectorError
 
 
+SHARED_MEMORY_TLS = frozenset({"self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"})
 MAX_PEERS = 32          # remote agents kept loaded; the least recently used goes first
 PEER_IDLE_S = 300.0     # a remote agent unused this long is removed (a restarted context)
 MAX_LOADS = 4096        # handles' descriptors loaded into one remote agent before a reload
 
+
+
+def error_handling_mode(ucx_tls: str | None) -> str:
+    """NIXL's UCX endpoint error handling for UCX's transports ``ucx_tls``: ``peer``
+    (NIXL's default: a dead peer fails the transfers to it), unless every transport is one
+    of one host's shared memory, which has no peer failure handler (UCX refuses such an
+    endpoint): ``none``, as ``serve all`` runs (its peers are stubs of one tritonserver,
+    which serve restarts whole when one dies: :func:`launch.deploy.ucx_env`)."""
+    if not ucx_tls or ucx_tls.startswith("^"):        # UCX's defaults, or all but some
+        return "peer"
+    names = {t.strip() for t in ucx_tls.split(",") if t.strip()}
+    return "none" if names <= SHARED_MEMORY_TLS else "peer"
 
 class TransferError(ConnectorError):
     """A NIXL READ failed or did not finish in time."""
@@ -168,9 +182,11 @@ class Agent:
         # (docs/benchmarks.md, stall notes).
         # Transfers progress in the reader's check_xfer_state polls, notifications in notifs().
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
-                                                         backends=["UCX"]))
-        if "UCX" not in self._agent.backends:
+                                                         backends=[]))
+        if "UCX" not in self._agent.plugin_list:
             raise UserError("NIXL has no UCX backend here; reinstall nixl or use host_memory")
+        self._agent.create_backend("UCX", {"ucx_error_handling_mode":
+                                           error_handling_mode(os.environ.get("UCX_TLS"))})
         self._regs = [self._agent.register_memory([(r.ctypes.data, r.nbytes, 0, "")], "DRAM")
                       for r in regions]
         self._lock = threading.Lock()
