@@ -243,10 +243,11 @@ def _resolve(host: str, key: str, hint: str = "") -> str:
                         f"fix the url{hint}") from None
 
 
-def ucx_env(role: str, host: str) -> dict[str, str]:
+def ucx_env(role: str, host: str, gpus: bool = False) -> dict[str, str]:
     """UCX (under NIXL, in the stubs) listens on every network interface by default, and
     below NIXL its software RMA checks no remote key. ``serve all``, whose NIXL peers are
-    all stubs of its one tritonserver, uses shared memory alone (``UCX_TLS=self,sm``: no
+    all stubs of its one tritonserver, uses shared memory alone (``UCX_TLS=self,sm``, with
+    ``gpus`` placed also ``cuda_copy,cuda_ipc`` for KV in GPU memory: no
     socket at all, where a TCP listener on 127.0.0.1 would take any local user; the agents
     then make endpoints without a peer failure handler, which shared memory lacks:
     :func:`triton_disagg.kv.nixl_agent.error_handling_mode`). A server bound to loopback
@@ -254,7 +255,7 @@ def ucx_env(role: str, host: str) -> dict[str, str]:
     another host. A ``UCX_TLS`` or ``UCX_NET_DEVICES`` in serve's environment wins."""
     env = {}
     if role == Role.ALL and "UCX_TLS" not in os.environ:
-        env["UCX_TLS"] = "self,sm"
+        env["UCX_TLS"] = "self,sm,cuda_copy,cuda_ipc" if gpus else "self,sm"
     if is_loopback(host) and "UCX_NET_DEVICES" not in os.environ:
         env["UCX_NET_DEVICES"] = "lo"
     return env
@@ -281,8 +282,9 @@ def start(role: str, config: DisaggConfig, endpoints: Endpoints, work_dir: Path,
     bind = endpoints.host if role == Role.GENERATION or kv_events_host else None
     repo = render(role, config, work_dir / "model_repository", token, bind, kv_events_host,
                   kv_events_port)
-    server = TritonServer(install, repo, endpoints, work_dir, env=ucx_env(role, endpoints.host),
-                          log_verbose=log_verbose,
+    gpus = bool(config.context.gpus or config.generation.gpus)
+    server = TritonServer(install, repo, endpoints, work_dir,
+                          env=ucx_env(role, endpoints.host, gpus), log_verbose=log_verbose,
                           cpus=front_cpus(config, role, os.sched_getaffinity(0)),
                           grpc_tls=config.grpc_tls)
     server.start()

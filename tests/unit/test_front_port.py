@@ -135,10 +135,11 @@ def test_serve_all_keeps_ucx_on_shared_memory_and_agents_match_it(monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
     assert ucx_env("all", "127.0.0.1") == {"UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo"}
+    assert ucx_env("all", "0.0.0.0", gpus=True) == {"UCX_TLS": "self,sm,cuda_copy,cuda_ipc"}
     assert ucx_env("context", "127.0.0.1") == {"UCX_NET_DEVICES": "lo"}
     assert ucx_env("context", "10.0.0.2") == {}
     monkeypatch.setenv("UCX_TLS", "tcp")
     assert ucx_env("all", "127.0.0.1") == {"UCX_NET_DEVICES": "lo"}   # the user's TLS wins
-    assert [error_handling_mode(t) for t in ("self,sm", "sm,cma", None, "tcp", "self,sm,tcp",
-                                             "^tcp")] == ["none", "none", "peer", "peer",
-                                                          "peer", "peer"]
+    assert [error_handling_mode(t) for t in ("self,sm", "self,sm,cuda_copy,cuda_ipc", None,
+                                             "tcp", "self,sm,tcp", "^tcp")] == \
+        ["none", "none", "peer", "peer", "peer", "peer"]

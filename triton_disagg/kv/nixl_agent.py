@@ -54,7 +54,8 @@ from triton_disagg.log_format import adopt_logger
 from triton_disagg.kv.connector import ConnectorError
 
 
-SHARED_MEMORY_TLS = frozenset({"self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"})
+SHARED_MEMORY_TLS = frozenset({"self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem",
+                               "cuda_copy", "cuda_ipc"})      # one host's, no sockets
 MAX_PEERS = 32          # remote agents kept loaded; the least recently used goes first
 PEER_IDLE_S = 300.0     # a remote agent unused this long is removed (a restarted context)
 MAX_LOADS = 4096        # handles' descriptors loaded into one remote agent before a reload
