@@ -97,7 +97,7 @@ def disaggregated_row(engine_dir: Path, runtime: Runtime, strategy: str, prompt:
                                  FetchedKV(receiver, receiver.decode(data)))
         tokens = [first.token_id]
         while generation.has_unfinished():
-            tokens += [event.token_id for event in generation.step()]
+            tokens += [t for event in generation.step() for t in event.tokens]
     finally:
         receiver.close()
         sender.close()
