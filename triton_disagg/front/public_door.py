@@ -74,8 +74,9 @@ class InnerOwner:
     127.0.0.1:P to that exact listener before any wildcard one, and while it listens no
     other user can bind 127.0.0.1:P (nor join it: SO_REUSEPORT is shared within one
     uid), so then the port is tritonserver's; listeners of others elsewhere (0.0.0.0,
-    ::, 127.0.0.2) take none of the door's connections and are ignored. Asked at most
-    once a ``OWNER_CHECK_SECONDS``."""
+    ::, 127.0.0.2) take none of the door's connections and are ignored. A yes is trusted
+    for ``OWNER_CHECK_SECONDS``; a no is asked again at the next request (tritonserver
+    opens its ports only once its models are loaded, and a probe just after must see them)."""
 
     def __init__(self, ports: tuple[int, ...]):
         self.ports, self.uid = ports, os.geteuid()
@@ -83,7 +84,7 @@ class InnerOwner:
 
     def ours(self) -> bool:
         now = time.monotonic()
-        if now - self._checked >= OWNER_CHECK_SECONDS:
+        if not self._ours or now - self._checked >= OWNER_CHECK_SECONDS:
             self._checked, self._ours = now, self._check()
         return self._ours
 
