@@ -46,7 +46,7 @@ def test_past_the_cap_a_request_is_refused_at_once_and_slots_come_back(demo_engi
         assert servers.generate(served.http, {"text_input": "The quick brown fox",
                                               "max_tokens": 8})[1]["text_output"] == \
             offline("The quick brown fox", 8)
-        servers.wait_until(lambda: total(scrape(f"{served.metrics}/metrics"),
+        servers.wait_until(lambda: total(scrape(served.metrics),
                                          "disagg_kv_blocks_used") == 0, 30, "every block back")
 
 
