@@ -157,17 +157,19 @@ def _passed_media_type(content_type: str) -> bool:
 async def open_doors(ports: DoorPorts, max_bytes: int, front: FrontConfig,
                     tls: GrpcTLS | None,
                     http_runner: Callable[[web.Application], web.AppRunner],
-                    capped: bool = True) -> Callable[[], Awaitable[None]]:
+                    capped: bool = True, models: frozenset[str] = frozenset()
+                    ) -> Callable[[], Awaitable[None]]:
     """Start the gRPC door and, with an HTTP pair, the HTTP one (served by
     ``http_runner(app)``, the front's capped runner); returns what stops both.
     ``capped``: the gRPC door runs at most ``front.max_concurrent_requests`` calls (clients'
     doors); else no cap (a context's or generation's, whose callers, the deployment's
-    orchestrators, cap their own)."""
+    orchestrators, cap their own); ``models``: the repository's, the only ones an inference
+    request through the gRPC door may name."""
     owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
                              if p is not None))
     grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",
                          max_bytes, front.max_concurrent_requests if capped else None, tls,
-                         owner=owner,
+                         owner=owner, models=models,
                          max_connections=front.max_connections)
     await grpc_door.start()
     runner = None

@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return _runner(door_app, front, app[METRICS])
 
         closers = [] if door is None else [await open_doors(
-            door, MAX_BODY_BYTES, front, tls, runner, capped=not args.door_peers)]
+            door, MAX_BODY_BYTES, front, tls, runner, capped=not args.door_peers,
+            models=frozenset(models))]
         if args.door_metrics is not None:
             closers.append(await _open_metrics_door(args.host, *args.door_metrics, runner))
         try:

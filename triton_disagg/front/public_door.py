@@ -19,11 +19,13 @@ the call to tritonserver.
 Invariants: a message over ``max_bytes`` is refused by grpcio from its length prefix
 (RESOURCE_EXHAUSTED) before it is read (grpcio bounds an inflated message itself), so
 tritonserver never receives more than ``max_bytes`` in one message. An inference request
-(``ModelInfer``, each ``ModelStreamInfer`` message) is parsed (tritonclient's protobuf
-types) and refused (INVALID_ARGUMENT) past ``MAX_ENTRIES`` strings, tensors and parameters
-(:func:`request_entries`): Triton's protobuf holds each as an object, tens of bytes for a
-one-byte entry, for as long as the request lives (a 10 MiB message of empty strings took
-~200 MB). Request messages forwarded and not yet answered (a unary call's until it ends, a
+(``ModelInfer``, each ``ModelStreamInfer`` message) is refused (INVALID_ARGUMENT) past
+``MAX_ENTRIES`` strings, tensors and parameters or ``MAX_NUMBERS`` numbers, or naming a
+model not served (:class:`MessageScreen`): Triton's protobuf holds each entry as an object,
+tens of bytes for a one-byte entry, for as long as the request lives (a 10 MiB message of
+empty strings took ~200 MB); every message of every method goes on as parsed with
+tritonclient's protobuf types, without fields they do not know (Triton would keep those
+too). Request messages forwarded and not yet answered (a unary call's until it ends, a
 stream's until a response follows each) hold at most ``max_outstanding`` bytes door-wide
 (:class:`ByteBudget`); a message past it waits, so a client cannot queue Triton gigabytes
 (a stream of 24 such messages took 4.7 GB). At most ``max_calls`` calls run at once
@@ -62,6 +64,7 @@ STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long 
 UNREACHABLE = "tritonserver is not reachable"
 INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages: checked
 MAX_ENTRIES = 65_536        # strings, tensors and parameters of one inference request
+MAX_NUMBERS = 4 * 2**20     # numbers in its contents and shapes
 OUTSTANDING_MESSAGES = 8    # max_outstanding, in messages of max_bytes
 # 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes ::ffff:127.0.0.1 (how grpc core
 # binds "127.0.0.1" where IPv6 is up)
@@ -127,33 +130,67 @@ async def _relay_failure(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpc
     await context.abort(exc.code(), details, exc.trailing_metadata() or ())
 
 
-def request_entries(request: bytes) -> int:
-    """The strings, tensors and parameters of a serialized ``ModelInferRequest``: what
-    Triton's protobuf holds as one object each (a numeric tensor's numbers are packed, not
-    counted). Raises :class:`ValueError` for bytes that are not one."""
-    from google.protobuf.message import DecodeError
+class Refused(Exception):
+    """Why the door refuses a request message (INVALID_ARGUMENT)."""
+
+
+def _inference_size(request) -> tuple[int, int]:
+    """(entries, numbers) of a parsed ``ModelInferRequest``: the strings, tensors and
+    parameters Triton's protobuf holds as one object each, and the numbers of numeric
+    contents and shapes, each held in 4-8 bytes however short its varint."""
+    entries = len(request.parameters) + len(request.raw_input_contents)
+    numbers = 0
+    for tensor in (*request.inputs, *request.outputs):
+        entries += 1 + len(tensor.parameters)
+    for tensor in request.inputs:
+        c = tensor.contents
+        entries += len(c.bytes_contents)
+        numbers += len(tensor.shape) + sum(map(len, (
+            c.bool_contents, c.int_contents, c.int64_contents, c.uint_contents,
+            c.uint64_contents, c.fp32_contents, c.fp64_contents)))
+    return entries, numbers
+
+
+class MessageScreen:
+    """What the door forwards of one method's request message: the message parsed with
+    tritonclient's protobuf types and serialized again without the fields those types do not
+    know (Triton's protobuf would keep each: 10 MiB of empty unknown fields took 330 MB), and,
+    for an inference request (``infer``), one that names a model of ``models`` (when given:
+    Triton 2.51 can die answering an unknown model on a stream that is streaming) with at
+    most ``MAX_ENTRIES`` strings, tensors and parameters and ``MAX_NUMBERS`` numbers. Calling
+    it returns the bytes to forward or raises :class:`Refused`."""
+
+    def __init__(self, request_type, infer: bool, models: frozenset[str] = frozenset()):
+        self.request_type, self.infer, self.models = request_type, infer, models
+
+    def __call__(self, raw: bytes) -> bytes:
+        from google.protobuf.message import DecodeError
+
+        try:
+            parsed = self.request_type.FromString(raw)
+        except DecodeError:
+            raise Refused(f"the message is not a {self.request_type.__name__}") from None
+        parsed.DiscardUnknownFields()
+        if self.infer:
+            if self.models and parsed.model_name not in self.models:
+                raise Refused(f"model {parsed.model_name[:100]!r} is not served here")
+            entries, numbers = _inference_size(parsed)
+            if entries > MAX_ENTRIES:
+                raise Refused(f"the request has {entries} strings, tensors and parameters; at "
+                              f"most {MAX_ENTRIES} (send a long tensor as raw_input_contents)")
+            if numbers > MAX_NUMBERS:
+                raise Refused(f"the request has {numbers} numbers in contents and shapes; at "
+                              f"most {MAX_NUMBERS} (send a long tensor as raw_input_contents)")
+        return parsed.SerializeToString()
+
+
+def screens(models: frozenset[str] = frozenset()) -> dict[str, MessageScreen]:
+    """Every method of Triton's gRPC service -> the screen of its request messages."""
     from tritonclient.grpc import service_pb2
 
-    try:
-        parsed = service_pb2.ModelInferRequest.FromString(request)
-    except DecodeError:
-        raise ValueError("the message is not an inference request") from None
-    entries = len(parsed.parameters) + len(parsed.raw_input_contents)
-    for tensor in (*parsed.inputs, *parsed.outputs):
-        entries += 1 + len(tensor.parameters)
-    return entries + sum(len(t.contents.bytes_contents) for t in parsed.inputs)
-
-
-def refusal(request: bytes) -> str | None:
-    """Why the door refuses the inference request ``request`` (None: it does not)."""
-    try:
-        entries = request_entries(request)
-    except ValueError as exc:
-        return str(exc)
-    if entries > MAX_ENTRIES:
-        return (f"the request has {entries} strings, tensors and parameters; at most "
-                f"{MAX_ENTRIES} (send a long tensor as raw_input_contents)")
-    return None
+    service = service_pb2.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]]
+    return {m.name: MessageScreen(getattr(service_pb2, m.input_type.name),
+                                  m.name in INFER_METHODS, models) for m in service.methods}
 
 
 class ByteBudget:
@@ -182,7 +219,7 @@ class GrpcDoor:
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int | None,
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
                  owner: InnerOwner | None = None, max_connections: int = 512,
-                 max_outstanding: int | None = None):
+                 max_outstanding: int | None = None, models: frozenset[str] = frozenset()):
         self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
@@ -195,6 +232,7 @@ class GrpcDoor:
             ("grpc.so_reuseport", 0)])     # a port taken is an error, never shared
         self.channel = grpc.aio.insecure_channel(inner, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+        self.screens = screens(models)
         handlers = {name: self._handler(name, *kind) for name, kind in service_methods().items()}
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(SERVICE, handlers)])
@@ -208,15 +246,14 @@ class GrpcDoor:
         """Every method is served as a stream (the wire is the same), so its handler, and
         the idle watch, start when the call does: a unary handler would wait for its one
         message, without a deadline, holding a place under the call cap."""
-        path = f"/{SERVICE}/{name}"
-        checked = name in INFER_METHODS
+        path, screen = f"/{SERVICE}/{name}", self.screens[name]
         if client_streams and server_streams:
-            return grpc.stream_stream_rpc_method_handler(self._streams(path, checked))
+            return grpc.stream_stream_rpc_method_handler(self._streams(path, screen))
         if client_streams or server_streams:
             raise ValueError(f"{path}: a streaming kind the door does not forward")
-        return grpc.stream_stream_rpc_method_handler(self._unary(path, checked))
+        return grpc.stream_stream_rpc_method_handler(self._unary(path, screen))
 
-    def _unary(self, path: str, checked: bool) -> Callable[..., AsyncIterator[bytes]]:
+    def _unary(self, path: str, screen: MessageScreen) -> Callable[..., AsyncIterator[bytes]]:
         method = self.channel.unary_unary(path)     # no (de)serializer: bytes as they come
 
         async def forward(requests: AsyncIterator[bytes],
@@ -230,9 +267,10 @@ class GrpcDoor:
                                     f"no request within {self.idle_seconds:g} s")
             if request is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
-            refused = refusal(request) if checked else None
-            if refused is not None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
+            try:
+                request = screen(request)
+            except Refused as refused:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
             await self.budget.take(len(request))
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
@@ -247,7 +285,7 @@ class GrpcDoor:
             yield response
         return forward
 
-    def _streams(self, path: str, checked: bool) -> Callable[..., AsyncIterator[bytes]]:
+    def _streams(self, path: str, screen: MessageScreen) -> Callable[..., AsyncIterator[bytes]]:
         method = self.channel.stream_stream(path)
 
         async def forward(requests: AsyncIterator[bytes],
@@ -257,16 +295,21 @@ class GrpcDoor:
             held: collections.deque[int] = collections.deque()   # unanswered messages' bytes
             refused: list[str] = []
             calls: list[grpc.aio.StreamStreamCall] = []
+            ended = [False]           # the call's end gave back every byte held: take no more
 
             async def counted() -> AsyncIterator[bytes]:
                 async for request in requests:
                     last[0] = time.monotonic()
-                    why = refusal(request) if checked else None
-                    if why is not None:
-                        refused.append(why)
+                    try:
+                        request = screen(request)
+                    except Refused as why:
+                        refused.append(str(why))
                         calls[0].cancel()
                         return
                     await self.budget.take(len(request))
+                    if ended[0]:
+                        self.budget.give(len(request))
+                        return
                     held.append(len(request))
                     yield request
 
@@ -291,6 +334,7 @@ class GrpcDoor:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"no message either way for {self.idle_seconds:g} s")
             finally:
+                ended[0] = True
                 while held:
                     self.budget.give(held.popleft())
                 idle.cancel()
