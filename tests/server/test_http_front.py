@@ -172,7 +172,9 @@ def test_an_orchestrator_error_reaches_the_front_in_its_stream(server):
 def test_tritons_own_stream_error_for_a_model_not_ready_is_unavailable(server, monkeypatch):
     """An error Triton itself puts on the stream (the model unknown: no ``[CODE] `` tag, no
     gRPC status) while the model is not ready is UNAVAILABLE (503 + Retry-After at the
-    front), not INTERNAL: the relay asks Triton, never reads the message's words."""
+    front), not INTERNAL: the relay asks Triton, never reads the message's words. The relay
+    dials tritonserver's own port, as the front's does (the public door refuses a model that
+    is not served before Triton sees it)."""
     import asyncio
 
     from triton_disagg.errors import ErrorCode
@@ -181,7 +183,9 @@ def test_tritons_own_stream_error_for_a_model_not_ready_is_unavailable(server, m
     monkeypatch.setattr(orchestrator_call, "ORCHESTRATOR", "no_such_model")
 
     async def refused() -> orchestrator_call.OrchestratorError:
-        relay = orchestrator_call.Relay(server.grpc)
+        inner = (f"{servers.tritonserver_flag(server.work_dir, 'grpc-address')}:"
+                 f"{servers.tritonserver_flag(server.work_dir, 'grpc-port')}")
+        relay = orchestrator_call.Relay(inner)
         try:
             with pytest.raises(orchestrator_call.OrchestratorError) as err:
                 async for _ in relay.stream({"input_ids": np.array([[5]], np.int32)}, "r-1"):
