@@ -59,7 +59,8 @@ from .work_dir import refuse_replaceable
 from triton_disagg.triton import private_shm
 from triton_disagg.triton.render import render
 from triton_disagg.triton.stub_check import check_stub
-from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate, server_env
+from triton_disagg.triton.tritonserver import TritonServer, locate, server_env
+from triton_disagg.triton.endpoints import Endpoints
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}   # serve all's tritonserver
 TRITON_KINDS = ("http", "grpc", "metrics")      # in the order they follow the last port

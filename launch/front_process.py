@@ -40,7 +40,7 @@ from triton_disagg.config.roles import Role
 from triton_disagg.config.tls_section import tls_flags
 from triton_disagg.errors import UserError
 from triton_disagg.front.health import GATE_ENV
-from triton_disagg.triton.tritonserver import Endpoints
+from triton_disagg.triton.endpoints import Endpoints
 
 from .process_group import terminate
 

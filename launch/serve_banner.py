@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from triton_disagg.config.roles import ENGINE_ROLES, Role
 from triton_disagg.front.openai_api import MAX_BODY_BYTES
-from triton_disagg.triton.tritonserver import reachable
+from triton_disagg.triton.endpoints import reachable
 
 from .front_process import health_only
 

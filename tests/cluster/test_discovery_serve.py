@@ -75,7 +75,7 @@ def test_advertise_mistakes_are_one_line(demo_engine, tmp_path, capsys, role, di
 def test_advertised_by_default_is_the_bound_address(demo_engine, tmp_path):
     from triton_disagg.config.disagg import load_config
     from triton_disagg.launch.deploy import PortFlags, advertised_url
-    from triton_disagg.triton.tritonserver import Endpoints
+    from triton_disagg.triton.endpoints import Endpoints
 
     config = tmp_path / "disagg_config.yaml"
     config.write_text(f"model: {{engine: {demo_engine}}}\ndiscovery: {{etcd: '127.0.0.1:1'}}\n")

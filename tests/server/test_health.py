@@ -79,7 +79,8 @@ def test_live_but_not_ready_when_a_model_fails_to_load(demo_engine, tmp_path):
     the ensemble's own flag says ready (the models it reaches by BLS are not its steps)."""
     from triton_disagg.config.disagg import default_config
     from triton_disagg.triton.render import render
-    from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
+    from triton_disagg.triton.tritonserver import TritonServer, locate
+    from triton_disagg.triton.endpoints import Endpoints
 
     class KeepGoing(TritonServer):
         def command(self, backends):

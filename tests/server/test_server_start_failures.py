@@ -20,7 +20,8 @@ from triton_disagg.errors import UserError
 from triton_disagg.triton import server_log
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.triton.render import render
-from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
+from triton_disagg.triton.tritonserver import TritonServer, locate
+from triton_disagg.triton.endpoints import Endpoints
 
 VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 

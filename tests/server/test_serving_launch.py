@@ -20,7 +20,8 @@ from triton_disagg.errors import UserError
 from triton_disagg.launch.deploy import PortFlags, advertised_url, endpoints_for, token_host
 from triton_disagg.launch import serve_cli
 from triton_disagg.triton.render import render
-from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
+from triton_disagg.triton.tritonserver import TritonServer, locate
+from triton_disagg.triton.endpoints import Endpoints
 
 
 @pytest.fixture

@@ -148,7 +148,8 @@ class TritonPythonModel:
 
 def start_echo_server(tmp_path):
     """A started (not yet ready) tritonserver serving the ECHO model from ``tmp_path``."""
-    from triton_disagg.triton.tritonserver import Endpoints, TritonServer, locate
+    from triton_disagg.triton.tritonserver import TritonServer, locate
+    from triton_disagg.triton.endpoints import Endpoints
 
     (tmp_path / "repo" / "echo" / "1").mkdir(parents=True)
     (tmp_path / "repo" / "echo" / "1" / "model.py").write_text(ECHO)

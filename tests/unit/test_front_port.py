@@ -13,7 +13,7 @@ from triton_disagg.config.disagg import load_config
 from triton_disagg.errors import UserError
 from triton_disagg.launch.deploy import PortFlags, endpoints_for
 from triton_disagg.launch.front_process import check_front_port, front_port, health_only
-from triton_disagg.triton.tritonserver import Endpoints
+from triton_disagg.triton.endpoints import Endpoints
 
 ENGINE = "model: {engine: engines/demo}\n"
 

@@ -21,7 +21,7 @@ from triton_disagg.errors import UserError
 from triton_disagg.launch import serve_cli
 from triton_disagg.launch.deploy import PortFlags, endpoints_for
 from triton_disagg.launch.front_process import front_port
-from triton_disagg.triton.tritonserver import Endpoints
+from triton_disagg.triton.endpoints import Endpoints
 
 GUIDE = Path(__file__).resolve().parents[1] / "support" / "guide_disagg_config.yaml"
 

@@ -251,7 +251,7 @@ def test_serve_names_the_announced_publishers_in_its_banner(tmp_path, capsys):
 
     from triton_disagg.launch.register import served_models
     from triton_disagg.launch.serve_banner import announce
-    from triton_disagg.triton.tritonserver import Endpoints
+    from triton_disagg.triton.endpoints import Endpoints
 
     for model, address in (("context", "tcp://10.0.0.1:5557"), ("context_1", "tcp://10.0.0.1:5558")):
         (tmp_path / "repo" / model).mkdir(parents=True)      # each instance's model folder

@@ -157,7 +157,7 @@ def serving(strategy: str, engine: Path, cores: Sequence[int], work_dir: Path,
     from triton_disagg.config.disagg import parse_config
     from triton_disagg.config.host import check_host
     from triton_disagg.launch.deploy import free_ports, start
-    from triton_disagg.triton.tritonserver import Endpoints
+    from triton_disagg.triton.endpoints import Endpoints
 
     servers = placement("disaggregated", cores)
     servers["generation_server"]["stall_seconds"] = stall_seconds

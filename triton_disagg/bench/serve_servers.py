@@ -83,7 +83,7 @@ def serving(mode: str, engine: Path, cores: Sequence[int], work_dir: Path,
     from triton_disagg.config.host import check_host
     from triton_disagg.launch.deploy import start
     from triton_disagg.launch.front_process import start_front, stop_front
-    from triton_disagg.triton.tritonserver import Endpoints
+    from triton_disagg.triton.endpoints import Endpoints
 
     config = parse_config({"model": {"engine": str(Path(engine).resolve())}, "mode": mode,
                            **placement(mode, cores, stream_interval, front)},

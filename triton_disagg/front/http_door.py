@@ -33,7 +33,7 @@ from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
 from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.public_door import UNREACHABLE, GrpcDoor, InnerOwner
-from triton_disagg.triton.tritonserver import LOOPBACK
+from triton_disagg.triton.endpoints import LOOPBACK
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",

@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from triton_disagg.front.public_door import UNREACHABLE, InnerOwner
-from triton_disagg.triton.tritonserver import LOOPBACK
+from triton_disagg.triton.endpoints import LOOPBACK
 
 MAX_SCRAPES = 4             # scrapes forwarded at once: Prometheus and a probe or two
 SCRAPE_SECONDS = 10.0       # Prometheus' default scrape timeout

@@ -55,7 +55,8 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.triton.tritonserver import KEEPALIVE_MS, LOOPBACK
+from triton_disagg.triton.tritonserver import KEEPALIVE_MS
+from triton_disagg.triton.endpoints import LOOPBACK
 
 SERVICE = "inference.GRPCInferenceService"
 DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*

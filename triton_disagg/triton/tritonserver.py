@@ -77,6 +77,7 @@ from triton_disagg.triton import private_shm, server_log
 from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.stub_start import STACKS_SIGNAL
 from triton_disagg.triton.stub_watch import Stub
+from triton_disagg.triton.endpoints import Endpoints, reachable
 from triton_disagg.triton.stuck_start import StartWatch
 
 STOP_GRACE_SECONDS = 15.0   # SIGTERM to SIGKILL when a server stops
@@ -85,7 +86,6 @@ STACKS_WAIT_SECONDS = 1.0   # for a stuck stub to write its stacks (stub_start.S
 ENV_OVERRIDE = "TRITON_DISAGG_TRITONSERVER"
 RESTRICTED_APIS = ("shared-memory", "logging", "trace")
 RESTRICTED_HEADER = "triton-disagg:closed"   # unsendable (module docstring)
-LOOPBACK = "127.0.0.1"
 KEEPALIVE_MS = 10_000       # the orchestrators' gRPC keepalive interval (servers allow half)
 
 
@@ -101,53 +101,6 @@ class TritonInstall:
         """The Python-backend stub the server will run (the wheel's original, whose RPATH
         still points at its bundled libraries, or the one in the server's backends)."""
         return self.stub or self.backends / "python" / "triton_python_backend_stub"
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """Where clients reach the server; with inner ports, its gRPC and HTTP are behind the
-    public door (:mod:`triton_disagg.front.public_door`) and its metrics behind the metrics
-    door (:mod:`triton_disagg.front.metrics_door`): a door answers ``host`` at the public
-    port and tritonserver listens on ``LOOPBACK`` at the inner one."""
-    host: str                   # bind address
-    http_port: int | None       # None: HTTP off
-    grpc_port: int
-    metrics_port: int | None    # None: metrics off
-    inner_grpc_port: int | None = None      # None: no door, tritonserver on grpc_port
-    inner_http_port: int | None = None      # set when behind the door with HTTP on
-    inner_metrics_port: int | None = None   # None: tritonserver's metrics on metrics_port
-
-    @property
-    def behind_door(self) -> bool:
-        return self.inner_grpc_port is not None
-
-    @property
-    def server_grpc(self) -> tuple[str, int]:
-        """(address, port) tritonserver's gRPC binds."""
-        if self.behind_door:
-            return LOOPBACK, self.inner_grpc_port
-        return self.host, self.grpc_port
-
-    @property
-    def server_http(self) -> tuple[str, int | None]:
-        """(address, port) tritonserver's HTTP binds (port None: HTTP off)."""
-        if self.behind_door:
-            return LOOPBACK, self.inner_http_port
-        return self.host, self.http_port
-
-    @property
-    def server_metrics(self) -> tuple[str, int | None]:
-        """(address, port) tritonserver's metrics bind (port None: metrics off)."""
-        if self.inner_metrics_port is not None:
-            return LOOPBACK, self.inner_metrics_port
-        return self.host, self.metrics_port
-
-    @property
-    def server_metrics_url(self) -> str | None:
-        """tritonserver's own metrics, as this host reaches them (None: metrics off): for
-        this server's own reads, which no door's cap should stand in the way of."""
-        address, port = self.server_metrics
-        return None if port is None else f"http://{reachable(address)}:{port}"
 
 
 def locate(override: str | os.PathLike | None = None) -> TritonInstall:
@@ -388,11 +341,6 @@ class TritonServer:
                 os.unlink(os.path.join(shm.SHM_DIR, name))
         shm.sweep()
         return code
-
-
-def reachable(host: str) -> str:
-    """Where this host reaches a socket bound to ``host`` (a wildcard: loopback)."""
-    return LOOPBACK if host in ("0.0.0.0", "::") else host
 
 
 def _before_exec(cpus: tuple[int, ...], host_shm: str | None) -> None:
