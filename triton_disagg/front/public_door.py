@@ -50,9 +50,10 @@ import os
 import time
 import collections
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 import grpc
+from google.protobuf.descriptor import MethodDescriptor
 
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
@@ -108,12 +109,12 @@ class InnerOwner:
         return set(self.ports) <= mine
 
 
-def service_methods() -> dict[str, tuple[bool, bool]]:
-    """Every method of Triton's gRPC service: name -> (client streams, server streams)."""
+def service_methods() -> Sequence[MethodDescriptor]:
+    """Every method of Triton's gRPC service, as tritonclient's descriptor names it (name,
+    streaming kind, request type)."""
     from tritonclient.grpc import service_pb2
 
-    service = service_pb2.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]]
-    return {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
+    return service_pb2.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]].methods
 
 
 def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
@@ -189,9 +190,8 @@ def screens(models: frozenset[str] = frozenset()) -> dict[str, MessageScreen]:
     """Every method of Triton's gRPC service -> the screen of its request messages."""
     from tritonclient.grpc import service_pb2
 
-    service = service_pb2.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]]
     return {m.name: MessageScreen(getattr(service_pb2, m.input_type.name),
-                                  m.name in INFER_METHODS, models) for m in service.methods}
+                                  m.name in INFER_METHODS, models) for m in service_methods()}
 
 
 class ByteBudget:
@@ -234,7 +234,8 @@ class GrpcDoor:
         self.channel = grpc.aio.insecure_channel(inner, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
         self.screens = screens(models)
-        handlers = {name: self._handler(name, *kind) for name, kind in service_methods().items()}
+        handlers = {m.name: self._handler(m.name, m.client_streaming, m.server_streaming)
+                    for m in service_methods()}
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(SERVICE, handlers)])
         if tls is None:
