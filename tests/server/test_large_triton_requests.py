@@ -131,6 +131,70 @@ def test_a_cancel_through_the_door_ends_the_request_and_frees_its_blocks(served)
     servers.wait_until(lambda: blocks_used(served) == 0, 30, "the KV blocks freed")
 
 
+def _busy_stream_with_unknown_models(grpc: str, unknown: int) -> tuple[int, int]:
+    """On one tritonclient stream: a request streaming tokens, then, while it streams,
+    ``unknown`` requests to a 3 MB model name. Returns (error answers, whether the streamed
+    request reached its final response)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    inputs = servers.array_inputs({"text_input": np.array([[b"The quick brown fox"]], dtype=object),
+                                   "max_tokens": np.array([[96]], dtype=np.int32),
+                                   "stream": np.array([[True]], dtype=bool)})
+    errors, final = 0, False
+    with grpcclient.InferenceServerClient(grpc) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("ensemble", inputs, request_id="long",
+                                  enable_empty_final_response=True)
+        answers.get(timeout=60)                             # streaming now
+        for i in range(unknown):
+            client.async_stream_infer("m" * 3_000_000, inputs, request_id=f"unknown{i}")
+        while not final or errors < unknown:
+            try:
+                result, error = answers.get(timeout=20)
+            except queue.Empty:
+                break
+            errors += error is not None
+            final = final or (error is None and result.get_response()
+                              .parameters["triton_final_response"].bool_param)
+        client.stop_stream()
+    return errors, final
+
+
+def test_an_error_answer_on_a_busy_stream_leaves_tritonserver_serving(served):
+    """rev27g: Triton 2.51 aborts (``proto_buffer_writer.h:65``) writing an error answer on
+    a stream that is streaming another request's tokens (shown with unknown model names of
+    a few MB: one error came back, then tritonserver was gone). The door gives each
+    message of a client's stream its own inner stream, so Triton never writes two requests'
+    answers on one. Here a door without its model screen (which refuses such names before
+    Triton sees them) stands in front of the served tritonserver."""
+    import asyncio
+    import threading
+
+    from triton_disagg.front.public_door import GrpcDoor
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def opened() -> GrpcDoor:        # grpc.aio binds a server to the loop it is made on
+        door = GrpcDoor("127.0.0.1", servers.free_ports(1)[0], _inner_grpc(served), 8 << 20,
+                        None)
+        await door.start()
+        return door
+    door = asyncio.run_coroutine_threadsafe(opened(), loop).result(10)
+    pid = servers.tritonserver_pid(served.work_dir)
+    try:
+        errors, final = _busy_stream_with_unknown_models(door.address, 8)
+    finally:
+        asyncio.run_coroutine_threadsafe(door.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+    assert (errors, final) == (8, True)
+    assert servers.tritonserver_pid(served.work_dir) == pid and Path(f"/proc/{pid}").exists()
+    assert "".join(servers.grpc_stream(served.grpc, "The quick brown fox", 4))
+
+
 def test_health_passes_the_door_and_the_restricted_apis_stay_closed(served):
     """Health answers through the door; the restricted APIs answer no header a client can
     send (its name holds a ':'), and Triton's refusal comes back through the door as is."""

@@ -18,8 +18,8 @@ from aiohttp import ClientSession, web
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_gates import add_origin_guard
 from triton_disagg.front.http_door import IN_FLIGHT, make_http_door
-from triton_disagg.front.public_door import (MAX_ENTRIES, MAX_NUMBERS, SERVICE, GrpcDoor,
-                                             InnerOwner)
+from triton_disagg.front.public_door import (MAX_ENTRIES, MAX_NUMBERS, MESSAGE_FLOOR, SERVICE,
+                                             GrpcDoor, InnerOwner)
 
 STREAM = f"/{SERVICE}/ModelStreamInfer"
 
@@ -236,46 +236,114 @@ def test_an_inference_request_of_too_many_strings_is_refused_before_tritonserver
     asyncio.run(main())
 
 
-def test_unanswered_messages_hold_at_most_the_doors_byte_budget():
-    """rev27f H2: one stream queued 24 messages at tritonserver (4.7 GB); a message past
-    the door's budget of unanswered bytes waits until a response frees room."""
+def test_a_message_holds_the_budget_until_triton_lets_its_request_go():
+    """rev27f H2: one stream queued 24 messages at tritonserver (4.7 GB); rev27g: a decoupled
+    request answers many times, and the door gave its bytes back at the first answer. Each
+    message is its own inner call now and holds its bytes until that call ends; one past
+    the budget waits until then."""
     async def main():
         arrived: list[bytes] = []
-        answer = asyncio.Event()
+        finish: list[asyncio.Event] = []
 
-        async def hold(requests, context):
-            async def read():
-                async for request in requests:
-                    arrived.append(request)
-            reader = asyncio.ensure_future(read())
-            await answer.wait()
-            yield b"answered"
-            await reader
+        async def decoupled(requests, context):          # "first" at once, "last" when told
+            async for request in requests:
+                arrived.append(request)
+                finish.append(asyncio.Event())
+                done = finish[-1]
+                yield b"first"
+                await done.wait()
+                yield b"last"
 
-        inner, inner_port = await _stream_server(hold)
-        message = _infer_request(1, name="m" * 90)
+        inner, inner_port = await _stream_server(decoupled)
         door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
-                        max_outstanding=int(2.5 * len(message)))
+                        max_outstanding=int(2.5 * MESSAGE_FLOOR))
         await door.start()
         try:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 call = channel.stream_stream(STREAM)()
                 for _ in range(3):
-                    await call.write(message)
-                servers_wait = time.monotonic() + 5
-                while len(arrived) < 2 and time.monotonic() < servers_wait:
-                    await asyncio.sleep(0.05)
+                    await call.write(_infer_request(1))
+                assert [await call.read() for _ in range(2)] == [b"first", b"first"]
                 await asyncio.sleep(0.3)
-                assert len(arrived) == 2 and door.budget.held == 2 * len(message)
-                answer.set()
-                assert await call.read() == b"answered"
-                while len(arrived) < 3 and time.monotonic() < servers_wait:
-                    await asyncio.sleep(0.05)
-                assert len(arrived) == 3                      # the room a response freed
+                assert len(arrived) == 2 and door.budget.held == 2 * MESSAGE_FLOOR
+                finish[0].set()
+                assert await call.read() == b"last"
+                assert await call.read() == b"first"          # the room its end freed
+                for event in finish:
+                    event.set()
                 await call.done_writing()
-                call.cancel()
+                assert [await call.read() for _ in range(2)] == [b"last", b"last"]
+                assert await call.read() is grpc.aio.EOF
+                assert await call.code() == grpc.StatusCode.OK
         finally:
             await door.stop(0)
             await inner.stop(0)
-        assert door.budget.held == 0                          # a stream's end gives it all
+        assert door.budget.held == 0
+    asyncio.run(main())
+
+
+def test_each_message_of_a_stream_is_its_own_inner_call():
+    """rev27g: Triton 2.51 aborts writing an error answer on a stream that is streaming
+    another request's answers; through the door no inner stream carries two messages."""
+    async def main():
+        per_call: list[int] = []
+
+        async def count(requests, context):
+            n = 0
+            async for request in requests:
+                n += 1
+                yield request
+            per_call.append(n)
+
+        inner, inner_port = await _stream_server(count)
+        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4)
+        await door.start()
+        try:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                call = channel.stream_stream(STREAM)()
+                sent = [_infer_request(1, name=f"m{i}") for i in range(5)]
+                for message in sent:
+                    await call.write(message)
+                await call.done_writing()
+                assert sorted([r async for r in call]) == sorted(sent)
+        finally:
+            await door.stop(0)
+            await inner.stop(0)
+        assert per_call == [1] * 5
+    asyncio.run(main())
+
+
+def test_a_client_that_reads_nothing_is_ended_and_gives_its_bytes_back():
+    """rev27g: the door waited on a client that read nothing for as long as it liked,
+    holding its messages' bytes of the door-wide budget."""
+    async def main():
+        async def flood(requests, context):
+            async for _ in requests:
+                while True:
+                    yield b"x" * (1 << 20)
+
+        inner, inner_port = await _stream_server(flood)
+        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
+                        write_seconds=0.5)
+        await door.start()
+        try:
+            async with grpc.aio.insecure_channel(door.address, options=[
+                    ("grpc.max_receive_message_length", -1)]) as channel:
+                call = channel.stream_stream(STREAM)()
+                await call.write(_infer_request(1))
+                wait = time.monotonic() + 10
+                while not door.budget.held and time.monotonic() < wait:
+                    await asyncio.sleep(0.05)
+                assert door.budget.held == MESSAGE_FLOOR           # forwarded, streaming
+                while door.budget.held and time.monotonic() < wait:
+                    await asyncio.sleep(0.1)
+                assert door.budget.held == 0                       # unread: ended, given back
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    for _ in range(1000):                          # what was on its way
+                        await call.read()
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "read no response" in ended.value.details()
+        finally:
+            await door.stop(0)
+            await inner.stop(0)
     asyncio.run(main())

@@ -13,8 +13,9 @@ gRPC (``grpc.aio``): every method of ``inference.GRPCInferenceService`` (tritonc
 service descriptor names them, with their streaming kind) is forwarded as raw bytes:
 request metadata (request ids and the like; not the transport's own ``grpc-*``,
 ``user-agent``, ``content-type``, ``te``) and the deadline go with it; the status, details
-and trailing metadata come back unchanged; a client that cancels (or disconnects) cancels
-the call to tritonserver.
+and trailing metadata come back unchanged (a stream ends OK once the client half-closed and
+every inner stream ended OK, else as the first that failed); a client that cancels (or
+disconnects) cancels the calls to tritonserver.
 
 Invariants: a message over ``max_bytes`` is refused by grpcio from its length prefix
 (RESOURCE_EXHAUSTED) before it is read (grpcio bounds an inflated message itself), so
@@ -25,10 +26,13 @@ model not served (:class:`MessageScreen`): Triton's protobuf holds each entry as
 tens of bytes for a one-byte entry, for as long as the request lives (a 10 MiB message of
 empty strings took ~200 MB); every message of every method goes on as parsed with
 tritonclient's protobuf types, without fields they do not know (Triton would keep those
-too). Request messages forwarded and not yet answered (a unary call's until it ends, a
-stream's until a response follows each) hold at most ``max_outstanding`` bytes door-wide
+too). Each message of a client's stream is its own inner stream to tritonserver
+(:class:`_StreamRelay`), so Triton never writes two requests' answers on one stream. A
+request message holds its bytes (at least ``MESSAGE_FLOOR``) until Triton ends its
+request (its unary call or inner stream), at most ``max_outstanding`` bytes door-wide
 (:class:`ByteBudget`); a message past it waits, so a client cannot queue Triton gigabytes
-(a stream of 24 such messages took 4.7 GB). At most ``max_calls`` calls run at once
+(a stream of 24 such messages took 4.7 GB); a client that takes no answer for
+``write_seconds`` is ended and gives its bytes back. At most ``max_calls`` calls run at once
 (grpcio refuses more with RESOURCE_EXHAUSTED; None: no cap, a peers' door, whose callers
 cap their own). Every call, unary ones included (all are
 served as streams), with no message either way for ``idle_seconds``
@@ -48,9 +52,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import collections
 from pathlib import Path
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from google.protobuf.descriptor import MethodDescriptor
@@ -68,6 +71,10 @@ INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages
 MAX_ENTRIES = 65_536        # strings, tensors and parameters of one inference request
 MAX_NUMBERS = 4 * 2**20     # numbers in its contents and shapes
 OUTSTANDING_MESSAGES = 8    # max_outstanding, in messages of max_bytes
+MESSAGE_FLOOR = 16 * 1024   # bytes a message is charged at least (Triton's cost of a request)
+QUEUED_RESPONSES = 64       # responses of one client stream waiting for the client
+WRITE_SECONDS = 30.0        # a client that takes no response this long is ended
+_ENDED = object()           # a stream relay's last item
 # 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes ::ffff:127.0.0.1 (how grpc core
 # binds "127.0.0.1" where IPv6 is up)
 LOOPBACK_HEX = {"/proc/net/tcp": "0100007F", "/proc/net/tcp6": "0000000000000000FFFF00000100007F"}
@@ -123,13 +130,20 @@ def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, st
                  if key not in DROPPED_METADATA and not key.startswith((":", "grpc-")))
 
 
-async def _relay_failure(context: grpc.aio.ServicerContext, exc: grpc.aio.AioRpcError) -> None:
-    """End the caller's call as tritonserver ended ours (raises grpc's AbortError); a
-    failure to reach it is said without its address."""
-    details = exc.details() or ""
-    if exc.code() is grpc.StatusCode.UNAVAILABLE and LOOPBACK in details:
-        details = UNREACHABLE
-    await context.abort(exc.code(), details, exc.trailing_metadata() or ())
+class Ending(Exception):
+    """How the door ends a caller's call: the arguments of ``context.abort``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
+        super().__init__(code, details, trailing)
+
+    @classmethod
+    def relayed(cls, exc: grpc.aio.AioRpcError) -> Ending:
+        """As tritonserver ended the door's call; a failure to reach it is said without its
+        address."""
+        details = exc.details() or ""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and LOOPBACK in details:
+            details = UNREACHABLE
+        return cls(exc.code(), details, exc.trailing_metadata() or ())
 
 
 class Refused(Exception):
@@ -194,6 +208,12 @@ def screens(models: frozenset[str] = frozenset()) -> dict[str, MessageScreen]:
                                   m.name in INFER_METHODS, models) for m in service_methods()}
 
 
+def message_cost(request: bytes) -> int:
+    """What a forwarded request message holds of the door's budget: its bytes, and at least
+    ``MESSAGE_FLOOR``, so that many small messages are bounded too."""
+    return max(len(request), MESSAGE_FLOOR)
+
+
 class ByteBudget:
     """Bytes of request messages forwarded and not yet answered, door-wide: :meth:`take`
     waits while taking ``n`` more would pass ``limit`` (unless nothing is held), so at most
@@ -220,8 +240,10 @@ class GrpcDoor:
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int | None,
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
                  owner: InnerOwner | None = None, max_connections: int = 512,
-                 max_outstanding: int | None = None, models: frozenset[str] = frozenset()):
+                 max_outstanding: int | None = None, models: frozenset[str] = frozenset(),
+                 write_seconds: float = WRITE_SECONDS):
         self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
+        self.write_seconds = write_seconds
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls, options=[
@@ -255,11 +277,11 @@ class GrpcDoor:
             raise ValueError(f"{path}: a streaming kind the door does not forward")
         return grpc.stream_stream_rpc_method_handler(self._unary(path, screen))
 
-    def _unary(self, path: str, screen: MessageScreen) -> Callable[..., AsyncIterator[bytes]]:
+    def _unary(self, path: str, screen: MessageScreen) -> Callable[..., Awaitable[None]]:
         method = self.channel.unary_unary(path)     # no (de)serializer: bytes as they come
 
         async def forward(requests: AsyncIterator[bytes],
-                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+                          context: grpc.aio.ServicerContext) -> None:
             await self._check_owner(context)
             try:
                 async with asyncio.timeout(self.idle_seconds):
@@ -273,84 +295,32 @@ class GrpcDoor:
                 request = screen(request)
             except Refused as refused:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
-            await self.budget.take(len(request))
+            cost = message_cost(request)
+            await self.budget.take(cost)
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
             try:
                 response = await call
             except grpc.aio.AioRpcError as exc:
-                await _relay_failure(context, exc)
+                await context.abort(*Ending.relayed(exc).args)
             finally:
                 call.cancel()                      # no-op once done; else the caller left
-                self.budget.give(len(request))
+                self.budget.give(cost)
             context.set_trailing_metadata(await call.trailing_metadata() or ())
-            yield response
+            try:
+                await _write(context, response, self.write_seconds)
+            except Ending as ending:
+                await context.abort(*ending.args)
         return forward
 
-    def _streams(self, path: str, screen: MessageScreen) -> Callable[..., AsyncIterator[bytes]]:
+    def _streams(self, path: str, screen: MessageScreen) -> Callable[..., Awaitable[None]]:
         method = self.channel.stream_stream(path)
 
         async def forward(requests: AsyncIterator[bytes],
-                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+                          context: grpc.aio.ServicerContext) -> None:
             await self._check_owner(context)
-            last = [time.monotonic()]              # a message either way
-            held: collections.deque[int] = collections.deque()   # unanswered messages' bytes
-            refused: list[str] = []
-            calls: list[grpc.aio.StreamStreamCall] = []
-            ended = [False]           # the call's end gave back every byte held: take no more
-
-            async def counted() -> AsyncIterator[bytes]:
-                async for request in requests:
-                    last[0] = time.monotonic()
-                    try:
-                        request = screen(request)
-                    except Refused as why:
-                        refused.append(str(why))
-                        calls[0].cancel()
-                        return
-                    await self.budget.take(len(request))
-                    if ended[0]:
-                        self.budget.give(len(request))
-                        return
-                    held.append(len(request))
-                    yield request
-
-            call = method(counted(), metadata=forwarded_metadata(context),
-                          timeout=context.time_remaining())
-            calls.append(call)
-            idle = asyncio.get_running_loop().create_task(self._idle_watch(call, last))
-            try:
-                async for response in call:
-                    last[0] = time.monotonic()
-                    if held:                       # a response follows the oldest message
-                        self.budget.give(held.popleft())
-                    yield response
-                context.set_trailing_metadata(await call.trailing_metadata() or ())
-            except grpc.aio.AioRpcError as exc:
-                await _relay_failure(context, exc)
-            except asyncio.CancelledError:
-                if refused:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0])
-                if not idle.done() or idle.result() is not True:
-                    raise                          # the caller cancelled or left
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"no message either way for {self.idle_seconds:g} s")
-            finally:
-                ended[0] = True
-                while held:
-                    self.budget.give(held.popleft())
-                idle.cancel()
-                call.cancel()                      # the caller cancelled or left: so do we
+            await _StreamRelay(self, method, screen, context).run(requests)
         return forward
-
-    async def _idle_watch(self, call: grpc.aio.StreamStreamCall, last: list[float]) -> bool:
-        """Cancel ``call`` once no message has passed for ``idle_seconds``; True then."""
-        while True:
-            left = last[0] + self.idle_seconds - time.monotonic()
-            if left <= 0:
-                call.cancel()
-                return True
-            await asyncio.sleep(left)
 
     async def _check_owner(self, context: grpc.aio.ServicerContext) -> None:
         if not self.owner.ours():
@@ -364,6 +334,118 @@ class GrpcDoor:
         await self.server.stop(grace)
         await self.channel.close()
 
+
+async def _write(context: grpc.aio.ServicerContext, response: bytes, seconds: float) -> None:
+    """Write one response to the caller; raises :class:`Ending` (DEADLINE_EXCEEDED) when it
+    takes none for ``seconds``, so that the caller lets go of what it holds before the
+    status, which waits behind the unread responses, is sent."""
+    try:
+        async with asyncio.timeout(seconds):
+            await context.write(response)
+    except TimeoutError:
+        raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
+                     f"the client read no response for {seconds:g} s") from None
+
+
+class _StreamRelay:
+    """One client's ``ModelStreamInfer`` call. Each of its messages is its own inner
+    ``ModelStreamInfer`` call to tritonserver (one message, then half-closed; Triton ends it
+    after that request's last response), so tritonserver never writes two requests'
+    responses on one stream (Triton 2.51 can abort writing an error response on a stream
+    that is streaming another's) and a message's bytes are held in the door's budget until
+    Triton has let that request go, however many responses it gives. Responses come back
+    in the order they arrive, through a queue of ``QUEUED_RESPONSES``; the call ends when
+    the client has half-closed and every inner call has ended, at the first inner failure
+    (as tritonserver ended it), at a refused message (INVALID_ARGUMENT), after
+    ``idle_seconds`` with no message either way, or when the client reads nothing for
+    ``write_seconds``; every inner call is cancelled and every byte given back then."""
+
+    def __init__(self, door: GrpcDoor, method: grpc.aio.StreamStreamMultiCallable,
+                 screen: MessageScreen, context: grpc.aio.ServicerContext):
+        self.door, self.method, self.screen, self.context = door, method, screen, context
+        self.answers: asyncio.Queue[object] = asyncio.Queue(QUEUED_RESPONSES)
+        self.calls: set[asyncio.Task[None]] = set()
+        self.reading = True
+        self.last = time.monotonic()              # a message either way
+
+    async def run(self, requests: AsyncIterator[bytes]) -> None:
+        """Relay until the end; every inner call is cancelled (its bytes given back) before
+        the caller's status is sent."""
+        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        try:
+            await self._relay()
+        except Ending as ending:
+            self._cancel(reader)
+            await self.context.abort(*ending.args)
+        finally:
+            self._cancel(reader)
+
+    def _cancel(self, reader: asyncio.Task[None]) -> None:
+        reader.cancel()
+        for call in list(self.calls):
+            call.cancel()
+
+    async def _relay(self) -> None:
+        while (item := await self._next()) is not _ENDED:
+            if isinstance(item, grpc.aio.AioRpcError):
+                raise Ending.relayed(item)
+            if isinstance(item, Refused):
+                raise Ending(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            await _write(self.context, item, self.door.write_seconds)
+            self.last = time.monotonic()
+
+    async def _next(self) -> object:
+        """The next response, failure or ``_ENDED``; the call ends idle past its time."""
+        while True:
+            left = self.last + self.door.idle_seconds - time.monotonic()
+            if left <= 0:
+                raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"no message either way for {self.door.idle_seconds:g} s")
+            try:
+                async with asyncio.timeout(left):
+                    return await self.answers.get()
+            except TimeoutError:
+                continue
+
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        try:
+            async for request in requests:
+                self.last = time.monotonic()
+                try:
+                    request = self.screen(request)
+                except Refused as refused:
+                    await self.answers.put(refused)
+                    return
+                cost = message_cost(request)
+                await self.door.budget.take(cost)
+                self.calls.add(asyncio.get_running_loop().create_task(self._call(request, cost)))
+        finally:
+            self.reading = False
+        await self._end_if_done()
+
+    async def _call(self, request: bytes, cost: int) -> None:
+        """One message's inner call: its responses onto the queue, then its bytes given
+        back; the last call to end after the client half-closed ends the relay."""
+        call = self.method(metadata=forwarded_metadata(self.context),
+                           timeout=self.context.time_remaining())
+        try:
+            await call.write(request)
+            await call.done_writing()
+            async for response in call:
+                await self.answers.put(response)
+        except grpc.aio.AioRpcError as exc:
+            await self.answers.put(exc)
+        finally:
+            call.cancel()                          # no-op once done
+            self.door.budget.give(cost)
+            self.calls.discard(asyncio.current_task())
+        await self._end_if_done()
+
+    async def _end_if_done(self) -> None:
+        """After the client half-closed and the last inner call ended (not when the relay
+        cancels them): the relay's end."""
+        if not self.reading and not self.calls:
+            await self.answers.put(_ENDED)
 
 def _server_credentials(tls: GrpcTLS) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
