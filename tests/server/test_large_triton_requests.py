@@ -352,3 +352,50 @@ def test_a_message_of_millions_of_strings_is_refused_at_the_door(served):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
     assert "at most" in refused.value.details()
     assert _peak_rss(served) - before < UNMOVED_BYTES
+
+
+HTTP_EMPTY_STRINGS = 3_000_000      # '"",' each: a 9 MB body, under the door's 10 MiB
+HTTP_NUMBERS = 4 * 2**20            # '0,' each: an 8 MB body (the gRPC door's MAX_NUMBERS)
+
+
+def _infer_json(name: str, datatype: str, values: bytes, count: int) -> bytes:
+    """preprocessing's infer body: a text, max_tokens and ``name``, ``count`` ``values``."""
+    return (b'{"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], '
+            b'"data": ["a"]}, {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], '
+            b'"data": [4]}, {"name": "' + name.encode() + b'", "datatype": "'
+            + datatype.encode() + b'", "shape": [1, ' + str(count).encode() + b'], "data": ['
+            + b",".join([values] * count) + b"]}]}")
+
+
+def _post_json(served, path: str, body: bytes) -> tuple[int, bytes]:
+    """POST ``body`` as JSON to ``served``'s HTTP port: (status, answer)."""
+    host, port = served.http.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_an_http_body_of_millions_of_strings_or_numbers_is_refused_at_the_door(served):
+    """Issue 27 (HTTP door): Triton's JSON parser holds each value as an object: a 9 MB
+    infer body whose ``data`` is 3 million empty strings took tritonserver +100 MB (and the
+    stub +52 MB), one of 4M numbers +136 MB. The door counts the JSON's strings and values
+    from its bytes and refuses both unread by tritonserver, whose peak memory does not move
+    (reset first: an earlier test's peak would hide a jump); and, as the gRPC door, an
+    inference request naming a model not served."""
+    from triton_disagg.front.public_door import MAX_ENTRIES
+
+    pid = servers.tritonserver_pid(served.work_dir)
+    for body in (_infer_json("stop_words", "BYTES", b'""', HTTP_EMPTY_STRINGS),
+                 _infer_json("input_ids", "INT32", b"0", HTTP_NUMBERS)):
+        assert len(body) < MAX_BODY_BYTES
+        Path(f"/proc/{pid}/clear_refs").write_text("5")     # VmHWM := VmRSS
+        before = _peak_rss(served)
+        status, answer = _post_json(served, "/v2/models/preprocessing/infer", body)
+        assert status == 400 and f"at most {MAX_ENTRIES}".encode() in answer, (status, answer)
+        assert _peak_rss(served) - before < UNMOVED_BYTES
+    status, answer = _post_json(served, "/v2/models/nosuchmodel/generate", b"{}")
+    assert status == 400 and b"'nosuchmodel' is not served here" in answer, answer

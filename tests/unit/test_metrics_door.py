@@ -7,27 +7,13 @@ counts what reaches it (tests/server/test_large_triton_requests.py has the real 
 from __future__ import annotations
 
 import asyncio
-import socket
 
 from aiohttp import ClientSession, web
+from local_sites import serve_locally
 
 from triton_disagg.front.metrics_door import make_metrics_door
 
 TEXT = "# TYPE nv_inference_count counter\nnv_inference_count 3\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, port
 
 
 def _inner(seen: list[tuple[str, str, int]]) -> web.Application:
@@ -44,8 +30,8 @@ def _inner(seen: list[tuple[str, str, int]]) -> web.Application:
 def test_a_bodiless_get_is_forwarded_and_nothing_else_reaches_the_inner_server():
     async def main():
         seen: list[tuple[str, str, int]] = []
-        inner, inner_port = await _serve(_inner(seen))
-        door, port = await _serve(make_metrics_door(inner_port))
+        inner, inner_port = await serve_locally(_inner(seen))
+        door, port = await serve_locally(make_metrics_door(inner_port))
         url = f"http://127.0.0.1:{port}"
         form = {"Content-Type": "application/x-www-form-urlencoded"}
         try:

@@ -17,11 +17,26 @@ with ``Retry-After``), over at most ``front.max_connections`` connections; a bod
 ``Origin`` and ``Host`` as the front does (a web page cannot drive it). Nothing is
 forwarded unless this user listens on the inner port
 (:class:`~triton_disagg.front.public_door.InnerOwner`); an unreachable tritonserver is 502.
+
+Every body is JSON to Triton but an ``infer`` request's binary tensors after its
+``Inference-Header-Content-Length`` bytes, and Triton's parser (rapidjson) holds each JSON
+value as an object (a 9 MB body of 3 million empty strings took tritonserver 100 MB, one of
+4M numbers 136 MB: no number is held in 4-8 bytes as in the gRPC door's protobuf, so its
+``MAX_NUMBERS`` is no bound here). So a body whose JSON part has more than ``MAX_ENTRIES``
+strings (keys included) or values of any kind is refused (400), counted from its bytes
+(:func:`json_size`: an object per string at most), as is an inference request (``infer``,
+``generate``, ``generate_stream``) naming a model not in ``models`` (when given;
+:func:`screen_body`). Bodies forwarded and not yet answered (until the answer has been
+relayed, or the request ended otherwise) hold at most ``budget`` bytes
+(:class:`~triton_disagg.front.public_door.ByteBudget`; :func:`open_doors` gives both doors
+the gRPC door's); a body past it waits, up to ``body_timeout`` (then 503 with
+``Retry-After``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -32,7 +47,9 @@ from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
 from triton_disagg.front.openai_api import ApiError
-from triton_disagg.front.public_door import UNREACHABLE, GrpcDoor, InnerOwner
+from triton_disagg.front.public_door import (MAX_ENTRIES, OUTSTANDING_MESSAGES,
+                                             UNREACHABLE, ByteBudget, GrpcDoor, InnerOwner,
+                                             Refused)
 from triton_disagg.triton.endpoints import LOOPBACK
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -41,6 +58,10 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 PASSED_MEDIA_TYPES = frozenset({"application/json", "application/octet-stream"})
 CONNECT_SECONDS = 5.0       # to reach tritonserver's HTTP port
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})   # a bodiless GET: never capped
+# Triton's own routing of an inference request (http_server.cc's model_regex_), on the raw path
+INFERENCE_PATH = re.compile(
+    r"/v2/models/([^/]+)(?:/versions/[0-9]+)?/(infer|generate|generate_stream)")
+BINARY_HEADER = "Inference-Header-Content-Length"   # infer's JSON part; raw tensors after it
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,7 @@ class DoorPorts:
 INNER = web.AppKey("inner", str)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 IN_FLIGHT = web.AppKey("in_flight", list)       # [count]: requests being forwarded
+BUDGET = web.AppKey("budget", ByteBudget)        # bytes of bodies forwarded, not yet answered
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -67,8 +89,10 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: float,
-                   owner: InnerOwner | None = None) -> web.Application:
-    """An aiohttp app forwarding every request to ``http://inner`` (module docstring)."""
+                   owner: InnerOwner | None = None, models: frozenset[str] = frozenset(),
+                   budget: ByteBudget | None = None) -> web.Application:
+    """An aiohttp app forwarding every request to ``http://inner`` (module docstring);
+    ``budget`` defaults to one of ``OUTSTANDING_MESSAGES`` bodies of ``max_bytes``."""
     owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
 
     async def forward(request: web.Request) -> web.StreamResponse:
@@ -87,7 +111,7 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
             return busy
         request.app[IN_FLIGHT][0] += 1
         try:
-            return await _forward(request, max_bytes, body_timeout)
+            return await _forward(request, max_bytes, body_timeout, models)
         finally:
             request.app[IN_FLIGHT][0] -= 1
 
@@ -110,14 +134,15 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
 
     app = web.Application(client_max_size=max_bytes, middlewares=[triton_errors])
     app[INNER], app[IN_FLIGHT] = inner, [0]
+    app[BUDGET] = budget or ByteBudget(OUTSTANDING_MESSAGES * max_bytes)
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
     app.router.add_route("*", "/{path:.*}", forward)
     return app
 
 
-async def _forward(request: web.Request, max_bytes: int,
-                   body_timeout: float) -> web.StreamResponse:
+async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
+                   models: frozenset[str]) -> web.StreamResponse:
     try:
         async with asyncio.timeout(body_timeout):
             body = await request.read()         # at most client_max_size, else 413
@@ -125,6 +150,27 @@ async def _forward(request: web.Request, max_bytes: int,
         return _error(413, f"the body is over {max_bytes} bytes")
     except TimeoutError:
         return _error(408, f"the body did not arrive within {body_timeout:g} s")
+    try:
+        screen_body(request.rel_url.raw_path, request.headers.get(BINARY_HEADER), body, models)
+    except Refused as refused:
+        return _error(400, str(refused))
+    budget = request.app[BUDGET]
+    try:
+        async with asyncio.timeout(body_timeout):
+            await budget.take(len(body))
+    except TimeoutError:
+        busy = _error(503, f"over {budget.limit} bytes of requests are at tritonserver "
+                           f"for {body_timeout:g} s; retry later")
+        busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return busy
+    try:
+        return await _relay(request, body)
+    finally:
+        budget.give(len(body))
+
+
+async def _relay(request: web.Request, body: bytes) -> web.StreamResponse:
+    """Send ``body`` on to tritonserver and stream its answer back."""
     headers = [(k, v) for k, v in request.headers.items()
                if k.lower() not in HOP_BY_HOP and (k.lower() != "content-type"
                                                     or _passed_media_type(v))]
@@ -146,6 +192,48 @@ async def _forward(request: web.Request, max_bytes: int,
         return response
 
 
+def screen_body(raw_path: str, binary_header: str | None, body: bytes,
+                models: frozenset[str]) -> None:
+    """Raise :class:`Refused` for a body the door does not forward (module docstring): an
+    inference request (on ``raw_path``, not percent-decoded: Triton's view) naming a model
+    not in ``models`` (when given), or a JSON part (an ``infer``'s first ``binary_header``
+    bytes, else the whole body) of too many strings or values."""
+    inference = INFERENCE_PATH.fullmatch(raw_path)
+    if inference and models and inference[1] not in models:
+        raise Refused(f"model {inference[1][:100]!r} is not served here")
+    json_part = body
+    if inference and inference[2] == "infer" and binary_header is not None:
+        length = binary_header.strip()
+        if not (length.isascii() and length.isdigit() and int(length) <= len(body)):
+            raise Refused(f"{BINARY_HEADER} {binary_header[:20]!r} is not a length within "
+                          f"the body's {len(body)} bytes")
+        json_part = body[:int(length)]
+    strings, values = json_size(json_part, MAX_ENTRIES)
+    if strings > MAX_ENTRIES:
+        raise Refused(f"the request's JSON has {strings} strings; at most {MAX_ENTRIES} (send "
+                      f"a long tensor as binary data, Triton's binary tensor extension)")
+    if values > MAX_ENTRIES:
+        raise Refused(f"the request's JSON has {values} values; at most {MAX_ENTRIES} (Triton "
+                      f"holds each as an object; send a long tensor as binary data, Triton's "
+                      f"binary tensor extension)")
+
+
+def json_size(text: bytes, max_strings: int) -> tuple[int, int]:
+    """(strings, values) of a JSON text, from its bytes: its strings, keys included (its
+    quotes, halved, once each escaped backslash and escaped quote is blanked: no quote is
+    left inside a string), and, if those are at most ``max_strings`` (else 0: they are
+    counted on the text split at its quotes, an object per piece), an upper bound on its
+    values of every kind, from what lies outside its strings (each value but a container's
+    first follows a comma: 1 + commas + ``[`` + ``{``). Past a byte that is no JSON either
+    may be wrong, but Triton's parser stops there."""
+    unescaped = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")   # same offsets
+    strings = (unescaped.count(b'"') + 1) // 2          # an unclosed one counts
+    if strings > max_strings:
+        return strings, 0
+    outside = b"".join(unescaped.split(b'"')[::2])      # the text less its strings
+    return strings, 1 + outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+
+
 def _passed_media_type(content_type: str) -> bool:
     """Whether a ``Content-Type`` goes on to tritonserver: Triton's own (JSON, its binary
     extension's octet stream); any other is dropped, the body forwarded as is, since Triton
@@ -164,7 +252,7 @@ async def open_doors(ports: DoorPorts, max_bytes: int, front: FrontConfig,
     ``capped``: the gRPC door runs at most ``front.max_concurrent_requests`` calls (clients'
     doors); else no cap (a context's or generation's, whose callers, the deployment's
     orchestrators, cap their own); ``models``: the repository's, the only ones an inference
-    request through the gRPC door may name."""
+    request through either door may name; the doors share the gRPC door's byte budget."""
     owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
                              if p is not None))
     grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",
@@ -175,7 +263,8 @@ async def open_doors(ports: DoorPorts, max_bytes: int, front: FrontConfig,
     runner = None
     if ports.http_port is not None:
         app = make_http_door(f"{LOOPBACK}:{ports.inner_http_port}", max_bytes,
-                             front.max_concurrent_requests, front.body_timeout_seconds, owner)
+                             front.max_concurrent_requests, front.body_timeout_seconds, owner,
+                             models, grpc_door.budget)
         add_origin_guard(app, front, ports.host)
         runner = http_runner(app)
         await runner.setup()
