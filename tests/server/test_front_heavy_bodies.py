@@ -21,8 +21,7 @@ import scripted_relay
 import triton_disagg.front.generation_routes as generation_routes
 from scripted_relay import WORDS, ScriptedRelay, run
 from triton_disagg.front.openai_api import OFF_LOOP_BYTES
-from triton_disagg.front.openai_fields import MAX_TEXT_PARTS, MAX_TEXT_PARTS_TOTAL
-from triton_disagg.front.openai_models import ChatRequest
+from triton_disagg.front.openai_models import MAX_TEXT_PARTS, MAX_TEXT_PARTS_TOTAL, ChatRequest
 
 # One chat body of ``parts`` content parts (2,000,000: 5.7 MiB) sent to a front in a fresh
 # process, so its peak RSS is its own; prints the answer, the seconds and the RSS growth.

@@ -15,7 +15,7 @@ from triton_disagg.triton import engine_request
 from triton_disagg import token_wire
 from triton_disagg.errors import ErrorCode
 from triton_disagg.generation.decode_loop import DecodeLoop
-from triton_disagg.generation.side import DecodeAdmission
+from triton_disagg.generation.admission import DecodeAdmission
 from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.token_wire import StopInbox, TokenOutbox
 from triton_disagg.zmq_endpoints import bind, push_socket

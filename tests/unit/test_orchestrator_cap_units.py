@@ -9,7 +9,7 @@ import pytest
 
 from triton_disagg.config.disagg import load_config
 from triton_disagg.errors import ServerBusy, UserError
-from triton_disagg.front.orchestrator_gate import InFlightCap, public_message
+from triton_disagg.front.engine_calls import InFlightCap, public_message
 from triton_disagg.triton.render import settings
 
 

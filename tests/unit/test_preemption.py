@@ -237,7 +237,7 @@ def test_a_preempted_request_waits_behind_those_holding_blocks(engine_dirs):
 
 
 def test_preemptions_reach_the_metric(engine_dirs):
-    from triton_disagg.generation.side import DecodeAdmission
+    from triton_disagg.generation.admission import DecodeAdmission
 
     class Metrics:
         def __init__(self):
@@ -267,7 +267,7 @@ def test_decode_loop_streams_a_preempted_request_with_no_gap_or_repeat(engine_di
     from triton_disagg import protocol as P
     from triton_disagg import token_wire
     from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.side import DecodeAdmission
+    from triton_disagg.generation.admission import DecodeAdmission
     from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.triton.engine_request import EngineRequest
     from triton_disagg.zmq_endpoints import bind

@@ -15,7 +15,7 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.engine.sampling import (MAX_LIST_TOKENS, SamplingParams, SamplingParamsError,
                                            from_wire, to_wire)
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout
-from triton_disagg.front.orchestrator_gate import OrchestratorGate, public_message
+from triton_disagg.front.engine_calls import OrchestratorGate, public_message
 from triton_disagg.triton import engine_request
 
 SPEC = limits_spec(max_seq_len=64, vocab_size=100)

@@ -165,7 +165,7 @@ class _Overlapped:
     ordinary handoff, whose handle the orchestrator holds; a generation server that cannot
     be reached is lost, and the orchestrator moves the request to another."""
 
-    side: Prefiller
+    prefiller: Prefiller
     request_id: str
     blocks: list[int]
     announcer: Announcer | None = None
@@ -175,9 +175,9 @@ class _Overlapped:
     staged: int = 0          # layers of a device KV copied to the host array so far
 
     @classmethod
-    def begin(cls, side: Prefiller, seq: Sequence, listener: bytes) -> "_Overlapped":
+    def begin(cls, prefiller: Prefiller, seq: Sequence, listener: bytes) -> "_Overlapped":
         """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
-        overlapped = cls(side, seq.request_id, list(seq.block_table.block_ids))
+        overlapped = cls(prefiller, seq.request_id, list(seq.block_table.block_ids))
         return overlapped.announce(listener, len(seq.prompt_ids))
 
     def announce(self, listener: bytes, prompt_length: int) -> "_Overlapped":
@@ -185,15 +185,16 @@ class _Overlapped:
         listener or a failed export fails this request alone (unreachable generation: an
         ordinary handoff, see the class docstring)."""
         try:
-            self.announcer = self.side.connector.announcer(listener)
+            self.announcer = self.prefiller.connector.announcer(listener)
         except ConnectorError as exc:
             self._unheard(exc)
         except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
-            self.side.engine.pool.free(self.blocks)
+            self.prefiller.engine.pool.free(self.blocks)
             self.error = RequestError(f"kv_listener: {exc}")
             return self
         try:
-            self.handle = self.side.connector.export(self.blocks, prompt_length, prefilling=True)
+            self.handle = self.prefiller.connector.export(self.blocks, prompt_length,
+                                                          prefilling=True)
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             self.fail(_handoff_error(exc))
         else:
@@ -210,11 +211,11 @@ class _Overlapped:
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self.fail(_handoff_error(exc))
                 return
-            self.side.connector.renew(self.handle)
+            self.prefiller.connector.renew(self.handle)
             self._tell(lambda a: a.layers(done))
 
     def _stage(self, done: int) -> None:
-        self.side.connector.stage(self.blocks, range(self.staged, done))
+        self.prefiller.connector.stage(self.blocks, range(self.staged, done))
         self.staged = done
 
     def landed(self, result: PrefillResult) -> "_Overlapped | Exception":
@@ -225,8 +226,9 @@ class _Overlapped:
             self.fail(None, f"the request finished at its first token ({result.finish_reason})")
         elif self.error is None:
             try:
-                self._stage(self.side.connector.geometry.num_layers)
-                self.side.connector.renew(self.handle, prefilling=False)   # final: lease from now
+                self._stage(self.prefiller.connector.geometry.num_layers)
+                # final: the lease runs from now
+                self.prefiller.connector.renew(self.handle, prefilling=False)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self.fail(_handoff_error(exc))
             else:
@@ -260,6 +262,6 @@ class _Overlapped:
         """Give the KV back (the lease, if it was taken) and tell generation why."""
         self.error = error
         if self.handle:
-            self.side.connector.release(self.handle)
+            self.prefiller.connector.release(self.handle)
         if self.announcer is not None:
             self.announcer.failed(reason or str(error))

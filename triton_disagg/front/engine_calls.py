@@ -1,5 +1,6 @@
-"""The orchestrator's calls to its engines (the context and generation models): what a
-request's calls carry (:func:`engine_inputs`), how they travel (in-process BLS here,
+"""The orchestrator's calls to its engines (the context and generation models): which
+requests may make them (:class:`OrchestratorGate`, :class:`InFlightCap`), what a request's
+calls carry (:func:`engine_inputs`), how they travel (in-process BLS here,
 tritonclient gRPC in :mod:`.grpc_transport`), their answers read back (the context's as the
 request's first token event, :func:`~triton_disagg.protocol.engine_event`; generation's,
 :func:`generation_answer`), and token events turned into the ensemble's outputs
@@ -26,6 +27,16 @@ orchestrator's ``generation_server.stall_seconds``), a release at most
 the BLS call. A context call also carries it as the Triton request's timeout: how long the
 context keeps it queued while its KV pool is full (:mod:`triton_disagg.context.prefill_loop`).
 
+Admission: a request is admitted only when its preprocessed tensors carry their seal
+(:func:`triton_disagg.peers.check_seal`: it came from this deployment's preprocessing,
+through the ensemble or the HTTP front), and, defence in depth, only when every input is
+within the engine's limits as context and generation check them
+(:func:`triton_disagg.triton.engine_request.from_inputs`) and ``input_ids`` plus
+``request_output_len`` fit ``max_seq_len``. An error answer to the client names its own
+mistake (:class:`RequestError`) but never a server's: an engine error or a fault is logged
+in full with the request id, and the client gets its kind and that id
+(:func:`public_message`), no internal URL and no exception text.
+
 This module holds what both transports share and the BLS transport (``serve all``); the
 gRPC one (``serve scheduler``) is :mod:`.grpc_transport`.
 """
@@ -33,24 +44,33 @@ gRPC one (``serve scheduler``) is :mod:`.grpc_transport`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 # Any here: Triton's pb_utils module and its objects, which have no types.
 
 import numpy as np
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
-from triton_disagg.errors import ErrorCode, Timeout, error_for, from_triton, without_tag
+from triton_disagg.errors import (ErrorCode, RequestError, ServerBusy, Timeout, Unavailable,
+                                  error_for, from_triton, without_tag)
 from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.protocol import scalar, to_batched
+from triton_disagg.triton import engine_request
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
 RELEASE_TIMEOUT_SECONDS = 5.0  # a release not answered by then: the lease reclaims the KV
 CALL_SPECS = {"context": (P.CONTEXT_INPUTS, P.CONTEXT_OUTPUTS),
           "generation": (P.GENERATION_INPUTS, P.GENERATION_OUTPUTS)}
+# error class -> what the client is told (the first that the error is an instance of); the
+# error's status goes with it (ErrorCode): the HTTP front maps that, not these words
+_PUBLIC = ((Timeout, "a server did not answer in time (timed out)"),
+           (ServerBusy, "this server is busy with its most requests at once; retry later"),
+           (Unavailable, "a server this request needs is unavailable now; retry later"))
 
 
 def unbatch(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -187,6 +207,54 @@ class BLSRoute:
 
     def close(self) -> None:
         pass
+
+
+# ---- which requests may call: the orchestrator's admission, and its error answers
+
+class InFlightCap:
+    """At most ``limit`` requests of one orchestrator instance in flight: a :meth:`slot` past
+    it raises :class:`ServerBusy` at once (nothing queues behind the cap); a slot is held
+    for its ``with`` block, however it ends. One event loop uses it: nothing locks."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_flight = limit, 0
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        if self.in_flight >= self.limit:
+            raise ServerBusy(f"{self.in_flight} requests in flight, the most this orchestrator "
+                             f"instance takes (scheduler_server.max_concurrent_requests)")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+class OrchestratorGate:
+    """``seal_key``: :func:`triton_disagg.peers.seal_key`; ``spec``: the served engine's."""
+
+    def __init__(self, seal_key: bytes, spec: EngineSpec):
+        self.seal_key, self.spec = seal_key, spec
+
+    def check(self, inputs: dict[str, np.ndarray]) -> None:
+        """Raise :class:`RequestError` unless the orchestrator may serve ``inputs``."""
+        peers.check_seal(inputs, self.seal_key)
+        request = engine_request.from_inputs(engine_inputs(inputs), self.spec)
+        total = len(request.prompt_ids) + int(scalar(inputs, "request_output_len"))
+        if total > self.spec.max_seq_len:
+            raise RequestError(f"prompt ({len(request.prompt_ids)} tokens) + request_output_len "
+                               f"exceeds this engine's max_seq_len {self.spec.max_seq_len}")
+
+
+def public_message(exc: Exception, request_id: str) -> str:
+    """What the client is told of ``exc``: a request's own mistake as it is, anything else
+    by its kind and ``request_id`` (the server log has the rest)."""
+    if isinstance(exc, RequestError):
+        return str(exc)
+    kind = next((text for cls, text in _PUBLIC if isinstance(exc, cls)),
+                "internal error; the request failed")
+    return f"{kind} (request {request_id}; the server log says why)"
 
 
 # ---- what the calls carry, and their answers as the ensemble's outputs

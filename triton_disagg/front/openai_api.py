@@ -60,8 +60,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from triton_disagg.front.openai_fields import BRANCHES, EngineLimits, shown
-from triton_disagg.front.openai_models import request_model
+from triton_disagg.front.openai_models import BRANCHES, EngineLimits, request_model, shown
 
 
 class ApiError(Exception):

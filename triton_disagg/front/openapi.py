@@ -15,8 +15,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from triton_disagg import __version__
-from triton_disagg.front.openai_fields import EngineLimits
-from triton_disagg.front.openai_models import request_model
+from triton_disagg.front.openai_models import EngineLimits, request_model
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {

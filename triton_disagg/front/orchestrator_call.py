@@ -64,8 +64,7 @@ from triton_disagg.errors import CODE_IN_MESSAGE, HTTP_STATUS, ErrorCode, Reques
 from triton_disagg.front.chat_template import ChatTemplate
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.front.openai_api import ApiError, Generation
-from triton_disagg.front.openai_fields import EngineLimits, shown
-from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS
+from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits, shown
 from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.triton.grpc_channel import client_options
 

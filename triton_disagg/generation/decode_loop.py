@@ -65,7 +65,7 @@ from triton_disagg.token_wire import STOP_READER, StopInbox, TokenOutbox, same_k
 
 if TYPE_CHECKING:
     from triton_disagg.engine.llm_engine import LLMEngine
-    from triton_disagg.generation.side import DecodeAdmission, PreparedRequest
+    from triton_disagg.generation.admission import DecodeAdmission, PreparedRequest
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
@@ -110,11 +110,12 @@ def error_event(request_id: str, live: StreamState, message: str,
 
 
 class DecodeLoop:
-    """``side`` puts work into the engine and hears about it: ``side.add(request_id, work)``
-    (queues it in the engine; may raise to refuse it, e.g. when the pool could never hold
-    it), ``side.kv_arrived(result, overlap)`` (a request's KV fetch finished; the
-    scheduler's :class:`~triton_disagg.engine.scheduler.KVArrival` fields),
-    ``side.request_done(outcome)`` and ``side.report(live_sequences)`` (load gauges, every
+    """``admission`` puts work into the engine and hears about it:
+    ``admission.add(request_id, work)`` (queues it in the engine; may raise to refuse it,
+    e.g. when the pool could never hold it), ``admission.kv_arrived(result, overlap)`` (a
+    request's KV fetch finished; the scheduler's
+    :class:`~triton_disagg.engine.scheduler.KVArrival` fields),
+    ``admission.request_done(outcome)`` and ``admission.report(live_sequences)`` (load gauges, every
     ``REPORT_SECONDS``: the requests the loop holds, admitted or queued).
 
     ``outbox``: ``put(address, event)``, ``flush(keep) -> {dropped address: failed
@@ -126,11 +127,11 @@ class DecodeLoop:
 
     ``stream_interval`` > 1 trades smoothness for throughput: fewer, larger messages."""
 
-    def __init__(self, engine: LLMEngine, outbox: TokenOutbox, side: DecodeAdmission,
+    def __init__(self, engine: LLMEngine, outbox: TokenOutbox, admission: DecodeAdmission,
                  stream_interval: int = 1, stops: StopInbox | None = None,
                  stuck_seconds: float = 30.0,
                  on_death: OnDeath = fail_instance):
-        self.engine, self.outbox, self.side = engine, outbox, side
+        self.engine, self.outbox, self.admission = engine, outbox, admission
         self.stream_interval = stream_interval
         self.stops = stops
         self.dropped = DroppedFrames(STOP_READER)         # stops it cannot obey
@@ -208,7 +209,7 @@ class DecodeLoop:
                     self._fail(event.request_id, f"generation failed: {exc}")
         if time.monotonic() - self.reported >= REPORT_SECONDS:
             self.reported = time.monotonic()
-            self.side.report(len(self.live))
+            self.admission.report(len(self.live))
 
     def _drain(self, wait: float) -> None:
         """Handle every queued item, first waiting up to ``wait`` seconds for one."""
@@ -247,7 +248,7 @@ class DecodeLoop:
                          f"are busy; request refused", ErrorCode.UNAVAILABLE)
             return
         try:
-            self.side.add(request_id, request)
+            self.admission.add(request_id, request)
         except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
             self._refuse(request_id, live, str(exc), code_of(exc))
             return
@@ -267,7 +268,7 @@ class DecodeLoop:
         """Hear how the KV fetches that ended went; a failed one's request is over."""
         for arrival in self.engine.take_kv_arrivals():
             if arrival.error is None:
-                self.side.kv_arrived(arrival.result, arrival.overlap)
+                self.admission.kv_arrived(arrival.result, arrival.overlap)
             elif (live := self._pop(arrival.request_id)) is not None:
                 self._refuse(arrival.request_id, live, str(arrival.error),
                              code_of(arrival.error))
@@ -287,13 +288,13 @@ class DecodeLoop:
         live = self._pop(request_id)
         reason = CANCELLED if reason == "aborted" else reason
         self.outbox.put(live.address, token_event(request_id, live, reason))
-        self.side.request_done(CANCELLED if reason == CANCELLED else "finished")
+        self.admission.request_done(CANCELLED if reason == CANCELLED else "finished")
         _log.info("generation ended: %s", reason, extra={"request_id": request_id})
 
     def _refuse(self, request_id: str, live: StreamState, message: str,
                 code: ErrorCode = ErrorCode.INTERNAL) -> None:
         self.outbox.put(live.address, error_event(request_id, live, message, code))
-        self.side.request_done("error")
+        self.admission.request_done("error")
         _log.warning("generation refused or failed: %s", message,
                      extra={"request_id": request_id})
 
@@ -336,4 +337,4 @@ class DecodeLoop:
         for request_id in abandoned:
             if self._pop(request_id) is not None:
                 self.engine.abort(request_id)
-                self.side.request_done("error")
+                self.admission.request_done("error")

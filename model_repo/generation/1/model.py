@@ -1,5 +1,5 @@
 """generation: decode with continuous batching; tokens leave over ZeroMQ
-(logic: triton_disagg.generation: decode_loop.py, side.py).
+(logic: triton_disagg.generation: decode_loop.py, admission.py).
 
 execute() only validates and hands each request to the instance's DecodeLoop, then
 answers it at once with one response: the instance's control address (where stops for
@@ -22,7 +22,7 @@ from triton_disagg.triton.stub_start import watched_initialize
 from triton_disagg import peers, protocol as P
 from triton_disagg.triton import engine_request
 from triton_disagg.generation.decode_loop import DecodeLoop
-from triton_disagg.generation.side import DecodeAdmission, read_request_parameters
+from triton_disagg.generation.admission import DecodeAdmission, read_request_parameters
 from triton_disagg.token_wire import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
@@ -53,12 +53,12 @@ class TritonPythonModel:
         with self.metrics.closed_on_error():
             connector = (connector_for(settings, engine, instance)
                          if not settings.aggregated else None)
-            self.side = DecodeAdmission(engine, connector, self.metrics,
-                                         settings.max_local_prefill_length)
+            self.admission = DecodeAdmission(engine, connector, self.metrics,
+                                              settings.max_local_prefill_length)
             context = zmq.Context.instance()
             stops = StopInbox(context, settings.token_host, settings.token_bind)
             self.control_address = stops.address
-            self.loop = DecodeLoop(engine, TokenOutbox(context), self.side,
+            self.loop = DecodeLoop(engine, TokenOutbox(context), self.admission,
                                    stream_interval=settings.stream_interval,
                                    stops=stops, stuck_seconds=settings.stall_seconds)
 
@@ -74,7 +74,7 @@ class TritonPythonModel:
                                        "Triton request id (the stream's events carry it)")
                 inputs = read_inputs(pb_utils, request, P.GENERATION_INPUTS)
                 request = engine_request.from_inputs(inputs, self.spec)
-                work = self.side.prepare(request_type, request, inputs)
+                work = self.admission.prepare(request_type, request, inputs)
             except (RequestError, Unavailable) as exc:
                 responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue
@@ -90,7 +90,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.close()
-        self.side.close()
+        self.admission.close()
         if self.kv_events is not None:
             self.kv_events.close()
         self.metrics.close()

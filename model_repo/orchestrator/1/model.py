@@ -33,13 +33,13 @@ from triton_disagg.triton.metrics import Metrics
 from triton_disagg.errors import CODE_IN_MESSAGE, EngineError, ErrorCode, RequestError, \
     with_code
 from triton_disagg.front.orchestrator import MAX_RELEASES, Orchestrator
-from triton_disagg.front.orchestrator_gate import InFlightCap, OrchestratorGate, public_message
+from triton_disagg.front.engine_calls import BLSTransport, InFlightCap, OrchestratorGate, \
+    public_message
 from triton_disagg.routing.pools import start_pools
 from triton_disagg.protocol import asks, error_response, make_tensors, read_inputs, \
     scalar
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport
-from triton_disagg.front.engine_calls import BLSTransport
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
