@@ -224,7 +224,7 @@ def test_a_port_another_user_listens_on_is_not_the_doors_to_forward_to(tmp_path)
     import subprocess
     import sys
 
-    from triton_disagg.front.public_door import InnerOwner
+    from triton_disagg.front.door_guards import InnerOwner
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -386,7 +386,7 @@ def test_an_http_body_of_millions_of_strings_or_numbers_is_refused_at_the_door(s
     from its bytes and refuses both unread by tritonserver, whose peak memory does not move
     (reset first: an earlier test's peak would hide a jump); and, as the gRPC door, an
     inference request naming a model not served."""
-    from triton_disagg.front.public_door import MAX_ENTRIES
+    from triton_disagg.front.door_guards import MAX_ENTRIES
 
     pid = servers.tritonserver_pid(served.work_dir)
     for body in (_infer_json("stop_words", "BYTES", b'""', HTTP_EMPTY_STRINGS),

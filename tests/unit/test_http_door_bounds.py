@@ -16,7 +16,7 @@ from local_sites import free_port, serve_locally
 from yarl import URL
 
 from triton_disagg.front.http_door import BUDGET, json_size, make_http_door
-from triton_disagg.front.public_door import MAX_ENTRIES, ByteBudget, InnerOwner
+from triton_disagg.front.door_guards import MAX_ENTRIES, ByteBudget, InnerOwner
 
 MAX_BYTES = 10 * 2**20
 

@@ -18,8 +18,8 @@ from aiohttp import ClientSession, web
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_gates import add_origin_guard
 from triton_disagg.front.http_door import IN_FLIGHT, make_http_door
-from triton_disagg.front.public_door import (MAX_ENTRIES, MAX_NUMBERS, MESSAGE_FLOOR, SERVICE,
-                                             GrpcDoor, InnerOwner)
+from triton_disagg.front.door_guards import MAX_ENTRIES, MAX_NUMBERS, MESSAGE_FLOOR, InnerOwner
+from triton_disagg.front.public_door import SERVICE, GrpcDoor
 
 STREAM = f"/{SERVICE}/ModelStreamInfer"
 

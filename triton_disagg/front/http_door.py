@@ -16,7 +16,7 @@ with ``Retry-After``), over at most ``front.max_connections`` connections; a bod
 /v2/health/live`` or ``/ready`` is never refused by the request cap. The door checks
 ``Origin`` and ``Host`` as the front does (a web page cannot drive it). Nothing is
 forwarded unless this user listens on the inner port
-(:class:`~triton_disagg.front.public_door.InnerOwner`); an unreachable tritonserver is 502.
+(:class:`~triton_disagg.front.door_guards.InnerOwner`); an unreachable tritonserver is 502.
 
 Every body is JSON to Triton but an ``infer`` request's binary tensors after its
 ``Inference-Header-Content-Length`` bytes, and Triton's parser (rapidjson) holds each JSON
@@ -28,7 +28,7 @@ strings (keys included) or values of any kind is refused (400), counted from its
 ``generate``, ``generate_stream``) naming a model not in ``models`` (when given;
 :func:`screen_body`). Bodies forwarded and not yet answered (until the answer has been
 relayed, or the request ended otherwise) hold at most ``budget`` bytes
-(:class:`~triton_disagg.front.public_door.ByteBudget`; :func:`open_doors` gives both doors
+(:class:`~triton_disagg.front.door_guards.ByteBudget`; :func:`open_doors` gives both doors
 the gRPC door's); a body past it waits, up to ``body_timeout`` (then 503 with
 ``Retry-After``).
 """
@@ -45,11 +45,11 @@ from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
+from triton_disagg.front.door_guards import (MAX_ENTRIES, OUTSTANDING_MESSAGES, UNREACHABLE,
+                                             ByteBudget, InnerOwner, Refused)
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
 from triton_disagg.front.openai_api import ApiError
-from triton_disagg.front.public_door import (MAX_ENTRIES, OUTSTANDING_MESSAGES,
-                                             UNREACHABLE, ByteBudget, GrpcDoor, InnerOwner,
-                                             Refused)
+from triton_disagg.front.public_door import GrpcDoor
 from triton_disagg.triton.endpoints import LOOPBACK
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",

@@ -13,7 +13,7 @@ body is 400 and any other method or path is refused by aiohttp's router (405/404
 them read; at most ``MAX_SCRAPES`` scrapes reach tritonserver at once (more wait, within
 the front's connection cap and timeouts); a scrape longer than ``SCRAPE_SECONDS`` is 504;
 nothing is forwarded unless this user listens on the inner port
-(:class:`~triton_disagg.front.public_door.InnerOwner`). The answer (Prometheus text) comes
+(:class:`~triton_disagg.front.door_guards.InnerOwner`). The answer (Prometheus text) comes
 back with tritonserver's status and content type.
 """
 
@@ -24,7 +24,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from triton_disagg.front.public_door import UNREACHABLE, InnerOwner
+from triton_disagg.front.door_guards import UNREACHABLE, InnerOwner
 from triton_disagg.triton.endpoints import LOOPBACK
 
 MAX_SCRAPES = 4             # scrapes forwarded at once: Prometheus and a probe or two

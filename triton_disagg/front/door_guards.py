@@ -1,0 +1,137 @@
+"""What every door checks before it forwards (:mod:`.public_door`, :mod:`.http_door`,
+:mod:`.metrics_door`): that the inner port is tritonserver's (:class:`InnerOwner`), what an
+inference request message holds (:class:`MessageScreen`), and how many bytes forwarded
+requests hold until Triton lets them go (:class:`ByteBudget`, door-wide)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
+UNREACHABLE = "tritonserver is not reachable"
+MAX_ENTRIES = 65_536        # strings, tensors and parameters of one inference request
+MAX_NUMBERS = 4 * 2**20     # numbers in its contents and shapes
+OUTSTANDING_MESSAGES = 8    # max_outstanding, in messages of max_bytes
+MESSAGE_FLOOR = 16 * 1024   # bytes a message is charged at least (Triton's cost of a request)
+# 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes ::ffff:127.0.0.1 (how grpc core
+# binds "127.0.0.1" where IPv6 is up)
+LOOPBACK_HEX = {"/proc/net/tcp": "0100007F", "/proc/net/tcp6": "0000000000000000FFFF00000100007F"}
+
+
+class InnerOwner:
+    """Whether a socket of this process's user listens on 127.0.0.1 (or ::ffff:127.0.0.1) on
+    each inner port, from ``/proc/net/tcp`` and ``tcp6``. Linux gives a connection to
+    127.0.0.1:P to that exact listener before any wildcard one, and while it listens no
+    other user can bind 127.0.0.1:P (nor join it: SO_REUSEPORT is shared within one
+    uid), so then the port is tritonserver's; listeners of others elsewhere (0.0.0.0,
+    ::, 127.0.0.2) take none of the door's connections and are ignored. A yes is trusted
+    for ``OWNER_CHECK_SECONDS``; a no is asked again at the next request (tritonserver
+    opens its ports only once its models are loaded, and a probe just after must see them)."""
+
+    def __init__(self, ports: tuple[int, ...]):
+        self.ports, self.uid = ports, os.geteuid()
+        self._checked, self._ours = -OWNER_CHECK_SECONDS, False
+
+    def ours(self) -> bool:
+        now = time.monotonic()
+        if not self._ours or now - self._checked >= OWNER_CHECK_SECONDS:
+            self._checked, self._ours = now, self._check()
+        return self._ours
+
+    def _check(self) -> bool:
+        mine: set[int] = set()
+        for table, loopback in LOOPBACK_HEX.items():
+            try:
+                rows = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                fields = row.split()        # sl local rem st ... uid (7)
+                address, port_hex = fields[1].rsplit(":", 1)
+                if (fields[3] == "0A" and address == loopback      # 0A: LISTEN
+                        and int(fields[7]) == self.uid):
+                    mine.add(int(port_hex, 16))
+        return set(self.ports) <= mine
+
+
+class Refused(Exception):
+    """Why the door refuses a request message (INVALID_ARGUMENT)."""
+
+
+def inference_size(request) -> tuple[int, int]:
+    """(entries, numbers) of a parsed ``ModelInferRequest``: the strings, tensors and
+    parameters Triton's protobuf holds as one object each, and the numbers of numeric
+    contents and shapes, each held in 4-8 bytes however short its varint."""
+    entries = len(request.parameters) + len(request.raw_input_contents)
+    numbers = 0
+    for tensor in (*request.inputs, *request.outputs):
+        entries += 1 + len(tensor.parameters)
+    for tensor in request.inputs:
+        c = tensor.contents
+        entries += len(c.bytes_contents)
+        numbers += len(tensor.shape) + sum(map(len, (
+            c.bool_contents, c.int_contents, c.int64_contents, c.uint_contents,
+            c.uint64_contents, c.fp32_contents, c.fp64_contents)))
+    return entries, numbers
+
+
+class MessageScreen:
+    """What the door forwards of one method's request message: the message parsed with
+    tritonclient's protobuf types and serialized again without the fields those types do not
+    know (Triton's protobuf would keep each: 10 MiB of empty unknown fields took 330 MB), and,
+    for an inference request (``infer``), one that names a model of ``models`` (when given:
+    Triton 2.51 can die answering an unknown model on a stream that is streaming) with at
+    most ``MAX_ENTRIES`` strings, tensors and parameters and ``MAX_NUMBERS`` numbers. Calling
+    it returns the bytes to forward or raises :class:`Refused`."""
+
+    def __init__(self, request_type, infer: bool, models: frozenset[str] = frozenset()):
+        self.request_type, self.infer, self.models = request_type, infer, models
+
+    def __call__(self, raw: bytes) -> bytes:
+        from google.protobuf.message import DecodeError
+
+        try:
+            parsed = self.request_type.FromString(raw)
+        except DecodeError:
+            raise Refused(f"the message is not a {self.request_type.__name__}") from None
+        parsed.DiscardUnknownFields()
+        if self.infer:
+            if self.models and parsed.model_name not in self.models:
+                raise Refused(f"model {parsed.model_name[:100]!r} is not served here")
+            entries, numbers = inference_size(parsed)
+            if entries > MAX_ENTRIES:
+                raise Refused(f"the request has {entries} strings, tensors and parameters; at "
+                              f"most {MAX_ENTRIES} (send a long tensor as raw_input_contents)")
+            if numbers > MAX_NUMBERS:
+                raise Refused(f"the request has {numbers} numbers in contents and shapes; at "
+                              f"most {MAX_NUMBERS} (send a long tensor as raw_input_contents)")
+        return parsed.SerializeToString()
+
+
+def message_cost(request: bytes) -> int:
+    """What a forwarded request message holds of the door's budget: its bytes, and at least
+    ``MESSAGE_FLOOR``, so that many small messages are bounded too."""
+    return max(len(request), MESSAGE_FLOOR)
+
+
+class ByteBudget:
+    """Bytes of request messages forwarded and not yet answered, door-wide: :meth:`take`
+    waits while taking ``n`` more would pass ``limit`` (unless nothing is held), so at most
+    ``limit`` (or one message) is held; every :meth:`take` is matched by one :meth:`give`."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._given = asyncio.Event()
+
+    async def take(self, n: int) -> None:
+        while self.held and self.held + n > self.limit:
+            self._given.clear()
+            await self._given.wait()
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        self._given.set()
