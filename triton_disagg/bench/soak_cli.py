@@ -97,7 +97,8 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
     from triton_disagg.bench.soak_server import config_for, scan_logs, serving, wait_pools_empty
     from triton_disagg.bench.soak_tools import (GENAI_PERF_RUN_TIMEOUT, LOCUST_STOP_TIMEOUT,
                                                 genai_perf_loop, locust_tallies, start_locust)
-    from triton_disagg.bench.soak_watch import RequestLog, RssSampler, Tally, rss_rows
+    from triton_disagg.bench.soak_watch import (ClientThread, RequestLog, RssSampler, Tally,
+                                                rss_rows)
     from triton_disagg.engine.tokenizer import Tokenizer
 
     config, placement = config_for(engine, strategy, args.generation_instances, cores,
@@ -117,13 +118,13 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
         locust = start_locust(server.http, server.grpc, engine, seconds, args.locust_users,
                               work / "locust")
         gp_tally = Tally()
-        threads = [threading.Thread(target=genai_perf_loop, daemon=True, args=(
-            genai_perf, server.grpc, engine, stop_at, work / "genai-perf", gp_tally,
-            lambda m: _say(f"{name}: {m}")))]
-        threads += [threading.Thread(target=clients.cancel_client, daemon=True, args=(
-            server.grpc, server.http, log, stop, i, tokenizer)) for i in range(args.cancel_clients)]
-        threads.append(threading.Thread(target=clients.bad_input_client, daemon=True, args=(
-            server.grpc, server.http, log, stop, 99, tokenizer)))
+        threads = [ClientThread("genai-perf", genai_perf_loop, genai_perf, server.grpc, engine,
+                                stop_at, work / "genai-perf", gp_tally,
+                                lambda m: _say(f"{name}: {m}"))]
+        threads += [ClientThread(f"cancel {i}", clients.cancel_client, server.grpc, server.http,
+                                 log, stop, i, tokenizer) for i in range(args.cancel_clients)]
+        threads.append(ClientThread("bad input", clients.bad_input_client, server.grpc,
+                                    server.http, log, stop, 99, tokenizer))
         for t in threads:
             t.start()
         while time.monotonic() < stop_at and server.process.poll() is None:
@@ -134,6 +135,7 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
         for t in threads[1:]:
             t.join(timeout=max(0.0, (log.open_deadline() or 0) - time.monotonic()) + 5)
         threads[0].join(timeout=GENAI_PERF_RUN_TIMEOUT + 30)
+        client_failures = {t.name: t.failure() for t in threads if t.failure()}
         tool_tallies = locust_tallies(locust, work / "locust", LOCUST_STOP_TIMEOUT + 120)
         drain = time.monotonic() - load_end
         sampler.stop()
@@ -154,7 +156,8 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
     half = load_start + (load_end - load_start) / 2
     result = StrategyResult(name, placement, server.ready_seconds, load_end - load_start,
                             drain, tallies, crashes, pools, settled,
-                            rss_rows(sampler.samples, half, load_end), load_end - half, notes)
+                            rss_rows(sampler.samples, half, load_end), load_end - half, notes,
+                            client_failures)
     _say(f"{name}: {result.verdict}" + (f" ({'; '.join(result.failures())})"
                                              if result.failures() else ""))
     return result

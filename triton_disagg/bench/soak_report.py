@@ -1,6 +1,9 @@
 """`bench soak`'s result per strategy, its verdict and its markdown.
 
-Hard criteria (any one fails the strategy, and the command exits 1): a hung request;
+Hard criteria (any one fails the strategy, and the command exits 1): a client that did
+not run to its end (its thread raised, e.g. genai-perf's loop with no run that measured a
+request, or still ran when the soak stopped waiting) or a load tool run that failed (an
+unexpected error: see :mod:`.soak_tools`); a hung request;
 a crash (``Fatal Python error`` or ``Segmentation fault`` in tritonserver's log, a stub
 that died, tritonserver or ``serve`` gone); KV blocks still used, or no pool gauge at all,
 after the settle; an unexpected error (a good request that failed, a bad input that was
@@ -39,6 +42,7 @@ class StrategyResult:
     rss: list[RssRow]
     rss_window: float                        # seconds of load the RSS rows cover
     notes: list[str] = field(default_factory=list)
+    client_failures: dict[str, str] = field(default_factory=dict)   # client -> what ended it
 
     @property
     def judge_rss(self) -> bool:
@@ -54,7 +58,8 @@ class StrategyResult:
 
     def failures(self) -> list[str]:
         """The hard criteria this run failed, in words (empty: it passed)."""
-        total, out = self.total(), []
+        total = self.total()
+        out = [f"client {name} failed: {why}" for name, why in self.client_failures.items()]
         if total.hung + total.open:
             out.append(f"{total.hung + total.open} hung requests")
         if self.crashes.total:

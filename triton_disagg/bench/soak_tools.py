@@ -9,8 +9,11 @@ HTTP server-sent events) and writes its stats as CSV.
 
 Invariant: each tool's requests become a :class:`Tally` like the soak's own clients'
 (see :mod:`.soak_watch`): a request whose last response came after its deadline is
-hung; a tool run that had to be killed is one hung request; a run that failed is one
-unexpected error when its own output cannot say how many requests failed.
+hung; a tool run that had to be killed is one hung request; a run that failed (a
+non-zero exit, or a profile export missing, unreadable or listing no request) is one
+unexpected error, with the tail of the tool's log. The soak waits for a genai-perf run
+in flight, so no run is cut short by the soak's end; a loop none of whose runs measured
+a request raises :class:`NoRequestsMeasured` (its thread then fails the soak).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ GENAI_PERF_OUTPUT_TOKENS = 24
 GENAI_PERF_CONCURRENCY = 4
 GENAI_PERF_RUN_TIMEOUT = 300.0      # a run measures 3 x 8 s windows plus start-up
 MIN_RUN_SECONDS = 30.0              # start another run only with this much time left
+LOG_TAIL_LINES = 4                  # of a failed run's log, in its failure's example
+LOG_TAIL_CHARS = 400
 LOCUST_OUTPUT_TOKENS = "uniform:16,64"
 LOCUST_MAX_OUTPUT = 64
 LOCUST_STOP_TIMEOUT = 60
@@ -63,7 +68,8 @@ def find_genai_perf(path: Path | None) -> GenaiPerf:
         raise UserError(f"{exe}: its venv lacks nvidia-cuda-runtime-cu12 (perf_analyzer needs "
                         f"libcudart); rerun {INSTALL_HINT} {exe.parent.parent}")
     env = dict(os.environ, PATH=f"{exe.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               LD_LIBRARY_PATH=found.stdout.strip())
+               LD_LIBRARY_PATH=found.stdout.strip(),
+               COLUMNS="200")             # its log's lines unwrapped (rich wraps at 80)
     return GenaiPerf(exe, env)
 
 
@@ -77,19 +83,69 @@ def genai_perf_command(gp: GenaiPerf, grpc: str, tokenizer: Path, artifacts: Pat
             "--stability-percentage", "999", "--artifact-dir", str(artifacts)]
 
 
-def read_profile_export(path: Path, tally: Tally, max_tokens: int) -> None:
-    """Add one genai-perf run's requests (perf_analyzer's profile_export.json) to ``tally``."""
+class NoRequestsMeasured(RuntimeError):
+    """A genai-perf loop ended without one run that measured a request."""
+
+
+def read_profile_export(path: Path, tally: Tally, max_tokens: int) -> int:
+    """Add one genai-perf run's requests (perf_analyzer's profile_export.json) to ``tally``;
+    how many. ValueError when the file is not such an export (empty, not JSON, a field
+    missing or of the wrong type); then ``tally`` is unchanged."""
     limit = deadline_seconds(max_tokens) * 1e9
-    for experiment in json.loads(path.read_text()).get("experiments", []):
-        for request in experiment.get("requests", []):
-            tally.sent += 1
-            stamps = request.get("response_timestamps") or []
-            if not stamps:
-                tally.unexpected_error += 1
-            elif int(stamps[-1]) - int(request["timestamp"]) > limit:
-                tally.hung += 1
-            else:
-                tally.ok += 1
+    outcomes = []
+    try:
+        for experiment in json.loads(path.read_text()).get("experiments", []):
+            for request in experiment.get("requests", []):
+                stamps = request.get("response_timestamps") or []
+                if not stamps:
+                    outcomes.append("unexpected_error")
+                elif int(stamps[-1]) - int(request["timestamp"]) > limit:
+                    outcomes.append("hung")
+                else:
+                    outcomes.append("ok")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a profile export: {type(e).__name__}: {e}") from e
+    tally.sent += len(outcomes)
+    for outcome in outcomes:
+        setattr(tally, outcome, getattr(tally, outcome) + 1)
+    return len(outcomes)
+
+
+def judge_genai_perf_run(n: int, rc: int, artifacts: Path, tally: Tally) -> int:
+    """Count run ``n``'s requests (its exit code ``rc``, its ``artifacts`` folder) into
+    ``tally``; how many it measured. A run that exited non-zero, or left no profile
+    export, or one that cannot be read or that lists no request, is one unexpected error
+    whose example names the run, what went wrong and the tail of its log."""
+    exports = sorted(artifacts.glob("**/profile_export.json"))
+    problems = [] if rc == 0 else [f"exited {rc}"]
+    measured = 0
+    for export in exports:
+        try:
+            measured += read_profile_export(export, tally, GENAI_PERF_OUTPUT_TOKENS)
+        except (OSError, ValueError) as e:                  # JSONDecodeError is one
+            problems.append(f"{export.name} unreadable ({type(e).__name__}: {e})")
+    if not exports:
+        problems.append("wrote no profile_export.json")
+    elif not measured and not problems:
+        problems.append("its profile export lists no request")
+    if problems:
+        log = artifacts / "genai-perf.log"
+        tally.sent += 1
+        tally.unexpected_error += 1
+        tally.examples.append(f"run {n} {'; '.join(problems)}; {log} ends: {log_tail(log)}")
+    return measured
+
+
+def log_tail(log: Path) -> str:
+    """The last ``LOG_TAIL_LINES`` non-blank lines of ``log``, spaces squeezed, on one line
+    of at most ``LOG_TAIL_CHARS``."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError as e:
+        return f"(unreadable: {e})"
+    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+    tail = " | ".join(lines[-LOG_TAIL_LINES:]) or "(empty)"
+    return tail if len(tail) <= LOG_TAIL_CHARS else "..." + tail[-LOG_TAIL_CHARS:]
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -100,44 +156,44 @@ def _stop_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def run_genai_perf(gp: GenaiPerf, grpc: str, tokenizer: Path, artifacts: Path) -> int | None:
+    """One genai-perf run writing into ``artifacts`` (its output in ``genai-perf.log``);
+    its exit code, or None when it ran past ``GENAI_PERF_RUN_TIMEOUT`` and was killed."""
+    artifacts.mkdir(parents=True, exist_ok=True)
+    with open(artifacts / "genai-perf.log", "wb") as log:
+        proc = subprocess.Popen(genai_perf_command(gp, grpc, tokenizer, artifacts), env=gp.env,
+                                stdout=log, stderr=subprocess.STDOUT, cwd=artifacts,
+                                start_new_session=True)
+    try:
+        return proc.wait(timeout=GENAI_PERF_RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        return None
+
+
 def genai_perf_loop(gp: GenaiPerf, grpc: str, tokenizer: Path, stop_at: float, out_dir: Path,
                     tally: Tally, say=print) -> None:
-    """Run genai-perf back to back until ``stop_at`` (``time.monotonic``); fill ``tally``."""
-    for n in range(1, 1 << 20):
+    """Run genai-perf back to back until ``stop_at`` (``time.monotonic``); fill ``tally``.
+    :class:`NoRequestsMeasured` when no run measured a request."""
+    runs = measured = 0
+    while True:
         left = stop_at - time.monotonic()
-        if left <= 0 or (n > 1 and left < MIN_RUN_SECONDS):
-            return
-        artifacts = out_dir / f"run-{n}"
-        artifacts.mkdir(parents=True, exist_ok=True)
-        with open(artifacts / "genai-perf.log", "wb") as log:
-            proc = subprocess.Popen(genai_perf_command(gp, grpc, tokenizer, artifacts), env=gp.env,
-                                    stdout=log, stderr=subprocess.STDOUT, cwd=artifacts,
-                                    start_new_session=True)
-        try:
-            rc = proc.wait(timeout=GENAI_PERF_RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            _stop_group(proc)
+        if left <= 0 or (runs and left < MIN_RUN_SECONDS):
+            break
+        runs += 1
+        artifacts = out_dir / f"run-{runs}"
+        rc = run_genai_perf(gp, grpc, tokenizer, artifacts)
+        if rc is None:
             tally.sent += 1
             tally.hung += 1
-            tally.examples.append(f"run {n} still running after {GENAI_PERF_RUN_TIMEOUT:.0f} s "
-                                  f"(killed; log {artifacts / 'genai-perf.log'})")
+            tally.examples.append(f"run {runs} still running after {GENAI_PERF_RUN_TIMEOUT:.0f}"
+                                  f" s (killed; log {artifacts / 'genai-perf.log'})")
             continue
-        exports = sorted(artifacts.glob("**/profile_export.json"))
-        before = tally.sent
-        for export in exports:
-            read_profile_export(export, tally, GENAI_PERF_OUTPUT_TOKENS)
-        say(f"genai-perf run {n}: exit {rc}, {tally.sent - before} requests measured")
-        if rc != 0:
-            tally.sent += 1
-            tally.unexpected_error += 1
-            why = _last_error(artifacts / "genai-perf.log")
-            tally.examples.append(f"run {n} exited {rc}: {why}")
-
-
-def _last_error(log: Path) -> str:
-    lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
-    errors = [l for l in lines if "error" in l.lower()]
-    return ((errors or lines or ["(no output)"])[-1])[:200]
+        got = judge_genai_perf_run(runs, rc, artifacts, tally)
+        measured += got
+        say(f"genai-perf run {runs}: exit {rc}, {got} requests measured")
+    if not measured:
+        raise NoRequestsMeasured(f"no genai-perf run measured a request (runs: {runs})")
 
 
 # --- locust -------------------------------------------------------------------------
@@ -161,7 +217,8 @@ def start_locust(http: str, grpc: str, tokenizer: Path, seconds: float, users: i
 
 def locust_tallies(proc: subprocess.Popen, out_dir: Path, wait: float) -> dict[str, Tally]:
     """Wait up to ``wait`` s for locust to end, then one :class:`Tally` per user type from
-    its e2e entries (a run killed for running over counts one hung request)."""
+    its e2e entries (a run killed for running over counts one hung request; one that
+    measured no e2e request, one unexpected error)."""
     try:
         proc.wait(timeout=wait)
         killed = False
@@ -171,10 +228,9 @@ def locust_tallies(proc: subprocess.Popen, out_dir: Path, wait: float) -> dict[s
     out: dict[str, Tally] = {}
     stats, failures = out_dir / "run_stats.csv", out_dir / "run_failures.csv"
     rows = list(csv.DictReader(open(stats, newline=""))) if stats.is_file() else []
+    e2e = [row for row in rows if row["Name"] == "e2e"]
     limit_ms = deadline_seconds(LOCUST_MAX_OUTPUT) * 1e3
-    for row in rows:
-        if row["Name"] != "e2e":
-            continue
+    for row in e2e:
         t = out.setdefault(f"locust {row['Type']}", Tally())
         t.sent, failed = int(row["Request Count"]), int(row["Failure Count"])
         t.unexpected_error = failed
@@ -187,11 +243,13 @@ def locust_tallies(proc: subprocess.Popen, out_dir: Path, wait: float) -> dict[s
         t = out.setdefault(f"locust {row['Method']}", Tally())
         if len(t.examples) < 3:
             t.examples.append(f"{row['Occurrences']}x {row['Error'][:160]}")
-    if killed or not rows:
+    if killed or not sum(int(row["Request Count"]) for row in e2e):
         t = out.setdefault("locust", Tally())
         t.sent += 1
         t.hung += killed
         t.unexpected_error += not killed
+        log = out_dir / "locust.log"
         t.examples.append("killed: still running past its stop timeout" if killed else
-                          f"wrote no stats (exit {proc.returncode}; see {out_dir / 'locust.log'})")
+                          f"measured no e2e request (exit {proc.returncode}; {log} ends: "
+                          f"{log_tail(log)})")
     return out

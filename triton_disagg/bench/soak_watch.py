@@ -10,15 +10,21 @@ holds whatever runs inside the models.
   ended and its deadline has passed; otherwise it counts under the outcome it ended with.
   A request read to its end whose token count is wrong (:func:`token_count_problem`) is
   an unexpected error and is also counted as *miscounted*: tokens lost on the way.
+- :class:`ClientThread`: each load generator runs in one; it keeps what ended it.
+  Invariant: a client whose function raised, or that still runs when the soak stops
+  waiting for it, failed the soak (its requests cannot all have been counted).
 - :class:`RssSampler`: every stub process's resident memory (and tritonserver's), by
   model instance, every few seconds; :func:`rss_rows` judges flatness over a window.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +134,36 @@ class RequestLog:
                 t.examples.append(f"{state} after {waited:.1f} s (max_tokens {r.max_tokens})"
                                   + (f": {r.detail}" if r.detail else ""))
         return out
+
+
+class ClientThread(threading.Thread):
+    """A daemon thread running ``target(*args)``, one of the soak's clients, named ``name``
+    in its verdict; :meth:`failure` after the soak's wait says whether it ran to its end."""
+
+    def __init__(self, name: str, target: Callable[..., None], *args: object):
+        super().__init__(name=name, daemon=True)
+        self._call, self._args = target, args
+        self._returned = False
+        self._error: str | None = None
+
+    def run(self) -> None:
+        try:
+            self._call(*self._args)
+            self._returned = True
+        except Exception as e:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            self._error = (f"{type(e).__name__}: {e} "
+                           f"(at {Path(where.filename).name}:{where.lineno})")
+            traceback.print_exc(file=sys.stderr)
+
+    def failure(self) -> str | None:
+        """None when ``target`` returned; else what went wrong, in words."""
+        if self._returned:
+            return None
+        if self._error is not None:
+            return f"ended with {self._error}"
+        return "still running when the soak stopped waiting" if self.is_alive() \
+            else "never started"
 
 
 # --- memory ---------------------------------------------------------------------------
