@@ -6,6 +6,7 @@ requests hold until Triton lets them go (:class:`ByteBudget`, door-wide)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import time
 from pathlib import Path
@@ -111,27 +112,52 @@ class MessageScreen:
         return parsed.SerializeToString()
 
 
-def message_cost(request: bytes) -> int:
-    """What a forwarded request message holds of the door's budget: its bytes, and at least
-    ``MESSAGE_FLOOR``, so that many small messages are bounded too."""
-    return max(len(request), MESSAGE_FLOOR)
+def message_cost(request: bytes, infer: bool) -> int:
+    """What a forwarded request message holds of the door's budget: an inference request its
+    bytes, and at least ``MESSAGE_FLOOR``, so that many small ones are bounded too; any other
+    (health, metadata: answered at once) nothing unless it is larger than that."""
+    if infer:
+        return max(len(request), MESSAGE_FLOOR)
+    return len(request) if len(request) > MESSAGE_FLOOR else 0
 
 
 class ByteBudget:
     """Bytes of request messages forwarded and not yet answered, door-wide: :meth:`take`
     waits while taking ``n`` more would pass ``limit`` (unless nothing is held), so at most
-    ``limit`` (or one message) is held; every :meth:`take` is matched by one :meth:`give`."""
+    ``limit`` (or one message) is held; takers are served in the order they came (a large
+    message is not passed for ever by small ones); a take of 0 never waits. Every
+    :meth:`take` that returns is matched by one :meth:`give`; one cancelled while waiting
+    holds nothing."""
 
     def __init__(self, limit: int):
         self.limit, self.held = limit, 0
-        self._given = asyncio.Event()
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     async def take(self, n: int) -> None:
-        while self.held and self.held + n > self.limit:
-            self._given.clear()
-            await self._given.wait()
-        self.held += n
+        if not self._waiting and self._fits(n):
+            self.held += n
+            return
+        turn = (n, asyncio.get_running_loop().create_future())
+        self._waiting.append(turn)
+        try:
+            await turn[1]
+        except asyncio.CancelledError:
+            if turn[1].done() and not turn[1].cancelled():
+                self.give(n)                       # granted, then cancelled: not held
+            else:
+                self._waiting.remove(turn)
+                self._grant()
+            raise
 
     def give(self, n: int) -> None:
         self.held -= n
-        self._given.set()
+        self._grant()
+
+    def _fits(self, n: int) -> bool:
+        return n == 0 or not self.held or self.held + n <= self.limit
+
+    def _grant(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][0]):
+            n, granted = self._waiting.popleft()
+            self.held += n
+            granted.set_result(None)

@@ -31,10 +31,14 @@ too). Each message of a client's stream is its own inner stream to tritonserver
 request message holds its bytes (at least ``MESSAGE_FLOOR``) until Triton ends its
 request (its unary call or inner stream), at most ``max_outstanding`` bytes door-wide
 (:class:`ByteBudget`); a message past it waits, so a client cannot queue Triton gigabytes
-(a stream of 24 such messages took 4.7 GB); a client that takes no answer for
-``write_seconds`` is ended and gives its bytes back. At most ``max_calls`` calls run at once
-(grpcio refuses more with RESOURCE_EXHAUSTED; None: no cap, a peers' door, whose callers
-cap their own). Every call, unary ones included (all are
+(a stream of 24 such messages took 4.7 GB; a unary call waits at most ``idle_seconds``,
+then RESOURCE_EXHAUSTED), a client's stream has at most ``STREAM_CALLS`` messages at
+tritonserver (its next message is read when one ends), and a client that takes no answer
+for ``write_seconds`` is ended and gives its bytes back; a message other than an inference
+request (health, metadata) of at most ``MESSAGE_FLOOR`` bytes holds none and never waits.
+At most ``max_calls`` calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED;
+None: ``PEER_CALLS``, a peers' door, whose callers cap their own), ``CONNECTION_STREAMS``
+on one connection. Every call, unary ones included (all are
 served as streams), with no message either way for ``idle_seconds``
 (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
 connection with no call for as long is closed, so idle clients cannot hold the call cap or
@@ -50,6 +54,7 @@ naming the inner port).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Sequence
@@ -68,7 +73,10 @@ DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # an
 STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long ends (Envoy's)
 INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages: checked
 QUEUED_RESPONSES = 64       # responses of one client stream waiting for the client
-WRITE_SECONDS = 30.0        # a client that takes no response this long is ended
+STREAM_CALLS = 64           # messages of one client stream at tritonserver at once
+PEER_CALLS = 4096           # calls at once through a peers' door (~22 KB of the door's each)
+CONNECTION_STREAMS = 256    # HTTP/2 streams at once on one connection (a client queues more)
+WRITE_SECONDS = 10.0        # a client that takes no response this long is ended
 _ENDED = object()           # a stream relay's last item
 
 
@@ -110,8 +118,14 @@ def screens(models: frozenset[str] = frozenset()) -> dict[str, MessageScreen]:
                                   m.name in INFER_METHODS, models) for m in service_methods()}
 
 
+def _budget_full(door: GrpcDoor) -> str:
+    return (f"over {door.budget.limit} bytes of requests have been at tritonserver for "
+            f"{door.idle_seconds:g} s; retry later")
+
+
 class GrpcDoor:
-    """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``."""
+    """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``;
+    ``max_calls`` None: ``PEER_CALLS`` (a peers' door, whose callers cap their own)."""
 
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int | None,
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
@@ -122,8 +136,9 @@ class GrpcDoor:
         self.write_seconds = write_seconds
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
-        self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls, options=[
+        self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls or PEER_CALLS, options=[
             ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_concurrent_streams", CONNECTION_STREAMS),
             ("grpc.keepalive_permit_without_calls", 1),       # as tritonserver allows
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
             ("grpc.max_connection_idle_ms", int(idle_seconds * 1000)),
@@ -171,8 +186,12 @@ class GrpcDoor:
                 request = screen(request)
             except Refused as refused:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
-            cost = message_cost(request)
-            await self.budget.take(cost)
+            cost = message_cost(request, screen.infer)
+            try:
+                async with asyncio.timeout(self.idle_seconds):
+                    await self.budget.take(cost)
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _budget_full(self))
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
             try:
@@ -241,6 +260,7 @@ class _StreamRelay:
         self.door, self.method, self.screen, self.context = door, method, screen, context
         self.answers: asyncio.Queue[object] = asyncio.Queue(QUEUED_RESPONSES)
         self.calls: set[asyncio.Task[None]] = set()
+        self.room = asyncio.Semaphore(STREAM_CALLS)
         self.reading = True
         self.last = time.monotonic()              # a message either way
 
@@ -263,8 +283,8 @@ class _StreamRelay:
 
     async def _relay(self) -> None:
         while (item := await self._next()) is not _ENDED:
-            if isinstance(item, grpc.aio.AioRpcError):
-                raise Ending.relayed(item)
+            if isinstance(item, Ending):
+                raise item
             if isinstance(item, Refused):
                 raise Ending(grpc.StatusCode.INVALID_ARGUMENT, str(item))
             await _write(self.context, item, self.door.write_seconds)
@@ -292,16 +312,30 @@ class _StreamRelay:
                 except Refused as refused:
                     await self.answers.put(refused)
                     return
-                cost = message_cost(request)
-                await self.door.budget.take(cost)
-                self.calls.add(asyncio.get_running_loop().create_task(self._call(request, cost)))
+                await self.room.acquire()
+                cost = message_cost(request, True)
+                try:
+                    await self.door.budget.take(cost)
+                except BaseException:
+                    self.room.release()
+                    raise
+                call = asyncio.get_running_loop().create_task(self._call(request))
+                self.calls.add(call)
+                call.add_done_callback(functools.partial(self._ended, cost))
         finally:
             self.reading = False
         await self._end_if_done()
 
-    async def _call(self, request: bytes, cost: int) -> None:
-        """One message's inner call: its responses onto the queue, then its bytes given
-        back; the last call to end after the client half-closed ends the relay."""
+    def _ended(self, cost: int, call: asyncio.Task[None]) -> None:
+        """An inner call's end, however it ended (cancelled before it began too): its
+        bytes and its place in the stream given back."""
+        self.door.budget.give(cost)
+        self.room.release()
+        self.calls.discard(call)
+
+    async def _call(self, request: bytes) -> None:
+        """One message's inner call: its responses onto the queue, or how it failed; the
+        last call to end after the client half-closed ends the relay."""
         call = self.method(metadata=forwarded_metadata(self.context),
                            timeout=self.context.time_remaining())
         try:
@@ -310,11 +344,13 @@ class _StreamRelay:
             async for response in call:
                 await self.answers.put(response)
         except grpc.aio.AioRpcError as exc:
-            await self.answers.put(exc)
+            await self.answers.put(Ending.relayed(exc))
+        except Exception as exc:                   # the door's own fault: said, not hung
+            await self.answers.put(Ending(grpc.StatusCode.INTERNAL,
+                                          f"the door failed: {type(exc).__name__}"))
         finally:
             call.cancel()                          # no-op once done
-            self.door.budget.give(cost)
-            self.calls.discard(asyncio.current_task())
+        self.calls.discard(asyncio.current_task())
         await self._end_if_done()
 
     async def _end_if_done(self) -> None:
@@ -322,6 +358,7 @@ class _StreamRelay:
         cancels them): the relay's end."""
         if not self.reading and not self.calls:
             await self.answers.put(_ENDED)
+
 
 def _server_credentials(tls: GrpcTLS) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
