@@ -189,3 +189,12 @@ def test_the_control_shows_its_fastest_pass_and_checks_every_passs_texts():
     best = best_pass([run([0.3, 0.5], "a"), run([0.1, 0.2, 0.9], "b"), run([], "c")])
     assert best.ttft == [0.1, 0.2, 0.9] and best.texts == ["a", "b", "c"]
     assert best.prompts == [(1,)] * 3
+
+
+@pytest.mark.parametrize("argv, flag", [(["--local-prefill", "0"], "--local-prefill"),
+                                        (["--control-passes", "0"], "--control-passes")])
+def test_nonsense_passes_or_local_prefill_are_refused_before_any_server(argv, flag):
+    from triton_disagg.bench.prefix_cli import run
+
+    with pytest.raises(Exception, match=flag):
+        run(_args(*argv))
