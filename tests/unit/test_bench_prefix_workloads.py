@@ -126,15 +126,13 @@ def test_scale_shrinks_every_length_and_refuses_nonsense():
 def test_the_table_says_who_prefilled_and_when_a_mode_sent_other_prompts():
     """A mode whose answers differed sent other chat prompts: the table says so (never
     compares it silently); generation's own prefill shows apart, cache off unknown."""
-    import argparse
-
     from triton_disagg.bench.prefix_cli import Run, markdown
 
     def run(mode, prefilled, by_generation, prompts):
         return Run(mode, "chat", "full", 400, prefilled, by_generation, 300, [0.1, 0.2], 1.0,
                    0, ["a", "b"], prompts)
 
-    args = argparse.Namespace(rate=2.0, slo_ms=1000.0, max_local_prefill=256, scale=1.0)
+    args = _args("--scale", "0.5")
     table = markdown([run("round_robin", 400, None, [(1, 2), (1, 2, 3)]),
                       run("kv_aware", 100, 60, [(1, 2), (1, 2, 3)]),
                       run("least_loaded+cache", 100, 60, [(1, 2), (1, 2, 4)])], args)
@@ -142,3 +140,61 @@ def test_the_table_says_who_prefilled_and_when_a_mode_sent_other_prompts():
             if line.startswith("| ") and "---" not in line and "mode" not in line}
     assert rows["round_robin"][2] == "-" and rows["kv_aware"][1:4] == ["100", "60", "4.0"]
     assert rows["kv_aware"][-1] == "yes |" and rows["least_loaded+cache"][-1] == "NO |"
+    # the prose says why the routers run without generation's local prefill, and the command
+    assert "--local-prefill 256 --control-passes 3 --scale 0.5" in table
+    assert "local prefill off" in table and "`kv_aware, local prefill 128`" in table
+
+
+def _args(*argv: str):
+    import argparse
+
+    from triton_disagg.bench.prefix_cli import add_prefix_parser
+
+    parser = argparse.ArgumentParser()
+    add_prefix_parser(parser.add_subparsers())
+    return parser.parse_args(["prefix", *argv])
+
+
+def test_the_routers_are_compared_with_local_prefill_off_and_one_row_shows_it():
+    """Every mode runs with generation's local prefill off (else generation prefills each
+    repeat itself and no router decides), but one more kv_aware row per sharing workload,
+    in full pools only, with it at --local-prefill (scaled as the workloads are)."""
+    from triton_disagg.bench.prefix_cli import (MODES, local_prefill_tokens, planned,
+                                                row_label)
+
+    args = _args()
+    modes = [MODES[n] for n in args.modes.split(",")]
+    plan = planned(modes, args.workloads.split(","), half_pool=True)
+    local = [(pool, mode.name, chosen) for pool, mode, chosen in plan
+             if local_prefill_tokens(mode, args)]
+    assert local == [("full", "kv_aware+local_prefill", ["shared", "chat"])]
+    assert local_prefill_tokens(MODES["kv_aware+local_prefill"], args) == 256
+    assert local_prefill_tokens(MODES["kv_aware+local_prefill"], _args("--scale", "0.25")) == 64
+    assert [mode.name for pool, mode, _ in plan if pool == "full"] == list(MODES)
+    assert [(mode.name, chosen) for pool, mode, chosen in plan if pool == "half"] == [
+        (m, ["shared", "chat"]) for m in ("round_robin+cache", "least_loaded+cache", "kv_aware")]
+    assert row_label(MODES["kv_aware+local_prefill"], 256) == "kv_aware, local prefill 256"
+    assert row_label(MODES["kv_aware"], 0) == "kv_aware"
+    # asked for unique alone, the local prefill row has nothing to run
+    assert [m.name for _, m, _ in planned(modes, ["unique"], True)] == list(MODES)[:-1]
+
+
+def test_the_control_shows_its_fastest_pass_and_checks_every_passs_texts():
+    from triton_disagg.bench.prefix_cli import Run, best_pass
+
+    def run(ttft, text):
+        return Run("kv_aware", "unique", "full", 10, 10, 0, 0, ttft, 1.0, 0, [text], [(1,)])
+
+    assert _args().control_passes == 3
+    best = best_pass([run([0.3, 0.5], "a"), run([0.1, 0.2, 0.9], "b"), run([], "c")])
+    assert best.ttft == [0.1, 0.2, 0.9] and best.texts == ["a", "b", "c"]
+    assert best.prompts == [(1,)] * 3
+
+
+@pytest.mark.parametrize("argv, flag", [(["--local-prefill", "0"], "--local-prefill"),
+                                        (["--control-passes", "0"], "--control-passes")])
+def test_nonsense_passes_or_local_prefill_are_refused_before_any_server(argv, flag):
+    from triton_disagg.bench.prefix_cli import run
+
+    with pytest.raises(Exception, match=flag):
+        run(_args(*argv))

@@ -8,13 +8,21 @@ scheduler's OpenAI front as token-id completions, streamed and greedy, in waves,
 at ``--rate`` requests/s (Poisson); chat's ask for the generated ids too (``logprobs`` 0,
 ``return_tokens_as_token_ids``), which its next wave's prompts hold. Then the same again
 with each context server's pool holding about half of the working set (shared and chat,
-cache modes only).
+cache modes only). The control, unique, is sent ``--control-passes`` times per mode, each
+pass with prompts of its own, and the pass with the lowest TTFT p50 is reported: a shared
+machine's noise between two runs exceeds the 5% the control judges.
+
+The routers are compared with generation's local prefill off (``max_local_prefill_length``
+0, the default): with one generation server whose own cache holds a shared prefix or a
+conversation, a prompt with at most that many tokens not in generation's cache is prefilled
+there and no context router ever sees it, so every router would look alike. One more row
+per workload that shares (``kv_aware+local_prefill``, full pools) runs kv_aware with
+generation's local prefill at ``--local-prefill`` tokens, to show what it does.
 
 Figures per run: prompt tokens prefilled (with the cache on, the servers' own counters,
 ``disagg_prefix_cache_prefilled_total`` summed over the context servers and generation,
-and generation's apart: it prefills a prompt itself when at most ``--max-local-prefill`` of
-its tokens are not in its cache, so the context router never sees it; with the cache off,
-every prompt token once), hit rate against one never-evicting
+and generation's apart: the prompts it prefilled itself; with the cache off, every prompt
+token once), hit rate against one never-evicting
 cache (:func:`~.prefix_workloads.ideal_hit_tokens`), TTFT p50/p90 measured by the client
 from send to first token (queueing, routing, prefill, KV handoff and the first decode),
 goodput (requests/s that got their first token within ``--slo-ms``), errors, and whether
@@ -25,7 +33,7 @@ The table is printed and, with ``--output``, kept as the ``prefix`` section of t
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +48,14 @@ MODES = {m.name: m for m in (RoutingSetup("round_robin", "round_robin", False),
                              RoutingSetup("least_loaded", "least_loaded", False),
                              RoutingSetup("round_robin+cache", "round_robin", True),
                              RoutingSetup("least_loaded+cache", "least_loaded", True),
-                             RoutingSetup("kv_aware", "kv_aware", True))}
+                             RoutingSetup("kv_aware", "kv_aware", True),
+                             RoutingSetup("kv_aware+local_prefill", "kv_aware", True,
+                                          local_prefill=True))}
 PREFILLED = "disagg_prefix_cache_prefilled_total"  # prompt tokens computed, per instance
 QUERIED = "disagg_prefix_cache_queries_total"     # prompt tokens looked up (fetched ones too)
-MAX_LOCAL_PREFILL = 256    # generation_server.max_local_prefill_length: a chat turn's delta
-HALF_POOL_WORKLOADS = ("shared", "chat")
+LOCAL_PREFILL = 256        # kv_aware+local_prefill's max_local_prefill_length: a chat turn's delta
+SHARING_WORKLOADS = ("shared", "chat")   # also run in half pools and with local prefill
+CONTROL = "unique"         # sent --control-passes times per mode, the best pass reported
 ANSWERED = ("chat",)       # workloads whose next wave holds the answers: sent asking for ids
 
 
@@ -60,8 +71,12 @@ class Run:
     ttft: list[float]          # seconds, requests that got a first token
     goodput: float             # requests/s with TTFT <= the SLO
     errors: int
-    texts: list[str]
+    texts: list[str]                 # the control's: of every pass, in pass order
     prompts: list[tuple[int, ...]]   # as sent: chat's hold the answers of this mode
+
+    @property
+    def ttft_p50(self) -> float:
+        return float(np.percentile(self.ttft, 50)) if self.ttft else float("inf")
 
     @property
     def hit_rate(self) -> float | None:
@@ -82,14 +97,17 @@ def add_prefix_parser(kinds) -> None:
     p.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
     p.add_argument("--no-half-pool", action="store_true",
                    help="skip the runs with half the working set per context pool")
-    p.add_argument("--max-local-prefill", type=int, default=MAX_LOCAL_PREFILL,
-                   help="generation_server.max_local_prefill_length: a prompt with at most "
-                        "this many tokens not in generation's cache is prefilled there, "
-                        f"without a context (default {MAX_LOCAL_PREFILL}: a chat turn's "
-                        "new message, and the end of the answer before it that fills no "
-                        "whole block; 0: never)")
+    p.add_argument("--local-prefill", type=int, default=LOCAL_PREFILL,
+                   help="kv_aware+local_prefill's generation_server.max_local_prefill_length "
+                        "(every other mode: 0): a prompt with at most this many tokens not "
+                        "in generation's cache is prefilled there, without a context (default "
+                        f"{LOCAL_PREFILL}: a chat turn's new message, and the end of the "
+                        "answer before it that fills no whole block)")
+    p.add_argument("--control-passes", type=int, default=3,
+                   help=f"send {CONTROL} this many times per mode, each pass with prompts of "
+                        "its own, and report the pass with the lowest TTFT p50 (default 3)")
     p.add_argument("--scale", type=float, default=1.0,
-                   help="multiply every length of the workloads and --max-local-prefill "
+                   help="multiply every length of the workloads and --local-prefill "
                         "(e.g. 0.25 for a quick look)")
     add_engine_arg(p, "work/bench")
     p.add_argument("--work-dir", type=Path, default=Path("work/prefix"))
@@ -115,6 +133,34 @@ def scaled(shape: Shape, factor: float) -> Shape:
                                          for k in lengths}})
 
 
+def planned(modes: list[RoutingSetup], workloads: list[str],
+            half_pool: bool) -> list[tuple[str, RoutingSetup, list[str]]]:
+    """(pool, mode, its workloads) in run order: every mode in full pools; with
+    ``half_pool`` the cache modes again in half pools, on the workloads that share; the
+    local prefill row on the workloads that share (unique has no cached part for it to
+    prefill), in full pools."""
+    plan = []
+    for pool in ("full", "half") if half_pool else ("full",):
+        for mode in modes:
+            if pool == "half" and (not mode.prefix_caching or mode.local_prefill):
+                continue
+            sharing_only = pool == "half" or mode.local_prefill
+            chosen = [w for w in workloads if not sharing_only or w in SHARING_WORKLOADS]
+            if chosen:
+                plan.append((pool, mode, chosen))
+    return plan
+
+
+def local_prefill_tokens(mode: RoutingSetup, args: argparse.Namespace) -> int:
+    """``mode``'s generation_server.max_local_prefill_length: 0 (off) but for the local
+    prefill row, whose ``--local-prefill`` scales with the workloads."""
+    return round(args.local_prefill * args.scale) if mode.local_prefill else 0
+
+
+def row_label(mode: RoutingSetup, local_prefill: int) -> str:
+    return f"{mode.router}, local prefill {local_prefill}" if mode.local_prefill else mode.name
+
+
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.prefix_servers import deployment
     from triton_disagg.engine.spec import EngineSpec
@@ -123,19 +169,16 @@ def run(args: argparse.Namespace) -> int:
     workloads = _names(args.workloads, WORKLOADS, "--workloads")
     if args.rate <= 0:
         raise UserError(f"--rate: {args.rate} must be more than 0 requests/s")
-    if args.max_local_prefill < 0:
-        raise UserError(f"--max-local-prefill: {args.max_local_prefill} must be 0 or more")
+    if args.local_prefill < 1:
+        raise UserError(f"--local-prefill: {args.local_prefill} must be 1 or more tokens")
+    if args.control_passes < 1:
+        raise UserError(f"--control-passes: {args.control_passes} must be 1 or more")
     engine = bench_engine(args.engine, args.work_dir, _say)
     spec, shape = EngineSpec.load(engine), scaled(Shape(), args.scale)
     runs: list[Run] = []
-    deployed = deployment(engine, args.work_dir / "servers", _say,
-                          round(args.max_local_prefill * args.scale))
-    for pool in ("full",) if args.no_half_pool else ("full", "half"):
-        for mode in modes:
-            if pool == "half" and not mode.prefix_caching:
-                continue
-            chosen = [w for w in workloads if pool == "full" or w in HALF_POOL_WORKLOADS]
-            runs += _mode_runs(deployed, mode, pool, chosen, shape, spec, args)
+    deployed = deployment(engine, args.work_dir / "servers", _say)
+    for pool, mode, chosen in planned(modes, workloads, not args.no_half_pool):
+        runs += _mode_runs(deployed, mode, pool, chosen, shape, spec, args)
     table = markdown(runs, args)
     publish(table, args.output, "prefix", "Prefix caching and KV-aware routing", _say)
     return 0
@@ -149,9 +192,23 @@ def _mode_runs(deployed, mode: RoutingSetup, pool: str, workloads: list[str], sh
     largest = max(working_set_blocks([r for r, _ in rehearsed(
         w, shape, spec.shape.vocab_size, WORKLOADS.index(w), _stand_in)], bs) for w in workloads)
     kv_bytes = (largest // 2 if pool == "half" else 2 * largest) * block_bytes
-    with deployed.mode(mode, kv_bytes) as running:
-        return [_one_run(running, mode, pool, w, shape, spec.shape.vocab_size, bs, args)
+    local_prefill = local_prefill_tokens(mode, args)
+    with deployed.mode(mode, kv_bytes, local_prefill) as running:
+        def one(workload: str, seed: int) -> Run:
+            return _one_run(running, row_label(mode, local_prefill), mode.prefix_caching, pool,
+                            workload, seed, shape, spec.shape.vocab_size, bs, args)
+
+        return [best_pass([one(w, WORKLOADS.index(w) + len(WORKLOADS) * k)
+                           for k in range(args.control_passes if w == CONTROL else 1)])
                 for w in workloads]
+
+
+def best_pass(passes: list[Run]) -> Run:
+    """The pass with the lowest TTFT p50, with the texts and prompts of every pass (in
+    pass order: the greedy check covers them all)."""
+    best = min(passes, key=lambda r: r.ttft_p50)
+    return replace(best, texts=[t for r in passes for t in r.texts],
+                   prompts=[p for r in passes for p in r.prompts])
 
 
 def _stand_in(request: PrefixRequest) -> Answer:
@@ -160,19 +217,20 @@ def _stand_in(request: PrefixRequest) -> Answer:
     return (0,) * request.max_tokens
 
 
-def _one_run(running, mode: RoutingSetup, pool: str, workload: str, shape: Shape,
-             vocab_size: int, bs: int, args: argparse.Namespace) -> Run:
-    """``workload``'s waves, each built from the last one's answers (chat's), sent in turn."""
+def _one_run(running, label: str, prefix_caching: bool, pool: str, workload: str, seed: int,
+             shape: Shape, vocab_size: int, bs: int, args: argparse.Namespace) -> Run:
+    """``workload``'s waves (of ``seed``), each built from the last one's answers (chat's),
+    sent in turn."""
     from triton_disagg.bench.prefix_workloads import ideal_hit_tokens, wave
     from triton_disagg.clients.load import run_openai_load
     from triton_disagg.clients.stream import GenerateRequest
     from triton_disagg.routing.scrape import delta, scrape
 
-    _say(f"{mode.name}, {workload}, {pool} pool")
+    _say(f"{label}, {workload} (seed {seed}), {pool} pool")
     before = [scrape(url) for url in running.metrics]
     answered: list[tuple[PrefixRequest, Answer]] = []
     outcomes, seconds, last, k = [], 0.0, [], 0
-    while requests := wave(workload, shape, vocab_size, WORKLOADS.index(workload), k, last):
+    while requests := wave(workload, shape, vocab_size, seed, k, last):
         sent = [GenerateRequest(r.prompt, r.max_tokens, options={"end_id": -1},
                                 token_ids=workload in ANSWERED) for r in requests]
         load = run_openai_load(running.front, running.model, sent, args.rate, seed=k)
@@ -184,13 +242,13 @@ def _one_run(running, mode: RoutingSetup, pool: str, workload: str, shape: Shape
         k += 1
     prompt_tokens = sum(len(r.prompt) for r, _ in answered)
     prefilled, by_generation = prompt_tokens, None
-    if mode.prefix_caching:
+    if prefix_caching:
         after = _settled(running.metrics)
         counted = [int(delta(b, a, PREFILLED)) for b, a in zip(before, after)]
         prefilled, by_generation = sum(counted), counted[-1]   # generation's: the last
     ttft = [o.measurement.ttft for o in outcomes if o.measurement and o.measurement.ttft]
     good = sum(t <= args.slo_ms / 1000 for t in ttft)
-    return Run(mode.name, workload, pool, prompt_tokens, prefilled, by_generation,
+    return Run(label, workload, pool, prompt_tokens, prefilled, by_generation,
                sum(ideal_hit_tokens(answered, bs)), ttft, good / seconds if seconds else 0.0,
                sum(o.error is not None for o in outcomes),
                ["".join(o.measurement.text) if o.measurement else "" for o in outcomes],
@@ -220,25 +278,33 @@ def _settled(urls: tuple[str, ...], period: float = 1.0, timeout: float = 15.0) 
 
 
 def markdown(runs: list[Run], args: argparse.Namespace) -> str:
+    local, passes = round(args.local_prefill * args.scale), args.control_passes
     lines = [f"`triton-disagg bench prefix --rate {args.rate:g} --slo-ms {args.slo_ms:g} "
-             f"--max-local-prefill {args.max_local_prefill}"
+             f"--local-prefill {args.local_prefill} --control-passes {passes}"
              f"{f' --scale {args.scale:g}' if args.scale != 1 else ''}`: two context servers "
              f"and one generation server (the guide's `serve` commands, one host), token-id "
              f"completions over the scheduler's OpenAI front. Every server's prefix cache is "
-             f"the mode's; generation prefills a prompt itself when at most "
-             f"{round(args.max_local_prefill * args.scale)} of its tokens are not in its cache "
-             f"(`generation_server.max_local_prefill_length`). Prefilled: every prompt token "
-             f"computed, by the context servers and generation (their "
-             f"`{PREFILLED}`); by generation: those it prefilled itself, which no context "
-             f"router saw (cache off: not counted). TTFT is the client's, send to first token. A chat turn's prompt "
-             f"holds the ids the server answered the turn before: prompts = first says the "
-             f"mode sent the first mode's prompts (its answers were the same).", ""]
+             f"the mode's. The routers are compared with generation's local prefill off "
+             f"(`generation_server.max_local_prefill_length` 0, the default): with one "
+             f"generation server whose own cache holds the shared prefix or the conversation, "
+             f"a prompt with at most {local} tokens not in that cache is prefilled by "
+             f"generation and no context router sees it, so every router would look alike. "
+             f"The row `kv_aware, local prefill {local}` (full pools) runs kv_aware with it "
+             f"on, to show what it does. Prefilled: every prompt token computed, by the "
+             f"context servers and generation (their `{PREFILLED}`); by generation: those it "
+             f"prefilled itself (cache off: not counted). TTFT is the client's, send to first "
+             f"token. A chat turn's prompt holds the ids the server answered the turn before: "
+             f"prompts = first says the mode sent the first mode's prompts (its answers were "
+             f"the same). The control, {CONTROL}: {passes} passes per mode, each with prompts "
+             f"of its own, the one with the lowest TTFT p50 shown (texts = first covers "
+             f"every pass).", ""]
     for workload in dict.fromkeys(r.workload for r in runs):
         for pool in dict.fromkeys(r.pool for r in runs if r.workload == workload):
             rows = [r for r in runs if r.workload == workload and r.pool == pool]
             base = rows[0]
             lines += [f"**{workload}**, {pool} context pools ({base.prompt_tokens} prompt "
-                      f"tokens; one infinite cache would serve {base.ideal_hits}):", "",
+                      f"tokens; one infinite cache would serve {base.ideal_hits}"
+                      f"{f'; best of {passes} passes' if workload == CONTROL else ''}):", "",
                       "| mode | prefilled | by generation | x fewer | hit rate | TTFT p50 ms "
                       "| TTFT p90 ms "
                       "| goodput req/s | errors | texts = first | prompts = first |",

@@ -3,9 +3,9 @@ loopback ports - two ``serve context`` servers, one ``serve generation``, and ``
 scheduler`` routing over them - each from its own config file, so that the context servers'
 cache and pool, the generation server's pool and the scheduler's router are set apart.
 Every server's ``kv_cache.prefix_caching`` is the mode's (generation keeps a cache of its
-own: a conversation's next turn fetches only the blocks it lacks, or is prefilled there
-when at most ``max_local_prefill`` of its tokens are not cached,
-``generation_server.max_local_prefill_length``).
+own: a conversation's next turn fetches only the blocks it lacks, or, where the mode sets
+``generation_server.max_local_prefill_length``, is prefilled there when at most that many
+of its tokens are not cached).
 
 Invariant: :meth:`Deployment.mode` yields every server started cold (nothing cached: a
 mode never finds what an earlier mode left) and a scheduler that is ready (its peers
@@ -36,6 +36,9 @@ class RoutingSetup:
     name: str
     router: str               # the scheduler's context_server.router
     prefix_caching: bool      # the context servers' kv_cache.prefix_caching
+    # generation prefills a prompt itself when few of its tokens are not in its cache (the
+    # bench's --local-prefill); False: never (max_local_prefill_length 0, the default)
+    local_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,14 +55,13 @@ class Running:
 
 
 class Deployment:
-    def __init__(self, engine: Path, work_dir: Path, say, max_local_prefill: int):
+    def __init__(self, engine: Path, work_dir: Path, say):
         self.engine, self.work_dir, self.say = engine, work_dir.resolve(), say
-        self.max_local_prefill = max_local_prefill
         *self.context_ports, self.generation_port = free_ports(CONTEXT_SERVERS + 1)
         self.urls = [f"127.0.0.1:{p}" for p in self.context_ports]
         self.kv_events_port = free_port_run(CONTEXT_SERVERS)   # one publisher per server
 
-    def _config(self, name: str, kv_bytes: int, prefix_caching: bool = True,
+    def _config(self, name: str, kv_bytes: int, prefix_caching: bool, max_local_prefill: int,
                 router: str = "round_robin") -> Path:
         path = self.work_dir / f"{name}.yaml"
         path.write_text(yaml.safe_dump({
@@ -67,7 +69,7 @@ class Deployment:
             "context_server": {"urls": self.urls, "router": router,
                                "kv_events_port": self.kv_events_port},
             "generation_server": {"url": f"127.0.0.1:{self.generation_port}",
-                                  "max_local_prefill_length": self.max_local_prefill},
+                                  "max_local_prefill_length": max_local_prefill},
             "kv_cache": {"strategy": "direct_transfer", "max_size": kv_bytes,
                          "prefix_caching": prefix_caching}}, sort_keys=False))
         return path
@@ -93,15 +95,21 @@ class Deployment:
         return serve_cli(args, self.work_dir / f"{name}.log", marker=marker), front, metrics
 
     @contextlib.contextmanager
-    def mode(self, mode: RoutingSetup, context_kv_bytes: int) -> Iterator[Running]:
-        """A cold generation server and cold context servers with ``mode``'s cache
-        (``context_kv_bytes`` each), and a scheduler with its router, until the block exits."""
-        self.say(f"starting the generation server and {CONTEXT_SERVERS} context servers "
-                 f"(prefix_caching {mode.prefix_caching}, {context_kv_bytes / 2**20:.0f} MiB of "
-                 f"KV each) and the scheduler ({mode.router})")
-        generation = self._config("generation", GENERATION_KV_BYTES, mode.prefix_caching)
-        context = self._config("context", context_kv_bytes, mode.prefix_caching)
-        scheduler = self._config("scheduler", context_kv_bytes, mode.prefix_caching, mode.router)
+    def mode(self, mode: RoutingSetup, context_kv_bytes: int,
+             max_local_prefill: int) -> Iterator[Running]:
+        """A cold generation server (prefilling a prompt itself when at most
+        ``max_local_prefill`` of its tokens are not cached; 0: never) and cold context servers
+        with ``mode``'s cache (``context_kv_bytes`` each), and a scheduler with its router,
+        until the block exits."""
+        self.say(f"starting the generation server (local prefill {max_local_prefill}) and "
+                 f"{CONTEXT_SERVERS} context servers (prefix_caching {mode.prefix_caching}, "
+                 f"{context_kv_bytes / 2**20:.0f} MiB of KV each) and the scheduler "
+                 f"({mode.router})")
+        caching = mode.prefix_caching
+        generation = self._config("generation", GENERATION_KV_BYTES, caching, max_local_prefill)
+        context = self._config("context", context_kv_bytes, caching, max_local_prefill)
+        scheduler = self._config("scheduler", context_kv_bytes, caching, max_local_prefill,
+                                 mode.router)
         with contextlib.ExitStack() as stack:
             served, _, generation_metrics = self._serve("generation", generation,
                                                         self.generation_port, "generation")
@@ -117,7 +125,7 @@ class Deployment:
                           f"http://127.0.0.1:{generation_metrics}")
 
 
-def deployment(engine: Path, work_dir: Path, say, max_local_prefill: int) -> Deployment:
+def deployment(engine: Path, work_dir: Path, say) -> Deployment:
     """Where and how the servers of each mode start (:meth:`Deployment.mode`)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    return Deployment(engine, work_dir, say, max_local_prefill)
+    return Deployment(engine, work_dir, say)
