@@ -30,25 +30,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _stream_server(handler=None) -> tuple[grpc.aio.Server, int]:
+async def _stream_server(handler=None, unary=None) -> tuple[grpc.aio.Server, int]:
     """A started stand-in tritonserver whose ``ModelStreamInfer`` is ``handler`` (default:
-    an echo)."""
+    an echo) and whose unary methods are ``unary`` (name -> handler)."""
     async def echo(requests, context):
         async for request in requests:
             yield request
 
+    methods = {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(handler or echo)}
+    methods.update({name: grpc.unary_unary_rpc_method_handler(f)
+                    for name, f in (unary or {}).items()})
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(handler or echo)})])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
 
 
 @contextlib.asynccontextmanager
-async def _door(max_calls: int = 4, max_bytes: int = 1 << 20, **kwargs):
-    """A started door in front of a started echo server; both stopped after."""
-    inner, inner_port = await _stream_server()
+async def _door(max_calls: int | None = 4, max_bytes: int = 1 << 20, handler=None, unary=None,
+                **kwargs):
+    """A started door in front of a started stand-in (:func:`_stream_server`); both stopped
+    after."""
+    inner, inner_port = await _stream_server(handler, unary)
     door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", max_bytes, max_calls,
                     **kwargs)
     await door.start()
@@ -254,11 +258,7 @@ def test_a_message_holds_the_budget_until_triton_lets_its_request_go():
                 await done.wait()
                 yield b"last"
 
-        inner, inner_port = await _stream_server(decoupled)
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
-                        max_outstanding=int(2.5 * MESSAGE_FLOOR))
-        await door.start()
-        try:
+        async with _door(handler=decoupled, max_outstanding=int(2.5 * MESSAGE_FLOOR)) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 call = channel.stream_stream(STREAM)()
                 for _ in range(3):
@@ -275,9 +275,6 @@ def test_a_message_holds_the_budget_until_triton_lets_its_request_go():
                 assert [await call.read() for _ in range(2)] == [b"last", b"last"]
                 assert await call.read() is grpc.aio.EOF
                 assert await call.code() == grpc.StatusCode.OK
-        finally:
-            await door.stop(0)
-            await inner.stop(0)
         assert door.budget.held == 0
     asyncio.run(main())
 
@@ -295,10 +292,7 @@ def test_each_message_of_a_stream_is_its_own_inner_call():
                 yield request
             per_call.append(n)
 
-        inner, inner_port = await _stream_server(count)
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4)
-        await door.start()
-        try:
+        async with _door(handler=count) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 call = channel.stream_stream(STREAM)()
                 sent = [_infer_request(1, name=f"m{i}") for i in range(5)]
@@ -306,9 +300,6 @@ def test_each_message_of_a_stream_is_its_own_inner_call():
                     await call.write(message)
                 await call.done_writing()
                 assert sorted([r async for r in call]) == sorted(sent)
-        finally:
-            await door.stop(0)
-            await inner.stop(0)
         assert per_call == [1] * 5
     asyncio.run(main())
 
@@ -322,11 +313,7 @@ def test_a_client_that_reads_nothing_is_ended_and_gives_its_bytes_back():
                 while True:
                     yield b"x" * (1 << 20)
 
-        inner, inner_port = await _stream_server(flood)
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 4,
-                        write_seconds=0.5)
-        await door.start()
-        try:
+        async with _door(handler=flood, write_seconds=0.5) as door:
             async with grpc.aio.insecure_channel(door.address, options=[
                     ("grpc.max_receive_message_length", -1)]) as channel:
                 call = channel.stream_stream(STREAM)()
@@ -343,9 +330,6 @@ def test_a_client_that_reads_nothing_is_ended_and_gives_its_bytes_back():
                         await call.read()
                 assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert "read no response" in ended.value.details()
-        finally:
-            await door.stop(0)
-            await inner.stop(0)
     asyncio.run(main())
 
 
@@ -359,10 +343,7 @@ def test_cancelled_streams_give_back_every_byte():
                 await asyncio.sleep(0.05)
                 yield request
 
-        inner, inner_port = await _stream_server(slow_echo)
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, None)
-        await door.start()
-        try:
+        async with _door(None, handler=slow_echo) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 for _ in range(300):      # grpc's reset-flood guard ends some at once
                     call = channel.stream_stream(STREAM)()
@@ -374,9 +355,6 @@ def test_cancelled_streams_give_back_every_byte():
                 while door.budget.held and time.monotonic() < wait:
                     await asyncio.sleep(0.1)
                 assert door.budget.held == 0
-        finally:
-            await door.stop(0)
-            await inner.stop(0)
     asyncio.run(main())
 
 
@@ -401,16 +379,8 @@ def test_one_stream_holds_at_most_its_share_and_probes_never_wait(monkeypatch):
         async def live(request, context):
             return b""
 
-        inner = grpc.aio.server()
-        inner.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(never),
-            "ServerLive": grpc.unary_unary_rpc_method_handler(live)})])
-        inner_port = inner.add_insecure_port("127.0.0.1:0")
-        await inner.start()
-        door = GrpcDoor("127.0.0.1", _free_port(), f"127.0.0.1:{inner_port}", 1 << 20, 8,
-                        max_outstanding=4 * MESSAGE_FLOOR)
-        await door.start()
-        try:
+        async with _door(8, handler=never, unary={"ServerLive": live},
+                         max_outstanding=4 * MESSAGE_FLOOR) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 hog = channel.stream_stream(STREAM)()
                 for _ in range(50):
@@ -420,9 +390,6 @@ def test_one_stream_holds_at_most_its_share_and_probes_never_wait(monkeypatch):
                 live_call = channel.unary_unary(f"/{SERVICE}/ServerLive")
                 assert await live_call(b"", timeout=5) == b""   # the budget is full
                 hog.cancel()
-        finally:
-            await door.stop(0)
-            await inner.stop(0)
     asyncio.run(main())
 
 
