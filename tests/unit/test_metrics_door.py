@@ -57,3 +57,36 @@ def test_a_bodiless_get_is_forwarded_and_nothing_else_reaches_the_inner_server()
             await door.cleanup()
             await inner.cleanup()
     asyncio.run(main())
+
+
+def test_a_flood_of_scrapes_shares_one_scrape_at_a_time():
+    """rev27i F5: 300 connections looping on ``/metrics`` queued behind 4 scrapes at once and
+    4 of 5 one-second liveness probes timed out. A scrape that comes while one runs gets
+    that one's answer: tritonserver is scraped once at a time and nobody queues."""
+    async def main():
+        running, most, scraped = [0], [0], [0]
+
+        async def slow(request: web.Request) -> web.Response:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            scraped[0] += 1
+            await asyncio.sleep(0.2)
+            running[0] -= 1
+            return web.Response(text=TEXT, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", slow)
+        inner, inner_port = await serve_locally(app)
+        door, port = await serve_locally(make_metrics_door(inner_port))
+        try:
+            async with ClientSession() as session:
+                async def get() -> tuple[int, str]:
+                    async with session.get(f"http://127.0.0.1:{port}/metrics") as answer:
+                        return answer.status, await answer.text()
+                answers = await asyncio.gather(*(get() for _ in range(50)))
+            assert answers == [(200, TEXT)] * 50
+            assert most[0] == 1 and scraped[0] <= 3
+        finally:
+            await door.cleanup()
+            await inner.cleanup()
+    asyncio.run(main())

@@ -441,3 +441,108 @@ def test_the_budget_serves_takers_in_order():
         assert budget.held == 0
         await budget.take(0)                            # never waits
     asyncio.run(main())
+
+
+def test_a_waiter_cancelled_as_bytes_are_given_back_leaks_nothing_and_probes_pass():
+    """rev27i F2: a waiter cancelled in the turn another call gave bytes back was granted
+    them after all (its future cancelled, its bytes counted held) and they were never
+    given back: the door wedged. F1: a take of 0 (a probe) queued behind any waiter. F4:
+    waiting messages are in the door's memory outside the budget; past as many bytes
+    waiting as it holds, a take is refused at once."""
+    from triton_disagg.front.door_guards import BudgetFull, ByteBudget
+
+    async def main():
+        budget = ByteBudget(10)
+        await budget.take(5)
+        waiter = asyncio.ensure_future(budget.take(10))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(budget.take(0), 1)          # a probe passes the queue
+        waiter.cancel()
+        budget.give(5)                                     # the same turn
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        assert (budget.held, budget.waiting) == (0, 0)
+        await asyncio.wait_for(budget.take(10), 1)
+        queued = asyncio.ensure_future(budget.take(8))
+        await asyncio.sleep(0)
+        with pytest.raises(BudgetFull):
+            await budget.take(5)                           # 8 + 5 would wait: over 10
+        budget.give(10)
+        await queued
+        assert (budget.held, budget.waiting) == (8, 0)
+    asyncio.run(main())
+
+
+class _Aborted(Exception):
+    """What the stand-in context raises at ``abort``, as grpc's does."""
+
+
+class _SlowClient:
+    """A stand-in ``ServicerContext`` whose client takes each answer in ``seconds``."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.written = seconds, 0
+
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+    async def write(self, response: bytes) -> None:
+        await asyncio.sleep(self.seconds)
+        self.written += 1
+
+    async def abort(self, code, details, trailing=()):
+        raise _Aborted(code, details)
+
+
+class _Answers:
+    """A stand-in inner call answering ``n`` responses at once."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    async def write(self, request: bytes) -> None:
+        pass
+
+    async def done_writing(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+    async def __aiter__(self):
+        for _ in range(self.n):
+            yield b"token"
+
+
+def test_a_client_that_reads_slowly_is_ended_when_its_answers_wait_too_long():
+    """rev27i F3: a client that took an answer every few seconds passed the per-write
+    timeout and held its bytes of the door-wide budget for as long as it liked (50 s shown,
+    one 80 MiB upload). An answer that waits in the door ``answer_seconds`` after
+    tritonserver gave it ends the stream, and its bytes are given back."""
+    from types import SimpleNamespace
+
+    from triton_disagg.front.door_guards import ByteBudget
+    from triton_disagg.front.public_door import _StreamRelay
+
+    async def main():
+        door = SimpleNamespace(budget=ByteBudget(1 << 20), idle_seconds=300.0,
+                               write_seconds=5.0, answer_seconds=1.0, max_bytes=1 << 20)
+        context = _SlowClient(0.2)                         # each write well within 5 s
+
+        async def one_message():
+            yield _infer_request(1)
+            await asyncio.Event().wait()                   # the client never half-closes
+
+        relay = _StreamRelay(door, lambda **_: _Answers(500), lambda raw: raw, context)
+        begun = time.monotonic()
+        with pytest.raises(_Aborted) as ended:
+            await relay.run(one_message())
+        assert ended.value.args[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "after tritonserver gave it" in ended.value.args[1]
+        assert time.monotonic() - begun < 5 and context.written < 30
+        await asyncio.sleep(0.1)                           # the cancelled calls' ends
+        assert door.budget.held == 0
+    asyncio.run(main())

@@ -121,31 +121,41 @@ def message_cost(request: bytes, infer: bool) -> int:
     return len(request) if len(request) > MESSAGE_FLOOR else 0
 
 
+class BudgetFull(Exception):
+    """As many bytes wait for the budget as it holds: the message is refused at once."""
+
+
 class ByteBudget:
     """Bytes of request messages forwarded and not yet answered, door-wide: :meth:`take`
     waits while taking ``n`` more would pass ``limit`` (unless nothing is held), so at most
     ``limit`` (or one message) is held; takers are served in the order they came (a large
-    message is not passed for ever by small ones); a take of 0 never waits. Every
-    :meth:`take` that returns is matched by one :meth:`give`; one cancelled while waiting
-    holds nothing."""
+    message is not passed for ever by small ones); a take of 0 never waits; a take that
+    would make the bytes waiting more than ``limit`` raises :class:`BudgetFull` at once (a
+    waiting message is in the door's memory, outside the budget). Every :meth:`take` that
+    returns is matched by one :meth:`give`; one cancelled or refused holds nothing."""
 
     def __init__(self, limit: int):
-        self.limit, self.held = limit, 0
-        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self.limit, self.held, self.waiting = limit, 0, 0
+        self._queue: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     async def take(self, n: int) -> None:
-        if not self._waiting and self._fits(n):
+        if n == 0 or (not self._queue and self._fits(n)):
             self.held += n
             return
+        if self.waiting and self.waiting + n > self.limit:
+            raise BudgetFull(f"{self.waiting} bytes of requests already wait for the door's "
+                             f"{self.limit}; retry later")
         turn = (n, asyncio.get_running_loop().create_future())
-        self._waiting.append(turn)
+        self._queue.append(turn)
+        self.waiting += n
         try:
             await turn[1]
         except asyncio.CancelledError:
             if turn[1].done() and not turn[1].cancelled():
                 self.give(n)                       # granted, then cancelled: not held
-            else:
-                self._waiting.remove(turn)
+            elif turn in self._queue:              # not yet skipped by _grant
+                self._queue.remove(turn)
+                self.waiting -= n
                 self._grant()
             raise
 
@@ -154,10 +164,14 @@ class ByteBudget:
         self._grant()
 
     def _fits(self, n: int) -> bool:
-        return n == 0 or not self.held or self.held + n <= self.limit
+        return not self.held or self.held + n <= self.limit
 
     def _grant(self) -> None:
-        while self._waiting and self._fits(self._waiting[0][0]):
-            n, granted = self._waiting.popleft()
-            self.held += n
-            granted.set_result(None)
+        """Grant the turns at the head that fit; a turn cancelled while queued is dropped
+        (its taker has not yet run its ``except``: it finds itself gone)."""
+        while self._queue and (self._queue[0][1].done() or self._fits(self._queue[0][0])):
+            n, turn = self._queue.popleft()
+            self.waiting -= n
+            if not turn.done():
+                self.held += n
+                turn.set_result(None)

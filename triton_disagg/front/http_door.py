@@ -46,7 +46,7 @@ from aiohttp import web
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.front.door_guards import (MAX_ENTRIES, OUTSTANDING_MESSAGES, UNREACHABLE,
-                                             ByteBudget, InnerOwner, Refused)
+                                             BudgetFull, ByteBudget, InnerOwner, Refused)
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
 from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.public_door import GrpcDoor
@@ -158,9 +158,9 @@ async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
     try:
         async with asyncio.timeout(body_timeout):
             await budget.take(len(body))
-    except TimeoutError:
-        busy = _error(503, f"over {budget.limit} bytes of requests are at tritonserver "
-                           f"for {body_timeout:g} s; retry later")
+    except (TimeoutError, BudgetFull) as full:
+        busy = _error(503, str(full) or f"over {budget.limit} bytes of requests are at "
+                                        f"tritonserver for {body_timeout:g} s; retry later")
         busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return busy
     try:

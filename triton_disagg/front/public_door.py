@@ -54,6 +54,7 @@ naming the inner port).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -63,8 +64,9 @@ import grpc
 from google.protobuf.descriptor import MethodDescriptor
 
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.front.door_guards import (OUTSTANDING_MESSAGES, UNREACHABLE, ByteBudget,
-                                             InnerOwner, MessageScreen, Refused, message_cost)
+from triton_disagg.front.door_guards import (OUTSTANDING_MESSAGES, UNREACHABLE, BudgetFull,
+                                             ByteBudget, InnerOwner, MessageScreen, Refused,
+                                             message_cost)
 from triton_disagg.triton.endpoints import LOOPBACK
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -131,9 +133,10 @@ class GrpcDoor:
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
                  owner: InnerOwner | None = None, max_connections: int = 512,
                  max_outstanding: int | None = None, models: frozenset[str] = frozenset(),
-                 write_seconds: float = WRITE_SECONDS):
+                 write_seconds: float = WRITE_SECONDS, answer_seconds: float = WRITE_SECONDS):
         self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
-        self.write_seconds = write_seconds
+        self.write_seconds, self.answer_seconds = write_seconds, answer_seconds
+        self.max_bytes = max_bytes
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls or PEER_CALLS, options=[
@@ -192,6 +195,8 @@ class GrpcDoor:
                     await self.budget.take(cost)
             except TimeoutError:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _budget_full(self))
+            except BudgetFull as full:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
             try:
@@ -248,12 +253,16 @@ class _StreamRelay:
     after that request's last response), so tritonserver never writes two requests'
     responses on one stream (Triton 2.51 can abort writing an error response on a stream
     that is streaming another's) and a message's bytes are held in the door's budget until
-    Triton has let that request go, however many responses it gives. Responses come back
+    Triton has let that request go, however many responses it gives; a stream holds at most
+    ``STREAM_CALLS`` messages and ``max_bytes`` (or one message) of it. Responses come back
     in the order they arrive, through a queue of ``QUEUED_RESPONSES``; the call ends when
     the client has half-closed and every inner call has ended, at the first inner failure
-    (as tritonserver ended it), at a refused message (INVALID_ARGUMENT), after
-    ``idle_seconds`` with no message either way, or when the client reads nothing for
-    ``write_seconds``; every inner call is cancelled and every byte given back then."""
+    (as tritonserver ended it), at a refused message (INVALID_ARGUMENT), when the door's
+    budget has as many bytes waiting as it holds (RESOURCE_EXHAUSTED), after
+    ``idle_seconds`` with no message either way, when one write waits ``write_seconds`` or
+    the client takes an answer ``answer_seconds`` after tritonserver gave it (a client
+    that reads slowly holds the budget no longer than one that reads nothing); every inner call is cancelled and every
+    byte given back then."""
 
     def __init__(self, door: GrpcDoor, method: grpc.aio.StreamStreamMultiCallable,
                  screen: MessageScreen, context: grpc.aio.ServicerContext):
@@ -261,6 +270,7 @@ class _StreamRelay:
         self.answers: asyncio.Queue[object] = asyncio.Queue(QUEUED_RESPONSES)
         self.calls: set[asyncio.Task[None]] = set()
         self.room = asyncio.Semaphore(STREAM_CALLS)
+        self.share = ByteBudget(door.max_bytes)
         self.reading = True
         self.last = time.monotonic()              # a message either way
 
@@ -282,16 +292,22 @@ class _StreamRelay:
             call.cancel()
 
     async def _relay(self) -> None:
-        while (item := await self._next()) is not _ENDED:
+        while (queued := await self._next())[1] is not _ENDED:
+            given, item = queued
             if isinstance(item, Ending):
                 raise item
             if isinstance(item, Refused):
                 raise Ending(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if (late := time.monotonic() - given) > self.door.answer_seconds:
+                raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"the client took an answer {late:.0f} s after tritonserver "
+                             f"gave it (at most {self.door.answer_seconds:g} s)")
             await _write(self.context, item, self.door.write_seconds)
             self.last = time.monotonic()
 
-    async def _next(self) -> object:
-        """The next response, failure or ``_ENDED``; the call ends idle past its time."""
+    async def _next(self) -> tuple[float, object]:
+        """(when it was queued, the next response, failure or ``_ENDED``); the call ends
+        idle past its time."""
         while True:
             left = self.last + self.door.idle_seconds - time.monotonic()
             if left <= 0:
@@ -309,16 +325,14 @@ class _StreamRelay:
                 self.last = time.monotonic()
                 try:
                     request = self.screen(request)
+                    cost = message_cost(request, True)
+                    await self._admit(cost)
                 except Refused as refused:
-                    await self.answers.put(refused)
+                    await self._queue(refused)
                     return
-                await self.room.acquire()
-                cost = message_cost(request, True)
-                try:
-                    await self.door.budget.take(cost)
-                except BaseException:
-                    self.room.release()
-                    raise
+                except BudgetFull as full:
+                    await self._queue(Ending(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full)))
+                    return
                 call = asyncio.get_running_loop().create_task(self._call(request))
                 self.calls.add(call)
                 call.add_done_callback(functools.partial(self._ended, cost))
@@ -326,12 +340,28 @@ class _StreamRelay:
             self.reading = False
         await self._end_if_done()
 
+    async def _admit(self, cost: int) -> None:
+        """A message's place: one of the stream's ``STREAM_CALLS``, ``cost`` bytes of its
+        share and of the door's budget; all of them or none (:class:`BudgetFull`, or
+        cancelled)."""
+        async with contextlib.AsyncExitStack() as undo:
+            await self.room.acquire()
+            undo.callback(self.room.release)
+            await self.share.take(cost)
+            undo.callback(self.share.give, cost)
+            await self.door.budget.take(cost)
+            undo.pop_all()
+
     def _ended(self, cost: int, call: asyncio.Task[None]) -> None:
         """An inner call's end, however it ended (cancelled before it began too): its
         bytes and its place in the stream given back."""
         self.door.budget.give(cost)
+        self.share.give(cost)
         self.room.release()
         self.calls.discard(call)
+
+    async def _queue(self, item: object) -> None:
+        await self.answers.put((time.monotonic(), item))
 
     async def _call(self, request: bytes) -> None:
         """One message's inner call: its responses onto the queue, or how it failed; the
@@ -342,12 +372,12 @@ class _StreamRelay:
             await call.write(request)
             await call.done_writing()
             async for response in call:
-                await self.answers.put(response)
+                await self._queue(response)
         except grpc.aio.AioRpcError as exc:
-            await self.answers.put(Ending.relayed(exc))
+            await self._queue(Ending.relayed(exc))
         except Exception as exc:                   # the door's own fault: said, not hung
-            await self.answers.put(Ending(grpc.StatusCode.INTERNAL,
-                                          f"the door failed: {type(exc).__name__}"))
+            await self._queue(Ending(grpc.StatusCode.INTERNAL,
+                                     f"the door failed: {type(exc).__name__}"))
         finally:
             call.cancel()                          # no-op once done
         self.calls.discard(asyncio.current_task())
@@ -357,7 +387,7 @@ class _StreamRelay:
         """After the client half-closed and the last inner call ended (not when the relay
         cancels them): the relay's end."""
         if not self.reading and not self.calls:
-            await self.answers.put(_ENDED)
+            await self._queue(_ENDED)
 
 
 def _server_credentials(tls: GrpcTLS) -> grpc.ServerCredentials:
