@@ -251,8 +251,9 @@ async def open_doors(ports: DoorPorts, max_bytes: int, front: FrontConfig,
     ``http_runner(app)``, the front's capped runner); returns what stops both.
     ``capped``: the gRPC door runs at most ``front.max_concurrent_requests`` calls (clients'
     doors); else ``PEER_CALLS`` (a context's or generation's, whose callers, the
-    deployment's orchestrators, cap their own: a bound on the door's memory); ``models``: the repository's, the only ones an inference
-    request through either door may name; the doors share the gRPC door's byte budget."""
+    deployment's orchestrators, cap their own: a bound on the door's memory); ``models``:
+    the repository's, the only ones an inference request through either door may name; the
+    doors share the gRPC door's byte budget."""
     owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
                              if p is not None))
     grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",

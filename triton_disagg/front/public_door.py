@@ -261,8 +261,8 @@ class _StreamRelay:
     budget has as many bytes waiting as it holds (RESOURCE_EXHAUSTED), after
     ``idle_seconds`` with no message either way, when one write waits ``write_seconds`` or
     the client takes an answer ``answer_seconds`` after tritonserver gave it (a client
-    that reads slowly holds the budget no longer than one that reads nothing); every inner call is cancelled and every
-    byte given back then."""
+    that reads slowly holds the budget no longer than one that reads nothing); every inner
+    call is cancelled and every byte given back then."""
 
     def __init__(self, door: GrpcDoor, method: grpc.aio.StreamStreamMultiCallable,
                  screen: MessageScreen, context: grpc.aio.ServicerContext):
