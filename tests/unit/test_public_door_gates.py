@@ -546,3 +546,38 @@ def test_a_client_that_reads_slowly_is_ended_when_its_answers_wait_too_long():
         await asyncio.sleep(0.1)                           # the cancelled calls' ends
         assert door.budget.held == 0
     asyncio.run(main())
+
+
+def test_a_message_waiting_for_its_streams_share_is_counted_door_wide():
+    """rev27j M1: a message that waited for its stream's share (or place) was held in the
+    door's memory outside the budget: 100 streams held 100 MiB while the budget showed 1.6
+    MiB. A message is read only once its stream has a place, and waits for the share holding
+    its bytes of the door's budget."""
+    async def main():
+        arrived: list[bytes] = []
+
+        async def never(requests, context):
+            async for request in requests:
+                arrived.append(request)
+            await asyncio.Event().wait()
+            yield b""
+
+        from tritonclient.grpc import service_pb2
+
+        big = service_pb2.ModelInferRequest(model_name="ensemble",
+                                            raw_input_contents=[b"x" * 1_040_000])
+        big = big.SerializeToString()
+        async with _door(handler=never, max_outstanding=8 << 20) as door:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                call = channel.stream_stream(STREAM)()
+                await call.write(_infer_request(1))
+                await call.write(big)                      # over its share: waits
+                await asyncio.sleep(0.5)
+                assert len(arrived) == 1
+                assert door.budget.held == MESSAGE_FLOOR + len(big)
+                call.cancel()
+            wait = time.monotonic() + 5
+            while door.budget.held and time.monotonic() < wait:
+                await asyncio.sleep(0.05)
+            assert door.budget.held == 0
+    asyncio.run(main())

@@ -54,7 +54,6 @@ naming the inner port).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
 from pathlib import Path
@@ -320,19 +319,30 @@ class _StreamRelay:
                 continue
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        """Read a message only once the stream has a place for it (a message the door
+        has read waits counted in the door's budget, never outside it)."""
+        messages = aiter(requests)
         try:
-            async for request in requests:
+            while True:
+                await self.room.acquire()
+                if (request := await anext(messages, None)) is None:
+                    self.room.release()
+                    break
                 self.last = time.monotonic()
                 try:
                     request = self.screen(request)
                     cost = message_cost(request, True)
                     await self._admit(cost)
-                except Refused as refused:
-                    await self._queue(refused)
-                    return
-                except BudgetFull as full:
-                    await self._queue(Ending(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full)))
-                    return
+                except BaseException as failed:
+                    self.room.release()
+                    if isinstance(failed, Refused):
+                        await self._queue(failed)
+                        return
+                    if isinstance(failed, BudgetFull):
+                        await self._queue(Ending(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                 str(failed)))
+                        return
+                    raise
                 call = asyncio.get_running_loop().create_task(self._call(request))
                 self.calls.add(call)
                 call.add_done_callback(functools.partial(self._ended, cost))
@@ -341,16 +351,15 @@ class _StreamRelay:
         await self._end_if_done()
 
     async def _admit(self, cost: int) -> None:
-        """A message's place: one of the stream's ``STREAM_CALLS``, ``cost`` bytes of its
-        share and of the door's budget; all of them or none (:class:`BudgetFull`, or
+        """``cost`` bytes of the door's budget, then of the stream's share (so bytes waiting
+        for the stream are counted door-wide); both or neither (:class:`BudgetFull`, or
         cancelled)."""
-        async with contextlib.AsyncExitStack() as undo:
-            await self.room.acquire()
-            undo.callback(self.room.release)
+        await self.door.budget.take(cost)
+        try:
             await self.share.take(cost)
-            undo.callback(self.share.give, cost)
-            await self.door.budget.take(cost)
-            undo.pop_all()
+        except BaseException:
+            self.door.budget.give(cost)
+            raise
 
     def _ended(self, cost: int, call: asyncio.Task[None]) -> None:
         """An inner call's end, however it ended (cancelled before it began too): its
@@ -366,9 +375,10 @@ class _StreamRelay:
     async def _call(self, request: bytes) -> None:
         """One message's inner call: its responses onto the queue, or how it failed; the
         last call to end after the client half-closed ends the relay."""
-        call = self.method(metadata=forwarded_metadata(self.context),
-                           timeout=self.context.time_remaining())
+        call: grpc.aio.StreamStreamCall | None = None
         try:
+            call = self.method(metadata=forwarded_metadata(self.context),
+                               timeout=self.context.time_remaining())
             await call.write(request)
             await call.done_writing()
             async for response in call:
@@ -379,7 +389,8 @@ class _StreamRelay:
             await self._queue(Ending(grpc.StatusCode.INTERNAL,
                                      f"the door failed: {type(exc).__name__}"))
         finally:
-            call.cancel()                          # no-op once done
+            if call is not None:
+                call.cancel()                      # no-op once done
         self.calls.discard(asyncio.current_task())
         await self._end_if_done()
 
