@@ -47,6 +47,15 @@ async def _stream_server(handler=None, unary=None) -> tuple[grpc.aio.Server, int
     return server, port
 
 
+async def _held_until(door: GrpcDoor, held: bool, seconds: float = 10) -> int:
+    """Wait up to ``seconds`` for the door's budget to hold bytes (``held``) or none; the
+    bytes held then."""
+    wait = time.monotonic() + seconds
+    while bool(door.budget.held) != held and time.monotonic() < wait:
+        await asyncio.sleep(0.05)
+    return door.budget.held
+
+
 @contextlib.asynccontextmanager
 async def _door(max_calls: int | None = 4, max_bytes: int = 1 << 20, handler=None, unary=None,
                 **kwargs):
@@ -318,13 +327,8 @@ def test_a_client_that_reads_nothing_is_ended_and_gives_its_bytes_back():
                     ("grpc.max_receive_message_length", -1)]) as channel:
                 call = channel.stream_stream(STREAM)()
                 await call.write(_infer_request(1))
-                wait = time.monotonic() + 10
-                while not door.budget.held and time.monotonic() < wait:
-                    await asyncio.sleep(0.05)
-                assert door.budget.held == MESSAGE_FLOOR           # forwarded, streaming
-                while door.budget.held and time.monotonic() < wait:
-                    await asyncio.sleep(0.1)
-                assert door.budget.held == 0                       # unread: ended, given back
+                assert await _held_until(door, True) == MESSAGE_FLOOR    # forwarded, streaming
+                assert await _held_until(door, False) == 0     # unread: ended, given back
                 with pytest.raises(grpc.aio.AioRpcError) as ended:
                     for _ in range(1000):                          # what was on its way
                         await call.read()
@@ -351,10 +355,7 @@ def test_cancelled_streams_give_back_every_byte():
                         for _ in range(20):
                             await call.write(_infer_request(1))
                     call.cancel()
-                wait = time.monotonic() + 10
-                while door.budget.held and time.monotonic() < wait:
-                    await asyncio.sleep(0.1)
-                assert door.budget.held == 0
+                assert await _held_until(door, False) == 0
     asyncio.run(main())
 
 
@@ -576,8 +577,5 @@ def test_a_message_waiting_for_its_streams_share_is_counted_door_wide():
                 assert len(arrived) == 1
                 assert door.budget.held == MESSAGE_FLOOR + len(big)
                 call.cancel()
-            wait = time.monotonic() + 5
-            while door.budget.held and time.monotonic() < wait:
-                await asyncio.sleep(0.05)
-            assert door.budget.held == 0
+            assert await _held_until(door, False) == 0
     asyncio.run(main())
