@@ -159,6 +159,15 @@ class ByteBudget:
                 self._grant()
             raise
 
+    async def take_within(self, n: int, seconds: float) -> None:
+        """:meth:`take`, waiting at most ``seconds`` (then :class:`BudgetFull`)."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.take(n)
+        except TimeoutError:
+            raise BudgetFull(f"over {self.limit} bytes of requests have been at tritonserver "
+                             f"for {seconds:g} s; retry later") from None
+
     def give(self, n: int) -> None:
         self.held -= n
         self._grant()

@@ -156,11 +156,9 @@ async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
         return _error(400, str(refused))
     budget = request.app[BUDGET]
     try:
-        async with asyncio.timeout(body_timeout):
-            await budget.take(len(body))
-    except (TimeoutError, BudgetFull) as full:
-        busy = _error(503, str(full) or f"over {budget.limit} bytes of requests are at "
-                                        f"tritonserver for {body_timeout:g} s; retry later")
+        await budget.take_within(len(body), body_timeout)
+    except BudgetFull as full:
+        busy = _error(503, str(full))
         busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return busy
     try:

@@ -119,11 +119,6 @@ def screens(models: frozenset[str] = frozenset()) -> dict[str, MessageScreen]:
                                   m.name in INFER_METHODS, models) for m in service_methods()}
 
 
-def _budget_full(door: GrpcDoor) -> str:
-    return (f"over {door.budget.limit} bytes of requests have been at tritonserver for "
-            f"{door.idle_seconds:g} s; retry later")
-
-
 class GrpcDoor:
     """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``;
     ``max_calls`` None: ``PEER_CALLS`` (a peers' door, whose callers cap their own)."""
@@ -190,10 +185,7 @@ class GrpcDoor:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
             cost = message_cost(request, screen.infer)
             try:
-                async with asyncio.timeout(self.idle_seconds):
-                    await self.budget.take(cost)
-            except TimeoutError:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _budget_full(self))
+                await self.budget.take_within(cost, self.idle_seconds)
             except BudgetFull as full:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             call = method(request, metadata=forwarded_metadata(context),
