@@ -79,6 +79,12 @@ def inference_size(request) -> tuple[int, int]:
     return entries, numbers
 
 
+def refuse_unserved(model: str, models: frozenset[str]) -> None:
+    """Raise :class:`Refused` when ``models`` is given and ``model`` is not one of them."""
+    if models and model not in models:
+        raise Refused(f"model {model[:100]!r} is not served here")
+
+
 class MessageScreen:
     """What the door forwards of one method's request message: the message parsed with
     tritonclient's protobuf types and serialized again without the fields those types do not
@@ -100,8 +106,7 @@ class MessageScreen:
             raise Refused(f"the message is not a {self.request_type.__name__}") from None
         parsed.DiscardUnknownFields()
         if self.infer:
-            if self.models and parsed.model_name not in self.models:
-                raise Refused(f"model {parsed.model_name[:100]!r} is not served here")
+            refuse_unserved(parsed.model_name, self.models)
             entries, numbers = inference_size(parsed)
             if entries > MAX_ENTRIES:
                 raise Refused(f"the request has {entries} strings, tensors and parameters; at "

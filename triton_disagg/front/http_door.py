@@ -46,7 +46,8 @@ from aiohttp import web
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.front.door_guards import (MAX_ENTRIES, OUTSTANDING_MESSAGES, UNREACHABLE,
-                                             BudgetFull, ByteBudget, InnerOwner, Refused)
+                                             BudgetFull, ByteBudget, InnerOwner, Refused,
+                                             refuse_unserved)
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
 from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.public_door import GrpcDoor
@@ -197,8 +198,8 @@ def screen_body(raw_path: str, binary_header: str | None, body: bytes,
     not in ``models`` (when given), or a JSON part (an ``infer``'s first ``binary_header``
     bytes, else the whole body) of too many strings or values."""
     inference = INFERENCE_PATH.fullmatch(raw_path)
-    if inference and models and inference[1] not in models:
-        raise Refused(f"model {inference[1][:100]!r} is not served here")
+    if inference:
+        refuse_unserved(inference[1], models)
     json_part = body
     if inference and inference[2] == "infer" and binary_header is not None:
         length = binary_header.strip()
