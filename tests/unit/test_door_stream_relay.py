@@ -134,9 +134,9 @@ def test_one_stream_holds_at_most_its_share_and_probes_never_wait(monkeypatch):
     door-wide budget (every other client, health probes too, waited). A stream has at most
     ``STREAM_CALLS`` messages at tritonserver; a small message that is not an inference
     request holds nothing of the budget."""
-    from triton_disagg.front import public_door
+    from triton_disagg.front import door_relay
 
-    monkeypatch.setattr(public_door, "STREAM_CALLS", 4)
+    monkeypatch.setattr(door_relay, "STREAM_CALLS", 4)
 
     async def main():
         arrived: list[bytes] = []
@@ -293,21 +293,21 @@ def test_a_client_that_reads_slowly_is_ended_when_its_answers_wait_too_long():
     timeout and held its bytes of the door-wide budget for as long as it liked (50 s shown,
     one 80 MiB upload). An answer that waits in the door ``answer_seconds`` after
     tritonserver gave it ends the stream, and its bytes are given back."""
-    from types import SimpleNamespace
-
-    from triton_disagg.front.door_guards import ByteBudget
-    from triton_disagg.front.public_door import _StreamRelay
+    from triton_disagg.front.door_guards import ByteBudget, LoopClock
+    from triton_disagg.front.door_relay import RelayLimits, StreamRelay
 
     async def main():
-        door = SimpleNamespace(budget=ByteBudget(1 << 20), idle_seconds=300.0,
-                               write_seconds=5.0, answer_seconds=1.0, max_bytes=1 << 20)
+        budget = ByteBudget(1 << 20)
+        limits = RelayLimits(1 << 20, idle_seconds=300.0, write_seconds=5.0,
+                             answer_seconds=1.0)
         context = _SlowClient(0.2)                         # each write well within 5 s
 
         async def one_message():
             yield infer_request(1)
             await asyncio.Event().wait()                   # the client never half-closes
 
-        relay = _StreamRelay(door, lambda **_: _Answers(500), lambda raw: raw, context)
+        relay = StreamRelay(budget, LoopClock(), limits, lambda **_: _Answers(500),
+                            lambda raw: raw, context)
         begun = time.monotonic()
         with pytest.raises(_Aborted) as ended:
             await relay.run(one_message())
@@ -315,7 +315,7 @@ def test_a_client_that_reads_slowly_is_ended_when_its_answers_wait_too_long():
         assert "after tritonserver gave it" in ended.value.args[1]
         assert time.monotonic() - begun < 5 and context.written < 30
         await asyncio.sleep(0.1)                           # the cancelled calls' ends
-        assert door.budget.held == 0
+        assert budget.held == 0
     asyncio.run(main())
 
 
@@ -348,4 +348,40 @@ def test_a_message_waiting_for_its_streams_share_is_counted_door_wide():
                 assert door.budget.held == MESSAGE_FLOOR + len(big)
                 call.cancel()
             assert await held_until(door, False) == 0
+    asyncio.run(main())
+
+
+class _StallingClient(_SlowClient):
+    """A client that takes every answer at once, but whose first write stalls the door's
+    event loop for ``seconds`` (as parsing a 10 MiB message on it does)."""
+
+    async def write(self, response: bytes) -> None:
+        if not self.written:
+            time.sleep(self.seconds)
+        self.written += 1
+
+
+def test_a_stall_of_the_doors_own_loop_does_not_end_a_prompt_client():
+    """rev27j M2: the door's event loop busy (a 10 MiB message of an unknown model took ~90
+    ms to parse; many in a row) made the answers of a client that reads at once look late,
+    and the door ended it. The door times clients on its loop clock, less its loop's lag."""
+    from triton_disagg.front.door_guards import ByteBudget, LoopClock
+    from triton_disagg.front.door_relay import RelayLimits, StreamRelay
+
+    async def main():
+        clock, budget = LoopClock(), ByteBudget(1 << 20)
+        clock.start()
+        limits = RelayLimits(1 << 20, idle_seconds=300.0, write_seconds=0.5,
+                             answer_seconds=0.5)
+        context = _StallingClient(1.5)
+
+        async def one_message():
+            yield infer_request(1)
+
+        relay = StreamRelay(budget, clock, limits, lambda **_: _Answers(20), lambda raw: raw,
+                            context)
+        await relay.run(one_message())                     # not _Aborted
+        await clock.stop()
+        assert context.written == 20 and budget.held == 0
+        assert clock.lag >= 1.3
     asyncio.run(main())

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 
+import aiohttp
 from aiohttp import ClientSession, web
 from local_sites import free_port, serve_locally
 from yarl import URL
@@ -22,16 +24,16 @@ MAX_BYTES = 10 * 2**20
 
 
 @contextlib.asynccontextmanager
-async def _door(answer: asyncio.Event | None = None, **kwargs):
+async def _door(answer: asyncio.Event | None = None, reply: bytes = b"ok", **kwargs):
     """(the door's URL, its app, the bodies tritonserver's stand-in received): the stand-in
-    answers each request once ``answer`` is set (at once without one)."""
+    answers each request ``reply`` once ``answer`` is set (at once without one)."""
     received: list[bytes] = []
 
     async def inner(request: web.Request) -> web.Response:
         received.append(await request.read())
         if answer is not None:
             await answer.wait()
-        return web.Response(text="ok")
+        return web.Response(body=reply)
 
     inner_app = web.Application(client_max_size=MAX_BYTES)
     inner_app.router.add_route("*", "/{path:.*}", inner)
@@ -44,6 +46,15 @@ async def _door(answer: asyncio.Event | None = None, **kwargs):
     finally:
         await runner.cleanup()
         await inner_runner.cleanup()
+
+
+async def _emptied(budget: ByteBudget, seconds: float = 5) -> int:
+    """Wait up to ``seconds`` for ``budget`` to hold nothing (the door gives a body's bytes
+    back just after its answer's last byte is written); what it holds then."""
+    deadline = time.monotonic() + seconds
+    while budget.held and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return budget.held
 
 
 def _infer_body(strings: int) -> bytes:
@@ -145,7 +156,7 @@ def test_unanswered_bodies_hold_at_most_the_budget_a_body_past_it_waits():
                 for post in posts:
                     async with await post as r:
                         assert r.status == 200
-                assert len(received) == 3 and budget.held == 0
+                assert len(received) == 3 and await _emptied(budget) == 0
     asyncio.run(main())
 
 
@@ -165,10 +176,7 @@ def test_the_budget_is_given_back_on_every_path():
                     assert f"over {len(body)} bytes" in (await waited.json())["error"]
                 held.cancel()                         # the client leaves
             answer.set()
-            deadline = time.monotonic() + 5
-            while budget.held and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert budget.held == 0 and len(received) == 1
+            assert await _emptied(budget) == 0 and len(received) == 1
         gone = make_http_door(f"127.0.0.1:{free_port()}", MAX_BYTES, 8, 5.0,
                               owner=InnerOwner(()), budget=budget)   # nobody listens there
         runner, port = await serve_locally(gone)
@@ -180,4 +188,31 @@ def test_the_budget_is_given_back_on_every_path():
         finally:
             await runner.cleanup()
         assert budget.held == 0
+    asyncio.run(main())
+
+
+def test_a_client_that_reads_slowly_is_cut_and_gives_its_bytes_back():
+    """rev27j H1: a client that read a large answer a few KiB at a time kept each write
+    under aiohttp's stall drop and held its body's bytes of the shared budget until the
+    whole answer was written (minutes). Each chunk must reach the client within
+    ``answer_seconds`` of when it came from tritonserver, else the connection is cut (no
+    normal end) and the bytes given back; a client that reads at once gets it whole."""
+    async def main():
+        reply = bytes(range(256)) * (32 * 2**20 // 256)          # 32 MiB
+        async with _door(reply=reply, answer_seconds=1.0) as (url, app, _):
+            async with ClientSession() as session:
+                async with session.post(f"{url}/v2/models/m/infer", data=b"{}") as prompt:
+                    whole = await prompt.read()
+                assert hashlib.sha256(whole).digest() == hashlib.sha256(reply).digest()
+            async with ClientSession(read_bufsize=4096) as session:
+                begun, read = time.monotonic(), 0
+                with contextlib.suppress(aiohttp.ClientPayloadError):
+                    async with session.post(f"{url}/v2/models/m/infer", data=b"{}") as slow:
+                        assert app[BUDGET].held > 0
+                        while time.monotonic() - begun < 30 and (
+                                chunk := await slow.content.read(4096)):
+                            read += len(chunk)
+                            await asyncio.sleep(0.05)         # ~80 KiB/s
+                assert time.monotonic() - begun < 15 and read < len(reply)   # cut
+            assert await _emptied(app[BUDGET]) == 0
     asyncio.run(main())

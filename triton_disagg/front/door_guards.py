@@ -1,15 +1,19 @@
 """What every door checks before it forwards (:mod:`.public_door`, :mod:`.http_door`,
 :mod:`.metrics_door`): that the inner port is tritonserver's (:class:`InnerOwner`), what an
-inference request message holds (:class:`MessageScreen`), and how many bytes forwarded
-requests hold until Triton lets them go (:class:`ByteBudget`, door-wide)."""
+inference request message holds (:class:`MessageScreen`), how many bytes forwarded
+requests hold until Triton lets them go (:class:`ByteBudget`, door-wide), and the clock
+that times the doors' clients without the doors' own stalls (:class:`LoopClock`)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import math
 import os
 import time
 from pathlib import Path
+from typing import Awaitable, TypeVar
 
 OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
 UNREACHABLE = "tritonserver is not reachable"
@@ -17,9 +21,14 @@ MAX_ENTRIES = 65_536        # strings, tensors and parameters of one inference r
 MAX_NUMBERS = 4 * 2**20     # numbers in its contents and shapes
 OUTSTANDING_MESSAGES = 8    # max_outstanding, in messages of max_bytes
 MESSAGE_FLOOR = 16 * 1024   # bytes a message is charged at least (Triton's cost of a request)
+CLIENT_SECONDS = 10.0       # a client takes an answer (gRPC: a response) within this long
+LAG_TICK_SECONDS = 0.05     # how often the loop clock measures its event loop's lag
 # 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes ::ffff:127.0.0.1 (how grpc core
 # binds "127.0.0.1" where IPv6 is up)
 LOOPBACK_HEX = {"/proc/net/tcp": "0100007F", "/proc/net/tcp6": "0000000000000000FFFF00000100007F"}
+
+
+T = TypeVar("T")
 
 
 class InnerOwner:
@@ -189,3 +198,51 @@ class ByteBudget:
             if not turn.done():
                 self.held += n
                 turn.set_result(None)
+
+
+class LoopClock:
+    """The doors' clock for what they ask of a client (to take an answer, a response, in
+    time): monotonic time less the event loop's lag, how late a tick of ``tick`` seconds
+    woke, a stall still in progress included. So the door's own stalls (a 10 MiB message
+    parsed on the loop: ~90 ms) never count against a client that reads at once. Between
+    :meth:`start` and :meth:`stop` it ticks; stopped, it is monotonic time less the lag it
+    measured."""
+
+    def __init__(self, tick: float = LAG_TICK_SECONDS):
+        self.tick, self.lag, self._due = tick, 0.0, math.inf
+        self._ticker: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Tick on the running loop (again: nothing)."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker, self._due = None, math.inf
+
+    def now(self) -> float:
+        wall = time.monotonic()
+        return wall - self.lag - max(0.0, wall - self._due)
+
+    async def finish_by(self, deadline: float, work: Awaitable[T]) -> T:
+        """``work``'s result if it ends before ``deadline`` (on this clock); else
+        ``TimeoutError``, ``work`` cancelled (so too when the caller is)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                if (left := deadline - self.now()) <= 0:
+                    raise TimeoutError
+                await asyncio.wait((task,), timeout=left)
+            return task.result()
+        finally:
+            task.cancel()                          # no-op once done
+
+    async def _tick(self) -> None:
+        while True:
+            self._due = time.monotonic() + self.tick
+            await asyncio.sleep(self.tick)
+            self.lag += max(0.0, time.monotonic() - self._due)

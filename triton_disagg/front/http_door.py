@@ -30,13 +30,20 @@ strings (keys included) or values of any kind is refused (400), counted from its
 relayed, or the request ended otherwise) hold at most ``budget`` bytes
 (:class:`~triton_disagg.front.door_guards.ByteBudget`; :func:`open_doors` gives both doors
 the gRPC door's); a body past it waits, up to ``body_timeout`` (then 503 with
-``Retry-After``).
+``Retry-After``). Each chunk of an answer must be written to the client within
+``answer_seconds`` of when it came from tritonserver (at most ``QUEUED_CHUNKS`` wait in
+the door; timed on the doors' :class:`~triton_disagg.front.door_guards.LoopClock`, so the
+door's own stalls do not count), else the connection is cut mid-answer (never a normal
+end) and the body's bytes given back: a client that reads slowly holds the budget no
+longer than one that reads nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -45,8 +52,9 @@ from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.front.door_guards import (MAX_ENTRIES, OUTSTANDING_MESSAGES, UNREACHABLE,
-                                             BudgetFull, ByteBudget, InnerOwner, Refused,
+from triton_disagg.front.door_guards import (CLIENT_SECONDS, MAX_ENTRIES,
+                                             OUTSTANDING_MESSAGES, UNREACHABLE, BudgetFull,
+                                             ByteBudget, InnerOwner, LoopClock, Refused,
                                              refuse_unserved)
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
 from triton_disagg.front.openai_api import ApiError
@@ -63,6 +71,7 @@ PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})   # a bodiless GET: 
 INFERENCE_PATH = re.compile(
     r"/v2/models/([^/]+)(?:/versions/[0-9]+)?/(infer|generate|generate_stream)")
 BINARY_HEADER = "Inference-Header-Content-Length"   # infer's JSON part; raw tensors after it
+QUEUED_CHUNKS = 4   # chunks of one answer read from tritonserver, waiting for the client
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ INNER = web.AppKey("inner", str)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 IN_FLIGHT = web.AppKey("in_flight", list)       # [count]: requests being forwarded
 BUDGET = web.AppKey("budget", ByteBudget)        # bytes of bodies forwarded, not yet answered
+CLOCK = web.AppKey("clock", LoopClock)           # times what the door asks of clients
+ANSWER_SECONDS = web.AppKey("answer_seconds", float)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -91,9 +102,11 @@ def _error(status: int, message: str) -> web.Response:
 
 def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: float,
                    owner: InnerOwner | None = None, models: frozenset[str] = frozenset(),
-                   budget: ByteBudget | None = None) -> web.Application:
+                   budget: ByteBudget | None = None, clock: LoopClock | None = None,
+                   answer_seconds: float = CLIENT_SECONDS) -> web.Application:
     """An aiohttp app forwarding every request to ``http://inner`` (module docstring);
-    ``budget`` defaults to one of ``OUTSTANDING_MESSAGES`` bodies of ``max_bytes``."""
+    ``budget`` defaults to one of ``OUTSTANDING_MESSAGES`` bodies of ``max_bytes``,
+    ``clock`` to one of the app's own (started and stopped with it)."""
     owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
 
     async def forward(request: web.Request) -> web.StreamResponse:
@@ -133,11 +146,21 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
             refused.headers.update(exc.headers)
             return refused
 
+    async def start_clock(app: web.Application) -> None:
+        app[CLOCK].start()
+
+    async def stop_clock(app: web.Application) -> None:
+        await app[CLOCK].stop()
+
     app = web.Application(client_max_size=max_bytes, middlewares=[triton_errors])
     app[INNER], app[IN_FLIGHT] = inner, [0]
     app[BUDGET] = budget or ByteBudget(OUTSTANDING_MESSAGES * max_bytes)
+    app[CLOCK], app[ANSWER_SECONDS] = clock or LoopClock(), answer_seconds
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
+    if clock is None:                   # else its owner's (the gRPC door's) to start
+        app.on_startup.append(start_clock)
+        app.on_cleanup.append(stop_clock)
     app.router.add_route("*", "/{path:.*}", forward)
     return app
 
@@ -185,10 +208,58 @@ async def _relay(request: web.Request, body: bytes) -> web.StreamResponse:
         response.headers.extend((k, v) for k, v in upstream.headers.items()
                                 if k.lower() not in HOP_BY_HOP - {"content-length"})
         await response.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
+        try:
+            await _answer(request, response, upstream.content)
+        except (TimeoutError, aiohttp.ClientError):
+            _cut(request)
+            return response
         await response.write_eof()
         return response
+
+
+async def _answer(request: web.Request, response: web.StreamResponse,
+                  content: aiohttp.StreamReader) -> None:
+    """Copy tritonserver's answer to the client, each chunk written within
+    ``answer_seconds`` (on the doors' clock) of when it came: ``TimeoutError`` past that
+    (a client that reads slowly holds the budget no longer than one that reads nothing);
+    ``aiohttp.ClientError`` when tritonserver's answer broke off."""
+    clock, seconds = request.app[CLOCK], request.app[ANSWER_SECONDS]
+    chunks: asyncio.Queue[tuple[float, bytes | aiohttp.ClientError]] = asyncio.Queue(
+        QUEUED_CHUNKS)
+    pump = asyncio.get_running_loop().create_task(_pump(content, chunks, clock))
+    try:
+        while (item := await chunks.get())[1] != b"":
+            arrived, chunk = item
+            if isinstance(chunk, aiohttp.ClientError):
+                raise chunk
+            await clock.finish_by(arrived + seconds, response.write(chunk))
+    finally:
+        pump.cancel()
+
+
+async def _pump(content: aiohttp.StreamReader,
+                chunks: asyncio.Queue[tuple[float, bytes | aiohttp.ClientError]],
+                clock: LoopClock) -> None:
+    """tritonserver's answer onto ``chunks`` as (when it came, its bytes), then b"" at its
+    end or the error that broke it off."""
+    try:
+        async for chunk in content.iter_any():           # never b""
+            await chunks.put((clock.now(), chunk))
+        end: bytes | aiohttp.ClientError = b""
+    except aiohttp.ClientError as exc:
+        end = exc
+    await chunks.put((clock.now(), end))
+
+
+def _cut(request: web.Request) -> None:
+    """Reset the client's connection mid-answer, what the kernel still holds for it
+    dropped (``SO_LINGER`` 0: a reset, not a FIN after the rest), so it never sees a
+    normal end (aiohttp's ``write_eof`` after it fails quietly)."""
+    if request.transport is not None:
+        sock = request.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        request.transport.abort()
 
 
 def screen_body(raw_path: str, binary_header: str | None, body: bytes,
@@ -264,7 +335,7 @@ async def open_doors(ports: DoorPorts, max_bytes: int, front: FrontConfig,
     if ports.http_port is not None:
         app = make_http_door(f"{LOOPBACK}:{ports.inner_http_port}", max_bytes,
                              front.max_concurrent_requests, front.body_timeout_seconds, owner,
-                             models, grpc_door.budget)
+                             models, grpc_door.budget, grpc_door.clock)
         add_origin_guard(app, front, ports.host)
         runner = http_runner(app)
         await runner.setup()

@@ -27,14 +27,16 @@ tens of bytes for a one-byte entry, for as long as the request lives (a 10 MiB m
 empty strings took ~200 MB); every message of every method goes on as parsed with
 tritonclient's protobuf types, without fields they do not know (Triton would keep those
 too). Each message of a client's stream is its own inner stream to tritonserver
-(:class:`_StreamRelay`), so Triton never writes two requests' answers on one stream. A
+(:class:`.door_relay.StreamRelay`), so Triton never writes two requests' answers on one stream. A
 request message holds its bytes (at least ``MESSAGE_FLOOR``) until Triton ends its
 request (its unary call or inner stream), at most ``max_outstanding`` bytes door-wide
 (:class:`ByteBudget`); a message past it waits, so a client cannot queue Triton gigabytes
 (a stream of 24 such messages took 4.7 GB; a unary call waits at most ``idle_seconds``,
 then RESOURCE_EXHAUSTED), a client's stream has at most ``STREAM_CALLS`` messages at
-tritonserver (its next message is read when one ends), and a client that takes no answer
-for ``write_seconds`` is ended and gives its bytes back; a message other than an inference
+tritonserver (its next message is read when one ends), and a client that takes no response
+for ``write_seconds``, or one ``answer_seconds`` after tritonserver gave it, is ended and
+gives its bytes back (both timed on the doors' :class:`LoopClock`: the door's own stalls do
+not count against a client); a message other than an inference
 request (health, metadata) of at most ``MESSAGE_FLOOR`` bytes holds none and never waits.
 At most ``max_calls`` calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED;
 None: ``PEER_CALLS``, a peers' door, whose callers cap their own), ``CONNECTION_STREAMS``
@@ -54,8 +56,6 @@ naming the inner port).
 from __future__ import annotations
 
 import asyncio
-import functools
-import time
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -63,22 +63,18 @@ import grpc
 from google.protobuf.descriptor import MethodDescriptor
 
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.front.door_guards import (OUTSTANDING_MESSAGES, UNREACHABLE, BudgetFull,
-                                             ByteBudget, InnerOwner, MessageScreen, Refused,
-                                             message_cost)
-from triton_disagg.triton.endpoints import LOOPBACK
+from triton_disagg.front.door_guards import (CLIENT_SECONDS, OUTSTANDING_MESSAGES, UNREACHABLE,
+                                             BudgetFull, ByteBudget, InnerOwner, LoopClock,
+                                             MessageScreen, Refused, message_cost)
+from triton_disagg.front.door_relay import (Ending, RelayLimits, StreamRelay,
+                                            forwarded_metadata, write_within)
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
 SERVICE = "inference.GRPCInferenceService"
-DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
 STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long ends (Envoy's)
 INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages: checked
-QUEUED_RESPONSES = 64       # responses of one client stream waiting for the client
-STREAM_CALLS = 64           # messages of one client stream at tritonserver at once
 PEER_CALLS = 4096           # calls at once through a peers' door (~22 KB of the door's each)
 CONNECTION_STREAMS = 256    # HTTP/2 streams at once on one connection (a client queues more)
-WRITE_SECONDS = 10.0        # a client that takes no response this long is ended
-_ENDED = object()           # a stream relay's last item
 
 
 def service_methods() -> Sequence[MethodDescriptor]:
@@ -87,28 +83,6 @@ def service_methods() -> Sequence[MethodDescriptor]:
     from tritonclient.grpc import service_pb2
 
     return service_pb2.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]].methods
-
-
-def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
-    """The caller's metadata less what the transport sets itself."""
-    return tuple((key, value) for key, value in context.invocation_metadata() or ()
-                 if key not in DROPPED_METADATA and not key.startswith((":", "grpc-")))
-
-
-class Ending(Exception):
-    """How the door ends a caller's call: the arguments of ``context.abort``."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
-        super().__init__(code, details, trailing)
-
-    @classmethod
-    def relayed(cls, exc: grpc.aio.AioRpcError) -> Ending:
-        """As tritonserver ended the door's call; a failure to reach it is said without its
-        address."""
-        details = exc.details() or ""
-        if exc.code() is grpc.StatusCode.UNAVAILABLE and LOOPBACK in details:
-            details = UNREACHABLE
-        return cls(exc.code(), details, exc.trailing_metadata() or ())
 
 
 def screens(models: frozenset[str] = frozenset()) -> dict[str, MessageScreen]:
@@ -127,11 +101,11 @@ class GrpcDoor:
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
                  owner: InnerOwner | None = None, max_connections: int = 512,
                  max_outstanding: int | None = None, models: frozenset[str] = frozenset(),
-                 write_seconds: float = WRITE_SECONDS, answer_seconds: float = WRITE_SECONDS):
+                 write_seconds: float = CLIENT_SECONDS, answer_seconds: float = CLIENT_SECONDS):
         self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
-        self.write_seconds, self.answer_seconds = write_seconds, answer_seconds
-        self.max_bytes = max_bytes
+        self.limits = RelayLimits(max_bytes, idle_seconds, write_seconds, answer_seconds)
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
+        self.clock = LoopClock()
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls or PEER_CALLS, options=[
             ("grpc.max_receive_message_length", max_bytes),
@@ -199,7 +173,7 @@ class GrpcDoor:
                 self.budget.give(cost)
             context.set_trailing_metadata(await call.trailing_metadata() or ())
             try:
-                await _write(context, response, self.write_seconds)
+                await write_within(context, response, self.limits.write_seconds, self.clock)
             except Ending as ending:
                 await context.abort(*ending.args)
         return forward
@@ -210,7 +184,8 @@ class GrpcDoor:
         async def forward(requests: AsyncIterator[bytes],
                           context: grpc.aio.ServicerContext) -> None:
             await self._check_owner(context)
-            await _StreamRelay(self, method, screen, context).run(requests)
+            await StreamRelay(self.budget, self.clock, self.limits, method, screen,
+                              context).run(requests)
         return forward
 
     async def _check_owner(self, context: grpc.aio.ServicerContext) -> None:
@@ -219,178 +194,13 @@ class GrpcDoor:
                                 f"{UNREACHABLE} (its port is not this server's)")
 
     async def start(self) -> None:
+        self.clock.start()
         await self.server.start()
 
     async def stop(self, grace: float) -> None:
         await self.server.stop(grace)
         await self.channel.close()
-
-
-async def _write(context: grpc.aio.ServicerContext, response: bytes, seconds: float) -> None:
-    """Write one response to the caller; raises :class:`Ending` (DEADLINE_EXCEEDED) when it
-    takes none for ``seconds``, so that the caller lets go of what it holds before the
-    status, which waits behind the unread responses, is sent."""
-    try:
-        async with asyncio.timeout(seconds):
-            await context.write(response)
-    except TimeoutError:
-        raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
-                     f"the client read no response for {seconds:g} s") from None
-
-
-class _StreamRelay:
-    """One client's ``ModelStreamInfer`` call. Each of its messages is its own inner
-    ``ModelStreamInfer`` call to tritonserver (one message, then half-closed; Triton ends it
-    after that request's last response), so tritonserver never writes two requests'
-    responses on one stream (Triton 2.51 can abort writing an error response on a stream
-    that is streaming another's) and a message's bytes are held in the door's budget until
-    Triton has let that request go, however many responses it gives; a stream holds at most
-    ``STREAM_CALLS`` messages and ``max_bytes`` (or one message) of it. Responses come back
-    in the order they arrive, through a queue of ``QUEUED_RESPONSES``; the call ends when
-    the client has half-closed and every inner call has ended, at the first inner failure
-    (as tritonserver ended it), at a refused message (INVALID_ARGUMENT), when the door's
-    budget has as many bytes waiting as it holds (RESOURCE_EXHAUSTED), after
-    ``idle_seconds`` with no message either way, when one write waits ``write_seconds`` or
-    the client takes an answer ``answer_seconds`` after tritonserver gave it (a client
-    that reads slowly holds the budget no longer than one that reads nothing); every inner
-    call is cancelled and every byte given back then."""
-
-    def __init__(self, door: GrpcDoor, method: grpc.aio.StreamStreamMultiCallable,
-                 screen: MessageScreen, context: grpc.aio.ServicerContext):
-        self.door, self.method, self.screen, self.context = door, method, screen, context
-        self.answers: asyncio.Queue[object] = asyncio.Queue(QUEUED_RESPONSES)
-        self.calls: set[asyncio.Task[None]] = set()
-        self.room = asyncio.Semaphore(STREAM_CALLS)
-        self.share = ByteBudget(door.max_bytes)
-        self.reading = True
-        self.last = time.monotonic()              # a message either way
-
-    async def run(self, requests: AsyncIterator[bytes]) -> None:
-        """Relay until the end; every inner call is cancelled (its bytes given back) before
-        the caller's status is sent."""
-        reader = asyncio.get_running_loop().create_task(self._read(requests))
-        try:
-            await self._relay()
-        except Ending as ending:
-            self._cancel(reader)
-            await self.context.abort(*ending.args)
-        finally:
-            self._cancel(reader)
-
-    def _cancel(self, reader: asyncio.Task[None]) -> None:
-        reader.cancel()
-        for call in list(self.calls):
-            call.cancel()
-
-    async def _relay(self) -> None:
-        while (queued := await self._next())[1] is not _ENDED:
-            given, item = queued
-            if isinstance(item, Ending):
-                raise item
-            if isinstance(item, Refused):
-                raise Ending(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-            if (late := time.monotonic() - given) > self.door.answer_seconds:
-                raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"the client took an answer {late:.0f} s after tritonserver "
-                             f"gave it (at most {self.door.answer_seconds:g} s)")
-            await _write(self.context, item, self.door.write_seconds)
-            self.last = time.monotonic()
-
-    async def _next(self) -> tuple[float, object]:
-        """(when it was queued, the next response, failure or ``_ENDED``); the call ends
-        idle past its time."""
-        while True:
-            left = self.last + self.door.idle_seconds - time.monotonic()
-            if left <= 0:
-                raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
-                             f"no message either way for {self.door.idle_seconds:g} s")
-            try:
-                async with asyncio.timeout(left):
-                    return await self.answers.get()
-            except TimeoutError:
-                continue
-
-    async def _read(self, requests: AsyncIterator[bytes]) -> None:
-        """Read a message only once the stream has a place for it (a message the door
-        has read waits counted in the door's budget, never outside it)."""
-        messages = aiter(requests)
-        try:
-            while True:
-                await self.room.acquire()
-                if (request := await anext(messages, None)) is None:
-                    self.room.release()
-                    break
-                self.last = time.monotonic()
-                try:
-                    request = self.screen(request)
-                    cost = message_cost(request, True)
-                    await self._admit(cost)
-                except BaseException as failed:
-                    self.room.release()
-                    if isinstance(failed, Refused):
-                        await self._queue(failed)
-                        return
-                    if isinstance(failed, BudgetFull):
-                        await self._queue(Ending(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                 str(failed)))
-                        return
-                    raise
-                call = asyncio.get_running_loop().create_task(self._call(request))
-                self.calls.add(call)
-                call.add_done_callback(functools.partial(self._ended, cost))
-        finally:
-            self.reading = False
-        await self._end_if_done()
-
-    async def _admit(self, cost: int) -> None:
-        """``cost`` bytes of the door's budget, then of the stream's share (so bytes waiting
-        for the stream are counted door-wide); both or neither (:class:`BudgetFull`, or
-        cancelled)."""
-        await self.door.budget.take(cost)
-        try:
-            await self.share.take(cost)
-        except BaseException:
-            self.door.budget.give(cost)
-            raise
-
-    def _ended(self, cost: int, call: asyncio.Task[None]) -> None:
-        """An inner call's end, however it ended (cancelled before it began too): its
-        bytes and its place in the stream given back."""
-        self.door.budget.give(cost)
-        self.share.give(cost)
-        self.room.release()
-        self.calls.discard(call)
-
-    async def _queue(self, item: object) -> None:
-        await self.answers.put((time.monotonic(), item))
-
-    async def _call(self, request: bytes) -> None:
-        """One message's inner call: its responses onto the queue, or how it failed; the
-        last call to end after the client half-closed ends the relay."""
-        call: grpc.aio.StreamStreamCall | None = None
-        try:
-            call = self.method(metadata=forwarded_metadata(self.context),
-                               timeout=self.context.time_remaining())
-            await call.write(request)
-            await call.done_writing()
-            async for response in call:
-                await self._queue(response)
-        except grpc.aio.AioRpcError as exc:
-            await self._queue(Ending.relayed(exc))
-        except Exception as exc:                   # the door's own fault: said, not hung
-            await self._queue(Ending(grpc.StatusCode.INTERNAL,
-                                     f"the door failed: {type(exc).__name__}"))
-        finally:
-            if call is not None:
-                call.cancel()                      # no-op once done
-        self.calls.discard(asyncio.current_task())
-        await self._end_if_done()
-
-    async def _end_if_done(self) -> None:
-        """After the client half-closed and the last inner call ended (not when the relay
-        cancels them): the relay's end."""
-        if not self.reading and not self.calls:
-            await self._queue(_ENDED)
+        await self.clock.stop()
 
 
 def _server_credentials(tls: GrpcTLS) -> grpc.ServerCredentials:

@@ -1,0 +1,231 @@
+"""How the public gRPC door (:mod:`.public_door`) relays a call to tritonserver and its
+answers back: a client's ``ModelStreamInfer`` stream as one inner stream per message
+(:class:`StreamRelay`), the caller's metadata (:func:`forwarded_metadata`), a response
+written to the caller within its time (:func:`write_within`) and how the door ends a call
+(:class:`Ending`). Times asked of a client are on the doors' :class:`LoopClock`, so the
+door's own stalls never count against it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from triton_disagg.front.door_guards import (UNREACHABLE, BudgetFull, ByteBudget, LoopClock,
+                                             MessageScreen, Refused, message_cost)
+from triton_disagg.triton.endpoints import LOOPBACK
+
+DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
+QUEUED_RESPONSES = 64       # responses of one client stream waiting for the client
+STREAM_CALLS = 64           # messages of one client stream at tritonserver at once
+_ENDED = object()           # a stream relay's last item
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What a relayed call may take: ``max_bytes`` of the door's budget for one client
+    stream (or one message), ``idle_seconds`` with no message either way,
+    ``write_seconds`` for the caller to take one response, ``answer_seconds`` for it to
+    take a response after tritonserver gave it."""
+
+    max_bytes: int
+    idle_seconds: float
+    write_seconds: float
+    answer_seconds: float
+
+
+def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
+    """The caller's metadata less what the transport sets itself."""
+    return tuple((key, value) for key, value in context.invocation_metadata() or ()
+                 if key not in DROPPED_METADATA and not key.startswith((":", "grpc-")))
+
+
+class Ending(Exception):
+    """How the door ends a caller's call: the arguments of ``context.abort``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
+        super().__init__(code, details, trailing)
+
+    @classmethod
+    def relayed(cls, exc: grpc.aio.AioRpcError) -> Ending:
+        """As tritonserver ended the door's call; a failure to reach it is said without its
+        address."""
+        details = exc.details() or ""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and LOOPBACK in details:
+            details = UNREACHABLE
+        return cls(exc.code(), details, exc.trailing_metadata() or ())
+
+
+async def write_within(context: grpc.aio.ServicerContext, response: bytes, seconds: float,
+                       clock: LoopClock) -> None:
+    """Write one response to the caller; raises :class:`Ending` (DEADLINE_EXCEEDED) when it
+    takes none for ``seconds`` (of ``clock``), so that the caller lets go of what it holds
+    before the status, which waits behind the unread responses, is sent."""
+    try:
+        await clock.finish_by(clock.now() + seconds, context.write(response))
+    except TimeoutError:
+        raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
+                     f"the client read no response for {seconds:g} s") from None
+
+
+class StreamRelay:
+    """One client's ``ModelStreamInfer`` call. Each of its messages is its own inner
+    ``ModelStreamInfer`` call to tritonserver (one message, then half-closed; Triton ends it
+    after that request's last response), so tritonserver never writes two requests'
+    responses on one stream (Triton 2.51 can abort writing an error response on a stream
+    that is streaming another's) and a message's bytes are held in the door's ``budget``
+    until Triton has let that request go, however many responses it gives; a stream holds
+    at most ``STREAM_CALLS`` messages and ``limits.max_bytes`` (or one message) of it.
+    Responses come back in the order they arrive, through a queue of ``QUEUED_RESPONSES``;
+    the call ends when the client has half-closed and every inner call has ended, at the
+    first inner failure (as tritonserver ended it), at a refused message
+    (INVALID_ARGUMENT), when the door's budget has as many bytes waiting as it holds
+    (RESOURCE_EXHAUSTED), after ``idle_seconds`` with no message either way, when one write
+    waits ``write_seconds`` or the client takes a response ``answer_seconds`` after
+    tritonserver gave it (a client that reads slowly holds the budget no longer than one
+    that reads nothing); every inner call is cancelled and every byte given back then."""
+
+    def __init__(self, budget: ByteBudget, clock: LoopClock, limits: RelayLimits,
+                 method: grpc.aio.StreamStreamMultiCallable, screen: MessageScreen,
+                 context: grpc.aio.ServicerContext):
+        self.budget, self.clock, self.limits = budget, clock, limits
+        self.method, self.screen, self.context = method, screen, context
+        self.answers: asyncio.Queue[tuple[float, object]] = asyncio.Queue(QUEUED_RESPONSES)
+        self.calls: set[asyncio.Task[None]] = set()
+        self.room = asyncio.Semaphore(STREAM_CALLS)
+        self.share = ByteBudget(limits.max_bytes)
+        self.reading = True
+        self.last = clock.now()                   # a message either way
+
+    async def run(self, requests: AsyncIterator[bytes]) -> None:
+        """Relay until the end; every inner call is cancelled (its bytes given back) before
+        the caller's status is sent."""
+        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        try:
+            await self._relay()
+        except Ending as ending:
+            self._cancel(reader)
+            await self.context.abort(*ending.args)
+        finally:
+            self._cancel(reader)
+
+    def _cancel(self, reader: asyncio.Task[None]) -> None:
+        reader.cancel()
+        for call in list(self.calls):
+            call.cancel()
+
+    async def _relay(self) -> None:
+        while (queued := await self._next())[1] is not _ENDED:
+            given, item = queued
+            if isinstance(item, Ending):
+                raise item
+            if isinstance(item, Refused):
+                raise Ending(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if (late := self.clock.now() - given) > self.limits.answer_seconds:
+                raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"the client took a response {late:.0f} s after tritonserver "
+                             f"gave it (at most {self.limits.answer_seconds:g} s)")
+            await write_within(self.context, item, self.limits.write_seconds, self.clock)
+            self.last = self.clock.now()
+
+    async def _next(self) -> tuple[float, object]:
+        """(when it was queued, the next response, failure or ``_ENDED``); the call ends
+        idle past its time."""
+        while True:
+            left = self.last + self.limits.idle_seconds - self.clock.now()
+            if left <= 0:
+                raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"no message either way for {self.limits.idle_seconds:g} s")
+            try:
+                return await self.clock.finish_by(self.clock.now() + left, self.answers.get())
+            except TimeoutError:
+                continue
+
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        """Read a message only once the stream has a place for it (a message the door
+        has read waits counted in the door's budget, never outside it)."""
+        messages = aiter(requests)
+        try:
+            while True:
+                await self.room.acquire()
+                if (request := await anext(messages, None)) is None:
+                    self.room.release()
+                    break
+                self.last = self.clock.now()
+                try:
+                    request = self.screen(request)
+                    cost = message_cost(request, True)
+                    await self._admit(cost)
+                except BaseException as failed:
+                    self.room.release()
+                    if isinstance(failed, Refused):
+                        await self._queue(failed)
+                        return
+                    if isinstance(failed, BudgetFull):
+                        await self._queue(Ending(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                 str(failed)))
+                        return
+                    raise
+                call = asyncio.get_running_loop().create_task(self._call(request))
+                self.calls.add(call)
+                call.add_done_callback(functools.partial(self._ended, cost))
+        except Exception as exc:                   # the door's own fault: said, not hung
+            await self._queue(Ending(grpc.StatusCode.INTERNAL,
+                                     f"the door failed: {type(exc).__name__}"))
+            return
+        finally:
+            self.reading = False
+        await self._end_if_done()
+
+    async def _admit(self, cost: int) -> None:
+        """``cost`` bytes of the door's budget, then of the stream's share (so bytes waiting
+        for the stream are counted door-wide); both or neither (:class:`BudgetFull`, or
+        cancelled)."""
+        await self.budget.take(cost)
+        try:
+            await self.share.take(cost)
+        except BaseException:
+            self.budget.give(cost)
+            raise
+
+    def _ended(self, cost: int, call: asyncio.Task[None]) -> None:
+        """An inner call's end, however it ended (cancelled before it began too): its
+        bytes and its place in the stream given back."""
+        self.budget.give(cost)
+        self.share.give(cost)
+        self.room.release()
+        self.calls.discard(call)
+
+    async def _queue(self, item: object) -> None:
+        await self.answers.put((self.clock.now(), item))
+
+    async def _call(self, request: bytes) -> None:
+        """One message's inner call: its responses onto the queue, or how it failed; the
+        last call to end after the client half-closed ends the relay."""
+        call: grpc.aio.StreamStreamCall | None = None
+        try:
+            call = self.method(metadata=forwarded_metadata(self.context),
+                               timeout=self.context.time_remaining())
+            await call.write(request)
+            await call.done_writing()
+            async for response in call:
+                await self._queue(response)
+        except grpc.aio.AioRpcError as exc:
+            await self._queue(Ending.relayed(exc))
+        except Exception as exc:                   # the door's own fault: said, not hung
+            await self._queue(Ending(grpc.StatusCode.INTERNAL,
+                                     f"the door failed: {type(exc).__name__}"))
+        finally:
+            if call is not None:
+                call.cancel()                      # no-op once done
+        self.calls.discard(asyncio.current_task())
+        await self._end_if_done()
+
+    async def _end_if_done(self) -> None:
+        """After the client half-closed and the last inner call ended (not when the relay
+        cancels them): the relay's end."""
+        if not self.reading and not self.calls:
+            await self._queue(_ENDED)
