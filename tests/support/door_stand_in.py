@@ -58,11 +58,11 @@ async def open_door(max_calls: int | None = 4, max_bytes: int = 1 << 20, handler
         await inner.stop(0)
 
 
-def infer_request(strings: int, name: str = "ensemble") -> bytes:
+def infer_request(strings: int, name: str = "ensemble", request_id: str = "") -> bytes:
     """A serialized ModelInferRequest with one BYTES input of ``strings`` empty strings."""
     from tritonclient.grpc import service_pb2
 
-    request = service_pb2.ModelInferRequest(model_name=name)
+    request = service_pb2.ModelInferRequest(model_name=name, id=request_id)
     words = request.inputs.add(name="stop_words", datatype="BYTES", shape=[1, strings])
     words.contents.bytes_contents.extend([b""] * strings)
     return request.SerializeToString()

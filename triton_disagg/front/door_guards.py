@@ -68,7 +68,12 @@ class InnerOwner:
 
 
 class Refused(Exception):
-    """Why the door refuses a request message (INVALID_ARGUMENT)."""
+    """Why the door refuses a request message (INVALID_ARGUMENT), and the request's ``id``
+    when the message named one."""
+
+    def __init__(self, message: str, request_id: str = ""):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 def inference_size(request) -> tuple[int, int]:
@@ -115,15 +120,21 @@ class MessageScreen:
             raise Refused(f"the message is not a {self.request_type.__name__}") from None
         parsed.DiscardUnknownFields()
         if self.infer:
-            refuse_unserved(parsed.model_name, self.models)
-            entries, numbers = inference_size(parsed)
-            if entries > MAX_ENTRIES:
-                raise Refused(f"the request has {entries} strings, tensors and parameters; at "
-                              f"most {MAX_ENTRIES} (send a long tensor as raw_input_contents)")
-            if numbers > MAX_NUMBERS:
-                raise Refused(f"the request has {numbers} numbers in contents and shapes; at "
-                              f"most {MAX_NUMBERS} (send a long tensor as raw_input_contents)")
+            try:
+                self._screen_inference(parsed)
+            except Refused as refused:
+                raise Refused(str(refused), parsed.id) from None
         return parsed.SerializeToString()
+
+    def _screen_inference(self, parsed) -> None:
+        refuse_unserved(parsed.model_name, self.models)
+        entries, numbers = inference_size(parsed)
+        if entries > MAX_ENTRIES:
+            raise Refused(f"the request has {entries} strings, tensors and parameters; at "
+                          f"most {MAX_ENTRIES} (send a long tensor as raw_input_contents)")
+        if numbers > MAX_NUMBERS:
+            raise Refused(f"the request has {numbers} numbers in contents and shapes; at "
+                          f"most {MAX_NUMBERS} (send a long tensor as raw_input_contents)")
 
 
 def message_cost(request: bytes, infer: bool) -> int:

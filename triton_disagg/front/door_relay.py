@@ -71,6 +71,18 @@ async def write_within(context: grpc.aio.ServicerContext, response: bytes, secon
                      f"the client read no response for {seconds:g} s") from None
 
 
+def refusal(refused: Refused) -> bytes:
+    """A refused stream message's answer, in the stream as Triton gives one (a
+    ``ModelStreamInferResponse`` of ``error_message`` and the request's id): the client's
+    other requests on that stream go on."""
+    from tritonclient.grpc import service_pb2
+
+    return service_pb2.ModelStreamInferResponse(
+        error_message=str(refused),
+        infer_response=service_pb2.ModelInferResponse(id=refused.request_id)
+    ).SerializeToString()
+
+
 class StreamRelay:
     """One client's ``ModelStreamInfer`` call. Each of its messages is its own inner
     ``ModelStreamInfer`` call to tritonserver (one message, then half-closed; Triton ends it
@@ -80,9 +92,9 @@ class StreamRelay:
     until Triton has let that request go, however many responses it gives; a stream holds
     at most ``STREAM_CALLS`` messages and ``limits.max_bytes`` (or one message) of it.
     Responses come back in the order they arrive, through a queue of ``QUEUED_RESPONSES``;
+    a refused message is answered in the stream (:func:`refusal`) and the stream goes on;
     the call ends when the client has half-closed and every inner call has ended, at the
-    first inner failure (as tritonserver ended it), at a refused message
-    (INVALID_ARGUMENT), when the door's budget has as many bytes waiting as it holds
+    first inner failure (as tritonserver ended it), when the door's budget has as many bytes waiting as it holds
     (RESOURCE_EXHAUSTED), after ``idle_seconds`` with no message either way, when one write
     waits ``write_seconds`` or the client takes a response ``answer_seconds`` after
     tritonserver gave it (a client that reads slowly holds the budget no longer than one
@@ -122,8 +134,6 @@ class StreamRelay:
             given, item = queued
             if isinstance(item, Ending):
                 raise item
-            if isinstance(item, Refused):
-                raise Ending(grpc.StatusCode.INVALID_ARGUMENT, str(item))
             if (late := self.clock.now() - given) > self.limits.answer_seconds:
                 raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"the client took a response {late:.0f} s after tritonserver "
@@ -162,8 +172,8 @@ class StreamRelay:
                 except BaseException as failed:
                     self.room.release()
                     if isinstance(failed, Refused):
-                        await self._queue(failed)
-                        return
+                        await self._queue(refusal(failed))
+                        continue
                     if isinstance(failed, BudgetFull):
                         await self._queue(Ending(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                  str(failed)))

@@ -20,7 +20,8 @@ disconnects) cancels the calls to tritonserver.
 Invariants: a message over ``max_bytes`` is refused by grpcio from its length prefix
 (RESOURCE_EXHAUSTED) before it is read (grpcio bounds an inflated message itself), so
 tritonserver never receives more than ``max_bytes`` in one message. An inference request
-(``ModelInfer``, each ``ModelStreamInfer`` message) is refused (INVALID_ARGUMENT) past
+(``ModelInfer``: INVALID_ARGUMENT; a ``ModelStreamInfer`` message: answered in the stream
+with its ``error_message``, as Triton answers a bad request, the stream going on) is refused past
 ``MAX_ENTRIES`` strings, tensors and parameters or ``MAX_NUMBERS`` numbers, or naming a
 model not served (:class:`MessageScreen`): Triton's protobuf holds each entry as an object,
 tens of bytes for a one-byte entry, for as long as the request lives (a 10 MiB message of
