@@ -62,9 +62,10 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import CODE_IN_MESSAGE, HTTP_STATUS, ErrorCode, RequestError, \
     code_in, from_grpc_status, without_tag
 from triton_disagg.front.chat_template import ChatTemplate
+from triton_disagg.front.field_checks import shown
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.front.openai_api import ApiError, Generation
-from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits, shown
+from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits
 from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.tensors import by_name, response_event
