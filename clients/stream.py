@@ -32,9 +32,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from triton_disagg import protocol as P
+from triton_disagg.triton.tensors import by_name
 
 OnText = Callable[[str], None]
-_SPECS = P.by_name(P.ENSEMBLE_INPUTS)
+_SPECS = by_name(P.ENSEMBLE_INPUTS)
 _WORD_INPUTS = ("stop_words", "bad_words")
 
 

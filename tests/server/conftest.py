@@ -1,6 +1,7 @@
-"""Fixtures of the HTTP front's server tests (test_http_front.py, test_openai_extensions.py,
-test_openapi_fuzz.py, test_top_logprobs_sdk.py; test_generation_prefix_reuse.py brings its
-own ``server``): one real ``serve all`` (disaggregated, the demo engine) per test
+"""Fixtures of the HTTP front's and the doors' server tests (test_http_front.py,
+test_openai_extensions.py, test_openapi_fuzz.py, test_top_logprobs_sdk.py,
+test_served_grpc_door.py, test_served_http_doors.py; test_generation_prefix_reuse.py brings
+its own ``server``): one real ``serve all`` (disaggregated, the demo engine) per test
 module, and what they call it with: the official ``openai`` SDK, the offline engine's greedy
 text, the engine's tokenizer. A module that defines a fixture of the same name uses its own."""
 

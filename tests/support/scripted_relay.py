@@ -57,7 +57,7 @@ class ScriptedRelay:
 
 def response(text: str, prompt_tokens: int, completion_tokens: int, token_ids=(), log_probs=(),
              finish_reason=None, top=(), **fields) -> TokenEvent:
-    """An orchestrator response as the HTTP front reads it (:func:`protocol.response_event`):
+    """An orchestrator response as the HTTP front reads it (:func:`tensors.response_event`):
     ``text``, the counts and (when the request asked for log-probs) its tokens' ids and
     log-probs, their alternatives in ``top``; ``fields``: the event's other fields."""
     return TokenEvent("", list(token_ids), list(log_probs) if log_probs else None,

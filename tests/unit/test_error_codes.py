@@ -29,7 +29,7 @@ from triton_disagg.launch.deploy import free_ports
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Router
 from triton_disagg.engine.sequence import TokenEvent
-from triton_disagg.protocol import error_response
+from triton_disagg.triton.tensors import error_response
 from triton_disagg.zmq_endpoints import push_socket
 
 MISLEADING = "TIMEOUT: no server: unavailable, busy, lost, not ready, timed out"

@@ -283,11 +283,12 @@ def test_stop_trimmer_streams_what_the_whole_text_holds(deltas, stop, text, stop
 def test_prepared_inputs_have_the_orchestrator_shapes(demo_engine):
     from triton_disagg import protocol as P
     from triton_disagg.front.orchestrator_call import RequestEncoder
+    from triton_disagg.triton.tensors import by_name
 
     preparer = RequestEncoder(demo_engine, "demo")
     gen = parse("chat", {**CHAT, "stop": ["a", "bc"], "seed": 5})
     inputs, prompt = preparer.inputs(gen), preparer.prompt(gen)
-    specs = P.by_name(P.ORCHESTRATOR_INPUTS)
+    specs = by_name(P.ORCHESTRATOR_INPUTS)
     assert set(inputs) <= set(specs)
     for name, array in inputs.items():
         assert array.dtype == specs[name].numpy_dtype, name

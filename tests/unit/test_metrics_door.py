@@ -2,7 +2,7 @@
 a bodiless ``GET /metrics`` is tritonserver's answer; a POST (what killed Triton 2.51's
 metrics server), a body or another path never reaches the inner server; an inner server
 that is down is 502. The inner metrics server is an in-process aiohttp stand-in that
-counts what reaches it (tests/server/test_large_triton_requests.py has the real one)."""
+counts what reaches it (tests/server/test_served_http_doors.py has the real one)."""
 
 from __future__ import annotations
 

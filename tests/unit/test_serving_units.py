@@ -14,7 +14,7 @@ from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
 from triton_disagg.engine.sampling import from_wire, to_wire
 from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.errors import RequestError
-from triton_disagg.protocol import to_batched
+from triton_disagg.triton.tensors import to_batched
 from engine_limits import limits_spec
 
 SPEC = limits_spec()

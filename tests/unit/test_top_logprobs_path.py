@@ -16,7 +16,6 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from triton_disagg import token_wire
 from triton_disagg.engine.logprobs import TopLogprobs
-from triton_disagg import protocol as P
 from triton_disagg.front.engine_calls import ResponseBuilder
 from triton_disagg.front.http_front import make_app
 from triton_disagg.front.openai_api import parse
@@ -24,6 +23,7 @@ from triton_disagg.front.orchestrator_call import RequestEncoder
 from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.token_wire import WireError
 from triton_disagg.triton import engine_request
+from triton_disagg.triton.tensors import engine_event
 
 A, B, C = TopLogprobs([4, 9], [-0.25, -1.5]), TopLogprobs([9, 4], [-0.5, -1.0]), \
     TopLogprobs([1, 4], [-0.1, -3.0])
@@ -119,7 +119,7 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
 # ---- the orchestrator's tensors ---------------------------------------------------------
 
 def test_top_tensors_of_no_alternatives_are_no_rows():
-    from triton_disagg.protocol import top_rows
+    from triton_disagg.triton.tensors import top_rows
 
     empty = {"output_top_ids": np.zeros((1, 0, 0), np.int32),          # [1, n=0, k=0]
              "output_top_log_probs": np.zeros((1, 0, 0), np.float32)}
@@ -129,7 +129,7 @@ def test_top_tensors_of_no_alternatives_are_no_rows():
 def test_the_orchestrator_sends_each_tokens_alternatives_with_its_id():
     inputs = {"input_ids": np.array([3, 4]), "end_id": np.array([1]),
               "stream": np.array([True]), "return_log_probs": np.array([True])}
-    first = P.engine_event("r", engine_request.outputs([4], [-0.25], -0.25, None, top=[A]))
+    first = engine_event("r", engine_request.outputs([4], [-0.25], -0.25, None, top=[A]))
     assert first.top == [A]
     builder = ResponseBuilder(inputs, lambda ids: "".join(chr(97 + i % 26) for i in ids))
     out = builder.add(first)

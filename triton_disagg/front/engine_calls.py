@@ -2,7 +2,7 @@
 requests may make them (:class:`OrchestratorGate`, :class:`InFlightCap`), what a request's
 calls carry (:func:`engine_inputs`), how they travel (in-process BLS here,
 tritonclient gRPC in :mod:`.grpc_transport`), their answers read back (the context's as the
-request's first token event, :func:`~triton_disagg.protocol.engine_event`; generation's,
+request's first token event, :func:`~triton_disagg.triton.tensors.engine_event`; generation's,
 :func:`generation_answer`), and token events turned into the ensemble's outputs
 (:class:`ResponseBuilder`; its
 invariant: streamed ``text_output`` deltas concatenate to the non-streamed text,
@@ -59,8 +59,8 @@ from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
 from triton_disagg.errors import (ErrorCode, RequestError, ServerBusy, Timeout, Unavailable,
                                   error_for, from_triton, without_tag)
 from triton_disagg.front.token_inbox import GenerationAnswer
-from triton_disagg.protocol import scalar, to_batched
 from triton_disagg.triton import engine_request
+from triton_disagg.triton.tensors import response_outputs, scalar, to_batched
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
 RELEASE_TIMEOUT_SECONDS = 5.0  # a release not answered by then: the lease reclaims the KV
@@ -274,7 +274,7 @@ class ResponseBuilder:
     only when the request's ``return_log_probs`` asked for them, as TensorRT-LLM does (each
     tensor costs the stub a shared-memory copy per response), and with them the tokens'
     ids and (the request's ``top_logprobs``) their alternatives. Out as tensors by
-    :func:`~triton_disagg.protocol.response_outputs`."""
+    :func:`~triton_disagg.triton.tensors.response_outputs`."""
 
     def __init__(self, inputs: dict[str, np.ndarray], decode: Callable[[Sequence[int]], str]):
         self.decode = decode
@@ -319,7 +319,7 @@ class ResponseBuilder:
         log_probs = None
         if self.return_log_probs:
             log_probs = event.log_probs if event.log_probs is not None else [0.0] * len(ids)
-        out = P.response_outputs(TokenEvent(
+        out = response_outputs(TokenEvent(
             event.request_id, ids, log_probs, event.finish_reason,
             top=top if log_probs is not None and top and len(top) == len(ids) else None,
             text=text_delta(self.decode, window, offset, final),

@@ -40,10 +40,10 @@ from triton_disagg.front.engine_calls import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.engine_request import cache_salt
 from triton_disagg.triton.grpc_channel import client_options
+from triton_disagg.triton.tensors import by_name, scalar, to_batched
 
 if TYPE_CHECKING:
     from tritonclient.grpc.aio import InferenceServerClient
-from triton_disagg.protocol import scalar, to_batched
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
 DEADLINE_EXCEEDED = "StatusCode.DEADLINE_EXCEEDED"
@@ -132,7 +132,7 @@ class GrpcTransport:
         model = model or role
         tensors = []
         for name, arr in to_batched(specs, inputs).items():
-            tensors.append(grpcclient.InferInput(name, list(arr.shape), P.by_name(specs)[name].dtype))
+            tensors.append(grpcclient.InferInput(name, list(arr.shape), by_name(specs)[name].dtype))
             tensors[-1].set_data_from_numpy(arr)
         await self._close_departed()
         self.calls[url] = self.calls.get(url, 0) + 1

@@ -60,7 +60,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from triton_disagg.front.openai_models import BRANCHES, EngineLimits, request_model, shown
+from triton_disagg.front.field_checks import shown
+from triton_disagg.front.openai_models import BRANCHES, EngineLimits, request_model
 
 
 class ApiError(Exception):

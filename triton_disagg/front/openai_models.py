@@ -4,43 +4,41 @@ guide's ``/v1/inference`` (:class:`InferenceRequest`); :func:`request_model` bou
 the served engine (:class:`EngineLimits`). They also give the OpenAPI document's body
 schemas (:mod:`.openapi`), so the document and the checks cannot drift apart. Their
 building blocks come first: JSON as sent (:class:`StrictModel`), the field types bounded by
-the engine (``*_field``, :func:`token_ids`), a chat's messages, the shared checks.
+the engine (``*_field``, :func:`token_ids`), a chat's messages; the checks that fields share
+are :mod:`.field_checks`.
 
 Invariants: a body validates only as a JSON object whose every field is known (else
 ``extra_forbidden``), of its JSON type (strict: no ``"5"`` for 5, no ``true`` for 1, no NaN)
 and in its range (the engine's ``max_seq_len`` and vocabulary, ``MAX_*`` here); a field sent
 as ``null`` is as if not sent. Every number is bounded before it is used, every list before
 its items are looked at (its length first, a chat's content parts on the raw JSON first),
-and stops at its first bad item (:func:`bounded_list`): a refused body has a few errors,
-never one per item. A field OpenAI defines that this server cannot honour (``best_of``,
-tools, ``min_p``, ...) validates only at its default (:func:`only_default`); a rule between
-fields fails as a ``refused`` error whose ``ctx["param"]`` names the field (:func:`refused`).
+and stops at its first bad item (:func:`~.field_checks.bounded_list`): a refused body has a
+few errors, never one per item. A field OpenAI defines that this server cannot honour
+(``best_of``, tools, ``min_p``, ...) validates only at its default
+(:func:`~.field_checks.only_default`); a rule between fields fails as a ``refused`` error
+whose ``ctx["param"]`` names the field (:func:`~.field_checks.refused`).
 """
 
 import functools
-import reprlib
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator,
                       Field, Tag, WithJsonSchema, create_model, model_validator)
-from pydantic_core import PydanticCustomError, PydanticKnownError
+from pydantic_core import PydanticCustomError
 
 from triton_disagg.engine.sampling import MAX_CACHE_SALT
+from triton_disagg.front.field_checks import bounded_list, by_form, only_default, refused, shown
 
 MAX_CHOICES = 8                 # prompts x n of one request: each is one engine request
 MAX_TEXT_PARTS = 256            # a chat message's content parts
 MAX_TEXT_PARTS_TOTAL = 1024     # content parts of all of a chat's messages
-SHOWN_CHARS = 60                # of a value quoted in an error message
 INT32_MAX = 2**31 - 1
 COMPLETION_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 5                # OpenAI's limit on completions' ``logprobs``
 MAX_TOP_LOGPROBS = 20           # OpenAI's limit on chat's ``top_logprobs``
 MAX_STOP_WORDS = 4              # OpenAI's limit on ``stop``
 MAX_STOP_CHARS = 256            # per stop sequence
-_SHOW = reprlib.Repr()         # Python 3.11's takes no arguments
-_SHOW.maxlevel, _SHOW.maxstring = 2, SHOWN_CHARS
-_SHOW.maxother = _SHOW.maxlong = SHOWN_CHARS
 # The names of union branches (pydantic puts them in an error's ``loc``); none is a field's.
 BRANCHES = frozenset({"one text", "token ids", "several prompts", "one stop", "stop words",
                       "text parts"})
@@ -54,55 +52,6 @@ class EngineLimits:
 
     max_seq_len: int = INT32_MAX
     vocab_size: int = INT32_MAX
-
-
-def shown(value: Any) -> str:
-    """``value``'s repr, never more than ``SHOWN_CHARS`` characters, built without
-    rendering all of a large or deep value."""
-    text = _SHOW.repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
-
-
-def refused(param: str, message: str) -> PydanticCustomError:
-    """A rule between fields broken, ``param`` the field at fault."""
-    return PydanticCustomError("refused", message, {"param": param})
-
-
-def only_default(fine: tuple, why: str) -> Any:
-    """A field OpenAI defines that this server honours only at one of the values ``fine``
-    (same value and JSON type; the first is the documented one), or absent, else refused
-    with ``why``."""
-    def check(value: Any) -> Any:
-        if not any(value == f and type(value) is type(f) for f in fine):
-            raise PydanticCustomError("not_supported", f"{shown(value)}: {why}")
-        return value
-    return Annotated[Any, AfterValidator(check),
-                     WithJsonSchema({"enum": [*fine[:1], None], "description": why})]
-
-
-def by_form(forms: dict[type, str], message: str) -> Discriminator:
-    """A union's branch chosen by the JSON type of the value (``forms``: Python type ->
-    branch tag); any other type fails with ``message``."""
-    return Discriminator(lambda v: next((tag for t, tag in forms.items() if isinstance(v, t)),
-                                        None),
-                         custom_error_type="wrong_type", custom_error_message=message)
-
-
-def bounded_list(item: Any, max_length: int, *then: BeforeValidator,
-                 min_length: int = 0) -> Any:
-    """A list of ``min_length`` to ``max_length`` ``item``s: its length checked before
-    anything else (pydantic's own check comes after the first item with ``fail_fast``), then
-    the validators ``then`` on the raw list, then its items up to the first bad one (its
-    only error: a refused list costs one error, not one per item)."""
-    def length_fits(value: Any) -> Any:
-        if isinstance(value, list) and len(value) > max_length:
-            raise PydanticKnownError("too_long", {"field_type": "List", "max_length": max_length,
-                                                  "actual_length": len(value)})
-        return value
-    # the last of Annotated's validators runs first
-    return Annotated[list[item], Field(min_length=min_length, max_length=max_length,
-                                       fail_fast=True), *reversed(then),
-                     BeforeValidator(length_fits)]
 
 
 # ---- the fields whose bounds are the engine's (each a function of its limits) ---------------
@@ -255,8 +204,10 @@ Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
 class _Sampled(StrictModel):
     """What every generation endpoint takes."""
 
-    # the fields whose bounds are the served engine's (:func:`request_model` narrows them)
-    ENGINE_BOUNDED: ClassVar[tuple[str, ...]] = ("max_tokens", "top_k")
+    # the fields whose bounds are the served engine's -> their type for an engine's limits
+    # (:func:`request_model` narrows them; the annotations are any engine's)
+    ENGINE_BOUNDED: ClassVar[dict[str, Callable[[EngineLimits], Any]]] = {
+        "max_tokens": max_tokens_field, "top_k": top_k_field}
     model: str | None = None
     max_tokens: MaxTokens = None
     stop: Stop | None = None
@@ -309,7 +260,7 @@ class _OpenAIRequest(_AtDefaults):
     """What both of OpenAI's endpoints take (``_ONLY_DEFAULT``'s fields at their default),
     with vLLM's and trtllm-serve's extensions as they take them in the body."""
 
-    ENGINE_BOUNDED = (*_Sampled.ENGINE_BOUNDED, "min_tokens")
+    ENGINE_BOUNDED = {**_Sampled.ENGINE_BOUNDED, "min_tokens": min_tokens_field}
 
     model: str
     stream: bool = False
@@ -344,7 +295,7 @@ class CompletionRequest(_OpenAIRequest):
     """OpenAI's ``/v1/completions``; ``echo`` with ``logprobs`` also asks for the prompt's
     log-probs (lm-eval's loglikelihood requests)."""
 
-    ENGINE_BOUNDED = (*_OpenAIRequest.ENGINE_BOUNDED, "prompt")
+    ENGINE_BOUNDED = {**_OpenAIRequest.ENGINE_BOUNDED, "prompt": prompt_field}
 
     prompt: Prompt
     echo: bool = False
@@ -363,7 +314,8 @@ class ChatRequest(_OpenAIRequest):
     """OpenAI's ``/v1/chat/completions``: text messages; ``max_completion_tokens`` wins over
     ``max_tokens``; ``top_logprobs`` only with ``logprobs`` true (OpenAI's rule)."""
 
-    ENGINE_BOUNDED = (*_OpenAIRequest.ENGINE_BOUNDED, "messages", "max_completion_tokens")
+    ENGINE_BOUNDED = {**_OpenAIRequest.ENGINE_BOUNDED, "messages": messages_field,
+                      "max_completion_tokens": max_tokens_field}
 
     messages: Messages
     max_completion_tokens: MaxTokens = None
@@ -386,11 +338,6 @@ class ChatRequest(_OpenAIRequest):
 
 ENDPOINTS: dict[str, type[_Sampled]] = {
     "completions": CompletionRequest, "chat": ChatRequest, "inference": InferenceRequest}
-# an ENGINE_BOUNDED field -> its type for an engine's limits (the classes declare any engine's)
-_FIELD_TYPES: dict[str, Callable[[EngineLimits], Any]] = {
-    "max_tokens": max_tokens_field, "max_completion_tokens": max_tokens_field,
-    "min_tokens": min_tokens_field, "top_k": top_k_field, "prompt": prompt_field,
-    "messages": messages_field}
 
 
 @functools.lru_cache(maxsize=16)
@@ -399,6 +346,7 @@ def request_model(endpoint: str, limits: EngineLimits = _ANY_ENGINE) -> type[_Sa
     base = ENDPOINTS[endpoint]
     if limits == _ANY_ENGINE:
         return base
-    bounded = {name: (_FIELD_TYPES[name](limits), ... if base.model_fields[name].is_required()
-                      else base.model_fields[name].default) for name in base.ENGINE_BOUNDED}
+    bounded = {name: (bound(limits), ... if base.model_fields[name].is_required()
+                      else base.model_fields[name].default)
+               for name, bound in base.ENGINE_BOUNDED.items()}
     return create_model(base.__name__, __base__=base, **bounded)  # type: ignore[call-overload]

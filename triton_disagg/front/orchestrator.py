@@ -67,7 +67,7 @@ from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
 from triton_disagg.front.engine_calls import ResponseBuilder, engine_inputs
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox, TokenStream
-from triton_disagg.protocol import scalar
+from triton_disagg.triton.tensors import engine_event, scalar
 
 Send = Callable[[dict | None, bool], Awaitable[None]]  # (outputs or None: flags only, final)
 CANCEL_POLL_SECONDS = 0.1   # is_cancelled() is an IPC round trip: asked at most this often
@@ -266,7 +266,7 @@ class ServedRequest:
             await self.send(None, True)
             return "cancelled"
         self.builder.context_answered(ctx)
-        first = P.engine_event(self.request_id, ctx)
+        first = engine_event(self.request_id, ctx)
         if await self.emit(first):
             return "finished"
         self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
@@ -345,7 +345,7 @@ class ServedRequest:
                 await self.send(None, True)
                 return "cancelled"
             self.builder.context_answered(ctx)
-            if await self.emit(P.engine_event(self.request_id, ctx)):
+            if await self.emit(engine_event(self.request_id, ctx)):
                 return "finished"
             self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
             return await self.relay(stream, is_cancelled)

@@ -3,7 +3,7 @@
 (:class:`RequestEncoder`), sent over Triton's gRPC streaming (tritonclient's asyncio client,
 :class:`Relay`), its responses back as token events with their text and counts
 (:class:`~triton_disagg.engine.sequence.TokenEvent`, read by
-:func:`~triton_disagg.protocol.response_event`).
+:func:`~triton_disagg.triton.tensors.response_event`).
 
 Why the orchestrator and not the ensemble: a client's cancel reaches a decoupled model it
 calls directly, but not the steps inside an ensemble (Triton 2.51), and the orchestrator
@@ -62,14 +62,16 @@ from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import CODE_IN_MESSAGE, HTTP_STATUS, ErrorCode, RequestError, \
     code_in, from_grpc_status, without_tag
 from triton_disagg.front.chat_template import ChatTemplate
+from triton_disagg.front.field_checks import shown
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.front.openai_api import ApiError, Generation
-from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits, shown
+from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits
 from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.triton.grpc_channel import client_options
+from triton_disagg.triton.tensors import by_name, response_event
 
 ORCHESTRATOR = "orchestrator"
-_SPECS = P.by_name(P.ORCHESTRATOR_INPUTS)
+_SPECS = by_name(P.ORCHESTRATOR_INPUTS)
 # A prompt of more characters than max_seq_len x this is refused untokenized whatever the
 # tokenizer (no tokenizer spends more on a token of text; with a length bound on the
 # tokenizer, :meth:`Tokenizer.surely_more_tokens`, its longest entry counts if larger).
@@ -251,7 +253,7 @@ class Relay:
                 if error is not None:          # the final response: the stream ends next
                     failed = failed or await self._failure(error.message())
                 elif failed is None:
-                    yield P.response_event(request_id, result.as_numpy)
+                    yield response_event(request_id, result.as_numpy)
             ended = True
         except grpc.aio.AioRpcError as exc:
             ended = True                        # Triton ended the stream with a status

@@ -24,7 +24,7 @@ import numpy as np
 from triton_disagg import peers, protocol as P
 from triton_disagg.engine.sampling import MAX_WORD_TOKENS, cap_error, count_error, to_wire
 from triton_disagg.errors import RequestError
-from triton_disagg.protocol import scalar
+from triton_disagg.triton.tensors import scalar
 
 if TYPE_CHECKING:
     from triton_disagg.engine.tokenizer import Tokenizer

@@ -31,9 +31,10 @@ from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError, create_model
 
 from triton_disagg.front.chat_template import TOKENIZER_CONFIG, ChatTemplate, special_tokens
+from triton_disagg.front.field_checks import shown
 from triton_disagg.front.generation_routes import FRONT, PREPARER, send_whole
 from triton_disagg.front.openai_api import ApiError, read_json
-from triton_disagg.front.openai_models import StrictModel, shown, token_ids
+from triton_disagg.front.openai_models import StrictModel, token_ids
 from triton_disagg.front.orchestrator_call import RequestEncoder
 
 # tokenizer_config.json's fields /tokenizer_info answers (besides the special tokens' text)

@@ -23,7 +23,8 @@ from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams, from_wire
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import RequestError, UserError
-from triton_disagg.protocol import NUM_CACHED_TOKENS, scalar, top_logprob_outputs
+from triton_disagg.protocol import NUM_CACHED_TOKENS
+from triton_disagg.triton.tensors import scalar, top_logprob_outputs
 
 if TYPE_CHECKING:       # the engine (its runners) is not imported where requests are read
     from triton_disagg.engine.llm_engine import PrefillResult

@@ -32,7 +32,7 @@ from triton_disagg.triton.metrics import Metrics
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.triton.placement import cores_for, gpu_index, pin
 from triton_disagg.errors import RequestError
-from triton_disagg.protocol import error_response, make_tensors, read_inputs
+from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 

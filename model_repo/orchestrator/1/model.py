@@ -36,7 +36,7 @@ from triton_disagg.front.orchestrator import MAX_RELEASES, Orchestrator
 from triton_disagg.front.engine_calls import BLSTransport, InFlightCap, OrchestratorGate, \
     public_message
 from triton_disagg.routing.pools import start_pools
-from triton_disagg.protocol import asks, error_response, make_tensors, read_inputs, \
+from triton_disagg.triton.tensors import asks, error_response, make_tensors, read_inputs, \
     scalar
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport
