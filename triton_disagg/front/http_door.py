@@ -213,6 +213,9 @@ async def _relay(request: web.Request, body: bytes) -> web.StreamResponse:
         except (TimeoutError, aiohttp.ClientError):
             _cut(request)
             return response
+        except BaseException:
+            _cut(request)                           # cancelled, or the door's own fault
+            raise
         await response.write_eof()
         return response
 
@@ -222,15 +225,14 @@ async def _answer(request: web.Request, response: web.StreamResponse,
     """Copy tritonserver's answer to the client, each chunk written within
     ``answer_seconds`` (on the doors' clock) of when it came: ``TimeoutError`` past that
     (a client that reads slowly holds the budget no longer than one that reads nothing);
-    ``aiohttp.ClientError`` when tritonserver's answer broke off."""
+    what broke tritonserver's answer off (``aiohttp.ClientError``) or reading it."""
     clock, seconds = request.app[CLOCK], request.app[ANSWER_SECONDS]
-    chunks: asyncio.Queue[tuple[float, bytes | aiohttp.ClientError]] = asyncio.Queue(
-        QUEUED_CHUNKS)
+    chunks: asyncio.Queue[tuple[float, bytes | Exception]] = asyncio.Queue(QUEUED_CHUNKS)
     pump = asyncio.get_running_loop().create_task(_pump(content, chunks, clock))
     try:
         while (item := await chunks.get())[1] != b"":
             arrived, chunk = item
-            if isinstance(chunk, aiohttp.ClientError):
+            if isinstance(chunk, Exception):
                 raise chunk
             await clock.finish_by(arrived + seconds, response.write(chunk))
     finally:
@@ -238,15 +240,15 @@ async def _answer(request: web.Request, response: web.StreamResponse,
 
 
 async def _pump(content: aiohttp.StreamReader,
-                chunks: asyncio.Queue[tuple[float, bytes | aiohttp.ClientError]],
+                chunks: asyncio.Queue[tuple[float, bytes | Exception]],
                 clock: LoopClock) -> None:
     """tritonserver's answer onto ``chunks`` as (when it came, its bytes), then b"" at its
-    end or the error that broke it off."""
+    end or what broke it off (so the writer never waits on a pump that died)."""
     try:
         async for chunk in content.iter_any():           # never b""
             await chunks.put((clock.now(), chunk))
-        end: bytes | aiohttp.ClientError = b""
-    except aiohttp.ClientError as exc:
+        end: bytes | Exception = b""
+    except Exception as exc:
         end = exc
     await chunks.put((clock.now(), end))
 
