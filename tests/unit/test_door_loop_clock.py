@@ -11,16 +11,18 @@ import pytest
 from triton_disagg.front.door_guards import LoopClock
 
 
-def test_a_stall_of_the_loop_is_not_counted_while_it_lasts_nor_after():
+def test_a_stall_of_the_loop_counts_at_most_half_while_it_lasts_and_after():
+    """A stall is discounted (rev27j M2), but at most ``LAG_SHARE`` of it (rev27k L1: a
+    client that keeps the loop busy stretched every other client's time 2.5 fold)."""
     async def main():
         clock = LoopClock(tick=0.02)
         clock.start()
         await asyncio.sleep(0.1)
         begun, wall = clock.now(), time.monotonic()
         time.sleep(0.5)                                    # the loop stalls
-        assert clock.now() - begun < 0.1                   # in progress: not counted
+        assert 0.24 < clock.now() - begun < 0.3            # in progress: half counted
         await asyncio.sleep(0.1)
-        assert clock.now() - begun < 0.25 < time.monotonic() - wall - 0.3
+        assert 0.3 < clock.now() - begun < 0.45 < time.monotonic() - wall - 0.1
         await clock.stop()
         stopped = clock.now()
         await asyncio.sleep(0.2)
@@ -34,10 +36,10 @@ def test_work_finishes_by_its_deadline_on_the_clock_or_is_cancelled():
         clock.start()
 
         async def stalled_then_done() -> str:
-            time.sleep(0.4)                                # the loop's stall: not counted
+            time.sleep(0.4)                                # the loop's stall: half counted
             await asyncio.sleep(0.1)
             return "done"
-        assert await clock.finish_by(clock.now() + 0.3, stalled_then_done()) == "done"
+        assert await clock.finish_by(clock.now() + 0.35, stalled_then_done()) == "done"
 
         never = asyncio.get_running_loop().create_future()
         begun = time.monotonic()

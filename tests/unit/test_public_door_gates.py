@@ -19,7 +19,7 @@ from local_sites import free_port
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_gates import add_origin_guard
 from triton_disagg.front.http_door import IN_FLIGHT, make_http_door
-from triton_disagg.front.door_guards import MAX_ENTRIES, MAX_NUMBERS, InnerOwner
+from triton_disagg.front.door_guards import MAX_ENTRIES, MAX_ID_CHARS, MAX_NUMBERS, InnerOwner
 from triton_disagg.front.public_door import SERVICE
 
 
@@ -157,6 +157,36 @@ def test_unknown_fields_are_dropped_and_unserved_models_refused():
                 assert await call.read() == known
                 await call.done_writing()
                 assert await call.code() == grpc.StatusCode.OK
+    asyncio.run(main())
+
+
+def test_a_request_id_is_bounded_and_a_refusal_echoes_at_most_its_bound():
+    """rev27k H1: a refused stream message is answered in the stream with its request id,
+    and Triton echoes the id in every response: a 9 MiB id on each of 64 unread answers held
+    ~0.9 GB of the door a stream, outside its byte budget. An id over ``MAX_ID_CHARS`` is
+    refused (in the stream; INVALID_ARGUMENT on ModelInfer), and no echo is longer."""
+    async def main():
+        async with open_door(4, models=frozenset({"ensemble"})) as door:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                call = channel.stream_stream(STREAM)()
+                bounded = infer_request(1, request_id="i" * MAX_ID_CHARS)
+                await call.write(bounded)
+                assert await call.read() == bounded               # forwarded, echoed
+                await call.write(infer_request(1, request_id="l" * (512 << 10)))
+                refused = _stream_response(await call.read())
+                assert f"at most {MAX_ID_CHARS}" in refused.error_message
+                assert refused.infer_response.id == "l" * MAX_ID_CHARS
+                await call.write(infer_request(1, name="nosuchmodel",
+                                               request_id="u" * (512 << 10)))
+                refused = _stream_response(await call.read())
+                assert len(refused.infer_response.id) == MAX_ID_CHARS
+                await call.done_writing()
+                assert await call.code() == grpc.StatusCode.OK
+                unary = channel.unary_unary(f"/{SERVICE}/ModelInfer")
+                with pytest.raises(grpc.aio.AioRpcError) as refused_call:
+                    await unary(infer_request(1, request_id="x" * (MAX_ID_CHARS + 1)))
+                assert refused_call.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"at most {MAX_ID_CHARS}" in refused_call.value.details()
     asyncio.run(main())
 
 

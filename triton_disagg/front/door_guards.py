@@ -19,10 +19,12 @@ OWNER_CHECK_SECONDS = 1.0   # how long an inner port's owner check is trusted
 UNREACHABLE = "tritonserver is not reachable"
 MAX_ENTRIES = 65_536        # strings, tensors and parameters of one inference request
 MAX_NUMBERS = 4 * 2**20     # numbers in its contents and shapes
+MAX_ID_CHARS = 1024         # its request id (Triton echoes it in every response)
 OUTSTANDING_MESSAGES = 8    # max_outstanding, in messages of max_bytes
 MESSAGE_FLOOR = 16 * 1024   # bytes a message is charged at least (Triton's cost of a request)
 CLIENT_SECONDS = 10.0       # a client takes an answer (gRPC: a response) within this long
 LAG_TICK_SECONDS = 0.05     # how often the loop clock measures its event loop's lag
+LAG_SHARE = 0.5             # of the time that passes, at most this much is loop lag
 # 127.0.0.1 as /proc/net/tcp writes it, and as tcp6 writes ::ffff:127.0.0.1 (how grpc core
 # binds "127.0.0.1" where IPv6 is up)
 LOOPBACK_HEX = {"/proc/net/tcp": "0100007F", "/proc/net/tcp6": "0000000000000000FFFF00000100007F"}
@@ -105,8 +107,11 @@ class MessageScreen:
     know (Triton's protobuf would keep each: 10 MiB of empty unknown fields took 330 MB), and,
     for an inference request (``infer``), one that names a model of ``models`` (when given:
     Triton 2.51 can die answering an unknown model on a stream that is streaming) with at
-    most ``MAX_ENTRIES`` strings, tensors and parameters and ``MAX_NUMBERS`` numbers. Calling
-    it returns the bytes to forward or raises :class:`Refused`."""
+    most ``MAX_ENTRIES`` strings, tensors and parameters, ``MAX_NUMBERS`` numbers and an
+    ``id`` of at most ``MAX_ID_CHARS`` (Triton echoes it in every response, which the door
+    relays: a 9 MiB id in each of 64 unread responses held ~0.9 GB a stream). Calling it
+    returns the bytes to forward or raises :class:`Refused` (with the request's id, cut to
+    its bound)."""
 
     def __init__(self, request_type, infer: bool, models: frozenset[str] = frozenset()):
         self.request_type, self.infer, self.models = request_type, infer, models
@@ -123,10 +128,13 @@ class MessageScreen:
             try:
                 self._screen_inference(parsed)
             except Refused as refused:
-                raise Refused(str(refused), parsed.id) from None
+                raise Refused(str(refused), parsed.id[:MAX_ID_CHARS]) from None
         return parsed.SerializeToString()
 
     def _screen_inference(self, parsed) -> None:
+        if len(parsed.id) > MAX_ID_CHARS:
+            raise Refused(f"the request id has {len(parsed.id)} characters; at most "
+                          f"{MAX_ID_CHARS}")
         refuse_unserved(parsed.model_name, self.models)
         entries, numbers = inference_size(parsed)
         if entries > MAX_ENTRIES:
@@ -214,13 +222,16 @@ class ByteBudget:
 class LoopClock:
     """The doors' clock for what they ask of a client (to take an answer, a response, in
     time): monotonic time less the event loop's lag, how late a tick of ``tick`` seconds
-    woke, a stall still in progress included. So the door's own stalls (a 10 MiB message
-    parsed on the loop: ~90 ms) never count against a client that reads at once. Between
+    woke (a stall still in progress included), but never more than ``LAG_SHARE`` of the
+    time that passed: the door's own stalls (a 10 MiB message parsed on the loop: ~90 ms)
+    do not count against a client that reads at once, and a client that keeps the loop
+    busy stretches the others' times at most 1 / (1 - ``LAG_SHARE``) fold. Between
     :meth:`start` and :meth:`stop` it ticks; stopped, it is monotonic time less the lag it
     measured."""
 
     def __init__(self, tick: float = LAG_TICK_SECONDS):
-        self.tick, self.lag, self._due = tick, 0.0, math.inf
+        self.tick, self.lag = tick, 0.0
+        self._began, self._due = math.inf, math.inf       # the tick running now
         self._ticker: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -233,11 +244,11 @@ class LoopClock:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-            self._ticker, self._due = None, math.inf
+            self._ticker, self._began, self._due = None, math.inf, math.inf
 
     def now(self) -> float:
         wall = time.monotonic()
-        return wall - self.lag - max(0.0, wall - self._due)
+        return wall - self.lag - self._late(wall)
 
     async def finish_by(self, deadline: float, work: Awaitable[T]) -> T:
         """``work``'s result if it ends before ``deadline`` (on this clock); else
@@ -252,8 +263,14 @@ class LoopClock:
         finally:
             task.cancel()                          # no-op once done
 
+    def _late(self, wall: float) -> float:
+        """The running tick's lag at ``wall``: how late it is, at most ``LAG_SHARE`` of
+        the time since it began."""
+        return min(max(0.0, wall - self._due), max(0.0, wall - self._began) * LAG_SHARE)
+
     async def _tick(self) -> None:
         while True:
-            self._due = time.monotonic() + self.tick
+            self._began = time.monotonic()
+            self._due = self._began + self.tick
             await asyncio.sleep(self.tick)
-            self.lag += max(0.0, time.monotonic() - self._due)
+            self.lag += self._late(time.monotonic())

@@ -161,27 +161,24 @@ class StreamRelay:
         try:
             while True:
                 await self.room.acquire()
-                if (request := await anext(messages, None)) is None:
+                if (raw := await anext(messages, None)) is None:
                     self.room.release()
                     break
                 self.last = self.clock.now()
                 try:
-                    request = self.screen(request)
-                    cost = message_cost(request, True)
-                    await self._admit(cost)
-                except BaseException as failed:
+                    taken = await self._take(raw)
+                except BaseException:
                     self.room.release()
-                    if isinstance(failed, Refused):
-                        await self._queue(refusal(failed))
-                        continue
-                    if isinstance(failed, BudgetFull):
-                        await self._queue(Ending(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                 str(failed)))
-                        return
                     raise
-                call = asyncio.get_running_loop().create_task(self._call(request))
-                self.calls.add(call)
-                call.add_done_callback(functools.partial(self._ended, cost))
+                del raw                     # held by the call alone, counted in the budget
+                if isinstance(taken, tuple):
+                    self._start(*taken)
+                else:
+                    self.room.release()
+                    await self._queue(taken)
+                    if isinstance(taken, Ending):
+                        return
+                taken = None
         except Exception as exc:                   # the door's own fault: said, not hung
             await self._queue(Ending(grpc.StatusCode.INTERNAL,
                                      f"the door failed: {type(exc).__name__}"))
@@ -189,6 +186,28 @@ class StreamRelay:
         finally:
             self.reading = False
         await self._end_if_done()
+
+    async def _take(self, raw: bytes) -> tuple[bytes, int] | bytes | Ending:
+        """``raw`` screened and its bytes taken (:meth:`_admit`): (the message to forward,
+        its cost); else, nothing taken, a refused message's answer (:func:`refusal`) or,
+        when the door's budget has as many bytes waiting as it holds, how the stream ends.
+        Neither keeps ``raw`` or the refusal (and its traceback's frames) alive."""
+        try:
+            request = self.screen(raw)
+        except Refused as refused:
+            return refusal(refused)
+        cost = message_cost(request, True)
+        try:
+            await self._admit(cost)
+        except BudgetFull as full:
+            return Ending(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+        return request, cost
+
+    def _start(self, request: bytes, cost: int) -> None:
+        """``request``'s inner call, its ``cost`` given back when it ends (:meth:`_ended`)."""
+        call = asyncio.get_running_loop().create_task(self._call(request))
+        self.calls.add(call)
+        call.add_done_callback(functools.partial(self._ended, cost))
 
     async def _admit(self, cost: int) -> None:
         """``cost`` bytes of the door's budget, then of the stream's share (so bytes waiting

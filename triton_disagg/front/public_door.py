@@ -114,6 +114,8 @@ class GrpcDoor:
             ("grpc.keepalive_permit_without_calls", 1),       # as tritonserver allows
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
             ("grpc.max_connection_idle_ms", int(idle_seconds * 1000)),
+            ("grpc.http2.bdp_probe", 0),   # else a stream's window grows to megabytes the
+                                           # door buffers unread (8 streams: 3 GB)
             ("grpc.max_allowed_incoming_connections", max_connections),   # more: closed
             ("grpc.so_reuseport", 0)])     # a port taken is an error, never shared
         self.channel = grpc.aio.insecure_channel(inner, options=[
@@ -165,18 +167,19 @@ class GrpcDoor:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             call = method(request, metadata=forwarded_metadata(context),
                           timeout=context.time_remaining())
-            try:
+            try:                    # the bytes held until the response is written, or not
                 response = await call
+                context.set_trailing_metadata(await call.trailing_metadata() or ())
+                await write_within(context, response, self.limits.write_seconds, self.clock)
+                return
             except grpc.aio.AioRpcError as exc:
-                await context.abort(*Ending.relayed(exc).args)
+                ending = Ending.relayed(exc)
+            except Ending as failed:
+                ending = failed
             finally:
                 call.cancel()                      # no-op once done; else the caller left
                 self.budget.give(cost)
-            context.set_trailing_metadata(await call.trailing_metadata() or ())
-            try:
-                await write_within(context, response, self.limits.write_seconds, self.clock)
-            except Ending as ending:
-                await context.abort(*ending.args)
+            await context.abort(*ending.args)
         return forward
 
     def _streams(self, path: str, screen: MessageScreen) -> Callable[..., Awaitable[None]]:
