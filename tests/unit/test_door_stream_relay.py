@@ -172,7 +172,12 @@ def test_a_peers_door_caps_its_calls_too(monkeypatch):
     monkeypatch.setattr(public_door, "PEER_CALLS", 2)
 
     async def main():
-        async with open_door(None) as door:
+        async def first_only(requests, context):      # a request that stays at tritonserver
+            async for request in requests:
+                yield request
+                await asyncio.Event().wait()
+
+        async with open_door(None, handler=first_only) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 held = [channel.stream_stream(STREAM)() for _ in range(2)]
                 for call in held:

@@ -225,3 +225,46 @@ def test_an_inference_request_of_too_many_strings_is_refused_before_tritonserver
                     await unary.read()
                 assert "not a ModelInferRequest" in garbled.value.details()
     asyncio.run(main())
+
+
+def test_a_call_past_the_cap_ends_the_longest_idle_one_or_is_refused():
+    """rev27k M1: 64 calls that never sent a message held the door's call cap for 300 s
+    from one connection; every other client was refused. A call past the cap takes the
+    seat of the call idle longest (ended UNAVAILABLE); with none idle it is refused."""
+    async def main():
+        answer = asyncio.Event()
+
+        async def held(requests, context):               # answers once ``answer`` is set
+            async for request in requests:
+                await answer.wait()
+                yield request
+
+        async with open_door(2, handler=held) as door:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                idle = [channel.stream_stream(STREAM)() for _ in range(2)]
+                for call in idle:
+                    await call.wait_for_connection()
+                await asyncio.sleep(0.2)
+                working = channel.stream_stream(STREAM)()
+                await working.write(infer_request(1))
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await idle[0].read()                 # the older idle call
+                assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "ended to make room" in ended.value.details()
+                busy = channel.stream_stream(STREAM)()   # takes idle[1]'s seat
+                await busy.write(infer_request(1))
+                await asyncio.sleep(0.2)
+                refused = channel.stream_stream(STREAM)()   # two busy: no seat
+                with pytest.raises(grpc.aio.AioRpcError) as full:
+                    await refused.read()
+                assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "none idle" in full.value.details()
+                answer.set()
+                assert await working.read() == infer_request(1)
+                assert await busy.read() == infer_request(1)
+                for call in (working, busy):
+                    await call.done_writing()
+                    assert await call.code() == grpc.StatusCode.OK
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await idle[1].read()
+    asyncio.run(main())

@@ -110,7 +110,13 @@ class StreamRelay:
         self.room = asyncio.Semaphore(STREAM_CALLS)
         self.share = ByteBudget(limits.max_bytes)
         self.reading = True
+        self.taking = self.writing = False        # a message waits; a response is written
         self.last = clock.now()                   # a message either way
+
+    def idle(self) -> bool:
+        """Nothing of this stream's at tritonserver, waiting for the door's budget or
+        for the client."""
+        return not (self.calls or self.taking or self.writing) and self.answers.empty()
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
         """Relay until the end; every inner call is cancelled (its bytes given back) before
@@ -138,7 +144,9 @@ class StreamRelay:
                 raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"the client took a response {late:.0f} s after tritonserver "
                              f"gave it (at most {self.limits.answer_seconds:g} s)")
+            self.writing = True
             await write_within(self.context, item, self.limits.write_seconds, self.clock)
+            self.writing = False
             self.last = self.clock.now()
 
     async def _next(self) -> tuple[float, object]:
@@ -165,11 +173,14 @@ class StreamRelay:
                     self.room.release()
                     break
                 self.last = self.clock.now()
+                self.taking = True
                 try:
                     taken = await self._take(raw)
                 except BaseException:
                     self.room.release()
                     raise
+                finally:
+                    self.taking = False
                 del raw                     # held by the call alone, counted in the budget
                 if isinstance(taken, tuple):
                     self._start(*taken)

@@ -39,14 +39,17 @@ for ``write_seconds``, or one ``answer_seconds`` after tritonserver gave it, is 
 gives its bytes back (both timed on the doors' :class:`LoopClock`: the door's own stalls do
 not count against a client); a message other than an inference
 request (health, metadata) of at most ``MESSAGE_FLOOR`` bytes holds none and never waits.
-At most ``max_calls`` calls run at once (grpcio refuses more with RESOURCE_EXHAUSTED;
-None: ``PEER_CALLS``, a peers' door, whose callers cap their own), ``CONNECTION_STREAMS``
-on one connection. Every call, unary ones included (all are
-served as streams), with no message either way for ``idle_seconds``
-(``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended (DEADLINE_EXCEEDED) and a
-connection with no call for as long is closed, so idle clients cannot hold the call cap or
-the process's descriptors for ever; past ``front.max_connections`` connections a new one is
-closed at once. With ``tls`` (the config's ``grpc_tls``) the public port speaks TLS
+At most ``max_calls`` calls run at once (None: ``PEER_CALLS``, a peers' door, whose
+callers cap their own), ``CONNECTION_STREAMS`` on one connection; a call past the cap
+ends the call idle longest (nothing of its at tritonserver or waiting for the client:
+UNAVAILABLE, "call again") or, none idle, is refused (RESOURCE_EXHAUSTED;
+:class:`CallRoster`), so calls that hold a place and do nothing never keep a working one
+out. Every call, unary ones included (all are served as streams), with no message either
+way for ``idle_seconds`` (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended
+(DEADLINE_EXCEEDED); a connection that has not spoken HTTP/2 within ``HANDSHAKE_SECONDS``
+or has had no call for ``CONNECTION_IDLE_SECONDS`` is closed (a client reconnects), so
+idle clients cannot hold the process's descriptors; past ``front.max_connections``
+connections a new one is closed at once. With ``tls`` (the config's ``grpc_tls``) the public port speaks TLS
 (mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
 Nothing is forwarded unless a socket of this user listens on 127.0.0.1 on each inner port
 (:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
@@ -76,6 +79,8 @@ STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long 
 INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages: checked
 PEER_CALLS = 4096           # calls at once through a peers' door (~22 KB of the door's each)
 CONNECTION_STREAMS = 256    # HTTP/2 streams at once on one connection (a client queues more)
+HANDSHAKE_SECONDS = 5.0     # a connection that has not spoken HTTP/2 by then is closed
+CONNECTION_IDLE_SECONDS = 30.0   # one with no call this long is closed (clients reconnect)
 
 
 def service_methods() -> Sequence[MethodDescriptor]:
@@ -108,12 +113,15 @@ class GrpcDoor:
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.clock = LoopClock()
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
-        self.server = grpc.aio.server(maximum_concurrent_rpcs=max_calls or PEER_CALLS, options=[
+        self.roster = CallRoster(max_calls or PEER_CALLS)
+        self.server = grpc.aio.server(maximum_concurrent_rpcs=2 * self.roster.limit, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_concurrent_streams", CONNECTION_STREAMS),
             ("grpc.keepalive_permit_without_calls", 1),       # as tritonserver allows
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-            ("grpc.max_connection_idle_ms", int(idle_seconds * 1000)),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_SECONDS * 1000)),
+            ("grpc.max_connection_idle_ms",
+             int(min(idle_seconds, CONNECTION_IDLE_SECONDS) * 1000)),
             ("grpc.http2.bdp_probe", 0),   # else a stream's window grows to megabytes the
                                            # door buffers unread (8 streams: 3 GB)
             ("grpc.max_allowed_incoming_connections", max_connections),   # more: closed
@@ -147,10 +155,14 @@ class GrpcDoor:
 
         async def forward(requests: AsyncIterator[bytes],
                           context: grpc.aio.ServicerContext) -> None:
-            await self._check_owner(context)
+            await self._seated(context, lambda seat: serve(requests, context, seat))
+
+        async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                        seat: Seat) -> None:
             try:
                 async with asyncio.timeout(self.idle_seconds):
                     request = await anext(aiter(requests), None)
+                seat.idle = lambda: False
             except TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"no request within {self.idle_seconds:g} s")
@@ -187,15 +199,36 @@ class GrpcDoor:
 
         async def forward(requests: AsyncIterator[bytes],
                           context: grpc.aio.ServicerContext) -> None:
-            await self._check_owner(context)
-            await StreamRelay(self.budget, self.clock, self.limits, method, screen,
-                              context).run(requests)
+            relay = StreamRelay(self.budget, self.clock, self.limits, method, screen, context)
+
+            async def serve(seat: Seat) -> None:
+                seat.idle, seat.last = relay.idle, lambda: relay.last
+                await relay.run(requests)
+            await self._seated(context, serve)
         return forward
 
-    async def _check_owner(self, context: grpc.aio.ServicerContext) -> None:
+    async def _seated(self, context: grpc.aio.ServicerContext,
+                      serve: Callable[[Seat], Awaitable[None]]) -> None:
+        """``serve`` the call in a seat of :attr:`roster` (refused without one), ended
+        UNAVAILABLE when the roster takes the seat back for another call."""
         if not self.owner.ours():
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{UNREACHABLE} (its port is not this server's)")
+        seat = Seat(self.clock.now())
+        if not self.roster.enter(seat):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"over {self.roster.limit} calls at once, none idle; retry "
+                                f"later")
+        try:
+            await serve(seat)
+        except asyncio.CancelledError:
+            if seat.evicted:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "the call was idle and was ended to make room for "
+                                    "another; call again")
+            raise
+        finally:
+            self.roster.leave(seat)
 
     async def start(self) -> None:
         self.clock.start()
@@ -205,6 +238,48 @@ class GrpcDoor:
         await self.server.stop(grace)
         await self.channel.close()
         await self.clock.stop()
+
+
+class Seat:
+    """One call's place under the door's cap: whether it is idle (``idle()``: nothing of
+    its at tritonserver or waiting for the client, so it may be ended to make room), when
+    it last moved (``last()``, on the doors' clock) and whether it was ended for that."""
+
+    def __init__(self, entered: float):
+        self.task = asyncio.current_task()
+        self.idle: Callable[[], bool] = lambda: True      # a call that has sent nothing
+        self.last: Callable[[], float] = lambda: entered
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+        if self.task is not None:
+            self.task.cancel()
+
+
+class CallRoster:
+    """The door's calls, at most ``limit``: a call past it takes the seat of the call idle
+    longest (which is ended, UNAVAILABLE) or, with none idle, is refused
+    (RESOURCE_EXHAUSTED). So calls that hold a place and do nothing (a stream between
+    requests, a call that never sends) never keep a working one out: 64 such calls from
+    one connection had refused every other client until they left."""
+
+    def __init__(self, limit: int):
+        self.limit, self.seats = limit, set[Seat]()
+
+    def enter(self, seat: Seat) -> bool:
+        if len(self.seats) >= self.limit:
+            idle = [taken for taken in self.seats if taken.idle()]
+            if not idle:
+                return False
+            oldest = min(idle, key=lambda taken: taken.last())
+            self.seats.discard(oldest)
+            oldest.evict()
+        self.seats.add(seat)
+        return True
+
+    def leave(self, seat: Seat) -> None:
+        self.seats.discard(seat)
 
 
 def _server_credentials(tls: GrpcTLS) -> grpc.ServerCredentials:
