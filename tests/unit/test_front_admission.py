@@ -83,6 +83,34 @@ def test_a_client_that_leaves_gives_its_slot_back(demo_engine):
         assert (await client.post("/v1/completions", json=BODY)).status == 200
     run(relay, check, demo_engine, FrontConfig(max_concurrent_requests=1))
 
+def test_requests_still_sending_their_body_give_their_place_to_a_new_one(demo_engine):
+    """rev27k M1: max_concurrent_requests connections each trickling one byte of body held
+    the cap for the body timeout (30 s), again and again: every other request was 429. At
+    the cap a new request takes the place of the oldest one whose body is still arriving
+    (cut: closed, nothing answered); a request whose body has arrived keeps its place."""
+    async def main():
+        front = FrontConfig(max_concurrent_requests=2)
+        relay = ScriptedRelay(WORDS, pause=0.5)
+        async with served(demo_engine, relay, front) as port:
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: 100\r\n\r\n{")
+            trickles = [await raw(port, head) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            async with ClientSession() as session:
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                posts = [asyncio.create_task(session.post(url, json=BODY)) for _ in range(2)]
+                await asyncio.sleep(0.3)        # both admitted, generating (bodies arrived)
+                async with session.post(url, json=BODY) as refused:
+                    assert refused.status == 429
+                for post in posts:
+                    async with await post as answer:
+                        assert answer.status == 200, await answer.text()
+            for reader, writer in trickles:      # both cut, nothing answered
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+                writer.close()
+    asyncio.run(main())
+
+
 # ---- the connection cap ------------------------------------------------------------------
 
 def test_a_connection_past_the_cap_gets_503_and_a_freed_one_is_served(demo_engine):

@@ -18,7 +18,7 @@ from local_sites import free_port
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.front.http_gates import add_origin_guard
-from triton_disagg.front.http_door import IN_FLIGHT, make_http_door
+from triton_disagg.front.http_door import CALLS, make_http_door
 from triton_disagg.front.door_guards import MAX_ENTRIES, MAX_ID_CHARS, MAX_NUMBERS, InnerOwner
 from triton_disagg.front.public_door import SERVICE
 
@@ -120,7 +120,7 @@ def test_health_passes_the_request_cap_a_refusal_says_when_to_retry_origin_is_ch
         try:
             async with ClientSession() as session:
                 held = asyncio.create_task(session.get(f"{url}/v2/models/m?hold=1"))
-                while app[IN_FLIGHT][0] < 1:
+                while app[CALLS].in_flight < 1 or app[CALLS].arriving:   # forwarded
                     await asyncio.sleep(0.01)
                 async with session.get(f"{url}/v2/models/m") as busy:
                     assert busy.status == 429 and busy.headers["Retry-After"] == "1"

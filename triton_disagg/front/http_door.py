@@ -11,9 +11,12 @@ is read, or, chunked, once ``max_bytes`` have come; a body slower than ``body_ti
 408; a ``Content-Type`` other than Triton's (JSON, octet stream) is not forwarded (a large
 form body kills Triton 2.51's HTTP server); a compressed body (``Content-Encoding``) is 415,
 since Triton would inflate it unbounded; so tritonserver never receives more than
-``max_bytes`` in one request. At most ``max_calls`` requests are forwarded at once (429
-with ``Retry-After``), over at most ``front.max_connections`` connections; a bodiless ``GET
-/v2/health/live`` or ``/ready`` is never refused by the request cap. The door checks
+``max_bytes`` in one request. At most ``max_calls`` requests are read or forwarded at once
+(429 with ``Retry-After``), over at most ``front.max_connections`` connections; at the cap,
+a new request takes the place of the oldest one whose body is still arriving (that one's
+connection closed: :class:`~triton_disagg.front.http_gates.RequestCount`), so clients that
+trickle their bodies cannot hold the cap; a bodiless ``GET /v2/health/live`` or ``/ready``
+is never counted or refused by the request cap. The door checks
 ``Origin`` and ``Host`` as the front does (a web page cannot drive it). Nothing is
 forwarded unless this user listens on the inner port
 (:class:`~triton_disagg.front.door_guards.InnerOwner`); an unreachable tritonserver is 502.
@@ -56,7 +59,8 @@ from triton_disagg.front.door_guards import (CLIENT_SECONDS, MAX_ENTRIES,
                                              OUTSTANDING_MESSAGES, UNREACHABLE, BudgetFull,
                                              ByteBudget, InnerOwner, LoopClock, Refused,
                                              refuse_unserved)
-from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, add_origin_guard
+from triton_disagg.front.http_gates import (RETRY_AFTER_SECONDS, Place, RequestCount,
+                                           add_origin_guard)
 from triton_disagg.front.openai_api import ApiError
 from triton_disagg.front.public_door import GrpcDoor
 from triton_disagg.triton.endpoints import LOOPBACK
@@ -89,7 +93,7 @@ class DoorPorts:
 
 INNER = web.AppKey("inner", str)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-IN_FLIGHT = web.AppKey("in_flight", list)       # [count]: requests being forwarded
+CALLS = web.AppKey("calls", RequestCount)       # requests being forwarded, probes aside
 BUDGET = web.AppKey("budget", ByteBudget)        # bytes of bodies forwarded, not yet answered
 CLOCK = web.AppKey("clock", LoopClock)           # times what the door asks of clients
 ANSWER_SECONDS = web.AppKey("answer_seconds", float)
@@ -118,16 +122,17 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
                                "unbounded); send it as is")
         if not owner.ours():
             return _error(503, f"{UNREACHABLE} (its port is not this server's)")
-        probe = request.method == "GET" and request.path in PROBES and not request.body_exists
-        if request.app[IN_FLIGHT][0] >= max_calls and not probe:
+        if request.method == "GET" and request.path in PROBES and not request.body_exists:
+            return await _forward(request, max_bytes, body_timeout, models, None)
+        place = request.app[CALLS].enter(request.transport)
+        if place is None:
             busy = _error(429, f"over {max_calls} requests in flight; retry later")
             busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
             return busy
-        request.app[IN_FLIGHT][0] += 1
         try:
-            return await _forward(request, max_bytes, body_timeout, models)
+            return await _forward(request, max_bytes, body_timeout, models, place)
         finally:
-            request.app[IN_FLIGHT][0] -= 1
+            place.leave()
 
     async def open_session(app: web.Application) -> None:
         app[SESSION] = aiohttp.ClientSession(
@@ -153,7 +158,7 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
         await app[CLOCK].stop()
 
     app = web.Application(client_max_size=max_bytes, middlewares=[triton_errors])
-    app[INNER], app[IN_FLIGHT] = inner, [0]
+    app[INNER], app[CALLS] = inner, RequestCount(max_calls)
     app[BUDGET] = budget or ByteBudget(OUTSTANDING_MESSAGES * max_bytes)
     app[CLOCK], app[ANSWER_SECONDS] = clock or LoopClock(), answer_seconds
     app.on_startup.append(open_session)
@@ -166,7 +171,9 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
 
 
 async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
-                   models: frozenset[str]) -> web.StreamResponse:
+                   models: frozenset[str], place: Place | None) -> web.StreamResponse:
+    """Read the body (``place``, the request's under the cap, marked arrived then; None for
+    a probe), screen it, take its bytes from the budget and relay it."""
     try:
         async with asyncio.timeout(body_timeout):
             body = await request.read()         # at most client_max_size, else 413
@@ -174,6 +181,8 @@ async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
         return _error(413, f"the body is over {max_bytes} bytes")
     except TimeoutError:
         return _error(408, f"the body did not arrive within {body_timeout:g} s")
+    if place is not None:
+        place.arrived()
     try:
         screen_body(request.rel_url.raw_path, request.headers.get(BINARY_HEADER), body, models)
     except Refused as refused:

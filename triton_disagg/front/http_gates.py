@@ -9,7 +9,9 @@ long it waits on a client.
   (OpenAI's error JSON) and closed, without reaching the app.
 - Requests: :func:`request_gate` lets ``max_concurrent_requests`` generation requests
   (``GATED_PATHS``) in at once, from before their body is read to their last byte out; one
-  more is answered ``429`` with ``Retry-After`` at once, never queued.
+  more is answered ``429`` with ``Retry-After`` at once, never queued, unless a request
+  whose body is still arriving holds a place: the oldest such is cut to make room
+  (:class:`RequestCount`), so a trickled body never keeps another request out.
 - Slow clients: a connection whose client takes nothing more for ``write_timeout_seconds``
   while its answer waits to go out is dropped (:class:`_Counted`), whatever the route:
   a generation's stream or whole answer, ``/openapi.json``, an error, pipelined requests
@@ -58,7 +60,7 @@ from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.values import is_loopback
-from triton_disagg.front.openai_api import ApiError
+from triton_disagg.front.openai_api import BODY_ARRIVED, ApiError
 
 GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/inference",
                          "/tokenize", "/detokenize"})   # each reads a body, then works on it
@@ -75,13 +77,65 @@ def busy(what: str, status: int) -> ApiError:
                     status, kind=kind, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
+class Place:
+    """One request's place under a :class:`RequestCount`'s cap, held from before its body
+    is read until it ends (:meth:`leave`), or until the cap needs it back while the body is
+    still arriving (:meth:`evict`: its connection is closed)."""
+
+    def __init__(self, count: "RequestCount", transport: asyncio.BaseTransport | None):
+        self.count, self.transport, self.held = count, transport, True
+        count.in_flight += 1
+        count.arriving[self] = None
+
+    def arrived(self) -> None:
+        """The body is all here: the place is kept until the request ends."""
+        self.count.arriving.pop(self, None)
+
+    def evict(self) -> None:
+        """Give the place to a new request: this one, whose body is still arriving, is cut
+        (its connection closed; its handler, cancelled, then leaves)."""
+        log.warning("a request's body was still arriving at the cap of %d requests; its "
+                    "connection closed to make room", self.count.limit)
+        self.leave()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def leave(self) -> None:
+        """The request ended (on every way out; again: nothing)."""
+        self.count.arriving.pop(self, None)
+        if self.held:
+            self.held = False
+            self.count.in_flight -= 1
+
+
 class RequestCount:
-    """Orchestrator calls in flight, at most ``limit``: a request holds one from before its
-    body is read (:func:`request_gate`), and one more per extra choice once it is parsed
-    (:meth:`more`), so a request of ``n`` choices counts as the ``n`` calls it makes."""
+    """Orchestrator calls in flight, at most ``limit``: a request holds a :class:`Place`
+    from before its body is read (:meth:`enter`; so at most ``limit`` bodies are read or held
+    at once), and one more call per extra choice once it is parsed (:meth:`more`), so a
+    request of ``n`` choices counts as the ``n`` calls it makes.
+
+    A request whose body is still arriving holds its place only until another request needs
+    it: at the cap, a new request takes the place of the oldest one still arriving (that one
+    is cut, :meth:`Place.evict`). So clients that trickle their bodies cannot keep others
+    out; a request still sending its body holds, in the end, only a connection (bounded by
+    ``front.max_connections`` and the body timeout).
+
+    Invariant: ``in_flight`` is the places held plus the extra calls of :meth:`more`, at most
+    ``limit``; ``arriving`` holds, oldest first, the places whose body is still arriving."""
 
     def __init__(self, limit: int):
         self.limit, self.in_flight = limit, 0
+        self.arriving: dict[Place, None] = {}       # insertion order: oldest first
+
+    def enter(self, transport: asyncio.BaseTransport | None) -> Place | None:
+        """A place for a new request on ``transport`` (the oldest one still arriving cut to
+        make room at the cap), None when every place is held by a request whose body has
+        arrived."""
+        if self.in_flight >= self.limit and self.arriving:
+            next(iter(self.arriving)).evict()
+        if self.in_flight >= self.limit:
+            return None
+        return Place(self, transport)
 
     @contextlib.contextmanager
     def more(self, calls: int) -> Iterator[None]:
@@ -97,19 +151,22 @@ class RequestCount:
 
 
 def request_gate(count: RequestCount):
-    """The middleware that admits at most ``count.limit`` requests to ``GATED_PATHS``."""
+    """The middleware that admits at most ``count.limit`` requests to ``GATED_PATHS``; each
+    request's place is marked arrived by :func:`~.openai_api.read_json` once its body is
+    read (``BODY_ARRIVED``)."""
 
     @web.middleware
     async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in GATED_PATHS:
             return await handler(request)
-        if count.in_flight >= count.limit:
+        place = count.enter(request.transport)
+        if place is None:
             raise busy(f"{count.limit} concurrent requests (front.max_concurrent_requests)", 429)
-        count.in_flight += 1
+        request[BODY_ARRIVED] = place.arrived
         try:
             return await handler(request)
         finally:
-            count.in_flight -= 1
+            place.leave()
     return gate
 
 

@@ -236,6 +236,8 @@ MAX_BODY_BYTES = 10 * 2**20     # a larger body is refused with 413
 OFF_LOOP_BYTES = 64 * 2**10     # a larger body is parsed on PARSER, not the event loop
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # \uD800-\uDFFF, either case
 PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
+# what read_json calls once the request's body is all here (the request gate's: http_gates)
+BODY_ARRIVED = web.RequestKey("body_arrived", Callable[[], None])
 Checked = TypeVar("Checked")
 
 
@@ -296,6 +298,7 @@ async def read_json(request: web.Request, timeout: float,
     except web.RequestPayloadError:     # e.g. a broken chunked framing
         raise ApiError("the body could not be read as sent: its chunked framing is "
                        "broken") from None
+    request.get(BODY_ARRIVED, lambda: None)()
     if len(raw) <= OFF_LOOP_BYTES:
         return check(decode(raw))
     return await asyncio.get_running_loop().run_in_executor(PARSER,
