@@ -1,7 +1,9 @@
-"""The HTTP door's request cap (rev27k M1): a request whose body is still arriving gives
-its place under ``max_calls`` to a new request (clients that trickle their bodies cannot
-keep others out), one whose body has arrived keeps it (429 past the cap). The inner
-tritonserver is an in-process aiohttp stand-in."""
+"""The HTTP door's request cap and its connections to tritonserver (rev27k M1, L4): a
+request whose body is still arriving gives its place under ``max_calls`` to a new request
+(clients that trickle their bodies cannot keep others out), one whose body has arrived
+keeps it (429 past the cap); the door's pool of connections to tritonserver has no limit
+of its own (aiohttp's default, 100, made requests past it, probes included, wait without
+end). The inner tritonserver is an in-process aiohttp stand-in."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import asyncio
 import contextlib
 import time
 
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from local_sites import serve_locally
 
 from triton_disagg.front.http_door import CALLS, make_http_door
@@ -99,4 +101,31 @@ def test_requests_whose_body_arrived_keep_their_place_past_the_cap_is_429():
                 for post in held:
                     async with await post as answer:
                         assert answer.status == 200
+    asyncio.run(main())
+
+
+def test_past_a_hundred_calls_to_tritonserver_nothing_waits_for_a_pooled_connection():
+    """rev27k L4: with max_calls 200, 100 long requests took every connection of aiohttp's
+    default pool and a health probe had no answer in 10 s."""
+    async def main():
+        release = asyncio.Event()
+        async with _door(200, release) as (url, app):
+            async with ClientSession(connector=TCPConnector(limit=0)) as session:
+                async def long() -> int:
+                    async with session.post(f"{url}/v2/models/ensemble/generate_stream",
+                                            data=b"{}") as answer:
+                        await answer.read()
+                        return answer.status
+                longs = [asyncio.create_task(long()) for _ in range(110)]
+                deadline = time.monotonic() + 20
+                while app[CALLS].in_flight < 110 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                async with session.get(f"{url}/v2/health/ready",
+                                       timeout=ClientTimeout(total=5)) as probe:
+                    assert probe.status == 200
+                async with session.post(f"{url}{INFER}", data=b"{}",
+                                        timeout=ClientTimeout(total=5)) as other:
+                    assert other.status == 200
+                release.set()
+                assert await asyncio.gather(*longs) == [200] * 110
     asyncio.run(main())

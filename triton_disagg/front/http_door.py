@@ -69,7 +69,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
                         "host", "content-length"})
 PASSED_MEDIA_TYPES = frozenset({"application/json", "application/octet-stream"})
-CONNECT_SECONDS = 5.0       # to reach tritonserver's HTTP port
+CONNECT_SECONDS = 5.0       # to reach tritonserver's HTTP port, a pooled connection or a new one
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})   # a bodiless GET: never capped
 # Triton's own routing of an inference request (http_server.cc's model_regex_), on the raw path
 INFERENCE_PATH = re.compile(
@@ -135,8 +135,11 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
             place.leave()
 
     async def open_session(app: web.Application) -> None:
+        # no pool limit (aiohttp's default, 100, would make the requests past it, probes
+        # included, wait for a pooled connection unbounded): the door caps calls itself
         app[SESSION] = aiohttp.ClientSession(
-            auto_decompress=False, timeout=aiohttp.ClientTimeout(sock_connect=CONNECT_SECONDS))
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(connect=CONNECT_SECONDS, sock_connect=CONNECT_SECONDS))
 
     async def close_session(app: web.Application) -> None:
         await app[SESSION].close()
