@@ -61,7 +61,7 @@ from triton_disagg.front.door_guards import (CLIENT_SECONDS, MAX_ENTRIES,
                                              refuse_unserved)
 from triton_disagg.front.http_gates import (RETRY_AFTER_SECONDS, Place, RequestCount,
                                            add_origin_guard)
-from triton_disagg.front.openai_api import ApiError
+from triton_disagg.front.openai_api import ApiError, json_size
 from triton_disagg.front.public_door import GrpcDoor
 from triton_disagg.triton.endpoints import LOOPBACK
 
@@ -300,22 +300,6 @@ def screen_body(raw_path: str, binary_header: str | None, body: bytes,
         raise Refused(f"the request's JSON has {values} values; at most {MAX_ENTRIES} (Triton "
                       f"holds each as an object; send a long tensor as binary data, Triton's "
                       f"binary tensor extension)")
-
-
-def json_size(text: bytes, max_strings: int) -> tuple[int, int]:
-    """(strings, values) of a JSON text, from its bytes: its strings, keys included (its
-    quotes, halved, once each escaped backslash and escaped quote is blanked: no quote is
-    left inside a string), and, if those are at most ``max_strings`` (else 0: they are
-    counted on the text split at its quotes, an object per piece), an upper bound on its
-    values of every kind, from what lies outside its strings (each value but a container's
-    first follows a comma: 1 + commas + ``[`` + ``{``). Past a byte that is no JSON either
-    may be wrong, but Triton's parser stops there."""
-    unescaped = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")   # same offsets
-    strings = (unescaped.count(b'"') + 1) // 2          # an unclosed one counts
-    if strings > max_strings:
-        return strings, 0
-    outside = b"".join(unescaped.split(b'"')[::2])      # the text less its strings
-    return strings, 1 + outside.count(b",") + outside.count(b"[") + outside.count(b"{")
 
 
 def _passed_media_type(content_type: str) -> bool:

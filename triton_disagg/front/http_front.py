@@ -59,7 +59,7 @@ from triton_disagg.front.generation_routes import (CALLS, FRONT, PREPARER, RELAY
                                                    chat_completions, completions, inference,
                                                    request_id_of, server_error)
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
-from triton_disagg.front.openai_api import MAX_BODY_BYTES, ApiError
+from triton_disagg.front.openai_api import BODY_BOUNDS, MAX_BODY_BYTES, ApiError, BodyBounds
 from triton_disagg.front.openapi import document
 from triton_disagg.front.orchestrator_call import Relay, RequestEncoder
 from triton_disagg.front.metrics_door import make_metrics_door
@@ -151,6 +151,7 @@ def make_app(preparer: RequestEncoder, relay: Relay, front: FrontConfig = FrontC
     app[CALLS] = RequestCount(front.max_concurrent_requests)
     app.middlewares.append(request_gate(app[CALLS]))
     app[PREPARER], app[RELAY] = preparer, relay
+    app[BODY_BOUNDS] = BodyBounds.of(preparer.limits, preparer.max_prompt_chars)
     app[OPENAPI] = json.dumps(document(preparer.limits, tokenizer_posts(preparer))).encode()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

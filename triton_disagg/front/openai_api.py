@@ -15,9 +15,12 @@ character, which JSON's grammar allows and UTF-8 cannot encode, so no string of 
 body fails to encode later). The value is then checked by the caller's ``check`` (a request
 model's validation). A body over ``OFF_LOOP_BYTES`` is decoded and checked on ``PARSER``,
 one thread, so at most one parse's worth of objects is alive at a time; ``json.loads``
-holds the GIL while it parses, so the event loop's other clients (streams, ``/healthz``)
-still wait for it, up to ~0.1-0.3 s for a 10 MB body (measured, rev27f L2), at most
-``front.max_concurrent_requests`` bodies in turn.
+holds the GIL while it parses, so the event loop's other clients (streams, the doors,
+``/metrics``) wait for it (~0.2-0.4 s for a 10 MiB body of small ints, rev27k M3). So a body
+is first held to the served engine's :class:`BodyBounds` (the app's ``BODY_BOUNDS``): longer
+than any request to it needs, a 413 from its ``Content-Length``, unread; of more JSON values
+than any needs, a 400 counted from its bytes (:func:`json_size`, ~30 ms a 10 MiB body),
+never parsed: what is parsed costs at most ~40 ns a value the engine could use.
 
 Invariants: a body this module accepts is a JSON object whose every field is known, of its
 type and in its range (:mod:`.openai_models` has the bounds), so what reaches the server
@@ -61,7 +64,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from triton_disagg.front.field_checks import shown
-from triton_disagg.front.openai_models import BRANCHES, EngineLimits, request_model
+from triton_disagg.front.openai_models import (BRANCHES, MAX_CHOICES, EngineLimits,
+                                               request_model)
 
 
 class ApiError(Exception):
@@ -234,11 +238,70 @@ def _range(field: FieldInfo | None) -> str | None:
 
 MAX_BODY_BYTES = 10 * 2**20     # a larger body is refused with 413
 OFF_LOOP_BYTES = 64 * 2**10     # a larger body is parsed on PARSER, not the event loop
+ESCAPED_CHAR_BYTES = 12         # JSON's longest spelling of a character: a surrogate pair
+BODY_SLACK_BYTES = 2**20        # a body's bytes besides its prompts' text, and more
+VALUES_SLACK = 2**17            # a body's JSON values besides its token ids and messages
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # \uD800-\uDFFF, either case
 PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
 # what read_json calls once the request's body is all here (the request gate's: http_gates)
 BODY_ARRIVED = web.RequestKey("body_arrived", Callable[[], None])
 Checked = TypeVar("Checked")
+
+
+@dataclass(frozen=True)
+class BodyBounds:
+    """What a body may hold before it is read or parsed: at most ``max_bytes`` (413 from its
+    ``Content-Length``, unread) and at most ``max_values`` JSON values (twice as many
+    strings; 400, counted from its bytes by :func:`json_size` before ``json.loads``, which
+    holds the GIL, and so the event loop, for as long as it parses: ~40 ns a value)."""
+
+    max_bytes: int = MAX_BODY_BYTES
+    max_values: int = 2**31
+
+    @classmethod
+    def of(cls, limits: EngineLimits, max_prompt_chars: int) -> "BodyBounds":
+        """The largest body of any route the served engine can take, with slack: at most
+        ``MAX_CHOICES`` prompts of ``max_prompt_chars`` characters, each spelled in JSON's
+        longest escape (``max_prompt_chars`` is at least 64 a token, so this also covers
+        prompts of ``max_seq_len`` token ids, a chat's ``max_seq_len`` messages and every
+        other field); values: ``MAX_CHOICES`` prompts of ``max_seq_len`` ids and a chat's
+        messages (a few values each), plus ``VALUES_SLACK``."""
+        text = MAX_CHOICES * max_prompt_chars * ESCAPED_CHAR_BYTES
+        return cls(min(MAX_BODY_BYTES, text + BODY_SLACK_BYTES),
+                   (MAX_CHOICES + 8) * limits.max_seq_len + VALUES_SLACK)
+
+    def screen(self, raw: bytes) -> None:
+        """:class:`ApiError` (400) for a body of more JSON values (or strings) than
+        ``max_values`` (twice)."""
+        strings, values = json_size(raw, 2 * self.max_values)
+        if strings > 2 * self.max_values or values > self.max_values:
+            what = f"{strings} strings" if strings > 2 * self.max_values else \
+                f"{values} values"
+            raise ApiError(f"the body's JSON has {what}; no request to this engine needs "
+                           f"more than {self.max_values} values ({2 * self.max_values} "
+                           f"strings)")
+
+
+# the served engine's (the front's make_app sets them); without: MAX_BODY_BYTES alone
+BODY_BOUNDS = web.AppKey("body_bounds", BodyBounds)
+
+
+def json_size(text: bytes, max_strings: int) -> tuple[int, int]:
+    """(strings, values) of a JSON text, from its bytes: its strings, keys included (its
+    quotes, halved, once each escaped backslash and escaped quote is blanked: no quote is
+    left inside a string), and, if those are at most ``max_strings`` (else 0: they are
+    counted on the text split at its quotes, an object per piece), an upper bound on its
+    values of every kind, from what lies outside its strings (each value but a container's
+    first follows a comma: 1 + commas + ``[`` + ``{``). Past a byte that is no JSON either
+    may be wrong, but Triton's parser stops there."""
+    unescaped = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")   # same offsets
+    strings = (unescaped.count(b'"') + 1) // 2          # an unclosed one counts
+    if strings > max_strings:
+        return strings, 0
+    outside = b"".join(unescaped.split(b'"')[::2])      # the text less its strings
+    return strings, 1 + outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+
+
 
 
 def decode(raw: bytes) -> Any:
@@ -289,6 +352,9 @@ async def read_json(request: web.Request, timeout: float,
     if coding not in ("", "identity"):
         raise ApiError(f"Content-Encoding {coding[:40]!r}: this API takes the body as sent, "
                        f"uncompressed", 415)
+    bounds = request.app.get(BODY_BOUNDS) or BodyBounds()
+    if (request.content_length or 0) > bounds.max_bytes:
+        raise _too_large(bounds)
     try:
         async with asyncio.timeout(timeout):
             raw = await request.read()
@@ -299,7 +365,18 @@ async def read_json(request: web.Request, timeout: float,
         raise ApiError("the body could not be read as sent: its chunked framing is "
                        "broken") from None
     request.get(BODY_ARRIVED, lambda: None)()
+    if len(raw) > bounds.max_bytes:         # chunked: no Content-Length to refuse it by
+        raise _too_large(bounds)
     if len(raw) <= OFF_LOOP_BYTES:
         return check(decode(raw))
-    return await asyncio.get_running_loop().run_in_executor(PARSER,
-                                                            lambda: check(decode(raw)))
+
+    def screened() -> Checked:
+        bounds.screen(raw)
+        return check(decode(raw))
+    return await asyncio.get_running_loop().run_in_executor(PARSER, screened)
+
+
+def _too_large(bounds: BodyBounds) -> ApiError:
+    return ApiError(f"the body is over {bounds.max_bytes} bytes, more than any request to "
+                    f"this engine needs ({MAX_CHOICES} prompts of its longest, each character "
+                    f"escaped)", 413)
