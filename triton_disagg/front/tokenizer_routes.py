@@ -14,7 +14,8 @@ Invariants: ``/tokenizer_info`` answers only :data:`INFO_FIELDS` of the engine's
 key), the class, and the chat template the front renders, built once at start; a prompt is
 tokenized as a completion's is (:class:`~triton_disagg.engine.tokenizer.Tokenizer`, Hugging
 Face's ``tokenizer(prompt)``), at most the front's character bound of a prompt
-(``RequestEncoder.max_prompt_chars``), off the event loop; ``tokens`` to decode are at most
+(``RequestEncoder.max_prompt_chars``), off the event loop (on a worker thread that lets go
+of the GIL while it tokenizes: :meth:`~triton_disagg.engine.tokenizer.Tokenizer.encode`); ``tokens`` to decode are at most
 ``max_seq_len`` ids of the vocabulary, counted before they are looked at.
 """
 
