@@ -268,3 +268,33 @@ def test_a_call_past_the_cap_ends_the_longest_idle_one_or_is_refused():
                 with pytest.raises(grpc.aio.AioRpcError):
                     await idle[1].read()
     asyncio.run(main())
+
+
+def test_a_stream_of_refusals_that_reads_nothing_holds_no_seat():
+    """rev27l N1: a stream that sent tiny refused messages and read nothing (its writes
+    blocked) counted as busy, so 64 of them refused every other client for good. A call
+    that never did work ranks first for eviction; one whose work moved within the grace
+    keeps its seat."""
+    async def main():
+        async with open_door(2, models=frozenset({"ensemble"})) as door:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                working = channel.stream_stream(STREAM)()
+                await working.write(infer_request(1))
+                assert await working.read() == infer_request(1)
+                refusals = channel.stream_stream(STREAM)()
+                for _ in range(3):
+                    await refusals.write(infer_request(1, name="nosuchmodel"))
+                await asyncio.sleep(0.2)                   # refused, answers unread
+                newcomer = channel.stream_stream(STREAM)()
+                await newcomer.write(infer_request(2))
+                assert await newcomer.read() == infer_request(2)
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    for _ in range(4):
+                        await refusals.read()
+                assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+                await working.write(infer_request(3))      # kept its seat
+                assert await working.read() == infer_request(3)
+                for call in (working, newcomer):
+                    await call.done_writing()
+                    assert await call.code() == grpc.StatusCode.OK
+    asyncio.run(main())

@@ -21,6 +21,7 @@ from triton_disagg.triton.endpoints import LOOPBACK
 DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
 QUEUED_RESPONSES = 64       # responses of one client stream waiting for the client
 STREAM_CALLS = 64           # messages of one client stream at tritonserver at once
+EVICT_GRACE_SECONDS = 2.0   # a stream that did work this recently is not ended for room
 _ENDED = object()           # a stream relay's last item
 
 
@@ -83,6 +84,14 @@ def refusal(refused: Refused) -> bytes:
     ).SerializeToString()
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A refused message's answer in the stream (:func:`refusal`): written like a response,
+    but no work of the stream's."""
+
+    answer: bytes
+
+
 class StreamRelay:
     """One client's ``ModelStreamInfer`` call. Each of its messages is its own inner
     ``ModelStreamInfer`` call to tritonserver (one message, then half-closed; Triton ends it
@@ -110,13 +119,22 @@ class StreamRelay:
         self.room = asyncio.Semaphore(STREAM_CALLS)
         self.share = ByteBudget(limits.max_bytes)
         self.reading = True
-        self.taking = self.writing = False        # a message waits; a response is written
+        self.taking = False                       # a message waits for the budget
         self.last = clock.now()                   # a message either way
+        self.worked, self.moved = False, self.last   # work: not a refusal; when it last moved
 
-    def idle(self) -> bool:
-        """Nothing of this stream's at tritonserver, waiting for the door's budget or
-        for the client."""
-        return not (self.calls or self.taking or self.writing) and self.answers.empty()
+    def rank(self) -> tuple[bool, float] | None:
+        """Whether the door's roster may end this stream to make room for another call, and
+        in what order: None while a request of its is at tritonserver or waiting for the
+        budget, or while its work (a message accepted, a response given or written) moved
+        within ``EVICT_GRACE_SECONDS``; else (whether it ever worked, when its work last
+        moved): a stream of refusals or nothing goes first, then the one idle longest, so
+        a client blocking its writes or sending refusals holds no place."""
+        if self.calls or self.taking:
+            return None
+        if self.worked and self.clock.now() - self.moved < EVICT_GRACE_SECONDS:
+            return None
+        return self.worked, self.moved
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
         """Relay until the end; every inner call is cancelled (its bytes given back) before
@@ -144,10 +162,11 @@ class StreamRelay:
                 raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"the client took a response {late:.0f} s after tritonserver "
                              f"gave it (at most {self.limits.answer_seconds:g} s)")
-            self.writing = True
-            await write_within(self.context, item, self.limits.write_seconds, self.clock)
-            self.writing = False
+            answer = item.answer if isinstance(item, Refusal) else item
+            await write_within(self.context, answer, self.limits.write_seconds, self.clock)
             self.last = self.clock.now()
+            if not isinstance(item, Refusal):
+                self.moved = self.last
 
     async def _next(self) -> tuple[float, object]:
         """(when it was queued, the next response, failure or ``_ENDED``); the call ends
@@ -198,15 +217,15 @@ class StreamRelay:
             self.reading = False
         await self._end_if_done()
 
-    async def _take(self, raw: bytes) -> tuple[bytes, int] | bytes | Ending:
+    async def _take(self, raw: bytes) -> tuple[bytes, int] | Refusal | Ending:
         """``raw`` screened and its bytes taken (:meth:`_admit`): (the message to forward,
-        its cost); else, nothing taken, a refused message's answer (:func:`refusal`) or,
+        its cost); else, nothing taken, a refused message's answer (:class:`Refusal`) or,
         when the door's budget has as many bytes waiting as it holds, how the stream ends.
         Neither keeps ``raw`` or the refusal (and its traceback's frames) alive."""
         try:
             request = self.screen(raw)
         except Refused as refused:
-            return refusal(refused)
+            return Refusal(refusal(refused))
         cost = message_cost(request, True)
         try:
             await self._admit(cost)
@@ -218,6 +237,7 @@ class StreamRelay:
         """``request``'s inner call, its ``cost`` given back when it ends (:meth:`_ended`)."""
         call = asyncio.get_running_loop().create_task(self._call(request))
         self.calls.add(call)
+        self.worked, self.moved = True, self.clock.now()
         call.add_done_callback(functools.partial(self._ended, cost))
 
     async def _admit(self, cost: int) -> None:
@@ -253,6 +273,7 @@ class StreamRelay:
             await call.done_writing()
             async for response in call:
                 await self._queue(response)
+                self.moved = self.clock.now()
         except grpc.aio.AioRpcError as exc:
             await self._queue(Ending.relayed(exc))
         except Exception as exc:                   # the door's own fault: said, not hung

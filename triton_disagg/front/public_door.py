@@ -41,10 +41,9 @@ not count against a client); a message other than an inference
 request (health, metadata) of at most ``MESSAGE_FLOOR`` bytes holds none and never waits.
 At most ``max_calls`` calls run at once (None: ``PEER_CALLS``, a peers' door, whose
 callers cap their own), ``CONNECTION_STREAMS`` on one connection; a call past the cap
-ends the call idle longest (nothing of its at tritonserver or waiting for the client:
-UNAVAILABLE, "call again") or, none idle, is refused (RESOURCE_EXHAUSTED;
-:class:`CallRoster`), so calls that hold a place and do nothing never keep a working one
-out. Every call, unary ones included (all are served as streams), with no message either
+ends a call that holds its place doing nothing (one that never did work first, then the
+one idle longest, past a grace: UNAVAILABLE, "call again") or, none such, is refused
+(RESOURCE_EXHAUSTED; :class:`CallRoster`), so such calls never keep a working one out. Every call, unary ones included (all are served as streams), with no message either
 way for ``idle_seconds`` (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended
 (DEADLINE_EXCEEDED); a connection that has not spoken HTTP/2 within ``HANDSHAKE_SECONDS``
 or has had no call for ``CONNECTION_IDLE_SECONDS`` is closed (a client reconnects), so
@@ -162,7 +161,7 @@ class GrpcDoor:
             try:
                 async with asyncio.timeout(self.idle_seconds):
                     request = await anext(aiter(requests), None)
-                seat.idle = lambda: False
+                seat.rank = lambda: None
             except TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"no request within {self.idle_seconds:g} s")
@@ -202,7 +201,7 @@ class GrpcDoor:
             relay = StreamRelay(self.budget, self.clock, self.limits, method, screen, context)
 
             async def serve(seat: Seat) -> None:
-                seat.idle, seat.last = relay.idle, lambda: relay.last
+                seat.rank = relay.rank
                 await relay.run(requests)
             await self._seated(context, serve)
         return forward
@@ -241,14 +240,13 @@ class GrpcDoor:
 
 
 class Seat:
-    """One call's place under the door's cap: whether it is idle (``idle()``: nothing of
-    its at tritonserver or waiting for the client, so it may be ended to make room), when
-    it last moved (``last()``, on the doors' clock) and whether it was ended for that."""
+    """One call's place under the door's cap: whether it may be ended to make room, and in
+    what order (``rank()``: None, not; else lowest first, as
+    :meth:`.door_relay.StreamRelay.rank`), and whether it was ended for that."""
 
     def __init__(self, entered: float):
         self.task = asyncio.current_task()
-        self.idle: Callable[[], bool] = lambda: True      # a call that has sent nothing
-        self.last: Callable[[], float] = lambda: entered
+        self.rank: Callable[[], tuple[bool, float] | None] = lambda: (False, entered)
         self.evicted = False
 
     def evict(self) -> None:
@@ -258,23 +256,27 @@ class Seat:
 
 
 class CallRoster:
-    """The door's calls, at most ``limit``: a call past it takes the seat of the call idle
-    longest (which is ended, UNAVAILABLE) or, with none idle, is refused
-    (RESOURCE_EXHAUSTED). So calls that hold a place and do nothing (a stream between
-    requests, a call that never sends) never keep a working one out: 64 such calls from
-    one connection had refused every other client until they left."""
+    """The door's calls, at most ``limit``: a call past it takes the seat that ranks first
+    (:attr:`Seat.rank`: a call that never did work, a refusal's or nothing, then the one
+    whose work moved longest ago, past
+    :data:`.door_relay.EVICT_GRACE_SECONDS`), which is ended
+    (UNAVAILABLE), or, with none to take, is refused (RESOURCE_EXHAUSTED). So calls that
+    hold a place and do nothing (a call that never sends, one that sends refusals and reads
+    nothing, a stream long between requests) never keep a working one out: 64 such calls
+    from one connection had refused every other client until they left."""
 
     def __init__(self, limit: int):
         self.limit, self.seats = limit, set[Seat]()
 
     def enter(self, seat: Seat) -> bool:
         if len(self.seats) >= self.limit:
-            idle = [taken for taken in self.seats if taken.idle()]
-            if not idle:
+            ranked = [(rank, taken) for taken in self.seats
+                      if (rank := taken.rank()) is not None]
+            if not ranked:
                 return False
-            oldest = min(idle, key=lambda taken: taken.last())
-            self.seats.discard(oldest)
-            oldest.evict()
+            _, first = min(ranked, key=lambda pair: pair[0])
+            self.seats.discard(first)
+            first.evict()
         self.seats.add(seat)
         return True
 
