@@ -245,15 +245,19 @@ def test_a_call_past_the_cap_ends_the_longest_idle_one_or_is_refused():
                 for call in idle:
                     await call.wait_for_connection()
                 await asyncio.sleep(0.2)
+                reads = [asyncio.ensure_future(call.read()) for call in idle]
                 working = channel.stream_stream(STREAM)()
                 await working.write(infer_request(1))
-                with pytest.raises(grpc.aio.AioRpcError) as ended:
-                    await idle[0].read()                 # the older idle call
-                assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "ended to make room" in ended.value.details()
-                busy = channel.stream_stream(STREAM)()   # takes idle[1]'s seat
+                done, waiting = await asyncio.wait(reads, timeout=10,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                busy = channel.stream_stream(STREAM)()   # takes the other idle one's seat
                 await busy.write(infer_request(1))
-                await asyncio.sleep(0.2)
+                done |= (await asyncio.wait(waiting, timeout=10))[0]
+                for read in done:
+                    assert isinstance(read.exception(), grpc.aio.AioRpcError)
+                    assert read.exception().code() == grpc.StatusCode.UNAVAILABLE
+                    assert "ended to make room" in read.exception().details()
+                assert len(done) == 2
                 refused = channel.stream_stream(STREAM)()   # two busy: no seat
                 with pytest.raises(grpc.aio.AioRpcError) as full:
                     await refused.read()
@@ -265,8 +269,6 @@ def test_a_call_past_the_cap_ends_the_longest_idle_one_or_is_refused():
                 for call in (working, busy):
                     await call.done_writing()
                     assert await call.code() == grpc.StatusCode.OK
-                with pytest.raises(grpc.aio.AioRpcError):
-                    await idle[1].read()
     asyncio.run(main())
 
 
