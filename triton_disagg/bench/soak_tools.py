@@ -74,8 +74,9 @@ def find_genai_perf(path: Path | None) -> GenaiPerf:
 
 
 def genai_perf_command(gp: GenaiPerf, grpc: str, tokenizer: Path, artifacts: Path) -> list[str]:
-    """The issue's time-window command (3 windows of 8 s: stability 999 % accepts any)."""
-    return [str(gp.exe), "profile", "-m", "ensemble", "--endpoint-type", "kserve",
+    """The issue's time-window command (3 windows of 8 s: stability 999 % accepts any);
+    verbose, so that perf_analyzer's own output (why it failed) is in the run's log."""
+    return [str(gp.exe), "profile", "-v", "-m", "ensemble", "--endpoint-type", "kserve",
             "--backend", "tensorrtllm", "--streaming", "-u", grpc, "--tokenizer", str(tokenizer),
             "--synthetic-input-tokens-mean", "64",
             "--output-tokens-mean", str(GENAI_PERF_OUTPUT_TOKENS),
