@@ -72,24 +72,23 @@ async def write_within(context: grpc.aio.ServicerContext, response: bytes, secon
                      f"the client read no response for {seconds:g} s") from None
 
 
-def refusal(refused: Refused) -> bytes:
-    """A refused stream message's answer, in the stream as Triton gives one (a
-    ``ModelStreamInferResponse`` of ``error_message`` and the request's id): the client's
-    other requests on that stream go on."""
-    from tritonclient.grpc import service_pb2
-
-    return service_pb2.ModelStreamInferResponse(
-        error_message=str(refused),
-        infer_response=service_pb2.ModelInferResponse(id=refused.request_id)
-    ).SerializeToString()
-
-
 @dataclass(frozen=True)
 class Refusal:
-    """A refused message's answer in the stream (:func:`refusal`): written like a response,
-    but no work of the stream's."""
+    """A refused stream message's answer, in the stream as Triton gives one (a
+    ``ModelStreamInferResponse`` of ``error_message`` and the request's id: the client's
+    other requests on that stream go on); written like a response, but no work of the
+    stream's."""
 
     answer: bytes
+
+    @classmethod
+    def of(cls, refused: Refused) -> Refusal:
+        from tritonclient.grpc import service_pb2
+
+        return cls(service_pb2.ModelStreamInferResponse(
+            error_message=str(refused),
+            infer_response=service_pb2.ModelInferResponse(id=refused.request_id)
+        ).SerializeToString())
 
 
 class StreamRelay:
@@ -101,11 +100,11 @@ class StreamRelay:
     until Triton has let that request go, however many responses it gives; a stream holds
     at most ``STREAM_CALLS`` messages and ``limits.max_bytes`` (or one message) of it.
     Responses come back in the order they arrive, through a queue of ``QUEUED_RESPONSES``;
-    a refused message is answered in the stream (:func:`refusal`) and the stream goes on;
+    a refused message is answered in the stream (:class:`Refusal`) and the stream goes on;
     the call ends when the client has half-closed and every inner call has ended, at the
-    first inner failure (as tritonserver ended it), when the door's budget has as many bytes waiting as it holds
-    (RESOURCE_EXHAUSTED), after ``idle_seconds`` with no message either way, when one write
-    waits ``write_seconds`` or the client takes a response ``answer_seconds`` after
+    first inner failure (as tritonserver ended it), when the door's budget has as many
+    bytes waiting as it holds (RESOURCE_EXHAUSTED), after ``idle_seconds`` with no message
+    either way, when one write waits ``write_seconds`` or the client takes a response ``answer_seconds`` after
     tritonserver gave it (a client that reads slowly holds the budget no longer than one
     that reads nothing); every inner call is cancelled and every byte given back then."""
 
@@ -176,8 +175,9 @@ class StreamRelay:
             if left <= 0:
                 raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"no message either way for {self.limits.idle_seconds:g} s")
-            try:
-                return await self.clock.finish_by(self.clock.now() + left, self.answers.get())
+            try:                  # woken by wall time; whether idle is asked of the clock
+                async with asyncio.timeout(left):
+                    return await self.answers.get()
             except TimeoutError:
                 continue
 
@@ -225,7 +225,7 @@ class StreamRelay:
         try:
             request = self.screen(raw)
         except Refused as refused:
-            return Refusal(refusal(refused))
+            return Refusal.of(refused)
         cost = message_cost(request, True)
         try:
             await self._admit(cost)

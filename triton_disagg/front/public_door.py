@@ -43,13 +43,15 @@ At most ``max_calls`` calls run at once (None: ``PEER_CALLS``, a peers' door, wh
 callers cap their own), ``CONNECTION_STREAMS`` on one connection; a call past the cap
 ends a call that holds its place doing nothing (one that never did work first, then the
 one idle longest, past a grace: UNAVAILABLE, "call again") or, none such, is refused
-(RESOURCE_EXHAUSTED; :class:`CallRoster`), so such calls never keep a working one out. Every call, unary ones included (all are served as streams), with no message either
-way for ``idle_seconds`` (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended
+(RESOURCE_EXHAUSTED; :class:`CallRoster`), so such calls never keep a working one out.
+Every call, unary ones included (all are served as streams), with no message either way
+for ``idle_seconds`` (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended
 (DEADLINE_EXCEEDED); a connection that has not spoken HTTP/2 within ``HANDSHAKE_SECONDS``
 or has had no call for ``CONNECTION_IDLE_SECONDS`` is closed (a client reconnects), so
 idle clients cannot hold the process's descriptors; past ``front.max_connections``
-connections a new one is closed at once. With ``tls`` (the config's ``grpc_tls``) the public port speaks TLS
-(mutual: clients need a certificate); the hop to tritonserver is plain, on loopback.
+connections a new one is closed at once. With ``tls`` (the config's ``grpc_tls``) the
+public port speaks TLS (mutual: clients need a certificate); the hop to tritonserver is
+plain, on loopback.
 Nothing is forwarded unless a socket of this user listens on 127.0.0.1 on each inner port
 (:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
 command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE (its details not
@@ -107,7 +109,7 @@ class GrpcDoor:
                  owner: InnerOwner | None = None, max_connections: int = 512,
                  max_outstanding: int | None = None, models: frozenset[str] = frozenset(),
                  write_seconds: float = CLIENT_SECONDS, answer_seconds: float = CLIENT_SECONDS):
-        self.address, self.inner, self.idle_seconds = f"{host}:{port}", inner, idle_seconds
+        self.address, self.inner = f"{host}:{port}", inner
         self.limits = RelayLimits(max_bytes, idle_seconds, write_seconds, answer_seconds)
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.clock = LoopClock()
@@ -159,12 +161,12 @@ class GrpcDoor:
         async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                         seat: Seat) -> None:
             try:
-                async with asyncio.timeout(self.idle_seconds):
+                async with asyncio.timeout(self.limits.idle_seconds):
                     request = await anext(aiter(requests), None)
                 seat.rank = lambda: None
             except TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"no request within {self.idle_seconds:g} s")
+                                    f"no request within {self.limits.idle_seconds:g} s")
             if request is None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
             try:
@@ -173,7 +175,7 @@ class GrpcDoor:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
             cost = message_cost(request, screen.infer)
             try:
-                await self.budget.take_within(cost, self.idle_seconds)
+                await self.budget.take_within(cost, self.limits.idle_seconds)
             except BudgetFull as full:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             call = method(request, metadata=forwarded_metadata(context),
