@@ -104,9 +104,10 @@ class StreamRelay:
     the call ends when the client has half-closed and every inner call has ended, at the
     first inner failure (as tritonserver ended it), when the door's budget has as many
     bytes waiting as it holds (RESOURCE_EXHAUSTED), after ``idle_seconds`` with no message
-    either way, when one write waits ``write_seconds`` or the client takes a response ``answer_seconds`` after
-    tritonserver gave it (a client that reads slowly holds the budget no longer than one
-    that reads nothing); every inner call is cancelled and every byte given back then."""
+    either way, when one write waits ``write_seconds`` or the client takes a response
+    ``answer_seconds`` after tritonserver gave it (a client that reads slowly holds the
+    budget no longer than one that reads nothing); every inner call is cancelled and every
+    byte given back then."""
 
     def __init__(self, budget: ByteBudget, clock: LoopClock, limits: RelayLimits,
                  method: grpc.aio.StreamStreamMultiCallable, screen: MessageScreen,
