@@ -56,23 +56,6 @@ def test_a_unary_call_that_sends_nothing_is_ended_too():
     asyncio.run(main())
 
 
-def test_grpc_connections_past_the_cap_are_closed_at_once():
-    """rev27d: the gRPC door had no connection cap, and idle connections could take the
-    descriptors the front's other routes need."""
-    async def main():
-        async with open_door(max_connections=2) as door:
-            host, port = door.address.rsplit(":", 1)
-            held = [socket.create_connection((host, int(port))) for _ in range(3)]
-            try:
-                await asyncio.sleep(0.5)
-                first = [await asyncio.to_thread(s.recv, 9) for s in held]
-                assert [len(b) > 0 for b in first] == [True, True, False]  # SETTINGS x2, EOF
-            finally:
-                for s in held:
-                    s.close()
-    asyncio.run(main())
-
-
 def test_inner_owner_needs_this_users_listener_on_127_0_0_1():
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))

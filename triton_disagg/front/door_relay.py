@@ -16,12 +16,12 @@ import grpc
 
 from triton_disagg.front.door_guards import (UNREACHABLE, BudgetFull, ByteBudget, LoopClock,
                                              MessageScreen, Refused, message_cost)
+from triton_disagg.front.grpc_admission import EVICT_GRACE_SECONDS
 from triton_disagg.triton.endpoints import LOOPBACK
 
 DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
 QUEUED_RESPONSES = 64       # responses of one client stream waiting for the client
 STREAM_CALLS = 64           # messages of one client stream at tritonserver at once
-EVICT_GRACE_SECONDS = 2.0   # a stream that did work this recently is not ended for room
 _ENDED = object()           # a stream relay's last item
 
 

@@ -43,15 +43,19 @@ At most ``max_calls`` calls run at once (None: ``PEER_CALLS``, a peers' door, wh
 callers cap their own), ``CONNECTION_STREAMS`` on one connection; a call past the cap
 ends a call that holds its place doing nothing (one that never did work first, then the
 one idle longest, past a grace: UNAVAILABLE, "call again") or, none such, is refused
-(RESOURCE_EXHAUSTED; :class:`CallRoster`), so such calls never keep a working one out.
-Every call, unary ones included (all are served as streams), with no message either way
-for ``idle_seconds`` (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended
+(RESOURCE_EXHAUSTED; :class:`.grpc_admission.Roster`), so such calls never keep a working
+one out. Every call, unary ones included (all are served as streams), with no message either
+way for ``idle_seconds`` (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended
 (DEADLINE_EXCEEDED); a connection that has not spoken HTTP/2 within ``HANDSHAKE_SECONDS``
-or has had no call for ``CONNECTION_IDLE_SECONDS`` is closed (a client reconnects), so
-idle clients cannot hold the process's descriptors; past ``front.max_connections``
-connections a new one is closed at once. With ``tls`` (the config's ``grpc_tls``) the
-public port speaks TLS (mutual: clients need a certificate); the hop to tritonserver is
-plain, on loopback.
+or has had no call for ``CONNECTION_IDLE_SECONDS`` is closed (a client reconnects). The
+public port is :class:`.grpc_admission.ConnectionGate`'s: at most ``front.max_connections``
+connections, each piped to the door's grpc server on a loopback port of its own; one past
+the cap takes the place of a connection none of whose calls works (one that never worked
+first, then the one idle longest, past a grace) or, none such, is closed at once, so idle or
+reconnecting clients cannot hold the process's descriptors or keep a working one out.
+With ``tls`` (the config's ``grpc_tls``) the door speaks TLS
+through the gate (mutual: clients need a certificate); the hop to tritonserver is plain, on
+loopback.
 Nothing is forwarded unless a socket of this user listens on 127.0.0.1 on each inner port
 (:class:`InnerOwner`): a port another local user took first (it is on tritonserver's
 command line) gets no prompt. An unreachable tritonserver is UNAVAILABLE (its details not
@@ -73,6 +77,8 @@ from triton_disagg.front.door_guards import (CLIENT_SECONDS, OUTSTANDING_MESSAGE
                                              MessageScreen, Refused, message_cost)
 from triton_disagg.front.door_relay import (Ending, RelayLimits, StreamRelay,
                                             forwarded_metadata, write_within)
+from triton_disagg.front.grpc_admission import ConnectionGate, Roster, Seat
+from triton_disagg.triton.endpoints import LOOPBACK
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
 SERVICE = "inference.GRPCInferenceService"
@@ -114,7 +120,7 @@ class GrpcDoor:
         self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
         self.clock = LoopClock()
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
-        self.roster = CallRoster(max_calls or PEER_CALLS)
+        self.roster = Roster(max_calls or PEER_CALLS)
         self.server = grpc.aio.server(maximum_concurrent_rpcs=2 * self.roster.limit, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_concurrent_streams", CONNECTION_STREAMS),
@@ -125,7 +131,10 @@ class GrpcDoor:
              int(min(idle_seconds, CONNECTION_IDLE_SECONDS) * 1000)),
             ("grpc.http2.bdp_probe", 0),   # else a stream's window grows to megabytes the
                                            # door buffers unread (8 streams: 3 GB)
-            ("grpc.max_allowed_incoming_connections", max_connections),   # more: closed
+            # the gate's connections fit, and ones it ended that grpc has yet to reap (a
+            # reconnect flood ends thousands a second); past: closed (ones made straight
+            # to the inner port, not through the gate)
+            ("grpc.max_allowed_incoming_connections", 4 * max_connections + 256),
             ("grpc.so_reuseport", 0)])     # a port taken is an error, never shared
         self.channel = grpc.aio.insecure_channel(inner, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
@@ -134,10 +143,10 @@ class GrpcDoor:
                     for m in service_methods()}
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(SERVICE, handlers)])
-        if tls is None:
-            self.server.add_insecure_port(self.address)
-        else:
-            self.server.add_secure_port(self.address, _server_credentials(tls))
+        own = f"{LOOPBACK}:0"                 # the grpc server's port, behind the gate
+        inner_port = self.server.add_insecure_port(own) if tls is None else \
+            self.server.add_secure_port(own, _server_credentials(tls))
+        self.gate = ConnectionGate(host, port, inner_port, max_connections, self.clock)
 
     def _handler(self, name: str, client_streams: bool,
                  server_streams: bool) -> grpc.RpcMethodHandler:
@@ -163,7 +172,6 @@ class GrpcDoor:
             try:
                 async with asyncio.timeout(self.limits.idle_seconds):
                     request = await anext(aiter(requests), None)
-                seat.rank = lambda: None
             except TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"no request within {self.limits.idle_seconds:g} s")
@@ -173,6 +181,7 @@ class GrpcDoor:
                 request = screen(request)
             except Refused as refused:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
+            seat.rank = lambda: None                # at work (a refusal is none)
             cost = message_cost(request, screen.infer)
             try:
                 await self.budget.take_within(cost, self.limits.idle_seconds)
@@ -220,6 +229,9 @@ class GrpcDoor:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"over {self.roster.limit} calls at once, none idle; retry "
                                 f"later")
+        connection = self.gate.connection(context.peer())
+        if connection is not None:
+            connection.seated(seat)
         try:
             await serve(seat)
         except asyncio.CancelledError:
@@ -230,60 +242,19 @@ class GrpcDoor:
             raise
         finally:
             self.roster.leave(seat)
+            if connection is not None:
+                connection.unseated(seat)
 
     async def start(self) -> None:
         self.clock.start()
         await self.server.start()
+        await self.gate.start()
 
     async def stop(self, grace: float) -> None:
         await self.server.stop(grace)
+        await self.gate.stop()
         await self.channel.close()
         await self.clock.stop()
-
-
-class Seat:
-    """One call's place under the door's cap: whether it may be ended to make room, and in
-    what order (``rank()``: None, not; else lowest first, as
-    :meth:`.door_relay.StreamRelay.rank`), and whether it was ended for that."""
-
-    def __init__(self, entered: float):
-        self.task = asyncio.current_task()
-        self.rank: Callable[[], tuple[bool, float] | None] = lambda: (False, entered)
-        self.evicted = False
-
-    def evict(self) -> None:
-        self.evicted = True
-        if self.task is not None:
-            self.task.cancel()
-
-
-class CallRoster:
-    """The door's calls, at most ``limit``: a call past it takes the seat that ranks first
-    (:attr:`Seat.rank`: a call that never did work, a refusal's or nothing, then the one
-    whose work moved longest ago, past
-    :data:`.door_relay.EVICT_GRACE_SECONDS`), which is ended
-    (UNAVAILABLE), or, with none to take, is refused (RESOURCE_EXHAUSTED). So calls that
-    hold a place and do nothing (a call that never sends, one that sends refusals and reads
-    nothing, a stream long between requests) never keep a working one out: 64 such calls
-    from one connection had refused every other client until they left."""
-
-    def __init__(self, limit: int):
-        self.limit, self.seats = limit, set[Seat]()
-
-    def enter(self, seat: Seat) -> bool:
-        if len(self.seats) >= self.limit:
-            ranked = [(rank, taken) for taken in self.seats
-                      if (rank := taken.rank()) is not None]
-            if not ranked:
-                return False
-            _, first = min(ranked, key=lambda pair: pair[0])
-            self.seats.discard(first)
-            first.evict()
-        self.seats.add(seat)
-        return True
-
-    def leave(self, seat: Seat) -> None:
-        self.seats.discard(seat)
 
 
 def _server_credentials(tls: GrpcTLS) -> grpc.ServerCredentials:

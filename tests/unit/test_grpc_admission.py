@@ -1,0 +1,187 @@
+"""The gRPC door's connection gate (triton_disagg/front/grpc_admission.py): at the cap a new
+connection takes the place of one none of whose calls works, else it is closed at once;
+every call goes through the gate's pipe unchanged. In process, with a stand-in
+tritonserver (tests/support/door_stand_in.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+from door_stand_in import STREAM, infer_request, open_door
+
+from triton_disagg.front import grpc_admission
+from triton_disagg.front.public_door import SERVICE
+
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]   # a channel never shares one
+
+
+async def _closed(host: str, port: int, seconds: float = 3.0) -> bool:
+    """Whether a new raw connection is closed by the door within ``seconds`` (else it is
+    held open, and closed here)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        async with asyncio.timeout(seconds):
+            while await reader.read(65536):
+                pass                                          # the server's SETTINGS
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        writer.close()
+
+
+def test_a_connection_past_the_cap_takes_an_idle_ones_place_or_is_closed(monkeypatch):
+    """rev27d: idle connections could take the descriptors the front needs (grpcio's cap
+    closed a new one at once); rev27l M1b: so clients that kept idle ones open held every
+    place. Now two working connections keep theirs (a third is closed at once), and once
+    their work is past the grace, a newcomer takes the place of the one idle longest."""
+    monkeypatch.setattr(grpc_admission, "EVICT_GRACE_SECONDS", 0.3)
+
+    async def main():
+        answer = asyncio.Event()
+
+        async def held(requests, context):
+            async for request in requests:
+                await answer.wait()
+                yield request
+
+        async with open_door(4, handler=held, max_connections=2) as door:
+            host, port = door.address.rsplit(":", 1)
+            first, second = (grpc.aio.insecure_channel(door.address, options=OWN_CONNECTION)
+                             for _ in range(2))
+            calls = [channel.stream_stream(STREAM)() for channel in (first, second)]
+            for call in calls:
+                await call.write(infer_request(1))
+            await asyncio.sleep(0.3)
+            assert await _closed(host, int(port))                 # both work: no place
+            answer.set()
+            for call in calls:
+                assert await call.read() == infer_request(1)
+                await call.done_writing()
+                assert await call.code() == grpc.StatusCode.OK
+            await asyncio.sleep(0.5)                             # past the grace: idle
+            assert not await _closed(host, int(port), 0.5)       # took the idle one's place
+            assert door.gate.evicted == 1 and door.gate.refused == 1
+            for channel in (first, second):
+                await channel.close()
+    asyncio.run(main())
+
+
+def test_reconnecting_silent_clients_hold_no_place():
+    """rev27l M1b: eight connections that sent nothing and reconnected as soon as the door
+    closed each one held grpcio's cap of 8: a victim failed 15 of 15 tries over 30 s. Now
+    they take each other's places (the most connections from one address go first)."""
+    async def ok(request, context):
+        return request
+
+    async def main():
+        async with open_door(4, unary={"ModelInfer": ok}, max_connections=4) as door:
+            host, port = door.address.rsplit(":", 1)
+            stop = asyncio.Event()
+
+            async def silent() -> None:                # reconnects as each is closed
+                while not stop.is_set():
+                    try:
+                        reader, writer = await asyncio.open_connection(
+                            host, int(port), local_addr=("127.0.0.2", 0))
+                        await reader.read()
+                        writer.close()
+                    except OSError:
+                        await asyncio.sleep(0.05)
+            attackers = [asyncio.ensure_future(silent()) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            answers = []
+            for _ in range(3):
+                async with grpc.aio.insecure_channel(door.address) as victim:
+                    answers.append(await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                        infer_request(1), timeout=5))
+            stop.set()
+            for task in attackers:
+                task.cancel()
+            assert answers == [infer_request(1)] * 3
+            assert door.gate.evicted > 0
+    asyncio.run(main())
+
+
+def test_connections_that_only_make_empty_calls_hold_no_place():
+    """rev27l M1b: connections that started a header-only call every few seconds were never
+    idle to grpcio; a victim failed 10 of 10 tries over 50 s. A connection whose calls never
+    did work ranks first for eviction."""
+    async def ok(request, context):
+        return request
+
+    async def main():
+        async with open_door(4, unary={"ModelInfer": ok}, max_connections=4) as door:
+            stop = asyncio.Event()
+
+            async def hold() -> None:
+                async with grpc.aio.insecure_channel(door.address,
+                                                     options=OWN_CONNECTION) as channel:
+                    while not stop.is_set():
+                        call = channel.stream_stream(STREAM)()
+                        asyncio.ensure_future(call.wait_for_connection())
+                        await asyncio.sleep(0.2)
+            holders = [asyncio.ensure_future(hold()) for _ in range(4)]
+            await asyncio.sleep(0.5)
+            for _ in range(3):
+                async with grpc.aio.insecure_channel(door.address) as victim:
+                    assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                        infer_request(1), timeout=5) == infer_request(1)
+            stop.set()
+            await asyncio.gather(*holders, return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_the_gate_pipes_large_messages_both_ways_and_tells_calls_by_connection():
+    """Every byte goes through the pipe (a ~1 MB message and its echo, on two connections
+    at once), and each call's work is counted on the connection it came on."""
+    async def main():
+        async with open_door(4, max_bytes=2 << 20) as door:
+            from tritonclient.grpc import service_pb2
+
+            request = service_pb2.ModelInferRequest(model_name="ensemble")
+            request.inputs.add(name="input_ids", datatype="INT32", shape=[1, 250_000])
+            request.raw_input_contents.append(bytes(range(256)) * 3_907)    # ~1 MB
+            payload = request.SerializeToString()
+            channels = [grpc.aio.insecure_channel(door.address, options=OWN_CONNECTION)
+                        for _ in range(2)]
+
+            async def one(channel) -> bytes:
+                call = channel.stream_stream(STREAM)()
+                await call.write(payload)
+                answer = await call.read()
+                await call.done_writing()
+                return answer
+            assert await asyncio.gather(*(one(c) for c in channels)) == [payload] * 2
+            await asyncio.sleep(0.2)                            # the calls leave their seats
+            connections = list(door.gate.roster.seats)
+            assert len(connections) == 2 and all(c.worked for c in connections)
+            for channel in channels:
+                await channel.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("peer", ["ipv6:[::1]:5", "ipv4:127.0.0.2:5", "unix:/x", "ipv4:bad"])
+def test_a_call_not_from_the_gate_belongs_to_no_connection(peer):
+    gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 1, 1, clock=None)
+    gate.by_port[5] = object()
+    assert gate.connection(peer) is None
+    assert gate.connection("ipv4:127.0.0.1:5") is gate.by_port[5]
+
+
+def test_stopping_the_door_ends_every_piped_connection():
+    """Stopping the door ends every piped connection (none is left open)."""
+    async def main():
+        async with open_door(4) as door:
+            host, port = door.address.rsplit(":", 1)
+            held = socket.create_connection((host, int(port)))
+            await asyncio.sleep(0.2)
+            assert len(door.gate.roster.seats) == 1
+        assert not door.gate.roster.seats
+        held.close()
+    asyncio.run(main())
