@@ -34,12 +34,15 @@ async def stream_server(handler=None, unary=None) -> tuple[grpc.aio.Server, int]
 
 
 async def held_until(door: GrpcDoor, held: bool, seconds: float = 10) -> int:
-    """Wait up to ``seconds`` for the door's budget to hold bytes (``held``) or none; the
-    bytes held then."""
+    """Wait up to ``seconds`` for the door's budget to hold bytes (``held``) or none, of
+    its pool and its calls' reserves; the bytes held then."""
+    def holds() -> int:
+        return door.budget.held + door.budget.reserved
+
     wait = time.monotonic() + seconds
-    while bool(door.budget.held) != held and time.monotonic() < wait:
+    while bool(holds()) != held and time.monotonic() < wait:
         await asyncio.sleep(0.05)
-    return door.budget.held
+    return holds()
 
 
 @contextlib.asynccontextmanager

@@ -23,7 +23,7 @@ def test_a_message_holds_the_budget_until_triton_lets_its_request_go():
     """rev27f H2: one stream queued 24 messages at tritonserver (4.7 GB); rev27g: a decoupled
     request answers many times, and the door gave its bytes back at the first answer. Each
     message is its own inner call now and holds its bytes until that call ends; one past
-    the budget waits until then."""
+    the budget waits until then (the pool alone here: no call reserve)."""
     async def main():
         arrived: list[bytes] = []
         finish: list[asyncio.Event] = []
@@ -37,7 +37,8 @@ def test_a_message_holds_the_budget_until_triton_lets_its_request_go():
                 await done.wait()
                 yield b"last"
 
-        async with open_door(handler=decoupled, max_outstanding=int(2.5 * MESSAGE_FLOOR)) as door:
+        async with open_door(handler=decoupled, max_outstanding=int(2.5 * MESSAGE_FLOOR),
+                             call_reserve=0) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 call = channel.stream_stream(STREAM)()
                 for _ in range(3):
@@ -133,7 +134,7 @@ def test_one_stream_holds_at_most_its_share_and_probes_never_wait(monkeypatch):
     """rev27h H2: one client that read nothing sent 6000 small messages and held the whole
     door-wide budget (every other client, health probes too, waited). A stream has at most
     ``STREAM_CALLS`` messages at tritonserver; a small message that is not an inference
-    request holds nothing of the budget."""
+    request holds nothing of the budget (the pool alone here: no call reserve)."""
     from triton_disagg.front import door_relay
 
     monkeypatch.setattr(door_relay, "STREAM_CALLS", 4)
@@ -151,7 +152,7 @@ def test_one_stream_holds_at_most_its_share_and_probes_never_wait(monkeypatch):
             return b""
 
         async with open_door(8, handler=never, unary={"ServerLive": live},
-                         max_outstanding=4 * MESSAGE_FLOOR) as door:
+                             max_outstanding=4 * MESSAGE_FLOOR, call_reserve=0) as door:
             async with grpc.aio.insecure_channel(door.address) as channel:
                 hog = channel.stream_stream(STREAM)()
                 for _ in range(50):
@@ -198,13 +199,13 @@ def test_the_budget_serves_takers_in_order():
 
     async def main():
         budget = ByteBudget(10)
-        await budget.take(6)
+        first = await budget.take(6)
         large = asyncio.ensure_future(budget.take(8))
         await asyncio.sleep(0)
         small = asyncio.ensure_future(budget.take(2))   # fits now, but comes after
         await asyncio.sleep(0)
         assert not large.done() and not small.done()
-        budget.give(6)
+        budget.give(first)
         await asyncio.sleep(0)
         assert large.done() and small.done() and budget.held == 10
         waiting = asyncio.ensure_future(budget.take(5))
@@ -212,8 +213,8 @@ def test_the_budget_serves_takers_in_order():
         waiting.cancel()                                # cancelled while waiting: holds none
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
-        budget.give(8)
-        budget.give(2)
+        budget.give(large.result())
+        budget.give(small.result())
         assert budget.held == 0
         await budget.take(0)                            # never waits
     asyncio.run(main())
@@ -229,21 +230,21 @@ def test_a_waiter_cancelled_as_bytes_are_given_back_leaks_nothing_and_probes_pas
 
     async def main():
         budget = ByteBudget(10)
-        await budget.take(5)
+        five = await budget.take(5)
         waiter = asyncio.ensure_future(budget.take(10))
         await asyncio.sleep(0)
         await asyncio.wait_for(budget.take(0), 1)          # a probe passes the queue
         waiter.cancel()
-        budget.give(5)                                     # the same turn
+        budget.give(five)                                  # the same turn
         with contextlib.suppress(asyncio.CancelledError):
             await waiter
         assert (budget.held, budget.waiting) == (0, 0)
-        await asyncio.wait_for(budget.take(10), 1)
+        ten = await asyncio.wait_for(budget.take(10), 1)
         queued = asyncio.ensure_future(budget.take(8))
         await asyncio.sleep(0)
         with pytest.raises(BudgetFull):
             await budget.take(5)                           # 8 + 5 would wait: over 10
-        budget.give(10)
+        budget.give(ten)
         await queued
         assert (budget.held, budget.waiting) == (8, 0)
     asyncio.run(main())
@@ -350,7 +351,7 @@ def test_a_message_waiting_for_its_streams_share_is_counted_door_wide():
                 await call.write(big)                      # over its share: waits
                 await asyncio.sleep(0.5)
                 assert len(arrived) == 1
-                assert door.budget.held == MESSAGE_FLOOR + len(big)
+                assert door.budget.held + door.budget.reserved == MESSAGE_FLOOR + len(big)
                 call.cancel()
             assert await held_until(door, False) == 0
     asyncio.run(main())

@@ -1,8 +1,9 @@
 """What every door checks before it forwards (:mod:`.public_door`, :mod:`.http_door`,
 :mod:`.metrics_door`): that the inner port is tritonserver's (:class:`InnerOwner`), what an
 inference request message holds (:class:`MessageScreen`), how many bytes forwarded
-requests hold until Triton lets them go (:class:`ByteBudget`, door-wide), and the clock
-that times the doors' clients without the doors' own stalls (:class:`LoopClock`)."""
+requests hold until Triton lets them go (:class:`ByteBudget`, door-wide, with each call's
+:class:`Reserve`), and the clock that times the doors' clients without the doors' own
+stalls (:class:`LoopClock`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, TypeVar
 
@@ -22,6 +24,7 @@ MAX_NUMBERS = 4 * 2**20     # numbers in its contents and shapes
 MAX_ID_CHARS = 1024         # its request id (Triton echoes it in every response)
 OUTSTANDING_MESSAGES = 8    # max_outstanding, in messages of max_bytes
 MESSAGE_FLOOR = 16 * 1024   # bytes a message is charged at least (Triton's cost of a request)
+CALL_RESERVE = 256 * 1024   # bytes of a client's call that never wait (32K tokens' text: ~128 KB)
 CLIENT_SECONDS = 10.0       # a client takes an answer (gRPC: a response) within this long
 LAG_TICK_SECONDS = 0.05     # how often the loop clock measures its event loop's lag
 LAG_SHARE = 0.5             # of the time that passes, at most this much is loop lag
@@ -158,20 +161,82 @@ class BudgetFull(Exception):
     """As many bytes wait for the budget as it holds: the message is refused at once."""
 
 
-class ByteBudget:
-    """Bytes of request messages forwarded and not yet answered, door-wide: :meth:`take`
-    waits while taking ``n`` more would pass ``limit`` (unless nothing is held), so at most
-    ``limit`` (or one message) is held; takers are served in the order they came (a large
-    message is not passed for ever by small ones); a take of 0 never waits; a take that
-    would make the bytes waiting more than ``limit`` raises :class:`BudgetFull` at once (a
-    waiting message is in the door's memory, outside the budget). Every :meth:`take` that
-    returns is matched by one :meth:`give`; one cancelled or refused holds nothing."""
+class Reserve:
+    """One admitted call's own bytes of a :class:`ByteBudget` (a gRPC call in its door's
+    roster, an HTTP request under its door's request count): at most ``size`` held at
+    once, taken without waiting for anyone (:meth:`ByteBudget.take`). ``held``: its bytes
+    held now."""
 
-    def __init__(self, limit: int):
-        self.limit, self.held, self.waiting = limit, 0, 0
+    def __init__(self, size: int):
+        self.size, self.held = size, 0
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one :meth:`ByteBudget.take` holds until its :meth:`ByteBudget.give`:
+    ``reserved`` bytes of ``reserve`` (None: no call's) and ``pooled`` of the shared pool."""
+
+    reserve: Reserve | None
+    reserved: int
+    pooled: int
+
+
+class ByteBudget:
+    """Bytes of request messages forwarded and not yet answered, door-wide. Each admitted
+    call has a :class:`Reserve` of ``per_call`` bytes (:meth:`reserve`); a message's bytes
+    come from its call's reserve first, at once, and only the rest from the shared pool of
+    ``limit``, so a call's small messages never wait for others' large ones. The pool:
+    :meth:`take` waits while taking its part would pass ``limit`` (unless the pool holds
+    nothing), so the pool holds at most ``limit`` (or one message); takers are served in
+    the order they came (a large message is not passed for ever by small ones); a part of 0
+    never waits; a part that would make the bytes waiting more than ``limit`` raises
+    :class:`BudgetFull` at once (a waiting message is in the door's memory, outside the
+    pool). So the door holds at most ``limit`` + calls x ``per_call`` bytes of requests
+    (calls: its roster's seats and request count's places, each call one reserve). Every
+    :meth:`take` that returns is matched by one :meth:`give` of what it returned; one
+    cancelled or refused holds nothing, of the reserve or the pool. ``held``: the pool's
+    bytes held; ``reserved``: the reserves'."""
+
+    def __init__(self, limit: int, per_call: int = 0):
+        self.limit, self.per_call = limit, per_call
+        self.held, self.reserved, self.waiting = 0, 0, 0
         self._queue: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
-    async def take(self, n: int) -> None:
+    def reserve(self) -> Reserve:
+        """A new call's reserve (one per call: the bound counts one each)."""
+        return Reserve(self.per_call)
+
+    async def take(self, n: int, reserve: Reserve | None = None) -> Taken:
+        """``n`` bytes: of ``reserve`` what it has free, at once; the rest of the pool."""
+        own = min(n, reserve.size - reserve.held) if reserve is not None else 0
+        self._count_reserved(reserve, own)
+        try:
+            await self._pool(n - own)
+        except BaseException:
+            self._count_reserved(reserve, -own)
+            raise
+        return Taken(reserve, own, n - own)
+
+    async def take_within(self, n: int, seconds: float,
+                          reserve: Reserve | None = None) -> Taken:
+        """:meth:`take`, waiting at most ``seconds`` (then :class:`BudgetFull`)."""
+        try:
+            async with asyncio.timeout(seconds):
+                return await self.take(n, reserve)
+        except TimeoutError:
+            raise BudgetFull(f"over {self.limit} bytes of requests have been at tritonserver "
+                             f"for {seconds:g} s; retry later") from None
+
+    def give(self, taken: Taken) -> None:
+        self._count_reserved(taken.reserve, -taken.reserved)
+        self._unpool(taken.pooled)
+
+    def _count_reserved(self, reserve: Reserve | None, n: int) -> None:
+        if reserve is not None:
+            reserve.held += n
+            self.reserved += n
+
+    async def _pool(self, n: int) -> None:
         if n == 0 or (not self._queue and self._fits(n)):
             self.held += n
             return
@@ -185,23 +250,14 @@ class ByteBudget:
             await turn[1]
         except asyncio.CancelledError:
             if turn[1].done() and not turn[1].cancelled():
-                self.give(n)                       # granted, then cancelled: not held
+                self._unpool(n)                    # granted, then cancelled: not held
             elif turn in self._queue:              # not yet skipped by _grant
                 self._queue.remove(turn)
                 self.waiting -= n
                 self._grant()
             raise
 
-    async def take_within(self, n: int, seconds: float) -> None:
-        """:meth:`take`, waiting at most ``seconds`` (then :class:`BudgetFull`)."""
-        try:
-            async with asyncio.timeout(seconds):
-                await self.take(n)
-        except TimeoutError:
-            raise BudgetFull(f"over {self.limit} bytes of requests have been at tritonserver "
-                             f"for {seconds:g} s; retry later") from None
-
-    def give(self, n: int) -> None:
+    def _unpool(self, n: int) -> None:
         self.held -= n
         self._grant()
 

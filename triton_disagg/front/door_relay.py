@@ -15,7 +15,7 @@ from typing import AsyncIterator
 import grpc
 
 from triton_disagg.front.door_guards import (UNREACHABLE, BudgetFull, ByteBudget, LoopClock,
-                                             MessageScreen, Refused, message_cost)
+                                             MessageScreen, Refused, Taken, message_cost)
 from triton_disagg.front.grpc_admission import EVICT_GRACE_SECONDS
 from triton_disagg.triton.endpoints import LOOPBACK
 
@@ -97,8 +97,10 @@ class StreamRelay:
     after that request's last response), so tritonserver never writes two requests'
     responses on one stream (Triton 2.51 can abort writing an error response on a stream
     that is streaming another's) and a message's bytes are held in the door's ``budget``
-    until Triton has let that request go, however many responses it gives; a stream holds
-    at most ``STREAM_CALLS`` messages and ``limits.max_bytes`` (or one message) of it.
+    until Triton has let that request go, however many responses it gives, of the stream's
+    own :class:`~.door_guards.Reserve` first (so its small messages never wait for others'
+    bytes), the rest of the shared pool; a stream holds at most ``STREAM_CALLS`` messages
+    and ``limits.max_bytes`` (or one message) of it.
     Responses come back in the order they arrive, through a queue of ``QUEUED_RESPONSES``;
     a refused message is answered in the stream (:class:`Refusal`) and the stream goes on;
     the call ends when the client has half-closed and every inner call has ended, at the
@@ -117,6 +119,7 @@ class StreamRelay:
         self.answers: asyncio.Queue[tuple[float, object]] = asyncio.Queue(QUEUED_RESPONSES)
         self.calls: set[asyncio.Task[None]] = set()
         self.room = asyncio.Semaphore(STREAM_CALLS)
+        self.reserve = budget.reserve()
         self.share = ByteBudget(limits.max_bytes)
         self.reading = True
         self.taking = False                       # a message waits for the budget
@@ -129,7 +132,8 @@ class StreamRelay:
         budget, or while its work (a message accepted, a response given or written) moved
         within ``EVICT_GRACE_SECONDS``; else (whether it ever worked, when its work last
         moved): a stream of refusals or nothing goes first, then the one idle longest, so
-        a client blocking its writes or sending refusals holds no place."""
+        a client blocking its writes or sending refusals holds no place. A stream ended for
+        room holds no bytes (of its reserve neither)."""
         if self.calls or self.taking:
             return None
         if self.worked and self.clock.now() - self.moved < EVICT_GRACE_SECONDS:
@@ -218,45 +222,45 @@ class StreamRelay:
             self.reading = False
         await self._end_if_done()
 
-    async def _take(self, raw: bytes) -> tuple[bytes, int] | Refusal | Ending:
+    async def _take(self, raw: bytes) -> tuple[bytes, Taken, Taken] | Refusal | Ending:
         """``raw`` screened and its bytes taken (:meth:`_admit`): (the message to forward,
-        its cost); else, nothing taken, a refused message's answer (:class:`Refusal`) or,
-        when the door's budget has as many bytes waiting as it holds, how the stream ends.
-        Neither keeps ``raw`` or the refusal (and its traceback's frames) alive."""
+        what it holds of the door's budget and of the stream's share); else, nothing
+        taken, a refused message's answer (:class:`Refusal`) or, when the door's budget
+        has as many bytes waiting as it holds, how the stream ends. Neither keeps ``raw``
+        or the refusal (and its traceback's frames) alive."""
         try:
             request = self.screen(raw)
         except Refused as refused:
             return Refusal.of(refused)
-        cost = message_cost(request, True)
         try:
-            await self._admit(cost)
+            return (request, *await self._admit(message_cost(request, True)))
         except BudgetFull as full:
             return Ending(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
-        return request, cost
 
-    def _start(self, request: bytes, cost: int) -> None:
-        """``request``'s inner call, its ``cost`` given back when it ends (:meth:`_ended`)."""
+    def _start(self, request: bytes, door: Taken, share: Taken) -> None:
+        """``request``'s inner call, what it holds given back when it ends
+        (:meth:`_ended`)."""
         call = asyncio.get_running_loop().create_task(self._call(request))
         self.calls.add(call)
         self.worked, self.moved = True, self.clock.now()
-        call.add_done_callback(functools.partial(self._ended, cost))
+        call.add_done_callback(functools.partial(self._ended, door, share))
 
-    async def _admit(self, cost: int) -> None:
-        """``cost`` bytes of the door's budget, then of the stream's share (so bytes waiting
-        for the stream are counted door-wide); both or neither (:class:`BudgetFull`, or
-        cancelled)."""
-        await self.budget.take(cost)
+    async def _admit(self, cost: int) -> tuple[Taken, Taken]:
+        """``cost`` bytes of the door's budget (the stream's reserve first), then of the
+        stream's share (so bytes waiting for the stream are counted door-wide); both or
+        neither (:class:`BudgetFull`, or cancelled)."""
+        door = await self.budget.take(cost, self.reserve)
         try:
-            await self.share.take(cost)
+            return door, await self.share.take(cost)
         except BaseException:
-            self.budget.give(cost)
+            self.budget.give(door)
             raise
 
-    def _ended(self, cost: int, call: asyncio.Task[None]) -> None:
+    def _ended(self, door: Taken, share: Taken, call: asyncio.Task[None]) -> None:
         """An inner call's end, however it ended (cancelled before it began too): its
         bytes and its place in the stream given back."""
-        self.budget.give(cost)
-        self.share.give(cost)
+        self.budget.give(door)
+        self.share.give(share)
         self.room.release()
         self.calls.discard(call)
 

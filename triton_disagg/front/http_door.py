@@ -30,15 +30,18 @@ strings (keys included) or values of any kind is refused (400), counted from its
 (:func:`json_size`: an object per string at most), as is an inference request (``infer``,
 ``generate``, ``generate_stream``) naming a model not in ``models`` (when given;
 :func:`screen_body`). Bodies forwarded and not yet answered (until the answer has been
-relayed, or the request ended otherwise) hold at most ``budget`` bytes
+relayed, or the request ended otherwise) are held in ``budget``
 (:class:`~triton_disagg.front.door_guards.ByteBudget`; :func:`open_doors` gives both doors
-the gRPC door's); a body past it waits, up to ``body_timeout`` (then 503 with
-``Retry-After``). Each chunk of an answer must be written to the client within
-``answer_seconds`` of when it came from tritonserver (at most ``QUEUED_CHUNKS`` wait in
-the door; timed on the doors' :class:`~triton_disagg.front.door_guards.LoopClock`, so the
-door's own stalls do not count), else the connection is cut mid-answer (never a normal
-end) and the body's bytes given back: a client that reads slowly holds the budget no
-longer than one that reads nothing.
+the gRPC door's): of the request's own reserve first (a body of at most the budget's
+``per_call`` bytes never waits for others'), the rest of its shared pool; a body past the
+pool waits, up to ``body_timeout`` (then 503 with ``Retry-After``). So the door holds at
+most the pool plus ``max_calls`` reserves. Each chunk of an answer must be written to the
+client within ``answer_seconds`` of when it came from tritonserver (at most
+``QUEUED_CHUNKS`` wait in the door; timed on the doors'
+:class:`~triton_disagg.front.door_guards.LoopClock`, so the door's own stalls do not
+count), else the connection is cut mid-answer (never a normal end) and the body's bytes
+given back: a client that reads slowly holds the budget no longer than one that reads
+nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from aiohttp import web
 
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.front.door_guards import (CLIENT_SECONDS, MAX_ENTRIES,
+from triton_disagg.front.door_guards import (CALL_RESERVE, CLIENT_SECONDS, MAX_ENTRIES,
                                              OUTSTANDING_MESSAGES, UNREACHABLE, BudgetFull,
                                              ByteBudget, InnerOwner, LoopClock, Refused,
                                              refuse_unserved)
@@ -109,7 +112,8 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
                    budget: ByteBudget | None = None, clock: LoopClock | None = None,
                    answer_seconds: float = CLIENT_SECONDS) -> web.Application:
     """An aiohttp app forwarding every request to ``http://inner`` (module docstring);
-    ``budget`` defaults to one of ``OUTSTANDING_MESSAGES`` bodies of ``max_bytes``,
+    ``budget`` defaults to one of ``OUTSTANDING_MESSAGES`` bodies of ``max_bytes`` and
+    ``CALL_RESERVE`` a request,
     ``clock`` to one of the app's own (started and stopped with it)."""
     owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
 
@@ -162,7 +166,7 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
 
     app = web.Application(client_max_size=max_bytes, middlewares=[triton_errors])
     app[INNER], app[CALLS] = inner, RequestCount(max_calls)
-    app[BUDGET] = budget or ByteBudget(OUTSTANDING_MESSAGES * max_bytes)
+    app[BUDGET] = budget or ByteBudget(OUTSTANDING_MESSAGES * max_bytes, CALL_RESERVE)
     app[CLOCK], app[ANSWER_SECONDS] = clock or LoopClock(), answer_seconds
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
@@ -176,7 +180,8 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
 async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
                    models: frozenset[str], place: Place | None) -> web.StreamResponse:
     """Read the body (``place``, the request's under the cap, marked arrived then; None for
-    a probe), screen it, take its bytes from the budget and relay it."""
+    a probe, which has no body), screen it, take its bytes from the budget (a reserve of
+    its own first) and relay it."""
     try:
         async with asyncio.timeout(body_timeout):
             body = await request.read()         # at most client_max_size, else 413
@@ -192,7 +197,7 @@ async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
         return _error(400, str(refused))
     budget = request.app[BUDGET]
     try:
-        await budget.take_within(len(body), body_timeout)
+        taken = await budget.take_within(len(body), body_timeout, budget.reserve())
     except BudgetFull as full:
         busy = _error(503, str(full))
         busy.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
@@ -200,7 +205,7 @@ async def _forward(request: web.Request, max_bytes: int, body_timeout: float,
     try:
         return await _relay(request, body)
     finally:
-        budget.give(len(body))
+        budget.give(taken)
 
 
 async def _relay(request: web.Request, body: bytes) -> web.StreamResponse:
@@ -321,7 +326,8 @@ async def open_doors(ports: DoorPorts, max_bytes: int, front: FrontConfig,
     doors); else ``PEER_CALLS`` (a context's or generation's, whose callers, the
     deployment's orchestrators, cap their own: a bound on the door's memory); ``models``:
     the repository's, the only ones an inference request through either door may name; the
-    doors share the gRPC door's byte budget."""
+    doors share the gRPC door's byte budget (so they hold at most its pool plus a reserve
+    for each of the gRPC door's calls and the HTTP door's requests)."""
     owner = InnerOwner(tuple(p for p in (ports.inner_grpc_port, ports.inner_http_port)
                              if p is not None))
     grpc_door = GrpcDoor(ports.host, ports.grpc_port, f"{LOOPBACK}:{ports.inner_grpc_port}",

@@ -30,11 +30,14 @@ tritonclient's protobuf types, without fields they do not know (Triton would kee
 too). Each message of a client's stream is its own inner stream to tritonserver
 (:class:`.door_relay.StreamRelay`), so Triton never writes two requests' answers on one stream. A
 request message holds its bytes (at least ``MESSAGE_FLOOR``) until Triton ends its
-request (its unary call or inner stream), at most ``max_outstanding`` bytes door-wide
-(:class:`ByteBudget`); a message past it waits, so a client cannot queue Triton gigabytes
-(a stream of 24 such messages took 4.7 GB; a unary call waits at most ``idle_seconds``,
-then RESOURCE_EXHAUSTED), a client's stream has at most ``STREAM_CALLS`` messages at
-tritonserver (its next message is read when one ends), and a client that takes no response
+request (its unary call or inner stream), of its call's reserve first (``call_reserve``
+bytes a call, never waiting for others': a small request is never held up by large ones),
+the rest of a pool of at most ``max_outstanding`` bytes door-wide (:class:`ByteBudget`: the
+door holds at most the pool plus its calls' reserves); a message past the pool waits, so a
+client cannot queue Triton gigabytes (a stream of 24 such messages took 4.7 GB; a unary
+call waits at most ``idle_seconds``, then RESOURCE_EXHAUSTED), a client's stream has at
+most ``STREAM_CALLS`` messages at tritonserver (its next message is read when one ends),
+and a client that takes no response
 for ``write_seconds``, or one ``answer_seconds`` after tritonserver gave it, is ended and
 gives its bytes back (both timed on the doors' :class:`LoopClock`: the door's own stalls do
 not count against a client); a message other than an inference
@@ -72,9 +75,10 @@ import grpc
 from google.protobuf.descriptor import MethodDescriptor
 
 from triton_disagg.config.tls_section import GrpcTLS
-from triton_disagg.front.door_guards import (CLIENT_SECONDS, OUTSTANDING_MESSAGES, UNREACHABLE,
-                                             BudgetFull, ByteBudget, InnerOwner, LoopClock,
-                                             MessageScreen, Refused, message_cost)
+from triton_disagg.front.door_guards import (CALL_RESERVE, CLIENT_SECONDS, MESSAGE_FLOOR,
+                                             OUTSTANDING_MESSAGES, UNREACHABLE, BudgetFull,
+                                             ByteBudget, InnerOwner, LoopClock, MessageScreen,
+                                             Refused, message_cost)
 from triton_disagg.front.door_relay import (Ending, RelayLimits, StreamRelay,
                                             forwarded_metadata, write_within)
 from triton_disagg.front.grpc_admission import ConnectionGate, Roster, Seat
@@ -85,6 +89,7 @@ SERVICE = "inference.GRPCInferenceService"
 STREAM_IDLE_SECONDS = 300.0  # a gRPC call with no message either way this long ends (Envoy's)
 INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages: checked
 PEER_CALLS = 4096           # calls at once through a peers' door (~22 KB of the door's each)
+PEER_RESERVE = MESSAGE_FLOOR   # a peers' call's bytes that never wait (4096 calls: 64 MiB)
 CONNECTION_STREAMS = 256    # HTTP/2 streams at once on one connection (a client queues more)
 HANDSHAKE_SECONDS = 5.0     # a connection that has not spoken HTTP/2 by then is closed
 CONNECTION_IDLE_SECONDS = 30.0   # one with no call this long is closed (clients reconnect)
@@ -108,16 +113,22 @@ def screens(models: frozenset[str] = frozenset()) -> dict[str, MessageScreen]:
 
 class GrpcDoor:
     """A ``grpc.aio`` server on ``host:port`` forwarding Triton's service to ``inner``;
-    ``max_calls`` None: ``PEER_CALLS`` (a peers' door, whose callers cap their own)."""
+    ``max_calls`` None: ``PEER_CALLS`` (a peers' door, whose callers cap their own);
+    ``call_reserve`` None: ``CALL_RESERVE`` a call, ``PEER_RESERVE`` on a peers' door (so it
+    holds at most ``max_outstanding`` + ``max_calls`` x ``call_reserve`` bytes of requests,
+    plus its HTTP door's requests' reserves)."""
 
     def __init__(self, host: str, port: int, inner: str, max_bytes: int, max_calls: int | None,
                  tls: GrpcTLS | None = None, idle_seconds: float = STREAM_IDLE_SECONDS,
                  owner: InnerOwner | None = None, max_connections: int = 512,
                  max_outstanding: int | None = None, models: frozenset[str] = frozenset(),
-                 write_seconds: float = CLIENT_SECONDS, answer_seconds: float = CLIENT_SECONDS):
+                 write_seconds: float = CLIENT_SECONDS, answer_seconds: float = CLIENT_SECONDS,
+                 call_reserve: int | None = None):
         self.address, self.inner = f"{host}:{port}", inner
         self.limits = RelayLimits(max_bytes, idle_seconds, write_seconds, answer_seconds)
-        self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes)
+        self.budget = ByteBudget(max_outstanding or OUTSTANDING_MESSAGES * max_bytes,
+                                 (CALL_RESERVE if max_calls else PEER_RESERVE)
+                                 if call_reserve is None else call_reserve)
         self.clock = LoopClock()
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.roster = Roster(max_calls or PEER_CALLS)
@@ -184,7 +195,8 @@ class GrpcDoor:
             seat.rank = lambda: None                # at work (a refusal is none)
             cost = message_cost(request, screen.infer)
             try:
-                await self.budget.take_within(cost, self.limits.idle_seconds)
+                taken = await self.budget.take_within(cost, self.limits.idle_seconds,
+                                                      self.budget.reserve())
             except BudgetFull as full:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             call = method(request, metadata=forwarded_metadata(context),
@@ -200,7 +212,7 @@ class GrpcDoor:
                 ending = failed
             finally:
                 call.cancel()                      # no-op once done; else the caller left
-                self.budget.give(cost)
+                self.budget.give(taken)
             await context.abort(*ending.args)
         return forward
 
