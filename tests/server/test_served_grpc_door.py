@@ -184,7 +184,7 @@ def test_a_port_another_user_listens_on_is_not_the_doors_to_forward_to(tmp_path)
          f" print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert squatter.stdout.readline().strip() == "up"
-        assert not InnerOwner((port,)).ours()
+        assert not InnerOwner((port,)).check()
     finally:
         squatter.kill()
         squatter.wait()

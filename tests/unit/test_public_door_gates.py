@@ -61,19 +61,50 @@ def test_inner_owner_needs_this_users_listener_on_127_0_0_1():
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         port = listening.getsockname()[1]
-        assert InnerOwner((port,)).ours()
-        assert not InnerOwner((port, free_port())).ours()  # one port with no listener
+        assert InnerOwner((port,)).check()
+        assert not InnerOwner((port, free_port())).check()  # one port with no listener
         with socket.socket(socket.AF_INET6) as aside:     # a v6-only wildcard beside it
             aside.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             aside.bind(("::", port))
             aside.listen()
-            assert InnerOwner((port,)).ours()             # takes none of 127.0.0.1's
-    assert not InnerOwner((port,)).ours()                 # closed: nobody's
+            assert InnerOwner((port,)).check()             # takes none of 127.0.0.1's
+    assert not InnerOwner((port,)).check()                 # closed: nobody's
     for elsewhere in ("127.0.0.2", "0.0.0.0"):
         with socket.socket() as aside:
             aside.bind((elsewhere, port))
             aside.listen()
-            assert not InnerOwner((port,)).ours(), elsewhere   # not the exact listener
+            assert not InnerOwner((port,)).check(), elsewhere   # not the exact listener
+
+
+def test_the_owner_check_reads_off_the_loop_once_for_every_caller(monkeypatch, tmp_path):
+    """rev27k L3: the tables were parsed on the doors' event loop (49 ms for a host's 60,000
+    sockets); now one read on a worker thread serves every caller waiting meanwhile, and a
+    yes is then trusted without a read."""
+    import threading
+
+    import triton_disagg.front.door_guards as guards
+
+    rows = "".join(f"   {i}: 0100007F:{i % 60000 + 1024:04X} 0100007F:1F90 01 00000000:00000000 "
+                   f"00:00000000 00000000     0        0 {i} 1\n" for i in range(60_000))
+    listener = (f"60000: 0100007F:{4242:04X} 00000000:0000 0A 00000000:00000000 00:00000000 "
+                f"00000000 {guards.os.geteuid():5d}        0 7 1\n")
+    table = tmp_path / "tcp"
+    table.write_text("  sl  local_address rem_address   st\n" + rows + listener)
+    monkeypatch.setattr(guards, "LOOPBACK_HEX", {str(table): "0100007F"})
+    owner, readers = InnerOwner((4242,)), []
+    check = owner.check
+
+    def counted() -> bool:
+        readers.append(threading.current_thread())
+        return check()
+    monkeypatch.setattr(owner, "check", counted)
+
+    async def main():
+        assert await asyncio.gather(*(owner.ours() for _ in range(10))) == [True] * 10
+        assert await owner.ours()
+    asyncio.run(main())
+    assert len(readers) == 1 and readers[0] is not threading.main_thread()
+    assert not InnerOwner((4243,)).check() and InnerOwner((4242,)).check()
 
 
 async def _inner_http() -> tuple[web.AppRunner, int]:

@@ -124,7 +124,7 @@ def make_http_door(inner: str, max_bytes: int, max_calls: int, body_timeout: flo
         if [e.strip().lower() for e in encodings] not in ([], ["identity"]):
             return _error(415, "a compressed body is not taken (Triton would inflate it "
                                "unbounded); send it as is")
-        if not owner.ours():
+        if not await owner.ours():
             return _error(503, f"{UNREACHABLE} (its port is not this server's)")
         if request.method == "GET" and request.path in PROBES and not request.body_exists:
             return await _forward(request, max_bytes, body_timeout, models, None)

@@ -74,7 +74,7 @@ def make_metrics_door(inner_port: int, owner: InnerOwner | None = None) -> web.A
     async def scrape(request: web.Request) -> web.Response:
         if request.body_exists:
             return web.Response(status=400, text="a metrics request has no body\n")
-        if not owner.ours():
+        if not await owner.ours():
             return web.Response(status=503, text=f"{UNREACHABLE} (its port is not this "
                                                  f"server's)\n")
         return await shared.answer(request.app[SCRAPE_SESSION])

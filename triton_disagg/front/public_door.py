@@ -233,7 +233,7 @@ class GrpcDoor:
                       serve: Callable[[Seat], Awaitable[None]]) -> None:
         """``serve`` the call in a seat of :attr:`roster` (refused without one), ended
         UNAVAILABLE when the roster takes the seat back for another call."""
-        if not self.owner.ours():
+        if not await self.owner.ours():
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{UNREACHABLE} (its port is not this server's)")
         seat = Seat(self.clock.now())
