@@ -16,12 +16,21 @@ from triton_disagg.front.public_door import SERVICE, GrpcDoor
 STREAM = f"/{SERVICE}/ModelStreamInfer"
 
 
+def echoed(message: bytes) -> bytes:
+    """The stand-in's answer to a stream's ``message``, as Triton answers one: a
+    ``ModelStreamInferResponse`` whose ``infer_response`` (field 2, tag 0x12; not an error)
+    holds the message's bytes."""
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    return b"\x12" + _VarintBytes(len(message)) + message
+
+
 async def stream_server(handler=None, unary=None) -> tuple[grpc.aio.Server, int]:
     """A started stand-in tritonserver whose ``ModelStreamInfer`` is ``handler`` (default:
-    an echo) and whose unary methods are ``unary`` (name -> handler)."""
+    an echo, :func:`echoed`) and whose unary methods are ``unary`` (name -> handler)."""
     async def echo(requests, context):
         async for request in requests:
-            yield request
+            yield echoed(request)
 
     methods = {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(handler or echo)}
     methods.update({name: grpc.unary_unary_rpc_method_handler(f)

@@ -16,6 +16,7 @@ import pytest
 from door_stand_in import STREAM, held_until, infer_request, open_door
 
 from triton_disagg.front.door_guards import MESSAGE_FLOOR
+from triton_disagg.front.grpc_admission import Seat
 from triton_disagg.front.public_door import SERVICE
 
 
@@ -313,7 +314,7 @@ def test_a_client_that_reads_slowly_is_ended_when_its_answers_wait_too_long():
             await asyncio.Event().wait()                   # the client never half-closes
 
         relay = StreamRelay(budget, LoopClock(), limits, lambda **_: _Answers(500),
-                            lambda raw: raw, context)
+                            lambda raw: raw, context, Seat(0.0))
         begun = time.monotonic()
         with pytest.raises(_Aborted) as ended:
             await relay.run(one_message())
@@ -386,7 +387,7 @@ def test_a_stall_of_the_doors_own_loop_does_not_end_a_prompt_client():
             yield infer_request(1)
 
         relay = StreamRelay(budget, clock, limits, lambda **_: _Answers(20), lambda raw: raw,
-                            context)
+                            context, Seat(0.0))
         await relay.run(one_message())                     # not _Aborted
         await clock.stop()
         assert context.written == 20 and budget.held == 0

@@ -6,11 +6,12 @@ tritonserver (tests/support/door_stand_in.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import grpc
 import pytest
-from door_stand_in import STREAM, infer_request, open_door
+from door_stand_in import STREAM, echoed, infer_request, open_door
 
 from triton_disagg.front import grpc_admission
 from triton_disagg.front.public_door import SERVICE
@@ -157,7 +158,7 @@ def test_the_gate_pipes_large_messages_both_ways_and_tells_calls_by_connection()
                 answer = await call.read()
                 await call.done_writing()
                 return answer
-            assert await asyncio.gather(*(one(c) for c in channels)) == [payload] * 2
+            assert await asyncio.gather(*(one(c) for c in channels)) == [echoed(payload)] * 2
             await asyncio.sleep(0.2)                            # the calls leave their seats
             connections = list(door.gate.roster.seats)
             assert len(connections) == 2 and all(c.worked for c in connections)
@@ -184,4 +185,163 @@ def test_stopping_the_door_ends_every_piped_connection():
             assert len(door.gate.roster.seats) == 1
         assert not door.gate.roster.seats
         held.close()
+    asyncio.run(main())
+
+
+def _blocked_unary_calls(address: str, method: str, body: bytes, calls: int) -> socket.socket:
+    """A raw HTTP/2 connection that opens ``calls`` unary ``method`` calls and lets the door
+    write nothing back (its flow-control window 0, never opened): each answer waits."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2c.initiate_connection()
+    h2c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    for _ in range(calls):
+        stream = h2c.get_next_available_stream_id()
+        h2c.send_headers(stream, [(":method", "POST"), (":scheme", "http"),
+                                  (":path", f"/{SERVICE}/{method}"), (":authority", "door"),
+                                  ("content-type", "application/grpc"), ("te", "trailers")])
+        h2c.send_data(stream, b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
+    sock.sendall(h2c.data_to_send())
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket, seconds: float = 5.0) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("method", ["ServerLive", "ModelInfer"])
+def test_unary_calls_whose_answers_are_never_read_hold_no_seat(monkeypatch, method):
+    """rev27m H-A: a unary call stayed "at work" while its answer waited for a client that
+    read nothing, so one connection of such calls (270 bytes/s) refused 41 of 42 calls of
+    everyone else. Now a call is at work only while it waits for bytes or is at
+    tritonserver; an answered inference then ranks as work done (kept within the grace), any
+    other answer as none; and a call ended while its answer is unread ends its connection
+    (else grpcio counts its stuck status against its call cap: 64 such calls every 10 s
+    filled it)."""
+    monkeypatch.setattr(grpc_admission, "EVICT_GRACE_SECONDS", 0.3)
+
+    async def ok(request, context):
+        return request
+
+    async def main():
+        async with open_door(4, unary={"ModelInfer": ok, "ServerLive": ok}) as door:
+            body = b"" if method == "ServerLive" else infer_request(1)
+            attacker = await asyncio.to_thread(_blocked_unary_calls, door.address, method,
+                                               body, 4)
+            try:
+                await asyncio.sleep(0.6)                     # answered, past the grace
+                assert len(door.roster.seats) == 4
+                async with grpc.aio.insecure_channel(door.address) as victim:
+                    for _ in range(3):
+                        assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                            infer_request(1), timeout=5) == infer_request(1)
+                assert await asyncio.to_thread(_closed_by_peer, attacker)
+            finally:
+                attacker.close()
+    asyncio.run(main())
+
+
+def test_a_stream_whose_requests_triton_refuses_holds_no_seat(monkeypatch):
+    """rev27m M-A, on streams: a request Triton answers with an error counted as work, so a
+    stream sending one every second kept its seat for good. Only answers are work."""
+    from tritonclient.grpc import service_pb2
+
+    monkeypatch.setattr(grpc_admission, "EVICT_GRACE_SECONDS", 0.5)
+    refusal = service_pb2.ModelStreamInferResponse(error_message="bad input").SerializeToString()
+
+    async def refuse(requests, context):
+        async for _ in requests:
+            yield refusal
+
+    async def main():
+        async with open_door(1, handler=refuse) as door:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                refused = channel.stream_stream(STREAM)()
+                for _ in range(3):
+                    await refused.write(infer_request(1))
+                    assert await refused.read() == refusal
+                    await asyncio.sleep(0.1)
+                newcomer = channel.stream_stream(STREAM)()
+                await newcomer.write(infer_request(1))
+                assert await newcomer.read() == refusal          # it took the seat
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await refused.read()
+                assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    asyncio.run(main())
+
+
+def test_connections_that_make_only_health_calls_hold_no_place():
+    """rev27m M-A: eight connections each calling ServerLive every 1.5 s held the gate's cap
+    of 8 (a victim failed 15 of 15): any answered call counted as the connection's work."""
+    async def ok(request, context):
+        return request
+
+    async def main():
+        async with open_door(8, unary={"ModelInfer": ok, "ServerLive": ok},
+                             max_connections=4) as door:
+            stop = asyncio.Event()
+
+            async def live() -> None:
+                async with grpc.aio.insecure_channel(door.address,
+                                                     options=OWN_CONNECTION) as channel:
+                    while not stop.is_set():
+                        with contextlib.suppress(grpc.aio.AioRpcError):
+                            await channel.unary_unary(f"/{SERVICE}/ServerLive")(b"", timeout=2)
+                        await asyncio.sleep(0.3)
+            holders = [asyncio.ensure_future(live()) for _ in range(4)]
+            await asyncio.sleep(1.0)
+            for _ in range(3):
+                async with grpc.aio.insecure_channel(door.address) as victim:
+                    assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                        infer_request(1), timeout=5) == infer_request(1)
+            stop.set()
+            await asyncio.gather(*holders, return_exceptions=True)
+    asyncio.run(main())
+
+
+def test_a_connect_flood_at_the_cap_ranks_at_most_the_rate_a_second(monkeypatch):
+    """rev27m H-B: at the cap every new connection ranked every open one (~1 ms at 512) on
+    the doors' loop: 800 connects a second stalled every client of the front for seconds.
+    Now one address makes room at most ADDRESS_ROOM_PER_SECOND times a second (the gate at
+    most ROOM_PER_SECOND); past it a newcomer is closed at once, unranked. A client of
+    another address still gets in."""
+    async def ok(request, context):
+        return request
+
+    async def main():
+        async with open_door(4, unary={"ModelInfer": ok}, max_connections=4) as door:
+            host, port = door.address.rsplit(":", 1)
+            rankings = []
+            enter = door.gate.roster.enter
+
+            def counted(seat) -> bool:
+                if len(door.gate.roster.seats) >= door.gate.roster.limit:
+                    rankings.append(door.gate.clock.now())
+                return enter(seat)
+            monkeypatch.setattr(door.gate.roster, "enter", counted)
+            held = []
+            started = door.gate.clock.now()
+            for _ in range(200):                            # one address, one second
+                held.append(await asyncio.open_connection(host, int(port),
+                                                          local_addr=("127.0.0.2", 0)))
+            seconds = door.gate.clock.now() - started
+            assert len(rankings) <= grpc_admission.ADDRESS_ROOM_PER_SECOND * (seconds + 1)
+            async with grpc.aio.insecure_channel(door.address) as victim:
+                assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                    infer_request(1), timeout=5) == infer_request(1)
+            for _, writer in held:
+                writer.close()
     asyncio.run(main())

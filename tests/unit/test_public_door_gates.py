@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 from aiohttp import ClientSession, web
-from door_stand_in import STREAM, infer_request, open_door
+from door_stand_in import STREAM, echoed, infer_request, open_door
 from local_sites import free_port
 
 from triton_disagg.config.front_section import FrontConfig
@@ -37,7 +37,7 @@ def test_an_idle_stream_is_ended_and_a_busy_one_is_not():
                 for i in range(6):                          # 1.2 s, a message every 0.2 s
                     message = infer_request(1, name=f"m{i}")
                     await busy.write(message)
-                    assert await busy.read() == message
+                    assert await busy.read() == echoed(message)
                     await asyncio.sleep(0.2)
                 await busy.done_writing()
     asyncio.run(main())
@@ -162,13 +162,13 @@ def test_unknown_fields_are_dropped_and_unserved_models_refused():
                 call = channel.stream_stream(STREAM)()
                 known = infer_request(2)
                 await call.write(known + b"\x7a\x00" * 1000)       # field 15, empty: unknown
-                assert await call.read() == known
+                assert await call.read() == echoed(known)
                 await call.write(infer_request(1, name="nosuchmodel", request_id="r7"))
                 refused = _stream_response(await call.read())
                 assert "'nosuchmodel' is not served" in refused.error_message
                 assert refused.infer_response.id == "r7"
                 await call.write(known)                            # the stream goes on
-                assert await call.read() == known
+                assert await call.read() == echoed(known)
                 await call.done_writing()
                 assert await call.code() == grpc.StatusCode.OK
     asyncio.run(main())
@@ -185,7 +185,7 @@ def test_a_request_id_is_bounded_and_a_refusal_echoes_at_most_its_bound():
                 call = channel.stream_stream(STREAM)()
                 bounded = infer_request(1, request_id="i" * MAX_ID_CHARS)
                 await call.write(bounded)
-                assert await call.read() == bounded               # forwarded, echoed
+                assert await call.read() == echoed(bounded)               # forwarded, echoed
                 await call.write(infer_request(1, request_id="l" * (512 << 10)))
                 refused = _stream_response(await call.read())
                 assert f"at most {MAX_ID_CHARS}" in refused.error_message
@@ -220,7 +220,7 @@ def test_an_inference_request_of_too_many_strings_is_refused_before_tritonserver
                 call = channel.stream_stream(STREAM)()
                 small = infer_request(64)
                 await call.write(small)
-                assert await call.read() == small              # forwarded, echoed
+                assert await call.read() == echoed(small)              # forwarded, echoed
                 await call.write(infer_request(MAX_ENTRIES + 1))
                 refused = _stream_response(await call.read())
                 assert f"at most {MAX_ENTRIES}" in refused.error_message
@@ -296,20 +296,20 @@ def test_a_stream_of_refusals_that_reads_nothing_holds_no_seat():
             async with grpc.aio.insecure_channel(door.address) as channel:
                 working = channel.stream_stream(STREAM)()
                 await working.write(infer_request(1))
-                assert await working.read() == infer_request(1)
+                assert await working.read() == echoed(infer_request(1))
                 refusals = channel.stream_stream(STREAM)()
                 for _ in range(3):
                     await refusals.write(infer_request(1, name="nosuchmodel"))
                 await asyncio.sleep(0.2)                   # refused, answers unread
                 newcomer = channel.stream_stream(STREAM)()
                 await newcomer.write(infer_request(2))
-                assert await newcomer.read() == infer_request(2)
+                assert await newcomer.read() == echoed(infer_request(2))
                 with pytest.raises(grpc.aio.AioRpcError) as ended:
                     for _ in range(4):
                         await refusals.read()
                 assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
                 await working.write(infer_request(3))      # kept its seat
-                assert await working.read() == infer_request(3)
+                assert await working.read() == echoed(infer_request(3))
                 for call in (working, newcomer):
                     await call.done_writing()
                     assert await call.code() == grpc.StatusCode.OK

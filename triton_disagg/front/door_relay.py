@@ -16,7 +16,7 @@ import grpc
 
 from triton_disagg.front.door_guards import (UNREACHABLE, BudgetFull, ByteBudget, LoopClock,
                                              MessageScreen, Refused, Taken, message_cost)
-from triton_disagg.front.grpc_admission import EVICT_GRACE_SECONDS
+from triton_disagg.front.grpc_admission import Seat, worked_rank
 from triton_disagg.triton.endpoints import LOOPBACK
 
 DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
@@ -36,6 +36,13 @@ class RelayLimits:
     idle_seconds: float
     write_seconds: float
     answer_seconds: float
+
+
+def answered(response: bytes) -> bool:
+    """Whether a ``ModelStreamInferResponse`` answers its request (an error's
+    ``error_message``, field 1, is serialized first: tag 0x0A): only answers are a stream's
+    work, so requests Triton refuses at once protect no place."""
+    return not response.startswith(b"\n")
 
 
 def forwarded_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
@@ -61,15 +68,20 @@ class Ending(Exception):
 
 
 async def write_within(context: grpc.aio.ServicerContext, response: bytes, seconds: float,
-                       clock: LoopClock) -> None:
+                       clock: LoopClock, seat: Seat) -> None:
     """Write one response to the caller; raises :class:`Ending` (DEADLINE_EXCEEDED) when it
     takes none for ``seconds`` (of ``clock``), so that the caller lets go of what it holds
-    before the status, which waits behind the unread responses, is sent."""
+    before the status, which waits behind the unread responses, is sent. Such a write, or
+    one whose call is ended for room (``seat.evicted``) meanwhile, marks ``seat.unread``."""
     try:
         await clock.finish_by(clock.now() + seconds, context.write(response))
     except TimeoutError:
+        seat.unread = True
         raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
                      f"the client read no response for {seconds:g} s") from None
+    except asyncio.CancelledError:
+        seat.unread = seat.evicted
+        raise
 
 
 @dataclass(frozen=True)
@@ -113,9 +125,9 @@ class StreamRelay:
 
     def __init__(self, budget: ByteBudget, clock: LoopClock, limits: RelayLimits,
                  method: grpc.aio.StreamStreamMultiCallable, screen: MessageScreen,
-                 context: grpc.aio.ServicerContext):
+                 context: grpc.aio.ServicerContext, seat: Seat):
         self.budget, self.clock, self.limits = budget, clock, limits
-        self.method, self.screen, self.context = method, screen, context
+        self.method, self.screen, self.context, self.seat = method, screen, context, seat
         self.answers: asyncio.Queue[tuple[float, object]] = asyncio.Queue(QUEUED_RESPONSES)
         self.calls: set[asyncio.Task[None]] = set()
         self.room = asyncio.Semaphore(STREAM_CALLS)
@@ -124,21 +136,19 @@ class StreamRelay:
         self.reading = True
         self.taking = False                       # a message waits for the budget
         self.last = clock.now()                   # a message either way
-        self.worked, self.moved = False, self.last   # work: not a refusal; when it last moved
+        self.worked, self.moved = False, self.last   # work: an answer; when it last moved
 
     def rank(self) -> tuple[bool, float] | None:
         """Whether the door's roster may end this stream to make room for another call, and
         in what order: None while a request of its is at tritonserver or waiting for the
-        budget, or while its work (a message accepted, a response given or written) moved
+        budget, or while its work (an answer, :func:`answered`, given or written) moved
         within ``EVICT_GRACE_SECONDS``; else (whether it ever worked, when its work last
-        moved): a stream of refusals or nothing goes first, then the one idle longest, so
-        a client blocking its writes or sending refusals holds no place. A stream ended for
-        room holds no bytes (of its reserve neither)."""
+        moved): a stream of refusals, errors or nothing goes first, then the one idle
+        longest, so a client blocking its writes or sending what is refused holds no place.
+        A stream ended for room holds no bytes (of its reserve neither)."""
         if self.calls or self.taking:
             return None
-        if self.worked and self.clock.now() - self.moved < EVICT_GRACE_SECONDS:
-            return None
-        return self.worked, self.moved
+        return worked_rank(self.moved, self.clock.now()) if self.worked else (False, self.moved)
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
         """Relay until the end; every inner call is cancelled (its bytes given back) before
@@ -167,9 +177,10 @@ class StreamRelay:
                              f"the client took a response {late:.0f} s after tritonserver "
                              f"gave it (at most {self.limits.answer_seconds:g} s)")
             answer = item.answer if isinstance(item, Refusal) else item
-            await write_within(self.context, answer, self.limits.write_seconds, self.clock)
+            await write_within(self.context, answer, self.limits.write_seconds, self.clock,
+                               self.seat)
             self.last = self.clock.now()
-            if not isinstance(item, Refusal):
+            if isinstance(item, bytes) and answered(item):
                 self.moved = self.last
 
     async def _next(self) -> tuple[float, object]:
@@ -242,7 +253,6 @@ class StreamRelay:
         (:meth:`_ended`)."""
         call = asyncio.get_running_loop().create_task(self._call(request))
         self.calls.add(call)
-        self.worked, self.moved = True, self.clock.now()
         call.add_done_callback(functools.partial(self._ended, door, share))
 
     async def _admit(self, cost: int) -> tuple[Taken, Taken]:
@@ -278,7 +288,8 @@ class StreamRelay:
             await call.done_writing()
             async for response in call:
                 await self._queue(response)
-                self.moved = self.clock.now()
+                if answered(response):
+                    self.worked, self.moved = True, self.clock.now()
         except grpc.aio.AioRpcError as exc:
             await self._queue(Ending.relayed(exc))
         except Exception as exc:                   # the door's own fault: said, not hung

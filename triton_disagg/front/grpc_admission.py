@@ -23,18 +23,34 @@ from triton_disagg.triton.endpoints import LOOPBACK
 EVICT_GRACE_SECONDS = 2.0   # a place whose work moved this recently is not taken for room
 SETTLE_SECONDS = 0.2        # nor a connection this new: time to say its first bytes
 PIPE_BUFFER_BYTES = 256 * 1024   # bytes one side of a pipe buffers before the other pauses
+ROOM_PER_SECOND = 128       # connections the gate ends to make room, a second at most
+ADDRESS_ROOM_PER_SECOND = 16     # of them for newcomers from one address
+ACCEPT_BACKLOG = 128        # connections the kernel queues (one accept callback takes them)
 Rank = tuple | None          # None: not to be ended; else what orders it, lowest ended first
+
+
+def worked_rank(moved: float, now: float) -> Rank:
+    """The rank of a place whose work (an inference answered, not an error) last moved at
+    ``moved``: kept within ``EVICT_GRACE_SECONDS``, then (True, ``moved``)."""
+    return None if now - moved < EVICT_GRACE_SECONDS else (True, moved)
 
 
 class Seat:
     """One call's place under the door's cap: whether it may be ended to make room, and in
     what order (``rank()``: None, not; else lowest first, as
-    :meth:`.door_relay.StreamRelay.rank`), and whether it was ended for that."""
+    :meth:`.door_relay.StreamRelay.rank`), and whether it was ended for that. It starts
+    :meth:`unworked`; only inference answered (not an error, not a health or metadata call)
+    is work, so cheap calls protect neither the seat nor its connection."""
 
     def __init__(self, entered: float):
         self.task = asyncio.current_task()
-        self.rank: Callable[[], Rank] = lambda: (False, entered)
+        self.entered = entered
+        self.rank: Callable[[], Rank] = self.unworked
         self.evicted = False
+        self.unread = False        # ended while its client read none of an answer
+
+    def unworked(self) -> Rank:
+        return False, self.entered
 
     def evict(self) -> None:
         self.evicted = True
@@ -84,38 +100,37 @@ class GatedConnection(asyncio.Protocol):
         self.gate = gate
         self.client: asyncio.Transport | None = None
         self.inner: asyncio.Transport | None = None
-        self.early: list[bytes] = []           # what the client sent before the pipe opened
         self.seats: set[Seat] = set()
         self.worked, self.moved = False, gate.clock.now()
         self.address: str | None = None
         self.spoke = False                     # the client sent a byte
+        self.opening: asyncio.Task[None] | None = None   # the inner end, until it is open
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client = transport                # type: ignore[assignment]
         self.address = (transport.get_extra_info("peername") or ("?",))[0]
         self.gate.per_address[self.address] += 1
-        if not self.gate.roster.enter(self):
+        if not self.gate.admit(self):
             self.gate.refused += 1
-            self.client.abort()
+            self.end()
             return
+        self.client.pause_reading()            # nothing is read until the pipe is open
         self.client.set_write_buffer_limits(high=PIPE_BUFFER_BYTES)
-        self.gate.open_pipe(self)
+        self.opening = self.gate.open_pipe(self)
 
     def piped(self, inner: asyncio.Transport) -> None:
-        """The inner end is open: what came early goes through."""
+        """The inner end is open: the client is read from now on."""
+        self.opening = None
         if self.client is None:                # ended meanwhile
             inner.abort()
             return
         self.inner = inner
         inner.set_write_buffer_limits(high=PIPE_BUFFER_BYTES)
-        inner.writelines(self.early)
-        self.early.clear()
+        self.client.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self.spoke = True
-        if self.inner is None:
-            self.early.append(data)
-        else:
+        if self.inner is not None:
             self.inner.write(data)
 
     def eof_received(self) -> bool | None:
@@ -136,6 +151,9 @@ class GatedConnection(asyncio.Protocol):
 
     def end(self) -> None:
         """Abort both ends (idempotent) and give the place back."""
+        if self.opening is not None:
+            self.opening.cancel()
+            self.opening = None
         if self.client is not None:
             self.gate.per_address[self.address] -= 1
             if not self.gate.per_address[self.address]:
@@ -214,24 +232,44 @@ class ConnectionGate:
         self.by_port: dict[int | None, GatedConnection] = {}
         self.per_address: collections.Counter[str | None] = collections.Counter()
         self.refused = self.evicted = 0
+        self.second, self.room_tries = 0, collections.Counter[str | None]()  # this second
         self.server: asyncio.Server | None = None
         self.opening: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self.server = await asyncio.get_running_loop().create_server(
             lambda: GatedConnection(self), self.host, self.port, reuse_port=False,
-            backlog=1024)
+            backlog=ACCEPT_BACKLOG)
 
-    def open_pipe(self, outer: GatedConnection) -> None:
+    def admit(self, newcomer: GatedConnection) -> bool:
+        """Whether ``newcomer`` gets a place: below the cap, yes; at it, only while the
+        gate has made room fewer than ``ROOM_PER_SECOND`` times this second (fewer than
+        ``ADDRESS_ROOM_PER_SECOND`` for its address) and a place ranks to be taken. Ranking
+        scans every connection (~1 ms at 512), so a connect flood at the cap costs the
+        doors' loop at most that rate of scans; past it a newcomer is closed at once."""
+        if len(self.roster.seats) < self.roster.limit:
+            return self.roster.enter(newcomer)
+        now = int(self.clock.now())
+        if now != self.second:
+            self.second, self.room_tries = now, collections.Counter()
+        if (self.room_tries.total() >= ROOM_PER_SECOND
+                or self.room_tries[newcomer.address] >= ADDRESS_ROOM_PER_SECOND):
+            return False
+        self.room_tries[newcomer.address] += 1
+        return self.roster.enter(newcomer)
+
+    def open_pipe(self, outer: GatedConnection) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self._open(outer))
         self.opening.add(task)
         task.add_done_callback(self.opening.discard)
+        return task
 
     async def _open(self, outer: GatedConnection) -> None:
         try:
             inner, _ = await asyncio.get_running_loop().create_connection(
                 lambda: _InnerEnd(outer), LOOPBACK, self.inner_port)
         except OSError:
+            outer.opening = None
             outer.end()
             return
         outer.piped(inner)                    # type: ignore[arg-type]

@@ -81,7 +81,7 @@ from triton_disagg.front.door_guards import (CALL_RESERVE, CLIENT_SECONDS, MESSA
                                              Refused, message_cost)
 from triton_disagg.front.door_relay import (Ending, RelayLimits, StreamRelay,
                                             forwarded_metadata, write_within)
-from triton_disagg.front.grpc_admission import ConnectionGate, Roster, Seat
+from triton_disagg.front.grpc_admission import ConnectionGate, Roster, Seat, worked_rank
 from triton_disagg.triton.endpoints import LOOPBACK
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -192,38 +192,54 @@ class GrpcDoor:
                 request = screen(request)
             except Refused as refused:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
-            seat.rank = lambda: None                # at work (a refusal is none)
-            cost = message_cost(request, screen.infer)
+            seat.rank = at_work = lambda: None   # waiting for bytes, then at tritonserver
             try:
-                taken = await self.budget.take_within(cost, self.limits.idle_seconds,
-                                                      self.budget.reserve())
-            except BudgetFull as full:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
-            call = method(request, metadata=forwarded_metadata(context),
-                          timeout=context.time_remaining())
-            try:                    # the bytes held until the response is written, or not
-                response = await call
-                context.set_trailing_metadata(await call.trailing_metadata() or ())
-                await write_within(context, response, self.limits.write_seconds, self.clock)
-                return
-            except grpc.aio.AioRpcError as exc:
-                ending = Ending.relayed(exc)
-            except Ending as failed:
-                ending = failed
+                await self._answer(method, request, context, seat, screen.infer)
             finally:
-                call.cancel()                      # no-op once done; else the caller left
-                self.budget.give(taken)
-            await context.abort(*ending.args)
+                if seat.rank is at_work:           # ended unanswered: no work done
+                    seat.rank = seat.unworked
         return forward
+
+    async def _answer(self, method: grpc.aio.UnaryUnaryMultiCallable, request: bytes,
+                      context: grpc.aio.ServicerContext, seat: Seat, infer: bool) -> None:
+        """Relay one unary call, its bytes held until its response is written (or not). Its
+        seat is at work (never ended for room) while it waits for the budget or is at
+        tritonserver, not while its response waits for the client: an answered inference
+        then ranks as work done (:func:`.grpc_admission.worked_rank`), any other answer as
+        none, so a client that reads nothing holds no seat."""
+        try:
+            taken = await self.budget.take_within(message_cost(request, infer),
+                                                  self.limits.idle_seconds,
+                                                  self.budget.reserve())
+        except BudgetFull as full:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+        call = method(request, metadata=forwarded_metadata(context),
+                      timeout=context.time_remaining())
+        try:
+            response = await call
+            context.set_trailing_metadata(await call.trailing_metadata() or ())
+            answered = self.clock.now()
+            seat.rank = (lambda: worked_rank(answered, self.clock.now())) if infer \
+                else seat.unworked
+            await write_within(context, response, self.limits.write_seconds, self.clock, seat)
+            return
+        except grpc.aio.AioRpcError as exc:
+            ending = Ending.relayed(exc)
+        except Ending as failed:
+            ending = failed
+        finally:
+            call.cancel()                          # no-op once done; else the caller left
+            self.budget.give(taken)
+        await context.abort(*ending.args)
 
     def _streams(self, path: str, screen: MessageScreen) -> Callable[..., Awaitable[None]]:
         method = self.channel.stream_stream(path)
 
         async def forward(requests: AsyncIterator[bytes],
                           context: grpc.aio.ServicerContext) -> None:
-            relay = StreamRelay(self.budget, self.clock, self.limits, method, screen, context)
-
             async def serve(seat: Seat) -> None:
+                relay = StreamRelay(self.budget, self.clock, self.limits, method, screen,
+                                    context, seat)
                 seat.rank = relay.rank
                 await relay.run(requests)
             await self._seated(context, serve)
@@ -232,7 +248,11 @@ class GrpcDoor:
     async def _seated(self, context: grpc.aio.ServicerContext,
                       serve: Callable[[Seat], Awaitable[None]]) -> None:
         """``serve`` the call in a seat of :attr:`roster` (refused without one), ended
-        UNAVAILABLE when the roster takes the seat back for another call."""
+        UNAVAILABLE when the roster takes the seat back for another call. A call ended while
+        its client read none of its answer (``seat.unread``) ends its connection too: the
+        status would wait behind that answer, and grpcio counts the call against
+        ``maximum_concurrent_rpcs`` for as long as its connection lives (64 such calls
+        every 10 s had filled it)."""
         if not await self.owner.ours():
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{UNREACHABLE} (its port is not this server's)")
@@ -256,6 +276,8 @@ class GrpcDoor:
             self.roster.leave(seat)
             if connection is not None:
                 connection.unseated(seat)
+                if seat.unread:
+                    connection.end()
 
     async def start(self) -> None:
         self.clock.start()
