@@ -128,7 +128,9 @@ async def _opened(relay: Relay, inputs: dict, call_id: str,
             as_is = (isinstance(exc, OrchestratorError)
                      and exc.code in (ErrorCode.TIMEOUT, ErrorCode.INVALID_ARG))
             not_ready = None if as_is else await relay.ready()
-            if not_ready is not None:
+            if not_ready is not None:          # the log keeps what failed first (not the client)
+                log.warning("request %s: its call failed (%s: %s), then the server said it is "
+                            "not ready", request_id, type(exc).__name__, exc)
                 raise ApiError(f"not ready: {not_ready}", 503, kind="server_error") from None
             raise server_error(exc, request_id) from None
         yield _chain(first, deltas)
