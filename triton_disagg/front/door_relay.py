@@ -23,6 +23,7 @@ DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # an
 QUEUED_RESPONSES = 64       # responses of one client stream waiting for the client
 STREAM_CALLS = 64           # messages of one client stream at tritonserver at once
 _ENDED = object()           # a stream relay's last item
+EVICTED = "the call was idle and was ended to make room for another; call again"
 
 
 @dataclass(frozen=True)
@@ -71,17 +72,17 @@ async def write_within(context: grpc.aio.ServicerContext, response: bytes, secon
                        clock: LoopClock, seat: Seat) -> None:
     """Write one response to the caller; raises :class:`Ending` (DEADLINE_EXCEEDED) when it
     takes none for ``seconds`` (of ``clock``), so that the caller lets go of what it holds
-    before the status, which waits behind the unread responses, is sent. Such a write, or
-    one whose call is ended for room (``seat.evicted``) meanwhile, marks ``seat.unread``."""
+    before the status, which waits behind the unread responses, is sent; such a write marks
+    ``seat.unread``. While it writes, ``seat.writing`` (an eviction then lets it finish)."""
+    seat.writing = True
     try:
         await clock.finish_by(clock.now() + seconds, context.write(response))
     except TimeoutError:
         seat.unread = True
         raise Ending(grpc.StatusCode.DEADLINE_EXCEEDED,
                      f"the client read no response for {seconds:g} s") from None
-    except asyncio.CancelledError:
-        seat.unread = seat.evicted
-        raise
+    finally:
+        seat.writing = False
 
 
 @dataclass(frozen=True)
@@ -134,19 +135,19 @@ class StreamRelay:
         self.reserve = budget.reserve()
         self.share = ByteBudget(limits.max_bytes)
         self.reading = True
-        self.taking = False                       # a message waits for the budget
         self.last = clock.now()                   # a message either way
         self.worked, self.moved = False, self.last   # work: an answer; when it last moved
 
     def rank(self) -> tuple[bool, float] | None:
         """Whether the door's roster may end this stream to make room for another call, and
-        in what order: None while a request of its is at tritonserver or waiting for the
-        budget, or while its work (an answer, :func:`answered`, given or written) moved
-        within ``EVICT_GRACE_SECONDS``; else (whether it ever worked, when its work last
-        moved): a stream of refusals, errors or nothing goes first, then the one idle
-        longest, so a client blocking its writes or sending what is refused holds no place.
-        A stream ended for room holds no bytes (of its reserve neither)."""
-        if self.calls or self.taking:
+        in what order: None while a request of its is at tritonserver (not while one waits
+        for the budget: ended, it holds none), or while its work (an answer,
+        :func:`answered`, given or written) moved within ``EVICT_GRACE_SECONDS``; else
+        (whether it ever worked, when its work last moved): a stream of refusals, errors or
+        nothing goes first, then the one idle longest, so a client blocking its writes or
+        sending what is refused holds no place. A stream ended for room holds no bytes (of
+        its reserve neither)."""
+        if self.calls:
             return None
         return worked_rank(self.moved, self.clock.now()) if self.worked else (False, self.moved)
 
@@ -179,6 +180,8 @@ class StreamRelay:
             answer = item.answer if isinstance(item, Refusal) else item
             await write_within(self.context, answer, self.limits.write_seconds, self.clock,
                                self.seat)
+            if self.seat.evicted:              # ended for room while it wrote: the last
+                raise Ending(grpc.StatusCode.UNAVAILABLE, EVICTED)
             self.last = self.clock.now()
             if isinstance(item, bytes) and answered(item):
                 self.moved = self.last
@@ -208,14 +211,11 @@ class StreamRelay:
                     self.room.release()
                     break
                 self.last = self.clock.now()
-                self.taking = True
                 try:
                     taken = await self._take(raw)
                 except BaseException:
                     self.room.release()
                     raise
-                finally:
-                    self.taking = False
                 del raw                     # held by the call alone, counted in the budget
                 if isinstance(taken, tuple):
                     self._start(*taken)

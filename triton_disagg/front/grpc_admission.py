@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from typing import Callable
 
 from triton_disagg.front.door_guards import LoopClock
@@ -23,8 +24,10 @@ from triton_disagg.triton.endpoints import LOOPBACK
 EVICT_GRACE_SECONDS = 2.0   # a place whose work moved this recently is not taken for room
 SETTLE_SECONDS = 0.2        # nor a connection this new: time to say its first bytes
 PIPE_BUFFER_BYTES = 256 * 1024   # bytes one side of a pipe buffers before the other pauses
-ROOM_PER_SECOND = 128       # connections the gate ends to make room, a second at most
-ADDRESS_ROOM_PER_SECOND = 16     # of them for newcomers from one address
+RANKING_SECONDS = 0.1       # how long a roster's ranking of its places is used again
+MAX_DETACHED = 4            # a connection's calls ended for room mid-answer, still writing
+SELF_ROOM_PER_SECOND = 64   # places one address over its share may rank for, a second
+SILENT_SECONDS = 5.0        # a connection that has sent nothing by then is closed
 ACCEPT_BACKLOG = 128        # connections the kernel queues (one accept callback takes them)
 Rank = tuple | None          # None: not to be ended; else what orders it, lowest ended first
 
@@ -40,21 +43,32 @@ class Seat:
     what order (``rank()``: None, not; else lowest first, as
     :meth:`.door_relay.StreamRelay.rank`), and whether it was ended for that. It starts
     :meth:`unworked`; only inference answered (not an error, not a health or metadata call)
-    is work, so cheap calls protect neither the seat nor its connection."""
+    is work, so cheap calls protect neither the seat nor its connection.
+
+    Ended for room while it writes an answer (``writing``), the call is not cancelled: it is
+    ``detached``, its write finishing in the client's time (a client that reads slowly but
+    in time keeps its answer and its connection); one that the client does not take in time
+    marks ``unread``, and :class:`.public_door.GrpcDoor` ends its connection. A connection
+    with more than ``MAX_DETACHED`` such calls at once is ended at once."""
 
     def __init__(self, entered: float):
         self.task = asyncio.current_task()
         self.entered = entered
         self.rank: Callable[[], Rank] = self.unworked
-        self.evicted = False
-        self.unread = False        # ended while its client read none of an answer
+        self.evicted = self.writing = self.detached = False
+        self.unread = False        # its client took an answer of it in no time
+        self.connection: GatedConnection | None = None
 
     def unworked(self) -> Rank:
         return False, self.entered
 
     def evict(self) -> None:
         self.evicted = True
-        if self.task is not None:
+        if self.writing:
+            self.detached = True
+            if self.connection is not None:
+                self.connection.detach()
+        elif self.task is not None:
             self.task.cancel()
 
 
@@ -65,18 +79,23 @@ class Roster:
     take (every rank None), is refused. So places held doing nothing (a call that never
     sends, one that sends refusals and reads nothing, a silent connection) never keep a
     working one out: 64 such calls from one connection had refused every other client until
-    they left."""
+    they left.
+
+    Ranking asks every place (~1 ms at 512): a ranking is used again for
+    ``RANKING_SECONDS`` (each place taken from it asked again first: one that began to
+    work, or left, is passed over), so a flood of newcomers at the cap costs a ranking a
+    tenth of a second, not one each (800 connects a second had stalled the doors' loop)."""
 
     def __init__(self, limit: int):
         self.limit, self.seats = limit, set()
+        self.ranking: list = []                # evictable places, the first to take last
+        self.ranked_at = -RANKING_SECONDS
 
     def enter(self, seat) -> bool:
         if len(self.seats) >= self.limit:
-            ranked = [(rank, taken) for taken in self.seats
-                      if (rank := taken.rank()) is not None]
-            if not ranked:
+            first = self._first()
+            if first is None:
                 return False
-            _, first = min(ranked, key=lambda pair: pair[0])
             self.seats.discard(first)
             first.evict()
         self.seats.add(seat)
@@ -84,6 +103,20 @@ class Roster:
 
     def leave(self, seat) -> None:
         self.seats.discard(seat)
+
+    def _first(self):
+        """The place to take: the first of the ranking still here and still evictable (a
+        ranking older than ``RANKING_SECONDS`` made afresh first), or None."""
+        if time.monotonic() - self.ranked_at >= RANKING_SECONDS:
+            ranked = [(rank, i, taken) for i, taken in enumerate(self.seats)
+                      if (rank := taken.rank()) is not None]
+            ranked.sort(reverse=True)              # the first to take at the end
+            self.ranking, self.ranked_at = ranked, time.monotonic()
+        while self.ranking:
+            taken = self.ranking.pop()[2]
+            if taken in self.seats and taken.rank() is not None:
+                return taken
+        return None
 
 
 class GatedConnection(asyncio.Protocol):
@@ -105,6 +138,9 @@ class GatedConnection(asyncio.Protocol):
         self.address: str | None = None
         self.spoke = False                     # the client sent a byte
         self.opening: asyncio.Task[None] | None = None   # the inner end, until it is open
+        self.detached = 0                      # its calls ended for room, still writing
+        self.early = b""                       # its first bytes, until the pipe is open
+        self.silence: asyncio.TimerHandle | None = None   # ends it if it never speaks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client = transport                # type: ignore[assignment]
@@ -114,27 +150,39 @@ class GatedConnection(asyncio.Protocol):
             self.gate.refused += 1
             self.end()
             return
-        self.client.pause_reading()            # nothing is read until the pipe is open
         self.client.set_write_buffer_limits(high=PIPE_BUFFER_BYTES)
-        self.opening = self.gate.open_pipe(self)
+        self.silence = asyncio.get_running_loop().call_later(SILENT_SECONDS, self.end)
+
+    def data_received(self, data: bytes) -> None:
+        """The first bytes open the pipe (a connection that never speaks costs no inner
+        connection: a flood of silent ones is an accept and a close each); the client is
+        not read again until it is open."""
+        if self.inner is not None:
+            self.inner.write(data)
+        elif not self.spoke:
+            self.spoke, self.early = True, data
+            self.gate.unsilent(self)
+            self.silence.cancel()
+            self.client.pause_reading()
+            self.opening = self.gate.open_pipe(self)
 
     def piped(self, inner: asyncio.Transport) -> None:
-        """The inner end is open: the client is read from now on."""
+        """The inner end is open: what the client said goes through, and it is read on."""
         self.opening = None
         if self.client is None:                # ended meanwhile
             inner.abort()
             return
         self.inner = inner
         inner.set_write_buffer_limits(high=PIPE_BUFFER_BYTES)
+        inner.write(self.early)
+        self.early = b""
         self.client.resume_reading()
 
-    def data_received(self, data: bytes) -> None:
-        self.spoke = True
-        if self.inner is not None:
-            self.inner.write(data)
-
     def eof_received(self) -> bool | None:
-        if self.inner is not None and self.inner.can_write_eof():
+        if self.inner is None:                 # nothing said: nothing to answer
+            self.end()
+            return False
+        if self.inner.can_write_eof():
             self.inner.write_eof()
         return True                            # half-open: grpc may still answer
 
@@ -151,6 +199,8 @@ class GatedConnection(asyncio.Protocol):
 
     def end(self) -> None:
         """Abort both ends (idempotent) and give the place back."""
+        if self.silence is not None:
+            self.silence.cancel()
         if self.opening is not None:
             self.opening.cancel()
             self.opening = None
@@ -158,6 +208,7 @@ class GatedConnection(asyncio.Protocol):
             self.gate.per_address[self.address] -= 1
             if not self.gate.per_address[self.address]:
                 del self.gate.per_address[self.address]
+            self.gate.unsilent(self)
         self.gate.roster.leave(self)
         self.gate.by_port.pop(self.inner_port(), None)
         for transport in (self.client, self.inner):
@@ -175,10 +226,20 @@ class GatedConnection(asyncio.Protocol):
 
     def seated(self, seat: Seat) -> None:
         self.seats.add(seat)
+        seat.connection = self
+
+    def detach(self) -> None:
+        """A call of this connection was ended for room mid-answer (:class:`Seat`); past
+        ``MAX_DETACHED`` such at once, the connection is ended (grpcio counts each against
+        its call cap until its answer is taken)."""
+        self.detached += 1
+        if self.detached > MAX_DETACHED:
+            self.end()
 
     def unseated(self, seat: Seat) -> None:
         """A call of this connection ended: its work, if any, counts as the connection's."""
         self.seats.discard(seat)
+        self.detached -= seat.detached
         rank = seat.rank()
         if rank is None or rank[0]:
             self.worked, self.moved = True, self.gate.clock.now()
@@ -231,8 +292,10 @@ class ConnectionGate:
         self.roster = Roster(limit)
         self.by_port: dict[int | None, GatedConnection] = {}
         self.per_address: collections.Counter[str | None] = collections.Counter()
+        # per address, its connections that have sent nothing yet, oldest first
+        self.silent: dict[str | None, dict[GatedConnection, None]] = {}
+        self.second, self.made_room = 0, collections.Counter[str | None]()   # this second
         self.refused = self.evicted = 0
-        self.second, self.room_tries = 0, collections.Counter[str | None]()  # this second
         self.server: asyncio.Server | None = None
         self.opening: set[asyncio.Task[None]] = set()
 
@@ -242,21 +305,50 @@ class ConnectionGate:
             backlog=ACCEPT_BACKLOG)
 
     def admit(self, newcomer: GatedConnection) -> bool:
-        """Whether ``newcomer`` gets a place: below the cap, yes; at it, only while the
-        gate has made room fewer than ``ROOM_PER_SECOND`` times this second (fewer than
-        ``ADDRESS_ROOM_PER_SECOND`` for its address) and a place ranks to be taken. Ranking
-        scans every connection (~1 ms at 512), so a connect flood at the cap costs the
-        doors' loop at most that rate of scans; past it a newcomer is closed at once."""
-        if len(self.roster.seats) < self.roster.limit:
-            return self.roster.enter(newcomer)
-        now = int(self.clock.now())
-        if now != self.second:
-            self.second, self.room_tries = now, collections.Counter()
-        if (self.room_tries.total() >= ROOM_PER_SECOND
-                or self.room_tries[newcomer.address] >= ADDRESS_ROOM_PER_SECOND):
+        """Whether ``newcomer`` gets a place (:attr:`roster`). At the cap, a newcomer whose
+        address holds more than its share of places takes the place of that address's
+        oldest connection that has sent nothing (no ranking; a silent connection has no
+        pipe yet, so a flood of silent reconnects costs an accept and a close each); with
+        none such it may have every connection ranked at most ``SELF_ROOM_PER_SECOND``
+        times a second, else it is closed at once. Any other newcomer first takes the place
+        of the oldest silent connection of the address holding the most; without such,
+        every connection is ranked (:meth:`Roster.enter`, a ranking used for
+        ``RANKING_SECONDS``)."""
+        roster = self.roster
+        if len(roster.seats) >= roster.limit:
+            held = self.per_address[newcomer.address]
+            over = held * len(self.per_address) > roster.limit     # more than its share
+            quiet = self.silent.get(newcomer.address) if over else None
+            if quiet:
+                self._take(next(iter(quiet)))
+            elif over:
+                now = int(self.clock.now())
+                if now != self.second:
+                    self.second, self.made_room = now, collections.Counter()
+                self.made_room[newcomer.address] += 1
+                if self.made_room[newcomer.address] > SELF_ROOM_PER_SECOND:
+                    return False
+            elif self.silent:
+                address = max(self.silent, key=self.per_address.__getitem__)
+                self._take(next(iter(self.silent[address])))
+        if not roster.enter(newcomer):
             return False
-        self.room_tries[newcomer.address] += 1
-        return self.roster.enter(newcomer)
+        self.silent.setdefault(newcomer.address, {})[newcomer] = None
+        return True
+
+    def _take(self, oldest: GatedConnection) -> None:
+        """End ``oldest`` for room unless it is settling (so are those after it)."""
+        if oldest.rank() is not None:
+            self.roster.seats.discard(oldest)
+            oldest.evict()
+
+    def unsilent(self, connection: GatedConnection) -> None:
+        """``connection`` spoke, or ended: no longer among the silent."""
+        quiet = self.silent.get(connection.address)
+        if quiet is not None:
+            quiet.pop(connection, None)
+            if not quiet:
+                del self.silent[connection.address]
 
     def open_pipe(self, outer: GatedConnection) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self._open(outer))

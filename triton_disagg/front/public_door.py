@@ -79,9 +79,10 @@ from triton_disagg.front.door_guards import (CALL_RESERVE, CLIENT_SECONDS, MESSA
                                              OUTSTANDING_MESSAGES, UNREACHABLE, BudgetFull,
                                              ByteBudget, InnerOwner, LoopClock, MessageScreen,
                                              Refused, message_cost)
-from triton_disagg.front.door_relay import (Ending, RelayLimits, StreamRelay,
+from triton_disagg.front.door_relay import (EVICTED, Ending, RelayLimits, StreamRelay,
                                             forwarded_metadata, write_within)
-from triton_disagg.front.grpc_admission import ConnectionGate, Roster, Seat, worked_rank
+from triton_disagg.front.grpc_admission import (MAX_DETACHED, ConnectionGate, Roster, Seat,
+                                                 worked_rank)
 from triton_disagg.triton.endpoints import LOOPBACK
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -132,7 +133,9 @@ class GrpcDoor:
         self.clock = LoopClock()
         self.owner = owner or InnerOwner((int(inner.rsplit(":", 1)[1]),))
         self.roster = Roster(max_calls or PEER_CALLS)
-        self.server = grpc.aio.server(maximum_concurrent_rpcs=2 * self.roster.limit, options=[
+        # grpcio's cap: the seated calls, calls refused a seat, calls ended mid-answer still writing
+        rpcs = 2 * self.roster.limit + MAX_DETACHED * max_connections
+        self.server = grpc.aio.server(maximum_concurrent_rpcs=rpcs, options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_concurrent_streams", CONNECTION_STREAMS),
             ("grpc.keepalive_permit_without_calls", 1),       # as tritonserver allows
@@ -192,19 +195,14 @@ class GrpcDoor:
                 request = screen(request)
             except Refused as refused:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(refused))
-            seat.rank = at_work = lambda: None   # waiting for bytes, then at tritonserver
-            try:
-                await self._answer(method, request, context, seat, screen.infer)
-            finally:
-                if seat.rank is at_work:           # ended unanswered: no work done
-                    seat.rank = seat.unworked
+            await self._answer(method, request, context, seat, screen.infer)
         return forward
 
     async def _answer(self, method: grpc.aio.UnaryUnaryMultiCallable, request: bytes,
                       context: grpc.aio.ServicerContext, seat: Seat, infer: bool) -> None:
         """Relay one unary call, its bytes held until its response is written (or not). Its
-        seat is at work (never ended for room) while it waits for the budget or is at
-        tritonserver, not while its response waits for the client: an answered inference
+        seat is at work (never ended for room) while it is at tritonserver, not while it
+        waits for the budget nor while its response waits for the client: an answered inference
         then ranks as work done (:func:`.grpc_admission.worked_rank`), any other answer as
         none, so a client that reads nothing holds no seat."""
         try:
@@ -213,6 +211,7 @@ class GrpcDoor:
                                                   self.budget.reserve())
         except BudgetFull as full:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+        seat.rank = at_work = lambda: None         # at tritonserver
         call = method(request, metadata=forwarded_metadata(context),
                       timeout=context.time_remaining())
         try:
@@ -230,6 +229,8 @@ class GrpcDoor:
         finally:
             call.cancel()                          # no-op once done; else the caller left
             self.budget.give(taken)
+            if seat.rank is at_work:               # ended unanswered: no work done
+                seat.rank = seat.unworked
         await context.abort(*ending.args)
 
     def _streams(self, path: str, screen: MessageScreen) -> Callable[..., Awaitable[None]]:
@@ -248,8 +249,9 @@ class GrpcDoor:
     async def _seated(self, context: grpc.aio.ServicerContext,
                       serve: Callable[[Seat], Awaitable[None]]) -> None:
         """``serve`` the call in a seat of :attr:`roster` (refused without one), ended
-        UNAVAILABLE when the roster takes the seat back for another call. A call ended while
-        its client read none of its answer (``seat.unread``) ends its connection too: the
+        UNAVAILABLE when the roster takes the seat back for another call (one writing an
+        answer then: once that is written, :class:`.grpc_admission.Seat`). A call whose
+        client took an answer in no time (``seat.unread``) ends its connection too: the
         status would wait behind that answer, and grpcio counts the call against
         ``maximum_concurrent_rpcs`` for as long as its connection lives (64 such calls
         every 10 s had filled it)."""
@@ -268,9 +270,7 @@ class GrpcDoor:
             await serve(seat)
         except asyncio.CancelledError:
             if seat.evicted:
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "the call was idle and was ended to make room for "
-                                    "another; call again")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, EVICTED)
             raise
         finally:
             self.roster.leave(seat)
