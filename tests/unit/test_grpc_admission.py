@@ -36,6 +36,28 @@ async def _closed(host: str, port: int, seconds: float = 3.0) -> bool:
         writer.close()
 
 
+async def _victim_served_beside(door, call_once, pause: float, settle: float) -> None:
+    """Four connections each making ``call_once(channel)`` every ``pause`` s, at the gate's
+    cap of four; a victim on a new connection is answered three times of three."""
+    stop = asyncio.Event()
+
+    async def hold() -> None:
+        async with grpc.aio.insecure_channel(door.address, options=OWN_CONNECTION) as channel:
+            while not stop.is_set():
+                await call_once(channel)
+                await asyncio.sleep(pause)
+    holders = [asyncio.ensure_future(hold()) for _ in range(4)]
+    try:
+        await asyncio.sleep(settle)
+        for _ in range(3):
+            async with grpc.aio.insecure_channel(door.address) as victim:
+                assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                    infer_request(1), timeout=5) == infer_request(1)
+    finally:
+        stop.set()
+        await asyncio.gather(*holders, return_exceptions=True)
+
+
 def test_a_connection_past_the_cap_takes_an_idle_ones_place_or_is_closed(monkeypatch):
     """rev27d: idle connections could take the descriptors the front needs (grpcio's cap
     closed a new one at once); rev27l M1b: so clients that kept idle ones open held every
@@ -118,24 +140,11 @@ def test_connections_that_only_make_empty_calls_hold_no_place():
         return request
 
     async def main():
-        async with open_door(4, unary={"ModelInfer": ok}, max_connections=4) as door:
-            stop = asyncio.Event()
+        async def empty_call(channel: grpc.aio.Channel) -> None:
+            asyncio.ensure_future(channel.stream_stream(STREAM)().wait_for_connection())
 
-            async def hold() -> None:
-                async with grpc.aio.insecure_channel(door.address,
-                                                     options=OWN_CONNECTION) as channel:
-                    while not stop.is_set():
-                        call = channel.stream_stream(STREAM)()
-                        asyncio.ensure_future(call.wait_for_connection())
-                        await asyncio.sleep(0.2)
-            holders = [asyncio.ensure_future(hold()) for _ in range(4)]
-            await asyncio.sleep(0.5)
-            for _ in range(3):
-                async with grpc.aio.insecure_channel(door.address) as victim:
-                    assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
-                        infer_request(1), timeout=5) == infer_request(1)
-            stop.set()
-            await asyncio.gather(*holders, return_exceptions=True)
+        async with open_door(4, unary={"ModelInfer": ok}, max_connections=4) as door:
+            await _victim_served_beside(door, empty_call, pause=0.2, settle=0.5)
     asyncio.run(main())
 
 
@@ -195,26 +204,14 @@ def test_connections_that_make_only_health_calls_hold_no_place():
     async def ok(request, context):
         return request
 
+    async def health_call(channel: grpc.aio.Channel) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await channel.unary_unary(f"/{SERVICE}/ServerLive")(b"", timeout=2)
+
     async def main():
         async with open_door(8, unary={"ModelInfer": ok, "ServerLive": ok},
                              max_connections=4) as door:
-            stop = asyncio.Event()
-
-            async def live() -> None:
-                async with grpc.aio.insecure_channel(door.address,
-                                                     options=OWN_CONNECTION) as channel:
-                    while not stop.is_set():
-                        with contextlib.suppress(grpc.aio.AioRpcError):
-                            await channel.unary_unary(f"/{SERVICE}/ServerLive")(b"", timeout=2)
-                        await asyncio.sleep(0.3)
-            holders = [asyncio.ensure_future(live()) for _ in range(4)]
-            await asyncio.sleep(1.0)
-            for _ in range(3):
-                async with grpc.aio.insecure_channel(door.address) as victim:
-                    assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
-                        infer_request(1), timeout=5) == infer_request(1)
-            stop.set()
-            await asyncio.gather(*holders, return_exceptions=True)
+            await _victim_served_beside(door, health_call, pause=0.3, settle=1.0)
     asyncio.run(main())
 
 
