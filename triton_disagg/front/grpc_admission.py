@@ -56,7 +56,7 @@ class Seat:
         self.entered = entered
         self.rank: Callable[[], Rank] = self.unworked
         self.evicted = self.writing = self.detached = False
-        self.unread = False        # its client took an answer of it in no time
+        self.unread = False        # its client did not take an answer of it in time
         self.connection: GatedConnection | None = None
 
     def unworked(self) -> Rank:

@@ -251,7 +251,7 @@ class GrpcDoor:
         """``serve`` the call in a seat of :attr:`roster` (refused without one), ended
         UNAVAILABLE when the roster takes the seat back for another call (one writing an
         answer then: once that is written, :class:`.grpc_admission.Seat`). A call whose
-        client took an answer in no time (``seat.unread``) ends its connection too: the
+        client did not take an answer in time (``seat.unread``) ends its connection too: the
         status would wait behind that answer, and grpcio counts the call against
         ``maximum_concurrent_rpcs`` for as long as its connection lives (64 such calls
         every 10 s had filled it)."""
