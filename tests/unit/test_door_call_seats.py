@@ -1,4 +1,4 @@
-"""The public gRPC door's call seats (triton_disagg/front/grpc_admission.py ``Seat`` and
+"""The public gRPC door's call seats (triton_disagg/front/call_seats.py ``Seat`` and
 ``Roster``, as triton_disagg/front/public_door.py uses them): only answered inference is
 work, a call whose answer waits for a client that reads nothing holds no seat, a call ended
 for room mid-answer finishes its write, a call waiting for the byte pool holds no seat. In
@@ -13,7 +13,7 @@ import grpc
 import pytest
 from door_stand_in import STREAM, infer_request, open_door
 
-from triton_disagg.front import grpc_admission
+from triton_disagg.front import call_seats, grpc_admission
 from triton_disagg.front.public_door import SERVICE
 
 
@@ -60,7 +60,7 @@ def test_unary_calls_whose_answers_are_never_read_hold_no_seat(monkeypatch, meth
     other answer as none. A call ended for room mid-answer finishes its write in the
     client's time; one the client does not take in time ends its connection (else grpcio
     counts its stuck status against its call cap: 64 such calls every 10 s filled it)."""
-    monkeypatch.setattr(grpc_admission, "EVICT_GRACE_SECONDS", 0.3)
+    monkeypatch.setattr(call_seats, "EVICT_GRACE_SECONDS", 0.3)
 
     async def ok(request, context):
         return request
@@ -89,7 +89,7 @@ def test_a_stream_whose_requests_triton_refuses_holds_no_seat(monkeypatch):
     stream sending one every second kept its seat for good. Only answers are work."""
     from tritonclient.grpc import service_pb2
 
-    monkeypatch.setattr(grpc_admission, "EVICT_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(call_seats, "EVICT_GRACE_SECONDS", 0.5)
     refusal = service_pb2.ModelStreamInferResponse(error_message="bad input").SerializeToString()
 
     async def refuse(requests, context):
@@ -116,24 +116,28 @@ def test_a_stream_whose_requests_triton_refuses_holds_no_seat(monkeypatch):
 def test_a_call_ended_for_room_mid_answer_finishes_its_write():
     """rev27n N-A: a call ended for room while it wrote an answer was cancelled, and so its
     connection (another call of it at tritonserver too) was ended, though its client read
-    in time. Now it is detached: its write finishes in the client's time; past
-    MAX_DETACHED such calls at once, its connection is ended."""
+    in time. Now it is detached: its write finishes in the client's time, its other work
+    stopped (rev27o O-1: a detached stream went on reading and calling tritonserver outside
+    the cap: 960 calls at once through a cap of 4); past MAX_DETACHED such calls at once,
+    its connection is ended."""
     async def main():
         gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 1, 4, clock=None)
         connection = grpc_admission.GatedConnection.__new__(grpc_admission.GatedConnection)
         connection.gate, connection.detached, connection.ended = gate, 0, False
         connection.end = lambda: setattr(connection, "ended", True)
-        seats = []
-        for writing in [False] + [True] * (grpc_admission.MAX_DETACHED + 1):
+        seats, stopped = [], []
+        for writing in [False] + [True] * (call_seats.MAX_DETACHED + 1):
             task = asyncio.ensure_future(asyncio.sleep(10))
-            seat = grpc_admission.Seat(0.0)
+            seat = call_seats.Seat(0.0)
             seat.task, seat.writing, seat.connection = task, writing, connection
+            seat.stop_work = lambda seat=seat: stopped.append(seat)
             seat.evict()
             seats.append((seat, task))
         await asyncio.sleep(0)
         assert seats[0][1].cancelled() and not seats[0][0].detached    # not writing: ended
         assert all(not task.cancelled() and seat.detached for seat, task in seats[1:])
-        assert connection.detached == grpc_admission.MAX_DETACHED + 1 and connection.ended
+        assert stopped == [seat for seat, _ in seats[1:]]     # its other work stopped
+        assert connection.detached == call_seats.MAX_DETACHED + 1 and connection.ended
         for _, task in seats:
             task.cancel()
     asyncio.run(main())

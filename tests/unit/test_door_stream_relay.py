@@ -16,7 +16,7 @@ import pytest
 from door_stand_in import STREAM, held_until, infer_request, open_door
 
 from triton_disagg.front.door_guards import MESSAGE_FLOOR
-from triton_disagg.front.grpc_admission import Seat
+from triton_disagg.front.call_seats import Seat
 from triton_disagg.front.public_door import SERVICE
 
 

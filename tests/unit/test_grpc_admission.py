@@ -13,7 +13,7 @@ import grpc
 import pytest
 from door_stand_in import STREAM, echoed, infer_request, open_door
 
-from triton_disagg.front import grpc_admission
+from triton_disagg.front import call_seats, grpc_admission
 from triton_disagg.front.public_door import SERVICE
 
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]   # a channel never shares one
@@ -63,7 +63,8 @@ def test_a_connection_past_the_cap_takes_an_idle_ones_place_or_is_closed(monkeyp
     closed a new one at once); rev27l M1b: so clients that kept idle ones open held every
     place. Now two working connections keep theirs (a third is closed at once), and once
     their work is past the grace, a newcomer takes the place of the one idle longest."""
-    monkeypatch.setattr(grpc_admission, "EVICT_GRACE_SECONDS", 0.3)
+    monkeypatch.setattr(grpc_admission, "EVICT_GRACE_SECONDS", 0.3)     # connections'
+    monkeypatch.setattr(call_seats, "EVICT_GRACE_SECONDS", 0.3)         # and calls' grace
 
     async def main():
         answer = asyncio.Event()

@@ -16,7 +16,7 @@ import grpc
 
 from triton_disagg.front.door_guards import (UNREACHABLE, BudgetFull, ByteBudget, LoopClock,
                                              MessageScreen, Refused, Taken, message_cost)
-from triton_disagg.front.grpc_admission import Seat, worked_rank
+from triton_disagg.front.call_seats import Seat, worked_rank
 from triton_disagg.triton.endpoints import LOOPBACK
 
 DROPPED_METADATA = frozenset({"user-agent", "content-type", "te", "host"})  # and grpc-*, :*
@@ -133,6 +133,7 @@ class StreamRelay:
         self.calls: set[asyncio.Task[None]] = set()
         self.room = asyncio.Semaphore(STREAM_CALLS)
         self.reserve = budget.reserve()
+        self.reader: asyncio.Task[None] | None = None   # reads the client's messages
         self.share = ByteBudget(limits.max_bytes)
         self.reading = True
         self.last = clock.now()                   # a message either way
@@ -154,17 +155,21 @@ class StreamRelay:
     async def run(self, requests: AsyncIterator[bytes]) -> None:
         """Relay until the end; every inner call is cancelled (its bytes given back) before
         the caller's status is sent."""
-        reader = asyncio.get_running_loop().create_task(self._read(requests))
+        self.reader = asyncio.get_running_loop().create_task(self._read(requests))
         try:
             await self._relay()
         except Ending as ending:
-            self._cancel(reader)
+            self.stop_work()
             await self.context.abort(*ending.args)
         finally:
-            self._cancel(reader)
+            self.stop_work()
 
-    def _cancel(self, reader: asyncio.Task[None]) -> None:
-        reader.cancel()
+    def stop_work(self) -> None:
+        """Read no more of the client and cancel every inner call (each gives its bytes
+        back): at the end, and when the call is ended for room mid-answer (only the write
+        under way then finishes, :class:`.call_seats.Seat`)."""
+        if self.reader is not None:
+            self.reader.cancel()
         for call in list(self.calls):
             call.cancel()
 

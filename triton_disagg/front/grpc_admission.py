@@ -1,8 +1,8 @@
-"""Who gets into the public gRPC door (:mod:`.public_door`): its connections, accepted here
+"""Which connections get into the public gRPC door (:mod:`.public_door`): each accepted here
 and piped byte for byte to the door's grpc server on a loopback port of its own
-(:class:`ConnectionGate`), and its calls (:class:`Roster` of :class:`Seat`). Both are capped
-the same way: a newcomer past the cap takes the place of the one that does least
-(:meth:`Roster.enter`), so places held doing nothing never keep a working client out.
+(:class:`ConnectionGate`), capped as its calls are (:mod:`.call_seats`): a newcomer past
+the cap takes the place of the one that does least, so places held doing nothing never
+keep a working client out.
 
 Why a gate: grpcio caps connections (``grpc.max_allowed_incoming_connections``) but cannot
 end an open one to make room, so clients that reconnect as each silent connection is closed,
@@ -15,108 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
-from typing import Callable
+import itertools
 
+from triton_disagg.front.call_seats import EVICT_GRACE_SECONDS, MAX_DETACHED, Rank, Roster, Seat
 from triton_disagg.front.door_guards import LoopClock
 from triton_disagg.triton.endpoints import LOOPBACK
 
-EVICT_GRACE_SECONDS = 2.0   # a place whose work moved this recently is not taken for room
 SETTLE_SECONDS = 0.2        # nor a connection this new: time to say its first bytes
 PIPE_BUFFER_BYTES = 256 * 1024   # bytes one side of a pipe buffers before the other pauses
-RANKING_SECONDS = 0.1       # how long a roster's ranking of its places is used again
-MAX_DETACHED = 4            # a connection's calls ended for room mid-answer, still writing
 SELF_ROOM_PER_SECOND = 64   # places one address over its share may rank for, a second
 SILENT_SECONDS = 5.0        # a connection that has sent nothing by then is closed
+OWN_WINDOW = 8              # an over-share address's oldest connections looked at for room
 ACCEPT_BACKLOG = 128        # connections the kernel queues (one accept callback takes them)
-Rank = tuple | None          # None: not to be ended; else what orders it, lowest ended first
-
-
-def worked_rank(moved: float, now: float) -> Rank:
-    """The rank of a place whose work (an inference answered, not an error) last moved at
-    ``moved``: kept within ``EVICT_GRACE_SECONDS``, then (True, ``moved``)."""
-    return None if now - moved < EVICT_GRACE_SECONDS else (True, moved)
-
-
-class Seat:
-    """One call's place under the door's cap: whether it may be ended to make room, and in
-    what order (``rank()``: None, not; else lowest first, as
-    :meth:`.door_relay.StreamRelay.rank`), and whether it was ended for that. It starts
-    :meth:`unworked`; only inference answered (not an error, not a health or metadata call)
-    is work, so cheap calls protect neither the seat nor its connection.
-
-    Ended for room while it writes an answer (``writing``), the call is not cancelled: it is
-    ``detached``, its write finishing in the client's time (a client that reads slowly but
-    in time keeps its answer and its connection); one that the client does not take in time
-    marks ``unread``, and :class:`.public_door.GrpcDoor` ends its connection. A connection
-    with more than ``MAX_DETACHED`` such calls at once is ended at once."""
-
-    def __init__(self, entered: float):
-        self.task = asyncio.current_task()
-        self.entered = entered
-        self.rank: Callable[[], Rank] = self.unworked
-        self.evicted = self.writing = self.detached = False
-        self.unread = False        # its client did not take an answer of it in time
-        self.connection: GatedConnection | None = None
-
-    def unworked(self) -> Rank:
-        return False, self.entered
-
-    def evict(self) -> None:
-        self.evicted = True
-        if self.writing:
-            self.detached = True
-            if self.connection is not None:
-                self.connection.detach()
-        elif self.task is not None:
-            self.task.cancel()
-
-
-class Roster:
-    """At most ``limit`` places (anything with ``rank()`` and ``evict()``): one past it takes
-    the place that ranks first (``rank()``: a place that never did work, a refusal's or
-    nothing, then the one whose work moved longest ago), which is evicted, or, with none to
-    take (every rank None), is refused. So places held doing nothing (a call that never
-    sends, one that sends refusals and reads nothing, a silent connection) never keep a
-    working one out: 64 such calls from one connection had refused every other client until
-    they left.
-
-    Ranking asks every place (~1 ms at 512): a ranking is used again for
-    ``RANKING_SECONDS`` (each place taken from it asked again first: one that began to
-    work, or left, is passed over), so a flood of newcomers at the cap costs a ranking a
-    tenth of a second, not one each (800 connects a second had stalled the doors' loop)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.seats = limit, set()
-        self.ranking: list = []                # evictable places, the first to take last
-        self.ranked_at = -RANKING_SECONDS
-
-    def enter(self, seat) -> bool:
-        if len(self.seats) >= self.limit:
-            first = self._first()
-            if first is None:
-                return False
-            self.seats.discard(first)
-            first.evict()
-        self.seats.add(seat)
-        return True
-
-    def leave(self, seat) -> None:
-        self.seats.discard(seat)
-
-    def _first(self):
-        """The place to take: the first of the ranking still here and still evictable (a
-        ranking older than ``RANKING_SECONDS`` made afresh first), or None."""
-        if time.monotonic() - self.ranked_at >= RANKING_SECONDS:
-            ranked = [(rank, i, taken) for i, taken in enumerate(self.seats)
-                      if (rank := taken.rank()) is not None]
-            ranked.sort(reverse=True)              # the first to take at the end
-            self.ranking, self.ranked_at = ranked, time.monotonic()
-        while self.ranking:
-            taken = self.ranking.pop()[2]
-            if taken in self.seats and taken.rank() is not None:
-                return taken
-        return None
 
 
 class GatedConnection(asyncio.Protocol):
@@ -208,7 +118,7 @@ class GatedConnection(asyncio.Protocol):
             self.gate.per_address[self.address] -= 1
             if not self.gate.per_address[self.address]:
                 del self.gate.per_address[self.address]
-            self.gate.unsilent(self)
+            self.gate.forget(self)
         self.gate.roster.leave(self)
         self.gate.by_port.pop(self.inner_port(), None)
         for transport in (self.client, self.inner):
@@ -258,7 +168,8 @@ class GatedConnection(asyncio.Protocol):
 
 
 class _InnerEnd(asyncio.Protocol):
-    """The door's grpc server's end of one pipe: what it writes goes to the client."""
+    """The door's grpc server's end of one pipe: what it writes goes to the client (paused
+    while grpc takes nothing of the client's)."""
 
     def __init__(self, outer: GatedConnection):
         self.outer = outer
@@ -267,7 +178,7 @@ class _InnerEnd(asyncio.Protocol):
         if self.outer.client is not None:
             self.outer.client.write(data)
 
-    def pause_writing(self) -> None:           # grpc takes nothing: stop reading the client
+    def pause_writing(self) -> None:
         if self.outer.client is not None:
             self.outer.client.pause_reading()
 
@@ -294,6 +205,7 @@ class ConnectionGate:
         self.per_address: collections.Counter[str | None] = collections.Counter()
         # per address, its connections that have sent nothing yet, oldest first
         self.silent: dict[str | None, dict[GatedConnection, None]] = {}
+        self.by_address: dict[str | None, dict[GatedConnection, None]] = {}   # oldest first
         self.second, self.made_room = 0, collections.Counter[str | None]()   # this second
         self.refused = self.evicted = 0
         self.server: asyncio.Server | None = None
@@ -308,9 +220,10 @@ class ConnectionGate:
         """Whether ``newcomer`` gets a place (:attr:`roster`). At the cap, a newcomer whose
         address holds more than its share of places takes the place of that address's
         oldest connection that has sent nothing (no ranking; a silent connection has no
-        pipe yet, so a flood of silent reconnects costs an accept and a close each); with
-        none such it may have every connection ranked at most ``SELF_ROOM_PER_SECOND``
-        times a second, else it is closed at once. Any other newcomer first takes the place
+        pipe yet, so a flood of silent reconnects costs an accept and a close each), else of
+        the first to take of its ``OWN_WINDOW`` oldest (:meth:`_idlest`); with none such it
+        may have every connection ranked at most ``SELF_ROOM_PER_SECOND`` times a second,
+        else it is closed at once. Any other newcomer first takes the place
         of the oldest silent connection of the address holding the most; without such,
         every connection is ranked (:meth:`Roster.enter`, a ranking used for
         ``RANKING_SECONDS``)."""
@@ -321,6 +234,8 @@ class ConnectionGate:
             quiet = self.silent.get(newcomer.address) if over else None
             if quiet:
                 self._take(next(iter(quiet)))
+            elif over and (idlest := self._idlest(newcomer.address)) is not None:
+                self._take(idlest)
             elif over:
                 now = int(self.clock.now())
                 if now != self.second:
@@ -334,7 +249,16 @@ class ConnectionGate:
         if not roster.enter(newcomer):
             return False
         self.silent.setdefault(newcomer.address, {})[newcomer] = None
+        self.by_address.setdefault(newcomer.address, {})[newcomer] = None
         return True
+
+    def _idlest(self, address: str | None) -> GatedConnection | None:
+        """Of ``address``'s ``OWN_WINDOW`` oldest connections, the one that ranks first to
+        be taken (None: none may be): a bounded look, not a ranking of every connection."""
+        ranked = [(rank, i, connection) for i, connection
+                  in enumerate(itertools.islice(self.by_address.get(address, ()), OWN_WINDOW))
+                  if (rank := connection.rank()) is not None]
+        return min(ranked)[2] if ranked else None
 
     def _take(self, oldest: GatedConnection) -> None:
         """End ``oldest`` for room unless it is settling (so are those after it)."""
@@ -342,13 +266,14 @@ class ConnectionGate:
             self.roster.seats.discard(oldest)
             oldest.evict()
 
+    def forget(self, connection: GatedConnection) -> None:
+        """``connection`` ended: out of the gate's lists by address."""
+        _drop(self.silent, connection)
+        _drop(self.by_address, connection)
+
     def unsilent(self, connection: GatedConnection) -> None:
-        """``connection`` spoke, or ended: no longer among the silent."""
-        quiet = self.silent.get(connection.address)
-        if quiet is not None:
-            quiet.pop(connection, None)
-            if not quiet:
-                del self.silent[connection.address]
+        """``connection`` spoke: no longer among the silent."""
+        _drop(self.silent, connection)
 
     def open_pipe(self, outer: GatedConnection) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self._open(outer))
@@ -384,3 +309,13 @@ class ConnectionGate:
             connection.end()
         if self.server is not None:
             await self.server.wait_closed()
+
+
+def _drop(lists: dict[str | None, dict[GatedConnection, None]],
+          connection: GatedConnection) -> None:
+    """``connection`` out of its address's list in ``lists`` (an emptied list too)."""
+    mine = lists.get(connection.address)
+    if mine is not None:
+        mine.pop(connection, None)
+        if not mine:
+            del lists[connection.address]

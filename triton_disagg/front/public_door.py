@@ -46,7 +46,7 @@ At most ``max_calls`` calls run at once (None: ``PEER_CALLS``, a peers' door, wh
 callers cap their own), ``CONNECTION_STREAMS`` on one connection; a call past the cap
 ends a call that holds its place doing nothing (one that never did work first, then the
 one idle longest, past a grace: UNAVAILABLE, "call again") or, none such, is refused
-(RESOURCE_EXHAUSTED; :class:`.grpc_admission.Roster`), so such calls never keep a working
+(RESOURCE_EXHAUSTED; :class:`.call_seats.Roster`), so such calls never keep a working
 one out. Every call, unary ones included (all are served as streams), with no message either
 way for ``idle_seconds`` (``STREAM_IDLE_SECONDS``, Envoy's stream idle timeout) is ended
 (DEADLINE_EXCEEDED); a connection that has not spoken HTTP/2 within ``HANDSHAKE_SECONDS``
@@ -81,8 +81,8 @@ from triton_disagg.front.door_guards import (CALL_RESERVE, CLIENT_SECONDS, MESSA
                                              Refused, message_cost)
 from triton_disagg.front.door_relay import (EVICTED, Ending, RelayLimits, StreamRelay,
                                             forwarded_metadata, write_within)
-from triton_disagg.front.grpc_admission import (MAX_DETACHED, ConnectionGate, Roster, Seat,
-                                                 worked_rank)
+from triton_disagg.front.call_seats import MAX_DETACHED, Roster, Seat, worked_rank
+from triton_disagg.front.grpc_admission import ConnectionGate
 from triton_disagg.triton.endpoints import LOOPBACK
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -203,7 +203,7 @@ class GrpcDoor:
         """Relay one unary call, its bytes held until its response is written (or not). Its
         seat is at work (never ended for room) while it is at tritonserver, not while it
         waits for the budget nor while its response waits for the client: an answered inference
-        then ranks as work done (:func:`.grpc_admission.worked_rank`), any other answer as
+        then ranks as work done (:func:`.call_seats.worked_rank`), any other answer as
         none, so a client that reads nothing holds no seat."""
         try:
             taken = await self.budget.take_within(message_cost(request, infer),
@@ -241,7 +241,7 @@ class GrpcDoor:
             async def serve(seat: Seat) -> None:
                 relay = StreamRelay(self.budget, self.clock, self.limits, method, screen,
                                     context, seat)
-                seat.rank = relay.rank
+                seat.rank, seat.stop_work = relay.rank, relay.stop_work
                 await relay.run(requests)
             await self._seated(context, serve)
         return forward
@@ -250,7 +250,7 @@ class GrpcDoor:
                       serve: Callable[[Seat], Awaitable[None]]) -> None:
         """``serve`` the call in a seat of :attr:`roster` (refused without one), ended
         UNAVAILABLE when the roster takes the seat back for another call (one writing an
-        answer then: once that is written, :class:`.grpc_admission.Seat`). A call whose
+        answer then: once that is written, :class:`.call_seats.Seat`). A call whose
         client did not take an answer in time (``seat.unread``) ends its connection too: the
         status would wait behind that answer, and grpcio counts the call against
         ``maximum_concurrent_rpcs`` for as long as its connection lives (64 such calls
