@@ -249,3 +249,28 @@ def test_a_connect_flood_at_the_cap_costs_no_ranking_each(monkeypatch):
             for _, writer in held:
                 writer.close()
     asyncio.run(main())
+
+
+def test_an_address_over_its_share_makes_room_by_a_look_at_its_oldest():
+    """rev27o O-2: connections that each sent a byte are not silent, so a newcomer of an
+    address over its share (behind NAT: the victim's own) had to draw on the address's
+    allowance of 64 rankings a second, which a flood spent. Now it takes the first to take
+    of its address's 8 oldest connections, no ranking and no allowance drawn."""
+    async def ok(request, context):
+        return request
+
+    async def main():
+        async with open_door(4, unary={"ModelInfer": ok}, max_connections=4) as door:
+            host, port = door.address.rsplit(":", 1)
+            spoken = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+            for _, writer in spoken:
+                writer.write(b"PRI * HTTP/2.0")           # a preface begun, never ended
+            await asyncio.sleep(0.3)
+            assert not door.gate.silent and len(door.gate.roster.seats) == 4
+            async with grpc.aio.insecure_channel(door.address) as victim:
+                assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                    infer_request(1), timeout=5) == infer_request(1)
+            assert door.gate.evicted >= 1 and not door.gate.made_room
+            for _, writer in spoken:
+                writer.close()
+    asyncio.run(main())
