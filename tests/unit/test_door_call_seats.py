@@ -177,3 +177,63 @@ def test_a_call_waiting_for_the_byte_pool_holds_no_seat():
                 hold.set()
                 assert await at_triton == large
     asyncio.run(main())
+
+
+def test_a_stream_ended_for_room_mid_answer_starts_no_more_work():
+    """rev27o O-1: a stream ended for room while its write waited (a client with its
+    window shut, answered a refusal) was detached but went on reading its client and
+    calling tritonserver outside the cap: one connection put 260 calls at once through a
+    cap of 4. Detached, it stops all its work but that write."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+    from tritonclient.grpc import service_pb2
+
+    at_triton = {"now": 0, "peak": 0}
+
+    async def slow(requests, context):
+        async for raw in requests:
+            at_triton["now"] += 1
+            at_triton["peak"] = max(at_triton["peak"], at_triton["now"])
+            try:
+                await asyncio.sleep(2)
+            finally:
+                at_triton["now"] -= 1
+            yield raw
+
+    def framed(model: str) -> bytes:
+        message = service_pb2.ModelInferRequest(model_name=model).SerializeToString()
+        return b"\x00" + len(message).to_bytes(4, "big") + message
+
+    async def main():
+        async with open_door(2, handler=slow, models=frozenset({"ensemble"})) as door:
+            host, port = door.address.rsplit(":", 1)
+            raw = socket.create_connection((host, int(port)))
+            h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+            h2c.initiate_connection()
+            h2c.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+            streams = []
+            for _ in range(2):                     # refused; the answers wait unread
+                streams.append(h2c.get_next_available_stream_id())
+                h2c.send_headers(streams[-1], [
+                    (":method", "POST"), (":scheme", "http"), (":authority", "door"),
+                    (":path", f"/{SERVICE}/ModelStreamInfer"),
+                    ("content-type", "application/grpc"), ("te", "trailers")])
+                h2c.send_data(streams[-1], framed("not-served"))
+            raw.sendall(h2c.data_to_send())
+            await asyncio.sleep(0.5)
+            async with grpc.aio.insecure_channel(door.address) as other:
+                calls = [other.stream_stream(STREAM)() for _ in range(2)]
+                for call in calls:                     # they take the raw streams' seats
+                    await call.write(infer_request(1))
+                await asyncio.sleep(0.5)
+                for stream in streams:                 # work sent on the detached streams
+                    for _ in range(8):
+                        h2c.send_data(stream, framed("ensemble"))
+                raw.sendall(h2c.data_to_send())
+                await asyncio.sleep(1.0)
+                assert at_triton["peak"] <= 2          # the two seated calls' alone
+                for call in calls:
+                    assert await call.read() == infer_request(1)
+            raw.close()
+    asyncio.run(main())
