@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from triton_disagg.launch import netns
@@ -23,21 +24,31 @@ from triton_disagg.launch import netns
 # can use the same ports: the scheduler's gRPC on one, any other role's on another.
 ROLE_GRPC_PORT, SCHEDULER_GRPC_PORT, METRICS_PORT = 9001, 8001, 9100
 STREAMS = """
-import json, os, sys, time
+import json, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import servers
 url, max_tokens, go, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 print("ready", flush=True)
 while go and not os.path.exists(go):
     time.sleep(0.01)
-def stream(prompt):
+flowing, lock = set(), threading.Lock()
+def arrived(prompt_index, pieces):
+    if pieces == 2:                       # the second piece: decoding, past the context's first
+        with lock:
+            flowing.add(prompt_index)
+            if len(flowing) == len(prompts):
+                open(go + ".flowing", "w").close()
+def stream(indexed):
+    index, prompt = indexed
     try:
-        text, error = "".join(servers.grpc_stream(url, prompt, max_tokens)), None
+        text = "".join(servers.grpc_stream(url, prompt, max_tokens,
+                                           arrived=lambda n: arrived(index, n)))
+        error = None
     except Exception as exc:
         text, error = "", str(exc)
     return {"text": text, "error": error, "ended": time.monotonic()}
 with ThreadPoolExecutor(len(prompts)) as pool:
-    print(json.dumps(list(pool.map(stream, prompts))))
+    print(json.dumps(list(pool.map(stream, enumerate(prompts)))))
 """
 # `ip netns exec NS` bind-mounts every file in /etc/netns/NS/ over its namesake in /etc/
 ETC_NETNS = Path("/etc/netns")
@@ -132,6 +143,17 @@ class HeldStreams:
 
     def start(self) -> None:
         self.go.touch()
+
+    def wait_flowing(self, timeout: float = 60.0) -> None:
+        """Until every stream has its second piece (decoding under way); fails the test
+        if a stream ends or ``timeout`` passes first."""
+        flowing = Path(f"{self.go}.flowing")
+        deadline = time.monotonic() + timeout
+        while not flowing.exists():
+            assert self.proc.poll() is None, ("streams ended before all flowed",
+                                              self.proc.communicate())
+            assert time.monotonic() < deadline, f"streams not flowing after {timeout:g} s"
+            time.sleep(0.005)
 
     def outcomes(self, timeout: float = 120.0) -> list[dict]:
         """Start the streams (if :meth:`start` did not); per stream ``text`` (what came),

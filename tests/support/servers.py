@@ -228,8 +228,10 @@ def generate_stream(http: str, payload: dict, model: str = "ensemble",
 
 
 def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
-                model: str = "ensemble", extra: dict | None = None, timeout: float = 120.0) -> list:
-    """Send one request over a gRPC stream; returns the text_output strings (or raises)."""
+                model: str = "ensemble", extra: dict | None = None, timeout: float = 120.0,
+                arrived=None) -> list:
+    """Send one request over a gRPC stream; returns the text_output strings (or raises).
+    ``arrived(n)``, if given, is called with the count of pieces so far as each one comes."""
     import queue
 
     import numpy as np
@@ -253,6 +255,8 @@ def grpc_stream(grpc: str, text: str, max_tokens: int, stream: bool = True,
             out = result.as_numpy("text_output")
             if out is not None:
                 texts.append(out.reshape(-1)[0].decode("utf-8"))
+                if arrived is not None:
+                    arrived(len(texts))
             if response.parameters["triton_final_response"].bool_param:
                 break
         client.stop_stream()
