@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 
 import grpc
 import pytest
@@ -274,3 +275,102 @@ def test_an_address_over_its_share_makes_room_by_a_look_at_its_oldest():
             for _, writer in spoken:
                 writer.close()
     asyncio.run(main())
+
+
+def test_a_speaking_flood_from_one_address_leaves_another_address_served():
+    """The gate's unit of fairness is the source address (docs/architecture.md, the public
+    door): clients behind one address share its places, so one of them opening connections
+    that each send a byte, flat out, can crowd out its neighbours (rev27p O-2), but not a
+    client of another address, whose new connections are all served."""
+    async def ok(request, context):
+        return request
+
+    async def main():
+        async with open_door(4, unary={"ModelInfer": ok}, max_connections=4) as door:
+            host, port = door.address.rsplit(":", 1)
+            stop, opened = asyncio.Event(), []
+
+            async def flood() -> None:
+                while not stop.is_set():
+                    _, writer = await asyncio.open_connection(host, int(port),
+                                                              local_addr=("127.0.0.2", 0))
+                    writer.write(b"P")                    # spoke: not silent
+                    opened.append(writer)
+                    await asyncio.sleep(0)
+            flooding = asyncio.ensure_future(flood())
+            try:
+                await asyncio.sleep(0.3)
+                for i in range(8):
+                    async with grpc.aio.insecure_channel(door.address,
+                                                         options=OWN_CONNECTION) as victim:
+                        assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
+                            infer_request(i), timeout=5) == infer_request(i)
+            finally:
+                stop.set()
+                await flooding
+                for writer in opened:
+                    writer.close()
+            assert len(opened) >= 100 and door.gate.evicted >= 90
+    asyncio.run(main())
+
+
+class _Transport:
+    """A client socket's stand-in for the gate's bookkeeping: an address and an abort."""
+
+    def __init__(self, address: str):
+        self.address, self.aborted = address, False
+
+    def get_extra_info(self, name, default=None):
+        return (self.address, 1) if name == "peername" else default
+
+    def set_write_buffer_limits(self, high=None):
+        pass
+
+    def abort(self):
+        self.aborted = True
+
+
+class _WorkingCall:
+    """A call at work: its seat may not be taken (``rank()`` None)."""
+
+    connection = None
+
+    def rank(self):
+        return None
+
+
+def test_an_address_whose_oldest_work_cannot_block_the_look_at_it():
+    """rev27p P-1: 8 connections of one address working every second are its 8 oldest, so
+    every look at that address's oldest (``_idlest``) found none to take; its flood of
+    connections that each sent a byte then drew the ranking the gate keeps for a tenth of a
+    second dry, and a newcomer of another address was refused. Now a look moves those it
+    cannot take to the back: every newcomer of the other address gets in, and the working
+    connections keep their places. The gate alone, with stand-in sockets."""
+    async def main():
+        gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 16, clock=_Clock())
+
+        def arrive(address: str) -> grpc_admission.GatedConnection:
+            connection = grpc_admission.GatedConnection(gate)
+            connection.connection_made(_Transport(address))
+            if connection.client is not None:          # admitted: it speaks (no pipe here)
+                connection.spoke = True
+                gate.unsilent(connection)
+            return connection
+        working = [arrive("10.0.0.1") for _ in range(8)]
+        for connection in working:
+            connection.seated(_WorkingCall())
+        admitted = 0
+        for i in range(400):                           # the flood, another newcomer beside
+            arrive("10.0.0.1")
+            if i % 20 == 19:                           # a client that calls and leaves
+                victim = arrive("10.0.0.2")
+                admitted += victim.client is not None
+                victim.end()
+        assert admitted == 20
+        assert all(connection.client is not None for connection in working)
+    asyncio.run(main())
+
+
+class _Clock:
+    def now(self) -> float:
+        return time.monotonic()

@@ -24,7 +24,7 @@ from triton_disagg.triton.endpoints import LOOPBACK
 SETTLE_SECONDS = 0.2        # nor a connection this new: time to say its first bytes
 PIPE_BUFFER_BYTES = 256 * 1024   # bytes one side of a pipe buffers before the other pauses
 SELF_ROOM_PER_SECOND = 64   # places one address over its share may rank for, a second
-SILENT_SECONDS = 5.0        # a connection that has sent nothing by then is closed
+HANDSHAKE_SECONDS = 5.0     # closed by then: one that sent nothing (the gate), or no HTTP/2 (grpc)
 OWN_WINDOW = 8              # an over-share address's oldest connections looked at for room
 ACCEPT_BACKLOG = 128        # connections the kernel queues (one accept callback takes them)
 
@@ -55,13 +55,13 @@ class GatedConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client = transport                # type: ignore[assignment]
         self.address = (transport.get_extra_info("peername") or ("?",))[0]
-        self.gate.per_address[self.address] += 1
+        self.gate.by_address.setdefault(self.address, {})[self] = None
         if not self.gate.admit(self):
             self.gate.refused += 1
             self.end()
             return
         self.client.set_write_buffer_limits(high=PIPE_BUFFER_BYTES)
-        self.silence = asyncio.get_running_loop().call_later(SILENT_SECONDS, self.end)
+        self.silence = asyncio.get_running_loop().call_later(HANDSHAKE_SECONDS, self.end)
 
     def data_received(self, data: bytes) -> None:
         """The first bytes open the pipe (a connection that never speaks costs no inner
@@ -114,11 +114,7 @@ class GatedConnection(asyncio.Protocol):
         if self.opening is not None:
             self.opening.cancel()
             self.opening = None
-        if self.client is not None:
-            self.gate.per_address[self.address] -= 1
-            if not self.gate.per_address[self.address]:
-                del self.gate.per_address[self.address]
-            self.gate.forget(self)
+        self.gate.forget(self)
         self.gate.roster.leave(self)
         self.gate.by_port.pop(self.inner_port(), None)
         for transport in (self.client, self.inner):
@@ -160,8 +156,8 @@ class GatedConnection(asyncio.Protocol):
             return None
         worked = self.worked or any(r[0] for r in ranks if r is not None)
         moved = max([self.moved, *(r[1] for r in ranks if r is not None and r[0])])
-        since, held = self.gate.clock.now() - moved, self.gate.per_address[self.address]
-        fair = held * len(self.gate.per_address) <= self.gate.roster.limit
+        since, held = self.gate.clock.now() - moved, self.gate.held(self.address)
+        fair = held * len(self.gate.by_address) <= self.gate.roster.limit
         if since < (EVICT_GRACE_SECONDS if worked else SETTLE_SECONDS if fair else 0.0):
             return None
         return -held, worked, self.spoke, moved
@@ -195,17 +191,19 @@ class ConnectionGate:
     :class:`GatedConnection`; one past it with none to take is closed at once, as grpcio
     closed one), each piped to the door's grpc server on ``LOOPBACK:inner_port``.
 
-    Invariant: ``by_port`` maps the gate's local port of each open pipe to its connection,
-    so a call's peer names the client connection it came on."""
+    Invariants: ``by_port`` maps the gate's local port of each open pipe to its connection,
+    so a call's peer names the client connection it came on; ``by_address`` lists per
+    address every connection that holds a place or is being admitted (a newcomer counts for
+    its address while :meth:`admit` decides), so an address's length is what it holds;
+    oldest first, but for those :meth:`_idlest` found it could not take."""
 
     def __init__(self, host: str, port: int, inner_port: int, limit: int, clock: LoopClock):
         self.host, self.port, self.inner_port, self.clock = host, port, inner_port, clock
         self.roster = Roster(limit)
         self.by_port: dict[int | None, GatedConnection] = {}
-        self.per_address: collections.Counter[str | None] = collections.Counter()
         # per address, its connections that have sent nothing yet, oldest first
         self.silent: dict[str | None, dict[GatedConnection, None]] = {}
-        self.by_address: dict[str | None, dict[GatedConnection, None]] = {}   # oldest first
+        self.by_address: dict[str | None, dict[GatedConnection, None]] = {}
         self.second, self.made_room = 0, collections.Counter[str | None]()   # this second
         self.refused = self.evicted = 0
         self.server: asyncio.Server | None = None
@@ -217,54 +215,85 @@ class ConnectionGate:
             backlog=ACCEPT_BACKLOG)
 
     def admit(self, newcomer: GatedConnection) -> bool:
-        """Whether ``newcomer`` gets a place (:attr:`roster`). At the cap, a newcomer whose
-        address holds more than its share of places takes the place of that address's
-        oldest connection that has sent nothing (no ranking; a silent connection has no
-        pipe yet, so a flood of silent reconnects costs an accept and a close each), else of
-        the first to take of its ``OWN_WINDOW`` oldest (:meth:`_idlest`); with none such it
-        may have every connection ranked at most ``SELF_ROOM_PER_SECOND`` times a second,
-        else it is closed at once. Any other newcomer first takes the place
-        of the oldest silent connection of the address holding the most; without such,
-        every connection is ranked (:meth:`Roster.enter`, a ranking used for
-        ``RANKING_SECONDS``)."""
+        """Whether ``newcomer`` gets a place (:attr:`roster`); at the cap, room is made by
+        :meth:`_own_room` for a newcomer whose address holds more than its share, else by
+        :meth:`_room_from_busiest`, then taken (:meth:`Roster.enter`: every connection
+        ranked, a ranking used for ``RANKING_SECONDS``, when no room was made)."""
         roster = self.roster
         if len(roster.seats) >= roster.limit:
-            held = self.per_address[newcomer.address]
-            over = held * len(self.per_address) > roster.limit     # more than its share
-            quiet = self.silent.get(newcomer.address) if over else None
-            if quiet:
-                self._take(next(iter(quiet)))
-            elif over and (idlest := self._idlest(newcomer.address)) is not None:
-                self._take(idlest)
-            elif over:
-                now = int(self.clock.now())
-                if now != self.second:
-                    self.second, self.made_room = now, collections.Counter()
-                self.made_room[newcomer.address] += 1
-                if self.made_room[newcomer.address] > SELF_ROOM_PER_SECOND:
-                    return False
-            elif self.silent:
-                address = max(self.silent, key=self.per_address.__getitem__)
-                self._take(next(iter(self.silent[address])))
+            over = self.held(newcomer.address) * len(self.by_address) > roster.limit
+            if over and not self._own_room(newcomer):
+                return False
+            if not over:
+                self._room_from_busiest(newcomer)
         if not roster.enter(newcomer):
             return False
         self.silent.setdefault(newcomer.address, {})[newcomer] = None
-        self.by_address.setdefault(newcomer.address, {})[newcomer] = None
         return True
 
-    def _idlest(self, address: str | None) -> GatedConnection | None:
-        """Of ``address``'s ``OWN_WINDOW`` oldest connections, the one that ranks first to
-        be taken (None: none may be): a bounded look, not a ranking of every connection."""
-        ranked = [(rank, i, connection) for i, connection
-                  in enumerate(itertools.islice(self.by_address.get(address, ()), OWN_WINDOW))
-                  if (rank := connection.rank()) is not None]
+    def _own_room(self, newcomer: GatedConnection) -> bool:
+        """Room for a newcomer of an address over its share, from that address: its oldest
+        connection that has sent nothing (no ranking; a silent connection has no pipe yet,
+        so a flood of silent reconnects costs an accept and a close each), else the first to
+        take of its ``OWN_WINDOW`` oldest (:meth:`_idlest`); with none such, False once the
+        address has had ``SELF_ROOM_PER_SECOND`` rankings this second (it is closed)."""
+        quiet = self.silent.get(newcomer.address)
+        if quiet and self._take(next(iter(quiet))):
+            return True
+        if (idlest := self._idlest(newcomer.address, newcomer)) is not None:
+            return self._take(idlest)
+        now = int(self.clock.now())
+        if now != self.second:
+            self.second, self.made_room = now, collections.Counter()
+        self.made_room[newcomer.address] += 1
+        return self.made_room[newcomer.address] <= SELF_ROOM_PER_SECOND
+
+    def _room_from_busiest(self, newcomer: GatedConnection) -> None:
+        """Room for a newcomer within its address's share, from another address: the oldest
+        silent connection of the address holding the most of those, else the first to take
+        of the ``OWN_WINDOW`` oldest of the address holding the most when that is over its
+        share (so an address flooding its own places never spends the ranking that others'
+        newcomers need), else none (a ranking decides)."""
+        if self.silent:
+            address = max(self.silent, key=self.held)
+            if self._take(next(iter(self.silent[address]))):
+                return
+        busiest = max(self.by_address, key=self.held)
+        if (self.held(busiest) * len(self.by_address) > self.roster.limit
+                and (idlest := self._idlest(busiest, newcomer)) is not None):
+            self._take(idlest)
+
+    def held(self, address: str | None) -> int:
+        """How many connections ``address`` holds (a newcomer being admitted included)."""
+        return len(self.by_address.get(address, ()))
+
+    def _idlest(self, address: str | None, newcomer: GatedConnection) -> GatedConnection | None:
+        """Of the first ``OWN_WINDOW`` connections of ``address``'s list (``newcomer``
+        aside), the one that ranks first to be taken (None: none may be): a bounded look,
+        not a ranking of every connection. Those it finds that may not be taken (working,
+        or within a grace) go to the back of the list, so the next look sees others: 8
+        connections that work every second had blocked every look, and a flood from their
+        address then spent the ranking that another address's newcomers needed."""
+        mine = self.by_address.get(address, {})
+        window = list(itertools.islice(mine, OWN_WINDOW))
+        ranked = []
+        for i, connection in enumerate(window):
+            if connection is newcomer:
+                continue
+            if (rank := connection.rank()) is None:
+                mine[connection] = mine.pop(connection)          # to the back
+            else:
+                ranked.append((rank, i, connection))
         return min(ranked)[2] if ranked else None
 
-    def _take(self, oldest: GatedConnection) -> None:
-        """End ``oldest`` for room unless it is settling (so are those after it)."""
-        if oldest.rank() is not None:
-            self.roster.seats.discard(oldest)
-            oldest.evict()
+    def _take(self, oldest: GatedConnection) -> bool:
+        """End ``oldest`` for room unless it is settling (so are those after it): whether
+        it was ended."""
+        if oldest.rank() is None:
+            return False
+        self.roster.seats.discard(oldest)
+        oldest.evict()
+        return True
 
     def forget(self, connection: GatedConnection) -> None:
         """``connection`` ended: out of the gate's lists by address."""

@@ -82,7 +82,7 @@ from triton_disagg.front.door_guards import (CALL_RESERVE, CLIENT_SECONDS, MESSA
 from triton_disagg.front.door_relay import (EVICTED, Ending, RelayLimits, StreamRelay,
                                             forwarded_metadata, write_within)
 from triton_disagg.front.call_seats import MAX_DETACHED, Roster, Seat, worked_rank
-from triton_disagg.front.grpc_admission import ConnectionGate
+from triton_disagg.front.grpc_admission import HANDSHAKE_SECONDS, ConnectionGate
 from triton_disagg.triton.endpoints import LOOPBACK
 from triton_disagg.triton.tritonserver import KEEPALIVE_MS
 
@@ -92,7 +92,6 @@ INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})   # their messages
 PEER_CALLS = 4096           # calls at once through a peers' door (~22 KB of the door's each)
 PEER_RESERVE = MESSAGE_FLOOR   # a peers' call's bytes that never wait (4096 calls: 64 MiB)
 CONNECTION_STREAMS = 256    # HTTP/2 streams at once on one connection (a client queues more)
-HANDSHAKE_SECONDS = 5.0     # a connection that has not spoken HTTP/2 by then is closed
 CONNECTION_IDLE_SECONDS = 30.0   # one with no call this long is closed (clients reconnect)
 
 
