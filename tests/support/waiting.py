@@ -18,3 +18,17 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str,
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(poll)
     return time.monotonic() - start
+
+
+async def wait_until_async(predicate: Callable[[], object], timeout: float, what: str,
+                           poll: float = 0.01) -> float:
+    """:func:`wait_until` on an event loop: it sleeps with ``asyncio.sleep``, so what the
+    loop serves (a door under test) goes on meanwhile."""
+    import asyncio
+
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(poll)
+    return time.monotonic() - start

@@ -12,6 +12,7 @@ import socket
 import grpc
 import pytest
 from door_stand_in import STREAM, infer_request, open_door
+from waiting import wait_until_async
 
 from triton_disagg.front import call_seats, grpc_admission
 from triton_disagg.front.public_door import SERVICE
@@ -72,8 +73,10 @@ def test_unary_calls_whose_answers_are_never_read_hold_no_seat(monkeypatch, meth
             attacker = await asyncio.to_thread(_blocked_unary_calls, door.address, method,
                                                body, 4)
             try:
-                await asyncio.sleep(0.6)                     # answered, past the grace
-                assert len(door.roster.seats) == 4
+                await wait_until_async(                      # answered, past the grace
+                    lambda: len(door.roster.seats) == 4
+                    and all(seat.rank() is not None for seat in door.roster.seats),
+                    10.0, "the 4 answered calls past their grace")
                 async with grpc.aio.insecure_channel(door.address) as victim:
                     for _ in range(3):
                         assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
