@@ -271,7 +271,7 @@ def test_an_address_over_its_share_makes_room_by_a_look_at_its_oldest():
             async with grpc.aio.insecure_channel(door.address) as victim:
                 assert await victim.unary_unary(f"/{SERVICE}/ModelInfer")(
                     infer_request(1), timeout=5) == infer_request(1)
-            assert door.gate.evicted >= 1 and not door.gate.made_room
+            assert door.gate.evicted >= 1
             for _, writer in spoken:
                 writer.close()
     asyncio.run(main())
@@ -368,6 +368,32 @@ def test_an_address_whose_oldest_work_cannot_block_the_look_at_it():
                 victim.end()
         assert admitted == 20
         assert all(connection.client is not None for connection in working)
+    asyncio.run(main())
+
+
+def test_an_address_over_its_share_never_takes_another_addresss_idle_place():
+    """rev27q Q-1: a newcomer of an address over its share whose look at its own
+    connections found only working ones ranked every connection, and the ranking (kept for
+    a tenth of a second, its own flood's places gone from it) gave it another address's
+    idle connection: a stream idle 2 s was cut each time. Now a newcomer over its share
+    takes only a place of its own address, else is closed: the other's idle place stays."""
+    async def main():
+        gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 16, clock=_Clock())
+
+        def arrive(address: str) -> grpc_admission.GatedConnection:
+            connection = grpc_admission.GatedConnection(gate)
+            connection.connection_made(_Transport(address))
+            if connection.client is not None:
+                connection.spoke = True
+                gate.unsilent(connection)
+            return connection
+        idle = arrive("10.0.0.2")
+        idle.worked, idle.moved = True, _Clock().now() - 60      # worked a minute ago
+        for _ in range(15):                                      # the cap, all working
+            arrive("10.0.0.1").seated(_WorkingCall())
+        newcomers = [arrive("10.0.0.1") for _ in range(20)]
+        assert idle.client is not None
+        assert not any(newcomer.client for newcomer in newcomers) and gate.refused == 20
     asyncio.run(main())
 
 

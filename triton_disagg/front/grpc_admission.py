@@ -14,7 +14,6 @@ of a connection's calls work: a call's peer is the gate's end of that connection
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 
 from triton_disagg.front.call_seats import EVICT_GRACE_SECONDS, MAX_DETACHED, Rank, Roster, Seat
@@ -23,9 +22,9 @@ from triton_disagg.triton.endpoints import LOOPBACK
 
 SETTLE_SECONDS = 0.2        # nor a connection this new: time to say its first bytes
 PIPE_BUFFER_BYTES = 256 * 1024   # bytes one side of a pipe buffers before the other pauses
-SELF_ROOM_PER_SECOND = 64   # places one address over its share may rank for, a second
 HANDSHAKE_SECONDS = 5.0     # closed by then: one that sent nothing (the gate), or no HTTP/2 (grpc)
-OWN_WINDOW = 8              # an over-share address's oldest connections looked at for room
+OWN_WINDOW = 8              # an address's connections one look at it ranks
+OWN_LOOKS = 8               # looks for room in one address, each past the last one's
 ACCEPT_BACKLOG = 128        # connections the kernel queues (one accept callback takes them)
 
 
@@ -156,11 +155,10 @@ class GatedConnection(asyncio.Protocol):
             return None
         worked = self.worked or any(r[0] for r in ranks if r is not None)
         moved = max([self.moved, *(r[1] for r in ranks if r is not None and r[0])])
-        since, held = self.gate.clock.now() - moved, self.gate.held(self.address)
-        fair = held * len(self.gate.by_address) <= self.gate.roster.limit
-        if since < (EVICT_GRACE_SECONDS if worked else SETTLE_SECONDS if fair else 0.0):
+        since, over = self.gate.clock.now() - moved, self.gate.over_share(self.address)
+        if since < (EVICT_GRACE_SECONDS if worked else 0.0 if over else SETTLE_SECONDS):
             return None
-        return -held, worked, self.spoke, moved
+        return -self.gate.held(self.address), worked, self.spoke, moved
 
 
 class _InnerEnd(asyncio.Protocol):
@@ -204,7 +202,6 @@ class ConnectionGate:
         # per address, its connections that have sent nothing yet, oldest first
         self.silent: dict[str | None, dict[GatedConnection, None]] = {}
         self.by_address: dict[str | None, dict[GatedConnection, None]] = {}
-        self.second, self.made_room = 0, collections.Counter[str | None]()   # this second
         self.refused = self.evicted = 0
         self.server: asyncio.Server | None = None
         self.opening: set[asyncio.Task[None]] = set()
@@ -215,16 +212,18 @@ class ConnectionGate:
             backlog=ACCEPT_BACKLOG)
 
     def admit(self, newcomer: GatedConnection) -> bool:
-        """Whether ``newcomer`` gets a place (:attr:`roster`); at the cap, room is made by
-        :meth:`_own_room` for a newcomer whose address holds more than its share, else by
-        :meth:`_room_from_busiest`, then taken (:meth:`Roster.enter`: every connection
-        ranked, a ranking used for ``RANKING_SECONDS``, when no room was made)."""
+        """Whether ``newcomer`` gets a place (:attr:`roster`). At the cap, a newcomer whose
+        address holds more than its share takes a place of its own address
+        (:meth:`_own_room`) or is closed: clients of one address take each other's places,
+        never another's. Any other newcomer takes room from the busiest address
+        (:meth:`_room_from_busiest`), else the first place of a ranking of every connection
+        (:meth:`Roster.enter`, a ranking used for ``RANKING_SECONDS``)."""
         roster = self.roster
         if len(roster.seats) >= roster.limit:
-            over = self.held(newcomer.address) * len(self.by_address) > roster.limit
-            if over and not self._own_room(newcomer):
-                return False
-            if not over:
+            if self.over_share(newcomer.address):
+                if not self._own_room(newcomer):
+                    return False
+            else:
                 self._room_from_busiest(newcomer)
         if not roster.enter(newcomer):
             return False
@@ -232,21 +231,15 @@ class ConnectionGate:
         return True
 
     def _own_room(self, newcomer: GatedConnection) -> bool:
-        """Room for a newcomer of an address over its share, from that address: its oldest
-        connection that has sent nothing (no ranking; a silent connection has no pipe yet,
-        so a flood of silent reconnects costs an accept and a close each), else the first to
-        take of its ``OWN_WINDOW`` oldest (:meth:`_idlest`); with none such, False once the
-        address has had ``SELF_ROOM_PER_SECOND`` rankings this second (it is closed)."""
+        """Whether room was made for a newcomer of an address over its share, from that
+        address: its oldest connection that has sent nothing (no ranking; a silent
+        connection has no pipe yet, so a flood of silent reconnects costs an accept and a
+        close each), else the one :meth:`_idlest` finds."""
         quiet = self.silent.get(newcomer.address)
         if quiet and self._take(next(iter(quiet))):
             return True
-        if (idlest := self._idlest(newcomer.address, newcomer)) is not None:
-            return self._take(idlest)
-        now = int(self.clock.now())
-        if now != self.second:
-            self.second, self.made_room = now, collections.Counter()
-        self.made_room[newcomer.address] += 1
-        return self.made_room[newcomer.address] <= SELF_ROOM_PER_SECOND
+        idlest = self._idlest(newcomer.address, newcomer)
+        return idlest is not None and self._take(idlest)
 
     def _room_from_busiest(self, newcomer: GatedConnection) -> None:
         """Room for a newcomer within its address's share, from another address: the oldest
@@ -259,32 +252,40 @@ class ConnectionGate:
             if self._take(next(iter(self.silent[address]))):
                 return
         busiest = max(self.by_address, key=self.held)
-        if (self.held(busiest) * len(self.by_address) > self.roster.limit
-                and (idlest := self._idlest(busiest, newcomer)) is not None):
+        if self.over_share(busiest) and (idlest := self._idlest(busiest, newcomer)) is not None:
             self._take(idlest)
 
     def held(self, address: str | None) -> int:
         """How many connections ``address`` holds (a newcomer being admitted included)."""
         return len(self.by_address.get(address, ()))
 
+    def over_share(self, address: str | None) -> bool:
+        """Whether ``address`` holds more than its share: more than one connection (one is
+        every address's due, however many there are), and more than the cap divided among
+        the addresses holding any."""
+        held = self.held(address)
+        return held > 1 and held * len(self.by_address) > self.roster.limit
+
     def _idlest(self, address: str | None, newcomer: GatedConnection) -> GatedConnection | None:
-        """Of the first ``OWN_WINDOW`` connections of ``address``'s list (``newcomer``
-        aside), the one that ranks first to be taken (None: none may be): a bounded look,
-        not a ranking of every connection. Those it finds that may not be taken (working,
-        or within a grace) go to the back of the list, so the next look sees others: 8
-        connections that work every second had blocked every look, and a flood from their
-        address then spent the ranking that another address's newcomers needed."""
+        """The connection of ``address`` (``newcomer`` aside) to take, or None: a bounded
+        look, not a ranking of every connection. A look ranks the first ``OWN_WINDOW`` of
+        the address's list and takes the first; those it finds that may not be taken
+        (working, or within a grace) go to the back, so the next look sees others; with
+        none to take, it looks again, ``OWN_LOOKS`` times at most (8 connections working
+        every second had blocked a single look)."""
         mine = self.by_address.get(address, {})
-        window = list(itertools.islice(mine, OWN_WINDOW))
-        ranked = []
-        for i, connection in enumerate(window):
-            if connection is newcomer:
-                continue
-            if (rank := connection.rank()) is None:
-                mine[connection] = mine.pop(connection)          # to the back
-            else:
-                ranked.append((rank, i, connection))
-        return min(ranked)[2] if ranked else None
+        for _ in range(min(OWN_LOOKS, -(-len(mine) // OWN_WINDOW))):    # ceil(len / window)
+            ranked = []
+            for i, connection in enumerate(list(itertools.islice(mine, OWN_WINDOW))):
+                if connection is newcomer:
+                    continue
+                if (rank := connection.rank()) is None:
+                    mine[connection] = mine.pop(connection)          # to the back
+                else:
+                    ranked.append((rank, i, connection))
+            if ranked:
+                return min(ranked)[2]
+        return None
 
     def _take(self, oldest: GatedConnection) -> bool:
         """End ``oldest`` for room unless it is settling (so are those after it): whether
