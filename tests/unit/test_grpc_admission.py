@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 
 import grpc
 import pytest
@@ -312,91 +311,3 @@ def test_a_speaking_flood_from_one_address_leaves_another_address_served():
                     writer.close()
             assert len(opened) >= 100 and door.gate.evicted >= 90
     asyncio.run(main())
-
-
-class _Transport:
-    """A client socket's stand-in for the gate's bookkeeping: an address and an abort."""
-
-    def __init__(self, address: str):
-        self.address, self.aborted = address, False
-
-    def get_extra_info(self, name, default=None):
-        return (self.address, 1) if name == "peername" else default
-
-    def set_write_buffer_limits(self, high=None):
-        pass
-
-    def abort(self):
-        self.aborted = True
-
-
-class _WorkingCall:
-    """A call at work: its seat may not be taken (``rank()`` None)."""
-
-    connection = None
-
-    def rank(self):
-        return None
-
-
-def test_an_address_whose_oldest_work_cannot_block_the_look_at_it():
-    """rev27p P-1: 8 connections of one address working every second are its 8 oldest, so
-    every look at that address's oldest (``_idlest``) found none to take; its flood of
-    connections that each sent a byte then drew the ranking the gate keeps for a tenth of a
-    second dry, and a newcomer of another address was refused. Now a look moves those it
-    cannot take to the back: every newcomer of the other address gets in, and the working
-    connections keep their places. The gate alone, with stand-in sockets."""
-    async def main():
-        gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 16, clock=_Clock())
-
-        def arrive(address: str) -> grpc_admission.GatedConnection:
-            connection = grpc_admission.GatedConnection(gate)
-            connection.connection_made(_Transport(address))
-            if connection.client is not None:          # admitted: it speaks (no pipe here)
-                connection.spoke = True
-                gate.unsilent(connection)
-            return connection
-        working = [arrive("10.0.0.1") for _ in range(8)]
-        for connection in working:
-            connection.seated(_WorkingCall())
-        admitted = 0
-        for i in range(400):                           # the flood, another newcomer beside
-            arrive("10.0.0.1")
-            if i % 20 == 19:                           # a client that calls and leaves
-                victim = arrive("10.0.0.2")
-                admitted += victim.client is not None
-                victim.end()
-        assert admitted == 20
-        assert all(connection.client is not None for connection in working)
-    asyncio.run(main())
-
-
-def test_an_address_over_its_share_never_takes_another_addresss_idle_place():
-    """rev27q Q-1: a newcomer of an address over its share whose look at its own
-    connections found only working ones ranked every connection, and the ranking (kept for
-    a tenth of a second, its own flood's places gone from it) gave it another address's
-    idle connection: a stream idle 2 s was cut each time. Now a newcomer over its share
-    takes only a place of its own address, else is closed: the other's idle place stays."""
-    async def main():
-        gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 16, clock=_Clock())
-
-        def arrive(address: str) -> grpc_admission.GatedConnection:
-            connection = grpc_admission.GatedConnection(gate)
-            connection.connection_made(_Transport(address))
-            if connection.client is not None:
-                connection.spoke = True
-                gate.unsilent(connection)
-            return connection
-        idle = arrive("10.0.0.2")
-        idle.worked, idle.moved = True, _Clock().now() - 60      # worked a minute ago
-        for _ in range(15):                                      # the cap, all working
-            arrive("10.0.0.1").seated(_WorkingCall())
-        newcomers = [arrive("10.0.0.1") for _ in range(20)]
-        assert idle.client is not None
-        assert not any(newcomer.client for newcomer in newcomers) and gate.refused == 20
-    asyncio.run(main())
-
-
-class _Clock:
-    def now(self) -> float:
-        return time.monotonic()

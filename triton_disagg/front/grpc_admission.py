@@ -214,14 +214,15 @@ class ConnectionGate:
     def admit(self, newcomer: GatedConnection) -> bool:
         """Whether ``newcomer`` gets a place (:attr:`roster`). At the cap, a newcomer whose
         address holds more than its share takes a place of its own address
-        (:meth:`_own_room`) or is closed: clients of one address take each other's places,
-        never another's. Any other newcomer takes room from the busiest address
+        (:meth:`_own_room`), else of the address holding the most when that holds more
+        (:meth:`_room_from_busier`), or is closed: clients of one address take each other's
+        places, never those of an address holding fewer. Any other newcomer takes room from the busiest address
         (:meth:`_room_from_busiest`), else the first place of a ranking of every connection
         (:meth:`Roster.enter`, a ranking used for ``RANKING_SECONDS``)."""
         roster = self.roster
         if len(roster.seats) >= roster.limit:
             if self.over_share(newcomer.address):
-                if not self._own_room(newcomer):
+                if not (self._own_room(newcomer) or self._room_from_busier(newcomer)):
                     return False
             else:
                 self._room_from_busiest(newcomer)
@@ -240,6 +241,15 @@ class ConnectionGate:
             return True
         idlest = self._idlest(newcomer.address, newcomer)
         return idlest is not None and self._take(idlest)
+
+    def _room_from_busier(self, newcomer: GatedConnection) -> bool:
+        """Whether room was made for a newcomer over its share, from the address holding the
+        most, when that holds more than the newcomer's (a newcomer included; so it never
+        drops below the newcomer's): an idle address holding many places never caps a
+        working one that holds fewer (rev27r R-1)."""
+        busiest = max(self.by_address, key=self.held)
+        return (self.held(busiest) > self.held(newcomer.address)
+                and (idlest := self._idlest(busiest, newcomer)) is not None and self._take(idlest))
 
     def _room_from_busiest(self, newcomer: GatedConnection) -> None:
         """Room for a newcomer within its address's share, from another address: the oldest
