@@ -110,3 +110,27 @@ def test_an_address_over_its_share_takes_an_idle_place_of_one_holding_more():
         assert newcomer.client is not None
         assert sum(connection.client is None for connection in idle) == 1
     asyncio.run(main())
+
+
+def test_an_idle_address_behind_a_working_busiest_one_never_caps_a_working_one():
+    """rev27s S-1: room for a newcomer over its share was looked for only in the address
+    holding the most, so while that one's connections all worked, a third address holding
+    more idle places than the newcomer's still refused each of its new connections. Now any
+    address holding more gives up an idle place (the one holding the most first), until it
+    holds no more than the newcomer's."""
+    async def main():
+        gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 64, clock=_Clock())
+        for _ in range(25):
+            _arrive(gate, "10.0.0.1").seated(_WorkingCall())     # the busiest, all working
+        idle = [_arrive(gate, "10.0.0.2") for _ in range(20)]
+        for connection in idle:
+            connection.worked, connection.moved = True, _Clock().now() - 60
+        _arrive(gate, "10.0.0.4")
+        for _ in range(18):
+            _arrive(gate, "10.0.0.3").seated(_WorkingCall())
+        newcomer = _arrive(gate, "10.0.0.3")
+        assert newcomer.client is not None
+        newcomer.seated(_WorkingCall())
+        assert _arrive(gate, "10.0.0.3").client is None        # 19 places each: no more
+        assert sum(connection.client is None for connection in idle) == 1
+    asyncio.run(main())

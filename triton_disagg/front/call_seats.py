@@ -85,7 +85,7 @@ class Roster:
 
     def enter(self, seat) -> bool:
         if len(self.seats) >= self.limit:
-            first = self._first()
+            first = self.first_where(_anyone)
             if first is None:
                 return False
             self.seats.discard(first)
@@ -96,16 +96,26 @@ class Roster:
     def leave(self, seat) -> None:
         self.seats.discard(seat)
 
-    def _first(self):
-        """The place to take: the first of the ranking still here and still evictable (a
-        ranking older than ``RANKING_SECONDS`` made afresh first), or None."""
+    def first_where(self, wanted: Callable[[object], bool]):
+        """The place to take if ``wanted(place)``, else None: the first of the ranking still
+        here and still evictable (a ranking older than ``RANKING_SECONDS`` made afresh
+        first), taken out of the ranking only when wanted (one not wanted stays first for
+        the next caller)."""
         if time.monotonic() - self.ranked_at >= RANKING_SECONDS:
             ranked = [(rank, i, taken) for i, taken in enumerate(self.seats)
                       if (rank := taken.rank()) is not None]
             ranked.sort(reverse=True)              # the first to take at the end
             self.ranking, self.ranked_at = ranked, time.monotonic()
         while self.ranking:
-            taken = self.ranking.pop()[2]
-            if taken in self.seats and taken.rank() is not None:
-                return taken
+            taken = self.ranking[-1][2]
+            if taken not in self.seats or taken.rank() is None:
+                self.ranking.pop()
+            elif wanted(taken):
+                return self.ranking.pop()[2]
+            else:
+                return None
         return None
+
+
+def _anyone(_place) -> bool:
+    return True

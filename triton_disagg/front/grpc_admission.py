@@ -216,9 +216,9 @@ class ConnectionGate:
         address holds more than its share takes a place of its own address
         (:meth:`_own_room`), else of the address holding the most when that holds more
         (:meth:`_room_from_busier`), or is closed: clients of one address take each other's
-        places, never those of an address holding fewer. Any other newcomer takes room from the busiest address
-        (:meth:`_room_from_busiest`), else the first place of a ranking of every connection
-        (:meth:`Roster.enter`, a ranking used for ``RANKING_SECONDS``)."""
+        places, never those of an address holding fewer. Any other newcomer takes room from
+        the busiest address (:meth:`_room_from_busiest`), else the first place of a ranking
+        of every connection (:meth:`Roster.enter`, a ranking used for ``RANKING_SECONDS``)."""
         roster = self.roster
         if len(roster.seats) >= roster.limit:
             if self.over_share(newcomer.address):
@@ -243,19 +243,20 @@ class ConnectionGate:
         return idlest is not None and self._take(idlest)
 
     def _room_from_busier(self, newcomer: GatedConnection) -> bool:
-        """Whether room was made for a newcomer over its share, from the address holding the
-        most, when that holds more than the newcomer's (a newcomer included; so it never
-        drops below the newcomer's): an idle address holding many places never caps a
-        working one that holds fewer (rev27r R-1)."""
-        busiest = max(self.by_address, key=self.held)
-        return (self.held(busiest) > self.held(newcomer.address)
-                and (idlest := self._idlest(busiest, newcomer)) is not None and self._take(idlest))
+        """Whether room was made for a newcomer over its share from an address holding more
+        than the newcomer's (a newcomer included; so none drops below it): the first of the
+        roster's ranking (the address holding the most first) when its address holds more.
+        So an address holding idle places never caps a working one that holds fewer, whoever
+        holds the most (rev27r R-1, rev27s S-1)."""
+        mine = self.held(newcomer.address)
+        taken = self.roster.first_where(lambda place: self.held(place.address) > mine)
+        return taken is not None and self._take(taken)
 
     def _room_from_busiest(self, newcomer: GatedConnection) -> None:
         """Room for a newcomer within its address's share, from another address: the oldest
-        silent connection of the address holding the most of those, else the first to take
-        of the ``OWN_WINDOW`` oldest of the address holding the most when that is over its
-        share (so an address flooding its own places never spends the ranking that others'
+        silent connection of the address holding the most of those, else the one
+        :meth:`_idlest` finds of the address holding the most when that is over its share
+        (so an address flooding its own places never spends the ranking that others'
         newcomers need), else none (a ranking decides)."""
         if self.silent:
             address = max(self.silent, key=self.held)
