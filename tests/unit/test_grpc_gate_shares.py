@@ -41,6 +41,22 @@ def _arrive(gate: grpc_admission.ConnectionGate, address: str) -> grpc_admission
     return connection
 
 
+def _idle(gate: grpc_admission.ConnectionGate, address: str, count: int) -> list:
+    """``count`` connections from ``address`` that worked a minute ago, idle since."""
+    connections = [_arrive(gate, address) for _ in range(count)]
+    for connection in connections:
+        connection.worked, connection.moved = True, _Clock().now() - 60
+    return connections
+
+
+def _working(gate: grpc_admission.ConnectionGate, address: str, count: int) -> list:
+    """``count`` connections from ``address``, each with a call at work."""
+    connections = [_arrive(gate, address) for _ in range(count)]
+    for connection in connections:
+        connection.seated(_WorkingCall())
+    return connections
+
+
 class _WorkingCall:
     """A call at work: its seat may not be taken (``rank()`` None)."""
 
@@ -59,9 +75,7 @@ def test_an_address_whose_oldest_work_cannot_block_the_look_at_it():
     connections keep their places."""
     async def main():
         gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 16, clock=_Clock())
-        working = [_arrive(gate, "10.0.0.1") for _ in range(8)]
-        for connection in working:
-            connection.seated(_WorkingCall())
+        working = _working(gate, "10.0.0.1", 8)
         admitted = 0
         for i in range(400):                           # the flood, another newcomer beside
             _arrive(gate, "10.0.0.1")
@@ -83,10 +97,8 @@ def test_an_address_over_its_share_never_takes_another_addresss_idle_place():
     place of an address holding fewer stays."""
     async def main():
         gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 16, clock=_Clock())
-        idle = _arrive(gate, "10.0.0.2")
-        idle.worked, idle.moved = True, _Clock().now() - 60      # worked a minute ago
-        for _ in range(15):                                      # the cap, all working
-            _arrive(gate, "10.0.0.1").seated(_WorkingCall())
+        idle, = _idle(gate, "10.0.0.2", 1)
+        _working(gate, "10.0.0.1", 15)                           # the cap, all working
         newcomers = [_arrive(gate, "10.0.0.1") for _ in range(20)]
         assert idle.client is not None
         assert not any(newcomer.client for newcomer in newcomers) and gate.refused == 20
@@ -100,12 +112,9 @@ def test_an_address_over_its_share_takes_an_idle_place_of_one_holding_more():
     when that holds more than its own."""
     async def main():
         gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 64, clock=_Clock())
-        idle = [_arrive(gate, "10.0.0.1") for _ in range(40)]
-        for connection in idle:
-            connection.worked, connection.moved = True, _Clock().now() - 60
+        idle = _idle(gate, "10.0.0.1", 40)
         _arrive(gate, "10.0.0.3")
-        for _ in range(23):
-            _arrive(gate, "10.0.0.2").seated(_WorkingCall())
+        _working(gate, "10.0.0.2", 23)
         newcomer = _arrive(gate, "10.0.0.2")
         assert newcomer.client is not None
         assert sum(connection.client is None for connection in idle) == 1
@@ -120,14 +129,10 @@ def test_an_idle_address_behind_a_working_busiest_one_never_caps_a_working_one()
     holds no more than the newcomer's."""
     async def main():
         gate = grpc_admission.ConnectionGate("127.0.0.1", 0, 0, 64, clock=_Clock())
-        for _ in range(25):
-            _arrive(gate, "10.0.0.1").seated(_WorkingCall())     # the busiest, all working
-        idle = [_arrive(gate, "10.0.0.2") for _ in range(20)]
-        for connection in idle:
-            connection.worked, connection.moved = True, _Clock().now() - 60
+        _working(gate, "10.0.0.1", 25)                           # the busiest, all working
+        idle = _idle(gate, "10.0.0.2", 20)
         _arrive(gate, "10.0.0.4")
-        for _ in range(18):
-            _arrive(gate, "10.0.0.3").seated(_WorkingCall())
+        _working(gate, "10.0.0.3", 18)
         newcomer = _arrive(gate, "10.0.0.3")
         assert newcomer.client is not None
         newcomer.seated(_WorkingCall())
