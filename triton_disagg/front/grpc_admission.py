@@ -214,7 +214,7 @@ class ConnectionGate:
     def admit(self, newcomer: GatedConnection) -> bool:
         """Whether ``newcomer`` gets a place (:attr:`roster`). At the cap, a newcomer whose
         address holds more than its share takes a place of its own address
-        (:meth:`_own_room`), else of the address holding the most when that holds more
+        (:meth:`_own_room`), else an idle place of an address holding more than its own
         (:meth:`_room_from_busier`), or is closed: clients of one address take each other's
         places, never those of an address holding fewer. Any other newcomer takes room from
         the busiest address (:meth:`_room_from_busiest`), else the first place of a ranking
@@ -247,7 +247,8 @@ class ConnectionGate:
         than the newcomer's (a newcomer included; so none drops below it): the first of the
         roster's ranking (the address holding the most first) when its address holds more.
         So an address holding idle places never caps a working one that holds fewer, whoever
-        holds the most (rev27r R-1, rev27s S-1)."""
+        holds the most (rev27r R-1, rev27s S-1), but for a ranking's ``RANKING_SECONDS``: an
+        address whose count fell since the ranking stops the search until the next one."""
         mine = self.held(newcomer.address)
         taken = self.roster.first_where(lambda place: self.held(place.address) > mine)
         return taken is not None and self._take(taken)
