@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from triton_disagg.launch import netns
@@ -147,13 +146,12 @@ class HeldStreams:
     def wait_flowing(self, timeout: float = 60.0) -> None:
         """Until every stream has its second piece (decoding under way); fails the test
         if a stream ends or ``timeout`` passes first."""
+        from waiting import wait_until
+
         flowing = Path(f"{self.go}.flowing")
-        deadline = time.monotonic() + timeout
-        while not flowing.exists():
-            assert self.proc.poll() is None, ("streams ended before all flowed",
-                                              self.proc.communicate())
-            assert time.monotonic() < deadline, f"streams not flowing after {timeout:g} s"
-            time.sleep(0.005)
+        wait_until(lambda: flowing.exists() or self.proc.poll() is not None, timeout,
+                   "every stream flowing", poll=0.005)
+        assert flowing.exists(), ("streams ended before all flowed", self.proc.communicate())
 
     def outcomes(self, timeout: float = 120.0) -> list[dict]:
         """Start the streams (if :meth:`start` did not); per stream ``text`` (what came),
