@@ -57,6 +57,7 @@ LOCAL_PREFILL = 256        # kv_aware+local_prefill's max_local_prefill_length: 
 SHARING_WORKLOADS = ("shared", "chat")   # also run in half pools and with local prefill
 CONTROL = "unique"         # sent --control-passes times per mode, the best pass reported
 ANSWERED = ("chat",)       # workloads whose next wave holds the answers: sent asking for ids
+RATE = 3.0                 # requests/s: loads the cache-off pool, so the routers' tails differ
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,9 @@ def add_prefix_parser(kinds) -> None:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, of {', '.join(MODES)} (default all)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--rate", type=float, default=2.0, help="requests/s within a wave (default 2)")
+    p.add_argument("--rate", type=float, default=RATE,
+                   help=f"requests/s within a wave (default {RATE:g}: enough to load the "
+                        "context pool without a cache, about twice one prefill's TTFT)")
     p.add_argument("--slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
     p.add_argument("--no-half-pool", action="store_true",
                    help="skip the runs with half the working set per context pool")
