@@ -141,7 +141,7 @@ def test_the_table_says_who_prefilled_and_when_a_mode_sent_other_prompts():
     assert rows["round_robin"][2] == "-" and rows["kv_aware"][1:4] == ["100", "60", "4.0"]
     assert rows["kv_aware"][-1] == "yes |" and rows["least_loaded+cache"][-1] == "NO |"
     # the prose says why the routers run without generation's local prefill, and the command
-    assert "--local-prefill 256 --control-passes 3 --scale 0.5" in table
+    assert "--local-prefill 256 --control-passes 5 --scale 0.5" in table
     assert "local prefill off" in table and "`kv_aware, local prefill 128`" in table
 
 
@@ -185,7 +185,7 @@ def test_the_control_shows_its_fastest_pass_and_checks_every_passs_texts():
     def run(ttft, text):
         return Run("kv_aware", "unique", "full", 10, 10, 0, 0, ttft, 1.0, 0, [text], [(1,)])
 
-    assert _args().control_passes == 3
+    assert _args().control_passes == 5
     best = best_pass([run([0.3, 0.5], "a"), run([0.1, 0.2, 0.9], "b"), run([], "c")])
     assert best.ttft == [0.1, 0.2, 0.9] and best.texts == ["a", "b", "c"]
     assert best.prompts == [(1,)] * 3
@@ -198,3 +198,16 @@ def test_nonsense_passes_or_local_prefill_are_refused_before_any_server(argv, fl
 
     with pytest.raises(Exception, match=flag):
         run(_args(*argv))
+
+
+def test_the_warm_up_shares_no_block_with_any_run_of_any_workload():
+    """The warm-up must not warm a cache: none of its blocks is a block a run sends."""
+    from triton_disagg.bench.prefix_cli import CONTROL_PASSES, WARM_UP, warm_up_requests
+
+    shape = Shape()
+    warm = warm_up_requests(shape, VOCAB)
+    assert len(warm) == WARM_UP and len({r.prompt for r in warm}) == WARM_UP
+    warm_blocks = {r.prompt[:BS * (i + 1)] for r in warm for i in range(len(r.prompt) // BS)}
+    for seed, workload in enumerate(("shared", "chat", "unique") * CONTROL_PASSES):  # runs' seeds
+        for request, _ in rehearsed(workload, shape, VOCAB, seed, _model):
+            assert request.prompt[:BS] not in warm_blocks

@@ -2,7 +2,8 @@
 and unshared traffic (issue 29).
 
 Per mode (a router for the context pool, every server's cache on or off), cold
-servers and a scheduler start (:mod:`.prefix_servers`); each workload
+servers and a scheduler start (:mod:`.prefix_servers`) and are warmed up with
+``WARM_UP`` prompts no run sends; each workload
 (:mod:`.prefix_workloads`; a seed of its own, the same in every mode) is sent over the
 scheduler's OpenAI front as token-id completions, streamed and greedy, in waves, each wave
 at ``--rate`` requests/s (Poisson); chat's ask for the generated ids too (``logprobs`` 0,
@@ -56,8 +57,11 @@ QUERIED = "disagg_prefix_cache_queries_total"     # prompt tokens looked up (fet
 LOCAL_PREFILL = 256        # kv_aware+local_prefill's max_local_prefill_length: a chat turn's delta
 SHARING_WORKLOADS = ("shared", "chat")   # also run in half pools and with local prefill
 CONTROL = "unique"         # sent --control-passes times per mode, the best pass reported
+CONTROL_PASSES = 5         # near load one pass's p50 moves by 10-30% between passes
 ANSWERED = ("chat",)       # workloads whose next wave holds the answers: sent asking for ids
 RATE = 3.0                 # requests/s: loads the cache-off pool, so the routers' tails differ
+WARM_UP = 4                # unshared prompts sent at once before a mode's first run
+WARM_SEED = -1             # the warm-up's prompts: a seed no run uses (runs use 0 and up)
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,10 @@ def add_prefix_parser(kinds) -> None:
                         "in generation's cache is prefilled there, without a context (default "
                         f"{LOCAL_PREFILL}: a chat turn's new message, and the end of the "
                         "answer before it that fills no whole block)")
-    p.add_argument("--control-passes", type=int, default=3,
+    p.add_argument("--control-passes", type=int, default=CONTROL_PASSES,
                    help=f"send {CONTROL} this many times per mode, each pass with prompts of "
-                        "its own, and report the pass with the lowest TTFT p50 (default 3)")
+                        "its own, and report the pass with the lowest TTFT p50 (default "
+                        f"{CONTROL_PASSES})")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every length of the workloads and --local-prefill "
                         "(e.g. 0.25 for a quick look)")
@@ -197,6 +202,7 @@ def _mode_runs(deployed, mode: RoutingSetup, pool: str, workloads: list[str], sh
     kv_bytes = (largest // 2 if pool == "half" else 2 * largest) * block_bytes
     local_prefill = local_prefill_tokens(mode, args)
     with deployed.mode(mode, kv_bytes, local_prefill) as running:
+        _warm_up(running, shape, spec.shape.vocab_size)
         def one(workload: str, seed: int) -> Run:
             return _one_run(running, row_label(mode, local_prefill), mode.prefix_caching, pool,
                             workload, seed, shape, spec.shape.vocab_size, bs, args)
@@ -204,6 +210,32 @@ def _mode_runs(deployed, mode: RoutingSetup, pool: str, workloads: list[str], sh
         return [best_pass([one(w, WORKLOADS.index(w) + len(WORKLOADS) * k)
                            for k in range(args.control_passes if w == CONTROL else 1)])
                 for w in workloads]
+
+
+def warm_up_requests(shape: Shape, vocab_size: int) -> list[PrefixRequest]:
+    """The first ``WARM_UP`` of the control's prompts of ``WARM_SEED``: no block of theirs
+    is a block of a run's prompt, so they warm the servers without warming a cache."""
+    from triton_disagg.bench.prefix_workloads import wave
+
+    return wave(CONTROL, shape, vocab_size, WARM_SEED, 0)[:WARM_UP]
+
+
+def _warm_up(running, shape: Shape, vocab_size: int) -> None:
+    """Sends :func:`warm_up_requests` all at once and waits for their answers, so that each
+    server's first prefill, KV read and decode step (its allocations, NIXL connections,
+    ZeroMQ sockets) are not timed: every router spreads concurrent prompts no server holds
+    over both context servers. The runs count from their own start (the servers' counters as
+    deltas, their own TTFTs); in a cache mode the warm-up's blocks are the pool's least
+    recently used, the first a run's allocations evict."""
+    from triton_disagg.clients.load import run_openai_load
+    from triton_disagg.clients.stream import GenerateRequest
+
+    sent = [GenerateRequest(r.prompt, r.max_tokens, options={"end_id": -1})
+            for r in warm_up_requests(shape, vocab_size)]
+    load = run_openai_load(running.front, running.model, sent, rate=1000.0)
+    failed = [o.error for o in load.outcomes if o.error is not None]
+    _say(f"warmed up: {len(sent) - len(failed)} of {len(sent)} answered"
+         + (f"; first failure: {failed[0]}" if failed else ""))
 
 
 def best_pass(passes: list[Run]) -> Run:
