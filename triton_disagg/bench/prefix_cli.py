@@ -203,6 +203,7 @@ def _mode_runs(deployed, mode: RoutingSetup, pool: str, workloads: list[str], sh
     local_prefill = local_prefill_tokens(mode, args)
     with deployed.mode(mode, kv_bytes, local_prefill) as running:
         _warm_up(running, shape, spec.shape.vocab_size)
+
         def one(workload: str, seed: int) -> Run:
             return _one_run(running, row_label(mode, local_prefill), mode.prefix_caching, pool,
                             workload, seed, shape, spec.shape.vocab_size, bs, args)
