@@ -202,12 +202,15 @@ def test_nonsense_passes_or_local_prefill_are_refused_before_any_server(argv, fl
 
 def test_the_warm_up_shares_no_block_with_any_run_of_any_workload():
     """The warm-up must not warm a cache: none of its blocks is a block a run sends."""
-    from triton_disagg.bench.prefix_cli import CONTROL_PASSES, WARM_UP, warm_up_requests
+    from triton_disagg.bench.prefix_cli import (CONTROL_PASSES, WARM_UP, run_seed,
+                                                warm_up_requests)
+    from triton_disagg.bench.prefix_workloads import WORKLOADS
 
     shape = Shape()
     warm = warm_up_requests(shape, VOCAB)
     assert len(warm) == WARM_UP and len({r.prompt for r in warm}) == WARM_UP
     warm_blocks = {r.prompt[:BS * (i + 1)] for r in warm for i in range(len(r.prompt) // BS)}
-    for seed, workload in enumerate(("shared", "chat", "unique") * CONTROL_PASSES):  # runs' seeds
-        for request, _ in rehearsed(workload, shape, VOCAB, seed, _model):
-            assert request.prompt[:BS] not in warm_blocks
+    for workload in WORKLOADS:
+        for k in range(CONTROL_PASSES):     # every pass any workload may send
+            for request, _ in rehearsed(workload, shape, VOCAB, run_seed(workload, k), _model):
+                assert request.prompt[:BS] not in warm_blocks

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from triton_disagg.bench.prefix_servers import RoutingSetup
 from triton_disagg.bench.prefix_workloads import WORKLOADS, Answer, PrefixRequest, Shape
 from triton_disagg.bench.report import progress, publish
 from triton_disagg.errors import UserError
+
+if TYPE_CHECKING:
+    from triton_disagg.clients.stream import GenerateRequest
 
 MODES = {m.name: m for m in (RoutingSetup("round_robin", "round_robin", False),
                              RoutingSetup("least_loaded", "least_loaded", False),
@@ -61,7 +65,7 @@ CONTROL_PASSES = 5         # near load one pass's p50 moves by 10-30% between pa
 ANSWERED = ("chat",)       # workloads whose next wave holds the answers: sent asking for ids
 RATE = 3.0                 # requests/s: loads the cache-off pool, so the routers' tails differ
 WARM_UP = 4                # unshared prompts sent at once before a mode's first run
-WARM_SEED = -1             # the warm-up's prompts: a seed no run uses (runs use 0 and up)
+WARM_SEED = -1             # the warm-up's prompts: a seed no run uses (run_seed's are >= 0)
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,7 @@ def _mode_runs(deployed, mode: RoutingSetup, pool: str, workloads: list[str], sh
 
     bs, block_bytes = spec.kv.tokens_per_block, spec.block_geometry().block_nbytes
     largest = max(working_set_blocks([r for r, _ in rehearsed(
-        w, shape, spec.shape.vocab_size, WORKLOADS.index(w), _stand_in)], bs) for w in workloads)
+        w, shape, spec.shape.vocab_size, run_seed(w, 0), _stand_in)], bs) for w in workloads)
     kv_bytes = (largest // 2 if pool == "half" else 2 * largest) * block_bytes
     local_prefill = local_prefill_tokens(mode, args)
     with deployed.mode(mode, kv_bytes, local_prefill) as running:
@@ -208,9 +212,24 @@ def _mode_runs(deployed, mode: RoutingSetup, pool: str, workloads: list[str], sh
             return _one_run(running, row_label(mode, local_prefill), mode.prefix_caching, pool,
                             workload, seed, shape, spec.shape.vocab_size, bs, args)
 
-        return [best_pass([one(w, WORKLOADS.index(w) + len(WORKLOADS) * k)
+        return [best_pass([one(w, run_seed(w, k))
                            for k in range(args.control_passes if w == CONTROL else 1)])
                 for w in workloads]
+
+
+def run_seed(workload: str, k: int) -> int:
+    """The seed of ``workload``'s pass ``k``: the same in every mode, another per workload
+    and pass (passes past the first: the control's)."""
+    return WORKLOADS.index(workload) + len(WORKLOADS) * k
+
+
+def as_sent(requests: list[PrefixRequest], token_ids: bool = False) -> list[GenerateRequest]:
+    """``requests`` as the client sends them: greedy to ``max_tokens`` (no end id), asking
+    for the generated ids when ``token_ids``."""
+    from triton_disagg.clients.stream import GenerateRequest
+
+    return [GenerateRequest(r.prompt, r.max_tokens, options={"end_id": -1}, token_ids=token_ids)
+            for r in requests]
 
 
 def warm_up_requests(shape: Shape, vocab_size: int) -> list[PrefixRequest]:
@@ -229,10 +248,8 @@ def _warm_up(running, shape: Shape, vocab_size: int) -> None:
     deltas, their own TTFTs); in a cache mode the warm-up's blocks are the pool's least
     recently used, the first a run's allocations evict."""
     from triton_disagg.clients.load import run_openai_load
-    from triton_disagg.clients.stream import GenerateRequest
 
-    sent = [GenerateRequest(r.prompt, r.max_tokens, options={"end_id": -1})
-            for r in warm_up_requests(shape, vocab_size)]
+    sent = as_sent(warm_up_requests(shape, vocab_size))
     load = run_openai_load(running.front, running.model, sent, rate=1000.0)
     failed = [o.error for o in load.outcomes if o.error is not None]
     _say(f"warmed up: {len(sent) - len(failed)} of {len(sent)} answered"
@@ -259,7 +276,6 @@ def _one_run(running, label: str, prefix_caching: bool, pool: str, workload: str
     sent in turn."""
     from triton_disagg.bench.prefix_workloads import ideal_hit_tokens, wave
     from triton_disagg.clients.load import run_openai_load
-    from triton_disagg.clients.stream import GenerateRequest
     from triton_disagg.routing.scrape import delta, scrape
 
     _say(f"{label}, {workload} (seed {seed}), {pool} pool")
@@ -267,9 +283,8 @@ def _one_run(running, label: str, prefix_caching: bool, pool: str, workload: str
     answered: list[tuple[PrefixRequest, Answer]] = []
     outcomes, seconds, last, k = [], 0.0, [], 0
     while requests := wave(workload, shape, vocab_size, seed, k, last):
-        sent = [GenerateRequest(r.prompt, r.max_tokens, options={"end_id": -1},
-                                token_ids=workload in ANSWERED) for r in requests]
-        load = run_openai_load(running.front, running.model, sent, args.rate, seed=k)
+        load = run_openai_load(running.front, running.model,
+                               as_sent(requests, token_ids=workload in ANSWERED), args.rate, seed=k)
         last = [(r, tuple(o.measurement.token_ids) if o.measurement else ())
                 for r, o in zip(requests, load.outcomes)]
         answered += last
