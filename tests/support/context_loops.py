@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from triton_disagg.context.prefill_loop import PrefillLoop, Prompt
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 
 ANSWER_S = 30.0
 

@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 
 from triton_disagg import protocol as P
-from triton_disagg.triton import engine_request
+from triton_disagg.triton import tensors
 from triton_disagg import token_wire
 from triton_disagg.errors import EngineError, GenerationLost
 from triton_disagg.front.orchestrator import Orchestrator
@@ -71,7 +71,7 @@ class FakeGeneration:
         self.listeners.append(bytes(inputs.get(P.KV_LISTENER, np.zeros(0, np.uint8))))
         output, done = [self.first] + self.rest, len(inputs["input_ids"]) - 2
         last = "length" if done == len(output) - 1 else ""
-        out = engine_request.outputs([output[done]], [-0.5], -0.5, last)
+        out = tensors.outputs([output[done]], [-0.5], -0.5, last)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
         return out
 

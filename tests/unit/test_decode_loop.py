@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from triton_disagg import protocol as P
-from triton_disagg.triton import engine_request
+from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg import token_wire
 from triton_disagg.errors import ErrorCode
 from triton_disagg.generation.decode_loop import DecodeLoop
@@ -56,7 +56,7 @@ class Orchestrators:
 def _request(prompt, max_tokens, streaming=True):
     from triton_disagg.engine.sampling import SamplingParams
 
-    return engine_request.EngineRequest(prompt, SamplingParams(max_tokens=max_tokens), streaming)
+    return EngineRequest(prompt, SamplingParams(max_tokens=max_tokens), streaming)
 
 
 def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine):

@@ -24,7 +24,7 @@ from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.generation.admission import DecodeAdmission, PreparedRequest
 from triton_disagg.kv.fetch_worker import FetchWorker
 from triton_disagg.kv.handle import TransferStats

@@ -47,7 +47,7 @@ def test_a_cache_salt_reaches_the_engine_and_its_router_as_utf8(demo_engine):
     and the router read it back, bounded before it is decoded."""
     from triton_disagg.errors import RequestError
     from triton_disagg.front.orchestrator_call import RequestEncoder
-    from triton_disagg.triton.engine_request import cache_salt
+    from triton_disagg.triton.tensors import cache_salt
 
     gen = parse("chat", {**CHAT, "cache_salt": "tenant-\u00e9"})
     inputs = RequestEncoder(demo_engine, "demo").inputs(gen)

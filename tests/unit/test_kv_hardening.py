@@ -20,7 +20,7 @@ from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.kv.secret import deployment_key, key_id
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 
 PROMPT = list(range(3, 63))      # 60 tokens: 4 blocks of 16
 WAIT_S = 10.0

@@ -24,7 +24,7 @@ from triton_disagg.kv.connector_factory import make_connector
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.kv.overlap import Announcer
 from triton_disagg.kv.secret import deployment_key, key_id
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 
 pytest.importorskip("nixl")
 PROMPT = list(range(3, 63))      # 60 tokens

@@ -269,7 +269,7 @@ def test_decode_loop_streams_a_preempted_request_with_no_gap_or_repeat(engine_di
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.admission import DecodeAdmission
     from triton_disagg.token_wire import TokenOutbox
-    from triton_disagg.triton.engine_request import EngineRequest
+    from triton_disagg.engine.sequence import EngineRequest
     from triton_disagg.zmq_endpoints import bind
 
     params = SamplingParams(max_tokens=MAX_TOKENS)

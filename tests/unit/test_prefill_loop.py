@@ -18,7 +18,7 @@ from triton_disagg.context.prefill_loop import PrefillLoop, WAIT_GRACE_SECONDS
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import Cancelled, ErrorCode, RequestError, Timeout
 from triton_disagg.kv.secret import deployment_key, key_id
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 from waiting import wait_until
 
 PROMPT = list(range(3, 63))      # 60 tokens: 4 blocks of 16

@@ -12,7 +12,7 @@ from triton_disagg.config.settings import ContextSettings
 from triton_disagg.context.prefill_loop import PrefillLoop
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.kv.secret import deployment_key, key_id
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 from waiting import wait_until
 
 

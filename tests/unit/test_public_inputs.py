@@ -16,7 +16,7 @@ from triton_disagg.engine.sampling import (MAX_LIST_TOKENS, SamplingParams, Samp
                                            from_wire, to_wire)
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout
 from triton_disagg.front.engine_calls import OrchestratorGate, public_message
-from triton_disagg.triton import engine_request
+from triton_disagg.triton import tensors
 
 SPEC = limits_spec(max_seq_len=64, vocab_size=100)
 KEY = b"k" * 32
@@ -42,7 +42,7 @@ def test_a_hostile_word_list_is_refused_in_microseconds(kib):
     hostile = _hostile(kib * 1024 // 8)                # [2, N] int32: 8N bytes
     began = time.perf_counter()
     with pytest.raises(RequestError, match=f"stop_words_list: {hostile.shape[1]} columns"):
-        engine_request.from_inputs(_request(stop_words_list=hostile), SPEC)
+        tensors.from_inputs(_request(stop_words_list=hostile), SPEC)
     assert time.perf_counter() - began < 0.01
 
 
@@ -85,14 +85,14 @@ def test_sampling_params_count_words_before_copying_them():
 
 def test_a_prompt_over_the_engine_is_refused_by_its_length():
     with pytest.raises(RequestError, match="input_ids holds 64 tokens"):
-        engine_request.from_inputs(_request(input_ids=np.arange(64, dtype=np.int32)), SPEC)
+        tensors.from_inputs(_request(input_ids=np.arange(64, dtype=np.int32)), SPEC)
 
 
 @pytest.mark.parametrize("name, value", [("request_output_len", 65), ("min_tokens", 65),
                                          ("runtime_top_k", 101)])
 def test_sampling_inputs_have_upper_bounds(name, value):
     with pytest.raises(RequestError, match=f"{name} {value} is over its bound"):
-        engine_request.from_inputs(_request(**{name: np.array([value], np.int32)}), SPEC)
+        tensors.from_inputs(_request(**{name: np.array([value], np.int32)}), SPEC)
 
 
 def _orchestrator_request(**change) -> dict[str, np.ndarray]:

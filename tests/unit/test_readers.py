@@ -157,7 +157,7 @@ def test_a_non_ascii_key_beside_a_valid_stop_in_one_pass_is_dropped_and_the_stop
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.admission import DecodeAdmission
     from triton_disagg.token_wire import TokenOutbox
-    from triton_disagg.triton.engine_request import EngineRequest
+    from triton_disagg.engine.sequence import EngineRequest
 
     engine = LLMEngine(demo_engine, num_blocks=64)
     side, context = DecodeAdmission(engine, None), zmq.Context.instance()

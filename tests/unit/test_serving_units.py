@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from triton_disagg import protocol as P
-from triton_disagg.triton import engine_request
+from triton_disagg.triton import tensors
 from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
 from triton_disagg.engine.sampling import from_wire, to_wire
 from triton_disagg.front.preprocess import Preprocessor
@@ -72,11 +72,11 @@ def test_engine_request_parse_maps_trtllm_names():
               "request_output_len": np.array([3]), "runtime_top_k": np.array([5]),
               "temperature": np.array([0.5]), "end_id": np.array([-1]),
               "stop_words_list": np.array([[7, 8], [2, -1]])}
-    req = engine_request.from_inputs(inputs, SPEC)
+    req = tensors.from_inputs(inputs, SPEC)
     assert req.prompt_ids == [4, 5] and req.params.top_k == 5 and req.params.end_id is None
     assert req.params.stop_words == ((7, 8),)
     with pytest.raises(RequestError, match="top_p"):
-        engine_request.from_inputs({**inputs, "runtime_top_p": np.array([2.0])}, SPEC)
+        tensors.from_inputs({**inputs, "runtime_top_p": np.array([2.0])}, SPEC)
 
 
 def test_to_batched_adds_the_batch_axis_in_protocol_dtypes():

@@ -20,9 +20,9 @@ from triton_disagg.front.engine_calls import ResponseBuilder
 from triton_disagg.front.http_front import make_app
 from triton_disagg.front.openai_api import parse
 from triton_disagg.front.orchestrator_call import RequestEncoder
-from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.token_wire import WireError
-from triton_disagg.triton import engine_request
+from triton_disagg.triton import tensors
 from triton_disagg.triton.tensors import engine_event
 
 A, B, C = TopLogprobs([4, 9], [-0.25, -1.5]), TopLogprobs([9, 4], [-0.5, -1.0]), \
@@ -40,11 +40,11 @@ def test_an_engine_request_bounds_top_logprobs_at_20(demo_engine, k, error):
     inputs = {"input_ids": np.array([5, 6]), "request_output_len": np.array([2]),
               "return_log_probs": np.array([True]), "top_logprobs": np.array([k], np.int32)}
     if error is None:
-        params = engine_request.from_inputs(inputs, EngineSpec.load(demo_engine)).params
+        params = tensors.from_inputs(inputs, EngineSpec.load(demo_engine)).params
         assert params.top_logprobs == k
         return
     with pytest.raises(RequestError, match=error):
-        engine_request.from_inputs(inputs, EngineSpec.load(demo_engine))
+        tensors.from_inputs(inputs, EngineSpec.load(demo_engine))
 
 
 # ---- the token wire ---------------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
     sock = context.socket(zmq.PULL)
     endpoint = bind(sock, None, "tokens")
     loop = DecodeLoop(engine, TokenOutbox(context), side, stream_interval=3)
-    request = engine_request.EngineRequest([5, 6, 7], params, True)
+    request = EngineRequest([5, 6, 7], params, True)
     loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, request, {}),
                 token_wire.with_key(endpoint.address, "k"))
     events = []
@@ -129,7 +129,7 @@ def test_top_tensors_of_no_alternatives_are_no_rows():
 def test_the_orchestrator_sends_each_tokens_alternatives_with_its_id():
     inputs = {"input_ids": np.array([3, 4]), "end_id": np.array([1]),
               "stream": np.array([True]), "return_log_probs": np.array([True])}
-    first = engine_event("r", engine_request.outputs([4], [-0.25], -0.25, None, top=[A]))
+    first = engine_event("r", tensors.outputs([4], [-0.25], -0.25, None, top=[A]))
     assert first.top == [A]
     builder = ResponseBuilder(inputs, lambda ids: "".join(chr(97 + i % 26) for i in ids))
     out = builder.add(first)

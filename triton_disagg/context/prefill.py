@@ -35,7 +35,7 @@ from triton_disagg.engine.sequence import Sequence
 from triton_disagg.errors import EngineError, RequestError, Unavailable
 from triton_disagg.kv.connector import ConnectorError, HandoffBusy, KVConnector
 from triton_disagg.kv.handle import HandleError
-from triton_disagg.triton import engine_request
+from triton_disagg.triton import tensors
 
 if TYPE_CHECKING:
     from triton_disagg.kv.overlap import Announcer
@@ -123,7 +123,7 @@ class Prefiller:
     def _hand_off(self, result: PrefillResult | _Overlapped) -> dict | Exception:
         if isinstance(result, _Overlapped):
             return result.outputs()
-        out = engine_request.prefill_outputs(result)
+        out = tensors.prefill_outputs(result)
         handle = b""
         if result.block_ids:
             try:
@@ -239,7 +239,7 @@ class _Overlapped:
         """The context's answer (after :meth:`landed`): the first token and the handle."""
         r = self.result
         assert r is not None, "outputs() follows landed()"
-        out = engine_request.prefill_outputs(r)
+        out = tensors.prefill_outputs(r)
         handle = self.handle if r.finish_reason is None else b""
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         return out

@@ -54,7 +54,7 @@ from triton_disagg.kv.connector import ConnectorError
 from triton_disagg.kv.connector_factory import connector_for
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.readers import OnDeath, fail_instance, guarded
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 
 DEFAULT_WAIT_SECONDS = 30.0   # a request that names no timeout waits at most this long
 WAIT_GRACE_SECONDS = 1.0      # beyond the caller's own timeout: the caller gives up first

@@ -103,6 +103,16 @@ class TokenEvent(NamedTuple):
                           last.finish_reason, seq=last.seq, key=last.key, top=top)
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as the engine takes it: its prompt, how to sample, whether it streams
+    (read from Triton tensors by :func:`triton_disagg.triton.tensors.from_inputs`)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    streaming: bool
+
+
 class RemoteKV(Protocol):
     """Where a sequence's prompt KV comes from (the generation side's KV connector).
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,9 +98,10 @@ class EngineSpec:
     builder_version: str = BUILDER_VERSION
     source: dict[str, Any] = field(default_factory=dict)  # checkpoint path, options (informational)
 
-    @property
+    @functools.cached_property
     def max_context(self) -> int:
-        """The longest sequence (prompt + generated tokens) the engine runs."""
+        """The longest sequence (prompt + generated tokens) the engine runs (worked out once
+        per spec: every request is checked against it)."""
         s = self.shape
         return min(self.max_seq_len, s.max_position_embeddings,
                    s.sliding_window or self.max_seq_len)

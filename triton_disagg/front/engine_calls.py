@@ -31,7 +31,7 @@ Admission: a request is admitted only when its preprocessed tensors carry their 
 (:func:`triton_disagg.peers.check_seal`: it came from this deployment's preprocessing,
 through the ensemble or the HTTP front), and, defence in depth, only when every input is
 within the engine's limits as context and generation check them
-(:func:`triton_disagg.triton.engine_request.from_inputs`) and ``input_ids`` plus
+(:func:`triton_disagg.triton.tensors.from_inputs`) and ``input_ids`` plus
 ``request_output_len`` fit ``max_seq_len``. An error answer to the client names its own
 mistake (:class:`RequestError`) but never a server's: an engine error or a fault is logged
 in full with the request id, and the client gets its kind and that id
@@ -59,8 +59,7 @@ from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
 from triton_disagg.errors import (ErrorCode, RequestError, ServerBusy, Timeout, Unavailable,
                                   error_for, from_triton, without_tag)
 from triton_disagg.front.token_inbox import GenerationAnswer
-from triton_disagg.triton import engine_request
-from triton_disagg.triton.tensors import response_outputs, scalar, to_batched
+from triton_disagg.triton.tensors import from_inputs, response_outputs, scalar, to_batched
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
 RELEASE_TIMEOUT_SECONDS = 5.0  # a release not answered by then: the lease reclaims the KV
@@ -240,7 +239,7 @@ class OrchestratorGate:
     def check(self, inputs: dict[str, np.ndarray]) -> None:
         """Raise :class:`RequestError` unless the orchestrator may serve ``inputs``."""
         peers.check_seal(inputs, self.seal_key)
-        request = engine_request.from_inputs(engine_inputs(inputs), self.spec)
+        request = from_inputs(engine_inputs(inputs), self.spec)
         total = len(request.prompt_ids) + int(scalar(inputs, "request_output_len"))
         if total > self.spec.max_seq_len:
             raise RequestError(f"prompt ({len(request.prompt_ids)} tokens) + request_output_len "

@@ -5,7 +5,8 @@ around them and states the invariants every route keeps).
 A request is parsed (:mod:`.openai_api`), counted once per choice against the front's cap
 (:mod:`.http_gates`), prepared per choice (:mod:`.prepare`) and sent to the orchestrator
 (:mod:`.relay`): one choice streamed as SSE or answered whole, several answered whole, in
-OpenAI's order of ``index``; a server fault is answered by :func:`server_error`.
+OpenAI's order of ``index``; a server fault is answered by :func:`server_error`. Every
+route's errors (the app's middleware :func:`openai_errors`) are OpenAI's error JSON.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from aiohttp import web
 from triton_disagg.config.front_section import FrontConfig
 from triton_disagg.errors import HTTP_STATUS, ErrorCode
 from triton_disagg.front.http_gates import RETRY_AFTER_SECONDS, RequestCount
-from triton_disagg.front.openai_api import ApiError, Generation, parse, read_json
+from triton_disagg.front.openai_api import (MAX_BODY_BYTES, ApiError, Generation, parse,
+                                           read_json)
 from triton_disagg.front.openai_responses import (Logprobs, OpenAIObjects, StopTrimmer,
                                                   finish_reason, merge_logprobs, sse, usage)
 from triton_disagg.engine.sequence import TokenEvent
@@ -78,6 +80,33 @@ def server_error(exc: Exception, request_id: str) -> ApiError:
              else None)
     return ApiError(f"{_FAULTS[code]} (request id {request_id})", HTTP_STATUS[code],
                     kind="server_error", headers=retry)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every error as OpenAI's error JSON: aiohttp's own (404 path, 405, 413) included."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _error(exc, request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        reason = (f"the body is over {MAX_BODY_BYTES} bytes" if exc.status == 413
+                  else f"{exc.reason}: {request.method} {request.path[:100]}")
+        return _error(ApiError(reason, exc.status, kind=kind), request)
+    except ConnectionError:
+        raise                       # the client is gone: nothing to answer
+    except Exception as exc:  # noqa: BLE001 - a fault of this process: logged, not echoed
+        return _error(server_error(exc, request_id_of(request)), request)
+
+
+def _error(exc: ApiError, request: web.Request) -> web.Response:
+    if exc.status >= 500:
+        log.warning("request %s: %s %s", request_id_of(request), exc.status, exc)
+    return web.json_response(exc.body(), status=exc.status,
+                             headers={**exc.headers, REQUEST_ID: request_id_of(request)})
 
 
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:

@@ -38,7 +38,7 @@ from triton_disagg.front.engine_calls import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
                                             callee_error, generation_answer, microseconds,
                                             release_inputs, unbatch)
 from triton_disagg.routing.router import Router
-from triton_disagg.triton.engine_request import cache_salt
+from triton_disagg.triton.tensors import cache_salt
 from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.tensors import by_name, scalar, to_batched
 

@@ -56,9 +56,9 @@ from triton_disagg.config.tls_section import GrpcTLS, add_tls_flags, tls_from_fl
 from triton_disagg.front.connection_cap import CappedRunner
 from triton_disagg.front.http_gates import (FrontMetrics, RequestCount, add_metrics_route,
                                            add_origin_guard, request_gate)
-from triton_disagg.front.generation_routes import (CALLS, FRONT, PREPARER, RELAY, REQUEST_ID,
+from triton_disagg.front.generation_routes import (CALLS, FRONT, PREPARER, RELAY,
                                                    chat_completions, completions, inference,
-                                                   request_id_of, server_error)
+                                                   openai_errors)
 from triton_disagg.front.health import Readiness, ServerReadiness, add_health_routes
 from triton_disagg.front.openai_api import BODY_BOUNDS, MAX_BODY_BYTES, ApiError, BodyBounds
 from triton_disagg.front.openapi import document
@@ -75,33 +75,6 @@ log = logging.getLogger("triton_disagg.front")
 METRICS = web.AppKey("metrics", FrontMetrics)
 OPENAPI = web.AppKey("openapi", bytes)    # the document, made once (pydantic: ~5 ms)
 PARENT_WATCH = web.AppKey("parent_watch", asyncio.Task)
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler):
-    """Every error as OpenAI's error JSON: aiohttp's own (404 path, 405, 413) included."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return _error(exc, request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        reason = (f"the body is over {MAX_BODY_BYTES} bytes" if exc.status == 413
-                  else f"{exc.reason}: {request.method} {request.path[:100]}")
-        return _error(ApiError(reason, exc.status, kind=kind), request)
-    except ConnectionError:
-        raise                       # the client is gone: nothing to answer
-    except Exception as exc:  # noqa: BLE001 - a fault of this process: logged, not echoed
-        return _error(server_error(exc, request_id_of(request)), request)
-
-
-def _error(exc: ApiError, request: web.Request) -> web.Response:
-    if exc.status >= 500:
-        log.warning("request %s: %s %s", request_id_of(request), exc.status, exc)
-    return web.json_response(exc.body(), status=exc.status,
-                             headers={**exc.headers, REQUEST_ID: request_id_of(request)})
 
 
 def _model_card(preparer: RequestEncoder) -> dict:

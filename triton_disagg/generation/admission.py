@@ -34,7 +34,7 @@ from triton_disagg import protocol as P
 from triton_disagg.engine.scheduler import ComputeOverlap
 from triton_disagg.errors import RequestError, Unavailable, UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
-from triton_disagg.triton.engine_request import EngineRequest
+from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.kv.connector import ConnectorError, KVConnector, Transfer
 from triton_disagg.token_wire import WireError, split_key
 

@@ -23,7 +23,7 @@ from triton_disagg.log_format import configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.triton import engine_request
+from triton_disagg.triton import tensors
 from triton_disagg.context.prefill_loop import PrefillLoop, Prompt
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
@@ -68,11 +68,11 @@ class TritonPythonModel:
                 if request_type == P.RELEASE_KV:
                     handle = inputs.get(P.CONTEXT_PHASE_PARAMS, np.zeros(0, np.uint8))
                     self.loop.release(handle.tobytes())
-                    answer.send(engine_request.outputs([], [], 0.0, ""))
+                    answer.send(tensors.outputs([], [], 0.0, ""))
                     continue
                 listener = inputs.get(P.KV_LISTENER)
                 prompts.append(Prompt(request.request_id() or uuid.uuid4().hex,
-                                      engine_request.from_inputs(inputs, self.spec), answer,
+                                      tensors.from_inputs(inputs, self.spec), answer,
                                       listener.tobytes() if listener is not None else b"",
                                       request.timeout() / 1e6))
             except RequestError as exc:

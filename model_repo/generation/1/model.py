@@ -20,7 +20,7 @@ from triton_disagg.log_format import configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.triton import engine_request
+from triton_disagg.triton import tensors
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.admission import DecodeAdmission, read_request_parameters
 from triton_disagg.token_wire import StopInbox, TokenOutbox
@@ -73,7 +73,7 @@ class TritonPythonModel:
                     raise RequestError("generation needs the orchestrator's request id as the "
                                        "Triton request id (the stream's events carry it)")
                 inputs = read_inputs(pb_utils, request, P.GENERATION_INPUTS)
-                request = engine_request.from_inputs(inputs, self.spec)
+                request = tensors.from_inputs(inputs, self.spec)
                 work = self.admission.prepare(request_type, request, inputs)
             except (RequestError, Unavailable) as exc:
                 responses.append(error_response(pb_utils, str(exc), exc.status))
