@@ -1,6 +1,7 @@
 """What the orchestrator's unit tests share: a fake context/generation transport
 (:class:`FakeGeneration`) that pushes real token frames over real ipc sockets, and
-:func:`serve_one`, which serves one request through a real TokenInbox."""
+:func:`serve_one`, which serves one request through a real TokenInbox (its engine request
+read by :func:`engine_request`, as the orchestrator's gate reads it)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import time
 
 import numpy as np
 import zmq
+from engine_limits import limits_spec
 
 from triton_disagg import protocol as P
 from triton_disagg.triton import tensors
+from triton_disagg.triton.tensors import from_inputs
 from triton_disagg import token_wire
 from triton_disagg.errors import EngineError, GenerationLost
+from triton_disagg.front.engine_calls import engine_inputs
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox
-from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
 
 
@@ -45,7 +49,7 @@ class FakeGeneration:
         self.queued, self.refuse = queued, refuse   # seconds a context call waits; refuse all
         self.context_calls = 0                      # context calls made
         self.dying, self.dies_after = dying, dies_after
-        self.output_lens: list[int] = []          # each generation call's request_output_len
+        self.requests: list[EngineRequest] = []   # each generation call's request
         self.avoided: list[frozenset] = []        # each route's servers to avoid
         self.released: list[bytes] = []
         self.zmq = zmq.Context.instance()
@@ -55,6 +59,7 @@ class FakeGeneration:
         self.calls: list[tuple[str, list[int]]] = []       # (request_type, input_ids)
         self.contexts = 0                                  # context calls answered
         self.listeners: list[bytes] = []                   # each answered call's kv_listener
+        self.handles: list[bytes] = []                     # each generation call's KV handle
         self.closed: list[str] = []                        # request ids whose route closed
 
     def route(self, request_id, avoid, timeout):
@@ -62,30 +67,32 @@ class FakeGeneration:
         self.timeouts.append(timeout)
         return FakeRoute(self, request_id)
 
-    async def context(self, request_id, inputs):
+    async def context(self, request_id, request, listener):
         if self.mute_context:
             await asyncio.Event().wait()
         self.context_calls += 1
         await asyncio.sleep(self.queued)         # a full context's queue: the call waits
         self.contexts += 1
-        self.listeners.append(bytes(inputs.get(P.KV_LISTENER, np.zeros(0, np.uint8))))
-        output, done = [self.first] + self.rest, len(inputs["input_ids"]) - 2
+        self.listeners.append(listener)
+        output, done = [self.first] + self.rest, len(request.prompt_ids) - 2
         last = "length" if done == len(output) - 1 else ""
         out = tensors.outputs([output[done]], [-0.5], -0.5, last)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
         return out
 
-    async def generate(self, request_id, inputs, request_type, token_address) -> GenerationAnswer:
+    async def generate(self, request_id, request, request_type, token_address,
+                       handle) -> GenerationAnswer:
         """Generation's answer; the server it went to: ``gen-<n>`` for the n-th call."""
         self.request_ids.append(request_id)
-        self.calls.append((request_type, inputs["input_ids"].tolist()))
-        self.output_lens.append(int(inputs["request_output_len"][0]))
+        self.calls.append((request_type, list(request.prompt_ids)))
+        self.requests.append(request)
+        self.handles.append(handle)
         if self.refuse:
             raise EngineError("generation refused it")
         if request_type == P.CONTEXT_AND_GENERATION_IF_CACHED and not self.holds_prompt:
             return GenerationAnswer("")                   # declined: the orchestrator goes on
         server = len(self.calls) - 1
-        output = ([self.first] + self.rest)[max(1, len(inputs["input_ids"]) - 2):]
+        output = ([self.first] + self.rest)[max(1, len(request.prompt_ids) - 2):]
         if server < self.dying:
             output = output[:self.dies_after]
         if not self.silent:
@@ -115,8 +122,8 @@ class FakeGeneration:
             time.sleep(gap)
         push.close(linger=1000)
 
-    async def release(self, request_id, inputs, handle):
-        self.released.append(handle.tobytes())
+    async def release(self, request_id, request, handle):
+        self.released.append(handle)
 
     def stops(self, timeout_ms: int = 2000) -> list[str]:
         got = []
@@ -136,22 +143,28 @@ class FakeRoute:
         self.fake, self.request_id = fake, request_id
         self.server: int | None = None          # the generation call's server, once made
 
-    async def context(self, inputs):
-        return await self.fake.context(self.request_id, inputs)
+    async def context(self, request, listener=b""):
+        return await self.fake.context(self.request_id, request, listener)
 
-    async def generate(self, inputs, request_type, token_address):
-        accepted = await self.fake.generate(self.request_id, inputs, request_type, token_address)
+    async def generate(self, request, request_type, token_address, handle=b""):
+        accepted = await self.fake.generate(self.request_id, request, request_type,
+                                            token_address, handle)
         self.server = len(self.fake.calls) - 1
         return accepted
 
     async def lost(self):
         return None if self.server is None else self.fake.lost(self.server)
 
-    async def release(self, inputs, handle):
-        await self.fake.release(self.request_id, inputs, handle)
+    async def release(self, request, handle):
+        await self.fake.release(self.request_id, request, handle)
 
     def close(self):
         self.fake.closed.append(self.request_id)
+
+
+def engine_request(inputs: dict[str, np.ndarray]) -> EngineRequest:
+    """The engine request the orchestrator's gate reads from ``inputs`` (its tensors)."""
+    return from_inputs(engine_inputs(inputs), limits_spec())
 
 
 def serve_one(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=None,
@@ -167,7 +180,8 @@ def serve_one(generation, send, stall=5.0, cancel=lambda: False, cancel_task_aft
         inputs = {"input_ids": np.array([3, 4], np.int32), "end_id": np.array([1], np.int32),
                   "stream": np.array([stream]), "request_output_len": np.array([16], np.int32),
                   **(extra or {})}
-        task = asyncio.ensure_future(orchestrator.handle(inputs, send, cancel))
+        task = asyncio.ensure_future(orchestrator.handle(inputs, engine_request(inputs), send,
+                                                         cancel))
         if cancel_task_after is not None:
             await asyncio.sleep(cancel_task_after)
             task.cancel()

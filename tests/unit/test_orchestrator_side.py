@@ -12,11 +12,15 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator_fakes import FakeGeneration, serve_one
+from orchestrator_fakes import FakeGeneration, engine_request, serve_one
 from triton_disagg import protocol as P
+from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.errors import EngineError, RequestError, Timeout
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
+
+REQUEST = EngineRequest([3, 4, 5], SamplingParams(max_tokens=8), streaming=True)
 
 
 def test_non_streaming_first_token_only_and_aggregated():
@@ -158,8 +162,8 @@ def test_releases_that_hang_do_not_pile_up(monkeypatch):
     generation = FakeGeneration(10, [11, 1], refuse=True)    # each request's KV to release
     hung = asyncio.Event()
 
-    async def release(request_id, inputs, handle):
-        generation.released.append(handle.tobytes())
+    async def release(request_id, request, handle):
+        generation.released.append(handle)
         await hung.wait()
     generation.release = release
 
@@ -174,7 +178,7 @@ def test_releases_that_hang_do_not_pile_up(monkeypatch):
         try:
             for _ in range(4):
                 with pytest.raises(EngineError):
-                    await owner.handle(dict(inputs), send)
+                    await owner.handle(inputs, engine_request(inputs), send)
                 await asyncio.sleep(0)
             return len(owner.releases)
         finally:
@@ -229,7 +233,8 @@ def test_a_bls_context_call_abandoned_by_its_client_gives_its_kv_back_when_it_an
         async def send(outputs, final):
             pass
         try:
-            outcome = await orchestrator.handle(inputs, send, lambda: True)
+            outcome = await orchestrator.handle(inputs, engine_request(inputs), send,
+                                                lambda: True)
             for _ in range(100):               # the late answer, then its release
                 if generation.released:
                     break
@@ -274,19 +279,24 @@ def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_o
         dies_after):
     """gen-0 sends ``dies_after`` tokens and falls silent; its probe says it is lost. The
     request moves on: context prefills the prompt plus every token sent, gen-1 decodes
-    the rest, under a new request id, on a route that avoids gen-0."""
+    the rest (``min_tokens`` too), its other options as they were, with the new context's
+    KV handle, under a new request id, on a route that avoids gen-0."""
     generation, texts = FakeGeneration(10, [11, 12, 13, 14, 1], dying=1, dies_after=dies_after), []
 
     async def send(outputs, final):
         texts.append(outputs["text_output"][0])
 
-    assert serve_one(generation, send) == "finished"
+    options = {"min_tokens": np.array([2], np.int32), "random_seed": np.array([7], np.uint64)}
+    assert serve_one(generation, send, extra=options) == "finished"
     assert "".join(texts) == "".join(chr(0x4E00 + i) for i in (10, 11, 12, 13, 14))
     sent = [10, 11, 12][:1 + dies_after]
     resumed_first = [10, 11, 12, 13][len(sent)]
     assert generation.calls == [(P.GENERATION_ONLY, [3, 4, 10]),
                                 (P.GENERATION_ONLY, [3, 4] + sent + [resumed_first])]
-    assert generation.contexts == 2 and generation.output_lens == [16, 16 - len(sent)]
+    assert generation.contexts == 2 and generation.handles == [b"handle"] * 2
+    assert [(r.params.max_tokens, r.params.min_tokens, r.params.seed, r.params.end_id)
+            for r in generation.requests] == [(16, 2, 7, 1),
+                                              (16 - len(sent), max(0, 2 - len(sent)), 7, 1)]
     assert generation.avoided == [frozenset(), frozenset({"gen-0"})]
     assert len(set(generation.request_ids)) == 2 and len(generation.closed) == 2
     # gen-0 never made a token: it never took the KV, which goes back to the context
@@ -309,12 +319,9 @@ def test_a_bls_call_past_its_deadline_is_a_timeout():
 
     pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
     route = BLSTransport(pb, max_calls=4).route("req-1", timeout=0.2)
-    inputs = {"input_ids": np.array([3, 4, 5], np.int32),
-              "input_lengths": np.array([3], np.int32),
-              "request_output_len": np.array([8], np.int32)}
     started = time.monotonic()
     with pytest.raises(Timeout, match=r"^context timed out: no answer within 0.2 s$"):
-        asyncio.run(route.context(inputs))
+        asyncio.run(route.context(REQUEST))
     assert time.monotonic() - started < 2
 
 
@@ -353,13 +360,10 @@ def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_fr
 
     pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
     transport = BLSTransport(pb, max_calls=waiting + 1)
-    inputs = {"input_ids": np.array([3, 4, 5], np.int32),
-              "input_lengths": np.array([3], np.int32),
-              "request_output_len": np.array([8], np.int32)}
 
     async def main():
-        calls = [transport.route(f"r{i}", timeout=20).context(inputs) for i in range(waiting)]
-        calls.append(transport.route("free", timeout=20).release(inputs, np.zeros(1, np.uint8)))
+        calls = [transport.route(f"r{i}", timeout=20).context(REQUEST) for i in range(waiting)]
+        calls.append(transport.route("free", timeout=20).release(REQUEST, bytes(1)))
         return await asyncio.gather(*calls)
 
     started = time.monotonic()

@@ -79,6 +79,39 @@ def test_engine_request_parse_maps_trtllm_names():
         tensors.from_inputs({**inputs, "runtime_top_p": np.array([2.0])}, SPEC)
 
 
+# Engine inputs as a client's tensors, each sampling input away from its default, then none
+EVERY_INPUT = {"input_ids": np.array([4, 5, 6, 9]), "input_lengths": np.array([3]),
+               "request_output_len": np.array([7]), "end_id": np.array([2]),
+               "runtime_top_k": np.array([5]), "runtime_top_p": np.array([0.75], np.float32),
+               "temperature": np.array([0.3], np.float32),
+               "random_seed": np.array([2**64 - 3], np.uint64), "min_tokens": np.array([2]),
+               "repetition_penalty": np.array([1.1], np.float32),
+               "presence_penalty": np.array([-0.4], np.float32),
+               "frequency_penalty": np.array([0.2], np.float32),
+               "stop_words_list": to_wire([[7, 8], [3]]), "bad_words_list": to_wire([[11]]),
+               "streaming": np.array([True]), "return_log_probs": np.array([True]),
+               "cache_salt": np.array(["tenant é".encode()], object),
+               "prompt_logprobs": np.array([0]), "top_logprobs": np.array([3])}
+
+
+@pytest.mark.parametrize("inputs", [
+    EVERY_INPUT,
+    {"input_ids": np.array([4]), "request_output_len": np.array([1])},
+    {"input_ids": np.array([4, 5]), "request_output_len": np.array([2]), "end_id": np.array([-1]),
+     "temperature": np.array([0.0], np.float32), "return_log_probs": np.array([False])}],
+    ids=["every input", "none", "defaults given"])
+def test_an_engine_request_made_tensors_reads_back_as_itself(inputs):
+    """The orchestrator's calls carry its engine request as ``engine_tensors`` makes it: what a
+    context or generation reads back is the request itself, every option included, and only
+    ``ENGINE_INPUTS`` go, each in its protocol dtype."""
+    request = tensors.from_inputs(inputs, SPEC)
+    made = tensors.engine_tensors(request)
+    specs = {spec.name: spec for spec in P.ENGINE_INPUTS}
+    assert {name: arr.dtype for name, arr in made.items()} == {
+        name: np.dtype(specs[name].numpy_dtype) for name in made}
+    assert tensors.from_inputs(made, SPEC) == request
+
+
 def test_to_batched_adds_the_batch_axis_in_protocol_dtypes():
     out = to_batched(P.CONTEXT_OUTPUTS, {"output_ids": [[1, 2]], "sequence_length": [2]})
     assert out["output_ids"].shape == (1, 1, 2) and out["output_ids"].dtype == np.int32

@@ -1,6 +1,6 @@
 """The orchestrator's calls to its engines (the context and generation models): which
 requests may make them (:class:`OrchestratorGate`, :class:`InFlightCap`), what a request's
-calls carry (:func:`engine_inputs`), how they travel (in-process BLS here,
+calls carry (:func:`call_inputs`), how they travel (in-process BLS here,
 tritonclient gRPC in :mod:`.grpc_transport`), their answers read back (the context's as the
 request's first token event, :func:`~triton_disagg.triton.tensors.engine_event`; generation's,
 :func:`generation_answer`), and token events turned into the ensemble's outputs
@@ -9,9 +9,12 @@ invariant: streamed ``text_output`` deltas concatenate to the non-streamed text,
 multi-byte characters included, :func:`~triton_disagg.engine.tokenizer.text_delta`).
 
 Transports: both implement :class:`triton_disagg.front.orchestrator.Transport`: ``route``
-gives a request's :class:`~triton_disagg.front.orchestrator.Route`, whose calls move the tensors
-of :data:`protocol.ENGINE_INPUTS` / ``CONTEXT_OUTPUTS`` unchanged (batch axis of 1 added
-on the way out, removed on the way back), with the phase in the ``request_type`` request
+gives a request's :class:`~triton_disagg.front.orchestrator.Route`, whose calls take the
+request as the :class:`~triton_disagg.engine.sequence.EngineRequest` the gate read from the
+orchestrator's inputs (its one form from there to the engines) and move it as the tensors of
+:data:`protocol.ENGINE_INPUTS` (:func:`call_inputs`: made there alone), the answers as
+``CONTEXT_OUTPUTS`` (batch axis of 1 added on the way out, removed on the way back), with
+the phase in the ``request_type`` request
 parameter, the deployment's credential in ``peer_credential`` (:mod:`triton_disagg.peers`:
 context and generation answer no one else) and the orchestrator's request id as the Triton
 request id. A generation request also names the orchestrator's token address
@@ -53,13 +56,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from triton_disagg import peers, protocol as P
-from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
 from triton_disagg.errors import (ErrorCode, RequestError, ServerBusy, Timeout, Unavailable,
                                   error_for, from_triton, without_tag)
 from triton_disagg.front.token_inbox import GenerationAnswer
-from triton_disagg.triton.tensors import from_inputs, response_outputs, scalar, to_batched
+from triton_disagg.triton.tensors import (engine_tensors, from_inputs, response_outputs, scalar,
+                                          to_batched)
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
 RELEASE_TIMEOUT_SECONDS = 5.0  # a release not answered by then: the lease reclaims the KV
@@ -103,8 +107,23 @@ def microseconds(seconds: float) -> int:
     return int(seconds * 1e6)
 
 
-def release_inputs(inputs: dict, handle: np.ndarray) -> dict:
-    return dict(inputs, **{P.CONTEXT_PHASE_PARAMS: handle})
+def call_inputs(request: EngineRequest, handle: bytes = b"",
+                listener: bytes = b"") -> dict[str, np.ndarray]:
+    """A call's inputs: ``request`` as ``ENGINE_INPUTS`` (:func:`engine_tensors`), with the
+    prompt's KV ``handle`` (``context_phase_params``: a ``generation_only`` call or a
+    release) or generation's ``listener`` (``kv_listener``: an overlapped context call)."""
+    out = engine_tensors(request)
+    if handle:
+        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, np.uint8)
+    if listener:
+        out[P.KV_LISTENER] = np.frombuffer(listener, np.uint8)
+    return out
+
+
+def handle_of(outputs: dict[str, np.ndarray]) -> bytes:
+    """The KV handle (``context_phase_params``) in the context's answer; b"": none."""
+    handle = outputs.get(P.CONTEXT_PHASE_PARAMS)
+    return b"" if handle is None else np.asarray(handle, np.uint8).tobytes()
 
 
 def generation_answer(outputs: dict[str, np.ndarray]) -> GenerationAnswer:
@@ -183,19 +202,21 @@ class BLSRoute:
             raise callee_error(_bls_code(self.pb, error), error.message())
         return unbatch({t.name(): t.as_numpy() for t in response.output_tensors()})
 
-    async def context(self, inputs: dict) -> dict[str, np.ndarray]:
+    async def context(self, request: EngineRequest,
+                      listener: bytes = b"") -> dict[str, np.ndarray]:
         self.context_model = self.transport.next_context_model()
-        return await self._exec("context", inputs, call_parameters(self.credential, P.CONTEXT_ONLY),
+        return await self._exec("context", call_inputs(request, listener=listener),
+                                call_parameters(self.credential, P.CONTEXT_ONLY),
                                 self.timeout, queue_timeout=self.timeout, model=self.context_model)
 
-    async def release(self, inputs: dict, handle: np.ndarray) -> None:
-        await self._exec("context", release_inputs(inputs, handle),
+    async def release(self, request: EngineRequest, handle: bytes) -> None:
+        await self._exec("context", call_inputs(request, handle=handle),
                          call_parameters(self.credential, P.RELEASE_KV),
                          min(self.timeout, RELEASE_TIMEOUT_SECONDS), model=self.context_model)
 
-    async def generate(self, inputs: dict, request_type: str,
-                       token_address: str) -> GenerationAnswer:
-        outputs = await self._exec("generation", inputs,
+    async def generate(self, request: EngineRequest, request_type: str, token_address: str,
+                       handle: bytes = b"") -> GenerationAnswer:
+        outputs = await self._exec("generation", call_inputs(request, handle=handle),
                                    call_parameters(self.credential, request_type, token_address),
                                    self.timeout)
         return generation_answer(outputs)
@@ -236,14 +257,17 @@ class OrchestratorGate:
     def __init__(self, seal_key: bytes, spec: EngineSpec):
         self.seal_key, self.spec = seal_key, spec
 
-    def check(self, inputs: dict[str, np.ndarray]) -> None:
-        """Raise :class:`RequestError` unless the orchestrator may serve ``inputs``."""
+    def check(self, inputs: dict[str, np.ndarray]) -> EngineRequest:
+        """The engine request ``inputs`` hold (streamed from generation to the orchestrator,
+        whatever the client asked); :class:`RequestError` unless the orchestrator may serve
+        it."""
         peers.check_seal(inputs, self.seal_key)
         request = from_inputs(engine_inputs(inputs), self.spec)
-        total = len(request.prompt_ids) + int(scalar(inputs, "request_output_len"))
+        total = len(request.prompt_ids) + request.params.max_tokens
         if total > self.spec.max_seq_len:
             raise RequestError(f"prompt ({len(request.prompt_ids)} tokens) + request_output_len "
                                f"exceeds this engine's max_seq_len {self.spec.max_seq_len}")
+        return request
 
 
 def public_message(exc: Exception, request_id: str) -> str:
@@ -259,7 +283,8 @@ def public_message(exc: Exception, request_id: str) -> str:
 # ---- what the calls carry, and their answers as the ensemble's outputs
 
 def engine_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Orchestrator inputs -> the ``ENGINE_INPUTS`` of context/generation (present ones only)."""
+    """Orchestrator inputs -> ``ENGINE_INPUTS`` (present ones only): what the gate reads the
+    engine request from."""
     names = {s.name for s in P.ENGINE_INPUTS}
     out = {n: v for n, v in inputs.items() if n in names}
     out.update({P.SAMPLING_TO_ENGINE[n]: v for n, v in inputs.items() if n in P.SAMPLING_TO_ENGINE})

@@ -33,14 +33,14 @@ from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
                                   from_grpc_status)
 from triton_disagg.front.token_inbox import GenerationAnswer
+from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.front.engine_calls import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
-                                            RELEASE_TIMEOUT_SECONDS, call_parameters,
-                                            callee_error, generation_answer, microseconds,
-                                            release_inputs, unbatch)
+                                            RELEASE_TIMEOUT_SECONDS, call_inputs,
+                                            call_parameters, callee_error, generation_answer,
+                                            microseconds, unbatch)
 from triton_disagg.routing.router import Router
-from triton_disagg.triton.tensors import cache_salt
 from triton_disagg.triton.grpc_channel import client_options
-from triton_disagg.triton.tensors import by_name, scalar, to_batched
+from triton_disagg.triton.tensors import by_name, to_batched
 
 if TYPE_CHECKING:
     from tritonclient.grpc.aio import InferenceServerClient
@@ -218,14 +218,14 @@ class GrpcRoute:
         self.context_model: str | None = None   # in this model (None: "context")
         self.generation = None                  # its generation Assignment, once accepted
 
-    async def context(self, inputs: dict) -> dict[str, np.ndarray]:
+    async def context(self, request: EngineRequest,
+                      listener: bytes = b"") -> dict[str, np.ndarray]:
         router, failed = self.transport.routers["context"], []
-        prompt = np.asarray(inputs["input_ids"]).reshape(-1)    # [n] token ids, as the engine
-        prompt = prompt[:int(scalar(inputs, "input_lengths", prompt.size))].tolist()  # reads them
+        prompt, inputs = request.prompt_ids, call_inputs(request, listener=listener)
         for _ in range(CONTEXT_ATTEMPTS):
             try:
                 assignment = router.take(len(prompt), [f.url for f in failed], token_ids=prompt,
-                                         salt=cache_salt(inputs))
+                                         salt=request.params.cache_salt)
             except NoServer as exc:
                 raise _unanswered(failed, f"; {exc}") if failed else exc from None
             if failed:
@@ -245,21 +245,22 @@ class GrpcRoute:
             return outputs
         raise _unanswered(failed, "")
 
-    async def release(self, inputs: dict, handle: np.ndarray) -> None:
+    async def release(self, request: EngineRequest, handle: bytes) -> None:
         await self.transport.infer(self.context_url, "context", self.request_id,
-                                   release_inputs(inputs, handle),
+                                   call_inputs(request, handle=handle),
                                    call_parameters(self.transport.credential, P.RELEASE_KV),
                                    min(self.timeout, RELEASE_TIMEOUT_SECONDS),
                                    model=self.context_model)
 
-    async def generate(self, inputs: dict, request_type: str,
-                       token_address: str) -> GenerationAnswer:
-        tokens = int(np.size(inputs["input_ids"])) + int(scalar(inputs, "request_output_len", 0))
+    async def generate(self, request: EngineRequest, request_type: str, token_address: str,
+                       handle: bytes = b"") -> GenerationAnswer:
+        tokens = len(request.prompt_ids) + request.params.max_tokens
         assignment = self.transport.routers["generation"].take(tokens, self.avoid)
         self.transport.routed("generation", assignment.url)
         try:
             outputs = await self.transport.infer(
-                assignment.url, "generation", self.request_id, inputs,
+                assignment.url, "generation", self.request_id,
+                call_inputs(request, handle=handle),
                 call_parameters(self.transport.credential, request_type, token_address),
                 self.timeout)
         except Unanswered as exc:

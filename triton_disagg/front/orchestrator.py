@@ -57,15 +57,16 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
 from triton_disagg import log_format, protocol as P
 from triton_disagg.config.roles import Mode
-from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout, Unavailable
-from triton_disagg.front.engine_calls import ResponseBuilder, engine_inputs
+from triton_disagg.front.engine_calls import ResponseBuilder, handle_of
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox, TokenStream
 from triton_disagg.triton.tensors import engine_event, scalar
 
@@ -84,13 +85,17 @@ class Route(Protocol):
 
     cancellable: bool
 
-    async def context(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+    async def context(self, request: EngineRequest,
+                      listener: bytes = b"") -> dict[str, np.ndarray]:
+        """Prefill ``request`` (overlapped: as ``listener``, generation's, reads the KV);
+        the context's answer tensors (``CONTEXT_OUTPUTS``)."""
 
-    async def generate(self, inputs: dict[str, np.ndarray], request_type: str,
-                       token_address: str) -> GenerationAnswer:
-        """Send the request; generation's answer (or EngineError)."""
+    async def generate(self, request: EngineRequest, request_type: str, token_address: str,
+                       handle: bytes = b"") -> GenerationAnswer:
+        """Send the request (``handle``: its prompt's KV, ``generation_only``); generation's
+        answer (or EngineError)."""
 
-    async def release(self, inputs: dict[str, np.ndarray], handle: np.ndarray) -> None:
+    async def release(self, request: EngineRequest, handle: bytes) -> None:
         """Give the context the KV of ``handle`` (``context_phase_params``) back."""
 
     async def lost(self) -> GenerationLost | None:
@@ -143,14 +148,17 @@ class Orchestrator:
         self.overlap = overlap
         self.releases: set[asyncio.Task] = set()   # release_kv calls in flight (held)
 
-    async def handle(self, inputs: dict[str, np.ndarray], send: Send,
+    async def handle(self, inputs: dict[str, np.ndarray], request: EngineRequest, send: Send,
                      is_cancelled: Callable[[], bool] = lambda: False,
                      client_id: str = "") -> str:
         """Serve one request; returns its outcome ("finished" or "cancelled"), or raises.
-        ``client_id``: the Triton request id the client set; the ids of the calls to context
-        and generation start with it (else they are generated), so one grep finds the
-        request's lines on every server; this task's log lines carry it."""
-        run = ServedRequest(self, inputs, send, client_id)
+        ``inputs``: the orchestrator's (what the client's responses are built from);
+        ``request``: the engine request they hold (the gate's,
+        :meth:`~triton_disagg.front.engine_calls.OrchestratorGate.check`), all the calls
+        carry. ``client_id``: the Triton request id the client set; the ids of the calls to
+        context and generation start with it (else they are generated), so one grep finds
+        the request's lines on every server; this task's log lines carry it."""
+        run = ServedRequest(self, inputs, request, send, client_id)
         log_format.request_id.set(client_id or run.request_id)
         try:
             outcome = await run.serve(is_cancelled)
@@ -174,21 +182,21 @@ class Orchestrator:
         others); at most ``MAX_RELEASES`` such calls are out, beyond that the lease
         reclaims the KV. Called when a request ends or leaves a lost server, and when an
         abandoned context call answers late."""
-        if run.unfetched is None or not run.unfetched.size:
+        if not run.unfetched:
             return
         if len(self.releases) >= MAX_RELEASES:
             _log.warning("orchestrator: %d releases in flight; the KV of request %s waits "
                          "for its lease to expire", len(self.releases), run.request_id)
             return
         task = asyncio.get_running_loop().create_task(
-            self._release(run.route, run.engine_in, run.unfetched, run.request_id))
+            self._release(run.route, run.request, run.unfetched, run.request_id))
         self.releases.add(task)
         task.add_done_callback(self.releases.discard)
 
-    async def _release(self, route: Route, inputs: dict[str, np.ndarray], handle: np.ndarray,
+    async def _release(self, route: Route, request: EngineRequest, handle: bytes,
                        request_id: str) -> None:
         try:
-            await route.release(inputs, handle)
+            await route.release(request, handle)
         except Exception as exc:  # noqa: BLE001 - the lease still expires; say why it had to
             _log.warning("orchestrator: could not release the KV of request %s (%s); its "
                          "lease expires instead", request_id, exc)
@@ -208,26 +216,26 @@ def request_start(arrival_ns: int | None, now: float) -> float:
 class ServedRequest:
     """One request's state while the orchestrator serves it."""
 
-    def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray], send: Send,
-                 client_id: str = ""):
+    def __init__(self, owner: Orchestrator, inputs: dict[str, np.ndarray],
+                 request: EngineRequest, send: Send, client_id: str = ""):
         self.owner, self.send, self.client_id = owner, send, client_id
         self.request_id = _call_id(client_id)
         self.builder = ResponseBuilder(inputs, owner.decode)
-        self.engine_in = engine_inputs(inputs)
+        self.request = request
         self.route = owner.transport.route(self.request_id, frozenset(),
                                            owner.tokens.stall_seconds)
         self.sent: list[int] = []           # every token id passed on to the client so far
         self.lost: frozenset[str] = frozenset()   # generation servers lost with this request
         self.start = request_start(scalar(inputs, P.ARRIVAL), time.monotonic())
         self.ttft: float | None = None
-        self.unfetched: np.ndarray | None = None   # the handle, until generation sends a token
+        self.unfetched: bytes | None = None   # the KV handle, until generation sends a token
 
     async def serve(self, is_cancelled: Callable[[], bool]) -> str:
         """The request to its end, migrating it off lost generation servers."""
-        inputs, lost = self.engine_in, None
+        request, lost = self.request, None
         for moves in range(MAX_MIGRATIONS + 1):
             try:
-                return await self.attempt(inputs, is_cancelled)
+                return await self.attempt(request, is_cancelled)
             except GenerationLost as exc:
                 if moves == MAX_MIGRATIONS:
                     raise Unavailable(f"{exc}; the request had moved {moves} times "
@@ -239,29 +247,29 @@ class ServedRequest:
                 moved = Timeout if isinstance(exc, Timeout) else Unavailable   # its code kept
                 raise moved(f"{lost}; {exc}") from None     # why it had to move, too
             self.migrate(lost)
-            inputs = self.resumed()
+            request = self.resumed()
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def attempt(self, inputs: dict[str, np.ndarray], is_cancelled: Callable[[], bool]) -> str:
-        """Serve ``inputs``: on generation alone when aggregated or short, else context's
+    async def attempt(self, request: EngineRequest, is_cancelled: Callable[[], bool]) -> str:
+        """Serve ``request``: on generation alone when aggregated or short, else context's
         prefill (its token goes out at once), then generation's decode of the rest."""
-        prompt_length = int(np.size(inputs["input_ids"]))
-        with_prompt_logprobs = P.SAMPLING_TO_ENGINE["prompt_logprobs"] in inputs
+        prompt_length = len(request.prompt_ids)
+        with_prompt_logprobs = request.params.prompt_logprobs is not None
         if self.owner.aggregated and with_prompt_logprobs:
             raise RequestError("prompt_logprobs (echo with logprobs): the log-probs of the "
                                "prompt's tokens are computed by a context server; this "
                                "deployment is aggregated (serve it disaggregated)")
         if self.owner.aggregated or (prompt_length <= self.owner.local_prefill
                                                and not with_prompt_logprobs):
-            return await self.generate(inputs, P.CONTEXT_AND_GENERATION, is_cancelled)
+            return await self.generate(request, P.CONTEXT_AND_GENERATION, is_cancelled)
         if self.owner.local_prefill and not with_prompt_logprobs:   # uncached part short?
-            outcome = await self.generate(inputs, P.CONTEXT_AND_GENERATION_IF_CACHED,
+            outcome = await self.generate(request, P.CONTEXT_AND_GENERATION_IF_CACHED,
                                           is_cancelled)
             if outcome is not None:
                 return outcome
         if self.owner.overlap:
-            return await self.overlapped(inputs, is_cancelled)
-        ctx = await self.context(inputs, is_cancelled)
+            return await self.overlapped(request, is_cancelled)
+        ctx = await self.context(request, is_cancelled)
         if ctx is None:
             await self.send(None, True)
             return "cancelled"
@@ -269,16 +277,14 @@ class ServedRequest:
         first = engine_event(self.request_id, ctx)
         if await self.emit(first):
             return "finished"
-        self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
+        self.unfetched = handle_of(ctx)
         if is_cancelled():   # nothing fetched yet: the handle is given back
             await self.send(None, True)
             return "cancelled"
-        gen_in = dict(inputs, **{
-            # the prompt, then the first token; the handle holds the prompt's KV
-            "input_ids": np.append(inputs["input_ids"], first.tokens).astype(np.int32),
-            "input_lengths": np.array([prompt_length + len(first.tokens)], np.int32),
-            P.CONTEXT_PHASE_PARAMS: ctx[P.CONTEXT_PHASE_PARAMS]})
-        return await self.generate(gen_in, P.GENERATION_ONLY, is_cancelled)
+        # the prompt, then the first token; the handle holds the prompt's KV
+        after_first = replace(request, prompt_ids=request.prompt_ids + first.tokens)
+        return await self.generate(after_first, P.GENERATION_ONLY, is_cancelled,
+                                   handle=self.unfetched)
 
     def migrate(self, lost: GenerationLost) -> None:
         """Leave the lost server: KV it never took goes back, and a new route under a new
@@ -295,24 +301,20 @@ class ServedRequest:
         self.route = self.owner.transport.route(self.request_id, self.lost,
                                                 self.owner.tokens.stall_seconds)
 
-    def resumed(self) -> dict[str, np.ndarray]:
+    def resumed(self) -> EngineRequest:
         """The original request with every token sent so far appended to its prompt and
         only what is left to generate (module docstring)."""
-        ids = np.append(self.engine_in["input_ids"], self.sent).astype(np.int32)   # [n] + [k]
-        left = {"input_ids": ids, "input_lengths": np.array([len(ids)], np.int32),
-                "request_output_len": np.array(
-                    [int(scalar(self.engine_in, "request_output_len")) - len(self.sent)], np.int32)}
-        if "min_tokens" in self.engine_in:
-            minimum = int(scalar(self.engine_in, "min_tokens")) - len(self.sent)
-            left["min_tokens"] = np.array([max(0, minimum)], np.int32)
-        return dict(self.engine_in, **left)
+        params, sent = self.request.params, len(self.sent)
+        return replace(self.request, prompt_ids=self.request.prompt_ids + self.sent,
+                       params=replace(params, max_tokens=params.max_tokens - sent,
+                                      min_tokens=max(0, params.min_tokens - sent)))
 
-    async def context(self, inputs: dict[str, np.ndarray],
-                      is_cancelled: Callable[[], bool]) -> dict[str, np.ndarray] | None:
+    async def context(self, request: EngineRequest, is_cancelled: Callable[[], bool],
+                      listener: bytes = b"") -> dict[str, np.ndarray] | None:
         """The context call (its answer waits in the context's queue while its pool is full);
         None when the client cancelled meanwhile (asked every ``CANCEL_POLL_SECONDS`` while
         the call is out: the call is then abandoned)."""
-        call = asyncio.ensure_future(self.route.context(inputs))
+        call = asyncio.ensure_future(self.route.context(request, listener))
         try:
             while not (await asyncio.wait({call}, timeout=CANCEL_POLL_SECONDS))[0]:
                 if is_cancelled():
@@ -328,37 +330,35 @@ class ServedRequest:
         """An abandoned context call answered after all: its handle's KV goes back now,
         not when its lease expires."""
         if not call.cancelled() and call.exception() is None:
-            self.unfetched = call.result().get(P.CONTEXT_PHASE_PARAMS)
+            self.unfetched = handle_of(call.result())
             self.owner.give_back(self)
 
-    async def overlapped(self, inputs: dict[str, np.ndarray],
-                         is_cancelled: Callable[[], bool]) -> str:
+    async def overlapped(self, request: EngineRequest, is_cancelled: Callable[[], bool]) -> str:
         """Generation first, then the context given generation's listener; the context's
         first token goes out, then generation's tokens (module docstring). Leaving early in
         any way stops generation, which frees the blocks it took."""
         with self.owner.tokens.open(self.request_id) as stream:
             answer = await stream.accept(self.route.generate(
-                inputs, P.GENERATION_AWAITING_CONTEXT, stream.token_address))
-            listener = np.frombuffer(answer.kv_listener, np.uint8)
-            ctx = await self.context(dict(inputs, **{P.KV_LISTENER: listener}), is_cancelled)
+                request, P.GENERATION_AWAITING_CONTEXT, stream.token_address))
+            ctx = await self.context(request, is_cancelled, answer.kv_listener)
             if ctx is None:
                 await self.send(None, True)
                 return "cancelled"
             self.builder.context_answered(ctx)
             if await self.emit(engine_event(self.request_id, ctx)):
                 return "finished"
-            self.unfetched = ctx[P.CONTEXT_PHASE_PARAMS]
+            self.unfetched = handle_of(ctx)
             return await self.relay(stream, is_cancelled)
 
-    async def generate(self, gen_in: dict[str, np.ndarray], request_type: str,
-                       is_cancelled: Callable[[], bool]) -> str | None:
+    async def generate(self, request: EngineRequest, request_type: str,
+                       is_cancelled: Callable[[], bool], handle: bytes = b"") -> str | None:
         """Send generation the request, then pass its tokens on until the final one; leaving
         early in any way stops generation (the stream's exit). None: generation declined it
         (``context_and_generation_if_cached``: its prompt is not cached there)."""
         tokens = self.owner.tokens
         with tokens.open(self.request_id) as stream:
-            answer = await stream.accept(self.route.generate(gen_in, request_type,
-                                                             stream.token_address))
+            answer = await stream.accept(self.route.generate(request, request_type,
+                                                             stream.token_address, handle))
             if answer.declined:
                 return None
             return await self.relay(stream, is_cancelled)

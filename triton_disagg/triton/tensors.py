@@ -14,8 +14,8 @@ unit-tested without a server. Invariant: a dict handed to library code has one e
 *present* input, with the batch axis removed (these models serve one sequence per request)
 and the protocol dtype; a request whose batch is not 1 is refused, never sliced.
 
-Tensors -> engine requests, results -> tensors (:func:`from_inputs`, :func:`outputs`,
-:func:`prefill_outputs`): ``ENGINE_INPUTS`` as an
+Tensors <-> engine requests, results -> tensors (:func:`from_inputs`, its inverse
+:func:`engine_tensors`, :func:`outputs`, :func:`prefill_outputs`): ``ENGINE_INPUTS`` as an
 :class:`~triton_disagg.engine.sequence.EngineRequest` (prompt + ``SamplingParams``), read by
 the context and generation models (and any TensorRT-LLM-style client calling them
 directly) and by the orchestrator's admission check; engine results as ``ENGINE_OUTPUTS``.
@@ -37,12 +37,12 @@ import numpy as np
 
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
-from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams, from_wire
+from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams, from_wire, to_wire
 from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import ErrorCode, RequestError, UserError, triton_status
-from triton_disagg.protocol import (FINISH_REASONS, NUM_CACHED_TOKENS, PROMPT_LOGPROBS,
-                                    TOP_LOGPROBS, TensorSpec)
+from triton_disagg.protocol import (ENGINE_INPUTS, FINISH_REASONS, NUM_CACHED_TOKENS,
+                                    PROMPT_LOGPROBS, TOP_LOGPROBS, TensorSpec)
 
 if TYPE_CHECKING:       # the engine (its runners) is not imported where requests are read
     from triton_disagg.engine.llm_engine import PrefillResult
@@ -224,8 +224,8 @@ _FIELDS = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "temperature": "t
            "random_seed": "seed", "min_tokens": "min_tokens",
            "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty", "end_id": "end_id"}
-
-
+_ENGINE_SPECS = by_name(ENGINE_INPUTS)
+_DEFAULTS = SamplingParams()      # what an absent sampling input means
 
 
 def from_inputs(inputs: dict[str, np.ndarray], spec: EngineSpec) -> EngineRequest:
@@ -260,6 +260,34 @@ def from_inputs(inputs: dict[str, np.ndarray], spec: EngineSpec) -> EngineReques
     except (UserError, ValueError) as exc:
         raise RequestError(str(exc)) from None
     return EngineRequest(prompt[:length].tolist(), params, bool(scalar(inputs, "streaming", False)))
+
+
+def engine_tensors(request: EngineRequest) -> dict[str, np.ndarray]:
+    """Inverse of :func:`from_inputs`: ``request`` as ``ENGINE_INPUTS`` (no batch axis), each
+    sampling input only where its value is not the default an absent one means, so that
+    ``from_inputs(engine_tensors(r), spec) == r`` for every ``r`` that :func:`from_inputs`
+    returns. The one place an engine request becomes tensors (the orchestrator's calls)."""
+    p = request.params
+    values: dict[str, Any] = {"input_ids": request.prompt_ids,
+                              "input_lengths": [len(request.prompt_ids)],
+                              "request_output_len": [p.max_tokens],
+                              "streaming": [request.streaming]}
+    values.update({name: [getattr(p, field)] for name, field in _FIELDS.items()
+                   if getattr(p, field) != getattr(_DEFAULTS, field)})
+    if p.stop_words:
+        values["stop_words_list"] = to_wire(p.stop_words)       # [2, N]
+    if p.bad_words:
+        values["bad_words_list"] = to_wire(p.bad_words)         # [2, N]
+    if p.return_log_probs:
+        values["return_log_probs"] = [True]
+    if p.prompt_logprobs is not None:
+        values["prompt_logprobs"] = [p.prompt_logprobs]
+    if p.top_logprobs:
+        values["top_logprobs"] = [p.top_logprobs]
+    if p.cache_salt is not None:
+        values["cache_salt"] = [p.cache_salt.encode("utf-8")]
+    return {name: np.array(value, dtype=_ENGINE_SPECS[name].numpy_dtype)
+            for name, value in values.items()}
 
 
 def cache_salt(inputs: dict[str, np.ndarray]) -> str | None:

@@ -103,13 +103,13 @@ class TritonPythonModel:
         try:
             with self.cap.slot():         # past the cap: ServerBusy, before any tensor is read
                 inputs = read_inputs(pb_utils, request, P.ORCHESTRATOR_INPUTS)
-                self.gate.check(inputs)
+                engine_request = self.gate.check(inputs)
                 if scalar(inputs, "stream", False) and not self.decoupled:
                     raise RequestError("stream: true needs a decoupled ensemble; this server "
                                        "runs decoupled_mode: false (send stream: false, or "
                                        "serve with decoupled_mode: true)")
-                await self.orchestrator.handle(inputs, send, sender.is_cancelled,
-                                               request.request_id())
+                await self.orchestrator.handle(inputs, engine_request, send,
+                                               sender.is_cancelled, request.request_id())
         except (RequestError, EngineError) as exc:
             request_id = request.request_id() or uuid.uuid4().hex[:12]
             self.rejections.rejected(exc.status, f"request {request_id}: {exc}", request_id)
