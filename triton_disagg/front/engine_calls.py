@@ -258,9 +258,9 @@ class OrchestratorGate:
         self.seal_key, self.spec = seal_key, spec
 
     def check(self, inputs: dict[str, np.ndarray]) -> EngineRequest:
-        """The engine request ``inputs`` hold (streamed from generation to the orchestrator,
-        whatever the client asked); :class:`RequestError` unless the orchestrator may serve
-        it."""
+        """The engine request ``inputs`` hold, ``streaming`` set (generation streams to the
+        orchestrator whatever the client asked); :class:`RequestError` unless the
+        orchestrator may serve it."""
         peers.check_seal(inputs, self.seal_key)
         request = from_inputs(engine_inputs(inputs), self.spec)
         total = len(request.prompt_ids) + request.params.max_tokens

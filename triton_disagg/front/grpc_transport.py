@@ -32,8 +32,8 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
                                   from_grpc_status)
-from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.engine.sequence import EngineRequest
+from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.front.engine_calls import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
                                             RELEASE_TIMEOUT_SECONDS, call_inputs,
                                             call_parameters, callee_error, generation_answer,
