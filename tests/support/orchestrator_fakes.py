@@ -39,9 +39,10 @@ class FakeGeneration:
     def __init__(self, first: int, rest: list[int], silent: bool = False, queued: float = 0.0,
                  refuse: bool = False, dying: int = 0, dies_after: int = 0,
                  spoof: bool = False, skip_seq: int | None = None, mute_context: bool = False,
-                 holds_prompt: bool = False):
+                 holds_prompt: bool = False, handle: bytes = b"handle"):
         self.first, self.rest, self.silent = first, rest, silent
         self.holds_prompt = holds_prompt    # context_and_generation_if_cached: served, else declined
+        self.handle = handle        # the context's KV handle (b"": its answer has none)
         self.spoof = spoof          # a stranger who knows the request id pushes events too
         self.skip_seq = skip_seq    # the event numbered this one is lost on the way
         self.mute_context = mute_context          # context calls never answer
@@ -77,7 +78,8 @@ class FakeGeneration:
         output, done = [self.first] + self.rest, len(request.prompt_ids) - 2
         last = "length" if done == len(output) - 1 else ""
         out = tensors.outputs([output[done]], [-0.5], -0.5, last)
-        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(b"handle", np.uint8)
+        if self.handle:
+            out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(self.handle, np.uint8)
         return out
 
     async def generate(self, request_id, request, request_type, token_address,

@@ -279,14 +279,16 @@ def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_o
         dies_after):
     """gen-0 sends ``dies_after`` tokens and falls silent; its probe says it is lost. The
     request moves on: context prefills the prompt plus every token sent, gen-1 decodes
-    the rest (``min_tokens`` too), its other options as they were, with the new context's
-    KV handle, under a new request id, on a route that avoids gen-0."""
+    the rest (``min_tokens`` too; the prompt's log-probs, sent already, not asked again),
+    its other options as they were, with the new context's KV handle, under a new request
+    id, on a route that avoids gen-0."""
     generation, texts = FakeGeneration(10, [11, 12, 13, 14, 1], dying=1, dies_after=dies_after), []
 
     async def send(outputs, final):
         texts.append(outputs["text_output"][0])
 
-    options = {"min_tokens": np.array([2], np.int32), "random_seed": np.array([7], np.uint64)}
+    options = {"min_tokens": np.array([2], np.int32), "random_seed": np.array([7], np.uint64),
+               "prompt_logprobs": np.array([2], np.int32)}
     assert serve_one(generation, send, extra=options) == "finished"
     assert "".join(texts) == "".join(chr(0x4E00 + i) for i in (10, 11, 12, 13, 14))
     sent = [10, 11, 12][:1 + dies_after]
@@ -294,9 +296,9 @@ def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_o
     assert generation.calls == [(P.GENERATION_ONLY, [3, 4, 10]),
                                 (P.GENERATION_ONLY, [3, 4] + sent + [resumed_first])]
     assert generation.contexts == 2 and generation.handles == [b"handle"] * 2
-    assert [(r.params.max_tokens, r.params.min_tokens, r.params.seed, r.params.end_id)
-            for r in generation.requests] == [(16, 2, 7, 1),
-                                              (16 - len(sent), max(0, 2 - len(sent)), 7, 1)]
+    assert [(r.params.max_tokens, r.params.min_tokens, r.params.seed, r.params.end_id,
+             r.params.prompt_logprobs) for r in generation.requests] == [
+        (16, 2, 7, 1, 2), (16 - len(sent), max(0, 2 - len(sent)), 7, 1, None)]
     assert generation.avoided == [frozenset(), frozenset({"gen-0"})]
     assert len(set(generation.request_ids)) == 2 and len(generation.closed) == 2
     # gen-0 never made a token: it never took the KV, which goes back to the context
@@ -381,3 +383,31 @@ def test_a_forged_arrival_stamp_moves_the_request_clock_by_at_most_its_bound():
     for forged in (0, int((now + 5) * 1e9), int((now - MAX_ARRIVAL_AGE_SECONDS - 1) * 1e9),
                    2**64 - 1, None):
         assert request_start(forged, now) == now
+
+
+def test_a_context_answer_without_a_kv_handle_is_a_server_fault_not_a_generation_call():
+    """A context that answers a first token but no ``context_phase_params`` cannot hand the
+    request off: the request fails as the server's fault (EngineError: the client is told
+    its kind, not blamed), and generation is not called without the KV."""
+    async def send(outputs, final):
+        pass
+
+    generation = FakeGeneration(10, [11, 1], handle=b"")
+    failed = serve_one(generation, send)
+    assert type(failed) is EngineError and "context_phase_params" in str(failed)
+    assert generation.calls == []
+    generation.close()
+
+
+def test_a_call_carries_the_kv_handle_and_the_listener_beside_the_request():
+    """What a route sends: the request's tensors, plus the handle as ``context_phase_params``
+    (a handoff, a release) or generation's listener as ``kv_listener`` (overlapped)."""
+    from triton_disagg.front.engine_calls import call_inputs
+
+    plain = call_inputs(REQUEST)
+    assert P.CONTEXT_PHASE_PARAMS not in plain and P.KV_LISTENER not in plain
+    handed = call_inputs(REQUEST, handle=b"\x01\x02")
+    assert handed[P.CONTEXT_PHASE_PARAMS].tobytes() == b"\x01\x02"
+    assert handed[P.CONTEXT_PHASE_PARAMS].dtype == np.uint8
+    assert call_inputs(REQUEST, listener=b"\x03")[P.KV_LISTENER].tobytes() == b"\x03"
+    assert plain["input_ids"].tolist() == REQUEST.prompt_ids

@@ -3,6 +3,7 @@ The token path: test_token_path.py (ZeroMQ wire), test_orchestrator_tokens.py, t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from triton_disagg import protocol as P
 from triton_disagg.triton import tensors
 from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
-from triton_disagg.engine.sampling import from_wire, to_wire
+from triton_disagg.engine.sampling import SamplingParams, from_wire, to_wire
 from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import to_batched
@@ -92,6 +93,14 @@ EVERY_INPUT = {"input_ids": np.array([4, 5, 6, 9]), "input_lengths": np.array([3
                "streaming": np.array([True]), "return_log_probs": np.array([True]),
                "cache_salt": np.array(["tenant é".encode()], object),
                "prompt_logprobs": np.array([0]), "top_logprobs": np.array([3])}
+
+
+def test_every_input_moves_every_sampling_option_off_its_default():
+    """So that the round trip below covers every option (a new one must join EVERY_INPUT)."""
+    params = tensors.from_inputs(EVERY_INPUT, SPEC).params
+    defaults = SamplingParams()
+    assert [f.name for f in dataclasses.fields(SamplingParams)
+            if f.init and getattr(params, f.name) == getattr(defaults, f.name)] == []
 
 
 @pytest.mark.parametrize("inputs", [

@@ -23,8 +23,8 @@ bytes or any build option changes, and nothing else changes it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import functools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,8 +100,9 @@ class EngineSpec:
 
     @functools.cached_property
     def max_context(self) -> int:
-        """The longest sequence (prompt + generated tokens) the engine runs (worked out once
-        per spec: every request is checked against it)."""
+        """The longest sequence (prompt + generated tokens) the engine runs; worked out once
+        per spec, so that checking a request against it runs no code here (docs/architecture.md's
+        table of the files a request runs code in counts this module out)."""
         s = self.shape
         return min(self.max_seq_len, s.max_position_embeddings,
                    s.sliding_window or self.max_seq_len)

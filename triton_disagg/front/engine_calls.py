@@ -59,8 +59,8 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
-from triton_disagg.errors import (ErrorCode, RequestError, ServerBusy, Timeout, Unavailable,
-                                  error_for, from_triton, without_tag)
+from triton_disagg.errors import (EngineError, ErrorCode, RequestError, ServerBusy, Timeout,
+                                  Unavailable, error_for, from_triton, without_tag)
 from triton_disagg.front.token_inbox import GenerationAnswer
 from triton_disagg.triton.tensors import (engine_tensors, from_inputs, response_outputs, scalar,
                                           to_batched)
@@ -120,10 +120,14 @@ def call_inputs(request: EngineRequest, handle: bytes = b"",
     return out
 
 
-def handle_of(outputs: dict[str, np.ndarray]) -> bytes:
-    """The KV handle (``context_phase_params``) in the context's answer; b"": none."""
+def handle_of(outputs: dict[str, np.ndarray], needed: bool = False) -> bytes:
+    """The KV handle (``context_phase_params``) in the context's answer; b"": none, unless
+    ``needed`` (a handoff): then a context that answered without one is a server's fault."""
     handle = outputs.get(P.CONTEXT_PHASE_PARAMS)
-    return b"" if handle is None else np.asarray(handle, np.uint8).tobytes()
+    handle = b"" if handle is None else np.asarray(handle, np.uint8).tobytes()
+    if needed and not handle:
+        raise EngineError("the context answered without context_phase_params (its KV handle)")
+    return handle
 
 
 def generation_answer(outputs: dict[str, np.ndarray]) -> GenerationAnswer:

@@ -277,7 +277,7 @@ class ServedRequest:
         first = engine_event(self.request_id, ctx)
         if await self.emit(first):
             return "finished"
-        self.unfetched = handle_of(ctx)
+        self.unfetched = handle_of(ctx, needed=True)
         if is_cancelled():   # nothing fetched yet: the handle is given back
             await self.send(None, True)
             return "cancelled"
@@ -302,12 +302,13 @@ class ServedRequest:
                                                 self.owner.tokens.stall_seconds)
 
     def resumed(self) -> EngineRequest:
-        """The original request with every token sent so far appended to its prompt and
-        only what is left to generate (module docstring)."""
+        """The original request with every token sent so far appended to its prompt, only
+        what is left to generate, its prompt's log-probs (sent already) not asked again."""
         params, sent = self.request.params, len(self.sent)
         return replace(self.request, prompt_ids=self.request.prompt_ids + self.sent,
                        params=replace(params, max_tokens=params.max_tokens - sent,
-                                      min_tokens=max(0, params.min_tokens - sent)))
+                                      min_tokens=max(0, params.min_tokens - sent),
+                                      prompt_logprobs=None))
 
     async def context(self, request: EngineRequest, is_cancelled: Callable[[], bool],
                       listener: bytes = b"") -> dict[str, np.ndarray] | None:
