@@ -1,8 +1,8 @@
 """The orchestrator's control flow without a server: non-streaming and aggregated requests,
 short prompts served whole, a full context's answer awaited (one call), KV given back, cancels and early exits
 that stop generation, and migration off a lost generation server; context and generation
-are a fake transport (:class:`orchestrator_fakes.FakeGeneration`) over real ipc sockets;
-``serve all``'s BLS route ends a call that passes its deadline in a Timeout."""
+are a fake transport (:class:`orchestrator_fakes.FakeGeneration`) over real ipc sockets.
+The calls themselves (what they carry, the BLS route): test_engine_calls.py."""
 
 from __future__ import annotations
 
@@ -14,13 +14,9 @@ import pytest
 
 from orchestrator_fakes import FakeGeneration, engine_request, serve_one
 from triton_disagg import protocol as P
-from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.engine.sequence import EngineRequest
-from triton_disagg.errors import EngineError, RequestError, Timeout
+from triton_disagg.errors import EngineError, RequestError
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
-
-REQUEST = EngineRequest([3, 4, 5], SamplingParams(max_tokens=8), streaming=True)
 
 
 def test_non_streaming_first_token_only_and_aggregated():
@@ -306,73 +302,6 @@ def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_o
     generation.close()
 
 
-def test_a_bls_call_past_its_deadline_is_a_timeout():
-    """``serve all``: a context model that does not answer in time (a BLS call still out)."""
-    from types import SimpleNamespace
-
-    from triton_disagg.front.engine_calls import BLSTransport
-
-    class Request:
-        def __init__(self, **_):
-            pass
-
-        async def async_exec(self):
-            await asyncio.Event().wait()             # never answers
-
-    pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
-    route = BLSTransport(pb, max_calls=4).route("req-1", timeout=0.2)
-    started = time.monotonic()
-    with pytest.raises(Timeout, match=r"^context timed out: no answer within 0.2 s$"):
-        asyncio.run(route.context(REQUEST))
-    assert time.monotonic() - started < 2
-
-
-def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_free_it():
-    """``serve all``: the stub's ``async_exec`` holds a thread of the loop's default executor
-    per call until it is answered. Forty context calls waiting in a full context's queue (more
-    than Python's default executor has threads) must not keep out the call that frees its
-    pool (here a release; in serving, generation taking the KV)."""
-    import threading
-    from types import SimpleNamespace
-
-    from triton_disagg.front.engine_calls import BLSTransport
-
-    freed, waiting = threading.Event(), 40
-
-    class Response:
-        def has_error(self):
-            return False
-
-        def output_tensors(self):
-            return []
-
-    class Request:
-        def __init__(self, parameters, **_):
-            self.frees = parameters[P.REQUEST_TYPE] == P.RELEASE_KV
-
-        async def async_exec(self):      # as the stub runs it: the blocking call in a thread
-            return await asyncio.get_running_loop().run_in_executor(None, self.exec)
-
-        def exec(self):
-            if self.frees:
-                freed.set()
-            elif not freed.wait(10):
-                raise AssertionError("the freeing call never ran")
-            return Response()
-
-    pb = SimpleNamespace(Tensor=lambda name, array: (name, array), InferenceRequest=Request)
-    transport = BLSTransport(pb, max_calls=waiting + 1)
-
-    async def main():
-        calls = [transport.route(f"r{i}", timeout=20).context(REQUEST) for i in range(waiting)]
-        calls.append(transport.route("free", timeout=20).release(REQUEST, bytes(1)))
-        return await asyncio.gather(*calls)
-
-    started = time.monotonic()
-    assert len(asyncio.run(main())) == waiting + 1
-    assert time.monotonic() - started < 5
-
-
 def test_a_forged_arrival_stamp_moves_the_request_clock_by_at_most_its_bound():
     """The arrival stamp is not sealed: one from the future, from long ago or absent starts
     the clock now; a plausible one (preprocessing's) is kept."""
@@ -397,17 +326,3 @@ def test_a_context_answer_without_a_kv_handle_is_a_server_fault_not_a_generation
     assert type(failed) is EngineError and "context_phase_params" in str(failed)
     assert generation.calls == []
     generation.close()
-
-
-def test_a_call_carries_the_kv_handle_and_the_listener_beside_the_request():
-    """What a route sends: the request's tensors, plus the handle as ``context_phase_params``
-    (a handoff, a release) or generation's listener as ``kv_listener`` (overlapped)."""
-    from triton_disagg.front.engine_calls import call_inputs
-
-    plain = call_inputs(REQUEST)
-    assert P.CONTEXT_PHASE_PARAMS not in plain and P.KV_LISTENER not in plain
-    handed = call_inputs(REQUEST, handle=b"\x01\x02")
-    assert handed[P.CONTEXT_PHASE_PARAMS].tobytes() == b"\x01\x02"
-    assert handed[P.CONTEXT_PHASE_PARAMS].dtype == np.uint8
-    assert call_inputs(REQUEST, listener=b"\x03")[P.KV_LISTENER].tobytes() == b"\x03"
-    assert plain["input_ids"].tolist() == REQUEST.prompt_ids
