@@ -15,7 +15,6 @@ from engine_limits import limits_spec
 
 from triton_disagg import protocol as P
 from triton_disagg.triton import tensors
-from triton_disagg.triton.tensors import from_inputs
 from triton_disagg import token_wire
 from triton_disagg.errors import EngineError, GenerationLost
 from triton_disagg.front.engine_calls import engine_inputs
@@ -166,7 +165,7 @@ class FakeRoute:
 
 def engine_request(inputs: dict[str, np.ndarray]) -> EngineRequest:
     """The engine request the orchestrator's gate reads from ``inputs`` (its tensors)."""
-    return from_inputs(engine_inputs(inputs), limits_spec())
+    return tensors.from_inputs(engine_inputs(inputs), limits_spec())
 
 
 def serve_one(generation, send, stall=5.0, cancel=lambda: False, cancel_task_after=None,
