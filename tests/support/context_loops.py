@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from triton_disagg.context.prefill_loop import PrefillLoop, Prompt
+from triton_disagg.context.prefill_loop import PrefillLoop, Prompt, deadline_after
 from triton_disagg.engine.sequence import EngineRequest
 
 ANSWER_S = 30.0
@@ -38,7 +38,7 @@ def submit(loop: PrefillLoop, batch: list[tuple[str, EngineRequest]],
     """Hand ``batch`` over as one ``execute`` would (one submission); their answers."""
     answers = [Collected() for _ in batch]
     listeners = listeners or [b""] * len(batch)
-    loop.submit([Prompt(rid, request, answer, listener, wait_seconds)
+    loop.submit([Prompt(rid, request, answer, deadline_after(wait_seconds), listener)
                  for (rid, request), answer, listener in zip(batch, answers, listeners)])
     return answers
 

@@ -10,7 +10,6 @@ import time
 import pytest
 import zmq
 
-from triton_disagg import protocol as P
 from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg import token_wire
 from triton_disagg.errors import ErrorCode
@@ -67,10 +66,8 @@ def test_one_message_per_step_per_address_and_a_stop_reaches_its_instance(engine
     loop = DecodeLoop(engine, TokenOutbox(context), side, stops=stops)
     prompts = {f"r{i}": [5 + i, 6, 7] for i in range(3)}
     for rid, prompt in prompts.items():
-        loop.submit(rid, side.prepare(P.CONTEXT_AND_GENERATION, _request(prompt, 8), {}),
-                    orchestrators.address(0))
-    loop.submit("long", side.prepare(P.CONTEXT_AND_GENERATION, _request([9, 9], 500, False), {}),
-                orchestrators.address(0))
+        loop.submit(rid, _request(prompt, 8), orchestrators.address(0))
+    loop.submit("long", _request([9, 9], 500, False), orchestrators.address(0))
     messages = orchestrators.messages(0, finals=3)
     push = push_socket(context, stops.address, 10)           # the orchestrator's stop
     push.send(token_wire.encode_stop("long", "k"))
@@ -96,8 +93,7 @@ def test_stream_interval_groups_tokens_after_the_first(engine):
     side = DecodeAdmission(engine, None)
     orchestrators = Orchestrators(1)
     loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side, stream_interval=3)
-    loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6, 7], 9), {}),
-                orchestrators.address(0))
+    loop.submit("r", _request([5, 6, 7], 9), orchestrators.address(0))
     events = [e for m in orchestrators.messages(0, finals=1) for e in m]
     loop.close()
     orchestrators.close()
@@ -126,13 +122,10 @@ def test_the_loop_survives_a_send_that_raises(engine):
     done: list[str] = []
     side.request_done = done.append
     loop = DecodeLoop(engine, outbox, side)
-    loop.submit("doomed", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6], 400), {}),
-                "ipc:///gone#k")
-    loop.submit("fine", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 7], 12), {}),
-                orchestrators.address(0))
+    loop.submit("doomed", _request([5, 6], 400), "ipc:///gone#k")
+    loop.submit("fine", _request([5, 7], 12), orchestrators.address(0))
     events = [e for m in orchestrators.messages(0, finals=1) for e in m]
-    loop.submit("later", side.prepare(P.CONTEXT_AND_GENERATION, _request([8], 4), {}),
-                orchestrators.address(0))
+    loop.submit("later", _request([8], 4), orchestrators.address(0))
     events += [e for m in orchestrators.messages(0, finals=1) for e in m]
     loop.close()
     orchestrators.close()
@@ -172,8 +165,7 @@ def test_a_stuck_loop_reports_its_stacks_and_fails_its_requests(engine, capfd):
     loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side, stuck_seconds=0.5)
     engine.step = stuck_step
     try:
-        loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, _request([5, 6], 50), {}),
-                    orchestrators.address(0))
+        loop.submit("r", _request([5, 6], 50), orchestrators.address(0))
         (message,) = orchestrators.messages(0, finals=1, timeout=10)
     finally:
         release.set()
@@ -238,11 +230,8 @@ def test_a_dropped_token_socket_fails_every_request_that_streams_to_it(engine):
     loop = DecodeLoop(engine, outbox, side)
     for rid, prompt, streaming in (("s1", [5, 6], True), ("s2", [5, 7], True),
                                    ("whole", [5, 8], False)):
-        loop.submit(rid, side.prepare(P.CONTEXT_AND_GENERATION,
-                                      _request(prompt, 200, streaming), {}),
-                    orchestrators.address(0))
-    loop.submit("other", side.prepare(P.CONTEXT_AND_GENERATION, _request([9, 9], 40), {}),
-                orchestrators.address(1))
+        loop.submit(rid, _request(prompt, 200, streaming), orchestrators.address(0))
+    loop.submit("other", _request([9, 9], 40), orchestrators.address(1))
     first = orchestrators.socks[0].poll(10_000) and token_wire.decode_events(
         orchestrators.socks[0].recv())
     assert first and {e.request_id for e in first} == {"s1", "s2"}
@@ -270,8 +259,7 @@ def test_a_stop_without_the_requests_key_is_ignored(engine, monkeypatch, caplog)
     context = zmq.Context.instance()
     stops = StopInbox(context, None)
     loop = DecodeLoop(engine, TokenOutbox(context), side, stops=stops)
-    loop.submit("long", side.prepare(P.CONTEXT_AND_GENERATION, _request([9, 9], 500), {}),
-                orchestrators.address(0, key="right"))
+    loop.submit("long", _request([9, 9], 500), orchestrators.address(0, key="right"))
     push = push_socket(context, stops.address, 10)
     assert orchestrators.socks[0].poll(10_000)
     for key in ("wrong", ""):                             # a stranger's stops
@@ -299,7 +287,7 @@ def test_token_sockets_stay_bounded_under_many_distinct_addresses(engine):
     orchestrators = Orchestrators(3)
     loop = DecodeLoop(engine, outbox, side)
     for i in range(12):
-        loop.submit(f"one-{i}", side.prepare(P.CONTEXT_AND_GENERATION, _request([5], 1), {}),
+        loop.submit(f"one-{i}", _request([5], 1),
                     token_wire.with_key(f"ipc:///nowhere/orchestrator-{i}", "k"))
     deadline = time.monotonic() + 10
     while (loop.live or not loop.inbox.empty()) and time.monotonic() < deadline:
@@ -307,12 +295,9 @@ def test_token_sockets_stay_bounded_under_many_distinct_addresses(engine):
     time.sleep(0.2)                                       # the loop's last flush
     assert len(outbox.sockets) <= 2
     for i in (0, 1):
-        loop.submit(f"busy-{i}", side.prepare(P.CONTEXT_AND_GENERATION,
-                                              _request([5, i], 300, False), {}),
-                    orchestrators.address(i))
+        loop.submit(f"busy-{i}", _request([5, i], 300, False), orchestrators.address(i))
     time.sleep(0.3)
-    loop.submit("more", side.prepare(P.CONTEXT_AND_GENERATION, _request([7], 4), {}),
-                orchestrators.address(2))
+    loop.submit("more", _request([7], 4), orchestrators.address(2))
     (refused,) = [e for m in orchestrators.messages(2, finals=1) for e in m]
     for i in (0, 1):
         orchestrators.messages(i, finals=1)
@@ -332,12 +317,9 @@ def test_a_dead_orchestrators_requests_are_aborted_and_their_kv_freed(engine):
     done: list[str] = []
     side.request_done = done.append
     loop = DecodeLoop(engine, TokenOutbox(zmq.Context.instance()), side)
-    loop.submit("earlier", side.prepare(P.CONTEXT_AND_GENERATION, _request([5], 2), {}),
-                orchestrators.address(0))
+    loop.submit("earlier", _request([5], 2), orchestrators.address(0))
     orchestrators.messages(0, finals=1)                   # the socket to it is connected
-    loop.submit("orphan", side.prepare(P.CONTEXT_AND_GENERATION,
-                                       _request([5, 6], 500, False), {}),
-                orchestrators.address(0))
+    loop.submit("orphan", _request([5, 6], 500, False), orchestrators.address(0))
     time.sleep(0.05)
     orchestrators.close()
     deadline = time.monotonic() + 5

@@ -25,7 +25,7 @@ from triton_disagg.engine.spec import KVLayout
 from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.engine.sequence import EngineRequest
-from triton_disagg.generation.admission import DecodeAdmission, PreparedRequest
+from triton_disagg.generation.admission import DecodeAdmission, FetchedKV
 from triton_disagg.kv.fetch_worker import FetchWorker
 from triton_disagg.kv.handle import TransferStats
 
@@ -136,13 +136,13 @@ class StopsFor:
         pass
 
 
-def handed_off(context, rid, prompt, params):
-    """Prefill ``prompt`` on the context engine: its first token and generation_only
-    PreparedRequest."""
+def handed_off(context, side, rid, prompt, params):
+    """Prefill ``prompt`` on the context engine: its first token, and the generation_only
+    request with the KV ``side`` fetches for it."""
     (result,) = context.prefill_only([(rid, prompt, params)])
     request = EngineRequest(prompt + [result.token_id], params, streaming=False)
     handle = CopyHandle(result.num_tokens, result.block_ids, rid)
-    return result.token_id, PreparedRequest(P.GENERATION_ONLY, request, handle)
+    return result.token_id, request, FetchedKV(side.connector, handle)
 
 
 def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
@@ -155,11 +155,12 @@ def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
     loop = DecodeLoop(side.engine, finals, side, stops=StopsFor("d"))
     firsts = {}
     for rid, (prompt, params) in requests.items():
-        firsts[rid], work = handed_off(context, rid, prompt, params)
-        loop.submit(rid, work, "ipc:///orchestrator#k")
+        firsts[rid], request, kv = handed_off(context, side, rid, prompt, params)
+        loop.submit(rid, request, "ipc:///orchestrator#k", kv)
     # d's client is gone before d reaches the head: it ends without taking any block.
-    _, cancelled = handed_off(context, "d", [7, 8, 9], SamplingParams(max_tokens=3))
-    loop.submit("d", cancelled, "ipc:///orchestrator#k")
+    _, cancelled, cancelled_kv = handed_off(context, side, "d", [7, 8, 9],
+                                            SamplingParams(max_tokens=3))
+    loop.submit("d", cancelled, "ipc:///orchestrator#k", cancelled_kv)
     gated.release.set()
     try:
         assert finals.wait(4), "admission deadlock: the requests never all finished"
@@ -169,7 +170,7 @@ def test_requests_that_fit_one_at_a_time_all_finish_in_fifo_order(sides):
     assert gated.started == ["a", "b", "c"]
     (event,) = finals.emits["d"]
     assert event.error is None and event.finish_reason == "cancelled" and event.tokens == []
-    context.pool.free(cancelled.handle.block_ids)        # as its lease expiring would
+    context.pool.free(cancelled_kv.handle.block_ids)        # as its lease expiring would
     for rid, (prompt, params) in requests.items():
         (whole,) = context.generate([prompt], params)
         assert [firsts[rid]] + finals.tokens(rid) == whole.output_ids
@@ -182,11 +183,11 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_once(sides):
     finals = Finals()
     loop = DecodeLoop(side.engine, finals, side)
     # 48 prompt tokens (12 blocks) + 4: the prompt alone outgrows the 10-block pool.
-    _, work = handed_off(context, "big", list(range(5, 53)),
+    _, request, kv = handed_off(context, side, "big", list(range(5, 53)),
                          SamplingParams(max_tokens=4))
-    loop.submit("big", work, "ipc:///orchestrator#k")
-    _, work = handed_off(context, "ok", [7, 8, 9], SamplingParams(max_tokens=3))
-    loop.submit("ok", work, "ipc:///orchestrator#k")
+    loop.submit("big", request, "ipc:///orchestrator#k", kv)
+    _, request, kv = handed_off(context, side, "ok", [7, 8, 9], SamplingParams(max_tokens=3))
+    loop.submit("ok", request, "ipc:///orchestrator#k", kv)
     try:
         assert finals.wait(2, timeout=5.0), "the never-fitting request waits for ever"
     finally:
@@ -208,8 +209,9 @@ def test_a_failing_fetch_fails_its_request_alone_and_frees_its_blocks(sides):
     prompts = {"lost": [5, 6, 7, 8, 9], "ok": [7, 8, 9]}
     firsts = {}
     for rid, prompt in prompts.items():
-        firsts[rid], work = handed_off(context, rid, prompt, SamplingParams(max_tokens=4))
-        loop.submit(rid, work, "ipc:///orchestrator#k")
+        firsts[rid], request, kv = handed_off(context, side, rid, prompt,
+                                              SamplingParams(max_tokens=4))
+        loop.submit(rid, request, "ipc:///orchestrator#k", kv)
     try:
         assert finals.wait(2), "a request never ended"
     finally:
@@ -319,8 +321,8 @@ def test_the_decode_loop_finishes_a_request_while_another_fetch_blocks(sides):
     params, firsts = SamplingParams(max_tokens=5), {}
     try:
         for rid, prompt in prompts.items():
-            firsts[rid], work = handed_off(context, rid, prompt, params)
-            loop.submit(rid, work, "ipc:///orchestrator#k")
+            firsts[rid], request, kv = handed_off(context, side, rid, prompt, params)
+            loop.submit(rid, request, "ipc:///orchestrator#k", kv)
         assert threaded.wait_started(set(prompts))   # both in flight before ok's KV lands
         threaded.open("ok")
         assert finals.wait(1), "a blocked fetch held up the other request"
@@ -371,12 +373,12 @@ def test_a_next_turn_takes_generations_cached_blocks_and_may_skip_the_context(si
     loop = DecodeLoop(side.engine, finals, side)
     first = list(range(5, 13))
     try:
-        token, work = handed_off(context, "one", first, params)
-        loop.submit("one", work, "ipc:///orchestrator#k")
+        token, request, kv = handed_off(context, side, "one", first, params)
+        loop.submit("one", request, "ipc:///orchestrator#k", kv)
         assert finals.wait(1)
         second = first + [token] + finals.tokens("one") + [40, 41, 42]     # 16 tokens
-        token, work = handed_off(context, "two", second, params)
-        loop.submit("two", work, "ipc:///orchestrator#k")
+        token, request, kv = handed_off(context, side, "two", second, params)
+        loop.submit("two", request, "ipc:///orchestrator#k", kv)
         assert finals.wait(2)
     finally:
         loop.close()
@@ -389,5 +391,5 @@ def test_a_next_turn_takes_generations_cached_blocks_and_may_skip_the_context(si
     offer = P.CONTEXT_AND_GENERATION_IF_CACHED
     for local_prefill, served in ((3, False), (4, True)):
         side.local_prefill = local_prefill
-        work = side.prepare(offer, request, {})
-        assert (work == PreparedRequest(P.CONTEXT_AND_GENERATION, request)) if served else work is None
+        assert side.declines(offer, request) is not served
+        assert side.prompt_kv(offer, request, {}) is None        # served: prefilled here

@@ -60,7 +60,8 @@ def _await(generation: LLMEngine, connector, rid: str, params: SamplingParams,
     """Queue ``rid`` on generation as awaiting the context; step until it holds its blocks;
     its listener."""
     nonce, listener = connector.listen(len(prompt))
-    generation.add_prefilled(rid, prompt, None, params, PulledKV(connector, nonce, len(prompt)))
+    generation.add_prefilled(rid, prompt, None, params,
+                             PulledKV(connector, nonce, len(prompt), listener))
     generation.step()
     assert generation.admitted(rid)
     return listener

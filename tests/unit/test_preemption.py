@@ -264,7 +264,6 @@ def test_decode_loop_streams_a_preempted_request_with_no_gap_or_repeat(engine_di
     0, 1, 2, ... without a gap, carry the tokens of a run on a big pool, each once."""
     import zmq
 
-    from triton_disagg import protocol as P
     from triton_disagg import token_wire
     from triton_disagg.generation.decode_loop import DecodeLoop
     from triton_disagg.generation.admission import DecodeAdmission
@@ -281,8 +280,8 @@ def test_decode_loop_streams_a_preempted_request_with_no_gap_or_repeat(engine_di
     side = DecodeAdmission(engine, None)
     loop = DecodeLoop(engine, TokenOutbox(context), side)
     for i, prompt in enumerate(PROMPTS):
-        work = side.prepare(P.CONTEXT_AND_GENERATION, EngineRequest(prompt, params, True), {})
-        loop.submit(f"r{i}", work, token_wire.with_key(endpoint.address, "k"))
+        loop.submit(f"r{i}", EngineRequest(prompt, params, True),
+                    token_wire.with_key(endpoint.address, "k"))
     tokens: dict[str, list[int]] = {rid: [] for rid in expected}
     numbers: dict[str, list[int]] = {rid: [] for rid in expected}
     finals = 0

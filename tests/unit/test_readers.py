@@ -151,7 +151,6 @@ class OneTake:
 
 def test_a_non_ascii_key_beside_a_valid_stop_in_one_pass_is_dropped_and_the_stop_obeyed(
         demo_engine):
-    from triton_disagg import protocol as P
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.generation.decode_loop import DecodeLoop
@@ -166,8 +165,7 @@ def test_a_non_ascii_key_beside_a_valid_stop_in_one_pass_is_dropped_and_the_stop
     stops = OneTake([])
     loop = DecodeLoop(engine, TokenOutbox(context), side, stops=stops)
     long = EngineRequest([9, 9], SamplingParams(max_tokens=500), True)
-    loop.submit("long", side.prepare(P.CONTEXT_AND_GENERATION, long, {}),
-                token_wire.with_key(endpoint.address, "right"))
+    loop.submit("long", long, token_wire.with_key(endpoint.address, "right"))
     assert orchestrator.poll(10_000)                             # it generates
     stops.stops = [("long", "r\u00e9ght"), ("gone", "k"), ("long", "right")]
     finals, deadline = [], time.monotonic() + WAIT_S

@@ -83,7 +83,6 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
     alternatives, the first's included, ride its events, grouped by stream_interval."""
     import zmq
 
-    from triton_disagg import protocol as P
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.generation.decode_loop import DecodeLoop
@@ -98,8 +97,7 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
     endpoint = bind(sock, None, "tokens")
     loop = DecodeLoop(engine, TokenOutbox(context), side, stream_interval=3)
     request = EngineRequest([5, 6, 7], params, True)
-    loop.submit("r", side.prepare(P.CONTEXT_AND_GENERATION, request, {}),
-                token_wire.with_key(endpoint.address, "k"))
+    loop.submit("r", request, token_wire.with_key(endpoint.address, "k"))
     events = []
     while not (events and events[-1].final):
         assert sock.poll(60_000)

@@ -78,23 +78,23 @@ class Answer(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One context request as ``execute`` hands it over: ``listener`` is generation's
-    ``kv_listener`` (an overlapped request; else b""), ``wait_seconds`` its caller's
-    timeout (0: none given)."""
+    """One context request, from ``execute`` to its answer: ``listener`` is generation's
+    ``kv_listener`` (an overlapped request; else b""), ``deadline`` (time.monotonic()) when
+    it stops waiting for blocks (:func:`deadline_after` its caller's timeout)."""
 
     request_id: str
     request: EngineRequest
     answer: Answer
+    deadline: float
     listener: bytes = b""
-    wait_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class _Waiting:
-    """A request the loop holds, from its arrival to its answer."""
-
-    prompt: Prompt
-    deadline: float            # time.monotonic()
+def deadline_after(wait_seconds: float) -> float:
+    """The deadline of a request whose caller waits ``wait_seconds`` (0: it named no
+    timeout): ``WAIT_GRACE_SECONDS`` after the caller gives up, or ``DEFAULT_WAIT_SECONDS``
+    from now."""
+    return time.monotonic() + (wait_seconds + WAIT_GRACE_SECONDS if wait_seconds > 0
+                               else DEFAULT_WAIT_SECONDS)
 
 
 class ContextObserver(Protocol):
@@ -119,7 +119,7 @@ class PrefillLoop:
         self.frees: queue.SimpleQueue = queue.SimpleQueue()
         self.connector = connector_for(settings, engine, instance, self.free)
         self.prefiller = Prefiller(engine, self.connector, self._reclaim)
-        self.waiting: dict[str, _Waiting] = {}     # in arrival order
+        self.waiting: dict[str, Prompt] = {}       # in arrival order
         self.room_limited = False     # the head waits for handoff room, not for blocks
         self.admitted = False         # the last iteration admitted a batch
         self.running = True
@@ -131,16 +131,13 @@ class PrefillLoop:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(len(w.prompt.request.prompt_ids) for w in list(self.waiting.values()))
+        return sum(len(p.request.prompt_ids) for p in list(self.waiting.values()))
 
     def submit(self, prompts: list[Prompt]) -> None:
         """Prefill each prompt when its turn and its blocks come, then answer it (any thread).
         Prompts submitted together are queued together, so they share a prefill pass when
         their blocks are free."""
-        now = time.monotonic()
-        self.inbox.put([_Waiting(p, now + (p.wait_seconds + WAIT_GRACE_SECONDS
-                                           if p.wait_seconds > 0 else DEFAULT_WAIT_SECONDS))
-                        for p in prompts])
+        self.inbox.put(list(prompts))
 
     def free(self, block_ids: list[int]) -> None:
         """Give blocks back to the pool (the connector's ``free_blocks``; any thread): they
@@ -206,15 +203,14 @@ class PrefillLoop:
         except queue.Empty:
             return
         while True:
-            for waiting in item:
-                self._queue(waiting)
+            for prompt in item:
+                self._queue(prompt)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _queue(self, waiting: _Waiting) -> None:
-        prompt = waiting.prompt
+    def _queue(self, prompt: Prompt) -> None:
         try:
             self.engine.add_prompt(prompt.request_id, prompt.request.prompt_ids,
                                    prompt.request.params)
@@ -226,7 +222,7 @@ class PrefillLoop:
             _send(prompt.request_id, prompt.answer,
                   EngineError(f"queueing failed: {type(exc).__name__}: {exc}"))
             return
-        self.waiting[prompt.request_id] = waiting
+        self.waiting[prompt.request_id] = prompt
 
     def _reclaim(self) -> None:
         """Give the blocks the connector freed back to the pool."""
@@ -246,21 +242,21 @@ class PrefillLoop:
         ask = now - self.cancels_asked >= CANCEL_POLL_SECONDS
         if ask:
             self.cancels_asked = now
-        for request_id, waiting in list(self.waiting.items()):
-            if now > waiting.deadline:
+        for request_id, prompt in list(self.waiting.items()):
+            if now > prompt.deadline:
                 pool = self.engine.pool
                 self._drop(request_id, Timeout(
                     f"context: the request waited for KV blocks past its deadline "
                     f"({pool.num_free} of {pool.num_total} blocks free; the others hold KV "
                     f"that generation has not fetched yet)"))
-            elif ask and _cancelled(waiting.prompt.answer):
+            elif ask and _cancelled(prompt.answer):
                 self._drop(request_id, Cancelled("the caller cancelled the request while "
                                                  "it waited for the context"))
 
     def _drop(self, request_id: str, error: Exception) -> None:
         """End a request that still waits in the queue, with ``error``."""
         self.engine.abort(request_id)
-        _send(request_id, self.waiting.pop(request_id).prompt.answer, error)
+        _send(request_id, self.waiting.pop(request_id).answer, error)
 
     def _admit(self) -> list[Sequence]:
         """The head prompts whose blocks and handoff room are free now (they hold them)."""
@@ -277,15 +273,15 @@ class PrefillLoop:
         return batch
 
     def _prefill(self, batch: list[Sequence]) -> None:
-        listeners = {s.request_id: self.waiting[s.request_id].prompt.listener for s in batch
-                     if self.waiting[s.request_id].prompt.listener}
+        listeners = {s.request_id: self.waiting[s.request_id].listener for s in batch
+                     if self.waiting[s.request_id].listener}
         try:
             answers = self.prefiller.prefill(batch, listeners)
         except Exception as exc:  # noqa: BLE001 - never raises (its invariant); if it did,
             _log.exception("context prefill raised")       # each request still gets an answer
             answers = [EngineError(f"prefill failed: {type(exc).__name__}: {exc}")] * len(batch)
         for seq, answer in zip(batch, answers):
-            _send(seq.request_id, self.waiting.pop(seq.request_id).prompt.answer, answer)
+            _send(seq.request_id, self.waiting.pop(seq.request_id).answer, answer)
 
     def _report(self) -> None:
         """Load gauges and expired leases (a host staging area counts its own on the way)."""

@@ -13,13 +13,14 @@ the engine.
   layer by layer while the context prefills, then the first token with the last layer
   (:mod:`triton_disagg.kv.overlap`).
 
-Invariants: :meth:`DecodeAdmission.prepare` runs in ``execute`` (cheap checks, a
-clear per-request error); :meth:`DecodeAdmission.add` runs on the decode-loop thread,
-the only thread that touches the engine, and only queues the request in the engine's
-scheduler, which takes its blocks (its capacity policy's share) before any KV moves, then
-starts the prompt's KV fetch (:class:`FetchedKV`) into the first ones and frees them all
-if the fetch fails. A sequence preempted after its fetch is recomputed on this instance
-(prefill of prompt + generated tokens), never fetched again: the handle is spent.
+Invariants: :meth:`DecodeAdmission.declines` and :meth:`DecodeAdmission.prompt_kv` run in
+``execute`` (cheap checks, a clear per-request error); :meth:`DecodeAdmission.add` runs on
+the decode-loop thread, the only thread that touches the engine, and only queues the
+request in the engine's scheduler, which takes its blocks (its capacity policy's share)
+before any KV moves, then starts the prompt's KV fetch (:class:`FetchedKV`) into the first
+ones and frees them all if the fetch fails. A sequence preempted after its fetch is
+recomputed on this instance (prefill of prompt + generated tokens), never fetched again:
+the handle is spent.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class FetchedKV:
     """A ``generation_only`` request's prompt KV, as the engine fetches it
-    (:class:`triton_disagg.engine.sequence.RemoteKV`)."""
+    (:class:`triton_disagg.engine.sequence.RemoteKV`); the request's ``input_ids`` are its
+    prompt plus the first token the context produced."""
 
     connector: KVConnector
     handle: KVHandle
+    listener = b""               # nothing for the answer to carry
 
     @property
     def num_tokens(self) -> int:
@@ -67,35 +70,20 @@ class FetchedKV:
 @dataclass(frozen=True)
 class PulledKV:
     """A ``generation_awaiting_context`` request's prompt KV, read as the context announces
-    it (the listener's ``nonce``); the transfer's result brings the first token."""
+    it (the listener's ``nonce``; ``listener`` is what the answer carries to the context);
+    the transfer's result brings the first token."""
 
     connector: KVConnector
     nonce: str
     num_tokens: int
+    listener: bytes
     skips_cached = True      # an overlapped transfer needs one KV layout on both roles
 
     def start(self, block_ids: list[int], cached_blocks: int = 0) -> Transfer:
         return self.connector.start_pull(self.nonce, block_ids, cached_blocks)
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A generation request checked in ``execute``, ready for the engine: its phase, and the
-    KV it fetches (``handle``) or takes layer by layer (``pulled``)."""
-
-    request_type: str
-    request: EngineRequest
-    handle: KVHandle | None = None       # decoded context_phase_params (generation_only)
-    pulled: PulledKV | None = None       # generation_awaiting_context
-    listener: bytes = b""                # its kv_listener, the answer's
-
-    @property
-    def streaming(self) -> bool:
-        return self.request.streaming
-
-    @property
-    def return_log_probs(self) -> bool:
-        return self.request.params.return_log_probs
+PromptKV = FetchedKV | PulledKV | None     # where a request's prompt KV comes from; None: here
 
 
 def read_request_parameters(parameters: str | None) -> tuple[str, str]:
@@ -145,18 +133,23 @@ class DecodeAdmission:
         self.engine, self.connector, self.metrics = engine, connector, metrics
         self.local_prefill = local_prefill
 
-    def prepare(self, request_type: str, request: EngineRequest,
-                inputs: dict[str, np.ndarray]) -> PreparedRequest | None:
-        """The request's work, or None: a ``context_and_generation_if_cached`` request
-        declined (more of its prompt than ``local_prefill`` tokens is not cached here)."""
-        if request_type == P.CONTEXT_AND_GENERATION:
-            return PreparedRequest(request_type, request)
-        if request_type == P.CONTEXT_AND_GENERATION_IF_CACHED:
-            prompt = request.prompt_ids
-            cached = self.engine.cached_prompt_tokens(prompt, request.params.cache_salt)
-            if len(prompt) - cached > self.local_prefill:
-                return None
-            return PreparedRequest(P.CONTEXT_AND_GENERATION, request)
+    def declines(self, request_type: str, request: EngineRequest) -> bool:
+        """Does this instance decline ``request``: a ``context_and_generation_if_cached`` one
+        with more than ``local_prefill`` prompt tokens not in its prefix cache (the
+        orchestrator then calls the context)?"""
+        if request_type != P.CONTEXT_AND_GENERATION_IF_CACHED:
+            return False
+        prompt = request.prompt_ids
+        cached = self.engine.cached_prompt_tokens(prompt, request.params.cache_salt)
+        return len(prompt) - cached > self.local_prefill
+
+    def prompt_kv(self, request_type: str, request: EngineRequest,
+                  inputs: dict[str, np.ndarray]) -> PromptKV:
+        """Where a request this instance serves takes its prompt's KV from (``execute``):
+        None for one it prefills itself; RequestError for a request type or KV it cannot
+        take, Unavailable when the connector cannot listen now."""
+        if request_type in (P.CONTEXT_AND_GENERATION, P.CONTEXT_AND_GENERATION_IF_CACHED):
+            return None
         if request_type not in (P.GENERATION_ONLY, P.GENERATION_AWAITING_CONTEXT):
             raise RequestError(f"request_type {request_type!r}: the generation model serves "
                                f"{P.CONTEXT_AND_GENERATION!r}, "
@@ -180,9 +173,9 @@ class DecodeAdmission:
             raise RequestError(f"generation_only: input_ids must be the {handle.num_tokens} "
                                f"prompt tokens of context_phase_params plus the first generated "
                                f"token, got {len(request.prompt_ids)} ids")
-        return PreparedRequest(request_type, request, handle)
+        return FetchedKV(self.connector, handle)
 
-    def _awaiting_context(self, request: EngineRequest) -> PreparedRequest:
+    def _awaiting_context(self, request: EngineRequest) -> PulledKV:
         """Listen for the KV of ``request``'s prompt (refused when the pool could never hold
         the request, before any listener is made)."""
         self.engine.blocks_needed(P.GENERATION_AWAITING_CONTEXT, len(request.prompt_ids),
@@ -193,21 +186,19 @@ class DecodeAdmission:
             raise RequestError(str(exc)) from None
         except ConnectorError as exc:
             raise Unavailable(str(exc)) from None
-        return PreparedRequest(P.GENERATION_AWAITING_CONTEXT, request,
-                    pulled=PulledKV(self.connector, nonce, len(request.prompt_ids)),
-                    listener=listener)
+        return PulledKV(self.connector, nonce, len(request.prompt_ids), listener)
 
-    def add(self, request_id: str, work: PreparedRequest) -> None:
-        """Queue ``work`` in the engine (decode-loop thread); RequestError (naming the sizes
-        and the fix) when the pool could never hold it, or when it is invalid."""
-        prompt, params = work.request.prompt_ids, work.request.params
-        if work.pulled is not None:
-            self.engine.add_prefilled(request_id, prompt, None, params, work.pulled)
-        elif work.handle is None:
-            self.engine.add_request(request_id, prompt, params)
-        else:
-            self.engine.add_prefilled(request_id, prompt[:-1], prompt[-1], params,
-                                      FetchedKV(self.connector, work.handle))
+    def add(self, request_id: str, request: EngineRequest, kv: PromptKV) -> None:
+        """Queue ``request`` in the engine, its prompt KV from ``kv`` (decode-loop thread);
+        RequestError (naming the sizes and the fix) when the pool could never hold it, or
+        when it is invalid. Of ``input_ids``, the first ``kv.num_tokens`` are the prompt
+        whose KV ``kv`` brings; the one after, if any, is the context's first token."""
+        ids, params = request.prompt_ids, request.params
+        if kv is None:
+            self.engine.add_request(request_id, ids, params)
+            return
+        first = ids[kv.num_tokens] if len(ids) > kv.num_tokens else None
+        self.engine.add_prefilled(request_id, ids[:kv.num_tokens], first, params, kv)
 
     def kv_arrived(self, stats: TransferStats, overlap: ComputeOverlap | None) -> None:
         """A request's KV is in place (decode-loop thread); ``overlap``: the instance's

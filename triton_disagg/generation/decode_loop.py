@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from triton_disagg.engine.sequence import TokenEvent
+from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.errors import ErrorCode, code_of
 from triton_disagg.generation.watchdog import Watchdog
 from triton_disagg.readers import (BAD_KEY, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
@@ -65,11 +65,12 @@ from triton_disagg.token_wire import STOP_READER, StopInbox, TokenOutbox, same_k
 
 if TYPE_CHECKING:
     from triton_disagg.engine.llm_engine import LLMEngine
-    from triton_disagg.generation.admission import DecodeAdmission, PreparedRequest
+    from triton_disagg.generation.admission import DecodeAdmission, PromptKV
 
 CANCELLED = "cancelled"
 REPORT_SECONDS = 0.5
 FETCH_POLL_SECONDS = 0.001     # pace of an iteration that only waits for KV fetches
+_WAKE = ()                     # an inbox item that only wakes the loop (close)
 _log = logging.getLogger(__name__)
 
 
@@ -111,7 +112,7 @@ def error_event(request_id: str, live: StreamState, message: str,
 
 class DecodeLoop:
     """``admission`` puts work into the engine and hears about it:
-    ``admission.add(request_id, work)`` (queues it in the engine; may raise to refuse it,
+    ``admission.add(request_id, request, kv)`` (queues it in the engine; may raise to refuse it,
     e.g. when the pool could never hold it), ``admission.kv_arrived(result, overlap)`` (a
     request's KV fetch finished; the scheduler's
     :class:`~triton_disagg.engine.scheduler.KVArrival` fields),
@@ -135,7 +136,7 @@ class DecodeLoop:
         self.stream_interval = stream_interval
         self.stops = stops
         self.dropped = DroppedFrames(STOP_READER)         # stops it cannot obey
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # _queue's arguments, or _WAKE
         self.live: dict[str, StreamState] = {}           # every request in the engine
         self.addresses: Counter[str] = Counter()  # live requests per token address
         self.progressed = True                    # the last step made tokens
@@ -150,17 +151,18 @@ class DecodeLoop:
                                        name="decode-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, request_id: str, request: PreparedRequest, token_address: str) -> None:
-        """Generate for ``request`` and send its events to the orchestrator at
-        ``token_address`` (``<address>#<key>``, checked by ``read_request_parameters``)."""
+    def submit(self, request_id: str, request: EngineRequest, token_address: str,
+               kv: PromptKV = None) -> None:
+        """Generate for ``request``, its prompt's KV from ``kv`` (None: prefilled here), and
+        send its events to the orchestrator at ``token_address`` (``<address>#<key>``,
+        checked by ``read_request_parameters``)."""
         address, key = split_key(token_address)
-        live = StreamState(address, key, getattr(request, "streaming", True))
-        self.inbox.put(("add", request_id, request, live))
+        self.inbox.put((request_id, request, kv, StreamState(address, key, request.streaming)))
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish: cancel what is live, end the thread (``finalize``)."""
         self.running = False
-        self.inbox.put(("wake", "", None, None))
+        self.inbox.put(_WAKE)
         self.thread.join(timeout)
         self.watchdog.close()
 
@@ -218,9 +220,8 @@ class DecodeLoop:
         except queue.Empty:
             return
         while True:
-            kind, request_id, request, live = item
-            if kind == "add":
-                self._queue(request_id, request, live)
+            if item is not _WAKE:
+                self._queue(*item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -238,7 +239,8 @@ class DecodeLoop:
         self.engine.abort(request_id)
         self._finish(request_id, CANCELLED)
 
-    def _queue(self, request_id: str, request: PreparedRequest, live: StreamState) -> None:
+    def _queue(self, request_id: str, request: EngineRequest, kv: PromptKV,
+               live: StreamState) -> None:
         if request_id in self.live:
             self._refuse(request_id, live, f"request id {request_id!r} is already generating")
             return
@@ -248,7 +250,7 @@ class DecodeLoop:
                          f"are busy; request refused", ErrorCode.UNAVAILABLE)
             return
         try:
-            self.admission.add(request_id, request)
+            self.admission.add(request_id, request, kv)
         except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
             self._refuse(request_id, live, str(exc), code_of(exc))
             return

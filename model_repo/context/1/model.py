@@ -24,7 +24,7 @@ from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.triton import tensors
-from triton_disagg.context.prefill_loop import PrefillLoop, Prompt
+from triton_disagg.context.prefill_loop import PrefillLoop, Prompt, deadline_after
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
 from triton_disagg import readers
@@ -73,8 +73,8 @@ class TritonPythonModel:
                 listener = inputs.get(P.KV_LISTENER)
                 prompts.append(Prompt(request.request_id() or uuid.uuid4().hex,
                                       tensors.from_inputs(inputs, self.spec), answer,
-                                      listener.tobytes() if listener is not None else b"",
-                                      request.timeout() / 1e6))
+                                      deadline_after(request.timeout() / 1e6),
+                                      listener.tobytes() if listener is not None else b""))
             except RequestError as exc:
                 answer.send(exc)
         self.loop.submit(prompts)          # the batch queues together: one prefill pass

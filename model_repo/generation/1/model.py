@@ -74,16 +74,18 @@ class TritonPythonModel:
                                        "Triton request id (the stream's events carry it)")
                 inputs = read_inputs(pb_utils, request, P.GENERATION_INPUTS)
                 request = tensors.from_inputs(inputs, self.spec)
-                work = self.admission.prepare(request_type, request, inputs)
+                declined = self.admission.declines(request_type, request)
+                kv = None if declined else self.admission.prompt_kv(request_type, request,
+                                                                     inputs)
             except (RequestError, Unavailable) as exc:
                 responses.append(error_response(pb_utils, str(exc), exc.status))
                 continue
-            if work is None:               # declined: its prompt is not cached here
+            if declined:                   # its prompt is not cached here
                 answer = {P.CONTROL_ADDRESS: [""], P.KV_LISTENER: np.zeros(0, np.uint8)}
             else:
-                self.loop.submit(request_id, work, address)
+                self.loop.submit(request_id, request, address, kv)
                 answer = {P.CONTROL_ADDRESS: [self.control_address],
-                          P.KV_LISTENER: np.frombuffer(work.listener, np.uint8)}
+                          P.KV_LISTENER: np.frombuffer(kv.listener if kv else b"", np.uint8)}
             ack = make_tensors(pb_utils, P.GENERATION_OUTPUTS, answer)
             responses.append(pb_utils.InferenceResponse(output_tensors=ack))
         return responses
