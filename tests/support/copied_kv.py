@@ -8,6 +8,7 @@ from typing import Sequence
 
 from triton_disagg.engine.llm_engine import LLMEngine, PrefillResult
 from triton_disagg.kv.connector import Transfer
+from triton_disagg.kv.handle import TransferStats
 from triton_disagg.kv.layout import write_blocks
 
 
@@ -33,5 +34,5 @@ class CopiedKV(Transfer):
         self.context.pool.free(self.result.block_ids)
         return self
 
-    def poll(self) -> int:
-        return self.num_tokens
+    def poll(self) -> TransferStats:
+        return TransferStats(self.num_tokens, 0.0)

@@ -21,6 +21,7 @@ from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.scheduler import CapacityPolicy
+from triton_disagg.kv.handle import TransferStats
 
 BLOCK = 4                   # tokens per block: sequences span many blocks
 MAX_TOKENS = 40
@@ -208,7 +209,7 @@ class InFlightKV:
         return self
 
     def poll(self):
-        return "cancelled" if self.cancelled else None
+        return TransferStats(0, 0.0) if self.cancelled else None
 
     def cancel(self):
         self.cancelled = True

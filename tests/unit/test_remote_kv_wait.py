@@ -77,18 +77,18 @@ def test_a_request_decodes_only_once_its_kv_has_arrived(engines):
     for rid, prompt in prompts.items():
         firsts[rid], kvs[rid] = handed_off(engines, rid, prompt)
         generation.add_prefilled(rid, prompt, firsts[rid], PARAMS, kvs[rid])
-    kvs["fast"].outcome = "fast stats"
+    kvs["fast"].outcome = TransferStats(1, 0.0)
     early = run(generation, 3)
     slow = generation.scheduler.find("slow")
     assert "slow" not in early and len(early["fast"]) == 3      # the others keep decoding
     assert slow.status == "waiting_for_remote_kv" and generation.admitted("slow")
     assert len(slow.block_table.block_ids) == generation.pool.geometry.blocks_for(5 + 6 - 1)
     assert [(a.request_id, a.result) for a in generation.take_kv_arrivals()] == \
-        [("fast", "fast stats")]
-    kvs["slow"].outcome = "slow stats"
+        [("fast", TransferStats(1, 0.0))]
+    kvs["slow"].outcome = TransferStats(2, 0.0)
     late = run(generation, 8)
     assert [(a.request_id, a.result) for a in generation.take_kv_arrivals()] == \
-        [("slow", "slow stats")]
+        [("slow", TransferStats(2, 0.0))]
     for rid, prompt in prompts.items():
         (whole,) = context.generate([prompt], PARAMS)
         assert [firsts[rid]] + early.get(rid, []) + late.get(rid, []) == whole.output_ids
@@ -104,7 +104,7 @@ def test_a_failed_fetch_ends_its_request_alone_and_frees_its_blocks(engines):
     generation.add_prefilled("broken", [5, 6, 7, 8, 9], first, PARAMS, broken)
     first_ok, ok = handed_off(engines, "ok", [11, 12, 13])
     generation.add_prefilled("ok", [11, 12, 13], first_ok, PARAMS, ok)
-    ok.outcome = "ok stats"
+    ok.outcome = TransferStats(3, 0.0)
     tokens = run(generation, 1)
     ok_blocks = len(generation.scheduler.find("ok").block_table.block_ids)
     assert generation.pool.num_used > ok_blocks             # both hold their reservations
@@ -128,7 +128,7 @@ def test_an_abort_during_a_fetch_frees_the_blocks_once_it_ends(engines):
     assert held > 0 and generation.abort("gone") and "gone" not in generation.scheduler
     run(generation, 2)
     assert generation.pool.num_used == held                 # the fetch may still write them
-    kv.outcome = "late stats"
+    kv.outcome = TransferStats(4, 0.0)
     run(generation, 1)
     assert generation.pool.num_used == 0 and not generation.has_unfinished()
     assert generation.take_kv_arrivals() == []             # nobody waits for it any more
@@ -142,7 +142,7 @@ def test_a_fetch_that_copies_inside_start_counts_its_step_as_blocked(engines):
     class CopiesInStart(ManualKV):
         def start(self, block_ids, cached_blocks=0):
             time.sleep(0.02)                     # the copy, on the decode thread
-            self.outcome = "stats"
+            self.outcome = TransferStats(5, 0.0)
             return super().start(block_ids)
 
     first, kv = handed_off(engines, "r", [5, 6, 7])

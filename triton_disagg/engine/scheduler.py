@@ -63,12 +63,17 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from triton_disagg.engine.block_pool import BlockPool, KVCacheFullError
-from triton_disagg.engine.sequence import Sequence
+from triton_disagg.engine.sequence import Sequence, Status
 
-WAITING, WAITING_FOR_REMOTE_KV, RUNNING = "waiting", "waiting_for_remote_kv", "running"
+if TYPE_CHECKING:
+    from triton_disagg.kv.handle import TransferStats
+
+WAITING: Status = "waiting"
+WAITING_FOR_REMOTE_KV: Status = "waiting_for_remote_kv"
+RUNNING: Status = "running"
 BLOCKED_SECONDS = 0.001    # an admission's fetch starts + polls past this blocked its step
 _log = logging.getLogger(__name__)
 
@@ -105,12 +110,12 @@ class ComputeOverlap:
 
 @dataclass(frozen=True)
 class KVArrival:
-    """A remote-KV fetch that ended: ``result`` is its ``poll()`` value (e.g. TransferStats);
+    """A remote-KV fetch that ended: ``result`` is its ``poll()`` value;
     with ``error`` set, the request is gone and its blocks are free. ``overlap``: the
     instance's compute while it was in flight (the scheduler sets it on every arrival)."""
 
     request_id: str
-    result: Any = None
+    result: TransferStats | None = None
     error: Exception | None = None
     overlap: ComputeOverlap | None = None
 
@@ -288,7 +293,7 @@ class Scheduler:
             self.draining.remove(seq)
             seq.block_table.release(self.pool)
             return
-        if arrival.error is None and getattr(arrival.result, "first_token", None) is not None:
+        if arrival.result is not None and arrival.result.first_token is not None:
             try:
                 self.first_token(seq, arrival.result.first_token, arrival.result.first_logprob)
             except Exception as exc:  # noqa: BLE001 - that request fails alone
@@ -299,7 +304,7 @@ class Scheduler:
             return
         self.waiting.remove(seq)
         seq.block_table.release(self.pool)
-        seq.finish_reason = "aborted"
+        seq.finish_reason = "cancelled"
 
     def take_kv_arrivals(self) -> list[KVArrival]:
         """The fetches that ended since the last call, in the order they ended."""
@@ -313,13 +318,13 @@ class Scheduler:
             seq.block_table.release(self.pool)
 
     def abort(self, request_id: str) -> bool:
-        """Finish the request as "aborted" and free its blocks (once its fetch, if one is
+        """Finish the request as "cancelled" and free its blocks (once its fetch, if one is
         in flight, has ended); False if it is unknown."""
         seq = self.find(request_id)
         if seq is None:
             return False
         (self.running if seq.status == RUNNING else self.waiting).remove(seq)
-        seq.finish_reason = "aborted"
+        seq.finish_reason = "cancelled"
         if seq.transfer is not None:
             seq.transfer.cancel()
             self.draining.append(seq)

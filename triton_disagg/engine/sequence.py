@@ -19,18 +19,20 @@ from another instance takes the cached blocks of its prompt too and fetches only
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.prompt_logprobs import PromptLogprobs
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.block_pool import BlockPool, BlockTable
 from triton_disagg.errors import ErrorCode
+from triton_disagg.protocol import FinishReason     # one vocabulary, engine to client
 
 if TYPE_CHECKING:
-    from triton_disagg.protocol import FinishReason as EventFinish   # the clients' reasons
+    from triton_disagg.engine.scheduler import ComputeOverlap
+    from triton_disagg.kv.connector import Transfer
 
-FinishReason = Literal["length", "stop", "stop_word", "aborted"]
+Status = Literal["waiting", "waiting_for_remote_kv", "running"]    # in the scheduler
 
 
 class TokenEvent(NamedTuple):
@@ -58,7 +60,7 @@ class TokenEvent(NamedTuple):
     request_id: str
     tokens: list[int]
     log_probs: list[float] | None = None     # only when the request asked for them
-    finish_reason: EventFinish | None = None  # set on a request's last event
+    finish_reason: FinishReason | None = None  # set on a request's last event
     error: str | None = None                 # or this, instead
     code: ErrorCode = ErrorCode.INTERNAL     # the error's code (only with an error)
     seq: int = 0                             # the request's events from generation: 0, 1, ...
@@ -75,7 +77,7 @@ class TokenEvent(NamedTuple):
     def final(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
-    def sent(self, finish_reason: EventFinish | None, seq: int, key: str) -> TokenEvent:
+    def sent(self, finish_reason: FinishReason | None, seq: int, key: str) -> TokenEvent:
         """This event's tokens as its request's event ``seq`` with ``key``, final with
         ``finish_reason`` (when not None): what the decode loop sends."""
         return TokenEvent(self.request_id, self.tokens, self.log_probs, finish_reason,
@@ -119,15 +121,16 @@ class RemoteKV(Protocol):
     ``start(block_ids, cached_blocks)`` begins moving ``num_tokens`` tokens of KV into the
     first of ``block_ids`` (the sequence's blocks in position order), all but the first
     ``cached_blocks`` (they hold it already: the pool's prefix cache), and returns a
-    transfer whose ``poll()`` is None while in flight, its result once done, and raises if
-    it failed. ``skips_cached``: whether it may be given ``cached_blocks`` > 0.
+    :class:`~triton_disagg.kv.connector.Transfer` whose ``poll()`` is None while in
+    flight, its stats once done, and raises if it failed. ``skips_cached``: whether it may
+    be given ``cached_blocks`` > 0.
     """
 
     @property
     def num_tokens(self) -> int: ...
     skips_cached: bool
 
-    def start(self, block_ids: list[int], cached_blocks: int) -> Any: ...
+    def start(self, block_ids: list[int], cached_blocks: int) -> Transfer: ...
 
 
 @dataclass(eq=False)
@@ -141,9 +144,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     remote_kv: RemoteKV | None = None  # its prompt KV comes from another instance
-    transfer: Any = None               # that KV's fetch while in flight
-    fetch_overlap: Any = None          # its ComputeOverlap while in flight (scheduler's)
-    status: str = "waiting"            # the scheduler's: waiting, waiting_for_remote_kv, running
+    transfer: Transfer | None = None   # that KV's fetch while in flight
+    fetch_overlap: ComputeOverlap | None = None   # the instance's compute meanwhile
+    status: Status = "waiting"         # the scheduler's
     block_hashes: list[int] = field(default_factory=list)   # names of its full blocks
     num_cached_tokens: int = 0         # prompt tokens whose KV the prefix cache gave it
     prompt_logprobs: PromptLogprobs | None = None   # its prefill's, if params asked

@@ -288,7 +288,6 @@ class DecodeLoop:
 
     def _finish(self, request_id: str, reason: str | None) -> None:
         live = self._pop(request_id)
-        reason = CANCELLED if reason == "aborted" else reason
         self.outbox.put(live.address, token_event(request_id, live, reason))
         self.admission.request_done(CANCELLED if reason == CANCELLED else "finished")
         _log.info("generation ended: %s", reason, extra={"request_id": request_id})
