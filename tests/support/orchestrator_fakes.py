@@ -20,8 +20,12 @@ from triton_disagg.errors import EngineError, GenerationLost
 from triton_disagg.front.engine_calls import engine_inputs
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import GenerationAnswer, TokenInbox
+from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.zmq_endpoints import bind, push_socket
+
+# A small streamed request, for the tests of the routes and transports that carry one.
+SMALL_REQUEST = EngineRequest([3, 4, 5], SamplingParams(max_tokens=8), streaming=True)
 
 
 class FakeGeneration:

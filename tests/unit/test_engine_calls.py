@@ -13,13 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from orchestrator_fakes import SMALL_REQUEST
 from triton_disagg import protocol as P
-from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.errors import Timeout
 from triton_disagg.front.engine_calls import BLSTransport, call_inputs
 
-REQUEST = EngineRequest([3, 4, 5], SamplingParams(max_tokens=8), streaming=True)
 
 
 def test_a_bls_call_past_its_deadline_is_a_timeout():
@@ -35,7 +33,7 @@ def test_a_bls_call_past_its_deadline_is_a_timeout():
     route = BLSTransport(pb, max_calls=4).route("req-1", timeout=0.2)
     started = time.monotonic()
     with pytest.raises(Timeout, match=r"^context timed out: no answer within 0.2 s$"):
-        asyncio.run(route.context(REQUEST))
+        asyncio.run(route.context(SMALL_REQUEST))
     assert time.monotonic() - started < 2
 
 
@@ -71,8 +69,8 @@ def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_fr
     transport = BLSTransport(pb, max_calls=waiting + 1)
 
     async def main():
-        calls = [transport.route(f"r{i}", timeout=20).context(REQUEST) for i in range(waiting)]
-        calls.append(transport.route("free", timeout=20).release(REQUEST, bytes(1)))
+        calls = [transport.route(f"r{i}", timeout=20).context(SMALL_REQUEST) for i in range(waiting)]
+        calls.append(transport.route("free", timeout=20).release(SMALL_REQUEST, bytes(1)))
         return await asyncio.gather(*calls)
 
     started = time.monotonic()
@@ -83,10 +81,10 @@ def test_bls_calls_waiting_in_a_full_context_leave_threads_for_the_calls_that_fr
 def test_a_call_carries_the_kv_handle_and_the_listener_beside_the_request():
     """What a route sends: the request's tensors, plus the handle as ``context_phase_params``
     (a handoff, a release) or generation's listener as ``kv_listener`` (overlapped)."""
-    plain = call_inputs(REQUEST)
+    plain = call_inputs(SMALL_REQUEST)
     assert P.CONTEXT_PHASE_PARAMS not in plain and P.KV_LISTENER not in plain
-    handed = call_inputs(REQUEST, handle=b"\x01\x02")
+    handed = call_inputs(SMALL_REQUEST, handle=b"\x01\x02")
     assert handed[P.CONTEXT_PHASE_PARAMS].tobytes() == b"\x01\x02"
     assert handed[P.CONTEXT_PHASE_PARAMS].dtype == np.uint8
-    assert call_inputs(REQUEST, listener=b"\x03")[P.KV_LISTENER].tobytes() == b"\x03"
-    assert plain["input_ids"].tolist() == REQUEST.prompt_ids
+    assert call_inputs(SMALL_REQUEST, listener=b"\x03")[P.KV_LISTENER].tobytes() == b"\x03"
+    assert plain["input_ids"].tolist() == SMALL_REQUEST.prompt_ids

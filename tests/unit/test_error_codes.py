@@ -17,6 +17,7 @@ import pytest
 import zmq
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from orchestrator_fakes import SMALL_REQUEST
 from triton_disagg import token_wire
 from triton_disagg.errors import (CODE_IN_MESSAGE, HTTP_STATUS, EngineError, ErrorCode,
                                   RequestError, Timeout, Unavailable, code_in, from_grpc_status,
@@ -28,13 +29,11 @@ from triton_disagg.front.engine_calls import BLSTransport
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Router
-from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.engine.sequence import EngineRequest, TokenEvent
+from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.triton.tensors import error_response
 from triton_disagg.zmq_endpoints import push_socket
 
 MISLEADING = "TIMEOUT: no server: unavailable, busy, lost, not ready, timed out"
-REQUEST = EngineRequest([3, 4, 5], SamplingParams(max_tokens=8), streaming=True)
 # Each code as an error answer, and the class it is raised as on this side.
 RAISED = [(ErrorCode.INVALID_ARG, RequestError), (ErrorCode.UNAVAILABLE, Unavailable),
           (ErrorCode.TIMEOUT, Timeout), (ErrorCode.INTERNAL, EngineError)]
@@ -111,7 +110,7 @@ def test_a_bls_error_answer_is_raised_by_its_code(code, raised):
     pb.InferenceRequest = Request
     route = BLSTransport(pb, max_calls=4).route("req-1")
     with pytest.raises(raised) as err:
-        asyncio.run(route.context(REQUEST))
+        asyncio.run(route.context(SMALL_REQUEST))
     assert type(err.value) is raised and str(err.value) == "bad"   # the tag is not the words
 
 
@@ -169,7 +168,7 @@ def test_a_grpc_error_answer_is_raised_by_its_status(status, raised):
                                         StaticMembers("generation", []))}
         transport = GrpcTransport(routers)
         try:
-            await transport.route("req-1", frozenset(), 5.0).context(REQUEST)
+            await transport.route("req-1", frozenset(), 5.0).context(SMALL_REQUEST)
         finally:
             await transport.close()
             await server.stop(None)
@@ -191,7 +190,7 @@ def test_a_server_that_answers_it_timed_out_is_a_timeout_not_a_server_that_did_n
         transport = GrpcTransport(routers)
         try:
             with pytest.raises(Timeout) as err:
-                await transport.route("req-1", frozenset(), 5.0).context(REQUEST)
+                await transport.route("req-1", frozenset(), 5.0).context(SMALL_REQUEST)
             assert not isinstance(err.value, Unanswered), err.value
             assert not routers["context"]._passed_over, "a server that answered was passed over"
         finally:

@@ -13,13 +13,12 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from orchestrator_fakes import SMALL_REQUEST
 from test_router import Source
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.launch.deploy import free_ports
-from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.errors import HTTP_STATUS, EngineError, Timeout
 from triton_disagg.routing.pools import StaticMembers
 from triton_disagg.routing.router import Member, Router
@@ -68,7 +67,6 @@ async def _stand_in(url: str, mute: bool = False) -> tuple[grpc.aio.Server, Cont
     return server, standin
 
 
-REQUEST = EngineRequest([3, 4, 5], SamplingParams(max_tokens=8), streaming=True)
 
 
 def _transport(context_urls, generation_urls, observer, context_instances=1):
@@ -89,7 +87,7 @@ def test_a_context_server_that_does_not_answer_is_tried_once_on_another():
         transport = _transport([dead, live], [], observed)
         try:
             route = transport.route("req-1")
-            outputs = await route.context(REQUEST)
+            outputs = await route.context(SMALL_REQUEST)
             return outputs, route, standin.request_ids, transport
         finally:
             await transport.close()
@@ -118,8 +116,8 @@ def test_each_context_call_and_its_release_name_the_instance_model_the_router_ch
             routes = []
             for i in range(3):
                 routes.append(transport.route(f"req-{i}"))
-                await routes[-1].context(REQUEST)
-                await routes[-1].release(REQUEST, bytes(4))
+                await routes[-1].context(SMALL_REQUEST)
+                await routes[-1].release(SMALL_REQUEST, bytes(4))
             return standin.calls, routes, transport
         finally:
             await transport.close()
@@ -152,7 +150,7 @@ def test_a_context_server_that_says_nothing_is_left_at_the_deadline_for_another(
         try:
             begun = asyncio.get_running_loop().time()
             route = transport.route("req-1", frozenset(), 1.0)
-            outputs = await asyncio.wait_for(route.context(REQUEST), 20)
+            outputs = await asyncio.wait_for(route.context(SMALL_REQUEST), 20)
             return outputs, route, standins, asyncio.get_running_loop().time() - begun
         finally:
             await transport.close()
@@ -179,9 +177,9 @@ def test_servers_that_cannot_be_reached_fail_in_one_line_naming_role_and_urls(ro
         route = transport.route("req-1")
         try:
             if role == "context":
-                await route.context(REQUEST)
+                await route.context(SMALL_REQUEST)
             else:
-                await route.generate(REQUEST, P.GENERATION_ONLY, "tcp://127.0.0.1:1")
+                await route.generate(SMALL_REQUEST, P.GENERATION_ONLY, "tcp://127.0.0.1:1")
         finally:
             route.close()
             await transport.close()
@@ -206,7 +204,7 @@ def test_one_context_server_that_does_not_answer_says_none_is_left():
 
     async def main():
         try:
-            await transport.route("req-1").context(REQUEST)
+            await transport.route("req-1").context(SMALL_REQUEST)
         finally:
             await transport.close()
 
@@ -231,7 +229,7 @@ def test_context_servers_that_all_pass_the_deadline_are_a_timeout(with_dead):
         await server.start()
         transport = _transport([mute, dead] if with_dead else [mute], [], Observed())
         try:
-            await transport.route("req-1", frozenset(), 0.5).context(REQUEST)
+            await transport.route("req-1", frozenset(), 0.5).context(SMALL_REQUEST)
         finally:
             await transport.close()
             await server.stop(None)
@@ -253,11 +251,11 @@ def test_the_client_of_a_server_that_left_is_closed():
     async def main():
         for _ in range(2):
             with pytest.raises(EngineError):
-                await transport.route("r").context(REQUEST)
+                await transport.route("r").context(SMALL_REQUEST)
         opened = sorted(transport.clients)
         source.current = (Member("127.0.0.1:2"),)        # 1 left
         with pytest.raises(EngineError):
-            await transport.route("r").context(REQUEST)
+            await transport.route("r").context(SMALL_REQUEST)
         left = sorted(transport.clients)
         await transport.close()
         return opened, left
@@ -299,7 +297,7 @@ def test_a_declined_generation_call_holds_nothing_in_flight(control):
         transport = _transport([], [url], None)
         try:
             route = transport.route("req-1")
-            answer = await route.generate(REQUEST, P.CONTEXT_AND_GENERATION_IF_CACHED,
+            answer = await route.generate(SMALL_REQUEST, P.CONTEXT_AND_GENERATION_IF_CACHED,
                                           "ipc:///tokens#k")
             held = dict(transport.routers["generation"].in_flight)
             route.close()
