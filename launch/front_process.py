@@ -82,7 +82,7 @@ def start_front(config: DisaggConfig, endpoints: Endpoints, port: int, grpc_url:
     goes to ``work_dir/http_front.log``. It reports ready while tritonserver and ``models``
     are (the orchestrator always, for the whole front); ``health_only``: its health-only
     mode, else the whole front, whose model id is the config's served model name; ``gate``: a
-    scheduler's peers gate file (:mod:`.peers_gate`), which must say ready too; ``peers``:
+    scheduler's roles gate file (:mod:`.roles_gate`), which must say ready too; ``peers``:
     the gRPC door faces the deployment's orchestrators (context, generation), so it caps no
     calls (they cap their own)."""
     log = work_dir / "http_front.log"

@@ -11,8 +11,8 @@ process that dies (Triton 2.51 neither restarts it nor turns not-ready) stops th
 server at once, so its clients get errors and probes fail, and starts it afresh
 (:mod:`.stub_watch`); so does a start that failed for a cause the next start need not
 meet, such as a stub Triton abandoned while the host was busy (:mod:`.stuck_start`). The
-scheduler says "up" once its models are loaded, then "ready" or "not ready" as its peers
-come and go, as its ``/healthz`` does (:mod:`.peers_gate`).
+scheduler says "up" once its models are loaded, then "ready" or "not ready" as the servers
+of the roles it routes to come and go, as its ``/healthz`` does (:mod:`.roles_gate`).
 Every role's server has an HTTP front beside it (:mod:`.front_process`), so every role
 answers ``GET /healthz``.
 """
@@ -227,7 +227,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     from .deploy import behind_door, start
     from .drain import drain
     from .front_process import check_front_port, health_only, start_front, stop_front, wait_door
-    from .peers_gate import check_before_start, gate_file, start_peers_gate
+    from .roles_gate import check_before_start, gate_file, start_roles_gate
     from .register import served_models, start_registration
     from .serve_banner import announce
 
@@ -259,7 +259,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         cores = f"cores {list(server.cpus)}" if server.cpus else "every usable core (not pinned)"
         print(f"  front end (tritonserver, preprocessing, orchestrator) on {cores}", flush=True)
     loaded: list[str] = []
-    registration = peers_gate = None
+    registration = roles_gate = None
     seen: dict[int, Stub] = {}      # every model instance's stub seen since the start, by pid
 
     def see_stubs() -> None:
@@ -290,7 +290,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         announce(args.role, config, endpoints, advertised, server, registration, front,
                   tuple(a for m in served for a in m.kv_events))
         if gated:
-            peers_gate = start_peers_gate(config, server.work_dir, reason, args.role)
+            roles_gate = start_roles_gate(config, server.work_dir, reason, args.role)
         while not stop.wait(STUB_POLL_SECONDS):
             dead = first_dead(stubs)
             if dead is not None:   # no graceful exit: it would hold streams for the exit timeout
@@ -316,8 +316,8 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         return 0
     finally:
         stop_front(front_proc)
-        if peers_gate is not None:
-            peers_gate.stop()
+        if roles_gate is not None:
+            roles_gate.stop()
         if registration is not None:
             registration.close()
         server.stop()

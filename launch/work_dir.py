@@ -1,5 +1,5 @@
 """Where ``serve`` writes (the model repository, tritonserver's and the front's logs, the
-peers gate): ``--work-dir``, else ``work/<role>-<bind address>-<gRPC port>`` under the
+roles gate): ``--work-dir``, else ``work/<role>-<bind address>-<gRPC port>`` under the
 current directory, so two servers of one role on one host (one per GPU, say) started from
 one directory each get their own.
 

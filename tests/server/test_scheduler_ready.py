@@ -1,4 +1,4 @@
-"""The scheduler's ``/healthz`` follows its peers (launch/peers_gate.py), on real
+"""The scheduler's ``/healthz`` follows the roles it routes to (launch/roles_gate.py), on real
 tritonservers: with no context or generation server running it says "up" but answers not
 ready (and a request fails in one line naming the role and the url); once both roles
 answer it turns ready within a few seconds and serves the offline engine's text; when the
@@ -126,7 +126,7 @@ def _one_line_error(grpc: str, prompt: str) -> str:
     return message
 
 
-def test_ready_follows_the_peers(demo_engine, tmp_path):
+def test_ready_follows_the_roles_it_routes_to(demo_engine, tmp_path):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 

@@ -46,8 +46,8 @@ def test_server_readiness_names_what_is_not_ready(triton, words):
 
 @pytest.mark.parametrize("gate_text, ready", [(None, False), ("no context server", False),
                                               ("", True)])
-def test_a_schedulers_readiness_follows_its_peers_gate_file(tmp_path, gate_text, ready):
-    gate = tmp_path / "peers_gate"
+def test_a_schedulers_readiness_follows_its_roles_gate_file(tmp_path, gate_text, ready):
+    gate = tmp_path / "roles_gate"
     if gate_text is not None:
         gate.write_text(gate_text)
     reason = asyncio.run(ServerReadiness(FakeTriton(True, {"context"}), ("context",),

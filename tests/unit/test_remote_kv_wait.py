@@ -236,7 +236,7 @@ def test_the_loop_decodes_while_a_fetch_blocks_on_its_thread(engines, worker):
         (whole,) = context.generate([prompt], PARAMS)
         assert [first[rid]] + tokens[rid] == whole.output_ids
     arrivals = {a.request_id: a for a in generation.take_kv_arrivals()}
-    hidden = {rid: a.overlap.hidden_seconds(a.result.in_flight_seconds)
+    hidden = {rid: a.compute.hidden_seconds(a.result.in_flight_seconds)
               for rid, a in arrivals.items()}
     assert all(a.result.in_flight_seconds > 0 for a in arrivals.values())
     assert hidden["running"] == 0.0          # fetched while the instance was idle
@@ -310,7 +310,7 @@ def on_fake_clock(generation) -> FakeClock:
     return clock
 
 
-def test_a_fetch_overlapping_decode_steps_reports_their_time_as_hidden(engines):
+def test_a_fetch_computeping_decode_steps_reports_their_time_as_hidden(engines):
     context, generation = engines
     clock = on_fake_clock(generation)
     first, running = handed_off(engines, "running", [11, 12, 13])
@@ -325,9 +325,9 @@ def test_a_fetch_overlapping_decode_steps_reports_their_time_as_hidden(engines):
     run(generation, 1)
     (arrival,) = generation.take_kv_arrivals()
     assert arrival.request_id == "slow"
-    assert arrival.overlap.began == pytest.approx(clock.now - 4 * STEP_S)  # before 3 + 1 steps
-    assert arrival.overlap.hidden_seconds(2.5 * STEP_S) == pytest.approx(2.5 * STEP_S)
-    assert arrival.overlap.hidden_seconds(10 * STEP_S) == pytest.approx(3 * STEP_S)
+    assert arrival.compute.began == pytest.approx(clock.now - 4 * STEP_S)  # before 3 + 1 steps
+    assert arrival.compute.hidden_seconds(2.5 * STEP_S) == pytest.approx(2.5 * STEP_S)
+    assert arrival.compute.hidden_seconds(10 * STEP_S) == pytest.approx(3 * STEP_S)
     run(generation, 10)
     assert not generation.has_unfinished() and generation.pool.num_used == 0
 
@@ -343,16 +343,16 @@ def test_a_fetch_on_an_idle_instance_hides_nothing(engines):
     alone.outcome = TransferStats(1, 0.0, in_flight_seconds=3 * STEP_S)
     run(generation, 1)
     (arrival,) = generation.take_kv_arrivals()
-    assert arrival.overlap.hidden_seconds(3 * STEP_S) == 0.0
+    assert arrival.compute.hidden_seconds(3 * STEP_S) == 0.0
 
 
 def test_the_hidden_part_never_exceeds_the_time_in_flight():
-    from triton_disagg.engine.scheduler import ComputeOverlap
-    overlap = ComputeOverlap(began=10.0)
-    overlap.add(9.0, 10.5)                      # a pass that began before the fetch
-    overlap.add(10.6, 11.0)
-    assert overlap.total == pytest.approx(0.9)
-    assert overlap.hidden_seconds(0.8) == pytest.approx(0.7)    # ended inside the last pass
-    assert overlap.hidden_seconds(0.55) == pytest.approx(0.5)   # ended between the passes
-    assert overlap.hidden_seconds(0.3) == pytest.approx(0.3)    # clocks a hair apart: capped
-    assert overlap.hidden_seconds(5.0) == pytest.approx(0.9)
+    from triton_disagg.engine.scheduler import ComputeDuringFetch
+    compute = ComputeDuringFetch(began=10.0)
+    compute.add(9.0, 10.5)                      # a pass that began before the fetch
+    compute.add(10.6, 11.0)
+    assert compute.total == pytest.approx(0.9)
+    assert compute.hidden_seconds(0.8) == pytest.approx(0.7)    # ended inside the last pass
+    assert compute.hidden_seconds(0.55) == pytest.approx(0.5)   # ended between the passes
+    assert compute.hidden_seconds(0.3) == pytest.approx(0.3)    # clocks a hair apart: capped
+    assert compute.hidden_seconds(5.0) == pytest.approx(0.9)

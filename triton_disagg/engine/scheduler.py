@@ -37,12 +37,12 @@ own thread): :attr:`Scheduler.steps_blocked_by_transfer` counts the admissions i
 those calls together took more than ``BLOCKED_SECONDS`` (expected 0; the metric
 ``disagg_decode_steps_blocked_by_transfer_total``). While a fetch is in flight the engine
 reports each compute pass to :meth:`Scheduler.computed`, so that its arrival tells how much
-of its time in flight the instance spent computing for others (``KVArrival.overlap``;
+of its time in flight the instance spent computing for others (``KVArrival.compute``;
 ``disagg_kv_fetch_hidden_seconds``): a fetch is *hidden* while the engine runs prefill or
 decode passes for the other sequences; time in flight with nothing to compute (an idle
-instance) hides nothing but stalls nothing. The scheduler starts a :class:`ComputeOverlap`
+instance) hides nothing but stalls nothing. The scheduler starts a :class:`ComputeDuringFetch`
 when it starts a fetch and adds every pass's compute interval to it (O(1)); when the fetch
-polls done, :meth:`ComputeOverlap.hidden_seconds` trims the part of the last pass that ran
+polls done, :meth:`ComputeDuringFetch.hidden_seconds` trims the part of the last pass that ran
 after the fetch had ended: 0 <= ``hidden_seconds(in_flight)`` <= ``in_flight``, given that
 the fetch is polled before every pass (so only the last pass added can reach past its end).
 
@@ -86,7 +86,7 @@ class CapacityPolicy(str, enum.Enum):
 
 
 @dataclass
-class ComputeOverlap:
+class ComputeDuringFetch:
     """Compute time since ``began`` (the fetch's start; readings of one monotonic clock)."""
 
     began: float
@@ -111,13 +111,13 @@ class ComputeOverlap:
 @dataclass(frozen=True)
 class KVArrival:
     """A remote-KV fetch that ended: ``result`` is its ``poll()`` value;
-    with ``error`` set, the request is gone and its blocks are free. ``overlap``: the
+    with ``error`` set, the request is gone and its blocks are free. ``compute``: the
     instance's compute while it was in flight (the scheduler sets it on every arrival)."""
 
     request_id: str
     result: TransferStats | None = None
     error: Exception | None = None
-    overlap: ComputeOverlap | None = None
+    compute: ComputeDuringFetch | None = None
 
 
 class Scheduler:
@@ -254,7 +254,7 @@ class Scheduler:
             if seq.remote_kv is not None:
                 started += 1
                 seq.status = WAITING_FOR_REMOTE_KV
-                seq.fetch_overlap = ComputeOverlap(self.clock())
+                seq.fetch_compute = ComputeDuringFetch(self.clock())
                 try:
                     seq.transfer = seq.remote_kv.start(
                         list(table.block_ids), seq.num_cached_tokens // table.tokens_per_block)
@@ -282,13 +282,13 @@ class Scheduler:
         in flight was hidden behind it (O(sequences waiting) per step)."""
         for seq in self.waiting:
             if seq.transfer is not None:
-                seq.fetch_overlap.add(start, end)
+                seq.fetch_compute.add(start, end)
 
     def _end_fetch(self, seq: Sequence, arrival: KVArrival) -> None:
         """The fetch of ``seq`` ended: it is ready, failed (gone), or was aborted before."""
         seq.transfer = None
-        arrival = dataclasses.replace(arrival, overlap=seq.fetch_overlap)
-        seq.fetch_overlap = None
+        arrival = dataclasses.replace(arrival, compute=seq.fetch_compute)
+        seq.fetch_compute = None
         if seq in self.draining:
             self.draining.remove(seq)
             seq.block_table.release(self.pool)

@@ -29,7 +29,7 @@ from triton_disagg.errors import ErrorCode
 from triton_disagg.protocol import FinishReason     # one vocabulary, engine to client
 
 if TYPE_CHECKING:
-    from triton_disagg.engine.scheduler import ComputeOverlap
+    from triton_disagg.engine.scheduler import ComputeDuringFetch
     from triton_disagg.kv.connector import Transfer
 
 Status = Literal["waiting", "waiting_for_remote_kv", "running"]    # in the scheduler
@@ -145,7 +145,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     remote_kv: RemoteKV | None = None  # its prompt KV comes from another instance
     transfer: Transfer | None = None   # that KV's fetch while in flight
-    fetch_overlap: ComputeOverlap | None = None   # the instance's compute meanwhile
+    fetch_compute: ComputeDuringFetch | None = None   # the instance's compute meanwhile
     status: Status = "waiting"         # the scheduler's
     block_hashes: list[int] = field(default_factory=list)   # names of its full blocks
     num_cached_tokens: int = 0         # prompt tokens whose KV the prefix cache gave it

@@ -7,8 +7,8 @@ all|scheduler``, whose ensemble the front cannot stream), the same process in it
 health-only mode (``--health-only``), which serves these two routes and nothing else.
 
 Invariants: 200 ``{"status": "ok"}`` only when tritonserver says it is ready, so does each
-model named, and, for a scheduler, its peers gate file (``GATE_ENV``, written by
-:mod:`launch.peers_gate`) is empty: every role it routes to has a server that answers; otherwise 503 ``{"status": "unavailable", "reason": ...}`` with a
+model named, and, for a scheduler, its roles gate file (``GATE_ENV``, written by
+:mod:`launch.roles_gate`) is empty: every role it routes to has a server that answers; otherwise 503 ``{"status": "unavailable", "reason": ...}`` with a
 one-line reason. Every question to tritonserver has ``ASK_TIMEOUT_SECONDS``, and the first
 one unanswered ends the check: a tritonserver that does not answer (stopped, hung) is a 503
 within that, not a hung probe (Kubernetes gives a probe 1 s by default).
@@ -25,7 +25,7 @@ from aiohttp import web
 
 ASK_TIMEOUT_SECONDS = 0.4     # per question to tritonserver (server ready, each model ready)
 PATHS = ("/healthz", "/health")
-GATE_ENV = "TRITON_DISAGG_PEERS_GATE"   # a scheduler's front: where its peers gate file is
+GATE_ENV = "TRITON_DISAGG_ROLES_GATE"   # a scheduler's front: where its roles gate file is
 CLOSED = ("a role the scheduler routes to has no server that answers (serve's log names "
           "the role)")
 
@@ -49,7 +49,7 @@ class ReadinessClient(Protocol):
 
 class ServerReadiness:
     """Asks a tritonserver (``client``: a ``tritonclient.grpc.aio`` client) whether it and
-    each of ``models`` are ready, after the peers gate file ``gate`` (default: the one
+    each of ``models`` are ready, after the roles gate file ``gate`` (default: the one
     ``GATE_ENV`` names, if any): missing or not empty, not ready. The reason names what is
     not ready, never a peer's address."""
 

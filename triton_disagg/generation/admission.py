@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.engine.scheduler import ComputeOverlap
+from triton_disagg.engine.scheduler import ComputeDuringFetch
 from triton_disagg.errors import RequestError, Unavailable, UserError
 from triton_disagg.kv.handle import KVHandle, TransferStats
 from triton_disagg.engine.sequence import EngineRequest
@@ -200,15 +200,15 @@ class DecodeAdmission:
         first = ids[kv.num_tokens] if len(ids) > kv.num_tokens else None
         self.engine.add_prefilled(request_id, ids[:kv.num_tokens], first, params, kv)
 
-    def kv_arrived(self, stats: TransferStats, overlap: ComputeOverlap | None) -> None:
-        """A request's KV is in place (decode-loop thread); ``overlap``: the instance's
+    def kv_arrived(self, stats: TransferStats, compute: ComputeDuringFetch | None) -> None:
+        """A request's KV is in place (decode-loop thread); ``compute``: the instance's
         compute while it was in flight, of which the part inside ``in_flight_seconds`` was
         hidden (the scheduler sets it on every arrival: never None here)."""
-        assert overlap is not None, "the scheduler sets KVArrival.overlap on every arrival"
+        assert compute is not None, "the scheduler sets KVArrival.compute on every arrival"
         if self.metrics is not None:
             self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds,
                                      stats.in_flight_seconds,
-                                     overlap.hidden_seconds(stats.in_flight_seconds))
+                                     compute.hidden_seconds(stats.in_flight_seconds))
 
     def request_done(self, outcome: str) -> None:
         if self.metrics is not None:

@@ -113,7 +113,7 @@ def error_event(request_id: str, live: StreamState, message: str,
 class DecodeLoop:
     """``admission`` puts work into the engine and hears about it:
     ``admission.add(request_id, request, kv)`` (queues it in the engine; may raise to refuse it,
-    e.g. when the pool could never hold it), ``admission.kv_arrived(result, overlap)`` (a
+    e.g. when the pool could never hold it), ``admission.kv_arrived(result, compute)`` (a
     request's KV fetch finished; the scheduler's
     :class:`~triton_disagg.engine.scheduler.KVArrival` fields),
     ``admission.request_done(outcome)`` and ``admission.report(live_sequences)`` (load gauges, every
@@ -270,7 +270,7 @@ class DecodeLoop:
         """Hear how the KV fetches that ended went; a failed one's request is over."""
         for arrival in self.engine.take_kv_arrivals():
             if arrival.error is None:
-                self.admission.kv_arrived(arrival.result, arrival.overlap)
+                self.admission.kv_arrived(arrival.result, arrival.compute)
             elif (live := self._pop(arrival.request_id)) is not None:
                 self._refuse(arrival.request_id, live, str(arrival.error),
                              code_of(arrival.error))

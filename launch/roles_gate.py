@@ -1,8 +1,8 @@
-"""``serve scheduler``: its ``/healthz`` follows the scheduler's peers.
+"""``serve scheduler``: its ``/healthz`` follows the roles it routes to.
 
 A scheduler can serve only while each role it routes to (context and generation;
 generation alone in aggregated mode) has a server that answers. Every ``CHECK_SECONDS``
-:class:`PeersGate` asks each role's servers (the config's urls, or the servers registered
+:class:`RolesGate` asks each role's servers (the config's urls, or the servers registered
 in etcd) for gRPC ``ServerReady``, and for ``ModelReady`` of each model the scheduler
 calls there when it calls more than the role's own (a context server's instance models:
 a static pool placing more context instances than a server runs would call models it
@@ -17,12 +17,12 @@ The gate starts as one check before tritonserver starts (:func:`check_before_sta
 the scheduler is never ready before a check (no file: not ready).
 
 Triton's own ``/v2/health/ready`` says whether the scheduler's models are loaded, not
-whether its peers answer: following them there would take loading and unloading a model,
+whether those roles answer: following them there would take loading and unloading a model,
 that is Triton's model-control API, which lets whoever may call it load a model (code);
 it is off (:mod:`triton_disagg.triton.tritonserver`).
 
 Invariants: the file is replaced whole (a reader sees the old or the new line, never
-part); serve prints one line per change of state or reason; after :meth:`PeersGate.stop`
+part); serve prints one line per change of state or reason; after :meth:`RolesGate.stop`
 no check runs and no client is left open.
 """
 
@@ -45,7 +45,7 @@ PROBE_TIMEOUT = 1.0         # seconds a member may take to answer ServerReady
 
 
 def gate_file(work_dir: Path) -> Path:
-    return work_dir / "peers_gate"
+    return work_dir / "roles_gate"
 
 
 def write_gate(path: Path, reason: str | None) -> None:
@@ -55,7 +55,7 @@ def write_gate(path: Path, reason: str | None) -> None:
     os.replace(part, path)
 
 
-class Peers:
+class RoleServers:
     """Which role has no server that answers; ``sources`` per role (:mod:`serving.pools`),
     probed over TLS when ``tls`` (the config's ``grpc_tls``) is given."""
 
@@ -63,7 +63,7 @@ class Peers:
         self.sources, self.membership, self.tls = sources, membership, tls
         self._clients: dict[str, object] = {}
 
-    def start(self) -> "Peers":
+    def start(self) -> "RoleServers":
         """Start following etcd, when the members come from there."""
         if self.membership is not None:
             self.membership.start()
@@ -123,30 +123,30 @@ def _asked(ready: Callable[[], bool]) -> bool:
         return False
 
 
-class PeersGate:
-    """Checks ``peers`` every ``CHECK_SECONDS`` on a thread of its own and writes the answer
+class RolesGate:
+    """Checks ``servers`` every ``CHECK_SECONDS`` on a thread of its own and writes the answer
     into the gate file ``path``, whose state ``reason`` is (None: open); ``say`` prints a
     line."""
 
-    def __init__(self, peers: Peers, path: Path, reason: str | None, say):
-        self.peers, self.path, self.say = peers, path, say
+    def __init__(self, servers: RoleServers, path: Path, reason: str | None, say):
+        self.servers, self.path, self.say = servers, path, say
         self._reason: str | None = reason
         self._said = False
-        self._checks = Periodic(self._check, CHECK_SECONDS, "peers-gate")
+        self._checks = Periodic(self._check, CHECK_SECONDS, "roles-gate")
 
-    def start(self) -> "PeersGate":
+    def start(self) -> "RolesGate":
         """Check now, then every ``CHECK_SECONDS``."""
-        self.peers.start()
+        self.servers.start()
         self._checks.start()
         return self
 
     def stop(self) -> None:
         self._checks.stop()
-        self.peers.close()
+        self.servers.close()
 
     def _check(self) -> None:
         """Write the gate when its reason changes, and say so (and say the first)."""
-        reason = self.peers.missing()
+        reason = self.servers.missing()
         if reason != self._reason:
             try:
                 write_gate(self.path, reason)
@@ -159,27 +159,27 @@ class PeersGate:
         self._said, self._reason = True, reason
 
 
-def start_peers_gate(config, work_dir: Path, reason: str | None, role: str) -> PeersGate:
+def start_roles_gate(config, work_dir: Path, reason: str | None, role: str) -> RolesGate:
     """The gate of ``serve role`` in ``work_dir``, checking the roles the scheduler routes to
     (generation alone in aggregated mode), from the state ``reason`` that
     :func:`check_before_start` wrote; it prints as ``serve`` does."""
     say = lambda line: print(f"triton-disagg serve {role}: {line}", flush=True)  # noqa: E731
-    return PeersGate(_peers(config, role), gate_file(work_dir), reason, say).start()
+    return RolesGate(_role_servers(config, role), gate_file(work_dir), reason, say).start()
 
 
 def check_before_start(config, work_dir: Path, role: str) -> str | None:
-    """One check of the peers, written into the gate file before tritonserver and the front
+    """One check of the roles' servers, written into the gate file before tritonserver and the front
     start; returns its reason (None: every role answers)."""
-    peers = _peers(config, role).start()
+    servers = _role_servers(config, role).start()
     try:
-        reason = peers.missing()
+        reason = servers.missing()
     finally:
-        peers.close()
+        servers.close()
     write_gate(gate_file(work_dir), reason)
     return reason
 
 
-def _peers(config: "DisaggConfig", role: str) -> Peers:
+def _role_servers(config: "DisaggConfig", role: str) -> RoleServers:
     """The members of the roles the scheduler routes to (generation alone when aggregated)."""
     from triton_disagg.routing.pools import member_sources
 
@@ -188,4 +188,4 @@ def _peers(config: "DisaggConfig", role: str) -> Peers:
     membership, sources = member_sources(settings("orchestrator", role, config))
     if config.aggregated:
         del sources[Role.CONTEXT]
-    return Peers(sources, membership, config.grpc_tls)
+    return RoleServers(sources, membership, config.grpc_tls)

@@ -1,4 +1,4 @@
-"""The scheduler's peers gate asks a context server for each instance model the scheduler
+"""The scheduler's roles gate asks a context server for each instance model the scheduler
 will call there: a static pool that places more context instances than the server runs
 (it would call models the server lacks) keeps the scheduler not ready, in one line naming
 the server and the model; one that runs them all is ready. A stand-in Triton gRPC server
@@ -13,7 +13,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from triton_disagg.launch.deploy import free_ports
-from triton_disagg.launch.peers_gate import Peers
+from triton_disagg.launch.roles_gate import RoleServers
 from triton_disagg.routing.pools import StaticMembers
 
 
@@ -42,7 +42,7 @@ def context_server():
 
 def test_a_server_lacking_an_instance_model_the_scheduler_calls_is_named(context_server):
     url, standin = context_server
-    peers = Peers({"context": StaticMembers("context", [url], instances=2)})
+    peers = RoleServers({"context": StaticMembers("context", [url], instances=2)})
     try:
         standin.models = {"context"}                   # it runs one instance, we place two
         assert peers.missing() == (f"no context server in context_server.urls answers "
@@ -56,7 +56,7 @@ def test_a_server_lacking_an_instance_model_the_scheduler_calls_is_named(context
 def test_a_role_called_by_its_own_model_alone_is_asked_only_if_the_server_is_ready(
         context_server):
     url, standin = context_server
-    peers = Peers({"generation": StaticMembers("generation", [url], instances=2)})
+    peers = RoleServers({"generation": StaticMembers("generation", [url], instances=2)})
     try:
         assert peers.missing() is None                 # no ModelReady asked: it has none
     finally:
