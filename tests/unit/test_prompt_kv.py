@@ -73,6 +73,8 @@ def test_a_handed_off_request_fetches_its_prompt_and_keeps_the_contexts_first_to
     assert isinstance(kv, FetchedKV) and kv.listener == b""
     side.add("fetched", request, kv)
     assert engine.added == [("fetched", [5, 6, 7], 42, kv)]
+    with pytest.raises(RequestError, match="5 ids, but the prompt KV holds 3 tokens"):
+        side.add("longer", _request([5, 6, 7, 42, 43]), kv)
     with pytest.raises(RequestError, match="plus the first generated token, got 3 ids"):
         side.prompt_kv(P.GENERATION_ONLY, _request([5, 6, 7]), inputs)
     with pytest.raises(RequestError, match="needs context_phase_params"):

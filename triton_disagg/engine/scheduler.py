@@ -304,7 +304,8 @@ class Scheduler:
             return
         self.waiting.remove(seq)
         seq.block_table.release(self.pool)
-        seq.finish_reason = "cancelled"
+        if seq.finish_reason is None:     # ended; its error goes out with the arrival
+            seq.finish_reason = "cancelled"
 
     def take_kv_arrivals(self) -> list[KVArrival]:
         """The fetches that ended since the last call, in the order they ended."""

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
 from triton_disagg import protocol as P
-from triton_disagg.engine.scheduler import ComputeDuringFetch
+from triton_disagg.engine.scheduler import KVArrival
 from triton_disagg.errors import RequestError, Unavailable, UserError
-from triton_disagg.kv.handle import KVHandle, TransferStats
+from triton_disagg.kv.handle import KVHandle
 from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.kv.connector import ConnectorError, KVConnector, Transfer
 from triton_disagg.token_wire import WireError, split_key
@@ -52,7 +52,7 @@ class FetchedKV:
 
     connector: KVConnector
     handle: KVHandle
-    listener = b""               # nothing for the answer to carry
+    listener: ClassVar[bytes] = b""      # nothing for the answer to carry
 
     @property
     def num_tokens(self) -> int:
@@ -122,8 +122,8 @@ class GenerationObserver(Protocol):
 
 class DecodeAdmission:
     """Admits generation requests into ``engine`` (module docstring); ``connector``: where
-    ``generation_only`` requests' KV comes from; None in aggregated mode, which serves
-    ``context_and_generation`` alone. ``local_prefill``
+    ``generation_only`` and ``generation_awaiting_context`` requests' KV comes from; None in
+    aggregated mode, which serves only what it prefills itself. ``local_prefill``
     (``generation_server.max_local_prefill_length``): a
     ``context_and_generation_if_cached`` request is served here when at most that many of
     its prompt's tokens are not in this instance's prefix cache."""
@@ -197,14 +197,19 @@ class DecodeAdmission:
         if kv is None:
             self.engine.add_request(request_id, ids, params)
             return
+        if len(ids) > kv.num_tokens + 1:
+            raise RequestError(f"input_ids: {len(ids)} ids, but the prompt KV holds "
+                               f"{kv.num_tokens} tokens (and at most one first token follows)")
         first = ids[kv.num_tokens] if len(ids) > kv.num_tokens else None
         self.engine.add_prefilled(request_id, ids[:kv.num_tokens], first, params, kv)
 
-    def kv_arrived(self, stats: TransferStats, compute: ComputeDuringFetch | None) -> None:
-        """A request's KV is in place (decode-loop thread); ``compute``: the instance's
-        compute while it was in flight, of which the part inside ``in_flight_seconds`` was
-        hidden (the scheduler sets it on every arrival: never None here)."""
-        assert compute is not None, "the scheduler sets KVArrival.compute on every arrival"
+    def kv_arrived(self, arrival: KVArrival) -> None:
+        """A request's KV is in place (decode-loop thread; ``arrival.error`` is None):
+        its stats, and the instance's compute while it was in flight, of which the part
+        inside ``in_flight_seconds`` was hidden (the scheduler sets both on every arrival
+        that succeeded)."""
+        stats, compute = arrival.result, arrival.compute
+        assert stats is not None and compute is not None, "a KVArrival that succeeded"
         if self.metrics is not None:
             self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds,
                                      stats.in_flight_seconds,

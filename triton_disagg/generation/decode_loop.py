@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from triton_disagg.engine.sequence import EngineRequest, TokenEvent
+from triton_disagg.protocol import FinishReason
 from triton_disagg.errors import ErrorCode, code_of
 from triton_disagg.generation.watchdog import Watchdog
 from triton_disagg.readers import (BAD_KEY, UNKNOWN_REQUEST, DroppedFrames, OnDeath,
@@ -113,9 +114,9 @@ def error_event(request_id: str, live: StreamState, message: str,
 class DecodeLoop:
     """``admission`` puts work into the engine and hears about it:
     ``admission.add(request_id, request, kv)`` (queues it in the engine; may raise to refuse it,
-    e.g. when the pool could never hold it), ``admission.kv_arrived(result, compute)`` (a
-    request's KV fetch finished; the scheduler's
-    :class:`~triton_disagg.engine.scheduler.KVArrival` fields),
+    e.g. when the pool could never hold it), ``admission.kv_arrived(arrival)`` (a
+    request's KV fetch finished well: the scheduler's
+    :class:`~triton_disagg.engine.scheduler.KVArrival`),
     ``admission.request_done(outcome)`` and ``admission.report(live_sequences)`` (load gauges, every
     ``REPORT_SECONDS``: the requests the loop holds, admitted or queued).
 
@@ -270,7 +271,7 @@ class DecodeLoop:
         """Hear how the KV fetches that ended went; a failed one's request is over."""
         for arrival in self.engine.take_kv_arrivals():
             if arrival.error is None:
-                self.admission.kv_arrived(arrival.result, arrival.compute)
+                self.admission.kv_arrived(arrival)
             elif (live := self._pop(arrival.request_id)) is not None:
                 self._refuse(arrival.request_id, live, str(arrival.error),
                              code_of(arrival.error))
@@ -286,7 +287,7 @@ class DecodeLoop:
             self.outbox.put(live.address, token_event(event.request_id, live, None))
             live.emitted = True
 
-    def _finish(self, request_id: str, reason: str | None) -> None:
+    def _finish(self, request_id: str, reason: FinishReason | None) -> None:
         live = self._pop(request_id)
         self.outbox.put(live.address, token_event(request_id, live, reason))
         self.admission.request_done(CANCELLED if reason == CANCELLED else "finished")
