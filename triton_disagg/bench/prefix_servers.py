@@ -8,8 +8,8 @@ own: a conversation's next turn fetches only the blocks it lacks, or, where the 
 of its tokens are not cached).
 
 Invariant: :meth:`Deployment.mode` yields every server started cold (nothing cached: a
-mode never finds what an earlier mode left) and a scheduler that is ready (its peers
-answer), and stops them all on exit.
+mode never finds what an earlier mode left) and a scheduler that is ready (the roles it
+routes to answer), and stops them all on exit.
 """
 
 from __future__ import annotations

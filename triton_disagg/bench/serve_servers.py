@@ -37,7 +37,8 @@ from triton_disagg.errors import UserError
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.launch.process_group import terminate
 
-READY_LINE = "ready ("          # serve's line once its server answers (a scheduler: and its peers)
+# serve's line once its server answers (a scheduler: and the roles it routes to)
+READY_LINE = "ready ("
 TAIL_CHARS = 2000
 
 MODES = tuple(Mode)    # disaggregated, aggregated
