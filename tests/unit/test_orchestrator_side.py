@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator_fakes import FakeGeneration, engine_request, serve_one
 from triton_disagg import protocol as P
-from triton_disagg.errors import EngineError, RequestError
+from triton_disagg.errors import EngineError, RequestError, Unavailable
 from triton_disagg.front.orchestrator import Orchestrator
 from triton_disagg.front.token_inbox import TokenInbox
 
@@ -299,6 +299,21 @@ def test_a_request_migrates_off_a_lost_generation_server_with_no_token_missing_o
     assert len(set(generation.request_ids)) == 2 and len(generation.closed) == 2
     # gen-0 never made a token: it never took the KV, which goes back to the context
     assert generation.released == ([b"handle"] if dies_after == 0 else [])
+    generation.close()
+
+
+def test_a_server_lost_after_the_last_token_fails_the_request_without_moving_it():
+    """gen-0 sends every token max_tokens allows but no final event, then is lost: there is
+    nothing to generate elsewhere and the finish is unknown, so the stream ends with
+    UNAVAILABLE naming the tokens sent (not a normal finish, not a second context call)."""
+    async def send(outputs, final):
+        pass
+
+    generation = FakeGeneration(10, [11, 12, 13, 1], dying=1, dies_after=2)
+    failed = serve_one(generation, send,
+                       extra={"request_output_len": np.array([3], np.int32)})
+    assert type(failed) is Unavailable and "sent 3 tokens" in str(failed), failed
+    assert generation.contexts == 1 and len(generation.calls) == 1
     generation.close()
 
 

@@ -236,10 +236,10 @@ class ServedRequest:
         for moves in range(MAX_MIGRATIONS + 1):
             try:
                 return await self.attempt(request, is_cancelled)
-            except GenerationLost as exc:
-                if moves == MAX_MIGRATIONS:
-                    raise Unavailable(f"{exc}; the request had moved {moves} times "
-                                      f"already") from None
+            except GenerationLost as exc:      # nothing left to move when all tokens went
+                if moves == MAX_MIGRATIONS or len(self.sent) >= self.request.params.max_tokens:
+                    raise Unavailable(f"{exc}; the request had moved {moves} times and sent "
+                                      f"{len(self.sent)} tokens already") from None
                 lost = exc
             except EngineError as exc:
                 if lost is None:
