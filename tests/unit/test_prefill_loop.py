@@ -203,7 +203,7 @@ def test_a_device_kv_waits_for_staging_rows_not_for_an_error(demo_engine):
 def test_a_cached_prefix_is_handed_off_whole_and_freed_by_its_last_holder(loop):
     """A hit skips the shared prefix's prefill, the handle names every block of the prompt,
     and the shared blocks stay held until the last handle holding them is released."""
-    from triton_disagg.engine.prefix_cache import block_hashes
+    from triton_disagg.engine.block_pool import block_hashes
 
     pool = loop.engine.pool
     params = SamplingParams(max_tokens=8)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from triton_disagg.engine.block_pool import BlockPool, BlockTable, KVCacheFullError
-from triton_disagg.engine.prefix_cache import block_hashes, cache_fingerprint, hash_block
+from triton_disagg.engine.block_pool import block_hashes, cache_fingerprint, hash_block
 from triton_disagg.kv.layout import BlockGeometry
 
 GEOMETRY = BlockGeometry(num_layers=1, num_kv_heads=1, head_dim=2, tokens_per_block=4,

@@ -110,7 +110,7 @@ class KVCacheConfig:
     # Generation READs a prompt's KV layer by layer during its prefill (kv.overlap); the
     # guide's --overlap_kv_transfer. What changes is the scheduler's (orchestrator's) flow.
     overlap_transfer: bool = False
-    # Reuse the KV of cached prompt prefixes (engine.prefix_cache); TensorRT-LLM's
+    # Reuse the KV of cached prompt prefixes (engine.block_pool); TensorRT-LLM's
     # kv_cache_config.enable_block_reuse.
     prefix_caching: bool = True
     # How much KV a request takes at admission (engine.scheduler.CapacityPolicy).

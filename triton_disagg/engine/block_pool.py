@@ -1,37 +1,54 @@
-"""The paged KV cache of one model instance: a block pool and per-sequence block tables.
+"""The paged KV cache of one model instance: a block pool, per-sequence block tables, and
+the prefix cache that names full blocks so that sequences share them.
 
-A :class:`BlockPool` owns ONE C-contiguous array ``[num_blocks, L, 2, bs, kvh, hd]``
+The pool. A :class:`BlockPool` owns ONE C-contiguous array ``[num_blocks, L, 2, bs, kvh, hd]``
 (see :class:`triton_disagg.kv.layout.BlockGeometry`), so block ``i`` is one contiguous
 byte range: a KV transfer registers the whole array once and moves whole blocks. A pool
 whose KV a runner keeps in device memory has no array (``host_array=False``): it only
 counts blocks, and handoffs pass through a bounded staging buffer
 (:mod:`triton_disagg.kv.device_staging`).
 
-With prefix caching (the default; ``kv_cache.prefix_caching``) full blocks whose KV is
-written are named (:meth:`BlockPool.cache_blocks`, names from
-:mod:`triton_disagg.engine.prefix_cache`) and shared by reference count: a new sequence takes
-the blocks of its cached prefix (:meth:`BlockPool.take`) instead of computing them. A named
-block no one holds is parked on the cache's LRU list (:mod:`triton_disagg.engine.prefix_cache`)
-and counts as free: an allocation takes never-cached free blocks first and evicts parked
-ones, oldest first, only when those run out, so the cache never makes an allocation fail
-that would succeed without it.
+Names. Block ``i`` of a token sequence (tokens ``i*bs .. (i+1)*bs - 1``) is named by
+``blake2b(parent || tokens || fingerprint || salt, digest_size=8)`` read as an unsigned
+64-bit integer, where ``parent`` is block ``i-1``'s name (nothing for block 0). A name thus
+stands for the whole prefix up to the end of its block, computed by one engine
+(``fingerprint``: :func:`cache_fingerprint` of the weights and KV layout) for one tenant
+(``salt``: the request's ``cache_salt``; None and ``""`` differ). A KV-aware router calls
+:func:`block_hashes` on a request's token ids to name the blocks a server would reuse.
+
+The prefix cache (:class:`PrefixCache`; the default, ``kv_cache.prefix_caching``). A full
+block enters it (:meth:`BlockPool.cache_blocks`) once its KV is written, under its name,
+and is shared by reference count: a new sequence takes the blocks of its cached prefix
+(:meth:`BlockPool.take`) instead of computing them. When the last reference goes, the block
+is parked at the tail of the cache's LRU list, still named and reusable, and counts as
+free: an allocation takes never-cached free blocks first and evicts parked ones, oldest
+first, only when those run out, so the cache never makes an allocation fail that would
+succeed without it. vLLM v1's KV cache manager (``BlockPool``, ``FreeKVCacheBlockQueue``)
+is the reference.
 
 Invariants: every block id in ``[0, num_total)`` is exactly one of: free (reference count
 0, on the free list once), parked (count 0, named, on the LRU list once), or used (count
 >= 1, held by a live sequence or handle, maybe named); ``num_used + num_free == num_total``
-(``num_free`` counts parked blocks); a named block is full and never written again; a
-failed :meth:`BlockPool.allocate` or :meth:`BlockPool.take` changes nothing. The pool knows
-nothing about models: it stores and copies bytes.
+(``num_free`` counts parked blocks); only full blocks are named, and a named block is never
+written again; ``name -> block`` and ``block -> name`` are inverse maps (a second block
+computed for the same name stays private); equal inputs give equal names in every process
+(no per-process hash seed; token ids as fixed 8-byte little-endian words, the salt
+length-prefixed); a listener hears ``stored`` for each name entering, ``removed`` for each
+evicted one and ``cleared`` when all are forgotten, in that order, so its view equals the
+cache's names; a failed :meth:`BlockPool.allocate` or :meth:`BlockPool.take` changes
+nothing. The pool knows nothing about models: it stores and copies bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
-from triton_disagg.engine.prefix_cache import PrefixCache
 from triton_disagg.errors import UserError
 from triton_disagg.kv.layout import BlockGeometry
 
@@ -50,6 +67,150 @@ class BlockEvents(Protocol):
 
     def cleared(self) -> None:
         """Every cached block was forgotten."""
+
+
+_NO_SALT = b"\x00"        # no salt given; a given salt is b"\x01" + length + utf-8 bytes
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], fingerprint: bytes,
+               salt: str | None = None) -> int:
+    """The name of one full block of ``token_ids`` following the block named ``parent``
+    (None: the first block)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"\x00" if parent is None else b"\x01" + struct.pack("<Q", parent))
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    h.update(struct.pack("<I", len(fingerprint)) + fingerprint)
+    if salt is None:
+        h.update(_NO_SALT)
+    else:
+        encoded = salt.encode()
+        h.update(b"\x01" + struct.pack("<I", len(encoded)) + encoded)
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], tokens_per_block: int, fingerprint: bytes,
+                 salt: str | None = None, parent: int | None = None) -> list[int]:
+    """One unsigned 64-bit name per FULL block of ``token_ids``, chained from ``parent``
+    (None: ``token_ids`` start the sequence; else the name of the block before them)."""
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)              # [n]
+    full = len(ids) // tokens_per_block
+    names: list[int] = []
+    for block in ids[:full * tokens_per_block].reshape(full, tokens_per_block):  # [full, bs]
+        parent = hash_block(parent, block, fingerprint, salt)
+        names.append(parent)
+    return names
+
+
+def cache_fingerprint(engine_fingerprint: str, tokens_per_block: int, kv_dtype: str) -> bytes:
+    """The ``fingerprint`` of an engine's cache: its weights and build (``engine.json``'s
+    fingerprint) and the KV layout its pool uses (a different block size or KV dtype never
+    shares a name)."""
+    return hashlib.sha256(f"{engine_fingerprint}|{tokens_per_block}|{kv_dtype}".encode()
+                          ).digest()[:16]
+
+
+class PrefixCache:
+    """Named full blocks of one pool, an LRU of the unheld ones, and the cache's counters."""
+
+    def __init__(self, tokens_per_block: int, events: BlockEvents | None = None):
+        self.tokens_per_block = tokens_per_block
+        self.events = events
+        self._block_of: dict[int, int] = {}          # name -> block
+        self._name_of: dict[int, int] = {}           # block -> name
+        self._parked: OrderedDict[int, None] = OrderedDict()   # unheld named blocks, oldest first
+        self.query_tokens = 0       # prompt tokens looked up (disagg_prefix_cache_queries_total)
+        self.hit_tokens = 0         # of which the cache held the KV (..._hits_total)
+        self.prefilled_tokens = 0   # of the others, those computed here, not fetched (..._prefilled_total)
+        self.evicted_blocks = 0     # named blocks given to other KV (..._evictions_total)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a named prefix, held or parked."""
+        return len(self._block_of)
+
+    @property
+    def num_parked(self) -> int:
+        """Named blocks no sequence holds: free for an allocation, at the cost of their KV."""
+        return len(self._parked)
+
+    def match(self, names: Sequence[int]) -> list[int]:
+        """The blocks of the longest leading run of ``names`` the cache holds."""
+        blocks = []
+        for name in names:
+            block = self._block_of.get(name)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def count_query(self, prompt_tokens: int, hit_tokens: int, fetched: bool = False) -> None:
+        """A lookup of ``prompt_tokens`` of which the cache held ``hit_tokens``; the rest
+        are prefilled here, or ``fetched`` from the instance that prefilled them."""
+        self.query_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+        if not fetched:
+            self.prefilled_tokens += prompt_tokens - hit_tokens
+
+    def store(self, blocks: Sequence[int], names: Sequence[int], parent: int | None,
+              token_ids: Sequence[int]) -> None:
+        """Name full ``blocks`` (their KV written) by ``names``; ``parent``: the name before
+        the first; ``token_ids``: their tokens, ``tokens_per_block`` per block. A name
+        already held by another block, or a block already named, is left as it is."""
+        bs = self.tokens_per_block
+        run: list[int] = []
+        run_start = 0
+        for i, (block, name) in enumerate(zip(blocks, names, strict=True)):
+            if name in self._block_of or block in self._name_of:
+                self._announce(run, parent if run_start == 0 else names[run_start - 1],
+                               token_ids[run_start * bs:(run_start + len(run)) * bs])
+                run, run_start = [], i + 1
+                continue
+            self._block_of[name] = block
+            self._name_of[block] = name
+            run.append(name)
+        self._announce(run, parent if run_start == 0 else names[run_start - 1],
+                       token_ids[run_start * bs:(run_start + len(run)) * bs])
+
+    def _announce(self, names: list[int], parent: int | None, token_ids: Sequence[int]) -> None:
+        if names and self.events is not None:
+            self.events.stored(list(names), parent, [int(t) for t in token_ids],
+                               self.tokens_per_block)
+
+    def park(self, block: int) -> bool:
+        """The last reference to ``block`` went: keep it at the LRU tail if it is named
+        (True); False: it is not cached and goes back to the free list."""
+        if block not in self._name_of:
+            return False
+        self._parked[block] = None
+        return True
+
+    def unpark(self, block: int) -> None:
+        """A hit took ``block`` (parked) back into use."""
+        del self._parked[block]
+
+    def evict(self, n: int) -> list[int]:
+        """Forget the ``n`` least recently parked blocks and return them (``n`` <= parked)."""
+        blocks = [self._parked.popitem(last=False)[0] for _ in range(n)]
+        names = [self._name_of.pop(b) for b in blocks]
+        for name in names:
+            del self._block_of[name]
+        self.evicted_blocks += len(blocks)
+        if names and self.events is not None:
+            self.events.removed(names)
+        return blocks
+
+    def clear(self) -> list[int]:
+        """Forget every name; return the parked blocks (now plain free blocks). Held blocks
+        stay with their holders, unnamed: they go back to the free list when released."""
+        parked = list(self._parked)
+        self._parked.clear()
+        self._block_of.clear()
+        self._name_of.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return parked
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ a block of room, grown as it decodes, the newest running sequence preempted and 
 recomputed here when the pool runs out; or every block it will ever hold); a request the
 pool could never hold is refused when it is added.
 
-Prefix caching (on unless ``prefix_caching=False``; :mod:`triton_disagg.engine.prefix_cache`):
+Prefix caching (on unless ``prefix_caching=False``; :mod:`triton_disagg.engine.block_pool`):
 a prompt prefilled here (aggregated, or the context side) first takes the cached blocks of
 its leading full blocks and is computed only after them (its last token always is); the
 full blocks of every prompt are cached once its prefill wrote them, and those of its
@@ -59,7 +59,7 @@ from triton_disagg.engine.runtime import CUDA_KV_FRACTION, Runtime, make_runner,
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
 from triton_disagg.engine.block_pool import BlockEvents, BlockPool, BlockTable, KVCacheFullError
-from triton_disagg.engine.prefix_cache import block_hashes, cache_fingerprint
+from triton_disagg.engine.block_pool import block_hashes, cache_fingerprint
 from triton_disagg.errors import RequestError
 
 

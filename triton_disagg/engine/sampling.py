@@ -250,7 +250,7 @@ class SamplingParams:
     # With return_log_probs: the k most likely tokens at each generated position, with their
     # log-probs (engine.logprobs), k in [0, MAX_LOGPROBS].
     top_logprobs: int = 0
-    # Salts the names of the request's cached KV blocks (engine.prefix_cache): a prompt
+    # Salts the names of the request's cached KV blocks (engine.block_pool): a prompt
     # reuses only the cache of requests with the same salt (None: the unsalted cache).
     cache_salt: str | None = None
     stop_index: StopWords = field(init=False, repr=False, compare=False)

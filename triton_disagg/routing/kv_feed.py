@@ -50,9 +50,9 @@ class KvFeed:
 
 
 def engine_hasher(engine_fingerprint: str, kv_dtype: str) -> Hasher:
-    """The block names the engine's prefix cache gives (:mod:`triton_disagg.engine.prefix_cache`),
+    """The block names the engine's prefix cache gives (:mod:`triton_disagg.engine.block_pool`),
     for a server of ``kv_dtype`` and any tokens_per_block."""
-    from triton_disagg.engine.prefix_cache import block_hashes, cache_fingerprint
+    from triton_disagg.engine.block_pool import block_hashes, cache_fingerprint
 
     fingerprints: dict[int, bytes] = {}      # tokens_per_block -> the cache's fingerprint
 
