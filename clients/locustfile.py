@@ -62,7 +62,7 @@ def _tokenizer():
     path = os.environ.get("TD_TOKENIZER")
     if not path:
         return None
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     return Tokenizer(path)
 

@@ -25,7 +25,7 @@ from triton_disagg.bench.args import bench_engine
 from triton_disagg.bench.serve_cli import make_requests
 from triton_disagg.bench.serve_servers import serve_cli
 from triton_disagg.clients.load import run_load
-from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg.front.tokenizer import Tokenizer
 from triton_disagg.launch.deploy import free_ports
 
 WARMUP = 4

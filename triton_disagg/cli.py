@@ -17,7 +17,7 @@ from triton_disagg.log_format import error_line
 
 SUBCOMMAND_MODULES = (
     "triton_disagg.builders.build_cli",      # build, demo-checkpoint
-    "triton_disagg.engine.run_cli",          # run
+    "triton_disagg.launch.run_cli",          # run
     "triton_disagg.bench.cli",               # bench engine|serve
     "triton_disagg.launch.serve_cli",        # serve all|context|generation|scheduler
     "triton_disagg.launch.doctor_cli",       # doctor

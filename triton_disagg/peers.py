@@ -17,7 +17,7 @@ names what is missing, never the expected value. It is a bearer value: whoever r
 it on the wire (gRPC between the roles is plaintext) can present it.
 
 Who may call the ``orchestrator`` model: the ensemble and the HTTP front, which both
-prepare a request with :class:`~triton_disagg.front.preprocess.Preprocessor`. It seals its
+prepare a request with :class:`~triton_disagg.front.tokenizer.Preprocessor`. It seals its
 outputs: the tensor ``preprocessed`` (:func:`seal`) is an HMAC, under a key derived from the
 deployment secret (:func:`seal_key`), of the tensors it produced (:data:`SEALED`). The
 orchestrator refuses a request whose seal is missing or does not match its tensors

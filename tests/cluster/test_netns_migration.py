@@ -130,7 +130,7 @@ def test_a_generation_server_lost_during_overlapped_transfers(demo_engine, tmp_p
     import random
 
     from triton_disagg.clients.workload import make_prompt
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
     from triton_disagg.kv.secret import SECRET_ENV
 
     monkeypatch.setenv(SECRET_ENV, "netns-migration-" + "6" * 32)

@@ -68,7 +68,7 @@ def _config(path, demo_engine, contexts: list[str], generation: str, stall: int)
 def test_a_context_server_cut_off_mid_transfer_fails_only_its_requests(demo_engine, tmp_path,
                                                                         hosts, monkeypatch):
     from triton_disagg.clients.workload import make_prompt
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
     from triton_disagg.kv.secret import SECRET_ENV
 
     monkeypatch.setenv(SECRET_ENV, "netns-overlap-cutoff-" + "7" * 32)

@@ -37,6 +37,6 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_engine):
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     return Tokenizer(demo_engine)

@@ -67,7 +67,7 @@ def test_sse_and_error_parsing():
 
 
 def test_lengths_and_prompts(demo_engine):
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     rng = random.Random(0)
     for spec in ("7", "fixed:7", "uniform:3,9", "normal:20,50", "lognormal:16,1.5"):

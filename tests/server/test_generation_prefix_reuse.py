@@ -61,7 +61,7 @@ def offline(demo_engine):
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_engine):
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     return Tokenizer(demo_engine)
 

@@ -43,7 +43,7 @@ def _requests(tokenizer) -> list[GenerateRequest]:
 
 def test_server_metrics_agree_with_the_client(demo_engine, tmp_path):
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
     from triton_disagg.kv.layout import BlockGeometry
 
     spec = EngineSpec.load(demo_engine)

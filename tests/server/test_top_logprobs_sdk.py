@@ -72,7 +72,7 @@ def test_completions_top_logprobs_are_the_engines_streamed_or_not(
 
 
 def test_chat_top_logprobs_are_the_engines_streamed_or_not(client, expected, demo_engine):
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
     from triton_disagg.front.chat_template import ChatTemplate
 
     tokenizer = Tokenizer(demo_engine)

@@ -271,7 +271,7 @@ def offline_text(engine_dir: Path, kv_layout=None):
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     spec = EngineSpec.load(engine_dir)
     tokenizer = Tokenizer(engine_dir)

@@ -95,7 +95,7 @@ def test_verdict_on_issue_9_targets():
 
 def test_exact_prompt_reencodes_to_the_length(tmp_path):
     from triton_disagg.builders.demo import write_demo_tokenizer
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     write_demo_tokenizer(tmp_path)
     tok, rng = Tokenizer(tmp_path), random.Random(0)

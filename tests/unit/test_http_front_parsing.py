@@ -331,7 +331,7 @@ def test_token_ids_are_bounded_by_the_models_rows_when_the_tokenizer_has_more(de
     """A tokenizer may add tokens past the model's vocabulary: an id the model has no row for
     is the client's mistake (400 at the front), not a fault deep in the engine."""
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
     from triton_disagg.front.orchestrator_call import RequestEncoder
 
     rows = EngineSpec.load(demo_engine).shape.vocab_size

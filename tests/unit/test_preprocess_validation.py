@@ -12,7 +12,7 @@ import pytest
 
 from triton_disagg.engine.token_bound import max_token_bytes
 from triton_disagg.engine.sampling import MAX_LIST_TOKENS, MAX_WORD_TOKENS, MAX_WORDS
-from triton_disagg.front.preprocess import Preprocessor
+from triton_disagg.front.tokenizer import Preprocessor
 from triton_disagg.errors import RequestError
 
 
@@ -27,7 +27,7 @@ def demo_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_dir):
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     return Tokenizer(demo_dir)
 
@@ -153,7 +153,7 @@ class UnboundedTokenizer(CountingTokenizer):
 
 
 def test_a_text_over_the_byte_limit_is_refused_whatever_the_tokenizer(tokenizer):
-    from triton_disagg.front.preprocess import MAX_TEXT_BYTES
+    from triton_disagg.front.tokenizer import MAX_TEXT_BYTES
 
     unbounded = UnboundedTokenizer(tokenizer)
     pre = Preprocessor(unbounded, max_seq_len=64, eos_id=1, pad_id=None, seal_key=b"k")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg.front.tokenizer import Tokenizer
 from triton_disagg.front.openai_api import parse
 from triton_disagg.front.orchestrator_call import RequestEncoder
 

@@ -8,7 +8,7 @@ from triton_disagg.cli import main
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg.front.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

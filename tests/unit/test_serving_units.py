@@ -11,9 +11,8 @@ import pytest
 
 from triton_disagg import protocol as P
 from triton_disagg.triton import tensors
-from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
 from triton_disagg.engine.sampling import SamplingParams, from_wire, to_wire
-from triton_disagg.front.preprocess import Preprocessor
+from triton_disagg.front.tokenizer import DeltaWindows, Preprocessor, text_delta
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import to_batched
 from engine_limits import limits_spec
@@ -24,7 +23,7 @@ SPEC = limits_spec()
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from triton_disagg.builders.demo import write_demo_tokenizer
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     path = tmp_path_factory.mktemp("tok")
     write_demo_tokenizer(path)

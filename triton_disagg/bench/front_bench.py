@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.clients.load import run_load, run_openai_load
     from triton_disagg.bench.serve_servers import serving
     from triton_disagg.bench.serve_stats import SLO, best_index, summarize
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     if args.serial_requests < 1 or args.burst_requests < 1:
         raise UserError("--serial-requests and --burst-requests must be positive")

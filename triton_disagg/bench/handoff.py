@@ -258,7 +258,7 @@ def markdown(rows: Sequence[Row], engine: str, cores: Sequence[int], requests: i
 
 
 def run(args: argparse.Namespace) -> int:
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or set(strategies) - set(STRATEGIES):

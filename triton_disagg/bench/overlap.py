@@ -187,7 +187,7 @@ def measure(args: argparse.Namespace, prompts: dict[int, list[str]], urls: dict[
 def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.handoff import exact_prompt
     from triton_disagg.bench.overlap_link import linked, refusal
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     if args.requests < 1 or args.rounds < 1:
         raise UserError("bench overlap: --requests and --rounds must be >= 1")

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.serve_cli import make_requests
     from triton_disagg.clients.load import run_load
     from triton_disagg.bench.serve_servers import serving
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     if args.requests < 1 or args.runs < 1:
         raise UserError("--requests and --runs must be >= 1")

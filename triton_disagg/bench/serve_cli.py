@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from triton_disagg.bench.serve_servers import MODES, serving
     from triton_disagg.bench.serve_report import BEST_OF, Round
     from triton_disagg.bench.serve_stats import SLO, Summary, best_index, summarize
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     require("matplotlib", "bench serve plots with matplotlib")
     began = time.monotonic()

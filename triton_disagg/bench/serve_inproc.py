@@ -33,7 +33,7 @@ class InProcessEngine:
 
         from triton_disagg.engine.llm_engine import LLMEngine
         from triton_disagg.engine.spec import EngineSpec
-        from triton_disagg.engine.tokenizer import Tokenizer
+        from triton_disagg.front.tokenizer import Tokenizer
 
         self.limits = threadpool_limits(limits=threads)
         self.engine = LLMEngine(engine_dir)

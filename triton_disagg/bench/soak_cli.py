@@ -99,7 +99,7 @@ def soak_one(strategy: str, args: argparse.Namespace, engine: Path, genai_perf, 
                                                 genai_perf_loop, locust_tallies, start_locust)
     from triton_disagg.bench.soak_watch import (ClientThread, RequestLog, RssSampler, Tally,
                                                 rss_rows)
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     config, placement = config_for(engine, strategy, args.generation_instances, cores,
                                    args.overlap)

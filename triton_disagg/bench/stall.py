@@ -146,7 +146,7 @@ async def _load(grpc_url: str, stream_prompts: Sequence[str], long_prompts: Sequ
 
 def measure(args: argparse.Namespace, engine: Path, say) -> Stall:
     from triton_disagg.bench.handoff import exact_prompt, serving
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
     from triton_disagg.routing.scrape import scrape
 
     cores = cpus_arg(args.cpus)

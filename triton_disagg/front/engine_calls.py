@@ -6,7 +6,7 @@ request's first token event, :func:`~triton_disagg.triton.tensors.engine_event`;
 :func:`generation_answer`), and token events turned into the ensemble's outputs
 (:class:`ResponseBuilder`; its
 invariant: streamed ``text_output`` deltas concatenate to the non-streamed text,
-multi-byte characters included, :func:`~triton_disagg.engine.tokenizer.text_delta`).
+multi-byte characters included, :func:`~triton_disagg.front.tokenizer.text_delta`).
 
 Transports: both implement :class:`triton_disagg.front.orchestrator.Transport`: ``route``
 gives a request's :class:`~triton_disagg.front.orchestrator.Route`, whose calls take the
@@ -58,7 +58,7 @@ import numpy as np
 from triton_disagg import peers, protocol as P
 from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.engine.tokenizer import DeltaWindows, text_delta
+from triton_disagg.front.tokenizer import DeltaWindows, text_delta
 from triton_disagg.errors import (EngineError, ErrorCode, RequestError, ServerBusy, Timeout,
                                   Unavailable, error_for, from_triton, without_tag)
 from triton_disagg.front.token_inbox import GenerationAnswer

@@ -22,7 +22,7 @@ Invariants:
   demands that), a streaming one gets one per token event, or one for all the events
   that queued while its previous response was being sent (:mod:`token_inbox`);
 - streamed ``text_output`` deltas concatenate to the non-streamed text, multi-byte
-  characters included (:func:`~triton_disagg.engine.tokenizer.text_delta`);
+  characters included (:func:`~triton_disagg.front.tokenizer.text_delta`);
 - nothing waits for ever: generation's answer and every token event are awaited at
   most ``generation_server.stall_seconds``, and so is the context's answer (a context
   without free KV blocks keeps the request in its queue until they are, within that

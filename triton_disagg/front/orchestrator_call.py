@@ -13,7 +13,7 @@ HTTP front tokenizes, bounds and defaults a prompt exactly as the ensemble does.
 
 Invariants of the inputs: the model named must be the one served (else 404); a text prompt's
 ids are Hugging Face's ``tokenizer(prompt)`` (a BOS when the tokenizer's configuration adds
-one: :mod:`~triton_disagg.engine.tokenizer`); a chat's prompt is its messages rendered by
+one: :mod:`~triton_disagg.front.tokenizer`); a chat's prompt is its messages rendered by
 the engine's chat template (:mod:`.chat_template`), tokenized without added special tokens
 (the template writes its own, as vLLM tokenizes it); the tensors carry ``stream`` true
 whatever the client asked (the front relays deltas, and a non-streamed answer is their
@@ -58,7 +58,6 @@ from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.engine.sampling import to_wire
 from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.engine.tokenizer import Tokenizer
 from triton_disagg.errors import CODE_IN_MESSAGE, HTTP_STATUS, ErrorCode, RequestError, \
     code_in, from_grpc_status, without_tag
 from triton_disagg.front.chat_template import ChatTemplate
@@ -66,7 +65,7 @@ from triton_disagg.front.field_checks import shown
 from triton_disagg.front.health import ServerReadiness
 from triton_disagg.front.openai_api import ApiError, Generation
 from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits
-from triton_disagg.front.preprocess import Preprocessor
+from triton_disagg.front.tokenizer import Preprocessor, Tokenizer
 from triton_disagg.triton.grpc_channel import client_options
 from triton_disagg.triton.tensors import by_name, response_event
 

@@ -12,10 +12,10 @@ fields, ``tokenizer_class``, ``chat_template``); ``/tokenize`` takes ``{"prompt"
 Invariants: ``/tokenizer_info`` answers only :data:`INFO_FIELDS` of the engine's
 ``tokenizer_config.json`` (special tokens as their text, never a file path or any other
 key), the class, and the chat template the front renders, built once at start; a prompt is
-tokenized as a completion's is (:class:`~triton_disagg.engine.tokenizer.Tokenizer`, Hugging
+tokenized as a completion's is (:class:`~triton_disagg.front.tokenizer.Tokenizer`, Hugging
 Face's ``tokenizer(prompt)``), at most the front's character bound of a prompt
 (``RequestEncoder.max_prompt_chars``), off the event loop (on a worker thread that lets go
-of the GIL while it tokenizes: :meth:`~triton_disagg.engine.tokenizer.Tokenizer.encode`); ``tokens`` to decode are at most
+of the GIL while it tokenizes: :meth:`~triton_disagg.front.tokenizer.Tokenizer.encode`); ``tokens`` to decode are at most
 ``max_seq_len`` ids of the vocabulary, counted before they are looked at.
 """
 

@@ -27,7 +27,7 @@ from triton_disagg import peers, protocol as P
 from triton_disagg.config.roles import Role, instance_models
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg.front.tokenizer import Tokenizer
 from triton_disagg import readers
 from triton_disagg.triton.metrics import Metrics
 from triton_disagg.errors import CODE_IN_MESSAGE, EngineError, ErrorCode, RequestError, \

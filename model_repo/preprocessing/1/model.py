@@ -1,5 +1,5 @@
 """preprocessing: text -> input_ids, words -> id lists, default end/pad ids
-(logic: triton_disagg.front.preprocess). Stamps each request's arrival (``arrival_ns``),
+(logic: triton_disagg.front.tokenizer). Stamps each request's arrival (``arrival_ns``),
 where the orchestrator's time to first token starts."""
 
 import faulthandler
@@ -13,9 +13,8 @@ from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import peers, protocol as P
 from triton_disagg.engine.spec import EngineSpec
-from triton_disagg.engine.tokenizer import Tokenizer
+from triton_disagg.front.tokenizer import Preprocessor, Tokenizer
 from triton_disagg.config.settings import from_model_config
-from triton_disagg.front.preprocess import Preprocessor
 from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
 

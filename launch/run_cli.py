@@ -29,7 +29,7 @@ def _run(args: argparse.Namespace) -> int:
     from triton_disagg.engine.runtime import Runtime
     from triton_disagg.engine.sampling import SamplingParams
     from triton_disagg.engine.spec import EngineSpec
-    from triton_disagg.engine.tokenizer import Tokenizer
+    from triton_disagg.front.tokenizer import Tokenizer
 
     spec = EngineSpec.load(args.engine)             # fail fast, before loading weights
     tokenizer = Tokenizer(args.engine)
