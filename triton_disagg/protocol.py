@@ -24,7 +24,7 @@ batch across requests themselves.
   (``generation_awaiting_context``, ``input_ids`` = the prompt): it answers with a
   ``kv_listener``, and the context, given it, announces the KV to generation as it
   prefills (:mod:`triton_disagg.kv.overlap`). Every such request
-  carries the request parameter ``peer_credential`` (:mod:`triton_disagg.peers`).
+  carries the request parameter ``peer_credential`` (:mod:`triton_disagg.triton.tensors`).
 - Generation's tokens do not travel as Triton responses: a generation request
   names the orchestrator's ZeroMQ address and the request's key in the request
   parameter ``token_address`` (``<address>#<key>``: every event carries the key, a stop
@@ -35,7 +35,7 @@ batch across requests themselves.
   token stream ends with an event whose finish reason is set (``length``,
   ``stop``, ``stop_word``, ``cancelled``) or with an error.
 - Preprocessing -> orchestrator: the engine inputs plus ``preprocessed`` (their seal: the
-  orchestrator takes nothing else, :mod:`triton_disagg.peers`) and ``arrival_ns``, the
+  orchestrator takes nothing else, :mod:`triton_disagg.triton.tensors`) and ``arrival_ns``, the
   preprocessing clock reading that starts the time-to-first-token metric.
 - Orchestrator -> client: the orchestrator detokenizes; its outputs are the
   ensemble's outputs.
@@ -71,7 +71,7 @@ REQUEST_TYPES = (CONTEXT_ONLY, GENERATION_ONLY, CONTEXT_AND_GENERATION,
 # fetched (the client left before generation took it); any context instance takes it.
 RELEASE_KV = "release_kv"
 # Request parameter every orchestrator call to context or generation carries: the
-# deployment's peer credential (triton_disagg.peers); without it both models refuse.
+# deployment's peer credential (triton_disagg.triton.tensors); without it both models refuse.
 PEER_CREDENTIAL = "peer_credential"
 
 _NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT8": np.uint8,
@@ -231,7 +231,8 @@ SAMPLING_TO_ENGINE = {
 # which then starts the clock itself (a caller that skips the ensemble).
 ARRIVAL = "arrival_ns"
 # HMAC of preprocessing's other outputs under a key derived from the deployment secret
-# (triton_disagg.peers.seal): the orchestrator refuses a request without a matching one.
+# (triton_disagg.triton.tensors.seal): the orchestrator refuses a request without a
+# matching one.
 # Optional on the orchestrator so that its refusal, not Triton's, names what is missing.
 PREPROCESSED = "preprocessed"
 PREPROCESS_INPUTS = ENSEMBLE_INPUTS

@@ -74,9 +74,10 @@ def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from triton_disagg import peers, protocol as P
+    from triton_disagg import protocol as P
     from triton_disagg.errors import ErrorCode, from_grpc_status
     from triton_disagg.kv.secret import SECRET_ENV
+    from triton_disagg.triton.tensors import peer_credential
 
     monkeypatch.setenv(SECRET_ENV, "test-deployment-secret-" + "7" * 32)
     config = tmp_path / "disagg_config.yaml"
@@ -91,7 +92,7 @@ def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_
         if handle is not None:
             inputs += servers.array_inputs({P.CONTEXT_PHASE_PARAMS: handle[None]})
         return client.infer("context", inputs, timeout=timeout_us, parameters={
-            P.REQUEST_TYPE: request_type, peers.PARAMETER: peers.credential()})
+            P.REQUEST_TYPE: request_type, P.PEER_CREDENTIAL: peer_credential()})
 
     with servers.serve("all", ["-c", str(config)], tmp_path / "run") as served, \
             grpcclient.InferenceServerClient(served.grpc) as client:

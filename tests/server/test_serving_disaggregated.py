@@ -205,9 +205,10 @@ def test_handle_is_single_use_and_checked_before_use(server, offline):
 
 def _as_peer(parameters: dict) -> dict:
     """Request parameters as an orchestrator of this deployment sends them."""
-    from triton_disagg import peers
+    from triton_disagg import protocol as P
+    from triton_disagg.triton.tensors import peer_credential
 
-    return dict(parameters, **{peers.PARAMETER: peers.credential()})
+    return dict(parameters, **{P.PEER_CREDENTIAL: peer_credential()})
 
 
 def _generation_only(served, ids, handle_bytes):

@@ -58,21 +58,22 @@ def test_a_client_cannot_call_context_or_generation(served, offline_demo, model,
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from triton_disagg import peers
+    from triton_disagg import protocol as P
+    from triton_disagg.triton.tensors import peer_credential
 
     params = {"request_type": "context_only" if model == "context" else "generation_only"}
     if model == "generation":
         params["token_address"] = "tcp://127.0.0.1:1"
     if credential is not None:
-        params[peers.PARAMETER] = credential
+        params[P.PEER_CREDENTIAL] = credential
     tensors = (servers.orchestrator_inputs(list(range(3, 40)), 8)[:3] if model == "context"
                else _generation_inputs())
     with grpcclient.InferenceServerClient(served.grpc) as client:
         with pytest.raises(InferenceServerException) as err:
             client.infer(model, tensors, request_id="client-1", parameters=params)
     message = err.value.message()
-    assert "\n" not in message and peers.PARAMETER in message and "ensemble" in message, message
-    assert peers.credential() not in message
+    assert "\n" not in message and P.PEER_CREDENTIAL in message and "ensemble" in message, message
+    assert peer_credential() not in message
     status, body = servers.generate(served.http, {"text_input": PROMPTS[0], "max_tokens": 8})
     assert status == 200 and body["text_output"] == offline_demo(PROMPTS[0], 8), body
 

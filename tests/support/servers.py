@@ -300,7 +300,8 @@ def orchestrator_arrays(ids, max_tokens, sealed=True):
     unless not ``sealed``."""
     import numpy as np
 
-    from triton_disagg import peers, protocol as P
+    from triton_disagg import protocol as P
+    from triton_disagg.triton import tensors
 
     arrays = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
               "request_output_len": np.array([[max_tokens]], np.int32),
@@ -310,7 +311,7 @@ def orchestrator_arrays(ids, max_tokens, sealed=True):
               "stream": np.array([[True]])}
     if sealed:
         unbatched = {name: array[0] for name, array in arrays.items()}   # [1, ...] -> [...]
-        arrays[P.PREPROCESSED] = peers.seal(unbatched, peers.seal_key())[None]   # [1, 32]
+        arrays[P.PREPROCESSED] = tensors.seal(unbatched, tensors.seal_key())[None]   # [1, 32]
     return arrays
 
 

@@ -17,7 +17,8 @@ from orchestrator_fakes import SMALL_REQUEST
 from test_router import Source
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
+from triton_disagg.triton import tensors
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.errors import HTTP_STATUS, EngineError, Timeout
 from triton_disagg.routing.pools import StaticMembers
@@ -49,7 +50,7 @@ class ContextStandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         self.request_ids.append(request.id)
         self.calls.append((request.model_name, request.parameters[P.REQUEST_TYPE].string_param))
-        self.credentials.append(request.parameters[peers.PARAMETER].string_param)
+        self.credentials.append(request.parameters[P.PEER_CREDENTIAL].string_param)
         if self.mute:
             await asyncio.Event().wait()
         response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
@@ -162,7 +163,7 @@ def test_a_context_server_that_says_nothing_is_left_at_the_deadline_for_another(
     assert 1.0 <= took < 5, took                       # one deadline, then the other answered
     assert observed.events == [("routed", "context", mute), ("retried", "context", mute),
                                ("routed", "context", live)]
-    credential = peers.credential()
+    credential = tensors.peer_credential()
     assert standins[mute].credentials == standins[live].credentials == [credential]
 
 

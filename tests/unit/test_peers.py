@@ -1,6 +1,6 @@
-"""Who may call context and generation (:mod:`triton_disagg.peers`): only a request whose
-parameters carry this deployment's credential; the refusal is one line that names the
-parameter and never the expected value."""
+"""Who may call context and generation (:func:`triton_disagg.triton.tensors.check_peer`): only
+a request whose parameters carry this deployment's credential; the refusal is one line that
+names the parameter and never the expected value."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from triton_disagg import peers
+from triton_disagg import protocol as P
 from triton_disagg.errors import RequestError
 from triton_disagg.kv.secret import SECRET_ENV
+from triton_disagg.triton import tensors
 
 
 @pytest.fixture
@@ -19,38 +20,38 @@ def secret(monkeypatch):
 
 
 def test_the_credential_of_the_deployment_passes(secret):
-    mine = peers.credential()
-    peers.check(json.dumps({"request_type": "context_only", peers.PARAMETER: mine}), "context",
+    mine = tensors.peer_credential()
+    tensors.check_peer(json.dumps({"request_type": "context_only", P.PEER_CREDENTIAL: mine}), "context",
                 mine)
-    peers.check({peers.PARAMETER: mine}, "generation", mine)
+    tensors.check_peer({P.PEER_CREDENTIAL: mine}, "generation", mine)
 
 
 @pytest.mark.parametrize("parameters", [
     None, "", "{}", json.dumps({"request_type": "context_only"}),
-    json.dumps({peers.PARAMETER: "0" * 64}), json.dumps({peers.PARAMETER: 12345}),
-    json.dumps({peers.PARAMETER: ""})])
+    json.dumps({P.PEER_CREDENTIAL: "0" * 64}), json.dumps({P.PEER_CREDENTIAL: 12345}),
+    json.dumps({P.PEER_CREDENTIAL: ""})])
 def test_a_request_without_it_is_refused_in_one_line(secret, parameters):
-    mine = peers.credential()
+    mine = tensors.peer_credential()
     with pytest.raises(RequestError) as err:
-        peers.check(parameters, "context", mine)
+        tensors.check_peer(parameters, "context", mine)
     message = str(err.value)
-    assert "\n" not in message and peers.PARAMETER in message and "ensemble" in message
+    assert "\n" not in message and P.PEER_CREDENTIAL in message and "ensemble" in message
     assert mine not in message and SECRET_ENV in message
 
 
 def test_another_deployments_credential_is_refused(monkeypatch, secret):
-    mine = peers.credential()
+    mine = tensors.peer_credential()
     monkeypatch.setenv(SECRET_ENV, "another-deployment-" + "8" * 32)
-    theirs = peers.credential()
+    theirs = tensors.peer_credential()
     assert theirs != mine and len(mine) == 64
     assert "7" * 32 not in mine               # derived, not the secret itself
     with pytest.raises(RequestError):
-        peers.check({peers.PARAMETER: theirs}, "generation", mine)
+        tensors.check_peer({P.PEER_CREDENTIAL: theirs}, "generation", mine)
 
 
 def test_a_lone_surrogate_or_a_non_object_is_refused_not_raised(secret):
-    mine = peers.credential()
-    with pytest.raises(RequestError, match=peers.PARAMETER):
-        peers.check('{"%s": "\\ud800"}' % peers.PARAMETER, "context", mine)
-    with pytest.raises(RequestError, match=peers.PARAMETER):
-        peers.check("[1, 2]", "generation", mine)
+    mine = tensors.peer_credential()
+    with pytest.raises(RequestError, match=P.PEER_CREDENTIAL):
+        tensors.check_peer('{"%s": "\\ud800"}' % P.PEER_CREDENTIAL, "context", mine)
+    with pytest.raises(RequestError, match=P.PEER_CREDENTIAL):
+        tensors.check_peer("[1, 2]", "generation", mine)

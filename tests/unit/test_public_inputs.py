@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine_limits import limits_spec
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.engine.sampling import (MAX_LIST_TOKENS, SamplingParams, SamplingParamsError,
                                            from_wire, to_wire)
 from triton_disagg.errors import EngineError, GenerationLost, RequestError, Timeout
@@ -97,7 +97,7 @@ def test_sampling_inputs_have_upper_bounds(name, value):
 
 def _orchestrator_request(**change) -> dict[str, np.ndarray]:
     request = {**_request(), "stream": np.array([True])}
-    request[P.PREPROCESSED] = peers.seal(request, KEY)
+    request[P.PREPROCESSED] = tensors.seal(request, KEY)
     return {**request, **change}
 
 
@@ -108,17 +108,17 @@ def test_the_orchestrator_admits_only_sealed_requests_within_the_limits():
     unsealed = _orchestrator_request()
     del unsealed[P.PREPROCESSED]
     forged = _orchestrator_request(input_ids=np.array([4, 5, 7], np.int32))
-    other_key = dict(_orchestrator_request(), **{P.PREPROCESSED: peers.seal(_request(), b"x")})
+    other_key = dict(_orchestrator_request(), **{P.PREPROCESSED: tensors.seal(_request(), b"x")})
     for request in (unsealed, forged, other_key):
         with pytest.raises(RequestError, match="only requests prepared by this deployment's "
                                                "preprocessing.*ensemble"):
             gate.check(request)
     too_long = _request(request_output_len=np.array([62], np.int32))
     with pytest.raises(RequestError, match="exceeds this engine's max_seq_len 64"):
-        gate.check({**too_long, P.PREPROCESSED: peers.seal(too_long, KEY)})
+        gate.check({**too_long, P.PREPROCESSED: tensors.seal(too_long, KEY)})
     hostile = _request(stop_words_list=_hostile(4096))
     with pytest.raises(RequestError, match="4096 columns"):
-        gate.check({**hostile, P.PREPROCESSED: peers.seal(hostile, KEY)})
+        gate.check({**hostile, P.PREPROCESSED: tensors.seal(hostile, KEY)})
 
 
 @pytest.mark.parametrize("error, words", [

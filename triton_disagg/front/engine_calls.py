@@ -15,8 +15,9 @@ orchestrator's inputs (its one form from there to the engines) and move it as th
 :data:`protocol.ENGINE_INPUTS` (:func:`call_inputs`: made there alone), the answers as
 ``CONTEXT_OUTPUTS`` (batch axis of 1 added on the way out, removed on the way back), with
 the phase in the ``request_type`` request
-parameter, the deployment's credential in ``peer_credential`` (:mod:`triton_disagg.peers`:
-context and generation answer no one else) and the orchestrator's request id as the Triton
+parameter, the deployment's credential in ``peer_credential``
+(:func:`~triton_disagg.triton.tensors.peer_credential`: context and generation answer no one
+else) and the orchestrator's request id as the Triton
 request id. A generation request also names the orchestrator's token address
 (``token_address``); Triton carries it to generation, whose one response is the control
 address for stops: the tokens themselves arrive over ZeroMQ (:mod:`token_inbox`), never as
@@ -31,7 +32,7 @@ the BLS call. A context call also carries it as the Triton request's timeout: ho
 context keeps it queued while its KV pool is full (:mod:`triton_disagg.context.prefill_loop`).
 
 Admission: a request is admitted only when its preprocessed tensors carry their seal
-(:func:`triton_disagg.peers.check_seal`: it came from this deployment's preprocessing,
+(:func:`~triton_disagg.triton.tensors.check_seal`: it came from this deployment's preprocessing,
 through the ensemble or the HTTP front), and, defence in depth, only when every input is
 within the engine's limits as context and generation check them
 (:func:`triton_disagg.triton.tensors.from_inputs`) and ``input_ids`` plus
@@ -55,14 +56,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.front.tokenizer import DeltaWindows, text_delta
 from triton_disagg.errors import (EngineError, ErrorCode, RequestError, ServerBusy, Timeout,
                                   Unavailable, error_for, from_triton, without_tag)
 from triton_disagg.front.token_inbox import GenerationAnswer
-from triton_disagg.triton.tensors import (engine_tensors, from_inputs, response_outputs, scalar,
+from triton_disagg.triton.tensors import (check_seal, engine_tensors, from_inputs,
+                                          peer_credential, response_outputs, scalar,
                                           to_batched)
 
 CALL_TIMEOUT_SECONDS = 30.0    # a route's deadline when none is given (stall_seconds' default)
@@ -82,7 +84,7 @@ def unbatch(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def call_parameters(credential: str, request_type: str,
                 token_address: str | None = None) -> dict[str, str]:
-    params = {P.REQUEST_TYPE: request_type, peers.PARAMETER: credential}
+    params = {P.REQUEST_TYPE: request_type, P.PEER_CREDENTIAL: credential}
     if token_address is not None:
         params[P.TOKEN_ADDRESS] = token_address
     return params
@@ -152,7 +154,7 @@ class BLSTransport:
     def __init__(self, pb_utils: Any, max_calls: int,
                  context_models: tuple[str, ...] = ("context",)):
         self.pb = pb_utils
-        self.credential = peers.credential()
+        self.credential = peer_credential()
         self.max_calls = max_calls
         self.executors: set[asyncio.AbstractEventLoop] = set()   # loops whose executor is set
         self._context_models = itertools.cycle(context_models)
@@ -256,7 +258,8 @@ class InFlightCap:
 
 
 class OrchestratorGate:
-    """``seal_key``: :func:`triton_disagg.peers.seal_key`; ``spec``: the served engine's."""
+    """``seal_key``: :func:`~triton_disagg.triton.tensors.seal_key`; ``spec``: the served
+    engine's."""
 
     def __init__(self, seal_key: bytes, spec: EngineSpec):
         self.seal_key, self.spec = seal_key, spec
@@ -265,7 +268,7 @@ class OrchestratorGate:
         """The engine request ``inputs`` hold, ``streaming`` set (generation streams to the
         orchestrator whatever the client asked); :class:`RequestError` unless the
         orchestrator may serve it."""
-        peers.check_seal(inputs, self.seal_key)
+        check_seal(inputs, self.seal_key)
         request = from_inputs(engine_inputs(inputs), self.spec)
         total = len(request.prompt_ids) + request.params.max_tokens
         if total > self.spec.max_seq_len:

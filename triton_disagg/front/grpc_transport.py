@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.errors import (ErrorCode, GenerationLost, NoServer, Timeout, Unavailable,
                                   from_grpc_status)
@@ -40,7 +40,7 @@ from triton_disagg.front.engine_calls import (CALL_SPECS, CALL_TIMEOUT_SECONDS,
                                             microseconds, unbatch)
 from triton_disagg.routing.router import Router
 from triton_disagg.triton.grpc_channel import client_options
-from triton_disagg.triton.tensors import by_name, to_batched
+from triton_disagg.triton.tensors import by_name, peer_credential, to_batched
 
 if TYPE_CHECKING:
     from tritonclient.grpc.aio import InferenceServerClient
@@ -88,7 +88,7 @@ class GrpcTransport:
     def __init__(self, routers: dict[str, Router], observer: CallObserver | None = None,
                  tls: GrpcTLS | None = None):
         self.routers, self.observer, self.tls = routers, observer, tls
-        self.credential = peers.credential()
+        self.credential = peer_credential()
         self.clients: dict[str, InferenceServerClient] = {}
         self.calls: dict[str, int] = {}          # url -> calls now using its client (> 0)
 

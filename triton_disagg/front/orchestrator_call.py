@@ -53,7 +53,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.config.tls_section import GrpcTLS
 from triton_disagg.engine.sampling import to_wire
 from triton_disagg.engine.sequence import TokenEvent
@@ -67,7 +67,7 @@ from triton_disagg.front.openai_api import ApiError, Generation
 from triton_disagg.front.openai_models import COMPLETION_MAX_TOKENS, EngineLimits
 from triton_disagg.front.tokenizer import Preprocessor, Tokenizer
 from triton_disagg.triton.grpc_channel import client_options
-from triton_disagg.triton.tensors import by_name, response_event
+from triton_disagg.triton.tensors import by_name, response_event, seal_key
 
 ORCHESTRATOR = "orchestrator"
 _SPECS = by_name(P.ORCHESTRATOR_INPUTS)
@@ -87,7 +87,7 @@ class RequestEncoder:
         self.tokenizer = Tokenizer(engine_dir)
         self.max_seq_len = spec.max_seq_len
         self.pre = Preprocessor(self.tokenizer, spec.max_seq_len, spec.eos_token_id,
-                                spec.pad_token_id, peers.seal_key())
+                                spec.pad_token_id, seal_key())
         self.chat = ChatTemplate.load(engine_dir)
         self.model = model
         # ids the tokenizer knows and the model has rows for (a tokenizer may add tokens past them)

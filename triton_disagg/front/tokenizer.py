@@ -23,7 +23,7 @@ pass over its bytes, not a tokenization, and one over :data:`MAX_TEXT_BYTES` is 
 its length alone (whatever the tokenizer); an input the serving stack cannot honour (beam
 search, several sequences, LoRA, prompt tables, guided decoding, logits outputs) or cannot
 read (text that is not UTF-8) raises :class:`RequestError` naming it, never silence; every
-output is sealed (:func:`triton_disagg.peers.seal`).
+output is sealed (:func:`triton_disagg.triton.tensors.seal`).
 
 Streamed text (:func:`text_delta`, :class:`DeltaWindows`): token ids -> text deltas,
 stateless per response and correct for multi-byte characters. The orchestrator sends each
@@ -47,12 +47,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.engine.sampling import MAX_WORD_TOKENS, cap_error, count_error, to_wire
 from triton_disagg.engine.spec import TOKENIZER_FILE, EngineFormatError
 from triton_disagg.engine.token_bound import max_token_bytes
 from triton_disagg.errors import RequestError
-from triton_disagg.triton.tensors import scalar
+from triton_disagg.triton.tensors import scalar, seal
 
 
 class Tokenizer:
@@ -169,10 +169,9 @@ def _text(value: bytes | str, name: str) -> str:
 
 
 class Preprocessor:
-    """``tokenizer``: a :class:`Tokenizer` (``encode`` for the
-    prompt, ``encode_word`` for stop/bad words); ``seal_key``: :func:`triton_disagg.peers.
-    seal_key`, which seals every output (``preprocessed``: the orchestrator takes nothing
-    else)."""
+    """``tokenizer``: a :class:`Tokenizer` (``encode`` for the prompt, ``encode_word`` for
+    stop/bad words); ``seal_key``: :func:`~triton_disagg.triton.tensors.seal_key`, which seals
+    every output (``preprocessed``: the orchestrator takes nothing else)."""
 
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int, eos_id: int | None, pad_id: int | None,
                  seal_key: bytes):
@@ -224,7 +223,7 @@ class Preprocessor:
         """``outputs`` (the orchestrator's preprocessed tensors) with their seal
         (``protocol.PREPROCESSED``): only for tensors this process made or checked itself,
         as :meth:`process` and the HTTP front's token-id prompts do."""
-        outputs[P.PREPROCESSED] = peers.seal(outputs, self.seal_key)
+        outputs[P.PREPROCESSED] = seal(outputs, self.seal_key)
         return outputs
 
     def _too_long(self, prompt: str, max_tokens: int) -> RequestError:

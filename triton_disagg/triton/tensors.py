@@ -25,10 +25,34 @@ or value against the engine's limits before anything is built from it (a prompt 
 ``max_context`` tokens or more is refused before its ids are read, a word list by
 :func:`~triton_disagg.engine.sampling.from_wire`), so a hostile request costs at most the
 engine's limits.
+
+Who may send them (:func:`check_peer`, :func:`check_seal`). Every request an orchestrator
+sends to ``context`` or ``generation`` (BLS in ``serve all``, gRPC from a scheduler; release
+calls included) carries the request parameter ``peer_credential`` (:func:`peer_credential`:
+an HMAC of a fixed label under the deployment key of :mod:`triton_disagg.kv.secret`, which
+only the deployment's servers hold); both models refuse a request without it before they
+read its tensors, so a client that reaches Triton's endpoints (in ``serve all`` the public
+repository holds ``context`` and ``generation`` too) gets neither a prefill, nor a
+``context_phase_params`` handle, nor a decode stream. Servers of one deployment on several
+hosts therefore share the secret (``TRITON_DISAGG_KV_SECRET``), in aggregated mode too. The
+``orchestrator`` takes only what the ensemble's preprocessing or the HTTP front prepared
+(both with :class:`~triton_disagg.front.tokenizer.Preprocessor`): the tensor
+``preprocessed`` (:func:`seal`) is an HMAC, under a key derived from the secret
+(:func:`seal_key`), of the tensors preprocessing produced (:data:`SEALED`), so a client that
+calls the orchestrator directly cannot choose ``input_ids`` or the word lists, and one that
+calls ``preprocessing`` itself gets a seal valid only for what preprocessing made of its
+text, which it could have sent through the ensemble. Invariants: the credential and the seal
+key are HMACs of fixed labels, so they reveal nothing of the key and differ from every other
+value derived from it (handle tags, key ids, ZeroMQ keys); both checks compare in constant
+time and their refusals name what is missing, never the expected value. The credential is a
+bearer value: whoever reads it on the wire (gRPC between the roles is plaintext) can present
+it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 # Any here: Triton's pb_utils module and its objects, which have no types.
@@ -41,8 +65,10 @@ from triton_disagg.engine.sampling import MAX_CACHE_SALT, SamplingParams, from_w
 from triton_disagg.engine.sequence import EngineRequest, TokenEvent
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.errors import ErrorCode, RequestError, UserError, triton_status
+from triton_disagg.kv.secret import SECRET_ENV, deployment_key
 from triton_disagg.protocol import (ENGINE_INPUTS, FINISH_REASONS, NUM_CACHED_TOKENS,
-                                    PROMPT_LOGPROBS, TOP_LOGPROBS, TensorSpec)
+                                    PEER_CREDENTIAL, PREPROCESSED, PROMPT_LOGPROBS,
+                                    TOP_LOGPROBS, TensorSpec)
 
 if TYPE_CHECKING:       # the engine (its runners) is not imported where requests are read
     from triton_disagg.engine.llm_engine import PrefillResult
@@ -353,3 +379,59 @@ def prompt_logprob_outputs(logprobs: PromptLogprobs | None) -> dict[str, np.ndar
                                              ).astype(np.int32),                  # [n, k]
             "prompt_top_log_probs": np.concatenate([np.full((1, k), np.nan), logprobs.top]
                                                    ).astype(np.float32)}          # [n, k]
+
+
+# ---- who may send them: the peer credential and the preprocessing seal --------------
+
+_CREDENTIAL_LABEL = b"triton-disagg peer credential v1"
+_SEAL_LABEL = b"triton-disagg preprocessed seal v1"
+# What preprocessing produces and the orchestrator checks (its other inputs are the client's
+# sampling options, which the orchestrator bounds itself).
+SEALED = ("input_ids", "input_lengths", "request_output_len", "stop_words_list",
+          "bad_words_list", "end_id", "pad_id")
+
+
+def peer_credential() -> str:
+    """This deployment's peer credential (what an orchestrator presents); reads the secret,
+    so callers keep it for their lifetime."""
+    return hmac.new(deployment_key(), _CREDENTIAL_LABEL, hashlib.sha256).hexdigest()
+
+
+def check_peer(parameters: str | dict | None, model: str, expected: str) -> None:
+    """Raise :class:`RequestError` unless a request's ``parameters`` (Triton's JSON string
+    or a dict) carry ``expected`` (this deployment's :func:`peer_credential`)."""
+    params = parameters if isinstance(parameters, dict) else json.loads(parameters or "{}")
+    presented = params.get(PEER_CREDENTIAL) if isinstance(params, dict) else None
+    if not isinstance(presented, str) or not hmac.compare_digest(   # a lone surrogate too
+            presented.encode("utf-8", "surrogatepass"), expected.encode()):
+        raise RequestError(f"the {model} model answers only this deployment's orchestrators "
+                           f"(request parameter {PEER_CREDENTIAL!r} missing or wrong: clients call "
+                           f"the ensemble; servers of one deployment share {SECRET_ENV})")
+
+
+def seal_key() -> bytes:
+    """The key of :func:`seal` (derived from the deployment secret; reads it)."""
+    return hmac.new(deployment_key(), _SEAL_LABEL, hashlib.sha256).digest()
+
+
+def seal(tensors: dict[str, np.ndarray], key: bytes) -> np.ndarray:
+    """The seal of ``tensors`` (the :data:`SEALED` ones, batch axis removed): UINT8 [32]."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for name in SEALED:
+        array = np.ascontiguousarray(tensors[name], dtype=np.int32)
+        mac.update(f"{name}{list(array.shape)}".encode())
+        mac.update(array.tobytes())
+    return np.frombuffer(mac.digest(), dtype=np.uint8)
+
+
+def check_seal(inputs: dict[str, np.ndarray], key: bytes) -> None:
+    """Raise :class:`RequestError` unless ``inputs`` carry :data:`SEALED` and their seal."""
+    presented = inputs.get(PREPROCESSED)
+    missing = [name for name in SEALED if name not in inputs]
+    if (presented is None or missing or np.size(presented) != 32
+            or not hmac.compare_digest(np.asarray(presented, np.uint8).tobytes(),
+                                       seal(inputs, key).tobytes())):
+        raise RequestError(f"the orchestrator model takes only requests prepared by this "
+                           f"deployment's preprocessing (tensor {PREPROCESSED!r} missing or "
+                           f"not matching the request's tensors): clients call the ensemble "
+                           f"or the HTTP front")

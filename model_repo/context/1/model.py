@@ -8,8 +8,9 @@ orchestrator's BLS and gRPC calls are plain unary calls) once its prefill is don
 request waits in the loop's queue while the pool is full, up to its timeout. A
 ``release_kv`` request gives back the KV of the ``context_phase_params`` it carries (a
 client left before generation took it) and is answered at once with no tokens. Only the
-deployment's orchestrators are answered (:mod:`triton_disagg.peers`): any other request is
-refused before its tensors are read."""
+deployment's orchestrators are answered
+(:func:`~triton_disagg.triton.tensors.check_peer`): any other request is refused before its
+tensors are read."""
 
 import faulthandler
 import json
@@ -22,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 from triton_disagg.log_format import configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.triton import tensors
 from triton_disagg.context.prefill_loop import PrefillLoop, Prompt, deadline_after
 from triton_disagg.engine.capacity import make_engine
@@ -43,7 +44,7 @@ class TritonPythonModel:
         configure_stub(args["model_instance_name"])   # serve --log-format
         settings = from_model_config("context", args)
         self.limits = pin(cores_for(settings.instance_cpus, args))
-        self.credential = peers.credential()
+        self.credential = tensors.peer_credential()
         instance = args["model_instance_name"]
         self.metrics = Metrics(pb_utils, "context", instance)
         readers.report_to(self.metrics)        # dropped frames: disagg_dropped_frames_total
@@ -58,7 +59,7 @@ class TritonPythonModel:
         for request in requests:
             answer = _Answer(request.get_response_sender())
             try:
-                peers.check(request.parameters(), "context", self.credential)
+                tensors.check_peer(request.parameters(), "context", self.credential)
                 request_type = json.loads(request.parameters() or "{}").get(
                     P.REQUEST_TYPE, P.CONTEXT_ONLY)
                 if request_type not in (P.CONTEXT_ONLY, P.RELEASE_KV):

@@ -6,8 +6,9 @@ answers it at once with one response: the instance's control address (where stop
 that request go; empty: a ``context_and_generation_if_cached`` request declined), or an
 error. The loop's thread runs the engine and sends the tokens
 to the orchestrator address the request names (request parameter ``token_address``).
-Only the deployment's orchestrators are answered (:mod:`triton_disagg.peers`): any other
-request is refused before its tensors are read.
+Only the deployment's orchestrators are answered
+(:func:`~triton_disagg.triton.tensors.check_peer`): any other request is refused before its
+tensors are read.
 """
 
 import faulthandler
@@ -19,7 +20,7 @@ import zmq
 from triton_disagg.log_format import configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.triton import tensors
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.generation.admission import DecodeAdmission, read_request_parameters
@@ -43,7 +44,7 @@ class TritonPythonModel:
         configure_stub(args["model_instance_name"])   # serve --log-format
         settings = from_model_config("generation", args)
         self.limits = pin(cores_for(settings.instance_cpus, args))
-        self.credential = peers.credential()
+        self.credential = tensors.peer_credential()
         instance = args["model_instance_name"]
         self.kv_events = kv_events_of(settings, args)
         engine = make_engine(settings, "generation", gpu_index(args), self.kv_events)
@@ -66,7 +67,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                peers.check(request.parameters(), "generation", self.credential)
+                tensors.check_peer(request.parameters(), "generation", self.credential)
                 request_type, address = read_request_parameters(request.parameters())
                 request_id = request.request_id()
                 if not request_id:

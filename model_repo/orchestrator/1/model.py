@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 from triton_disagg.log_format import Rejections, configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.config.roles import Role, instance_models
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.engine.spec import EngineSpec
@@ -37,7 +37,7 @@ from triton_disagg.front.engine_calls import BLSTransport, InFlightCap, Orchestr
     public_message
 from triton_disagg.routing.pools import start_pools
 from triton_disagg.triton.tensors import asks, error_response, make_tensors, read_inputs, \
-    scalar
+    scalar, seal_key
 from triton_disagg.front.token_inbox import TokenInbox
 from triton_disagg.front.grpc_transport import GrpcTransport
 
@@ -68,7 +68,7 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(self.transport, self.tokens, settings.mode, decode,
                                          self.metrics, settings.max_local_prefill_length,
                                          settings.overlap_kv_transfer)
-        self.gate = OrchestratorGate(peers.seal_key(), EngineSpec.load(settings.engine))
+        self.gate = OrchestratorGate(seal_key(), EngineSpec.load(settings.engine))
         self.cap = InFlightCap(settings.max_concurrent_requests)
         self.decoupled = settings.decoupled
         self.log = logging.getLogger("orchestrator")   # JSON lines with serve --log-format json

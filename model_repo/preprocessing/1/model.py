@@ -11,12 +11,12 @@ import triton_python_backend_utils as pb_utils
 from triton_disagg.log_format import Rejections, configure_stub
 from triton_disagg.triton.stub_start import watched_initialize
 
-from triton_disagg import peers, protocol as P
+from triton_disagg import protocol as P
 from triton_disagg.engine.spec import EngineSpec
 from triton_disagg.front.tokenizer import Preprocessor, Tokenizer
 from triton_disagg.config.settings import from_model_config
 from triton_disagg.errors import RequestError
-from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs
+from triton_disagg.triton.tensors import error_response, make_tensors, read_inputs, seal_key
 
 faulthandler.enable()  # a crash in this stub logs every thread's traceback to the server log
 
@@ -28,7 +28,7 @@ class TritonPythonModel:
         engine = from_model_config("preprocessing", args).engine
         spec = EngineSpec.load(engine)
         self.pre = Preprocessor(Tokenizer(engine), spec.max_seq_len, spec.eos_token_id,
-                                spec.pad_token_id, peers.seal_key())
+                                spec.pad_token_id, seal_key())
         self.rejections = Rejections(logging.getLogger("preprocessing"))
 
     def execute(self, requests):
