@@ -17,7 +17,7 @@ from triton_disagg.errors import UserError
 from triton_disagg.kv.handle import check_handle, decode, tail
 from triton_disagg.kv.host_memory import HostStaging, StagingFullError, StagingReader
 from triton_disagg.kv.handle import LeaseExpiredError
-from triton_disagg.kv.nixl_endpoint import NixlEndpoint, TransferError
+from triton_disagg.kv.nixl import NixlEndpoint, TransferError
 
 # Each exchange takes seconds; a test past 2 minutes is one whose sender died mid-wait
 # (pyproject's 900 s is for the tritonserver tests).

@@ -19,7 +19,7 @@ import pytest
 from triton_disagg import shm
 from triton_disagg.kv.handle import decode, encode
 from triton_disagg.kv.host_memory import HostStaging
-from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+from triton_disagg.kv.nixl import NixlEndpoint
 
 L, KVH, HD = 2, 2, 4          # tiny model: 2 layers, 2 KV heads, head size 4
 FP = "f" * 64                 # engine fingerprint of both sides

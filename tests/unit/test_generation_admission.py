@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from triton_disagg.kv.connector import Transfer
+from triton_disagg.kv.connector import FetchWorker, Transfer
 from triton_disagg import protocol as P
 from triton_disagg.config.settings import GenerationSettings
 from triton_disagg.engine.llm_engine import LLMEngine
@@ -26,7 +26,6 @@ from triton_disagg.errors import UserError
 from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.generation.admission import DecodeAdmission, FetchedKV
-from triton_disagg.kv.fetch_worker import FetchWorker
 from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")

@@ -128,7 +128,7 @@ def nixl_context():
     """A NIXL sender over a 16-block pool that the test polls, and a stranger's agent
     connected to it; yields ``(endpoint, blocks, stranger, peer)``."""
     pytest.importorskip("nixl")
-    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+    from triton_disagg.kv.nixl import NixlEndpoint
     from triton_disagg.kv.nixl_agent import Agent
 
     blocks = CountingPool()
@@ -149,7 +149,7 @@ def _export(endpoint, blocks: CountingPool, ids: list[int]):
 
 
 def test_one_bad_lease_notification_does_not_drop_the_others_of_its_pass(nixl_context):
-    from triton_disagg.kv.nixl_endpoint import NOTIF_PREFIX
+    from triton_disagg.kv.nixl import NOTIF_PREFIX
 
     endpoint, blocks, stranger, peer = nixl_context
     leases = [_export(endpoint, blocks, [b]) for b in (1, 2, 3)]
@@ -217,7 +217,7 @@ def test_a_remote_agent_in_use_is_not_evicted_by_a_small_lru():
     """max_peers 1: a pull open on context A survives a whole fetch from context B (which
     loads B and, unpinned, would evict A), and A's READ then returns A's KV."""
     pytest.importorskip("nixl")
-    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+    from triton_disagg.kv.nixl import NixlEndpoint
 
     blocks_a, blocks_b = CountingPool(), CountingPool()
     endpoint_a = NixlEndpoint("hardening-ctx-a", make_pool(1, 16, 4, "float32"),
@@ -253,7 +253,7 @@ def test_a_load_refused_at_the_bound_leaves_the_handle_fetchable():
     (before: LeaseExpiredError, its blocks held until the lease ran out)."""
     pytest.importorskip("nixl")
     from triton_disagg.kv.nixl_agent import TransferError
-    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+    from triton_disagg.kv.nixl import NixlEndpoint
 
     blocks = CountingPool()
     sender = NixlEndpoint("hardening-bound-ctx", make_pool(1, 16, 4, "float32"), blocks.free,
@@ -320,7 +320,7 @@ def test_a_tail_fetch_reads_past_a_descriptor_that_starts_inside_its_run():
     tests/server/test_kv_exchange.py has the same between processes, the peer pinned."""
     pytest.importorskip("nixl")
     from triton_disagg.kv.handle import tail
-    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+    from triton_disagg.kv.nixl import NixlEndpoint
 
     blocks = CountingPool()
     sender = NixlEndpoint("hardening-tail-ctx", make_pool(1, 16, 4, "float32"), blocks.free,

@@ -13,12 +13,11 @@ import time
 
 import pytest
 
-from triton_disagg.kv.connector import Transfer
+from triton_disagg.kv.connector import FetchWorker, Transfer
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.errors import RequestError
 from triton_disagg.engine.spec import KVLayout
-from triton_disagg.kv.fetch_worker import FetchWorker
 from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")
@@ -163,7 +162,7 @@ def test_kv_of_another_length_than_the_prompt_is_refused(engines):
     assert not generation.has_unfinished() and generation.pool.num_used == 0
 
 
-# ---- the same, with the fetch on the connector's fetch thread (kv/fetch_worker.py) ----------
+# ---- the same, with the fetch on the connector's fetch thread (kv/connector.py) -------------
 
 class ThreadedKV(ManualKV):
     """A RemoteKV whose copy runs on ``worker`` (as a connector's does) once ``gate`` is set;

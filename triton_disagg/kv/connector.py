@@ -1,5 +1,5 @@
-"""One KV connector interface for both ends of the handoff, and the factory that picks one
-by ``kv_cache.strategy``.
+"""One KV connector interface for both ends of the handoff, the table of the strategies
+that implement it, and the generation instance's one fetch thread.
 
 A :class:`KVConnector` is one model instance's end over its own pool (:class:`PoolBuffer`:
 the host array it moves; when the runner computes the KV in device memory, that array is
@@ -16,24 +16,42 @@ only the blocks being handed off pass, and block ids the transports see are its 
   unfetched.
 - generation: :meth:`~KVConnector.decode` checks a handle (signature first, then engine,
   layout and strategy); :meth:`~KVConnector.start_fetch` starts filling the first blocks of
-  a reservation and returns a :class:`Transfer` to :meth:`~Transfer.poll` until done. The
-  copy runs on the instance's one fetch thread (:mod:`triton_disagg.kv.fetch_worker`),
-  never on the caller's: the decode loop goes on stepping while KV arrives.
+  a reservation and returns a :class:`Transfer` to :meth:`~Transfer.poll` until done (a
+  lock-free look at an Event). The copy runs on the instance's one fetch thread
+  (:class:`FetchWorker`), never on the caller's: the decode loop goes on stepping while
+  KV arrives.
 
-:func:`make_connector` chooses the implementation from :data:`STRATEGIES`, the one map
-from a strategy's name to its implementation and properties (``direct_transfer``:
-:mod:`triton_disagg.kv.nixl`; ``host_memory``: :mod:`triton_disagg.kv.host_memory`;
-:mod:`triton_disagg.kv.handle` keys each one's handle fields by the same names); other
-code asks :func:`strategy` for a strategy's properties instead of comparing names.
+The fetch thread is one per instance, not one per request: fetches into one pool run one
+at a time anyway (they share the NIXL scratch and the staging reader), and a second thread
+would only add GIL contention. It runs fetches in submission order, its niceness raised by
+``FETCH_NICE`` so that the decode loop's step wins the core they share. A fetch's deadline
+(``FETCH_TIMEOUT_SECONDS``, or its lease's end if sooner) counts from when it starts
+running, not from when it was queued, and the fetch honours it itself (NIXL cancels its
+READ, a staging copy is bounded): a fetch queued behind a silent context host's waits for
+that one's deadline, then runs, so the silent host fails only its own requests, and the
+loop never waits for any of them.
+
+:func:`~triton_disagg.kv.connector_factory.make_connector` chooses the implementation from
+:data:`STRATEGIES`, the one map from a strategy's name to its implementation and
+properties (``direct_transfer``: :mod:`triton_disagg.kv.nixl`; ``host_memory``:
+:mod:`triton_disagg.kv.host_memory`; :mod:`triton_disagg.kv.handle` keys each one's handle
+fields by the same names); other code asks :func:`strategy` for a strategy's properties
+instead of comparing names.
+
+Invariant (:class:`Transfer`'s): a fetch's destination blocks belong to it until ``poll``
+returned stats or raised; ``poll`` reports only what the fetch thread finished, so a
+caller freeing blocks after a failed poll never races a copy.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence
 
 from triton_disagg.errors import UserError
@@ -51,6 +69,9 @@ _log = logging.getLogger(__name__)
 # below the default 30 s lease, so KV queued behind a silent context host's fetch is still
 # leased when its turn comes; a 2,000-token READ takes ~3 ms here, ~0.6 s on a swamped host.
 FETCH_TIMEOUT_SECONDS = 10.0
+FETCH_NICE = 5          # added to the fetch thread's niceness (Linux: per thread)
+
+Fetch = Callable[[float], TransferStats]    # blocking; takes its deadline (time.monotonic())
 
 
 class ConnectorError(RuntimeError):
@@ -152,6 +173,65 @@ def lower_thread_priority(nice: int, name: str) -> None:
         _log.debug("KV thread %s keeps its priority", name)
 
 
+class PendingTransfer(ThreadTransfer):
+    """A fetch queued on a :class:`FetchWorker`; ``poll`` returns its stats (``seconds``:
+    the copy, ``in_flight_seconds``: submit to done) once the thread finished it."""
+
+    def __init__(self, fetch: Fetch, timeout_s: float):
+        super().__init__()
+        self.fetch, self.timeout_s = fetch, timeout_s
+        self.started = time.monotonic()
+
+    def run(self) -> None:
+        """The worker thread's part: run the fetch and record how it ended."""
+        try:
+            stats = self.fetch(time.monotonic() + self.timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - reported to the poller, request fails
+            self.end(None, exc)
+        else:
+            self.end(replace(stats, in_flight_seconds=time.monotonic() - self.started), None)
+
+
+class FetchWorker:
+    """One thread (started on the first submit) running :class:`PendingTransfer` s in
+    submission order; ``name`` labels it."""
+
+    def __init__(self, name: str, nice: int = FETCH_NICE):
+        self.name, self.nice = name, nice
+        self._jobs: queue.SimpleQueue[Optional[PendingTransfer]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def submit(self, fetch: Fetch, timeout_s: float, what: str) -> PendingTransfer:
+        """Queue ``fetch``, to run with a deadline ``timeout_s`` after it starts; never
+        blocks."""
+        job = PendingTransfer(fetch, timeout_s)
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"{what}: this KV connector is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"{self.name}-fetch",
+                                                daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        lower_thread_priority(self.nice, self.name)
+        while (job := self._jobs.get()) is not None:
+            job.run()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop taking fetches; the thread finishes those queued, then ends (idempotent)."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout_s)
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A ``kv_cache.strategy``: its implementation (imported when first made) and the
@@ -198,7 +278,6 @@ class KVConnector(ABC):
         self.key, self.fingerprint, self.lease_seconds = key, fingerprint, lease_seconds
         self.free_blocks = free_blocks
         self.fetch_timeout_s = FETCH_TIMEOUT_SECONDS
-        from triton_disagg.kv.fetch_worker import FetchWorker    # it imports this module
         self.fetcher = FetchWorker(name)
 
     # ---- context --------------------------------------------------------------------

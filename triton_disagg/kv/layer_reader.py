@@ -1,7 +1,7 @@
 """Generation's side of ``--overlap_kv_transfer`` (:mod:`triton_disagg.kv.overlap` states
 the protocol and its trust): :class:`LayerReader` files the context's notifications for each
 listened request, READs each newly final layer range straight into the sequence's blocks,
-then the ticket words (the lease check of :mod:`~triton_disagg.kv.nixl_endpoint`, which
+then the ticket words (the lease check of :mod:`~triton_disagg.kv.nixl`, which
 ends the lease), and reports the transfer done with the first token.
 
 Invariants: the :class:`~triton_disagg.kv.connector.Transfer` one (the sequence's blocks
@@ -35,7 +35,7 @@ from triton_disagg.readers import MALFORMED, UNKNOWN_REQUEST, DroppedFrames, OnD
     fail_instance, guarded
 
 if TYPE_CHECKING:
-    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+    from triton_disagg.kv.nixl import NixlEndpoint
 
 POLL_SECONDS = 0.001        # the reader's pace while a pull waits for notifications
 MAX_PULLS = 4096            # listeners outstanding per instance; beyond that: refused

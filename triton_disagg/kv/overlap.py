@@ -10,7 +10,7 @@ prompt's blocks *before* its prefill (:class:`Announcer`: the handle goes to gen
 at once), tells generation as each layer's KV is final, and finally the first token.
 Generation's :class:`~triton_disagg.kv.layer_reader.LayerReader` READs each newly final
 layer range straight into the sequence's blocks, then the ticket words (the ordinary
-lease check of :mod:`~triton_disagg.kv.nixl_endpoint`, which ends the lease), and reports
+lease check of :mod:`~triton_disagg.kv.nixl`, which ends the lease), and reports
 the transfer done with the first token: the sequence joins the batch without the
 context's answer travelling through the orchestrator.
 
@@ -38,7 +38,7 @@ from triton_disagg.kv import overlap_wire as wire
 from triton_disagg.kv.connector import ConnectorError
 
 if TYPE_CHECKING:
-    from triton_disagg.kv.nixl_endpoint import NixlEndpoint
+    from triton_disagg.kv.nixl import NixlEndpoint
 
 _log = logging.getLogger(__name__)
 
