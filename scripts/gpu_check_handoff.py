@@ -23,7 +23,7 @@ import numpy as np
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.runtime import Runtime
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.generation.admission import FetchedKV
+from triton_disagg.generation.decode_loop import FetchedKV
 from triton_disagg.kv.connector import STRATEGIES
 from triton_disagg.kv.connector_factory import connector_for
 from triton_disagg.kv.secret import SECRET_ENV, render_key_id

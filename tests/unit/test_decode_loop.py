@@ -13,8 +13,7 @@ import zmq
 from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg import token_wire
 from triton_disagg.errors import ErrorCode
-from triton_disagg.generation.decode_loop import DecodeLoop
-from triton_disagg.generation.admission import DecodeAdmission
+from triton_disagg.generation.decode_loop import DecodeAdmission, DecodeLoop
 from triton_disagg.engine.sequence import TokenEvent
 from triton_disagg.token_wire import StopInbox, TokenOutbox
 from triton_disagg.zmq_endpoints import bind, push_socket

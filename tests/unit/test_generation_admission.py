@@ -23,9 +23,8 @@ from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.errors import UserError
-from triton_disagg.generation.decode_loop import DecodeLoop
 from triton_disagg.engine.sequence import EngineRequest
-from triton_disagg.generation.admission import DecodeAdmission, FetchedKV
+from triton_disagg.generation.decode_loop import DecodeAdmission, DecodeLoop, FetchedKV
 from triton_disagg.kv.handle import TransferStats
 
 LAYOUT = KVLayout(tokens_per_block=4, dtype="float32")

@@ -17,7 +17,7 @@ from triton_disagg.config.settings import ContextSettings
 from triton_disagg.context.prefill_loop import PrefillLoop
 from triton_disagg.engine.llm_engine import LLMEngine
 from triton_disagg.engine.sampling import SamplingParams
-from triton_disagg.generation.admission import PulledKV
+from triton_disagg.generation.decode_loop import PulledKV
 from triton_disagg.kv import overlap_wire as wire
 from triton_disagg.kv.connector import PoolBuffer
 from triton_disagg.kv.connector_factory import make_connector

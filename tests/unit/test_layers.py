@@ -79,9 +79,9 @@ def test_only_the_bench_imports_the_bench():
 def test_the_scan_sees_every_kind_of_import(tmp_path):
     source = tmp_path / "probe.py"
     source.write_text("import os\nfrom triton_disagg.front.orchestrator_call import Relay\n"
-                      "def f():\n    import triton_disagg.context.prefill\n"
+                      "def f():\n    import triton_disagg.context.prefill_loop\n"
                       "    from . import sibling\n")
     assert _imported_layers(source) == {"front", "context"}
-    assert _layer(LIBRARY / "context" / "prefill.py") == "context"
+    assert _layer(LIBRARY / "context" / "prefill_loop.py") == "context"
     assert _layer(LIBRARY / "errors.py") == "errors"
     assert _layer(ROOT / "launch" / "deploy.py") == "launch"

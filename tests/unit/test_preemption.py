@@ -238,7 +238,7 @@ def test_a_preempted_request_waits_behind_those_holding_blocks(engine_dirs):
 
 
 def test_preemptions_reach_the_metric(engine_dirs):
-    from triton_disagg.generation.admission import DecodeAdmission
+    from triton_disagg.generation.decode_loop import DecodeAdmission
 
     class Metrics:
         def __init__(self):
@@ -266,8 +266,7 @@ def test_decode_loop_streams_a_preempted_request_with_no_gap_or_repeat(engine_di
     import zmq
 
     from triton_disagg import token_wire
-    from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.admission import DecodeAdmission
+    from triton_disagg.generation.decode_loop import DecodeAdmission, DecodeLoop
     from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.engine.sequence import EngineRequest
     from triton_disagg.zmq_endpoints import bind

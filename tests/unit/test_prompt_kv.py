@@ -14,7 +14,7 @@ from triton_disagg import protocol as P
 from triton_disagg.engine.sampling import SamplingParams
 from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.errors import RequestError
-from triton_disagg.generation.admission import DecodeAdmission, FetchedKV, PulledKV
+from triton_disagg.generation.decode_loop import DecodeAdmission, FetchedKV, PulledKV
 
 PARAMS = SamplingParams(max_tokens=4)
 HANDLE_TOKENS = 3

@@ -153,8 +153,7 @@ def test_a_non_ascii_key_beside_a_valid_stop_in_one_pass_is_dropped_and_the_stop
         demo_engine):
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
-    from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.admission import DecodeAdmission
+    from triton_disagg.generation.decode_loop import DecodeAdmission, DecodeLoop
     from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.engine.sequence import EngineRequest
 
@@ -206,8 +205,7 @@ def test_a_token_reader_that_dies_takes_its_instance_down(monkeypatch):
 
 def test_a_decode_loop_that_dies_takes_its_instance_down(demo_engine, monkeypatch):
     from triton_disagg.engine.llm_engine import LLMEngine
-    from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.admission import DecodeAdmission
+    from triton_disagg.generation.decode_loop import DecodeAdmission, DecodeLoop
     from triton_disagg.token_wire import TokenOutbox
 
     engine = LLMEngine(demo_engine, num_blocks=16)

@@ -13,7 +13,7 @@ import zmq
 
 from triton_disagg import protocol as P
 from triton_disagg import token_wire
-from triton_disagg.generation.admission import read_request_parameters
+from triton_disagg.generation.decode_loop import read_request_parameters
 from triton_disagg.errors import ErrorCode, RequestError
 from triton_disagg.engine.logprobs import TopLogprobs
 from triton_disagg.engine.sequence import TokenEvent

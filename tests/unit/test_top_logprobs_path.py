@@ -85,8 +85,7 @@ def test_generation_sends_each_tokens_alternatives_in_its_events(demo_engine):
 
     from triton_disagg.engine.llm_engine import LLMEngine
     from triton_disagg.engine.sampling import SamplingParams
-    from triton_disagg.generation.decode_loop import DecodeLoop
-    from triton_disagg.generation.admission import DecodeAdmission
+    from triton_disagg.generation.decode_loop import DecodeAdmission, DecodeLoop
     from triton_disagg.token_wire import TokenOutbox
     from triton_disagg.zmq_endpoints import bind
 

@@ -1,5 +1,5 @@
 """context: prefill; first token + context_phase_params (logic: triton_disagg.context:
-prefill_loop.py, prefill.py).
+prefill_loop.py).
 
 execute() only validates and hands each request to the instance's PrefillLoop, and
 returns None: the loop's thread answers the request through its response sender (one

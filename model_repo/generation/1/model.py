@@ -1,5 +1,5 @@
 """generation: decode with continuous batching; tokens leave over ZeroMQ
-(logic: triton_disagg.generation: decode_loop.py, admission.py).
+(logic: triton_disagg.generation: decode_loop.py).
 
 execute() only validates and hands each request to the instance's DecodeLoop, then
 answers it at once with one response: the instance's control address (where stops for
@@ -22,8 +22,8 @@ from triton_disagg.triton.stub_start import watched_initialize
 
 from triton_disagg import protocol as P
 from triton_disagg.triton import tensors
-from triton_disagg.generation.decode_loop import DecodeLoop
-from triton_disagg.generation.admission import DecodeAdmission, read_request_parameters
+from triton_disagg.generation.decode_loop import (DecodeAdmission, DecodeLoop,
+                                                  read_request_parameters)
 from triton_disagg.token_wire import StopInbox, TokenOutbox
 from triton_disagg.engine.capacity import make_engine
 from triton_disagg.routing.kv_events import kv_events_of
