@@ -139,7 +139,7 @@ ENSEMBLE_INPUTS = (
 # token (stop), one of the request's stop words (stop_word), its max_tokens (length), or
 # generation stopped it first (cancelled: a stop, a shutdown). It is token_wire's "finish",
 # the engine's and the orchestrator's finish_reason tensor, and what the HTTP front maps to
-# OpenAI's words (openai_responses.finish_reason); nobody works it out again from counts.
+# OpenAI's words (generation_routes.finish_reason); nobody works it out again from counts.
 FinishReason = Literal["stop", "stop_word", "length", "cancelled"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 # With prompt_logprobs k, the context's answer (and the orchestrator's first response) carries,

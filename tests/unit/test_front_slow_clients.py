@@ -17,7 +17,7 @@ from aiohttp import web
 
 from scripted_relay import BODY, WORDS, ScriptedRelay, raw, response, served
 from triton_disagg.config.front_section import FrontConfig
-from triton_disagg.front.connection_cap import CappedRunner
+from triton_disagg.front.http_gates import CappedRunner
 
 
 def test_trickled_headers_are_cut_off_at_the_idle_timeout(demo_engine):

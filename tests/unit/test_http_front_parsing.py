@@ -11,7 +11,7 @@ import pytest
 
 from triton_disagg.front.chat_template import ChatTemplate
 from triton_disagg.front.openai_api import ApiError, parse
-from triton_disagg.front.openai_responses import StopTrimmer, finish_reason
+from triton_disagg.front.generation_routes import StopTrimmer, finish_reason
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -53,9 +53,8 @@ from aiohttp import web
 from triton_disagg import __version__
 from triton_disagg.config.front_section import FrontConfig, add_front_flags, front_from_flags
 from triton_disagg.config.tls_section import GrpcTLS, add_tls_flags, tls_from_flags
-from triton_disagg.front.connection_cap import CappedRunner
-from triton_disagg.front.http_gates import (FrontMetrics, RequestCount, add_metrics_route,
-                                           add_origin_guard, request_gate)
+from triton_disagg.front.http_gates import (CappedRunner, FrontMetrics, RequestCount,
+                                           add_metrics_route, add_origin_guard, request_gate)
 from triton_disagg.front.generation_routes import (CALLS, FRONT, PREPARER, RELAY,
                                                    chat_completions, completions, inference,
                                                    openai_errors)
@@ -261,7 +260,7 @@ def _port_pair(text: str) -> tuple[int, int]:
 def _runner(app: web.Application, front: FrontConfig, metrics: FrontMetrics,
             handle_signals: bool = False) -> CappedRunner:
     """A runner for ``app`` with the connection cap and write timeout of
-    :class:`~triton_disagg.front.connection_cap.CappedRunner` and the idle timeout of ``front``,
+    :class:`~triton_disagg.front.http_gates.CappedRunner` and the idle timeout of ``front``,
     its refusals counted in ``metrics``."""
     return CappedRunner(app, front.max_connections, front.write_timeout_seconds,
                         metrics.refused_connection, metrics.stalled_connection,

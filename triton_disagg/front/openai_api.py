@@ -37,7 +37,7 @@ are taken as they take them: ``ignore_eos`` (``max_tokens`` tokens whatever come
 with the same salt, vLLM's per-tenant isolation). ``logprobs``
 (completions: 0-5; chat: true, with ``top_logprobs`` 0-20) asks for the log-probability of
 each generated token and of its N most likely alternatives, the raw model's
-(:mod:`.openai_responses`); with vLLM's ``return_tokens_as_token_ids`` they name each token
+(:mod:`.generation_routes`); with vLLM's ``return_tokens_as_token_ids`` they name each token
 ``token_id:N`` instead of its text (a client that needs the ids: a byte of a character has
 no text of its own). ``echo`` with ``logprobs`` N (completions)
 also asks for the prompt's tokens' log-probs with N alternatives each (:attr:`Generation.
