@@ -4,9 +4,9 @@ traced (tests/support/request_trace.py), one streamed request goes through each 
 (the OpenAI front's SSE ``/v1/completions``; a tritonclient gRPC stream to the ensemble),
 and the files of ours in which it ran code (less what the processes run while idle) must
 be the table's rows for that path (tests/support/life_table.py), no more and no fewer.
-Issue 28's goal is at most 30 files a path; the counts are printed (47 OpenAI, 39 ensemble
-when this was written) and kept in the doc's prose, which tests/unit/test_life_table.py
-checks against the table."""
+The counts are printed (30 OpenAI, 30 ensemble when this was written) and kept in the doc's
+prose, which tests/unit/test_life_table.py checks against the table and against issue 28's
+bound of 30 files a path."""
 
 from __future__ import annotations
 

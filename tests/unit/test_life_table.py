@@ -1,6 +1,7 @@
 """docs/architecture.md's "One request, file by file" table holds together without a server
 (tests/server/test_request_life.py checks it against a traced request): rows numbered 1..N
-in order, each file once and present in the checkout, the stated counts its own."""
+in order, each file once and present in the checkout, the stated counts its own, and no path
+longer than issue 28's bound."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import life_table
 from life_table import PATHS
 
 REPO = life_table.DOC.parents[1]
+MAX_FILES = 30         # a streamed request's files, per path (issue 28)
 
 
 def test_rows_are_numbered_in_order_and_name_each_file_once():
@@ -27,3 +29,7 @@ def test_the_stated_counts_are_the_tables():
     listed = life_table.files_by_path()
     assert life_table.stated_counts() == {path: len(listed[path]) for path in PATHS}
 
+
+def test_a_streamed_request_crosses_at_most_30_files_on_each_path():
+    counts = {path: len(files) for path, files in life_table.files_by_path().items()}
+    assert all(n <= MAX_FILES for n in counts.values()), counts
