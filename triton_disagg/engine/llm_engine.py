@@ -58,8 +58,8 @@ from triton_disagg.engine.sequence import FinishReason, RemoteKV, Sequence, Toke
 from triton_disagg.engine.runtime import CUDA_KV_FRACTION, Runtime, make_runner, pool_blocks
 from triton_disagg.engine.spec import KVLayout
 from triton_disagg.engine.weights import load_engine
-from triton_disagg.engine.block_pool import BlockEvents, BlockPool, BlockTable, KVCacheFullError
-from triton_disagg.engine.block_pool import block_hashes, cache_fingerprint
+from triton_disagg.engine.block_pool import BlockEvents, BlockPool, BlockTable, KVCacheFullError, \
+    block_hashes, cache_fingerprint
 from triton_disagg.errors import RequestError
 
 

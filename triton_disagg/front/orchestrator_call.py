@@ -8,8 +8,9 @@
 Why the orchestrator and not the ensemble: a client's cancel reaches a decoupled model it
 calls directly, but not the steps inside an ensemble (Triton 2.51), and the orchestrator
 must see it to stop generation and free the request's KV blocks. Preprocessing runs in the
-front itself, on the ``preprocessing`` model's own library (:mod:`.preprocess`), so the
-HTTP front tokenizes, bounds and defaults a prompt exactly as the ensemble does.
+front itself, on the ``preprocessing`` model's own library
+(:class:`.tokenizer.Preprocessor`), so the HTTP front tokenizes, bounds and defaults a
+prompt exactly as the ensemble does.
 
 Invariants of the inputs: the model named must be the one served (else 404); a text prompt's
 ids are Hugging Face's ``tokenizer(prompt)`` (a BOS when the tokenizer's configuration adds

@@ -25,8 +25,8 @@ The fetch thread is one per instance, not one per request: fetches into one pool
 at a time anyway (they share the NIXL scratch and the staging reader), and a second thread
 would only add GIL contention. It runs fetches in submission order, its niceness raised by
 ``FETCH_NICE`` so that the decode loop's step wins the core they share. A fetch's deadline
-(``FETCH_TIMEOUT_SECONDS``, or its lease's end if sooner) counts from when it starts
-running, not from when it was queued, and the fetch honours it itself (NIXL cancels its
+(``FETCH_TIMEOUT_SECONDS``, or the handle's lease length if shorter) counts from when it
+starts running, not from when it was queued, and the fetch honours it itself (NIXL cancels its
 READ, a staging copy is bounded): a fetch queued behind a silent context host's waits for
 that one's deadline, then runs, so the silent host fails only its own requests, and the
 loop never waits for any of them.
@@ -346,8 +346,8 @@ class KVConnector(ABC):
                     cached_blocks: int = 0) -> Transfer:
         """Start filling the first ``blocks_for(handle.num_tokens)`` of ``block_ids`` (a
         sequence's blocks in position order, owned by the caller) with the handle's KV, on
-        the fetch thread; returns at once. The fetch fails ``fetch_timeout_s`` after it
-        starts running, or at the end of the handle's lease, whichever comes first.
+        the fetch thread; returns at once. The fetch fails ``min(fetch_timeout_s,
+        handle.lease_seconds)`` after it starts running.
 
         ``cached_blocks``: the first that many of ``block_ids`` already hold the KV of the
         handle's first blocks (this instance's prefix cache; only when :meth:`can_skip` the

@@ -9,8 +9,8 @@ as its outputs, and those outputs back in the HTTP front.
 
 Tensors <-> dicts (:func:`read_inputs`, :func:`make_tensors`, :func:`to_batched`,
 :func:`scalar`): ``pb_utils`` (``triton_python_backend_utils``) only exists inside a Python
-backend stub, so it is passed in, never imported; everything else here is plain numpy and
-unit-tested without a server. Invariant: a dict handed to library code has one entry per
+backend stub, so it is passed in, never imported; everything else here is plain numpy (and the HMACs
+of the deployment secret, :mod:`triton_disagg.kv.secret`) and unit-tested without a server. Invariant: a dict handed to library code has one entry per
 *present* input, with the batch axis removed (these models serve one sequence per request)
 and the protocol dtype; a request whose batch is not 1 is refused, never sliced.
 
