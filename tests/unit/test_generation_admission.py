@@ -297,16 +297,48 @@ class ThreadedCopyConnector(CopyConnector):
 
 
 class FetchMetrics:
-    """The side's metrics: records each ``kv_transfer`` (in flight, hidden) in order."""
+    """The side's metrics: records each ``kv_transfer`` (in flight, hidden) and the bytes
+    it moved, in order."""
 
     def __init__(self):
         self.fetches: list[tuple[float, float]] = []
+        self.moved: list[int] = []
 
     def kv_transfer(self, strategy, nbytes, seconds, in_flight_seconds, hidden_seconds):
         self.fetches.append((in_flight_seconds, hidden_seconds))
+        self.moved.append(nbytes)
 
     def __getattr__(self, name):
         return lambda *args: None                # the gauges and counters: not under test
+
+
+class RefusedFirstToken(CopyConnector):
+    """An overlapped transfer's end as the engine may meet it: the KV copied, but the first
+    token it brings is outside the vocabulary, so the engine refuses it."""
+
+    MOVED = 4096
+
+    def start_fetch(self, handle, reserved, cached_blocks=0):
+        super().start_fetch(handle, reserved, cached_blocks)
+        return Copied(TransferStats(self.MOVED, 0.01, first_token=10**6))
+
+
+def test_kv_that_moved_counts_even_when_its_first_token_is_refused(sides):
+    context, side = sides
+    side.connector = RefusedFirstToken(context, side.engine)
+    side.metrics = metrics = FetchMetrics()
+    finals = Finals()
+    loop = DecodeLoop(side.engine, finals, side)
+    try:
+        _, request, kv = handed_off(context, side, "r", [5, 6, 7], SamplingParams(max_tokens=4))
+        loop.submit("r", request, "ipc:///orchestrator#k", kv)
+        assert finals.wait(1), "the request never ended"
+    finally:
+        loop.close()
+    (event,) = finals.emits["r"]
+    assert event.final and "outside the vocabulary" in event.error
+    assert metrics.moved == [RefusedFirstToken.MOVED]       # its bytes are in the metrics
+    assert side.engine.pool.num_used == 0 and context.pool.num_used == 0
 
 
 def test_the_decode_loop_finishes_a_request_while_another_fetch_blocks(sides):

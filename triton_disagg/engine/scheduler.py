@@ -110,8 +110,9 @@ class ComputeDuringFetch:
 
 @dataclass(frozen=True)
 class KVArrival:
-    """A remote-KV fetch that ended: ``result`` is its ``poll()`` value;
-    with ``error`` set, the request is gone and its blocks are free. ``compute``: the
+    """A remote-KV fetch that ended: ``result`` is its ``poll()`` value (None: nothing
+    arrived); with ``error`` set, the request is gone and its blocks are free (both set: the
+    KV moved, then the first token it brought was refused). ``compute``: the
     instance's compute while it was in flight (the scheduler sets it on every arrival)."""
 
     request_id: str

@@ -145,7 +145,7 @@ class DecodeLoop:
     """``admission`` puts work into the engine and hears about it:
     ``admission.add(request_id, request, kv)`` (queues it in the engine; may raise to refuse it,
     e.g. when the pool could never hold it), ``admission.kv_arrived(arrival)`` (a
-    request's KV fetch finished well: the scheduler's
+    request's KV fetch moved its KV: the scheduler's
     :class:`~triton_disagg.engine.scheduler.KVArrival`),
     ``admission.request_done(outcome)`` and ``admission.report(live_sequences)`` (load gauges, every
     ``REPORT_SECONDS``: the requests the loop holds, admitted or queued).
@@ -298,11 +298,13 @@ class DecodeLoop:
         return live
 
     def _arrivals(self) -> None:
-        """Hear how the KV fetches that ended went; a failed one's request is over."""
+        """Hear how the KV fetches that ended went: the KV that moved is counted (even when
+        its request then failed, e.g. its overlapped first token refused); a failed one's
+        request is over."""
         for arrival in self.engine.take_kv_arrivals():
-            if arrival.error is None:
+            if arrival.result is not None:
                 self.admission.kv_arrived(arrival)
-            elif (live := self._pop(arrival.request_id)) is not None:
+            if arrival.error is not None and (live := self._pop(arrival.request_id)) is not None:
                 self._refuse(arrival.request_id, live, str(arrival.error),
                              code_of(arrival.error))
 
@@ -490,12 +492,12 @@ class DecodeAdmission:
         self.engine.add_prefilled(request_id, ids[:kv.num_tokens], first, params, kv)
 
     def kv_arrived(self, arrival: KVArrival) -> None:
-        """A request's KV is in place (decode-loop thread; ``arrival.error`` is None):
-        its stats, and the instance's compute while it was in flight, of which the part
-        inside ``in_flight_seconds`` was hidden (the scheduler sets both on every arrival
-        that succeeded)."""
+        """A request's KV moved (decode-loop thread; ``arrival.result`` is set, whether or
+        not the request then failed): its stats, and the instance's compute while it was in
+        flight, of which the part inside ``in_flight_seconds`` was hidden (the scheduler
+        sets ``compute`` on every arrival)."""
         stats, compute = arrival.result, arrival.compute
-        assert stats is not None and compute is not None, "a KVArrival that succeeded"
+        assert stats is not None and compute is not None, "a KVArrival whose KV moved"
         if self.metrics is not None:
             self.metrics.kv_transfer(self.connector.strategy, stats.nbytes, stats.seconds,
                                      stats.in_flight_seconds,
