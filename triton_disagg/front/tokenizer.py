@@ -55,6 +55,8 @@ from triton_disagg.errors import RequestError
 from triton_disagg.triton.tensors import scalar, seal
 
 
+# ---- the tokenizer ------------------------------------------------------------------------
+
 class Tokenizer:
     def __init__(self, engine_dir: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
@@ -99,6 +101,8 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+# ---- streamed text: ids -> text deltas ----------------------------------------------------
+
 REPLACEMENT = "\ufffd"
 WINDOW = 8
 
@@ -137,6 +141,8 @@ class DeltaWindows:
         self.sent = len(self.ids)
         return window, offset
 
+
+# ---- preprocessing: the ensemble's inputs -> the orchestrator's sealed inputs --------------
 
 MAX_TEXT_BYTES = 10 * 2**20    # a prompt or word at most; the HTTP front's largest body too
 # input -> (value that is fine, why another value is refused)
