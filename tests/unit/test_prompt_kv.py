@@ -73,12 +73,20 @@ def test_a_handed_off_request_fetches_its_prompt_and_keeps_the_contexts_first_to
     assert isinstance(kv, FetchedKV) and kv.listener == b""
     side.add("fetched", request, kv)
     assert engine.added == [("fetched", [5, 6, 7], 42, kv)]
-    with pytest.raises(RequestError, match="5 ids, but the prompt KV holds 3 tokens"):
-        side.add("longer", _request([5, 6, 7, 42, 43]), kv)
     with pytest.raises(RequestError, match="plus the first generated token, got 3 ids"):
         side.prompt_kv(P.GENERATION_ONLY, _request([5, 6, 7]), inputs)
     with pytest.raises(RequestError, match="needs context_phase_params"):
         side.prompt_kv(P.GENERATION_ONLY, request, {})
+
+
+def test_input_ids_longer_than_the_kv_and_one_first_token_are_refused(demo_engine):
+    from triton_disagg.engine.llm_engine import LLMEngine
+
+    side = DecodeAdmission(LLMEngine(demo_engine, num_blocks=16), ListeningConnector())
+    kv = FetchedKV(side.connector, SimpleNamespace(num_tokens=HANDLE_TOKENS))
+    with pytest.raises(RequestError, match="its prompt has 5 tokens but the KV to fetch holds 3"):
+        side.add("longer", _request([5, 6, 7, 42, 43]), kv)
+    assert side.engine.pool.num_used == 0
 
 
 @pytest.mark.parametrize("request_type", [P.CONTEXT_AND_GENERATION,

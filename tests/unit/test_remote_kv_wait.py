@@ -309,7 +309,7 @@ def on_fake_clock(generation) -> FakeClock:
     return clock
 
 
-def test_a_fetch_computeping_decode_steps_reports_their_time_as_hidden(engines):
+def test_a_fetch_overlapping_decode_steps_reports_their_time_as_hidden(engines):
     context, generation = engines
     clock = on_fake_clock(generation)
     first, running = handed_off(engines, "running", [11, 12, 13])

@@ -479,17 +479,16 @@ class DecodeAdmission:
     def add(self, request_id: str, request: EngineRequest, kv: PromptKV) -> None:
         """Queue ``request`` in the engine, its prompt KV from ``kv`` (decode-loop thread);
         RequestError (naming the sizes and the fix) when the pool could never hold it, or
-        when it is invalid. Of ``input_ids``, the first ``kv.num_tokens`` are the prompt
-        whose KV ``kv`` brings; the one after, if any, is the context's first token."""
+        when it is invalid. ``input_ids`` are the prompt whose KV ``kv`` brings, or that
+        prompt and the context's first token (one id more); the engine refuses a prompt of
+        any other length."""
         ids, params = request.prompt_ids, request.params
         if kv is None:
             self.engine.add_request(request_id, ids, params)
-            return
-        if len(ids) > kv.num_tokens + 1:
-            raise RequestError(f"input_ids: {len(ids)} ids, but the prompt KV holds "
-                               f"{kv.num_tokens} tokens (and at most one first token follows)")
-        first = ids[kv.num_tokens] if len(ids) > kv.num_tokens else None
-        self.engine.add_prefilled(request_id, ids[:kv.num_tokens], first, params, kv)
+        elif len(ids) == kv.num_tokens + 1:
+            self.engine.add_prefilled(request_id, ids[:-1], ids[-1], params, kv)
+        else:
+            self.engine.add_prefilled(request_id, ids, None, params, kv)
 
     def kv_arrived(self, arrival: KVArrival) -> None:
         """A request's KV moved (decode-loop thread; ``arrival.result`` is set, whether or
