@@ -15,7 +15,7 @@ every ``REPORT_SECONDS`` publishes the gauges. An answer is the first token plus
 blocks are freed, nothing is handed off). An overlapped request (``--overlap_kv_transfer``:
 it carries generation's ``kv_listener``) has its blocks leased before the prefill writes
 them, and generation hears of the handle, of each layer as it lands, and of the first token
-(:class:`_Overlapped`, through a :class:`~triton_disagg.kv.overlap.Announcer`).
+(:class:`~triton_disagg.context.overlapped_handoff.OverlappedHandoff`).
 
 Invariants:
 
@@ -56,7 +56,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -66,14 +66,13 @@ from triton_disagg.engine.block_pool import PoolStats
 from triton_disagg.engine.llm_engine import LLMEngine, PrefillResult
 from triton_disagg.engine.sequence import EngineRequest, Sequence
 from triton_disagg.errors import Cancelled, EngineError, RequestError, Timeout, Unavailable
-from triton_disagg.kv.connector import ConnectorError, HandoffBusy, KVConnector
+from triton_disagg.context.overlapped_handoff import OverlappedHandoff, handoff_error
+from triton_disagg.kv.connector import ConnectorError, KVConnector
 from triton_disagg.kv.connector_factory import connector_for
 from triton_disagg.kv.handle import HandleError
 from triton_disagg.readers import OnDeath, fail_instance, guarded
 from triton_disagg.triton import tensors
 
-if TYPE_CHECKING:
-    from triton_disagg.kv.overlap import Announcer
 
 DEFAULT_WAIT_SECONDS = 30.0   # a request that names no timeout waits at most this long
 WAIT_GRACE_SECONDS = 1.0      # beyond the caller's own timeout: the caller gives up first
@@ -353,7 +352,7 @@ class Prefiller:
         return answers
 
     def _one(self, seq: Sequence, listeners: dict[str, bytes]
-             ) -> PrefillResult | _Overlapped | Exception:
+             ) -> PrefillResult | OverlappedHandoff | Exception:
         """``seq``'s request alone, in blocks of its own again (its batch's went back)."""
         try:
             self.reclaim()
@@ -363,14 +362,15 @@ class Prefiller:
             return _refusal(exc)
 
     def _prefill(self, seqs: list[Sequence], listeners: dict[str, bytes]
-                 ) -> list[PrefillResult | _Overlapped | Exception]:
-        """Each sequence's PrefillResult (an overlapped one's as an _Overlapped), or error."""
-        overlapped: dict[str, _Overlapped] = {}
+                 ) -> list[PrefillResult | OverlappedHandoff | Exception]:
+        """Each sequence's PrefillResult (an overlapped one's as an OverlappedHandoff), or
+        error."""
+        overlapped: dict[str, OverlappedHandoff] = {}
         try:
             for s in seqs:
                 if listeners.get(s.request_id):
-                    overlapped[s.request_id] = _Overlapped.begin(self, s,
-                                                                 listeners[s.request_id])
+                    overlapped[s.request_id] = OverlappedHandoff.begin(
+                        self.connector, self.engine.pool, s, listeners[s.request_id])
             failed = {rid: o.error for rid, o in overlapped.items() if o.error is not None}
             kept = [s for s in seqs if s.request_id not in failed]
             live = [o for o in overlapped.values() if o.error is None]
@@ -388,7 +388,7 @@ class Prefiller:
                                if r.request_id in overlapped else r) for r in results}
         return [failed.get(s.request_id) or done[s.request_id] for s in seqs]
 
-    def _give_back(self, seqs: list[Sequence], overlapped: dict[str, "_Overlapped"],
+    def _give_back(self, seqs: list[Sequence], overlapped: dict[str, OverlappedHandoff],
                    exc: BaseException) -> None:
         """A prefill failed: free the blocks of ``seqs`` that no handoff owns, and end the
         leases of the overlapped ones that took theirs (those that failed earlier gave
@@ -403,8 +403,8 @@ class Prefiller:
                 except Exception:  # noqa: BLE001 - the other leases still end
                     _log.exception("giving back the KV of %s failed", o.request_id)
 
-    def _hand_off(self, result: PrefillResult | _Overlapped) -> dict | Exception:
-        if isinstance(result, _Overlapped):
+    def _hand_off(self, result: PrefillResult | OverlappedHandoff) -> dict | Exception:
+        if isinstance(result, OverlappedHandoff):
             return result.outputs()
         out = tensors.prefill_outputs(result)
         handle = b""
@@ -412,133 +412,9 @@ class Prefiller:
             try:
                 handle = self.connector.export(result.block_ids, result.num_tokens)
             except Exception as exc:  # noqa: BLE001 - e.g. a handle too large: this request fails
-                return _handoff_error(exc)
+                return handoff_error(exc)
         out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
         return out
-
-
-@dataclass
-class _Overlapped:
-    """One overlapped request through the prefill: its announcer, the handle that leased its
-    blocks, and its error (it then fails alone; its KV goes back with the lease).
-
-    Generation that cannot be reached (its agent refuses the connection or a notification)
-    is not this request's mistake: the announcer is dropped and the request goes on as an
-    ordinary handoff, whose handle the orchestrator holds; a generation server that cannot
-    be reached is lost, and the orchestrator moves the request to another."""
-
-    prefiller: Prefiller
-    request_id: str
-    blocks: list[int]
-    announcer: Announcer | None = None
-    handle: bytes = b""
-    error: Exception | None = None
-    result: PrefillResult | None = None    # the prefill's, once it landed
-    staged: int = 0          # layers of a device KV copied to the host array so far
-
-    @classmethod
-    def begin(cls, prefiller: Prefiller, seq: Sequence, listener: bytes) -> "_Overlapped":
-        """Lease ``seq``'s reserved blocks (not yet written) and send generation the handle."""
-        overlapped = cls(prefiller, seq.request_id, list(seq.block_table.block_ids))
-        return overlapped.announce(listener, len(seq.prompt_ids))
-
-    def announce(self, listener: bytes, prompt_length: int) -> "_Overlapped":
-        """Reach generation's ``listener``, lease the blocks and send it their handle; a bad
-        listener or a failed export fails this request alone (unreachable generation: an
-        ordinary handoff, see the class docstring)."""
-        try:
-            self.announcer = self.prefiller.connector.announcer(listener)
-        except ConnectorError as exc:
-            self._unheard(exc)
-        except Exception as exc:  # noqa: BLE001 - a bad listener fails this request alone
-            self.prefiller.engine.pool.free(self.blocks)
-            self.error = RequestError(f"kv_listener: {exc}")
-            return self
-        try:
-            self.handle = self.prefiller.connector.export(self.blocks, prompt_length,
-                                                          prefilling=True)
-        except Exception as exc:  # noqa: BLE001 - this request fails alone
-            self.fail(_handoff_error(exc))
-        else:
-            self._tell(lambda a: a.handle(self.handle))
-        return self
-
-    def layers(self, done: int) -> None:
-        """Layers ``0..done-1`` are final: copy a device KV's new ones to the host array,
-        restart the lease (a long prefill must not outlast it while it still makes
-        progress) and tell generation."""
-        if self.error is None:
-            try:
-                self._stage(done)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self.fail(_handoff_error(exc))
-                return
-            self.prefiller.connector.renew(self.handle)
-            self._tell(lambda a: a.layers(done))
-
-    def _stage(self, done: int) -> None:
-        self.prefiller.connector.stage(self.blocks, range(self.staged, done))
-        self.staged = done
-
-    def landed(self, result: PrefillResult) -> "_Overlapped | Exception":
-        """The prefill ended: the first token goes to generation (every layer is in place),
-        or, if it finished the request, the KV goes back and generation is told so."""
-        self.result = result
-        if self.error is None and result.finish_reason is not None:
-            self.fail(None, f"the request finished at its first token ({result.finish_reason})")
-        elif self.error is None:
-            try:
-                self._stage(self.prefiller.connector.geometry.num_layers)
-                # final: the lease runs from now
-                self.prefiller.connector.renew(self.handle, prefilling=False)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self.fail(_handoff_error(exc))
-            else:
-                self._tell(lambda a: a.first(result.token_id, result.logprob))
-        return self.error if self.error is not None else self
-
-    def outputs(self) -> dict:
-        """The context's answer (after :meth:`landed`): the first token and the handle."""
-        r = self.result
-        assert r is not None, "outputs() follows landed()"
-        out = tensors.prefill_outputs(r)
-        handle = self.handle if r.finish_reason is None else b""
-        out[P.CONTEXT_PHASE_PARAMS] = np.frombuffer(handle, dtype=np.uint8)
-        return out
-
-    def _tell(self, say: Callable[[Announcer], None]) -> None:
-        """``say(announcer)``, unless generation was found unreachable before."""
-        if self.announcer is not None:
-            try:
-                say(self.announcer)
-            except ConnectorError as exc:
-                self._unheard(exc)
-
-    def _unheard(self, exc: Exception) -> None:
-        _log.warning("generation cannot be reached for the overlapped KV handoff (%s); the "
-                     "request goes on as an ordinary handoff", exc,
-                     extra={"request_id": self.request_id})
-        self.announcer = None
-
-    def fail(self, error: Exception | None, reason: str = "") -> None:
-        """Give the KV back (the lease, if it was taken) and tell generation why."""
-        self.error = error
-        if self.handle:
-            self.prefiller.connector.release(self.handle)
-        if self.announcer is not None:
-            self.announcer.failed(reason or str(error))
-
-
-def _handoff_error(exc: Exception) -> Exception:
-    """A KV handoff that failed, as the request's error: a handle too large for its prompt
-    is the request's (INVALID_ARG); no room now is UNAVAILABLE; anything else (a transport
-    or a device copy that failed) is a fault of the server (INTERNAL), not the client's."""
-    if isinstance(exc, HandleError):
-        return RequestError(f"KV handoff failed: {exc}")
-    if isinstance(exc, HandoffBusy):
-        return Unavailable(f"KV handoff failed: {exc}")
-    _log.error("KV handoff failed", exc_info=exc)
-    return EngineError(f"KV handoff failed: {type(exc).__name__}: {exc}")
 
 
 def _refusal(exc: Exception) -> RequestError | EngineError:
