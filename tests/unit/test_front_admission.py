@@ -7,6 +7,7 @@ Slow clients: test_front_slow_clients.py; hostile bodies: test_front_hostile_inp
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from triton_disagg.config.disagg import parse_config
 from triton_disagg.config.front_section import (FrontConfig, add_front_flags, front_flags,
                                                 front_from_flags, parse_front)
 from triton_disagg.errors import ErrorCode, UserError
+from triton_disagg.front.http_gates import BODY_GRACE_SECONDS
 from triton_disagg.front.orchestrator_call import OrchestratorError
 
 
@@ -87,7 +89,8 @@ def test_requests_still_sending_their_body_give_their_place_to_a_new_one(demo_en
     """rev27k M1: max_concurrent_requests connections each trickling one byte of body held
     the cap for the body timeout (30 s), again and again: every other request was 429. At
     the cap a new request takes the place of the oldest one whose body is still arriving
-    (cut: closed, nothing answered); a request whose body has arrived keeps its place."""
+    (cut: closed, nothing answered) once it has been arriving ``BODY_GRACE_SECONDS``; a
+    request whose body has arrived keeps its place."""
     async def main():
         front = FrontConfig(max_concurrent_requests=2)
         relay = ScriptedRelay(WORDS, pause=0.5)
@@ -95,7 +98,7 @@ def test_requests_still_sending_their_body_give_their_place_to_a_new_one(demo_en
             head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                     b"application/json\r\nContent-Length: 100\r\n\r\n{")
             trickles = [await raw(port, head) for _ in range(2)]
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(BODY_GRACE_SECONDS + 0.2)   # arriving long enough to be cut
             async with ClientSession() as session:
                 url = f"http://127.0.0.1:{port}/v1/completions"
                 posts = [asyncio.create_task(session.post(url, json=BODY)) for _ in range(2)]
@@ -108,6 +111,30 @@ def test_requests_still_sending_their_body_give_their_place_to_a_new_one(demo_en
             for reader, writer in trickles:      # both cut, nothing answered
                 assert await asyncio.wait_for(reader.read(), 5) == b""
                 writer.close()
+    asyncio.run(main())
+
+
+def test_a_body_on_its_way_keeps_its_place_within_the_grace(demo_engine):
+    """CI's burst (four times the cap of streamed requests at once) had connections reset:
+    a request's headers reached the gate before its body (two reads), and the next request
+    at the cap cut it. Arriving for less than ``BODY_GRACE_SECONDS``, a request keeps its
+    place: a newcomer gets the 429, and the request, its body sent, its answer."""
+    async def main():
+        body = json.dumps(BODY).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        async with served(demo_engine, ScriptedRelay(WORDS),
+                          FrontConfig(max_concurrent_requests=1)) as port:
+            reader, writer = await raw(port, head)
+            await asyncio.sleep(0.2)                 # its headers at the gate, no body yet
+            async with ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                        json=BODY) as newcomer:
+                    assert newcomer.status == 429, await newcomer.text()
+            writer.write(body)
+            answer = await asyncio.wait_for(reader.read(), 10)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            writer.close()
     asyncio.run(main())
 
 

@@ -1,6 +1,7 @@
 """The HTTP door's request cap and its connections to tritonserver (rev27k M1, L4): a
-request whose body is still arriving gives its place under ``max_calls`` to a new request
-(clients that trickle their bodies cannot keep others out), one whose body has arrived
+request whose body has been arriving ``BODY_GRACE_SECONDS`` gives its place under
+``max_calls`` to a new request (clients that trickle their bodies cannot keep others out for
+longer; a body still on its way within it: test_front_admission.py), one whose body has arrived
 keeps it (429 past the cap); the door's pool of connections to tritonserver has no limit
 of its own (aiohttp's default, 100, made requests past it, probes included, wait without
 end). The inner tritonserver is an in-process aiohttp stand-in."""
@@ -15,6 +16,7 @@ from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from local_sites import serve_locally
 
 from triton_disagg.front.http_door import CALLS, make_http_door
+from triton_disagg.front.http_gates import BODY_GRACE_SECONDS
 
 MAX_BYTES = 2**20
 INFER = "/v2/models/ensemble/infer"
@@ -63,6 +65,7 @@ def test_bodies_still_arriving_give_their_place_to_a_new_request():
             while app[CALLS].in_flight < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             assert app[CALLS].in_flight == 4 and len(app[CALLS].arriving) == 4
+            await asyncio.sleep(BODY_GRACE_SECONDS)      # arriving long enough to be cut
             async with ClientSession() as session:
                 for _ in range(2):
                     began = time.monotonic()

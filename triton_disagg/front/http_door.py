@@ -13,9 +13,10 @@ form body kills Triton 2.51's HTTP server); a compressed body (``Content-Encodin
 since Triton would inflate it unbounded; so tritonserver never receives more than
 ``max_bytes`` in one request. At most ``max_calls`` requests are read or forwarded at once
 (429 with ``Retry-After``), over at most ``front.max_connections`` connections; at the cap,
-a new request takes the place of the oldest one whose body is still arriving (that one's
-connection closed: :class:`~triton_disagg.front.http_gates.RequestCount`), so clients that
-trickle their bodies cannot hold the cap; a bodiless ``GET /v2/health/live`` or ``/ready``
+a new request takes the place of the oldest one whose body has been arriving for
+``BODY_GRACE_SECONDS`` (that one's connection closed:
+:class:`~triton_disagg.front.http_gates.RequestCount`), so clients that trickle their bodies
+hold the cap for at most that long; a bodiless ``GET /v2/health/live`` or ``/ready``
 is never counted or refused by the request cap. The door checks
 ``Origin`` and ``Host`` as the front does (a web page cannot drive it). Nothing is
 forwarded unless this user listens on the inner port

@@ -14,8 +14,9 @@ long it waits on a client.
 - Requests: :func:`request_gate` lets ``max_concurrent_requests`` generation requests
   (``GATED_PATHS``) in at once, from before their body is read to their last byte out; one
   more is answered ``429`` with ``Retry-After`` at once, never queued, unless a request
-  whose body is still arriving holds a place: the oldest such is cut to make room
-  (:class:`RequestCount`), so a trickled body never keeps another request out.
+  whose body has been arriving for ``BODY_GRACE_SECONDS`` or more holds a place: the
+  oldest such is cut to make room (:class:`RequestCount`), so a trickled body keeps
+  another request out for at most that long, and a body on its way in a burst is not cut.
 - Slow clients: a connection whose client takes nothing more for ``write_timeout_seconds``
   while its answer waits to go out is dropped (:class:`_Counted`), whatever the route: a
   generation's stream or whole answer, ``/openapi.json``, an error, pipelined requests
@@ -60,6 +61,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import Counter
 from typing import Awaitable, Callable, Iterator
 
@@ -72,6 +74,7 @@ from triton_disagg.front.openai_api import BODY_ARRIVED, ApiError
 GATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/inference",
                          "/tokenize", "/detokenize"})   # each reads a body, then works on it
 RETRY_AFTER_SECONDS = 1
+BODY_GRACE_SECONDS = 1.0   # a body arriving for less is not cut for room: at most Retry-After
 REFUSAL_LINGER_SECONDS = 2.0     # a refused connection's request is waited for this long
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger("triton_disagg.front")
@@ -251,6 +254,7 @@ class Place:
 
     def __init__(self, count: "RequestCount", transport: asyncio.BaseTransport | None):
         self.count, self.transport, self.held = count, transport, True
+        self.entered = time.monotonic()
         count.in_flight += 1
         count.arriving[self] = None
 
@@ -282,24 +286,29 @@ class RequestCount:
     request of ``n`` choices counts as the ``n`` calls it makes.
 
     A request whose body is still arriving holds its place only until another request needs
-    it: at the cap, a new request takes the place of the oldest one still arriving (that one
-    is cut, :meth:`Place.evict`). So clients that trickle their bodies cannot keep others
-    out; a request still sending its body holds, in the end, only a connection (bounded by
-    ``front.max_connections`` and the body timeout).
+    it and ``grace`` seconds have passed since it entered: at the cap, a new request takes
+    the place of the oldest one that has been arriving that long (that one is cut,
+    :meth:`Place.evict`), else is refused. So clients that trickle their bodies keep others
+    out for at most ``grace`` (no longer than a client told ``Retry-After`` waits), and a
+    body still on its way when a burst reaches the cap (headers and body come in separate
+    reads) is not cut; a request still sending its body holds, in the end, only a
+    connection (bounded by ``front.max_connections`` and the body timeout).
 
     Invariant: ``in_flight`` is the places held plus the extra calls of :meth:`more`, at most
     ``limit``; ``arriving`` holds, oldest first, the places whose body is still arriving."""
 
-    def __init__(self, limit: int):
-        self.limit, self.in_flight = limit, 0
+    def __init__(self, limit: int, grace: float = BODY_GRACE_SECONDS):
+        self.limit, self.in_flight, self.grace = limit, 0, grace
         self.arriving: dict[Place, None] = {}       # insertion order: oldest first
 
     def enter(self, transport: asyncio.BaseTransport | None) -> Place | None:
-        """A place for a new request on ``transport`` (the oldest one still arriving cut to
-        make room at the cap), None when every place is held by a request whose body has
-        arrived."""
+        """A place for a new request on ``transport`` (at the cap, the oldest one arriving
+        for ``grace`` or more cut to make room), None when every place is held by a request
+        whose body has arrived or began arriving less than ``grace`` ago."""
         if self.in_flight >= self.limit and self.arriving:
-            next(iter(self.arriving)).evict()
+            oldest = next(iter(self.arriving))
+            if time.monotonic() - oldest.entered >= self.grace:
+                oldest.evict()
         if self.in_flight >= self.limit:
             return None
         return Place(self, transport)
