@@ -116,10 +116,12 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
     return Endpoints(host=host, http_port=http, grpc_port=grpc, metrics_port=metrics)
 
 
-def behind_door(endpoints: Endpoints) -> Endpoints:
+def behind_door(endpoints: Endpoints, front: int | None = None) -> Endpoints:
     """``endpoints`` with tritonserver's gRPC, HTTP and metrics moved to loopback ports
-    picked free, behind the doors (module docstring)."""
-    grpc, http, metrics = free_ports(3)
+    picked free, behind the doors (module docstring): never one of the public ports nor the
+    HTTP front's ``front``, which the doors bind only after tritonserver starts."""
+    public = (endpoints.grpc_port, endpoints.http_port, endpoints.metrics_port, front)
+    grpc, http, metrics = free_ports(3, avoid=frozenset(p for p in public if p is not None))
     return replace(endpoints, inner_grpc_port=grpc,
                    inner_http_port=None if endpoints.http_port is None else http,
                    inner_metrics_port=None if endpoints.metrics_port is None else metrics)
@@ -189,14 +191,16 @@ def check_ports_free(endpoints: Endpoints) -> None:
                                 f" stop what uses it or pass --{kind}-port") from None
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()
+               ) -> list[int]:
     """``n`` distinct ports free on ``host`` right now, below the kernel's ephemeral range
     (:func:`free_port_run`; for tests and benches that start servers: a port can still be
-    taken before the server binds it, but not by a socket the kernel numbers itself)."""
+    taken before the server binds it, but not by a socket the kernel numbers itself), none
+    in ``avoid`` (ports free now that are promised to something else)."""
     ports: list[int] = []
     while len(ports) < n:
         port = free_port_run(1, host)
-        if port not in ports:
+        if port not in ports and port not in avoid:
             ports.append(port)
     return ports
 

@@ -235,7 +235,7 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if restart:
         keep_log(work_dir, restart)
     check_front_port(endpoints.host, front, endpoints)
-    endpoints = behind_door(endpoints)     # picked afresh at each start
+    endpoints = behind_door(endpoints, front)     # picked afresh at each start
     gated = args.role == Role.SCHEDULER
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 
 from triton_disagg.config.disagg import default_config
-from triton_disagg.errors import UserError
+from triton_disagg.errors import RetryableStart, UserError
 from triton_disagg.triton import server_log
 from triton_disagg.launch.deploy import free_ports
 from triton_disagg.triton.render import render
@@ -67,6 +67,28 @@ def test_a_taken_port_fails_the_start_naming_it(demo_engine, tmp_path):
             server.stop()
     first = str(info.value).splitlines()[0]
     assert first.startswith("GRPC endpoint failed to start: ") and f":{port}" in first
+    assert not isinstance(info.value, RetryableStart)     # the user's port: not tried again
+
+
+def test_a_taken_port_picked_behind_the_door_is_worth_another_start(demo_engine, tmp_path):
+    """A CI run's tritonserver failed "Socket '127.0.0.1:22847' already in use" on an inner
+    port picked behind the door: the next start picks others, so serve tries again."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        http, grpc, inner_http = free_ports(3)     # below the ephemeral range: never port
+        repo = render("all", default_config(demo_engine), tmp_path / "repo")
+        server = TritonServer(locate(), repo, Endpoints(
+            "127.0.0.1", http, grpc, None, inner_grpc_port=port, inner_http_port=inner_http),
+            tmp_path)
+        server.start()
+        try:
+            with pytest.raises(RetryableStart) as info:
+                server.wait_ready(timeout=120)
+        finally:
+            server.stop()
+    assert str(info.value).startswith("GRPC endpoint failed to start: ")
 
 
 def test_the_tail_drops_what_every_cpu_start_prints():

@@ -23,3 +23,16 @@ def test_the_ephemeral_start_is_read_from_the_kernel(tmp_path):
     ranges.write_text("40000\t60999\n")
     assert _ephemeral_start(str(ranges)) == 40000
     assert _ephemeral_start(str(tmp_path / "absent")) == 32768
+
+
+def test_ports_picked_behind_the_door_avoid_the_public_ones(monkeypatch):
+    """A CI run's tritonserver failed "Socket ... already in use": an inner port picked
+    free was one of the same serve's public ports, which the doors bind after the pick."""
+    from launch import deploy
+    from triton_disagg.triton.endpoints import Endpoints
+
+    offered = iter([8000, 8001, 20001, 8002, 8003, 20002, 20003])
+    monkeypatch.setattr(deploy, "free_port_run", lambda count, host: next(offered))
+    door = deploy.behind_door(Endpoints("127.0.0.1", 8000, 8001, 8002), front=8003)
+    assert (door.inner_grpc_port, door.inner_http_port, door.inner_metrics_port) == \
+        (20001, 20002, 20003)

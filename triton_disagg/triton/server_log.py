@@ -35,6 +35,15 @@ _FATAL = (
 )
 
 
+_TAKEN = re.compile(r"Socket '[^']*:(\d+)' already in use")
+
+
+def taken_port(line: str) -> int | None:
+    """The port a "Socket 'host:port' already in use" line names, else None."""
+    m = _TAKEN.search(line)
+    return int(m.group(1)) if m else None
+
+
 # Triton's level letter, after the ISO8601 time that --log-format=ISO8601 puts first.
 _LEVEL = re.compile(r"^(?:\d{4}-\d\d-\d\dT[\d:.]+Z )?([EWIV])")
 

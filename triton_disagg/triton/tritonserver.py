@@ -227,7 +227,8 @@ class TritonServer:
         reports (a model that cannot load, a stub that cannot start, a port taken), a
         server that exits, or ``timeout`` raises :class:`UserError`: the cause on its
         first line, then the log's tail; a cause the next start need not meet (a stub Triton
-        abandoned, :mod:`.stuck_start`; a server killed by a signal) raises
+        abandoned, :mod:`.stuck_start`; a server killed by a signal; a port picked behind
+        the door, taken before tritonserver bound it) raises
         :class:`RetryableStart`. The caller stops the server.
         """
         if self.process is None:
@@ -240,7 +241,7 @@ class TritonServer:
                 watch.read(line)
                 cause = server_log.fatal_cause(line)
                 if cause:
-                    raise self._failure(cause)
+                    raise self._failure(cause, self._kind_of(line))
                 model = server_log.loaded_model(line)
                 if model and on_loaded:
                     on_loaded(model)
@@ -255,6 +256,15 @@ class TritonServer:
                 raise self._failure(f"tritonserver not ready after {timeout:.0f}s")
             time.sleep(0.25)
         return False
+
+    def _kind_of(self, fatal_line: str) -> type[UserError]:
+        """A port picked for tritonserver behind the door (never one a user chose) that
+        something bound between the pick and tritonserver's bind is :class:`RetryableStart`:
+        the next start picks others. Any other fatal line is a :class:`UserError`."""
+        inner = (self.endpoints.inner_grpc_port, self.endpoints.inner_http_port,
+                 self.endpoints.inner_metrics_port)
+        taken = server_log.taken_port(fatal_line)
+        return RetryableStart if taken is not None and taken in inner else UserError
 
     def _failure(self, cause: str, kind: type[UserError] = UserError) -> UserError:
         return kind(f"{cause}\n--- tritonserver log (tail) ---\n{self.log_tail()}\n"
