@@ -22,8 +22,9 @@ batch across requests themselves.
   the prompt plus the first token the context model returned. With
   ``--overlap_kv_transfer`` generation is asked first instead
   (``generation_awaiting_context``, ``input_ids`` = the prompt): it answers with a
-  ``kv_listener``, and the context, given it, announces the KV to generation as it
-  prefills (:mod:`triton_disagg.kv.overlap`). Every such request
+  ``kv_listener`` and, once it holds the request's blocks, sends an event with no tokens on
+  the token stream; the context, then given the listener, announces the KV to generation
+  as it prefills (:mod:`triton_disagg.kv.overlap`). Every such request
   carries the request parameter ``peer_credential`` (:mod:`triton_disagg.triton.tensors`).
 - Generation's tokens do not travel as Triton responses: a generation request
   names the orchestrator's ZeroMQ address and the request's key in the request
@@ -59,7 +60,9 @@ CONTEXT_ONLY = "context_only"
 GENERATION_ONLY = "generation_only"
 CONTEXT_AND_GENERATION = "context_and_generation"
 # --overlap_kv_transfer: generation takes the request (the prompt alone) before the context
-# prefills it, answers with a kv_listener for the context, and reads the KV as it lands.
+# prefills it, answers with a kv_listener for the context, says on the token stream when its
+# blocks are taken (an event with no tokens: the context is called then), reads the KV as
+# it lands.
 GENERATION_AWAITING_CONTEXT = "generation_awaiting_context"
 # generation_server.max_local_prefill_length: generation prefills and decodes the prompt
 # itself when at most that many of its tokens are not in its prefix cache, else it declines

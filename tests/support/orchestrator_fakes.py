@@ -42,8 +42,11 @@ class FakeGeneration:
     def __init__(self, first: int, rest: list[int], silent: bool = False, queued: float = 0.0,
                  refuse: bool = False, dying: int = 0, dies_after: int = 0,
                  spoof: bool = False, skip_seq: int | None = None, mute_context: bool = False,
-                 holds_prompt: bool = False, handle: bytes = b"handle"):
+                 holds_prompt: bool = False, handle: bytes = b"handle",
+                 taken_after: float = 0.0):
         self.first, self.rest, self.silent = first, rest, silent
+        self.taken_after = taken_after  # seconds before an overlapped request's blocks are taken
+        self.order: list[str] = []      # "taken" and "context", as they happen
         self.holds_prompt = holds_prompt    # context_and_generation_if_cached: served, else declined
         self.handle = handle        # the context's KV handle (b"": its answer has none)
         self.spoof = spoof          # a stranger who knows the request id pushes events too
@@ -65,6 +68,7 @@ class FakeGeneration:
         self.listeners: list[bytes] = []                   # each answered call's kv_listener
         self.handles: list[bytes] = []                     # each generation call's KV handle
         self.closed: list[str] = []                        # request ids whose route closed
+        self.context_called: dict[str, threading.Event] = {}   # by request id
 
     def route(self, request_id, avoid, timeout):
         self.avoided.append(avoid)
@@ -75,6 +79,8 @@ class FakeGeneration:
         if self.mute_context:
             await asyncio.Event().wait()
         self.context_calls += 1
+        self.order.append("context")
+        self.context_called.setdefault(request_id, threading.Event()).set()
         await asyncio.sleep(self.queued)         # a full context's queue: the call waits
         self.contexts += 1
         self.listeners.append(listener)
@@ -100,23 +106,30 @@ class FakeGeneration:
         output = ([self.first] + self.rest)[max(1, len(request.prompt_ids) - 2):]
         if server < self.dying:
             output = output[:self.dies_after]
+        awaiting = request_type == P.GENERATION_AWAITING_CONTEXT
         if not self.silent:
             threading.Thread(target=self._push, args=(request_id, token_address, output,
-                                                      server >= self.dying)).start()
-        awaiting = request_type == P.GENERATION_AWAITING_CONTEXT
+                                                      server >= self.dying, awaiting)).start()
         listener = b"listener-" + request_id.encode() if awaiting else b""
         return GenerationAnswer(self.endpoint.address, listener)
 
     def lost(self, server: int):
         return GenerationLost(f"gen-{server}", "probe refused") if server < self.dying else None
 
-    def _push(self, request_id, token_address, output, ends, gap=0.01):
+    def _push(self, request_id, token_address, output, ends, awaiting, gap=0.01):
         """One event per decode step, ``gap`` seconds apart, as a decode loop sends them;
-        the last final when the server ``ends`` the request (it is not lost first)."""
+        the last final when the server ``ends`` the request (it is not lost first). An
+        ``awaiting`` (overlapped) request's first event has no tokens: its blocks taken."""
         address, key = token_wire.split_key(token_address)
         push = push_socket(self.zmq, address, 100)
-        for i, token in enumerate(output):
-            reason = "stop" if ends and i == len(output) - 1 else None
+        if awaiting:       # its tokens come once the context has its KV
+            time.sleep(self.taken_after)
+            self.order.append("taken")
+            push.send(token_wire.encode_events([TokenEvent(request_id, [], seq=0, key=key)]))
+            self.context_called.setdefault(request_id, threading.Event()).wait(10)
+        for n, token in enumerate(output):
+            reason = "stop" if ends and n == len(output) - 1 else None
+            i = n + int(awaiting)       # the event's number
             if self.spoof:      # right id and sequence, a guessed key: a token, then an end
                 push.send(token_wire.encode_events([
                     TokenEvent(request_id, [99], seq=i, key="guess"),

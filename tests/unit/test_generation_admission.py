@@ -1,6 +1,7 @@
 """Generation-side admission: a sequence enters the engine only with every KV block it
 will hold, FIFO; a request that can never fit is refused at once; a failing fetch fails its
-request alone; a pool that cannot hold one max_seq_len sequence is refused at start-up.
+request alone; an overlapped request's orchestrator hears when it holds its blocks (then
+calls the context); a pool that cannot hold one max_seq_len sequence is refused at start-up.
 
 The generation pool here has 10 blocks of 4 tokens; a "4+4" request has a 16-token
 prompt (4 blocks of KV fetched) and 17 max_tokens (4 more blocks to decode into). The KV
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from generation_fakes import Finals, StopsFor, handed_off, two_pools
+from generation_fakes import WAIT_SECONDS, Finals, StopsFor, handed_off, two_pools
 from triton_disagg.config.settings import GenerationSettings
 from triton_disagg.engine.sampling import SamplingParams
+from triton_disagg.engine.sequence import EngineRequest
 from triton_disagg.errors import UserError
-from triton_disagg.generation.decode_loop import DecodeLoop
+from triton_disagg.generation.decode_loop import DecodeLoop, PulledKV
+from triton_disagg.kv.connector import Transfer
 
 
 @pytest.fixture
@@ -101,6 +104,88 @@ def test_a_failing_fetch_fails_its_request_alone_and_frees_its_blocks(sides):
     assert [firsts["ok"]] + finals.tokens("ok") == whole.output_ids
     assert [e.final for e in finals.emits["ok"]] == [True] and finals.emits["ok"][0].error is None
     assert side.engine.pool.num_used == 0 and context.pool.num_used == 0
+
+
+class _Pending(Transfer):
+    """An overlapped pull whose context was never called: in flight until cancelled."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def poll(self):
+        if self.cancelled:
+            raise RuntimeError("cancelled")
+        return None
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Pulls:
+    """Generation's connector for overlapped requests, as the engine sees it: each pull
+    started is recorded (its nonce) and stays in flight until cancelled."""
+
+    strategy = "pull"
+
+    def __init__(self):
+        self.started: list[str] = []
+
+    def start_pull(self, nonce, block_ids, cached_blocks=0):
+        self.started.append(nonce)
+        return _Pending()
+
+    def close(self):
+        pass
+
+
+class _StopsLater:
+    """The control socket: the stops the test puts in ``ids`` (key "k"), at the next poll."""
+
+    def __init__(self):
+        self.ids: list[str] = []
+
+    def take(self):
+        ids, self.ids = self.ids, []
+        return [(rid, "k") for rid in ids]
+
+    def close(self):
+        pass
+
+
+def test_an_overlapped_request_is_told_once_it_holds_its_blocks_not_before(sides):
+    """CI's overlapped test timed out: generation answered an overlapped request at once and
+    the orchestrator called the context, whose pool could fill with KV of requests that
+    generation had no blocks for yet, while generation's blocks waited for KV the context
+    had no room to prefill (the two queues in different orders). The orchestrator now hears
+    when generation's queue gives the request its blocks (an event with no tokens, its
+    first), and only then calls the context: "b", queued behind "a" in a full pool, hears
+    nothing until "a" leaves."""
+    _, side = sides
+    side.connector, stops, finals = _Pulls(), _StopsLater(), Finals()
+    loop = DecodeLoop(side.engine, finals, side, stops=stops)
+
+    def told(rid: str) -> bool:
+        with finals.cond:
+            return finals.cond.wait_for(lambda: rid in finals.emits, WAIT_SECONDS)
+    try:
+        for rid in ("a", "b"):           # 20 prompt tokens: 5 blocks + 1 of room, of 10
+            request = EngineRequest(list(range(5, 25)), SamplingParams(max_tokens=4), True)
+            loop.submit(rid, request, "ipc:///orchestrator#k",
+                        PulledKV(side.connector, f"nonce-{rid}", 20, b"listener"))
+        assert told("a")
+        (taken,) = finals.emits["a"]
+        assert (taken.tokens, taken.final, taken.seq, taken.key) == ([], False, 0, "k")
+        assert "b" not in finals.emits and side.connector.started == ["nonce-a"]
+        stops.ids.append("a")            # a's client left: its blocks go to b
+        assert told("b")
+        assert finals.emits["b"][0].tokens == [] and not finals.emits["b"][0].final
+        assert side.connector.started == ["nonce-a", "nonce-b"]
+        stops.ids.append("b")
+        assert finals.wait(2)
+    finally:
+        loop.close()
+    assert finals.emits["a"][-1].finish_reason == "cancelled"
+    assert side.engine.pool.num_used == 0
 
 
 def test_pool_too_small_for_one_max_seq_len_sequence_is_refused_at_start(demo_engine):

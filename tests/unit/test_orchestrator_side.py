@@ -114,6 +114,22 @@ def test_overlap_asks_generation_first_and_hands_its_listener_to_the_context():
     muted.close()
 
 
+def test_overlap_calls_the_context_only_once_generation_holds_the_blocks():
+    """Generation answers an overlapped request at once, but takes its blocks in its queue's
+    turn: the context is called only after generation says it took them (an event with no
+    tokens), so a context never holds KV that generation has no room for (CI's overlapped
+    test timed out when the two queues waited on each other)."""
+    generation, texts = FakeGeneration(10, [11, 12, 1], taken_after=0.5), []
+
+    async def send(outputs, final):
+        texts.append(outputs["text_output"][0] if outputs is not None else "")
+
+    assert serve_one(generation, send, overlap=True) == "finished"
+    assert generation.order == ["taken", "context"]
+    assert "".join(texts) == "\u4e0a\u4e0b\u4e0c"
+    generation.close()
+
+
 def test_a_cancelled_request_stops_waiting_for_a_context_that_says_nothing():
     """Each route's calls have the stall deadline; a client that leaves while the context
     call is out is answered at once (flags only), not when the call ends."""

@@ -10,7 +10,8 @@ longer one is first offered to generation as ``context_and_generation_if_cached`
 serves it when at most ``local_prefill`` of its tokens are not in that instance's prefix
 cache and else declines at once (one round trip), and then goes the disaggregated way.
 With ``overlap`` (``--overlap_kv_transfer``) generation is called first
-(``generation_awaiting_context``, the prompt alone): its answer's ``kv_listener`` goes to
+(``generation_awaiting_context``, the prompt alone); once generation has taken the request's
+blocks (its token stream's first event, with no tokens) its answer's ``kv_listener`` goes to
 the context with the prompt, generation reads the KV as the context prefills it
 (:mod:`triton_disagg.kv.overlap`), and the context's first token goes out when it answers,
 before any of generation's.
@@ -335,13 +336,16 @@ class ServedRequest:
             self.owner.give_back(self)
 
     async def overlapped(self, request: EngineRequest, is_cancelled: Callable[[], bool]) -> str:
-        """Generation first, then the context given generation's listener; the context's
-        first token goes out, then generation's tokens (module docstring). Leaving early in
+        """Generation first, then, once it holds the request's blocks, the context given
+        generation's listener; the context's first token goes out, then generation's tokens
+        (module docstring). Leaving early in
         any way stops generation, which frees the blocks it took."""
         with self.owner.tokens.open(self.request_id) as stream:
             answer = await stream.accept(self.route.generate(
                 request, P.GENERATION_AWAITING_CONTEXT, stream.token_address))
-            ctx = await self.context(request, is_cancelled, answer.kv_listener)
+            ctx = None
+            if await self.taken(stream, is_cancelled):
+                ctx = await self.context(request, is_cancelled, answer.kv_listener)
             if ctx is None:
                 await self.send(None, True)
                 return "cancelled"
@@ -350,6 +354,25 @@ class ServedRequest:
                 return "finished"
             self.unfetched = handle_of(ctx)
             return await self.relay(stream, is_cancelled)
+
+    async def taken(self, stream: TokenStream, is_cancelled: Callable[[], bool]) -> bool:
+        """Wait until generation holds the overlapped request's blocks (its event with no
+        tokens), so that the context never prefills KV generation has no room for (module
+        docstring of :mod:`triton_disagg.generation.decode_loop`); False when the client
+        cancelled meanwhile (asked every ``CANCEL_POLL_SECONDS``). Generation's error, or its
+        silence for ``stall_seconds``, raises."""
+        event = asyncio.ensure_future(stream.next(self.route.lost))
+        try:
+            while not (await asyncio.wait({event}, timeout=CANCEL_POLL_SECONDS))[0]:
+                if is_cancelled():
+                    return False
+            taken = event.result()
+        finally:
+            event.cancel()
+        if taken.tokens or taken.final:
+            raise EngineError(f"generation sent {len(taken.tokens)} token(s) for an overlapped "
+                              f"request before it took the request's blocks")
+        return True
 
     async def generate(self, request: EngineRequest, request_type: str,
                        is_cancelled: Callable[[], bool], handle: bytes = b"") -> str | None:

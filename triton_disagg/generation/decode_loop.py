@@ -21,9 +21,11 @@ arrive on the instance's control socket (``stops``). The request types:
   ``context_and_generation`` when at most that many of the prompt's tokens are not in this
   instance's prefix cache, else declined at once (the orchestrator then calls the context).
 - ``generation_awaiting_context`` (``--overlap_kv_transfer``): ``input_ids`` = the prompt;
-  the answer carries a ``kv_listener`` for the context, and the sequence takes the KV
-  layer by layer while the context prefills, then the first token with the last layer
-  (:class:`PulledKV`, :mod:`triton_disagg.kv.overlap`).
+  the answer carries a ``kv_listener`` for the context; once the queue gives the sequence
+  its blocks, the orchestrator hears so (an event with no tokens, the request's event 0:
+  only then does it call the context), and the sequence takes the KV layer by layer while
+  the context prefills, then the first token with the last layer (:class:`PulledKV`,
+  :mod:`triton_disagg.kv.overlap`).
 
 Invariants:
 
@@ -53,6 +55,11 @@ Invariants:
   hold, or without its key, is dropped and counted (``dropped``);
 - requests stream to at most ``outbox.max_sockets`` distinct addresses at a time; a
   request for one more is refused with an error saying so;
+- an overlapped request (``generation_awaiting_context``) gets an event with no tokens
+  when its pull starts (the scheduler took its blocks), before any other; so the context
+  only ever holds KV that generation has blocks for, and the two queues can never wait
+  on each other (a context full of KV generation cannot take yet, while generation's
+  blocks wait for KV the context has no room to prefill: their orders differ);
 - streaming requests get an event for their first token, then one for every
   ``stream_interval`` tokens (each token exactly once, in order), then the final
   one; non-streaming ones one event with every token when they finish;
@@ -76,8 +83,9 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import numpy as np
 import zmq
@@ -280,6 +288,8 @@ class DecodeLoop:
                          f"{self.outbox.max_sockets} orchestrator addresses at a time and all "
                          f"are busy; request refused", ErrorCode.UNAVAILABLE)
             return
+        if isinstance(kv, PulledKV):
+            kv = replace(kv, taken=partial(self._taken, request_id))
         try:
             self.admission.add(request_id, request, kv)
         except Exception as exc:  # noqa: BLE001 - refused request: its error, others unaffected
@@ -287,6 +297,13 @@ class DecodeLoop:
             return
         self.live[request_id] = live
         self.addresses[live.address] += 1
+
+    def _taken(self, request_id: str) -> None:
+        """An overlapped request's pull started (inside ``engine.step``, on this thread): it
+        holds its blocks, and its orchestrator hears so (an event with no tokens)."""
+        live = self.live.get(request_id)
+        if live is not None:
+            self.outbox.put(live.address, token_event(request_id, live, None))
 
     def _pop(self, request_id: str) -> StreamState | None:
         """Take ``request_id`` out of the loop's live requests (None when it is not there)."""
@@ -548,16 +565,20 @@ class FetchedKV:
 class PulledKV:
     """A ``generation_awaiting_context`` request's prompt KV, read as the context announces
     it (the listener's ``nonce``; ``listener`` is what the answer carries to the context);
-    the transfer's result brings the first token."""
+    the transfer's result brings the first token. ``taken()`` is called once the pull has
+    started into the sequence's blocks (the decode loop tells the orchestrator)."""
 
     connector: KVConnector
     nonce: str
     num_tokens: int
     listener: bytes
+    taken: Callable[[], None] = lambda: None
     skips_cached = True      # an overlapped transfer needs one KV layout on both roles
 
     def start(self, block_ids: list[int], cached_blocks: int = 0) -> Transfer:
-        return self.connector.start_pull(self.nonce, block_ids, cached_blocks)
+        transfer = self.connector.start_pull(self.nonce, block_ids, cached_blocks)
+        self.taken()
+        return transfer
 
 
 PromptKV = FetchedKV | PulledKV | None     # where a request's prompt KV comes from; None: here

@@ -2,10 +2,12 @@
 context still prefills it, and starts decoding as soon as the last layer and the first
 token have landed (``direct_transfer`` only: it needs NIXL READs of the context's pool).
 
-The request reaches generation first (``generation_awaiting_context``): generation takes
-the sequence's blocks as for any request and answers with a signed listener
-(:mod:`~triton_disagg.kv.overlap_wire`: its agent's contact and a nonce). The
-orchestrator hands the listener to the context with the prompt. The context leases the
+The request reaches generation first (``generation_awaiting_context``): generation answers
+with a signed listener (:mod:`~triton_disagg.kv.overlap_wire`: its agent's contact and a
+nonce), queues the sequence as any request, and tells the orchestrator once its queue gave
+the sequence its blocks (an event with no tokens). Only then does the orchestrator hand the
+listener to the context with the prompt, so the context never holds KV that generation has
+no blocks for (the two queues, in different orders, would otherwise wait on each other). The context leases the
 prompt's blocks *before* its prefill (:class:`Announcer`: the handle goes to generation
 at once), tells generation as each layer's KV is final, and finally the first token.
 Generation's :class:`~triton_disagg.kv.layer_reader.LayerReader` READs each newly final
