@@ -4,7 +4,8 @@ gets its offline text, the context model receives exactly one call per request (
 own count: no retries, no failed calls), and every block is free at the end. With
 ``host_memory`` the handoff's staging slots run out too (its pool blocks come back at
 once), so a request also waits for staging room; with ``--overlap_kv_transfer`` generation
-takes each request first and the context announces the KV as it prefills."""
+takes each request first and the context announces the KV as it prefills, and many at once
+never wedge the two queues."""
 
 from __future__ import annotations
 
@@ -62,6 +63,26 @@ def test_a_full_context_is_called_once_per_request_and_frees_every_block(
         wait_until(at_rest, 10, "0 KV blocks used and 0 prompt tokens queued on both roles")
 
 
+def test_many_overlapped_requests_at_once_never_wedge_the_two_queues(short_engine, tmp_path):
+    """24 overlapped requests at once, three rounds, on pools that hold two prompts each: all
+    are served. Before the context waited for generation to hold a request's blocks, the two
+    queues (in different orders) waited on each other: every request of rounds 2-4 of such
+    a run timed out."""
+    offline = servers.offline_text(short_engine)
+    prompts = [f"{i}: " + PROMPTS[0].split(": ", 1)[1] for i in range(3 * REQUESTS)]
+    config = tmp_path / "disagg_config.yaml"
+    config.write_text(f"model: {{engine: {short_engine}, runtime: numpy, device: cpu}}\n"
+                      f"kv_cache: {{strategy: direct_transfer, max_size: 1MB}}\n")
+    with servers.serve("all", ["-c", str(config), "--overlap_kv_transfer"],
+                       tmp_path / "run") as served:
+        for _ in range(3):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                results = list(pool.map(lambda p: servers.generate(
+                    served.http, {"text_input": p, "max_tokens": MAX_TOKENS}), prompts))
+            for prompt, (status, body) in zip(prompts, results):
+                assert status == 200 and body["text_output"] == offline(prompt, MAX_TOKENS), body
+
+
 def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_path,
                                                                monkeypatch):
     """Called as an orchestrator calls it (the peer credential; Triton's request timeout), a
@@ -70,7 +91,6 @@ def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_
     releasing the two handles empties the pool."""
     import time
 
-    import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
