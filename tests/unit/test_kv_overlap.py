@@ -272,6 +272,30 @@ def test_a_prefill_longer_than_the_lease_keeps_it_while_layers_land(sides, demo_
     assert _zero(context.engine) and _zero(generation)
 
 
+@pytest.mark.parametrize("lease_seconds", [1.0])
+def test_time_queued_on_generation_does_not_count_against_the_wait_for_the_context(
+        sides, demo_engine):
+    """The orchestrator calls the context only once generation holds the sequence's blocks,
+    so the pull's wait for the handle starts again then: 0.7 s queued on generation and 0.7 s
+    before the context answers, within a lease of 1 s each, decode the aggregated text (the
+    wait counted from the listen had ended the pull)."""
+    context, generation, connector = sides
+    params = SamplingParams(max_tokens=6)
+    (whole,) = LLMEngine(demo_engine).generate([PROMPT], params)
+    nonce, listener = connector.listen(len(PROMPT))
+    time.sleep(0.7)                                    # queued behind others on generation
+    generation.add_prefilled("r", PROMPT, None, params,
+                             PulledKV(connector, nonce, len(PROMPT), listener))
+    generation.step()
+    assert generation.admitted("r")
+    time.sleep(0.7)                                    # the context is called, and queues
+    (out,) = prefill(context, [("r", EngineRequest(PROMPT, params, True))], [listener])
+    tokens, arrivals = _decode(generation, "r")
+    assert arrivals[0].error is None, arrivals[0].error
+    assert [int(out["output_ids"].reshape(-1)[0])] + tokens == whole.output_ids
+    assert _zero(context.engine) and _zero(generation)
+
+
 def test_a_device_kv_is_staged_to_the_host_layer_by_layer(demo_engine, monkeypatch):
     """The torch runner with its KV apart from the host array (device memory on CUDA, faked
     on the CPU by a clone and a CUDA runtime label, as in test_device_kv_staging): each

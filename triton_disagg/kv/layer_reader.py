@@ -8,7 +8,9 @@ Invariants: the :class:`~triton_disagg.kv.connector.Transfer` one (the sequence'
 belong to the transfer until ``poll`` returned or raised; only the reader's thread
 writes them, and it reports only what it finished); every pull ends (done, failed, its
 context's FAILED, cancelled, or its deadline: ``lease_seconds`` after it began waiting,
-then ``handle.lease_seconds`` after the handle or the context's latest progress came; the
+again from when the sequence got its blocks if no handle came before (the context is only
+called then), then ``handle.lease_seconds`` after the handle or the context's latest
+progress came; the
 context restarts the handle's lease at each layer too), and then its nonce is forgotten;
 each notification is handled on its own: one that is not of this protocol or names no
 pull is dropped and counted (``LayerReader.dropped``), one whose handling fails fails
@@ -138,6 +140,8 @@ class LayerReader:
             pull.blocks = list(block_ids[:self.endpoint.geometry.blocks_for(pull.num_tokens)
                                          - skip])
             pull.transfer, pull.started, pull.skip = transfer, time.monotonic(), skip
+            if pull.handle is None:     # the context is called now: its wait starts again
+                pull.deadline = pull.started + self.lease_seconds
         self._wake.set()
         return transfer
 
