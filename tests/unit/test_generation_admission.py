@@ -107,12 +107,15 @@ def test_a_failing_fetch_fails_its_request_alone_and_frees_its_blocks(sides):
 
 
 class _Pending(Transfer):
-    """An overlapped pull whose context was never called: in flight until cancelled."""
+    """An overlapped pull whose context was never called: in flight until cancelled, or
+    ``ended`` already (its deadline passed while the sequence waited for blocks)."""
 
-    def __init__(self):
-        self.cancelled = False
+    def __init__(self, ended: bool = False):
+        self.cancelled, self.ended = False, ended
 
     def poll(self):
+        if self.ended:
+            raise RuntimeError("no handle from the context in time")
         if self.cancelled:
             raise RuntimeError("cancelled")
         return None
@@ -127,12 +130,13 @@ class _Pulls:
 
     strategy = "pull"
 
-    def __init__(self):
+    def __init__(self, ended: bool = False):
         self.started: list[str] = []
+        self.ended = ended
 
     def start_pull(self, nonce, block_ids, cached_blocks=0):
         self.started.append(nonce)
-        return _Pending()
+        return _Pending(self.ended)
 
     def close(self):
         pass
@@ -185,6 +189,24 @@ def test_an_overlapped_request_is_told_once_it_holds_its_blocks_not_before(sides
     finally:
         loop.close()
     assert finals.emits["a"][-1].finish_reason == "cancelled"
+    assert side.engine.pool.num_used == 0
+
+
+def test_a_pull_that_ended_before_it_started_tells_its_error_not_that_it_was_taken(sides):
+    """A pull whose wait ended while its sequence was queued fails in the step that starts
+    it: the orchestrator hears the error alone, so it never calls the context for it."""
+    _, side = sides
+    side.connector, finals = _Pulls(ended=True), Finals()
+    loop = DecodeLoop(side.engine, finals, side)
+    request = EngineRequest(list(range(5, 25)), SamplingParams(max_tokens=4), True)
+    loop.submit("late", request, "ipc:///orchestrator#k",
+                PulledKV(side.connector, "nonce-late", 20, b"listener"))
+    try:
+        assert finals.wait(1)
+    finally:
+        loop.close()
+    (event,) = finals.emits["late"]
+    assert event.seq == 0 and event.error == "no handle from the context in time"
     assert side.engine.pool.num_used == 0
 
 

@@ -369,7 +369,10 @@ class ServedRequest:
             taken = event.result()
         finally:
             event.cancel()
-        if taken.tokens or taken.final:
+        if taken.final:
+            raise Unavailable(f"generation ended the request ({taken.finish_reason}) before "
+                              f"the context was called")
+        if taken.tokens:
             raise EngineError(f"generation sent {len(taken.tokens)} token(s) for an overlapped "
                               f"request before it took the request's blocks")
         return True

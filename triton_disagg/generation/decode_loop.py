@@ -62,7 +62,8 @@ Invariants:
   blocks wait for KV the context has no room to prefill: their orders differ);
 - streaming requests get an event for their first token, then one for every
   ``stream_interval`` tokens (each token exactly once, in order), then the final
-  one; non-streaming ones one event with every token when they finish;
+  one; non-streaming ones one event with every token when they finish (either after the
+  overlapped request's event with no tokens);
 - nothing in one iteration stops the loop: a failing token hand-off fails that
   request, a failing engine step the admitted ones (those holding their blocks),
   anything else is logged; a loop stuck ``stuck_seconds`` with work live is reported by
@@ -180,6 +181,7 @@ class DecodeLoop:
         self.addresses: Counter[str] = Counter()  # live requests per token address
         self.progressed = True                    # the last step made tokens
         self.abandoned: set[str] = set()          # failed by the watchdog (under ``lock``)
+        self.taken: list[str] = []                # overlapped pulls this step started
         self.lock = threading.Lock()
         self.running = True
         self.reported = 0.0
@@ -242,6 +244,7 @@ class DecodeLoop:
                 return
             self.progressed = bool(events)
             self._arrivals()
+            self._tell_taken()
             self._drop_abandoned()
             for event in events:
                 try:
@@ -300,10 +303,18 @@ class DecodeLoop:
 
     def _taken(self, request_id: str) -> None:
         """An overlapped request's pull started (inside ``engine.step``, on this thread): it
-        holds its blocks, and its orchestrator hears so (an event with no tokens)."""
-        live = self.live.get(request_id)
-        if live is not None:
-            self.outbox.put(live.address, token_event(request_id, live, None))
+        holds its blocks; its orchestrator hears so once the step's arrivals are heard
+        (:meth:`_tell_taken`)."""
+        self.taken.append(request_id)
+
+    def _tell_taken(self) -> None:
+        """An event with no tokens to the orchestrator of each overlapped request whose pull
+        started in this step and did not fail in it (a failed one's error went out)."""
+        taken, self.taken = self.taken, []
+        for request_id in taken:
+            live = self.live.get(request_id)
+            if live is not None:
+                self.outbox.put(live.address, token_event(request_id, live, None))
 
     def _pop(self, request_id: str) -> StreamState | None:
         """Take ``request_id`` out of the loop's live requests (None when it is not there)."""
