@@ -116,11 +116,12 @@ def endpoints_for(role: str, config: DisaggConfig, flags: PortFlags) -> Endpoint
     return Endpoints(host=host, http_port=http, grpc_port=grpc, metrics_port=metrics)
 
 
-def behind_door(endpoints: Endpoints, front: int | None = None) -> Endpoints:
+def behind_door(endpoints: Endpoints, promised: tuple[int, ...] = ()) -> Endpoints:
     """``endpoints`` with tritonserver's gRPC, HTTP and metrics moved to loopback ports
-    picked free, behind the doors (module docstring): never one of the public ports nor the
-    HTTP front's ``front``, which the doors bind only after tritonserver starts."""
-    public = (endpoints.grpc_port, endpoints.http_port, endpoints.metrics_port, front)
+    picked free, behind the doors (module docstring): never one of the public ports, which
+    the doors bind only after tritonserver starts, nor one ``promised`` to this server (the
+    HTTP front's, its KV event publishers')."""
+    public = (endpoints.grpc_port, endpoints.http_port, endpoints.metrics_port, *promised)
     grpc, http, metrics = free_ports(3, avoid=frozenset(p for p in public if p is not None))
     return replace(endpoints, inner_grpc_port=grpc,
                    inner_http_port=None if endpoints.http_port is None else http,

@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Sequence
 
 from triton_disagg.config.roles import ENGINE_ROLES, PLACED_ROLES, SERVE_ROLES, Role
 from triton_disagg.errors import RetryableStart, UserError
@@ -221,9 +222,10 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     """Start tritonserver and the HTTP front on port ``front`` (:mod:`.front_process`),
     announce it ready (registering ``advertised`` in etcd when the config has discovery),
     watch it: returns serve's exit code, or why it must restart (a
-    stub died, or tritonserver was killed by a signal; it is stopped and deregistered by
-    then). A context or generation server stopped by a signal deregisters, then drains
-    (:mod:`.drain`; a second signal cuts that short)."""
+    stub died, tritonserver was killed by a signal, or a port picked behind the door was
+    taken before tritonserver bound it; it is stopped and deregistered by then). A context
+    or generation server stopped by a signal deregisters, then drains (:mod:`.drain`; a
+    second signal cuts that short)."""
     from .deploy import behind_door, start
     from .drain import drain
     from .front_process import check_front_port, health_only, start_front, stop_front, wait_door
@@ -235,14 +237,14 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
     if restart:
         keep_log(work_dir, restart)
     check_front_port(endpoints.host, front, endpoints)
-    endpoints = behind_door(endpoints, front)     # picked afresh at each start
+    kv_events_host, kv_events_ports = _kv_events_at(args.role, config, advertised)
+    endpoints = behind_door(endpoints, (front, *kv_events_ports))   # picked afresh each start
     gated = args.role == Role.SCHEDULER
     if gated:
         work_dir.mkdir(parents=True, exist_ok=True)
     reason = check_before_start(config, work_dir.resolve(), args.role) if gated else None
-    kv_events_host, kv_events_port = _kv_events_at(args.role, config, advertised)
     server = start(args.role, config, endpoints, work_dir, args.tritonserver, args.log_verbose,
-                   token, kv_events_host, kv_events_port)
+                   token, kv_events_host, kv_events_ports[0] if kv_events_ports else None)
     if not server.private_shm and not restart:
         print(f"triton-disagg serve {args.role}: note: this host allows no private /dev/shm "
               f"(a mount namespace) and {private_shm.ALLOW_SHARED_ENV}=1 serves on the shared "
@@ -323,15 +325,16 @@ def _serve_once(args, config, endpoints, advertised: str | None, token: str | No
         server.stop()
 
 
-def _kv_events_at(role: str, config, advertised: str | None) -> tuple[str | None, int | None]:
+def _kv_events_at(role: str, config, advertised: str | None
+                  ) -> tuple[str | None, Sequence[int]]:
     """Where a context or generation server's KV event publishers bind: tcp on its advertised
-    host, from its first port (:func:`~triton_disagg.routing.kv_events.publisher_ports`;
-    None: free ports); (None, None) for the other roles (ipc)."""
+    host, on its ports (:func:`~triton_disagg.routing.kv_events.publisher_ports`; none: free
+    ports); (None, ()) for the other roles (ipc)."""
     from triton_disagg.routing.kv_events import publisher_ports
 
     if advertised is None or role not in ENGINE_ROLES:
-        return None, None
+        return None, ()
     server = config.server(role)
-    port = None if server.kv_events_port is None else publisher_ports(
-        server.kv_events_port, server.urls, advertised, server.instances)[0]
-    return advertised.rsplit(":", 1)[0], port
+    ports = () if server.kv_events_port is None else publisher_ports(
+        server.kv_events_port, server.urls, advertised, server.instances)
+    return advertised.rsplit(":", 1)[0], ports

@@ -125,7 +125,8 @@ class UserError(Exception):
 
 class RetryableStart(UserError):
     """A server start that failed for a cause the next start need not meet (a stub Triton
-    gave up on while the host was busy, a server killed by a signal while it loaded):
+    gave up on while the host was busy, a server killed by a signal while it loaded, a port
+    picked behind the door that something took before tritonserver bound it):
     ``serve`` starts tritonserver again for it, within its restarts, instead of exiting."""
 
 

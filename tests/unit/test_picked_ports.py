@@ -33,6 +33,6 @@ def test_ports_picked_behind_the_door_avoid_the_public_ones(monkeypatch):
 
     offered = iter([8000, 8001, 20001, 8002, 8003, 20002, 20003])
     monkeypatch.setattr(deploy, "free_port_run", lambda count, host: next(offered))
-    door = deploy.behind_door(Endpoints("127.0.0.1", 8000, 8001, 8002), front=8003)
+    door = deploy.behind_door(Endpoints("127.0.0.1", 8000, 8001, 8002), promised=(8003,))
     assert (door.inner_grpc_port, door.inner_http_port, door.inner_metrics_port) == \
         (20001, 20002, 20003)
