@@ -65,9 +65,10 @@ def test_a_full_context_is_called_once_per_request_and_frees_every_block(
 
 def test_many_overlapped_requests_at_once_never_wedge_the_two_queues(short_engine, tmp_path):
     """24 overlapped requests at once, three rounds, on pools that hold two prompts each: all
-    are served. Before the context waited for generation to hold a request's blocks, the two
-    queues (in different orders) waited on each other: every request of rounds 2-4 of such
-    a run timed out."""
+    are served and every block is free after. Before the context waited for generation to
+    hold a request's blocks, the two queues (in different orders) waited on each other: in
+    six such rounds, 15 of the second round's requests and all of the next three rounds'
+    timed out."""
     offline = servers.offline_text(short_engine)
     prompts = [f"{i}: " + PROMPTS[0].split(": ", 1)[1] for i in range(3 * REQUESTS)]
     config = tmp_path / "disagg_config.yaml"
@@ -81,6 +82,11 @@ def test_many_overlapped_requests_at_once_never_wedge_the_two_queues(short_engin
                     served.http, {"text_input": p, "max_tokens": MAX_TOKENS}), prompts))
             for prompt, (status, body) in zip(prompts, results):
                 assert status == 200 and body["text_output"] == offline(prompt, MAX_TOKENS), body
+
+        def at_rest() -> bool:
+            used = scrape(served.metrics).get("disagg_kv_blocks_used", {})
+            return len(used) == 2 and not any(used.values())
+        wait_until(at_rest, 10, "0 KV blocks used on both roles")
 
 
 def test_a_request_that_waits_past_its_timeout_gets_a_timeout(short_engine, tmp_path,

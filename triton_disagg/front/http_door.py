@@ -15,8 +15,8 @@ since Triton would inflate it unbounded; so tritonserver never receives more tha
 (429 with ``Retry-After``), over at most ``front.max_connections`` connections; at the cap,
 a new request takes the place of the oldest one whose body has been arriving for
 ``BODY_GRACE_SECONDS`` (that one's connection closed:
-:class:`~triton_disagg.front.http_gates.RequestCount`), so clients that trickle their bodies
-hold the cap for at most that long; a bodiless ``GET /v2/health/live`` or ``/ready``
+:class:`~triton_disagg.front.http_gates.RequestCount`), so a request that trickles its body
+holds its place for at most that long once another needs it; a bodiless ``GET /v2/health/live`` or ``/ready``
 is never counted or refused by the request cap. The door checks
 ``Origin`` and ``Host`` as the front does (a web page cannot drive it). Nothing is
 forwarded unless this user listens on the inner port

@@ -15,8 +15,9 @@ long it waits on a client.
   (``GATED_PATHS``) in at once, from before their body is read to their last byte out; one
   more is answered ``429`` with ``Retry-After`` at once, never queued, unless a request
   whose body has been arriving for ``BODY_GRACE_SECONDS`` or more holds a place: the
-  oldest such is cut to make room (:class:`RequestCount`), so a trickled body keeps
-  another request out for at most that long, and a body on its way in a burst is not cut.
+  oldest such is cut to make room (:class:`RequestCount`), so a request that trickles its
+  body holds its place for at most that long once another needs it, and a body on its way
+  in a burst is not cut.
 - Slow clients: a connection whose client takes nothing more for ``write_timeout_seconds``
   while its answer waits to go out is dropped (:class:`_Counted`), whatever the route: a
   generation's stream or whole answer, ``/openapi.json``, an error, pipelined requests
@@ -288,10 +289,12 @@ class RequestCount:
     A request whose body is still arriving holds its place only until another request needs
     it and ``grace`` seconds have passed since it entered: at the cap, a new request takes
     the place of the oldest one that has been arriving that long (that one is cut,
-    :meth:`Place.evict`), else is refused. So clients that trickle their bodies keep others
-    out for at most ``grace`` (no longer than a client told ``Retry-After`` waits), and a
-    body still on its way when a burst reaches the cap (headers and body come in separate
-    reads) is not cut; a request still sending its body holds, in the end, only a
+    :meth:`Place.evict`), else is refused. So a request that trickles its body holds its
+    place for at most ``grace`` once another needs it (no longer than a client told
+    ``Retry-After`` waits; a client that keeps opening such requests keeps taking places
+    back, as one that sends valid long requests holds them longer), and a body still on
+    its way when a burst reaches the cap (headers and body come in separate reads) is not
+    cut; a request still sending its body holds, in the end, only a
     connection (bounded by ``front.max_connections`` and the body timeout).
 
     Invariant: ``in_flight`` is the places held plus the extra calls of :meth:`more`, at most

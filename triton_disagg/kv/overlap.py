@@ -7,8 +7,8 @@ with a signed listener (:mod:`~triton_disagg.kv.overlap_wire`: its agent's conta
 nonce), queues the sequence as any request, and tells the orchestrator once its queue gave
 the sequence its blocks (an event with no tokens). Only then does the orchestrator hand the
 listener to the context with the prompt, so the context never holds KV that generation has
-no blocks for (the two queues, in different orders, would otherwise wait on each other). The context leases the
-prompt's blocks *before* its prefill (:class:`Announcer`: the handle goes to generation
+no blocks for (the two queues, in different orders, would otherwise wait on each other).
+The context leases the prompt's blocks *before* its prefill (:class:`Announcer`: the handle goes to generation
 at once), tells generation as each layer's KV is final, and finally the first token.
 Generation's :class:`~triton_disagg.kv.layer_reader.LayerReader` READs each newly final
 layer range straight into the sequence's blocks, then the ticket words (the ordinary
