@@ -106,9 +106,9 @@ def _loop_with_runs(monkeypatch, tmp_path, export: str, rc: int) -> tuple[Client
 
 def test_a_genai_perf_loop_that_measured_nothing_fails_the_soak_naming_it(monkeypatch,
                                                                           tmp_path):
-    thread, tally = _loop_with_runs(monkeypatch, tmp_path, export="", rc=1)
+    thread, tally = _loop_with_runs(monkeypatch, tmp_path, export="", rc=1)  # run again once
     assert thread.failure().startswith("ended with NoRequestsMeasured: no genai-perf run "
-                                       "measured a request (runs: 1) (at soak_tools.py:")
+                                       "measured a request (runs: 2) (at soak_tools.py:")
     result = _result(tallies={"genai-perf": tally}, client_failures={"genai-perf":
                                                                       thread.failure()})
     assert result.verdict == "FAIL"
@@ -120,6 +120,32 @@ def test_a_genai_perf_loop_that_measured_nothing_fails_the_soak_naming_it(monkey
                         lambda m: None)
     thread, tally = _loop_with_runs(monkeypatch, tmp_path / "good", export=_export(2), rc=0)
     assert thread.failure() is None and (tally.sent, tally.ok) == (2, 2)
+
+
+def test_an_empty_export_is_run_again_once_past_the_end_and_not_counted(monkeypatch, tmp_path):
+    """perf_analyzer wrote a 0-byte export in two CI runs (it exits 0; genai-perf then fails
+    to parse it): such a run is run again once, even when the soak's time is up, and only
+    the next run counts. Another kind of failed run is not run again."""
+    exports, said = iter(["", _export(3)]), []
+
+    def run_genai_perf(gp, grpc: str, tokenizer: Path, artifacts: Path) -> int:
+        export = next(exports)
+        _run(artifacts, export, CI_LOG_TAIL)
+        return 0 if export else 1
+
+    monkeypatch.setattr(soak_tools, "run_genai_perf", run_genai_perf)
+    tally = Tally()
+    genai_perf_loop(None, "", tmp_path, time.monotonic() + 1, tmp_path / "gp", tally,
+                    said.append)
+    assert (tally.sent, tally.ok, tally.unexpected_error) == (3, 3, 0)
+    assert said[0].startswith("genai-perf run 1: exit 1, perf_analyzer wrote an empty profile "
+                              "export")
+    assert said[1] == "genai-perf run 2: exit 0, 3 requests measured"
+    exports, tally = iter(["[]"]), Tally()                  # unreadable, not empty: counted
+    with pytest.raises(NoRequestsMeasured, match=r"\(runs: 1\)"):
+        genai_perf_loop(None, "", tmp_path, time.monotonic() + 1, tmp_path / "gp2", tally,
+                        said.append)
+    assert tally.unexpected_error == 1
 
 
 def test_a_client_thread_that_raised_or_never_ended_fails_the_soak():

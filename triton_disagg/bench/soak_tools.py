@@ -11,9 +11,13 @@ Invariant: each tool's requests become a :class:`Tally` like the soak's own clie
 (see :mod:`.soak_watch`): a request whose last response came after its deadline is
 hung; a tool run that had to be killed is one hung request; a run that failed (a
 non-zero exit, or a profile export missing, unreadable or listing no request) is one
-unexpected error, with the tail of the tool's log. The soak waits for a genai-perf run
-in flight, so no run is cut short by the soak's end; a loop none of whose runs measured
-a request raises :class:`NoRequestsMeasured` (its thread then fails the soak).
+unexpected error, with the tail of the tool's log, but for one fault of the tool's own:
+perf_analyzer sometimes measures and then writes a 0-byte export (two CI runs so far; it
+exits 0, and genai-perf then fails to parse it), and such a run is run again once, even
+past the soak's end, instead of counted (:data:`TOOL_FAULT_RETRIES`; the next one
+counts, whatever it is). The soak waits for a genai-perf run in flight, so no run is cut
+short by the soak's end; a loop none of whose runs measured a request raises
+:class:`NoRequestsMeasured` (its thread then fails the soak).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ GENAI_PERF_OUTPUT_TOKENS = 24
 GENAI_PERF_CONCURRENCY = 4
 GENAI_PERF_RUN_TIMEOUT = 300.0      # a run measures 3 x 8 s windows plus start-up
 MIN_RUN_SECONDS = 30.0              # start another run only with this much time left
+TOOL_FAULT_RETRIES = 1              # runs again after perf_analyzer wrote an empty export
 LOG_TAIL_LINES = 4                  # of a failed run's log, in its failure's example
 LOG_TAIL_CHARS = 400
 LOCUST_OUTPUT_TOKENS = "uniform:16,64"
@@ -172,15 +177,26 @@ def run_genai_perf(gp: GenaiPerf, grpc: str, tokenizer: Path, artifacts: Path) -
         return None
 
 
+def wrote_empty_exports(rc: int, artifacts: Path) -> bool:
+    """Did a failed run fail only because perf_analyzer wrote its profile export(s) empty
+    (0 bytes; the module docstring)?"""
+    exports = list(artifacts.glob("**/profile_export.json"))
+    return rc != 0 and bool(exports) and all(e.stat().st_size == 0 for e in exports)
+
+
 def genai_perf_loop(gp: GenaiPerf, grpc: str, tokenizer: Path, stop_at: float, out_dir: Path,
                     tally: Tally, say=print) -> None:
-    """Run genai-perf back to back until ``stop_at`` (``time.monotonic``); fill ``tally``.
-    :class:`NoRequestsMeasured` when no run measured a request."""
-    runs = measured = 0
+    """Run genai-perf back to back until ``stop_at`` (``time.monotonic``), and once more
+    after a run perf_analyzer left an empty export (not counted, at most
+    ``TOOL_FAULT_RETRIES`` times); fill ``tally``. :class:`NoRequestsMeasured` when no run
+    measured a request."""
+    runs = measured = retried = 0
+    again = False
     while True:
         left = stop_at - time.monotonic()
-        if left <= 0 or (runs and left < MIN_RUN_SECONDS):
+        if not again and (left <= 0 or (runs and left < MIN_RUN_SECONDS)):
             break
+        again = False
         runs += 1
         artifacts = out_dir / f"run-{runs}"
         rc = run_genai_perf(gp, grpc, tokenizer, artifacts)
@@ -189,6 +205,12 @@ def genai_perf_loop(gp: GenaiPerf, grpc: str, tokenizer: Path, stop_at: float, o
             tally.hung += 1
             tally.examples.append(f"run {runs} still running after {GENAI_PERF_RUN_TIMEOUT:.0f}"
                                   f" s (killed; log {artifacts / 'genai-perf.log'})")
+            continue
+        if retried < TOOL_FAULT_RETRIES and wrote_empty_exports(rc, artifacts):
+            retried += 1
+            again = True
+            say(f"genai-perf run {runs}: exit {rc}, perf_analyzer wrote an empty profile export "
+                f"(a fault of the tool's own); not counted, running again")
             continue
         got = judge_genai_perf_run(runs, rc, artifacts, tally)
         measured += got
