@@ -16,8 +16,8 @@ since Triton would inflate it unbounded; so tritonserver never receives more tha
 a new request takes the place of the oldest one whose body has been arriving for
 ``BODY_GRACE_SECONDS`` (that one's connection closed:
 :class:`~triton_disagg.front.http_gates.RequestCount`), so a request that trickles its body
-holds its place for at most that long once another needs it; a bodiless ``GET /v2/health/live`` or ``/ready``
-is never counted or refused by the request cap. The door checks
+holds its place for at most that long once another needs it; a bodiless
+``GET /v2/health/live`` or ``/ready`` is never counted or refused by the request cap. The door checks
 ``Origin`` and ``Host`` as the front does (a web page cannot drive it). Nothing is
 forwarded unless this user listens on the inner port
 (:class:`~triton_disagg.front.door_guards.InnerOwner`); an unreachable tritonserver is 502.

@@ -294,8 +294,8 @@ class RequestCount:
     ``Retry-After`` waits; a client that keeps opening such requests keeps taking places
     back, as one that sends valid long requests holds them longer), and a body still on
     its way when a burst reaches the cap (headers and body come in separate reads) is not
-    cut; a request still sending its body holds, in the end, only a
-    connection (bounded by ``front.max_connections`` and the body timeout).
+    cut; a request still sending its body holds, in the end, only a connection (bounded by
+    ``front.max_connections`` and the body timeout).
 
     Invariant: ``in_flight`` is the places held plus the extra calls of :meth:`more`, at most
     ``limit``; ``arriving`` holds, oldest first, the places whose body is still arriving."""

@@ -338,8 +338,8 @@ class ServedRequest:
     async def overlapped(self, request: EngineRequest, is_cancelled: Callable[[], bool]) -> str:
         """Generation first, then, once it holds the request's blocks, the context given
         generation's listener; the context's first token goes out, then generation's tokens
-        (module docstring). Leaving early in
-        any way stops generation, which frees the blocks it took."""
+        (module docstring). Leaving early in any way stops generation, which frees the
+        blocks it took."""
         with self.owner.tokens.open(self.request_id) as stream:
             answer = await stream.accept(self.route.generate(
                 request, P.GENERATION_AWAITING_CONTEXT, stream.token_address))

@@ -62,8 +62,8 @@ Invariants:
   blocks wait for KV the context has no room to prefill: their orders differ);
 - streaming requests get an event for their first token, then one for every
   ``stream_interval`` tokens (each token exactly once, in order), then the final
-  one; non-streaming ones one event with every token when they finish (either after the
-  overlapped request's event with no tokens);
+  one; non-streaming ones one event with every token when they finish (for an overlapped
+  request, after its event with no tokens);
 - nothing in one iteration stops the loop: a failing token hand-off fails that
   request, a failing engine step the admitted ones (those holding their blocks),
   anything else is logged; a loop stuck ``stuck_seconds`` with work live is reported by
