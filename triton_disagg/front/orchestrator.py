@@ -214,6 +214,16 @@ def request_start(arrival_ns: int | None, now: float) -> float:
     return arrival_ns / 1e9
 
 
+async def _done_unless_cancelled(future: asyncio.Future, is_cancelled: Callable[[], bool]
+                                 ) -> bool:
+    """Wait for ``future``, asking ``is_cancelled()`` every ``CANCEL_POLL_SECONDS``: True once
+    it is done, False when the client cancelled first (``future`` is left as it is)."""
+    while not (await asyncio.wait({future}, timeout=CANCEL_POLL_SECONDS))[0]:
+        if is_cancelled():
+            return False
+    return True
+
+
 class ServedRequest:
     """One request's state while the orchestrator serves it."""
 
@@ -318,10 +328,7 @@ class ServedRequest:
         the call is out: the call is then abandoned)."""
         call = asyncio.ensure_future(self.route.context(request, listener))
         try:
-            while not (await asyncio.wait({call}, timeout=CANCEL_POLL_SECONDS))[0]:
-                if is_cancelled():
-                    return None
-            return call.result()
+            return call.result() if await _done_unless_cancelled(call, is_cancelled) else None
         finally:       # the client left (or this task was cancelled): stop the call
             if self.route.cancellable or call.done():
                 call.cancel()
@@ -363,9 +370,8 @@ class ServedRequest:
         silence for ``stall_seconds``, raises."""
         event = asyncio.ensure_future(stream.next(self.route.lost))
         try:
-            while not (await asyncio.wait({event}, timeout=CANCEL_POLL_SECONDS))[0]:
-                if is_cancelled():
-                    return False
+            if not await _done_unless_cancelled(event, is_cancelled):
+                return False
             taken = event.result()
         finally:
             event.cancel()
