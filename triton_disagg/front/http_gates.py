@@ -287,10 +287,10 @@ class RequestCount:
     request of ``n`` choices counts as the ``n`` calls it makes.
 
     A request whose body is still arriving holds its place only until another request needs
-    it and ``grace`` seconds have passed since it entered: at the cap, a new request takes
+    it and ``BODY_GRACE_SECONDS`` have passed since it entered: at the cap, a new request takes
     the place of the oldest one that has been arriving that long (that one is cut,
     :meth:`Place.evict`), else is refused. So a request that trickles its body holds its
-    place for at most ``grace`` once another needs it (no longer than a client told
+    place for at most that long once another needs it (no longer than a client told
     ``Retry-After`` waits; a client that keeps opening such requests keeps taking places
     back, as one that sends valid long requests holds them longer), and a body still on
     its way when a burst reaches the cap (headers and body come in separate reads) is not
@@ -300,17 +300,17 @@ class RequestCount:
     Invariant: ``in_flight`` is the places held plus the extra calls of :meth:`more`, at most
     ``limit``; ``arriving`` holds, oldest first, the places whose body is still arriving."""
 
-    def __init__(self, limit: int, grace: float = BODY_GRACE_SECONDS):
-        self.limit, self.in_flight, self.grace = limit, 0, grace
+    def __init__(self, limit: int):
+        self.limit, self.in_flight = limit, 0
         self.arriving: dict[Place, None] = {}       # insertion order: oldest first
 
     def enter(self, transport: asyncio.BaseTransport | None) -> Place | None:
         """A place for a new request on ``transport`` (at the cap, the oldest one arriving
-        for ``grace`` or more cut to make room), None when every place is held by a request
-        whose body has arrived or began arriving less than ``grace`` ago."""
+        for ``BODY_GRACE_SECONDS`` or more cut to make room), None when every place is held
+        by a request whose body has arrived or began arriving less than that ago."""
         if self.in_flight >= self.limit and self.arriving:
             oldest = next(iter(self.arriving))
-            if time.monotonic() - oldest.entered >= self.grace:
+            if time.monotonic() - oldest.entered >= BODY_GRACE_SECONDS:
                 oldest.evict()
         if self.in_flight >= self.limit:
             return None
